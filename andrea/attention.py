@@ -1,0 +1,72 @@
+"""Causal attention over all heads at once, behind one function.
+
+The model calls `attention(q, k, v, backend)` with q, k, v of shape [B, n_head, T, head_dim] and
+never knows which implementation runs. Backends:
+
+- "sdpa": torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient / math,
+  whichever PyTorch picks for the device).
+- "math": the explicit formula softmax(q kᵀ / √head_dim + mask) v with the softmax in float32
+  (float64 when the inputs are float64). The reference the others are checked against.
+- "cuda": the project's own kernels (kernels/microgpt_cuda.cu) through CuPy; see cuda_attention.py.
+
+With a key/value cache the queries are the last Tq of Tk positions, so the causal mask is aligned
+to the bottom-right: query i may see keys 0 .. Tk - Tq + i.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "cuda", "sdpa", "math")
+
+
+def math_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """Reference causal attention. q [B, H, Tq, D], k/v [B, H, Tk, D] -> [B, H, Tq, D]."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    tq, tk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    att = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * scale  # [B, H, Tq, Tk]
+    # Query i sits at absolute position tk - tq + i and sees keys up to and including it.
+    mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+    att = att.masked_fill(~mask, float("-inf"))
+    att = torch.softmax(att, dim=-1)
+    if dropout_p > 0.0:
+        att = F.dropout(att, p=dropout_p)
+    return (att @ v.to(compute)).to(q.dtype)
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+) -> torch.Tensor:
+    tq, tk = q.shape[-2], k.shape[-2]
+    if tq == tk:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if tq == 1:  # one new token with a cache: it sees every key
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    # is_causal aligns the mask top-left; a cache needs it bottom-right.
+    mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """Causal attention with the named backend ("sdpa", "math" or "cuda"); [B, H, T, D] in/out."""
+    if backend == "sdpa":
+        return sdpa_attention(q, k, v, dropout_p)
+    if backend == "math":
+        return math_attention(q, k, v, dropout_p)
+    if backend == "cuda":
+        from andrea.cuda_attention import cuda_attention
+
+        if q.shape[-2] != k.shape[-2] or dropout_p > 0.0:
+            # The kernels cover full causal self-attention without dropout; cached decoding
+            # and attention dropout take the PyTorch path.
+            return sdpa_attention(q, k, v, dropout_p)
+        return cuda_attention(q, k, v)
+    raise ValueError(f"unknown attention backend {backend!r}; expected sdpa, math or cuda")

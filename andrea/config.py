@@ -1,0 +1,324 @@
+"""Typed configuration: YAML sections `model`, `data`, `train` loaded into dataclasses.
+
+Every error names the file (or the `--set` override) and the dotted key, in one line, and raises
+`UserError`, which the CLI turns into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from andrea.errors import UserError
+from andrea.resources import configs_dir
+
+# Keys whose values must come from a fixed set.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.activation": ("gelu", "gelu_tanh"),
+    "model.attention": ("auto", "cuda", "sdpa", "math"),
+    "data.tokenizer": ("gpt2", "bpe", "byte"),
+    "data.errors": ("strict", "replace"),
+    "train.precision": ("auto", "bf16", "fp32"),
+    "train.schedule": ("cosine", "constant", "wsd"),
+    "train.device": ("auto", "cpu", "cuda"),
+}
+
+
+def _positive(x: Any) -> bool:
+    return x > 0
+
+
+def _non_negative(x: Any) -> bool:
+    return x >= 0
+
+
+def _fraction(x: Any) -> bool:
+    return 0 <= x < 1
+
+
+# Keys with a constraint beyond their type: (predicate, what the value must be).
+CONSTRAINTS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "model.n_layer": (_positive, "a positive integer"),
+    "model.n_head": (_positive, "a positive integer"),
+    "model.head_dim": (_positive, "a positive integer"),
+    "model.d_model": (_positive, "a positive integer"),
+    "model.block_size": (_positive, "a positive integer"),
+    "model.vocab_size": (_positive, "a positive integer"),
+    "model.dropout": (_fraction, "in [0, 1)"),
+    "model.init_std": (_positive, "positive"),
+    "data.val_fraction": (lambda x: 0 < x < 1, "in (0, 1)"),
+    "data.shard_tokens": (_positive, "a positive integer"),
+    "data.workers": (_non_negative, "0 (automatic) or a positive integer"),
+    "train.micro_batch_size": (_positive, "a positive integer"),
+    "train.global_batch_tokens": (_non_negative, "0 (no accumulation) or a positive integer"),
+    "train.max_steps": (_positive, "a positive integer"),
+    "train.lr": (_positive, "positive"),
+    "train.min_lr": (_non_negative, "non-negative"),
+    "train.warmup_steps": (_non_negative, "non-negative"),
+    "train.decay_fraction": (lambda x: 0 < x <= 1, "in (0, 1]"),
+    "train.weight_decay": (_non_negative, "non-negative"),
+    "train.beta1": (_fraction, "in [0, 1)"),
+    "train.beta2": (_fraction, "in [0, 1)"),
+    "train.eps": (_positive, "positive"),
+    "train.grad_clip": (_non_negative, "non-negative (0 turns clipping off)"),
+    "train.eval_every": (_non_negative, "non-negative (0 turns evaluation off)"),
+    "train.eval_batches": (_positive, "a positive integer"),
+    "train.checkpoint_every": (_non_negative, "non-negative (0: only at the end)"),
+    "train.keep_last": (_positive, "a positive integer"),
+    "train.log_every": (_positive, "a positive integer"),
+}
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 6
+    n_head: int = 12
+    head_dim: int = 32
+    # Derived: n_head * head_dim. May be given, but then it must agree.
+    d_model: int | None = None
+    block_size: int = 256
+    vocab_size: int = 4096
+    dropout: float = 0.0
+    bias: bool = False
+    # "gelu" is the exact erf form; "gelu_tanh" the tanh approximation GPT-2 used.
+    activation: str = "gelu"
+    attention: str = "auto"
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    # "shakespeare" is the embedded default corpus; anything else is a file, directory or glob.
+    source: str = "shakespeare"
+    tokenizer: str = "bpe"
+    # Where shards go; empty means data/<source>-<tokenizer>[-<vocab>] under the working directory.
+    dir: str = ""
+    val_fraction: float = 0.1
+    shard_tokens: int = 50_000_000
+    workers: int = 0
+    errors: str = "strict"
+
+
+@dataclass
+class TrainConfig:
+    # Run name (runs/<name>); empty means the config file's stem.
+    name: str = ""
+    runs_dir: str = "runs"
+    seed: int = 1337
+    device: str = "auto"
+    precision: str = "auto"
+    compile: bool = False
+    micro_batch_size: int = 8
+    # Tokens per optimizer step over all processes; 0 means one micro-batch per process.
+    global_batch_tokens: int = 0
+    max_steps: int = 1000
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    schedule: str = "cosine"
+    warmup_steps: int = 100
+    # warmup-stable-decay: the fraction of max_steps spent decaying at the end.
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 20
+    checkpoint_every: int = 200
+    keep_last: int = 3
+    log_every: int = 10
+    skip_nonfinite: bool = False
+    tensorboard: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    # Where the config came from (a path, or "<defaults>"); not a YAML key.
+    source: str = field(default="<defaults>", compare=False)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+def _suggest(word: str, options: typing.Iterable[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args:
+        return names[args[0]] + " or null"
+    return names[tp]
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against the field type `tp`; return it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads 3e-4 (no dot) as a string; accept anything Python reads as a number.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    ok = (
+        (tp is bool and isinstance(value, bool))
+        or (tp is int and isinstance(value, int) and not isinstance(value, bool))
+        or (tp is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (tp is str and isinstance(value, str))
+    )
+    if not ok:
+        raise UserError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+    types_ = _field_types(SECTIONS[section])
+    if key not in types_:
+        raise UserError(
+            f"{origin}: unknown key '{section}.{key}'{_suggest(key, types_, section + '.')}"
+        )
+    setattr(getattr(cfg, section), key, _coerce(value, types_[key], f"{origin}: {section}.{key}"))
+
+
+def validate(cfg: Config, origin: str) -> Config:
+    """Check values beyond their types and fill in derived fields. Returns cfg."""
+    for dotted, choices in CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise UserError(
+                f"{origin}: {dotted}: '{value}' is not one of {', '.join(choices)}"
+                f"{_suggest(str(value), choices)}"
+            )
+    for dotted, (predicate, must_be) in CONSTRAINTS.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value is not None and not predicate(value):
+            raise UserError(f"{origin}: {dotted}: must be {must_be}, got {value!r}")
+    m = cfg.model
+    derived = m.n_head * m.head_dim
+    if m.d_model is not None and m.d_model != derived:
+        raise UserError(
+            f"{origin}: model.d_model: {m.d_model} is not n_head * head_dim = "
+            f"{m.n_head} * {m.head_dim} = {derived}; drop d_model or make them agree"
+        )
+    m.d_model = derived
+    t = cfg.train
+    if t.min_lr > t.lr:
+        raise UserError(f"{origin}: train.min_lr: {t.min_lr} is above train.lr = {t.lr}")
+    return cfg
+
+
+def resolve_path(name: str | Path) -> Path:
+    """A path that exists, else a bundled preset by bare name (with or without .yaml)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    if path.name == str(name):  # a bare name, no directory part
+        for candidate in (configs_dir() / path.name, configs_dir() / f"{path.name}.yaml"):
+            if candidate.is_file():
+                return candidate
+    presets = ", ".join(sorted(p.name for p in configs_dir().glob("*.yaml")))
+    raise UserError(f"{name}: no such config file, and no bundled preset by that name ({presets})")
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'train.lr=3e-4' -> ('train', 'lr', 0.0003). Values are parsed as YAML scalars."""
+    origin = f"--set {text}"
+    if "=" not in text:
+        raise UserError(f"{origin}: expected SECTION.KEY=VALUE, e.g. train.lr=3e-4")
+    dotted, raw = text.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or parts[0] not in SECTIONS:
+        raise UserError(
+            f"{origin}: '{dotted}' is not SECTION.KEY with SECTION one of {', '.join(SECTIONS)}"
+            f"{_suggest(parts[0], SECTIONS)}"
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise UserError(f"{origin}: value is not valid YAML: {exc}") from None
+    return parts[0], parts[1], value
+
+
+def from_dict(data: Any, origin: str) -> Config:
+    """Build a Config from parsed YAML (no validation of values yet)."""
+    cfg = Config(source=origin)
+    if data is None:
+        return cfg
+    if not isinstance(data, dict):
+        raise UserError(f"{origin}: expected a mapping with sections {', '.join(SECTIONS)}")
+    for section, body in data.items():
+        if section not in SECTIONS:
+            raise UserError(
+                f"{origin}: unknown section '{section}'{_suggest(str(section), SECTIONS)}"
+            )
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise UserError(f"{origin}: section '{section}' must be a mapping of keys to values")
+        for key, value in body.items():
+            _apply(cfg, section, str(key), value, origin)
+    return cfg
+
+
+def load_config(name: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a YAML config (path or bundled preset name), apply `--set` overrides, validate."""
+    if name is None:
+        cfg = Config()
+        origin = "<defaults>"
+    else:
+        path = resolve_path(name)
+        origin = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path}: cannot read config: {exc}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise UserError(f"{path}: YAML syntax error{line}: {problem}") from None
+        cfg = from_dict(data, origin)
+        if not cfg.train.name:
+            cfg.train.name = path.stem
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _apply(cfg, section, key, value, f"--set {text}")
+    return validate(cfg, origin if not overrides else f"{origin} (with --set overrides)")
+
+
+def config_from_dict(data: dict[str, Any], origin: str = "<dict>") -> Config:
+    """A validated Config from a plain dict, e.g. the metadata stored in a checkpoint."""
+    return validate(from_dict(data, origin), origin)

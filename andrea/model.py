@@ -1,0 +1,189 @@
+"""The ANDREA transformer: a decoder-only, GPT-2-style model (DESIGN.md section 1).
+
+Pre-LayerNorm blocks, learned absolute positions, GELU MLP of width 4·d_model, LM head tied to
+the token embedding, no biases by default. Attention uses one fused Q|K|V projection, heads as a
+reshape/transpose, one causal attention call over all heads, then W_O to mix them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from andrea.attention import attention
+from andrea.config import ModelConfig
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions seen so far, per layer: [B, n_head, max_len, head_dim]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0  # positions filled
+
+    @classmethod
+    def empty(
+        cls, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> KVCache:
+        shape = (batch, cfg.n_head, max_len, cfg.head_dim)
+        return cls(
+            keys=[torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
+            values=[torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
+        )
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str = "sdpa") -> None:
+        super().__init__()
+        self.n_head, self.head_dim, self.d_model = cfg.n_head, cfg.head_dim, cfg.d_model
+        # One [d_model, 3*d_model] projection; nn.Linear stores it as [3*d_model, d_model].
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)  # W_O
+        self.dropout = cfg.dropout
+        self.backend = backend
+
+    def per_head_weights(self) -> dict[str, list[torch.Tensor]]:
+        """W_Q^h, W_K^h, W_V^h for every head h, each [d_model, head_dim]: views, not copies."""
+        w = self.qkv.weight.t()  # [d_model, 3*d_model]: columns q heads | k heads | v heads
+        views: dict[str, list[torch.Tensor]] = {}
+        for i, name in enumerate(("q", "k", "v")):
+            base = i * self.d_model
+            views[name] = [
+                w[:, base + h * self.head_dim : base + (h + 1) * self.head_dim]
+                for h in range(self.n_head)
+            ]
+        return views
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, d_model] -> [B, n_head, T, head_dim], each head's [T, head_dim] contiguous."""
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_head, self.head_dim).transpose(1, 2).contiguous()
+
+    def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
+        """[B, n_head, T, head_dim] -> [B, T, n_head * head_dim]: the concatenation of the heads."""
+        b, _, t, _ = y.shape
+        return y.transpose(1, 2).reshape(b, t, self.d_model)
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        qkv = self.qkv(x)  # [B, T, 3*d_model]
+        q, k, v = qkv.split(self.d_model, dim=2)  # each [B, T, d_model]
+        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        if cache is not None:
+            start, end = cache.length, cache.length + x.shape[1]
+            cache.keys[layer][:, :, start:end] = k
+            cache.values[layer][:, :, start:end] = v
+            k, v = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
+        dropout = self.dropout if self.training else 0.0
+        y = attention(q, k, v, self.backend, dropout)  # [B, n_head, T, head_dim]
+        return self.out(self.merge_heads(y))  # heads mix only here
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
+        self.act = nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
+        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, backend)
+        self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), cache, layer))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class Andrea(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "sdpa") -> None:
+        super().__init__()
+        assert cfg.d_model == cfg.n_head * cfg.head_dim, "validate the config first"
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, attention_backend) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied
+        self.reset_parameters()
+
+    @property
+    def attention_backend(self) -> str:
+        return self.blocks[0].attn.backend if len(self.blocks) else "sdpa"
+
+    def set_attention_backend(self, backend: str) -> None:
+        for block in self.blocks:
+            block.attn.backend = backend
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02); residual output projections scaled by 1/sqrt(2*n_layer)."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        # Each block adds two residual branches; keep the stream's variance from growing with depth.
+        for block in self.blocks:
+            for proj in (block.attn.out, block.mlp.down):
+                nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx [B, T] token ids -> logits [B, T, vocab], and the mean cross-entropy if targets.
+
+        With a cache, idx holds only the new positions; they follow the cache's `length` ones.
+        """
+        b, t = idx.shape
+        start = cache.length if cache is not None else 0
+        if start + t > self.cfg.block_size:
+            raise ValueError(
+                f"sequence of {start + t} positions exceeds block_size {self.cfg.block_size}"
+            )
+        pos = torch.arange(start, start + t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # [B, T, d_model]
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cache, layer)
+        if cache is not None:
+            cache.length += t
+        logits = self.lm_head(self.ln_f(x))  # [B, T, vocab]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+            )
+        return logits, loss
+
+    def num_params(self) -> int:
+        """Unique parameters (the tied LM head counted once)."""
+        return sum(p.numel() for p in self.parameters())

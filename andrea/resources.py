@@ -1,0 +1,24 @@
+"""Where the bundled presets and kernel sources live.
+
+In a wheel they sit inside the package (`andrea/configs`, `andrea/kernels`, see pyproject's
+force-include); in a source checkout or an editable install they sit at the repository's top level.
+"""
+
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _bundled(name: str) -> Path:
+    inside = _PACKAGE / name
+    if inside.is_dir():
+        return inside
+    return _PACKAGE.parent / name
+
+
+def configs_dir() -> Path:
+    return _bundled("configs")
+
+
+def kernels_dir() -> Path:
+    return _bundled("kernels")

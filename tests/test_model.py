@@ -1,0 +1,116 @@
+"""The model's attention, exactly as DESIGN.md describes it, checked in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from andrea.attention import math_attention, sdpa_attention
+from andrea.config import load_config
+from andrea.model import Andrea, KVCache
+
+
+def tiny_model(**overrides) -> Andrea:
+    sets = [f"model.{k}={v}" for k, v in overrides.items()]
+    torch.manual_seed(0)
+    return Andrea(load_config("andrea-tiny", sets).model).double()
+
+
+def test_fused_projection_equals_per_head_matmuls():
+    model = tiny_model()
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 5, attn.d_model, dtype=torch.float64)
+    q, k, v = attn.qkv(x).split(attn.d_model, dim=2)
+    heads = attn.per_head_weights()
+    for name, fused in (("q", q), ("k", k), ("v", v)):
+        per_head = [x @ w for w in heads[name]]  # n_head separate [B, T, head_dim] matmuls
+        torch.testing.assert_close(torch.cat(per_head, dim=-1), fused, rtol=1e-12, atol=1e-12)
+
+
+def test_per_head_weights_are_views_not_copies():
+    attn = tiny_model().blocks[0].attn
+    storage = attn.qkv.weight.untyped_storage().data_ptr()
+    heads = attn.per_head_weights()
+    assert len(heads["q"]) == attn.n_head
+    for name in "qkv":
+        for w in heads[name]:
+            assert w.shape == (attn.d_model, attn.head_dim)
+            assert w.untyped_storage().data_ptr() == storage
+    with torch.no_grad():  # writing through a view changes the fused weight
+        heads["k"][1][3, 2] = 123.0
+    assert attn.qkv.weight[attn.d_model + attn.head_dim + 2, 3] == 123.0
+
+
+def test_split_heads_is_contiguous_per_head_and_merge_inverts_it():
+    attn = tiny_model().blocks[0].attn
+    x = torch.randn(3, 7, attn.d_model, dtype=torch.float64)
+    heads = attn.split_heads(x)
+    assert heads.shape == (3, attn.n_head, 7, attn.head_dim)
+    for b in range(3):
+        for h in range(attn.n_head):
+            assert heads[b, h].is_contiguous()
+            torch.testing.assert_close(
+                heads[b, h], x[b, :, h * attn.head_dim : (h + 1) * attn.head_dim], rtol=0, atol=0
+            )
+    assert torch.equal(attn.merge_heads(heads), x)
+
+
+def test_math_reference_equals_the_formula_and_sdpa():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 9, 8, dtype=torch.float64) for _ in range(3))
+    expected = torch.empty_like(q)
+    for i in range(9):  # row by row, straight from the definition
+        scores = (q[:, :, i : i + 1] @ k[:, :, : i + 1].transpose(-2, -1)) / math.sqrt(8)
+        expected[:, :, i : i + 1] = torch.softmax(scores, dim=-1) @ v[:, :, : i + 1]
+    torch.testing.assert_close(math_attention(q, k, v), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sdpa_attention(q, k, v), expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_causality(backend):
+    model = tiny_model(attention=backend)
+    idx = torch.randint(0, 256, (2, 20))
+    logits, _ = model(idx)
+    for t in (0, 7, 18):
+        changed = idx.clone()
+        changed[:, t + 1] = (changed[:, t + 1] + 1) % 256
+        new_logits, _ = model(changed)
+        torch.testing.assert_close(new_logits[:, : t + 1], logits[:, : t + 1], rtol=0, atol=0)
+        assert not torch.allclose(new_logits[:, t + 1], logits[:, t + 1])
+
+
+def test_backends_agree_on_the_whole_model():
+    model = tiny_model()
+    idx = torch.randint(0, 256, (2, 33))
+    targets = torch.randint(0, 256, (2, 33))
+    model.set_attention_backend("sdpa")
+    logits_sdpa, loss_sdpa = model(idx, targets)
+    model.set_attention_backend("math")
+    logits_math, loss_math = model(idx, targets)
+    torch.testing.assert_close(logits_sdpa, logits_math, rtol=1e-10, atol=1e-10)
+    # The loss is the mean cross-entropy over every position.
+    manual = -torch.log_softmax(logits_math, -1).gather(-1, targets[..., None]).mean()
+    torch.testing.assert_close(loss_math.double(), manual, rtol=1e-6, atol=1e-6)
+
+
+def test_kv_cache_matches_the_full_forward():
+    model = tiny_model().eval()
+    idx = torch.randint(0, 256, (2, 12))
+    full, _ = model(idx)
+    cache = KVCache.empty(model.cfg, 2, model.cfg.block_size, torch.device("cpu"), torch.float64)
+    prefill, _ = model(idx[:, :5], cache=cache)
+    steps = [model(idx[:, t : t + 1], cache=cache)[0] for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat([prefill, *steps], 1), full, rtol=1e-10, atol=1e-10)
+
+
+def test_init_follows_gpt2():
+    torch.manual_seed(0)
+    cfg = load_config("andrea-12m").model
+    model = Andrea(cfg)
+    assert model.lm_head.weight is model.tok_emb.weight
+    std = model.blocks[0].mlp.up.weight.std().item()
+    assert abs(std - 0.02) < 0.002
+    residual = model.blocks[0].attn.out.weight.std().item()
+    assert abs(residual - 0.02 / math.sqrt(2 * cfg.n_layer)) < 0.001
