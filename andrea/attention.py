@@ -70,3 +70,42 @@ def attention(
             return sdpa_attention(q, k, v, dropout_p)
         return cuda_attention(q, k, v)
     raise ValueError(f"unknown attention backend {backend!r}; expected sdpa, math or cuda")
+
+
+def cuda_unavailable_reason(head_dim: int, device: torch.device) -> str | None:
+    """Why the CUDA kernels cannot run here, or None when they can."""
+    if device.type != "cuda":
+        return "no GPU: the CUDA kernels need one"
+    from andrea.kernel_launch import SUPPORTED_HEAD_DIMS
+
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+        return f"head_dim {head_dim} has no specialised CUDA kernel (supported: {dims})"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return (
+            "CuPy is not installed: pip install -e '.[cuda]' (cupy-cuda13x; "
+            "CUDA 12 users: pip install cupy-cuda12x)"
+        )
+    try:
+        import andrea.cuda_attention  # noqa: F401
+    except ImportError as exc:
+        return f"the CUDA attention runtime failed to import: {exc}"
+    return None
+
+
+def resolve_backend(requested: str, head_dim: int, device: torch.device) -> tuple[str, str]:
+    """model.attention -> (backend to run, why). 'auto' prefers the CUDA kernels, else SDPA."""
+    if requested in ("sdpa", "math"):
+        return requested, "model.attention"
+    problem = cuda_unavailable_reason(head_dim, device)
+    if requested == "cuda":
+        if problem is not None:
+            from andrea.errors import UserError
+
+            raise UserError(f"model.attention: cuda cannot run: {problem}")
+        return "cuda", "model.attention"
+    if problem is None:
+        return "cuda", "auto: CuPy, a GPU and a supported head_dim are present"
+    return "sdpa", f"auto: {problem}"

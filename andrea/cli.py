@@ -50,6 +50,197 @@ def count_params_cmd(config: ConfigOpt, set_: SetOpt = None, as_json: JsonOpt = 
     typer.echo(json.dumps(counts.as_dict(), indent=2) if as_json else format_counts(counts))
 
 
+@app.command("train")
+def train_cmd(
+    config: Annotated[
+        str | None, typer.Option("--config", "-c", help="YAML config: a path or a preset name.")
+    ] = None,
+    set_: SetOpt = None,
+    resume: Annotated[
+        str | None,
+        typer.Option("--resume", help="Continue runs/<name>, or 'auto': the config's run if any."),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing run of the same name.")
+    ] = False,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    stop_after: Annotated[
+        int | None,
+        typer.Option("--stop-after", min=1, help="Run at most N steps now, checkpoint, stop."),
+    ] = None,
+) -> None:
+    """Train a model (also under torchrun for several processes)."""
+    from andrea.train import config_for_run, summary_line, train
+
+    cfg = config_for_run(config, set_ or [], resume)
+    result = train(
+        cfg, resume=resume, overwrite=overwrite, progress=progress, stop_after=stop_after
+    )
+    if result.is_main:
+        if result.message and result.exit_code:
+            typer.echo(f"error: {result.message}", err=True)
+        typer.echo(summary_line(result))
+    raise typer.Exit(result.exit_code)
+
+
+@app.command("runs")
+def runs_cmd(
+    root: Annotated[str, typer.Argument(help="Folder of run directories.")] = "runs",
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs: steps, tokens, best val loss, speed, state, latest checkpoint."""
+    from andrea.runs import format_json, format_table, list_runs
+
+    runs = list_runs(root)
+    typer.echo(format_json(runs) if as_json else format_table(runs))
+
+
+@app.command("plot")
+def plot_cmd(
+    runs: Annotated[list[str], typer.Argument(help="Run directories (or names under runs/).")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Image file: .png, .svg or .pdf.")],
+    x: Annotated[str, typer.Option("--x", help="Loss panel x axis: tokens or step.")] = "tokens",
+) -> None:
+    """Plot loss, learning rate, tokens/s and gradient norm of one or more runs."""
+    from andrea.plot import plot_runs
+
+    typer.echo(f"wrote {plot_runs(runs, out, x=x)}")
+
+
+@app.command("prepare")
+def prepare_cmd(
+    config: Annotated[
+        str | None, typer.Option("--config", "-c", help="Use this config's data section.")
+    ] = None,
+    set_: SetOpt = None,
+    input: Annotated[
+        str | None, typer.Option("--input", "-i", help="Text: a file, a directory or a glob.")
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option("--tokenizer", "-t", help="gpt2, bpe (default) or byte.")
+    ] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Shard folder.")] = None,
+    vocab_size: Annotated[
+        int | None, typer.Option("--vocab-size", help="BPE ids incl. end-of-text (4096).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Redo even if up to date.")] = False,
+    errors: Annotated[
+        str | None, typer.Option("--errors", help="Invalid UTF-8: strict (fail) or replace.")
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option("--workers", help="Encoding processes (0: automatic).")
+    ] = None,
+) -> None:
+    """Tokenize text into shards (the embedded Shakespeare corpus by default)."""
+    from andrea.prepare import prepare_command
+
+    prepare_command(config, set_, input, tokenizer, out, vocab_size, force, errors, workers)
+
+
+CheckpointOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--checkpoint", help="runs/<name> (its latest) or runs/<name>/step-N; default: the "
+        "most recent run under ./runs.",
+    ),
+]
+
+
+@app.command("eval")
+def eval_cmd(
+    checkpoint: CheckpointOpt = None,
+    data: Annotated[
+        str | None, typer.Option("--data", help="Prepared shard folder (default: the run's).")
+    ] = None,
+    split: Annotated[str, typer.Option("--split", help="val or train.")] = "val",
+    max_tokens: Annotated[
+        int | None, typer.Option("--max-tokens", help="Evaluate at most N tokens.")
+    ] = None,
+    precision: Annotated[str, typer.Option("--precision", help="auto, fp32 or bf16.")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per batch.")] = 8,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Loss, perplexity and bits per byte of a checkpoint (a sequential pass over a split)."""
+    from andrea.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(
+        checkpoint, data, max_tokens, precision, device, batch_size, progress, split=split
+    )
+    typer.echo(result.to_json() if as_json else result.summary())
+
+
+@app.command("generate")
+def generate_cmd(
+    checkpoint: CheckpointOpt = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Text to continue.")] = None,
+    prompt_ids: Annotated[
+        str | None, typer.Option("--prompt-ids", help="Token ids instead, e.g. '464,3290'.")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 200,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0: greedy.")] = 0.8,
+    top_k: Annotated[int | None, typer.Option("--top-k")] = 200,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="Nucleus, in (0, 1].")] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    num_samples: Annotated[int, typer.Option("--num-samples")] = 1,
+    stop_at_eot: Annotated[
+        bool, typer.Option("--stop-at-eot/--no-stop-at-eot", help="Stop at end-of-text.")
+    ] = True,
+    cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Key/value cache.")] = True,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or auto.")] = "fp32",
+) -> None:
+    """Sample text from a checkpoint, streamed to stdout."""
+    from andrea.generate import generate_command
+
+    generate_command(
+        checkpoint, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
+        num_samples, stop_at_eot, cache, device, precision,
+    )
+
+
+FormatOpt = Annotated[str, typer.Option("--format", help="hf: a transformers GPT-2 directory.")]
+
+
+def _check_format(fmt: str) -> None:
+    if fmt != "hf":
+        raise UserError(f"--format {fmt}: the only format is 'hf'")
+
+
+@app.command("export")
+def export_cmd(
+    out: Annotated[str, typer.Option("--out", "-o", help="Directory to write.")],
+    checkpoint: CheckpointOpt = None,
+    fmt: FormatOpt = "hf",
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Write a checkpoint as a directory transformers.GPT2LMHeadModel loads."""
+    from andrea.hf import export_hf
+
+    _check_format(fmt)
+    typer.echo(f"wrote {export_hf(checkpoint, out, force)}")
+
+
+@app.command("import")
+def import_cmd(
+    src: Annotated[str, typer.Argument(help="A transformers GPT-2 directory.")],
+    fmt: FormatOpt = "hf",
+    out: Annotated[
+        str | None, typer.Option("--out", "-o", help="Run directory (default runs/<SRC name>).")
+    ] = None,
+    set_: SetOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Make a run (step 0) from a GPT-2 directory: eval/generate it, or fine-tune it with
+    `andrea train --resume RUN`."""
+    from andrea.hf import import_hf
+
+    _check_format(fmt)
+    ckpt = import_hf(src, out, set_ or [], force)
+    typer.echo(f"wrote {ckpt}; fine-tune with: andrea train --resume {ckpt.parent}")
+
+
 def main() -> None:
     """Entry point: bad input becomes one line on stderr and exit code 2, never a traceback."""
     try:

@@ -38,6 +38,17 @@ def assert_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> str
     return lines[0]
 
 
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """The tiny preset's data (Shakespeare as bytes), prepared once for the whole session."""
+    from andrea.config import load_config
+    from andrea.prepare import ensure_prepared
+
+    out = tmp_path_factory.mktemp("data") / "shakespeare-byte"
+    ensure_prepared(load_config("andrea-tiny", [f"data.dir={out}"]))
+    return out
+
+
 @pytest.fixture
 def andrea_cli():
     return run_andrea

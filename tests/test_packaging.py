@@ -21,6 +21,8 @@ def test_wheel_ships_configs_and_kernels_and_runs_elsewhere(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for preset in ("andrea-12m.yaml", "andrea-120m.yaml"):
         assert f"andrea/configs/{preset}" in names
+    assert "andrea/kernels/microgpt_cuda.cu" in names
+    assert "andrea/kernels/cpu/cuda_emulator.h" in names
 
     target = tmp_path / "site"
     subprocess.run(
@@ -49,5 +51,5 @@ def test_wheel_ships_configs_and_kernels_and_runs_elsewhere(tmp_path):
 def test_help_lists_the_verbs():
     proc = run_andrea("--help")
     assert proc.returncode == 0
-    for verb in ("count-params", "config"):
+    for verb in ("count-params", "config", "prepare", "train", "runs", "plot"):
         assert verb in proc.stdout

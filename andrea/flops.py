@@ -1,0 +1,105 @@
+"""Model FLOPs per token and the peak they are measured against (for MFU).
+
+FLOPs per trained token = 6·N + 12·n_layer·d_model·block_size: 6 per parameter for the forward and
+backward matmuls (N counts the token embedding, which is also the LM head, and leaves out the
+position embedding, a lookup), plus the attention scores and their product with V (PaLM's
+accounting; the causal mask's skipped half is counted, as FlashAttention papers do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from andrea.config import ModelConfig
+
+# Dense bf16 tensor-core peaks, FLOP/s, by a substring of torch.cuda.get_device_name().
+GPU_PEAK_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is lower, 756e12
+    "A100": 312e12,
+    "RTX 4090": 165e12,
+}
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
+    n = n_params - cfg.block_size * cfg.d_model
+    return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.block_size
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "andrea"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_cpu_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
+    """The best matmul FLOP/s this CPU reaches in `dtype` with torch's current thread count."""
+    g = torch.Generator().manual_seed(0)  # never touch the global RNG a run depends on
+    a = torch.randn(size, size, generator=g).to(dtype)
+    b = torch.randn(size, size, generator=g).to(dtype)
+    a @ b  # warm-up: oneDNN picks and caches its kernel on the first call
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size**3 / best
+
+
+def cpu_peak(dtype: torch.dtype) -> float:
+    """Measured once per (CPU, torch, threads, dtype) and cached on disk."""
+    key = f"{_cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}"
+    path = cache_dir() / "cpu_peak.json"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        table[key] = measure_cpu_peak(dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(table, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home only costs a re-measurement next time
+    return table[key]
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s for MFU, or None when the device is unknown (MFU then reads "n/a")."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_BF16.items():
+            if key in name:
+                # fp32 runs on TF32 or CUDA cores; quoting MFU against the bf16 peak stays honest.
+                return peak
+        return None
+    if device.type == "cpu":
+        return cpu_peak(dtype)
+    return None
+
+
+def mfu(tokens_per_s: float, flops_token: float, peak: float | None) -> float | None:
+    if peak is None or peak <= 0 or tokens_per_s <= 0:
+        return None
+    return tokens_per_s * flops_token / peak
+
+
+def format_mfu(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"

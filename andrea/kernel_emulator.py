@@ -1,0 +1,220 @@
+"""Run kernels/microgpt_cuda.cu on the CPU through the CUDA execution-model emulator.
+
+The unchanged .cu file is compiled by g++ against kernels/cpu/cuda_emulator.h into a shared
+library (kernels/cpu/emu_entry.cpp), built once and cached by a hash of the sources and flags,
+then launched on torch CPU tensors with the grid, block and arguments the GPU path uses
+(andrea.kernel_launch). Sanitizer builds (ThreadSanitizer, AddressSanitizer) are standalone
+programs (kernels/cpu/emu_sanitize_main.cpp). Every build accepts a modified kernel text, so
+tests can check that a deliberately broken copy is caught.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from andrea.kernel_launch import Launch, attention_launches
+from andrea.resources import kernels_dir
+
+KERNEL_FILE = "microgpt_cuda.cu"
+CPU_FILES = ("cuda_emulator.h", "emu_entry.cpp", "emu_sanitize_main.cpp")
+MODES = {"fibers": 0, "threads": 1}
+BASE_FLAGS = ["-std=c++17", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas", "-pthread"]
+LIBRARY_FLAGS = ["-O2", "-fPIC", "-shared"]
+SANITIZER_FLAGS = {
+    "thread": ["-O1", "-g", "-fsanitize=thread"],
+    "address": ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"],
+}
+TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def cache_dir() -> Path:
+    """$ANDREA_CACHE_DIR, else $XDG_CACHE_HOME/andrea, else ~/.cache/andrea; plus 'emulator'."""
+    root = os.environ.get("ANDREA_CACHE_DIR")
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = str(Path(xdg) / "andrea") if xdg else str(Path.home() / ".cache" / "andrea")
+    path = Path(root) / "emulator"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def kernel_source() -> str:
+    return (kernels_dir() / KERNEL_FILE).read_text()
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"the kernel emulator needs a C++17 compiler; {cxx!r} is not on PATH")
+    return cxx
+
+
+def _build(main: str, flags: list[str], kernel_text: str | None, stem: str) -> Path:
+    """Compiles kernels/cpu/<main> with the kernel file (or kernel_text) into the cache.
+
+    Keyed by a hash of compiler, flags and every source text; built under a temporary name and
+    renamed, so concurrent builds and interrupted builds never leave a broken file behind.
+    """
+    cxx = _compiler()
+    texts = {name: (kernels_dir() / "cpu" / name).read_text() for name in CPU_FILES}
+    texts[KERNEL_FILE] = kernel_source() if kernel_text is None else kernel_text
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in [version, *flags, main, *(f"{n}\0{t}" for n, t in sorted(texts.items()))]:
+        digest.update(part.encode() + b"\0")
+    out = cache_dir() / f"{stem}-{digest.hexdigest()[:20]}"
+    if out.exists():
+        return out
+    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".build-") as tmp:
+        for name, text in texts.items():
+            Path(tmp, name).write_text(text)
+        target = Path(tmp, out.name)
+        cmd = [cxx, *BASE_FLAGS, *flags, "-I", tmp, "-o", str(target), str(Path(tmp, main))]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"emulator build failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        os.replace(target, out)
+    return out
+
+
+def build_library(kernel_text: str | None = None) -> Path:
+    return _build("emu_entry.cpp", LIBRARY_FLAGS, kernel_text, "libandrea_emu.so")
+
+
+def build_sanitizer_program(
+    sanitizer: str, dtype: str = "bfloat16", head_dim: int = 32, kernel_text: str | None = None
+) -> Path:
+    """A standalone program that runs forward + backward once (see emu_sanitize_main.cpp)."""
+    ctype = {"float32": "float", "bfloat16": "bf16_t"}[dtype]
+    flags = [
+        *SANITIZER_FLAGS[sanitizer],
+        f"-DANDREA_SAN_TYPE={ctype}",
+        f"-DANDREA_SAN_D={head_dim}",
+    ]
+    stem = f"emu-{sanitizer}-{dtype}-{head_dim}"
+    return _build("emu_sanitize_main.cpp", flags, kernel_text, stem)
+
+
+def run_sanitizer_program(
+    program: Path, bh: int, seq_len: int, mode: str = "threads", timeout: float = 300
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    # Report and fail the run on the first finding; no suppression of anything.
+    env["TSAN_OPTIONS"] = "halt_on_error=1 exitcode=66"
+    env["ASAN_OPTIONS"] = "halt_on_error=1 detect_leaks=1"
+    return subprocess.run(
+        [str(program), str(bh), str(seq_len), mode],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+class Emulator:
+    """The emulated kernels as a library: launch(Launch, *args) like cuLaunchKernel."""
+
+    def __init__(self, kernel_text: str | None = None, mode: str = "fibers") -> None:
+        self.path = build_library(kernel_text)
+        self.lib = ctypes.CDLL(str(self.path))
+        self.lib.andrea_emu_kernel_name.restype = ctypes.c_char_p
+        self.lib.andrea_emu_launch.argtypes = [ctypes.c_char_p, *[ctypes.c_uint] * 6,
+                                               ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+        self.mode = mode
+
+    def kernel_names(self) -> list[str]:
+        n = self.lib.andrea_emu_kernel_count()
+        return [self.lib.andrea_emu_kernel_name(i).decode() for i in range(n)]
+
+    def kernel_info(self, name: str) -> tuple[int, int, int]:
+        """(warps, streamed tile rows, static shared bytes) as the .cu file defines them."""
+        w, n, smem = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if self.lib.andrea_emu_kernel_info(name.encode(), *map(ctypes.byref, (w, n, smem))):
+            raise KeyError(name)
+        return w.value, n.value, smem.value
+
+    def launch(self, launch: Launch, *args: torch.Tensor | int | float,
+               mode: str | None = None) -> None:
+        values = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if a.device.type != "cpu" or not a.is_contiguous() or a.data_ptr() % 16:
+                    raise ValueError("emulated kernels take contiguous 16-byte aligned CPU tensors")
+                values.append(ctypes.c_void_p(a.data_ptr()))
+            elif isinstance(a, bool) or not isinstance(a, int | float):
+                raise TypeError(f"unsupported kernel argument {a!r}")
+            elif isinstance(a, int):
+                values.append(ctypes.c_int(a))
+            else:
+                values.append(ctypes.c_float(a))
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        rc = self.lib.andrea_emu_launch(
+            launch.name.encode(), *launch.grid, *launch.block, MODES[mode or self.mode], params
+        )
+        if rc != 0:
+            raise KeyError(f"the emulated library has no kernel {launch.name!r}")
+
+
+_default: Emulator | None = None
+
+
+def default_emulator() -> Emulator:
+    global _default
+    if _default is None:
+        _default = Emulator()
+    return _default
+
+
+def _shape(q: torch.Tensor) -> tuple[int, int, int, int, str]:
+    if q.dim() != 4 or q.dtype not in TORCH_DTYPES:
+        raise ValueError("q must be [B, n_head, T, head_dim] float32 or bfloat16")
+    b, h, t, d = q.shape
+    return b, h, t, d, TORCH_DTYPES[q.dtype]
+
+
+def _poisoned(like: torch.Tensor, dtype: torch.dtype | None = None,
+              shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    # NaN everywhere before the launch: an element the kernel fails to write stays NaN.
+    return torch.full(shape or like.shape, math.nan, dtype=dtype or like.dtype)
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+    emulator: Emulator | None = None, mode: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention forward on the emulator: returns (o [B,H,T,D], lse [B,H,T] float32)."""
+    emu = emulator or default_emulator()
+    b, h, t, d, dtype = _shape(q)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    launches = attention_launches(b, h, t, d, dtype)
+    o = _poisoned(q)
+    lse = _poisoned(q, torch.float32, (b, h, t))
+    emu.launch(launches["fwd"], q, k, v, o, lse, t, scale, mode=mode)
+    return o, lse
+
+
+def attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    dout: torch.Tensor, scale: float | None = None, emulator: Emulator | None = None,
+    mode: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal attention backward on the emulator: returns (dq, dk, dv)."""
+    emu = emulator or default_emulator()
+    b, h, t, d, dtype = _shape(q)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    launches = attention_launches(b, h, t, d, dtype)
+    delta = _poisoned(q, torch.float32, (b, h, t))
+    dq, dk, dv = _poisoned(q), _poisoned(q), _poisoned(q)
+    emu.launch(launches["bwd_preprocess"], o, dout, delta, b * h * t, mode=mode)
+    emu.launch(launches["bwd_dq"], q, k, v, dout, lse, delta, dq, t, scale, mode=mode)
+    emu.launch(launches["bwd_dkdv"], q, k, v, dout, lse, delta, dk, dv, t, scale, mode=mode)
+    return dq, dk, dv

@@ -1,0 +1,139 @@
+"""Launch configuration of the attention kernels in kernels/microgpt_cuda.cu.
+
+The single source of truth on the Python side for tile sizes, grid, block, shared memory, the
+supported head dims and the NVRTC options; the CUDA runtime loader and the CPU emulator both use
+it. Importable without a GPU and without CuPy. The tile table mirrors `TileCfg` in the .cu file
+(tests/test_kernel_numerics.py checks the two agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from andrea.errors import UserError
+
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 128)
+
+# torch dtype name -> (C++ element type in the .cu file, bytes per element)
+ELEMENT_TYPES: dict[str, tuple[str, int]] = {"float32": ("float", 4), "bfloat16": ("bf16_t", 2)}
+
+# (dtype, head_dim) -> kernel -> (warps W, streamed tile rows N); a block owns M = 16*W rows.
+TILES: dict[tuple[str, int], dict[str, tuple[int, int]]] = {
+    ("bfloat16", 32): {"fwd": (4, 64), "dq": (4, 64), "dkdv": (4, 64)},
+    ("bfloat16", 64): {"fwd": (4, 64), "dq": (4, 64), "dkdv": (4, 64)},
+    ("bfloat16", 128): {"fwd": (4, 32), "dq": (4, 16), "dkdv": (4, 16)},
+    ("float32", 32): {"fwd": (4, 32), "dq": (4, 32), "dkdv": (4, 32)},
+    ("float32", 64): {"fwd": (4, 32), "dq": (2, 32), "dkdv": (2, 32)},
+    ("float32", 128): {"fwd": (2, 16), "dq": (1, 16), "dkdv": (1, 16)},
+}
+
+PREPROCESS_THREADS = 128
+MAX_GRID_Y = 65535  # batch * n_head rides on grid.y
+STATIC_SHARED_LIMIT = 48 * 1024
+
+KERNEL_TEMPLATES = {
+    "fwd": "attn_fwd",
+    "bwd_preprocess": "attn_bwd_preprocess",
+    "bwd_dq": "attn_bwd_dq",
+    "bwd_dkdv": "attn_bwd_dkdv",
+}
+
+
+def nvrtc_options(arch: str) -> list[str]:
+    """The exact NVRTC options the runtime passes, e.g. arch="sm_90".
+
+    No --use_fast_math: the fp32 path must stay within ~1e-5 of float64, and exp2f/log2f are
+    cheap enough. Compile to cubin (-arch=sm_XX), never ship PTX: a newer NVRTC's PTX may be
+    too new for the driver. Every function in the .cu file is marked __device__ or __global__,
+    so no -default-device; no include path, because the file includes nothing.
+    """
+    return ["--std=c++17", f"-arch={arch}"]
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        supported = ", ".join(str(d) for d in SUPPORTED_HEAD_DIMS)
+        raise UserError(
+            f"model.head_dim={head_dim} has no CUDA attention kernel (supported: {supported}); "
+            "use model.attention=sdpa or a supported head_dim"
+        )
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in ELEMENT_TYPES:
+        raise UserError(
+            f"attention dtype {dtype!r} has no CUDA kernel (supported: float32, bfloat16)"
+        )
+
+
+def name_expression(kernel: str, dtype: str, head_dim: int) -> str:
+    """NVRTC name expression of a kernel instance, e.g. 'attn_fwd<bf16_t, 64>'."""
+    return f"{KERNEL_TEMPLATES[kernel]}<{ELEMENT_TYPES[dtype][0]}, {head_dim}>"
+
+
+def all_name_expressions() -> list[str]:
+    return [
+        name_expression(kernel, dtype, d)
+        for dtype in ELEMENT_TYPES
+        for d in SUPPORTED_HEAD_DIMS
+        for kernel in KERNEL_TEMPLATES
+    ]
+
+
+def static_shared_bytes(kernel: str, dtype: str, head_dim: int) -> int:
+    """Bytes of the kernel's static shared memory (layout `Smem` in the .cu file)."""
+    if kernel == "bwd_preprocess":
+        return 0
+    kind = kernel.removeprefix("bwd_")
+    warps, n = TILES[(dtype, head_dim)][kind]
+    elem = ELEMENT_TYPES[dtype][1]
+    m = 16 * warps
+    ld = head_dim + 16 // elem
+    a_tiles = 1 if kind == "fwd" else 2
+    stat_rows = {"fwd": 4, "dq": m, "dkdv": n}[kind]
+    scratch = 4 if dtype == "bfloat16" else warps * 16 * (n + 4)
+    return (a_tiles * m * ld + 2 * n * ld) * elem + 2 * stat_rows * 4 + scratch * 4
+
+
+@dataclass(frozen=True)
+class Launch:
+    name: str  # NVRTC name expression
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int  # static; dynamic shared memory is always 0
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def attention_launches(
+    batch: int, n_head: int, seq_len: int, head_dim: int, dtype: str
+) -> dict[str, Launch]:
+    """Launches for one causal attention over q, k, v of shape [batch, n_head, seq_len, head_dim].
+
+    Keys: "fwd", then for the backward in this order "bwd_preprocess", "bwd_dq", "bwd_dkdv".
+    """
+    check_head_dim(head_dim)
+    check_dtype(dtype)
+    if seq_len < 1 or batch < 1 or n_head < 1:
+        raise UserError(f"attention shape B={batch}, H={n_head}, T={seq_len} must be positive")
+    bh = batch * n_head
+    if bh > MAX_GRID_Y:
+        raise UserError(f"batch*n_head={bh} exceeds {MAX_GRID_Y}; use a smaller micro-batch")
+    launches = {}
+    for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+        warps, _ = TILES[(dtype, head_dim)][kernel.removeprefix("bwd_")]
+        launches[kernel] = Launch(
+            name=name_expression(kernel, dtype, head_dim),
+            grid=(_ceil_div(seq_len, 16 * warps), bh, 1),
+            block=(32 * warps, 1, 1),
+            shared_bytes=static_shared_bytes(kernel, dtype, head_dim),
+        )
+    launches["bwd_preprocess"] = Launch(
+        name=name_expression("bwd_preprocess", dtype, head_dim),
+        grid=(_ceil_div(bh * seq_len, PREPROCESS_THREADS), 1, 1),
+        block=(PREPROCESS_THREADS, 1, 1),
+        shared_bytes=0,
+    )
+    return {k: launches[k] for k in ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")}

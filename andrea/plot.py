@@ -1,0 +1,197 @@
+"""`andrea plot`: training curves of one or more runs in one figure of four panels.
+
+Panels: loss against tokens seen (train as lines, validation as markers), learning rate,
+throughput and gradient norm against step. Each run keeps one colour across the panels.
+matplotlib is an optional extra, imported only here and only when a plot is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from andrea.errors import UserError
+from andrea.runs import METRICS, current_history, read_metrics, read_run
+
+FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+X_AXES = ("tokens", "step")
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def resolve_run(name: str | Path, runs_dir: Path = Path("runs")) -> Path:
+    """A run directory given as a path, or as a bare name under ./runs."""
+    path = Path(name)
+    if (path / METRICS).is_file():
+        return path
+    if not path.exists() and (runs_dir / path / METRICS).is_file():
+        return runs_dir / path
+    if path.is_dir():
+        raise UserError(f"{path}: no {METRICS} in this folder; is it a run directory?")
+    raise UserError(f"{name}: no such run (give a run folder, e.g. runs/<name>, or a name in "
+                    f"{runs_dir}/)")
+
+
+def _series(records: list[dict[str, Any]], event: str, x_key: str, y_key: str):
+    """(xs, ys) of one quantity, finite points only (a NaN loss would break a log axis)."""
+    xs, ys = [], []
+    for r in records:
+        if r["event"] != event:
+            continue
+        x, y = r.get(x_key), r.get(y_key)
+        ok = all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                 for v in (x, y))
+        if ok:
+            xs.append(x)
+            ys.append(y)
+    return xs, ys
+
+
+def _log_helps(values: list[float], spread: float) -> bool:
+    """Log scale when everything is positive and the values span more than `spread` times."""
+    positive = [v for v in values if v > 0]
+    return bool(positive) and len(positive) == len(values) and max(positive) > spread * min(
+        positive)
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError(
+            "plotting needs matplotlib, which is not installed: pip install -e '.[plot]' "
+            "(or pip install matplotlib)"
+        ) from None
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _output_format(out: Path) -> str:
+    fmt = FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        raise UserError(f"{out}: unknown image type '{out.suffix or '(none)'}'; "
+                        f"end the file name with one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def plot_runs(
+    run_dirs: Sequence[Path | str],
+    out: Path | str,
+    x: str = "tokens",
+    warn: Callable[[str], None] = _warn,
+) -> Path:
+    """Draw the runs' curves into `out` (.png, .svg or .pdf); returns the path written.
+
+    `x` is the loss panel's x axis: "tokens" seen (compares runs of different batch sizes) or
+    "step". Unreadable metrics lines and runs with nothing to draw are reported through `warn`
+    and left out; if no run has anything to draw, UserError. The output folder is created if
+    missing and the file appears whole or not at all (temp name, then rename).
+    """
+    out = Path(out)
+    fmt = _output_format(out)
+    if out.is_dir():
+        raise UserError(f"{out}: is a folder; give a file name such as {out / 'loss.png'}")
+    if x not in X_AXES:
+        raise UserError(f"--x {x}: must be one of {', '.join(X_AXES)}")
+    if not run_dirs:
+        raise UserError("no runs given: andrea plot RUN [RUN ...] --out FILE.png")
+
+    runs: list[tuple[str, list[dict[str, Any]]]] = []
+    # Said only if something gets drawn; otherwise they become the one-line error.
+    notes: list[str] = []
+    for name in run_dirs:
+        path = resolve_run(name)
+        try:
+            records, n_bad = read_metrics(path / METRICS)
+        except OSError as exc:
+            notes.append(f"{path / METRICS}: cannot read ({exc.strerror or exc}); run left out")
+            continue
+        if n_bad:
+            notes.append(
+                f"{path / METRICS}: skipped {n_bad} unreadable line(s); plotting the rest"
+            )
+        history = current_history(records)
+        if not any(r["event"] in ("train", "eval") for r in history):
+            notes.append(f"{path / METRICS}: no train or eval records; run left out")
+            continue
+        # The state in the legend says why a curve stops early.
+        label = f"{path.resolve().name} ({read_run(path).state})"
+        runs.append((label, history))
+    if not runs:
+        raise UserError("nothing to plot: " + "; ".join(notes))
+    for note in notes:
+        warn(note)
+
+    plt = _import_pyplot()
+    from matplotlib.ticker import EngFormatter, FormatStrFormatter, LogLocator, NullLocator
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), layout="constrained")
+    ax_loss, ax_lr, ax_speed, ax_grad = axes.flat
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    losses, grads = [], []
+    for i, (label, history) in enumerate(runs):
+        color = colors[i % len(colors)]
+        tx, ty = _series(history, "train", x, "loss")
+        vx, vy = _series(history, "eval", x, "val_loss")
+        ax_loss.plot(tx, ty, color=color, lw=1.4, label=label)
+        ax_loss.plot(vx, vy, color=color, lw=1.0, ls="--", marker="o", ms=4)
+        losses += ty + vy
+        ax_lr.plot(*_series(history, "train", "step", "lr"), color=color, lw=1.4)
+        ax_speed.plot(*_series(history, "train", "step", "tokens_per_s"), color=color, lw=1.4)
+        gx, gy = _series(history, "train", "step", "grad_norm")
+        ax_grad.plot(gx, gy, color=color, lw=1.0)
+        grads += gy
+
+    if _log_helps(losses, 2.0):
+        ax_loss.set_yscale("log")
+        # Losses span less than a decade or two: label 1, 1.5, 2, 3, 4, 6 of each decade as
+        # plain numbers ("1.5", not "1.5×10⁰"), without the unlabelled minor ticks in between.
+        ax_loss.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 4.0, 6.0)))
+        ax_loss.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax_loss.yaxis.set_minor_locator(NullLocator())
+    if _log_helps(grads, 10.0):
+        ax_grad.set_yscale("log")
+        ax_grad.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # "0.1", not 10⁻¹
+
+    x_label = "tokens seen" if x == "tokens" else "optimizer step"
+    ax_loss.set(title="Loss (solid: train, dashed + dots: validation)", xlabel=x_label,
+                ylabel="cross-entropy (nats / token)")
+    ax_lr.set(title="Learning rate", xlabel="optimizer step", ylabel="learning rate")
+    ax_speed.set(title="Throughput", xlabel="optimizer step", ylabel="tokens / s")
+    ax_grad.set(title="Gradient norm", xlabel="optimizer step", ylabel="global L2 norm")
+    if x == "tokens":
+        ax_loss.xaxis.set_major_formatter(EngFormatter())
+    ax_speed.yaxis.set_major_formatter(EngFormatter())
+    ax_speed.set_ylim(bottom=0)
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    for ax in axes.flat:
+        ax.grid(True, which="major", alpha=0.3)
+    ax_loss.legend(title="run", fontsize="small")
+    fig.suptitle(f"andrea training curves: {len(runs)} run(s)", fontsize="large")
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    except OSError as exc:
+        plt.close(fig)
+        raise UserError(f"{out}: cannot write there: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format=fmt, dpi=100)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+    return out

@@ -1,0 +1,358 @@
+"""Read run directories (`runs/<name>/`) and summarise them: the `andrea runs` command.
+
+A run directory holds `config.yaml` (the resolved config), `metrics.jsonl` (one JSON event per
+line, see DESIGN.md and the trainer), `latest` (the name of the newest complete checkpoint) and
+`step-NNNNNN/` checkpoint dirs. Everything here reads; nothing writes. A damaged run is summarised
+as far as its files allow and the damage is listed in `problems`, never raised: one bad run must
+not hide the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from andrea.errors import UserError
+
+METRICS = "metrics.jsonl"
+CONFIG = "config.yaml"
+LATEST = "latest"
+
+# Every state a run can be in; the first five come from the trainer's "end" event.
+STATES = ("finished", "stopped", "interrupted", "nonfinite", "failed", "running", "crashed")
+
+
+@dataclass
+class RunSummary:
+    name: str
+    path: str
+    preset: str | None = None
+    # e.g. "6L/12H/32d/256T": layers, heads, head_dim, block_size (context length in tokens).
+    shape: str | None = None
+    n_params: int | None = None
+    step: int | None = None
+    max_steps: int | None = None
+    tokens: int | None = None
+    best_val_loss: float | None = None
+    best_val_step: int | None = None
+    last_train_loss: float | None = None
+    median_tokens_per_s: float | None = None
+    # One of STATES, or "unknown" when the files do not say (see problems).
+    state: str = "unknown"
+    signal: str | None = None
+    message: str | None = None
+    latest_checkpoint: str | None = None
+    started: float | None = None
+    host: str | None = None
+    pid: int | None = None
+    n_segments: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        """The "preset/shape" column, e.g. 'andrea-12m 6L/12H/32d/256T'."""
+        parts = [p for p in (self.preset, self.shape) if p]
+        return " ".join(parts) if parts else "?"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data; non-finite floats (a NaN loss) become null."""
+        out = dataclasses.asdict(self)
+        out["model"] = self.model
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in out.items()}
+
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """All readable events of a metrics.jsonl, in file order, and how many lines were not.
+
+    A line is unreadable if it is not JSON (e.g. cut short by a crash mid-write) or not an object
+    with an "event" key. Blank lines are ignored, not counted. Raises OSError if the file cannot
+    be opened; the callers decide what that means.
+    """
+    records: list[dict[str, Any]] = []
+    skipped = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                skipped += 1
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("event"), str):
+                records.append(rec)
+            else:
+                skipped += 1
+    return records, skipped
+
+
+def current_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of the run as it stands, with steps a resume threw away removed.
+
+    A run resumed from an earlier checkpoint (say step 100 after dying at step 150) repeats steps
+    101..150; the old records of those steps describe a history that no longer leads to the
+    current weights, so every "start" at step s drops the earlier step-bearing events past s.
+    """
+    out: list[dict[str, Any]] = []
+    for rec in records:
+        if rec["event"] == "start":
+            first = _int(rec.get("step"))
+            if first is not None:
+                out = [r for r in out if (_int(r.get("step")) or 0) <= first
+                       or r["event"] == "start"]
+        out.append(rec)
+    return out
+
+
+def _num(value: Any) -> float | None:
+    """A float from a JSON value, or None if it is not a number (bools are not numbers)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but someone else's process
+        return True
+    except (OSError, OverflowError, ValueError):
+        return False
+    return True
+
+
+def _read_config(run: Path, summary: RunSummary) -> dict[str, Any] | None:
+    path = run / CONFIG
+    if not path.is_file():
+        summary.problems.append(f"no {CONFIG}")
+        return None
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        summary.problems.append(f"{CONFIG} unreadable: {first}")
+        return None
+    if not isinstance(data, dict):
+        summary.problems.append(f"{CONFIG} is not a mapping of sections (model, data, train)")
+        return None
+    return data
+
+
+def _shape(model: Any) -> str | None:
+    if not isinstance(model, dict):
+        return None
+    keys = ("n_layer", "n_head", "head_dim", "block_size")
+    values = [_int(model.get(k)) for k in keys]
+    if any(v is None for v in values):
+        return None
+    n_layer, n_head, head_dim, block = values
+    return f"{n_layer}L/{n_head}H/{head_dim}d/{block}T"
+
+
+def _latest_checkpoint(run: Path, summary: RunSummary) -> None:
+    pointer = run / LATEST
+    if not pointer.is_file():
+        return
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        summary.problems.append(f"{LATEST} unreadable: {exc}")
+        return
+    if not name or "/" in name or name in (".", ".."):
+        summary.problems.append(f"{LATEST} does not name a checkpoint dir: {name!r}")
+        return
+    summary.latest_checkpoint = name
+    if not (run / name).is_dir():
+        summary.problems.append(f"{LATEST} points to {name}, which does not exist")
+
+
+def read_run(path: Path | str) -> RunSummary:
+    """Summarise one run directory. Damage goes into `problems`; this never raises for it."""
+    run = Path(path)
+    summary = RunSummary(name=run.name, path=str(run))
+    config = _read_config(run, summary)
+    if config is not None:
+        summary.shape = _shape(config.get("model"))
+        train = config.get("train") if isinstance(config.get("train"), dict) else {}
+        summary.max_steps = _int(train.get("max_steps"))
+        if summary.shape is None:
+            summary.problems.append(f"{CONFIG}: model section lacks the shape keys")
+    _latest_checkpoint(run, summary)
+
+    metrics = run / METRICS
+    if not metrics.is_file():
+        summary.problems.append(f"no {METRICS}")
+        return summary
+    try:
+        records, n_bad = read_metrics(metrics)
+    except OSError as exc:
+        summary.problems.append(f"{METRICS} unreadable: {exc.strerror or exc}")
+        return summary
+    if n_bad:
+        summary.problems.append(f"{METRICS}: {n_bad} unreadable line(s) skipped")
+    if not records:
+        if not n_bad:
+            summary.problems.append(f"{METRICS} is empty")
+        return summary
+
+    starts = [i for i, r in enumerate(records) if r["event"] == "start"]
+    summary.n_segments = len(starts)
+    if not starts:
+        summary.problems.append(f"{METRICS} has no start event")
+    else:
+        first, last = records[starts[0]], records[starts[-1]]
+        summary.started = _num(first.get("time"))
+        # The preset the run was created from: a resumed segment is started from the run's own
+        # config.yaml, so its start event may name that file ("config") instead.
+        presets = [r.get("preset") for r in (records[i] for i in starts)]
+        summary.preset = next((p for p in presets if isinstance(p, str) and p), None)
+        summary.max_steps = _int(last.get("max_steps")) or summary.max_steps
+        summary.n_params = _int(last.get("n_params"))
+        summary.pid = _int(last.get("pid"))
+        summary.host = last.get("host") if isinstance(last.get("host"), str) else None
+
+    history = current_history(records)
+    for rec in history:
+        step, tokens = _int(rec.get("step")), _int(rec.get("tokens"))
+        if rec["event"] in ("train", "eval", "checkpoint", "end") and step is not None:
+            summary.step = step if summary.step is None else max(summary.step, step)
+        if rec["event"] in ("train", "eval", "end") and tokens is not None:
+            summary.tokens = tokens if summary.tokens is None else max(summary.tokens, tokens)
+
+    trains = [r for r in history if r["event"] == "train"]
+    losses = [_num(r.get("loss")) for r in trains]
+    losses = [x for x in losses if x is not None]
+    if losses:
+        summary.last_train_loss = losses[-1]
+    speeds = [_num(r.get("tokens_per_s")) for r in trains]
+    speeds = [x for x in speeds if x is not None and math.isfinite(x)]
+    if speeds:
+        summary.median_tokens_per_s = statistics.median(speeds)
+    for rec in history:
+        val, step = _num(rec.get("val_loss")), _int(rec.get("step"))
+        if rec["event"] == "eval" and val is not None and math.isfinite(val):
+            if summary.best_val_loss is None or val < summary.best_val_loss:
+                summary.best_val_loss, summary.best_val_step = val, step
+
+    # The state comes from the current segment: the events after the last start.
+    segment = records[starts[-1]:] if starts else records
+    ends = [r for r in segment if r["event"] == "end"]
+    if ends:
+        end = ends[-1]
+        state = end.get("state")
+        if state in STATES:
+            summary.state = state
+        else:
+            summary.problems.append(f"{METRICS}: end event has an unknown state {state!r}")
+        summary.signal = end.get("signal") if isinstance(end.get("signal"), str) else None
+        summary.message = end.get("message") if isinstance(end.get("message"), str) else None
+        if summary.best_val_loss is None and _num(end.get("best_val_loss")) is not None:
+            summary.best_val_loss = _num(end.get("best_val_loss"))
+            summary.best_val_step = _int(end.get("best_val_step"))
+        if summary.latest_checkpoint is None and isinstance(end.get("checkpoint"), str):
+            summary.latest_checkpoint = end["checkpoint"]
+    elif starts:
+        if summary.pid is None:
+            summary.problems.append(f"{METRICS}: start event has no pid; cannot tell if running")
+        elif summary.host not in (None, socket.gethostname()):
+            summary.problems.append(
+                f"started on host {summary.host}; cannot check its process from here"
+            )
+        else:
+            summary.state = "running" if _pid_alive(summary.pid) else "crashed"
+    return summary
+
+
+def _is_run(path: Path) -> bool:
+    return (path / METRICS).exists() or (path / CONFIG).exists()
+
+
+def list_runs(root: Path | str = "runs") -> list[RunSummary]:
+    """Every run under `root` (or `root` itself if it is one run), oldest start first.
+
+    Raises UserError when `root` is missing or holds no runs: nothing to show.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"{root}: no such directory (runs live in runs/ unless train.runs_dir "
+                        "says otherwise; pass the folder as the argument)")
+    if _is_run(root):
+        dirs = [root]
+    else:
+        dirs = sorted(p for p in root.iterdir() if p.is_dir() and _is_run(p))
+    if not dirs:
+        raise UserError(f"{root}: no runs here (a run is a folder with {CONFIG} and {METRICS}, "
+                        "written by `andrea train`)")
+    runs = [read_run(d) for d in dirs]
+    runs.sort(key=lambda r: (r.started is None, r.started or 0.0, r.name))
+    return runs
+
+
+def _si(x: float | None, digits: int = 3) -> str:
+    """1234567 -> '1.23M': compact counts for a table."""
+    if x is None or not math.isfinite(x):
+        return "-" if x is None else str(x)
+    for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.{digits}g}{suffix}"
+    return f"{x:.{digits}g}"
+
+
+def _loss(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.4f}" if math.isfinite(x) else str(x)
+
+
+def _row(r: RunSummary) -> list[str]:
+    steps = f"{r.step if r.step is not None else '-'}/{r.max_steps or '?'}"
+    best = "-" if r.best_val_loss is None else f"{_loss(r.best_val_loss)} @{r.best_val_step}"
+    state = r.state + (f" ({r.signal})" if r.signal and r.state == "interrupted" else "")
+    if r.problems:
+        state += " !"
+    return [r.name, r.model, steps, _si(r.tokens), best, _loss(r.last_train_loss),
+            _si(r.median_tokens_per_s), state, r.latest_checkpoint or "-"]
+
+
+HEADER = ["RUN", "MODEL", "STEPS", "TOKENS", "BEST VAL", "LAST LOSS", "TOK/S", "STATE",
+          "CHECKPOINT"]
+
+
+def format_table(runs: list[RunSummary]) -> str:
+    """A fixed-width table, one row per run, then each run's problems and end message."""
+    rows = [HEADER] + [_row(r) for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    notes = []
+    for r in runs:
+        if r.message and r.state not in ("finished", "running"):
+            notes.append(f"  {r.name}: {r.message}")
+        notes.extend(f"  {r.name}: ! {p}" for p in r.problems)
+    if notes:
+        lines += ["", "notes:", *notes]
+    return "\n".join(lines)
+
+
+def format_json(runs: list[RunSummary]) -> str:
+    return json.dumps([r.as_dict() for r in runs], indent=2)

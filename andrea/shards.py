@@ -1,0 +1,128 @@
+"""Token shard files: a fixed 256-byte header, then the tokens. Layout (little-endian):
+
+    offset  size  field
+    0       8     magic b"ANDRTOK\\0"
+    8       4     format version, uint32 (= 1)
+    12      4     bytes per token, uint32: 2 (uint16 tokens) or 4 (uint32 tokens)
+    16      8     token count, uint64
+    24      4     length of the tokenizer identity in bytes, uint32 (<= 224)
+    28      4     reserved, zero
+    32      224   tokenizer identity, UTF-8, NUL-padded
+    256     ...   the tokens; the file is exactly 256 + count * bytes-per-token long
+
+Written to a temporary name and renamed when complete; read with np.memmap, never loaded whole.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from andrea.errors import UserError
+
+MAGIC = b"ANDRTOK\0"
+VERSION = 1
+HEADER_BYTES = 256
+IDENTITY_BYTES = 224
+_FIXED = struct.Struct("<8sIIQII")  # magic, version, itemsize, count, identity length, reserved
+DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return DTYPES[2] if vocab_size <= 2**16 else DTYPES[4]
+
+
+def pack_header(count: int, itemsize: int, identity: str) -> bytes:
+    ident = identity.encode("utf-8")
+    if len(ident) > IDENTITY_BYTES:
+        raise ValueError(f"tokenizer identity longer than {IDENTITY_BYTES} bytes: {identity!r}")
+    fixed = _FIXED.pack(MAGIC, VERSION, itemsize, count, len(ident), 0)
+    return fixed + ident.ljust(HEADER_BYTES - len(fixed), b"\0")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: Path
+    count: int
+    dtype: np.dtype
+    identity: str
+
+
+def read_header(path: Path) -> ShardInfo:
+    """Parse and check a shard's header and its length; every error names the file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+        size = path.stat().st_size
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read token shard: {exc.strerror}") from None
+    if len(head) < HEADER_BYTES:
+        raise UserError(f"{path}: not a token shard (shorter than its {HEADER_BYTES}-byte header)")
+    magic, version, itemsize, count, ident_len, _ = _FIXED.unpack_from(head)
+    if magic != MAGIC:
+        raise UserError(f"{path}: not a token shard (bad magic {magic!r}); re-run andrea prepare")
+    if version != VERSION:
+        raise UserError(
+            f"{path}: token shard format version {version}, this andrea reads {VERSION}; "
+            "re-run `andrea prepare --force`"
+        )
+    if itemsize not in DTYPES:
+        raise UserError(f"{path}: token shard has {itemsize} bytes per token (must be 2 or 4)")
+    if ident_len > IDENTITY_BYTES:
+        raise UserError(f"{path}: token shard header is corrupt (identity length {ident_len})")
+    expected = HEADER_BYTES + count * itemsize
+    if size != expected:
+        what = "truncated" if size < expected else "has trailing bytes"
+        raise UserError(
+            f"{path}: token shard {what}: {size} bytes, header says {count} tokens = "
+            f"{expected} bytes; re-run `andrea prepare --force`"
+        )
+    start = _FIXED.size
+    identity = head[start : start + ident_len].decode("utf-8", errors="replace")
+    return ShardInfo(path, count, DTYPES[itemsize], identity)
+
+
+def open_shard(path: Path, identity: str | None = None) -> np.memmap | np.ndarray:
+    """The shard's tokens as a read-only memmap, after checking the header (and identity)."""
+    info = read_header(path)
+    if identity is not None and info.identity != identity:
+        raise UserError(
+            f"{path}: shard was made with tokenizer {info.identity}, expected {identity}; "
+            "re-run `andrea prepare --force`"
+        )
+    if info.count == 0:  # np.memmap refuses empty maps
+        return np.zeros(0, dtype=info.dtype)
+    return np.memmap(path, dtype=info.dtype, mode="r", offset=HEADER_BYTES, shape=(info.count,))
+
+
+class ShardWriter:
+    """Streams tokens into one shard under a temporary name; `close()` fixes the count, renames."""
+
+    def __init__(self, path: Path, dtype: np.dtype, identity: str) -> None:
+        self.path, self.dtype, self.identity = path, np.dtype(dtype), identity
+        self.tmp = path.with_name(path.name + ".tmp")
+        self.count = 0
+        self._f = open(self.tmp, "wb")
+        self._f.write(pack_header(0, self.dtype.itemsize, identity))
+
+    def write(self, tokens: np.ndarray) -> None:
+        self._f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self.count += len(tokens)
+
+    def close(self) -> ShardInfo:
+        self._f.seek(0)
+        self._f.write(pack_header(self.count, self.dtype.itemsize, self.identity))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self.tmp.replace(self.path)
+        return ShardInfo(self.path, self.count, self.dtype, self.identity)
+
+    def abort(self) -> None:
+        self._f.close()
+        self.tmp.unlink(missing_ok=True)

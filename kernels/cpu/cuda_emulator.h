@@ -1,0 +1,365 @@
+// cuda_emulator.h - runs unchanged CUDA kernels on the CPU (g++ -include this header).
+//
+// The execution model, as far as andrea's kernels need it:
+//  - blocks run one at a time, in order; so __shared__ can be block-scoped static storage;
+//  - the threads of a block are fibers (ucontext, one OS thread; fast) or OS threads (pthreads;
+//    what ThreadSanitizer understands), chosen per launch;
+//  - __syncthreads is a block-wide barrier, __syncwarp a warp barrier;
+//  - warp collectives (shuffles, and the kernels' emulated ldmatrix/mma through
+//    warp_allgather) exchange through per-warp slots: write own slot, warp barrier, read.
+//    Slots are double-buffered, so one barrier per collective is enough: a lane can only
+//    overwrite a buffer after the next collective's barrier, which every lane reaches only
+//    after it has read the previous contents.
+// Not emulated: memory ordering between threads without barriers (fibers are sequentially
+// consistent), warp divergence (collectives need all 32 lanes), dynamic shared memory.
+#pragma once
+
+#include <pthread.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define ANDREA_EMULATOR 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __shared__ static
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace andrea_emu {
+
+enum Mode { FIBERS = 0, THREADS = 1 };
+
+constexpr int kWarp = 32;
+constexpr int kSlotBytes = 64;
+
+[[noreturn]] inline void die(const char* what) {
+  std::fprintf(stderr, "cuda_emulator: %s\n", what);
+  std::fflush(stderr);
+  std::abort();
+}
+
+struct Barrier {  // fiber-mode barrier: count arrivals, release by bumping the generation
+  int count = 0;
+  unsigned gen = 0;
+  int expected = 0;
+};
+
+struct WarpState {
+  alignas(64) unsigned char slot[2][kWarp][kSlotBytes];
+  Barrier fbar;
+  pthread_barrier_t tbar;
+};
+
+struct Launch;
+
+struct Thread {
+  dim3 tid, bid;
+  int linear = 0;
+  unsigned parity = 0;  // which slot buffer this lane's next collective uses
+  bool done = false;
+  Launch* launch = nullptr;
+  ucontext_t ctx;
+};
+
+struct Launch {
+  Mode mode = FIBERS;
+  dim3 grid, block;
+  int nthreads = 0;
+  std::vector<Thread> threads;
+  std::vector<WarpState> warps;
+  void (*body)(void*) = nullptr;
+  void* body_arg = nullptr;
+  // fibers
+  Barrier block_bar;
+  ucontext_t main_ctx;
+  int current = 0;
+  int live = 0;
+  long stalls = 0;  // consecutive waiting resumptions without progress: deadlock detector
+  std::unique_ptr<char[]> stacks;  // not zero-filled: allocation only
+  // threads
+  pthread_barrier_t tblock_bar;
+};
+
+inline thread_local Thread* cur = nullptr;
+inline dim3 g_grid, g_block;
+constexpr size_t kStack = 256 * 1024;
+
+// ----------------------------------------------------------------------------------- fibers
+inline void switch_to(Launch& L, int next) {
+  Thread* from = &L.threads[L.current];
+  L.current = next;
+  cur = &L.threads[next];
+  if (swapcontext(&from->ctx, &L.threads[next].ctx) != 0) die("swapcontext failed");
+}
+
+inline int next_live(Launch& L) {
+  for (int step = 1; step <= L.nthreads; ++step) {
+    const int i = (L.current + step) % L.nthreads;
+    if (!L.threads[i].done) return i;
+  }
+  return -1;
+}
+
+inline void wait_yield(Launch& L) {  // a fiber that waits on a barrier lets the next one run
+  if (++L.stalls > 4L * L.nthreads + 64)
+    die("deadlock: a barrier is not reached by every thread of the block (or warp)");
+  const int n = next_live(L);
+  if (n < 0 || n == L.current) die("deadlock: the only runnable thread waits on a barrier");
+  switch_to(L, n);
+}
+
+inline void fiber_wait(Launch& L, Barrier& b) {
+  const unsigned gen = b.gen;
+  if (++b.count >= b.expected) {
+    b.count = 0;
+    ++b.gen;
+    L.stalls = 0;
+    return;
+  }
+  while (b.gen == gen) wait_yield(L);
+}
+
+inline void fiber_exit_release(Barrier& b) {  // an exited thread no longer counts
+  --b.expected;
+  if (b.count > 0 && b.count >= b.expected) {
+    b.count = 0;
+    ++b.gen;
+  }
+}
+
+inline void fiber_entry(unsigned lo, unsigned hi) {
+  Launch& L = *reinterpret_cast<Launch*>(((uintptr_t)hi << 32) | (uintptr_t)lo);
+  L.body(L.body_arg);
+  Thread& me = L.threads[L.current];
+  me.done = true;
+  --L.live;
+  L.stalls = 0;
+  fiber_exit_release(L.block_bar);
+  fiber_exit_release(L.warps[me.linear / kWarp].fbar);
+  const int n = next_live(L);
+  cur = nullptr;
+  if (n < 0) {
+    setcontext(&L.main_ctx);
+  } else {
+    L.current = n;
+    cur = &L.threads[n];
+    setcontext(&L.threads[n].ctx);
+  }
+  die("setcontext returned");
+}
+
+inline void run_fibers(Launch& L) {
+  L.stacks.reset(new char[(size_t)L.nthreads * kStack]);
+  for (unsigned bz = 0; bz < L.grid.z; ++bz)
+    for (unsigned by = 0; by < L.grid.y; ++by)
+      for (unsigned bx = 0; bx < L.grid.x; ++bx) {
+        L.block_bar = Barrier{0, 0, L.nthreads};
+        for (size_t w = 0; w < L.warps.size(); ++w) {
+          const int lanes = std::min(kWarp, L.nthreads - (int)w * kWarp);
+          L.warps[w].fbar = Barrier{0, 0, lanes};
+        }
+        for (int i = 0; i < L.nthreads; ++i) {
+          Thread& t = L.threads[i];
+          t.bid = dim3(bx, by, bz);
+          t.done = false;
+          t.parity = 0;
+          if (getcontext(&t.ctx) != 0) die("getcontext failed");
+          t.ctx.uc_stack.ss_sp = &L.stacks[(size_t)i * kStack];
+          t.ctx.uc_stack.ss_size = kStack;
+          t.ctx.uc_link = nullptr;
+          const uintptr_t p = (uintptr_t)&L;
+          makecontext(&t.ctx, (void (*)())fiber_entry, 2, (unsigned)(p & 0xffffffffu),
+                      (unsigned)(p >> 32));
+        }
+        L.live = L.nthreads;
+        L.stalls = 0;
+        L.current = 0;
+        cur = &L.threads[0];
+        if (swapcontext(&L.main_ctx, &L.threads[0].ctx) != 0) die("swapcontext failed");
+        cur = nullptr;
+      }
+}
+
+// ---------------------------------------------------------------------------------- threads
+inline void run_threads(Launch& L) {
+  pthread_barrier_init(&L.tblock_bar, nullptr, L.nthreads);
+  for (size_t w = 0; w < L.warps.size(); ++w) {
+    const int lanes = std::min(kWarp, L.nthreads - (int)w * kWarp);
+    pthread_barrier_init(&L.warps[w].tbar, nullptr, lanes);
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(L.nthreads);
+  for (int i = 0; i < L.nthreads; ++i)
+    pool.emplace_back([&L, i] {
+      Thread& t = L.threads[i];
+      cur = &t;
+      for (unsigned bz = 0; bz < L.grid.z; ++bz)
+        for (unsigned by = 0; by < L.grid.y; ++by)
+          for (unsigned bx = 0; bx < L.grid.x; ++bx) {
+            t.bid = dim3(bx, by, bz);
+            t.parity = 0;
+            L.body(L.body_arg);
+            // blocks run one at a time: no thread starts the next block before all finished
+            pthread_barrier_wait(&L.tblock_bar);
+          }
+      cur = nullptr;
+    });
+  for (auto& th : pool) th.join();
+  pthread_barrier_destroy(&L.tblock_bar);
+  for (auto& w : L.warps) pthread_barrier_destroy(&w.tbar);
+}
+
+// ------------------------------------------------------------------------------- interface
+inline void syncthreads() {
+  Launch& L = *cur->launch;
+  if (L.mode == FIBERS)
+    fiber_wait(L, L.block_bar);
+  else
+    pthread_barrier_wait(&L.tblock_bar);
+}
+
+inline void syncwarp() {
+  Launch& L = *cur->launch;
+  WarpState& w = L.warps[cur->linear / kWarp];
+  if (L.mode == FIBERS)
+    fiber_wait(L, w.fbar);
+  else
+    pthread_barrier_wait(&w.tbar);
+}
+
+// Every lane passes `bytes` bytes at `mine`; afterwards all[lane] holds lane's bytes.
+inline void warp_allgather(const void* mine, void* all, size_t bytes) {
+  if (bytes > (size_t)kSlotBytes) die("warp_allgather: value larger than a slot");
+  Thread& me = *cur;
+  Launch& L = *me.launch;
+  WarpState& w = L.warps[me.linear / kWarp];
+  const int lane = me.linear % kWarp;
+  const unsigned p = me.parity;
+  me.parity ^= 1u;
+  std::memcpy(w.slot[p][lane], mine, bytes);
+  syncwarp();
+  for (int i = 0; i < kWarp; ++i) std::memcpy((char*)all + i * bytes, w.slot[p][i], bytes);
+}
+
+template <typename F> void launch(dim3 grid, dim3 block, Mode mode, F&& kernel_call) {
+  Launch L;
+  L.mode = mode;
+  L.grid = grid;
+  L.block = block;
+  L.nthreads = (int)(block.x * block.y * block.z);
+  if (L.nthreads <= 0 || L.nthreads > 1024) die("block size must be 1..1024 threads");
+  if (L.nthreads % kWarp != 0) die("block size must be a multiple of 32 (whole warps)");
+  L.threads.resize(L.nthreads);
+  L.warps = std::vector<WarpState>((L.nthreads + kWarp - 1) / kWarp);
+  for (int i = 0; i < L.nthreads; ++i) {
+    Thread& t = L.threads[i];
+    t.linear = i;
+    t.tid = dim3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
+    t.launch = &L;
+  }
+  struct Holder {
+    F* f;
+    static void call(void* p) { (*static_cast<Holder*>(p)->f)(); }
+  } holder{&kernel_call};
+  L.body = &Holder::call;
+  L.body_arg = &holder;
+  g_grid = grid;
+  g_block = block;
+  if (mode == FIBERS)
+    run_fibers(L);
+  else
+    run_threads(L);
+}
+
+template <typename V> V shfl(V v, int src_lane) {
+  static_assert(sizeof(V) <= (size_t)kSlotBytes, "shuffle value too large");
+  V all[kWarp];
+  warp_allgather(&v, all, sizeof(V));
+  return all[src_lane & (kWarp - 1)];
+}
+
+inline int lane_id() { return cur->linear % kWarp; }
+
+}  // namespace andrea_emu
+
+#define threadIdx (andrea_emu::cur->tid)
+#define blockIdx (andrea_emu::cur->bid)
+#define blockDim (andrea_emu::g_block)
+#define gridDim (andrea_emu::g_grid)
+#define warpSize 32
+
+inline void __syncthreads() { andrea_emu::syncthreads(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { andrea_emu::syncwarp(); }
+
+template <typename V> V __shfl_sync(unsigned, V v, int src, int = 32) {
+  return andrea_emu::shfl(v, src);
+}
+template <typename V> V __shfl_xor_sync(unsigned, V v, int mask, int = 32) {
+  return andrea_emu::shfl(v, andrea_emu::lane_id() ^ mask);
+}
+template <typename V> V __shfl_down_sync(unsigned, V v, unsigned delta, int = 32) {
+  const int src = andrea_emu::lane_id() + (int)delta;
+  const V got = andrea_emu::shfl(v, src & 31);
+  return src < 32 ? got : v;
+}
+
+// Bit casts and math intrinsics.
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline int __float_as_int(float f) {
+  int i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// exp2f, log2f, expf, logf, fmaxf, fminf, sqrtf, fabsf come from <cmath>.
+
+// Atomics.
+template <typename V> V atomicAdd(V* p, V v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline float atomicAdd(float* p, float v) {
+  float old, want;
+  __atomic_load(p, &old, __ATOMIC_SEQ_CST);
+  do want = old + v;
+  while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+  return old;
+}
+template <typename V> V atomicMax(V* p, V v) {
+  V old, want;
+  __atomic_load(p, &old, __ATOMIC_SEQ_CST);
+  do want = old < v ? v : old;
+  while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+  return old;
+}
+template <typename V> V atomicExch(V* p, V v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }

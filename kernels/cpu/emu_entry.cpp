@@ -1,0 +1,81 @@
+// emu_entry.cpp - the CPU build of kernels/microgpt_cuda.cu: a shared library that launches
+// its kernels by NVRTC name expression, with kernel parameters passed like cuLaunchKernel's
+// kernelParams (args[i] points at the i-th argument's value). Built by andrea/kernel_emulator.py.
+#include "cuda_emulator.h"
+// The kernel file, unchanged; found through -I (the build copies it, or a modified text, there).
+#include "microgpt_cuda.cu"
+
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+namespace {
+
+template <class... A, size_t... I>
+void call_with(void (*f)(A...), void** args, std::index_sequence<I...>) {
+  f(*static_cast<std::remove_reference_t<A>*>(args[I])...);
+}
+
+template <class... A> void run(void (*f)(A...), dim3 grid, dim3 block, int mode, void** args) {
+  andrea_emu::launch(grid, block, (andrea_emu::Mode)mode,
+                     [&] { call_with(f, args, std::index_sequence_for<A...>{}); });
+}
+
+struct Entry {
+  const char* name;
+  void (*launch)(dim3, dim3, int, void**);
+  int warps, tile_n, shared_bytes;
+};
+
+#define ANDREA_KIND(KERNEL, K, TYPE, TN, D)                                                   \
+  Entry{#KERNEL "<" TN ", " #D ">",                                                            \
+        [](dim3 g, dim3 b, int m, void** a) { run(&KERNEL<TYPE, D>, g, b, m, a); },            \
+        TileCfg<TYPE, D, K>::W, TileCfg<TYPE, D, K>::N, (int)sizeof(Smem<TYPE, D, K>)}
+#define ANDREA_ENTRIES(TYPE, TN, D)                                                           \
+  ANDREA_KIND(attn_fwd, KIND_FWD, TYPE, TN, D), ANDREA_KIND(attn_bwd_dq, KIND_DQ, TYPE, TN, D), \
+      ANDREA_KIND(attn_bwd_dkdv, KIND_DKDV, TYPE, TN, D),                                      \
+      Entry{"attn_bwd_preprocess<" TN ", " #D ">",                                             \
+            [](dim3 g, dim3 b, int m, void** a) {                                              \
+              run(&attn_bwd_preprocess<TYPE, D>, g, b, m, a);                                  \
+            },                                                                                 \
+            4, 0, 0}
+
+const Entry kEntries[] = {
+    ANDREA_ENTRIES(float, "float", 32),   ANDREA_ENTRIES(float, "float", 64),
+    ANDREA_ENTRIES(float, "float", 128),  ANDREA_ENTRIES(bf16_t, "bf16_t", 32),
+    ANDREA_ENTRIES(bf16_t, "bf16_t", 64), ANDREA_ENTRIES(bf16_t, "bf16_t", 128),
+};
+
+const Entry* find(const char* name) {
+  for (const Entry& e : kEntries)
+    if (std::strcmp(e.name, name) == 0) return &e;
+  return nullptr;
+}
+
+}  // namespace
+
+extern "C" {
+
+int andrea_emu_kernel_count() { return (int)(sizeof(kEntries) / sizeof(kEntries[0])); }
+
+const char* andrea_emu_kernel_name(int i) { return kEntries[i].name; }
+
+// Tile config and static shared memory of a kernel, as the .cu file defines them.
+int andrea_emu_kernel_info(const char* name, int* warps, int* tile_n, int* shared_bytes) {
+  const Entry* e = find(name);
+  if (!e) return -1;
+  *warps = e->warps;
+  *tile_n = e->tile_n;
+  *shared_bytes = e->shared_bytes;
+  return 0;
+}
+
+// mode 0: fibers, 1: OS threads. Returns -1 for an unknown kernel name.
+int andrea_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                      unsigned by, unsigned bz, int mode, void** args) {
+  const Entry* e = find(name);
+  if (!e) return -1;
+  e->launch(dim3(gx, gy, gz), dim3(bx, by, bz), mode, args);
+  return 0;
+}
+}

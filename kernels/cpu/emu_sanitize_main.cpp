@@ -1,0 +1,71 @@
+// emu_sanitize_main.cpp - a standalone program for the sanitizer builds of the emulated kernels
+// (-fsanitize=thread / address): every buffer is its own exactly sized heap allocation, so an
+// out-of-bounds access lands in a redzone, and the block's threads are OS threads, which
+// ThreadSanitizer tracks. Runs forward + backward once for ANDREA_SAN_TYPE / ANDREA_SAN_D.
+// Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
+#include "cuda_emulator.h"
+#include "microgpt_cuda.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#ifndef ANDREA_SAN_TYPE
+#define ANDREA_SAN_TYPE bf16_t
+#endif
+#ifndef ANDREA_SAN_D
+#define ANDREA_SAN_D 32
+#endif
+
+template <typename T_> T_* random_buffer(size_t n, unsigned& state) {
+  T_* p = new T_[n];
+  for (size_t i = 0; i < n; ++i) {
+    state = state * 1664525u + 1013904223u;
+    p[i] = from_float<T_>(((state >> 8) & 0xffff) / 32768.0f - 1.0f);
+  }
+  return p;
+}
+
+template <typename T_, int D, int K> dim3 grid_of(int bh, int seq_len) {
+  const int m = 16 * TileCfg<T_, D, K>::W;
+  return dim3((seq_len + m - 1) / m, bh);
+}
+template <typename T_, int D, int K> dim3 block_of() { return dim3(32 * TileCfg<T_, D, K>::W); }
+
+int main(int argc, char** argv) {
+  using T_ = ANDREA_SAN_TYPE;
+  constexpr int D = ANDREA_SAN_D;
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s <batch*heads> <seq_len> [threads|fibers]\n", argv[0]);
+    return 2;
+  }
+  const int bh = std::atoi(argv[1]), seq_len = std::atoi(argv[2]);
+  const auto mode = (argc > 3 && std::strcmp(argv[3], "fibers") == 0) ? andrea_emu::FIBERS
+                                                                        : andrea_emu::THREADS;
+  const size_t n = (size_t)bh * seq_len * D, rows = (size_t)bh * seq_len;
+  unsigned state = 12345u;
+  T_ *q = random_buffer<T_>(n, state), *k = random_buffer<T_>(n, state);
+  T_ *v = random_buffer<T_>(n, state), *dout = random_buffer<T_>(n, state);
+  T_ *o = new T_[n], *dq = new T_[n], *dk = new T_[n], *dv = new T_[n];
+  float *lse = new float[rows], *delta = new float[rows];
+  const float scale = 1.0f / std::sqrt((float)D);
+
+  andrea_emu::launch(grid_of<T_, D, KIND_FWD>(bh, seq_len), block_of<T_, D, KIND_FWD>(), mode,
+                     [&] { attn_fwd<T_, D>(q, k, v, o, lse, seq_len, scale); });
+  andrea_emu::launch(dim3((unsigned)((rows + 127) / 128)), dim3(128), mode,
+                     [&] { attn_bwd_preprocess<T_, D>(o, dout, delta, (int)rows); });
+  andrea_emu::launch(grid_of<T_, D, KIND_DQ>(bh, seq_len), block_of<T_, D, KIND_DQ>(), mode,
+                     [&] { attn_bwd_dq<T_, D>(q, k, v, dout, lse, delta, dq, seq_len, scale); });
+  andrea_emu::launch(grid_of<T_, D, KIND_DKDV>(bh, seq_len), block_of<T_, D, KIND_DKDV>(), mode,
+                     [&] {
+                       attn_bwd_dkdv<T_, D>(q, k, v, dout, lse, delta, dk, dv, seq_len, scale);
+                     });
+  double checksum = 0.0;
+  for (size_t i = 0; i < n; ++i)
+    checksum += to_float(o[i]) + to_float(dq[i]) + to_float(dk[i]) + to_float(dv[i]);
+  for (size_t i = 0; i < rows; ++i) checksum += lse[i];
+  std::printf("checksum %.6f\n", checksum);
+  delete[] q; delete[] k; delete[] v; delete[] dout; delete[] o;
+  delete[] dq; delete[] dk; delete[] dv; delete[] lse; delete[] delta;
+  return std::isfinite(checksum) ? 0 : 1;
+}

@@ -1,0 +1,593 @@
+// microgpt_cuda.cu - causal attention kernels for ANDREA (FlashAttention-2 style).
+//
+// One source, three compilers: NVRTC at run time (andrea's CUDA backend), nvcc for the compile
+// gates, and g++ against kernels/cpu/cuda_emulator.h to run the same kernels on the CPU. So: no
+// headers, own bfloat16 conversions and INFINITY, and every GPU-only instruction (ldmatrix,
+// mma.sync) sits in one small device function whose #else body computes the same thing with
+// the PTX-documented fragment layouts (lane registers <-> matrix elements).
+//
+// ---------------------------------------------------------------------------------------------
+// Tensors (all contiguous, 16-byte aligned base pointers):
+//   q, k, v, o, dout, dq, dk, dv : [B, H, T, D] of T_ (float or bf16_t)
+//   lse, delta                   : [B, H, T] float32  (lse = natural log-sum-exp of scaled scores)
+//   scale: score multiplier, 1/sqrt(D) by default. Causal mask: key j visible to query i iff j <= i.
+//
+// Kernels (templates; NVRTC name expressions, e.g. "attn_fwd<bf16_t, 64>"):
+//   attn_fwd<T_, D>(q, k, v, o, lse, int seq_len, float scale)
+//   attn_bwd_preprocess<T_, D>(o, dout, delta, int rows)          rows = B*H*T
+//   attn_bwd_dq<T_, D>(q, k, v, dout, lse, delta, dq, int seq_len, float scale)
+//   attn_bwd_dkdv<T_, D>(q, k, v, dout, lse, delta, dk, dv, int seq_len, float scale)
+//   T_ in {float, bf16_t}, D in {32, 64, 128}. Other head dims are refused by the caller.
+//
+// Launch recipe (W = warps of the kernel's tile config, M = 16*W rows owned by a block,
+// N = rows of the streamed tile; values in TileCfg below and andrea/kernel_launch.py):
+//   kernel               grid                          block      dynamic smem
+//   attn_fwd             (ceil(T/M_fwd),  B*H, 1)      32*W_fwd   0  (static, <= 48 KiB)
+//   attn_bwd_preprocess  (ceil(B*H*T/128), 1, 1)       128        0
+//   attn_bwd_dq          (ceil(T/M_dq),   B*H, 1)      32*W_dq    0
+//   attn_bwd_dkdv        (ceil(T/M_dkdv), B*H, 1)      32*W_dkdv  0
+//   backward order: preprocess, then dq and dkdv (independent of each other). No atomics:
+//   every output element is written by exactly one thread, so results are deterministic.
+//
+//   TileCfg (W, N)     fwd      dq       dkdv
+//   bf16  D=32         (4, 64)  (4, 64)  (4, 64)
+//   bf16  D=64         (4, 64)  (4, 64)  (4, 64)
+//   bf16  D=128        (4, 32)  (4, 16)  (4, 16)
+//   fp32  D=32         (4, 32)  (4, 32)  (4, 32)
+//   fp32  D=64         (4, 32)  (2, 32)  (2, 32)
+//   fp32  D=128        (2, 16)  (1, 16)  (1, 16)
+//
+// Design. The grid covers (query tile, batch*head). A block keeps its own tile (queries; keys
+// in dkdv) in shared memory, each warp owning 16 of its rows, and streams the other operand
+// through shared memory N rows at a time, skipping tiles the causal mask removes entirely.
+// Forward keeps the softmax online in float32 (running max and sum per row, base-2 exponents),
+// then writes O and the log-sum-exp. Backward recomputes P = exp(S*scale - lse) tile by tile
+// (no T x T matrix): dq owns query tiles and streams K/V; dkdv owns key tiles and streams Q/dO.
+// bf16 matmuls use tensor cores (mma.sync m16n8k16, fp32 accumulate) with ldmatrix fragment
+// loads; P and dS stay in registers (C fragment -> A fragment repack). fp32 matmuls use the same
+// fragment ownership with float FMAs from shared memory (the A operand of the second matmul goes
+// through a warp-private scratch tile) so fp32 keeps full precision.
+// ---------------------------------------------------------------------------------------------
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+struct bf16_t {
+  u16 bits;
+};
+
+__device__ __forceinline__ float inf_f() { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16_t x) { return __uint_as_float(((u32)x.bits) << 16); }
+
+// float -> bf16, round to nearest even; NaN stays NaN (quiet bit set).
+__device__ __forceinline__ u16 bf16_bits(float f) {
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (u16)(u >> 16);
+}
+
+template <typename T_> __device__ __forceinline__ T_ from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
+  bf16_t r;
+  r.bits = bf16_bits(x);
+  return r;
+}
+
+// Two floats -> one .b32 register holding two bf16 (lower column in the low half).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+  return (u32)bf16_bits(lo) | ((u32)bf16_bits(hi) << 16);
+}
+
+template <typename T_> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<bf16_t> { static constexpr bool value = true; };
+
+// ------------------------------------------------------------------------------- tile configs
+// W warps per block (block owns M = 16*W rows), N rows per streamed tile. All shared memory is
+// static and stays under the 48 KiB that needs no opt-in.
+enum Kind { KIND_FWD = 0, KIND_DQ = 1, KIND_DKDV = 2 };
+
+template <typename T_, int D, int K> struct TileCfg;
+#define ANDREA_TILE(TYPE, D, FW, FN, QW, QN, KW, KN)                                            \
+  template <> struct TileCfg<TYPE, D, KIND_FWD> { static constexpr int W = FW, N = FN; };      \
+  template <> struct TileCfg<TYPE, D, KIND_DQ> { static constexpr int W = QW, N = QN; };       \
+  template <> struct TileCfg<TYPE, D, KIND_DKDV> { static constexpr int W = KW, N = KN; };
+ANDREA_TILE(bf16_t, 32, 4, 64, 4, 64, 4, 64)
+ANDREA_TILE(bf16_t, 64, 4, 64, 4, 64, 4, 64)
+ANDREA_TILE(bf16_t, 128, 4, 32, 4, 16, 4, 16)
+ANDREA_TILE(float, 32, 4, 32, 4, 32, 4, 32)
+ANDREA_TILE(float, 64, 4, 32, 2, 32, 2, 32)
+ANDREA_TILE(float, 128, 2, 16, 1, 16, 1, 16)
+#undef ANDREA_TILE
+
+// Row stride in shared memory: D plus 16 bytes, so the 8 rows an ldmatrix reads fall in
+// different banks, and every row start stays 16-byte aligned.
+template <typename T_, int D> struct Ld { static constexpr int value = D + 16 / (int)sizeof(T_); };
+
+// Warp-private scratch for the fp32 path's register -> shared A operand (a 16 x N tile per warp).
+template <typename T_, int W, int N> struct Scratch {
+  static constexpr int LD = N + 4;
+  static constexpr int size = IsBf16<T_>::value ? 4 : W * 16 * LD;
+};
+
+// Shared memory of one block: the owned tile (rows a, optional second operand a2), the streamed
+// tile (b, b2), per-row statistics of the streamed (dkdv) or owned (dq) rows, fp32 scratch.
+template <typename T_, int D, int K> struct Smem {
+  static constexpr int W = TileCfg<T_, D, K>::W, N = TileCfg<T_, D, K>::N, M = 16 * W;
+  static constexpr int LD = Ld<T_, D>::value;
+  static constexpr int A_TILES = K == KIND_FWD ? 1 : 2;
+  static constexpr int STAT_ROWS = K == KIND_FWD ? 4 : (K == KIND_DQ ? M : N);
+  alignas(16) T_ a[A_TILES][M * LD];
+  alignas(16) T_ b[2][N * LD];
+  alignas(16) float lse[STAT_ROWS];
+  alignas(16) float delta[STAT_ROWS];
+  alignas(16) float scratch[Scratch<T_, W, N>::size];
+};
+
+// ------------------------------------------------------------------------- warp collectives
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+// Portable exchange used by the non-PTX bodies: every lane gets every lane's value. The CPU
+// emulator does it through its per-warp slots (one warp barrier); elsewhere word-wise shuffles.
+template <typename V> __device__ __forceinline__ void warp_allgather(const V& mine, V (&all)[32]) {
+#if defined(ANDREA_EMULATOR)
+  andrea_emu::warp_allgather(&mine, all, sizeof(V));
+#else
+  const u32* w = (const u32*)&mine;
+  for (int src = 0; src < 32; ++src)
+    for (int i = 0; i < (int)(sizeof(V) / 4); ++i)
+      ((u32*)&all[src])[i] = __shfl_sync(0xffffffffu, w[i], src);
+#endif
+}
+#endif
+
+// ldmatrix.m8n8.x4.b16: lanes 8i..8i+7 give the row addresses of 8x8 matrix i; lane l gets in
+// r[i] row l/4, columns 2(l%4), 2(l%4)+1 of matrix i (TRANS: rows 2(l%4), 2(l%4)+1 of column l/4).
+template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  u32 addr;
+  asm volatile("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }"
+               : "=r"(addr)
+               : "l"(row));
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+#else
+  const unsigned char* rows[32];
+  const unsigned char* mine = (const unsigned char*)row;
+  warp_allgather(mine, rows);
+  const int lane = threadIdx.x & 31;
+  for (int i = 0; i < 4; ++i) {
+    if (!TRANS) {
+      const u16* p = (const u16*)rows[8 * i + lane / 4] + 2 * (lane % 4);
+      r[i] = (u32)p[0] | ((u32)p[1] << 16);
+    } else {
+      const u16* lo = (const u16*)rows[8 * i + 2 * (lane % 4)] + lane / 4;
+      const u16* hi = (const u16*)rows[8 * i + 2 * (lane % 4) + 1] + lane / 4;
+      r[i] = (u32)lo[0] | ((u32)hi[0] << 16);
+    }
+  }
+#endif
+}
+
+// mma.sync.m16n8k16 row.col bf16 -> f32: c += A (16x16) * B (16x8). Fragments (g = lane/4,
+// t = lane%4): a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..];
+// b[0] = B[2t..2t+1][g], b[1] = B[2t+8..2t+9][g]; c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..].
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  struct Frag {
+    u32 a[4];
+    u32 b[2];
+  };
+  Frag mine;
+  for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
+  mine.b[0] = b0;
+  mine.b[1] = b1;
+  Frag all[32];
+  warp_allgather(mine, all);
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+    float s = c[i];
+    for (int k = 0; k < 16; ++k) {
+      const int kl = (k % 8) / 2, half = k & 1;
+      const u32 ar = all[(row % 8) * 4 + kl].a[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+      const u32 br = all[col * 4 + kl].b[k >= 8 ? 1 : 0];
+      s += __uint_as_float((half ? ar >> 16 : ar & 0xffffu) << 16) *
+           __uint_as_float((half ? br >> 16 : br & 0xffffu) << 16);
+    }
+    c[i] = s;
+  }
+#endif
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// -------------------------------------------------------------------------- warp-level GEMMs
+// acc (16 x 8NT, C fragments) += A (16 x K, row-major in shared memory at a, stride lda) * B,
+// B (K x 8NT) in shared memory: B_NMAJOR: element (k, n) at b[n*ldb + k] (a K or V tile used
+// transposed); else at b[k*ldb + n]. NT even, K multiple of 16.
+template <typename T_, int K, int NT, bool B_NMAJOR>
+__device__ __forceinline__ void warp_gemm_ss(float (&acc)[NT][4], const T_* a, int lda, const T_* b,
+                                             int ldb) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (IsBf16<T_>::value) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      u32 af[4];
+      ldmatrix_x4<false>(af, a + (lane % 16) * lda + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int j = 0; j < NT / 2; ++j) {
+        u32 bf[4];
+        if (B_NMAJOR)
+          ldmatrix_x4<false>(bf, b + (j * 16 + lane % 8 + (lane / 16) * 8) * ldb + kk * 16 +
+                                     ((lane / 8) % 2) * 8);
+        else
+          ldmatrix_x4<true>(bf, b + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ldb + j * 16 +
+                                    (lane / 16) * 8);
+        mma_m16n8k16_bf16(acc[2 * j], af, bf[0], bf[1]);
+        mma_m16n8k16_bf16(acc[2 * j + 1], af, bf[2], bf[3]);
+      }
+    }
+  } else {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll 2
+    for (int k = 0; k < K; ++k) {
+      const float a0 = to_float(a[g * lda + k]), a1 = to_float(a[(g + 8) * lda + k]);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int n = j * 8 + 2 * t;
+        const float b0 = to_float(B_NMAJOR ? b[n * ldb + k] : b[k * ldb + n]);
+        const float b1 = to_float(B_NMAJOR ? b[(n + 1) * ldb + k] : b[k * ldb + n + 1]);
+        acc[j][0] += a0 * b0;
+        acc[j][1] += a0 * b1;
+        acc[j][2] += a1 * b0;
+        acc[j][3] += a1 * b1;
+      }
+    }
+  }
+}
+
+// acc (16 x 8NT) += P (16 x 8KT, C fragments in registers) * B (8KT x 8NT, element (k, n) at
+// b[k*ldb + n]). bf16: P's C fragments are repacked into A fragments in registers. fp32: P goes
+// through this warp's scratch tile (16 x (8KT+4) floats).
+template <typename T_, int KT, int NT>
+__device__ __forceinline__ void warp_gemm_rs(float (&acc)[NT][4], const float (&p)[KT][4],
+                                             float* scratch, const T_* b, int ldb) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (IsBf16<T_>::value) {
+#pragma unroll
+    for (int kk = 0; kk < KT / 2; ++kk) {
+      u32 af[4];
+      af[0] = pack_bf16x2(p[2 * kk][0], p[2 * kk][1]);
+      af[1] = pack_bf16x2(p[2 * kk][2], p[2 * kk][3]);
+      af[2] = pack_bf16x2(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+      af[3] = pack_bf16x2(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+      for (int j = 0; j < NT / 2; ++j) {
+        u32 bf[4];
+        ldmatrix_x4<true>(bf, b + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ldb + j * 16 +
+                                  (lane / 16) * 8);
+        mma_m16n8k16_bf16(acc[2 * j], af, bf[0], bf[1]);
+        mma_m16n8k16_bf16(acc[2 * j + 1], af, bf[2], bf[3]);
+      }
+    }
+  } else {
+    constexpr int LDS = 8 * KT + 4;
+    const int g = lane >> 2, t = lane & 3;
+    __syncwarp();  // the previous product has finished reading the scratch tile
+#pragma unroll
+    for (int j = 0; j < KT; ++j) {
+      scratch[g * LDS + j * 8 + 2 * t] = p[j][0];
+      scratch[g * LDS + j * 8 + 2 * t + 1] = p[j][1];
+      scratch[(g + 8) * LDS + j * 8 + 2 * t] = p[j][2];
+      scratch[(g + 8) * LDS + j * 8 + 2 * t + 1] = p[j][3];
+    }
+    __syncwarp();  // scratch visible to the whole warp
+    warp_gemm_ss<float, 8 * KT, NT, false>(acc, scratch, LDS, (const float*)b, ldb);
+  }
+}
+
+// ---------------------------------------------------------------------------- tile movement
+// Cooperative copy of ROWS rows (from row0) of a [seq_len, D] slice into shared memory with row
+// stride LD, 16 bytes per step; rows at or past seq_len are zero-filled.
+struct alignas(16) Chunk16 {
+  u32 x, y, z, w;
+};
+
+template <typename T_, int D, int ROWS>
+__device__ __forceinline__ void load_tile(T_* dst, const T_* src, int row0, int seq_len) {
+  constexpr int LD = Ld<T_, D>::value;
+  constexpr int PER_ROW = D * (int)sizeof(T_) / 16;
+  for (int i = threadIdx.x; i < ROWS * PER_ROW; i += blockDim.x) {
+    const int r = i / PER_ROW, c = i % PER_ROW;
+    Chunk16 v = {0u, 0u, 0u, 0u};
+    if (row0 + r < seq_len)  // bounds: rows past the sequence read as zeros
+      v = ((const Chunk16*)(src + (long long)(row0 + r) * D))[c];
+    ((Chunk16*)(dst + r * LD))[c] = v;
+  }
+}
+
+// Per-row statistics of ROWS rows from row0; rows past seq_len get lse = +inf (so P = 0 there).
+template <int ROWS>
+__device__ __forceinline__ void load_stats(float* lse_s, float* delta_s, const float* lse,
+                                           const float* delta, int row0, int seq_len) {
+  for (int i = threadIdx.x; i < ROWS; i += blockDim.x) {
+    const bool in = row0 + i < seq_len;  // bounds: rows past the sequence
+    lse_s[i] = in ? lse[row0 + i] : inf_f();
+    delta_s[i] = in ? delta[row0 + i] : 0.0f;
+  }
+}
+
+// Writes a warp's 16 x D accumulator (times mul) to rows row0.. of a [seq_len, D] slice.
+template <typename T_, int D>
+__device__ __forceinline__ void store_rows(T_* dst, const float (&acc)[D / 8][4], int row0,
+                                           int seq_len, float mul0, float mul1) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + g + 8 * h;
+    if (row >= seq_len) continue;  // bounds: no rows past the sequence
+    const float mul = h ? mul1 : mul0;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      dst[(long long)row * D + j * 8 + 2 * t] = from_float<T_>(acc[j][2 * h] * mul);
+      dst[(long long)row * D + j * 8 + 2 * t + 1] = from_float<T_>(acc[j][2 * h + 1] * mul);
+    }
+  }
+}
+
+#define ANDREA_LOG2E 1.4426950408889634f
+#define ANDREA_LN2 0.6931471805599453f
+
+// --------------------------------------------------------------------------------- forward
+template <typename T_, int D>
+__global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_FWD>::W)
+    attn_fwd(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
+             T_* __restrict__ o, float* __restrict__ lse, int seq_len, float scale) {
+  using S = Smem<T_, D, KIND_FWD>;
+  constexpr int M = S::M, N = S::N, LD = S::LD;
+  __shared__ S sm;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // Heaviest causal tiles (last queries) first: better tail balance across the grid.
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * M;
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const float sl2 = scale * ANDREA_LOG2E;  // scores in base-2 units: exp(x) = exp2(x*log2e)
+
+  load_tile<T_, D, M>(sm.a[0], q + base, q0, seq_len);
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  float m_run[2] = {-inf_f(), -inf_f()}, l_run[2] = {0.0f, 0.0f};
+  const int row_base = q0 + warp * 16 + g;
+  const int last = imin(q0 + M, seq_len) - 1;  // causal: no key past the block's last query
+
+  for (int n0 = 0; n0 <= last; n0 += N) {
+    __syncthreads();  // barrier:fwd-reuse (every warp is done with the previous K/V tile)
+    load_tile<T_, D, N>(sm.b[0], k + base, n0, seq_len);
+    load_tile<T_, D, N>(sm.b[1], v + base, n0, seq_len);
+    __syncthreads();  // barrier:fwd-loaded (K/V tile visible to every warp)
+
+    float s[N / 8][4];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    warp_gemm_ss<T_, D, N / 8, true>(s, sm.a[0] + warp * 16 * LD, LD, sm.b[0], LD);
+
+    const bool masked = n0 + N - 1 > q0 || n0 + N > seq_len;
+    float mx[2] = {-inf_f(), -inf_f()};
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = row_base + (i >= 2 ? 8 : 0), col = n0 + j * 8 + 2 * t + (i & 1);
+        float x = s[j][i] * sl2;
+        if (masked && (col > row || col >= seq_len)) x = -inf_f();
+        s[j][i] = x;
+        mx[i >> 1] = fmaxf(mx[i >> 1], x);
+      }
+    float shift[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m_run[h], quad_max(mx[h]));
+      shift[h] = m_new == -inf_f() ? 0.0f : m_new;  // a row with nothing visible yet
+      const float corr = exp2f(m_run[h] - shift[h]);
+      l_run[h] *= corr;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        acc[j][2 * h] *= corr;
+        acc[j][2 * h + 1] *= corr;
+      }
+      m_run[h] = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float p = exp2f(s[j][i] - shift[i >> 1]);
+        s[j][i] = p;
+        l_run[i >> 1] += p;
+      }
+    warp_gemm_rs<T_, N / 8, D / 8>(acc, s, sm.scratch + warp * 16 * (N + 4), sm.b[1], LD);
+  }
+
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_sum(l_run[h]);
+    inv[h] = 1.0f / l;
+    const int row = row_base + 8 * h;
+    if (t == 0 && row < seq_len)  // bounds: no rows past the sequence
+      lse[(long long)blockIdx.y * seq_len + row] = (m_run[h] + log2f(l)) * ANDREA_LN2;
+  }
+  store_rows<T_, D>(o + base, acc, q0 + warp * 16, seq_len, inv[0], inv[1]);
+}
+
+// ------------------------------------------------------------------------------- backward
+// delta[r] = sum_d dout[r, d] * o[r, d]  (rowsum(dO o O), one thread per row).
+template <typename T_, int D>
+__global__ void __launch_bounds__(128)
+    attn_bwd_preprocess(const T_* __restrict__ o, const T_* __restrict__ dout,
+                        float* __restrict__ delta, int rows) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;  // bounds: last block's tail
+  float s = 0.0f;
+#pragma unroll 8
+  for (int d = 0; d < D; ++d)
+    s += to_float(o[(long long)r * D + d]) * to_float(dout[(long long)r * D + d]);
+  delta[r] = s;
+}
+
+// dQ = scale * sum_j dS_ij K_j with dS = P o (dP - delta), P = exp(S*scale - lse), dP = dO V^T.
+template <typename T_, int D>
+__global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DQ>::W)
+    attn_bwd_dq(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
+                const T_* __restrict__ dout, const float* __restrict__ lse,
+                const float* __restrict__ delta, T_* __restrict__ dq, int seq_len, float scale) {
+  using S = Smem<T_, D, KIND_DQ>;
+  constexpr int M = S::M, N = S::N, LD = S::LD;
+  __shared__ S sm;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * M;
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const long long sbase = (long long)blockIdx.y * seq_len;
+  const float sl2 = scale * ANDREA_LOG2E;
+
+  load_tile<T_, D, M>(sm.a[0], q + base, q0, seq_len);
+  load_tile<T_, D, M>(sm.a[1], dout + base, q0, seq_len);
+  load_stats<M>(sm.lse, sm.delta, lse + sbase, delta + sbase, q0, seq_len);
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  const int rl = warp * 16 + g;  // this lane's first row within the block tile
+  const int last = imin(q0 + M, seq_len) - 1;
+
+  for (int n0 = 0; n0 <= last; n0 += N) {
+    __syncthreads();  // barrier:dq-reuse
+    load_tile<T_, D, N>(sm.b[0], k + base, n0, seq_len);
+    load_tile<T_, D, N>(sm.b[1], v + base, n0, seq_len);
+    __syncthreads();  // barrier:dq-loaded
+
+    float s[N / 8][4], dp[N / 8][4];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
+    warp_gemm_ss<T_, D, N / 8, true>(s, sm.a[0] + warp * 16 * LD, LD, sm.b[0], LD);
+    warp_gemm_ss<T_, D, N / 8, true>(dp, sm.a[1] + warp * 16 * LD, LD, sm.b[1], LD);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = rl + (i >= 2 ? 8 : 0);
+        const int row = q0 + r, col = n0 + j * 8 + 2 * t + (i & 1);
+        const bool visible = col <= row && col < seq_len;
+        const float p = visible ? exp2f(s[j][i] * sl2 - sm.lse[r] * ANDREA_LOG2E) : 0.0f;
+        s[j][i] = p * (dp[j][i] - sm.delta[r]);
+      }
+    warp_gemm_rs<T_, N / 8, D / 8>(acc, s, sm.scratch + warp * 16 * (N + 4), sm.b[0], LD);
+  }
+  store_rows<T_, D>(dq + base, acc, q0 + warp * 16, seq_len, scale, scale);
+}
+
+// dK = scale * sum_i dS_ij Q_i, dV = sum_i P_ij dO_i: a block owns key rows and streams the
+// query tiles at or after its first key (earlier queries see none of its keys).
+template <typename T_, int D>
+__global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DKDV>::W)
+    attn_bwd_dkdv(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
+                  const T_* __restrict__ dout, const float* __restrict__ lse,
+                  const float* __restrict__ delta, T_* __restrict__ dk, T_* __restrict__ dv,
+                  int seq_len, float scale) {
+  using S = Smem<T_, D, KIND_DKDV>;
+  constexpr int M = S::M, N = S::N, LD = S::LD;
+  __shared__ S sm;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int k0 = blockIdx.x * M;  // low key tiles see the most queries: they start first
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const long long sbase = (long long)blockIdx.y * seq_len;
+  const float sl2 = scale * ANDREA_LOG2E;
+
+  load_tile<T_, D, M>(sm.a[0], k + base, k0, seq_len);
+  load_tile<T_, D, M>(sm.a[1], v + base, k0, seq_len);
+  float dk_acc[D / 8][4], dv_acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk_acc[j][i] = dv_acc[j][i] = 0.0f;
+  const int key_base = k0 + warp * 16 + g;
+  float* scratch = sm.scratch + warp * 16 * (N + 4);
+
+  for (int n0 = (k0 / N) * N; n0 < seq_len; n0 += N) {
+    __syncthreads();  // barrier:dkdv-reuse
+    load_tile<T_, D, N>(sm.b[0], q + base, n0, seq_len);
+    load_tile<T_, D, N>(sm.b[1], dout + base, n0, seq_len);
+    load_stats<N>(sm.lse, sm.delta, lse + sbase, delta + sbase, n0, seq_len);
+    __syncthreads();  // barrier:dkdv-loaded
+
+    // Transposed scores: rows are this warp's keys, columns the tile's queries.
+    float st[N / 8][4], dpt[N / 8][4];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) st[j][i] = dpt[j][i] = 0.0f;
+    warp_gemm_ss<T_, D, N / 8, true>(st, sm.a[0] + warp * 16 * LD, LD, sm.b[0], LD);
+    warp_gemm_ss<T_, D, N / 8, true>(dpt, sm.a[1] + warp * 16 * LD, LD, sm.b[1], LD);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = key_base + (i >= 2 ? 8 : 0);
+        const int c = j * 8 + 2 * t + (i & 1), col = n0 + c;
+        const bool visible = key <= col && col < seq_len;
+        const float p = visible ? exp2f(st[j][i] * sl2 - sm.lse[c] * ANDREA_LOG2E) : 0.0f;
+        st[j][i] = p;
+        dpt[j][i] = p * (dpt[j][i] - sm.delta[c]);
+      }
+    warp_gemm_rs<T_, N / 8, D / 8>(dv_acc, st, scratch, sm.b[1], LD);
+    warp_gemm_rs<T_, N / 8, D / 8>(dk_acc, dpt, scratch, sm.b[0], LD);
+  }
+  store_rows<T_, D>(dk + base, dk_acc, k0 + warp * 16, seq_len, scale, scale);
+  store_rows<T_, D>(dv + base, dv_acc, k0 + warp * 16, seq_len, 1.0f, 1.0f);
+}
+
+// Explicit instantiations for offline builds (the nvcc compile gates); NVRTC instantiates
+// through name expressions instead, so the runtime compiles only what it launches.
+#if defined(ANDREA_INSTANTIATE_ALL)
+#define ANDREA_INSTANTIATE(TYPE, D)                                                              \
+  template __global__ void attn_fwd<TYPE, D>(const TYPE*, const TYPE*, const TYPE*, TYPE*,       \
+                                             float*, int, float);                                \
+  template __global__ void attn_bwd_preprocess<TYPE, D>(const TYPE*, const TYPE*, float*, int);  \
+  template __global__ void attn_bwd_dq<TYPE, D>(const TYPE*, const TYPE*, const TYPE*,           \
+                                                const TYPE*, const float*, const float*, TYPE*,  \
+                                                int, float);                                     \
+  template __global__ void attn_bwd_dkdv<TYPE, D>(const TYPE*, const TYPE*, const TYPE*,         \
+                                                  const TYPE*, const float*, const float*,       \
+                                                  TYPE*, TYPE*, int, float);
+ANDREA_INSTANTIATE(float, 32)
+ANDREA_INSTANTIATE(float, 64)
+ANDREA_INSTANTIATE(float, 128)
+ANDREA_INSTANTIATE(bf16_t, 32)
+ANDREA_INSTANTIATE(bf16_t, 64)
+ANDREA_INSTANTIATE(bf16_t, 128)
+#undef ANDREA_INSTANTIATE
+#endif

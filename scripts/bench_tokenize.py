@@ -1,0 +1,52 @@
+"""Encoding throughput (MB/s of UTF-8 input) of `gpt2` and `bpe` on the embedded Shakespeare
+corpus, with 1 and 2 worker processes, through the same chunked pipeline `andrea prepare` uses.
+
+    python scripts/bench_tokenize.py [--workers 1 2] [--repeat 2]
+
+BPE training (4,096 ids) is timed once on its own; worker start-up is included in each figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from andrea import prepare
+from andrea.tokenizer import train_bpe
+
+
+def encode_seconds(docs, kind: str, data_dir: Path, workers: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    n = 0
+    stream = prepare.pieces(docs, 0.1, "strict")
+    for _, ids, _ in prepare._encode_all(stream, kind, data_dir, "<u2", workers):
+        n += 0 if ids is None else len(ids)
+    return time.perf_counter() - start, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeat", type=int, default=2, help="best of this many runs")
+    args = ap.parse_args()
+    docs = prepare.documents(prepare.SHAKESPEARE)
+    mb = sum(d.size for d in docs) / 1e6
+    print(f"corpus: {len(docs)} plays, {mb:.2f} MB")
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        train_bpe(prepare._train_texts(docs, 0.1, "strict"), 4096, Path(tmp) / "tokenizer.json")
+        print(f"bpe training (4,096 ids, train split): {time.perf_counter() - t:.2f} s")
+        for kind in ("gpt2", "bpe"):
+            for workers in args.workers:
+                runs = [encode_seconds(docs, kind, Path(tmp), workers) for _ in range(args.repeat)]
+                secs, tokens = min(runs)
+                print(
+                    f"{kind:5s} workers={workers}: {mb / secs:6.2f} MB/s  "
+                    f"({tokens:,} tokens in {secs:.2f} s)"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The attention kernels of kernels/microgpt_cuda.cu, run unchanged on the CPU emulator, against
+a float64 reference: forward (O, log-sum-exp) and backward (dQ, dK, dV), fp32 and bf16.
+
+Output buffers are NaN-poisoned before each launch (andrea.kernel_emulator does it), so an
+element a kernel fails to write fails the comparison. The bf16 path runs the tensor-core code
+(ldmatrix / mma.sync fragment bookkeeping) through its emulated warp-collective bodies.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from andrea import kernel_emulator, kernel_launch
+from andrea.errors import UserError
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
+)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+SEQ_LENS = (1, 17, 64, 100, 129)
+CASES = [
+    (dtype, d, t, bh)
+    for dtype in (torch.float32, torch.bfloat16)
+    for d in (32, 64)
+    for t, bh in zip(SEQ_LENS, [(2, 3), (1, 2), (2, 1), (1, 3), (1, 2)], strict=True)
+] + [(torch.float32, 128, 33, (1, 2)), (torch.bfloat16, 128, 33, (1, 2))]
+
+
+@pytest.fixture(scope="module")
+def emulator() -> kernel_emulator.Emulator:
+    return kernel_emulator.default_emulator()
+
+
+def reference(q, k, v, dout, scale):
+    """float64 causal attention on the (already rounded) inputs: o, lse, dq, dk, dv."""
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    t = q.shape[2]
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.softmax(s, dim=-1) @ v
+    o.backward(dout.double())
+    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    assert not torch.isnan(got).any(), f"{name}: elements left unwritten (NaN poison)"
+    err = (got.double() - want).abs().max().item()
+    bound = tol * max(want.abs().max().item(), 1.0)
+    assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def random_inputs(b, h, t, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, t, d, generator=gen).to(dtype) for _ in range(4)]
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,seq_len,bh", CASES, ids=lambda x: str(x).replace("torch.", "")
+)
+def test_forward_backward_match_float64(emulator, dtype, head_dim, seq_len, bh) -> None:
+    b, h = bh
+    q, k, v, dout = random_inputs(b, h, seq_len, head_dim, dtype, seed=seq_len * 7 + head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    o, lse = kernel_emulator.attention_forward(q, k, v, emulator=emulator)
+    dq, dk, dv = kernel_emulator.attention_backward(q, k, v, o, lse, dout, emulator=emulator)
+    ro, rlse, rdq, rdk, rdv = reference(q, k, v, dout, scale)
+    assert o.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, h, seq_len)
+    tol = TOL[dtype]
+    assert_close("o", o, ro, tol)
+    assert_close("lse", lse, rlse, 1e-5)  # float32 statistics in both paths
+    assert_close("dq", dq, rdq, tol)
+    assert_close("dk", dk, rdk, tol)
+    assert_close("dv", dv, rdv, tol)
+
+
+def test_custom_scale_and_reference_gradients_use_it(emulator) -> None:
+    q, k, v, dout = random_inputs(1, 2, 40, 32, torch.float32, seed=3)
+    o, lse = kernel_emulator.attention_forward(q, k, v, scale=0.3, emulator=emulator)
+    dq, dk, dv = kernel_emulator.attention_backward(q, k, v, o, lse, dout, 0.3, emulator)
+    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv),
+                               reference(q, k, v, dout, 0.3), strict=True):
+        assert_close(name, got, want, 1e-5)
+
+
+def test_fibers_and_threads_agree_bit_for_bit(emulator) -> None:
+    q, k, v, dout = random_inputs(1, 2, 70, 64, torch.bfloat16, seed=5)
+    results = []
+    for mode in ("fibers", "threads"):
+        o, lse = kernel_emulator.attention_forward(q, k, v, emulator=emulator, mode=mode)
+        grads = kernel_emulator.attention_backward(q, k, v, o, lse, dout, emulator=emulator,
+                                                   mode=mode)
+        results.append((o, lse, *grads))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_launch_config_matches_the_kernel_file(emulator) -> None:
+    names = emulator.kernel_names()
+    assert sorted(names) == sorted(kernel_launch.all_name_expressions())
+    for (dtype, d), kinds in kernel_launch.TILES.items():
+        for kind, (warps, n) in kinds.items():
+            kernel = kind if kind == "fwd" else f"bwd_{kind}"
+            name = kernel_launch.name_expression(kernel, dtype, d)
+            smem = kernel_launch.static_shared_bytes(kernel, dtype, d)
+            assert emulator.kernel_info(name) == (warps, n, smem), name
+            assert smem <= kernel_launch.STATIC_SHARED_LIMIT
+    launches = kernel_launch.attention_launches(8, 12, 1024, 64, "bfloat16")
+    assert launches["fwd"].grid == (16, 96, 1) and launches["fwd"].block == (128, 1, 1)
+    assert launches["bwd_preprocess"].grid == (768, 1, 1)
+    assert list(launches) == ["fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv"]
+
+
+@pytest.mark.parametrize("head_dim", [16, 72, 96, 256])
+def test_unsupported_head_dim_is_refused(head_dim) -> None:
+    with pytest.raises(UserError, match=rf"head_dim={head_dim} .*32, 64, 128"):
+        kernel_launch.check_head_dim(head_dim)
+    with pytest.raises(UserError):
+        kernel_launch.attention_launches(1, 1, 8, head_dim, "bfloat16")
+
+
+def test_poisoned_outputs_expose_an_unwritten_row() -> None:
+    # A copy of the kernel file whose stores skip the last row of the sequence.
+    marker = "if (row >= seq_len) continue;  // bounds: no rows past the sequence"
+    text = kernel_emulator.kernel_source()
+    assert text.count(marker) == 1
+    emu = kernel_emulator.Emulator(text.replace(marker, marker.replace("seq_len", "seq_len - 1")))
+    q, k, v, _ = random_inputs(1, 1, 17, 32, torch.float32, seed=1)
+    o, _ = kernel_emulator.attention_forward(q, k, v, emulator=emu)
+    with pytest.raises(AssertionError, match="unwritten"):
+        assert_close("o", o, reference(q, k, v, torch.zeros_like(q), 1 / math.sqrt(32))[0], 1e-5)
+    assert torch.isnan(o[0, 0, -1]).all() and not torch.isnan(o[0, 0, :-1]).any()

@@ -1,0 +1,104 @@
+"""`andrea plot`: the image is the right size and really shows the runs; bad input is exit 2."""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+from conftest import assert_user_error, run_andrea
+from test_runs import dead_pid, end_record, normal_history, start_record, write_run
+
+from andrea.errors import UserError
+from andrea.plot import plot_runs
+
+pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra")
+from PIL import Image  # noqa: E402  (Pillow comes with matplotlib)
+
+# matplotlib's first two default colours: the first and second run.
+BLUE, ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)
+
+
+def two_runs(root):
+    """Run a finished at 100; run b, a different model, crashed at 60 mid-write."""
+    a = write_run(root, "a", [start_record(), *normal_history(100), end_record(100, "finished")])
+    b_records = normal_history(60)
+    for r in b_records:
+        if r["event"] == "train":
+            r.update(loss=r["loss"] + 0.5, lr=r["lr"] / 2, tokens_per_s=r["tokens_per_s"] * 1.5,
+                     grad_norm=r["grad_norm"] * 3)
+        else:
+            r["val_loss"] += 0.5
+    b = write_run(root, "b", [start_record(pid=dead_pid()), *b_records],
+                  tail='{"event": "train", "step": 70, "lo')
+    return a, b
+
+
+def count_colour(pixels: np.ndarray, rgb: tuple[int, int, int]) -> int:
+    return int((np.abs(pixels[..., :3].astype(int) - rgb).max(axis=-1) <= 8).sum())
+
+
+def test_png_shows_both_runs(tmp_path):
+    a, b = two_runs(tmp_path)
+    warnings = []
+    out = plot_runs([a, b], tmp_path / "new" / "dir" / "curves.png", warn=warnings.append)
+    assert out == tmp_path / "new" / "dir" / "curves.png"  # missing folders were created
+    assert warnings == [f"{b / 'metrics.jsonl'}: skipped 1 unreadable line(s); plotting the rest"]
+    assert [p.name for p in out.parent.iterdir()] == ["curves.png"]  # no temp file left behind
+
+    img = Image.open(out)
+    assert img.format == "PNG" and img.size == (1300, 850)
+    pixels = np.asarray(img.convert("RGB"))
+    assert pixels.std() > 20  # not blank
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50  # lines, text, anti-aliasing
+    # Each run is drawn in its own colour in all four panels: thousands of pixels each.
+    assert count_colour(pixels, BLUE) > 1000
+    assert count_colour(pixels, ORANGE) > 500
+    # Each quadrant (panel) holds some of each run's colour.
+    h, w = pixels.shape[0] // 2, pixels.shape[1] // 2
+    for quadrant in (pixels[:h, :w], pixels[:h, w:], pixels[h:, :w], pixels[h:, w:]):
+        assert count_colour(quadrant, BLUE) > 100 and count_colour(quadrant, ORANGE) > 60
+
+
+def test_svg_and_step_axis(tmp_path):
+    a, _ = two_runs(tmp_path)
+    out = plot_runs([a], tmp_path / "curves.svg", x="step")
+    root = ET.parse(out).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    assert root.get("width") == "936pt" and root.get("height") == "612pt"  # 13 x 8.5 in
+    assert len(root.findall(".//{http://www.w3.org/2000/svg}path")) > 20
+
+
+def test_bad_input(tmp_path, monkeypatch):
+    a, _ = two_runs(tmp_path)
+    with pytest.raises(UserError, match="unknown image type '.jpg'"):
+        plot_runs([a], tmp_path / "x.jpg")
+    with pytest.raises(UserError, match="--x time"):
+        plot_runs([a], tmp_path / "x.png", x="time")
+    with pytest.raises(UserError, match="no such run"):
+        plot_runs([tmp_path / "nope"], tmp_path / "x.png")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="cannot write there"):
+        plot_runs([a], blocker / "x.png")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(UserError, match=r"pip install -e '.\[plot\]'"):
+        plot_runs([a], tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_cli(tmp_path):
+    a, b = two_runs(tmp_path)
+    empty = write_run(tmp_path, "empty", [])
+    # A run with nothing readable is left out with a warning; the others are plotted.
+    proc = run_andrea("plot", str(a), str(b), str(empty), "--out", str(tmp_path / "p.png"))
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped 1 unreadable line(s)" in proc.stderr
+    assert "empty/metrics.jsonl: no train or eval records; run left out" in proc.stderr
+    assert Image.open(tmp_path / "p.png").size == (1300, 850)
+    # Nothing readable at all: exit 2, one line, no file.
+    proc = run_andrea("plot", str(empty), "--out", str(tmp_path / "q.png"))
+    assert_user_error(proc, "nothing to plot")
+    assert not (tmp_path / "q.png").exists()
+    assert_user_error(run_andrea("plot", str(a), "--out", str(tmp_path / "q.gif")), "q.gif")

@@ -1,0 +1,178 @@
+"""`andrea prepare`: shards reproduce the text, chunking and workers change nothing, the manifest
+makes re-runs free, and bad input is a one-line error with exit code 2."""
+
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from andrea import prepare
+from andrea.config import load_config
+from andrea.errors import UserError
+from andrea.shards import open_shard
+from andrea.tokenizer import EOT_TEXT, ByteTokenizer, Gpt2Tokenizer
+
+DOCS = {
+    "a.txt": "First line of a.\nSecond line, café.\n" * 40,
+    "sub/b.md": "ROMEO:\nBut soft! what light through yonder window breaks?\n\n" * 30,
+    "c.txt": "日本語のテキスト。\n" * 25 + "no final newline",
+}
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    root = tmp_path / "in"
+    for name, text in DOCS.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    (root / "ignored.bin").write_bytes(b"\xff\xfe")  # not a text suffix: a directory skips it
+    return root
+
+
+def split_tokens(out, split):
+    manifest = prepare.read_manifest(out)
+    parts = [open_shard(out / e["file"]) for e in manifest["shards"][split]]
+    return np.concatenate(parts).astype(np.int64)
+
+
+def test_shards_reproduce_the_documents(corpus, tmp_path):
+    out = prepare.prepare_inputs(str(corpus), "byte", tmp_path / "out", shard_tokens=500)
+    tok = ByteTokenizer()
+    train = tok.decode(split_tokens(out, "train")).split(EOT_TEXT)
+    val = tok.decode(split_tokens(out, "val")).split(EOT_TEXT)
+    assert train[-1] == "" and val[-1] == ""
+    names = sorted(DOCS)  # files come in sorted path order
+    for name, head, tail in zip(names, train[:-1], val[:-1], strict=True):
+        assert head + tail == DOCS[name]
+        assert head.endswith("\n") or not tail  # val starts at a line
+        assert 0.05 < len(tail.encode()) / len(DOCS[name].encode()) < 0.2
+    manifest = prepare.read_manifest(out)
+    assert len(manifest["shards"]["train"]) == -(-manifest["tokens"]["train"] // 500)
+
+
+def test_chunks_and_workers_do_not_change_tokens(corpus, tmp_path, monkeypatch):
+    whole = prepare.prepare_inputs(str(corpus), "gpt2", tmp_path / "whole", workers=1)
+    monkeypatch.setattr(prepare, "CHUNK_BYTES", 64)  # many chunk cuts per document
+    small = prepare.prepare_inputs(str(corpus), "gpt2", tmp_path / "small", workers=1)
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(split_tokens(whole, split), split_tokens(small, split))
+    # The same, document part by document part, from the tokenizer on the whole text.
+    gpt2 = Gpt2Tokenizer()
+    expected = []
+    for name in sorted(DOCS):
+        blob = DOCS[name].encode()
+        cut = prepare.val_start(io.BytesIO(blob), len(blob), 0.1)
+        expected += gpt2.encode(blob[:cut].decode()) + [gpt2.eot_id]
+    np.testing.assert_array_equal(split_tokens(whole, "train"), expected)
+
+
+def test_parallel_workers_match_one_worker(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "CHUNK_BYTES", 256)
+    one = prepare.prepare_inputs(str(corpus), "bpe", tmp_path / "one", vocab_size=300, workers=1)
+    two = prepare.prepare_inputs(str(corpus), "bpe", tmp_path / "two", vocab_size=300, workers=2)
+    assert (one / "tokenizer.json").read_bytes() == (two / "tokenizer.json").read_bytes()
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(split_tokens(one, split), split_tokens(two, split))
+
+
+def test_rerun_is_free_and_changes_redo(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    prepare.prepare_inputs(str(corpus), "byte", out)
+    stamp = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    prepare.prepare_inputs(str(corpus), "byte", out)
+    assert "up to date" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamp
+    before = prepare.read_manifest(out)["tokens"]["train"]
+    (corpus / "a.txt").write_text(DOCS["a.txt"] + "more\n" * 10, encoding="utf-8")
+    prepare.prepare_inputs(str(corpus), "byte", out)
+    assert prepare.read_manifest(out)["tokens"]["train"] > before
+    prepare.prepare_inputs(str(corpus), "byte", out, force=True)
+    assert "up to date" not in capsys.readouterr().out.splitlines()[-1]
+    # A shard damaged behind the manifest's back is noticed and redone.
+    shard = out / "train_000000.bin"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    prepare.prepare_inputs(str(corpus), "byte", out)
+    assert "up to date" not in capsys.readouterr().out
+    open_shard(shard)
+
+
+def test_interrupted_prepare_leaves_nothing_valid(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    prepare.prepare_inputs(str(corpus), "byte", out, shard_tokens=300)
+    calls = 0
+
+    def flaky(args):
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise KeyboardInterrupt
+        return real(args)
+
+    real = prepare._encode
+    monkeypatch.setattr(prepare, "_encode", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare_inputs(str(corpus), "byte", out, force=True, shard_tokens=300)
+    assert sorted(p.name for p in out.iterdir()) == []
+    with pytest.raises(UserError, match="manifest.json missing"):
+        prepare.read_manifest(out)
+
+
+def test_shakespeare_default_dir_and_ensure_prepared(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("andrea-tiny", ["data.val_fraction=0.5"])
+    assert prepare.data_dir_for(cfg).as_posix() == "data/shakespeare-byte"
+    out = prepare.ensure_prepared(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["preparing data/shakespeare-byte from the embedded Shakespeare corpus "
+                     "(first run only)"]
+    manifest = prepare.read_manifest(out)
+    assert len(manifest["inputs"]) == 38
+    assert 0.45 < manifest["tokens"]["val"] / sum(manifest["tokens"].values()) < 0.55
+    assert prepare.ensure_prepared(cfg) == out and capsys.readouterr().out == ""
+
+
+def test_default_dir_names():
+    assert prepare.default_data_dir("shakespeare", "bpe", 4096).as_posix() == (
+        "data/shakespeare-bpe-4096"
+    )
+    assert prepare.default_data_dir("texts/*.txt", "gpt2", 0).as_posix() == "data/texts-gpt2"
+    assert prepare.default_data_dir("x/my book.txt", "byte", 0).as_posix() == "data/my_book-byte"
+
+
+def run_cli(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "andrea", "prepare", *args],
+        capture_output=True, text=True, cwd=cwd, timeout=120,
+    )
+
+
+def test_cli_bad_input(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "nothing" / "x.bin").write_bytes(b"x")
+    (tmp_path / "bad.txt").write_bytes(b"good line\n" * 3 + b"caf\xe9\n" + b"more\n" * 20)
+    cases = [
+        (["--input", "missing.txt", "-t", "byte"], "missing.txt: no such file or directory"),
+        (["--input", "empty.txt", "-t", "byte"], "empty.txt: input is empty"),
+        (["--input", "nothing", "-t", "byte"], "nothing: directory has no text files"),
+        (["--input", "*.nope", "-t", "byte"], "matches no files"),
+        (["--input", "bad.txt", "-t", "byte"], "bad.txt: invalid UTF-8 at byte offset 33"),
+        (["-c", "andrea-tiny", "--set", "data.tokenizer=gpt2"], "50,257 ids but model.vocab_size"),
+        (["-c", "andrea-tiny", "--input", "bad.txt"], "--config takes its input"),
+    ]
+    for args, message in cases:
+        r = run_cli(*args, cwd=tmp_path)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "data").exists() or not list((tmp_path / "data").rglob("manifest.json"))
+    # The documented way past invalid bytes: replace them with U+FFFD.
+    args = ("--input", "bad.txt", "-t", "byte", "--errors", "replace", "-o", "out")
+    r = run_cli(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["errors"] == "replace" and manifest["tokens"]["train"] > 0

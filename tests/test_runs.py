@@ -1,0 +1,305 @@
+"""`andrea runs`: summaries of fabricated run directories in every state, damaged ones included.
+Also the optional TensorBoard sink (andrea/tensorboard.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import assert_user_error, run_andrea
+
+from andrea.config import load_config
+from andrea.errors import UserError
+from andrea.runs import list_runs, read_metrics, read_run
+from andrea.tensorboard import open_tensorboard
+
+TOKENS_PER_STEP = 512
+
+
+def train_record(step: int, loss: float | None = None, **extra) -> dict:
+    rec = {
+        "event": "train",
+        "step": step,
+        "tokens": step * TOKENS_PER_STEP,
+        "loss": 5.0 - step / 100 if loss is None else loss,
+        "lr": 1e-3 * min(1.0, step / 20),
+        "grad_norm": 10.0 / step,
+        "tokens_per_s": 1000.0 + step,
+        "mfu": None,
+        "time": 1.7e9 + step,
+    }
+    rec.update(extra)
+    return rec
+
+
+def start_record(
+    step: int = 0, max_steps: int = 100, pid: int = 1, host: str | None = None, preset="andrea-tiny"
+):
+    return {
+        "event": "start", "time": 1.7e9 + step, "step": step, "max_steps": max_steps, "pid": pid,
+        "host": host or socket.gethostname(), "resumed_from": None if step == 0 else "x",
+        "n_params": 1234, "preset": preset,
+    }
+
+
+def end_record(step: int, state: str, signal: str | None = None, checkpoint=None) -> dict:
+    return {
+        "event": "end", "time": 1.7e9 + step, "step": step, "tokens": step * TOKENS_PER_STEP,
+        "state": state, "signal": signal, "message": f"ended: {state}",
+        "best_val_loss": None, "best_val_step": None, "checkpoint": checkpoint,
+    }
+
+
+def write_run(
+    root: Path,
+    name: str,
+    records: list[dict],
+    *,
+    checkpoints: tuple[int, ...] = (),
+    config: str | None = None,
+    tail: str = "",
+) -> Path:
+    """A run directory as the trainer writes it; `tail` is appended raw (e.g. a cut-off line)."""
+    run = root / name
+    run.mkdir(parents=True)
+    if config is None:
+        config = load_config("andrea-tiny", ["train.max_steps=100"]).to_yaml()
+    if config != "<none>":
+        (run / "config.yaml").write_text(config)
+    text = "".join(json.dumps(r) + "\n" for r in records) + tail
+    (run / "metrics.jsonl").write_text(text)
+    for step in checkpoints:
+        (run / f"step-{step:06d}").mkdir()
+    if checkpoints:
+        (run / "latest").write_text(f"step-{max(checkpoints):06d}\n")
+    return run
+
+
+def normal_history(last_step: int, first_step: int = 0) -> list[dict]:
+    """Train every 10 steps, eval every 50 (val loss lowest at step 50), from first_step+10."""
+    out = []
+    for s in range(first_step + 10, last_step + 1, 10):
+        out.append(train_record(s))
+        if s % 50 == 0:
+            out.append({"event": "eval", "step": s, "tokens": s * TOKENS_PER_STEP,
+                        "val_loss": 3.0 + abs(s - 50) / 100, "time": 1.7e9 + s})
+    return out
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize(
+    "state, signal, last",
+    [
+        ("finished", None, 100),
+        ("stopped", None, 60),
+        ("interrupted", "SIGTERM", 70),
+        ("nonfinite", None, 80),
+        ("failed", None, 30),
+    ],
+)
+def test_ended_runs(tmp_path, state, signal, last):
+    records = [start_record(), *normal_history(last), end_record(last, state, signal)]
+    run = write_run(tmp_path, f"r-{state}", records, checkpoints=(20, last))
+    r = read_run(run)
+    assert r.state == state and r.signal == signal and r.problems == []
+    assert (r.step, r.max_steps, r.tokens) == (last, 100, last * TOKENS_PER_STEP)
+    assert r.preset == "andrea-tiny" and r.shape == "2L/4H/16d/64T"
+    assert r.model == "andrea-tiny 2L/4H/16d/64T"
+    assert r.last_train_loss == pytest.approx(5.0 - last / 100)
+    speeds = [1000.0 + s for s in range(10, last + 1, 10)]
+    assert r.median_tokens_per_s == pytest.approx(statistics.median(speeds))
+    if last >= 50:
+        assert (r.best_val_loss, r.best_val_step) == (pytest.approx(3.0), 50)
+    else:
+        assert r.best_val_loss is None and r.best_val_step is None
+    assert r.latest_checkpoint == f"step-{last:06d}"
+
+
+def test_running_and_crashed(tmp_path):
+    alive = write_run(tmp_path, "alive", [start_record(pid=os.getpid()), *normal_history(40)])
+    dead = write_run(tmp_path, "dead", [start_record(pid=dead_pid()), *normal_history(40)])
+    elsewhere = write_run(
+        tmp_path, "elsewhere", [start_record(pid=os.getpid(), host="other-host-xyz")]
+    )
+    assert read_run(alive).state == "running"
+    assert read_run(dead).state == "crashed"
+    r = read_run(elsewhere)
+    assert r.state == "unknown" and "other-host-xyz" in r.problems[0]
+
+
+def test_resumed_run_keeps_only_the_current_history(tmp_path):
+    # Died (no end) at step 150, resumed from the checkpoint at 100, interrupted at 120.
+    records = [
+        start_record(max_steps=200, pid=dead_pid()),
+        *normal_history(150),
+        # The trainer restarts from the run's own config.yaml, so the stem is "config".
+        start_record(step=100, max_steps=200, pid=dead_pid(), preset="config"),
+        *normal_history(120, first_step=100),
+        end_record(120, "interrupted", "SIGINT"),
+    ]
+    r = read_run(write_run(tmp_path, "resumed", records, checkpoints=(100,)))
+    assert r.state == "interrupted" and r.signal == "SIGINT"
+    assert (r.step, r.tokens, r.n_segments) == (120, 120 * TOKENS_PER_STEP, 2)
+    assert (r.preset, r.max_steps) == ("andrea-tiny", 200)
+    # Steps 130..150 of the first attempt were thrown away by the resume.
+    assert r.last_train_loss == pytest.approx(5.0 - 120 / 100)
+    speeds = [1000.0 + s for s in range(10, 121, 10)]
+    assert r.median_tokens_per_s == pytest.approx(statistics.median(speeds))
+    # A resumed run whose new segment has not ended is judged by the new segment's pid.
+    records = [start_record(), *normal_history(50), end_record(50, "interrupted", "SIGINT"),
+               start_record(step=50, pid=os.getpid())]
+    assert read_run(write_run(tmp_path, "again", records)).state == "running"
+
+
+def test_read_metrics_counts_unreadable_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    good = [start_record(), train_record(10), train_record(20, loss=float("nan"))]
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in good)
+        + "\n"  # blank: ignored, not counted
+        + "[1, 2]\n"  # JSON but not an event object
+        + '{"step": 3}\n'  # no "event" key
+        + '{"event": "train", "step": 30, "lo'  # cut off mid-write
+    )
+    records, skipped = read_metrics(path)
+    assert [r["event"] for r in records] == ["start", "train", "train"]
+    assert skipped == 3
+    assert records[2]["loss"] != records[2]["loss"]  # NaN survives the round trip
+
+
+def test_damaged_runs_are_listed_with_the_reason(tmp_path):
+    good = [start_record(pid=dead_pid()), *normal_history(50), end_record(50, "finished")]
+    write_run(tmp_path, "empty", [])
+    write_run(tmp_path, "truncated", good, tail='{"event": "train", "step": 60, "loss": 2.')
+    write_run(tmp_path, "no-config", good, config="<none>")
+    write_run(tmp_path, "bad-config", good, config="model: [unclosed\n  : :")
+    write_run(tmp_path, "list-config", good, config="- 1\n- 2\n")
+    dangling = write_run(tmp_path, "dangling", good)
+    (dangling / "latest").write_text("step-000900\n")
+    (tmp_path / "not-a-run").mkdir()  # no config, no metrics: ignored
+
+    runs = {r.name: r for r in list_runs(tmp_path)}
+    assert set(runs) == {"empty", "truncated", "no-config", "bad-config", "list-config",
+                         "dangling"}
+    assert runs["empty"].state == "unknown" and runs["empty"].problems == ["metrics.jsonl is empty"]
+    t = runs["truncated"]
+    assert t.state == "finished" and t.step == 50
+    assert t.problems == ["metrics.jsonl: 1 unreadable line(s) skipped"]
+    # Without a readable config the metrics still give steps and state, and the preset name.
+    for name, reason in [("no-config", "no config.yaml"), ("bad-config", "config.yaml unreadable"),
+                         ("list-config", "config.yaml is not a mapping")]:
+        r = runs[name]
+        assert r.state == "finished" and r.step == 50 and r.shape is None, name
+        assert r.model == "andrea-tiny" and r.problems[0].startswith(reason), (name, r.problems)
+    d = runs["dangling"]
+    assert d.latest_checkpoint == "step-000900"
+    assert d.problems == ["latest points to step-000900, which does not exist"]
+
+
+def test_list_runs_without_runs_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="no runs here"):
+        list_runs(tmp_path)
+    with pytest.raises(UserError, match="no such directory"):
+        list_runs(tmp_path / "missing")
+
+
+def test_runs_cli_table_json_and_errors(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "done", [start_record(), *normal_history(100), end_record(100, "finished")],
+              checkpoints=(100,))
+    write_run(root, "live", [start_record(pid=os.getpid()), *normal_history(30)])
+    write_run(root, "cut", [start_record(pid=dead_pid()), *normal_history(20)], tail='{"eve')
+    # A NaN loss must come out as valid JSON (null), not the non-standard NaN token.
+    write_run(root, "nan", [start_record(), train_record(10, loss=float("nan")),
+                            end_record(10, "nonfinite")])
+
+    proc = run_andrea("runs", str(root))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:3] == ["RUN", "MODEL", "STEPS"]
+    rows = {line.split()[0]: line for line in lines[1:5]}
+    assert "100/100" in rows["done"] and "finished" in rows["done"]
+    assert "step-000100" in rows["done"] and "3.0000 @50" in rows["done"]
+    assert "running" in rows["live"] and "crashed !" in rows["cut"]
+    assert "nonfinite" in rows["nan"]
+    assert "cut: ! metrics.jsonl: 1 unreadable line(s) skipped" in proc.stdout
+
+    proc = run_andrea("runs", str(root), "--json")
+    assert proc.returncode == 0, proc.stderr
+    def reject(token):
+        raise AssertionError(f"non-standard JSON token {token}")
+
+    data = {r["name"]: r for r in json.loads(proc.stdout, parse_constant=reject)}
+    assert {n: r["state"] for n, r in data.items()} == {
+        "done": "finished", "live": "running", "cut": "crashed", "nan": "nonfinite"}
+    assert data["nan"]["last_train_loss"] is None
+    assert data["done"]["tokens"] == 100 * TOKENS_PER_STEP
+    assert data["done"]["model"] == "andrea-tiny 2L/4H/16d/64T"
+
+    (tmp_path / "empty").mkdir()
+    assert_user_error(run_andrea("runs", str(tmp_path / "empty")), "no runs here")
+
+
+# --- TensorBoard -----------------------------------------------------------------------------
+
+
+def test_tensorboard_disabled_or_missing_returns_none(tmp_path, monkeypatch, capsys):
+    assert open_tensorboard(tmp_path, enabled=False) is None
+    assert capsys.readouterr().err == ""
+    # None in sys.modules makes the import fail as if the package were not installed.
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    assert open_tensorboard(tmp_path, enabled=True) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install tensorboard" in err[0]
+
+
+def test_tensorboard_writer_maps_records_to_scalars(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeSummaryWriter:
+        def __init__(self, log_dir):
+            calls.append(("init", log_dir))
+
+        def add_scalar(self, tag, value, global_step):
+            calls.append((tag, value, global_step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            calls.append(("close",))
+
+    fake = type(sys)("torch.utils.tensorboard")
+    fake.SummaryWriter = FakeSummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    tb = open_tensorboard(tmp_path, enabled=True)
+    tb.log(start_record())
+    tb.log(train_record(10, loss=float("nan"), mfu=0.25))
+    tb.log({"event": "eval", "step": 50, "tokens": 1, "val_loss": 3.5, "time": 0})
+    tb.close()
+    assert calls[0] == ("init", str(tmp_path / "tensorboard"))
+    scalars = {c[0]: (c[1], c[2]) for c in calls[1:-1]}
+    assert "train/loss" not in scalars  # NaN left out
+    assert scalars["train/lr"] == (pytest.approx(1e-3 * 10 / 20), 10)
+    assert scalars["train/mfu"] == (0.25, 10)
+    assert scalars["val/loss"] == (3.5, 50)
+    assert calls[-1] == ("close",)
+
+
+def test_tensorboard_writes_event_files(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is an optional package, not installed")
+    tb = open_tensorboard(tmp_path, enabled=True)
+    tb.log(train_record(10))
+    tb.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,0 +1,110 @@
+"""Tokenizers: known GPT-2 ids, round trips, offline hash checks, deterministic BPE training."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from andrea.errors import UserError
+from andrea.tokenizer import (
+    EOT_TEXT,
+    ByteTokenizer,
+    Gpt2Tokenizer,
+    gpt2_vocab_files,
+    load_tokenizer,
+    train_bpe,
+)
+
+NON_ASCII = "Ünïcödé — naïve café, 日本語 🙂\n\tzürich  Ελληνικά\r\n"
+
+
+@pytest.fixture(scope="module")
+def sample() -> str:
+    from andrea.corpus import shakespeare
+
+    plays = shakespeare()
+    return plays[0][1][:60_000] + plays[-1][1][:60_000]
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> Gpt2Tokenizer:
+    return Gpt2Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory, sample):
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    return train_bpe(iter([sample]), 512, path)
+
+
+def test_gpt2_known_ids(gpt2):
+    assert gpt2.encode("Hello world") == [15496, 995]
+    assert gpt2.encode("The quick brown fox") == [464, 2068, 7586, 21831]
+    assert gpt2.vocab_size == 50257 and gpt2.eot_id == 50256
+    assert gpt2.decode([50256]) == EOT_TEXT
+
+
+def test_gpt2_matches_independent_implementation(gpt2, sample):
+    # transformers' pure-Python GPT-2 BPE reads the same two files by a different route.
+    transformers = pytest.importorskip("transformers", reason="reference implementation")
+    encoder_json, vocab_bpe = gpt2_vocab_files()
+    ref = transformers.GPT2Tokenizer(str(encoder_json), str(vocab_bpe))
+    for text in (sample[:5000], NON_ASCII, "  spaces   and\ttabs\n\n", "don't we'll I'M"):
+        assert gpt2.encode(text) == ref.encode(text)
+
+
+def test_gpt2_rejects_wrong_vocabulary_file(tmp_path):
+    encoder_json, vocab_bpe = gpt2_vocab_files()
+    bad = tmp_path / "encoder.json"
+    shutil.copy(encoder_json, bad)
+    with open(bad, "ab") as f:
+        f.write(b" ")
+    with pytest.raises(UserError, match=r"encoder.json: sha256 .* is not GPT-2's"):
+        Gpt2Tokenizer(encoder_json=bad, vocab_bpe=vocab_bpe)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bpe", "byte"])
+def test_round_trip(kind, gpt2, bpe, sample):
+    tok = {"gpt2": gpt2, "bpe": bpe, "byte": ByteTokenizer()}[kind]
+    for text in (sample, NON_ASCII, "", "\n"):
+        ids = tok.encode(text)
+        assert all(0 <= i < tok.vocab_size for i in ids)
+        assert tok.decode(ids) == text
+    # Literal end-of-text characters are plain text, never the end-of-text id.
+    ids = tok.encode(f"a{EOT_TEXT}b")
+    assert tok.eot_id not in ids and tok.decode(ids) == f"a{EOT_TEXT}b"
+    assert tok.decode(tok.encode("x") + [tok.eot_id]) == "x" + EOT_TEXT
+
+
+def test_byte_tokenizer_ids_and_invalid_utf8():
+    tok = ByteTokenizer()
+    assert tok.encode("é") == [0xC3, 0xA9] and tok.vocab_size == 257 and tok.eot_id == 256
+    assert tok.decode([0xC3, 65]) == "\ufffdA"  # a cut sequence decodes, replaced
+
+
+def test_bpe_training_is_deterministic_and_sized(tmp_path, bpe, sample):
+    again = train_bpe(iter([sample]), 512, tmp_path / "tokenizer.json")
+    assert again.identity == bpe.identity
+    assert (tmp_path / "tokenizer.json").read_bytes() == bpe.path.read_bytes()
+    assert bpe.vocab_size == 512 and bpe.eot_id == 511
+    assert len(bpe.encode(sample)) < 0.7 * len(sample.encode())  # it actually merges
+
+
+def test_bpe_line_batches_equal_whole_string(bpe, sample):
+    whole = bpe._tok.encode(sample, add_special_tokens=False).ids
+    assert bpe.encode(sample) == whole
+
+
+def test_bpe_reload_and_missing(tmp_path, bpe):
+    tok = load_tokenizer("bpe", bpe.path.parent)
+    assert tok.identity == bpe.identity
+    with pytest.raises(UserError, match="no trained BPE tokenizer"):
+        load_tokenizer("bpe", tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(UserError, match="not a readable BPE tokenizer"):
+        load_tokenizer("bpe", tmp_path)
+
+
+def test_bpe_vocab_too_small(tmp_path):
+    with pytest.raises(UserError, match="vocab size 100 is too small"):
+        train_bpe(iter(["abc"]), 100, Path(tmp_path) / "t.json")

@@ -1,0 +1,279 @@
+"""The training loop: learning, exact resume, several processes, checkpoints, signals, faults."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_user_error, run_andrea
+
+from andrea import checkpoint as ckpt_io
+from andrea.config import load_config
+from andrea.flops import format_mfu, mfu, peak_flops
+from andrea.model import Andrea
+from andrea.schedule import lr_at
+from andrea.train import build_optimizer, train
+
+# data_dir: the session fixture in conftest.py (the tiny preset's prepared data).
+
+
+def tiny(tmp_path: Path, data_dir: Path, *sets: str):
+    base = [
+        f"data.dir={data_dir}", f"train.runs_dir={tmp_path / 'runs'}", "train.name=t",
+        "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
+    ]
+    return load_config("andrea-tiny", base + list(sets))
+
+
+def write_config(tmp_path: Path, cfg) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(cfg.to_yaml())
+    return path
+
+
+def read_events(run_dir: Path, event: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+def test_loss_falls_within_50_steps(tmp_path, data_dir):
+    result = train(tiny(tmp_path, data_dir, "train.max_steps=50", "train.eval_every=50"),
+                   progress=False)
+    first, last = result.losses[1], sum(result.losses[s] for s in range(46, 51)) / 5
+    assert last < 0.7 * first, (first, last)
+    assert result.best_val_loss is not None and result.best_val_loss < 0.7 * first
+    assert (result.run_dir / "latest").read_text().strip() == "step-000050"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_exact_resume_bit_for_bit(tmp_path, data_dir, precision):
+    sets = ("train.max_steps=12", f"train.precision={precision}", "model.dropout=0.1",
+            "train.global_batch_tokens=1024")  # 2 accumulation steps; dropout uses the RNG
+    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    first = train(tiny(tmp_path / "b", data_dir, *sets), progress=False, stop_after=5)
+    assert first.state == "stopped" and first.steps == 5
+    rest = train(tiny(tmp_path / "b", data_dir, *sets), resume=str(first.run_dir),
+                 progress=False)
+    assert rest.steps == 12
+    resumed = {**first.losses, **rest.losses}
+    assert resumed == whole.losses  # exact float equality, every step
+    a = ckpt_io.read_model_checkpoint(whole.checkpoint)[0]
+    b = ckpt_io.read_model_checkpoint(rest.checkpoint)[0]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_schedules_at_chosen_steps():
+    t = load_config("andrea-tiny", ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=10",
+                                    "train.max_steps=110"]).train
+    assert lr_at(0, t) == pytest.approx(0.1)
+    assert lr_at(9, t) == pytest.approx(1.0)
+    assert lr_at(60, t) == pytest.approx(0.55)  # halfway through the cosine
+    assert lr_at(110, t) == pytest.approx(0.1)
+    t.schedule = "constant"
+    assert lr_at(5, t) == pytest.approx(0.6) and lr_at(100, t) == 1.0
+    t.schedule, t.decay_fraction = "wsd", 0.1  # decays over the last 11 steps
+    assert lr_at(98, t) == 1.0
+    assert lr_at(99, t) == pytest.approx(1.0 - 0.9 / 11)
+    assert lr_at(109, t) == pytest.approx(0.1)
+
+
+def test_weight_decay_only_on_matrices(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "model.bias=true")
+    model = Andrea(cfg.model)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    decayed = {id(p) for p in opt.param_groups[0]["params"]}
+    for name, p in model.named_parameters():
+        expect = p.dim() == 2 and "emb" not in name
+        assert (id(p) in decayed) == expect, name
+    assert opt.param_groups[1]["weight_decay"] == 0.0
+
+
+def test_checkpoint_round_trip(tmp_path, data_dir):
+    result = train(tiny(tmp_path, data_dir, "train.max_steps=3"), progress=False)
+    tensors, cfg, meta = ckpt_io.read_model_checkpoint(result.checkpoint)
+    assert meta["step"] == "3" and meta["tokenizer"] == "byte:v1"
+    assert not any("_orig_mod" in k or k.startswith("module.") for k in tensors)
+    model = Andrea(cfg.model)
+    ckpt_io.load_weights(model, tensors, result.checkpoint)
+    assert model.lm_head.weight is model.tok_emb.weight
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    ckpt_io.load_optimizer(opt, names, result.checkpoint)
+    again = ckpt_io.optimizer_state(opt, names)
+    stored, _ = ckpt_io.read_safetensors(result.checkpoint / ckpt_io.OPTIMIZER_FILE)
+    assert stored.keys() == again.keys()
+    assert all(torch.equal(stored[k], again[k]) for k in stored)
+    state, rng = ckpt_io.read_trainer_state(result.checkpoint)
+    assert state["step"] == 3 and state["tokens"] == 3 * 8 * 64
+    assert "cpu.rank0" in rng
+
+
+def test_mfu_is_na_for_an_unknown_device():
+    assert peak_flops(torch.device("meta"), torch.float32) is None
+    assert format_mfu(mfu(1000.0, 1e6, None)) == "n/a"
+    assert mfu(1000.0, 1e6, 1e12) == pytest.approx(1e-3)
+
+
+def test_two_processes_match_one_and_resume_in_one(tmp_path, data_dir):
+    sets = ("train.max_steps=6", "train.precision=fp32", "train.micro_batch_size=4",
+            "train.global_batch_tokens=512")
+    one = train(tiny(tmp_path / "one", data_dir, *sets), progress=False)  # 2 accumulation steps
+    cfg2 = tiny(tmp_path / "two", data_dir, *sets)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "andrea", "train",
+         "-c", str(write_config(tmp_path, cfg2)), "--no-progress", "--stop-after", "3"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("stopped: 3 steps") == 1  # only rank 0 speaks
+    run2 = Path(cfg2.train.runs_dir) / "t"
+    assert read_events(run2, "start")[0]["world_size"] == 2
+    two = {r["step"]: r["loss"] for r in read_events(run2, "train")}
+    assert sorted(two) == [1, 2, 3]
+    for step, loss in two.items():
+        assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
+    rest = train(cfg2, resume=str(run2), progress=False)  # one process takes over
+    for step in (4, 5, 6):
+        assert math.isclose(rest.losses[step], one.losses[step], rel_tol=1e-4)
+
+
+def _start(tmp_path: Path, cfg, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "andrea", "train", "-c", str(write_config(tmp_path, cfg)),
+         "--no-progress", *args],
+        env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early: {proc.communicate()}")
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_checkpoints_and_exits(tmp_path, data_dir, sig, code):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=100000")
+    run_dir = Path(cfg.train.runs_dir) / "t"
+    proc = _start(tmp_path, cfg)
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists()
+              and '"train"' in (run_dir / "metrics.jsonl").read_text(), proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    (end,) = read_events(run_dir, "end")
+    assert end["state"] == "interrupted" and end["signal"] == sig.name
+    latest = ckpt_io.resolve_checkpoint(run_dir)
+    assert latest.name == end["checkpoint"] and latest.name in out
+    assert ckpt_io.read_trainer_state(latest)[0]["step"] == end["step"]
+
+
+def test_second_ctrl_c_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=100000", "train.checkpoint_every=2")
+    run_dir = Path(cfg.train.runs_dir) / "t"
+    # Every checkpoint takes 3 s to write, so the second Ctrl-C lands inside the one that the
+    # first Ctrl-C asked for.
+    proc = _start(tmp_path, cfg, env={"ANDREA_TEST_CHECKPOINT_DELAY": "3"})
+    _wait_for(lambda: (run_dir / "latest").exists(), proc)
+    before = int(ckpt_io.resolve_checkpoint(run_dir).name[5:])
+    proc.send_signal(signal.SIGINT)
+    _wait_for(lambda: any(run_dir.glob("*.partial-*/model.safetensors")), proc)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    latest = ckpt_io.resolve_checkpoint(run_dir)
+    assert int(latest.name[5:]) in (before, before + 2)
+    ckpt_io.read_model_checkpoint(latest)  # complete and loadable
+    (cut,) = run_dir.glob("*.partial-*")  # the interrupted write, never made the latest
+    assert not (cut / ckpt_io.STATE_FILE).exists()
+    assert int(cut.name[5:11]) > int(latest.name[5:])
+
+
+def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=100000", "train.checkpoint_every=5")
+    run_dir = Path(cfg.train.runs_dir) / "t"
+    # step-000005 is written slowly too; wait for it, then catch step-000010 half written.
+    proc = _start(tmp_path, cfg, env={"ANDREA_TEST_CHECKPOINT_DELAY": "2"})
+    _wait_for(lambda: (run_dir / "latest").exists(), proc)
+    _wait_for(lambda: any(run_dir.glob("step-000010.partial-*/model.safetensors")), proc)
+    proc.kill()
+    proc.communicate()
+    assert (run_dir / "latest").read_text().strip() == "step-000005"
+    tensors, _, meta = ckpt_io.read_model_checkpoint(ckpt_io.resolve_checkpoint(run_dir))
+    assert meta["step"] == "5" and tensors
+    # Resuming continues from step 5 and sweeps away the half-written folder.
+    result = train(cfg, resume=str(run_dir), progress=False, stop_after=1)
+    assert result.steps == 6
+    assert not list(run_dir.glob("*.partial-*"))
+
+
+def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=20", "train.checkpoint_every=5")
+    path = write_config(tmp_path, cfg)
+    proc = run_andrea("train", "-c", str(path), "--no-progress",
+                      env={"ANDREA_TEST_NAN_AT_STEP": "7"})
+    assert proc.returncode == 1
+    assert "step 7" in proc.stderr and "step-000005" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    run_dir = Path(cfg.train.runs_dir) / "t"
+    assert (run_dir / "latest").read_text().strip() == "step-000005"
+    assert read_events(run_dir, "end")[-1]["state"] == "nonfinite"
+
+    skip = run_andrea("train", "-c", str(path), "--no-progress", "--overwrite",
+                      "--set", "train.skip_nonfinite=true",
+                      env={"ANDREA_TEST_NAN_AT_STEP": "7"})
+    assert skip.returncode == 0, skip.stderr
+    assert [r["step"] for r in read_events(run_dir, "skip")] == [7]
+    assert read_events(run_dir, "end")[-1]["state"] == "finished"
+
+
+def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
+    result = train(cfg, progress=False)
+    run = str(result.run_dir)
+    assert_user_error(run_andrea("train", "--resume", str(tmp_path)), "not a run")
+    assert_user_error(run_andrea("train", "--resume", str(tmp_path / "nope")), "no such run")
+    assert_user_error(
+        run_andrea("train", "--resume", run, "--set", "model.n_layer=3"),
+        "changes the model on resume", "model.n_layer: 2 -> 3",
+    )
+    assert_user_error(run_andrea("train", "-c", str(write_config(tmp_path, cfg))),
+                      "already holds a run", "--resume")
+
+    stored = load_config(result.run_dir / "config.yaml")
+    shape_dir = tmp_path / "shape"
+    shape_dir.mkdir()
+    (shape_dir / "config.yaml").write_text(
+        (result.run_dir / "config.yaml").read_text()
+        .replace(f"head_dim: {stored.model.head_dim}", "head_dim: 8")
+        .replace(f"d_model: {stored.model.d_model}", "d_model: 32"))
+    (shape_dir / "latest").write_text(result.checkpoint.name)
+    os.symlink(result.checkpoint, shape_dir / result.checkpoint.name)
+    assert_user_error(
+        run_andrea("train", "--resume", str(shape_dir)),
+        "blocks.0.attn.out.weight", "[64, 64] in the checkpoint", "[32, 32] in the model",
+    )
+
+    model_file = result.checkpoint / ckpt_io.MODEL_FILE
+    model_file.write_bytes(model_file.read_bytes()[:1000])
+    assert_user_error(run_andrea("train", "--resume", run), "model.safetensors", "truncated")
