@@ -117,6 +117,24 @@ def test_checkpoint_round_trip(tmp_path, data_dir):
     assert "cpu.rank0" in rng
 
 
+def test_keep_last_prunes_old_checkpoints(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=4", "train.checkpoint_every=1",
+               "train.keep_last=2")
+    result = train(cfg, progress=False)
+    assert [p.name for p in ckpt_io.list_checkpoints(result.run_dir)] == [
+        "step-000003", "step-000004"]
+    assert len(read_events(result.run_dir, "checkpoint")) == 4
+
+
+def test_compiled_model_state_has_plain_keys():
+    model = Andrea(load_config("andrea-tiny").model)
+    compiled = torch.compile(model)  # wrapping is lazy: nothing compiles until it is called
+    assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    keys = ckpt_io.model_state(compiled).keys()
+    assert keys == ckpt_io.model_state(model).keys()
+    assert not any("_orig_mod" in k for k in keys) and "lm_head.weight" not in keys
+
+
 def test_mfu_is_na_for_an_unknown_device():
     assert peak_flops(torch.device("meta"), torch.float32) is None
     assert format_mfu(mfu(1000.0, 1e6, None)) == "n/a"
