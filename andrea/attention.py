@@ -82,7 +82,7 @@ def cuda_unavailable_reason(head_dim: int, device: torch.device) -> str | None:
         dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
         return f"head_dim {head_dim} has no specialised CUDA kernel (supported: {dims})"
     try:
-        import cupy  # noqa: F401
+        import cupy
     except ImportError:
         return (
             "CuPy is not installed: pip install -e '.[cuda]' (cupy-cuda13x; "
@@ -92,6 +92,15 @@ def cuda_unavailable_reason(head_dim: int, device: torch.device) -> str | None:
         import andrea.cuda_attention  # noqa: F401
     except ImportError as exc:
         return f"the CUDA attention runtime failed to import: {exc}"
+    try:
+        # A CuPy built for another CUDA major version imports fine and fails here.
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CuPy sees no GPU"
+    except Exception as exc:  # CuPy raises its own CUDARuntimeError, or ImportError for a lib
+        return (
+            f"CuPy cannot use the GPU ({type(exc).__name__}: {exc}); install the CuPy wheel "
+            "for this CUDA version (cupy-cuda13x, or cupy-cuda12x for CUDA 12)"
+        )
     return None
 
 

@@ -241,6 +241,52 @@ def import_cmd(
     typer.echo(f"wrote {ckpt}; fine-tune with: andrea train --resume {ckpt.parent}")
 
 
+@app.command("bench")
+def bench_cmd(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Small sizes, bf16 only: about a minute on a CPU.")
+    ] = False,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    backend: Annotated[
+        list[str] | None,
+        typer.Option("--backend", help="cuda, sdpa, sdpa_flash or math (repeatable; default all "
+                     "that run here)."),
+    ] = None,
+    dtype: Annotated[
+        list[str] | None, typer.Option("--dtype", help="bf16 or fp32 (repeatable; default both).")
+    ] = None,
+    shape: Annotated[
+        list[str] | None,
+        typer.Option("--shape", help="gpt2 (8,12,1024,64) or andrea-12m (8,12,256,32)."),
+    ] = None,
+    batch: Annotated[
+        int | None, typer.Option("--batch", help="Override B of the attention shapes.")
+    ] = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs (median).")] = 10,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs first.")] = 3,
+    preset: Annotated[
+        str | None,
+        typer.Option("--preset", help="Training benchmark preset (default andrea-120m on a GPU, "
+                     "andrea-12m on a CPU)."),
+    ] = None,
+    train_steps: Annotated[int, typer.Option("--train-steps", help="Timed training steps.")] = 10,
+    set_: SetOpt = None,
+    train: Annotated[
+        bool, typer.Option("--train/--no-train", help="Run the training-step benchmark.")
+    ] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Time attention (fwd, bwd, fwd+bwd per backend) and training steps; a table at the end."""
+    from andrea.bench import format_table, run_bench
+
+    result = run_bench(
+        device=device, backends=backend, dtypes=dtype, shapes=shape, batch=batch,
+        repeats=repeats, warmup=warmup, preset=preset, train_steps=train_steps,
+        train_overrides=set_, train=train, quick=quick,
+    )
+    typer.echo(result.to_json() if as_json else format_table(result))
+
+
 def main() -> None:
     """Entry point: bad input becomes one line on stderr and exit code 2, never a traceback."""
     try:

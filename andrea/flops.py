@@ -96,9 +96,12 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation, or None when unknown or impossible (a peak probed while the
+    machine was busy can read below what a run later reaches; that MFU would exceed 1)."""
     if peak is None or peak <= 0 or tokens_per_s <= 0:
         return None
-    return tokens_per_s * flops_token / peak
+    value = tokens_per_s * flops_token / peak
+    return value if value <= 1.0 else None
 
 
 def format_mfu(value: float | None) -> str:

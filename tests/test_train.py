@@ -139,6 +139,7 @@ def test_mfu_is_na_for_an_unknown_device():
     assert peak_flops(torch.device("meta"), torch.float32) is None
     assert format_mfu(mfu(1000.0, 1e6, None)) == "n/a"
     assert mfu(1000.0, 1e6, 1e12) == pytest.approx(1e-3)
+    assert mfu(1000.0, 1e6, 1e8) is None  # above 100%: a stale peak, never printed
 
 
 def test_two_processes_match_one_and_resume_in_one(tmp_path, data_dir):

@@ -1,0 +1,345 @@
+"""`andrea bench`: attention kernels per backend, and training steps of a preset.
+
+Attention: forward, backward and forward+backward of causal attention at fixed shapes, per
+backend and dtype; the median over `repeats` runs after `warmup` runs, timed with CUDA events on a
+GPU (device time) and with perf_counter on the CPU. Backward alone is timed after an untimed
+forward, so it is the backward kernels only.
+
+FLOPs counted (the convention of the FlashAttention papers, with the causal half removed):
+forward = 2 matmuls of 2·B·H·T²·D each, halved by the causal mask = 2·B·H·T²·D;
+backward = 5 such matmuls (recompute S, dV, dP, dQ, dK) = 2.5 × forward. Softmax, masking and
+exponentials are not counted. A backend that computes the masked half anyway (math) is still
+credited with the causal count, so its TFLOP/s is comparable with the others.
+
+Training: steps of a preset on random tokens, one micro-batch of train.micro_batch_size a step
+(forward under autocast, backward, gradient clipping, AdamW), built from the trainer's own pieces
+(model, optimizer builder, precision choice, FLOPs per token, peak for MFU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from andrea.attention import attention, cuda_unavailable_reason
+from andrea.errors import UserError
+
+# name -> (B, n_head, T, head_dim)
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "gpt2": (8, 12, 1024, 64),  # GPT-2 small / ANDREA-120M attention
+    "andrea-12m": (8, 12, 256, 32),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+BACKENDS = ("cuda", "sdpa", "sdpa_flash", "math")
+MODES = ("fwd", "bwd", "fwd_bwd")
+
+
+@dataclass
+class AttentionRow:
+    shape: str
+    backend: str
+    dtype: str
+    batch: int
+    n_head: int
+    seq_len: int
+    head_dim: int
+    ms: dict[str, float] = field(default_factory=dict)  # mode -> median milliseconds
+    tflops: dict[str, float] = field(default_factory=dict)  # mode -> achieved TFLOP/s
+
+
+@dataclass
+class TrainRow:
+    preset: str
+    backend: str
+    dtype: str
+    micro_batch_size: int
+    block_size: int
+    n_params: int
+    step_ms: float
+    tokens_per_s: float
+    mfu: float | None
+
+
+@dataclass
+class BenchResult:
+    device: str
+    device_name: str
+    torch_version: str
+    repeats: int
+    warmup: int
+    attention: list[AttentionRow]
+    train: list[TrainRow]
+    skipped: list[str]  # "what: why" for every backend or case not run
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchResult:
+        d = json.loads(text)
+        d["attention"] = [AttentionRow(**r) for r in d["attention"]]
+        d["train"] = [TrainRow(**r) for r in d["train"]]
+        return cls(**d)
+
+
+def attention_flops(batch: int, n_head: int, seq_len: int, head_dim: int) -> dict[str, float]:
+    """Causal attention FLOPs by mode (see the module docstring)."""
+    fwd = 2.0 * batch * n_head * seq_len * seq_len * head_dim
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}
+
+
+def median_ms(
+    device: torch.device, repeats: int, warmup: int, timed: Callable[[Any], Any],
+    prepare: Callable[[], Any] | None = None,
+) -> float:
+    """Median milliseconds of timed(prepare()) over `repeats` after `warmup`; prepare untimed."""
+    times = []
+    for i in range(warmup + repeats):
+        state = prepare() if prepare is not None else None
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()  # after prepare's work in stream order: it is not counted
+            timed(state)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            timed(state)
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    return statistics.median(times)
+
+
+def _attention_fn(backend: str) -> Callable[..., torch.Tensor]:
+    if backend == "sdpa_flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return attention(q, k, v, "sdpa")
+
+        return flash
+    return lambda q, k, v: attention(q, k, v, backend)
+
+
+def bench_attention(
+    shape_name: str, shape: tuple[int, int, int, int], backend: str, dtype_name: str,
+    device: torch.device, repeats: int, warmup: int,
+) -> AttentionRow:
+    b, h, t, d = shape
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(b, h, t, d, device=device, dtype=dtype, generator=gen) for _ in range(4)
+    )
+    for x in (q, k, v):
+        x.requires_grad_()
+    fn = _attention_fn(backend)
+
+    def grads(out: torch.Tensor) -> Any:
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    row = AttentionRow(shape_name, backend, dtype_name, b, h, t, d)
+    # Forward with inputs that require grad, as in training: a backend saves what its backward
+    # needs; the graph is dropped right after.
+    row.ms["fwd"] = median_ms(device, repeats, warmup, lambda _: fn(q, k, v))
+    row.ms["bwd"] = median_ms(device, repeats, warmup, grads, prepare=lambda: fn(q, k, v))
+    row.ms["fwd_bwd"] = median_ms(device, repeats, warmup, lambda _: grads(fn(q, k, v)))
+    flops = attention_flops(b, h, t, d)
+    row.tflops = {m: flops[m] / (row.ms[m] * 1e-3) / 1e12 for m in MODES}
+    return row
+
+
+def bench_train(
+    preset: str, backend: str, device: torch.device, steps: int, warmup: int,
+    overrides: list[str],
+) -> TrainRow:
+    """Median step time of `preset` with `backend` on random tokens."""
+    from andrea.config import load_config
+    from andrea.flops import flops_per_token, mfu, peak_flops
+    from andrea.model import Andrea
+    from andrea.train import build_optimizer, pick_dtype
+
+    cfg = load_config(preset, overrides)
+    dtype = pick_dtype(cfg.train.precision, device)
+    torch.manual_seed(cfg.train.seed)
+    model = Andrea(cfg.model, attention_backend=backend).to(device)
+    model.train()
+    optimizer = build_optimizer(model, cfg, device)
+    shape = (cfg.train.micro_batch_size, cfg.model.block_size)
+    x = torch.randint(cfg.model.vocab_size, shape, device=device)
+    y = torch.randint(cfg.model.vocab_size, shape, device=device)
+    clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
+
+    def step(_: Any) -> None:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step_ms = median_ms(device, steps, warmup, step)
+    n_params = model.num_params()
+    tok_s = shape[0] * shape[1] / (step_ms * 1e-3)
+    flops_token = flops_per_token(cfg.model, n_params)
+    return TrainRow(
+        preset=preset, backend=backend, dtype=str(dtype).removeprefix("torch."),
+        micro_batch_size=shape[0], block_size=shape[1], n_params=n_params, step_ms=step_ms,
+        tokens_per_s=tok_s, mfu=mfu(tok_s, flops_token, peak_flops(device, dtype)),
+    )
+
+
+def _device(requested: str) -> torch.device:
+    from andrea.train import pick_device
+
+    return pick_device(requested)
+
+
+def run_bench(
+    *, device: str = "auto", backends: list[str] | None = None, dtypes: list[str] | None = None,
+    shapes: list[str] | None = None, batch: int | None = None, repeats: int = 10,
+    warmup: int = 3, preset: str | None = None, train_steps: int = 10, train_warmup: int = 3,
+    train_overrides: list[str] | None = None, train: bool = True, quick: bool = False,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> BenchResult:
+    """Runs the benchmark; `log` gets one line per case as it finishes.
+
+    quick: small enough for a 2-core CPU in about a minute (batch 1, bf16 only, 3 repeats after
+    1 warm-up, training ANDREA-12M at micro-batch 2 for 3 steps).
+    """
+    dev = _device(device)
+    if quick:
+        batch = 1 if batch is None else batch
+        repeats, warmup, train_steps, train_warmup = min(repeats, 3), 1, 3, 1
+        dtypes = dtypes or ["bf16"]
+        train_overrides = ["train.micro_batch_size=2", *(train_overrides or [])]
+    for name in backends or []:
+        if name not in BACKENDS:
+            raise UserError(f"--backend {name}: expected one of {', '.join(BACKENDS)}")
+    for name in dtypes or []:
+        if name not in DTYPES:
+            raise UserError(f"--dtype {name}: expected one of {', '.join(DTYPES)}")
+    for name in shapes or []:
+        if name not in SHAPES:
+            raise UserError(f"--shape {name}: expected one of {', '.join(SHAPES)}")
+    if batch is not None and batch < 1:
+        raise UserError(f"--batch {batch}: must be a positive integer")
+    if repeats < 1 or warmup < 0:
+        raise UserError(f"--repeats {repeats} / --warmup {warmup}: need repeats >= 1, warmup >= 0")
+    if backends and "cuda" in backends:
+        # Asked for by name where it cannot run at all: the user's mistake, said at once.
+        why = cuda_unavailable_reason(64, dev)
+        if why is not None:
+            raise UserError(f"--backend cuda cannot run here: {why}")
+    if backends and "sdpa_flash" in backends and dev.type != "cuda":
+        raise UserError(f"--backend sdpa_flash needs a GPU; the device is {dev}")
+    wanted = backends or [b for b in BACKENDS if b != "sdpa_flash" or dev.type == "cuda"]
+    dtypes = dtypes or list(DTYPES)
+    shapes = shapes or list(SHAPES)
+
+    result = BenchResult(
+        device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
+        or platform.machine(),
+        torch_version=torch.__version__, repeats=repeats, warmup=warmup,
+        attention=[], train=[], skipped=[],
+    )
+
+    def usable(backend: str, head_dim: int, dtype_name: str, what: str) -> bool:
+        why = None
+        if backend == "cuda":
+            why = cuda_unavailable_reason(head_dim, dev)
+        elif backend == "sdpa_flash" and (dev.type != "cuda" or dtype_name != "bf16"):
+            why = "the flash SDPA kernel needs a GPU and bf16"
+        if why is None:
+            return True
+        result.skipped.append(f"{what} {backend}: {why}")
+        log(f"skip {what} {backend}: {why}")
+        return False
+
+    for shape_name in shapes:
+        b, h, t, d = SHAPES[shape_name]
+        shape = (batch or b, h, t, d)
+        for dtype_name in dtypes:
+            for backend in wanted:
+                what = f"attention {shape_name} {dtype_name}"
+                if not usable(backend, d, dtype_name, what):
+                    continue
+                try:
+                    row = bench_attention(shape_name, shape, backend, dtype_name, dev,
+                                          repeats, warmup)
+                except RuntimeError as exc:  # e.g. no flash kernel for this GPU
+                    result.skipped.append(f"{what} {backend}: {str(exc).splitlines()[0]}")
+                    log(f"skip {what} {backend}: {str(exc).splitlines()[0]}")
+                    continue
+                result.attention.append(row)
+                log(f"{what} {backend}: " + ", ".join(
+                    f"{m} {row.ms[m]:.3f} ms" for m in MODES))
+
+    if train:
+        from andrea.config import load_config
+
+        preset = preset or ("andrea-120m" if dev.type == "cuda" and not quick else "andrea-12m")
+        overrides = train_overrides or []
+        head_dim = load_config(preset, overrides).model.head_dim
+        for backend in [b for b in wanted if b in ("cuda", "sdpa")]:
+            if not usable(backend, head_dim, "", f"train {preset}"):
+                continue
+            row = bench_train(preset, backend, dev, train_steps, train_warmup, overrides)
+            result.train.append(row)
+            log(f"train {preset} {backend}: {row.tokens_per_s:,.0f} tokens/s")
+    return result
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def format_table(result: BenchResult) -> str:
+    lines = [f"device: {result.device} ({result.device_name}), torch {result.torch_version}, "
+             f"median of {result.repeats} after {result.warmup} warm-up"]
+    if result.attention:
+        lines.append("")
+        lines.append(
+            f"{'shape':<11} {'B,H,T,D':<15} {'dtype':<5} {'backend':<10} {'fwd ms':>9} "
+            f"{'bwd ms':>9} {'f+b ms':>9} {'fwd TF/s':>9} {'bwd TF/s':>9} {'f+b TF/s':>9} "
+            f"{'f+b vs sdpa':>11}"
+        )
+        sdpa = {(r.shape, r.dtype): r.ms["fwd_bwd"] for r in result.attention
+                if r.backend == "sdpa"}
+        for r in result.attention:
+            base = sdpa.get((r.shape, r.dtype))
+            ratio = f"{base / r.ms['fwd_bwd']:.2f}x" if base else "n/a"
+            dims = f"{r.batch},{r.n_head},{r.seq_len},{r.head_dim}"
+            lines.append(
+                f"{r.shape:<11} {dims:<15} {r.dtype:<5} {r.backend:<10} {r.ms['fwd']:>9.3f} "
+                f"{r.ms['bwd']:>9.3f} {r.ms['fwd_bwd']:>9.3f} {r.tflops['fwd']:>9.3f} "
+                f"{r.tflops['bwd']:>9.3f} {r.tflops['fwd_bwd']:>9.3f} {ratio:>11}"
+            )
+    if result.train:
+        lines.append("")
+        lines.append(f"{'preset':<12} {'backend':<8} {'dtype':<9} {'batch x T':<11} "
+                     f"{'step ms':>9} {'tokens/s':>11} {'MFU':>7}")
+        for r in result.train:
+            lines.append(
+                f"{r.preset:<12} {r.backend:<8} {r.dtype:<9} "
+                f"{f'{r.micro_batch_size} x {r.block_size}':<11} {r.step_ms:>9.1f} "
+                f"{r.tokens_per_s:>11,.0f} {_fmt(r.mfu, '.1%'):>7}"
+            )
+    if result.skipped:
+        lines.append("")
+        lines.extend(f"skipped: {s}" for s in result.skipped)
+    return "\n".join(lines)

@@ -1,0 +1,325 @@
+"""The "cuda" attention backend: kernels/microgpt_cuda.cu through CuPy, as a torch autograd op.
+
+Pieces, smallest first:
+
+- a *launcher* runs one `Launch` (andrea.kernel_launch) with torch tensors and scalars as the
+  kernel arguments. `CupyLauncher` JIT-compiles the .cu file with `cupy.RawModule` (NVRTC, the
+  options and name expressions of andrea.kernel_launch) and launches on PyTorch's current CUDA
+  stream, passing tensors by `data_ptr()` without copies. `EmulatorLauncher` runs the same
+  kernels on the CPU (andrea.kernel_emulator), so the autograd wiring below is testable without a
+  GPU;
+- `attention_forward` / `attention_backward`: the launch sequence of one causal attention,
+  forward (O and the log-sum-exp) and backward (preprocess, dQ, dK/dV);
+- `CudaAttention`, a `torch.autograd.Function` that saves q, k, v, O and the log-sum-exp for the
+  backward (never the T x T matrix), and `cuda_attention(q, k, v)`, which the model calls.
+
+Importing this module needs neither CuPy nor a GPU; CuPy is imported when a GPU launcher is made.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import threading
+from typing import Any, Protocol
+
+import torch
+
+from andrea.kernel_launch import (
+    KERNEL_TEMPLATES,
+    Launch,
+    attention_launches,
+    check_dtype,
+    check_head_dim,
+    nvrtc_options,
+)
+from andrea.resources import kernels_dir
+
+KERNEL_FILE = "microgpt_cuda.cu"
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+ALIGNMENT = 16  # bytes; the kernels load 16-byte vectors from every tensor's base pointer
+
+KernelArg = torch.Tensor | int | float
+
+
+class Launcher(Protocol):
+    """Runs one kernel launch; tensor arguments are passed by pointer, scalars by value."""
+
+    device_type: str
+
+    def launch(self, launch: Launch, *args: KernelArg) -> None: ...
+
+
+class EmulatorLauncher:
+    """The kernels on the CPU through the g++-built emulator (slow; for tests)."""
+
+    device_type = "cpu"
+
+    def __init__(self, emulator: Any = None) -> None:
+        from andrea.kernel_emulator import default_emulator
+
+        self.emulator = emulator or default_emulator()
+
+    def launch(self, launch: Launch, *args: KernelArg) -> None:
+        self.emulator.launch(launch, *args)
+
+
+def kernel_source() -> str:
+    return (kernels_dir() / KERNEL_FILE).read_text()
+
+
+def device_arch(device: torch.device) -> str:
+    """NVRTC's name of the device's architecture, e.g. "sm_90" for an H100/H200."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+# Compiled modules of this process, keyed by (source sha256, arch, options, name expressions).
+# CuPy also keeps every compiled cubin on disk (CUPY_CACHE_DIR, keyed by source and options), so
+# a later run loads instead of recompiling.
+_MODULES: dict[tuple[str, str, tuple[str, ...], tuple[str, ...]], Any] = {}
+_MODULES_LOCK = threading.Lock()
+
+
+def compiled_module(source: str, arch: str, names: tuple[str, ...]) -> Any:
+    """A cupy.RawModule of `source` for `arch` holding the kernel instances `names`."""
+    import cupy
+
+    options = tuple(nvrtc_options(arch))
+    key = (hashlib.sha256(source.encode()).hexdigest(), arch, options, names)
+    with _MODULES_LOCK:
+        module = _MODULES.get(key)
+        if module is None:
+            module = cupy.RawModule(
+                code=source, options=options, backend="nvrtc", name_expressions=list(names)
+            )
+            module.compile()  # compile now, not at the first launch inside a timed region
+            _MODULES[key] = module
+    return module
+
+
+class CupyLauncher:
+    """The kernels on one GPU through CuPy, on PyTorch's current stream for that device."""
+
+    device_type = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        import cupy  # noqa: F401  (fail here, with the import error, not at the first launch)
+
+        self.device = device
+        self.arch = device_arch(device)
+        self.source = kernel_source()
+        self._functions: dict[str, Any] = {}
+
+    def _function(self, name: str) -> Any:
+        fn = self._functions.get(name)
+        if fn is None:
+            # One module per (dtype, head_dim): compile only the instances a model uses, which
+            # keeps the first call's NVRTC time to a sixth of compiling every instance.
+            template_args = name[name.index("<") :]
+            names = tuple(f"{t}{template_args}" for t in KERNEL_TEMPLATES.values())
+            module = compiled_module(self.source, self.arch, names)
+            fn = self._functions[name] = module.get_function(name)
+        return fn
+
+    def launch(self, launch: Launch, *args: KernelArg) -> None:
+        import cupy
+        import numpy as np
+
+        values: list[Any] = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                values.append(np.uint64(a.data_ptr()))  # a pointer, no copy
+            elif isinstance(a, bool) or not isinstance(a, int | float):
+                raise TypeError(f"unsupported kernel argument {a!r}")
+            elif isinstance(a, int):
+                values.append(np.int32(a))  # the kernels take `int`
+            else:
+                values.append(np.float32(a))  # and `float`
+        with cupy.cuda.Device(self.device.index):
+            fn = self._function(launch.name)
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream)
+            with stream:
+                fn(launch.grid, launch.block, tuple(values), shared_mem=0)
+
+
+_launchers: dict[int, CupyLauncher] = {}
+
+
+def gpu_launcher(device: torch.device) -> CupyLauncher:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _launchers:
+        _launchers[index] = CupyLauncher(torch.device("cuda", index))
+    return _launchers[index]
+
+
+def default_launcher(device: torch.device) -> Launcher:
+    if device.type != "cuda":
+        raise ValueError(
+            f"the cuda attention backend needs CUDA tensors, got device {device}; "
+            "pass launcher=EmulatorLauncher() to run the kernels on the CPU"
+        )
+    return gpu_launcher(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and the launch sequence
+
+
+@functools.lru_cache(maxsize=64)
+def _launches(b: int, h: int, t: int, d: int, dtype: str) -> dict[str, Launch]:
+    return attention_launches(b, h, t, d, dtype)
+
+
+def _check_tensor(name: str, x: torch.Tensor, like: torch.Tensor, shape: tuple[int, ...],
+                  dtype: torch.dtype, device_type: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.device != like.device or x.device.type != device_type:
+        raise ValueError(
+            f"{name} is on {x.device}; every attention tensor must be on one {device_type} device "
+            f"(q is on {like.device})"
+        )
+    if x.dtype != dtype:
+        raise ValueError(f"{name} is {x.dtype}, expected {dtype} like q")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {shape}")
+    if not x.is_contiguous():
+        raise ValueError(
+            f"{name} is not contiguous (strides {x.stride()}); the kernels read "
+            "[B, n_head, T, head_dim] row-major: call .contiguous() first"
+        )
+    if x.data_ptr() % ALIGNMENT:
+        raise ValueError(
+            f"{name}'s data pointer is not {ALIGNMENT}-byte aligned (a view at an offset?)"
+        )
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 device_type: str) -> tuple[int, int, int, int, str]:
+    """Validates q, k, v for the kernels; returns (B, n_head, T, head_dim, dtype name).
+
+    Raises UserError for what a config chooses (head_dim, dtype, B*n_head too large) and
+    ValueError for a caller's misuse (device, shapes, strides, alignment).
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError("q must be a 4-d tensor [B, n_head, T, head_dim]")
+    b, h, t, d = q.shape
+    check_head_dim(d)
+    if q.dtype not in DTYPE_NAMES:
+        check_dtype(str(q.dtype).removeprefix("torch."))  # raises UserError naming it
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, q, (b, h, t, d), q.dtype, device_type)
+    _launches(b, h, t, d, DTYPE_NAMES[q.dtype])  # UserError for B*n_head beyond the grid
+    return b, h, t, d, DTYPE_NAMES[q.dtype]
+
+
+def _new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+         poison: bool) -> torch.Tensor:
+    # Poisoned (NaN) outputs make an element a kernel fails to write visible in a comparison.
+    if poison:
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+    launcher: Launcher | None = None, poison: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention forward: (O [B, H, T, D] in q's dtype, lse [B, H, T] float32)."""
+    launcher = launcher or default_launcher(q.device)
+    b, h, t, d, dtype = check_inputs(q, k, v, launcher.device_type)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    o = _new((b, h, t, d), q.dtype, q.device, poison)
+    lse = _new((b, h, t), torch.float32, q.device, poison)
+    launcher.launch(_launches(b, h, t, d, dtype)["fwd"], q, k, v, o, lse, t, scale)
+    return o, lse
+
+
+def attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    dout: torch.Tensor, scale: float | None = None, launcher: Launcher | None = None,
+    poison: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal attention backward from the forward's O and lse: (dq, dk, dv)."""
+    launcher = launcher or default_launcher(q.device)
+    b, h, t, d, dtype = check_inputs(q, k, v, launcher.device_type)
+    _check_tensor("o", o, q, (b, h, t, d), q.dtype, launcher.device_type)
+    _check_tensor("dout", dout, q, (b, h, t, d), q.dtype, launcher.device_type)
+    _check_tensor("lse", lse, q, (b, h, t), torch.float32, launcher.device_type)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    launches = _launches(b, h, t, d, dtype)
+    delta = _new((b, h, t), torch.float32, q.device, poison)
+    dq, dk, dv = (_new((b, h, t, d), q.dtype, q.device, poison) for _ in range(3))
+    launcher.launch(launches["bwd_preprocess"], o, dout, delta, b * h * t)
+    launcher.launch(launches["bwd_dq"], q, k, v, dout, lse, delta, dq, t, scale)
+    launcher.launch(launches["bwd_dkdv"], q, k, v, dout, lse, delta, dk, dv, t, scale)
+    return dq, dk, dv
+
+
+class CudaAttention(torch.autograd.Function):
+    """Causal attention whose forward and backward are the project's kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float | None, launcher: Launcher) -> torch.Tensor:
+        o, lse = attention_forward(q, k, v, scale, launcher)
+        # O and the log-sum-exp let the backward recompute P tile by tile: O(T) extra memory.
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale, ctx.launcher = scale, launcher
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse = ctx.saved_tensors
+        # Upstream gradients are often strided views (the head merge's transpose); the kernels
+        # need them row-major in q's dtype. This is the one copy the backward may make.
+        dout = dout.to(q.dtype).contiguous()
+        dq, dk, dv = attention_backward(q, k, v, o, lse, dout, ctx.scale, ctx.launcher)
+        return dq, dk, dv, None, None
+
+
+@torch.compiler.disable  # CuPy calls cannot be traced; torch.compile runs this op eagerly
+def cuda_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+    launcher: Launcher | None = None,
+) -> torch.Tensor:
+    """Causal self-attention [B, n_head, T, head_dim] -> same, differentiable in q, k, v."""
+    # The forward validates the inputs before autograd records anything.
+    return CudaAttention.apply(q, k, v, scale, launcher or default_launcher(q.device))
+
+
+def _small_case() -> int:
+    """fwd + bwd on a small case against float64; the target of compute-sanitizer runs."""
+    from andrea.attention import math_attention
+
+    torch.manual_seed(0)
+    failures = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for d in (64, 32):
+            shape = (1, 2, 77, d)  # T not a multiple of any tile: masked edges run
+            q, k, v, dout = (torch.randn(shape, device="cuda").to(dtype) for _ in range(4))
+            qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+            q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+            out = cuda_attention(q, k, v)
+            out.backward(dout)
+            torch.cuda.synchronize()
+            ref = math_attention(qr, kr, vr)
+            ref.backward(dout.double())
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            for name, got, want in (("o", out, ref), ("dq", q.grad, qr.grad),
+                                    ("dk", k.grad, kr.grad), ("dv", v.grad, vr.grad)):
+                err = (got.double() - want).abs().max().item()
+                bound = tol * max(want.abs().max().item(), 1.0)
+                ok = err <= bound
+                failures += not ok
+                print(f"{str(dtype):15s} D={d:3d} {name:2s} max err {err:.2e} "
+                      f"(bound {bound:.1e}) {'ok' if ok else 'FAIL'}")
+    return failures
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m andrea.cuda_attention needs a GPU")
+    raise SystemExit(1 if _small_case() else 0)

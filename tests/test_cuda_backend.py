@@ -1,0 +1,413 @@
+"""The "cuda" attention backend (andrea/cuda_attention.py), the backend choice, `andrea bench`.
+
+On the CPU the autograd Function runs end to end with the emulator launcher (the same kernels,
+compiled by g++), against a float64 reference. The tests marked `gpu` run the real CuPy path; they
+skip, with the reason, where there is no GPU or no CuPy (scripts/gpu_check.sh runs them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, assert_user_error, run_andrea
+
+from andrea import cuda_attention as ca
+from andrea.attention import math_attention, resolve_backend, sdpa_attention
+from andrea.errors import UserError
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+needs_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
+)
+
+
+def _gpu_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no GPU visible to PyTorch (scripts/gpu_check.sh runs these on a GPU machine)"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "CuPy is not installed (pip install -e '.[cuda]')"
+    return None
+
+
+GPU_REASON = _gpu_reason()
+gpu = pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
+
+
+def inputs(shape, dtype, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v, dout = (torch.randn(shape, generator=gen, device=device).to(dtype) for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_()
+    return q, k, v, dout
+
+
+def reference(q, k, v, dout):
+    """float64 outputs and gradients on the same (already rounded) inputs: o, lse, dq, dk, dv."""
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o = math_attention(qr, kr, vr)
+    o.backward(dout.double())
+    t = q.shape[-2]
+    s = (qr.detach() @ kr.detach().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), -math.inf)
+    return o.detach(), torch.logsumexp(s, -1), qr.grad, kr.grad, vr.grad
+
+
+def assert_close(name, got, want, tol):
+    assert not torch.isnan(got).any(), f"{name}: NaN (an element left unwritten?)"
+    err = (got.double() - want).abs().max().item()
+    bound = tol * max(want.abs().max().item(), 1.0)
+    assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def run_function(q, k, v, dout, launcher):
+    out = ca.cuda_attention(q, k, v, launcher=launcher)
+    saved = out.grad_fn.saved_tensors
+    out.backward(dout)
+    return out, saved
+
+
+# --- the autograd Function on the CPU, through the emulated kernels ------------------------
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return ca.EmulatorLauncher()
+
+
+CPU_CASES = [  # dtype, (B, H, T, D): odd T everywhere, one T=1, both head dims of the presets
+    (torch.float32, (1, 2, 17, 64)),
+    (torch.bfloat16, (2, 1, 33, 64)),
+    (torch.float32, (2, 3, 1, 32)),
+    (torch.bfloat16, (1, 2, 71, 32)),
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype,shape", CPU_CASES, ids=lambda x: str(x).replace("torch.", ""))
+def test_function_forward_backward_match_float64(emu, dtype, shape) -> None:
+    q, k, v, dout = inputs(shape, dtype, seed=sum(shape))
+    out, saved = run_function(q, k, v, dout, emu)
+    ro, rlse, rdq, rdk, rdv = reference(q, k, v, dout)
+    assert out.dtype == dtype and out.shape == q.shape
+    for name, got, want in (("o", out, ro), ("dq", q.grad, rdq), ("dk", k.grad, rdk),
+                            ("dv", v.grad, rdv)):
+        assert got.dtype == dtype
+        assert_close(name, got.detach(), want, TOL[dtype])
+    # Saved for the backward: q, k, v, O and the float32 log-sum-exp; nothing of size T x T.
+    b, h, t, d = shape
+    assert [tuple(s.shape) for s in saved] == [(b, h, t, d)] * 4 + [(b, h, t)]
+    assert torch.equal(saved[3], out.detach()) and saved[4].dtype == torch.float32
+    assert_close("lse", saved[4], rlse, 1e-5)
+
+
+@needs_gxx
+def test_function_matches_sdpa_and_strided_upstream_gradient(emu) -> None:
+    # As in the model: heads merged by a transpose, so the incoming gradient is not contiguous.
+    q, k, v, _ = inputs((2, 2, 40, 64), torch.float32, seed=5)
+    w = torch.randn(2 * 64, 3, generator=torch.Generator().manual_seed(1))
+
+    def loss(fn, q, k, v):
+        y = fn(q, k, v).transpose(1, 2).reshape(2, 40, 2 * 64)
+        return (y @ w).square().sum()
+
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    loss(lambda *a: ca.cuda_attention(*a, launcher=emu), q, k, v).backward()
+    ref = loss(sdpa_attention, qs, ks, vs)
+    ref.backward()
+    for name, got, want in (("dq", q.grad, qs.grad), ("dk", k.grad, ks.grad),
+                            ("dv", v.grad, vs.grad)):
+        assert_close(name, got, want.double(), 1e-5)
+
+
+@needs_gxx
+def test_poisoned_outputs_are_all_written(emu) -> None:
+    q, k, v, dout = (x.detach() for x in inputs((1, 2, 50, 32), torch.bfloat16, seed=3))
+    o, lse = ca.attention_forward(q, k, v, launcher=emu, poison=True)
+    grads = ca.attention_backward(q, k, v, o, lse, dout, launcher=emu, poison=True)
+    for t in (o, lse, *grads):
+        assert torch.isfinite(t).all()
+
+
+@needs_gxx
+def test_model_trains_through_the_function_like_sdpa(emu, monkeypatch) -> None:
+    """The whole model with attention "cuda" (emulated kernels) under bf16 autocast vs "sdpa"."""
+    from andrea.config import load_config
+    from andrea.model import Andrea
+
+    monkeypatch.setattr(ca, "default_launcher", lambda device: emu)
+    cfg = load_config("andrea-tiny", ["model.head_dim=32", "model.block_size=48"]).model
+    torch.manual_seed(0)
+    model = Andrea(cfg)
+    x = torch.randint(cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for backend in ("sdpa", "cuda"):
+        model.set_attention_backend(backend)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, x)
+        loss.backward()
+        results[backend] = (loss.item(), model.blocks[0].attn.qkv.weight.grad.clone())
+    assert results["cuda"][0] == pytest.approx(results["sdpa"][0], rel=1e-3)
+    assert_close("qkv grad", results["cuda"][1], results["sdpa"][1].double(), 3e-2)
+
+
+def _aligned(shape, dtype=torch.float32):
+    return torch.zeros(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "make,error,fragment",
+    [
+        (lambda: [_aligned((1, 2, 8, 72))] * 3, UserError, "model.head_dim=72"),
+        (lambda: [_aligned((1, 2, 8, 64), torch.float16)] * 3, UserError, "float16"),
+        (lambda: [_aligned((1, 2, 8, 64)), _aligned((1, 2, 9, 64)), _aligned((1, 2, 8, 64))],
+         ValueError, "k has shape (1, 2, 9, 64)"),
+        (lambda: [_aligned((1, 2, 8, 64)), _aligned((1, 2, 8, 64), torch.bfloat16),
+                  _aligned((1, 2, 8, 64))], ValueError, "k is torch.bfloat16"),
+        (lambda: [_aligned((1, 8, 2, 64)).transpose(1, 2)] * 3, ValueError, "not contiguous"),
+        (lambda: [torch.zeros(1 + 2 * 8 * 64)[1:].view(1, 2, 8, 64)] * 3, ValueError, "aligned"),
+        (lambda: [_aligned((65536, 1, 1, 32))] * 3, UserError, "batch*n_head=65536"),
+        (lambda: [_aligned((2, 8, 64))] * 3, ValueError, "4-d"),
+    ],
+    ids=["head_dim", "dtype", "shape", "mixed-dtype", "strides", "alignment", "grid", "rank"],
+)
+def test_invalid_inputs_are_refused_before_any_launch(make, error, fragment) -> None:
+    class NoLaunch:
+        device_type = "cpu"
+
+        def launch(self, *args):
+            raise AssertionError("validation must fail before a launch")
+
+    q, k, v = make()
+    with pytest.raises(error) as info:
+        ca.cuda_attention(q, k, v, launcher=NoLaunch())
+    assert fragment in str(info.value)
+
+
+def test_cpu_tensors_without_a_launcher_say_they_need_a_gpu(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # and CuPy is never imported for this
+    q = torch.zeros(1, 1, 4, 64)
+    with pytest.raises(ValueError, match="needs CUDA tensors, got device cpu"):
+        ca.cuda_attention(q, q, q)
+
+
+def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch) -> None:
+    """The CuPy launcher against a stand-in CuPy: options, name expressions, argument types,
+    the in-process module cache and the stream (what a GPU run would get, minus the GPU)."""
+    import numpy as np
+
+    calls: dict[str, list] = {"modules": [], "launches": []}
+    active: list[int] = []
+
+    class Ctx:
+        def __init__(self, value):
+            self.value = value
+
+        def __enter__(self):
+            active.append(self.value)
+
+        def __exit__(self, *exc):
+            active.pop()
+
+    class RawModule:
+        def __init__(self, code, options, backend, name_expressions):
+            calls["modules"].append((code, options, backend, tuple(name_expressions)))
+
+        def compile(self):
+            pass
+
+        def get_function(self, name):
+            def fn(grid, block, args, shared_mem):
+                calls["launches"].append((name, grid, block, args, shared_mem, list(active)))
+            return fn
+
+    fake = type(sys)("cupy")
+    fake.RawModule = RawModule
+    fake.cuda = type(sys)("cupy.cuda")
+    fake.cuda.Device = lambda index: Ctx(("device", index))
+    fake.cuda.ExternalStream = lambda ptr: Ctx(("stream", ptr))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
+        "S", (), {"cuda_stream": 0xBEEF})())
+    monkeypatch.setattr(ca, "_MODULES", {})
+
+    launches = ca.attention_launches(2, 3, 40, 64, "bfloat16")
+    q = torch.zeros(2, 3, 40, 64, dtype=torch.bfloat16)
+    for launcher in (ca.CupyLauncher(torch.device("cuda", 1)),
+                     ca.CupyLauncher(torch.device("cuda", 1))):
+        launcher.launch(launches["fwd"], q, q, q, q, q, 40, 0.125)
+        launcher.launch(launches["bwd_dq"], q, q, q, q, q, q, q, 40, 0.125)
+    (code, options, backend, names), = calls["modules"]  # compiled once for both launchers
+    assert code == ca.kernel_source() and backend == "nvrtc"
+    assert options == ("--std=c++17", "-arch=sm_90")
+    assert names == ("attn_fwd<bf16_t, 64>", "attn_bwd_preprocess<bf16_t, 64>",
+                     "attn_bwd_dq<bf16_t, 64>", "attn_bwd_dkdv<bf16_t, 64>")
+    name, grid, block, args, shared, ctx = calls["launches"][0]
+    assert (name, grid, block, shared) == ("attn_fwd<bf16_t, 64>", launches["fwd"].grid,
+                                           launches["fwd"].block, 0)
+    assert ctx == [("device", 1), ("stream", 0xBEEF)]
+    assert [type(a) for a in args] == [np.uint64] * 5 + [np.int32, np.float32]
+    assert int(args[0]) == q.data_ptr() and int(args[5]) == 40 and float(args[6]) == 0.125
+    assert len(calls["launches"]) == 4
+
+
+# --- backend choice ------------------------------------------------------------------------
+
+
+def test_auto_on_cpu_picks_sdpa_and_says_why() -> None:
+    backend, why = resolve_backend("auto", 64, torch.device("cpu"))
+    assert backend == "sdpa" and why == "auto: no GPU: the CUDA kernels need one"
+    assert resolve_backend("math", 72, torch.device("cpu")) == ("math", "model.attention")
+
+
+def test_cuda_on_cpu_is_a_user_error_saying_no_gpu() -> None:
+    with pytest.raises(UserError, match="model.attention: cuda cannot run: no GPU"):
+        resolve_backend("cuda", 64, torch.device("cpu"))
+
+
+def test_unsupported_head_dim_is_named() -> None:
+    # device type "cuda" needs no real GPU here: the head_dim check comes before CuPy's.
+    with pytest.raises(UserError, match=r"head_dim 72 has no specialised CUDA kernel"):
+        resolve_backend("cuda", 72, torch.device("cuda"))
+    backend, why = resolve_backend("auto", 72, torch.device("cuda"))
+    assert backend == "sdpa" and "head_dim 72" in why
+
+
+def test_missing_cupy_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+    with pytest.raises(UserError) as info:
+        resolve_backend("cuda", 64, torch.device("cuda"))
+    assert "pip install -e '.[cuda]'" in str(info.value) and "cupy-cuda12x" in str(info.value)
+    backend, why = resolve_backend("auto", 64, torch.device("cuda"))
+    assert backend == "sdpa" and "CuPy is not installed" in why
+
+
+def test_cupy_that_cannot_reach_the_gpu_is_reported(monkeypatch) -> None:
+    class Runtime:
+        @staticmethod
+        def getDeviceCount():  # noqa: N802 (CuPy's name)
+            raise RuntimeError("cudaErrorInsufficientDriver")
+
+    fake = type(sys)("cupy")
+    fake.cuda = type(sys)("cupy.cuda")
+    fake.cuda.runtime = Runtime
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    backend, why = resolve_backend("auto", 64, torch.device("cuda"))
+    assert backend == "sdpa" and "cudaErrorInsufficientDriver" in why and "cupy-cuda12x" in why
+
+
+# --- andrea bench --------------------------------------------------------------------------
+
+
+def test_bench_quick_json_on_cpu() -> None:
+    proc = run_andrea("bench", "--quick", "--json", "--device", "cpu", "--shape", "andrea-12m",
+                      "--preset", "andrea-tiny", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    rows = {r["backend"]: r for r in result["attention"]}
+    assert set(rows) == {"sdpa", "math"}
+    for r in rows.values():
+        assert (r["batch"], r["n_head"], r["seq_len"], r["head_dim"]) == (1, 12, 256, 32)
+        assert r["dtype"] == "bf16"
+        for mode in ("fwd", "bwd", "fwd_bwd"):
+            assert 0 < r["ms"][mode] < 60_000
+            # TFLOP/s is the causal FLOP count over the time: 2*B*H*T^2*D forward.
+            flops = 2 * 12 * 256**2 * 32 * {"fwd": 1, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
+            assert r["tflops"][mode] == pytest.approx(flops / (r["ms"][mode] * 1e-3) / 1e12)
+    (train,) = result["train"]
+    assert train["preset"] == "andrea-tiny" and train["backend"] == "sdpa"
+    assert train["tokens_per_s"] == pytest.approx(2 * 64 / (train["step_ms"] * 1e-3))
+    assert any("cuda" in s and "no GPU" in s for s in result["skipped"])
+
+
+def test_bench_cuda_backend_on_cpu_is_a_one_line_error() -> None:
+    proc = run_andrea("bench", "--backend", "cuda", "--device", "cpu")
+    assert_user_error(proc, "--backend cuda", "no GPU")
+
+
+def test_gpu_check_script_parses() -> None:
+    script = REPO / "scripts" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+# --- on a GPU: the real CuPy path ----------------------------------------------------------
+
+GPU_CASES = [
+    (dtype, shape)
+    for dtype in (torch.float32, torch.bfloat16)
+    for shape in ((2, 3, 1, 64), (2, 3, 129, 64), (1, 4, 1000, 64), (2, 2, 77, 32),
+                  (1, 2, 300, 128))
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype,shape", GPU_CASES, ids=lambda x: str(x).replace("torch.", ""))
+def test_gpu_matches_float64_and_sdpa(dtype, shape) -> None:
+    q, k, v, dout = inputs(shape, dtype, device="cuda", seed=sum(shape))
+    out, saved = run_function(q, k, v, dout, None)
+    ro, rlse, rdq, rdk, rdv = reference(q, k, v, dout)
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    so = sdpa_attention(qs, ks, vs)
+    so.backward(dout)
+    for name, got, want, sdpa in (("o", out, ro, so), ("dq", q.grad, rdq, qs.grad),
+                                  ("dk", k.grad, rdk, ks.grad), ("dv", v.grad, rdv, vs.grad)):
+        assert_close(name, got.detach(), want, TOL[dtype])
+        assert_close(f"{name} vs sdpa", got.detach(), sdpa.detach().double(), 2 * TOL[dtype])
+    assert_close("lse", saved[4], rlse, 1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_poisoned_outputs_are_all_written(dtype) -> None:
+    q, k, v, dout = (x.detach() for x in inputs((3, 2, 145, 64), dtype, device="cuda"))
+    o, lse = ca.attention_forward(q, k, v, poison=True)
+    grads = ca.attention_backward(q, k, v, o, lse, dout, poison=True)
+    torch.cuda.synchronize()
+    for t in (o, lse, *grads):
+        assert torch.isfinite(t).all()
+
+
+@gpu
+def test_gpu_runs_on_the_current_torch_stream() -> None:
+    q, k, v, _ = (x.detach() for x in inputs((4, 4, 512, 64), torch.bfloat16, device="cuda"))
+    want = ca.cuda_attention(q, k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = ca.cuda_attention(q, k, v)
+        got2 = got * 1  # a torch op on the same stream reads the kernel's finished output
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(got2, want)
+
+
+@gpu
+def test_gpu_model_with_cuda_backend_matches_sdpa() -> None:
+    from andrea.config import load_config
+    from andrea.model import Andrea
+
+    cfg = load_config("andrea-tiny", ["model.head_dim=64", "model.n_head=2"]).model
+    torch.manual_seed(0)
+    model = Andrea(cfg, attention_backend="sdpa").cuda()
+    x = torch.randint(cfg.vocab_size, (4, cfg.block_size), device="cuda")
+    results = {}
+    for backend in ("sdpa", "cuda"):
+        model.set_attention_backend(backend)
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(x, x)
+        loss.backward()
+        results[backend] = (loss.item(), model.blocks[0].attn.qkv.weight.grad.clone())
+    assert results["cuda"][0] == pytest.approx(results["sdpa"][0], rel=1e-3)
+    assert_close("qkv grad", results["cuda"][1], results["sdpa"][1].double(), 3e-2)
