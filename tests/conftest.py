@@ -49,6 +49,30 @@ def data_dir(tmp_path_factory) -> Path:
     return out
 
 
+def make_checkpoint(
+    tmp_path: Path, *sets: str, tokenizer: str = "byte:v1", seed: int = 0, step: int = 5
+) -> Path:
+    """A run runs/r under tmp_path whose one checkpoint holds a freshly initialised tiny model
+    (no training: for tests that need any weights). Returns the checkpoint folder."""
+    import torch
+
+    from andrea import checkpoint as ckpt_io
+    from andrea.config import load_config
+    from andrea.model import Andrea
+
+    cfg = load_config(
+        "andrea-tiny", [f"train.runs_dir={tmp_path / 'runs'}", "train.name=r", *sets]
+    )
+    torch.manual_seed(seed)
+    model = Andrea(cfg.model)
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    return ckpt_io.save_checkpoint(
+        run_dir, step, cfg, tokenizer, ckpt_io.model_state(model), {}, {}, {"step": step}, 1
+    )
+
+
 @pytest.fixture
 def andrea_cli():
     return run_andrea

@@ -1,0 +1,245 @@
+"""`andrea generate`: sample text from a checkpoint, streamed as it is produced.
+
+With the key/value cache (the default) the prompt is run once (prefill) and every new token then
+costs one position: the model sees only that token and attends to the cached keys and values.
+When the cache is full (block_size positions), it slides: the last block_size // 2 tokens are
+run again as a fresh prefill and decoding continues after them. Without the cache every step runs
+the whole context (the last block_size tokens) again. The two agree exactly while the text fits
+in block_size; past it they differ by design (half-block versus full-block context after a slide).
+
+Sampling: logits / temperature, then top-k, then top-p (the smallest set of most likely tokens
+whose probability reaches p), drawn with a CPU torch.Generator seeded by `seed`, so a seed
+repeats on any device. Temperature 0 is greedy (argmax). Ids the tokenizer cannot produce (the
+model's vocab padding) are never drawn.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from andrea.errors import UserError
+from andrea.model import Andrea, KVCache
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not temperature >= 0:  # also refuses NaN
+        raise UserError(f"--temperature: must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k: must be a positive integer, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UserError(f"--top-p: must be in (0, 1], got {top_p}")
+
+
+def pick_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator,
+) -> int:
+    """One id from logits [vocab] (already -inf where forbidden)."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits.float().cpu() / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the better ones
+        sorted_probs[before >= top_p] = 0.0  # the most likely token always stays
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(
+    model: Andrea,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_at_eot: bool = True,
+    use_cache: bool = True,
+    *,
+    eot_id: int | None = None,
+    n_valid: int | None = None,
+    generator: torch.Generator | None = None,
+    on_logits: Callable[[torch.Tensor], None] | None = None,
+) -> Iterator[int]:
+    """Yield up to max_new_tokens new ids after prompt_ids (see the module doc).
+
+    eot_id: stop after yielding it when stop_at_eot. n_valid: ids >= n_valid are never drawn
+    (default: all of the model's vocab). generator: share one across calls (e.g. several
+    samples from one seed); else one is seeded from `seed` (random when None).
+    on_logits: called with each step's next-token logits [vocab] (for tests and tools).
+    """
+    check_sampling(temperature, top_k, top_p)
+    cfg = model.cfg
+    n_valid = cfg.vocab_size if n_valid is None else min(n_valid, cfg.vocab_size)
+    ids = [int(i) for i in prompt_ids]
+    if not ids:
+        raise UserError("prompt: empty; give at least one token")
+    bad = [i for i in ids if not 0 <= i < n_valid]
+    if bad:
+        raise UserError(
+            f"prompt: token id {bad[0]} is outside the vocabulary (0..{n_valid - 1})"
+        )
+    if len(ids) > cfg.block_size:
+        ids = ids[-cfg.block_size :]
+    if generator is None:
+        generator = torch.Generator()
+        generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8)) >> 1)
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    was_training = model.training
+    model.eval()
+
+    def prefill(tokens: list[int]) -> tuple[KVCache, torch.Tensor]:
+        cache = KVCache.empty(cfg, 1, cfg.block_size, device, dtype)
+        logits, _ = model(torch.tensor([tokens], device=device), cache=cache)
+        return cache, logits[0, -1]
+
+    try:
+        cache = None
+        if use_cache:
+            cache, logits = prefill(ids)
+        for _ in range(max_new_tokens):
+            if not use_cache:
+                context = torch.tensor([ids[-cfg.block_size :]], device=device)
+                logits = model(context)[0][0, -1]
+            if logits.dtype != torch.float64:  # sample in float32 at least; keep float64
+                logits = logits.float()
+            if n_valid < logits.numel():
+                logits[n_valid:] = float("-inf")
+            if on_logits is not None:
+                on_logits(logits)
+            nxt = pick_next(logits, temperature, top_k, top_p, generator)
+            ids.append(nxt)
+            yield nxt
+            if stop_at_eot and nxt == eot_id:
+                return
+            if use_cache:
+                assert cache is not None
+                if cache.length == cfg.block_size:  # full: slide to the last half block
+                    cache, logits = prefill(ids[-max(1, cfg.block_size // 2) :])
+                else:
+                    logits, _ = model(torch.tensor([[nxt]], device=device), cache=cache)
+                    logits = logits[0, -1]
+    finally:
+        model.train(was_training)
+
+
+class TextStream:
+    """Decode ids incrementally: text is released once it ends in a complete character.
+
+    A multi-byte character split across tokens decodes to U+FFFD until its last byte arrives,
+    so a pending tail that decodes to U+FFFD is held back (at most 4 tokens: a UTF-8 character
+    has at most 4 bytes; past that the U+FFFD is real and is released).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.pending: list[int] = []
+
+    def push(self, token: int) -> str:
+        self.pending.append(token)
+        text = self.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) < 4:
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        text = self.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise UserError(
+            f"--prompt-ids: {text!r} is not a list of integer token ids (e.g. '464,3290')"
+        ) from None
+
+
+def generate_command(
+    checkpoint: str | None,
+    prompt: str | None,
+    prompt_ids: str | None = None,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    top_p: float | None = None,
+    seed: int | None = None,
+    num_samples: int = 1,
+    stop_at_eot: bool = True,
+    use_cache: bool = True,
+    device: str = "auto",
+    precision: str = "fp32",
+    out=None,
+) -> None:
+    """What `andrea generate` does: print each sample (prompt + continuation) as it grows."""
+    from andrea.evaluate import find_checkpoint, load_model, tokenizer_for_checkpoint
+    from andrea.train import pick_device, pick_dtype
+
+    out = out or sys.stdout
+    check_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens: must be >= 0, got {max_new_tokens}")
+    if num_samples < 1:
+        raise UserError(f"--num-samples: must be a positive integer, got {num_samples}")
+    if precision not in ("fp32", "bf16", "auto"):
+        raise UserError(f"--precision: '{precision}' is not one of auto, fp32, bf16")
+    if prompt is not None and prompt_ids is not None:
+        raise UserError("give --prompt TEXT or --prompt-ids IDS, not both")
+    ckpt = find_checkpoint(checkpoint)
+    dev = pick_device(device)
+    model, cfg, metadata = load_model(ckpt, dev)
+    model = model.to(pick_dtype(precision, dev))  # bf16 here means bf16 weights and cache
+    tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
+    if prompt_ids is not None:
+        ids = parse_prompt_ids(prompt_ids)
+    else:
+        ids = tok.encode(prompt or "") or [tok.eot_id]  # no prompt: start a new document
+    n_valid = min(tok.vocab_size, cfg.model.vocab_size)
+    bad = [i for i in ids if not 0 <= i < n_valid]
+    if bad:
+        raise UserError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{n_valid - 1})")
+    if len(ids) > cfg.model.block_size:
+        print(
+            f"note: the prompt is {len(ids)} tokens, longer than the block size "
+            f"{cfg.model.block_size}; keeping its last {cfg.model.block_size}",
+            file=sys.stderr, flush=True,
+        )
+        ids = ids[-cfg.model.block_size :]
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8)) >> 1)
+    for sample in range(num_samples):
+        if sample:
+            out.write("\n---\n")
+        out.write(tok.decode(ids) if ids != [tok.eot_id] else "")
+        out.flush()
+        stream = TextStream(lambda pending: tok.decode(pending))
+        for token in generate(
+            model, ids, max_new_tokens, temperature, top_k, top_p,
+            stop_at_eot=stop_at_eot, use_cache=use_cache, eot_id=tok.eot_id,
+            n_valid=n_valid, generator=generator,
+        ):
+            if stop_at_eot and token == tok.eot_id:
+                break
+            text = stream.push(token)
+            if text:
+                out.write(text)
+                out.flush()
+        out.write(stream.flush() + "\n")
+        out.flush()

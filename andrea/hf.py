@@ -1,0 +1,444 @@
+"""`andrea export --format hf` and `andrea import --format hf`: Hugging Face GPT-2 directories.
+
+ANDREA is GPT-2's architecture, so a checkpoint maps onto `transformers.GPT2LMHeadModel` name by
+name. GPT-2 stores its projections as Conv1D, weight [in, out]: the transpose of nn.Linear's
+[out, in]. ANDREA has no biases by default; the export writes zeros where GPT-2 has a bias, and
+the import drops biases that are all zero (and refuses non-zero ones unless the config enables
+biases, since dropping them would change the model). The activation maps as "gelu" (exact erf
+form) <-> transformers "gelu", and "gelu_tanh" <-> "gelu_new" (the tanh approximation). Both use
+LayerNorm eps 1e-5. Dropout maps to all three GPT-2 dropouts (resid, embd, attn).
+
+Export writes (into a temporary folder renamed into place):
+- config.json, model.safetensors (float32, GPT-2 key names, LM head tied: stored once as wte);
+- the tokenizer: gpt2 -> vocab.json + merges.txt (GPT-2's own files); bpe -> its tokenizer.json
+  (byte for byte, so its identity survives); byte -> no tokenizer files (transformers has no
+  such tokenizer; andrea.json names it);
+- andrea.json: the full andrea config, tokenizer identity and step, so an import restores them.
+
+Import makes a run directory `runs/<name>/` (config.yaml, `latest`, step-000000/ with the weights,
+an empty optimizer state and step 0) that `andrea eval`/`generate`/`export` read and that
+`andrea train --resume runs/<name>` fine-tunes (the run's config.yaml holds the schedule; change
+it with --set at import or resume). A bpe tokenizer.json is copied into the run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_bytes
+
+from andrea import checkpoint as ckpt_io
+from andrea.config import Config, config_from_dict, parse_override
+from andrea.errors import UserError
+from andrea.model import Andrea
+from andrea.tokenizer import (
+    BPE_FILE,
+    EOT_TEXT,
+    GPT2_ENCODER_JSON_SHA256,
+    ByteTokenizer,
+    gpt2_vocab_files,
+)
+
+EXPORT_FORMAT = "andrea-hf-export/1"
+ANDREA_FILE = "andrea.json"
+WEIGHTS_FILE = "model.safetensors"
+LN_EPS = 1e-5  # torch.nn.LayerNorm's default, which ANDREA uses; GPT-2's layer_norm_epsilon
+ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new"}  # ours -> transformers
+ACTIVATIONS_IN = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+GPT2_IDENTITY = f"gpt2:{GPT2_ENCODER_JSON_SHA256[:16]}"
+# Model keys the shape comes from; at import they are read from config.json, never --set.
+SHAPE_KEYS = ("n_layer", "n_head", "head_dim", "d_model", "block_size", "vocab_size",
+              "activation")
+
+# (ours, GPT-2's, is Conv1D) per block; ours without "blocks.{i}.", GPT-2's without "h.{i}.".
+BLOCK_MAP = [
+    ("ln1.weight", "ln_1.weight", False),
+    ("ln1.bias", "ln_1.bias", False),
+    ("attn.qkv.weight", "attn.c_attn.weight", True),
+    ("attn.qkv.bias", "attn.c_attn.bias", False),
+    ("attn.out.weight", "attn.c_proj.weight", True),
+    ("attn.out.bias", "attn.c_proj.bias", False),
+    ("ln2.weight", "ln_2.weight", False),
+    ("ln2.bias", "ln_2.bias", False),
+    ("mlp.up.weight", "mlp.c_fc.weight", True),
+    ("mlp.up.bias", "mlp.c_fc.bias", False),
+    ("mlp.down.weight", "mlp.c_proj.weight", True),
+    ("mlp.down.bias", "mlp.c_proj.bias", False),
+]
+TOP_MAP = [
+    ("tok_emb.weight", "wte.weight"),
+    ("pos_emb.weight", "wpe.weight"),
+    ("ln_f.weight", "ln_f.weight"),
+    ("ln_f.bias", "ln_f.bias"),
+]
+
+
+def key_map(n_layer: int) -> list[tuple[str, str, bool]]:
+    """(ANDREA key, GPT-2 key without the 'transformer.' prefix, transpose?) for every tensor."""
+    out = [(ours, theirs, False) for ours, theirs in TOP_MAP]
+    for i in range(n_layer):
+        out += [(f"blocks.{i}.{o}", f"h.{i}.{t}", conv) for o, t, conv in BLOCK_MAP]
+    return out
+
+
+def bias_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Shapes of the biases a GPT-2 of this shape has, by ANDREA key."""
+    d = cfg.model.d_model
+    sizes = {"ln1": d, "ln2": d, "attn.qkv": 3 * d, "attn.out": d, "mlp.up": 4 * d, "mlp.down": d}
+    out = {"ln_f.bias": (d,)}
+    for i in range(cfg.model.n_layer):
+        out.update({f"blocks.{i}.{name}.bias": (n,) for name, n in sizes.items()})
+    return out
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def hf_config(cfg: Config, eot_id: int) -> dict[str, Any]:
+    m = cfg.model
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": m.vocab_size,
+        "n_positions": m.block_size,
+        "n_ctx": m.block_size,
+        "n_embd": m.d_model,
+        "n_layer": m.n_layer,
+        "n_head": m.n_head,
+        "n_inner": None,  # 4 * n_embd, as ANDREA
+        "activation_function": ACTIVATIONS[m.activation],
+        "resid_pdrop": m.dropout,
+        "embd_pdrop": m.dropout,
+        "attn_pdrop": m.dropout,
+        "layer_norm_epsilon": LN_EPS,
+        "initializer_range": m.init_std,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "use_cache": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+
+
+def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
+    """ANDREA weights -> GPT-2 names and layout (float32; zero biases where ANDREA has none)."""
+    biases = bias_shapes(cfg)
+    out = {}
+    for ours, theirs, conv in key_map(cfg.model.n_layer):
+        if ours in tensors:
+            t = tensors[ours].to(torch.float32)
+        elif ours in biases:
+            t = torch.zeros(biases[ours], dtype=torch.float32)
+        else:
+            raise UserError(f"checkpoint lacks tensor '{ours}'")
+        out[f"transformer.{theirs}"] = (t.t() if conv else t).contiguous()
+    return out
+
+
+def _write_tokenizer(tok, out: Path, cfg: Config) -> None:
+    special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
+    if tok.name == "gpt2":
+        encoder, merges = gpt2_vocab_files()
+        shutil.copyfile(encoder, out / "vocab.json")
+        shutil.copyfile(merges, out / "merges.txt")
+        config = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False}
+    elif tok.name == "bpe":
+        shutil.copyfile(tok.path, out / BPE_FILE)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    else:
+        return  # byte: transformers has no such tokenizer; andrea.json names it
+    config.update(special, model_max_length=cfg.model.block_size)
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished tmp folder to out, replacing what is there only at the last moment."""
+    if out.exists() or out.is_symlink():
+        stale = out.with_name(f".{out.name}.stale-{os.getpid()}")
+        out.rename(stale)
+        tmp.rename(out)
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink()
+    else:
+        tmp.rename(out)
+
+
+def _check_target(out: Path, force: bool, flag: str = "--out") -> None:
+    if (out.exists() or out.is_symlink()) and not force:
+        raise UserError(f"{flag} {out}: already exists; pick another path or pass --force")
+    if not out.parent.is_dir():
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> Path:
+    """Write a transformers GPT2LMHeadModel directory for the checkpoint; returns the dir."""
+    from andrea.evaluate import find_checkpoint, tokenizer_for_checkpoint
+
+    out = Path(out)
+    _check_target(out, force)
+    ckpt = find_checkpoint(checkpoint)
+    tensors, cfg, metadata = ckpt_io.read_model_checkpoint(ckpt)
+    tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        hf_tensors = to_hf_tensors(tensors, cfg)
+        # transformers reads safetensors only with metadata format "pt".
+        blob = safetensors_bytes(hf_tensors, {"format": "pt"})
+        ckpt_io.atomic_write_bytes(tmp / WEIGHTS_FILE, blob)
+        config = hf_config(cfg, tok.eot_id)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"bos_token_id": tok.eot_id, "eos_token_id": tok.eot_id}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        _write_tokenizer(tok, tmp, cfg)
+        andrea = {
+            "format": EXPORT_FORMAT,
+            "tokenizer": metadata["tokenizer"],
+            "step": int(metadata.get("step", 0)),
+            "source_checkpoint": str(ckpt),
+            "config": cfg.to_dict(),
+        }
+        (tmp / ANDREA_FILE).write_text(json.dumps(andrea, indent=2) + "\n")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: unreadable JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_hf_config(src: Path) -> dict[str, Any]:
+    """config.json of a GPT-2 model, checked for what ANDREA can represent."""
+    path = src / "config.json"
+    if not path.is_file():
+        raise UserError(f"{src}: not a Hugging Face model directory (no config.json)")
+    hf = _read_json(path)
+    archs = hf.get("architectures") or []
+    if hf.get("model_type") != "gpt2" or any(not a.startswith("GPT2") for a in archs):
+        raise UserError(
+            f"{path}: model_type {hf.get('model_type')!r} "
+            f"({', '.join(archs) or 'no architectures'}) is not GPT-2; andrea imports only "
+            "GPT-2-architecture models (GPT2LMHeadModel)"
+        )
+    n_embd, n_head = hf.get("n_embd", 768), hf.get("n_head", 12)
+    problems = []
+    if n_embd % n_head:
+        problems.append(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
+    if hf.get("n_inner") not in (None, 4 * n_embd):
+        problems.append(f"n_inner {hf['n_inner']} is not 4 * n_embd (ANDREA's MLP width)")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ACTIVATIONS_IN:
+        problems.append(f"activation_function {act!r} is not one of {', '.join(ACTIVATIONS_IN)}")
+    if abs(hf.get("layer_norm_epsilon", 1e-5) - LN_EPS) > 1e-12:
+        problems.append(f"layer_norm_epsilon {hf['layer_norm_epsilon']} is not ANDREA's {LN_EPS}")
+    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
+        problems.append("attention scaling other than 1/sqrt(head_dim)")
+    if hf.get("add_cross_attention"):
+        problems.append("cross-attention layers")
+    if hf.get("tie_word_embeddings", True) is False:
+        problems.append("an LM head not tied to the token embedding")
+    if problems:
+        raise UserError(f"{path}: cannot import: {'; '.join(problems)}")
+    return hf
+
+
+def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors as GPT-2 keys without the 'transformer.' prefix (attention-mask
+    buffers dropped; an untied lm_head refused)."""
+    path = src / WEIGHTS_FILE
+    if not path.is_file():
+        other = [p.name for p in src.glob("*.bin")] + [p.name for p in src.glob("*.index.json")]
+        hint = (f" (found {', '.join(other)}: save it with safe_serialization, unsharded)"
+                if other else "")
+        raise UserError(f"{src}: no {WEIGHTS_FILE}{hint}")
+    try:
+        raw = safetensors_load(path.read_bytes())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UserError(f"{path}: unreadable safetensors file: {exc}") from None
+    tensors = {}
+    for key, value in raw.items():
+        key = key.removeprefix("transformer.")
+        if key.endswith((".attn.bias", ".attn.masked_bias")) and value.dim() != 1:
+            continue  # old transformers saved the causal mask as a buffer
+        tensors[key] = value
+    head = tensors.pop("lm_head.weight", None)
+    wte = tensors.get("wte.weight")
+    if head is not None and wte is not None and not torch.equal(head, wte):
+        raise UserError(f"{path}: lm_head.weight differs from wte.weight; ANDREA ties them")
+    return tensors
+
+
+def detect_tokenizer(src: Path, andrea: dict[str, Any] | None) -> tuple[str, Path | None]:
+    """(tokenizer identity, tokenizer.json to copy or None) from the directory's files."""
+    vocab = src / "vocab.json"
+    found: tuple[str, Path | None] | None = None
+    if vocab.is_file():
+        ours = json.loads(gpt2_vocab_files()[0].read_text(encoding="utf-8"))
+        if _read_json(vocab) == ours:
+            found = (GPT2_IDENTITY, None)
+    if found is None and (src / BPE_FILE).is_file():
+        from andrea.tokenizer import BpeTokenizer
+
+        tok = BpeTokenizer(src / BPE_FILE)  # checks that it is usable (end-of-text last)
+        found = (tok.identity, src / BPE_FILE)
+    said = andrea.get("tokenizer") if andrea else None
+    if said == ByteTokenizer.identity:
+        return said, None
+    if found is None:
+        raise UserError(
+            f"{src}: no tokenizer andrea can use (GPT-2's vocab.json + merges.txt, or a "
+            f"byte-level BPE tokenizer.json with {EOT_TEXT} as its last id)"
+        )
+    if said is not None and said != found[0]:
+        raise UserError(
+            f"{src / ANDREA_FILE}: names tokenizer {said}, but the directory's files are {found[0]}"
+        )
+    return found
+
+
+def import_config(
+    src: Path, hf: dict[str, Any], andrea: dict[str, Any] | None, tokenizer: str,
+    name: str, runs_dir: str, overrides: list[str],
+) -> Config:
+    """The run's config: andrea.json's (if exported by andrea) or the defaults, with the
+    model's shape from config.json and the --set overrides."""
+    data = json.loads(json.dumps(andrea["config"])) if andrea else {}
+    for section in ("model", "data", "train"):
+        data.setdefault(section, {})
+    n_embd, n_head = hf.get("n_embd", 768), hf.get("n_head", 12)
+    data["model"].update(
+        n_layer=hf.get("n_layer", 12), n_head=n_head, head_dim=n_embd // n_head, d_model=n_embd,
+        block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
+        activation=ACTIVATIONS_IN[hf.get("activation_function", "gelu_new")],
+    )
+    if andrea is None:
+        data["model"].update(dropout=float(hf.get("resid_pdrop", 0.0)),
+                             init_std=float(hf.get("initializer_range", 0.02)))
+    data["data"]["tokenizer"] = tokenizer.split(":", 1)[0]
+    data["train"].update(name=name, runs_dir=runs_dir)
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section == "model" and key in SHAPE_KEYS:
+            raise UserError(f"--set {text}: the model's shape comes from {src / 'config.json'}")
+        if section in data:
+            data[section][key] = value
+        else:
+            data[section] = {key: value}
+    return config_from_dict(data, f"{src} (imported{' with --set overrides' if overrides else ''})")
+
+
+def from_hf_tensors(
+    hf_tensors: dict[str, torch.Tensor], cfg: Config, src: Path
+) -> dict[str, torch.Tensor]:
+    """GPT-2 tensors -> ANDREA names and layout; biases kept only when cfg enables them."""
+    biases = bias_shapes(cfg)
+    out = {}
+    for ours, theirs, conv in key_map(cfg.model.n_layer):
+        t = hf_tensors.get(theirs)
+        if t is None:
+            if ours in biases:
+                continue  # a GPT-2 without biases: ANDREA's own layout
+            raise UserError(f"{src / WEIGHTS_FILE}: tensor '{theirs}' is missing")
+        t = t.to(torch.float32)
+        if ours in biases and not cfg.model.bias:
+            if torch.count_nonzero(t):
+                raise UserError(
+                    f"{src / WEIGHTS_FILE}: '{theirs}' is non-zero (max |b| "
+                    f"{t.abs().max().item():.3g}) and ANDREA's config has no biases; dropping "
+                    f"them would change the model: import with --set model.bias=true"
+                )
+            continue
+        out[ours] = (t.t() if conv else t).contiguous()
+    if cfg.model.bias:
+        for ours, shape in biases.items():  # a bias-free source into a biased config: zeros
+            out.setdefault(ours, torch.zeros(shape))
+    known = {theirs for _, theirs, _ in key_map(cfg.model.n_layer)}
+    extra = sorted(set(hf_tensors) - known)
+    if extra:
+        raise UserError(
+            f"{src / WEIGHTS_FILE}: unexpected tensors for GPT-2: {', '.join(extra[:5])}"
+        )
+    return out
+
+
+def import_hf(
+    src: str | Path, out: str | Path | None = None, overrides: list[str] | None = None,
+    force: bool = False,
+) -> Path:
+    """Make a run directory (default runs/<src name>) from a GPT-2 directory; returns the
+    checkpoint folder (see the module doc)."""
+    src = Path(src)
+    if not src.is_dir():
+        raise UserError(f"{src}: no such directory")
+    hf = read_hf_config(src)
+    andrea_path = src / ANDREA_FILE
+    andrea = _read_json(andrea_path) if andrea_path.is_file() else None
+    if andrea is not None and andrea.get("format") != EXPORT_FORMAT:
+        raise UserError(
+            f"{andrea_path}: format {andrea.get('format')!r}, expected {EXPORT_FORMAT!r}"
+        )
+    run_dir = Path(out) if out is not None else Path("runs") / src.resolve().name
+    _check_target(run_dir, force)
+    identity, tokenizer_json = detect_tokenizer(src, andrea)
+    cfg = import_config(src, hf, andrea, identity, run_dir.name, str(run_dir.parent),
+                        list(overrides or []))
+    from andrea.prepare import check_vocab
+
+    n_ids = {"byte": ByteTokenizer.vocab_size, "gpt2": 50257}.get(cfg.data.tokenizer)
+    if tokenizer_json is not None:
+        from andrea.tokenizer import BpeTokenizer
+
+        n_ids = BpeTokenizer(tokenizer_json).vocab_size
+    check_vocab(n_ids or 0, cfg.model.vocab_size, f"{src / 'config.json'}: vocab_size")
+    tensors = from_hf_tensors(read_hf_weights(src), cfg, src)
+    ckpt_io.load_weights(Andrea(cfg.model), tensors, src / WEIGHTS_FILE)  # names and shapes
+
+    tmp = run_dir.with_name(f".{run_dir.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        rng = {"cpu.rank0": torch.Generator().manual_seed(cfg.train.seed).get_state()}
+        state = {
+            "step": 0, "tokens": 0, "data_position": 0, "best_val_loss": None,
+            "best_val_step": None, "skipped_steps": 0, "world_size": 1, "seed": cfg.train.seed,
+            "preset": "imported", "imported_from": str(src.resolve()),
+            "imported_sha256": hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest(),
+        }
+        ckpt_io.save_checkpoint(tmp, 0, cfg, identity, tensors, {}, rng, state, keep_last=1)
+        ckpt_io.atomic_write_text(tmp / "config.yaml", cfg.to_yaml())
+        if tokenizer_json is not None:
+            shutil.copyfile(tokenizer_json, tmp / BPE_FILE)
+        _replace_dir(tmp, run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return run_dir / ckpt_io.step_dir_name(0)

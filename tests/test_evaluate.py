@@ -1,0 +1,124 @@
+"""`andrea eval`: loss against a float64 hand computation, bits per byte, run discovery, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_user_error, make_checkpoint, run_andrea
+
+from andrea.config import load_config
+from andrea.evaluate import evaluate_checkpoint, load_model, token_byte_lengths
+from andrea.loader import TokenSplit
+from andrea.prepare import prepare_inputs
+from andrea.tokenizer import ByteTokenizer, Gpt2Tokenizer, train_bpe
+from andrea.train import train
+
+
+def hand_nats(ckpt, tokens: np.ndarray, block: int) -> float:
+    """Sum of -log p(next token) in float64, windows of `block` targets from the start."""
+    model, _, _ = load_model(ckpt)
+    model = model.double()
+    total = 0.0
+    for start in range(0, len(tokens) - 1, block):
+        window = torch.from_numpy(tokens[start : start + block + 1].astype(np.int64))
+        logits, _ = model(window[None, :-1])
+        logp = torch.log_softmax(logits[0], dim=-1)
+        total -= logp[torch.arange(len(window) - 1), window[1:]].sum().item()
+    return total
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dir):
+    tmp = tmp_path_factory.mktemp("evalrun")
+    cfg = load_config("andrea-tiny", [
+        f"data.dir={data_dir}", f"train.runs_dir={tmp / 'runs'}", "train.name=t",
+        "train.max_steps=20", "train.eval_every=0", "train.checkpoint_every=0",
+    ])
+    return train(cfg, progress=False)
+
+
+def test_loss_equals_hand_computation(trained, data_dir):
+    result = evaluate_checkpoint(str(trained.run_dir), None, max_tokens=300, precision="fp32",
+                                 device="cpu", batch_size=2, progress=False)
+    assert result.tokens == 300 and result.checkpoint == str(trained.checkpoint)
+    val = np.asarray(TokenSplit(data_dir, "val").shards[0][:301])
+    nats = hand_nats(trained.checkpoint, val, 64)  # 4 full windows and one of 44 targets
+    assert result.loss == pytest.approx(nats / 300, rel=1e-5)
+    assert result.perplexity == pytest.approx(math.exp(nats / 300), rel=1e-5)
+    n_bytes = int((val[1:] != ByteTokenizer.eot_id).sum())
+    assert result.bytes == n_bytes
+    assert result.bits_per_byte == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
+    # bf16 autocast: the same pass, close to fp32.
+    bf16 = evaluate_checkpoint(str(trained.run_dir), None, 300, "bf16", "cpu", 8, False)
+    assert bf16.tokens == 300 and bf16.loss == pytest.approx(result.loss, rel=2e-2)
+
+
+def test_bits_per_byte_on_a_known_text(tmp_path, trained):
+    val_text = "héllo wörld ✓ 🙂 日本\n" * 3
+    val_bytes = val_text.encode("utf-8")
+    assert len(val_bytes) <= 99  # so the val split starts right after the 901-byte first line
+    (tmp_path / "known.txt").write_text("x" * 900 + "\n" + val_text, encoding="utf-8")
+    data = prepare_inputs(str(tmp_path / "known.txt"), "byte", tmp_path / "known", verbose=False)
+    split = TokenSplit(data, "val")
+    tokens = np.asarray(split.shards[0])
+    assert bytes(tokens[:-1].tolist()) == val_bytes and tokens[-1] == ByteTokenizer.eot_id
+
+    result = evaluate_checkpoint(str(trained.checkpoint), str(data), None, "fp32", "cpu", 4, False)
+    # Targets: every token but the first; end-of-text stands for no bytes.
+    assert result.tokens == len(val_bytes) and result.bytes == len(val_bytes) - 1
+    nats = hand_nats(trained.checkpoint, tokens, 64)
+    assert result.bits_per_byte == pytest.approx(nats / math.log(2) / (len(val_bytes) - 1),
+                                                 rel=1e-5)
+
+
+TEXT = "héllo wörld ✓ 🙂 日本語 — naïve café\n<|endoftext|> 123"
+
+
+def test_byte_lengths_sum_to_the_utf8_length():
+    gpt2 = Gpt2Tokenizer()
+    ids = gpt2.encode(TEXT)
+    lengths = token_byte_lengths(gpt2)
+    assert len(ids) > 10 and lengths[gpt2.eot_id] == 0
+    assert int(lengths[ids].sum()) == len(TEXT.encode("utf-8"))
+    # Every token on its own, even the ones that hold part of a character.
+    pieces = [i for i in ids if lengths[i] != len(gpt2.decode([i]).encode("utf-8"))]
+    assert pieces, "the emoji and CJK text should split inside characters"
+
+
+def test_byte_lengths_of_a_trained_bpe(tmp_path):
+    texts = ["the cat sat on the mat, naïve café ✓ 🙂\n"] * 50
+    bpe = train_bpe(iter(texts), 300, tmp_path / "tokenizer.json")
+    lengths = token_byte_lengths(bpe)
+    ids = bpe.encode(TEXT)
+    assert lengths[bpe.eot_id] == 0
+    assert int(lengths[ids].sum()) == len(TEXT.encode("utf-8"))
+
+
+def test_most_recent_run_and_json_on_the_command_line(tmp_path, trained):
+    older = make_checkpoint(tmp_path, "train.name=old")  # no data: eval of it would fail
+    os.utime(older / "model.safetensors", (1, 1))
+    newer = tmp_path / "runs" / "new"
+    os.symlink(trained.run_dir, newer)
+    proc = run_andrea("eval", "--json", "--no-progress", "--max-tokens", "128",
+                      "--precision", "fp32", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["checkpoint"] == "runs/new/step-000020" and out["tokens"] == 128
+    assert "runs/new/step-000020 (the most recent run under runs/)" in proc.stderr
+    direct = evaluate_checkpoint(str(trained.checkpoint), None, 128, "fp32", "cpu", 8, False)
+    assert out["loss"] == pytest.approx(direct.loss, rel=1e-6)
+
+
+def test_bad_checkpoints_and_data_are_clear_errors(tmp_path):
+    assert_user_error(run_andrea("eval", "--checkpoint", str(tmp_path / "nope")),
+                      "no such checkpoint")
+    assert_user_error(run_andrea("eval", "--checkpoint", str(tmp_path)), "not a checkpoint")
+    assert_user_error(run_andrea("eval", cwd=tmp_path), "no run with a checkpoint under runs/")
+    ckpt = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'gone'}")
+    assert_user_error(run_andrea("eval", "--checkpoint", str(ckpt)), "data dir", "is gone",
+                      "--data")

@@ -1,0 +1,120 @@
+"""`andrea generate`: the key/value cache against full recomputation, sampling, streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_user_error, make_checkpoint, run_andrea
+
+from andrea.config import load_config
+from andrea.errors import UserError
+from andrea.generate import TextStream, generate, pick_next
+from andrea.model import Andrea
+from andrea.tokenizer import ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def model64() -> Andrea:
+    """The tiny preset (block 64, vocab 320) with random weights, in float64."""
+    torch.manual_seed(0)
+    cfg = load_config("andrea-tiny", ["model.init_std=0.2"])  # peaky logits: varied greedy picks
+    return Andrea(cfg.model).double().eval()
+
+
+def run(model, prompt, n, **kwargs) -> tuple[list[int], list[torch.Tensor]]:
+    seen: list[torch.Tensor] = []
+    ids = list(generate(model, prompt, n, on_logits=lambda x: seen.append(x.clone()), **kwargs))
+    return ids, seen
+
+
+def test_cached_greedy_equals_uncached(model64):
+    prompt = torch.randint(0, 257, (10,), generator=torch.Generator().manual_seed(1)).tolist()
+    cached, cached_logits = run(model64, prompt, 54, temperature=0, use_cache=True)
+    plain, plain_logits = run(model64, prompt, 54, temperature=0, use_cache=False)
+    assert len(cached) == 54 and cached == plain  # 10 + 54 = 64 positions: one full block
+    assert len(set(cached)) > 5
+    for a, b in zip(cached_logits, plain_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_a_full_cache_slides_to_the_last_half_block(model64):
+    prompt = list(range(50))
+    ids, logits = run(model64, prompt, 40, temperature=0, use_cache=True)
+    full = prompt + ids
+    # The 15th new token fills position 64; the next step re-prefills the last 32 tokens.
+    for step, context_len in ((15, 32), (16, 33), (39, 56)):
+        context = torch.tensor([full[: 50 + step][-context_len:]])
+        expected = model64(context)[0][0, -1]
+        torch.testing.assert_close(logits[step], expected, rtol=0, atol=1e-10)
+
+
+def test_seeded_sampling_repeats(model64):
+    kwargs = dict(temperature=1.0, top_k=50, top_p=0.9)
+    a = list(generate(model64, [1, 2, 3], 40, seed=7, **kwargs))
+    b = list(generate(model64, [1, 2, 3], 40, seed=7, **kwargs))
+    c = list(generate(model64, [1, 2, 3], 40, seed=8, **kwargs))
+    assert a == b and a != c
+    greedy = list(generate(model64, [1, 2, 3], 40, temperature=0))
+    assert list(generate(model64, [1, 2, 3], 40, seed=3, top_k=1)) == greedy
+    # Ids past the tokenizer's (the model's vocab padding) are never drawn.
+    hot = list(generate(model64, [1, 2, 3], 300, seed=1, temperature=3.0, n_valid=257))
+    assert max(hot) < 257
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    gen = torch.Generator().manual_seed(0)
+    draws = {pick_next(logits, 1.0, None, 0.8, gen) for _ in range(400)}
+    assert draws == {0, 1}  # 0.5 < 0.8 <= 0.5 + 0.3
+    assert {pick_next(logits, 1.0, None, 0.5, gen) for _ in range(100)} == {0}
+    assert {pick_next(logits, 1.0, 2, None, gen) for _ in range(400)} == {0, 1}
+    assert {pick_next(logits, 1.0, None, 1.0, gen) for _ in range(2000)} == {0, 1, 2, 3}
+
+
+def test_stops_at_end_of_text(model64):
+    greedy = list(generate(model64, [5], 30, temperature=0))
+    eot = greedy[3]  # pretend the 4th greedy token is end-of-text
+    assert list(generate(model64, [5], 30, temperature=0, eot_id=eot))[-1] == eot
+    assert len(list(generate(model64, [5], 30, temperature=0, eot_id=eot))) == 4
+    assert len(list(generate(model64, [5], 30, temperature=0, eot_id=eot,
+                             stop_at_eot=False))) == 30
+
+
+def test_bad_sampling_arguments(model64):
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        list(generate(model64, [1, 320], 3))
+    with pytest.raises(UserError, match="top-p"):
+        list(generate(model64, [1], 3, top_p=0.0))
+    with pytest.raises(UserError, match="temperature"):
+        list(generate(model64, [1], 3, temperature=-0.5))
+
+
+def test_stream_holds_back_split_characters():
+    tok = ByteTokenizer()
+    text = "a é ✓ 🙂 日本!"
+    stream = TextStream(tok.decode)
+    pieces = [stream.push(b) for b in text.encode("utf-8")] + [stream.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    invalid = TextStream(tok.decode)  # bytes that never complete a character are still shown
+    out = "".join(invalid.push(b) for b in [0xFF, 0xFF, 0xFF, 0xFF, 0x41]) + invalid.flush()
+    assert out.count("\ufffd") == 4 and out.endswith("A")
+
+
+def test_command_line(tmp_path):
+    ckpt = make_checkpoint(tmp_path)
+    args = ["generate", "--checkpoint", str(ckpt), "-n", "20", "--seed", "5", "-t", "1.0",
+            "--no-stop-at-eot", "--num-samples", "2"]
+    long_prompt = "To be, or not to be, that is the question. " * 3  # 129 bytes > block 64
+    a = run_andrea(*args, "--prompt", long_prompt)
+    assert a.returncode == 0, a.stderr
+    assert "the prompt is 129 tokens, longer than the block size 64; keeping its last 64" \
+        in a.stderr
+    assert a.stdout.count(long_prompt[-64:]) == 2 and "\n---\n" in a.stdout
+    b = run_andrea(*args, "--prompt", "To be")
+    c = run_andrea(*args, "--prompt", "To be", "--no-cache")
+    assert b.returncode == 0 and b.stdout.startswith("To be")
+    assert c.stdout == b.stdout  # the same seed; the cache changes nothing within a block
+    assert_user_error(run_andrea(*args, "--prompt-ids", "1,2,999"), "999", "outside the vocab")
+    assert_user_error(run_andrea(*args, "--top-p", "1.5"), "--top-p", "(0, 1]")
+    assert_user_error(run_andrea(*args, "--temperature", "-1"), "--temperature")

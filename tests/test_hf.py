@@ -1,0 +1,159 @@
+"""`andrea export/import --format hf`: transformers' GPT-2 computes our logits; round trips."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import assert_user_error, make_checkpoint, run_andrea
+
+from andrea import checkpoint as ckpt_io
+from andrea.errors import UserError
+from andrea.evaluate import load_model, tokenizer_for_checkpoint
+from andrea.hf import export_hf, import_hf
+from andrea.tokenizer import Gpt2Tokenizer, gpt2_vocab_files, train_bpe
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # transformers is a test-only dependency; never the network
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+transformers = pytest.importorskip("transformers", reason="transformers (test extra) missing")
+
+
+def hf_logits(path, idx: torch.Tensor) -> torch.Tensor:
+    hf = transformers.GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(idx).logits
+
+
+def ours(ckpt, idx: torch.Tensor) -> torch.Tensor:
+    model, _, _ = load_model(ckpt)
+    with torch.no_grad():
+        return model(idx)[0]
+
+
+@pytest.mark.parametrize("act, hf_act, vocab, tokenizer", [
+    ("gelu", "gelu", 320, "byte:v1"),  # exact GELU
+    ("gelu_tanh", "gelu_new", 50304, Gpt2Tokenizer.identity),  # tanh; padded GPT-2 vocab
+])
+def test_round_trip(tmp_path, act, hf_act, vocab, tokenizer):
+    ckpt = make_checkpoint(tmp_path, "model.init_std=0.1", f"model.activation={act}",
+                           f"model.vocab_size={vocab}", tokenizer=tokenizer)
+    out = export_hf(str(ckpt), tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["activation_function"] == hf_act and config["vocab_size"] == vocab
+    assert (config["n_layer"], config["n_head"], config["n_embd"], config["n_positions"]) == (
+        2, 4, 64, 64)
+
+    idx = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0))
+    expected = ours(ckpt, idx)
+    torch.testing.assert_close(hf_logits(out, idx), expected, rtol=0, atol=1e-5)
+
+    back = import_hf(out, tmp_path / "runs" / "back")
+    a, cfg_a, _ = ckpt_io.read_model_checkpoint(ckpt)
+    b, cfg_b, meta = ckpt_io.read_model_checkpoint(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert cfg_a.model == cfg_b.model and cfg_b.train.name == "back"
+    assert meta["tokenizer"] == tokenizer and meta["step"] == "0"
+    torch.testing.assert_close(ours(back, idx), expected, rtol=0, atol=0)
+
+    if tokenizer.startswith("gpt2"):
+        hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+        text = "Hello, wörld! It's 2024 ✓"
+        assert hf_tok(text)["input_ids"] == Gpt2Tokenizer().encode(text)
+        assert hf_tok.eos_token_id == config["eos_token_id"] == 50256
+
+
+def test_biases_and_a_transformers_made_gpt2(tmp_path):
+    """A GPT-2 as transformers makes it (biases, gelu_new, unprefixed names) imports exactly;
+    its non-zero biases are refused unless the config enables them."""
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=32,
+                                  vocab_size=50257)
+    torch.manual_seed(1)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+    src = tmp_path / "gpt2"
+    hf.save_pretrained(src)
+    encoder, merges = gpt2_vocab_files()
+    shutil.copyfile(encoder, src / "vocab.json")
+    shutil.copyfile(merges, src / "merges.txt")
+
+    with pytest.raises(UserError, match=r"non-zero .* --set model.bias=true"):
+        import_hf(src, tmp_path / "runs" / "nobias")
+    assert not (tmp_path / "runs" / "nobias").exists()
+    ckpt = import_hf(src, tmp_path / "runs" / "g", ["model.bias=true", "train.lr=1e-4"])
+    model, run_cfg, meta = load_model(ckpt)
+    assert run_cfg.model.activation == "gelu_tanh" and run_cfg.model.dropout == 0.1
+    assert run_cfg.model.bias and run_cfg.train.lr == 1e-4
+    assert tokenizer_for_checkpoint(ckpt, run_cfg, meta).name == "gpt2"
+    idx = torch.randint(0, 50257, (1, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], hf(idx).logits, rtol=0, atol=1e-5)
+    # And back out: the biases survive the export.
+    again = export_hf(str(ckpt), tmp_path / "again")
+    torch.testing.assert_close(hf_logits(again, idx), hf(idx).logits, rtol=0, atol=1e-5)
+
+
+def test_bpe_tokenizer_travels(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    bpe = train_bpe(iter(["the cat sat on the mat ✓\n"] * 40), 300, data / "tokenizer.json")
+    ckpt = make_checkpoint(tmp_path, f"data.dir={data}", "data.tokenizer=bpe",
+                           tokenizer=bpe.identity)
+    out = export_hf(str(ckpt), tmp_path / "hf")
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(out)
+    assert hf_tok("the mat ✓")["input_ids"] == bpe.encode("the mat ✓")
+    back = import_hf(out, tmp_path / "runs" / "back")
+    shutil.rmtree(data)  # the import carries its own tokenizer.json
+    _, cfg, meta = ckpt_io.read_model_checkpoint(back)
+    assert tokenizer_for_checkpoint(back, cfg, meta).identity == bpe.identity
+
+
+def test_bad_exports_and_imports(tmp_path):
+    ckpt = make_checkpoint(tmp_path)
+    target = tmp_path / "hf"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    assert_user_error(run_andrea("export", "--checkpoint", str(ckpt), "--format", "hf",
+                                 "--out", str(target)), str(target), "already exists", "--force")
+    assert (target / "keep.txt").read_text() == "mine"
+    export_hf(str(ckpt), target, force=True)
+    assert not (target / "keep.txt").exists() and (target / "model.safetensors").is_file()
+
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    assert_user_error(run_andrea("import", "--format", "hf", str(llama)),
+                      "llama", "LlamaForCausalLM", "not GPT-2")
+    with pytest.raises(UserError, match="not a Hugging Face model directory"):
+        import_hf(tmp_path / "runs")
+    with pytest.raises(UserError, match="the only format"):
+        from andrea.cli import _check_format
+
+        _check_format("gguf")
+
+
+def test_an_import_fine_tunes_with_resume(tmp_path, data_dir):
+    from andrea.config import load_config
+    from andrea.loader import TokenSplit, train_batch
+    from andrea.train import train
+
+    ckpt = make_checkpoint(tmp_path, f"data.dir={data_dir}", "model.init_std=0.1",
+                           "train.precision=fp32")
+    run = import_hf(export_hf(str(ckpt), tmp_path / "hf"), tmp_path / "runs" / "ft").parent
+    cfg = load_config(run / "config.yaml")
+    result = train(cfg, resume=str(run), progress=False, stop_after=1)
+    assert result.steps == 1 and result.checkpoint == run / "step-000001"
+    # Step 1's loss is the imported weights' loss on step 0's batch.
+    x, y = train_batch(TokenSplit(data_dir, "train"), seed=cfg.train.seed, step=0, micro_step=0,
+                       rank=0, accum_steps=1, world_size=1,
+                       micro_batch_size=cfg.train.micro_batch_size,
+                       block_size=cfg.model.block_size)
+    model, _, _ = load_model(ckpt)
+    with torch.no_grad():
+        assert result.losses[1] == pytest.approx(model(x, y)[1].item(), rel=1e-5)
