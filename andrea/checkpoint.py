@@ -29,6 +29,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from andrea.config import Config, config_from_dict
 from andrea.errors import UserError
+from andrea.fileio import atomic_write_bytes, atomic_write_text, fsync_dir
 
 FORMAT = "andrea-checkpoint/1"
 MODEL_FILE = "model.safetensors"
@@ -42,32 +43,6 @@ TIED_KEYS = {"lm_head.weight": "tok_emb.weight"}
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary name, flush and fsync, then rename over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -132,7 +107,7 @@ def save_checkpoint(
         final.rename(stale)
         shutil.rmtree(stale)
     partial.rename(final)
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
     atomic_write_text(run_dir / LATEST, final.name + "\n")
     prune_checkpoints(run_dir, keep_last)
     return final

@@ -9,7 +9,6 @@ accounting; the causal mask's skipped half is counted, as FlashAttention papers 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -17,6 +16,8 @@ from pathlib import Path
 import torch
 
 from andrea.config import ModelConfig
+from andrea.fileio import atomic_write_text
+from andrea.resources import cache_dir
 
 # Dense bf16 tensor-core peaks, FLOP/s, by a substring of torch.cuda.get_device_name().
 GPU_PEAK_BF16 = {
@@ -30,11 +31,6 @@ GPU_PEAK_BF16 = {
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     n = n_params - cfg.block_size * cfg.d_model
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.block_size
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "andrea"
 
 
 def _cpu_model() -> str:
@@ -73,9 +69,7 @@ def cpu_peak(dtype: torch.dtype) -> float:
         table[key] = measure_cpu_peak(dtype)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(table, indent=1))
-            tmp.replace(path)
+            atomic_write_text(path, json.dumps(table, indent=1))
         except OSError:
             pass  # a read-only home only costs a re-measurement next time
     return table[key]

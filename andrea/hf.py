@@ -38,6 +38,7 @@ from safetensors.torch import save as safetensors_bytes
 from andrea import checkpoint as ckpt_io
 from andrea.config import Config, config_from_dict, parse_override
 from andrea.errors import UserError
+from andrea.fileio import atomic_write_bytes, atomic_write_text
 from andrea.model import Andrea
 from andrea.tokenizer import (
     BPE_FILE,
@@ -201,7 +202,7 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
         hf_tensors = to_hf_tensors(tensors, cfg)
         # transformers reads safetensors only with metadata format "pt".
         blob = safetensors_bytes(hf_tensors, {"format": "pt"})
-        ckpt_io.atomic_write_bytes(tmp / WEIGHTS_FILE, blob)
+        atomic_write_bytes(tmp / WEIGHTS_FILE, blob)
         config = hf_config(cfg, tok.eot_id)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {"bos_token_id": tok.eot_id, "eos_token_id": tok.eot_id}
@@ -434,7 +435,7 @@ def import_hf(
             "imported_sha256": hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest(),
         }
         ckpt_io.save_checkpoint(tmp, 0, cfg, identity, tensors, {}, rng, state, keep_last=1)
-        ckpt_io.atomic_write_text(tmp / "config.yaml", cfg.to_yaml())
+        atomic_write_text(tmp / "config.yaml", cfg.to_yaml())
         if tokenizer_json is not None:
             shutil.copyfile(tokenizer_json, tmp / BPE_FILE)
         _replace_dir(tmp, run_dir)

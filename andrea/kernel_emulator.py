@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from andrea import resources
 from andrea.kernel_launch import Launch, attention_launches
 from andrea.resources import kernels_dir
 
@@ -37,12 +38,8 @@ TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def cache_dir() -> Path:
-    """$ANDREA_CACHE_DIR, else $XDG_CACHE_HOME/andrea, else ~/.cache/andrea; plus 'emulator'."""
-    root = os.environ.get("ANDREA_CACHE_DIR")
-    if root is None:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = str(Path(xdg) / "andrea") if xdg else str(Path.home() / ".cache" / "andrea")
-    path = Path(root) / "emulator"
+    """Where emulator builds are kept: the package cache's 'emulator' folder."""
+    path = resources.cache_dir() / "emulator"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from andrea import shards
 from andrea.errors import UserError
+from andrea.fileio import atomic_write_text
 from andrea.tokenizer import BPE_FILE, KINDS, load_tokenizer, train_bpe
 
 if TYPE_CHECKING:
@@ -384,12 +385,7 @@ def prepare_inputs(
         _clear(out)  # nothing half-written is left looking valid
         raise
     manifest = {**settings, **result}
-    tmp = out / (MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(out / MANIFEST)
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     if verbose:
         n = manifest["tokens"]
         print(

@@ -4,6 +4,7 @@ In a wheel they sit inside the package (`andrea/configs`, `andrea/kernels`, see 
 force-include); in a source checkout or an editable install they sit at the repository's top level.
 """
 
+import os
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -22,3 +23,11 @@ def configs_dir() -> Path:
 
 def kernels_dir() -> Path:
     return _bundled("kernels")
+
+
+def cache_dir() -> Path:
+    """$ANDREA_CACHE_DIR, else $XDG_CACHE_HOME/andrea, else ~/.cache/andrea (not created here)."""
+    if os.environ.get("ANDREA_CACHE_DIR"):
+        return Path(os.environ["ANDREA_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "andrea"

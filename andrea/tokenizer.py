@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from andrea.errors import UserError
+from andrea.fileio import atomic_write_text
 
 EOT_TEXT = "<|endoftext|>"
 KINDS = ("gpt2", "bpe", "byte")
@@ -211,9 +212,7 @@ def train_bpe(texts: Iterator[str], vocab_size: int, path: Path) -> BpeTokenizer
     )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.add_special_tokens([AddedToken(EOT_TEXT, special=True)])
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(tok.to_str(), encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_text(path, tok.to_str())
     return BpeTokenizer(path)
 
 

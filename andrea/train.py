@@ -39,6 +39,7 @@ from andrea.distributed import (
     shutdown,
 )
 from andrea.errors import UserError
+from andrea.fileio import atomic_write_text
 from andrea.flops import flops_per_token, format_mfu, mfu, peak_flops
 from andrea.loader import TokenSplit, train_batch, val_batches
 from andrea.model import Andrea
@@ -387,7 +388,7 @@ def _train(
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt_io.clean_partials(run_dir)
-        ckpt_io.atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
+        atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
         tensorboard = None
         if t.tensorboard:
             from andrea.tensorboard import open_tensorboard
