@@ -168,7 +168,7 @@ def bench_train(
 ) -> TrainRow:
     """Median step time of `preset` with `backend` on random tokens."""
     from andrea.config import load_config
-    from andrea.flops import flops_per_token, mfu, peak_flops
+    from andrea.flops import MfuMeter, flops_per_token
     from andrea.model import Andrea
     from andrea.train import build_optimizer, pick_dtype
 
@@ -194,11 +194,11 @@ def bench_train(
     step_ms = median_ms(device, steps, warmup, step)
     n_params = model.num_params()
     tok_s = shape[0] * shape[1] / (step_ms * 1e-3)
-    flops_token = flops_per_token(cfg.model, n_params)
+    meter = MfuMeter(device, dtype, flops_per_token(cfg.model, n_params))
     return TrainRow(
         preset=preset, backend=backend, dtype=str(dtype).removeprefix("torch."),
         micro_batch_size=shape[0], block_size=shape[1], n_params=n_params, step_ms=step_ms,
-        tokens_per_s=tok_s, mfu=mfu(tok_s, flops_token, peak_flops(device, dtype)),
+        tokens_per_s=tok_s, mfu=meter(tok_s),
     )
 
 

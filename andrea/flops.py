@@ -57,16 +57,18 @@ def measure_cpu_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> 
     return 2.0 * size**3 / best
 
 
-def cpu_peak(dtype: torch.dtype) -> float:
-    """Measured once per (CPU, torch, threads, dtype) and cached on disk."""
+def cpu_peak(dtype: torch.dtype, at_least: float = 0.0) -> float:
+    """Measured once per (CPU, torch, threads, dtype) and cached on disk. A cached figure below
+    `at_least` (a rate a run has reached, so the probe ran on a busy machine) is measured again
+    and the higher of the two kept."""
     key = f"{_cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}"
     path = cache_dir() / "cpu_peak.json"
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         table = {}
-    if key not in table:
-        table[key] = measure_cpu_peak(dtype)
+    if key not in table or table[key] < at_least:
+        table[key] = max(table.get(key, 0.0), measure_cpu_peak(dtype))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, json.dumps(table, indent=1))
@@ -87,6 +89,24 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     if device.type == "cpu":
         return cpu_peak(dtype)
     return None
+
+
+class MfuMeter:
+    """MFU for one run: the device's peak looked up once; on a CPU whose cached peak a run
+    outpaces, the peak is probed again once."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, flops_token: float) -> None:
+        self.device, self.dtype, self.flops_token = device, dtype, flops_token
+        self.peak = peak_flops(device, dtype)
+        self._reprobed = False
+
+    def __call__(self, tokens_per_s: float) -> float | None:
+        value = mfu(tokens_per_s, self.flops_token, self.peak)
+        if value is None and self.device.type == "cpu" and not self._reprobed:
+            self._reprobed = True
+            self.peak = cpu_peak(self.dtype, at_least=tokens_per_s * self.flops_token)
+            value = mfu(tokens_per_s, self.flops_token, self.peak)
+        return value
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak: float | None) -> float | None:

@@ -40,7 +40,7 @@ from andrea.distributed import (
 )
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
-from andrea.flops import flops_per_token, format_mfu, mfu, peak_flops
+from andrea.flops import MfuMeter, flops_per_token, format_mfu
 from andrea.loader import TokenSplit, train_batch, val_batches
 from andrea.model import Andrea
 from andrea.prepare import check_vocab, data_dir_for, ensure_prepared
@@ -410,8 +410,7 @@ def _train(
             + (f", resuming from {resume_from}" if resume_from else "")
         )
 
-    flops_token = flops_per_token(cfg.model, n_params)
-    peak = peak_flops(device, dtype)
+    model_flops_utilisation = MfuMeter(device, dtype, flops_per_token(cfg.model, n_params))
     last_ckpt = resume_from
     losses: dict[int, float] = {}
     throughput: list[float] = []
@@ -501,7 +500,7 @@ def _train(
                     torch.cuda.synchronize(device)
                 tok_s = tokens_per_step / (time.perf_counter() - t0)
                 throughput.append(tok_s)
-                step_mfu = mfu(tok_s, flops_token, peak)
+                step_mfu = model_flops_utilisation(tok_s)
                 last_of_run = step == t.max_steps
                 if step % t.log_every == 0 or last_of_run:
                     log.write(
