@@ -68,7 +68,9 @@ def attention(
             # The kernels cover full causal self-attention without dropout; cached decoding
             # and attention dropout take the PyTorch path.
             return sdpa_attention(q, k, v, dropout_p)
-        return cuda_attention(q, k, v)
+        # A prefill's k and v are views of the first T positions of a longer cache: the kernels
+        # read row-major tensors. Training tensors are contiguous already (no copy).
+        return cuda_attention(q, k.contiguous(), v.contiguous())
     raise ValueError(f"unknown attention backend {backend!r}; expected sdpa, math or cuda")
 
 

@@ -32,6 +32,7 @@ import torch
 
 from andrea.attention import attention, cuda_unavailable_reason
 from andrea.errors import UserError
+from andrea.flops import MfuMeter, attention_flops, flops_per_token, format_mfu
 
 # name -> (B, n_head, T, head_dim)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -89,12 +90,6 @@ class BenchResult:
         d["attention"] = [AttentionRow(**r) for r in d["attention"]]
         d["train"] = [TrainRow(**r) for r in d["train"]]
         return cls(**d)
-
-
-def attention_flops(batch: int, n_head: int, seq_len: int, head_dim: int) -> dict[str, float]:
-    """Causal attention FLOPs by mode (see the module docstring)."""
-    fwd = 2.0 * batch * n_head * seq_len * seq_len * head_dim
-    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}
 
 
 def median_ms(
@@ -168,7 +163,6 @@ def bench_train(
 ) -> TrainRow:
     """Median step time of `preset` with `backend` on random tokens."""
     from andrea.config import load_config
-    from andrea.flops import MfuMeter, flops_per_token
     from andrea.model import Andrea
     from andrea.train import build_optimizer, pick_dtype
 
@@ -202,12 +196,6 @@ def bench_train(
     )
 
 
-def _device(requested: str) -> torch.device:
-    from andrea.train import pick_device
-
-    return pick_device(requested)
-
-
 def run_bench(
     *, device: str = "auto", backends: list[str] | None = None, dtypes: list[str] | None = None,
     shapes: list[str] | None = None, batch: int | None = None, repeats: int = 10,
@@ -220,7 +208,9 @@ def run_bench(
     quick: small enough for a 2-core CPU in about a minute (batch 1, bf16 only, 3 repeats after
     1 warm-up, training ANDREA-12M at micro-batch 2 for 3 steps).
     """
-    dev = _device(device)
+    from andrea.train import pick_device
+
+    dev = pick_device(device)
     if quick:
         batch = 1 if batch is None else batch
         repeats, warmup, train_steps, train_warmup = min(repeats, 3), 1, 3, 1
@@ -304,10 +294,6 @@ def run_bench(
     return result
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
 def format_table(result: BenchResult) -> str:
     lines = [f"device: {result.device} ({result.device_name}), torch {result.torch_version}, "
              f"median of {result.repeats} after {result.warmup} warm-up"]
@@ -337,7 +323,7 @@ def format_table(result: BenchResult) -> str:
             lines.append(
                 f"{r.preset:<12} {r.backend:<8} {r.dtype:<9} "
                 f"{f'{r.micro_batch_size} x {r.block_size}':<11} {r.step_ms:>9.1f} "
-                f"{r.tokens_per_s:>11,.0f} {_fmt(r.mfu, '.1%'):>7}"
+                f"{r.tokens_per_s:>11,.0f} {format_mfu(r.mfu):>7}"
             )
     if result.skipped:
         lines.append("")

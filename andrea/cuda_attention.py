@@ -32,11 +32,10 @@ from andrea.kernel_launch import (
     attention_launches,
     check_dtype,
     check_head_dim,
+    kernel_source,
     nvrtc_options,
 )
-from andrea.resources import kernels_dir
 
-KERNEL_FILE = "microgpt_cuda.cu"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 ALIGNMENT = 16  # bytes; the kernels load 16-byte vectors from every tensor's base pointer
 
@@ -63,10 +62,6 @@ class EmulatorLauncher:
 
     def launch(self, launch: Launch, *args: KernelArg) -> None:
         self.emulator.launch(launch, *args)
-
-
-def kernel_source() -> str:
-    return (kernels_dir() / KERNEL_FILE).read_text()
 
 
 def device_arch(device: torch.device) -> str:
@@ -271,6 +266,7 @@ class CudaAttention(torch.autograd.Function):
         return o
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels have no double backward
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse = ctx.saved_tensors
         # Upstream gradients are often strided views (the head merge's transpose); the kernels

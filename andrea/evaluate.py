@@ -34,18 +34,18 @@ from tqdm import tqdm
 
 from andrea import checkpoint as ckpt_io
 from andrea.attention import resolve_backend
-from andrea.config import Config
+from andrea.config import CHOICES, Config
 from andrea.errors import UserError
 from andrea.loader import TokenSplit
 from andrea.model import Andrea
 from andrea.prepare import SPLITS, data_dir_for
 from andrea.tokenizer import (
     BPE_FILE,
-    ByteTokenizer,
-    Gpt2Tokenizer,
+    BpeTokenizer,
     Tokenizer,
     _gpt2_byte_decoder,
     gpt2_vocab_files,
+    load_tokenizer,
 )
 
 
@@ -108,7 +108,7 @@ def tokenizer_for_checkpoint(ckpt: Path, cfg: Config, metadata: dict[str, str]) 
     identity = metadata.get("tokenizer", "")
     kind = identity.split(":", 1)[0]
     if kind in ("byte", "gpt2"):
-        tok: Tokenizer = ByteTokenizer() if kind == "byte" else Gpt2Tokenizer()
+        tok = load_tokenizer(kind)
         if tok.identity != identity:
             raise UserError(
                 f"{ckpt}: trained with tokenizer {identity}, but this install's {kind} tokenizer "
@@ -117,8 +117,6 @@ def tokenizer_for_checkpoint(ckpt: Path, cfg: Config, metadata: dict[str, str]) 
         return tok
     if kind != "bpe":
         raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
-    from andrea.tokenizer import BpeTokenizer
-
     data_dir = data_dir_for(cfg)
     for path in (data_dir / BPE_FILE, ckpt / BPE_FILE, ckpt.parent / BPE_FILE):
         if path.is_file():
@@ -270,7 +268,7 @@ def evaluate_checkpoint(
         raise UserError(f"--max-tokens: must be a positive integer, got {max_tokens}")
     if batch_size < 1:
         raise UserError(f"--batch-size: must be a positive integer, got {batch_size}")
-    if precision not in ("auto", "fp32", "bf16"):
+    if precision not in CHOICES["train.precision"]:
         raise UserError(f"--precision: '{precision}' is not one of auto, fp32, bf16")
     if split not in SPLITS:
         raise UserError(f"--split: '{split}' is not one of {', '.join(SPLITS)}")

@@ -33,6 +33,16 @@ def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.block_size
 
 
+def attention_flops(batch: int, n_head: int, seq_len: int, head_dim: int) -> dict[str, float]:
+    """Causal attention FLOPs by mode ("fwd", "bwd", "fwd_bwd"), for `andrea bench`.
+
+    Unlike flops_per_token, the causal mask's skipped half is NOT counted: forward = 2 matmuls of
+    2·B·H·T²·D each, halved = 2·B·H·T²·D; backward = 5 such matmuls = 2.5 × forward.
+    """
+    fwd = 2.0 * batch * n_head * seq_len * seq_len * head_dim
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from andrea.config import CHOICES
 from andrea.errors import UserError
 from andrea.model import Andrea, KVCache
 
@@ -32,6 +33,19 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise UserError(f"--top-k: must be a positive integer, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise UserError(f"--top-p: must be in (0, 1], got {top_p}")
+
+
+def check_prompt_ids(ids: Sequence[int], n_valid: int) -> None:
+    bad = [i for i in ids if not 0 <= i < n_valid]
+    if bad:
+        raise UserError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{n_valid - 1})")
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded by `seed` (random when None), so a seed repeats on any device."""
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8)) >> 1)
+    return generator
 
 
 def pick_next(
@@ -87,16 +101,11 @@ def generate(
     ids = [int(i) for i in prompt_ids]
     if not ids:
         raise UserError("prompt: empty; give at least one token")
-    bad = [i for i in ids if not 0 <= i < n_valid]
-    if bad:
-        raise UserError(
-            f"prompt: token id {bad[0]} is outside the vocabulary (0..{n_valid - 1})"
-        )
+    check_prompt_ids(ids, n_valid)
     if len(ids) > cfg.block_size:
         ids = ids[-cfg.block_size :]
     if generator is None:
-        generator = torch.Generator()
-        generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8)) >> 1)
+        generator = seeded_generator(seed)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     was_training = model.training
@@ -198,7 +207,7 @@ def generate_command(
         raise UserError(f"--max-new-tokens: must be >= 0, got {max_new_tokens}")
     if num_samples < 1:
         raise UserError(f"--num-samples: must be a positive integer, got {num_samples}")
-    if precision not in ("fp32", "bf16", "auto"):
+    if precision not in CHOICES["train.precision"]:
         raise UserError(f"--precision: '{precision}' is not one of auto, fp32, bf16")
     if prompt is not None and prompt_ids is not None:
         raise UserError("give --prompt TEXT or --prompt-ids IDS, not both")
@@ -212,9 +221,7 @@ def generate_command(
     else:
         ids = tok.encode(prompt or "") or [tok.eot_id]  # no prompt: start a new document
     n_valid = min(tok.vocab_size, cfg.model.vocab_size)
-    bad = [i for i in ids if not 0 <= i < n_valid]
-    if bad:
-        raise UserError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{n_valid - 1})")
+    check_prompt_ids(ids, n_valid)  # before the prompt is printed (generate checks it lazily)
     if len(ids) > cfg.model.block_size:
         print(
             f"note: the prompt is {len(ids)} tokens, longer than the block size "
@@ -222,14 +229,13 @@ def generate_command(
             file=sys.stderr, flush=True,
         )
         ids = ids[-cfg.model.block_size :]
-    generator = torch.Generator()
-    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8)) >> 1)
+    generator = seeded_generator(seed)
     for sample in range(num_samples):
         if sample:
             out.write("\n---\n")
         out.write(tok.decode(ids) if ids != [tok.eot_id] else "")
         out.flush()
-        stream = TextStream(lambda pending: tok.decode(pending))
+        stream = TextStream(tok.decode)
         for token in generate(
             model, ids, max_new_tokens, temperature, top_k, top_p,
             stop_at_eot=stop_at_eot, use_cache=use_cache, eot_id=tok.eot_id,

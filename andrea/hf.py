@@ -43,8 +43,10 @@ from andrea.model import Andrea
 from andrea.tokenizer import (
     BPE_FILE,
     EOT_TEXT,
-    GPT2_ENCODER_JSON_SHA256,
+    FIXED_VOCAB,
+    BpeTokenizer,
     ByteTokenizer,
+    Gpt2Tokenizer,
     gpt2_vocab_files,
 )
 
@@ -54,7 +56,7 @@ WEIGHTS_FILE = "model.safetensors"
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, which ANDREA uses; GPT-2's layer_norm_epsilon
 ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new"}  # ours -> transformers
 ACTIVATIONS_IN = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-GPT2_IDENTITY = f"gpt2:{GPT2_ENCODER_JSON_SHA256[:16]}"
+GPT2_IDENTITY = Gpt2Tokenizer.identity
 # Model keys the shape comes from; at import they are read from config.json, never --set.
 SHAPE_KEYS = ("n_layer", "n_head", "head_dim", "d_model", "block_size", "vocab_size",
               "activation")
@@ -160,8 +162,8 @@ def _write_tokenizer(tok, out: Path, cfg: Config) -> None:
     else:
         return  # byte: transformers has no such tokenizer; andrea.json names it
     config.update(special, model_max_length=cfg.model.block_size)
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    atomic_write_text(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    atomic_write_text(out / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -181,8 +183,7 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 def _check_target(out: Path, force: bool, flag: str = "--out") -> None:
     if (out.exists() or out.is_symlink()) and not force:
         raise UserError(f"{flag} {out}: already exists; pick another path or pass --force")
-    if not out.parent.is_dir():
-        out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
 
 
 def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> Path:
@@ -204,9 +205,9 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
         blob = safetensors_bytes(hf_tensors, {"format": "pt"})
         atomic_write_bytes(tmp / WEIGHTS_FILE, blob)
         config = hf_config(cfg, tok.eot_id)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        atomic_write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         generation = {"bos_token_id": tok.eot_id, "eos_token_id": tok.eot_id}
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        atomic_write_text(tmp / "generation_config.json", json.dumps(generation, indent=2) + "\n")
         _write_tokenizer(tok, tmp, cfg)
         andrea = {
             "format": EXPORT_FORMAT,
@@ -215,7 +216,7 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
             "source_checkpoint": str(ckpt),
             "config": cfg.to_dict(),
         }
-        (tmp / ANDREA_FILE).write_text(json.dumps(andrea, indent=2) + "\n")
+        atomic_write_text(tmp / ANDREA_FILE, json.dumps(andrea, indent=2) + "\n")
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -306,8 +307,6 @@ def detect_tokenizer(src: Path, andrea: dict[str, Any] | None) -> tuple[str, Pat
         if _read_json(vocab) == ours:
             found = (GPT2_IDENTITY, None)
     if found is None and (src / BPE_FILE).is_file():
-        from andrea.tokenizer import BpeTokenizer
-
         tok = BpeTokenizer(src / BPE_FILE)  # checks that it is usable (end-of-text last)
         found = (tok.identity, src / BPE_FILE)
     said = andrea.get("tokenizer") if andrea else None
@@ -349,10 +348,7 @@ def import_config(
         section, key, value = parse_override(text)
         if section == "model" and key in SHAPE_KEYS:
             raise UserError(f"--set {text}: the model's shape comes from {src / 'config.json'}")
-        if section in data:
-            data[section][key] = value
-        else:
-            data[section] = {key: value}
+        data[section][key] = value  # parse_override allows only model, data, train
     return config_from_dict(data, f"{src} (imported{' with --set overrides' if overrides else ''})")
 
 
@@ -413,10 +409,8 @@ def import_hf(
                         list(overrides or []))
     from andrea.prepare import check_vocab
 
-    n_ids = {"byte": ByteTokenizer.vocab_size, "gpt2": 50257}.get(cfg.data.tokenizer)
+    n_ids = FIXED_VOCAB.get(cfg.data.tokenizer)
     if tokenizer_json is not None:
-        from andrea.tokenizer import BpeTokenizer
-
         n_ids = BpeTokenizer(tokenizer_json).vocab_size
     check_vocab(n_ids or 0, cfg.model.vocab_size, f"{src / 'config.json'}: vocab_size")
     tensors = from_hf_tensors(read_hf_weights(src), cfg, src)

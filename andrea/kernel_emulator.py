@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from andrea import resources
-from andrea.kernel_launch import Launch, attention_launches
+from andrea.cuda_attention import DTYPE_NAMES
+from andrea.kernel_launch import KERNEL_FILE, Launch, attention_launches, kernel_source
 from andrea.resources import kernels_dir
 
-KERNEL_FILE = "microgpt_cuda.cu"
 CPU_FILES = ("cuda_emulator.h", "emu_entry.cpp", "emu_sanitize_main.cpp")
 MODES = {"fibers": 0, "threads": 1}
 BASE_FLAGS = ["-std=c++17", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas", "-pthread"]
@@ -34,7 +34,6 @@ SANITIZER_FLAGS = {
     "thread": ["-O1", "-g", "-fsanitize=thread"],
     "address": ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"],
 }
-TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def cache_dir() -> Path:
@@ -42,10 +41,6 @@ def cache_dir() -> Path:
     path = resources.cache_dir() / "emulator"
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def kernel_source() -> str:
-    return (kernels_dir() / KERNEL_FILE).read_text()
 
 
 def _compiler() -> str:
@@ -172,10 +167,10 @@ def default_emulator() -> Emulator:
 
 
 def _shape(q: torch.Tensor) -> tuple[int, int, int, int, str]:
-    if q.dim() != 4 or q.dtype not in TORCH_DTYPES:
+    if q.dim() != 4 or q.dtype not in DTYPE_NAMES:
         raise ValueError("q must be [B, n_head, T, head_dim] float32 or bfloat16")
     b, h, t, d = q.shape
-    return b, h, t, d, TORCH_DTYPES[q.dtype]
+    return b, h, t, d, DTYPE_NAMES[q.dtype]
 
 
 def _poisoned(like: torch.Tensor, dtype: torch.dtype | None = None,

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from andrea.errors import UserError
+from andrea.resources import kernels_dir
 
+KERNEL_FILE = "microgpt_cuda.cu"  # in kernels_dir()
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 128)
 
 # torch dtype name -> (C++ element type in the .cu file, bytes per element)
@@ -37,6 +39,11 @@ KERNEL_TEMPLATES = {
     "bwd_dq": "attn_bwd_dq",
     "bwd_dkdv": "attn_bwd_dkdv",
 }
+
+
+def kernel_source() -> str:
+    """The text of kernels/microgpt_cuda.cu, as NVRTC and the CPU emulator compile it."""
+    return (kernels_dir() / KERNEL_FILE).read_text()
 
 
 def nvrtc_options(arch: str) -> list[str]:
@@ -121,6 +128,10 @@ def attention_launches(
     bh = batch * n_head
     if bh > MAX_GRID_Y:
         raise UserError(f"batch*n_head={bh} exceeds {MAX_GRID_Y}; use a smaller micro-batch")
+    if bh * seq_len >= 2**31:  # the preprocess kernel's row count is an int
+        raise UserError(
+            f"batch*n_head*seq_len={bh * seq_len:,} rows exceed 2^31; use a smaller micro-batch"
+        )
     launches = {}
     for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
         warps, _ = TILES[(dtype, head_dim)][kernel.removeprefix("bwd_")]

@@ -7,15 +7,15 @@ matplotlib is an optional extra, imported only here and only when a plot is aske
 
 from __future__ import annotations
 
+import io
 import math
-import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from andrea.errors import UserError
+from andrea.fileio import atomic_write_bytes
 from andrea.runs import METRICS, current_history, read_metrics, read_run
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
@@ -177,21 +177,14 @@ def plot_runs(
     ax_loss.legend(title="run", fontsize="small")
     fig.suptitle(f"andrea training curves: {len(runs)} run(s)", fontsize="large")
 
+    image = io.BytesIO()
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    except OSError as exc:
-        plt.close(fig)
-        raise UserError(f"{out}: cannot write there: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format=fmt, dpi=100)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        fig.savefig(image, format=fmt, dpi=100)
     finally:
         plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out, image.getvalue())
+    except OSError as exc:
+        raise UserError(f"{out}: cannot write there: {exc.strerror or exc}") from None
     return out

@@ -31,7 +31,7 @@ import numpy as np
 from andrea import shards
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
-from andrea.tokenizer import BPE_FILE, KINDS, load_tokenizer, train_bpe
+from andrea.tokenizer import BPE_FILE, FIXED_VOCAB, KINDS, load_tokenizer, train_bpe
 
 if TYPE_CHECKING:
     from andrea.config import Config
@@ -191,7 +191,8 @@ def _decode(chunk: bytes, offset: int, name: str, errors: str) -> str:
         ) from None
 
 
-# A piece is (split, text); text None marks the end of a document part (end-of-text goes there).
+# A piece is (split, text, source bytes); text None marks the end of a document part (end-of-text
+# goes there).
 Piece = tuple[str, str | None, int]
 
 
@@ -349,11 +350,13 @@ def prepare_inputs(
     val_fraction: float = 0.1,
     shard_tokens: int = 50_000_000,
     verbose: bool = True,
+    announce: str | None = None,
 ) -> Path:
     """Tokenize `inputs` ("shakespeare", a file, a directory or a glob) into shards in `out`.
 
     `vocab_size` is the BPE's total id count (bpe only). Returns `out`. Does nothing when `out`
-    already holds shards from the same inputs and settings, unless `force`.
+    already holds shards from the same inputs and settings, unless `force`. `announce` is
+    printed just before the work starts (not when there is nothing to do).
     """
     if tokenizer not in KINDS:
         raise UserError(f"--tokenizer: '{tokenizer}' is not one of {', '.join(KINDS)}")
@@ -372,6 +375,8 @@ def prepare_inputs(
         if verbose:
             print(f"{out}: up to date (inputs unchanged; --force redoes it)")
         return out
+    if announce:
+        print(announce, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     _clear(out)
     total = sum(d.size for d in docs)
@@ -485,19 +490,18 @@ def check_vocab(tokenizer_vocab: int, model_vocab: int, where: str) -> None:
         )
 
 
-_FIXED_VOCAB = {"gpt2": 50257, "byte": 257}
-
-
-def prepare_from_config(cfg: Config, force: bool = False, verbose: bool = True) -> Path:
+def prepare_from_config(
+    cfg: Config, force: bool = False, verbose: bool = True, announce: str | None = None
+) -> Path:
     """Prepare the shards that `cfg.data` describes (BPE vocab = model.vocab_size)."""
     d = cfg.data
-    if d.tokenizer in _FIXED_VOCAB:
-        check_vocab(_FIXED_VOCAB[d.tokenizer], cfg.model.vocab_size, cfg.source)
+    if d.tokenizer in FIXED_VOCAB:
+        check_vocab(FIXED_VOCAB[d.tokenizer], cfg.model.vocab_size, cfg.source)
     out = prepare_inputs(
         d.source, d.tokenizer, data_dir_for(cfg),
         vocab_size=cfg.model.vocab_size if d.tokenizer == "bpe" else None,
         force=force, errors=d.errors, workers=d.workers, val_fraction=d.val_fraction,
-        shard_tokens=d.shard_tokens, verbose=verbose,
+        shard_tokens=d.shard_tokens, verbose=verbose, announce=announce,
     )
     check_vocab(read_manifest(out)["tokenizer"]["vocab_size"], cfg.model.vocab_size, str(out))
     return out
@@ -510,20 +514,9 @@ def ensure_prepared(cfg: Config) -> Path:
     the same directory would clear each other's files.
     """
     d = cfg.data
-    out = data_dir_for(cfg)
-    if d.tokenizer in _FIXED_VOCAB:
-        check_vocab(_FIXED_VOCAB[d.tokenizer], cfg.model.vocab_size, cfg.source)
-    docs = documents(d.source)
-    vocab = cfg.model.vocab_size if d.tokenizer == "bpe" else None
-    settings = _settings(
-        d.source, docs, d.tokenizer, vocab, d.val_fraction, d.shard_tokens, d.errors
-    )
-    if not _is_current(out, settings):
-        what = "the embedded Shakespeare corpus" if d.source == SHAKESPEARE else d.source
-        print(f"preparing {out} from {what} (first run only)", flush=True)
-        prepare_from_config(cfg, force=True, verbose=False)
-    check_vocab(read_manifest(out)["tokenizer"]["vocab_size"], cfg.model.vocab_size, str(out))
-    return out
+    what = "the embedded Shakespeare corpus" if d.source == SHAKESPEARE else d.source
+    announce = f"preparing {data_dir_for(cfg)} from {what} (first run only)"
+    return prepare_from_config(cfg, verbose=False, announce=announce)
 
 
 def prepare_command(

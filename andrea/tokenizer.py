@@ -161,7 +161,7 @@ class BpeTokenizer:
         try:
             blob = path.read_bytes()
             self._tok = HfTokenizer.from_str(blob.decode("utf-8"))
-        except (OSError, UnicodeDecodeError, Exception) as exc:  # tokenizers raises Exception
+        except Exception as exc:  # OSError, UnicodeDecodeError, and tokenizers' plain Exception
             raise UserError(f"{path}: not a readable BPE tokenizer file: {exc}") from None
         eot = self._tok.token_to_id(EOT_TEXT)
         if eot is None or eot != self._tok.get_vocab_size() - 1:
@@ -185,6 +185,10 @@ class BpeTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+# The id counts of the tokenizers that are not trained on the corpus.
+FIXED_VOCAB = {"gpt2": Gpt2Tokenizer.vocab_size, "byte": ByteTokenizer.vocab_size}
 
 
 def train_bpe(texts: Iterator[str], vocab_size: int, path: Path) -> BpeTokenizer:

@@ -71,10 +71,18 @@ class TrainResult:
 
 
 def pick_device(requested: str) -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device: cuda was asked for but no GPU is visible to PyTorch")
+    """'auto' (a GPU if PyTorch sees one, else the CPU), 'cpu', 'cuda' or 'cuda:N'."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = requested.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise UserError(f"device '{requested}': expected auto, cpu, cuda or cuda:N")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or int(index or 0) >= count:
+            raise UserError(
+                f"device '{requested}': PyTorch sees {count} GPU(s); use cpu or another index"
+            )
     return torch.device(requested)
 
 
@@ -92,6 +100,8 @@ def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
         return torch.float32
     if precision == "bf16":
         return torch.bfloat16
+    if precision != "auto":
+        raise UserError(f"precision '{precision}': expected auto, bf16 or fp32")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     return torch.bfloat16 if cpu_has_bf16() else torch.float32

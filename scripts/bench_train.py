@@ -40,7 +40,7 @@ def plain_loop(cfg, dtype: torch.dtype, steps: int, warmup: int) -> list[float]:
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             _, loss = model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()

@@ -159,6 +159,22 @@ def test_model_trains_through_the_function_like_sdpa(emu, monkeypatch) -> None:
     assert_close("qkv grad", results["cuda"][1], results["sdpa"][1].double(), 3e-2)
 
 
+@needs_gxx
+def test_cache_prefill_through_the_cuda_backend_matches_sdpa(emu, monkeypatch) -> None:
+    """A prefill's k/v are the first T positions of a longer [B, H, max_len, D] cache: strided
+    views, which the "cuda" backend must accept (generate on a GPU runs exactly this)."""
+    from andrea.attention import attention
+
+    monkeypatch.setattr(ca, "default_launcher", lambda device: emu)
+    q, k, v, _ = (x.detach() for x in inputs((1, 2, 9, 32), torch.float32, seed=7))
+    cache_k, cache_v = torch.zeros(1, 2, 24, 32), torch.zeros(1, 2, 24, 32)
+    cache_k[:, :, :9], cache_v[:, :, :9] = k, v
+    kv, vv = cache_k[:, :, :9], cache_v[:, :, :9]
+    assert not kv.is_contiguous()
+    got = attention(q, kv, vv, "cuda")
+    assert_close("o", got, sdpa_attention(q, k, v).double(), 1e-5)
+
+
 def _aligned(shape, dtype=torch.float32):
     return torch.zeros(shape, dtype=dtype)
 

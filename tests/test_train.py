@@ -18,10 +18,11 @@ from conftest import assert_user_error, run_andrea
 
 from andrea import checkpoint as ckpt_io
 from andrea.config import load_config
+from andrea.errors import UserError
 from andrea.flops import MfuMeter, format_mfu, mfu, peak_flops
 from andrea.model import Andrea
 from andrea.schedule import lr_at
-from andrea.train import build_optimizer, train
+from andrea.train import build_optimizer, pick_device, pick_dtype, train
 
 # data_dir: the session fixture in conftest.py (the tiny preset's prepared data).
 
@@ -133,6 +134,18 @@ def test_compiled_model_state_has_plain_keys():
     keys = ckpt_io.model_state(compiled).keys()
     assert keys == ckpt_io.model_state(model).keys()
     assert not any("_orig_mod" in k for k in keys) and "lm_head.weight" not in keys
+
+
+def test_device_and_precision_names_are_checked():
+    assert pick_device("cpu") == torch.device("cpu")
+    for bad in ("gpu", "cpu:0", "cuda:x"):
+        with pytest.raises(UserError, match=f"device '{bad}'"):
+            pick_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="sees 0 GPU"):
+            pick_device("cuda:0")
+    with pytest.raises(UserError, match="precision 'fp16'"):
+        pick_dtype("fp16", torch.device("cpu"))
 
 
 def test_mfu_is_na_for_an_unknown_device():
