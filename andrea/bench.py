@@ -40,7 +40,9 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "andrea-12m": (8, 12, 256, 32),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-BACKENDS = ("cuda", "sdpa", "sdpa_flash", "math")
+# cuda_naive: the one-block-per-(batch, head) baseline kernels, the reference of the goal
+# "cuda at least 10x cuda_naive" (the "cuda vs naive" column).
+BACKENDS = ("cuda", "cuda_naive", "sdpa", "sdpa_flash", "math")
 MODES = ("fwd", "bwd", "fwd_bwd")
 
 
@@ -126,6 +128,10 @@ def _attention_fn(backend: str) -> Callable[..., torch.Tensor]:
                 return attention(q, k, v, "sdpa")
 
         return flash
+    if backend == "cuda_naive":
+        from andrea.cuda_attention import cuda_attention
+
+        return lambda q, k, v: cuda_attention(q, k, v, naive=True)
     return lambda q, k, v: attention(q, k, v, backend)
 
 
@@ -229,11 +235,12 @@ def run_bench(
         raise UserError(f"--batch {batch}: must be a positive integer")
     if repeats < 1 or warmup < 0:
         raise UserError(f"--repeats {repeats} / --warmup {warmup}: need repeats >= 1, warmup >= 0")
-    if backends and "cuda" in backends:
-        # Asked for by name where it cannot run at all: the user's mistake, said at once.
-        why = cuda_unavailable_reason(64, dev)
-        if why is not None:
-            raise UserError(f"--backend cuda cannot run here: {why}")
+    for name in ("cuda", "cuda_naive"):
+        if backends and name in backends:
+            # Asked for by name where it cannot run at all: the user's mistake, said at once.
+            why = cuda_unavailable_reason(64, dev)
+            if why is not None:
+                raise UserError(f"--backend {name} cannot run here: {why}")
     if backends and "sdpa_flash" in backends and dev.type != "cuda":
         raise UserError(f"--backend sdpa_flash needs a GPU; the device is {dev}")
     wanted = backends or [b for b in BACKENDS if b != "sdpa_flash" or dev.type == "cuda"]
@@ -250,7 +257,7 @@ def run_bench(
 
     def usable(backend: str, head_dim: int, dtype_name: str, what: str) -> bool:
         why = None
-        if backend == "cuda":
+        if backend in ("cuda", "cuda_naive"):
             why = cuda_unavailable_reason(head_dim, dev)
         elif backend == "sdpa_flash" and (dev.type != "cuda" or dtype_name != "bf16"):
             why = "the flash SDPA kernel needs a GPU and bf16"
@@ -302,19 +309,21 @@ def format_table(result: BenchResult) -> str:
         lines.append(
             f"{'shape':<11} {'B,H,T,D':<15} {'dtype':<5} {'backend':<10} {'fwd ms':>9} "
             f"{'bwd ms':>9} {'f+b ms':>9} {'fwd TF/s':>9} {'bwd TF/s':>9} {'f+b TF/s':>9} "
-            f"{'f+b vs sdpa':>11}"
+            f"{'f+b vs sdpa':>11} {'cuda vs naive':>13}"
         )
-        sdpa = {(r.shape, r.dtype): r.ms["fwd_bwd"] for r in result.attention
-                if r.backend == "sdpa"}
+        f_b = {(r.shape, r.dtype, r.backend): r.ms["fwd_bwd"] for r in result.attention}
         for r in result.attention:
-            base = sdpa.get((r.shape, r.dtype))
+            base = f_b.get((r.shape, r.dtype, "sdpa"))
             ratio = f"{base / r.ms['fwd_bwd']:.2f}x" if base else "n/a"
+            # How many times faster cuda's fwd+bwd is than the naive kernels' (goal: >= 10x).
+            naive = f_b.get((r.shape, r.dtype, "cuda_naive"))
+            speedup = f"{naive / r.ms['fwd_bwd']:.1f}x" if naive and r.backend == "cuda" else ""
             dims = f"{r.batch},{r.n_head},{r.seq_len},{r.head_dim}"
             lines.append(
                 f"{r.shape:<11} {dims:<15} {r.dtype:<5} {r.backend:<10} {r.ms['fwd']:>9.3f} "
                 f"{r.ms['bwd']:>9.3f} {r.ms['fwd_bwd']:>9.3f} {r.tflops['fwd']:>9.3f} "
-                f"{r.tflops['bwd']:>9.3f} {r.tflops['fwd_bwd']:>9.3f} {ratio:>11}"
-            )
+                f"{r.tflops['bwd']:>9.3f} {r.tflops['fwd_bwd']:>9.3f} {ratio:>11} {speedup:>13}"
+            ).rstrip()
     if result.train:
         lines.append("")
         lines.append(f"{'preset':<12} {'backend':<8} {'dtype':<9} {'batch x T':<11} "

@@ -28,11 +28,13 @@ import torch
 
 from andrea.kernel_launch import (
     KERNEL_TEMPLATES,
+    NAIVE_TEMPLATES,
     Launch,
     attention_launches,
     check_dtype,
     check_head_dim,
     kernel_source,
+    naive_attention_launches,
     nvrtc_options,
 )
 
@@ -111,9 +113,11 @@ class CupyLauncher:
         fn = self._functions.get(name)
         if fn is None:
             # One module per (dtype, head_dim): compile only the instances a model uses, which
-            # keeps the first call's NVRTC time to a sixth of compiling every instance.
-            template_args = name[name.index("<") :]
-            names = tuple(f"{t}{template_args}" for t in KERNEL_TEMPLATES.values())
+            # keeps the first call's NVRTC time to a sixth of compiling every instance. The
+            # naive baseline (benchmarks only) is a module of its own.
+            template, template_args = name[: name.index("<")], name[name.index("<") :]
+            group = NAIVE_TEMPLATES if template in NAIVE_TEMPLATES.values() else KERNEL_TEMPLATES
+            names = tuple(f"{t}{template_args}" for t in group.values())
             module = compiled_module(self.source, self.arch, names)
             fn = self._functions[name] = module.get_function(name)
         return fn
@@ -163,8 +167,9 @@ def default_launcher(device: torch.device) -> Launcher:
 
 
 @functools.lru_cache(maxsize=64)
-def _launches(b: int, h: int, t: int, d: int, dtype: str) -> dict[str, Launch]:
-    return attention_launches(b, h, t, d, dtype)
+def _launches(b: int, h: int, t: int, d: int, dtype: str, naive: bool = False
+              ) -> dict[str, Launch]:
+    return (naive_attention_launches if naive else attention_launches)(b, h, t, d, dtype)
 
 
 def _check_tensor(name: str, x: torch.Tensor, like: torch.Tensor, shape: tuple[int, ...],
@@ -220,31 +225,34 @@ def _new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-    launcher: Launcher | None = None, poison: bool = False,
+    launcher: Launcher | None = None, poison: bool = False, naive: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention forward: (O [B, H, T, D] in q's dtype, lse [B, H, T] float32)."""
+    """Causal attention forward: (O [B, H, T, D] in q's dtype, lse [B, H, T] float32).
+
+    naive: run the one-block-per-(batch, head) baseline kernels instead (benchmarks only).
+    """
     launcher = launcher or default_launcher(q.device)
     b, h, t, d, dtype = check_inputs(q, k, v, launcher.device_type)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o = _new((b, h, t, d), q.dtype, q.device, poison)
     lse = _new((b, h, t), torch.float32, q.device, poison)
-    launcher.launch(_launches(b, h, t, d, dtype)["fwd"], q, k, v, o, lse, t, scale)
+    launcher.launch(_launches(b, h, t, d, dtype, naive)["fwd"], q, k, v, o, lse, t, scale)
     return o, lse
 
 
 def attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     dout: torch.Tensor, scale: float | None = None, launcher: Launcher | None = None,
-    poison: bool = False,
+    poison: bool = False, naive: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Causal attention backward from the forward's O and lse: (dq, dk, dv)."""
+    """Causal attention backward from the forward's O and lse: (dq, dk, dv); naive as above."""
     launcher = launcher or default_launcher(q.device)
     b, h, t, d, dtype = check_inputs(q, k, v, launcher.device_type)
     _check_tensor("o", o, q, (b, h, t, d), q.dtype, launcher.device_type)
     _check_tensor("dout", dout, q, (b, h, t, d), q.dtype, launcher.device_type)
     _check_tensor("lse", lse, q, (b, h, t), torch.float32, launcher.device_type)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    launches = _launches(b, h, t, d, dtype)
+    launches = _launches(b, h, t, d, dtype, naive)
     delta = _new((b, h, t), torch.float32, q.device, poison)
     dq, dk, dv = (_new((b, h, t, d), q.dtype, q.device, poison) for _ in range(3))
     launcher.launch(launches["bwd_preprocess"], o, dout, delta, b * h * t)
@@ -258,11 +266,11 @@ class CudaAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float | None, launcher: Launcher) -> torch.Tensor:
-        o, lse = attention_forward(q, k, v, scale, launcher)
+                scale: float | None, launcher: Launcher, naive: bool = False) -> torch.Tensor:
+        o, lse = attention_forward(q, k, v, scale, launcher, naive=naive)
         # O and the log-sum-exp let the backward recompute P tile by tile: O(T) extra memory.
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale, ctx.launcher = scale, launcher
+        ctx.scale, ctx.launcher, ctx.naive = scale, launcher, naive
         return o
 
     @staticmethod
@@ -272,18 +280,22 @@ class CudaAttention(torch.autograd.Function):
         # Upstream gradients are often strided views (the head merge's transpose); the kernels
         # need them row-major in q's dtype. This is the one copy the backward may make.
         dout = dout.to(q.dtype).contiguous()
-        dq, dk, dv = attention_backward(q, k, v, o, lse, dout, ctx.scale, ctx.launcher)
-        return dq, dk, dv, None, None
+        dq, dk, dv = attention_backward(q, k, v, o, lse, dout, ctx.scale, ctx.launcher,
+                                        naive=ctx.naive)
+        return dq, dk, dv, None, None, None
 
 
 @torch.compiler.disable  # CuPy calls cannot be traced; torch.compile runs this op eagerly
 def cuda_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-    launcher: Launcher | None = None,
+    launcher: Launcher | None = None, naive: bool = False,
 ) -> torch.Tensor:
-    """Causal self-attention [B, n_head, T, head_dim] -> same, differentiable in q, k, v."""
+    """Causal self-attention [B, n_head, T, head_dim] -> same, differentiable in q, k, v.
+
+    naive: the one-block-per-(batch, head) baseline kernels (the benchmark's cuda_naive).
+    """
     # The forward validates the inputs before autograd records anything.
-    return CudaAttention.apply(q, k, v, scale, launcher or default_launcher(q.device))
+    return CudaAttention.apply(q, k, v, scale, launcher or default_launcher(q.device), naive)
 
 
 def _small_case() -> int:

@@ -39,6 +39,14 @@ KERNEL_TEMPLATES = {
     "bwd_dq": "attn_bwd_dq",
     "bwd_dkdv": "attn_bwd_dkdv",
 }
+# The naive baseline (speed reference of the performance goal): one block of NAIVE_THREADS per
+# (batch, head). Its backward reuses "bwd_preprocess" from KERNEL_TEMPLATES.
+NAIVE_TEMPLATES = {
+    "fwd": "attn_fwd_naive",
+    "bwd_dq": "attn_bwd_dq_naive",
+    "bwd_dkdv": "attn_bwd_dkdv_naive",
+}
+NAIVE_THREADS = 128  # ANDREA_NAIVE_THREADS in the .cu file
 
 
 def kernel_source() -> str:
@@ -73,17 +81,20 @@ def check_dtype(dtype: str) -> None:
         )
 
 
-def name_expression(kernel: str, dtype: str, head_dim: int) -> str:
+def name_expression(kernel: str, dtype: str, head_dim: int, naive: bool = False) -> str:
     """NVRTC name expression of a kernel instance, e.g. 'attn_fwd<bf16_t, 64>'."""
-    return f"{KERNEL_TEMPLATES[kernel]}<{ELEMENT_TYPES[dtype][0]}, {head_dim}>"
+    template = (NAIVE_TEMPLATES if naive else KERNEL_TEMPLATES)[kernel]
+    return f"{template}<{ELEMENT_TYPES[dtype][0]}, {head_dim}>"
 
 
 def all_name_expressions() -> list[str]:
+    """Every kernel instance of the .cu file, the naive baseline included."""
     return [
-        name_expression(kernel, dtype, d)
+        name_expression(kernel, dtype, d, naive)
         for dtype in ELEMENT_TYPES
         for d in SUPPORTED_HEAD_DIMS
-        for kernel in KERNEL_TEMPLATES
+        for naive, templates in ((False, KERNEL_TEMPLATES), (True, NAIVE_TEMPLATES))
+        for kernel in templates
     ]
 
 
@@ -147,4 +158,26 @@ def attention_launches(
         block=(PREPROCESS_THREADS, 1, 1),
         shared_bytes=0,
     )
+    return {k: launches[k] for k in ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")}
+
+
+def naive_attention_launches(
+    batch: int, n_head: int, seq_len: int, head_dim: int, dtype: str
+) -> dict[str, Launch]:
+    """The naive baseline's launches, keyed like `attention_launches` (same argument lists).
+
+    One block of NAIVE_THREADS per (batch, head) on grid.x; "bwd_preprocess" is the regular one.
+    """
+    # Validates as the regular kernels do (B*n_head within their grid.y limit keeps grid.x small).
+    regular = attention_launches(batch, n_head, seq_len, head_dim, dtype)
+    launches = {
+        kernel: Launch(
+            name=name_expression(kernel, dtype, head_dim, naive=True),
+            grid=(batch * n_head, 1, 1),
+            block=(NAIVE_THREADS, 1, 1),
+            shared_bytes=0,
+        )
+        for kernel in NAIVE_TEMPLATES
+    }
+    launches["bwd_preprocess"] = regular["bwd_preprocess"]
     return {k: launches[k] for k in ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")}

@@ -116,6 +116,50 @@ def test_launch_config_matches_the_kernel_file(emulator) -> None:
     assert list(launches) == ["fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv"]
 
 
+NAIVE_CASES = [
+    (dtype, d, t, bh)
+    for dtype in (torch.float32, torch.bfloat16)
+    for d in (32, 64)
+    for t, bh in ((1, (2, 2)), (17, (1, 2)), (100, (1, 1)))
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,seq_len,bh", NAIVE_CASES, ids=lambda x: str(x).replace("torch.", "")
+)
+def test_naive_baseline_matches_float64(emulator, dtype, head_dim, seq_len, bh) -> None:
+    """The naive one-block-per-(batch, head) kernels, through the launcher the GPU path uses."""
+    from andrea.cuda_attention import EmulatorLauncher, attention_backward, attention_forward
+
+    b, h = bh
+    launcher = EmulatorLauncher(emulator)
+    q, k, v, dout = random_inputs(b, h, seq_len, head_dim, dtype, seed=seq_len * 5 + head_dim)
+    scale = 0.7 / math.sqrt(head_dim)  # not the default: the kernels must use the argument
+    o, lse = attention_forward(q, k, v, scale, launcher, poison=True, naive=True)
+    dq, dk, dv = attention_backward(q, k, v, o, lse, dout, scale, launcher, poison=True,
+                                    naive=True)
+    ro, rlse, rdq, rdk, rdv = reference(q, k, v, dout, scale)
+    assert o.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, h, seq_len)
+    tol = TOL[dtype]
+    assert_close("o", o, ro, tol)
+    assert_close("lse", lse, rlse, 1e-5)
+    assert_close("dq", dq, rdq, tol)
+    assert_close("dk", dk, rdk, tol)
+    assert_close("dv", dv, rdv, tol)
+
+
+def test_naive_launches_are_one_block_per_batch_head(emulator) -> None:
+    launches = kernel_launch.naive_attention_launches(8, 12, 1024, 64, "bfloat16")
+    assert list(launches) == ["fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv"]
+    for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+        launch = launches[kernel]
+        assert launch.grid == (96, 1, 1) and launch.block == (kernel_launch.NAIVE_THREADS, 1, 1)
+        assert launch.name.endswith("_naive<bf16_t, 64>")
+        assert emulator.kernel_info(launch.name) == (kernel_launch.NAIVE_THREADS // 32, 0, 0)
+    regular = kernel_launch.attention_launches(8, 12, 1024, 64, "bfloat16")
+    assert launches["bwd_preprocess"] == regular["bwd_preprocess"]
+
+
 @pytest.mark.parametrize("head_dim", [16, 72, 96, 256])
 def test_unsupported_head_dim_is_refused(head_dim) -> None:
     with pytest.raises(UserError, match=rf"head_dim={head_dim} .*32, 64, 128"):

@@ -38,7 +38,14 @@ struct Entry {
             [](dim3 g, dim3 b, int m, void** a) {                                              \
               run(&attn_bwd_preprocess<TYPE, D>, g, b, m, a);                                  \
             },                                                                                 \
-            4, 0, 0}
+            4, 0, 0},                                                                          \
+      ANDREA_NAIVE(attn_fwd_naive, TYPE, TN, D), ANDREA_NAIVE(attn_bwd_dq_naive, TYPE, TN, D),  \
+      ANDREA_NAIVE(attn_bwd_dkdv_naive, TYPE, TN, D)
+// The naive baseline kernels: ANDREA_NAIVE_THREADS threads, no tiles, no shared memory.
+#define ANDREA_NAIVE(KERNEL, TYPE, TN, D)                                                     \
+  Entry{#KERNEL "<" TN ", " #D ">",                                                            \
+        [](dim3 g, dim3 b, int m, void** a) { run(&KERNEL<TYPE, D>, g, b, m, a); },            \
+        ANDREA_NAIVE_THREADS / 32, 0, 0}
 
 const Entry kEntries[] = {
     ANDREA_ENTRIES(float, "float", 32),   ANDREA_ENTRIES(float, "float", 64),
