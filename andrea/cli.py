@@ -130,11 +130,17 @@ def prepare_cmd(
     workers: Annotated[
         int | None, typer.Option("--workers", help="Encoding processes (0: automatic).")
     ] = None,
+    tokenizer_file: Annotated[
+        str | None,
+        typer.Option("--tokenizer-file", help="Use this BPE tokenizer.json instead of training."),
+    ] = None,
 ) -> None:
     """Tokenize text into shards (the embedded Shakespeare corpus by default)."""
     from andrea.prepare import prepare_command
 
-    prepare_command(config, set_, input, tokenizer, out, vocab_size, force, errors, workers)
+    prepare_command(
+        config, set_, input, tokenizer, out, vocab_size, force, errors, workers, tokenizer_file
+    )
 
 
 CheckpointOpt = Annotated[
@@ -249,8 +255,8 @@ def bench_cmd(
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     backend: Annotated[
         list[str] | None,
-        typer.Option("--backend", help="cuda, sdpa, sdpa_flash or math (repeatable; default all "
-                     "that run here)."),
+        typer.Option("--backend", help="cuda, cuda_naive, sdpa, sdpa_flash or math (repeatable; "
+                     "default all that run here)."),
     ] = None,
     dtype: Annotated[
         list[str] | None, typer.Option("--dtype", help="bf16 or fp32 (repeatable; default both).")

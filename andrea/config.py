@@ -98,8 +98,12 @@ class DataConfig:
     # "shakespeare" is the embedded default corpus; anything else is a file, directory or glob.
     source: str = "shakespeare"
     tokenizer: str = "bpe"
-    # Where shards go; empty means data/<source>-<tokenizer>[-<vocab>] under the working directory.
+    # Where shards go; empty means data/<source>-<tokenizer>[-<vocab>] under the working directory
+    # (data/<source>-bpe-tok<hash> with tokenizer_file).
     dir: str = ""
+    # For tokenizer bpe: an existing HF tokenizer.json (byte-level BPE, <|endoftext|> last) to use
+    # as is instead of training one, e.g. an imported model's; empty means train one.
+    tokenizer_file: str = ""
     val_fraction: float = 0.1
     shard_tokens: int = 50_000_000
     workers: int = 0
@@ -232,6 +236,12 @@ def validate(cfg: Config, origin: str) -> Config:
             f"{m.n_head} * {m.head_dim} = {derived}; drop d_model or make them agree"
         )
     m.d_model = derived
+    d = cfg.data
+    if d.tokenizer_file and d.tokenizer != "bpe":
+        raise UserError(
+            f"{origin}: data.tokenizer_file applies to data.tokenizer bpe only, not "
+            f"{d.tokenizer}; set data.tokenizer=bpe or data.tokenizer_file=''"
+        )
     t = cfg.train
     if t.min_lr > t.lr:
         raise UserError(f"{origin}: train.min_lr: {t.min_lr} is above train.lr = {t.lr}")

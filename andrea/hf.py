@@ -18,7 +18,11 @@ Export writes (into a temporary folder renamed into place):
 Import makes a run directory `runs/<name>/` (config.yaml, `latest`, step-000000/ with the weights,
 an empty optimizer state and step 0) that `andrea eval`/`generate`/`export` read and that
 `andrea train --resume runs/<name>` fine-tunes (the run's config.yaml holds the schedule; change
-it with --set at import or resume). A bpe tokenizer.json is copied into the run directory.
+it with --set at import or resume). A bpe tokenizer.json is copied into the run directory, and
+the run's config points `data.tokenizer_file` at that copy (absolute path) with `data.dir` reset
+to the derived default: the fine-tuning data is then prepared with the model's own tokenizer
+(same identity) instead of a newly trained BPE, in data/<source>-bpe-tok<hash>. Pick the data
+with `--set data.source=...` at import (or at resume).
 """
 
 from __future__ import annotations
@@ -326,10 +330,11 @@ def detect_tokenizer(src: Path, andrea: dict[str, Any] | None) -> tuple[str, Pat
 
 def import_config(
     src: Path, hf: dict[str, Any], andrea: dict[str, Any] | None, tokenizer: str,
-    name: str, runs_dir: str, overrides: list[str],
+    name: str, runs_dir: str, overrides: list[str], tokenizer_file: str = "",
 ) -> Config:
     """The run's config: andrea.json's (if exported by andrea) or the defaults, with the
-    model's shape from config.json and the --set overrides."""
+    model's shape from config.json and the --set overrides. `tokenizer_file` (bpe): the run's
+    copy of the model's tokenizer.json, which the run's data is then prepared with."""
     data = json.loads(json.dumps(andrea["config"])) if andrea else {}
     for section in ("model", "data", "train"):
         data.setdefault(section, {})
@@ -343,6 +348,10 @@ def import_config(
         data["model"].update(dropout=float(hf.get("resid_pdrop", 0.0)),
                              init_std=float(hf.get("initializer_range", 0.02)))
     data["data"]["tokenizer"] = tokenizer.split(":", 1)[0]
+    data["data"]["tokenizer_file"] = tokenizer_file
+    if tokenizer_file:
+        # The exporter's data dir (if any) was prepared for its own config: derive a fresh one.
+        data["data"]["dir"] = ""
     data["train"].update(name=name, runs_dir=runs_dir)
     for text in overrides:
         section, key, value = parse_override(text)
@@ -405,8 +414,10 @@ def import_hf(
     run_dir = Path(out) if out is not None else Path("runs") / src.resolve().name
     _check_target(run_dir, force)
     identity, tokenizer_json = detect_tokenizer(src, andrea)
+    # The run's own copy of a BPE tokenizer.json prepares its fine-tuning data (same identity).
+    run_tokenizer = str((run_dir / BPE_FILE).resolve()) if tokenizer_json is not None else ""
     cfg = import_config(src, hf, andrea, identity, run_dir.name, str(run_dir.parent),
-                        list(overrides or []))
+                        list(overrides or []), run_tokenizer)
     from andrea.prepare import check_vocab
 
     n_ids = FIXED_VOCAB.get(cfg.data.tokenizer)

@@ -30,8 +30,16 @@ import numpy as np
 
 from andrea import shards
 from andrea.errors import UserError
-from andrea.fileio import atomic_write_text
-from andrea.tokenizer import BPE_FILE, FIXED_VOCAB, KINDS, load_tokenizer, train_bpe
+from andrea.fileio import atomic_write_bytes, atomic_write_text
+from andrea.tokenizer import (
+    BPE_FILE,
+    EOT_TEXT,
+    FIXED_VOCAB,
+    KINDS,
+    BpeTokenizer,
+    load_tokenizer,
+    train_bpe,
+)
 
 if TYPE_CHECKING:
     from andrea.config import Config
@@ -259,6 +267,47 @@ def _encode_all(
             yield s, None if j is None else j.get(), m
 
 
+# ----------------------------------------------------------------------------- given BPE
+
+
+def _is_byte_level(pre: Any) -> bool:
+    """A ByteLevel pre-tokenizer, alone or inside a Sequence (as newer HF BPEs have it)."""
+    if not isinstance(pre, dict):
+        return False
+    if pre.get("type") == "ByteLevel":
+        return True
+    return pre.get("type") == "Sequence" and any(
+        _is_byte_level(p) for p in pre.get("pretokenizers") or []
+    )
+
+
+def read_tokenizer_file(path: str | Path) -> tuple[bytes, BpeTokenizer]:
+    """An existing HF tokenizer.json (data.tokenizer_file), checked to be a byte-level BPE
+    with end-of-text as its last id: (its bytes, the tokenizer)."""
+    path = Path(path)
+    usable = f"needs a byte-level BPE tokenizer.json with {EOT_TEXT} as its last id"
+    try:
+        blob = path.read_bytes()
+    except OSError as exc:
+        raise UserError(
+            f"data.tokenizer_file {path}: cannot read it ({exc.strerror}); {usable}"
+        ) from None
+    try:
+        spec = json.loads(blob)
+    except (UnicodeDecodeError, ValueError):
+        raise UserError(f"data.tokenizer_file {path}: not JSON; {usable}") from None
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not _is_byte_level(
+        spec.get("pre_tokenizer")
+    ):
+        raise UserError(f"data.tokenizer_file {path}: not a byte-level BPE; {usable}")
+    try:
+        tok = BpeTokenizer(path)
+    except UserError:
+        raise UserError(f"data.tokenizer_file {path}: unusable tokenizer; {usable}") from None
+    return blob, tok
+
+
 # ----------------------------------------------------------------------------- manifest
 
 
@@ -281,7 +330,7 @@ def read_manifest(data_dir: Path) -> dict[str, Any]:
 
 def _settings(
     source: str, docs: list[Document], kind: str, vocab_size: int | None, val_fraction: float,
-    shard_tokens: int, errors: str,
+    shard_tokens: int, errors: str, tokenizer_blob: bytes | None = None,
 ) -> dict[str, Any]:
     """Everything that determines the shards' content: equal settings mean nothing to redo."""
     if source == SHAKESPEARE:
@@ -290,13 +339,17 @@ def _settings(
         corpus = corpus_identity()
     else:
         corpus = "files"
+    request: dict[str, Any] = {"kind": kind, "vocab_size": vocab_size if kind == "bpe" else None}
+    if tokenizer_blob is not None:  # a given tokenizer.json: its content, not its path, counts
+        request = {"kind": kind, "vocab_size": None,
+                   "file_sha256": hashlib.sha256(tokenizer_blob).hexdigest()}
     return {
         "manifest_version": MANIFEST_VERSION,
         "shard_format_version": shards.VERSION,
         "source": source,
         "corpus": corpus,
         "inputs": [{"name": d.name, "bytes": d.size, "sha256": d.sha256} for d in docs],
-        "tokenizer_request": {"kind": kind, "vocab_size": vocab_size if kind == "bpe" else None},
+        "tokenizer_request": request,
         "split": {"rule": SPLIT_RULE, "val_fraction": val_fraction},
         "shard_tokens": shard_tokens,
         "errors": errors,
@@ -351,10 +404,13 @@ def prepare_inputs(
     shard_tokens: int = 50_000_000,
     verbose: bool = True,
     announce: str | None = None,
+    tokenizer_file: str = "",
 ) -> Path:
     """Tokenize `inputs` ("shakespeare", a file, a directory or a glob) into shards in `out`.
 
-    `vocab_size` is the BPE's total id count (bpe only). Returns `out`. Does nothing when `out`
+    `vocab_size` is the BPE's total id count (bpe only). `tokenizer_file` (bpe only): an
+    existing tokenizer.json copied into `out` and used as is instead of training (then
+    `vocab_size` is ignored). Returns `out`. Does nothing when `out`
     already holds shards from the same inputs and settings, unless `force`. `announce` is
     printed just before the work starts (not when there is nothing to do).
     """
@@ -366,11 +422,19 @@ def prepare_inputs(
         raise UserError(f"val fraction {val_fraction} must be in (0, 1)")
     if shard_tokens <= 0 or workers < 0:
         raise UserError("shard_tokens must be positive and workers non-negative")
-    if tokenizer == "bpe" and vocab_size is None:
+    blob = None
+    if tokenizer_file:
+        if tokenizer != "bpe":
+            raise UserError(f"--tokenizer-file applies to --tokenizer bpe only, not {tokenizer}")
+        blob, _ = read_tokenizer_file(tokenizer_file)  # read before _clear: it may be in `out`
+        vocab_size = None
+    elif tokenizer == "bpe" and vocab_size is None:
         raise UserError("--tokenizer bpe needs --vocab-size (the BPE's id count incl. end-of-text)")
     out = Path(out)
     docs = documents(inputs)
-    settings = _settings(inputs, docs, tokenizer, vocab_size, val_fraction, shard_tokens, errors)
+    settings = _settings(
+        inputs, docs, tokenizer, vocab_size, val_fraction, shard_tokens, errors, blob
+    )
     if not force and _is_current(out, settings):
         if verbose:
             print(f"{out}: up to date (inputs unchanged; --force redoes it)")
@@ -384,12 +448,15 @@ def prepare_inputs(
         workers = auto_workers(total)
     try:
         result = _write_shards(
-            out, docs, tokenizer, vocab_size, val_fraction, shard_tokens, errors, workers, total
+            out, docs, tokenizer, vocab_size, val_fraction, shard_tokens, errors, workers, total,
+            blob,
         )
     except BaseException:
         _clear(out)  # nothing half-written is left looking valid
         raise
     manifest = {**settings, **result}
+    if tokenizer_file:
+        manifest["tokenizer"]["copied_from"] = str(tokenizer_file)
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     if verbose:
         n = manifest["tokens"]
@@ -402,11 +469,14 @@ def prepare_inputs(
 
 def _write_shards(
     out: Path, docs: list[Document], kind: str, vocab_size: int | None, val_fraction: float,
-    shard_tokens: int, errors: str, workers: int, total: int,
+    shard_tokens: int, errors: str, workers: int, total: int, tokenizer_blob: bytes | None = None,
 ) -> dict[str, Any]:
     from tqdm import tqdm
 
-    if kind == "bpe":
+    if tokenizer_blob is not None:  # byte for byte, so the identity is the file's
+        atomic_write_bytes(out / BPE_FILE, tokenizer_blob)
+        tok = BpeTokenizer(out / BPE_FILE)
+    elif kind == "bpe":
         assert vocab_size is not None
         tok = train_bpe(_train_texts(docs, val_fraction, errors), vocab_size, out / BPE_FILE)
     else:
@@ -464,8 +534,20 @@ def _write_shards(
 # ----------------------------------------------------------------------------- from a config
 
 
-def default_data_dir(source: str, tokenizer: str, vocab_size: int) -> Path:
-    """data/<source-name>-<tokenizer>[-<vocab>] under the working directory."""
+def _file_tag(path: str) -> str:
+    """8 hex of the file's sha256 (of its path when unreadable: a name must never fail)."""
+    try:
+        blob = Path(path).read_bytes()
+    except OSError:
+        blob = str(Path(path).resolve()).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:8]
+
+
+def default_data_dir(
+    source: str, tokenizer: str, vocab_size: int, tokenizer_file: str = ""
+) -> Path:
+    """data/<source-name>-<tokenizer>[-<vocab>] under the working directory; with a given
+    tokenizer.json, data/<source-name>-bpe-tok<8 hex of its sha256> (never a trained BPE's)."""
     if source == SHAKESPEARE:
         name = SHAKESPEARE
     else:
@@ -473,12 +555,16 @@ def default_data_dir(source: str, tokenizer: str, vocab_size: int) -> Path:
         name = (base.stem if base.suffix else base.name) or base.resolve().name or "input"
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
     suffix = f"-{vocab_size}" if tokenizer == "bpe" else ""
+    if tokenizer == "bpe" and tokenizer_file:
+        suffix = f"-tok{_file_tag(tokenizer_file)}"
     return Path("data") / f"{name}-{tokenizer}{suffix}"
 
 
 def data_dir_for(cfg: Config) -> Path:
     d = cfg.data
-    return Path(d.dir) if d.dir else default_data_dir(d.source, d.tokenizer, cfg.model.vocab_size)
+    if d.dir:
+        return Path(d.dir)
+    return default_data_dir(d.source, d.tokenizer, cfg.model.vocab_size, d.tokenizer_file)
 
 
 def check_vocab(tokenizer_vocab: int, model_vocab: int, where: str) -> None:
@@ -493,15 +579,21 @@ def check_vocab(tokenizer_vocab: int, model_vocab: int, where: str) -> None:
 def prepare_from_config(
     cfg: Config, force: bool = False, verbose: bool = True, announce: str | None = None
 ) -> Path:
-    """Prepare the shards that `cfg.data` describes (BPE vocab = model.vocab_size)."""
+    """Prepare the shards that `cfg.data` describes (BPE vocab = model.vocab_size, unless
+    data.tokenizer_file gives the BPE)."""
     d = cfg.data
     if d.tokenizer in FIXED_VOCAB:
         check_vocab(FIXED_VOCAB[d.tokenizer], cfg.model.vocab_size, cfg.source)
+    if d.tokenizer == "bpe" and d.tokenizer_file:
+        given = read_tokenizer_file(d.tokenizer_file)[1]
+        where = f"data.tokenizer_file {d.tokenizer_file}"
+        check_vocab(given.vocab_size, cfg.model.vocab_size, where)
     out = prepare_inputs(
         d.source, d.tokenizer, data_dir_for(cfg),
         vocab_size=cfg.model.vocab_size if d.tokenizer == "bpe" else None,
         force=force, errors=d.errors, workers=d.workers, val_fraction=d.val_fraction,
         shard_tokens=d.shard_tokens, verbose=verbose, announce=announce,
+        tokenizer_file=d.tokenizer_file if d.tokenizer == "bpe" else "",
     )
     check_vocab(read_manifest(out)["tokenizer"]["vocab_size"], cfg.model.vocab_size, str(out))
     return out
@@ -529,6 +621,7 @@ def prepare_command(
     force: bool = False,
     errors: str | None = None,
     workers: int | None = None,
+    tokenizer_file: str | None = None,
 ) -> Path:
     """What `andrea prepare` does: from a config's data section, or ad hoc from --input."""
     if config is not None:
@@ -537,24 +630,34 @@ def prepare_command(
                 "prepare: --config takes its input, tokenizer and vocab size from the config; "
                 "drop --input/--tokenizer/--vocab-size or use --set data.source=..."
             )
-        from andrea.config import load_config
+        from andrea.config import load_config, validate
 
         sets = list(overrides or [])
         sets += [f"data.dir={out}"] if out is not None else []
         sets += [f"data.errors={errors}"] if errors is not None else []
         sets += [f"data.workers={workers}"] if workers is not None else []
-        return prepare_from_config(load_config(config, sets), force=force)
+        cfg = load_config(config, sets)
+        if tokenizer_file is not None:
+            cfg.data.tokenizer_file = tokenizer_file
+            validate(cfg, f"{cfg.source} (with --tokenizer-file)")
+        return prepare_from_config(cfg, force=force)
     if input is None:
         raise UserError("prepare: give --config X (e.g. andrea-12m) or --input FILE|DIR|GLOB")
     if overrides:
         raise UserError("prepare: --set needs --config")
     kind = tokenizer or "bpe"
-    if kind == "bpe" and vocab_size is None:
+    if tokenizer_file is not None:
+        if kind != "bpe" or vocab_size is not None:
+            raise UserError(
+                "--tokenizer-file gives the BPE and its vocab size; drop --tokenizer/--vocab-size"
+            )
+    elif kind == "bpe" and vocab_size is None:
         vocab_size = 4096
     if kind != "bpe" and vocab_size is not None:
         raise UserError(f"--vocab-size applies to --tokenizer bpe only, not {kind}")
-    target = Path(out) if out else default_data_dir(input, kind, vocab_size or 0)
+    target = Path(out) if out else default_data_dir(input, kind, vocab_size or 0,
+                                                    tokenizer_file or "")
     return prepare_inputs(
         input, kind, target, vocab_size=vocab_size, force=force, errors=errors or "strict",
-        workers=workers or 0,
+        workers=workers or 0, tokenizer_file=tokenizer_file or "",
     )

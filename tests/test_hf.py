@@ -11,6 +11,7 @@ import torch
 from conftest import assert_user_error, make_checkpoint, run_andrea
 
 from andrea import checkpoint as ckpt_io
+from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.evaluate import load_model, tokenizer_for_checkpoint
 from andrea.hf import export_hf, import_hf
@@ -111,6 +112,10 @@ def test_bpe_tokenizer_travels(tmp_path):
     shutil.rmtree(data)  # the import carries its own tokenizer.json
     _, cfg, meta = ckpt_io.read_model_checkpoint(back)
     assert tokenizer_for_checkpoint(back, cfg, meta).identity == bpe.identity
+    # The run's data will be prepared with the run's own copy of the model's tokenizer.
+    run_cfg = load_config(back.parent / "config.yaml")
+    assert run_cfg.data.tokenizer_file == str((back.parent / "tokenizer.json").resolve())
+    assert run_cfg.data.dir == ""  # not the exporter's data dir
 
 
 def test_bad_exports_and_imports(tmp_path):
@@ -151,6 +156,39 @@ def test_an_import_fine_tunes_with_resume(tmp_path, data_dir):
     assert result.steps == 1 and result.checkpoint == run / "step-000001"
     # Step 1's loss is the imported weights' loss on step 0's batch.
     x, y = train_batch(TokenSplit(data_dir, "train"), seed=cfg.train.seed, step=0, micro_step=0,
+                       rank=0, accum_steps=1, world_size=1,
+                       micro_batch_size=cfg.train.micro_batch_size,
+                       block_size=cfg.model.block_size)
+    model, _, _ = load_model(ckpt)
+    with torch.no_grad():
+        assert result.losses[1] == pytest.approx(model(x, y)[1].item(), rel=1e-5)
+
+
+def test_an_imported_bpe_model_fine_tunes_with_its_tokenizer(tmp_path, monkeypatch):
+    """A BPE model's import prepares the fine-tuning data with the model's own tokenizer.json
+    (not a newly trained BPE), so `train --resume` on it accepts the data and trains."""
+    from andrea.loader import TokenSplit, train_batch
+    from andrea.prepare import data_dir_for, default_data_dir, read_manifest
+    from andrea.train import train
+
+    monkeypatch.chdir(tmp_path)  # the derived data dir goes under ./data
+    lines = [f"line {i}: the cat sat on mat {i % 7} and the dog ran to {i % 5}.\n"
+             for i in range(400)]
+    (tmp_path / "text.txt").write_text("".join(lines))
+    (tmp_path / "exporter").mkdir()
+    bpe = train_bpe(iter(lines), 300, tmp_path / "exporter" / "tokenizer.json")
+    ckpt = make_checkpoint(tmp_path, "data.tokenizer=bpe", f"data.dir={tmp_path / 'exporter'}",
+                           "model.init_std=0.1", "train.precision=fp32", tokenizer=bpe.identity)
+    hf = export_hf(str(ckpt), tmp_path / "hf")
+    run = import_hf(hf, tmp_path / "runs" / "ft", [f"data.source={tmp_path / 'text.txt'}"]).parent
+    cfg = load_config(run / "config.yaml")
+    result = train(cfg, resume=str(run), progress=False, stop_after=2)
+    assert result.steps == 2 and result.checkpoint == run / "step-000002"
+    data = data_dir_for(cfg)
+    assert read_manifest(data)["tokenizer"]["identity"] == bpe.identity
+    assert data != default_data_dir(cfg.data.source, "bpe", cfg.model.vocab_size)
+    # Step 1's loss is the imported weights' loss on step 0's batch of that data.
+    x, y = train_batch(TokenSplit(data, "train"), seed=cfg.train.seed, step=0, micro_step=0,
                        rank=0, accum_steps=1, world_size=1,
                        micro_batch_size=cfg.train.micro_batch_size,
                        block_size=cfg.model.block_size)

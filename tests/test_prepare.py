@@ -13,7 +13,7 @@ from andrea import prepare
 from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.shards import open_shard
-from andrea.tokenizer import EOT_TEXT, ByteTokenizer, Gpt2Tokenizer
+from andrea.tokenizer import EOT_TEXT, ByteTokenizer, Gpt2Tokenizer, train_bpe
 
 DOCS = {
     "a.txt": "First line of a.\nSecond line, café.\n" * 40,
@@ -140,6 +140,66 @@ def test_default_dir_names():
     )
     assert prepare.default_data_dir("texts/*.txt", "gpt2", 0).as_posix() == "data/texts-gpt2"
     assert prepare.default_data_dir("x/my book.txt", "byte", 0).as_posix() == "data/my_book-byte"
+
+
+def test_given_tokenizer_file_is_used_as_is(corpus, tmp_path, capsys):
+    """data.tokenizer_file: the shards use that tokenizer.json byte for byte (same identity as
+    the file, so an imported model's data matches it), and a new file redoes the prepare."""
+    given = tmp_path / "model" / "tokenizer.json"
+    given.parent.mkdir()
+    bpe = train_bpe(iter(["the cat sat on the mat, café\n"] * 50), 300, given)
+    out = prepare.prepare_inputs(str(corpus), "bpe", tmp_path / "out", tokenizer_file=str(given))
+    assert (out / "tokenizer.json").read_bytes() == given.read_bytes()
+    manifest = prepare.read_manifest(out)
+    assert manifest["tokenizer"]["identity"] == bpe.identity
+    assert manifest["tokenizer"]["vocab_size"] == bpe.vocab_size
+    train = bpe.decode(split_tokens(out, "train")).split(EOT_TEXT)
+    val = bpe.decode(split_tokens(out, "val")).split(EOT_TEXT)
+    for name, head, tail in zip(sorted(DOCS), train[:-1], val[:-1], strict=True):
+        assert head + tail == DOCS[name]
+    prepare.prepare_inputs(str(corpus), "bpe", out, tokenizer_file=str(given))
+    assert "up to date" in capsys.readouterr().out
+    other = train_bpe(iter(["ROMEO: But soft!\n"] * 50), 290, tmp_path / "other.json")
+    prepare.prepare_inputs(str(corpus), "bpe", out, tokenizer_file=str(tmp_path / "other.json"))
+    assert prepare.read_manifest(out)["tokenizer"]["identity"] == other.identity
+    # A given tokenizer never shares the derived dir of a trained BPE of the same size.
+    cfg = load_config("andrea-tiny", ["data.tokenizer=bpe", f"data.tokenizer_file={given}"])
+    name = prepare.data_dir_for(cfg).as_posix()
+    assert name == f"data/shakespeare-bpe-tok{bpe.identity[4:12]}"
+    with pytest.raises(UserError, match=r"tokenizer_file .* model.vocab_size is 260"):
+        prepare.prepare_from_config(
+            load_config("andrea-tiny", ["data.tokenizer=bpe", f"data.tokenizer_file={given}",
+                                        "model.vocab_size=260"])
+        )
+    with pytest.raises(UserError, match="data.tokenizer_file applies to data.tokenizer bpe"):
+        load_config("andrea-tiny", [f"data.tokenizer_file={given}"])  # tokenizer: byte
+
+
+def test_bad_tokenizer_file(corpus, tmp_path):
+    from tokenizers import Tokenizer, models
+
+    (tmp_path / "text.json").write_text("not json")
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
+        str(tmp_path / "wordlevel.json"))
+    no_eot = json.loads(train_bpe(iter(["abc abd\n"] * 9), 260, tmp_path / "ok.json").path
+                        .read_text())
+    no_eot["added_tokens"] = []
+    (tmp_path / "no_eot.json").write_text(json.dumps(no_eot))
+    for name, problem in [("missing.json", "cannot read"), ("wordlevel.json", "not a byte-level"),
+                          ("no_eot.json", "unusable tokenizer")]:
+        with pytest.raises(UserError) as err:
+            prepare.prepare_inputs(str(corpus), "bpe", tmp_path / "out",
+                                   tokenizer_file=str(tmp_path / name))
+        message = str(err.value)
+        assert "\n" not in message and name in message and problem in message, message
+        assert f"needs a byte-level BPE tokenizer.json with {EOT_TEXT} as its last id" in message
+    r = run_cli("--input", str(corpus), "--tokenizer-file", "text.json", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: data.tokenizer_file text.json: not JSON; needs a byte-level BPE tokenizer.json "
+        f"with {EOT_TEXT} as its last id"
+    ]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "data").exists()
 
 
 def run_cli(*args, cwd):
