@@ -43,8 +43,6 @@ from andrea.tokenizer import (
     BPE_FILE,
     BpeTokenizer,
     Tokenizer,
-    _gpt2_byte_decoder,
-    gpt2_vocab_files,
     load_tokenizer,
 )
 
@@ -132,27 +130,6 @@ def tokenizer_for_checkpoint(ckpt: Path, cfg: Config, metadata: dict[str, str]) 
 
 
 # ----------------------------------------------------------------------------- bytes
-
-
-def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
-    """For each id, how many UTF-8 bytes it stands for (end-of-text and unused ids: 0)."""
-    lengths = np.zeros(tok.vocab_size, dtype=np.int64)
-    if tok.name == "byte":
-        lengths[:256] = 1
-        return lengths
-    to_byte = _gpt2_byte_decoder()  # byte-level BPEs spell bytes with GPT-2's printable map
-    if tok.name == "gpt2":
-        vocab = json.loads(gpt2_vocab_files()[0].read_text(encoding="utf-8"))
-        special: set[str] = set()
-    else:
-        spec = json.loads(Path(tok.path).read_text(encoding="utf-8"))  # type: ignore[attr-defined]
-        vocab = spec["model"]["vocab"]
-        special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
-    for token, i in vocab.items():
-        if token not in special and i < len(lengths):
-            lengths[i] = sum(1 for c in token if c in to_byte)
-    lengths[tok.eot_id] = 0
-    return lengths
 
 
 # ----------------------------------------------------------------------------- eval
@@ -295,7 +272,7 @@ def evaluate_checkpoint(
             f"with {tok.identity}; evaluate on data prepared with the checkpoint's tokenizer"
         )
     nats, n_tokens, n_bytes = evaluate_model(
-        model, token_split, token_byte_lengths(tok), max_tokens=max_tokens, dtype=dtype,
+        model, token_split, tok.token_byte_lengths(), max_tokens=max_tokens, dtype=dtype,
         batch_size=batch_size, progress=progress,
     )
     loss = nats / n_tokens

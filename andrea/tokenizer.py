@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
 
@@ -44,6 +46,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
+    def token_byte_lengths(self) -> np.ndarray: ...
+
 
 class ByteTokenizer:
     """Raw UTF-8 bytes: ids 0..255 are bytes, 256 is end-of-text. For tiny tests."""
@@ -70,6 +74,12 @@ class ByteTokenizer:
                 raise ValueError(f"byte tokenizer: id {i} is outside 0..256")
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """For each id, how many bytes of text it stands for (end-of-text: 0)."""
+        lengths = np.ones(self.vocab_size, dtype=np.int64)
+        lengths[self.eot_id] = 0
+        return lengths
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -149,6 +159,13 @@ class Gpt2Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([int(i) for i in ids], errors="replace")
 
+    def token_byte_lengths(self) -> np.ndarray:
+        """For each id, how many bytes of text it stands for (end-of-text: 0)."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for i in range(self.eot_id):
+            lengths[i] = len(self._enc.decode_single_token_bytes(i))
+        return lengths
+
 
 class BpeTokenizer:
     """A byte-level BPE trained on the corpus with HF `tokenizers`; end-of-text is the last id."""
@@ -185,6 +202,16 @@ class BpeTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """For each id, how many bytes of text it stands for (end-of-text: 0). Byte-level BPE
+        tokens spell each byte as one character of GPT-2's printable map."""
+        to_byte = _gpt2_byte_decoder()
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in self._tok.get_vocab(with_added_tokens=False).items():
+            lengths[i] = sum(1 for c in token if c in to_byte)
+        lengths[self.eot_id] = 0
+        return lengths
 
 
 # The id counts of the tokenizers that are not trained on the corpus.

@@ -12,7 +12,7 @@ import torch
 from conftest import assert_user_error, make_checkpoint, run_andrea
 
 from andrea.config import load_config
-from andrea.evaluate import evaluate_checkpoint, load_model, token_byte_lengths
+from andrea.evaluate import evaluate_checkpoint, load_model
 from andrea.loader import TokenSplit
 from andrea.prepare import prepare_inputs
 from andrea.tokenizer import ByteTokenizer, Gpt2Tokenizer, train_bpe
@@ -82,7 +82,7 @@ TEXT = "héllo wörld ✓ 🙂 日本語 — naïve café\n<|endoftext|> 123"
 def test_byte_lengths_sum_to_the_utf8_length():
     gpt2 = Gpt2Tokenizer()
     ids = gpt2.encode(TEXT)
-    lengths = token_byte_lengths(gpt2)
+    lengths = gpt2.token_byte_lengths()
     assert len(ids) > 10 and lengths[gpt2.eot_id] == 0
     assert int(lengths[ids].sum()) == len(TEXT.encode("utf-8"))
     # Every token on its own, even the ones that hold part of a character.
@@ -93,7 +93,7 @@ def test_byte_lengths_sum_to_the_utf8_length():
 def test_byte_lengths_of_a_trained_bpe(tmp_path):
     texts = ["the cat sat on the mat, naïve café ✓ 🙂\n"] * 50
     bpe = train_bpe(iter(texts), 300, tmp_path / "tokenizer.json")
-    lengths = token_byte_lengths(bpe)
+    lengths = bpe.token_byte_lengths()
     ids = bpe.encode(TEXT)
     assert lengths[bpe.eot_id] == 0
     assert int(lengths[ids].sum()) == len(TEXT.encode("utf-8"))
