@@ -16,7 +16,7 @@ from typing import Any
 
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes
-from andrea.runs import METRICS, current_history, read_metrics, read_run
+from andrea.runs import METRICS, current_history, read_metrics, read_run, run_path
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 X_AXES = ("tokens", "step")
@@ -28,11 +28,9 @@ def _warn(message: str) -> None:
 
 def resolve_run(name: str | Path, runs_dir: Path = Path("runs")) -> Path:
     """A run directory given as a path, or as a bare name under ./runs."""
-    path = Path(name)
+    path = run_path(name, runs_dir)
     if (path / METRICS).is_file():
         return path
-    if not path.exists() and (runs_dir / path / METRICS).is_file():
-        return runs_dir / path
     if path.is_dir():
         raise UserError(f"{path}: no {METRICS} in this folder; is it a run directory?")
     raise UserError(f"{name}: no such run (give a run folder, e.g. runs/<name>, or a name in "

@@ -25,6 +25,7 @@ from andrea.errors import UserError
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
+# checkpoint.LATEST; not imported from there, which would load torch for a table.
 LATEST = "latest"
 
 # Every state a run can be in; the first five come from the trainer's "end" event.
@@ -69,6 +70,14 @@ class RunSummary:
         out["model"] = self.model
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                 for k, v in out.items()}
+
+
+def run_path(name: str | Path, runs_dir: str | Path = "runs") -> Path:
+    """A run given as a path, or as a bare name under runs_dir (when no such path exists)."""
+    path = Path(name)
+    if not path.exists() and len(path.parts) == 1 and (Path(runs_dir) / path).is_dir():
+        return Path(runs_dir) / path
+    return path
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:

@@ -44,6 +44,7 @@ from andrea.flops import MfuMeter, flops_per_token, format_mfu
 from andrea.loader import TokenSplit, train_batch, val_batches
 from andrea.model import Andrea
 from andrea.prepare import check_vocab, data_dir_for, ensure_prepared
+from andrea.runs import run_path
 from andrea.schedule import lr_at
 
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -239,10 +240,7 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
             raise UserError("--resume auto needs --config to know the run's name")
         run_dir = Path(cfg.train.runs_dir) / cfg.train.name
         return run_dir if ckpt_io.read_latest(run_dir) is not None else None
-    run_dir = Path(resume)
-    runs_dir = Path(cfg.train.runs_dir if cfg is not None else "runs")
-    if not run_dir.exists() and len(run_dir.parts) == 1 and (runs_dir / resume).is_dir():
-        run_dir = runs_dir / resume  # a bare run name
+    run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
     if not run_dir.is_dir():
         raise UserError(f"--resume {resume}: no such run directory")
     if not (run_dir / "config.yaml").is_file() or ckpt_io.read_latest(run_dir) is None:

@@ -72,6 +72,14 @@ def test_exact_resume_bit_for_bit(tmp_path, data_dir, precision):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resume_by_bare_run_name(tmp_path, data_dir):
+    first = train(tiny(tmp_path, data_dir, "train.max_steps=4"), progress=False, stop_after=2)
+    proc = run_andrea("train", "--resume", "t", "--no-progress", cwd=tmp_path)  # runs/t
+    assert proc.returncode == 0, proc.stderr
+    assert "finished: 4 steps" in proc.stdout
+    assert ckpt_io.resolve_checkpoint(first.run_dir).name == "step-000004"
+
+
 def test_schedules_at_chosen_steps():
     t = load_config("andrea-tiny", ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=10",
                                     "train.max_steps=110"]).train
