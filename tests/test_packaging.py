@@ -51,5 +51,7 @@ def test_wheel_ships_configs_and_kernels_and_runs_elsewhere(tmp_path):
 def test_help_lists_the_verbs():
     proc = run_andrea("--help")
     assert proc.returncode == 0
-    for verb in ("count-params", "config", "prepare", "train", "runs", "plot"):
+    verbs = ("train", "eval", "generate", "count-params", "prepare", "export", "import",
+             "bench", "runs", "plot", "config")
+    for verb in verbs:
         assert verb in proc.stdout
