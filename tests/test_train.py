@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -243,24 +244,31 @@ def test_signal_checkpoints_and_exits(tmp_path, data_dir, sig, code):
 
 
 def test_second_ctrl_c_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=100000", "train.checkpoint_every=2")
-    run_dir = Path(cfg.train.runs_dir) / "t"
-    # Every checkpoint takes 3 s to write, so the second Ctrl-C lands inside the one that the
-    # first Ctrl-C asked for.
-    proc = _start(tmp_path, cfg, env={"ANDREA_TEST_CHECKPOINT_DELAY": "3"})
-    _wait_for(lambda: (run_dir / "latest").exists(), proc)
-    before = int(ckpt_io.resolve_checkpoint(run_dir).name[5:])
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=100000")
+    first = train(cfg, progress=False, stop_after=2)  # the last good checkpoint: step 2
+    # Resumed with no periodic checkpoints and every write taking 3 s, the only checkpoint
+    # started is the one the first Ctrl-C asks for; the second Ctrl-C lands inside it.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "andrea", "train", "--resume", str(first.run_dir),
+         "--no-progress"],
+        env={**os.environ, "ANDREA_TEST_CHECKPOINT_DELAY": "3"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    _wait_for(lambda: any(r["step"] > 2 for r in read_events(first.run_dir, "train")), proc)
     proc.send_signal(signal.SIGINT)
-    _wait_for(lambda: any(run_dir.glob("*.partial-*/model.safetensors")), proc)
+    # Two signals that arrive before Python runs the handler count as one: wait until the
+    # first is seen before sending the second.
+    _wait_for(lambda: any("stopping after this step" in line for line in stderr), proc)
+    _wait_for(lambda: any(first.run_dir.glob("*.partial-*/model.safetensors")), proc)
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
+    proc.wait(timeout=60)
     assert proc.returncode == 130
-    latest = ckpt_io.resolve_checkpoint(run_dir)
-    assert int(latest.name[5:]) in (before, before + 2)
-    ckpt_io.read_model_checkpoint(latest)  # complete and loadable
-    (cut,) = run_dir.glob("*.partial-*")  # the interrupted write, never made the latest
-    assert not (cut / ckpt_io.STATE_FILE).exists()
-    assert int(cut.name[5:11]) > int(latest.name[5:])
+    assert ckpt_io.resolve_checkpoint(first.run_dir).name == "step-000002"
+    ckpt_io.read_model_checkpoint(first.run_dir / "step-000002")  # complete and loadable
+    (cut,) = first.run_dir.glob("*.partial-*")  # the interrupted write, never the latest
+    assert not (cut / ckpt_io.STATE_FILE).exists() and int(cut.name[5:11]) > 2
 
 
 def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data_dir):
