@@ -67,6 +67,21 @@ def assert_close(name, got, want, tol):
     assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
 
 
+def assert_model_backends_agree(model: torch.nn.Module, x: torch.Tensor, device_type: str) -> None:
+    """The whole model under bf16 autocast: the cuda backend's loss and a weight gradient
+    against SDPA's."""
+    results = {}
+    for backend in ("sdpa", "cuda"):
+        model.set_attention_backend(backend)
+        model.zero_grad()
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            _, loss = model(x, x)
+        loss.backward()
+        results[backend] = (loss.item(), model.blocks[0].attn.qkv.weight.grad.clone())
+    assert results["cuda"][0] == pytest.approx(results["sdpa"][0], rel=1e-3)
+    assert_close("qkv grad", results["cuda"][1], results["sdpa"][1].double(), 3e-2)
+
+
 def run_function(q, k, v, dout, launcher):
     out = ca.cuda_attention(q, k, v, launcher=launcher)
     saved = out.grad_fn.saved_tensors
@@ -147,16 +162,7 @@ def test_model_trains_through_the_function_like_sdpa(emu, monkeypatch) -> None:
     torch.manual_seed(0)
     model = Andrea(cfg)
     x = torch.randint(cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for backend in ("sdpa", "cuda"):
-        model.set_attention_backend(backend)
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = model(x, x)
-        loss.backward()
-        results[backend] = (loss.item(), model.blocks[0].attn.qkv.weight.grad.clone())
-    assert results["cuda"][0] == pytest.approx(results["sdpa"][0], rel=1e-3)
-    assert_close("qkv grad", results["cuda"][1], results["sdpa"][1].double(), 3e-2)
+    assert_model_backends_agree(model, x, "cpu")
 
 
 @needs_gxx
@@ -417,13 +423,4 @@ def test_gpu_model_with_cuda_backend_matches_sdpa() -> None:
     torch.manual_seed(0)
     model = Andrea(cfg, attention_backend="sdpa").cuda()
     x = torch.randint(cfg.vocab_size, (4, cfg.block_size), device="cuda")
-    results = {}
-    for backend in ("sdpa", "cuda"):
-        model.set_attention_backend(backend)
-        model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(x, x)
-        loss.backward()
-        results[backend] = (loss.item(), model.blocks[0].attn.qkv.weight.grad.clone())
-    assert results["cuda"][0] == pytest.approx(results["sdpa"][0], rel=1e-3)
-    assert_close("qkv grad", results["cuda"][1], results["sdpa"][1].double(), 3e-2)
+    assert_model_backends_agree(model, x, "cuda")

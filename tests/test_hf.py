@@ -34,6 +34,19 @@ def ours(ckpt, idx: torch.Tensor) -> torch.Tensor:
         return model(idx)[0]
 
 
+def assert_first_loss_is_the_imported_weights(result, ckpt, cfg, data_dir) -> None:
+    """Step 1's loss of the fine-tuning run is the imported weights' loss on step 0's batch."""
+    from andrea.loader import TokenSplit, train_batch
+
+    x, y = train_batch(TokenSplit(data_dir, "train"), seed=cfg.train.seed, step=0, micro_step=0,
+                       rank=0, accum_steps=1, world_size=1,
+                       micro_batch_size=cfg.train.micro_batch_size,
+                       block_size=cfg.model.block_size)
+    model, _, _ = load_model(ckpt)
+    with torch.no_grad():
+        assert result.losses[1] == pytest.approx(model(x, y)[1].item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("act, hf_act, vocab, tokenizer", [
     ("gelu", "gelu", 320, "byte:v1"),  # exact GELU
     ("gelu_tanh", "gelu_new", 50304, Gpt2Tokenizer.identity),  # tanh; padded GPT-2 vocab
@@ -145,7 +158,6 @@ def test_bad_exports_and_imports(tmp_path):
 
 def test_an_import_fine_tunes_with_resume(tmp_path, data_dir):
     from andrea.config import load_config
-    from andrea.loader import TokenSplit, train_batch
     from andrea.train import train
 
     ckpt = make_checkpoint(tmp_path, f"data.dir={data_dir}", "model.init_std=0.1",
@@ -154,20 +166,12 @@ def test_an_import_fine_tunes_with_resume(tmp_path, data_dir):
     cfg = load_config(run / "config.yaml")
     result = train(cfg, resume=str(run), progress=False, stop_after=1)
     assert result.steps == 1 and result.checkpoint == run / "step-000001"
-    # Step 1's loss is the imported weights' loss on step 0's batch.
-    x, y = train_batch(TokenSplit(data_dir, "train"), seed=cfg.train.seed, step=0, micro_step=0,
-                       rank=0, accum_steps=1, world_size=1,
-                       micro_batch_size=cfg.train.micro_batch_size,
-                       block_size=cfg.model.block_size)
-    model, _, _ = load_model(ckpt)
-    with torch.no_grad():
-        assert result.losses[1] == pytest.approx(model(x, y)[1].item(), rel=1e-5)
+    assert_first_loss_is_the_imported_weights(result, ckpt, cfg, data_dir)
 
 
 def test_an_imported_bpe_model_fine_tunes_with_its_tokenizer(tmp_path, monkeypatch):
     """A BPE model's import prepares the fine-tuning data with the model's own tokenizer.json
     (not a newly trained BPE), so `train --resume` on it accepts the data and trains."""
-    from andrea.loader import TokenSplit, train_batch
     from andrea.prepare import data_dir_for, default_data_dir, read_manifest
     from andrea.train import train
 
@@ -187,11 +191,4 @@ def test_an_imported_bpe_model_fine_tunes_with_its_tokenizer(tmp_path, monkeypat
     data = data_dir_for(cfg)
     assert read_manifest(data)["tokenizer"]["identity"] == bpe.identity
     assert data != default_data_dir(cfg.data.source, "bpe", cfg.model.vocab_size)
-    # Step 1's loss is the imported weights' loss on step 0's batch of that data.
-    x, y = train_batch(TokenSplit(data, "train"), seed=cfg.train.seed, step=0, micro_step=0,
-                       rank=0, accum_steps=1, world_size=1,
-                       micro_batch_size=cfg.train.micro_batch_size,
-                       block_size=cfg.model.block_size)
-    model, _, _ = load_model(ckpt)
-    with torch.no_grad():
-        assert result.losses[1] == pytest.approx(model(x, y)[1].item(), rel=1e-5)
+    assert_first_loss_is_the_imported_weights(result, ckpt, cfg, data)
