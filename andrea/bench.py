@@ -323,7 +323,8 @@ def format_table(result: BenchResult) -> str:
                 f"{r.shape:<11} {dims:<15} {r.dtype:<5} {r.backend:<10} {r.ms['fwd']:>9.3f} "
                 f"{r.ms['bwd']:>9.3f} {r.ms['fwd_bwd']:>9.3f} {r.tflops['fwd']:>9.3f} "
                 f"{r.tflops['bwd']:>9.3f} {r.tflops['fwd_bwd']:>9.3f} {ratio:>11} {speedup:>13}"
-            ).rstrip()
+                .rstrip()
+            )
     if result.train:
         lines.append("")
         lines.append(f"{'preset':<12} {'backend':<8} {'dtype':<9} {'batch x T':<11} "

@@ -351,6 +351,23 @@ def test_bench_quick_json_on_cpu() -> None:
     assert any("cuda" in s and "no GPU" in s for s in result["skipped"])
 
 
+def test_bench_quick_table_on_cpu() -> None:
+    """The default output form (the table), as a user first runs it."""
+    proc = run_andrea("bench", "--quick", "--device", "cpu", "--shape", "andrea-12m",
+                      "--preset", "andrea-tiny", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("device: cpu")
+    rows = [line.split() for line in lines if line.startswith("andrea-12m ")]
+    assert {row[3] for row in rows} == {"sdpa", "math"}
+    # The sdpa row compares with itself: exactly 1.00x.
+    assert next(row for row in rows if row[3] == "sdpa")[-1] == "1.00x"
+    train = [line.split() for line in lines if line.startswith("andrea-tiny ")]
+    assert len(train) == 1 and train[0][1] == "sdpa"
+    assert any(line.startswith("skipped: ") and "cuda" in line for line in lines)
+
+
 def test_bench_cuda_backend_on_cpu_is_a_one_line_error() -> None:
     proc = run_andrea("bench", "--backend", "cuda", "--device", "cpu")
     assert_user_error(proc, "--backend cuda", "no GPU")
