@@ -108,6 +108,20 @@ ANDREA_TILE(float, 64, 4, 32, 2, 32, 2, 32)
 ANDREA_TILE(float, 128, 2, 16, 1, 16, 1, 16)
 #undef ANDREA_TILE
 
+// Minimum resident blocks per SM promised to ptxas through __launch_bounds__; 0 makes no
+// promise (an explicit 1 changes ptxas's register choices for the other instances). bf16 D=64
+// dK/dV took 238 registers on sm_90, so only 2 blocks (8 warps) fitted in the register file
+// although shared memory allows 6; with DkdvPasses below it needs 158-168, and 3 blocks cap it
+// at 168 so it stays there (a spill instead fails tests/test_kernel_compile.py).
+template <typename T_, int D, int K> struct MinBlocks { static constexpr int value = 0; };
+template <> struct MinBlocks<bf16_t, 64, KIND_DKDV> { static constexpr int value = 3; };
+
+// attn_bwd_dkdv takes a streamed tile's N query columns in this many passes: the score and dP
+// fragments of a pass (2 x N/8 x 4 floats per lane when 1) are live beside both D-wide
+// accumulators, and halving them is what lets bf16 D=64 fit 168 registers without spills.
+template <typename T_, int D> struct DkdvPasses { static constexpr int value = 1; };
+template <> struct DkdvPasses<bf16_t, 64> { static constexpr int value = 2; };
+
 // Row stride in shared memory: D plus 16 bytes, so the 8 rows an ldmatrix reads fall in
 // different banks, and every row start stays 16-byte aligned.
 template <typename T_, int D> struct Ld { static constexpr int value = D + 16 / (int)sizeof(T_); };
@@ -517,13 +531,14 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DQ>::W)
 // dK = scale * sum_i dS_ij Q_i, dV = sum_i P_ij dO_i: a block owns key rows and streams the
 // query tiles at or after its first key (earlier queries see none of its keys).
 template <typename T_, int D>
-__global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DKDV>::W)
+__global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DKDV>::W,
+                                  MinBlocks<T_, D, KIND_DKDV>::value)
     attn_bwd_dkdv(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
                   const T_* __restrict__ dout, const float* __restrict__ lse,
                   const float* __restrict__ delta, T_* __restrict__ dk, T_* __restrict__ dv,
                   int seq_len, float scale) {
   using S = Smem<T_, D, KIND_DKDV>;
-  constexpr int M = S::M, N = S::N, LD = S::LD;
+  constexpr int M = S::M, N = S::N, LD = S::LD, NP = N / DkdvPasses<T_, D>::value;
   __shared__ S sm;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int k0 = blockIdx.x * M;  // low key tiles see the most queries: they start first
@@ -548,27 +563,31 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DKDV>::W)
     load_stats<N>(sm.lse, sm.delta, lse + sbase, delta + sbase, n0, seq_len);
     __syncthreads();  // barrier:dkdv-loaded
 
-    // Transposed scores: rows are this warp's keys, columns the tile's queries.
-    float st[N / 8][4], dpt[N / 8][4];
+    // Transposed scores: rows are this warp's keys, columns the tile's queries, NP query
+    // columns per pass (see DkdvPasses).
+    for (int c0 = 0; c0 < N; c0 += NP) {
+      float st[NP / 8][4], dpt[NP / 8][4];
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j)
+      for (int j = 0; j < NP / 8; ++j)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) st[j][i] = dpt[j][i] = 0.0f;
-    warp_gemm_ss<T_, D, N / 8, true>(st, sm.a[0] + warp * 16 * LD, LD, sm.b[0], LD);
-    warp_gemm_ss<T_, D, N / 8, true>(dpt, sm.a[1] + warp * 16 * LD, LD, sm.b[1], LD);
+        for (int i = 0; i < 4; ++i) st[j][i] = dpt[j][i] = 0.0f;
+      warp_gemm_ss<T_, D, NP / 8, true>(st, sm.a[0] + warp * 16 * LD, LD, sm.b[0] + c0 * LD, LD);
+      warp_gemm_ss<T_, D, NP / 8, true>(dpt, sm.a[1] + warp * 16 * LD, LD, sm.b[1] + c0 * LD,
+                                         LD);
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j)
+      for (int j = 0; j < NP / 8; ++j)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int key = key_base + (i >= 2 ? 8 : 0);
-        const int c = j * 8 + 2 * t + (i & 1), col = n0 + c;
-        const bool visible = key <= col && col < seq_len;
-        const float p = visible ? exp2f(st[j][i] * sl2 - sm.lse[c] * ANDREA_LOG2E) : 0.0f;
-        st[j][i] = p;
-        dpt[j][i] = p * (dpt[j][i] - sm.delta[c]);
-      }
-    warp_gemm_rs<T_, N / 8, D / 8>(dv_acc, st, scratch, sm.b[1], LD);
-    warp_gemm_rs<T_, N / 8, D / 8>(dk_acc, dpt, scratch, sm.b[0], LD);
+        for (int i = 0; i < 4; ++i) {
+          const int key = key_base + (i >= 2 ? 8 : 0);
+          const int c = c0 + j * 8 + 2 * t + (i & 1), col = n0 + c;
+          const bool visible = key <= col && col < seq_len;
+          const float p = visible ? exp2f(st[j][i] * sl2 - sm.lse[c] * ANDREA_LOG2E) : 0.0f;
+          st[j][i] = p;
+          dpt[j][i] = p * (dpt[j][i] - sm.delta[c]);
+        }
+      warp_gemm_rs<T_, NP / 8, D / 8>(dv_acc, st, scratch, sm.b[1] + c0 * LD, LD);
+      warp_gemm_rs<T_, NP / 8, D / 8>(dk_acc, dpt, scratch, sm.b[0] + c0 * LD, LD);
+    }
   }
   store_rows<T_, D>(dk + base, dk_acc, k0 + warp * 16, seq_len, scale, scale);
   store_rows<T_, D>(dv + base, dv_acc, k0 + warp * 16, seq_len, 1.0f, 1.0f);
