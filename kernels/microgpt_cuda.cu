@@ -358,7 +358,21 @@ __device__ __forceinline__ void load_stats(float* lse_s, float* delta_s, const f
   }
 }
 
-// Writes a warp's 16 x D accumulator (times mul) to rows row0.. of a [seq_len, D] slice.
+// Two adjacent output elements as one aligned store: lane (g, t) of a C fragment holds columns
+// 2t and 2t+1 of a row, so a pair is one 4-byte word (bf16) or one 8-byte float2, instead of
+// two 2- or 4-byte stores. Plain C++: the emulator runs the same stores.
+struct alignas(8) FloatPair {  // own float2: no CUDA vector-type headers in the emulator
+  float lo, hi;
+};
+__device__ __forceinline__ void store_pair(float* dst, float lo, float hi) {
+  *(FloatPair*)dst = FloatPair{lo, hi};
+}
+__device__ __forceinline__ void store_pair(bf16_t* dst, float lo, float hi) {
+  *(u32*)dst = pack_bf16x2(lo, hi);
+}
+
+// Writes a warp's 16 x D accumulator (times mul) to rows row0.. of a [seq_len, D] slice. Every
+// pair starts at an even column of a 16-byte aligned row, so each store is naturally aligned.
 template <typename T_, int D>
 __device__ __forceinline__ void store_rows(T_* dst, const float (&acc)[D / 8][4], int row0,
                                            int seq_len, float mul0, float mul1) {
@@ -369,10 +383,9 @@ __device__ __forceinline__ void store_rows(T_* dst, const float (&acc)[D / 8][4]
     if (row >= seq_len) continue;  // bounds: no rows past the sequence
     const float mul = h ? mul1 : mul0;
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      dst[(long long)row * D + j * 8 + 2 * t] = from_float<T_>(acc[j][2 * h] * mul);
-      dst[(long long)row * D + j * 8 + 2 * t + 1] = from_float<T_>(acc[j][2 * h + 1] * mul);
-    }
+    for (int j = 0; j < D / 8; ++j)
+      store_pair(dst + (long long)row * D + j * 8 + 2 * t, acc[j][2 * h] * mul,
+                 acc[j][2 * h + 1] * mul);
   }
 }
 
