@@ -475,18 +475,57 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_FWD>::W)
 }
 
 // ------------------------------------------------------------------------------- backward
-// delta[r] = sum_d dout[r, d] * o[r, d]  (rowsum(dO o O), one thread per row).
+// Dot product of two 16-byte chunks of a row (8 bf16 or 4 floats), in float32.
+__device__ __forceinline__ float dot_chunk(const Chunk16& a, const Chunk16& b, float) {
+  return __uint_as_float(a.x) * __uint_as_float(b.x) + __uint_as_float(a.y) * __uint_as_float(b.y) +
+         __uint_as_float(a.z) * __uint_as_float(b.z) + __uint_as_float(a.w) * __uint_as_float(b.w);
+}
+__device__ __forceinline__ float dot_bf16x2(u32 a, u32 b) {
+  return __uint_as_float(a << 16) * __uint_as_float(b << 16) +
+         __uint_as_float(a & 0xffff0000u) * __uint_as_float(b & 0xffff0000u);
+}
+__device__ __forceinline__ float dot_chunk(const Chunk16& a, const Chunk16& b, bf16_t) {
+  return dot_bf16x2(a.x, b.x) + dot_bf16x2(a.y, b.y) + dot_bf16x2(a.z, b.z) +
+         dot_bf16x2(a.w, b.w);
+}
+
+// delta[r] = sum_d dout[r, d] * o[r, d]  (rowsum(dO o O)); a block covers 128 consecutive rows.
+// Coalesced both ways: the C threads of a group read the C 16-byte chunks of one row side by
+// side (a warp reads 32/C whole rows per load), the group's k-th load being row C*group + k of
+// the block. Each thread so holds C partial sums, one per row, and a transpose-reduce across the
+// group (C-1 shuffles) leaves thread c of the group with the sum of row C*group + c: consecutive
+// threads write consecutive rows.
 template <typename T_, int D>
 __global__ void __launch_bounds__(128)
     attn_bwd_preprocess(const T_* __restrict__ o, const T_* __restrict__ dout,
                         float* __restrict__ delta, int rows) {
-  const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= rows) return;  // bounds: last block's tail
-  float s = 0.0f;
-#pragma unroll 8
-  for (int d = 0; d < D; ++d)
-    s += to_float(o[(long long)r * D + d]) * to_float(dout[(long long)r * D + d]);
-  delta[r] = s;
+  constexpr int C = D * (int)sizeof(T_) / 16;  // 4..32 chunks per row, a power of two
+  static_assert(C >= 1 && C <= 32 && (C & (C - 1)) == 0, "a row's chunks must fit a warp");
+  const int c = threadIdx.x % C;
+  const long long row0 = (long long)blockIdx.x * blockDim.x + threadIdx.x / C * C;
+  float part[C];
+#pragma unroll
+  for (int k = 0; k < C; ++k) {
+    part[k] = 0.0f;
+    const long long r = row0 + k;
+    if (r < rows)  // bounds: the last block's tail (no return: every lane joins the shuffles)
+      part[k] = dot_chunk(((const Chunk16*)(o + r * D))[c], ((const Chunk16*)(dout + r * D))[c],
+                          T_{});
+  }
+  // Halving steps: the lane whose bit `half` is set keeps the upper half of its partials and
+  // sends the lower half to its partner, which keeps the lower half: after log2(C) steps one
+  // partial is left, the whole group's sum for row offset c.
+#pragma unroll
+  for (int half = C / 2; half >= 1; half /= 2) {
+    const bool upper = (c & half) != 0;
+#pragma unroll
+    for (int k = 0; k < half; ++k) {
+      const float send = upper ? part[k] : part[k + half];
+      const float keep = upper ? part[k + half] : part[k];
+      part[k] = keep + __shfl_xor_sync(0xffffffffu, send, half);
+    }
+  }
+  if (row0 + c < rows) delta[row0 + c] = part[0];  // bounds: the last block's tail
 }
 
 // dQ = scale * sum_j dS_ij K_j with dS = P o (dP - delta), P = exp(S*scale - lse), dP = dO V^T.
