@@ -19,23 +19,20 @@ Importing this module needs neither CuPy nor a GPU; CuPy is imported when a GPU 
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
-import threading
 from typing import Any, Protocol
 
 import torch
 
 from andrea.kernel_launch import (
-    KERNEL_TEMPLATES,
-    NAIVE_TEMPLATES,
     Launch,
     attention_launches,
     check_dtype,
     check_head_dim,
+    compiled_module,
     kernel_source,
+    module_names,
     naive_attention_launches,
-    nvrtc_options,
 )
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -72,30 +69,6 @@ def device_arch(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
-# Compiled modules of this process, keyed by (source sha256, arch, options, name expressions).
-# CuPy also keeps every compiled cubin on disk (CUPY_CACHE_DIR, keyed by source and options), so
-# a later run loads instead of recompiling.
-_MODULES: dict[tuple[str, str, tuple[str, ...], tuple[str, ...]], Any] = {}
-_MODULES_LOCK = threading.Lock()
-
-
-def compiled_module(source: str, arch: str, names: tuple[str, ...]) -> Any:
-    """A cupy.RawModule of `source` for `arch` holding the kernel instances `names`."""
-    import cupy
-
-    options = tuple(nvrtc_options(arch))
-    key = (hashlib.sha256(source.encode()).hexdigest(), arch, options, names)
-    with _MODULES_LOCK:
-        module = _MODULES.get(key)
-        if module is None:
-            module = cupy.RawModule(
-                code=source, options=options, backend="nvrtc", name_expressions=list(names)
-            )
-            module.compile()  # compile now, not at the first launch inside a timed region
-            _MODULES[key] = module
-    return module
-
-
 class CupyLauncher:
     """The kernels on one GPU through CuPy, on PyTorch's current stream for that device."""
 
@@ -112,13 +85,7 @@ class CupyLauncher:
     def _function(self, name: str) -> Any:
         fn = self._functions.get(name)
         if fn is None:
-            # One module per (dtype, head_dim): compile only the instances a model uses, which
-            # keeps the first call's NVRTC time to a sixth of compiling every instance. The
-            # naive baseline (benchmarks only) is a module of its own.
-            template, template_args = name[: name.index("<")], name[name.index("<") :]
-            group = NAIVE_TEMPLATES if template in NAIVE_TEMPLATES.values() else KERNEL_TEMPLATES
-            names = tuple(f"{t}{template_args}" for t in group.values())
-            module = compiled_module(self.source, self.arch, names)
+            module = compiled_module(self.source, self.arch, module_names(name))
             fn = self._functions[name] = module.get_function(name)
         return fn
 
@@ -296,38 +263,3 @@ def cuda_attention(
     """
     # The forward validates the inputs before autograd records anything.
     return CudaAttention.apply(q, k, v, scale, launcher or default_launcher(q.device), naive)
-
-
-def _small_case() -> int:
-    """fwd + bwd on a small case against float64; the target of compute-sanitizer runs."""
-    from andrea.attention import math_attention
-
-    torch.manual_seed(0)
-    failures = 0
-    for dtype in (torch.bfloat16, torch.float32):
-        for d in (64, 32):
-            shape = (1, 2, 77, d)  # T not a multiple of any tile: masked edges run
-            q, k, v, dout = (torch.randn(shape, device="cuda").to(dtype) for _ in range(4))
-            qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
-            q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-            out = cuda_attention(q, k, v)
-            out.backward(dout)
-            torch.cuda.synchronize()
-            ref = math_attention(qr, kr, vr)
-            ref.backward(dout.double())
-            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-            for name, got, want in (("o", out, ref), ("dq", q.grad, qr.grad),
-                                    ("dk", k.grad, kr.grad), ("dv", v.grad, vr.grad)):
-                err = (got.double() - want).abs().max().item()
-                bound = tol * max(want.abs().max().item(), 1.0)
-                ok = err <= bound
-                failures += not ok
-                print(f"{str(dtype):15s} D={d:3d} {name:2s} max err {err:.2e} "
-                      f"(bound {bound:.1e}) {'ok' if ok else 'FAIL'}")
-    return failures
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("python -m andrea.cuda_attention needs a GPU")
-    raise SystemExit(1 if _small_case() else 0)

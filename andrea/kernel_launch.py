@@ -8,7 +8,10 @@ it. Importable without a GPU and without CuPy. The tile table mirrors `TileCfg` 
 
 from __future__ import annotations
 
+import hashlib
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 from andrea.errors import UserError
 from andrea.resources import kernels_dir
@@ -63,6 +66,44 @@ def nvrtc_options(arch: str) -> list[str]:
     so no -default-device; no include path, because the file includes nothing.
     """
     return ["--std=c++17", f"-arch={arch}"]
+
+
+def module_names(name: str) -> tuple[str, ...]:
+    """The kernel instances compiled together with `name` (a name expression): one module per
+    (dtype, head_dim), so a run compiles only what it launches, about a sixth of every instance;
+    the naive baseline (benchmarks only) is a module of its own."""
+    template, template_args = name[: name.index("<")], name[name.index("<") :]
+    group = NAIVE_TEMPLATES if template in NAIVE_TEMPLATES.values() else KERNEL_TEMPLATES
+    return tuple(f"{t}{template_args}" for t in group.values())
+
+
+# Compiled modules of this process, keyed by (source sha256, arch, options, name expressions).
+# Across processes CuPy's disk cache (CUPY_CACHE_DIR) serves a module compiled before only from
+# CuPy 14.2 on: earlier versions key a module with name_expressions differently and recompile it
+# in every process (seconds per module on first use).
+_MODULES: dict[tuple[str, str, tuple[str, ...], tuple[str, ...]], Any] = {}
+_MODULES_LOCK = threading.Lock()
+
+
+def compiled_module(source: str, arch: str, names: tuple[str, ...]) -> Any:
+    """A cupy.RawModule of `source` for `arch` (e.g. "sm_90") holding the instances `names`.
+
+    Imports CuPy (only here); needs no torch, so a CuPy-only program (the compute-sanitizer
+    case of scripts/gpu_check.sh) compiles exactly what the backend compiles.
+    """
+    import cupy
+
+    options = tuple(nvrtc_options(arch))
+    key = (hashlib.sha256(source.encode()).hexdigest(), arch, options, names)
+    with _MODULES_LOCK:
+        module = _MODULES.get(key)
+        if module is None:
+            module = cupy.RawModule(
+                code=source, options=options, backend="nvrtc", name_expressions=list(names)
+            )
+            module.compile()  # compile now, not at the first launch inside a timed region
+            _MODULES[key] = module
+    return module
 
 
 def check_head_dim(head_dim: int) -> None:
