@@ -179,3 +179,17 @@ def test_poisoned_outputs_expose_an_unwritten_row() -> None:
     with pytest.raises(AssertionError, match="unwritten"):
         assert_close("o", o, reference(q, k, v, torch.zeros_like(q), 1 / math.sqrt(32))[0], 1e-5)
     assert torch.isnan(o[0, 0, -1]).all() and not torch.isnan(o[0, 0, :-1]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", kernel_launch.SUPPORTED_HEAD_DIMS)
+def test_preprocess_row_sums_match_float64(emulator, dtype, d) -> None:
+    """delta = rowsum(dO * O) from the coalesced kernel (a group of threads per row, shuffle
+    transpose-reduce): 300 rows = two full blocks of 128 and a tail, every row checked."""
+    b, h, t = 1, 3, 100
+    o, dout = random_inputs(b, h, t, d, dtype, seed=d)[:2]
+    launch = kernel_launch.attention_launches(b, h, t, d, kernel_emulator.DTYPE_NAMES[dtype])
+    delta = torch.full((b, h, t), math.nan)
+    emulator.launch(launch["bwd_preprocess"], o, dout, delta, b * h * t)
+    want = (o.double() * dout.double()).sum(-1)
+    assert_close("delta", delta, want, 1e-6)
