@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tomllib
 import xml.etree.ElementTree as ET
+import zipfile
 from pathlib import Path
 
 OK, FAILED, UNSUPPORTED = 0, 1, 3
@@ -63,12 +64,17 @@ def install_missing(wheels: Path, site: Path) -> tuple[int, str]:
         return OK, "every dependency imports; nothing installed"
     have = {d: wheel_for(d, wheels) for d in need}
     files = [str(w) for w in have.values() if w is not None]
-    if files:
+    if files and importlib.util.find_spec("pip") is not None:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--quiet",
              "--target", str(site), *files], capture_output=True, text=True)
         if proc.returncode != 0:
             return FAILED, f"pip install --target {site} failed: {proc.stderr.strip()[-300:]}"
+    elif files:
+        # No pip on the machine: a wheel is a zip whose root is what --target would hold.
+        for wheel in files:
+            with zipfile.ZipFile(wheel) as whl:
+                whl.extractall(site)
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
     still = missing(need)

