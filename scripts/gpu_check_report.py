@@ -148,7 +148,8 @@ def sanitizer_verdict(log: str, rc: int) -> tuple[int, str]:
     if rc == 124 or rc == 137:
         return FAILED, f"timed out (rc {rc}) before its summary"
     unsupported = [ln for ln in sanitizer_lines or log.splitlines() if UNSUPPORTED_RUN.search(ln)]
-    if unsupported and not summary:
+    # A Python traceback is the program failing (CuPy missing, say), whatever the tool adds.
+    if unsupported and not summary and "Traceback (most recent call last)" not in log:
         return UNSUPPORTED, f"unsupported by this runtime: {unsupported[0].strip('= ')[:200]}"
     if rc == 0 and summary:
         return OK, summary

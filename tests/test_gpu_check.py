@@ -219,6 +219,9 @@ UNSUPPORTED = """========= COMPUTE-SANITIZER
     (RACECHECK_HAZARD, 99, 1, "Race reported"),
     (UNSUPPORTED, 1, 3, "unsupported by this runtime"),
     ("Traceback: ImportError: cupy\n", 1, 1, "rc 1; Traceback: ImportError: cupy"),
+    ("Traceback (most recent call last):\nModuleNotFoundError: No module named 'cupy'\n"
+     "========= Error: Target application terminated before first instrumented API call\n", 1, 1,
+     "rc 1; ========= Error: Target application terminated"),
     ("========= COMPUTE-SANITIZER\n", 124, 1, "timed out"),
     ("bfloat16 D=64 o: 5 elements not finite\n========= ERROR SUMMARY: 0 errors\n", 1, 1,
      "rc 1; ERROR SUMMARY: 0 errors"),
