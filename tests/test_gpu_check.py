@@ -3,7 +3,9 @@
 End to end with fakes: a fake `nvidia-smi` first on PATH makes a GPU "visible" (or not), so the
 script's own decisions run: a GPU that the kernels cannot use fails, a machine without one is a
 dry run that passes and lists every skip with its reason. The decisions themselves
-(scripts/gpu_check_report.py) are checked on crafted pytest, bench, sanitizer and metrics files.
+(scripts/gpu_check_report.py) are checked on crafted pytest, bench, sanitizer and metrics files,
+and the compute-sanitizer program (scripts/gpu_check_launch.py) runs its kernels on the CPU
+emulator behind a stand-in CuPy.
 """
 
 from __future__ import annotations
@@ -12,15 +14,21 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
+import numpy as np
 import pytest
 from conftest import REPO
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
+needs_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
+)
 ALL_PARTS = ("pytest", "bench", "memcheck", "racecheck", "prepare", "train-cuda", "train-sdpa",
              "bench-more")
 
@@ -299,3 +307,78 @@ def test_without_pip_the_wheels_are_unpacked(tmp_path, monkeypatch) -> None:
     make_wheel(wheels, "andrea-fake-dep", "andrea_fake_mod2")
     assert report.install_missing(wheels, site)[0] == 0
     assert (site / "andrea_fake_mod2" / "__init__.py").read_text() == "VALUE = 42\n"
+
+
+# --- the compute-sanitizer program, on the CPU emulator behind a stand-in CuPy ----------------
+
+
+def emulated_cupy(skip: str = "") -> ModuleType:
+    """A CuPy whose arrays are numpy arrays and whose kernels run on the CPU emulator (the same
+    .cu file): enough of it for scripts/gpu_check_launch.py. `skip`: a kernel never launched."""
+    import torch
+
+    from andrea import kernel_emulator
+    from andrea.kernel_launch import Launch
+
+    emulator = kernel_emulator.default_emulator()
+
+    class RawModule:
+        def __init__(self, code, options, backend, name_expressions):
+            assert backend == "nvrtc" and "--std=c++17" in options
+            self.names = set(name_expressions)
+
+        def compile(self):
+            pass
+
+        def get_function(self, name):
+            assert name in self.names
+
+            def launch(grid, block, args, shared_mem):
+                if skip and name.startswith(skip + "<"):
+                    return
+                values = [torch.from_numpy(a) if isinstance(a, np.ndarray) else a.item()
+                          for a in args]
+                emulator.launch(Launch(name, grid, block, shared_mem), *values)
+
+            return launch
+
+    fake = ModuleType("cupy")
+    fake.uint16, fake.float32, fake.RawModule = np.uint16, np.float32, RawModule
+    fake.asarray = np.ascontiguousarray
+    fake.asnumpy = np.asarray
+    fake.full = lambda shape, value, dtype: np.full(shape, value, dtype=dtype)
+    fake.cuda = SimpleNamespace(
+        set_allocator=lambda allocator: None,
+        Device=lambda: SimpleNamespace(compute_capability="90"),
+        runtime=SimpleNamespace(deviceSynchronize=lambda: None),
+    )
+    return fake
+
+
+def run_launch_program(monkeypatch, skip: str = "") -> int:
+    from andrea import kernel_launch
+
+    monkeypatch.setitem(sys.modules, "cupy", emulated_cupy(skip))
+    monkeypatch.setattr(kernel_launch, "_MODULES", {})
+    path = REPO / "scripts" / "gpu_check_launch.py"
+    program_spec = importlib.util.spec_from_file_location("gpu_check_launch", path)
+    program = importlib.util.module_from_spec(program_spec)
+    program_spec.loader.exec_module(program)
+    return program.main()
+
+
+@needs_gxx
+def test_sanitizer_program_launches_every_kernel_and_checks_outputs(monkeypatch, capsys) -> None:
+    assert run_launch_program(monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert out.count("4 kernels launched, outputs finite") == 3, out
+    for case in ("bfloat16 D=64", "bfloat16 D=128", "float32 D=32"):
+        assert f"{case} B*H=2 T=77" in out
+
+
+@needs_gxx
+def test_sanitizer_program_fails_on_an_unwritten_output(monkeypatch, capsys) -> None:
+    assert run_launch_program(monkeypatch, skip="attn_bwd_dkdv") == 1
+    out = capsys.readouterr().out
+    assert "bfloat16 D=64 dk: 9856 elements not finite (unwritten?)" in out
+    assert "bfloat16 D=64 B*H=2 T=77: 4 kernels launched, FAIL" in out
