@@ -93,10 +93,14 @@ end() {  # end ok|FAIL|skip|unsupported TEXT (first line in the table, the rest 
         skip | unsupported) SKIPS+=("$PART: $2") ;;
     esac
 }
-timed() {  # timed OUT ERR CMD...: the command under the part's budget
+timed() {  # timed OUT ERR CMD...: the command under the part's budget (OUT = ERR: one log)
     local out=$1 err=$2
     shift 2
-    timeout --kill-after=5 "$BUDGET" "$@" >"$out" 2>"$err"
+    if [ "$out" = "$err" ]; then
+        timeout --kill-after=5 "$BUDGET" "$@" >"$out" 2>&1
+    else
+        timeout --kill-after=5 "$BUDGET" "$@" >"$out" 2>"$err"
+    fi
 }
 not_run() {  # a part that cannot run: a failure when a GPU is visible, else a skip
     if [ -n "$GPU_SEEN" ]; then end FAIL "NOT RUN: $1"; else end skip "$1"; fi
@@ -237,27 +241,47 @@ elif [ -z "$GPU_SEEN" ] && selected bench; then
 fi
 
 # --- compute-sanitizer on the small CuPy-only launch of every kernel --------------------------
-SANITIZER=$(command -v compute-sanitizer || true)
-for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer /opt/nvidia/compute-sanitizer/compute-sanitizer; do
-    [ -z "$SANITIZER" ] && [ -x "$candidate" ] && SANITIZER=$candidate
-done
+# Every compute-sanitizer on the machine (PATH, CUDA toolkits, NVIDIA's pip packages), tried in
+# turn while the one before says it cannot run on this runtime.
+mapfile -t SANITIZERS < <(
+    {
+        command -v compute-sanitizer
+        ls -d /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda*/bin/compute-sanitizer \
+            /usr/local/cuda*/compute-sanitizer/compute-sanitizer 2>/dev/null
+        "$PY" -c 'import glob, nvidia
+for root in nvidia.__path__:
+    print("\n".join(glob.glob(root + "/*/bin/compute-sanitizer")
+                    + glob.glob(root + "/*/compute-sanitizer/compute-sanitizer")))' 2>/dev/null
+    } | while read -r tool; do [ -x "$tool" ] && readlink -f "$tool"; done | awk 'NF && !seen[$0]++'
+)
 for tool in memcheck racecheck; do
     budget=30
     [ $tool = racecheck ] && budget=35
     gpu_part "$tool" "$budget" cuda || continue
-    if [ -z "$SANITIZER" ]; then
+    if [ ${#SANITIZERS[@]} -eq 0 ]; then
         end unsupported "compute-sanitizer is not on this machine"
         continue
     fi
-    # PyTorch is not in this process; CuPy's pool is off in the program (exact allocations).
-    timed "$LOGDIR/sanitizer-$tool.log" "$LOGDIR/sanitizer-$tool.log" "$SANITIZER" \
-        --tool "$tool" --error-exitcode 99 --print-limit 20 "$PY" scripts/gpu_check_launch.py
-    rc=$?
-    verdict=$(report sanitizer "$LOGDIR/sanitizer-$tool.log" "$rc")
-    case $? in
-        0) end ok "$verdict" ;;
+    log="$LOGDIR/sanitizer-$tool.log"
+    : >"$log"
+    for sanitizer in "${SANITIZERS[@]}"; do
+        BUDGET=$((budget - (SECONDS - PART_START)))
+        [ $BUDGET -lt 5 ] && break
+        echo "### $sanitizer --tool $tool" >>"$log"
+        # No torch in this program, and CuPy's pool is off in it (exact allocations).
+        timeout --kill-after=5 "$BUDGET" "$sanitizer" --tool "$tool" --error-exitcode 99 \
+            --print-limit 20 "$PY" scripts/gpu_check_launch.py >"$WORK/sanitizer.log" 2>&1
+        rc=$?
+        cat "$WORK/sanitizer.log" >>"$log"
+        verdict=$(report sanitizer "$WORK/sanitizer.log" "$rc")
+        status=$?
+        [ $status -eq 3 ] || break
+    done
+    BUDGET=$budget
+    case $status in
+        0) end ok "$verdict ($sanitizer)" ;;
         3) end unsupported "$verdict" ;;
-        *) end FAIL "$verdict" ;;
+        *) end FAIL "$verdict ($sanitizer)" ;;
     esac
 done
 

@@ -382,3 +382,55 @@ def test_sanitizer_program_fails_on_an_unwritten_output(monkeypatch, capsys) -> 
     out = capsys.readouterr().out
     assert "bfloat16 D=64 dk: 9856 elements not finite (unwritten?)" in out
     assert "bfloat16 D=64 B*H=2 T=77: 4 kernels launched, FAIL" in out
+
+
+# --- the sanitizer part with a GPU: a python shim answers the probe, a fake compute-sanitizer -
+
+
+def gpu_shims(folder: Path) -> Path:
+    """A python whose torch "sees" an H200 with a usable cuda backend (the probe's answer; any
+    other use runs the real interpreter) and a compute-sanitizer that says $FAKE_SANITIZER."""
+    fake_nvidia_smi(folder, gpu=True)
+    python = folder / "python-shim"
+    python.write_text(f"""#!/bin/bash
+if [ "$1" = - ]; then
+    src=$(cat)
+    if grep -q torch_gpu <<<"$src"; then
+        printf 'torch 2.11 cuda 13.0\\ngpu NVIDIA H200 sm_90\\ntorch_gpu 1\\nbackend \\n'
+        exit 0
+    fi
+    exec {sys.executable} - <<<"$src"
+fi
+exec {sys.executable} "$@"
+""")
+    sanitizer = folder / "compute-sanitizer"
+    sanitizer.write_text("""#!/bin/sh
+echo "========= COMPUTE-SANITIZER"
+case "$FAKE_SANITIZER" in
+    clean) echo "========= ERROR SUMMARY: 0 errors"; exit 0 ;;
+    unsupported) echo "========= Internal Sanitizer Error: The Sanitizer version is not" \
+        "compatible with the driver"; exit 1 ;;
+    race) echo "========= Error: Race reported between Write access at attn_fwd+0x10"
+          echo "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)"; exit 99 ;;
+esac
+""")
+    for tool in (python, sanitizer):
+        tool.chmod(0o755)
+    return python
+
+
+@pytest.mark.parametrize("mode,status,fragment", [
+    ("clean", "ok", "ERROR SUMMARY: 0 errors"),
+    ("unsupported", "unsupported", "unsupported by this runtime: Internal Sanitizer Error"),
+    ("race", "FAIL", "Error: Race reported between Write access at attn_fwd"),
+])
+def test_sanitizer_part_on_a_gpu(tmp_path: Path, mode: str, status: str, fragment: str) -> None:
+    python = gpu_shims(tmp_path / "bin")
+    proc, logdir = run_script(tmp_path, gpu=True, parts="racecheck",
+                              env={"PYTHON": str(python), "FAKE_SANITIZER": mode})
+    rows = summary_rows(proc.stdout)
+    assert rows["setup"] == "ok" and rows["racecheck"] == status, proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("racecheck "))
+    assert fragment in line
+    assert "RACECHECK SUMMARY" in (logdir / "sanitizer-racecheck.log").read_text() or mode != "race"
+    assert proc.returncode == 1  # with a GPU, the parts left out fail the run
