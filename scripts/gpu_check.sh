@@ -23,11 +23,14 @@
 # construction: the budgets add up to 290 s, plus at most 5 s of SIGKILL grace for a part that
 # ignores SIGTERM) and printed as `[part] budget N s ...` then `[part] ... took M s: STATUS`.
 # Estimates for one H200 are from first principles:
-#   setup      30 s  pip from the local wheels (10 s of it), probes: nvidia-smi, torch + CuPy
-#                    import and CUDA init in one python (20 s of it): about 10 s in all.
-#   pytest     55 s  the @gpu tests of tests/test_cuda_backend.py: collection 5 s, NVRTC for six
+#   setup      25 s  pip from the local wheels (8 s of it), probes: nvidia-smi, torch + CuPy
+#                    import and CUDA init in one python (17 s of it): about 10 s in all.
+#   pytest     50 s  the @gpu tests of tests/test_cuda_backend.py: collection 5 s, NVRTC for six
 #                    (dtype, head_dim) modules at about 3 s each 18 s, the cases themselves
 #                    (T <= 1000, float64 references on the GPU) a few s: about 30 s.
+#   ptxas      10 s  registers, static smem, local memory (spills) and resident blocks per SM of
+#                    every tiled kernel as NVRTC built it for this device (CuPy attributes and
+#                    the occupancy API; modules from CuPy's disk cache): about 3 s.
 #   bench      40 s  the shape that decides the goals first: B8 T1024 H12 D64 bf16, backends
 #                    cuda, cuda_naive, sdpa, sdpa_flash, fwd / bwd / fwd+bwd, 3 warm-up + 10
 #                    timed each. cuda and SDPA are about 1 ms per fwd+bwd; the naive kernels
@@ -64,7 +67,7 @@ LOGDIR=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.." || exit 2
 REPO=$PWD
 PY=${PYTHON:-python3}
-ALL_PARTS=pytest,bench,memcheck,racecheck,prepare,train-cuda,train-sdpa,bench-more
+ALL_PARTS=pytest,ptxas,bench,memcheck,racecheck,prepare,train-cuda,train-sdpa,bench-more
 PARTS=${ANDREA_GPU_CHECK_PARTS:-$ALL_PARTS}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/andrea-gpu-check.XXXXXX") || exit 2
 trap 'rm -rf "$WORK"' EXIT
@@ -107,7 +110,7 @@ not_run() {  # a part that cannot run: a failure when a GPU is visible, else a s
 }
 
 # --- setup: this machine, whether a GPU is visible, the dependencies --------------------------
-begin setup 30
+begin setup 25
 {
     echo "date: $(date -u +%FT%TZ)"
     echo "host: $(uname -a)"
@@ -122,7 +125,7 @@ elif timeout 10 nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
     GPU_SEEN="nvidia-smi: $(timeout 10 nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ')"
 fi
 SITE="$WORK/site"
-BUDGET=10  # of setup's 30 s: wheels 10, the torch/CuPy probe 20
+BUDGET=8  # of setup's 25 s: wheels 8, the torch/CuPy probe 17
 timed "$LOGDIR/wheels.log" "$LOGDIR/wheels.log" "$PY" "$REPO/scripts/gpu_check_report.py" deps \
     "$REPO/.gpu-wheels" "$SITE"
 DEPS_RC=$?
@@ -130,7 +133,7 @@ DEPS=$(tail -n 1 "$LOGDIR/wheels.log")
 over_budget $DEPS_RC && DEPS="over its budget installing wheels (wheels.log)"
 [ -d "$SITE" ] && export PYTHONPATH="$PYTHONPATH:$SITE"
 # One probe: torch and CuPy, the GPU, and why the cuda backend cannot run (empty if it can).
-BUDGET=20
+BUDGET=17
 timed "$LOGDIR/probe.txt" "$LOGDIR/probe.txt" "$PY" - <<'EOF'
 import torch
 
@@ -186,7 +189,7 @@ gpu_part() {  # gpu_part NAME BUDGET [cuda]: starts the part; 0 when it can run 
 }
 
 # --- pytest: the @gpu tests; without a GPU they skip, each listed with its reason -------------
-begin pytest 55
+begin pytest 50
 if ! selected pytest; then
     not_run "left out by ANDREA_GPU_CHECK_PARTS=$PARTS"
 else
@@ -205,6 +208,25 @@ else
         end skip "$verdict"
     else
         end ok "$verdict"
+    fi
+fi
+
+# --- ptxas: the device's own resource figures for every tiled kernel -------------------------
+if gpu_part ptxas 10 cuda; then
+    timed "$LOGDIR/ptxas.txt" "$LOGDIR/ptxas.log" "$PY" scripts/gpu_check_launch.py --resources
+    rc=$?
+    if over_budget $rc; then
+        end FAIL "over its budget of $BUDGET s (ptxas.log)"
+    elif [ $rc -ne 0 ]; then
+        end FAIL "rc $rc; $(tail -n 1 "$LOGDIR/ptxas.log")"
+    else
+        # columns: name (two words), registers, smem, local bytes, blocks per SM
+        spills=$(awk 'NR > 1 && $5 > 0 {printf "%s%s %s", sep, $1, $2; sep = ", "}' \
+            "$LOGDIR/ptxas.txt")
+        dkdv=$(awk '$1 == "attn_bwd_dkdv<bf16_t," && $2 == "64>" {print $3 " registers, " \
+            $6 " blocks/SM"}' "$LOGDIR/ptxas.txt")
+        count=$(($(wc -l <"$LOGDIR/ptxas.txt") - 1))
+        end ok "$count kernels (ptxas.txt); bf16 D=64 dK/dV: $dkdv; local memory: ${spills:-none}"
     fi
 fi
 

@@ -8,7 +8,8 @@ from the earlier parts serves them). Every array is its own cudaMalloc of the ex
 (CuPy's memory pool would hide an overrun inside a larger block), and outputs start as NaN, so
 an element a kernel forgets to write shows up here too. Exit 1 when an output is not finite.
 
-  python3 scripts/gpu_check_launch.py
+  python3 scripts/gpu_check_launch.py               (under compute-sanitizer)
+  python3 scripts/gpu_check_launch.py --resources   (the device's ptxas figures, a table)
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import sys
 import cupy
 import numpy as np
 
-from andrea.kernel_launch import attention_launches, compiled_module, kernel_source, module_names
+from andrea.kernel_launch import (
+    SUPPORTED_HEAD_DIMS,
+    attention_launches,
+    compiled_module,
+    kernel_source,
+    module_names,
+)
 
 # (dtype, head_dim): the ANDREA-120M case and the other two tile families; B*H, T small, T not
 # a multiple of any tile so the masked edges and bounds checks run.
@@ -79,13 +86,44 @@ def run_case(dtype: str, head_dim: int, arch: str, source: str) -> bool:
     return ok
 
 
-def main() -> int:
-    cupy.cuda.set_allocator(None)  # exact cudaMalloc per array, seen as such by memcheck
+def kernel_attribute(fn: object, name: str) -> int:
+    value = getattr(fn, name, None)
+    if value is None:  # older CuPy: only the attributes dict
+        value = fn.attributes[name]
+    return int(value)
+
+
+def resources(arch: str, source: str) -> int:
+    """ptxas's figures for every tiled kernel as the device got it from NVRTC: registers,
+    static shared memory, local memory (spills and stack) and resident blocks per SM."""
+    print(f"{'kernel':36s} {'regs':>5s} {'smem B':>7s} {'local B':>7s} {'blocks/SM':>9s}  ({arch})")
+    for dtype in ("bfloat16", "float32"):
+        for d in SUPPORTED_HEAD_DIMS:
+            launches = attention_launches(1, 1, 128, d, dtype)
+            names = module_names(launches["fwd"].name)
+            module = compiled_module(source, arch, names)
+            for launch in launches.values():
+                fn = module.get_function(launch.name)
+                try:
+                    blocks = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                        fn.kernel.ptr, launch.block[0], 0)
+                except Exception as exc:  # not in every CuPy: the figures above still count
+                    blocks = f"n/a ({type(exc).__name__})"
+                print(f"{launch.name:36s} {kernel_attribute(fn, 'num_regs'):5d} "
+                      f"{kernel_attribute(fn, 'shared_size_bytes'):7d} "
+                      f"{kernel_attribute(fn, 'local_size_bytes'):7d} {blocks!s:>9}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
     arch = f"sm_{cupy.cuda.Device().compute_capability}"
     source = kernel_source()
+    if argv == ["--resources"]:
+        return resources(arch, source)
+    cupy.cuda.set_allocator(None)  # exact cudaMalloc per array, seen as such by memcheck
     results = [run_case(dtype, d, arch, source) for dtype, d in CASES]
     return 0 if all(results) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -29,8 +29,8 @@ SCRIPT = REPO / "scripts" / "gpu_check.sh"
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
 )
-ALL_PARTS = ("pytest", "bench", "memcheck", "racecheck", "prepare", "train-cuda", "train-sdpa",
-             "bench-more")
+ALL_PARTS = ("pytest", "ptxas", "bench", "memcheck", "racecheck", "prepare", "train-cuda",
+             "train-sdpa", "bench-more")
 
 spec = importlib.util.spec_from_file_location("gpu_check_report",
                                               REPO / "scripts" / "gpu_check_report.py")
@@ -92,10 +92,13 @@ def test_dry_run_without_a_gpu_passes_and_lists_every_skip(tmp_path: Path) -> No
     assert rows["setup"] == "ok" and rows["bench-cpu"] == "ok"  # the bench plumbing ran
     for part in ALL_PARTS:
         assert rows[part] == "skip", part
-    # Budgets announced and kept, part by part.
+    # Budgets announced part by part; on a GPU they add up to under 5 minutes.
+    budgets = 0
     for part in ("setup", *ALL_PARTS):
-        assert re.search(rf"^\[{part}\] budget \d+ s \.\.\.$", proc.stdout, re.M), part
-        assert re.search(rf"^\[{part}\] \.\.\. took \d+ s: ", proc.stdout, re.M), part
+        announced = re.search(rf"^\[{part}\] budget (\d+) s \.\.\.$", proc.stdout, re.M)
+        assert announced and re.search(rf"^\[{part}\] \.\.\. took \d+ s: ", proc.stdout, re.M)
+        budgets += int(announced.group(1))
+    assert budgets == 290
     skipped = proc.stdout.split("\nskipped:\n", 1)[1]
     # Each @gpu test with its reason, each GPU part with its reason.
     assert skipped.count("test_gpu_") >= 4 and "no GPU visible to PyTorch" in skipped
@@ -332,15 +335,23 @@ def emulated_cupy(skip: str = "") -> ModuleType:
 
         def get_function(self, name):
             assert name in self.names
+            return EmulatedKernel(name)
 
-            def launch(grid, block, args, shared_mem):
-                if skip and name.startswith(skip + "<"):
-                    return
-                values = [torch.from_numpy(a) if isinstance(a, np.ndarray) else a.item()
-                          for a in args]
-                emulator.launch(Launch(name, grid, block, shared_mem), *values)
+    class EmulatedKernel:
+        num_regs, local_size_bytes = 168, 0
+        kernel = SimpleNamespace(ptr=1)
 
-            return launch
+        def __init__(self, name):
+            self.name = name
+            preprocess = "preprocess" in name  # the emulator has tile info for the others
+            self.shared_size_bytes = 0 if preprocess else emulator.kernel_info(name)[2]
+
+        def __call__(self, grid, block, args, shared_mem):
+            if skip and self.name.startswith(skip + "<"):
+                return
+            values = [torch.from_numpy(a) if isinstance(a, np.ndarray) else a.item()
+                      for a in args]
+            emulator.launch(Launch(self.name, grid, block, shared_mem), *values)
 
     fake = ModuleType("cupy")
     fake.uint16, fake.float32, fake.RawModule = np.uint16, np.float32, RawModule
@@ -351,11 +362,13 @@ def emulated_cupy(skip: str = "") -> ModuleType:
         set_allocator=lambda allocator: None,
         Device=lambda: SimpleNamespace(compute_capability="90"),
         runtime=SimpleNamespace(deviceSynchronize=lambda: None),
+        driver=SimpleNamespace(
+            occupancyMaxActiveBlocksPerMultiprocessor=lambda ptr, block, smem: 3),
     )
     return fake
 
 
-def run_launch_program(monkeypatch, skip: str = "") -> int:
+def run_launch_program(monkeypatch, skip: str = "", argv: tuple[str, ...] = ()) -> int:
     from andrea import kernel_launch
 
     monkeypatch.setitem(sys.modules, "cupy", emulated_cupy(skip))
@@ -364,7 +377,7 @@ def run_launch_program(monkeypatch, skip: str = "") -> int:
     program_spec = importlib.util.spec_from_file_location("gpu_check_launch", path)
     program = importlib.util.module_from_spec(program_spec)
     program_spec.loader.exec_module(program)
-    return program.main()
+    return program.main(list(argv))
 
 
 @needs_gxx
@@ -434,3 +447,16 @@ def test_sanitizer_part_on_a_gpu(tmp_path: Path, mode: str, status: str, fragmen
     assert fragment in line
     assert "RACECHECK SUMMARY" in (logdir / "sanitizer-racecheck.log").read_text() or mode != "race"
     assert proc.returncode == 1  # with a GPU, the parts left out fail the run
+
+
+@needs_gxx
+def test_sanitizer_program_reports_kernel_resources(monkeypatch, capsys) -> None:
+    from andrea import kernel_launch
+
+    assert run_launch_program(monkeypatch, argv=("--resources",)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["kernel", "regs", "smem", "B", "local"]
+    rows = {line.split()[0] + " " + line.split()[1]: line.split()[2:] for line in lines[1:]}
+    assert len(rows) == 4 * 6  # four kernels x (bf16, fp32) x (32, 64, 128)
+    smem = kernel_launch.static_shared_bytes("bwd_dkdv", "bfloat16", 64)
+    assert rows["attn_bwd_dkdv<bf16_t, 64>"] == ["168", str(smem), "0", "3"]
