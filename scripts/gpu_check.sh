@@ -371,7 +371,7 @@ fi
     echo
     echo "== gpu_check: $SECONDS s; logs in $LOGDIR =="
     printf '%s\n' "${SUMMARY[@]}"
-    for table in bench-goals bench-more bench-cpu; do
+    for table in ptxas bench-goals bench-more bench-cpu; do
         [ -s "$LOGDIR/$table.txt" ] && { echo; echo "-- $table"; cat "$LOGDIR/$table.txt"; }
     done
     if [ ${#SKIPS[@]} -gt 0 ]; then
