@@ -254,10 +254,19 @@ def config_changes(stored: Config, given: Config) -> dict[str, tuple[Any, Any]]:
     }
 
 
-def check_resume_changes(stored: Config, given: Config, run_dir: Path) -> dict[str, list[Any]]:
-    """The allowed changes as {key: [old, new]}; a UserError naming every refused key."""
+def check_resume_changes(
+    stored: Config, given: Config, run_dir: Path, trained: bool
+) -> dict[str, list[Any]]:
+    """The allowed changes as {key: [old, new]}; a UserError naming every refused key.
+
+    A run that has not trained yet (an import: its checkpoint is at step 0) may still change
+    its schedule and data, everything but the model the weights fix."""
     changes = config_changes(stored, given)
-    refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items() if k not in RESUMABLE_KEYS]
+
+    def allowed(key: str) -> bool:
+        return key in RESUMABLE_KEYS or (not trained and not key.startswith("model."))
+
+    refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items() if not allowed(k)]
     if refused:
         raise UserError(
             f"{run_dir}: resuming cannot change {', '.join(refused)}: these keys define the run; "
@@ -593,9 +602,11 @@ def open_run(
         found = find_run_to_resume(resume, cfg)
         if found is not None:
             stored = load_config(found / "config.yaml")
-            changes = check_resume_changes(stored, cfg, found)
+            checkpoint = ckpt_io.resolve_checkpoint(found)
+            trained = ckpt_io.read_trainer_state(checkpoint)[0]["step"] > 0
+            changes = check_resume_changes(stored, cfg, found, trained)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
-            return found, ckpt_io.resolve_checkpoint(found), changes
+            return found, checkpoint, changes
         if resume == "auto" and dist.is_main:
             print(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
     if dist.is_main and ckpt_io.read_latest(run_dir) is not None:

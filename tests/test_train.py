@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, run_andrea
+from conftest import assert_user_error, make_checkpoint, run_andrea
 
 from andrea import checkpoint as ckpt_io
 from andrea.config import load_config
@@ -489,3 +489,15 @@ def test_resume_auto_keeps_the_runs_own_config(tmp_path, data_dir):
                       "--set", "train.warmup_steps=3", "--set", "train.max_steps=3")
     assert same.returncode == 0, same.stderr
     assert "finished: 3 steps" in same.stdout
+
+
+def test_an_untrained_run_may_still_change_its_schedule(tmp_path, data_dir):
+    """An import is a run at step 0: fine-tuning picks its own schedule and data."""
+    ckpt = make_checkpoint(tmp_path, f"data.dir={data_dir}", step=0)
+    run = ckpt.parent
+    cfg = load_config(run / "config.yaml", ["train.lr=0.01", "train.max_steps=2"])
+    result = train(cfg, resume=str(run), progress=False)
+    assert result.steps == 2
+    assert read_events(run, "start")[0]["changed"]["train.lr"] == [0.003, 0.01]
+    with pytest.raises(UserError, match=r"model.n_layer \(2 -> 3\)"):
+        train(load_config(run / "config.yaml", ["model.n_layer=3"]), resume=str(run))
