@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from andrea.config import ModelConfig
-from andrea.errors import UserError
 from andrea.model import LOSS_CHUNK_LOGITS
 
 GIB = 2**30
@@ -91,11 +90,6 @@ def choose_micro_batch(
 ) -> MicroBatchChoice:
     """The largest divisor of sequences_per_rank whose estimate fits `available` (with
     headroom), so the global batch stays exact; 1 if none fits (the choice then says so)."""
-    if sequences_per_rank < 1:
-        raise UserError(
-            "train.micro_batch_size: auto needs train.global_batch_tokens of at least "
-            "block_size x processes; set it, or give micro_batch_size as a number"
-        )
     choice = MicroBatchChoice(1, 0, available)
     for size in range(sequences_per_rank, 0, -1):
         if sequences_per_rank % size:

@@ -479,8 +479,8 @@ def run_training(
         except NonFiniteError as exc:
             state, exit_code = "nonfinite", 1
             message = (
-                f"{exc}; nothing was written over the last good checkpoint "
-                f"({s.checkpoint if s.checkpoint else 'none yet'})"
+                f"{exc}; nothing was written over the last good checkpoint ({s.checkpoint})"
+                if s.checkpoint else f"{exc}; no checkpoint had been written yet"
             )
         except torch.cuda.OutOfMemoryError:
             s.log.write("end", step=s.step, tokens=s.tokens_seen, state="failed", signal=None,
@@ -651,12 +651,13 @@ def resolve_micro_batch(
     model: Andrea,
     dtype: torch.dtype,
     device: torch.device,
-    dist: DistInfo,
-    trainer_state: dict[str, Any],
+    dist: DistInfo | None = None,
+    trainer_state: dict[str, Any] | None = None,
 ) -> tuple[int, str]:
     """(micro-batch, the line that explains an automatic choice or ''). An integer is obeyed;
-    'auto' reuses the value a resumed run recorded, else the largest that fits the memory."""
-    t = cfg.train
+    'auto' reuses the value a resumed run recorded, else the largest that fits the memory.
+    Without dist: for one process (e.g. `andrea bench`)."""
+    t, dist, trainer_state = cfg.train, dist or DistInfo(), trainer_state or {}
     if isinstance(t.micro_batch_size, int):
         return t.micro_batch_size, ""
     block = cfg.model.block_size
@@ -664,6 +665,12 @@ def resolve_micro_batch(
         recorded = trainer_state["micro_batch_size"]
         return recorded, f"micro-batch: auto -> {recorded} x {block} (the run's recorded choice)"
     sequences = t.global_batch_tokens // (block * dist.world_size)
+    if sequences < 1:
+        raise UserError(
+            f"{cfg.source}: train.micro_batch_size: auto needs train.global_batch_tokens of at "
+            f"least block_size x processes = {block * dist.world_size}; set it, or give "
+            f"micro_batch_size as a number"
+        )
     choice = choose_micro_batch(
         cfg.model, model.num_params(), sequences, dtype,
         t.activation_checkpointing == "blocks", available_memory(device),

@@ -438,6 +438,11 @@ def test_micro_batch_auto_is_resolved_recorded_and_reused(tmp_path, data_dir):
     assert explicit.returncode == 0, explicit.stderr
     assert "micro-batch: auto" not in explicit.stdout and "8 x 64 x 4 accumulation" in (
         explicit.stdout)
+    assert_user_error(
+        run_andrea("train", "-c", str(path), "--set", "train.name=t2",
+                   "--set", "train.global_batch_tokens=0"),
+        "train.micro_batch_size: auto needs train.global_batch_tokens of at least",
+    )
 
 
 def test_resume_may_change_only_keys_that_keep_the_runs_meaning(tmp_path, data_dir):
