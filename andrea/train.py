@@ -270,8 +270,8 @@ def check_resume_changes(
     if refused:
         raise UserError(
             f"{run_dir}: resuming cannot change {', '.join(refused)}: these keys define the run; "
-            f"resume with the run's own config (--resume {run_dir} without --config) or start "
-            f"a new run"
+            f"leave them as the run has them (--resume {run_dir} alone continues its own "
+            f"config.yaml) or start a new run"
         )
     return {k: [a, b] for k, (a, b) in changes.items()}
 
@@ -498,7 +498,7 @@ def run_training(
             raise
         finally:
             bar.close()
-        if signals.received is not None:
+        if signals.received is not None and state != "nonfinite" and s.step < t.max_steps:
             state, exit_code, message = interrupted_outcome(s)
         return finish(s, state, exit_code, message, time.perf_counter() - t_start)
 
