@@ -346,16 +346,14 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
                       "model.safetensors", "truncated")
 
 
-def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir):
+def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir, monkeypatch):
     sets = ("train.max_steps=6", "train.precision=fp32", "model.dropout=0.1",
             "train.global_batch_tokens=2048")  # 4 micro-batches a step; dropout uses the RNG
     whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
     cfg = tiny(tmp_path / "b", data_dir, *sets)
-    os.environ["ANDREA_TEST_SIGNAL_AFTER"] = "3.1"  # Ctrl-C during step 4's second micro-batch
-    try:
-        cut = train(cfg, progress=False)
-    finally:
-        del os.environ["ANDREA_TEST_SIGNAL_AFTER"]
+    monkeypatch.setenv("ANDREA_TEST_SIGNAL_AFTER", "3.1")  # Ctrl-C in step 4's 2nd micro-batch
+    cut = train(cfg, progress=False)
+    monkeypatch.delenv("ANDREA_TEST_SIGNAL_AFTER")
     assert (cut.state, cut.exit_code, cut.steps) == ("interrupted", 130, 3)
     assert cut.checkpoint.name == "step-000003" and "after step 3" in cut.message
     rest = train(cfg, resume=str(cut.run_dir), progress=False)
@@ -366,6 +364,13 @@ def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir):
     opt_a, _ = ckpt_io.read_safetensors(whole.checkpoint / ckpt_io.OPTIMIZER_FILE)
     opt_b, _ = ckpt_io.read_safetensors(rest.checkpoint / ckpt_io.OPTIMIZER_FILE)
     assert all(torch.equal(opt_a[k], opt_b[k]) for k in opt_a)
+
+
+def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv("ANDREA_TEST_SIGNAL_AFTER", "1.0")
+    result = train(tiny(tmp_path, data_dir, "train.max_steps=2"), progress=False)
+    assert (result.state, result.exit_code, result.steps) == ("finished", 0, 2)
+    assert result.checkpoint.name == "step-000002"
 
 
 def test_interrupt_before_the_first_step_writes_and_mentions_no_checkpoint(tmp_path, data_dir):
