@@ -170,7 +170,7 @@ def bench_train(
     """Median step time of `preset` with `backend` on random tokens."""
     from andrea.config import load_config
     from andrea.model import Andrea
-    from andrea.train import build_optimizer, pick_dtype
+    from andrea.train import build_optimizer, pick_dtype, resolve_micro_batch
 
     cfg = load_config(preset, overrides)
     dtype = pick_dtype(cfg.train.precision, device)
@@ -178,7 +178,7 @@ def bench_train(
     model = Andrea(cfg.model, attention_backend=backend).to(device)
     model.train()
     optimizer = build_optimizer(model, cfg, device)
-    shape = (cfg.train.micro_batch_size, cfg.model.block_size)
+    shape = (resolve_micro_batch(cfg, model, dtype, device)[0], cfg.model.block_size)
     x = torch.randint(cfg.model.vocab_size, shape, device=device)
     y = torch.randint(cfg.model.vocab_size, shape, device=device)
     clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf

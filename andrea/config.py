@@ -28,6 +28,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.precision": ("auto", "bf16", "fp32"),
     "train.schedule": ("cosine", "constant", "wsd"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.activation_checkpointing": ("none", "blocks"),
 }
 
 
@@ -43,6 +44,10 @@ def _fraction(x: Any) -> bool:
     return 0 <= x < 1
 
 
+def _auto_or_positive(x: Any) -> bool:
+    return x == "auto" or (isinstance(x, int) and x > 0)
+
+
 # Keys with a constraint beyond their type: (predicate, what the value must be).
 CONSTRAINTS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.n_layer": (_positive, "a positive integer"),
@@ -56,7 +61,7 @@ CONSTRAINTS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "data.val_fraction": (lambda x: 0 < x < 1, "in (0, 1)"),
     "data.shard_tokens": (_positive, "a positive integer"),
     "data.workers": (_non_negative, "0 (automatic) or a positive integer"),
-    "train.micro_batch_size": (_positive, "a positive integer"),
+    "train.micro_batch_size": (_auto_or_positive, "auto or a positive integer"),
     "train.global_batch_tokens": (_non_negative, "0 (no accumulation) or a positive integer"),
     "train.max_steps": (_positive, "a positive integer"),
     "train.lr": (_positive, "positive"),
@@ -119,7 +124,11 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "auto"
     compile: bool = False
-    micro_batch_size: int = 8
+    # Sequences per forward/backward; "auto": the largest that divides the per-process batch and
+    # fits the device's memory (andrea/memory.py), resolved once per run and kept on resume.
+    micro_batch_size: int | str = 8
+    # "blocks": recompute each block's activations in backward instead of keeping them.
+    activation_checkpointing: str = "none"
     # Tokens per optimizer step over all processes; 0 means one micro-batch per process.
     global_batch_tokens: int = 0
     max_steps: int = 1000
@@ -169,9 +178,9 @@ def _suggest(word: str, options: typing.Iterable[str], prefix: str = "") -> str:
 
 def _type_name(tp: Any) -> str:
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    args = typing.get_args(tp)
     if args:
-        return names[args[0]] + " or null"
+        return " or ".join("null" if a is type(None) else names[a] for a in args)
     return names[tp]
 
 
@@ -179,9 +188,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the field type `tp`; return it (ints widen to floats)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None:
+        if value is None and type(None) in typing.get_args(tp):
             return None
-        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(options) > 1:
+            for option in options:
+                try:
+                    return _coerce(value, option, where)
+                except UserError:
+                    pass
+            raise UserError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        (tp,) = options
     if tp is float and isinstance(value, str):
         # YAML 1.1 reads 3e-4 (no dot) as a string; accept anything Python reads as a number.
         try:

@@ -13,9 +13,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from andrea.attention import attention
 from andrea.config import ModelConfig
+
+# Rows of the LM head's output the loss holds at a time: about 32M logits (128 MiB in float32),
+# so the full [B*T, vocab] matrix (3.3 GB for 16 x 1024 x 50,304) never exists.
+LOSS_CHUNK_LOGITS = 1 << 25
+
+
+def loss_chunk_rows(vocab_size: int) -> int:
+    return max(1, LOSS_CHUNK_LOGITS // vocab_size)
 
 
 @dataclass
@@ -112,6 +121,73 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype autocast would run the LM head's matmul in (the weight's dtype without it)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return dtype
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits = hidden @ weight.T against targets (-1: ignored), computed
+    chunk_rows rows at a time, so only one chunk's logits exist at once.
+
+    When gradients are wanted, forward also computes each chunk's share of d loss / d hidden and
+    d loss / d weight (the tied embedding) while the chunk's softmax is at hand; backward only
+    scales them by the incoming gradient. That costs the same three matmuls as the plain form
+    and keeps nothing of size [rows, vocab]. Same numbers as
+    F.cross_entropy(F.linear(hidden, weight).float(), targets): the matmuls run in autocast's
+    dtype, the softmax in float32 (float64 stays float64).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,  # [N, d_model]
+        weight: torch.Tensor,  # [vocab, d_model]
+        targets: torch.Tensor,  # [N]
+        chunk_rows: int,
+    ) -> torch.Tensor:
+        compute = _compute_dtype(hidden.device, weight.dtype)
+        softmax_dtype = torch.promote_types(compute, torch.float32)
+        w = weight.to(compute)
+        valid = (targets != -1).to(softmax_dtype)
+        safe_targets = targets.clamp(min=0).unsqueeze(1)
+        count = valid.sum()
+        total = torch.zeros((), dtype=softmax_dtype, device=hidden.device)
+        wants_grad = any(ctx.needs_input_grad[:2])
+        if wants_grad:
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros(weight.shape, dtype=softmax_dtype, device=weight.device)
+        for start in range(0, hidden.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            h = hidden[rows].to(compute)
+            logits = F.linear(h, w).to(softmax_dtype)
+            logsumexp = torch.logsumexp(logits, dim=1, keepdim=True)
+            picked = logits.gather(1, safe_targets[rows])
+            total += ((logsumexp - picked).squeeze(1) * valid[rows]).sum()
+            if wants_grad:
+                # d loss / d logits = (softmax - one_hot(target)) / count, zero on ignored rows.
+                grad_logits = logits.sub_(logsumexp).exp_()
+                grad_logits.scatter_add_(1, safe_targets[rows], -torch.ones_like(picked))
+                grad_logits = grad_logits.mul_((valid[rows] / count).unsqueeze(1)).to(compute)
+                grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)
+                if grad_weight.dtype == compute:  # no rounded [vocab, d_model] temporary
+                    grad_weight.addmm_(grad_logits.t(), h)
+                else:
+                    grad_weight += grad_logits.t() @ h
+        if wants_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total / count
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
+
+
 class Andrea(nn.Module):
     def __init__(self, cfg: ModelConfig, attention_backend: str = "sdpa") -> None:
         super().__init__()
@@ -124,6 +200,10 @@ class Andrea(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied
+        # Rows per chunk of the loss; None computes the full logits first (the plain form).
+        self.loss_chunk_rows: int | None = loss_chunk_rows(cfg.vocab_size)
+        # Recompute each block in backward (train.activation_checkpointing: blocks).
+        self.checkpoint_blocks = False
         self.reset_parameters()
 
     @property
@@ -159,8 +239,9 @@ class Andrea(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx [B, T] token ids -> logits [B, T, vocab], and the mean cross-entropy if targets.
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """idx [B, T] token ids -> (logits [B, T, vocab], None), or with targets (None, mean
+        cross-entropy), computed in chunks of rows so the logits are never all in memory.
 
         With a cache, idx holds only the new positions; they follow the cache's `length` ones.
         """
@@ -172,17 +253,28 @@ class Andrea(nn.Module):
             )
         pos = torch.arange(start, start + t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # [B, T, d_model]
+        recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer)
+            if recompute:
+                x = checkpoint(block, x, None, layer, use_reentrant=False)
+            else:
+                x = block(x, cache, layer)
         if cache is not None:
             cache.length += t
-        logits = self.lm_head(self.ln_f(x))  # [B, T, vocab]
-        loss = None
-        if targets is not None:
+        x = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(x), None  # [B, T, vocab]
+        if self.loss_chunk_rows is None:
+            logits = self.lm_head(x)
             loss = F.cross_entropy(
                 logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
             )
-        return logits, loss
+            return None, loss
+        hidden = x.reshape(-1, x.size(-1))
+        loss = ChunkedCrossEntropy.apply(
+            hidden, self.lm_head.weight, targets.reshape(-1), self.loss_chunk_rows
+        )
+        return None, loss
 
     def num_params(self) -> int:
         """Unique parameters (the tied LM head counted once)."""

@@ -42,6 +42,7 @@ from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
 from andrea.flops import MfuMeter, flops_per_token, format_mfu
 from andrea.loader import TokenSplit, train_batch, val_batches
+from andrea.memory import GIB, available_memory, choose_micro_batch
 from andrea.model import Andrea
 from andrea.prepare import check_vocab, data_dir_for, ensure_prepared
 from andrea.runs import run_path
@@ -60,7 +61,7 @@ class TrainResult:
     steps: int
     tokens: int
     seconds: float
-    state: str  # finished | interrupted | nonfinite
+    state: str  # finished | stopped | interrupted | nonfinite | nothing to do
     best_val_loss: float | None
     best_val_step: int | None
     last_val_loss: float | None
@@ -108,8 +109,8 @@ def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
-def accumulation_steps(cfg: Config, world_size: int) -> int:
-    per_micro = cfg.train.micro_batch_size * cfg.model.block_size
+def accumulation_steps(cfg: Config, micro_batch: int, world_size: int) -> int:
+    per_micro = micro_batch * cfg.model.block_size
     if cfg.train.global_batch_tokens == 0:
         return 1
     per_round = per_micro * world_size
@@ -117,7 +118,7 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
         raise UserError(
             f"{cfg.source}: train.global_batch_tokens: {cfg.train.global_batch_tokens} is not a "
             f"multiple of micro_batch_size * block_size * processes = "
-            f"{cfg.train.micro_batch_size} * {cfg.model.block_size} * {world_size} = {per_round}"
+            f"{micro_batch} * {cfg.model.block_size} * {world_size} = {per_round}"
         )
     return cfg.train.global_batch_tokens // per_round
 
@@ -141,11 +142,16 @@ def build_optimizer(model: Andrea, cfg: Config, device: torch.device) -> torch.o
 
 
 class SignalWatch:
-    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit. Second Ctrl-C: exit at once."""
+    """First Ctrl-C / SIGTERM: finish the micro-batch, checkpoint the last completed step, exit.
+    Second Ctrl-C: exit at once, recording the end of the run in metrics.jsonl."""
 
     def __init__(self) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        # Kept current by the trainer, so the messages name only what exists.
+        self.completed_step = 0
+        self.checkpoint: Path | None = None
+        self.metrics_path: Path | None = None
 
     def __enter__(self) -> SignalWatch:
         for sig in EXIT_SIGNAL:
@@ -158,12 +164,36 @@ class SignalWatch:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received is not None and signum == signal.SIGINT:
-            # Nothing more is written: the last complete checkpoint stays as it is.
-            os.write(2, b"\nsecond interrupt: exiting now, the last checkpoint is untouched\n")
+            where = (f"{self.checkpoint} stays the latest checkpoint" if self.checkpoint
+                     else "no checkpoint was written")
+            self._record_end(f"second interrupt: exited at once; {where}")
+            os.write(2, f"\nsecond interrupt: exiting now; {where}\n".encode())
             os._exit(130)
         self.received = signum
-        os.write(2, b"\nstopping after this step and writing a checkpoint "
-                    b"(Ctrl-C again to exit at once)\n")
+        step = self.completed_step
+        then = (f"checkpointing step {step}" if step else
+                "no step has completed, so nothing will be checkpointed")
+        os.write(2, f"\nstopping after this micro-batch, {then} "
+                    f"(Ctrl-C again to exit at once)\n".encode())
+
+    def _record_end(self, message: str) -> None:
+        # One O_APPEND write of a whole line: it cannot split a line the trainer is writing.
+        if self.metrics_path is None:
+            return
+        record = {
+            "event": "end", "step": self.completed_step, "state": "interrupted",
+            "signal": "SIGINT", "message": message,
+            "checkpoint": self.checkpoint.name if self.checkpoint else None,
+            "time": round(time.time(), 3),
+        }
+        try:
+            fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, (json.dumps(record) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
 
 
 class MetricsLog:
@@ -189,26 +219,76 @@ class MetricsLog:
             self.tensorboard.close()
 
 
-def _check_resume_config(stored: Config, given: Config, run_dir: Path) -> None:
-    changed = [
-        f"model.{k}: {v} -> {getattr(given.model, k)}"
-        for k, v in vars(stored.model).items()
-        if k != "attention" and getattr(given.model, k) != v
-    ]
-    if changed:
+# Keys `--resume` may change: they decide how the run proceeds (how far, how often it logs,
+# evaluates and checkpoints, how fast it computes), not what it trains. Any other difference
+# from the run's own config.yaml is refused. docs/training.md lists them.
+RESUMABLE_KEYS = (
+    "train.max_steps",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.log_every",
+    "train.tensorboard",
+    "train.skip_nonfinite",
+    "train.compile",
+    "train.micro_batch_size",
+    "train.activation_checkpointing",
+    "train.device",
+    "model.attention",
+    "data.dir",
+    "data.workers",
+)
+# Where a run lives rather than what it is: never compared (--resume names the run).
+_LOCATION_KEYS = ("train.name", "train.runs_dir")
+
+
+def config_changes(stored: Config, given: Config) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (the run's value, the given value), for every key that differs."""
+    old, new = stored.to_dict(), given.to_dict()
+    return {
+        f"{section}.{key}": (value, new[section][key])
+        for section, keys in old.items()
+        for key, value in keys.items()
+        if f"{section}.{key}" not in _LOCATION_KEYS and new[section][key] != value
+    }
+
+
+def check_resume_changes(
+    stored: Config, given: Config, run_dir: Path, trained: bool
+) -> dict[str, list[Any]]:
+    """The allowed changes as {key: [old, new]}; a UserError naming every refused key.
+
+    A run that has not trained yet (an import: its checkpoint is at step 0) may still change
+    its schedule and data, everything but the model the weights fix."""
+    changes = config_changes(stored, given)
+
+    def allowed(key: str) -> bool:
+        return key in RESUMABLE_KEYS or (not trained and not key.startswith("model."))
+
+    refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items() if not allowed(k)]
+    if refused:
         raise UserError(
-            f"{run_dir}: the config changes the model on resume ({'; '.join(changed)}); "
-            f"resume with the run's own config or start a new run"
+            f"{run_dir}: resuming cannot change {', '.join(refused)}: these keys define the run; "
+            f"leave them as the run has them (--resume {run_dir} alone continues its own "
+            f"config.yaml) or start a new run"
         )
+    return {k: [a, b] for k, (a, b) in changes.items()}
 
 
-def _rng_tensors(device: torch.device, dist: DistInfo) -> dict[str, torch.Tensor]:
-    out = {}
-    for rank, state in enumerate(all_gather_bytes(torch.get_rng_state(), dist)):
-        out[f"cpu.rank{rank}"] = state
+def _local_rng(device: torch.device) -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
-        for rank, state in enumerate(all_gather_bytes(torch.cuda.get_rng_state(device), dist)):
-            out[f"cuda.rank{rank}"] = state
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _rng_tensors(local: dict[str, torch.Tensor], dist: DistInfo) -> dict[str, torch.Tensor]:
+    """Every rank's generator states, keyed '<kind>.rank<r>' (a collective)."""
+    out = {}
+    for kind, state in local.items():
+        for rank, gathered in enumerate(all_gather_bytes(state, dist)):
+            out[f"{kind}.rank{rank}"] = gathered
     return out
 
 
@@ -222,15 +302,15 @@ def _restore_rng(rng: dict[str, torch.Tensor], device: torch.device, dist: DistI
 
 
 def config_for_run(config: str | None, overrides: list[str], resume: str | None) -> Config:
-    """The config to train with: --config (+ --set), or a resumed run's own config.yaml."""
+    """The config to train with: --config (+ --set), or a resumed run's own config.yaml (+ --set,
+    which train() then checks against RESUMABLE_KEYS)."""
     if config is not None:
         return load_config(config, overrides)
     if resume is None or resume == "auto":
         raise UserError("andrea train needs --config (a path or a preset name) or --resume RUN_DIR")
     run_dir = find_run_to_resume(resume, None)
     assert run_dir is not None
-    cfg = load_config(run_dir / "config.yaml", overrides)
-    return cfg
+    return load_config(run_dir / "config.yaml", overrides)
 
 
 def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
@@ -255,6 +335,7 @@ def evaluate(
     model: nn.Module,
     split: TokenSplit,
     cfg: Config,
+    micro_batch: int,
     device: torch.device,
     dtype: torch.dtype,
     dist: DistInfo,
@@ -265,7 +346,7 @@ def evaluate(
     total = torch.zeros(2, dtype=torch.float64, device=device)
     batches = val_batches(
         split,
-        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batch_size=micro_batch,
         block_size=cfg.model.block_size,
         max_batches=cfg.train.eval_batches,
     )
@@ -296,7 +377,7 @@ def train(
     device = pick_device(cfg.train.device)
     dist = init_distributed(device.type)
     try:
-        return _train(
+        return run_training(
             cfg, device, dist, resume=resume, overwrite=overwrite, progress=progress,
             stop_after=stop_after,
         )
@@ -304,7 +385,52 @@ def train(
         shutdown(dist)
 
 
-def _train(
+@dataclass
+class Session:
+    """What one training process holds while it runs: set up once, then advanced step by step."""
+
+    cfg: Config
+    device: torch.device
+    dist: DistInfo
+    dtype: torch.dtype
+    run_dir: Path
+    model: Andrea
+    train_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    param_names: dict[int, str]
+    train_split: TokenSplit
+    val_split: TokenSplit
+    micro_batch: int
+    accum: int
+    log: MetricsLog
+    signals: SignalWatch
+    mfu: MfuMeter
+    preset: str
+    step: int = 0
+    tokens_seen: int = 0
+    skipped: int = 0
+    best_val: float | None = None
+    best_step: int | None = None
+    last_val: float | None = None
+    checkpoint: Path | None = None  # the newest complete checkpoint of the run
+    checkpoint_step: int | None = None
+    losses: dict[int, float] = field(default_factory=dict)
+    throughput: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:  # over all ranks
+        return self.micro_batch * self.cfg.model.block_size * self.dist.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tokens_per_micro_batch * self.accum
+
+    def say(self, text: str) -> None:
+        if self.dist.is_main:
+            print(text, flush=True)
+
+
+def run_training(
     cfg: Config,
     device: torch.device,
     dist: DistInfo,
@@ -314,22 +440,176 @@ def _train(
     progress: bool,
     stop_after: int | None,
 ) -> TrainResult:
+    """Set up, then per step: forward/backward over the micro-batches, clip, optimizer step,
+    log, evaluate, checkpoint; then record how the run ended."""
     t = cfg.train
-    say = print if dist.is_main else (lambda *a, **k: None)
+    with SignalWatch() as signals:
+        s = set_up(cfg, device, dist, signals, resume=resume, overwrite=overwrite)
+        if isinstance(s, TrainResult):
+            return s  # nothing to do: the run was not touched
+        bar = progress_bar(s, progress)
+        start_step, t_start = s.step, time.perf_counter()
+        state, exit_code, message = "finished", 0, ""
+        s.train_model.train()
+        try:
+            while s.step < t.max_steps:
+                t0 = time.perf_counter()
+                lr = set_learning_rate(s)
+                rng_before_step = _local_rng(device)
+                outcome = forward_backward(s, bar)
+                if outcome is None:  # stopped inside the step: its gradients never apply
+                    s.optimizer.zero_grad(set_to_none=True)
+                    save_checkpoint(s, rng_before_step)
+                    break
+                loss, grad_norm = outcome
+                optimizer_step(s, loss, grad_norm)
+                log_step(s, lr, loss, grad_norm, time.perf_counter() - t0, bar)
+                maybe_evaluate(s, bar)
+                stopping = stop_agreed(s)
+                pausing = stop_after is not None and s.step - start_step >= stop_after
+                periodic = t.checkpoint_every and s.step % t.checkpoint_every == 0
+                if periodic or s.step == t.max_steps or stopping or pausing:
+                    save_checkpoint(s, _local_rng(device))
+                if stopping:
+                    break
+                if pausing and s.step < t.max_steps:
+                    state = "stopped"
+                    message = f"paused after {stop_after} steps (--stop-after); {s.checkpoint}"
+                    break
+        except NonFiniteError as exc:
+            state, exit_code = "nonfinite", 1
+            message = (
+                f"{exc}; nothing was written over the last good checkpoint ({s.checkpoint})"
+                if s.checkpoint else f"{exc}; no checkpoint had been written yet"
+            )
+        except torch.cuda.OutOfMemoryError:
+            s.log.write("end", step=s.step, tokens=s.tokens_seen, state="failed", signal=None,
+                        message="out of GPU memory")
+            raise UserError(
+                f"out of GPU memory at micro-batch {s.micro_batch} x {cfg.model.block_size}: "
+                f"set train.micro_batch_size lower (or auto), or "
+                f"train.activation_checkpointing=blocks (train.global_batch_tokens stays)"
+            ) from None
+        except BaseException as exc:
+            # A user's mistake stops the run; anything else is a failure. Either way, say so.
+            s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None,
+                        state="stopped" if isinstance(exc, UserError) else "failed",
+                        message=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            bar.close()
+        if signals.received is not None and state != "nonfinite" and s.step < t.max_steps:
+            state, exit_code, message = interrupted_outcome(s)
+        return finish(s, state, exit_code, message, time.perf_counter() - t_start)
 
-    # Where the run lives; on resume the run's own config is the base.
-    resume_from: Path | None = None
-    run_dir = Path(t.runs_dir) / t.name
+
+def set_up(
+    cfg: Config,
+    device: torch.device,
+    dist: DistInfo,
+    signals: SignalWatch,
+    *,
+    resume: str | None,
+    overwrite: bool,
+) -> Session | TrainResult:
+    """Find or make the run, the data, the model and optimizer (restored on resume), the
+    micro-batch; write the run's config and start record; print the plan. A TrainResult
+    instead when a resumed run is already at max_steps."""
+    t = cfg.train
+    run_dir, resume_from, changes = open_run(cfg, dist, resume, overwrite)
+    if resume_from is not None:
+        done = ckpt_io.read_trainer_state(resume_from)[0]["step"]
+        if done >= t.max_steps:
+            return TrainResult(
+                run_dir=run_dir, steps=done, tokens=0, seconds=0.0, state="nothing to do",
+                best_val_loss=None, best_val_step=None, last_val_loss=None,
+                checkpoint=resume_from, is_main=dist.is_main,
+                message=f"run {run_dir} is already at step {done} (max_steps {t.max_steps}): "
+                        f"nothing to do",
+            )
+
+    # Data: rank 0 prepares the shards if they are missing, the others wait for it.
+    if dist.is_main:
+        ensure_prepared(cfg)
+    barrier(dist)
+    data_dir = data_dir_for(cfg)
+    train_split, val_split = TokenSplit(data_dir, "train"), TokenSplit(data_dir, "val")
+    check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
+
+    dtype = pick_dtype(t.precision, device)
+    backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
+    torch.manual_seed(t.seed)  # identical initial weights on every rank
+    model = Andrea(cfg.model, attention_backend=backend).to(device)
+    model.checkpoint_blocks = t.activation_checkpointing == "blocks"
+    optimizer = build_optimizer(model, cfg, device)
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    trainer_state: dict[str, Any] = {}
+    if resume_from is not None:
+        trainer_state = restore(model, optimizer, names, resume_from, train_split, device, dist)
+    else:
+        torch.manual_seed(t.seed + dist.rank)  # dropout differs per rank, deterministically
+    micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist,
+                                                        trainer_state)
+    accum = accumulation_steps(cfg, micro_batch, dist.world_size)
+
+    train_model: nn.Module = torch.compile(model) if t.compile else model
+    if dist.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        device_ids = [dist.local_rank] if device.type == "cuda" else None
+        train_model = DDP(train_model, device_ids=device_ids)
+
+    s = Session(
+        cfg=cfg, device=device, dist=dist, dtype=dtype, run_dir=run_dir, model=model,
+        train_model=train_model, optimizer=optimizer, param_names=names,
+        train_split=train_split, val_split=val_split, micro_batch=micro_batch, accum=accum,
+        log=MetricsLog(None), signals=signals,
+        mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, model.num_params())),
+        preset=trainer_state.get("preset", Path(cfg.source).stem),
+        step=trainer_state.get("step", 0), tokens_seen=trainer_state.get("tokens", 0),
+        skipped=trainer_state.get("skipped_steps", 0),
+        best_val=trainer_state.get("best_val_loss"), best_step=trainer_state.get("best_val_step"),
+        checkpoint=resume_from, checkpoint_step=trainer_state.get("step"),
+    )
+    signals.completed_step, signals.checkpoint = s.step, s.checkpoint
+    if dist.is_main:
+        start_run_files(s, resume_from, changes, backend)
+        signals.metrics_path = run_dir / "metrics.jsonl"
+        s.say(f"attention: {backend} ({why})")
+        for key, (old, new) in changes.items():
+            s.say(f"resume: {key} {old} -> {new}")
+        s.say(
+            f"{run_dir}: {model.num_params():,} parameters, {s.tokens_per_step:,} tokens/step "
+            f"({micro_batch} x {cfg.model.block_size} x {accum} accumulation x "
+            f"{dist.world_size} process{'es' if dist.world_size > 1 else ''}), "
+            f"{str(dtype).removeprefix('torch.')}, {device}"
+            + (f", resuming from {resume_from}" if resume_from else "")
+        )
+        if micro_batch_line:
+            s.say(micro_batch_line)
+        for line in plan_lines(s):
+            s.say(line)
+    return s
+
+
+def open_run(
+    cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool
+) -> tuple[Path, Path | None, dict[str, list[Any]]]:
+    """(run dir, checkpoint to resume from or None, allowed config changes on resume)."""
+    run_dir = Path(cfg.train.runs_dir) / cfg.train.name
     if resume is not None:
         found = find_run_to_resume(resume, cfg)
         if found is not None:
-            run_dir = found
-            stored = load_config(run_dir / "config.yaml")
-            _check_resume_config(stored, cfg, run_dir)
-            resume_from = ckpt_io.resolve_checkpoint(run_dir)
-        elif resume == "auto":
-            say(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
-    if resume_from is None and dist.is_main and ckpt_io.read_latest(run_dir) is not None:
+            stored = load_config(found / "config.yaml")
+            checkpoint = ckpt_io.resolve_checkpoint(found)
+            trained = ckpt_io.read_trainer_state(checkpoint)[0]["step"] > 0
+            changes = check_resume_changes(stored, cfg, found, trained)
+            cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
+            return found, checkpoint, changes
+        if resume == "auto" and dist.is_main:
+            print(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
+    if dist.is_main and ckpt_io.read_latest(run_dir) is not None:
         if not overwrite:
             raise UserError(
                 f"{run_dir}: already holds a run; continue it with --resume {run_dir} "
@@ -340,248 +620,292 @@ def _train(
             shutil.rmtree(old)
         for stale in ("metrics.jsonl", ckpt_io.LATEST):
             (run_dir / stale).unlink(missing_ok=True)
+    return run_dir, None, {}
 
-    # Data: rank 0 prepares the shards if they are missing, the others wait for it.
-    if dist.is_main:
-        ensure_prepared(cfg)
-    barrier(dist)
-    data_dir = data_dir_for(cfg)
-    train_split = TokenSplit(data_dir, "train")
-    val_split = TokenSplit(data_dir, "val")
-    tokenizer_identity = train_split.tokenizer_identity
 
-    dtype = pick_dtype(t.precision, device)
-    accum = accumulation_steps(cfg, dist.world_size)
-    tokens_per_step = t.micro_batch_size * cfg.model.block_size * accum * dist.world_size
+def restore(
+    model: Andrea,
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str],
+    checkpoint: Path,
+    train_split: TokenSplit,
+    device: torch.device,
+    dist: DistInfo,
+) -> dict[str, Any]:
+    """Load weights, optimizer state and generator states; returns the trainer state."""
+    tensors, _, meta = ckpt_io.read_model_checkpoint(checkpoint)
+    if meta.get("tokenizer") != train_split.tokenizer_identity:
+        raise UserError(
+            f"{checkpoint}: trained with tokenizer {meta.get('tokenizer')}, but the data in "
+            f"{train_split.data_dir} uses {train_split.tokenizer_identity}"
+        )
+    ckpt_io.load_weights(model, tensors, checkpoint / ckpt_io.MODEL_FILE)
+    ckpt_io.load_optimizer(optimizer, names, checkpoint)
+    state, rng = ckpt_io.read_trainer_state(checkpoint)
+    _restore_rng(rng, device, dist)
+    return state
 
-    backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
-    torch.manual_seed(t.seed)  # identical initial weights on every rank
-    model = Andrea(cfg.model, attention_backend=backend).to(device)
-    n_params = model.num_params()
-    optimizer = build_optimizer(model, cfg, device)
-    names = {id(p): n for n, p in model.named_parameters()}
 
-    start_step, tokens_seen, skipped = 0, 0, 0
-    preset = Path(cfg.source).stem  # the config a run started from, kept across resumes
-    best_val, best_step = None, None
-    if resume_from is not None:
-        tensors, _, meta = ckpt_io.read_model_checkpoint(resume_from)
-        if meta.get("tokenizer") != tokenizer_identity:
-            raise UserError(
-                f"{resume_from}: trained with tokenizer {meta.get('tokenizer')}, but the data in "
-                f"{data_dir} uses {tokenizer_identity}"
-            )
-        ckpt_io.load_weights(model, tensors, resume_from / ckpt_io.MODEL_FILE)
-        ckpt_io.load_optimizer(optimizer, names, resume_from)
-        state, rng = ckpt_io.read_trainer_state(resume_from)
-        _restore_rng(rng, device, dist)
-        start_step, tokens_seen = state["step"], state["tokens"]
-        skipped = state.get("skipped_steps", 0)
-        best_val, best_step = state.get("best_val_loss"), state.get("best_val_step")
-        preset = state.get("preset", preset)
+def resolve_micro_batch(
+    cfg: Config,
+    model: Andrea,
+    dtype: torch.dtype,
+    device: torch.device,
+    dist: DistInfo | None = None,
+    trainer_state: dict[str, Any] | None = None,
+) -> tuple[int, str]:
+    """(micro-batch, the line that explains an automatic choice or ''). An integer is obeyed;
+    'auto' reuses the value a resumed run recorded, else the largest that fits the memory.
+    Without dist: for one process (e.g. `andrea bench`)."""
+    t, dist, trainer_state = cfg.train, dist or DistInfo(), trainer_state or {}
+    if isinstance(t.micro_batch_size, int):
+        return t.micro_batch_size, ""
+    block = cfg.model.block_size
+    if "micro_batch_size" in trainer_state:
+        recorded = trainer_state["micro_batch_size"]
+        return recorded, f"micro-batch: auto -> {recorded} x {block} (the run's recorded choice)"
+    sequences = t.global_batch_tokens // (block * dist.world_size)
+    if sequences < 1:
+        raise UserError(
+            f"{cfg.source}: train.micro_batch_size: auto needs train.global_batch_tokens of at "
+            f"least block_size x processes = {block * dist.world_size}; set it, or give "
+            f"micro_batch_size as a number"
+        )
+    choice = choose_micro_batch(
+        cfg.model, model.num_params(), sequences, dtype,
+        t.activation_checkpointing == "blocks", available_memory(device),
+    )
+    # Ranks measure their memory at slightly different moments: all take the smallest choice.
+    votes = torch.zeros(dist.world_size, device=device)
+    votes[dist.rank] = choice.micro_batch
+    micro_batch = int(all_reduce_sum(votes, dist).min().item())
+    accum = sequences // micro_batch
+    line = (
+        f"micro-batch: auto -> {micro_batch} x {block} ({accum} accumulation step"
+        f"{'s' if accum != 1 else ''}), estimated {choice.estimated_bytes / GIB:.1f} of "
+        f"{choice.available_bytes / GIB:.1f} GiB available"
+    )
+    if not choice.fits:
+        line += (" (does not fit even at 1: expect to run out of memory; try "
+                 "train.activation_checkpointing=blocks)")
+    return micro_batch, line
+
+
+def start_run_files(
+    s: Session, resume_from: Path | None, changes: dict[str, list[Any]], backend: str
+) -> None:
+    """Rank 0: the run folder, its config.yaml (with any resume changes) and the start event."""
+    t = s.cfg.train
+    s.run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_io.clean_partials(s.run_dir)
+    atomic_write_text(s.run_dir / "config.yaml", s.cfg.to_yaml())
+    tensorboard = None
+    if t.tensorboard:
+        from andrea.tensorboard import open_tensorboard
+
+        tensorboard = open_tensorboard(s.run_dir, True)
+    s.log = MetricsLog(s.run_dir / "metrics.jsonl", tensorboard)
+    s.log.write(
+        "start", step=s.step, max_steps=t.max_steps, pid=os.getpid(),
+        host=socket.gethostname(), resumed_from=str(resume_from) if resume_from else None,
+        n_params=s.model.num_params(), preset=s.preset, world_size=s.dist.world_size,
+        precision=str(s.dtype).removeprefix("torch."), attention=backend,
+        micro_batch_size=s.micro_batch, accum_steps=s.accum,
+        tokens_per_step=s.tokens_per_step, micro_batch_auto=t.micro_batch_size == "auto",
+        activation_checkpointing=t.activation_checkpointing, changed=changes or None,
+    )
+
+
+def plan_lines(s: Session) -> list[str]:
+    """The run's size up front, and a warning when it repeats its data more than 100 times."""
+    steps, per_step = s.cfg.train.max_steps, s.tokens_per_step
+    total, prepared = steps * per_step, s.train_split.n_tokens
+    passes = total / prepared if prepared else math.inf
+    shown = f"{passes:,.1f}" if passes >= 0.1 else f"{passes:.2g}"
+    lines = [
+        f"plan: {steps:,} steps x {per_step:,} tokens/step = {total:,} tokens = "
+        f"{shown} passes over the {prepared:,} prepared training tokens"
+        + (f" (resuming at step {s.step:,})" if s.step else "")
+    ]
+    if passes > 100:
+        lines.append(
+            f"warning: {passes:,.0f} passes over the same training tokens: the model will "
+            f"memorise them; prepare more data, or lower train.max_steps or "
+            f"train.global_batch_tokens"
+        )
+    return lines
+
+
+def progress_bar(s: Session, enabled: bool) -> tqdm:
+    """Counts tokens, advanced per micro-batch: rate and ETA for the whole run at once."""
+    return tqdm(
+        total=s.cfg.train.max_steps * s.tokens_per_step, initial=s.step * s.tokens_per_step,
+        disable=not (enabled and s.dist.is_main), unit="tok", unit_scale=True,
+        dynamic_ncols=True, file=sys.stderr,
+    )
+
+
+def set_learning_rate(s: Session) -> float:
+    lr = lr_at(s.step, s.cfg.train)
+    for group in s.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def stop_agreed(s: Session) -> bool:
+    """Whether a signal asks to stop; every rank must agree, or one would wait forever in the
+    next all-reduce."""
+    flag = s.signals.received is not None
+    if not s.dist.enabled:
+        return flag
+    t_flag = torch.tensor([1.0 if flag else 0.0], device=s.device)
+    return all_reduce_sum(t_flag, s.dist).item() > 0
+
+
+def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
+    """The step's micro-batches on this rank; (mean loss over all ranks, grad norm after
+    clipping's measurement), or None when a signal stops the run before the last one."""
+    t, step = s.cfg.train, s.step
+    loss_sum = torch.zeros((), device=s.device)
+    for micro in range(s.accum):
+        if stop_agreed(s):
+            return None
+        x, y = train_batch(
+            s.train_split, seed=t.seed, step=step, micro_step=micro, rank=s.dist.rank,
+            accum_steps=s.accum, world_size=s.dist.world_size,
+            micro_batch_size=s.micro_batch, block_size=s.cfg.model.block_size,
+        )
+        x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
+        # DDP all-reduces the gradients once, on the last micro-batch.
+        last = micro == s.accum - 1
+        no_sync = s.dist.enabled and not last
+        with s.train_model.no_sync() if no_sync else contextlib.nullcontext():
+            with torch.autocast(s.device.type, dtype=s.dtype,
+                                enabled=s.dtype != torch.float32):
+                _, loss = s.train_model(x, y)
+            (loss / s.accum).backward()
+        loss_sum += loss.detach()
+        bar.update(s.tokens_per_micro_batch)
+        if os.environ.get("ANDREA_TEST_SIGNAL_AFTER") == f"{step}.{micro}":  # only for tests
+            os.kill(os.getpid(), signal.SIGINT)  # as if Ctrl-C came during this micro-batch
+    loss_mean = all_reduce_sum(loss_sum / s.accum, s.dist) / s.dist.world_size
+    clip = t.grad_clip if t.grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), clip)
+    if os.environ.get("ANDREA_TEST_NAN_AT_STEP") == str(step + 1):  # used only by tests
+        loss_mean = loss_mean * float("nan")
+    loss_value, norm_value = torch.stack([loss_mean.float(), grad_norm.float()]).tolist()
+    return loss_value, norm_value
+
+
+def optimizer_step(s: Session, loss: float, grad_norm: float) -> None:
+    """Apply the step's gradients (or skip a non-finite one if allowed); the step is done."""
+    s.step += 1
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        s.optimizer.step()
+    elif s.cfg.train.skip_nonfinite:
+        s.skipped += 1
+        s.log.write("skip", step=s.step, reason="non-finite loss or gradient norm",
+                    skipped_total=s.skipped)
     else:
-        torch.manual_seed(t.seed + dist.rank)  # dropout differs per rank, deterministically
-    check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
-
-    train_model: nn.Module = model
-    if t.compile:
-        train_model = torch.compile(model)
-    if dist.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        device_ids = [dist.local_rank] if device.type == "cuda" else None
-        train_model = DDP(train_model, device_ids=device_ids)
-
-    log = MetricsLog(None)
-    if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt_io.clean_partials(run_dir)
-        atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
-        tensorboard = None
-        if t.tensorboard:
-            from andrea.tensorboard import open_tensorboard
-
-            tensorboard = open_tensorboard(run_dir, True)
-        log = MetricsLog(run_dir / "metrics.jsonl", tensorboard)
-        log.write(
-            "start", step=start_step, max_steps=t.max_steps, pid=os.getpid(),
-            host=socket.gethostname(), resumed_from=str(resume_from) if resume_from else None,
-            n_params=n_params, preset=preset, world_size=dist.world_size,
-            precision=str(dtype).removeprefix("torch."), attention=backend,
+        raise NonFiniteError(
+            f"non-finite loss or gradient norm at step {s.step} "
+            f"(loss {loss}, grad norm {grad_norm})"
         )
-        say(f"attention: {backend} ({why})")
-        say(
-            f"{run_dir}: {n_params:,} parameters, {tokens_per_step:,} tokens/step "
-            f"({t.micro_batch_size} x {cfg.model.block_size} x {accum} accumulation x "
-            f"{dist.world_size} process{'es' if dist.world_size > 1 else ''}), "
-            f"{str(dtype).removeprefix('torch.')}, {device}"
-            + (f", resuming from {resume_from}" if resume_from else "")
+    s.optimizer.zero_grad(set_to_none=True)
+    s.tokens_seen += s.tokens_per_step
+    s.losses[s.step] = loss
+    s.signals.completed_step = s.step
+
+
+def log_step(
+    s: Session, lr: float, loss: float, grad_norm: float, seconds: float, bar: tqdm
+) -> None:
+    t = s.cfg.train
+    if s.device.type == "cuda":
+        torch.cuda.synchronize(s.device)
+    tok_s = s.tokens_per_step / seconds
+    s.throughput.append(tok_s)
+    step_mfu = s.mfu(tok_s)
+    if s.step % t.log_every == 0 or s.step == t.max_steps:
+        s.log.write(
+            "train", step=s.step, tokens=s.tokens_seen, loss=loss, lr=lr,
+            grad_norm=grad_norm, tokens_per_s=round(tok_s, 1),
+            mfu=None if step_mfu is None else round(step_mfu, 4),
         )
+    bar.set_postfix_str(
+        f"step {s.step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} mfu {format_mfu(step_mfu)}",
+        refresh=True,
+    )
 
-    model_flops_utilisation = MfuMeter(device, dtype, flops_per_token(cfg.model, n_params))
-    last_ckpt = resume_from
-    losses: dict[int, float] = {}
-    throughput: list[float] = []
-    last_val: float | None = None
 
-    def save(step: int) -> Path:
-        rng = _rng_tensors(device, dist)  # a collective: every rank takes part
-        if not dist.is_main:
-            return run_dir / ckpt_io.step_dir_name(step)
+def maybe_evaluate(s: Session, bar: tqdm) -> None:
+    t = s.cfg.train
+    if not t.eval_every or (s.step % t.eval_every and s.step != t.max_steps):
+        return
+    s.last_val = evaluate(s.train_model, s.val_split, s.cfg, s.micro_batch, s.device, s.dtype,
+                          s.dist)
+    if s.best_val is None or s.last_val < s.best_val:
+        s.best_val, s.best_step = s.last_val, s.step
+    s.log.write("eval", step=s.step, tokens=s.tokens_seen, val_loss=s.last_val)
+    if s.dist.is_main:
+        bar.write(f"step {s.step}: val loss {s.last_val:.4f}")
+
+
+def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
+    """Checkpoint the last completed step, with the generator states `rng` it ended with,
+    unless that step is already the newest checkpoint (or no step has been taken)."""
+    if s.step == 0 or s.checkpoint_step == s.step:
+        return
+    all_rng = _rng_tensors(rng, s.dist)  # a collective: every rank takes part
+    if s.dist.is_main:
         state = {
-            "step": step, "tokens": tokens_seen, "data_position": step,
-            "best_val_loss": best_val, "best_val_step": best_step, "skipped_steps": skipped,
-            "world_size": dist.world_size, "seed": t.seed, "preset": preset,
+            "step": s.step, "tokens": s.tokens_seen, "data_position": s.step,
+            "best_val_loss": s.best_val, "best_val_step": s.best_step,
+            "skipped_steps": s.skipped, "world_size": s.dist.world_size, "seed": s.cfg.train.seed,
+            "preset": s.preset, "micro_batch_size": s.micro_batch,
         }
-        path = ckpt_io.save_checkpoint(
-            run_dir, step, cfg, tokenizer_identity, ckpt_io.model_state(model),
-            ckpt_io.optimizer_state(optimizer, names), rng, state, t.keep_last,
+        s.checkpoint = ckpt_io.save_checkpoint(
+            s.run_dir, s.step, s.cfg, s.train_split.tokenizer_identity,
+            ckpt_io.model_state(s.model), ckpt_io.optimizer_state(s.optimizer, s.param_names),
+            all_rng, state, s.cfg.train.keep_last,
         )
-        log.write("checkpoint", step=step, path=path.name)
-        return path
+        s.log.write("checkpoint", step=s.step, path=s.checkpoint.name)
+    else:
+        s.checkpoint = s.run_dir / ckpt_io.step_dir_name(s.step)
+    s.checkpoint_step = s.step
+    s.signals.checkpoint = s.checkpoint
 
-    def stop_requested(flag: bool) -> bool:
-        # Every rank must agree, or one would wait forever in the next all-reduce.
-        if not dist.enabled:
-            return flag
-        t_flag = torch.tensor([1.0 if flag else 0.0], device=device)
-        return all_reduce_sum(t_flag, dist).item() > 0
 
-    def forward_backward(step: int) -> tuple[float, float]:
-        """accum_steps micro-batches of this rank; returns (mean loss over all ranks, grad norm)."""
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            x, y = train_batch(
-                train_split, seed=t.seed, step=step, micro_step=micro, rank=dist.rank,
-                accum_steps=accum, world_size=dist.world_size,
-                micro_batch_size=t.micro_batch_size, block_size=cfg.model.block_size,
-            )
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # DDP all-reduces the gradients once, on the last micro-batch.
-            last = micro == accum - 1
-            sync = train_model.no_sync() if dist.enabled and not last else contextlib.nullcontext()
-            with sync:
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    _, loss = train_model(x, y)
-                (loss / accum).backward()
-            loss_sum += loss.detach()
-        loss_mean = all_reduce_sum(loss_sum / accum, dist) / dist.world_size
-        clip = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if os.environ.get("ANDREA_TEST_NAN_AT_STEP") == str(step + 1):  # used only by tests
-            loss_mean = loss_mean * float("nan")
-        loss_value, norm_value = torch.stack([loss_mean.float(), grad_norm.float()]).tolist()
-        return loss_value, norm_value
+def interrupted_outcome(s: Session) -> tuple[str, int, str]:
+    """(state, exit code, message) of a run a signal stopped."""
+    sig = signal.Signals(s.signals.received or signal.SIGTERM)
+    if s.step == 0:
+        where = "before its first step; no checkpoint was written"
+    else:
+        where = f"after step {s.step}; checkpoint {s.checkpoint}"
+    return "interrupted", EXIT_SIGNAL.get(sig, 130), f"stopped by {sig.name} {where}"
 
-    bar = tqdm(
-        total=t.max_steps, initial=start_step, disable=not (progress and dist.is_main),
-        unit="step", dynamic_ncols=True, file=sys.stderr,
+
+def finish(s: Session, state: str, exit_code: int, message: str, seconds: float) -> TrainResult:
+    s.log.write(
+        "end", step=s.step, tokens=s.tokens_seen, state=state,
+        signal=signal.Signals(s.signals.received).name if s.signals.received else None,
+        message=message, best_val_loss=s.best_val, best_val_step=s.best_step,
+        checkpoint=s.checkpoint.name if s.checkpoint else None,
+        median_tokens_per_s=statistics.median(s.throughput) if s.throughput else None,
     )
-    state_name, exit_code, message = "finished", 0, ""
-    t_start = time.perf_counter()
-    step = start_step
-    train_model.train()
-    with SignalWatch() as signals:
-        try:
-            while step < t.max_steps:
-                t0 = time.perf_counter()
-                lr = lr_at(step, t)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                loss_value, norm_value = forward_backward(step)
-                step += 1
-                if math.isfinite(loss_value) and math.isfinite(norm_value):
-                    optimizer.step()
-                elif t.skip_nonfinite:
-                    skipped += 1
-                    log.write("skip", step=step, reason="non-finite loss or gradient norm",
-                              skipped_total=skipped)
-                else:
-                    raise NonFiniteError(
-                        f"non-finite loss or gradient norm at step {step} "
-                        f"(loss {loss_value}, grad norm {norm_value})"
-                    )
-                optimizer.zero_grad(set_to_none=True)
-                tokens_seen += tokens_per_step
-                losses[step] = loss_value
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                tok_s = tokens_per_step / (time.perf_counter() - t0)
-                throughput.append(tok_s)
-                step_mfu = model_flops_utilisation(tok_s)
-                last_of_run = step == t.max_steps
-                if step % t.log_every == 0 or last_of_run:
-                    log.write(
-                        "train", step=step, tokens=tokens_seen, loss=loss_value, lr=lr,
-                        grad_norm=norm_value, tokens_per_s=round(tok_s, 1),
-                        mfu=None if step_mfu is None else round(step_mfu, 4),
-                    )
-                bar.set_postfix_str(
-                    f"loss {loss_value:.4f} lr {lr:.2e} {tok_s:,.0f} tok/s "
-                    f"mfu {format_mfu(step_mfu)}", refresh=False,
-                )
-                bar.update(1)
-                if t.eval_every and (step % t.eval_every == 0 or last_of_run):
-                    last_val = evaluate(train_model, val_split, cfg, device, dtype, dist)
-                    if best_val is None or last_val < best_val:
-                        best_val, best_step = last_val, step
-                    log.write("eval", step=step, tokens=tokens_seen, val_loss=last_val)
-                    if dist.is_main:
-                        bar.write(f"step {step}: val loss {last_val:.4f}")
-                stopping = stop_requested(signals.received is not None)
-                pausing = stop_after is not None and step - start_step >= stop_after
-                periodic = t.checkpoint_every and step % t.checkpoint_every == 0
-                if periodic or last_of_run or stopping or pausing:
-                    last_ckpt = save(step)
-                if pausing and not last_of_run and not stopping:
-                    state_name = "stopped"
-                    message = f"paused after {stop_after} steps (--stop-after); {last_ckpt}"
-                    break
-                if stopping:
-                    sig = signal.Signals(signals.received or signal.SIGTERM)
-                    state_name, exit_code = "interrupted", EXIT_SIGNAL.get(sig, 130)
-                    message = f"stopped by {sig.name} after step {step}; checkpoint {last_ckpt}"
-                    break
-        except NonFiniteError as exc:
-            state_name, exit_code = "nonfinite", 1
-            message = (
-                f"{exc}; nothing was written over the last good checkpoint "
-                f"({last_ckpt if last_ckpt else 'none yet'})"
-            )
-        except torch.cuda.OutOfMemoryError:
-            log.write("end", step=step, tokens=tokens_seen, state="failed", signal=None,
-                      message="out of GPU memory")
-            raise UserError(
-                f"out of GPU memory at train.micro_batch_size={t.micro_batch_size}, "
-                f"model.block_size={cfg.model.block_size}: lower train.micro_batch_size "
-                f"(train.global_batch_tokens stays; accumulation grows)"
-            ) from None
-        except BaseException as exc:
-            # A user's mistake stops the run; anything else is a failure. Either way, say so.
-            log.write("end", step=step, tokens=tokens_seen, signal=None,
-                      state="stopped" if isinstance(exc, UserError) else "failed",
-                      message=f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            bar.close()
-    seconds = time.perf_counter() - t_start
-    log.write(
-        "end", step=step, tokens=tokens_seen, state=state_name,
-        signal=signal.Signals(signals.received).name if signals.received else None,
-        message=message, best_val_loss=best_val, best_val_step=best_step,
-        checkpoint=last_ckpt.name if last_ckpt else None,
-        median_tokens_per_s=statistics.median(throughput) if throughput else None,
-    )
-    log.close()
+    s.log.close()
     return TrainResult(
-        run_dir=run_dir, steps=step, tokens=tokens_seen, seconds=seconds, state=state_name,
-        best_val_loss=best_val, best_val_step=best_step, last_val_loss=last_val,
-        checkpoint=last_ckpt, losses=losses, exit_code=exit_code, message=message,
-        is_main=dist.is_main,
+        run_dir=s.run_dir, steps=s.step, tokens=s.tokens_seen, seconds=seconds, state=state,
+        best_val_loss=s.best_val, best_val_step=s.best_step, last_val_loss=s.last_val,
+        checkpoint=s.checkpoint, losses=s.losses, exit_code=exit_code, message=message,
+        is_main=s.dist.is_main,
     )
 
 
 def summary_line(result: TrainResult) -> str:
+    if result.state == "nothing to do":
+        return result.message
     best = (
         f"best val loss {result.best_val_loss:.4f} at step {result.best_val_step}"
         if result.best_val_loss is not None

@@ -55,6 +55,7 @@ def trainer_loop(cfg, precision: str, steps: int, warmup: int, root: Path) -> li
         [
             f"data.dir={cfg.data.dir}", f"train.runs_dir={root}", f"train.precision={precision}",
             f"train.max_steps={warmup + steps}", "train.global_batch_tokens=0",
+            f"train.micro_batch_size={cfg.train.micro_batch_size}",
             "train.eval_every=0", "train.checkpoint_every=0", "train.log_every=1",
             "train.name=bench",
         ],

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, run_andrea
+from conftest import assert_user_error, make_checkpoint, run_andrea
 
 from andrea import checkpoint as ckpt_io
 from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.flops import MfuMeter, format_mfu, mfu, peak_flops
+from andrea.loader import TokenSplit
+from andrea.memory import HEADROOM, choose_micro_batch, estimate_peak_bytes
 from andrea.model import Andrea
 from andrea.schedule import lr_at
 from andrea.train import build_optimizer, pick_device, pick_dtype, train
@@ -260,11 +262,13 @@ def test_second_ctrl_c_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
     proc.send_signal(signal.SIGINT)
     # Two signals that arrive before Python runs the handler count as one: wait until the
     # first is seen before sending the second.
-    _wait_for(lambda: any("stopping after this step" in line for line in stderr), proc)
+    _wait_for(lambda: any("stopping after this micro-batch" in line for line in stderr), proc)
     _wait_for(lambda: any(first.run_dir.glob("*.partial-*/model.safetensors")), proc)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     assert proc.returncode == 130
+    assert "step-000002 stays the latest checkpoint" in "".join(stderr)
+    assert read_events(first.run_dir, "end")[-1]["state"] == "interrupted"
     assert ckpt_io.resolve_checkpoint(first.run_dir).name == "step-000002"
     ckpt_io.read_model_checkpoint(first.run_dir / "step-000002")  # complete and loadable
     (cut,) = first.run_dir.glob("*.partial-*")  # the interrupted write, never the latest
@@ -317,7 +321,7 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
     assert_user_error(run_andrea("train", "--resume", str(tmp_path / "nope")), "no such run")
     assert_user_error(
         run_andrea("train", "--resume", run, "--set", "model.n_layer=3"),
-        "changes the model on resume", "model.n_layer: 2 -> 3",
+        "cannot change", "model.n_layer (2 -> 3)",
     )
     assert_user_error(run_andrea("train", "-c", str(write_config(tmp_path, cfg))),
                       "already holds a run", "--resume")
@@ -332,10 +336,178 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
     (shape_dir / "latest").write_text(result.checkpoint.name)
     os.symlink(result.checkpoint, shape_dir / result.checkpoint.name)
     assert_user_error(
-        run_andrea("train", "--resume", str(shape_dir)),
+        run_andrea("train", "--resume", str(shape_dir), "--set", "train.max_steps=3"),
         "blocks.0.attn.out.weight", "[64, 64] in the checkpoint", "[32, 32] in the model",
     )
 
     model_file = result.checkpoint / ckpt_io.MODEL_FILE
     model_file.write_bytes(model_file.read_bytes()[:1000])
-    assert_user_error(run_andrea("train", "--resume", run), "model.safetensors", "truncated")
+    assert_user_error(run_andrea("train", "--resume", run, "--set", "train.max_steps=3"),
+                      "model.safetensors", "truncated")
+
+
+def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir, monkeypatch):
+    sets = ("train.max_steps=6", "train.precision=fp32", "model.dropout=0.1",
+            "train.global_batch_tokens=2048")  # 4 micro-batches a step; dropout uses the RNG
+    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    cfg = tiny(tmp_path / "b", data_dir, *sets)
+    monkeypatch.setenv("ANDREA_TEST_SIGNAL_AFTER", "3.1")  # Ctrl-C in step 4's 2nd micro-batch
+    cut = train(cfg, progress=False)
+    monkeypatch.delenv("ANDREA_TEST_SIGNAL_AFTER")
+    assert (cut.state, cut.exit_code, cut.steps) == ("interrupted", 130, 3)
+    assert cut.checkpoint.name == "step-000003" and "after step 3" in cut.message
+    rest = train(cfg, resume=str(cut.run_dir), progress=False)
+    assert {**cut.losses, **rest.losses} == whole.losses  # exact float equality, every step
+    a = ckpt_io.read_model_checkpoint(whole.checkpoint)[0]
+    b = ckpt_io.read_model_checkpoint(rest.checkpoint)[0]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    opt_a, _ = ckpt_io.read_safetensors(whole.checkpoint / ckpt_io.OPTIMIZER_FILE)
+    opt_b, _ = ckpt_io.read_safetensors(rest.checkpoint / ckpt_io.OPTIMIZER_FILE)
+    assert all(torch.equal(opt_a[k], opt_b[k]) for k in opt_a)
+
+
+def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv("ANDREA_TEST_SIGNAL_AFTER", "1.0")
+    result = train(tiny(tmp_path, data_dir, "train.max_steps=2"), progress=False)
+    assert (result.state, result.exit_code, result.steps) == ("finished", 0, 2)
+    assert result.checkpoint.name == "step-000002"
+
+
+def test_interrupt_before_the_first_step_writes_and_mentions_no_checkpoint(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=5", "train.global_batch_tokens=2048")
+    proc = run_andrea("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
+                      env={"ANDREA_TEST_SIGNAL_AFTER": "0.0"})
+    assert proc.returncode == 130, proc.stderr
+    assert "nothing will be checkpointed" in proc.stderr
+    assert "before its first step; no checkpoint was written" in proc.stderr
+    assert "step-0" not in proc.stdout + proc.stderr
+    run_dir = Path(cfg.train.runs_dir) / "t"
+    assert not ckpt_io.list_checkpoints(run_dir) and not (run_dir / "latest").exists()
+    (end,) = read_events(run_dir, "end")
+    assert end["state"] == "interrupted" and end["checkpoint"] is None and end["step"] == 0
+    table = run_andrea("runs", str(run_dir.parent))
+    assert table.returncode == 0, table.stderr
+    assert "interrupted (SIGINT)" in table.stdout and "crashed" not in table.stdout
+    again = run_andrea("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress")
+    assert again.returncode == 0, again.stderr  # nothing to resume: a new run starts
+
+
+def test_plan_line_and_progress_in_tokens(tmp_path, data_dir, capsys):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=1000000", "train.global_batch_tokens=1024")
+    result = train(cfg, progress=True, stop_after=2)
+    assert result.state == "stopped"
+    out, err = capsys.readouterr()
+    passes = 1_000_000 * 1024 / TokenSplit(Path(cfg.data.dir), "train").n_tokens
+    assert (f"plan: 1,000,000 steps x 1,024 tokens/step = 1,024,000,000 tokens = "
+            f"{passes:,.1f} passes over the") in out
+    assert f"warning: {passes:,.0f} passes over the same training tokens" in out
+    # The bar counts tokens and moves per micro-batch: 2 steps x 2 micro-batches of 512.
+    assert "tok/s" in err and "2.05k/1.02G" in err and "step 2/1000000" in err
+
+
+def test_micro_batch_auto_fits_memory_and_keeps_the_global_batch():
+    model = load_config("andrea-120m").model
+    n = 124_373_760
+
+    def pick(gib: float, checkpointing: bool = False):
+        return choose_micro_batch(model, n, 12, torch.bfloat16, checkpointing, int(gib * 2**30))
+
+    big, small = pick(1000), pick(4)
+    assert big.micro_batch == 12 and big.fits  # the whole per-rank batch at once
+    assert 12 % small.micro_batch == 0 and small.micro_batch < 12 and small.fits
+    larger = [m for m in (12, 6, 4, 3, 2) if m > small.micro_batch]
+    assert all(estimate_peak_bytes(model, n, m, torch.bfloat16, False) > 4 * 2**30 * HEADROOM
+               for m in larger)
+    assert pick(4, checkpointing=True).micro_batch > small.micro_batch
+    none = pick(1)
+    assert none.micro_batch == 1 and not none.fits
+
+
+def test_micro_batch_auto_is_resolved_recorded_and_reused(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.micro_batch_size=auto",
+               "train.global_batch_tokens=2048", "train.max_steps=3")
+    path = write_config(tmp_path, cfg)
+    proc = run_andrea("train", "-c", str(path), "--no-progress", "--stop-after", "1")
+    assert proc.returncode == 0, proc.stderr
+    # The tiny model fits at once: all 32 sequences of the step in one micro-batch.
+    assert "micro-batch: auto -> 32 x 64 (1 accumulation step), estimated" in proc.stdout
+    run_dir = Path(cfg.train.runs_dir) / "t"
+    assert read_events(run_dir, "start")[0]["micro_batch_size"] == 32
+    assert load_config(run_dir / "config.yaml").train.micro_batch_size == "auto"
+    assert ckpt_io.read_trainer_state(run_dir / "step-000001")[0]["micro_batch_size"] == 32
+    rest = run_andrea("train", "--resume", str(run_dir), "--no-progress")
+    assert rest.returncode == 0, rest.stderr
+    assert "micro-batch: auto -> 32 x 64 (the run's recorded choice)" in rest.stdout
+    explicit = run_andrea("train", "-c", str(path), "--no-progress", "--overwrite",
+                          "--set", "train.micro_batch_size=8", "--stop-after", "1")
+    assert explicit.returncode == 0, explicit.stderr
+    assert "micro-batch: auto" not in explicit.stdout and "8 x 64 x 4 accumulation" in (
+        explicit.stdout)
+    assert_user_error(
+        run_andrea("train", "-c", str(path), "--set", "train.name=t2",
+                   "--set", "train.global_batch_tokens=0"),
+        "train.micro_batch_size: auto needs train.global_batch_tokens of at least",
+    )
+
+
+def test_resume_may_change_only_keys_that_keep_the_runs_meaning(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
+    result = train(cfg, progress=False)
+    run = str(result.run_dir)
+    assert_user_error(run_andrea("train", "--resume", run, "--set", "train.lr=0.01"),
+                      "train.lr (0.003 -> 0.01)", "cannot change")
+    # --config with --resume must agree with the run on every meaning-carrying key.
+    other = load_config(write_config(tmp_path, cfg), ["train.warmup_steps=3", "model.n_layer=3"])
+    other_path = tmp_path / "other.yaml"
+    other_path.write_text(other.to_yaml())
+    assert_user_error(run_andrea("train", "-c", str(other_path), "--resume", run),
+                      "train.warmup_steps (10 -> 3)", "model.n_layer (2 -> 3)")
+    metrics_before = (result.run_dir / "metrics.jsonl").read_bytes()
+    config_before = (result.run_dir / "config.yaml").read_bytes()
+
+    # Already at max_steps: one line, exit 0, the run untouched.
+    for steps in ("2", "1"):
+        proc = run_andrea("train", "--resume", run, "--set", f"train.max_steps={steps}")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == (
+            f"run {run} is already at step 2 (max_steps {steps}): nothing to do")
+        assert proc.stderr == ""
+    assert (result.run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    assert (result.run_dir / "config.yaml").read_bytes() == config_before
+
+    # A larger max_steps continues the finished run; the change is printed and recorded.
+    proc = run_andrea("train", "--resume", run, "--no-progress", "--set", "train.max_steps=4",
+                      "--set", "train.log_every=2")
+    assert proc.returncode == 0, proc.stderr
+    assert "resume: train.max_steps 2 -> 4" in proc.stdout
+    assert "resume: train.log_every 1 -> 2" in proc.stdout and "finished: 4 steps" in proc.stdout
+    start = read_events(result.run_dir, "start")[-1]
+    assert start["changed"] == {"train.max_steps": [2, 4], "train.log_every": [1, 2]}
+    stored = load_config(result.run_dir / "config.yaml")
+    assert (stored.train.max_steps, stored.train.log_every, stored.train.lr) == (4, 2, 0.003)
+
+
+def test_resume_auto_keeps_the_runs_own_config(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=2", "train.warmup_steps=3")
+    path = write_config(tmp_path, cfg)
+    train(cfg, progress=False)
+    changed = load_config(path, ["train.warmup_steps=5"])
+    path.write_text(changed.to_yaml())  # as if the preset changed since the run began
+    assert_user_error(run_andrea("train", "-c", str(path), "--resume", "auto"),
+                      "train.warmup_steps (3 -> 5)")
+    same = run_andrea("train", "-c", str(path), "--resume", "auto", "--no-progress",
+                      "--set", "train.warmup_steps=3", "--set", "train.max_steps=3")
+    assert same.returncode == 0, same.stderr
+    assert "finished: 3 steps" in same.stdout
+
+
+def test_an_untrained_run_may_still_change_its_schedule(tmp_path, data_dir):
+    """An import is a run at step 0: fine-tuning picks its own schedule and data."""
+    ckpt = make_checkpoint(tmp_path, f"data.dir={data_dir}", step=0)
+    run = ckpt.parent
+    cfg = load_config(run / "config.yaml", ["train.lr=0.01", "train.max_steps=2"])
+    result = train(cfg, resume=str(run), progress=False)
+    assert result.steps == 2
+    assert read_events(run, "start")[0]["changed"]["train.lr"] == [0.003, 0.01]
+    with pytest.raises(UserError, match=r"model.n_layer \(2 -> 3\)"):
+        train(load_config(run / "config.yaml", ["model.n_layer=3"]), resume=str(run))

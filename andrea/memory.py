@@ -1,0 +1,102 @@
+"""How much memory a training process needs, and the micro-batch that fits (micro_batch_size: auto).
+
+The estimate is a formula, calibrated against peaks measured with scripts/bench_memory.py
+(see docs/training.md): a fixed part (weights, gradients, AdamW's two moments, the bf16 weight
+copies autocast keeps, the loss's chunk of logits, the process itself) plus activations that grow
+with the tokens of one micro-batch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from andrea.config import ModelConfig
+from andrea.model import LOSS_CHUNK_LOGITS
+
+GIB = 2**30
+# Activation bytes kept per token and layer, in units of d_model elements of the compute dtype
+# (4 bytes in fp32, 2 under bf16 autocast, whose fp32 norms and residuals count double):
+# slopes of peak RSS against micro-batch, ANDREA-120M at 1 and 2 x 1024 on the CPU with SDPA
+# (fp32: +0.91 GiB a sequence, bf16: +0.51), the same 28 in ANDREA-12M at 4 and 16 x 256.
+ACTIVATION_WIDTHS = {torch.float32: 26, torch.bfloat16: 28}
+# With activation checkpointing each block's input stays, plus one block's activations while
+# it is recomputed: ANDREA-120M bf16 grew by 0.15 GiB a sequence, 6 units per layer.
+CHECKPOINTED_WIDTH = 6
+# Python and torch's libraries, measured before the model exists (0.22 GiB).
+PROCESS_BYTES = GIB // 4
+# Leave this share of the available memory to everything else on the machine.
+HEADROOM = 0.85
+
+
+@dataclass
+class MicroBatchChoice:
+    micro_batch: int
+    estimated_bytes: int
+    available_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.estimated_bytes <= self.available_bytes * HEADROOM
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process may still use: free GPU memory, or the CPU's MemAvailable shared
+    among the processes of this machine (torchrun's LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:  # no /proc: free pages as the OS counts them
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def estimate_peak_bytes(
+    model: ModelConfig, n_params: int, micro_batch: int, dtype: torch.dtype, checkpointing: bool
+) -> int:
+    """Estimated peak memory of one process training `model` at `micro_batch` sequences."""
+    d, n_layer, tokens = model.d_model or 0, model.n_layer, micro_batch * model.block_size
+    element = 2 if dtype == torch.bfloat16 else 4
+    fixed = 16 * n_params  # float32 weights, gradients, AdamW exp_avg and exp_avg_sq
+    if dtype == torch.bfloat16:
+        fixed += 2 * n_params  # autocast's cached bf16 copies of the weights
+    # One chunk of the loss: float32 logits turned softmax in place, the matmul's own output
+    # and the gradient in the compute dtype; and the float32 gradient of the tied weight.
+    fixed += 8 * min(tokens * model.vocab_size, LOSS_CHUNK_LOGITS) + 4 * model.vocab_size * d
+    width = ACTIVATION_WIDTHS.get(dtype, ACTIVATION_WIDTHS[torch.float32])
+    if checkpointing:
+        per_token = (n_layer * CHECKPOINTED_WIDTH + width) * d * element
+    else:
+        per_token = n_layer * width * d * element
+    return PROCESS_BYTES + fixed + tokens * per_token
+
+
+def choose_micro_batch(
+    model: ModelConfig,
+    n_params: int,
+    sequences_per_rank: int,
+    dtype: torch.dtype,
+    checkpointing: bool,
+    available: int,
+) -> MicroBatchChoice:
+    """The largest divisor of sequences_per_rank whose estimate fits `available` (with
+    headroom), so the global batch stays exact; 1 if none fits (the choice then says so)."""
+    choice = MicroBatchChoice(1, 0, available)
+    for size in range(sequences_per_rank, 0, -1):
+        if sequences_per_rank % size:
+            continue
+        choice = MicroBatchChoice(
+            size, estimate_peak_bytes(model, n_params, size, dtype, checkpointing), available
+        )
+        if choice.fits:
+            break
+    return choice

@@ -1,0 +1,107 @@
+"""The chunked loss and activation checkpointing: same numbers as the plain forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from andrea.config import load_config
+from andrea.model import Andrea, ChunkedCrossEntropy
+
+
+def tiny_model(*sets: str, dtype: torch.dtype = torch.float32) -> Andrea:
+    torch.manual_seed(0)
+    return Andrea(load_config("andrea-tiny", list(sets)).model).to(dtype)
+
+
+def batch(model: Andrea, b: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, model.cfg.vocab_size, (b, model.cfg.block_size), generator=g)
+    y = torch.randint(0, model.cfg.vocab_size, (b, model.cfg.block_size), generator=g)
+    y[0, :5] = -1  # ignored positions count neither in the loss nor in the mean
+    return x, y
+
+
+def loss_and_grads(model: Andrea, x, y, autocast: bool = False):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits, loss = model(x, y)
+    assert logits is None
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64, 10_000])  # many chunks, ragged, one
+def test_chunked_loss_equals_full_logits_float32(chunk_rows):
+    model = tiny_model()
+    x, y = batch(model)
+    model.loss_chunk_rows = None
+    full_loss, full_grads = loss_and_grads(model, x, y)
+    model.loss_chunk_rows = chunk_rows
+    loss, grads = loss_and_grads(model, x, y)
+    assert abs(loss.item() - full_loss.item()) <= 1e-6 * full_loss.item()
+    for name, grad in grads.items():
+        assert relative(grad, full_grads[name]) <= 1e-6, name
+
+
+def test_chunked_loss_matches_a_float64_reference():
+    torch.manual_seed(0)
+    n, d, vocab = 50, 16, 37
+    hidden = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, d, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, vocab, (n,))
+    targets[3] = -1
+    reference = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=-1)
+    ref_grads = torch.autograd.grad(reference, (hidden, weight))
+    loss = ChunkedCrossEntropy.apply(hidden, weight, targets, 8)
+    assert loss.dtype == torch.float64
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert abs(loss.item() - reference.item()) <= 1e-12 * reference.item()
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert relative(got, want) <= 1e-12
+    assert torch.count_nonzero(grads[0][3]) == 0  # an ignored row gets no gradient
+    assert torch.autograd.gradcheck(
+        lambda h, w: ChunkedCrossEntropy.apply(h, w, targets, 8), (hidden, weight)
+    )
+
+
+def test_chunked_loss_under_bf16_autocast_agrees_with_the_full_form():
+    model = tiny_model()
+    x, y = batch(model)
+    model.loss_chunk_rows = None
+    full_loss, full_grads = loss_and_grads(model, x, y, autocast=True)
+    model.loss_chunk_rows = 7
+    loss, grads = loss_and_grads(model, x, y, autocast=True)
+    assert loss.dtype == torch.float32
+    # The same bf16 matmuls; only the gradient's per-chunk bf16 rounding differs.
+    assert abs(loss.item() - full_loss.item()) <= 1e-6 * full_loss.item()
+    for name, grad in grads.items():
+        assert relative(grad, full_grads[name]) <= 1e-2, name
+
+
+def test_logits_are_returned_without_targets():
+    model = tiny_model()
+    x, y = batch(model)
+    logits, loss = model(x)
+    assert loss is None and logits.shape == (*x.shape, model.cfg.vocab_size)
+    model.loss_chunk_rows = None
+    want = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1)
+    assert torch.equal(model(x, y)[1], want)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    model = tiny_model("model.dropout=0.1")  # dropout: the recomputation must replay the RNG
+    x, y = batch(model)
+    torch.manual_seed(5)
+    plain_loss, plain = loss_and_grads(model, x, y)
+    model.checkpoint_blocks = True
+    torch.manual_seed(5)
+    loss, grads = loss_and_grads(model, x, y)
+    assert torch.equal(loss, plain_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain[name]), name
