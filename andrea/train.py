@@ -41,7 +41,7 @@ from andrea.distributed import (
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
 from andrea.flops import MfuMeter, flops_per_token, format_mfu
-from andrea.loader import TokenSplit, train_batch, val_batches
+from andrea.loader import TokenSplit, mixture_report, open_split, train_batch, val_batches
 from andrea.model import Andrea
 from andrea.prepare import check_vocab, data_dir_for, ensure_prepared
 from andrea.runs import run_path
@@ -346,8 +346,8 @@ def _train(
         ensure_prepared(cfg)
     barrier(dist)
     data_dir = data_dir_for(cfg)
-    train_split = TokenSplit(data_dir, "train")
-    val_split = TokenSplit(data_dir, "val")
+    train_split = open_split(cfg, "train")
+    val_split = open_split(cfg, "val")
     tokenizer_identity = train_split.tokenizer_identity
 
     dtype = pick_dtype(t.precision, device)
@@ -417,6 +417,14 @@ def _train(
             f"{str(dtype).removeprefix('torch.')}, {device}"
             + (f", resuming from {resume_from}" if resume_from else "")
         )
+        mixture = mixture_report(
+            train_split, seed=t.seed, start_step=start_step, max_steps=t.max_steps,
+            per_step=t.micro_batch_size * accum * dist.world_size,
+            block_size=cfg.model.block_size,
+        )
+        if mixture is not None:
+            say(mixture[0])
+            log.write("data_mixture", **mixture[1])
 
     model_flops_utilisation = MfuMeter(device, dtype, flops_per_token(cfg.model, n_params))
     last_ckpt = resume_from
