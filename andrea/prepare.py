@@ -321,10 +321,11 @@ def job_documents(job: Job, s: Settings) -> tuple[list[tuple[str, str, bool]], i
                     f"{where}: invalid UTF-8 at byte {exc.start} of the line; fix the input "
                     "or pass --errors replace"
                 ) from None
-            except ValueError as exc:
+            except json.JSONDecodeError as exc:
                 raise UserError(
-                    f"{where}: not a JSON object per line ({exc}); fix the line, or name the "
-                    "file .txt to read it as plain text"
+                    f"{where}: not a JSON object per line ({exc.msg.removesuffix(' at')} at "
+                    f"column {exc.colno}); "
+                    "fix the line, or name the file .txt to read it as plain text"
                 ) from None
             if not isinstance(obj, dict):
                 raise UserError(f"{where}: a JSON {type(obj).__name__}, expected an object")
