@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import io
-import itertools
 import json
 import multiprocessing
 import os
@@ -373,24 +372,28 @@ def _encode_job(args: tuple[Job, Settings, str]) -> JobResult:
     job, settings, dtype = args
     docs, skipped = job_documents(job, settings)
     tok = _worker_tokenizer
-    parts: dict[str, list[list[int]]] = {s: [] for s in SPLITS}
-    for split, text, eot in docs:
-        ids = tok.encode(text)
-        parts[split].append(ids + [tok.eot_id] if eot else ids)
+    encode = getattr(tok, "encode_array", None) or tok.encode
+    eot = np.array([tok.eot_id], dtype=dtype)
+    parts: dict[str, list[Any]] = {s: [] for s in SPLITS}
+    for split, text, end in docs:
+        parts[split].append(np.asarray(encode(text), dtype=dtype))
+        if end:
+            parts[split].append(eot)
     tokens = {
-        s: np.fromiter(itertools.chain.from_iterable(p), dtype=dtype, count=sum(map(len, p)))
-        for s, p in parts.items()
+        s: np.concatenate(p) if p else np.zeros(0, dtype=dtype) for s, p in parts.items()
     }
     return tokens, skipped
 
 
 def _encode_all(
-    jobs: Iterator[Job], settings: Settings, kind: str, data_dir: Path, dtype: str, workers: int
+    jobs: Iterator[Job], settings: Settings, tok: Any, data_dir: Path, dtype: str, workers: int
 ) -> Iterator[tuple[Job, JobResult | None]]:
-    """Encode jobs in order; at most 2 * workers in flight, so memory is bounded. A job
-    without data comes back with None (nothing to encode)."""
+    """Encode jobs in order with `tok` (workers load their own copy); at most 2 * workers
+    in flight, so memory is bounded. A job without data comes back with None."""
+    global _worker_tokenizer
+    kind = tok.name
     if workers <= 1:
-        _init_worker(kind, str(data_dir), in_pool=False)
+        _worker_tokenizer = tok
         for job in jobs:
             yield job, None if job.data is None else _encode_job((job, settings, dtype))
         return
@@ -787,7 +790,7 @@ def _write_shards(
                desc=f"prepare {out.name}", disable=None, smoothing=0.1)
     try:
         jobs = all_jobs(docs, settings.val_fraction, settings.text_field, start_job, scratch)
-        stream = _encode_all(jobs, settings, kind, out, dtype.str, workers)
+        stream = _encode_all(jobs, settings, tok, out, dtype.str, workers)
         for number, (job, result) in enumerate(stream):
             bar.update(job.nbytes)
             if result is None:  # before the resume point

@@ -22,7 +22,7 @@ from andrea import prepare, readers
 from andrea.shards import open_shard, read_header
 from andrea.tokenizer import Gpt2Tokenizer
 
-WORDS = ["alpha", "beta", "gamma", "café", "日本語", "the", "cat", "\n", "ROMEO:", "  "]
+WORDS = ["alpha", "beta", "café", "日本語", "the", "cat", "\n", "ROMEO:", "  ", "<|endoftext|>"]
 
 
 def make_docs(n, seed=0):
