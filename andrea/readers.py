@@ -333,7 +333,8 @@ def arrow_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
         starts = range(0, len(array), per_job)
         for k, start in enumerate(starts):
             share = batch_bytes // len(starts) + (batch_bytes % len(starts) if k == 0 else 0)
-            part = array.slice(start, per_job) if index >= skip else None
+            # A slice pickles with its whole batch's buffers: copy it out to send just it.
+            part = pa.concat_arrays([array.slice(start, per_job)]) if index >= skip else None
             yield Job("column", f.name, share, part, row + start, f"batch {n}")
             index += 1
         row += len(array)

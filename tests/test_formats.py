@@ -102,8 +102,11 @@ def test_record_split_ignores_workers_and_job_size(mixed, tmp_path, monkeypatch)
     one = prepare.prepare_inputs(str(mixed), "gpt2", tmp_path / "one", workers=1)
     monkeypatch.setattr(readers, "READ_BYTES", 300)  # many small jobs, row groups in batches
     two = prepare.prepare_inputs(str(mixed), "gpt2", tmp_path / "two", workers=2)
+    write_datasets_folder(tmp_path / "ds", DOCS)  # Arrow batches cut into several jobs
+    ds = prepare.prepare_inputs(str(tmp_path / "ds"), "gpt2", tmp_path / "ds-out", workers=2)
     for split in ("train", "val"):
         np.testing.assert_array_equal(split_tokens(one, split), split_tokens(two, split))
+        np.testing.assert_array_equal(split_tokens(one, split), split_tokens(ds, split))
 
 
 def test_text_field_and_skipped_records(tmp_path):
