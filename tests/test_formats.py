@@ -238,3 +238,25 @@ def test_mixture_errors_through_the_command(tmp_path):
     assert (tmp_path / "data" / "a-byte" / "manifest.json").is_file()
     assert (tmp_path / "data" / "b-byte" / "manifest.json").is_file()
 
+
+
+def test_train_on_a_mixture_reports_the_realised_share(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(make_docs(300, seed=2)))
+    pq.write_table(pa.table({"text": make_docs(300, seed=3)}), tmp_path / "b.parquet")
+    r = run_andrea(
+        "train", "-c", "andrea-tiny",
+        "--set", "data.sources=[{path: a.jsonl, weight: 3}, {path: b.parquet, weight: 1}]",
+        "--set", "train.max_steps=2", "--set", "train.micro_batch_size=4",
+        "--set", "train.eval_every=2", "--set", "train.eval_batches=1", cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    share = [i for i, line in enumerate(lines) if line.startswith("data mixture, realised")]
+    assert share and share[0] < 5, lines  # among the first lines
+    assert "over steps 0-1: a.jsonl " in lines[share[0]] and "(weight 75.0%)" in lines[share[0]]
+    records = [json.loads(line) for line in
+               (tmp_path / "runs" / "andrea-tiny" / "metrics.jsonl").read_text().splitlines()]
+    (mix,) = [rec for rec in records if rec["event"] == "data_mixture"]
+    assert set(mix["share"]) == {"a.jsonl", "b.parquet"} and mix["steps"] == [0, 1]
+    assert abs(sum(mix["share"].values()) - 1) < 1e-6
+    assert mix["weight"] == {"a.jsonl": 0.75, "b.parquet": 0.25}
