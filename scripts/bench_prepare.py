@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -95,8 +96,11 @@ def tree_rss(root: int) -> int:
     return total
 
 
-def run_andrea(input_path: Path, workers: int, out: Path) -> tuple[float, int]:
-    """Wall seconds and peak tree RSS of `andrea prepare` on one input."""
+TOKENS = re.compile(r"([\d,]+) train \+ ([\d,]+) val tokens")
+
+
+def run_andrea(input_path: Path, workers: int, out: Path) -> tuple[float, int, int]:
+    """Wall seconds, peak tree RSS and tokens written of `andrea prepare` on one input."""
     cmd = [sys.executable, "-m", "andrea", "prepare", "-i", str(input_path), "-t", "gpt2",
            "-o", str(out), "--workers", str(workers), "--force"]
     peak = 0
@@ -119,7 +123,9 @@ def run_andrea(input_path: Path, workers: int, out: Path) -> tuple[float, int]:
     if proc.returncode != 0:
         raise SystemExit(f"andrea prepare failed ({proc.returncode}): {stderr[-2000:]}")
     shutil.rmtree(out, ignore_errors=True)
-    return seconds, peak
+    counts = TOKENS.search(stdout)
+    tokens = sum(int(g.replace(",", "")) for g in counts.groups()) if counts else 0
+    return seconds, peak, tokens
 
 
 def run_bare(jsonl: Path, workers: int) -> float:
@@ -168,7 +174,7 @@ def main() -> None:
                 secs = run_bare(jsonl, w)
                 rates.setdefault(("bare", w), []).append(mb / secs)
                 for name, path in (("jsonl", jsonl), ("parquet", parquet)):
-                    secs, peak = run_andrea(path, w, folder / "out")
+                    secs, peak, tokens = run_andrea(path, w, folder / "out")
                     rates.setdefault((name, w), []).append(mb / secs)
                     peaks.setdefault((name, w), []).append(peak)
                 line = ", ".join(f"{k} {rates[(k, w)][-1]:.2f}" for k in
@@ -176,7 +182,8 @@ def main() -> None:
                 print(f"round {r + 1} workers={w}: MB/s {line}; peak RSS jsonl "
                       f"{peaks[('jsonl', w)][-1] / 2**20:,.0f} MiB, parquet "
                       f"{peaks[('parquet', w)][-1] / 2**20:,.0f} MiB", flush=True)
-        print(f"\nmedians over {args.rounds} rounds ({mb:,.0f} MB of text):")
+        print(f"\nmedians over {args.rounds} rounds ({mb:,.0f} MB of text, {tokens:,} gpt2 "
+              f"tokens incl. end-of-text: {text_bytes / max(1, tokens):.2f} bytes/token):")
         for w in args.workers:
             bare = statistics.median(rates[("bare", w)])
             for name in ("jsonl", "parquet"):
