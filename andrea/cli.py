@@ -114,7 +114,9 @@ def prepare_cmd(
     ] = None,
     set_: SetOpt = None,
     input: Annotated[
-        str | None, typer.Option("--input", "-i", help="Text: a file, a directory or a glob.")
+        str | None,
+        typer.Option("--input", "-i", help="A file, directory, glob or datasets folder: text, "
+                     "JSON Lines, Parquet (+.gz/.zst)."),
     ] = None,
     tokenizer: Annotated[
         str | None, typer.Option("--tokenizer", "-t", help="gpt2, bpe (default) or byte.")
@@ -125,7 +127,9 @@ def prepare_cmd(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Redo even if up to date.")] = False,
     errors: Annotated[
-        str | None, typer.Option("--errors", help="Invalid UTF-8: strict (fail) or replace.")
+        str | None,
+        typer.Option("--errors", help="Invalid UTF-8 or a record without text: strict (fail) "
+                     "or replace (U+FFFD; skip and count the record)."),
     ] = None,
     workers: Annotated[
         int | None, typer.Option("--workers", help="Encoding processes (0: automatic).")
@@ -134,12 +138,16 @@ def prepare_cmd(
         str | None,
         typer.Option("--tokenizer-file", help="Use this BPE tokenizer.json instead of training."),
     ] = None,
+    text_field: Annotated[
+        str | None, typer.Option("--text-field", help="JSON field / Parquet column (text).")
+    ] = None,
 ) -> None:
     """Tokenize text into shards (the embedded Shakespeare corpus by default)."""
     from andrea.prepare import prepare_command
 
     prepare_command(
-        config, set_, input, tokenizer, out, vocab_size, force, errors, workers, tokenizer_file
+        config, set_, input, tokenizer, out, vocab_size, force, errors, workers, tokenizer_file,
+        text_field,
     )
 
 

@@ -112,7 +112,15 @@ class DataConfig:
     val_fraction: float = 0.1
     shard_tokens: int = 50_000_000
     workers: int = 0
+    # strict: invalid UTF-8, or a record without a string text field, stops the prepare;
+    # replace: invalid bytes become U+FFFD and such records are skipped (and counted).
     errors: str = "strict"
+    # The JSON field / Parquet or Arrow column that holds a record's text.
+    text_field: str = "text"
+    # A mixture: a list of {path, weight}; each path is prepared on its own and the loader draws
+    # each training window from source i with probability weight_i / sum(weights). Empty means
+    # data.source alone.
+    sources: list = field(default_factory=list)
 
 
 @dataclass
@@ -221,12 +229,34 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _sources(value: Any, where: str) -> list[dict[str, Any]]:
+    """data.sources: a list of {path: str, weight: number > 0}."""
+    if not isinstance(value, list):
+        raise UserError(f"{where}: expected a list of {{path, weight}}, got {value!r}")
+    out = []
+    for i, entry in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, dict) or set(entry) - {"path", "weight"} or "path" not in entry:
+            raise UserError(
+                f"{at}: expected {{path: FILE|DIR|GLOB, weight: NUMBER}}, got {entry!r}"
+            )
+        path = _coerce(entry["path"], str, f"{at}.path")
+        weight = _coerce(entry.get("weight", 1.0), float, f"{at}.weight")
+        if not weight > 0 or weight == float("inf"):
+            raise UserError(f"{at}.weight: must be a number > 0, got {entry.get('weight')!r}")
+        out.append({"path": path, "weight": weight})
+    return out
+
+
 def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
     types_ = _field_types(SECTIONS[section])
     if key not in types_:
         raise UserError(
             f"{origin}: unknown key '{section}.{key}'{_suggest(key, types_, section + '.')}"
         )
+    if (section, key) == ("data", "sources"):
+        cfg.data.sources = _sources(value, f"{origin}: data.sources")
+        return
     setattr(getattr(cfg, section), key, _coerce(value, types_[key], f"{origin}: {section}.{key}"))
 
 

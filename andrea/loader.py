@@ -12,19 +12,32 @@ Micro-batch g = rank * accum_steps + micro_step takes windows [g * B, (g + 1) * 
 depends only on (seed, step, rank, micro_step, sizes): resuming at a step sees exactly the
 batches an uninterrupted run would, 1 process x 2 accumulation steps sees the same data as
 2 processes x 1, and different ranks' windows at a step are disjoint.
+
+A mixture (data.sources) draws from the same generator, after the offset, the source of each of
+the G * B windows (probability weight / sum of weights), then per source, in source order, that
+many distinct windows among the source's own; window j takes the next one of its source. So all
+of the above holds for mixtures too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from andrea import shards
 from andrea.errors import UserError
-from andrea.prepare import SPLITS, read_manifest
+from andrea.prepare import SPLITS, check_one_tokenizer, data_dir_for, read_manifest, source_dirs
+
+if TYPE_CHECKING:
+    from andrea.config import Config
+
+# The realised mixture share that train prints covers at most this many steps (it costs one
+# generator per step).
+SHARE_STEPS = 20_000
 
 
 class TokenSplit:
@@ -63,6 +76,96 @@ class TokenSplit:
         return np.asarray(self.shards[shard][start : start + block_size + 1], dtype=np.int64)
 
 
+class Mixture(TokenSplit):
+    """One split of several prepared data dirs that share a tokenizer: `shards` are all of
+    theirs in source order (val batches read them all); training windows are drawn per source
+    by weight (`train_batch`)."""
+
+    def __init__(self, parts: list[tuple[str, Path, float]], split: str) -> None:
+        splits = [TokenSplit(d, split) for _, d, _ in parts]
+        identities: dict[str, Path] = {}
+        for part in splits:
+            identities.setdefault(part.tokenizer_identity, part.data_dir)
+        check_one_tokenizer(identities)
+        first = splits[0]
+        self.data_dir, self.split = first.data_dir, split
+        self.tokenizer_identity = first.tokenizer_identity
+        self.vocab_size = max(part.vocab_size for part in splits)
+        self.eot_id = first.eot_id
+        self.parts = splits
+        self.names = [name for name, _, _ in parts]
+        weights = np.array([w for _, _, w in parts], dtype=np.float64)
+        self.weights = weights / weights.sum()
+        self.shards = [shard for part in splits for shard in part.shards]
+        ends = np.cumsum([len(part.shards) for part in splits])
+        self.shard_ranges = list(zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True))
+        self.shard_sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
+        self.n_tokens = int(self.shard_sizes.sum())
+
+
+def open_split(cfg: Config, split: str) -> TokenSplit:
+    """The split `cfg.data` names: one data dir, or a Mixture of data.sources."""
+    if cfg.data.sources:
+        return Mixture(source_dirs(cfg), split)
+    return TokenSplit(data_dir_for(cfg), split)
+
+
+def _source_choice(rng: np.random.Generator, split: Mixture, per_step: int) -> np.ndarray:
+    return rng.choice(len(split.weights), size=per_step, p=split.weights)
+
+
+def _mixture_windows(
+    split: Mixture, rng: np.random.Generator, cum: np.ndarray, per_step: int
+) -> np.ndarray:
+    """per_step global window numbers: each window's source by weight, then distinct windows
+    within each source."""
+    choice = _source_choice(rng, split, per_step)
+    chosen = np.empty(per_step, dtype=np.int64)
+    for s, (lo, hi) in enumerate(split.shard_ranges):
+        slots = np.flatnonzero(choice == s)
+        base = int(cum[lo - 1]) if lo else 0
+        chosen[slots] = base + sample_distinct(rng, int(cum[hi - 1]) - base, len(slots))
+    return chosen
+
+
+def realised_share(
+    split: Mixture, *, seed: int, steps: range, per_step: int, block_size: int
+) -> np.ndarray:
+    """The fraction of training windows each source gets over `steps` (the same draws as
+    train_batch makes)."""
+    counts = np.zeros(len(split.weights), dtype=np.int64)
+    for step in steps:
+        rng = np.random.default_rng([seed, step])
+        rng.integers(0, block_size)
+        counts += np.bincount(_source_choice(rng, split, per_step), minlength=len(counts))
+    return counts / max(1, counts.sum())
+
+
+def mixture_report(
+    split: TokenSplit, *, seed: int, start_step: int, max_steps: int, per_step: int,
+    block_size: int,
+) -> tuple[str, dict] | None:
+    """For a Mixture: the line train prints and the metrics record of the realised share of
+    each source over the run's steps (at most SHARE_STEPS of them); None for one source."""
+    if not isinstance(split, Mixture):
+        return None
+    steps = range(start_step, max(start_step + 1, min(max_steps, start_step + SHARE_STEPS)))
+    share = realised_share(split, seed=seed, steps=steps, per_step=per_step,
+                           block_size=block_size)
+    parts = [
+        f"{name} {100 * s:.1f}% (weight {100 * w:.1f}%)"
+        for name, s, w in zip(split.names, share, split.weights, strict=True)
+    ]
+    line = (f"data mixture, realised share of windows over steps {steps.start}-"
+            f"{steps.stop - 1}: " + ", ".join(parts))
+    record = {
+        "steps": [steps.start, steps.stop - 1],
+        "share": {n: round(float(s), 6) for n, s in zip(split.names, share, strict=True)},
+        "weight": {n: round(float(w), 6) for n, w in zip(split.names, split.weights, strict=True)},
+    }
+    return line, record
+
+
 def sample_distinct(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     """k distinct integers from [0, n) in random order, without materialising [0, n) when
     k is small next to n (rejection of repeats; order of first appearance)."""
@@ -96,21 +199,32 @@ def train_batch(
     if not (0 <= rank < world_size and 0 <= micro_step < accum_steps):
         raise ValueError(f"rank {rank}/{world_size}, micro_step {micro_step}/{accum_steps}")
     per_step = accum_steps * world_size * micro_batch_size
-    # The smallest count over all offsets, so the check does not depend on the step.
-    if int(split.window_counts(block_size, block_size - 1).sum()) < per_step:
-        raise UserError(
-            f"{split.data_dir}: the {split.split} split has {split.n_tokens:,} tokens, too few "
-            f"for one global batch of {per_step} windows of {block_size + 1} tokens (needs about "
-            f"{per_step * block_size + 2 * block_size:,} in a single shard); add data or lower "
-            "the batch size or block_size"
-        )
+    if isinstance(split, Mixture):
+        for name, part in zip(split.names, split.parts, strict=True):
+            _check_enough(part, per_step, block_size, f" (mixture source {name})")
+    else:
+        _check_enough(split, per_step, block_size, "")
     rng = np.random.default_rng([seed, step])
     offset = int(rng.integers(0, block_size))
     cum = np.cumsum(split.window_counts(block_size, offset))
-    chosen = sample_distinct(rng, int(cum[-1]), per_step)
+    if isinstance(split, Mixture):
+        chosen = _mixture_windows(split, rng, cum, per_step)
+    else:
+        chosen = sample_distinct(rng, int(cum[-1]), per_step)
     g = rank * accum_steps + micro_step
     mine = chosen[g * micro_batch_size : (g + 1) * micro_batch_size]
     return _stack([split.window(int(i), cum, block_size, offset) for i in mine])
+
+
+def _check_enough(split: TokenSplit, per_step: int, block_size: int, what: str) -> None:
+    # The smallest count over all offsets, so the check does not depend on the step.
+    if int(split.window_counts(block_size, block_size - 1).sum()) < per_step:
+        raise UserError(
+            f"{split.data_dir}: the {split.split} split{what} has {split.n_tokens:,} tokens, "
+            f"too few for one global batch of {per_step} windows of {block_size + 1} tokens "
+            f"(needs about {per_step * block_size + 2 * block_size:,} in a single shard); add "
+            "data or lower the batch size or block_size"
+        )
 
 
 def val_batches(

@@ -156,6 +156,12 @@ class Gpt2Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
 
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode(text) as a uint32 array, made in Rust without a Python int per id (about 10%
+        faster). No special token is allowed, so "<|endoftext|>" in the text is text, as in
+        encode."""
+        return self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([int(i) for i in ids], errors="replace")
 

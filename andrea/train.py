@@ -41,10 +41,10 @@ from andrea.distributed import (
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
 from andrea.flops import MfuMeter, flops_per_token, format_mfu
-from andrea.loader import TokenSplit, train_batch, val_batches
+from andrea.loader import TokenSplit, mixture_report, open_split, train_batch, val_batches
 from andrea.memory import GIB, available_memory, choose_micro_batch
 from andrea.model import Andrea
-from andrea.prepare import check_vocab, data_dir_for, ensure_prepared
+from andrea.prepare import check_vocab, ensure_prepared
 from andrea.runs import run_path
 from andrea.schedule import lr_at
 
@@ -532,8 +532,7 @@ def set_up(
     if dist.is_main:
         ensure_prepared(cfg)
     barrier(dist)
-    data_dir = data_dir_for(cfg)
-    train_split, val_split = TokenSplit(data_dir, "train"), TokenSplit(data_dir, "val")
+    train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
     check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
 
     dtype = pick_dtype(t.precision, device)
@@ -586,6 +585,13 @@ def set_up(
             f"{str(dtype).removeprefix('torch.')}, {device}"
             + (f", resuming from {resume_from}" if resume_from else "")
         )
+        mixture = mixture_report(
+            train_split, seed=t.seed, start_step=s.step, max_steps=t.max_steps,
+            per_step=micro_batch * accum * dist.world_size, block_size=cfg.model.block_size,
+        )
+        if mixture is not None:
+            s.say(mixture[0])
+            s.log.write("data_mixture", **mixture[1])
         if micro_batch_line:
             s.say(micro_batch_line)
         for line in plan_lines(s):

@@ -14,15 +14,18 @@ import time
 from pathlib import Path
 
 from andrea import prepare
-from andrea.tokenizer import train_bpe
+from andrea.tokenizer import load_tokenizer, train_bpe
+
+SETTINGS = prepare.Settings(val_fraction=0.1, text_field="text", errors="strict")
 
 
 def encode_seconds(docs, kind: str, data_dir: Path, workers: int) -> tuple[float, int]:
     start = time.perf_counter()
     n = 0
-    stream = prepare.pieces(docs, 0.1, "strict")
-    for _, ids, _ in prepare._encode_all(stream, kind, data_dir, "<u2", workers):
-        n += 0 if ids is None else len(ids)
+    jobs = prepare.all_jobs(docs, 0.1, "text", 0, data_dir / prepare.SCRATCH)
+    tok = load_tokenizer(kind, data_dir)
+    for _, result in prepare._encode_all(jobs, SETTINGS, tok, data_dir, "<u2", workers):
+        n += 0 if result is None else sum(len(t) for t in result[0].values())
     return time.perf_counter() - start, n
 
 
@@ -36,7 +39,8 @@ def main() -> None:
     print(f"corpus: {len(docs)} plays, {mb:.2f} MB")
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        train_bpe(prepare._train_texts(docs, 0.1, "strict"), 4096, Path(tmp) / "tokenizer.json")
+        texts = prepare._train_texts(docs, SETTINGS, Path(tmp) / prepare.SCRATCH)
+        train_bpe(texts, 4096, Path(tmp) / "tokenizer.json")
         print(f"bpe training (4,096 ids, train split): {time.perf_counter() - t:.2f} s")
         for kind in ("gpt2", "bpe"):
             for workers in args.workers:

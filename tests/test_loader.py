@@ -9,7 +9,15 @@ import torch
 
 from andrea import shards
 from andrea.errors import UserError
-from andrea.loader import TokenSplit, sample_distinct, train_batch, val_batches
+from andrea.loader import (
+    Mixture,
+    TokenSplit,
+    mixture_report,
+    realised_share,
+    sample_distinct,
+    train_batch,
+    val_batches,
+)
 from andrea.prepare import MANIFEST, MANIFEST_VERSION
 
 BASE = 1_000_000  # shard k holds BASE*k, BASE*k + 1, ...: a token names its shard and position
@@ -119,3 +127,89 @@ def test_missing_manifest_and_damaged_shard(data_dir, tmp_path_factory):
     shard.write_bytes(shard.read_bytes()[:-4])
     with pytest.raises(UserError, match="train_000001.bin: token shard truncated"):
         TokenSplit(data_dir, "train")
+
+
+# ----------------------------------------------------------------------------- mixtures
+
+
+def make_source(root, name, sizes, first_shard, ident="test:v1"):
+    """A prepared dir whose shard k holds BASE*(first_shard + k) + position tokens."""
+    out = root / name
+    out.mkdir()
+    entries = {"train": [], "val": []}
+    for split, split_sizes in (("train", sizes), ("val", [200])):
+        for k, n in enumerate(split_sizes):
+            file = f"{split}_{k:06d}.bin"
+            w = shards.ShardWriter(out / file, np.dtype("<u4"), ident)
+            w.write(np.arange(n) + BASE * (first_shard + k + (50 if split == "val" else 0)))
+            entries[split].append({"file": file, "tokens": w.close().count})
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "tokenizer": {"kind": "byte", "identity": ident, "vocab_size": 100 * BASE, "eot_id": 0},
+        "shards": entries,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.fixture
+def mixture(tmp_path):
+    a = make_source(tmp_path, "a", [3000, 900], 1)
+    b = make_source(tmp_path, "b", [1500], 10)
+    return Mixture([("a", a, 3.0), ("b", b, 1.0)], "train")
+
+
+def source_of(x):
+    return np.where(x[:, 0].numpy() // BASE >= 10, 1, 0)
+
+
+def test_mixture_draws_by_weight_and_is_a_function_of_seed_and_step(mixture):
+    counts = np.zeros(2)
+    for step in range(200):
+        x, y = batch(mixture, step=step, micro_batch_size=8)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        window = torch.cat([x, y[:, -1:]], dim=1)
+        assert torch.all(window[:, 1:] - window[:, :-1] == 1)  # inside one shard of a source
+        assert len(set(x[:, 0].tolist())) == 8
+        counts += np.bincount(source_of(x), minlength=2)
+        if step < 5:  # the same batch again (resume), from a freshly opened mixture too
+            assert torch.equal(x, batch(mixture, step=step, micro_batch_size=8)[0])
+    share = counts / counts.sum()
+    # 1,600 windows at p = 0.75: the standard deviation of the share is about 0.011.
+    assert abs(share[0] - 0.75) < 0.05, share
+    expected = realised_share(mixture, seed=7, steps=range(200), per_step=8, block_size=T)
+    np.testing.assert_allclose(share, expected)
+
+
+def test_mixture_accumulation_equals_processes(mixture):
+    for step in range(5):
+        one = [batch(mixture, step=step, micro_step=m, accum_steps=2)[0] for m in range(2)]
+        two = [batch(mixture, step=step, rank=r, world_size=2)[0] for r in range(2)]
+        assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+        assert not set(one[0][:, 0].tolist()) & set(one[1][:, 0].tolist())
+
+
+def test_mixture_val_reads_every_source_and_report(mixture, tmp_path):
+    val = Mixture([("a", tmp_path / "a", 3.0), ("b", tmp_path / "b", 1.0)], "val")
+    firsts = torch.cat([x[:, 0] for x, _ in val_batches(val, micro_batch_size=4, block_size=T,
+                                                        max_batches=None)])
+    assert {int(v) // BASE for v in firsts} == {51, 60}
+    line, record = mixture_report(mixture, seed=7, start_step=10, max_steps=110, per_step=8,
+                                  block_size=T)
+    assert line.startswith("data mixture, realised share of windows over steps 10-109: a ")
+    assert set(record["share"]) == {"a", "b"} and record["weight"] == {"a": 0.75, "b": 0.25}
+    assert abs(sum(record["share"].values()) - 1) < 1e-9
+    assert mixture_report(TokenSplit(tmp_path / "a", "train"), seed=7, start_step=0,
+                          max_steps=10, per_step=8, block_size=T) is None
+
+
+def test_mixture_refuses_different_tokenizers_and_small_sources(tmp_path):
+    a = make_source(tmp_path, "a", [3000], 1)
+    c = make_source(tmp_path, "c", [3000], 20, ident="other:v1")
+    with pytest.raises(UserError, match=r"data.sources: .*a was prepared with tokenizer test:v1 "
+                                        r"but .*c with other:v1"):
+        Mixture([("a", a, 1.0), ("c", c, 1.0)], "train")
+    small = make_source(tmp_path, "small", [40], 30)
+    mix = Mixture([("a", a, 1.0), ("small", small, 1.0)], "train")
+    with pytest.raises(UserError, match=r"small: the train split \(mixture source small\) has 40"):
+        batch(mix, micro_batch_size=4)

@@ -99,9 +99,13 @@ def test_rerun_is_free_and_changes_redo(corpus, tmp_path, capsys):
     open_shard(shard)
 
 
-def test_interrupted_prepare_leaves_nothing_valid(corpus, tmp_path, monkeypatch):
+def test_interrupted_prepare_keeps_complete_shards_and_resumes(corpus, tmp_path, monkeypatch,
+                                                              capsys):
+    """Ctrl-C: no manifest (nothing reads as complete), no partial shard, and the complete
+    shards stay; the rerun continues after them and ends with a clean run's tokens."""
+    clean = prepare.prepare_inputs(str(corpus), "byte", tmp_path / "clean", shard_tokens=300,
+                                   workers=1)
     out = tmp_path / "out"
-    prepare.prepare_inputs(str(corpus), "byte", out, shard_tokens=300)
     calls = 0
 
     def flaky(args):
@@ -111,13 +115,26 @@ def test_interrupted_prepare_leaves_nothing_valid(corpus, tmp_path, monkeypatch)
             raise KeyboardInterrupt
         return real(args)
 
-    real = prepare._encode
-    monkeypatch.setattr(prepare, "_encode", flaky)
+    real = prepare._encode_job
+    monkeypatch.setattr(prepare, "CHUNK_BYTES", 512)
+    monkeypatch.setattr(prepare, "_encode_job", flaky)
     with pytest.raises(KeyboardInterrupt):
-        prepare.prepare_inputs(str(corpus), "byte", out, force=True, shard_tokens=300)
-    assert sorted(p.name for p in out.iterdir()) == []
+        prepare.prepare_inputs(str(corpus), "byte", out, shard_tokens=300, workers=1)
+    kept = sorted(p.name for p in out.iterdir())
+    assert "manifest.json" not in kept and not [n for n in kept if n.endswith(".tmp")]
+    assert "progress.json" in kept and "train_000000.bin" in kept
     with pytest.raises(UserError, match="manifest.json missing"):
         prepare.read_manifest(out)
+    first = (out / "train_000000.bin").stat()
+    monkeypatch.setattr(prepare, "_encode_job", real)
+    capsys.readouterr()
+    prepare.prepare_inputs(str(corpus), "byte", out, shard_tokens=300, workers=1)
+    assert "resuming after" in capsys.readouterr().out
+    again = (out / "train_000000.bin").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
+    assert not (out / "progress.json").exists()
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(split_tokens(out, split), split_tokens(clean, split))
 
 
 def test_shakespeare_default_dir_and_ensure_prepared(tmp_path, monkeypatch, capsys):
@@ -217,7 +234,7 @@ def test_cli_bad_input(tmp_path):
     cases = [
         (["--input", "missing.txt", "-t", "byte"], "missing.txt: no such file or directory"),
         (["--input", "empty.txt", "-t", "byte"], "empty.txt: input is empty"),
-        (["--input", "nothing", "-t", "byte"], "nothing: directory has no text files"),
+        (["--input", "nothing", "-t", "byte"], "nothing: directory has no input files"),
         (["--input", "*.nope", "-t", "byte"], "matches no files"),
         (["--input", "bad.txt", "-t", "byte"], "bad.txt: invalid UTF-8 at byte offset 33"),
         (["-c", "andrea-tiny", "--set", "data.tokenizer=gpt2"], "50,257 ids but model.vocab_size"),

@@ -1,0 +1,340 @@
+"""Input formats for `andrea prepare`: which files an input names, and their content as jobs.
+
+Formats, chosen by extension and checked by content (docs/data.md):
+  text     .txt .md .text .rst (optionally .gz / .zst): the whole file is one document
+  records  .jsonl .json (optionally .gz / .zst): one JSON object per line, one document each
+  parquet  .parquet: the text column, read row group by row group
+  arrow    the Arrow stream files of a Hugging Face `datasets` save_to_disk folder
+
+Every file is cut into jobs of about CHUNK_BYTES of text, in a fixed order, so a job number
+names the same piece of input in every run (what a resumed prepare skips to). A job carries its
+data to a worker process; the main process only reads (and decompresses) bytes.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from andrea.errors import UserError
+
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
+RECORD_SUFFIXES = (".jsonl", ".json")
+COMPRESSIONS = (".gz", ".zst")
+DATASETS_STATE = "state.json"  # marks a `datasets` save_to_disk folder
+DATASETS_DICT = "dataset_dict.json"  # marks a saved DatasetDict (one folder per split)
+SAMPLE_BYTES = 1 << 20  # the input identity hashes this much at the start, middle and end
+READ_BYTES = 1 << 20
+_MAGIC = {".gz": b"\x1f\x8b", ".zst": b"\x28\xb5\x2f\xfd"}
+_STRING_TYPES = ("string", "large_string", "string_view", "binary", "large_binary")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: Path
+    kind: str  # "text" | "records" | "parquet" | "arrow"
+    compression: str  # "" | ".gz" | ".zst"
+    size: int  # bytes on disk
+    mtime_ns: int
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+
+def file_kind(path: Path) -> tuple[str | None, str]:
+    """(kind, compression) from the file name; kind None for a name no reader claims."""
+    name = path.name.lower()
+    compression = next((c for c in COMPRESSIONS if name.endswith(c)), "")
+    suffix = Path(name.removesuffix(compression)).suffix if compression else path.suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        return "text", compression
+    if suffix in RECORD_SUFFIXES:
+        return "records", compression
+    if suffix == ".parquet" and not compression:
+        return "parquet", ""
+    if suffix == ".arrow" and not compression:
+        return "arrow", ""
+    return None, compression
+
+
+def _described() -> str:
+    return ", ".join(TEXT_SUFFIXES + RECORD_SUFFIXES + (".parquet",)) + " (+.gz/.zst)"
+
+
+def _datasets_files(folder: Path) -> list[Path]:
+    """The Arrow files of a `datasets` save_to_disk folder (its 'train' split for a
+    DatasetDict), in the order state.json lists them."""
+    if (folder / DATASETS_DICT).is_file():
+        try:
+            splits = json.loads((folder / DATASETS_DICT).read_text("utf-8"))["splits"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise UserError(f"{folder / DATASETS_DICT}: unreadable DatasetDict index") from None
+        if "train" not in splits:
+            raise UserError(
+                f"{folder}: saved DatasetDict has no 'train' split (it has: {', '.join(splits)}); "
+                f"point --input at {folder}/<split>"
+            )
+        folder = folder / "train"
+    state = folder / DATASETS_STATE
+    try:
+        names = [entry["filename"] for entry in json.loads(state.read_text("utf-8"))["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(
+            f"{state}: not a `datasets` save_to_disk state (no _data_files list)"
+        ) from None
+    files = [folder / n for n in names]
+    for f in files:
+        if not f.is_file():
+            raise UserError(f"{f}: listed in {state} but missing")
+    return files
+
+
+def _is_datasets_folder(folder: Path) -> bool:
+    return (folder / DATASETS_STATE).is_file() or (folder / DATASETS_DICT).is_file()
+
+
+def input_files(spec: str) -> list[InputFile]:
+    """The files `spec` names: a file, a directory (every file of a known format in it,
+    recursively, hidden ones skipped), a glob, or a `datasets` save_to_disk folder; sorted."""
+    path = Path(spec)
+    if path.is_file():
+        paths = [path]
+    elif path.is_dir() and _is_datasets_folder(path):
+        paths = _datasets_files(path)
+    elif path.is_dir():
+        paths = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and file_kind(p)[0] in ("text", "records", "parquet")
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        if not paths:
+            raise UserError(
+                f"{spec}: directory has no input files ({_described()}); "
+                "point --input at a file or a glob"
+            )
+    elif glob.has_magic(spec):
+        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not paths:
+            raise UserError(f"{spec}: the pattern matches no files; check the path and quoting")
+    else:
+        raise UserError(f"{spec}: no such file or directory")
+    files = []
+    for p in paths:
+        kind, compression = file_kind(p)
+        try:
+            st = p.stat()
+        except OSError as exc:
+            raise UserError(f"{p}: cannot read input: {exc.strerror}") from None
+        # A file named explicitly (or by a glob) with no known extension is read as text.
+        files.append(InputFile(p.resolve(), kind or "text", compression, st.st_size,
+                               st.st_mtime_ns))
+    return files
+
+
+def input_identity(f: InputFile) -> dict[str, Any]:
+    """What the manifest records of an input: size, mtime and a hash of a sample (start,
+    middle, end), so a changed file is noticed without reading tens of GB."""
+    digest = hashlib.sha256()
+    try:
+        with open(f.path, "rb") as fh:
+            for start in sorted({0, max(0, f.size // 2 - SAMPLE_BYTES // 2),
+                                 max(0, f.size - SAMPLE_BYTES)}):
+                fh.seek(start)
+                digest.update(fh.read(SAMPLE_BYTES))
+    except OSError as exc:
+        raise UserError(f"{f.path}: cannot read input: {exc.strerror}") from None
+    return {"name": f.name, "bytes": f.size, "mtime_ns": f.mtime_ns,
+            "sample_sha256": digest.hexdigest()}
+
+
+# ----------------------------------------------------------------------------- raw bytes
+
+
+def _decompressor(compression: str) -> Any:
+    if compression == ".gz":
+        return zlib.decompressobj(wbits=31)
+    import zstandard
+
+    return zstandard.ZstdDecompressor().decompressobj()
+
+
+def iter_blocks(f: InputFile) -> Iterator[tuple[bytes, int]]:
+    """(decompressed bytes, file bytes consumed) blocks of the whole file. A truncated or
+    corrupt .gz / .zst is a UserError naming the file; concatenated members are read on."""
+    try:
+        fh = open(f.path, "rb")
+    except OSError as exc:
+        raise UserError(f"{f.path}: cannot read input: {exc.strerror}") from None
+    with fh:
+        if not f.compression:
+            while block := fh.read(READ_BYTES):
+                yield block, len(block)
+            return
+        head = fh.read(4)
+        fh.seek(0)
+        if not head.startswith(_MAGIC[f.compression]):
+            raise UserError(
+                f"{f.path}: not {f.compression} data (the file does not start with its magic "
+                "bytes); rename it to match its format"
+            )
+        decomp, pending = _decompressor(f.compression), b""
+        while True:
+            raw = pending or fh.read(READ_BYTES)
+            pending = b""
+            if not raw:
+                break
+            try:
+                out = decomp.decompress(raw)
+            except Exception as exc:  # zlib.error, zstd.ZstdError
+                raise UserError(f"{f.path}: corrupt {f.compression} data ({exc})") from None
+            yield out, len(raw) - len(decomp.unused_data)
+            if decomp.eof:
+                pending = decomp.unused_data
+                decomp = _decompressor(f.compression)
+                if not pending:
+                    pending = fh.read(READ_BYTES)
+                    if not pending:
+                        return
+                    decomp = _decompressor(f.compression)
+        if not decomp.eof:
+            raise UserError(
+                f"{f.path}: truncated {f.compression} file (the stream ends before its end "
+                "marker); download or copy it again"
+            )
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+@dataclass
+class Job:
+    """One piece of input for a worker. `data` is None for a job a resumed run skips."""
+
+    kind: str  # "text" | "records" | "column"
+    name: str  # the file, for messages
+    nbytes: int  # input (file) bytes it stands for, for the progress bar
+    data: Any = None
+    start: int = 0  # first line (records) or first row (column), 1-based line / 0-based row
+    where: str = ""  # "row group N" for a column job
+
+
+def record_jobs(f: InputFile, skip: int) -> Iterator[Job]:
+    """JSON Lines cut at line breaks into jobs of about READ_BYTES."""
+    buf, line, consumed = b"", 1, 0
+    index = 0
+    for block, n in iter_blocks(f):
+        buf += block
+        consumed += n
+        if len(buf) < READ_BYTES:
+            continue
+        cut = buf.rfind(b"\n") + 1
+        if cut == 0:
+            continue  # a line longer than a block: read on
+        data, buf = buf[:cut], buf[cut:]
+        yield Job("records", f.name, consumed, data if index >= skip else None, line)
+        line += data.count(b"\n")
+        index += 1
+        consumed = 0
+    if buf or consumed:
+        yield Job("records", f.name, consumed, buf if index >= skip else None, line)
+
+
+def _open_parquet(f: InputFile) -> Any:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(f.path)
+    except Exception as exc:  # pyarrow.ArrowInvalid and friends
+        raise UserError(f"{f.path}: not a readable Parquet file ({exc})") from None
+
+
+def _check_field(f: InputFile, schema: Any, field: str) -> None:
+    names = list(schema.names)
+    if field not in names:
+        raise UserError(
+            f"{f.path}: no column '{field}'; it has: {', '.join(names)}; "
+            "choose one with --text-field (data.text_field)"
+        )
+    kind = str(schema.field(field).type)
+    if kind not in _STRING_TYPES:
+        raise UserError(
+            f"{f.path}: column '{field}' holds {kind}, not strings; choose a text column with "
+            "--text-field (data.text_field)"
+        )
+
+
+def parquet_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
+    """The text column, row group by row group, in batches of about READ_BYTES of text.
+    Skipped row groups are not read at all (their job count comes from the metadata)."""
+    pf = _open_parquet(f)
+    _check_field(f, pf.schema_arrow, field)
+    meta = pf.metadata
+    column = pf.schema_arrow.names.index(field)
+    total_rows = max(1, meta.num_rows)
+    index, rows_done, bytes_done = 0, 0, 0
+    for rg in range(meta.num_row_groups):
+        group = meta.row_group(rg)
+        rows = group.num_rows
+        text_bytes = group.column(column).total_uncompressed_size
+        per_batch = max(1, min(rows, READ_BYTES * rows // max(1, text_bytes)))
+        n_jobs = -(-rows // per_batch) if rows else 0
+        if index + n_jobs <= skip:  # all skipped: no need to read the row group
+            for j in range(n_jobs):
+                end_rows = rows_done + min(rows, (j + 1) * per_batch)
+                end_bytes = f.size * end_rows // total_rows
+                yield Job("column", f.name, end_bytes - bytes_done)
+                bytes_done = end_bytes
+            index += n_jobs
+            rows_done += rows
+            continue
+        try:
+            batches = pf.iter_batches(batch_size=per_batch, row_groups=[rg], columns=[field])
+            first = 0
+            for batch in batches:
+                end_rows = rows_done + first + batch.num_rows
+                end_bytes = f.size * end_rows // total_rows
+                yield Job("column", f.name, end_bytes - bytes_done,
+                          batch.column(0) if index >= skip else None, first, f"row group {rg}")
+                bytes_done = end_bytes
+                first += batch.num_rows
+                index += 1
+        except UserError:
+            raise
+        except Exception as exc:
+            raise UserError(f"{f.path}: row group {rg} unreadable ({exc})") from None
+        rows_done += rows
+
+
+def arrow_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
+    """A `datasets` Arrow stream file, batch by batch (memory-mapped)."""
+    import pyarrow as pa
+
+    try:
+        source = pa.memory_map(str(f.path))
+        reader = pa.ipc.open_stream(source)
+    except Exception as exc:
+        raise UserError(f"{f.path}: not a readable Arrow stream file ({exc})") from None
+    _check_field(f, reader.schema, field)
+    column = reader.schema.names.index(field)
+    index, row, pos = 0, 0, 0
+    for n, batch in enumerate(reader):
+        array = batch.column(column)
+        batch_bytes, pos = source.tell() - pos, source.tell()
+        per_job = max(1, READ_BYTES * len(array) // max(1, array.nbytes))
+        starts = range(0, len(array), per_job)
+        for k, start in enumerate(starts):
+            share = batch_bytes // len(starts) + (batch_bytes % len(starts) if k == 0 else 0)
+            # A slice pickles with its whole batch's buffers: copy it out to send just it.
+            part = pa.concat_arrays([array.slice(start, per_job)]) if index >= skip else None
+            yield Job("column", f.name, share, part, row + start, f"batch {n}")
+            index += 1
+        row += len(array)
