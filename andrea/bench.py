@@ -32,7 +32,7 @@ import torch
 
 from andrea.attention import attention, cuda_unavailable_reason
 from andrea.errors import UserError
-from andrea.flops import MfuMeter, attention_flops, flops_per_token, format_mfu
+from andrea.flops import MfuMeter, attention_flops, flops_per_token, format_mfu, no_mfu_reason
 
 # name -> (B, n_head, T, head_dim)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -335,6 +335,9 @@ def format_table(result: BenchResult) -> str:
                 f"{f'{r.micro_batch_size} x {r.block_size}':<11} {r.step_ms:>9.1f} "
                 f"{r.tokens_per_s:>11,.0f} {format_mfu(r.mfu):>7}"
             )
+        why = no_mfu_reason(torch.device(result.device))
+        if why and any(r.mfu is None for r in result.train):
+            lines.append(why)
     if result.skipped:
         lines.append("")
         lines.extend(f"skipped: {s}" for s in result.skipped)
