@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,6 +93,18 @@ class BenchResult:
         d["attention"] = [AttentionRow(**r) for r in d["attention"]]
         d["train"] = [TrainRow(**r) for r in d["train"]]
         return cls(**d)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (lscpu's "Model name"), which a benchmark prints beside its figures;
+    the machine type (e.g. x86_64) where the kernel does not say."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def median_ms(
@@ -249,8 +262,7 @@ def run_bench(
 
     result = BenchResult(
         device=str(dev),
-        device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
-        or platform.machine(),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
         torch_version=torch.__version__, repeats=repeats, warmup=warmup,
         attention=[], train=[], skipped=[],
     )

@@ -11,11 +11,12 @@ one and the same run scales with 1 / probe, so max/min is how far MFU could move
 from __future__ import annotations
 
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+
+from andrea.bench import cpu_name
 
 
 def old_probe(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
@@ -29,12 +30,6 @@ def old_probe(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2.0 * size**3 / best
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                 if line.startswith("Model name")), "unknown CPU")
 
 
 def main() -> None:
