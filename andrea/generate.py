@@ -8,7 +8,8 @@ the whole context (the last block_size tokens) again. The two agree exactly whil
 in block_size; past it they differ by design (half-block versus full-block context after a slide).
 
 An empty prompt (none, `--prompt ""` or `--prompt-ids ""`) samples unconditionally: the context
-is the end-of-text token, which precedes every document in training, and it is not printed.
+is the end-of-text token, which ends every document in the training shards (so what follows it
+is a new document), and it is not printed.
 
 Sampling: logits / temperature, then top-k, then top-p (the smallest set of most likely tokens
 whose probability reaches p), drawn with a CPU torch.Generator seeded by `seed`, so a seed
@@ -220,8 +221,8 @@ def generate_command(
     model = model.to(pick_dtype(precision, dev))  # bf16 here means bf16 weights and cache
     tok = tokenizer_for_checkpoint(ckpt, cfg, metadata, prepare_missing=True)
     given = parse_prompt_ids(prompt_ids) if prompt_ids is not None else tok.encode(prompt or "")
-    # No prompt, --prompt "" and --prompt-ids "" alike: a new document, which in training
-    # follows end-of-text, so the sample is unconditional.
+    # No prompt, --prompt "" and --prompt-ids "" alike: a new document, which in the shards
+    # follows an end-of-text, so the sample is unconditional.
     ids = given or [tok.eot_id]
     n_valid = min(tok.vocab_size, cfg.model.vocab_size)
     check_prompt_ids(ids, n_valid)  # before the prompt is printed (generate checks it lazily)
