@@ -142,8 +142,8 @@ def test_a_missing_data_folder_is_prepared_from_the_run_config(tmp_path, data_di
     ]
     assert (tmp_path / "fresh" / "manifest.json").is_file()
     prepared = json.loads(proc.stdout)
-    given = json.loads(run_andrea(*args, "--data", str(data_dir)).stdout)
-    assert prepared["tokens"] == given["tokens"] == 200
-    assert prepared["loss"] == given["loss"] and math.isfinite(prepared["loss"])
+    given = evaluate_checkpoint(str(ckpt), str(data_dir), 200, "fp32", "cpu", 8, False)
+    assert prepared["tokens"] == given.tokens == 200
+    assert prepared["loss"] == given.loss and math.isfinite(given.loss)
     again = run_andrea(*args)  # prepared now: nothing more to say
     assert again.returncode == 0 and again.stderr == "" and json.loads(again.stdout) == prepared
