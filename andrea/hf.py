@@ -416,6 +416,11 @@ def import_hf(
             f"{andrea_path}: format {andrea.get('format')!r}, expected {EXPORT_FORMAT!r}"
         )
     run_dir = Path(out) if out is not None else Path("runs") / src.resolve().name
+    if out is None and run_dir.exists() and not force:  # a folder the user never named
+        raise UserError(
+            f"{run_dir} (the default --out, named after {src.resolve().name}): already exists; "
+            f"pass --out runs/NAME for another run, or --force to replace it"
+        )
     _check_target(run_dir, force)
     identity, tokenizer_json = detect_tokenizer(src, andrea)
     # The run's own copy of a BPE tokenizer.json prepares its fine-tuning data (same identity).

@@ -203,3 +203,13 @@ def test_an_import_keeps_the_exporters_data_dir_only_if_it_exists_here(tmp_path,
     here = make_checkpoint(tmp_path, f"data.dir={data_dir}", "train.name=b")
     run = import_hf(export_hf(str(here), tmp_path / "hf-b"), tmp_path / "runs" / "ib")
     assert load_config(run.parent / "config.yaml").data.dir == str(data_dir)
+
+
+def test_an_import_over_its_default_run_names_the_default(tmp_path):
+    """Without --out the run folder is runs/<source name>; a clash says so, not '--out X'."""
+    hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "model")
+    assert run_andrea("import", str(hf), cwd=tmp_path).returncode == 0
+    line = assert_user_error(run_andrea("import", str(hf), cwd=tmp_path),
+                             "runs/model (the default --out, named after model): already exists",
+                             "--out runs/NAME", "--force")
+    assert not line.startswith("error: --out")
