@@ -26,13 +26,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from andrea.attention import attention, cuda_unavailable_reason
 from andrea.errors import UserError
-from andrea.flops import MfuMeter, attention_flops, flops_per_token, format_mfu
+from andrea.flops import MfuMeter, attention_flops, flops_per_token, format_mfu, no_mfu_reason
 
 # name -> (B, n_head, T, head_dim)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -92,6 +93,18 @@ class BenchResult:
         d["attention"] = [AttentionRow(**r) for r in d["attention"]]
         d["train"] = [TrainRow(**r) for r in d["train"]]
         return cls(**d)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (lscpu's "Model name"), which a benchmark prints beside its figures;
+    the machine type (e.g. x86_64) where the kernel does not say."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def median_ms(
@@ -249,8 +262,7 @@ def run_bench(
 
     result = BenchResult(
         device=str(dev),
-        device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
-        or platform.machine(),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
         torch_version=torch.__version__, repeats=repeats, warmup=warmup,
         attention=[], train=[], skipped=[],
     )
@@ -335,6 +347,9 @@ def format_table(result: BenchResult) -> str:
                 f"{f'{r.micro_batch_size} x {r.block_size}':<11} {r.step_ms:>9.1f} "
                 f"{r.tokens_per_s:>11,.0f} {format_mfu(r.mfu):>7}"
             )
+        why = no_mfu_reason(torch.device(result.device))
+        if why and any(r.mfu is None for r in result.train):
+            lines.append(why)
     if result.skipped:
         lines.append("")
         lines.extend(f"skipped: {s}" for s in result.skipped)

@@ -188,9 +188,15 @@ def eval_cmd(
 @app.command("generate")
 def generate_cmd(
     checkpoint: CheckpointOpt = None,
-    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Text to continue.")] = None,
+    prompt: Annotated[
+        str | None,
+        typer.Option("--prompt", "-p", help="Text to continue. None or empty: a new document "
+                     "(unconditional, from the end-of-text token)."),
+    ] = None,
     prompt_ids: Annotated[
-        str | None, typer.Option("--prompt-ids", help="Token ids instead, e.g. '464,3290'.")
+        str | None,
+        typer.Option("--prompt-ids", help="Token ids instead, e.g. '464,3290'; empty as "
+                     "--prompt \"\"."),
     ] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 200,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="0: greedy.")] = 0.8,

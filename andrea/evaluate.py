@@ -15,11 +15,14 @@ miscounting). End-of-text stands for no text and counts 0 bytes. With the byte t
 bytes = targets that are not end-of-text.
 
 Also here, shared with `generate` and `export`: finding a checkpoint (`find_checkpoint`),
-loading it as a model (`load_model`) and finding its tokenizer (`tokenizer_for_checkpoint`).
+loading it as a model (`load_model`), finding its tokenizer (`tokenizer_for_checkpoint`) and
+preparing the run's data folder from its config when it has none yet (`prepare_run_data`: an
+imported run, or a run evaluated from another working directory), as `andrea train` does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -38,7 +41,7 @@ from andrea.config import CHOICES, Config
 from andrea.errors import UserError
 from andrea.loader import TokenSplit
 from andrea.model import Andrea
-from andrea.prepare import SPLITS, data_dir_for
+from andrea.prepare import MANIFEST, SHAKESPEARE, SPLITS, data_dir_for, prepare_from_config
 from andrea.tokenizer import (
     BPE_FILE,
     BpeTokenizer,
@@ -96,12 +99,42 @@ def load_model(
     return model.to(device).eval(), cfg, metadata
 
 
-def tokenizer_for_checkpoint(ckpt: Path, cfg: Config, metadata: dict[str, str]) -> Tokenizer:
+def prepare_run_data(ckpt: Path, cfg: Config, instead: str) -> Path:
+    """The run's data dir (data.dir of its config, or the derived default), prepared from the
+    config first, as `andrea train` does, when it holds no prepared data; says so in one line.
+    `instead`: what the user can do when that fails (the end of the error message).
+
+    Notices go to stderr (stdout may be --json or the generated text).
+    """
+    data_dir = data_dir_for(cfg)
+    if (data_dir / MANIFEST).is_file():
+        return data_dir
+    d = cfg.data
+    what = "the embedded Shakespeare corpus" if d.source == SHAKESPEARE else d.source
+    tokenizer = d.tokenizer_file or f"the {d.tokenizer} tokenizer"
+    announce = (f"preparing {data_dir} (the run's data folder, not prepared yet) from {what} "
+                f"with {tokenizer}, as the run's config says")
+    try:
+        # prepare announces on stdout, as train's log; here stdout is the result.
+        with contextlib.redirect_stdout(sys.stderr):
+            return prepare_from_config(cfg, verbose=False, announce=announce)
+    except UserError as exc:
+        raise UserError(
+            f"{ckpt}: cannot prepare the run's data in {data_dir} from its config ({exc}); "
+            f"{instead}"
+        ) from None
+
+
+def tokenizer_for_checkpoint(
+    ckpt: Path, cfg: Config, metadata: dict[str, str], prepare_missing: bool = False
+) -> Tokenizer:
     """The tokenizer a checkpoint was trained with, checked by its identity.
 
     byte and gpt2 are rebuilt from the package. A trained BPE is read from the run's data dir
     (data.dir of its config), else from a tokenizer.json beside the checkpoint or in its run
-    directory (where `andrea import` puts one).
+    directory (where `andrea import` puts one). With `prepare_missing`, a BPE found nowhere is
+    made by preparing the run's data from its config (`prepare_run_data`) when that folder
+    holds no prepared data; its identity must still match.
     """
     identity = metadata.get("tokenizer", "")
     kind = identity.split(":", 1)[0]
@@ -116,14 +149,17 @@ def tokenizer_for_checkpoint(ckpt: Path, cfg: Config, metadata: dict[str, str]) 
     if kind != "bpe":
         raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
     data_dir = data_dir_for(cfg)
-    for path in (data_dir / BPE_FILE, ckpt / BPE_FILE, ckpt.parent / BPE_FILE):
+    candidates = (data_dir / BPE_FILE, ckpt / BPE_FILE, ckpt.parent / BPE_FILE)
+    if prepare_missing and not any(path.is_file() for path in candidates):
+        prepare_run_data(ckpt, cfg, f"copy the model's {BPE_FILE} into {ckpt.parent}")
+    for path in candidates:
         if path.is_file():
             tok = BpeTokenizer(path)
             if tok.identity == identity:
                 return tok
     raise UserError(
-        f"{ckpt}: trained with BPE tokenizer {identity}, whose tokenizer.json is not in the run's "
-        f"data dir {data_dir} (gone or re-prepared); prepare the run's data again "
+        f"{ckpt}: trained with BPE tokenizer {identity}, which is neither in the run's data dir "
+        f"{data_dir} nor beside the checkpoint; prepare the run's data again "
         f"(`andrea prepare -c {ckpt.parent / 'config.yaml'}`) or copy that tokenizer.json "
         f"into {ckpt.parent}"
     )
@@ -253,18 +289,15 @@ def evaluate_checkpoint(
     dev = pick_device(device)
     dtype = pick_dtype(precision, dev)
     model, cfg, metadata = load_model(ckpt, dev)
-    tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
     if data is not None:
         data_dir = Path(data)
         if not data_dir.is_dir():
             raise UserError(f"--data {data}: no such directory")
     else:
-        data_dir = data_dir_for(cfg)
-        if not data_dir.is_dir():
-            raise UserError(
-                f"{ckpt}: the run's data dir {data_dir} is gone; pass --data DIR (prepared shards "
-                f"with the same tokenizer) or run `andrea prepare -c {ckpt.parent / 'config.yaml'}`"
-            )
+        data_dir = prepare_run_data(
+            ckpt, cfg, "pass --data DIR (shards prepared with the checkpoint's tokenizer)"
+        )
+    tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
     token_split = TokenSplit(data_dir, split)
     if token_split.tokenizer_identity != tok.identity:
         raise UserError(

@@ -8,16 +8,9 @@ accounting; the causal mask's skipped half is counted, as FlashAttention papers 
 
 from __future__ import annotations
 
-import json
-import platform
-import time
-from pathlib import Path
-
 import torch
 
 from andrea.config import ModelConfig
-from andrea.fileio import atomic_write_text
-from andrea.resources import cache_dir
 
 # Dense bf16 tensor-core peaks, FLOP/s, by a substring of torch.cuda.get_device_name().
 GPU_PEAK_BF16 = {
@@ -43,85 +36,55 @@ def attention_flops(batch: int, n_head: int, seq_len: int, head_dim: int) -> dic
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def measure_cpu_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """The best matmul FLOP/s this CPU reaches in `dtype` with torch's current thread count."""
-    g = torch.Generator().manual_seed(0)  # never touch the global RNG a run depends on
-    a = torch.randn(size, size, generator=g).to(dtype)
-    b = torch.randn(size, size, generator=g).to(dtype)
-    a @ b  # warm-up: oneDNN picks and caches its kernel on the first call
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * size**3 / best
-
-
-def cpu_peak(dtype: torch.dtype, at_least: float = 0.0) -> float:
-    """Measured once per (CPU, torch, threads, dtype) and cached on disk. A cached figure below
-    `at_least` (a rate a run has reached, so the probe ran on a busy machine) is measured again
-    and the higher of the two kept."""
-    key = f"{_cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}"
-    path = cache_dir() / "cpu_peak.json"
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    if key not in table or table[key] < at_least:
-        table[key] = max(table.get(key, 0.0), measure_cpu_peak(dtype))
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, json.dumps(table, indent=1))
-        except OSError:
-            pass  # a read-only home only costs a re-measurement next time
-    return table[key]
+# Why a CPU gets no MFU. A CPU's peak is not knowable from here (FMA units per core, AMX, clocks
+# hidden by the hypervisor: three 2-core machines of this project differ 6x in bf16 matmul
+# rate), and a measured matmul rate is no substitute on a shared machine: a probe of a few
+# 1024^3 matmuls read anywhere from half to all of the machine depending on the neighbours,
+# was cached and reused by later runs, so the same run printed 58-98% or "n/a" (above 100%).
+CPU_NO_MFU = (
+    "MFU is n/a on a CPU: its peak FLOP/s is not known here and a measured one varies with the "
+    "machine's load; compare tokens/s with a baseline instead"
+)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s for MFU, or None when the device is unknown (MFU then reads "n/a")."""
+    """Dense bf16 peak FLOP/s for MFU, or None (MFU then reads "n/a"): a CPU (see CPU_NO_MFU)
+    or a GPU not in GPU_PEAK_BF16."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, peak in GPU_PEAK_BF16.items():
             if key in name:
                 # fp32 runs on TF32 or CUDA cores; quoting MFU against the bf16 peak stays honest.
                 return peak
-        return None
-    if device.type == "cpu":
-        return cpu_peak(dtype)
     return None
 
 
+def no_mfu_reason(device: torch.device) -> str | None:
+    """Why MFU reads n/a on `device` (one line), or None when it has a known peak."""
+    if device.type == "cpu":
+        return CPU_NO_MFU
+    if peak_flops(device, torch.bfloat16) is not None:
+        return None
+    what = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"MFU is n/a: no peak FLOP/s known for {what} (andrea/flops.py GPU_PEAK_BF16)"
+
+
 class MfuMeter:
-    """MFU for one run: the device's peak looked up once; on a CPU whose cached peak a run
-    outpaces, the peak is probed again once."""
+    """MFU for one run against the device's peak, looked up once; None where there is none
+    (`why_na` says why)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, flops_token: float) -> None:
         self.device, self.dtype, self.flops_token = device, dtype, flops_token
         self.peak = peak_flops(device, dtype)
-        self._reprobed = False
+        self.why_na = no_mfu_reason(device)
 
     def __call__(self, tokens_per_s: float) -> float | None:
-        value = mfu(tokens_per_s, self.flops_token, self.peak)
-        if value is None and self.device.type == "cpu" and not self._reprobed:
-            self._reprobed = True
-            self.peak = cpu_peak(self.dtype, at_least=tokens_per_s * self.flops_token)
-            value = mfu(tokens_per_s, self.flops_token, self.peak)
-        return value
+        return mfu(tokens_per_s, self.flops_token, self.peak)
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak: float | None) -> float | None:
-    """Model FLOPs utilisation, or None when unknown or impossible (a peak probed while the
-    machine was busy can read below what a run later reaches; that MFU would exceed 1)."""
+    """Model FLOPs utilisation, or None when the peak is unknown or the figure impossible
+    (above 1: a wrong peak, never printed)."""
     if peak is None or peak <= 0 or tokens_per_s <= 0:
         return None
     value = tokens_per_s * flops_token / peak

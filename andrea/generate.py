@@ -7,6 +7,10 @@ run again as a fresh prefill and decoding continues after them. Without the cach
 the whole context (the last block_size tokens) again. The two agree exactly while the text fits
 in block_size; past it they differ by design (half-block versus full-block context after a slide).
 
+An empty prompt (none, `--prompt ""` or `--prompt-ids ""`) samples unconditionally: the context
+is the end-of-text token, which ends every document in the training shards (so what follows it
+is a new document), and it is not printed.
+
 Sampling: logits / temperature, then top-k, then top-p (the smallest set of most likely tokens
 whose probability reaches p), drawn with a CPU torch.Generator seeded by `seed`, so a seed
 repeats on any device. Temperature 0 is greedy (argmax). Ids the tokenizer cannot produce (the
@@ -215,11 +219,11 @@ def generate_command(
     dev = pick_device(device)
     model, cfg, metadata = load_model(ckpt, dev)
     model = model.to(pick_dtype(precision, dev))  # bf16 here means bf16 weights and cache
-    tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
-    if prompt_ids is not None:
-        ids = parse_prompt_ids(prompt_ids)
-    else:
-        ids = tok.encode(prompt or "") or [tok.eot_id]  # no prompt: start a new document
+    tok = tokenizer_for_checkpoint(ckpt, cfg, metadata, prepare_missing=True)
+    given = parse_prompt_ids(prompt_ids) if prompt_ids is not None else tok.encode(prompt or "")
+    # No prompt, --prompt "" and --prompt-ids "" alike: a new document, which in the shards
+    # follows an end-of-text, so the sample is unconditional.
+    ids = given or [tok.eot_id]
     n_valid = min(tok.vocab_size, cfg.model.vocab_size)
     check_prompt_ids(ids, n_valid)  # before the prompt is printed (generate checks it lazily)
     if len(ids) > cfg.model.block_size:

@@ -21,8 +21,10 @@ an empty optimizer state and step 0) that `andrea eval`/`generate`/`export` read
 it with --set at import or resume). A bpe tokenizer.json is copied into the run directory, and
 the run's config points `data.tokenizer_file` at that copy (absolute path) with `data.dir` reset
 to the derived default: the fine-tuning data is then prepared with the model's own tokenizer
-(same identity) instead of a newly trained BPE, in data/<source>-bpe-tok<hash>. Pick the data
-with `--set data.source=...` at import (or at resume).
+(same identity) instead of a newly trained BPE, in data/<source>-bpe-tok<hash>. A byte or gpt2
+run keeps the exporter's `data.dir` only if that folder exists here, else the derived default.
+`andrea eval`, `generate` and `train` prepare a missing data folder from the run's config. Pick
+the data with `--set data.source=...` at import (or at resume).
 """
 
 from __future__ import annotations
@@ -349,8 +351,10 @@ def import_config(
                              init_std=float(hf.get("initializer_range", 0.02)))
     data["data"]["tokenizer"] = tokenizer.split(":", 1)[0]
     data["data"]["tokenizer_file"] = tokenizer_file
-    if tokenizer_file:
-        # The exporter's data dir (if any) was prepared for its own config: derive a fresh one.
+    exporter_dir = data["data"].get("dir") or ""
+    if tokenizer_file or not (exporter_dir and Path(exporter_dir).is_dir()):
+        # The exporter's data dir was prepared for its own config (a BPE run's) or lives on the
+        # exporter's machine: derive one here, which eval/generate/train prepare when missing.
         data["data"]["dir"] = ""
     data["train"].update(name=name, runs_dir=runs_dir)
     for text in overrides:
@@ -412,6 +416,11 @@ def import_hf(
             f"{andrea_path}: format {andrea.get('format')!r}, expected {EXPORT_FORMAT!r}"
         )
     run_dir = Path(out) if out is not None else Path("runs") / src.resolve().name
+    if out is None and run_dir.exists() and not force:  # a folder the user never named
+        raise UserError(
+            f"{run_dir} (the default --out, named after {src.resolve().name}): already exists; "
+            f"pass --out runs/NAME for another run, or --force to replace it"
+        )
     _check_target(run_dir, force)
     identity, tokenizer_json = detect_tokenizer(src, andrea)
     # The run's own copy of a BPE tokenizer.json prepares its fine-tuning data (same identity).

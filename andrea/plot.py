@@ -16,7 +16,7 @@ from typing import Any
 
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes
-from andrea.runs import METRICS, current_history, read_metrics, read_run, run_path
+from andrea.runs import CONFIG, METRICS, current_history, read_metrics, read_run, run_path
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 X_AXES = ("tokens", "step")
@@ -29,7 +29,7 @@ def _warn(message: str) -> None:
 def resolve_run(name: str | Path, runs_dir: Path = Path("runs")) -> Path:
     """A run directory given as a path, or as a bare name under ./runs."""
     path = run_path(name, runs_dir)
-    if (path / METRICS).is_file():
+    if (path / METRICS).is_file() or (path / CONFIG).is_file():
         return path
     if path.is_dir():
         raise UserError(f"{path}: no {METRICS} in this folder; is it a run directory?")
@@ -107,6 +107,11 @@ def plot_runs(
     notes: list[str] = []
     for name in run_dirs:
         path = resolve_run(name)
+        if not (path / METRICS).is_file():
+            imported = read_run(path).state == "imported"
+            why = "an imported run, not trained yet" if imported else "not trained yet"
+            notes.append(f"{path}: no {METRICS} ({why}); run left out")
+            continue
         try:
             records, n_bad = read_metrics(path / METRICS)
         except OSError as exc:

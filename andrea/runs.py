@@ -25,11 +25,14 @@ from andrea.errors import UserError
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
-# checkpoint.LATEST; not imported from there, which would load torch for a table.
+# checkpoint.LATEST and STATE_FILE; not imported from there, which would load torch for a table.
 LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
 
-# Every state a run can be in; the first five come from the trainer's "end" event.
-STATES = ("finished", "stopped", "interrupted", "nonfinite", "failed", "running", "crashed")
+# Every state a run can be in; the first five come from the trainer's "end" event. "imported":
+# made by `andrea import` (a checkpoint at step 0, no metrics), not trained yet.
+STATES = ("finished", "stopped", "interrupted", "nonfinite", "failed", "running", "crashed",
+          "imported")
 
 
 @dataclass
@@ -37,7 +40,7 @@ class RunSummary:
     name: str
     path: str
     preset: str | None = None
-    # e.g. "6L/12H/32d/256T": layers, heads, head_dim, block_size (context length in tokens).
+    # e.g. "6L/12H/d384/ctx256": layers, heads, d_model, block_size (context in tokens).
     shape: str | None = None
     n_params: int | None = None
     step: int | None = None
@@ -60,7 +63,7 @@ class RunSummary:
 
     @property
     def model(self) -> str:
-        """The "preset/shape" column, e.g. 'andrea-12m 6L/12H/32d/256T'."""
+        """The "preset/shape" column, e.g. 'andrea-12m 6L/12H/d384/ctx256'."""
         parts = [p for p in (self.preset, self.shape) if p]
         return " ".join(parts) if parts else "?"
 
@@ -73,10 +76,14 @@ class RunSummary:
 
 
 def run_path(name: str | Path, runs_dir: str | Path = "runs") -> Path:
-    """A run given as a path, or as a bare name under runs_dir (when no such path exists)."""
+    """A run given as a path, or as a bare name under runs_dir (when no run has that path:
+    `andrea export --out NAME` then `andrea import NAME` leaves ./NAME, an export, beside
+    runs/NAME, the run)."""
     path = Path(name)
-    if not path.exists() and len(path.parts) == 1 and (Path(runs_dir) / path).is_dir():
-        return Path(runs_dir) / path
+    under = Path(runs_dir) / path
+    if len(path.parts) == 1 and not _is_run(path) and under.is_dir():
+        if not path.exists() or _is_run(under):
+            return under
     return path
 
 
@@ -175,7 +182,8 @@ def _shape(model: Any) -> str | None:
     if any(v is None for v in values):
         return None
     n_layer, n_head, head_dim, block = values
-    return f"{n_layer}L/{n_head}H/{head_dim}d/{block}T"
+    # d_model, not head_dim, is the width people compare ("d384"); head_dim = d_model / heads.
+    return f"{n_layer}L/{n_head}H/d{n_head * head_dim}/ctx{block}"
 
 
 def _latest_checkpoint(run: Path, summary: RunSummary) -> None:
@@ -195,6 +203,24 @@ def _latest_checkpoint(run: Path, summary: RunSummary) -> None:
         summary.problems.append(f"{LATEST} points to {name}, which does not exist")
 
 
+def _read_import(run: Path, summary: RunSummary) -> bool:
+    """Fill in an imported run (its latest checkpoint's trainer state names its source);
+    False if the run is not one."""
+    if summary.latest_checkpoint is None:
+        return False
+    try:
+        state = json.loads((run / summary.latest_checkpoint / TRAINER_STATE).read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(state, dict) or not isinstance(state.get("imported_from"), str):
+        return False
+    summary.state = "imported"
+    summary.step, summary.tokens = _int(state.get("step")), _int(state.get("tokens"))
+    summary.preset = state.get("preset") if isinstance(state.get("preset"), str) else None
+    summary.message = f"imported from {state['imported_from']}; not trained here yet"
+    return True
+
+
 def read_run(path: Path | str) -> RunSummary:
     """Summarise one run directory. Damage goes into `problems`; this never raises for it."""
     run = Path(path)
@@ -210,7 +236,8 @@ def read_run(path: Path | str) -> RunSummary:
 
     metrics = run / METRICS
     if not metrics.is_file():
-        summary.problems.append(f"no {METRICS}")
+        if not _read_import(run, summary):
+            summary.problems.append(f"no {METRICS}")
         return summary
     try:
         records, n_bad = read_metrics(metrics)

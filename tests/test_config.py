@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
 import yaml
 from conftest import assert_user_error, run_andrea
 
-from andrea.config import load_config
+from andrea.config import TrainConfig, load_config
 from andrea.errors import UserError
 
 
@@ -91,3 +92,17 @@ def test_override_errors_through_the_cli():
     assert_user_error(proc, "trian.lr", "did you mean 'train'")
     proc = run_andrea("config", "show", "-c", "andrea-12m", "--set", "train.lr")
     assert_user_error(proc, "SECTION.KEY=VALUE")
+
+
+def test_unknown_keys_suggest_only_close_matches_else_list_the_section():
+    def err(key: str) -> str:
+        return assert_user_error(run_andrea("config", "show", "-c", "andrea-tiny", "--set",
+                                            f"{key}=1"), f"'{key}'")
+
+    assert err("train.max_step").endswith("did you mean 'train.max_steps'?")
+    for far in ("train.nope", "train.steps"):  # once 'train.compile' and 'train.eps'
+        line = err(far)
+        assert "did you mean" not in line
+        assert line.endswith("; the train keys are: " + ", ".join(
+            f.name for f in dataclasses.fields(TrainConfig)))
+    assert "the model keys are: n_layer, n_head, head_dim, d_model," in err("model.layers")

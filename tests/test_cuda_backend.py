@@ -21,6 +21,7 @@ from andrea import cuda_attention as ca
 from andrea import kernel_launch
 from andrea.attention import math_attention, resolve_backend, sdpa_attention
 from andrea.errors import UserError
+from andrea.flops import CPU_NO_MFU
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 needs_gxx = pytest.mark.skipif(
@@ -365,7 +366,9 @@ def test_bench_quick_table_on_cpu() -> None:
     # The sdpa row compares with itself: exactly 1.00x.
     assert next(row for row in rows if row[3] == "sdpa")[-1] == "1.00x"
     train = [line.split() for line in lines if line.startswith("andrea-tiny ")]
-    assert len(train) == 1 and train[0][1] == "sdpa"
+    assert len(train) == 1 and train[0][1] == "sdpa" and train[0][-1] == "n/a"
+    assert float(train[0][-2].replace(",", "")) > 0  # tokens/s
+    assert CPU_NO_MFU in lines  # why MFU is n/a, once
     assert any(line.startswith("skipped: ") and "cuda" in line for line in lines)
 
 

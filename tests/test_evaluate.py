@@ -119,6 +119,31 @@ def test_bad_checkpoints_and_data_are_clear_errors(tmp_path):
                       "no such checkpoint")
     assert_user_error(run_andrea("eval", "--checkpoint", str(tmp_path)), "not a checkpoint")
     assert_user_error(run_andrea("eval", cwd=tmp_path), "no run with a checkpoint under runs/")
-    ckpt = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'gone'}")
-    assert_user_error(run_andrea("eval", "--checkpoint", str(ckpt)), "data dir", "is gone",
-                      "--data")
+    # A data folder that cannot be prepared from the run's config: the source is missing.
+    missing = tmp_path / "missing.txt"
+    ckpt = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'never'}",
+                           f"data.source={missing}", "train.name=nosource")
+    assert_user_error(run_andrea("eval", "--checkpoint", str(ckpt)), "cannot prepare",
+                      str(tmp_path / "never"), f"{missing}: no such file", "--data")
+
+
+def test_a_missing_data_folder_is_prepared_from_the_run_config(tmp_path, data_dir):
+    """Like train, eval prepares the run's data when its folder has none (one line on stderr,
+    never claiming the folder existed) and then gives what --data on the same shards gives."""
+    ckpt = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'fresh'}")
+    args = ("eval", "--checkpoint", str(ckpt), "--max-tokens", "200", "--precision", "fp32",
+            "--json", "--no-progress")
+    proc = run_andrea(*args)
+    assert proc.returncode == 0, proc.stderr
+    notices = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert notices == [
+        f"preparing {tmp_path / 'fresh'} (the run's data folder, not prepared yet) from the "
+        "embedded Shakespeare corpus with the byte tokenizer, as the run's config says"
+    ]
+    assert (tmp_path / "fresh" / "manifest.json").is_file()
+    prepared = json.loads(proc.stdout)
+    given = evaluate_checkpoint(str(ckpt), str(data_dir), 200, "fp32", "cpu", 8, False)
+    assert prepared["tokens"] == given.tokens == 200
+    assert prepared["loss"] == given.loss and math.isfinite(given.loss)
+    again = run_andrea(*args)  # prepared now: nothing more to say
+    assert again.returncode == 0 and again.stderr == "" and json.loads(again.stdout) == prepared

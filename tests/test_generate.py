@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from conftest import assert_user_error, make_checkpoint, run_andrea
 
 from andrea.config import load_config
 from andrea.errors import UserError
+from andrea.evaluate import load_model
 from andrea.generate import TextStream, generate, pick_next
 from andrea.model import Andrea
-from andrea.tokenizer import ByteTokenizer
+from andrea.prepare import ensure_prepared
+from andrea.tokenizer import BpeTokenizer, ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +122,44 @@ def test_command_line(tmp_path):
     assert_user_error(run_andrea(*args, "--prompt-ids", "1,2,999"), "999", "outside the vocab")
     assert_user_error(run_andrea(*args, "--top-p", "1.5"), "--top-p", "(0, 1]")
     assert_user_error(run_andrea(*args, "--temperature", "-1"), "--temperature")
+
+
+def test_an_empty_prompt_is_a_new_document_either_way(tmp_path):
+    """No prompt, --prompt "" and --prompt-ids "" all sample from end-of-text, the same text."""
+    ckpt = make_checkpoint(tmp_path, "model.init_std=0.2")
+    args = ["generate", "--checkpoint", str(ckpt), "-n", "30", "--seed", "3", "-t", "1.0",
+            "--no-stop-at-eot"]
+    eot = ByteTokenizer.eot_id
+    outs = [run_andrea(*args, *extra) for extra in ([], ["--prompt", ""], ["--prompt-ids", ""])]
+    for proc in outs:
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert len({proc.stdout for proc in outs}) == 1
+    assert len(outs[0].stdout) > 10  # 30 sampled bytes (some may be control characters)
+    model, _, _ = load_model(ckpt)
+    expected = list(generate(model, [eot], 30, temperature=1.0, top_k=200, seed=3,
+                             stop_at_eot=False, n_valid=ByteTokenizer().vocab_size))
+    assert outs[0].stdout == ByteTokenizer().decode(expected) + "\n"
+
+
+def test_a_bpe_run_whose_data_is_gone_prepares_it_again(tmp_path):
+    """generate needs a trained BPE's tokenizer.json: with the run's data folder gone, it
+    prepares that folder from the run's config (one line on stderr) and finds the same BPE."""
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"the cat sat on mat {i % 7}, the dog ran to {i % 5}.\n"
+                            for i in range(300)))
+    sets = ["data.tokenizer=bpe", f"data.source={text}", f"data.dir={tmp_path / 'data'}"]
+    data = ensure_prepared(load_config("andrea-tiny", sets))
+    identity = BpeTokenizer(data / "tokenizer.json").identity
+    ckpt = make_checkpoint(tmp_path, *sets, tokenizer=identity)
+    before = run_andrea("generate", "--checkpoint", str(ckpt), "-p", "the cat", "-n", "8",
+                        "--seed", "1")
+    assert before.returncode == 0 and before.stderr == "", before.stderr
+    shutil.rmtree(data)
+    after = run_andrea("generate", "--checkpoint", str(ckpt), "-p", "the cat", "-n", "8",
+                       "--seed", "1")
+    assert after.returncode == 0, after.stderr
+    assert after.stderr.splitlines() == [
+        f"preparing {data} (the run's data folder, not prepared yet) from {text} with the bpe "
+        "tokenizer, as the run's config says"
+    ]
+    assert after.stdout == before.stdout and after.stdout.startswith("the cat")

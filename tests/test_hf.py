@@ -192,3 +192,24 @@ def test_an_imported_bpe_model_fine_tunes_with_its_tokenizer(tmp_path, monkeypat
     assert read_manifest(data)["tokenizer"]["identity"] == bpe.identity
     assert data != default_data_dir(cfg.data.source, "bpe", cfg.model.vocab_size)
     assert_first_loss_is_the_imported_weights(result, ckpt, cfg, data)
+
+
+def test_an_import_keeps_the_exporters_data_dir_only_if_it_exists_here(tmp_path, data_dir):
+    """A data.dir of the exporter's machine is not named as the run's data folder: eval and
+    generate would prepare into (or report) a folder that was never here."""
+    elsewhere = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'not-here'}", "train.name=a")
+    run = import_hf(export_hf(str(elsewhere), tmp_path / "hf-a"), tmp_path / "runs" / "ia")
+    assert load_config(run.parent / "config.yaml").data.dir == ""
+    here = make_checkpoint(tmp_path, f"data.dir={data_dir}", "train.name=b")
+    run = import_hf(export_hf(str(here), tmp_path / "hf-b"), tmp_path / "runs" / "ib")
+    assert load_config(run.parent / "config.yaml").data.dir == str(data_dir)
+
+
+def test_an_import_over_its_default_run_names_the_default(tmp_path):
+    """Without --out the run folder is runs/<source name>; a clash says so, not '--out X'."""
+    hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "model")
+    assert run_andrea("import", str(hf), cwd=tmp_path).returncode == 0
+    line = assert_user_error(run_andrea("import", str(hf), cwd=tmp_path),
+                             "runs/model (the default --out, named after model): already exists",
+                             "--out runs/NAME", "--force")
+    assert not line.startswith("error: --out")

@@ -102,3 +102,19 @@ def test_plot_cli(tmp_path):
     assert_user_error(proc, "nothing to plot")
     assert not (tmp_path / "q.png").exists()
     assert_user_error(run_andrea("plot", str(a), "--out", str(tmp_path / "q.gif")), "q.gif")
+
+
+def test_an_imported_run_is_left_out_with_a_note(tmp_path):
+    from test_runs import imported_run
+
+    a, _ = two_runs(tmp_path)
+    imp = imported_run(tmp_path)
+    proc = run_andrea("plot", str(a), str(imp), "--out", str(tmp_path / "p.png"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"warning: {imp}: no metrics.jsonl (an imported run, not trained yet); run left out"]
+    pixels = np.asarray(Image.open(tmp_path / "p.png").convert("RGB"))
+    assert count_colour(pixels, BLUE) > 1000 and count_colour(pixels, ORANGE) == 0
+    assert_user_error(run_andrea("plot", str(imp), "--out", str(tmp_path / "q.png")),
+                      "nothing to plot", "an imported run")
+    assert not (tmp_path / "q.png").exists()

@@ -114,8 +114,8 @@ def test_ended_runs(tmp_path, state, signal, last):
     r = read_run(run)
     assert r.state == state and r.signal == signal and r.problems == []
     assert (r.step, r.max_steps, r.tokens) == (last, 100, last * TOKENS_PER_STEP)
-    assert r.preset == "andrea-tiny" and r.shape == "2L/4H/16d/64T"
-    assert r.model == "andrea-tiny 2L/4H/16d/64T"
+    assert r.preset == "andrea-tiny" and r.shape == "2L/4H/d64/ctx64"
+    assert r.model == "andrea-tiny 2L/4H/d64/ctx64"
     assert r.last_train_loss == pytest.approx(5.0 - last / 100)
     speeds = [1000.0 + s for s in range(10, last + 1, 10)]
     assert r.median_tokens_per_s == pytest.approx(statistics.median(speeds))
@@ -245,7 +245,7 @@ def test_runs_cli_table_json_and_errors(tmp_path):
         "done": "finished", "live": "running", "cut": "crashed", "nan": "nonfinite"}
     assert data["nan"]["last_train_loss"] is None
     assert data["done"]["tokens"] == 100 * TOKENS_PER_STEP
-    assert data["done"]["model"] == "andrea-tiny 2L/4H/16d/64T"
+    assert data["done"]["model"] == "andrea-tiny 2L/4H/d64/ctx64"
 
     (tmp_path / "empty").mkdir()
     assert_user_error(run_andrea("runs", str(tmp_path / "empty")), "no runs here")
@@ -303,3 +303,46 @@ def test_tensorboard_writes_event_files(tmp_path):
     tb.log(train_record(10))
     tb.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def imported_run(tmp_path: Path, name: str = "imp") -> Path:
+    """A run as `andrea import` makes it (config, step 0 checkpoint, no metrics.jsonl)."""
+    from conftest import make_checkpoint
+
+    from andrea.hf import export_hf, import_hf
+
+    ckpt = make_checkpoint(tmp_path / "src", "model.n_layer=1")
+    return import_hf(export_hf(str(ckpt), tmp_path / "hf"), tmp_path / "runs" / name).parent
+
+
+def test_an_imported_run_has_its_own_state(tmp_path):
+    run = imported_run(tmp_path)
+    write_run(tmp_path / "runs", "done", [start_record(), *normal_history(100),
+                                          end_record(100, "finished")], checkpoints=(100,))
+    r = read_run(run)
+    assert (r.state, r.step, r.tokens, r.problems) == ("imported", 0, 0, [])
+    assert r.model == "imported 1L/4H/d64/ctx64"  # d_model, not head_dim (16)
+    assert r.latest_checkpoint == "step-000000"
+    proc = run_andrea("runs", str(tmp_path / "runs"))
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("imp "))
+    assert row.split()[-2:] == ["imported", "step-000000"] and "!" not in row
+    assert f"imp: imported from {(tmp_path / 'hf').resolve()}; not trained here yet" in proc.stdout
+    data = {r["name"]: r for r in json.loads(run_andrea("runs", str(tmp_path / "runs"),
+                                                        "--json").stdout)}
+    assert data["imp"]["state"] == "imported" and data["done"]["state"] == "finished"
+
+
+def test_a_bare_name_is_the_run_not_an_export_folder_of_that_name(tmp_path, monkeypatch):
+    from andrea.runs import run_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "imp").mkdir()  # e.g. `andrea export --out imp`, then `andrea import imp`
+    (tmp_path / "imp" / "config.json").write_text("{}")
+    (tmp_path / "runs" / "imp").mkdir(parents=True)
+    (tmp_path / "runs" / "imp" / "config.yaml").write_text("model: {}\n")
+    assert run_path("imp") == Path("runs/imp")
+    (tmp_path / "runs" / "other").mkdir()
+    (tmp_path / "other").mkdir()
+    assert run_path("other") == Path("other")  # neither is a run: the path as given
+    assert run_path("missing") == Path("missing")

@@ -20,7 +20,6 @@ from conftest import assert_user_error, make_checkpoint, run_andrea
 from andrea import checkpoint as ckpt_io
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.flops import MfuMeter, format_mfu, mfu, peak_flops
 from andrea.loader import TokenSplit
 from andrea.memory import HEADROOM, choose_micro_batch, estimate_peak_bytes
 from andrea.model import Andrea
@@ -157,27 +156,6 @@ def test_device_and_precision_names_are_checked():
             pick_device("cuda:0")
     with pytest.raises(UserError, match="precision 'fp16'"):
         pick_dtype("fp16", torch.device("cpu"))
-
-
-def test_mfu_is_na_for_an_unknown_device():
-    assert peak_flops(torch.device("meta"), torch.float32) is None
-    assert format_mfu(mfu(1000.0, 1e6, None)) == "n/a"
-    assert mfu(1000.0, 1e6, 1e12) == pytest.approx(1e-3)
-    assert mfu(1000.0, 1e6, 1e8) is None  # above 100%: a stale peak, never printed
-
-
-def test_a_stale_cpu_peak_is_probed_again(tmp_path, monkeypatch):
-    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path))
-    (tmp_path / "cpu_peak.json").write_text("{}")
-    meter = MfuMeter(torch.device("cpu"), torch.float32, 1e6)
-    key, probed = next(iter(json.loads((tmp_path / "cpu_peak.json").read_text()).items()))
-    stale = {key: probed / 1000}  # as if probed while the machine was busy
-    (tmp_path / "cpu_peak.json").write_text(json.dumps(stale))
-    meter = MfuMeter(torch.device("cpu"), torch.float32, 1e6)
-    assert meter.peak == probed / 1000
-    value = meter(probed / 1e6 / 2)  # half the real peak: 500x the stale one
-    assert value is not None and 0 < value <= 1
-    assert json.loads((tmp_path / "cpu_peak.json").read_text())[key] > probed / 1000
 
 
 def test_two_processes_match_one_and_resume_in_one(tmp_path, data_dir):
