@@ -30,13 +30,13 @@ from safetensors.torch import save as safetensors_bytes
 from andrea.config import Config, config_from_dict
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text, fsync_dir
+from andrea.rundir import LATEST
+from andrea.rundir import TRAINER_STATE as STATE_FILE
 
 FORMAT = "andrea-checkpoint/1"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
-STATE_FILE = "trainer_state.json"
-LATEST = "latest"
 # The LM head is tied to the token embedding: stored once, re-tied on load.
 TIED_KEYS = {"lm_head.weight": "tok_emb.weight"}
 

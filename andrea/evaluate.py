@@ -41,7 +41,8 @@ from andrea.config import CHOICES, Config
 from andrea.errors import UserError
 from andrea.loader import TokenSplit
 from andrea.model import Andrea
-from andrea.prepare import MANIFEST, SHAKESPEARE, SPLITS, data_dir_for, prepare_from_config
+from andrea.prepare import SHAKESPEARE, SPLITS, data_dir_for, prepare_from_config
+from andrea.shards import MANIFEST
 from andrea.tokenizer import (
     BPE_FILE,
     BpeTokenizer,

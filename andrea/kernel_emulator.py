@@ -22,8 +22,13 @@ from pathlib import Path
 import torch
 
 from andrea import resources
-from andrea.cuda_attention import DTYPE_NAMES
-from andrea.kernel_launch import KERNEL_FILE, Launch, attention_launches, kernel_source
+from andrea.kernel_launch import (
+    ELEMENT_TYPES,
+    KERNEL_FILE,
+    Launch,
+    attention_launches,
+    kernel_source,
+)
 from andrea.resources import kernels_dir
 
 CPU_FILES = ("cuda_emulator.h", "emu_entry.cpp", "emu_sanitize_main.cpp")
@@ -167,10 +172,11 @@ def default_emulator() -> Emulator:
 
 
 def _shape(q: torch.Tensor) -> tuple[int, int, int, int, str]:
-    if q.dim() != 4 or q.dtype not in DTYPE_NAMES:
+    dtype = str(q.dtype).removeprefix("torch.")
+    if q.dim() != 4 or dtype not in ELEMENT_TYPES:
         raise ValueError("q must be [B, n_head, T, head_dim] float32 or bfloat16")
     b, h, t, d = q.shape
-    return b, h, t, d, DTYPE_NAMES[q.dtype]
+    return b, h, t, d, dtype
 
 
 def _poisoned(like: torch.Tensor, dtype: torch.dtype | None = None,

@@ -30,7 +30,8 @@ import torch
 
 from andrea import shards
 from andrea.errors import UserError
-from andrea.prepare import SPLITS, check_one_tokenizer, data_dir_for, read_manifest, source_dirs
+from andrea.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
+from andrea.shards import read_manifest
 
 if TYPE_CHECKING:
     from andrea.config import Config

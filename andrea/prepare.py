@@ -44,6 +44,7 @@ from andrea.readers import (
     parquet_jobs,
     record_jobs,
 )
+from andrea.shards import MANIFEST, MANIFEST_VERSION, read_manifest
 from andrea.tokenizer import (
     BPE_FILE,
     EOT_TEXT,
@@ -57,10 +58,8 @@ from andrea.tokenizer import (
 if TYPE_CHECKING:
     from andrea.config import Config
 
-MANIFEST = "manifest.json"
 PROGRESS = "progress.json"  # an unfinished prepare's complete shards and where to go on
 SCRATCH = "decompressed.tmp"  # a compressed text file, decompressed so it can be split
-MANIFEST_VERSION = 1
 SPLIT_RULE = "tail-after-line-break-v1"
 RECORD_SPLIT_RULE = "blake2b-8-of-text-v1"
 SPLITS = ("train", "val")
@@ -469,23 +468,6 @@ def read_tokenizer_file(path: str | Path) -> tuple[bytes, BpeTokenizer]:
 
 
 # ----------------------------------------------------------------------------- manifest
-
-
-def read_manifest(data_dir: Path) -> dict[str, Any]:
-    path = Path(data_dir) / MANIFEST
-    if not path.is_file():
-        raise UserError(
-            f"{data_dir}: no prepared data here ({MANIFEST} missing); run `andrea prepare`"
-        )
-    try:
-        manifest = json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(
-            f"{path}: unreadable manifest ({exc}); re-run `andrea prepare --force`"
-        ) from None
-    if manifest.get("manifest_version") != MANIFEST_VERSION:
-        raise UserError(f"{path}: manifest version differs; re-run `andrea prepare --force`")
-    return manifest
 
 
 def _settings(

@@ -22,12 +22,7 @@ from typing import Any
 import yaml
 
 from andrea.errors import UserError
-
-METRICS = "metrics.jsonl"
-CONFIG = "config.yaml"
-# checkpoint.LATEST and STATE_FILE; not imported from there, which would load torch for a table.
-LATEST = "latest"
-TRAINER_STATE = "trainer_state.json"
+from andrea.rundir import CONFIG, LATEST, METRICS, TRAINER_STATE, is_run
 
 # Every state a run can be in; the first five come from the trainer's "end" event. "imported":
 # made by `andrea import` (a checkpoint at step 0, no metrics), not trained yet.
@@ -73,18 +68,6 @@ class RunSummary:
         out["model"] = self.model
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                 for k, v in out.items()}
-
-
-def run_path(name: str | Path, runs_dir: str | Path = "runs") -> Path:
-    """A run given as a path, or as a bare name under runs_dir (when no run has that path:
-    `andrea export --out NAME` then `andrea import NAME` leaves ./NAME, an export, beside
-    runs/NAME, the run)."""
-    path = Path(name)
-    under = Path(runs_dir) / path
-    if len(path.parts) == 1 and not _is_run(path) and under.is_dir():
-        if not path.exists() or _is_run(under):
-            return under
-    return path
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -319,10 +302,6 @@ def read_run(path: Path | str) -> RunSummary:
     return summary
 
 
-def _is_run(path: Path) -> bool:
-    return (path / METRICS).exists() or (path / CONFIG).exists()
-
-
 def list_runs(root: Path | str = "runs") -> list[RunSummary]:
     """Every run under `root` (or `root` itself if it is one run), oldest start first.
 
@@ -332,10 +311,10 @@ def list_runs(root: Path | str = "runs") -> list[RunSummary]:
     if not root.is_dir():
         raise UserError(f"{root}: no such directory (runs live in runs/ unless train.runs_dir "
                         "says otherwise; pass the folder as the argument)")
-    if _is_run(root):
+    if is_run(root):
         dirs = [root]
     else:
-        dirs = sorted(p for p in root.iterdir() if p.is_dir() and _is_run(p))
+        dirs = sorted(p for p in root.iterdir() if p.is_dir() and is_run(p))
     if not dirs:
         raise UserError(f"{root}: no runs here (a run is a folder with {CONFIG} and {METRICS}, "
                         "written by `andrea train`)")

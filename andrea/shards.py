@@ -15,14 +15,21 @@ Written to a temporary name and renamed when complete; read with np.memmap, neve
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from andrea.errors import UserError
+
+# A prepared folder's manifest: what was read, how it was split and tokenized, and the token
+# counts. Writers live in prepare; every reader of a prepared folder goes through here.
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
 
 MAGIC = b"ANDRTOK\0"
 VERSION = 1
@@ -126,3 +133,20 @@ class ShardWriter:
     def abort(self) -> None:
         self._f.close()
         self.tmp.unlink(missing_ok=True)
+
+
+def read_manifest(data_dir: Path) -> dict[str, Any]:
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise UserError(
+            f"{data_dir}: no prepared data here ({MANIFEST} missing); run `andrea prepare`"
+        )
+    try:
+        manifest = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"{path}: unreadable manifest ({exc}); re-run `andrea prepare --force`"
+        ) from None
+    if manifest.get("manifest_version") != MANIFEST_VERSION:
+        raise UserError(f"{path}: manifest version differs; re-run `andrea prepare --force`")
+    return manifest

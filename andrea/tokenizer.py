@@ -21,6 +21,7 @@ import numpy as np
 
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
+from andrea.shards import read_manifest
 
 EOT_TEXT = "<|endoftext|>"
 KINDS = ("gpt2", "bpe", "byte")
@@ -271,8 +272,6 @@ def load_tokenizer(kind: str, data_dir: Path | None = None) -> Tokenizer:
 
 def tokenizer_for_data_dir(data_dir: Path) -> Tokenizer:
     """The tokenizer a prepared data directory was made with (checked against its manifest)."""
-    from andrea.prepare import read_manifest
-
     manifest = read_manifest(Path(data_dir))
     kind = manifest["tokenizer"]["kind"]
     tok = load_tokenizer(kind, data_dir)

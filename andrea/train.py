@@ -45,7 +45,7 @@ from andrea.loader import TokenSplit, mixture_report, open_split, train_batch, v
 from andrea.memory import GIB, available_memory, choose_micro_batch
 from andrea.model import Andrea
 from andrea.prepare import check_vocab, ensure_prepared
-from andrea.runs import run_path
+from andrea.rundir import run_path
 from andrea.schedule import lr_at
 
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}

@@ -172,7 +172,8 @@ def test_an_import_fine_tunes_with_resume(tmp_path, data_dir):
 def test_an_imported_bpe_model_fine_tunes_with_its_tokenizer(tmp_path, monkeypatch):
     """A BPE model's import prepares the fine-tuning data with the model's own tokenizer.json
     (not a newly trained BPE), so `train --resume` on it accepts the data and trains."""
-    from andrea.prepare import data_dir_for, default_data_dir, read_manifest
+    from andrea.prepare import data_dir_for, default_data_dir
+    from andrea.shards import read_manifest
     from andrea.train import train
 
     monkeypatch.chdir(tmp_path)  # the derived data dir goes under ./data

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from andrea import kernel_emulator, kernel_launch
+from andrea.cuda_attention import DTYPE_NAMES
 from andrea.errors import UserError
 
 pytestmark = pytest.mark.skipif(
@@ -188,7 +189,7 @@ def test_preprocess_row_sums_match_float64(emulator, dtype, d) -> None:
     transpose-reduce): 300 rows = two full blocks of 128 and a tail, every row checked."""
     b, h, t = 1, 3, 100
     o, dout = random_inputs(b, h, t, d, dtype, seed=d)[:2]
-    launch = kernel_launch.attention_launches(b, h, t, d, kernel_emulator.DTYPE_NAMES[dtype])
+    launch = kernel_launch.attention_launches(b, h, t, d, DTYPE_NAMES[dtype])
     delta = torch.full((b, h, t), math.nan)
     emulator.launch(launch["bwd_preprocess"], o, dout, delta, b * h * t)
     want = (o.double() * dout.double()).sum(-1)

@@ -18,7 +18,7 @@ from andrea.loader import (
     train_batch,
     val_batches,
 )
-from andrea.prepare import MANIFEST, MANIFEST_VERSION
+from andrea.shards import MANIFEST, MANIFEST_VERSION
 
 BASE = 1_000_000  # shard k holds BASE*k, BASE*k + 1, ...: a token names its shard and position
 T = 16

@@ -334,7 +334,7 @@ def test_an_imported_run_has_its_own_state(tmp_path):
 
 
 def test_a_bare_name_is_the_run_not_an_export_folder_of_that_name(tmp_path, monkeypatch):
-    from andrea.runs import run_path
+    from andrea.rundir import run_path
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "imp").mkdir()  # e.g. `andrea export --out imp`, then `andrea import imp`
