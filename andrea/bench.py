@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from andrea.attention import attention, cuda_unavailable_reason
 from andrea.errors import UserError
-from andrea.flops import MfuMeter, attention_flops, flops_per_token, format_mfu, no_mfu_reason
+from andrea.model.attention import attention, cuda_unavailable_reason
+from andrea.train.flops import MfuMeter, attention_flops, flops_per_token, format_mfu, no_mfu_reason
 
 # name -> (B, n_head, T, head_dim)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -142,7 +142,7 @@ def _attention_fn(backend: str) -> Callable[..., torch.Tensor]:
 
         return flash
     if backend == "cuda_naive":
-        from andrea.cuda_attention import cuda_attention
+        from andrea.cuda.attention import cuda_attention
 
         return lambda q, k, v: cuda_attention(q, k, v, naive=True)
     return lambda q, k, v: attention(q, k, v, backend)
@@ -182,8 +182,8 @@ def bench_train(
 ) -> TrainRow:
     """Median step time of `preset` with `backend` on random tokens."""
     from andrea.config import load_config
-    from andrea.model import Andrea
-    from andrea.train import build_optimizer, pick_dtype, resolve_micro_batch
+    from andrea.model.transformer import Andrea
+    from andrea.train.loop import build_optimizer, pick_dtype, resolve_micro_batch
 
     cfg = load_config(preset, overrides)
     dtype = pick_dtype(cfg.train.precision, device)
@@ -227,7 +227,7 @@ def run_bench(
     quick: small enough for a 2-core CPU in about a minute (batch 1, bf16 only, 3 repeats after
     1 warm-up, training ANDREA-12M at micro-batch 2 for 3 steps).
     """
-    from andrea.train import pick_device
+    from andrea.train.loop import pick_device
 
     dev = pick_device(device)
     if quick:

@@ -44,7 +44,7 @@ def config_show(config: ConfigOpt, set_: SetOpt = None) -> None:
 @app.command("count-params")
 def count_params_cmd(config: ConfigOpt, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
     """Count parameters by group (built on the meta device; checked against the formula)."""
-    from andrea.params import count_params, format_counts
+    from andrea.model.params import count_params, format_counts
 
     counts = count_params(_load(config, set_).model)
     typer.echo(json.dumps(counts.as_dict(), indent=2) if as_json else format_counts(counts))
@@ -70,7 +70,7 @@ def train_cmd(
     ] = None,
 ) -> None:
     """Train a model (also under torchrun for several processes)."""
-    from andrea.train import config_for_run, summary_line, train
+    from andrea.train.loop import config_for_run, summary_line, train
 
     cfg = config_for_run(config, set_ or [], resume)
     result = train(
@@ -143,7 +143,7 @@ def prepare_cmd(
     ] = None,
 ) -> None:
     """Tokenize text into shards (the embedded Shakespeare corpus by default)."""
-    from andrea.prepare import prepare_command
+    from andrea.data.prepare import prepare_command
 
     prepare_command(
         config, set_, input, tokenizer, out, vocab_size, force, errors, workers, tokenizer_file,

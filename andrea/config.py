@@ -133,7 +133,7 @@ class TrainConfig:
     precision: str = "auto"
     compile: bool = False
     # Sequences per forward/backward; "auto": the largest that divides the per-process batch and
-    # fits the device's memory (andrea/memory.py), resolved once per run and kept on resume.
+    # fits the device's memory (andrea/train/memory.py), resolved once per run and kept on resume.
     micro_batch_size: int | str = 8
     # "blocks": recompute each block's activations in backward instead of keeping them.
     activation_checkpointing: str = "none"

@@ -35,20 +35,20 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from andrea import checkpoint as ckpt_io
-from andrea.attention import resolve_backend
 from andrea.config import CHOICES, Config
-from andrea.errors import UserError
-from andrea.loader import TokenSplit
-from andrea.model import Andrea
-from andrea.prepare import SHAKESPEARE, SPLITS, data_dir_for, prepare_from_config
-from andrea.shards import MANIFEST
-from andrea.tokenizer import (
+from andrea.data.loader import TokenSplit
+from andrea.data.prepare import SHAKESPEARE, SPLITS, data_dir_for, prepare_from_config
+from andrea.data.shards import MANIFEST
+from andrea.data.tokenizer import (
     BPE_FILE,
     BpeTokenizer,
     Tokenizer,
     load_tokenizer,
 )
+from andrea.errors import UserError
+from andrea.model.attention import resolve_backend
+from andrea.model.transformer import Andrea
+from andrea.train import checkpoint as ckpt_io
 
 
 def _say(message: str) -> None:
@@ -276,7 +276,7 @@ def evaluate_checkpoint(
     runs_dir: str = "runs",
 ) -> EvalResult:
     """What `andrea eval` does: see the module doc."""
-    from andrea.train import pick_device, pick_dtype
+    from andrea.train.loop import pick_device, pick_dtype
 
     if max_tokens is not None and max_tokens < 1:
         raise UserError(f"--max-tokens: must be a positive integer, got {max_tokens}")

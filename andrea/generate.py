@@ -27,7 +27,7 @@ import torch
 
 from andrea.config import CHOICES
 from andrea.errors import UserError
-from andrea.model import Andrea, KVCache
+from andrea.model.transformer import Andrea, KVCache
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -203,7 +203,7 @@ def generate_command(
 ) -> None:
     """What `andrea generate` does: print each sample (prompt + continuation) as it grows."""
     from andrea.evaluate import find_checkpoint, load_model, tokenizer_for_checkpoint
-    from andrea.train import pick_device, pick_dtype
+    from andrea.train.loop import pick_device, pick_dtype
 
     out = out or sys.stdout
     check_sampling(temperature, top_k, top_p)

@@ -41,12 +41,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_bytes
 
-from andrea import checkpoint as ckpt_io
 from andrea.config import Config, config_from_dict, parse_override
-from andrea.errors import UserError
-from andrea.fileio import atomic_write_bytes, atomic_write_text
-from andrea.model import Andrea
-from andrea.tokenizer import (
+from andrea.data.tokenizer import (
     BPE_FILE,
     EOT_TEXT,
     FIXED_VOCAB,
@@ -55,6 +51,10 @@ from andrea.tokenizer import (
     Gpt2Tokenizer,
     gpt2_vocab_files,
 )
+from andrea.errors import UserError
+from andrea.fileio import atomic_write_bytes, atomic_write_text
+from andrea.model.transformer import Andrea
+from andrea.train import checkpoint as ckpt_io
 
 EXPORT_FORMAT = "andrea-hf-export/1"
 ANDREA_FILE = "andrea.json"
@@ -427,7 +427,7 @@ def import_hf(
     run_tokenizer = str((run_dir / BPE_FILE).resolve()) if tokenizer_json is not None else ""
     cfg = import_config(src, hf, andrea, identity, run_dir.name, str(run_dir.parent),
                         list(overrides or []), run_tokenizer)
-    from andrea.prepare import check_vocab
+    from andrea.data.prepare import check_vocab
 
     n_ids = FIXED_VOCAB.get(cfg.data.tokenizer)
     if tokenizer_json is not None:

@@ -16,8 +16,8 @@ from typing import Any
 
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes
-from andrea.rundir import CONFIG, METRICS, run_path
 from andrea.runs import current_history, read_metrics, read_run
+from andrea.train.rundir import CONFIG, METRICS, run_path
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 X_AXES = ("tokens", "step")

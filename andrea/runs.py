@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from andrea.errors import UserError
-from andrea.rundir import CONFIG, LATEST, METRICS, TRAINER_STATE, is_run
+from andrea.train.rundir import CONFIG, LATEST, METRICS, TRAINER_STATE, is_run
 
 # Every state a run can be in; the first five come from the trainer's "end" event. "imported":
 # made by `andrea import` (a checkpoint at step 0, no metrics), not trained yet.

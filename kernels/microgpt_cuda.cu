@@ -22,7 +22,7 @@
 //   attn_fwd_naive<T_, D>, attn_bwd_dq_naive<T_, D>, attn_bwd_dkdv_naive<T_, D>
 //
 // Launch recipe (W = warps of the kernel's tile config, M = 16*W rows owned by a block,
-// N = rows of the streamed tile; values in TileCfg below and andrea/kernel_launch.py):
+// N = rows of the streamed tile; values in TileCfg below and andrea/cuda/launch.py):
 //   kernel               grid                          block      dynamic smem
 //   attn_fwd             (ceil(T/M_fwd),  B*H, 1)      32*W_fwd   0  (static, <= 48 KiB)
 //   attn_bwd_preprocess  (ceil(B*H*T/128), 1, 1)       128        0

@@ -18,7 +18,7 @@ import torch
 
 from andrea.config import load_config
 from andrea.generate import generate
-from andrea.model import Andrea
+from andrea.model.transformer import Andrea
 
 
 def run_once(model: Andrea, prompt: list[int], new_tokens: int, use_cache: bool):

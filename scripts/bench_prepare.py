@@ -50,7 +50,7 @@ def generate(folder: Path, target_bytes: int) -> tuple[Path, Path, int, int]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from andrea.corpus import shakespeare
+    from andrea.data.corpus import shakespeare
 
     lines = [ln for _, text in shakespeare() for ln in text.splitlines() if ln.strip()]
     rng = random.Random(0)
@@ -130,7 +130,7 @@ def run_andrea(input_path: Path, workers: int, out: Path) -> tuple[float, int, i
 
 def run_bare(jsonl: Path, workers: int) -> float:
     """Seconds tiktoken's encode_ordinary_batch takes over every document, in batches."""
-    from andrea.tokenizer import Gpt2Tokenizer
+    from andrea.data.tokenizer import Gpt2Tokenizer
 
     enc = Gpt2Tokenizer()._enc
     seconds = 0.0

@@ -13,8 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from andrea import prepare
-from andrea.tokenizer import load_tokenizer, train_bpe
+from andrea.data import prepare
+from andrea.data.tokenizer import load_tokenizer, train_bpe
 
 SETTINGS = prepare.Settings(val_fraction=0.1, text_field="text", errors="strict")
 

@@ -3,11 +3,11 @@
     python scripts/bench_train.py [--preset andrea-12m] [--steps 8] [--warmup 3] [--rounds 3]
 
 Both sides run ANDREA-12M at micro-batch 8 x 256 with no accumulation, AdamW, global-norm
-clipping, in fp32 and under bf16 autocast. The plain loop draws random token batches and does only
-forward, backward, clip, step; the trainer is `andrea.train.train` (data loader, schedule, logging,
-progress bar, finite checks) with evaluation and periodic checkpoints off. Rounds alternate between
-the two so that a noisy, shared machine slows both alike; the figures are medians of the per-step
-tokens/s after warm-up, and the overhead is 1 - trainer / plain.
+clipping, in fp32 and under bf16 autocast. The plain loop draws random token batches and does
+only forward, backward, clip, step; the trainer is `andrea.train.loop.train` (data loader,
+schedule, logging, progress bar, finite checks) with evaluation and periodic checkpoints off.
+Rounds alternate between the two so that a noisy, shared machine slows both alike; the figures
+are medians of the per-step tokens/s after warm-up, and the overhead is 1 - trainer / plain.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from andrea.config import load_config
-from andrea.model import Andrea
-from andrea.prepare import ensure_prepared
-from andrea.train import build_optimizer, train
+from andrea.data.prepare import ensure_prepared
+from andrea.model.transformer import Andrea
+from andrea.train.loop import build_optimizer, train
 
 
 def plain_loop(cfg, dtype: torch.dtype, steps: int, warmup: int) -> list[float]:

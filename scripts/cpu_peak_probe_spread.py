@@ -1,4 +1,4 @@
-"""How much the old CPU "peak" probe varied (why MFU on a CPU is now n/a; andrea/flops.py).
+"""How much the old CPU "peak" probe varied (why MFU on a CPU is now n/a; andrea/train/flops.py).
 
 The probe MFU used to divide by: after one warm-up, the best of 5 matmuls of 1024 x 1024 in the
 run's precision, 2*1024^3 FLOPs over the time. This repeats that probe ROUNDS times, a pause

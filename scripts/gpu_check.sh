@@ -149,7 +149,7 @@ try:
 except Exception as exc:
     print("cupy unavailable:", type(exc).__name__, exc)
 if torch.cuda.is_available():
-    from andrea.attention import cuda_unavailable_reason
+    from andrea.model.attention import cuda_unavailable_reason
 
     print("gpu", torch.cuda.get_device_name(), "sm_%d%d" % torch.cuda.get_device_capability())
     print("torch_gpu 1")

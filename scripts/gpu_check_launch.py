@@ -3,7 +3,7 @@ scripts/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck).
 
 No torch: a torch process under compute-sanitizer spends minutes loading and instrumenting
 torch's own modules. The kernels are compiled exactly as the backend compiles them
-(andrea.kernel_launch.compiled_module, same options and name expressions, so CuPy's disk cache
+(andrea.cuda.launch.compiled_module, same options and name expressions, so CuPy's disk cache
 from the earlier parts serves them). Every array is its own cudaMalloc of the exact size
 (CuPy's memory pool would hide an overrun inside a larger block), and outputs start as NaN, so
 an element a kernel forgets to write shows up here too. Exit 1 when an output is not finite.
@@ -19,7 +19,7 @@ import sys
 import cupy
 import numpy as np
 
-from andrea.kernel_launch import (
+from andrea.cuda.launch import (
     SUPPORTED_HEAD_DIMS,
     attention_launches,
     compiled_module,

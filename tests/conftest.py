@@ -42,7 +42,7 @@ def assert_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> str
 def data_dir(tmp_path_factory) -> Path:
     """The tiny preset's data (Shakespeare as bytes), prepared once for the whole session."""
     from andrea.config import load_config
-    from andrea.prepare import ensure_prepared
+    from andrea.data.prepare import ensure_prepared
 
     out = tmp_path_factory.mktemp("data") / "shakespeare-byte"
     ensure_prepared(load_config("andrea-tiny", [f"data.dir={out}"]))
@@ -56,9 +56,9 @@ def make_checkpoint(
     (no training: for tests that need any weights). Returns the checkpoint folder."""
     import torch
 
-    from andrea import checkpoint as ckpt_io
     from andrea.config import load_config
-    from andrea.model import Andrea
+    from andrea.model.transformer import Andrea
+    from andrea.train import checkpoint as ckpt_io
 
     cfg = load_config(
         "andrea-tiny", [f"train.runs_dir={tmp_path / 'runs'}", "train.name=r", *sets]

@@ -1,4 +1,4 @@
-"""The "cuda" attention backend (andrea/cuda_attention.py), the backend choice, `andrea bench`.
+"""The "cuda" attention backend (andrea/cuda/attention.py), the backend choice, `andrea bench`.
 
 On the CPU the autograd Function runs end to end with the emulator launcher (the same kernels,
 compiled by g++), against a float64 reference. The tests marked `gpu` run the real CuPy path; they
@@ -17,11 +17,11 @@ import pytest
 import torch
 from conftest import assert_user_error, run_andrea
 
-from andrea import cuda_attention as ca
-from andrea import kernel_launch
-from andrea.attention import math_attention, resolve_backend, sdpa_attention
+from andrea.cuda import attention as ca
+from andrea.cuda import launch as kernel_launch
 from andrea.errors import UserError
-from andrea.flops import CPU_NO_MFU
+from andrea.model.attention import math_attention, resolve_backend, sdpa_attention
+from andrea.train.flops import CPU_NO_MFU
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 needs_gxx = pytest.mark.skipif(
@@ -157,7 +157,7 @@ def test_poisoned_outputs_are_all_written(emu) -> None:
 def test_model_trains_through_the_function_like_sdpa(emu, monkeypatch) -> None:
     """The whole model with attention "cuda" (emulated kernels) under bf16 autocast vs "sdpa"."""
     from andrea.config import load_config
-    from andrea.model import Andrea
+    from andrea.model.transformer import Andrea
 
     monkeypatch.setattr(ca, "default_launcher", lambda device: emu)
     cfg = load_config("andrea-tiny", ["model.head_dim=32", "model.block_size=48"]).model
@@ -171,7 +171,7 @@ def test_model_trains_through_the_function_like_sdpa(emu, monkeypatch) -> None:
 def test_cache_prefill_through_the_cuda_backend_matches_sdpa(emu, monkeypatch) -> None:
     """A prefill's k/v are the first T positions of a longer [B, H, max_len, D] cache: strided
     views, which the "cuda" backend must accept (generate on a GPU runs exactly this)."""
-    from andrea.attention import attention
+    from andrea.model.attention import attention
 
     monkeypatch.setattr(ca, "default_launcher", lambda device: emu)
     q, k, v, _ = (x.detach() for x in inputs((1, 2, 9, 32), torch.float32, seed=7))
@@ -431,7 +431,7 @@ def test_gpu_runs_on_the_current_torch_stream() -> None:
 @gpu
 def test_gpu_model_with_cuda_backend_matches_sdpa() -> None:
     from andrea.config import load_config
-    from andrea.model import Andrea
+    from andrea.model.transformer import Andrea
 
     cfg = load_config("andrea-tiny", ["model.head_dim=64", "model.n_head=2"]).model
     torch.manual_seed(0)

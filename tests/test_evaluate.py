@@ -12,11 +12,11 @@ import torch
 from conftest import assert_user_error, make_checkpoint, run_andrea
 
 from andrea.config import load_config
+from andrea.data.loader import TokenSplit
+from andrea.data.prepare import prepare_inputs
+from andrea.data.tokenizer import ByteTokenizer, Gpt2Tokenizer, train_bpe
 from andrea.evaluate import evaluate_checkpoint, load_model
-from andrea.loader import TokenSplit
-from andrea.prepare import prepare_inputs
-from andrea.tokenizer import ByteTokenizer, Gpt2Tokenizer, train_bpe
-from andrea.train import train
+from andrea.train.loop import train
 
 
 def hand_nats(ckpt, tokens: np.ndarray, block: int) -> float:

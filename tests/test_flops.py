@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from andrea.flops import CPU_NO_MFU, MfuMeter, format_mfu, mfu, no_mfu_reason, peak_flops
+from andrea.train.flops import CPU_NO_MFU, MfuMeter, format_mfu, mfu, no_mfu_reason, peak_flops
 
 
 def test_mfu_is_na_where_the_peak_is_unknown():

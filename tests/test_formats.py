@@ -18,9 +18,9 @@ import pytest
 import zstandard
 from conftest import assert_user_error, run_andrea
 
-from andrea import prepare, readers
-from andrea.shards import open_shard, read_header
-from andrea.tokenizer import Gpt2Tokenizer
+from andrea.data import prepare, readers
+from andrea.data.shards import open_shard, read_header
+from andrea.data.tokenizer import Gpt2Tokenizer
 
 WORDS = ["alpha", "beta", "café", "日本語", "the", "cat", "\n", "ROMEO:", "  ", "<|endoftext|>"]
 

@@ -9,12 +9,12 @@ import torch
 from conftest import assert_user_error, make_checkpoint, run_andrea
 
 from andrea.config import load_config
+from andrea.data.prepare import ensure_prepared
+from andrea.data.tokenizer import BpeTokenizer, ByteTokenizer
 from andrea.errors import UserError
 from andrea.evaluate import load_model
 from andrea.generate import TextStream, generate, pick_next
-from andrea.model import Andrea
-from andrea.prepare import ensure_prepared
-from andrea.tokenizer import BpeTokenizer, ByteTokenizer
+from andrea.model.transformer import Andrea
 
 
 @pytest.fixture(scope="module")

@@ -320,8 +320,8 @@ def emulated_cupy(skip: str = "") -> ModuleType:
     .cu file): enough of it for scripts/gpu_check_launch.py. `skip`: a kernel never launched."""
     import torch
 
-    from andrea import kernel_emulator
-    from andrea.kernel_launch import Launch
+    from andrea.cuda import emulator as kernel_emulator
+    from andrea.cuda.launch import Launch
 
     emulator = kernel_emulator.default_emulator()
 
@@ -369,7 +369,7 @@ def emulated_cupy(skip: str = "") -> ModuleType:
 
 
 def run_launch_program(monkeypatch, skip: str = "", argv: tuple[str, ...] = ()) -> int:
-    from andrea import kernel_launch
+    from andrea.cuda import launch as kernel_launch
 
     monkeypatch.setitem(sys.modules, "cupy", emulated_cupy(skip))
     monkeypatch.setattr(kernel_launch, "_MODULES", {})
@@ -451,7 +451,7 @@ def test_sanitizer_part_on_a_gpu(tmp_path: Path, mode: str, status: str, fragmen
 
 @needs_gxx
 def test_sanitizer_program_reports_kernel_resources(monkeypatch, capsys) -> None:
-    from andrea import kernel_launch
+    from andrea.cuda import launch as kernel_launch
 
     assert run_launch_program(monkeypatch, argv=("--resources",)) == 0
     lines = capsys.readouterr().out.splitlines()

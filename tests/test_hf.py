@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import assert_user_error, make_checkpoint, run_andrea
 
-from andrea import checkpoint as ckpt_io
 from andrea.config import load_config
+from andrea.data.tokenizer import Gpt2Tokenizer, gpt2_vocab_files, train_bpe
 from andrea.errors import UserError
 from andrea.evaluate import load_model, tokenizer_for_checkpoint
 from andrea.hf import export_hf, import_hf
-from andrea.tokenizer import Gpt2Tokenizer, gpt2_vocab_files, train_bpe
+from andrea.train import checkpoint as ckpt_io
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # transformers is a test-only dependency; never the network
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -36,7 +36,7 @@ def ours(ckpt, idx: torch.Tensor) -> torch.Tensor:
 
 def assert_first_loss_is_the_imported_weights(result, ckpt, cfg, data_dir) -> None:
     """Step 1's loss of the fine-tuning run is the imported weights' loss on step 0's batch."""
-    from andrea.loader import TokenSplit, train_batch
+    from andrea.data.loader import TokenSplit, train_batch
 
     x, y = train_batch(TokenSplit(data_dir, "train"), seed=cfg.train.seed, step=0, micro_step=0,
                        rank=0, accum_steps=1, world_size=1,
@@ -158,7 +158,7 @@ def test_bad_exports_and_imports(tmp_path):
 
 def test_an_import_fine_tunes_with_resume(tmp_path, data_dir):
     from andrea.config import load_config
-    from andrea.train import train
+    from andrea.train.loop import train
 
     ckpt = make_checkpoint(tmp_path, f"data.dir={data_dir}", "model.init_std=0.1",
                            "train.precision=fp32")
@@ -172,9 +172,9 @@ def test_an_import_fine_tunes_with_resume(tmp_path, data_dir):
 def test_an_imported_bpe_model_fine_tunes_with_its_tokenizer(tmp_path, monkeypatch):
     """A BPE model's import prepares the fine-tuning data with the model's own tokenizer.json
     (not a newly trained BPE), so `train --resume` on it accepts the data and trains."""
-    from andrea.prepare import data_dir_for, default_data_dir
-    from andrea.shards import read_manifest
-    from andrea.train import train
+    from andrea.data.prepare import data_dir_for, default_data_dir
+    from andrea.data.shards import read_manifest
+    from andrea.train.loop import train
 
     monkeypatch.chdir(tmp_path)  # the derived data dir goes under ./data
     lines = [f"line {i}: the cat sat on mat {i % 7} and the dog ran to {i % 5}.\n"

@@ -4,7 +4,7 @@ nvcc: every kernel instance for sm_80, sm_89 and sm_90 with all warnings as erro
 register-spill warnings as errors. The ptxas resource table per arch is printed into the test's
 captured output: shown by `pytest -s` (scripts/ptxas_resources.sh) or on failure, not in every
 `-q` run.
-NVRTC: the runtime's exact options (andrea.kernel_launch.nvrtc_options) and name expressions,
+NVRTC: the runtime's exact options (andrea.cuda.launch.nvrtc_options) and name expressions,
 compiled to cubin through libnvrtc from the nvidia-cuda-nvrtc wheel, called directly (CuPy's
 compile path asks for a device first).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from andrea import kernel_launch
+from andrea.cuda import launch as kernel_launch
 from andrea.resources import kernels_dir
 
 KERNEL = kernels_dir() / "microgpt_cuda.cu"

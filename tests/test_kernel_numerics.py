@@ -1,7 +1,7 @@
 """The attention kernels of kernels/microgpt_cuda.cu, run unchanged on the CPU emulator, against
 a float64 reference: forward (O, log-sum-exp) and backward (dQ, dK, dV), fp32 and bf16.
 
-Output buffers are NaN-poisoned before each launch (andrea.kernel_emulator does it), so an
+Output buffers are NaN-poisoned before each launch (andrea.cuda.emulator does it), so an
 element a kernel fails to write fails the comparison. The bf16 path runs the tensor-core code
 (ldmatrix / mma.sync fragment bookkeeping) through its emulated warp-collective bodies.
 """
@@ -14,8 +14,9 @@ import shutil
 import pytest
 import torch
 
-from andrea import kernel_emulator, kernel_launch
-from andrea.cuda_attention import DTYPE_NAMES
+from andrea.cuda import emulator as kernel_emulator
+from andrea.cuda import kernel_launch
+from andrea.cuda.attention import DTYPE_NAMES
 from andrea.errors import UserError
 
 pytestmark = pytest.mark.skipif(
@@ -130,7 +131,7 @@ NAIVE_CASES = [
 )
 def test_naive_baseline_matches_float64(emulator, dtype, head_dim, seq_len, bh) -> None:
     """The naive one-block-per-(batch, head) kernels, through the launcher the GPU path uses."""
-    from andrea.cuda_attention import EmulatorLauncher, attention_backward, attention_forward
+    from andrea.cuda.attention import EmulatorLauncher, attention_backward, attention_forward
 
     b, h = bh
     launcher = EmulatorLauncher(emulator)

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from andrea import kernel_emulator
+from andrea.cuda import emulator as kernel_emulator
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"

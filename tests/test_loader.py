@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from andrea import shards
-from andrea.errors import UserError
-from andrea.loader import (
+from andrea.data import shards
+from andrea.data.loader import (
     Mixture,
     TokenSplit,
     mixture_report,
@@ -18,7 +17,8 @@ from andrea.loader import (
     train_batch,
     val_batches,
 )
-from andrea.shards import MANIFEST, MANIFEST_VERSION
+from andrea.data.shards import MANIFEST, MANIFEST_VERSION
+from andrea.errors import UserError
 
 BASE = 1_000_000  # shard k holds BASE*k, BASE*k + 1, ...: a token names its shard and position
 T = 16

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from andrea.config import load_config
-from andrea.model import Andrea, ChunkedCrossEntropy
+from andrea.model.transformer import Andrea, ChunkedCrossEntropy
 
 
 def tiny_model(*sets: str, dtype: torch.dtype = torch.float32) -> Andrea:

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from andrea.attention import math_attention, sdpa_attention
 from andrea.config import load_config
-from andrea.model import Andrea, KVCache
+from andrea.model.attention import math_attention, sdpa_attention
+from andrea.model.transformer import Andrea, KVCache
 
 
 def tiny_model(**overrides) -> Andrea:

@@ -8,8 +8,8 @@ import pytest
 from conftest import run_andrea
 
 from andrea.config import load_config
-from andrea.model import Andrea
-from andrea.params import closed_form_total, count_params
+from andrea.model.params import closed_form_total, count_params
+from andrea.model.transformer import Andrea
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from andrea import prepare
 from andrea.config import load_config
+from andrea.data import prepare
+from andrea.data.shards import open_shard
+from andrea.data.tokenizer import EOT_TEXT, ByteTokenizer, Gpt2Tokenizer, train_bpe
 from andrea.errors import UserError
-from andrea.shards import open_shard
-from andrea.tokenizer import EOT_TEXT, ByteTokenizer, Gpt2Tokenizer, train_bpe
 
 DOCS = {
     "a.txt": "First line of a.\nSecond line, café.\n" * 40,

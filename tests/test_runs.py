@@ -1,5 +1,5 @@
 """`andrea runs`: summaries of fabricated run directories in every state, damaged ones included.
-Also the optional TensorBoard sink (andrea/tensorboard.py)."""
+Also the optional TensorBoard sink (andrea/train/tensorboard.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from conftest import assert_user_error, run_andrea
 from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.runs import list_runs, read_metrics, read_run
-from andrea.tensorboard import open_tensorboard
+from andrea.train.tensorboard import open_tensorboard
 
 TOKENS_PER_STEP = 512
 
@@ -334,7 +334,7 @@ def test_an_imported_run_has_its_own_state(tmp_path):
 
 
 def test_a_bare_name_is_the_run_not_an_export_folder_of_that_name(tmp_path, monkeypatch):
-    from andrea.rundir import run_path
+    from andrea.train.rundir import run_path
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "imp").mkdir()  # e.g. `andrea export --out imp`, then `andrea import imp`

@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from andrea import shards
+from andrea.data import shards
 from andrea.errors import UserError
 
 

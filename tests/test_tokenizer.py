@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from andrea.errors import UserError
-from andrea.tokenizer import (
+from andrea.data.tokenizer import (
     EOT_TEXT,
     ByteTokenizer,
     Gpt2Tokenizer,
@@ -14,13 +13,14 @@ from andrea.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
+from andrea.errors import UserError
 
 NON_ASCII = "Ünïcödé — naïve café, 日本語 🙂\n\tzürich  Ελληνικά\r\n"
 
 
 @pytest.fixture(scope="module")
 def sample() -> str:
-    from andrea.corpus import shakespeare
+    from andrea.data.corpus import shakespeare
 
     plays = shakespeare()
     return plays[0][1][:60_000] + plays[-1][1][:60_000]

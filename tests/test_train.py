@@ -17,14 +17,14 @@ import pytest
 import torch
 from conftest import assert_user_error, make_checkpoint, run_andrea
 
-from andrea import checkpoint as ckpt_io
 from andrea.config import load_config
+from andrea.data.loader import TokenSplit
 from andrea.errors import UserError
-from andrea.loader import TokenSplit
-from andrea.memory import HEADROOM, choose_micro_batch, estimate_peak_bytes
-from andrea.model import Andrea
-from andrea.schedule import lr_at
-from andrea.train import build_optimizer, pick_device, pick_dtype, train
+from andrea.model.transformer import Andrea
+from andrea.train import checkpoint as ckpt_io
+from andrea.train.loop import build_optimizer, pick_device, pick_dtype, train
+from andrea.train.memory import HEADROOM, choose_micro_batch, estimate_peak_bytes
+from andrea.train.schedule import lr_at
 
 # data_dir: the session fixture in conftest.py (the tiny preset's prepared data).
 

@@ -1,6 +1,6 @@
 // emu_entry.cpp - the CPU build of kernels/microgpt_cuda.cu: a shared library that launches
 // its kernels by NVRTC name expression, with kernel parameters passed like cuLaunchKernel's
-// kernelParams (args[i] points at the i-th argument's value). Built by andrea/kernel_emulator.py.
+// kernelParams (args[i] points at the i-th argument's value). Built by andrea/cuda/emulator.py.
 #include "cuda_emulator.h"
 // The kernel file, unchanged; found through -I (the build copies it, or a modified text, there).
 #include "microgpt_cuda.cu"

@@ -62,7 +62,7 @@ def attention(
     if backend == "math":
         return math_attention(q, k, v, dropout_p)
     if backend == "cuda":
-        from andrea.cuda_attention import cuda_attention
+        from andrea.cuda.attention import cuda_attention
 
         if q.shape[-2] != k.shape[-2] or dropout_p > 0.0:
             # The kernels cover full causal self-attention without dropout; cached decoding
@@ -78,7 +78,7 @@ def cuda_unavailable_reason(head_dim: int, device: torch.device) -> str | None:
     """Why the CUDA kernels cannot run here, or None when they can."""
     if device.type != "cuda":
         return "no GPU: the CUDA kernels need one"
-    from andrea.kernel_launch import SUPPORTED_HEAD_DIMS
+    from andrea.cuda.launch import SUPPORTED_HEAD_DIMS
 
     if head_dim not in SUPPORTED_HEAD_DIMS:
         dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
@@ -91,7 +91,7 @@ def cuda_unavailable_reason(head_dim: int, device: torch.device) -> str | None:
             "CUDA 12 users: pip install cupy-cuda12x)"
         )
     try:
-        import andrea.cuda_attention  # noqa: F401
+        import andrea.cuda.attention  # noqa: F401
     except ImportError as exc:
         return f"the CUDA attention runtime failed to import: {exc}"
     try:

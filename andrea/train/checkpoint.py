@@ -30,8 +30,8 @@ from safetensors.torch import save as safetensors_bytes
 from andrea.config import Config, config_from_dict
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text, fsync_dir
-from andrea.rundir import LATEST
-from andrea.rundir import TRAINER_STATE as STATE_FILE
+from andrea.train.rundir import LATEST
+from andrea.train.rundir import TRAINER_STATE as STATE_FILE
 
 FORMAT = "andrea-checkpoint/1"
 MODEL_FILE = "model.safetensors"

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from andrea.config import ModelConfig
-from andrea.model import LOSS_CHUNK_LOGITS
+from andrea.model.transformer import LOSS_CHUNK_LOGITS
 
 GIB = 2**30
 # Activation bytes kept per token and layer, in units of d_model elements of the compute dtype

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from andrea.config import ModelConfig
-from andrea.model import Andrea
+from andrea.model.transformer import Andrea
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`andrea prepare`: text in, token shards out (docs/data.md describes every rule here).
 
-Inputs (andrea/readers.py): text files, whole documents each, or the embedded Shakespeare's
+Inputs (andrea/data/readers.py): text files, whole documents each, or the embedded Shakespeare's
 plays; JSON Lines, Parquet and `datasets` Arrow files, one document per record. A whole text's
 tail goes to the val split (everything after the first line break at or after (1 - val_fraction)
 of its bytes); a record goes to val by a hash of its text. Each split is written as shards of at
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from andrea import readers, shards
+from andrea.data import readers, shards
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text
-from andrea.readers import (
+from andrea.data.readers import (
     InputFile,
     Job,
     arrow_jobs,
@@ -44,8 +44,8 @@ from andrea.readers import (
     parquet_jobs,
     record_jobs,
 )
-from andrea.shards import MANIFEST, MANIFEST_VERSION, read_manifest
-from andrea.tokenizer import (
+from andrea.data.shards import MANIFEST, MANIFEST_VERSION, read_manifest
+from andrea.data.tokenizer import (
     BPE_FILE,
     EOT_TEXT,
     FIXED_VOCAB,
@@ -90,7 +90,7 @@ def documents(source: str) -> list[Input]:
     """The inputs of `source`: "shakespeare" (the embedded corpus, one Document per play) or a
     file, directory, glob or `datasets` folder (one InputFile each)."""
     if source == SHAKESPEARE:
-        from andrea.corpus import shakespeare
+        from andrea.data.corpus import shakespeare
 
         docs: list[Input] = []
         for name, text in shakespeare():
@@ -476,7 +476,7 @@ def _settings(
 ) -> dict[str, Any]:
     """Everything that determines the shards' content: equal settings mean nothing to redo."""
     if source == SHAKESPEARE:
-        from andrea.corpus import corpus_identity
+        from andrea.data.corpus import corpus_identity
 
         corpus = corpus_identity()
     else:

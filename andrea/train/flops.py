@@ -66,7 +66,7 @@ def no_mfu_reason(device: torch.device) -> str | None:
     if peak_flops(device, torch.bfloat16) is not None:
         return None
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return f"MFU is n/a: no peak FLOP/s known for {what} (andrea/flops.py GPU_PEAK_BF16)"
+    return f"MFU is n/a: no peak FLOP/s known for {what} (andrea/train/flops.py GPU_PEAK_BF16)"
 
 
 class MfuMeter:

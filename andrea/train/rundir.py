@@ -2,7 +2,7 @@
 
     runs/NAME/config.yaml          the resolved config the run trains with
     runs/NAME/metrics.jsonl        one JSON event per line (start, step, eval, end, ...)
-    runs/NAME/step-NNNNNN/         checkpoints (andrea/checkpoint.py writes them)
+    runs/NAME/step-NNNNNN/         checkpoints (andrea/train/checkpoint.py writes them)
     runs/NAME/latest               the name of the newest complete checkpoint
 
 No torch here: `andrea runs` and `andrea plot` read runs without loading it.

@@ -27,10 +27,15 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from andrea import checkpoint as ckpt_io
-from andrea.attention import resolve_backend
 from andrea.config import Config, load_config
-from andrea.distributed import (
+from andrea.data.loader import TokenSplit, mixture_report, open_split, train_batch, val_batches
+from andrea.data.prepare import check_vocab, ensure_prepared
+from andrea.errors import UserError
+from andrea.fileio import atomic_write_text
+from andrea.model.attention import resolve_backend
+from andrea.model.transformer import Andrea
+from andrea.train import checkpoint as ckpt_io
+from andrea.train.distributed import (
     DistInfo,
     all_gather_bytes,
     all_reduce_sum,
@@ -38,15 +43,10 @@ from andrea.distributed import (
     init_distributed,
     shutdown,
 )
-from andrea.errors import UserError
-from andrea.fileio import atomic_write_text
-from andrea.flops import MfuMeter, flops_per_token, format_mfu
-from andrea.loader import TokenSplit, mixture_report, open_split, train_batch, val_batches
-from andrea.memory import GIB, available_memory, choose_micro_batch
-from andrea.model import Andrea
-from andrea.prepare import check_vocab, ensure_prepared
-from andrea.rundir import run_path
-from andrea.schedule import lr_at
+from andrea.train.flops import MfuMeter, flops_per_token, format_mfu
+from andrea.train.memory import GIB, available_memory, choose_micro_batch
+from andrea.train.rundir import run_path
+from andrea.train.schedule import lr_at
 
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -707,7 +707,7 @@ def start_run_files(
     atomic_write_text(s.run_dir / "config.yaml", s.cfg.to_yaml())
     tensorboard = None
     if t.tensorboard:
-        from andrea.tensorboard import open_tensorboard
+        from andrea.train.tensorboard import open_tensorboard
 
         tensorboard = open_tensorboard(s.run_dir, True)
     s.log = MetricsLog(s.run_dir / "metrics.jsonl", tensorboard)

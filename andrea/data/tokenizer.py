@@ -21,7 +21,7 @@ import numpy as np
 
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
-from andrea.shards import read_manifest
+from andrea.data.shards import read_manifest
 
 EOT_TEXT = "<|endoftext|>"
 KINDS = ("gpt2", "bpe", "byte")

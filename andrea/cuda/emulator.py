@@ -3,7 +3,7 @@
 The unchanged .cu file is compiled by g++ against kernels/cpu/cuda_emulator.h into a shared
 library (kernels/cpu/emu_entry.cpp), built once and cached by a hash of the sources and flags,
 then launched on torch CPU tensors with the grid, block and arguments the GPU path uses
-(andrea.kernel_launch). Sanitizer builds (ThreadSanitizer, AddressSanitizer) are standalone
+(andrea.cuda.launch). Sanitizer builds (ThreadSanitizer, AddressSanitizer) are standalone
 programs (kernels/cpu/emu_sanitize_main.cpp). Every build accepts a modified kernel text, so
 tests can check that a deliberately broken copy is caught.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from andrea import resources
-from andrea.kernel_launch import (
+from andrea.cuda.launch import (
     ELEMENT_TYPES,
     KERNEL_FILE,
     Launch,

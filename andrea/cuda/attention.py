@@ -2,11 +2,11 @@
 
 Pieces, smallest first:
 
-- a *launcher* runs one `Launch` (andrea.kernel_launch) with torch tensors and scalars as the
+- a *launcher* runs one `Launch` (andrea.cuda.launch) with torch tensors and scalars as the
   kernel arguments. `CupyLauncher` JIT-compiles the .cu file with `cupy.RawModule` (NVRTC, the
-  options and name expressions of andrea.kernel_launch) and launches on PyTorch's current CUDA
+  options and name expressions of andrea.cuda.launch) and launches on PyTorch's current CUDA
   stream, passing tensors by `data_ptr()` without copies. `EmulatorLauncher` runs the same
-  kernels on the CPU (andrea.kernel_emulator), so the autograd wiring below is testable without a
+  kernels on the CPU (andrea.cuda.emulator), so the autograd wiring below is testable without a
   GPU;
 - `attention_forward` / `attention_backward`: the launch sequence of one causal attention,
   forward (O and the log-sum-exp) and backward (preprocess, dQ, dK/dV);
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from andrea.kernel_launch import (
+from andrea.cuda.launch import (
     Launch,
     attention_launches,
     check_dtype,
@@ -55,7 +55,7 @@ class EmulatorLauncher:
     device_type = "cpu"
 
     def __init__(self, emulator: Any = None) -> None:
-        from andrea.kernel_emulator import default_emulator
+        from andrea.cuda.emulator import default_emulator
 
         self.emulator = emulator or default_emulator()
 

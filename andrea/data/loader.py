@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from andrea import shards
+from andrea.data import shards
 from andrea.errors import UserError
-from andrea.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
-from andrea.shards import read_manifest
+from andrea.data.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
+from andrea.data.shards import read_manifest
 
 if TYPE_CHECKING:
     from andrea.config import Config

@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from andrea.attention import attention
 from andrea.config import ModelConfig
+from andrea.model.attention import attention
 
 # Rows of the LM head's output the loss holds at a time: about 32M logits (128 MiB in float32),
 # so the full [B*T, vocab] matrix (3.3 GB for 16 x 1024 x 50,304) never exists.
