@@ -183,7 +183,9 @@ def bench_train(
     """Median step time of `preset` with `backend` on random tokens."""
     from andrea.config import load_config
     from andrea.model.transformer import Andrea
-    from andrea.train.loop import build_optimizer, pick_dtype, resolve_micro_batch
+    from andrea.train.device import pick_dtype
+    from andrea.train.loop import resolve_micro_batch
+    from andrea.train.optim import build_optimizer
 
     cfg = load_config(preset, overrides)
     dtype = pick_dtype(cfg.train.precision, device)
@@ -227,7 +229,7 @@ def run_bench(
     quick: small enough for a 2-core CPU in about a minute (batch 1, bf16 only, 3 repeats after
     1 warm-up, training ANDREA-12M at micro-batch 2 for 3 steps).
     """
-    from andrea.train.loop import pick_device
+    from andrea.train.device import pick_device
 
     dev = pick_device(device)
     if quick:

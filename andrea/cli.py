@@ -70,7 +70,8 @@ def train_cmd(
     ] = None,
 ) -> None:
     """Train a model (also under torchrun for several processes)."""
-    from andrea.train.loop import config_for_run, summary_line, train
+    from andrea.train.loop import summary_line, train
+    from andrea.train.resume import config_for_run
 
     cfg = config_for_run(config, set_ or [], resume)
     result = train(

@@ -276,7 +276,7 @@ def evaluate_checkpoint(
     runs_dir: str = "runs",
 ) -> EvalResult:
     """What `andrea eval` does: see the module doc."""
-    from andrea.train.loop import pick_device, pick_dtype
+    from andrea.train.device import pick_device, pick_dtype
 
     if max_tokens is not None and max_tokens < 1:
         raise UserError(f"--max-tokens: must be a positive integer, got {max_tokens}")

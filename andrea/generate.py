@@ -203,7 +203,7 @@ def generate_command(
 ) -> None:
     """What `andrea generate` does: print each sample (prompt + continuation) as it grows."""
     from andrea.evaluate import find_checkpoint, load_model, tokenizer_for_checkpoint
-    from andrea.train.loop import pick_device, pick_dtype
+    from andrea.train.device import pick_device, pick_dtype
 
     out = out or sys.stdout
     check_sampling(temperature, top_k, top_p)

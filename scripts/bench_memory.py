@@ -40,7 +40,8 @@ def one_case(preset: str, micro_batch: int, loss: str, precision: str, checkpoin
 
     from andrea.config import load_config
     from andrea.model.transformer import Andrea
-    from andrea.train.loop import build_optimizer, pick_dtype
+    from andrea.train.device import pick_dtype
+    from andrea.train.optim import build_optimizer
 
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cfg = load_config(preset, [f"train.micro_batch_size={micro_batch}"])

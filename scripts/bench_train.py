@@ -24,7 +24,8 @@ import torch
 from andrea.config import load_config
 from andrea.data.prepare import ensure_prepared
 from andrea.model.transformer import Andrea
-from andrea.train.loop import build_optimizer, train
+from andrea.train.loop import train
+from andrea.train.optim import build_optimizer
 
 
 def plain_loop(cfg, dtype: torch.dtype, steps: int, warmup: int) -> list[float]:

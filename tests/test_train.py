@@ -22,8 +22,10 @@ from andrea.data.loader import TokenSplit
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.loop import build_optimizer, pick_device, pick_dtype, train
+from andrea.train.device import pick_device, pick_dtype
+from andrea.train.loop import train
 from andrea.train.memory import HEADROOM, choose_micro_batch, estimate_peak_bytes
+from andrea.train.optim import build_optimizer
 from andrea.train.schedule import lr_at
 
 # data_dir: the session fixture in conftest.py (the tiny preset's prepared data).

@@ -10,7 +10,6 @@ checkpoint, and batches depend only on (seed, step, rank), so a resume repeats t
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -19,6 +18,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from andrea.fileio import atomic_write_text
 from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
+from andrea.train.device import pick_device, pick_dtype
 from andrea.train.distributed import (
     DistInfo,
     all_gather_bytes,
@@ -45,10 +46,14 @@ from andrea.train.distributed import (
 )
 from andrea.train.flops import MfuMeter, flops_per_token, format_mfu
 from andrea.train.memory import GIB, available_memory, choose_micro_batch
-from andrea.train.rundir import run_path
+from andrea.train.metrics import MetricsLog
+from andrea.train.optim import build_optimizer
+from andrea.train.resume import (
+    check_resume_changes,
+    find_run_to_resume,
+)
 from andrea.train.schedule import lr_at
-
-EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+from andrea.train.signals import EXIT_SIGNAL, SignalWatch
 
 
 class NonFiniteError(Exception):
@@ -72,43 +77,6 @@ class TrainResult:
     is_main: bool = True  # rank 0 (the one process that writes and speaks)
 
 
-def pick_device(requested: str) -> torch.device:
-    """'auto' (a GPU if PyTorch sees one, else the CPU), 'cpu', 'cuda' or 'cuda:N'."""
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    kind, _, index = requested.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
-        raise UserError(f"device '{requested}': expected auto, cpu, cuda or cuda:N")
-    if kind == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or int(index or 0) >= count:
-            raise UserError(
-                f"device '{requested}': PyTorch sees {count} GPU(s); use cpu or another index"
-            )
-    return torch.device(requested)
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """bf16 autocast where the hardware has fast bf16 matmuls, else fp32 (for 'auto')."""
-    if precision == "fp32":
-        return torch.float32
-    if precision == "bf16":
-        return torch.bfloat16
-    if precision != "auto":
-        raise UserError(f"precision '{precision}': expected auto, bf16 or fp32")
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
-
-
 def accumulation_steps(cfg: Config, micro_batch: int, world_size: int) -> int:
     per_micro = micro_batch * cfg.model.block_size
     if cfg.train.global_batch_tokens == 0:
@@ -121,159 +89,6 @@ def accumulation_steps(cfg: Config, micro_batch: int, world_size: int) -> int:
             f"{micro_batch} * {cfg.model.block_size} * {world_size} = {per_round}"
         )
     return cfg.train.global_batch_tokens // per_round
-
-
-def build_optimizer(model: Andrea, cfg: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (embeddings too if train.decay_embeddings)."""
-    embeddings = {"tok_emb.weight", "pos_emb.weight"}
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        wants_decay = p.dim() >= 2 and (cfg.train.decay_embeddings or name not in embeddings)
-        (decay if wants_decay else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.train.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    kwargs = dict(lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps)
-    try:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, TypeError):  # no fused kernel for this device: one foreach kernel
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
-
-
-class SignalWatch:
-    """First Ctrl-C / SIGTERM: finish the micro-batch, checkpoint the last completed step, exit.
-    Second Ctrl-C: exit at once, recording the end of the run in metrics.jsonl."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-        # Kept current by the trainer, so the messages name only what exists.
-        self.completed_step = 0
-        self.checkpoint: Path | None = None
-        self.metrics_path: Path | None = None
-
-    def __enter__(self) -> SignalWatch:
-        for sig in EXIT_SIGNAL:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            where = (f"{self.checkpoint} stays the latest checkpoint" if self.checkpoint
-                     else "no checkpoint was written")
-            self._record_end(f"second interrupt: exited at once; {where}")
-            os.write(2, f"\nsecond interrupt: exiting now; {where}\n".encode())
-            os._exit(130)
-        self.received = signum
-        step = self.completed_step
-        then = (f"checkpointing step {step}" if step else
-                "no step has completed, so nothing will be checkpointed")
-        os.write(2, f"\nstopping after this micro-batch, {then} "
-                    f"(Ctrl-C again to exit at once)\n".encode())
-
-    def _record_end(self, message: str) -> None:
-        # One O_APPEND write of a whole line: it cannot split a line the trainer is writing.
-        if self.metrics_path is None:
-            return
-        record = {
-            "event": "end", "step": self.completed_step, "state": "interrupted",
-            "signal": "SIGINT", "message": message,
-            "checkpoint": self.checkpoint.name if self.checkpoint else None,
-            "time": round(time.time(), 3),
-        }
-        try:
-            fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND)
-            try:
-                os.write(fd, (json.dumps(record) + "\n").encode())
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
-
-
-class MetricsLog:
-    """metrics.jsonl: one JSON object a line, appended and flushed as it happens (rank 0)."""
-
-    def __init__(self, path: Path | None, tensorboard: Any = None) -> None:
-        self.file = open(path, "a", encoding="utf-8") if path is not None else None
-        self.tensorboard = tensorboard
-
-    def write(self, event: str, **fields: Any) -> None:
-        if self.file is None:
-            return
-        record = {"event": event, **fields, "time": round(time.time(), 3)}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tensorboard is not None:
-            self.tensorboard.log(record)
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-
-
-# Keys `--resume` may change: they decide how the run proceeds (how far, how often it logs,
-# evaluates and checkpoints, how fast it computes), not what it trains. Any other difference
-# from the run's own config.yaml is refused. docs/training.md lists them.
-RESUMABLE_KEYS = (
-    "train.max_steps",
-    "train.eval_every",
-    "train.eval_batches",
-    "train.checkpoint_every",
-    "train.keep_last",
-    "train.log_every",
-    "train.tensorboard",
-    "train.skip_nonfinite",
-    "train.compile",
-    "train.micro_batch_size",
-    "train.activation_checkpointing",
-    "train.device",
-    "model.attention",
-    "data.dir",
-    "data.workers",
-)
-# Where a run lives rather than what it is: never compared (--resume names the run).
-_LOCATION_KEYS = ("train.name", "train.runs_dir")
-
-
-def config_changes(stored: Config, given: Config) -> dict[str, tuple[Any, Any]]:
-    """Dotted key -> (the run's value, the given value), for every key that differs."""
-    old, new = stored.to_dict(), given.to_dict()
-    return {
-        f"{section}.{key}": (value, new[section][key])
-        for section, keys in old.items()
-        for key, value in keys.items()
-        if f"{section}.{key}" not in _LOCATION_KEYS and new[section][key] != value
-    }
-
-
-def check_resume_changes(
-    stored: Config, given: Config, run_dir: Path, trained: bool
-) -> dict[str, list[Any]]:
-    """The allowed changes as {key: [old, new]}; a UserError naming every refused key.
-
-    A run that has not trained yet (an import: its checkpoint is at step 0) may still change
-    its schedule and data, everything but the model the weights fix."""
-    changes = config_changes(stored, given)
-
-    def allowed(key: str) -> bool:
-        return key in RESUMABLE_KEYS or (not trained and not key.startswith("model."))
-
-    refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items() if not allowed(k)]
-    if refused:
-        raise UserError(
-            f"{run_dir}: resuming cannot change {', '.join(refused)}: these keys define the run; "
-            f"leave them as the run has them (--resume {run_dir} alone continues its own "
-            f"config.yaml) or start a new run"
-        )
-    return {k: [a, b] for k, (a, b) in changes.items()}
 
 
 def _local_rng(device: torch.device) -> dict[str, torch.Tensor]:
@@ -299,35 +114,6 @@ def _restore_rng(rng: dict[str, torch.Tensor], device: torch.device, dist: DistI
     cuda = rng.get(f"cuda.rank{dist.rank}")
     if cuda is not None and device.type == "cuda":
         torch.cuda.set_rng_state(cuda, device)
-
-
-def config_for_run(config: str | None, overrides: list[str], resume: str | None) -> Config:
-    """The config to train with: --config (+ --set), or a resumed run's own config.yaml (+ --set,
-    which train() then checks against RESUMABLE_KEYS)."""
-    if config is not None:
-        return load_config(config, overrides)
-    if resume is None or resume == "auto":
-        raise UserError("andrea train needs --config (a path or a preset name) or --resume RUN_DIR")
-    run_dir = find_run_to_resume(resume, None)
-    assert run_dir is not None
-    return load_config(run_dir / "config.yaml", overrides)
-
-
-def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
-    """`--resume runs/<name>` or `--resume auto` (the config's run, if it has a checkpoint)."""
-    if resume == "auto":
-        if cfg is None:
-            raise UserError("--resume auto needs --config to know the run's name")
-        run_dir = Path(cfg.train.runs_dir) / cfg.train.name
-        return run_dir if ckpt_io.read_latest(run_dir) is not None else None
-    run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
-    if not run_dir.is_dir():
-        raise UserError(f"--resume {resume}: no such run directory")
-    if not (run_dir / "config.yaml").is_file() or ckpt_io.read_latest(run_dir) is None:
-        raise UserError(
-            f"--resume {resume}: not a run with a checkpoint (needs config.yaml and 'latest')"
-        )
-    return run_dir
 
 
 @torch.no_grad()
@@ -452,55 +238,66 @@ def run_training(
         state, exit_code, message = "finished", 0, ""
         s.train_model.train()
         try:
-            while s.step < t.max_steps:
-                t0 = time.perf_counter()
-                lr = set_learning_rate(s)
-                rng_before_step = _local_rng(device)
-                outcome = forward_backward(s, bar)
-                if outcome is None:  # stopped inside the step: its gradients never apply
-                    s.optimizer.zero_grad(set_to_none=True)
-                    save_checkpoint(s, rng_before_step)
-                    break
-                loss, grad_norm = outcome
-                optimizer_step(s, loss, grad_norm)
-                log_step(s, lr, loss, grad_norm, time.perf_counter() - t0, bar)
-                maybe_evaluate(s, bar)
-                stopping = stop_agreed(s)
-                pausing = stop_after is not None and s.step - start_step >= stop_after
-                periodic = t.checkpoint_every and s.step % t.checkpoint_every == 0
-                if periodic or s.step == t.max_steps or stopping or pausing:
-                    save_checkpoint(s, _local_rng(device))
-                if stopping:
-                    break
-                if pausing and s.step < t.max_steps:
-                    state = "stopped"
-                    message = f"paused after {stop_after} steps (--stop-after); {s.checkpoint}"
-                    break
+            with failures_recorded(s):
+                while s.step < t.max_steps:
+                    t0 = time.perf_counter()
+                    lr = set_learning_rate(s)
+                    rng_before_step = _local_rng(device)
+                    outcome = forward_backward(s, bar)
+                    if outcome is None:  # stopped inside the step: its gradients never apply
+                        s.optimizer.zero_grad(set_to_none=True)
+                        save_checkpoint(s, rng_before_step)
+                        break
+                    loss, grad_norm = outcome
+                    optimizer_step(s, loss, grad_norm)
+                    log_step(s, lr, loss, grad_norm, time.perf_counter() - t0, bar)
+                    maybe_evaluate(s, bar)
+                    stopping = stop_agreed(s)
+                    pausing = stop_after is not None and s.step - start_step >= stop_after
+                    periodic = t.checkpoint_every and s.step % t.checkpoint_every == 0
+                    if periodic or s.step == t.max_steps or stopping or pausing:
+                        save_checkpoint(s, _local_rng(device))
+                    if stopping:
+                        break
+                    if pausing and s.step < t.max_steps:
+                        state = "stopped"
+                        message = f"paused after {stop_after} steps (--stop-after); {s.checkpoint}"
+                        break
         except NonFiniteError as exc:
             state, exit_code = "nonfinite", 1
             message = (
                 f"{exc}; nothing was written over the last good checkpoint ({s.checkpoint})"
                 if s.checkpoint else f"{exc}; no checkpoint had been written yet"
             )
-        except torch.cuda.OutOfMemoryError:
-            s.log.write("end", step=s.step, tokens=s.tokens_seen, state="failed", signal=None,
-                        message="out of GPU memory")
-            raise UserError(
-                f"out of GPU memory at micro-batch {s.micro_batch} x {cfg.model.block_size}: "
-                f"set train.micro_batch_size lower (or auto), or "
-                f"train.activation_checkpointing=blocks (train.global_batch_tokens stays)"
-            ) from None
-        except BaseException as exc:
-            # A user's mistake stops the run; anything else is a failure. Either way, say so.
-            s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None,
-                        state="stopped" if isinstance(exc, UserError) else "failed",
-                        message=f"{type(exc).__name__}: {exc}")
-            raise
         finally:
             bar.close()
         if signals.received is not None and state != "nonfinite" and s.step < t.max_steps:
             state, exit_code, message = interrupted_outcome(s)
         return finish(s, state, exit_code, message, time.perf_counter() - t_start)
+
+
+@contextlib.contextmanager
+def failures_recorded(s: Session) -> Iterator[None]:
+    """Any failure other than a non-finite loss ends the run with an end event, then raises;
+    out of GPU memory becomes a one-line error saying what to change."""
+    try:
+        yield
+    except NonFiniteError:
+        raise
+    except torch.cuda.OutOfMemoryError:
+        s.log.write("end", step=s.step, tokens=s.tokens_seen, state="failed", signal=None,
+                    message="out of GPU memory")
+        raise UserError(
+            f"out of GPU memory at micro-batch {s.micro_batch} x {s.cfg.model.block_size}: "
+            f"set train.micro_batch_size lower (or auto), or "
+            f"train.activation_checkpointing=blocks (train.global_batch_tokens stays)"
+        ) from None
+    except BaseException as exc:
+        # A user's mistake stops the run; anything else is a failure. Either way, say so.
+        s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None,
+                    state="stopped" if isinstance(exc, UserError) else "failed",
+                    message=f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def set_up(

@@ -1,0 +1,46 @@
+"""Which device and precision a run uses: names checked in one place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from andrea.errors import UserError
+
+
+def pick_device(requested: str) -> torch.device:
+    """'auto' (a GPU if PyTorch sees one, else the CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = requested.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise UserError(f"device '{requested}': expected auto, cpu, cuda or cuda:N")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or int(index or 0) >= count:
+            raise UserError(
+                f"device '{requested}': PyTorch sees {count} GPU(s); use cpu or another index"
+            )
+    return torch.device(requested)
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """bf16 autocast where the hardware has fast bf16 matmuls, else fp32 (for 'auto')."""
+    if precision == "fp32":
+        return torch.float32
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision != "auto":
+        raise UserError(f"precision '{precision}': expected auto, bf16 or fp32")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32

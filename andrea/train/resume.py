@@ -1,0 +1,98 @@
+"""Resume rules: which run to continue, and which config keys may change when it does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from andrea.config import Config, load_config
+from andrea.errors import UserError
+from andrea.train import checkpoint as ckpt_io
+from andrea.train.rundir import run_path
+
+# Keys `--resume` may change: they decide how the run proceeds (how far, how often it logs,
+# evaluates and checkpoints, how fast it computes), not what it trains. Any other difference
+# from the run's own config.yaml is refused. docs/training.md lists them.
+RESUMABLE_KEYS = (
+    "train.max_steps",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.log_every",
+    "train.tensorboard",
+    "train.skip_nonfinite",
+    "train.compile",
+    "train.micro_batch_size",
+    "train.activation_checkpointing",
+    "train.device",
+    "model.attention",
+    "data.dir",
+    "data.workers",
+)
+
+
+# Where a run lives rather than what it is: never compared (--resume names the run).
+_LOCATION_KEYS = ("train.name", "train.runs_dir")
+
+
+def config_changes(stored: Config, given: Config) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (the run's value, the given value), for every key that differs."""
+    old, new = stored.to_dict(), given.to_dict()
+    return {
+        f"{section}.{key}": (value, new[section][key])
+        for section, keys in old.items()
+        for key, value in keys.items()
+        if f"{section}.{key}" not in _LOCATION_KEYS and new[section][key] != value
+    }
+
+
+def check_resume_changes(
+    stored: Config, given: Config, run_dir: Path, trained: bool
+) -> dict[str, list[Any]]:
+    """The allowed changes as {key: [old, new]}; a UserError naming every refused key.
+
+    A run that has not trained yet (an import: its checkpoint is at step 0) may still change
+    its schedule and data, everything but the model the weights fix."""
+    changes = config_changes(stored, given)
+
+    def allowed(key: str) -> bool:
+        return key in RESUMABLE_KEYS or (not trained and not key.startswith("model."))
+
+    refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items() if not allowed(k)]
+    if refused:
+        raise UserError(
+            f"{run_dir}: resuming cannot change {', '.join(refused)}: these keys define the run; "
+            f"leave them as the run has them (--resume {run_dir} alone continues its own "
+            f"config.yaml) or start a new run"
+        )
+    return {k: [a, b] for k, (a, b) in changes.items()}
+
+
+def config_for_run(config: str | None, overrides: list[str], resume: str | None) -> Config:
+    """The config to train with: --config (+ --set), or a resumed run's own config.yaml (+ --set,
+    which train() then checks against RESUMABLE_KEYS)."""
+    if config is not None:
+        return load_config(config, overrides)
+    if resume is None or resume == "auto":
+        raise UserError("andrea train needs --config (a path or a preset name) or --resume RUN_DIR")
+    run_dir = find_run_to_resume(resume, None)
+    assert run_dir is not None
+    return load_config(run_dir / "config.yaml", overrides)
+
+
+def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
+    """`--resume runs/<name>` or `--resume auto` (the config's run, if it has a checkpoint)."""
+    if resume == "auto":
+        if cfg is None:
+            raise UserError("--resume auto needs --config to know the run's name")
+        run_dir = Path(cfg.train.runs_dir) / cfg.train.name
+        return run_dir if ckpt_io.read_latest(run_dir) is not None else None
+    run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
+    if not run_dir.is_dir():
+        raise UserError(f"--resume {resume}: no such run directory")
+    if not (run_dir / "config.yaml").is_file() or ckpt_io.read_latest(run_dir) is None:
+        raise UserError(
+            f"--resume {resume}: not a run with a checkpoint (needs config.yaml and 'latest')"
+        )
+    return run_dir
