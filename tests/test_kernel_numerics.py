@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from andrea.cuda import emulator as kernel_emulator
-from andrea.cuda import kernel_launch
+from andrea.cuda import launch as kernel_launch
 from andrea.cuda.attention import DTYPE_NAMES
 from andrea.errors import UserError
 
