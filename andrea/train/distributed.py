@@ -8,6 +8,7 @@ RANK. See docs/training.md for where FSDP2 would plug in.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -67,4 +68,8 @@ def all_gather_bytes(data: torch.Tensor, info: DistInfo) -> list[torch.Tensor]:
 
 def shutdown(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
+        # The DDP wrapper sits in reference cycles and holds the process group and tensors;
+        # left to the interpreter's last collection, gloo's threads are torn down after Python
+        # is gone, which can abort a finished run (SIGABRT). Free it while Python is whole.
+        gc.collect()
         dist.destroy_process_group()
