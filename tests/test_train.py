@@ -401,6 +401,11 @@ def test_micro_batch_auto_fits_memory_and_keeps_the_global_batch():
     assert pick(4, checkpointing=True).micro_batch > small.micro_batch
     none = pick(1)
     assert none.micro_batch == 1 and not none.fits
+    # A cap (a CPU's) takes the largest divisor at or under it, whatever memory allows.
+    assert choose_micro_batch(model, n, 12, torch.bfloat16, False, 1000 * 2**30, 4).micro_batch == 4
+    assert choose_micro_batch(model, n, 12, torch.bfloat16, False, 1000 * 2**30, 5).micro_batch == 4
+    assert choose_micro_batch(model, n, 12, torch.bfloat16, False, 4 * 2**30, 12).micro_batch \
+        == small.micro_batch
 
 
 def test_micro_batch_auto_is_resolved_recorded_and_reused(tmp_path, data_dir):

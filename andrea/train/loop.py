@@ -45,7 +45,12 @@ from andrea.train.distributed import (
     shutdown,
 )
 from andrea.train.flops import MfuMeter, flops_per_token, format_mfu
-from andrea.train.memory import GIB, available_memory, choose_micro_batch
+from andrea.train.memory import (
+    CPU_MICRO_BATCH_TOKENS,
+    GIB,
+    available_memory,
+    choose_micro_batch,
+)
 from andrea.train.metrics import MetricsLog
 from andrea.train.optim import build_optimizer
 from andrea.train.resume import (
@@ -458,7 +463,8 @@ def resolve_micro_batch(
     trainer_state: dict[str, Any] | None = None,
 ) -> tuple[int, str]:
     """(micro-batch, the line that explains an automatic choice or ''). An integer is obeyed;
-    'auto' reuses the value a resumed run recorded, else the largest that fits the memory.
+    'auto' reuses the value a resumed run recorded, else the largest that fits the memory
+    (on a CPU, of at most CPU_MICRO_BATCH_TOKENS tokens).
     Without dist: for one process (e.g. `andrea bench`)."""
     t, dist, trainer_state = cfg.train, dist or DistInfo(), trainer_state or {}
     if isinstance(t.micro_batch_size, int):
@@ -474,9 +480,10 @@ def resolve_micro_batch(
             f"least block_size x processes = {block * dist.world_size}; set it, or give "
             f"micro_batch_size as a number"
         )
+    cap = max(1, CPU_MICRO_BATCH_TOKENS // block) if device.type == "cpu" else None
     choice = choose_micro_batch(
         cfg.model, model.num_params(), sequences, dtype,
-        t.activation_checkpointing == "blocks", available_memory(device),
+        t.activation_checkpointing == "blocks", available_memory(device), cap,
     )
     # Ranks measure their memory at slightly different moments: all take the smallest choice.
     votes = torch.zeros(dist.world_size, device=device)
@@ -488,6 +495,8 @@ def resolve_micro_batch(
         f"{'s' if accum != 1 else ''}), estimated {choice.estimated_bytes / GIB:.1f} of "
         f"{choice.available_bytes / GIB:.1f} GiB available"
     )
+    if cap is not None and cap < sequences:
+        line += f" (on a CPU at most {CPU_MICRO_BATCH_TOKENS:,} tokens a micro-batch)"
     if not choice.fits:
         line += (" (does not fit even at 1: expect to run out of memory; try "
                  "train.activation_checkpointing=blocks)")

@@ -30,6 +30,10 @@ CHECKPOINTED_WIDTH = 6
 PROCESS_BYTES = GIB // 4
 # Leave this share of the available memory to everything else on the machine.
 HEADROOM = 0.85
+# On a CPU, auto stops at this many tokens per micro-batch: the matmuls already run at the
+# CPU's rate with a few thousand rows, and a micro-batch of 16 x 1024 (ANDREA-120M) takes
+# minutes there, so the progress bar would sit still that long.
+CPU_MICRO_BATCH_TOKENS = 4096
 
 
 @dataclass
@@ -87,11 +91,13 @@ def choose_micro_batch(
     dtype: torch.dtype,
     checkpointing: bool,
     available: int,
+    max_sequences: int | None = None,
 ) -> MicroBatchChoice:
-    """The largest divisor of sequences_per_rank whose estimate fits `available` (with
-    headroom), so the global batch stays exact; 1 if none fits (the choice then says so)."""
+    """The largest divisor of sequences_per_rank, at most max_sequences, whose estimate fits
+    `available` (with headroom), so the global batch stays exact; 1 if none fits (the choice
+    then says so)."""
     choice = MicroBatchChoice(1, 0, available)
-    for size in range(sequences_per_rank, 0, -1):
+    for size in range(min(sequences_per_rank, max_sequences or sequences_per_rank), 0, -1):
         if sequences_per_rank % size:
             continue
         choice = MicroBatchChoice(
