@@ -29,6 +29,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.schedule": ("cosine", "constant", "wsd"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.activation_checkpointing": ("none", "blocks"),
+    "train.optimizer": ("adamw", "muon"),
+    "train.muon_ns_precision": ("auto", "bf16", "fp32"),
 }
 
 
@@ -69,6 +71,9 @@ CONSTRAINTS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.warmup_steps": (_non_negative, "non-negative"),
     "train.decay_fraction": (lambda x: 0 < x <= 1, "in (0, 1]"),
     "train.weight_decay": (_non_negative, "non-negative"),
+    "train.muon_lr": (_positive, "positive"),
+    "train.muon_weight_decay": (_non_negative, "non-negative"),
+    "train.muon_momentum": (_fraction, "in [0, 1)"),
     "train.beta1": (_fraction, "in [0, 1)"),
     "train.beta2": (_fraction, "in [0, 1)"),
     "train.eps": (_positive, "positive"),
@@ -159,6 +164,16 @@ class TrainConfig:
     log_every: int = 10
     skip_nonfinite: bool = False
     tensorboard: bool = False
+    # adamw: AdamW for every parameter. muon: Muon for the 2-D matrices inside the blocks (its own
+    # lr, weight decay and momentum below), AdamW (lr, weight_decay, betas above) for the rest.
+    optimizer: str = "adamw"
+    # Muon's peak learning rate; the schedule scales it as it scales train.lr.
+    muon_lr: float = 0.02
+    muon_weight_decay: float = 0.01
+    muon_momentum: float = 0.95
+    # The dtype of Muon's Newton-Schulz iterations; auto: bf16 where the device has fast bf16
+    # matmuls (as for train.precision), else fp32.
+    muon_ns_precision: str = "auto"
 
 
 @dataclass

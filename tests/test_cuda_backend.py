@@ -1,6 +1,6 @@
 """The "cuda" attention backend (andrea/cuda/attention.py), the backend choice, `andrea bench`.
 
-On the CPU the autograd Function runs end to end with the emulator launcher (the same kernels,
+On the CPU the custom op runs end to end with the emulator launcher (the same kernels,
 compiled by g++), against a float64 reference. The tests marked `gpu` run the real CuPy path; they
 skip, with the reason, where there is no GPU or no CuPy (scripts/gpu_check.sh runs them, selected
 by their names: every GPU test is named test_gpu_*, and no other test is).

@@ -1,4 +1,4 @@
-"""The "cuda" attention backend: kernels/microgpt_cuda.cu through CuPy, as a torch autograd op.
+"""The "cuda" attention backend: kernels/microgpt_cuda.cu through CuPy, as a torch custom op.
 
 Pieces, smallest first:
 
@@ -10,8 +10,10 @@ Pieces, smallest first:
   GPU;
 - `attention_forward` / `attention_backward`: the launch sequence of one causal attention,
   forward (O and the log-sum-exp) and backward (preprocess, dQ, dK/dV);
-- `CudaAttention`, a `torch.autograd.Function` that saves q, k, v, O and the log-sum-exp for the
-  backward (never the T x T matrix), and `cuda_attention(q, k, v)`, which the model calls.
+- `causal_attention_op` (torch.ops.andrea.causal_attention), a `torch.library.custom_op` with a
+  fake (shape) implementation and an autograd formula that saves q, k, v, O and the log-sum-exp
+  for the backward (never the T x T matrix), so torch.compile traces through it without a graph
+  break; and `cuda_attention(q, k, v)`, which the model calls.
 
 Importing this module needs neither CuPy nor a GPU; CuPy is imported when a GPU launcher is made.
 """
@@ -228,31 +230,83 @@ def attention_backward(
     return dq, dk, dv
 
 
-class CudaAttention(torch.autograd.Function):
-    """Causal attention whose forward and backward are the project's kernels."""
+# ---------------------------------------------------------------------------------------------
+# The op torch sees. A custom_op is opaque to dynamo and AOTAutograd: they record a call with the
+# shapes register_fake gives, so torch.compile builds one graph around the kernels (forward and
+# backward) instead of breaking the graph at a Python function it cannot trace. Its arguments
+# must be tensors and plain values, so a launcher travels as an index into _LAUNCHERS
+# (-1: default_launcher for the tensors' device, looked up when the op runs).
 
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float | None, launcher: Launcher, naive: bool = False) -> torch.Tensor:
-        o, lse = attention_forward(q, k, v, scale, launcher, naive=naive)
-        # O and the log-sum-exp let the backward recompute P tile by tile: O(T) extra memory.
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale, ctx.launcher, ctx.naive = scale, launcher, naive
-        return o
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the kernels have no double backward
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, lse = ctx.saved_tensors
-        # Upstream gradients are often strided views (the head merge's transpose); the kernels
-        # need them row-major in q's dtype. This is the one copy the backward may make.
-        dout = dout.to(q.dtype).contiguous()
-        dq, dk, dv = attention_backward(q, k, v, o, lse, dout, ctx.scale, ctx.launcher,
-                                        naive=ctx.naive)
-        return dq, dk, dv, None, None, None
+_LAUNCHERS: list[Launcher] = []
 
 
-@torch.compiler.disable  # CuPy calls cannot be traced; torch.compile runs this op eagerly
+def _launcher_index(launcher: Launcher | None) -> int:
+    if launcher is None:
+        return -1
+    for i, known in enumerate(_LAUNCHERS):
+        if known is launcher:
+            return i
+    _LAUNCHERS.append(launcher)
+    return len(_LAUNCHERS) - 1
+
+
+def _launcher_at(index: int, device: torch.device) -> Launcher:
+    return default_launcher(device) if index < 0 else _LAUNCHERS[index]
+
+
+@torch.library.custom_op("andrea::causal_attention", mutates_args=())
+def causal_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        launcher: int, naive: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, log-sum-exp) of causal attention by the kernels; see attention_forward."""
+    return attention_forward(q, k, v, scale, _launcher_at(launcher, q.device), naive=naive)
+
+
+@causal_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, launcher: int,
+      naive: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("andrea::causal_attention_backward", mutates_args=())
+def causal_attention_backward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    dout: torch.Tensor, scale: float, launcher: int, naive: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) by the kernels; see attention_backward."""
+    return attention_backward(q, k, v, o, lse, dout, scale, _launcher_at(launcher, q.device),
+                              naive=naive)
+
+
+@causal_attention_backward_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+      dout: torch.Tensor, scale: float, launcher: int, naive: bool
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    q, k, v, scale, launcher, naive = inputs
+    o, lse = output
+    # O and the log-sum-exp let the backward recompute P tile by tile: O(T) extra memory.
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.scale, ctx.launcher, ctx.naive = scale, launcher, naive
+
+
+def _backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
+              ) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, o, lse = ctx.saved_tensors
+    # Upstream gradients are often strided views (the head merge's transpose); the kernels need
+    # them row-major in q's dtype. This is the one copy the backward may make. The log-sum-exp is
+    # an internal output: nothing downstream differentiates through it.
+    dout = dout.to(q.dtype).contiguous()
+    dq, dk, dv = causal_attention_backward_op(q, k, v, o, lse, dout, ctx.scale, ctx.launcher,
+                                              ctx.naive)
+    return dq, dk, dv, None, None, None
+
+
+causal_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def cuda_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
     launcher: Launcher | None = None, naive: bool = False,
@@ -261,5 +315,10 @@ def cuda_attention(
 
     naive: the one-block-per-(batch, head) baseline kernels (the benchmark's cuda_naive).
     """
-    # The forward validates the inputs before autograd records anything.
-    return CudaAttention.apply(q, k, v, scale, launcher or default_launcher(q.device), naive)
+    if not torch.compiler.is_compiling():
+        # Refuse bad inputs (and a CPU tensor with no launcher) before autograd records
+        # anything; under torch.compile the op checks them when it runs.
+        check_inputs(q, k, v, (launcher or default_launcher(q.device)).device_type)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    o, _ = causal_attention_op(q, k, v, scale, _launcher_index(launcher), naive)
+    return o

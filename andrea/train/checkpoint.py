@@ -5,7 +5,8 @@ newest complete one. Each checkpoint holds:
 
 - `model.safetensors`: the weights (the tied LM head stored once, as the token embedding), with the
   resolved config, step and tokenizer identity in the safetensors metadata;
-- `optimizer.safetensors`: AdamW's moments and step counts, keyed by parameter name;
+- `optimizer.safetensors`: the optimizer state keyed by `<parameter name>.<field>`: AdamW's
+  moments and step counts, and with train.optimizer muon each block matrix's Muon momentum buffer;
 - `rng.safetensors`: every generator's state (the CPU generator of each rank, and CUDA's);
 - `trainer_state.json`: step, tokens seen, data position, best val loss, skipped steps.
 
@@ -59,7 +60,7 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def optimizer_state(
     optimizer: torch.optim.Optimizer, names: dict[int, str]
 ) -> dict[str, torch.Tensor]:
-    """AdamW's per-parameter state keyed by `<param name>.<field>`."""
+    """The per-parameter state (AdamW's, Muon's) keyed by `<param name>.<field>`."""
     out = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -219,7 +220,7 @@ def load_optimizer(
             prefix = names[id(p)] + "."
             fields = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
             if fields:
-                for k in ("exp_avg", "exp_avg_sq"):
+                for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
                     if k in fields and fields[k].shape != p.shape:
                         raise UserError(
                             f"{ckpt / OPTIMIZER_FILE}: '{prefix}{k}' has shape "

@@ -560,7 +560,7 @@ def progress_bar(s: Session, enabled: bool) -> tqdm:
 def set_learning_rate(s: Session) -> float:
     lr = lr_at(s.step, s.cfg.train)
     for group in s.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_ratio", 1.0)
     return lr
 
 

@@ -1,4 +1,5 @@
-"""The optimizer: AdamW with weight decay on matrices only."""
+"""The optimizer: AdamW with weight decay on matrices only, or Muon for the block matrices
+beside AdamW for the rest (andrea/train/muon.py)."""
 
 from __future__ import annotations
 
@@ -6,21 +7,35 @@ import torch
 
 from andrea.config import Config
 from andrea.model.transformer import Andrea
+from andrea.train.device import pick_dtype
+from andrea.train.muon import MuonAdamW, build_muon, split_parameters
 
 
-def build_optimizer(model: Andrea, cfg: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (embeddings too if train.decay_embeddings)."""
+def build_optimizer(model: Andrea, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    """train.optimizer: AdamW with weight decay on matrices only (embeddings too if
+    train.decay_embeddings), or Muon for the block matrices with AdamW for the rest."""
+    t = cfg.train
     embeddings = {"tok_emb.weight", "pos_emb.weight"}
+    if t.optimizer == "muon":
+        matrices, named = split_parameters(model)
+        # Before AdamW is built, so a torch without Muon is refused first.
+        muon = build_muon(matrices, t.muon_lr, t.muon_weight_decay, t.muon_momentum,
+                          pick_dtype(t.muon_ns_precision, device))
+        for group in muon.param_groups:
+            group["lr_ratio"] = t.muon_lr / t.lr  # one schedule drives both learning rates
+    else:
+        named = list(model.named_parameters())
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        wants_decay = p.dim() >= 2 and (cfg.train.decay_embeddings or name not in embeddings)
+    for name, p in named:
+        wants_decay = p.dim() >= 2 and (t.decay_embeddings or name not in embeddings)
         (decay if wants_decay else no_decay).append(p)
     groups = [
-        {"params": decay, "weight_decay": cfg.train.weight_decay},
+        {"params": decay, "weight_decay": t.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    kwargs = dict(lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps)
+    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     try:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
+        adamw = torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError):  # no fused kernel for this device: one foreach kernel
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+        adamw = torch.optim.AdamW(groups, foreach=True, **kwargs)
+    return MuonAdamW(muon, adamw) if t.optimizer == "muon" else adamw

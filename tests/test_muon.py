@@ -1,0 +1,162 @@
+"""train.optimizer: muon: the update rule against torch.optim.Muon, groups, checkpoints, exact
+resume, two processes, bad input."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_user_error, run_andrea
+from test_train import read_events, tiny, write_config
+
+from andrea.errors import UserError
+from andrea.model.transformer import Andrea
+from andrea.train import checkpoint as ckpt_io
+from andrea.train.loop import train
+from andrea.train.muon import Float32Muon, MuonAdamW, newton_schulz
+from andrea.train.optim import build_optimizer
+
+torch_ns = pytest.importorskip("torch.optim._muon")._zeropower_via_newtonschulz
+COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48), (32, 32)])
+def test_newton_schulz_is_torchs_in_bf16_and_close_in_fp32(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    theirs = torch_ns(g, COEFFS, 5, 1e-7)
+    assert torch.equal(newton_schulz(g, COEFFS, 5, 1e-7, torch.bfloat16), theirs)
+    ours32 = newton_schulz(g, COEFFS, 5, 1e-7, torch.float32)
+    ours64 = newton_schulz(g.double(), COEFFS, 5, 1e-7, torch.float64)
+    # bf16 has an 8-bit mantissa (relative step 2^-8) and the entries are O(1/sqrt(n)).
+    assert (ours32.double() - theirs.double()).abs().max() < 0.05
+    assert (ours32.double() - ours64).abs().max() < 1e-5  # fp32 is the float64 result
+    # The point of the iteration: singular values pushed into roughly (0.5, 1.5).
+    s = torch.linalg.svdvals(ours64)
+    assert s.min() > 0.3 and s.max() < 1.5
+
+
+def _three_steps(opt_cls, **kwargs):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(24, 8)), torch.nn.Parameter(torch.randn(8, 24))]
+    opt = opt_cls(params, lr=0.02, weight_decay=0.1, momentum=0.95, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return params, opt
+
+
+def test_float32_muon_follows_torchs_update_rule():
+    ref, ref_opt = _three_steps(torch.optim.Muon)
+    same, _ = _three_steps(Float32Muon, ns_dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(ref, same, strict=True))  # bit for bit
+    f32, f32_opt = _three_steps(Float32Muon)
+    # Each step moves an entry by about lr * sqrt(3) / sqrt(cols); fp32 and bf16
+    # orthogonalisation differ by a few bf16 ulps (2^-8 relative) of that, over three steps.
+    for a, b in zip(ref, f32, strict=True):
+        diff = (a.double() - b.double()).abs().max().item()
+        assert 0 < diff < 3 * 0.02 * math.sqrt(3) * 0.05, diff
+    for p, q in zip(ref_opt.state, f32_opt.state, strict=True):  # the same state, same field names
+        assert set(ref_opt.state[p]) == set(f32_opt.state[q]) == {"momentum_buffer"}
+
+
+def test_muon_takes_the_block_matrices_and_adamw_the_rest(data_dir, tmp_path):
+    cfg = tiny(tmp_path, data_dir, "train.optimizer=muon", "train.muon_lr=0.05")
+    model = Andrea(cfg.model)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    assert isinstance(opt, MuonAdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = sorted(names[id(p)] for g in opt.muon.param_groups for p in g["params"])
+    assert muon == sorted(f"blocks.{i}.{m}.weight" for i in range(cfg.model.n_layer)
+                          for m in ("attn.qkv", "attn.out", "mlp.up", "mlp.down"))
+    adamw = {names[id(p)] for g in opt.adamw.param_groups for p in g["params"]}
+    assert "tok_emb.weight" in adamw and "pos_emb.weight" in adamw and "ln_f.weight" in adamw
+    assert len(muon) + len(adamw) == len(names)  # every parameter once (the head is tied)
+    assert isinstance(opt.muon, Float32Muon) or type(opt.muon) is torch.optim.Muon
+    group = opt.muon.param_groups[0]
+    assert group["lr_ratio"] * cfg.train.lr == pytest.approx(0.05)
+
+
+def test_ns_precision_picks_the_implementation(data_dir, tmp_path):
+    for precision, want in (("fp32", Float32Muon), ("bf16", torch.optim.Muon)):
+        cfg = tiny(tmp_path, data_dir, "train.optimizer=muon",
+                   f"train.muon_ns_precision={precision}")
+        opt = build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"))
+        assert type(opt.muon) is want
+
+
+def test_exact_resume_bit_for_bit_with_muon(tmp_path, data_dir):
+    sets = ("train.max_steps=8", "train.precision=fp32", "train.optimizer=muon",
+            "train.global_batch_tokens=1024", "train.warmup_steps=2")
+    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    first = train(tiny(tmp_path / "b", data_dir, *sets), progress=False, stop_after=3)
+    assert first.state == "stopped" and first.steps == 3
+    fields = ckpt_io.read_safetensors(first.checkpoint / ckpt_io.OPTIMIZER_FILE)[0]
+    assert "blocks.0.attn.qkv.weight.momentum_buffer" in fields
+    assert "tok_emb.weight.exp_avg" in fields and "blocks.0.attn.qkv.weight.exp_avg" not in fields
+    rest = train(tiny(tmp_path / "b", data_dir, *sets), resume=str(first.run_dir),
+                 progress=False)
+    assert {**first.losses, **rest.losses} == whole.losses  # exact float equality
+    a = ckpt_io.read_model_checkpoint(whole.checkpoint)[0]
+    b = ckpt_io.read_model_checkpoint(rest.checkpoint)[0]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert whole.losses[8] < whole.losses[1]
+
+
+def test_two_processes_with_muon_match_one(tmp_path, data_dir):
+    sets = ("train.max_steps=3", "train.precision=fp32", "train.micro_batch_size=4",
+            "train.global_batch_tokens=512", "train.optimizer=muon",
+            "train.muon_ns_precision=fp32")
+    one = train(tiny(tmp_path / "one", data_dir, *sets), progress=False)
+    cfg2 = tiny(tmp_path / "two", data_dir, *sets)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "andrea", "train",
+         "-c", str(write_config(tmp_path, cfg2)), "--no-progress"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = {r["step"]: r["loss"] for r in read_events(Path(cfg2.train.runs_dir) / "t", "train")}
+    assert sorted(two) == [1, 2, 3]
+    for step, loss in two.items():
+        assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
+
+
+def test_bad_muon_settings_are_one_line_errors(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
+    path = str(write_config(tmp_path, cfg))
+    for key in ("train.muon_lr", "train.lr"):
+        for value in ("0", "-0.01"):
+            assert_user_error(
+                run_andrea("train", "-c", path, "--set", "train.optimizer=muon",
+                           "--set", f"{key}={value}"),
+                key, "must be positive",
+            )
+    assert_user_error(run_andrea("train", "-c", path, "--set", "train.optimizer=lion"),
+                      "train.optimizer", "'lion'", "adamw, muon")
+
+
+def test_resuming_with_another_optimizer_is_refused(tmp_path, data_dir):
+    result = train(tiny(tmp_path, data_dir, "train.max_steps=2"), progress=False)
+    assert_user_error(
+        run_andrea("train", "--resume", str(result.run_dir), "--set", "train.optimizer=muon"),
+        "cannot change", "train.optimizer (adamw -> muon)",
+    )
+
+
+def test_a_torch_without_muon_is_named(tmp_path, data_dir, monkeypatch):
+    cfg = tiny(tmp_path, data_dir, "train.optimizer=muon")
+    monkeypatch.delattr(torch.optim, "Muon")
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    with pytest.raises(UserError, match=r"muon needs torch >= 2\.9 \(this is 2\.8\.0\)"):
+        build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"))
