@@ -29,6 +29,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.schedule": ("cosine", "constant", "wsd"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.activation_checkpointing": ("none", "blocks"),
+    "train.parallel": ("ddp", "fsdp"),
 }
 
 
@@ -137,6 +138,9 @@ class TrainConfig:
     micro_batch_size: int | str = 8
     # "blocks": recompute each block's activations in backward instead of keeping them.
     activation_checkpointing: str = "none"
+    # Under torchrun: "ddp" keeps a whole copy of the model, gradients and AdamW state on every
+    # process; "fsdp" shards all three over the processes (FSDP2 fully_shard).
+    parallel: str = "ddp"
     # Tokens per optimizer step over all processes; 0 means one micro-batch per process.
     global_batch_tokens: int = 0
     max_steps: int = 1000

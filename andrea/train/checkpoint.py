@@ -30,6 +30,7 @@ from safetensors.torch import save as safetensors_bytes
 from andrea.config import Config, config_from_dict
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text, fsync_dir
+from andrea.train.distributed import full_tensor, shard_like
 from andrea.train.rundir import LATEST
 from andrea.train.rundir import TRAINER_STATE as STATE_FILE
 
@@ -45,27 +46,34 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights to store: no wrapper prefixes, tied tensors once, contiguous CPU copies."""
+def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The weights to store: no wrapper prefixes, tied tensors once, contiguous CPU copies,
+    sharded ones gathered whole. Sharded, every rank must call it; keep=False (the ranks that
+    write nothing) drops each gathered tensor at once instead of holding the whole model."""
     state = {}
     for key, value in model.state_dict().items():
         key = key.replace("_orig_mod.", "").removeprefix("module.")
         if key in TIED_KEYS:
             continue
-        state[key] = value.detach().to("cpu").contiguous()
+        whole = full_tensor(value.detach())
+        if keep:
+            state[key] = whole.to("cpu").contiguous()
     return state
 
 
 def optimizer_state(
-    optimizer: torch.optim.Optimizer, names: dict[int, str]
+    optimizer: torch.optim.Optimizer, names: dict[int, str], keep: bool = True
 ) -> dict[str, torch.Tensor]:
-    """AdamW's per-parameter state keyed by `<param name>.<field>`."""
+    """AdamW's per-parameter state keyed by `<param name>.<field>`, gathered whole as
+    model_state is (and with its `keep`)."""
     out = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for field, value in optimizer.state.get(p, {}).items():
                 tensor = value if torch.is_tensor(value) else torch.tensor(value)
-                out[f"{names[id(p)]}.{field}"] = tensor.detach().to("cpu").contiguous()
+                whole = full_tensor(tensor.detach())
+                if keep:
+                    out[f"{names[id(p)]}.{field}"] = whole.to("cpu").contiguous()
     return out
 
 
@@ -191,7 +199,8 @@ def read_model_checkpoint(ckpt: Path) -> tuple[dict[str, torch.Tensor], Config, 
 
 def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origin: Path) -> None:
     """Copy stored tensors into the model, naming any tensor whose name or shape differs."""
-    expected = {k: v for k, v in model.state_dict().items() if k not in TIED_KEYS}
+    current = model.state_dict()
+    expected = {k: v for k, v in current.items() if k not in TIED_KEYS}
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
@@ -205,7 +214,8 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origi
                 f"{origin}: tensor '{key}' has shape {list(value.shape)} in the checkpoint but "
                 f"{list(expected[key].shape)} in the model; the model config differs"
             )
-    model.load_state_dict({**tensors, **{k: tensors[v] for k, v in TIED_KEYS.items()}})
+    whole = {**tensors, **{k: tensors[v] for k, v in TIED_KEYS.items()}}
+    model.load_state_dict({k: shard_like(v, current[k]) for k, v in whole.items()})
 
 
 def load_optimizer(
@@ -225,7 +235,7 @@ def load_optimizer(
                             f"{ckpt / OPTIMIZER_FILE}: '{prefix}{k}' has shape "
                             f"{list(fields[k].shape)}, the parameter {list(p.shape)}"
                         )
-                state["state"][index] = {k: v.to(p.device) if k != "step" else v
+                state["state"][index] = {k: shard_like(v, p) if k != "step" else v
                                          for k, v in fields.items()}
             index += 1
     optimizer.load_state_dict(state)
