@@ -471,15 +471,21 @@ def restore(
     device: torch.device,
     dist: DistInfo,
 ) -> dict[str, Any]:
-    """Load weights, optimizer state and generator states; returns the trainer state."""
-    tensors, _, meta = ckpt_io.read_model_checkpoint(checkpoint)
+    """Load weights, optimizer state and generator states; returns the trainer state.
+    A sharded checkpoint (fsdp) is read through its shards, whole tensors otherwise; either
+    fits the model as it is laid out now."""
+    sharded = ckpt_io.has_shards(checkpoint)
+    tensors, meta = ckpt_io.read_model_checkpoint(checkpoint, tensors=not sharded)[::2]
     if meta.get("tokenizer") != train_split.tokenizer_identity:
         raise UserError(
             f"{checkpoint}: trained with tokenizer {meta.get('tokenizer')}, but the data in "
             f"{train_split.data_dir} uses {train_split.tokenizer_identity}"
         )
-    ckpt_io.load_weights(model, tensors, checkpoint / ckpt_io.MODEL_FILE)
-    ckpt_io.load_optimizer(optimizer, names, checkpoint)
+    if sharded:
+        ckpt_io.read_shards(checkpoint, model, optimizer, names)
+    else:
+        ckpt_io.load_weights(model, tensors, checkpoint / ckpt_io.MODEL_FILE)
+        ckpt_io.load_optimizer(optimizer, names, checkpoint)
     state, rng = ckpt_io.read_trainer_state(checkpoint)
     _restore_rng(rng, device, dist)
     return state
@@ -701,11 +707,23 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
     if s.step == 0 or s.checkpoint_step == s.step:
         return
     all_rng = _rng_tensors(rng, s.dist)  # a collective: every rank takes part
-    # Sharded tensors are gathered whole (collectives again); only rank 0 keeps them.
-    gather = s.dist.is_main or s.parallel == "fsdp"
-    model_tensors = ckpt_io.model_state(s.model, s.dist.is_main) if gather else {}
-    optimizer_tensors = (ckpt_io.optimizer_state(s.optimizer, s.param_names, s.dist.is_main)
-                         if gather else {})
+    partial, optimizer_tensors = None, {}
+    if s.parallel == "fsdp":
+        # Every rank writes its shards of weights and optimizer state into rank 0's folder;
+        # the weights are also gathered whole (for eval, generate, export), kept by rank 0.
+        pid = torch.tensor([os.getpid()], dtype=torch.int64).view(torch.uint8)
+        writer = int(all_gather_bytes(pid, s.dist)[0].view(torch.int64).item())
+        partial = ckpt_io.partial_dir(s.run_dir, s.step, writer)
+        if s.dist.is_main and partial.exists():
+            shutil.rmtree(partial)
+        barrier(s.dist)
+        ckpt_io.write_shards(partial / ckpt_io.SHARDS_DIR,
+                             ckpt_io.sharded_state(s.model, s.optimizer, s.param_names),
+                             s.dist.rank)
+        model_tensors = ckpt_io.model_state(s.model, s.dist.is_main)
+    elif s.dist.is_main:
+        model_tensors = ckpt_io.model_state(s.model)
+        optimizer_tensors = ckpt_io.optimizer_state(s.optimizer, s.param_names)
     if s.dist.is_main:
         state = {
             "step": s.step, "tokens": s.tokens_seen, "data_position": s.step,
@@ -715,7 +733,7 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
         }
         s.checkpoint = ckpt_io.save_checkpoint(
             s.run_dir, s.step, s.cfg, s.train_split.tokenizer_identity,
-            model_tensors, optimizer_tensors, all_rng, state, s.cfg.train.keep_last,
+            model_tensors, optimizer_tensors, all_rng, state, s.cfg.train.keep_last, partial,
         )
         s.log.write("checkpoint", step=s.step, path=s.checkpoint.name)
     else:

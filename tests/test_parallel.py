@@ -1,17 +1,19 @@
-"""train.parallel: fsdp under torchrun (2 gloo processes on the CPU): the same losses as ddp, the
-tied LM head stays tied, checkpoints reshard between process counts and modes, and a resume with
-the same processes and mode is exact. Each torchrun launch costs seconds: few of them, tiny runs."""
+"""Several processes under torchrun (gloo on the CPU): train.parallel: fsdp gives ddp's losses, the
+tied LM head stays tied, checkpoints reshard between process counts and modes, a resume with the
+same processes and mode is exact; two "nodes" equal one process. Each torchrun launch costs
+seconds: few of them, tiny runs."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import free_port, run_torchrun
+from conftest import assert_user_error, free_port, run_andrea, run_torchrun
 
 from andrea.config import load_config
 from andrea.train.loop import train
@@ -88,6 +90,18 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
     for step in range(11, STEPS + 1):
         assert math.isclose(result.losses[step], fsdp[step], rel_tol=1e-4), step
 
+    # Bad input: a missing shard file is named; a checkpoint of another shape names the tensor.
+    bad = rewound(tmp_path / "fsdp", tmp_path / "bad", 10)
+    shard = "shard-00002-model-00001-of-00001.safetensors"
+    (bad / "step-000010" / "shards" / shard).unlink()
+    assert_user_error(run_andrea("train", "--resume", str(bad)), shard, "missing")
+    shape = rewound(tmp_path / "fsdp", tmp_path / "shape", 10)
+    (shape / "config.yaml").write_text((shape / "config.yaml").read_text()
+                                       .replace("head_dim: 16", "head_dim: 8")
+                                       .replace("d_model: 64", "d_model: 32"))
+    assert_user_error(run_andrea("train", "--resume", str(shape)),
+                      "tok_emb.weight", "[320, 64] in the checkpoint", "[320, 32] in the model")
+
     # 1 process -> fsdp (2).
     one_cfg = tiny(tmp_path, data_dir, "grow", "train.max_steps=10")
     train(one_cfg, progress=False)
@@ -135,3 +149,31 @@ def test_fsdp_keeps_the_lm_head_tied_to_the_embedding(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Each rank holds half of the 123,200 parameters (the tied matrix once).
     assert "tied 61600" in proc.stdout
+
+
+def test_two_nodes_match_one_process_with_two_micro_steps(tmp_path, data_dir):
+    """Two torchrun launches as two "nodes" (one process each) on 127.0.0.1."""
+    sets = ("train.max_steps=3", "train.checkpoint_every=0", "train.eval_every=0")
+    one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)  # 2 micro-steps
+    cfg = tiny(tmp_path, data_dir, "nodes", *sets)
+    path = tmp_path / "nodes.yaml"
+    path.write_text(cfg.to_yaml())
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
+             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+             "-m", "andrea", "train", "-c", str(path), "--no-progress"],
+            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    assert "x 2 processes" in outputs[0][0] and outputs[1][0].strip() == ""  # rank 0 speaks
+    two = losses(tmp_path / "nodes")
+    assert sorted(two) == [1, 2, 3]
+    for step, loss in two.items():
+        assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
