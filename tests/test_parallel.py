@@ -102,12 +102,14 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
     assert_user_error(run_andrea("train", "--resume", str(shape)),
                       "tok_emb.weight", "[320, 64] in the checkpoint", "[320, 32] in the model")
 
-    # 1 process -> fsdp (2).
+    # 1 process -> fsdp (2), with activation checkpointing: the same gradients, recomputed.
     one_cfg = tiny(tmp_path, data_dir, "grow", "train.max_steps=10")
     train(one_cfg, progress=False)
     out = launch(tmp_path, fsdp_cfg, "--resume", str(tmp_path / "grow"), "--set",
-                 f"train.max_steps={STEPS}", "--set", "train.parallel=fsdp").stdout
+                 f"train.max_steps={STEPS}", "--set", "train.parallel=fsdp", "--set",
+                 "train.activation_checkpointing=blocks").stdout
     assert "resharding the checkpoint written by 1 process (none) for 2 (fsdp)" in out
+    assert "train.activation_checkpointing none -> blocks" in out
     for step, loss in losses(tmp_path / "grow").items():
         assert math.isclose(loss, ddp[step], rel_tol=1e-4), (step, loss, ddp[step])
 

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -225,8 +226,10 @@ def read_shards(
     check_shards(ckpt, state)
     import torch.distributed as dist
 
-    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)),
-             no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # one process reading: DCP warns that it is alone
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)),
+                 no_dist=not dist.is_initialized())
     with torch.no_grad():  # dcp.load fills the tensors in place, except a 0-dim step count
         for group in optimizer.param_groups:
             for p in group["params"]:
