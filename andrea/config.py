@@ -31,6 +31,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.activation_checkpointing": ("none", "blocks"),
     "train.optimizer": ("adamw", "muon"),
     "train.muon_ns_precision": ("auto", "bf16", "fp32"),
+    "train.parallel": ("ddp", "fsdp"),
 }
 
 
@@ -142,6 +143,9 @@ class TrainConfig:
     micro_batch_size: int | str = 8
     # "blocks": recompute each block's activations in backward instead of keeping them.
     activation_checkpointing: str = "none"
+    # Under torchrun: "ddp" keeps a whole copy of the model, gradients and AdamW state on every
+    # process; "fsdp" shards all three over the processes (FSDP2 fully_shard).
+    parallel: str = "ddp"
     # Tokens per optimizer step over all processes; 0 means one micro-batch per process.
     global_batch_tokens: int = 0
     max_steps: int = 1000
@@ -320,6 +324,12 @@ def validate(cfg: Config, origin: str) -> Config:
     t = cfg.train
     if t.min_lr > t.lr:
         raise UserError(f"{origin}: train.min_lr: {t.min_lr} is above train.lr = {t.lr}")
+    if t.optimizer == "muon" and t.parallel == "fsdp":
+        # Newton-Schulz needs each whole matrix, which FSDP holds in shards (docs/training.md).
+        raise UserError(
+            f"{origin}: train.optimizer: muon does not run under train.parallel: fsdp yet; "
+            f"use train.parallel=ddp with muon, or train.optimizer=adamw with fsdp"
+        )
     return cfg
 
 

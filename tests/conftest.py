@@ -27,6 +27,29 @@ def run_andrea(
     )
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a torchrun rendezvous on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(
+    *args: str, nproc: int = 2, launcher: tuple[str, ...] = (), timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=NPROC [LAUNCHER] -m andrea ARGS` on 127.0.0.1, one thread per
+    process (the test machines have 2 cores). LAUNCHER replaces the default rendezvous."""
+    rendezvous = launcher or ("--master_addr=127.0.0.1", f"--master_port={free_port()}")
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+         *rendezvous, "-m", "andrea", *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
 def assert_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     """Exit code 2, one line on stderr starting 'error:', no traceback, naming each fragment."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)

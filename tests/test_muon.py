@@ -144,6 +144,11 @@ def test_bad_muon_settings_are_one_line_errors(tmp_path, data_dir):
             )
     assert_user_error(run_andrea("train", "-c", path, "--set", "train.optimizer=lion"),
                       "train.optimizer", "'lion'", "adamw, muon")
+    assert_user_error(
+        run_andrea("train", "-c", path, "--set", "train.optimizer=muon",
+                   "--set", "train.parallel=fsdp"),
+        "train.optimizer: muon", "train.parallel: fsdp",
+    )
 
 
 def test_resuming_with_another_optimizer_is_refused(tmp_path, data_dir):

@@ -17,6 +17,9 @@ from andrea.model.transformer import Andrea
     [
         ("andrea-120m.yaml", 2_359_296, 28_311_552, 124_373_760),
         ("andrea-12m.yaml", 589_824, 3_538_944, 12_292_992),
+        ("andrea-350m.yaml", 4_194_304, 100_663_296, 354_599_936),
+        ("andrea-770m.yaml", 6_553_600, 235_929_600, 773_582_080),
+        ("andrea-1.5b.yaml", 10_240_000, 491_520_000, 1_556_840_000),
     ],
 )
 def test_count_params_cli(preset, per_layer_attention, attention_total, total):
@@ -30,6 +33,8 @@ def test_count_params_cli(preset, per_layer_attention, attention_total, total):
     assert counts["w_q"] == counts["w_k"] == counts["w_v"] == counts["w_o"] == d * d
     assert counts["attention_share"] == pytest.approx(attention_total / total)
 
+    cfg = load_config(preset)
+    assert counts["total"] == closed_form_total(cfg.model)
     table = run_andrea("count-params", "--config", preset).stdout
     assert f"{total:,}" in table and f"{per_layer_attention:,}" in table
 
@@ -41,3 +46,15 @@ def test_meta_count_matches_a_real_model_and_biases():
     assert sum(unique.values()) == count_params(cfg).total == closed_form_total(cfg)
     assert count_params(cfg).attention_bias == 4 * cfg.d_model
 
+
+
+@pytest.mark.parametrize(
+    "preset, n_layer, n_head, d_model",
+    [("andrea-350m", 24, 16, 1024), ("andrea-770m", 36, 20, 1280), ("andrea-1.5b", 48, 25, 1600)],
+)
+def test_larger_presets_shape(preset, n_layer, n_head, d_model):
+    cfg = load_config(preset)
+    m = cfg.model
+    assert (m.n_layer, m.n_head, m.head_dim, m.d_model) == (n_layer, n_head, 64, d_model)
+    assert (m.block_size, m.vocab_size, m.bias) == (1024, 50304, False)
+    assert cfg.data.tokenizer == "gpt2" and cfg.train.micro_batch_size == "auto"

@@ -10,9 +10,17 @@ newest complete one. Each checkpoint holds:
 - `rng.safetensors`: every generator's state (the CPU generator of each rank, and CUDA's);
 - `trainer_state.json`: step, tokens seen, data position, best val loss, skipped steps.
 
-A checkpoint is assembled in `step-NNNNNN.partial-<pid>/` (each file flushed and fsynced), the
-folder is renamed into place, and only then is `latest` replaced (write, fsync, rename). A crash at
-any moment therefore leaves `latest` pointing at a complete checkpoint.
+With `train.parallel: fsdp` the weights and AdamW state are also written by every rank at once,
+each its own shards, through torch.distributed.checkpoint's Hugging Face writer:
+`shards/shard-0000R-model-00001-of-00001.safetensors` (each tensor's slice with its offsets in the
+metadata) and `shards/index.json` (the files and their sizes); `optimizer.safetensors` is then not
+written. A resume reads the shards at any number of processes, in either mode (DCP reshards);
+`model.safetensors` stays whole for eval, generate and export.
+
+A checkpoint is assembled in `step-NNNNNN.partial-<pid>/` (each file flushed and fsynced; with
+shards, after every rank has finished its files), the folder is renamed into place, and only then
+is `latest` replaced (write, fsync, rename). A crash at any moment therefore leaves `latest`
+pointing at a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,7 @@ from safetensors.torch import save as safetensors_bytes
 from andrea.config import Config, config_from_dict
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text, fsync_dir
+from andrea.train.distributed import full_tensor, shard_like
 from andrea.train.rundir import LATEST
 from andrea.train.rundir import TRAINER_STATE as STATE_FILE
 
@@ -38,6 +48,9 @@ FORMAT = "andrea-checkpoint/1"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
+SHARDS_DIR = "shards"
+SHARD_INDEX = "index.json"
+OPTIMIZER_PREFIX = "optimizer."  # the optimizer's keys among the shards' tensors
 # The LM head is tied to the token embedding: stored once, re-tied on load.
 TIED_KEYS = {"lm_head.weight": "tok_emb.weight"}
 
@@ -46,28 +59,72 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights to store: no wrapper prefixes, tied tensors once, contiguous CPU copies."""
+def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The weights to store: no wrapper prefixes, tied tensors once, contiguous CPU copies,
+    sharded ones gathered whole. Sharded, every rank must call it; keep=False (the ranks that
+    write nothing) drops each gathered tensor at once instead of holding the whole model."""
     state = {}
     for key, value in model.state_dict().items():
         key = key.replace("_orig_mod.", "").removeprefix("module.")
         if key in TIED_KEYS:
             continue
-        state[key] = value.detach().to("cpu").contiguous()
+        whole = full_tensor(value.detach())
+        if keep:
+            state[key] = whole.to("cpu").contiguous()
     return state
 
 
 def optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], keep: bool = True
+) -> dict[str, torch.Tensor]:
+    """The per-parameter state (AdamW's, Muon's) keyed by `<param name>.<field>`, gathered
+    whole as model_state is (and with its `keep`)."""
+    out = {}
+    for key, value in _optimizer_tensors(optimizer, names).items():
+        whole = full_tensor(value)
+        if keep:
+            out[key] = whole.to("cpu").contiguous()
+    return out
+
+
+def _optimizer_tensors(
     optimizer: torch.optim.Optimizer, names: dict[int, str]
 ) -> dict[str, torch.Tensor]:
-    """The per-parameter state (AdamW's, Muon's) keyed by `<param name>.<field>`."""
+    """This rank's per-parameter optimizer state keyed by `<param name>.<field>`."""
     out = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for field, value in optimizer.state.get(p, {}).items():
                 tensor = value if torch.is_tensor(value) else torch.tensor(value)
-                out[f"{names[id(p)]}.{field}"] = tensor.detach().to("cpu").contiguous()
+                out[f"{names[id(p)]}.{field}"] = tensor.detach()
     return out
+
+
+def sharded_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> dict[str, torch.Tensor]:
+    """Weights (tied ones once) and optimizer state as this rank holds them, for the shards."""
+    state = {k: v.detach() for k, v in model.state_dict().items() if k not in TIED_KEYS}
+    for key, value in _optimizer_tensors(optimizer, names).items():
+        state[OPTIMIZER_PREFIX + key] = value
+    return state
+
+
+def write_shards(folder: Path, state: dict[str, torch.Tensor], rank: int) -> None:
+    """Every rank writes its slices of `state` into folder (a collective: all ranks call it and
+    it returns when every rank's files are written); then rank 0 writes the index."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    folder.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(folder),
+                                                                save_distributed=True))
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        files = {f.name: f.stat().st_size for f in sorted(folder.glob("*.safetensors"))}
+        atomic_write_text(folder / SHARD_INDEX,
+                          json.dumps({"format": FORMAT, "files": files}, indent=1))
 
 
 def save_checkpoint(
@@ -80,13 +137,18 @@ def save_checkpoint(
     rng_tensors: dict[str, torch.Tensor],
     trainer_state: dict[str, Any],
     keep_last: int,
+    partial: Path | None = None,
 ) -> Path:
-    """Write checkpoint `step` into run_dir, point `latest` at it, prune to keep_last."""
+    """Write checkpoint `step` into run_dir, point `latest` at it, prune to keep_last.
+    partial: the folder every rank's shards were written into (see partial_dir); it then holds
+    the optimizer state, and optimizer_tensors is ignored."""
     final = run_dir / step_dir_name(step)
-    partial = run_dir / f"{final.name}.partial-{os.getpid()}"
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+    sharded = partial is not None
+    if partial is None:
+        partial = partial_dir(run_dir, step, os.getpid())
+        if partial.exists():
+            shutil.rmtree(partial)
+    partial.mkdir(parents=True, exist_ok=True)
     metadata = {
         "format": FORMAT,
         "step": str(step),
@@ -98,9 +160,10 @@ def save_checkpoint(
     atomic_write_bytes(partial / MODEL_FILE, safetensors_bytes(model_tensors, metadata))
     if delay:
         time.sleep(delay)
-    atomic_write_bytes(
-        partial / OPTIMIZER_FILE, safetensors_bytes(optimizer_tensors, {"format": FORMAT})
-    )
+    if not sharded:
+        atomic_write_bytes(
+            partial / OPTIMIZER_FILE, safetensors_bytes(optimizer_tensors, {"format": FORMAT})
+        )
     atomic_write_bytes(partial / RNG_FILE, safetensors_bytes(rng_tensors, {"format": FORMAT}))
     atomic_write_text(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
     if final.exists():  # the same step written by an earlier segment of this run
@@ -112,6 +175,84 @@ def save_checkpoint(
     atomic_write_text(run_dir / LATEST, final.name + "\n")
     prune_checkpoints(run_dir, keep_last)
     return final
+
+
+def partial_dir(run_dir: Path, step: int, pid: int) -> Path:
+    """Where checkpoint `step` is assembled by the writer with process id `pid` (rank 0's)."""
+    return run_dir / f"{step_dir_name(step)}.partial-{pid}"
+
+
+def has_shards(ckpt: Path) -> bool:
+    return (ckpt / SHARDS_DIR).is_dir()
+
+
+def check_shards(ckpt: Path, expected: dict[str, torch.Tensor]) -> None:
+    """Every file the index lists is there at its size, and every tensor has the shape the
+    model (and its optimizer state) has; a UserError naming the file or tensor if not."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    folder = ckpt / SHARDS_DIR
+    try:
+        files = json.loads((folder / SHARD_INDEX).read_text())["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{folder / SHARD_INDEX}: unreadable shard index: {exc}") from None
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise UserError(f"{path}: missing (listed in {SHARD_INDEX}); the checkpoint's shards "
+                            f"are incomplete: resume from another checkpoint")
+        if path.stat().st_size != size:
+            raise UserError(f"{path}: {path.stat().st_size} bytes, {SHARD_INDEX} says {size} "
+                            f"(truncated or damaged?)")
+    stored = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    for key, value in expected.items():
+        if key not in stored:
+            raise UserError(f"{folder}: no tensor '{key}' in the shards; the checkpoint is of "
+                            f"another model or optimizer")
+        if tuple(stored[key].size) != tuple(value.shape):
+            raise UserError(
+                f"{folder}: tensor '{key}' has shape {list(stored[key].size)} in the checkpoint "
+                f"but {list(value.shape)} in the model; the model config differs"
+            )
+
+
+def read_shards(
+    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> None:
+    """Load weights and optimizer state from the shards into the model as it is laid out now
+    (sharded over any number of ranks, or whole): DCP reads each rank's slices."""
+    import torch.distributed.checkpoint as dcp
+
+    ensure_optimizer_state(optimizer)
+    state = sharded_state(model, optimizer, names)
+    check_shards(ckpt, state)
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():  # one process reading: DCP warns that it is alone
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)),
+                 no_dist=not dist.is_initialized())
+    with torch.no_grad():  # dcp.load fills the tensors in place, except a 0-dim step count
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for field in optimizer.state[p]:
+                    loaded = state[f"{OPTIMIZER_PREFIX}{names[id(p)]}.{field}"]
+                    if optimizer.state[p][field] is not loaded:
+                        optimizer.state[p][field].copy_(loaded)
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's state exists only after its first step; make it (zeros) so it can be loaded."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state.get(p):
+                # AdamW keeps the count on the parameter's device only when fused.
+                on = p.device if group.get("fused") else "cpu"
+                optimizer.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=on),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -179,20 +320,27 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     return tensors, metadata
 
 
-def read_model_checkpoint(ckpt: Path) -> tuple[dict[str, torch.Tensor], Config, dict[str, str]]:
-    """Weights, the config they were trained with, and the metadata."""
+def read_model_checkpoint(
+    ckpt: Path, tensors: bool = True
+) -> tuple[dict[str, torch.Tensor], Config, dict[str, str]]:
+    """Weights (none with tensors=False), the config they were trained with, the metadata."""
     path = ckpt / MODEL_FILE
-    tensors, metadata = read_safetensors(path)
+    if tensors:
+        weights, metadata = read_safetensors(path)
+    else:
+        with _open(path) as f:
+            weights, metadata = {}, f.metadata() or {}
     if metadata.get("format") != FORMAT or "config" not in metadata:
         raise UserError(f"{path}: not an andrea checkpoint (metadata format is "
                         f"{metadata.get('format')!r}, expected {FORMAT!r})")
     cfg = config_from_dict(json.loads(metadata["config"]), origin=f"{path} metadata")
-    return tensors, cfg, metadata
+    return weights, cfg, metadata
 
 
 def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origin: Path) -> None:
     """Copy stored tensors into the model, naming any tensor whose name or shape differs."""
-    expected = {k: v for k, v in model.state_dict().items() if k not in TIED_KEYS}
+    current = model.state_dict()
+    expected = {k: v for k, v in current.items() if k not in TIED_KEYS}
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
@@ -206,7 +354,8 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origi
                 f"{origin}: tensor '{key}' has shape {list(value.shape)} in the checkpoint but "
                 f"{list(expected[key].shape)} in the model; the model config differs"
             )
-    model.load_state_dict({**tensors, **{k: tensors[v] for k, v in TIED_KEYS.items()}})
+    whole = {**tensors, **{k: tensors[v] for k, v in TIED_KEYS.items()}}
+    model.load_state_dict({k: shard_like(v, current[k]) for k, v in whole.items()})
 
 
 def load_optimizer(
@@ -226,7 +375,7 @@ def load_optimizer(
                             f"{ckpt / OPTIMIZER_FILE}: '{prefix}{k}' has shape "
                             f"{list(fields[k].shape)}, the parameter {list(p.shape)}"
                         )
-                state["state"][index] = {k: v.to(p.device) if k != "step" else v
+                state["state"][index] = {k: shard_like(v, p) if k != "step" else v
                                          for k, v in fields.items()}
             index += 1
     optimizer.load_state_dict(state)

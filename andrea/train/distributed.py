@@ -1,9 +1,11 @@
-"""Process-group setup for torchrun: DistributedDataParallel over gloo (CPU) or nccl (GPU).
+"""Process-group setup for torchrun (gloo on CPU, nccl on GPU), and FSDP2 sharding.
 
 One machine: `torchrun --nproc_per_node=K -m andrea train ...`. Several machines: the same command
 on each with `--nnodes=N --node_rank=i --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT`; nothing in
 the trainer changes, since ranks, the global batch and the data streams derive from WORLD_SIZE and
-RANK. See docs/training.md for where FSDP2 would plug in.
+RANK. `train.parallel: fsdp` shards parameters, gradients and optimizer state (`shard_model`);
+checkpoints gather them into whole tensors (`full_tensor`) and scatter them back on load
+(`shard_like`), so a checkpoint does not depend on the number of processes or the mode.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 @dataclass
@@ -73,3 +76,44 @@ def shutdown(info: DistInfo) -> None:
         # is gone, which can abort a finished run (SIGABRT). Free it while Python is whole.
         gc.collect()
         dist.destroy_process_group()
+
+
+def shard_model(model: torch.nn.Module, info: DistInfo, device: torch.device,
+                bf16_params: bool) -> None:
+    """FSDP2 in place: each block its own unit (gathered just for its forward and backward),
+    then the root, which holds the embeddings, the final norm and the tied LM head together (a
+    shared parameter must live in one unit). bf16_params: gather the weights in bfloat16 and
+    reduce the gradients in float32 (for a GPU; on the CPU autocast does the casting, so fsdp
+    computes exactly what ddp does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (info.world_size,))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16_params else MixedPrecisionPolicy())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded one (a collective: every rank calls it, in the same order);
+    a plain tensor as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`whole` laid out as `like` is: this rank's shard if `like` is sharded. Every rank holds
+    the whole tensor already (read from the checkpoint), so nothing is sent."""
+    if not isinstance(like, DTensor):
+        return whole.to(like.device)
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements,
+                             src_data_rank=None)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The global gradient norm (over every shard when sharded), then clip to max_norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = full_tensor(torch.nn.utils.get_total_norm(grads))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

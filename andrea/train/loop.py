@@ -41,7 +41,9 @@ from andrea.train.distributed import (
     all_gather_bytes,
     all_reduce_sum,
     barrier,
+    clip_grad_norm,
     init_distributed,
+    shard_model,
     shutdown,
 )
 from andrea.train.flops import MfuMeter, flops_per_token, format_mfu
@@ -130,23 +132,30 @@ def evaluate(
     device: torch.device,
     dtype: torch.dtype,
     dist: DistInfo,
+    lockstep: bool = False,
 ) -> float:
-    """Mean loss over the first eval_batches sequential val batches, shared among the ranks."""
+    """Mean loss over the first eval_batches sequential val batches, shared among the ranks.
+    lockstep (sharded weights): every rank runs as many forwards as the busiest one, since each
+    forward gathers the weights from all of them; a rank short of a batch repeats one and
+    counts nothing."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    batches = val_batches(
+    batches = list(val_batches(
         split,
         micro_batch_size=micro_batch,
         block_size=cfg.model.block_size,
         max_batches=cfg.train.eval_batches,
-    )
-    for i, (x, y) in enumerate(batches):
-        if i % dist.world_size != dist.rank:
-            continue
+    ))
+    rounds = math.ceil(len(batches) / dist.world_size)
+    for i in range(rounds * dist.world_size)[dist.rank::dist.world_size]:
+        if i >= len(batches) and not lockstep:
+            break
+        x, y = batches[min(i, len(batches) - 1)]
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             _, loss = model(x.to(device), y.to(device))
-        total += torch.tensor([loss.item() * y.numel(), y.numel()], device=device)
+        if i < len(batches):
+            total += torch.tensor([loss.item() * y.numel(), y.numel()], device=device)
     all_reduce_sum(total, dist)
     model.train(was_training)
     return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
@@ -197,6 +206,7 @@ class Session:
     signals: SignalWatch
     mfu: MfuMeter
     preset: str
+    parallel: str = "none"  # how the processes share the work: none (one), ddp or fsdp
     step: int = 0
     tokens_seen: int = 0
     skipped: int = 0
@@ -342,6 +352,11 @@ def set_up(
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     model = Andrea(cfg.model, attention_backend=backend).to(device)
     model.checkpoint_blocks = t.activation_checkpointing == "blocks"
+    n_params = model.num_params()
+    parallel = t.parallel if dist.enabled else "none"
+    if parallel == "fsdp":  # before the optimizer, which must hold the sharded parameters
+        shard_model(model, dist, device, bf16_params=dtype == torch.bfloat16
+                    and device.type == "cuda")
     optimizer = build_optimizer(model, cfg, device)
     names = {id(p): n for n, p in model.named_parameters()}
 
@@ -355,7 +370,7 @@ def set_up(
     accum = accumulation_steps(cfg, micro_batch, dist.world_size)
 
     train_model: nn.Module = torch.compile(model) if t.compile else model
-    if dist.enabled:
+    if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         device_ids = [dist.local_rank] if device.type == "cuda" else None
@@ -366,8 +381,8 @@ def set_up(
         train_model=train_model, optimizer=optimizer, param_names=names,
         train_split=train_split, val_split=val_split, micro_batch=micro_batch, accum=accum,
         log=MetricsLog(None), signals=signals,
-        mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, model.num_params())),
-        preset=trainer_state.get("preset", Path(cfg.source).stem),
+        mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, n_params)),
+        preset=trainer_state.get("preset", Path(cfg.source).stem), parallel=parallel,
         step=trainer_state.get("step", 0), tokens_seen=trainer_state.get("tokens", 0),
         skipped=trainer_state.get("skipped_steps", 0),
         best_val=trainer_state.get("best_val_loss"), best_step=trainer_state.get("best_val_step"),
@@ -380,6 +395,8 @@ def set_up(
         s.say(f"attention: {backend} ({why})")
         for key, (old, new) in changes.items():
             s.say(f"resume: {key} {old} -> {new}")
+        for line in parallel_lines(t.parallel, parallel, dist, trainer_state):
+            s.say(line)
         s.say(
             f"{run_dir}: {model.num_params():,} parameters, {s.tokens_per_step:,} tokens/step "
             f"({micro_batch} x {cfg.model.block_size} x {accum} accumulation x "
@@ -399,6 +416,25 @@ def set_up(
         for line in plan_lines(s):
             s.say(line)
     return s
+
+
+def parallel_lines(asked: str, parallel: str, dist: DistInfo,
+                   trainer_state: dict[str, Any]) -> list[str]:
+    """What the processes share, and how a resumed checkpoint is laid out anew, if it is."""
+    lines = []
+    if asked == "fsdp" and not dist.enabled:
+        lines.append("parallel: fsdp with 1 process: nothing to shard, the model runs whole")
+    elif parallel == "fsdp":
+        lines.append(f"parallel: fsdp, parameters, gradients and optimizer state sharded over "
+                     f"{dist.world_size} processes")
+    if trainer_state:
+        was_world = trainer_state.get("world_size", 1)
+        was = trainer_state.get("parallel", "ddp" if was_world > 1 else "none")
+        if (was_world, was) != (dist.world_size, parallel):
+            lines.append(f"resume: resharding the checkpoint written by {was_world} "
+                         f"process{'es' if was_world > 1 else ''} ({was}) for "
+                         f"{dist.world_size} ({parallel})")
+    return lines
 
 
 def open_run(
@@ -440,15 +476,21 @@ def restore(
     device: torch.device,
     dist: DistInfo,
 ) -> dict[str, Any]:
-    """Load weights, optimizer state and generator states; returns the trainer state."""
-    tensors, _, meta = ckpt_io.read_model_checkpoint(checkpoint)
+    """Load weights, optimizer state and generator states; returns the trainer state.
+    A sharded checkpoint (fsdp) is read through its shards, whole tensors otherwise; either
+    fits the model as it is laid out now."""
+    sharded = ckpt_io.has_shards(checkpoint)
+    tensors, meta = ckpt_io.read_model_checkpoint(checkpoint, tensors=not sharded)[::2]
     if meta.get("tokenizer") != train_split.tokenizer_identity:
         raise UserError(
             f"{checkpoint}: trained with tokenizer {meta.get('tokenizer')}, but the data in "
             f"{train_split.data_dir} uses {train_split.tokenizer_identity}"
         )
-    ckpt_io.load_weights(model, tensors, checkpoint / ckpt_io.MODEL_FILE)
-    ckpt_io.load_optimizer(optimizer, names, checkpoint)
+    if sharded:
+        ckpt_io.read_shards(checkpoint, model, optimizer, names)
+    else:
+        ckpt_io.load_weights(model, tensors, checkpoint / ckpt_io.MODEL_FILE)
+        ckpt_io.load_optimizer(optimizer, names, checkpoint)
     state, rng = ckpt_io.read_trainer_state(checkpoint)
     _restore_rng(rng, device, dist)
     return state
@@ -588,9 +630,11 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
             micro_batch_size=s.micro_batch, block_size=s.cfg.model.block_size,
         )
         x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
-        # DDP all-reduces the gradients once, on the last micro-batch.
+        # DDP all-reduces (FSDP reduce-scatters) the gradients once, on the last micro-batch.
         last = micro == s.accum - 1
-        no_sync = s.dist.enabled and not last
+        no_sync = s.parallel == "ddp" and not last
+        if s.parallel == "fsdp":
+            s.model.set_requires_gradient_sync(last)
         with s.train_model.no_sync() if no_sync else contextlib.nullcontext():
             with torch.autocast(s.device.type, dtype=s.dtype,
                                 enabled=s.dtype != torch.float32):
@@ -602,7 +646,10 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
             os.kill(os.getpid(), signal.SIGINT)  # as if Ctrl-C came during this micro-batch
     loss_mean = all_reduce_sum(loss_sum / s.accum, s.dist) / s.dist.world_size
     clip = t.grad_clip if t.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), clip)
+    if s.parallel == "fsdp":
+        grad_norm = clip_grad_norm(list(s.model.parameters()), clip)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), clip)
     if os.environ.get("ANDREA_TEST_NAN_AT_STEP") == str(step + 1):  # used only by tests
         loss_mean = loss_mean * float("nan")
     loss_value, norm_value = torch.stack([loss_mean.float(), grad_norm.float()]).tolist()
@@ -655,7 +702,7 @@ def maybe_evaluate(s: Session, bar: tqdm) -> None:
     if not t.eval_every or (s.step % t.eval_every and s.step != t.max_steps):
         return
     s.last_val = evaluate(s.train_model, s.val_split, s.cfg, s.micro_batch, s.device, s.dtype,
-                          s.dist)
+                          s.dist, lockstep=s.parallel == "fsdp")
     if s.best_val is None or s.last_val < s.best_val:
         s.best_val, s.best_step = s.last_val, s.step
     s.log.write("eval", step=s.step, tokens=s.tokens_seen, val_loss=s.last_val)
@@ -669,17 +716,33 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
     if s.step == 0 or s.checkpoint_step == s.step:
         return
     all_rng = _rng_tensors(rng, s.dist)  # a collective: every rank takes part
+    partial, optimizer_tensors = None, {}
+    if s.parallel == "fsdp":
+        # Every rank writes its shards of weights and optimizer state into rank 0's folder;
+        # the weights are also gathered whole (for eval, generate, export), kept by rank 0.
+        pid = torch.tensor([os.getpid()], dtype=torch.int64).view(torch.uint8)
+        writer = int(all_gather_bytes(pid, s.dist)[0].view(torch.int64).item())
+        partial = ckpt_io.partial_dir(s.run_dir, s.step, writer)
+        if s.dist.is_main and partial.exists():
+            shutil.rmtree(partial)
+        barrier(s.dist)
+        ckpt_io.write_shards(partial / ckpt_io.SHARDS_DIR,
+                             ckpt_io.sharded_state(s.model, s.optimizer, s.param_names),
+                             s.dist.rank)
+        model_tensors = ckpt_io.model_state(s.model, s.dist.is_main)
+    elif s.dist.is_main:
+        model_tensors = ckpt_io.model_state(s.model)
+        optimizer_tensors = ckpt_io.optimizer_state(s.optimizer, s.param_names)
     if s.dist.is_main:
         state = {
             "step": s.step, "tokens": s.tokens_seen, "data_position": s.step,
             "best_val_loss": s.best_val, "best_val_step": s.best_step,
             "skipped_steps": s.skipped, "world_size": s.dist.world_size, "seed": s.cfg.train.seed,
-            "preset": s.preset, "micro_batch_size": s.micro_batch,
+            "preset": s.preset, "micro_batch_size": s.micro_batch, "parallel": s.parallel,
         }
         s.checkpoint = ckpt_io.save_checkpoint(
             s.run_dir, s.step, s.cfg, s.train_split.tokenizer_identity,
-            ckpt_io.model_state(s.model), ckpt_io.optimizer_state(s.optimizer, s.param_names),
-            all_rng, state, s.cfg.train.keep_last,
+            model_tensors, optimizer_tensors, all_rng, state, s.cfg.train.keep_last, partial,
         )
         s.log.write("checkpoint", step=s.step, path=s.checkpoint.name)
     else:

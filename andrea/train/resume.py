@@ -25,6 +25,7 @@ RESUMABLE_KEYS = (
     "train.compile",
     "train.micro_batch_size",
     "train.activation_checkpointing",
+    "train.parallel",
     "train.device",
     "model.attention",
     "data.dir",
