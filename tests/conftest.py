@@ -37,7 +37,8 @@ def free_port() -> int:
 
 
 def run_torchrun(
-    *args: str, nproc: int = 2, launcher: tuple[str, ...] = (), timeout: float = 300
+    *args: str, nproc: int = 2, launcher: tuple[str, ...] = (), timeout: float = 300,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node=NPROC [LAUNCHER] -m andrea ARGS` on 127.0.0.1, one thread per
     process (the test machines have 2 cores). LAUNCHER replaces the default rendezvous."""
@@ -45,7 +46,7 @@ def run_torchrun(
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
          *rendezvous, "-m", "andrea", *args],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
         capture_output=True, text=True, timeout=timeout,
     )
 

@@ -179,3 +179,24 @@ def test_two_nodes_match_one_process_with_two_micro_steps(tmp_path, data_dir):
     assert sorted(two) == [1, 2, 3]
     for step, loss in two.items():
         assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
+
+
+def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "killed", "train.parallel=fsdp", "train.max_steps=4",
+               "train.checkpoint_every=2", "train.eval_every=0")
+    path = tmp_path / "killed.yaml"
+    path.write_text(cfg.to_yaml())
+    # Rank 1 dies by SIGKILL with its shards of step 4 on disk, before the checkpoint is whole.
+    proc = run_torchrun("train", "-c", str(path), "--no-progress",
+                        env={"ANDREA_TEST_KILL_RANK_IN_SHARDS": "1:step-000004"})
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    run_dir = tmp_path / "killed"
+    assert (run_dir / "latest").read_text().strip() == "step-000002"
+    assert not (run_dir / "step-000004").exists()
+    assert list(run_dir.glob("step-000004.partial-*"))  # the half-written one, never latest
+    # The previous checkpoint still loads: one process resumes from it and finishes the run.
+    resumed = run_andrea("train", "--resume", str(run_dir), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step-000002" in resumed.stdout
+    assert (run_dir / "latest").read_text().strip() == "step-000004"
+    assert not list(run_dir.glob("*.partial-*"))
