@@ -22,6 +22,10 @@ def test_wheel_ships_configs_and_kernels_and_runs_elsewhere(tmp_path):
     for preset in ("andrea-12m.yaml", "andrea-120m.yaml"):
         assert f"andrea/configs/{preset}" in names
     assert "andrea/kernels/microgpt_cuda.cu" in names
+    # Every module of the package, subpackages included: a .gitignore pattern once kept
+    # andrea/data/ out of the wheel (hatchling leaves out what git ignores).
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "andrea").rglob("*.py")}
+    assert modules <= set(names), sorted(modules - set(names))
     assert "andrea/kernels/cpu/cuda_emulator.h" in names
 
     target = tmp_path / "site"

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from andrea.data import shards
-from andrea.errors import UserError
 from andrea.data.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
 from andrea.data.shards import read_manifest
+from andrea.errors import UserError
 
 if TYPE_CHECKING:
     from andrea.config import Config

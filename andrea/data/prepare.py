@@ -32,8 +32,6 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from andrea.data import readers, shards
-from andrea.errors import UserError
-from andrea.fileio import atomic_write_bytes, atomic_write_text
 from andrea.data.readers import (
     InputFile,
     Job,
@@ -54,6 +52,8 @@ from andrea.data.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
+from andrea.errors import UserError
+from andrea.fileio import atomic_write_bytes, atomic_write_text
 
 if TYPE_CHECKING:
     from andrea.config import Config

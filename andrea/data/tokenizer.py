@@ -19,9 +19,9 @@ from typing import Protocol
 
 import numpy as np
 
+from andrea.data.shards import read_manifest
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
-from andrea.data.shards import read_manifest
 
 EOT_TEXT = "<|endoftext|>"
 KINDS = ("gpt2", "bpe", "byte")
