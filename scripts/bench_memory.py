@@ -20,7 +20,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 
 def cpu_name() -> str:
@@ -37,6 +36,7 @@ def cpu_name() -> str:
 def one_case(preset: str, micro_batch: int, loss: str, precision: str, checkpointing: bool,
              warmup: int, steps: int) -> dict:
     import torch
+    from bench_train import plain_step_seconds  # scripts/ is on sys.path when run as a script
 
     from andrea.config import load_config
     from andrea.model.transformer import Andrea
@@ -53,20 +53,8 @@ def one_case(preset: str, micro_batch: int, loss: str, precision: str, checkpoin
     model.checkpoint_blocks = checkpointing
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     b, t = micro_batch, cfg.model.block_size
-    seconds = []
-    for i in range(warmup + steps):
-        x = torch.randint(0, cfg.model.vocab_size, (b, t))
-        y = torch.randint(0, cfg.model.vocab_size, (b, t))
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            _, value = model(x, y)
-        value.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value.item()
-        if i >= warmup:
-            seconds.append(time.perf_counter() - t0)
+    seconds = [plain_step_seconds(model, opt, dtype, b, 1.0)
+               for _ in range(warmup + steps)][warmup:]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
         "preset": preset, "micro_batch": micro_batch, "block_size": t, "loss": loss,

@@ -28,26 +28,32 @@ from andrea.train.loop import train
 from andrea.train.optim import build_optimizer
 
 
+def plain_step_seconds(model: Andrea, opt: torch.optim.Optimizer, dtype: torch.dtype,
+                       batch: int, clip: float) -> float:
+    """One plain step on random tokens: forward under autocast, backward, clip, optimizer
+    step. Returns its wall time. Also the baseline step of scripts/bench_memory.py."""
+    vocab, block = model.cfg.vocab_size, model.cfg.block_size
+    x = torch.randint(0, vocab, (batch, block))
+    y = torch.randint(0, vocab, (batch, block))
+    t0 = time.perf_counter()
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss.item()
+    return time.perf_counter() - t0
+
+
 def plain_loop(cfg, dtype: torch.dtype, steps: int, warmup: int) -> list[float]:
     torch.manual_seed(0)
     model = Andrea(cfg.model)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     b, t = cfg.train.micro_batch_size, cfg.model.block_size
-    rates = []
-    for i in range(warmup + steps):
-        x = torch.randint(0, cfg.model.vocab_size, (b, t))
-        y = torch.randint(0, cfg.model.vocab_size, (b, t))
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-        if i >= warmup:
-            rates.append(b * t / (time.perf_counter() - t0))
-    return rates
+    seconds = [plain_step_seconds(model, opt, dtype, b, cfg.train.grad_clip)
+               for _ in range(warmup + steps)]
+    return [b * t / s for s in seconds[warmup:]]
 
 
 def trainer_loop(cfg, precision: str, steps: int, warmup: int, root: Path) -> list[float]:
