@@ -24,24 +24,30 @@ BASE = 1_000_000  # shard k holds BASE*k, BASE*k + 1, ...: a token names its sha
 T = 16
 
 
+def write_prepared(out, sizes, first, vocab_size, ident="test:v1"):
+    """A prepared dir whose shard k of a split holds BASE*(first[split] + k) + position tokens,
+    uint32, with its manifest."""
+    entries = {split: [] for split in sizes}
+    for split, split_sizes in sizes.items():
+        for k, n in enumerate(split_sizes):
+            file = f"{split}_{k:06d}.bin"
+            w = shards.ShardWriter(out / file, np.dtype("<u4"), ident)
+            w.write(np.arange(n) + BASE * (first[split] + k))
+            entries[split].append({"file": file, "tokens": w.close().count})
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "tokenizer": {"kind": "byte", "identity": ident, "vocab_size": vocab_size, "eot_id": 0},
+        "shards": entries,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return out
+
+
 @pytest.fixture
 def data_dir(tmp_path):
     """Three train shards of different lengths and one val shard, uint32 position tokens."""
-    ident = "test:v1"
-    entries = {"train": [], "val": []}
-    for split, sizes in (("train", [1000, 37, 2500]), ("val", [300])):
-        for k, n in enumerate(sizes):
-            name = f"{split}_{k:06d}.bin"
-            w = shards.ShardWriter(tmp_path / name, np.dtype("<u4"), ident)
-            w.write(np.arange(n) + BASE * (k + 1))
-            entries[split].append({"file": name, "tokens": w.close().count})
-    manifest = {
-        "manifest_version": MANIFEST_VERSION,
-        "tokenizer": {"kind": "byte", "identity": ident, "vocab_size": 10 * BASE, "eot_id": 0},
-        "shards": entries,
-    }
-    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
-    return tmp_path
+    return write_prepared(tmp_path, {"train": [1000, 37, 2500], "val": [300]},
+                          {"train": 1, "val": 1}, 10 * BASE)
 
 
 def batch(split, **kw):
@@ -136,20 +142,8 @@ def make_source(root, name, sizes, first_shard, ident="test:v1"):
     """A prepared dir whose shard k holds BASE*(first_shard + k) + position tokens."""
     out = root / name
     out.mkdir()
-    entries = {"train": [], "val": []}
-    for split, split_sizes in (("train", sizes), ("val", [200])):
-        for k, n in enumerate(split_sizes):
-            file = f"{split}_{k:06d}.bin"
-            w = shards.ShardWriter(out / file, np.dtype("<u4"), ident)
-            w.write(np.arange(n) + BASE * (first_shard + k + (50 if split == "val" else 0)))
-            entries[split].append({"file": file, "tokens": w.close().count})
-    manifest = {
-        "manifest_version": MANIFEST_VERSION,
-        "tokenizer": {"kind": "byte", "identity": ident, "vocab_size": 100 * BASE, "eot_id": 0},
-        "shards": entries,
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest))
-    return out
+    return write_prepared(out, {"train": sizes, "val": [200]},
+                          {"train": first_shard, "val": first_shard + 50}, 100 * BASE, ident)
 
 
 @pytest.fixture
