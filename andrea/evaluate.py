@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from andrea.config import CHOICES, Config
 from andrea.data.loader import TokenSplit
-from andrea.data.prepare import SHAKESPEARE, SPLITS, data_dir_for, prepare_from_config
+from andrea.data.prepare import SPLITS, data_dir_for, prepare_from_config, source_words
 from andrea.data.shards import MANIFEST
 from andrea.data.tokenizer import (
     BPE_FILE,
@@ -111,10 +111,9 @@ def prepare_run_data(ckpt: Path, cfg: Config, instead: str) -> Path:
     if (data_dir / MANIFEST).is_file():
         return data_dir
     d = cfg.data
-    what = "the embedded Shakespeare corpus" if d.source == SHAKESPEARE else d.source
     tokenizer = d.tokenizer_file or f"the {d.tokenizer} tokenizer"
-    announce = (f"preparing {data_dir} (the run's data folder, not prepared yet) from {what} "
-                f"with {tokenizer}, as the run's config says")
+    announce = (f"preparing {data_dir} (the run's data folder, not prepared yet) from "
+                f"{source_words(cfg)} with {tokenizer}, as the run's config says")
     try:
         # prepare announces on stdout, as train's log; here stdout is the result.
         with contextlib.redirect_stdout(sys.stderr):

@@ -927,10 +927,14 @@ def ensure_prepared(cfg: Config) -> Path:
     Call it on one process only (rank 0) and let the others wait: two concurrent prepares of
     the same directory would clear each other's files.
     """
-    d = cfg.data
-    what = "the embedded Shakespeare corpus" if d.source == SHAKESPEARE else d.source
-    announce = f"preparing {data_dir_for(cfg)} from {what} (first run only)"
+    announce = f"preparing {data_dir_for(cfg)} from {source_words(cfg)} (first run only)"
     return prepare_from_config(cfg, verbose=False, announce=announce)
+
+
+def source_words(cfg: Config) -> str:
+    """What data.source names, in words for a message."""
+    source = cfg.data.source
+    return "the embedded Shakespeare corpus" if source == SHAKESPEARE else source
 
 
 def prepare_command(

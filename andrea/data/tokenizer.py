@@ -19,7 +19,6 @@ from typing import Protocol
 
 import numpy as np
 
-from andrea.data.shards import read_manifest
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
 
@@ -268,16 +267,3 @@ def load_tokenizer(kind: str, data_dir: Path | None = None) -> Tokenizer:
             raise UserError(f"{path}: no trained BPE tokenizer here; run `andrea prepare` first")
         return BpeTokenizer(path)
     raise UserError(f"tokenizer '{kind}' is not one of {', '.join(KINDS)}")
-
-
-def tokenizer_for_data_dir(data_dir: Path) -> Tokenizer:
-    """The tokenizer a prepared data directory was made with (checked against its manifest)."""
-    manifest = read_manifest(Path(data_dir))
-    kind = manifest["tokenizer"]["kind"]
-    tok = load_tokenizer(kind, data_dir)
-    if tok.identity != manifest["tokenizer"]["identity"]:
-        raise UserError(
-            f"{data_dir}: tokenizer {tok.identity} differs from the manifest's "
-            f"{manifest['tokenizer']['identity']}; re-run `andrea prepare --force`"
-        )
-    return tok
