@@ -55,6 +55,7 @@ from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
+from andrea.train.rundir import CONFIG
 
 EXPORT_FORMAT = "andrea-hf-export/1"
 ANDREA_FILE = "andrea.json"
@@ -449,7 +450,7 @@ def import_hf(
             "imported_sha256": hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest(),
         }
         ckpt_io.save_checkpoint(tmp, 0, cfg, identity, tensors, {}, rng, state, keep_last=1)
-        atomic_write_text(tmp / "config.yaml", cfg.to_yaml())
+        atomic_write_text(tmp / CONFIG, cfg.to_yaml())
         if tokenizer_json is not None:
             shutil.copyfile(tokenizer_json, tmp / BPE_FILE)
         _replace_dir(tmp, run_dir)

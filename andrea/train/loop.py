@@ -59,6 +59,7 @@ from andrea.train.resume import (
     check_resume_changes,
     find_run_to_resume,
 )
+from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.schedule import lr_at
 from andrea.train.signals import EXIT_SIGNAL, SignalWatch
 
@@ -391,14 +392,14 @@ def set_up(
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
     if dist.is_main:
         start_run_files(s, resume_from, changes, backend)
-        signals.metrics_path = run_dir / "metrics.jsonl"
+        signals.metrics_path = run_dir / METRICS
         s.say(f"attention: {backend} ({why})")
         for key, (old, new) in changes.items():
             s.say(f"resume: {key} {old} -> {new}")
         for line in parallel_lines(t.parallel, parallel, dist, trainer_state):
             s.say(line)
         s.say(
-            f"{run_dir}: {model.num_params():,} parameters, {s.tokens_per_step:,} tokens/step "
+            f"{run_dir}: {n_params:,} parameters, {s.tokens_per_step:,} tokens/step "
             f"({micro_batch} x {cfg.model.block_size} x {accum} accumulation x "
             f"{dist.world_size} process{'es' if dist.world_size > 1 else ''}), "
             f"{str(dtype).removeprefix('torch.')}, {device}"
@@ -445,7 +446,7 @@ def open_run(
     if resume is not None:
         found = find_run_to_resume(resume, cfg)
         if found is not None:
-            stored = load_config(found / "config.yaml")
+            stored = load_config(found / CONFIG)
             checkpoint = ckpt_io.resolve_checkpoint(found)
             trained = ckpt_io.read_trainer_state(checkpoint)[0]["step"] > 0
             changes = check_resume_changes(stored, cfg, found, trained)
@@ -462,7 +463,7 @@ def open_run(
             )
         for old in ckpt_io.list_checkpoints(run_dir):
             shutil.rmtree(old)
-        for stale in ("metrics.jsonl", ckpt_io.LATEST):
+        for stale in (METRICS, ckpt_io.LATEST):
             (run_dir / stale).unlink(missing_ok=True)
     return run_dir, None, {}
 
@@ -552,13 +553,13 @@ def start_run_files(
     t = s.cfg.train
     s.run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_io.clean_partials(s.run_dir)
-    atomic_write_text(s.run_dir / "config.yaml", s.cfg.to_yaml())
+    atomic_write_text(s.run_dir / CONFIG, s.cfg.to_yaml())
     tensorboard = None
     if t.tensorboard:
         from andrea.train.tensorboard import open_tensorboard
 
         tensorboard = open_tensorboard(s.run_dir, True)
-    s.log = MetricsLog(s.run_dir / "metrics.jsonl", tensorboard)
+    s.log = MetricsLog(s.run_dir / METRICS, tensorboard)
     s.log.write(
         "start", step=s.step, max_steps=t.max_steps, pid=os.getpid(),
         host=socket.gethostname(), resumed_from=str(resume_from) if resume_from else None,

@@ -8,7 +8,7 @@ from typing import Any
 from andrea.config import Config, load_config
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.rundir import run_path
+from andrea.train.rundir import CONFIG, run_path
 
 # Keys `--resume` may change: they decide how the run proceeds (how far, how often it logs,
 # evaluates and checkpoints, how fast it computes), not what it trains. Any other difference
@@ -79,7 +79,7 @@ def config_for_run(config: str | None, overrides: list[str], resume: str | None)
         raise UserError("andrea train needs --config (a path or a preset name) or --resume RUN_DIR")
     run_dir = find_run_to_resume(resume, None)
     assert run_dir is not None
-    return load_config(run_dir / "config.yaml", overrides)
+    return load_config(run_dir / CONFIG, overrides)
 
 
 def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
@@ -92,7 +92,7 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
     run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
     if not run_dir.is_dir():
         raise UserError(f"--resume {resume}: no such run directory")
-    if not (run_dir / "config.yaml").is_file() or ckpt_io.read_latest(run_dir) is None:
+    if not (run_dir / CONFIG).is_file() or ckpt_io.read_latest(run_dir) is None:
         raise UserError(
             f"--resume {resume}: not a run with a checkpoint (needs config.yaml and 'latest')"
         )
