@@ -2,6 +2,7 @@
 
     python scripts/bench_quality.py [--tokens 4915200] [--preset andrea-12m] [--runs-dir runs]
                                     [--eval-tokens 32768] [--set train.muon_lr=0.02 ...]
+                                    [--optimizers adamw muon]
 
 Both runs are `andrea.train.loop.train` with the preset's settings, the same seed and therefore the
 same initial weights and the same data order (batches are a function of seed and step); they
@@ -14,7 +15,10 @@ tokens of the validation split, which gives validation loss and bits per byte on
 Printed: the CPU, the settings, a table of val loss and bits/byte at each tenth, and the tokens
 each optimizer needs to reach AdamW's final val loss (linear between tenths; "not reached" when it
 does not within the budget), with Muon's share of AdamW's. The runs stay under --runs-dir as
-quality-adamw-<tokens> and quality-muon-<tokens>: `andrea plot` them for the curves.
+quality-adamw-<tokens> and quality-muon-<tokens> (with the --set overrides appended, so a
+learning-rate sweep keeps one run per setting): `andrea plot` them for the curves.
+--optimizers runs one of them only (a sweep of one optimizer's learning rate); the comparison is
+printed when both ran.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def run_one(optimizer: str, args: argparse.Namespace, steps: int, warmup: int
             ) -> tuple[list[tuple[int, float, float | None]], float]:
     """Train, then evaluate each tenth's checkpoint: [(tokens, val loss, bits/byte)], seconds."""
     tenth = steps // 10
-    name = f"quality-{optimizer}-{args.tokens}"
+    name = run_name(optimizer, args.tokens, args.set)
     cfg = load_config(args.preset, [
         f"train.optimizer={optimizer}", f"train.max_steps={steps}",
         f"train.warmup_steps={warmup}", f"train.checkpoint_every={tenth}", "train.keep_last=10",
@@ -69,6 +73,12 @@ def run_one(optimizer: str, args: argparse.Namespace, steps: int, warmup: int
     if len(points) != 10:
         raise UserError(f"{result.run_dir}: expected 10 checkpoints, found {len(points)}")
     return points, time.perf_counter() - t0
+
+
+def run_name(optimizer: str, tokens: int, overrides: list[str]) -> str:
+    """quality-<optimizer>-<tokens>[-<key>-<value>...]: one run folder per setting."""
+    tags = [o.split(".", 1)[-1].replace("=", "-") for o in overrides]
+    return "-".join([f"quality-{optimizer}-{tokens}", *tags])
 
 
 def tokens_to_reach(points: list[tuple[int, float, float | None]], target: float) -> float | None:
@@ -92,6 +102,8 @@ def main() -> int:
     ap.add_argument("--eval-tokens", type=int, default=32_768)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config override for both runs (e.g. train.muon_lr=0.03)")
+    ap.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS),
+                    help="which optimizers to run (default: both)")
     args = ap.parse_args()
     try:
         steps, per_step, warmup = plan(args.preset, args.tokens, args.set)
@@ -100,21 +112,26 @@ def main() -> int:
               f"per optimizer, warm-up {warmup} steps; val on the first {args.eval_tokens:,} "
               f"tokens of the val split; overrides: {' '.join(args.set) or '-'}", flush=True)
         results = {}
-        for optimizer in OPTIMIZERS:
+        for optimizer in args.optimizers:
             results[optimizer], seconds = run_one(optimizer, args, steps, warmup)
-            print(f"{optimizer}: trained and evaluated in {seconds:.0f} s "
-                  f"(runs under {Path(args.runs_dir) / f'quality-{optimizer}-{args.tokens}'})",
+            run_dir = Path(args.runs_dir) / run_name(optimizer, args.tokens, args.set)
+            print(f"{optimizer}: trained and evaluated in {seconds:.0f} s (run: {run_dir})",
                   flush=True)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    print(f"\n{'tokens':>11}  {'adamw loss':>10}  {'adamw bpb':>9}  {'muon loss':>9}  "
-          f"{'muon bpb':>8}")
-    for (tokens, a_loss, a_bpb), (_, m_loss, m_bpb) in zip(
-            results["adamw"], results["muon"], strict=True):
-        print(f"{tokens:>11,}  {a_loss:>10.4f}  {a_bpb or float('nan'):>9.4f}  {m_loss:>9.4f}  "
-              f"{m_bpb or float('nan'):>8.4f}")
+    ran = [opt for opt in OPTIMIZERS if opt in results]
+    print(f"\n{'tokens':>11}" + "".join(f"  {opt + ' loss':>10}  {opt + ' bpb':>9}" for opt in ran))
+    for row in zip(*(results[opt] for opt in ran), strict=True):
+        print(f"{row[0][0]:>11,}" + "".join(
+            f"  {loss:>10.4f}  {bpb or float('nan'):>9.4f}" for _, loss, bpb in row))
+    for opt in ran:
+        best = min(results[opt], key=lambda point: point[1])
+        print(f"{opt}: best val loss {best[1]:.4f} ({best[2] or float('nan'):.4f} bits/byte) "
+              f"at {best[0]:,} tokens")
+    if ran != list(OPTIMIZERS):
+        return 0
     target = results["adamw"][-1][1]
     print(f"\ntokens to reach AdamW's final val loss {target:.4f}:")
     needed = {opt: tokens_to_reach(results[opt], target) for opt in OPTIMIZERS}

@@ -293,6 +293,25 @@ def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path, data_
     assert read_events(run_dir, "end")[-1]["state"] == "finished"
 
 
+def test_overwrite_replaces_a_run_only_once_the_new_one_can_start(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
+    run_dir = train(cfg, progress=False).run_dir
+    old_metrics = (run_dir / "metrics.jsonl").read_bytes()
+    path = str(write_config(tmp_path, cfg))
+    # The model's vocabulary is too small for the data: found after the run folder is chosen.
+    assert_user_error(run_andrea("train", "-c", path, "--overwrite", "--set",
+                                 "model.vocab_size=100"), "model.vocab_size")
+    assert (run_dir / "metrics.jsonl").read_bytes() == old_metrics
+    assert (run_dir / "latest").read_text().strip() == "step-000002"
+    assert (run_dir / "step-000002" / "model.safetensors").is_file()
+
+    replaced = run_andrea("train", "-c", path, "--overwrite", "--no-progress",
+                          "--set", "train.max_steps=1")
+    assert replaced.returncode == 0, replaced.stderr
+    assert [c.name for c in ckpt_io.list_checkpoints(run_dir)] == ["step-000001"]
+    assert len(read_events(run_dir, "start")) == 1
+
+
 def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
     result = train(cfg, progress=False)

@@ -329,7 +329,7 @@ def set_up(
     micro-batch; write the run's config and start record; print the plan. A TrainResult
     instead when a resumed run is already at max_steps."""
     t = cfg.train
-    run_dir, resume_from, changes = open_run(cfg, dist, resume, overwrite)
+    run_dir, resume_from, changes, replace = open_run(cfg, dist, resume, overwrite)
     if resume_from is not None:
         done = ckpt_io.read_trainer_state(resume_from)[0]["step"]
         if done >= t.max_steps:
@@ -391,6 +391,8 @@ def set_up(
     )
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
     if dist.is_main:
+        if replace:
+            clear_run(run_dir)
         start_run_files(s, resume_from, changes, backend)
         signals.metrics_path = run_dir / METRICS
         s.say(f"attention: {backend} ({why})")
@@ -440,8 +442,9 @@ def parallel_lines(asked: str, parallel: str, dist: DistInfo,
 
 def open_run(
     cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool
-) -> tuple[Path, Path | None, dict[str, list[Any]]]:
-    """(run dir, checkpoint to resume from or None, allowed config changes on resume)."""
+) -> tuple[Path, Path | None, dict[str, list[Any]], bool]:
+    """(run dir, checkpoint to resume from or None, allowed config changes on resume, whether
+    an old run is to be replaced: --overwrite)."""
     run_dir = Path(cfg.train.runs_dir) / cfg.train.name
     if resume is not None:
         found = find_run_to_resume(resume, cfg)
@@ -451,21 +454,26 @@ def open_run(
             trained = ckpt_io.read_trainer_state(checkpoint)[0]["step"] > 0
             changes = check_resume_changes(stored, cfg, found, trained)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
-            return found, checkpoint, changes
+            return found, checkpoint, changes, False
         if resume == "auto" and dist.is_main:
             print(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
-    if dist.is_main and ckpt_io.read_latest(run_dir) is not None:
-        if not overwrite:
-            raise UserError(
-                f"{run_dir}: already holds a run; continue it with --resume {run_dir} "
-                f"(or --resume auto), pick another name with --set train.name=..., "
-                f"or replace it with --overwrite"
-            )
-        for old in ckpt_io.list_checkpoints(run_dir):
-            shutil.rmtree(old)
-        for stale in (METRICS, ckpt_io.LATEST):
-            (run_dir / stale).unlink(missing_ok=True)
-    return run_dir, None, {}
+    replace = dist.is_main and ckpt_io.read_latest(run_dir) is not None
+    if replace and not overwrite:
+        raise UserError(
+            f"{run_dir}: already holds a run; continue it with --resume {run_dir} "
+            f"(or --resume auto), pick another name with --set train.name=..., "
+            f"or replace it with --overwrite"
+        )
+    return run_dir, None, {}, replace
+
+
+def clear_run(run_dir: Path) -> None:
+    """--overwrite: remove the old run's checkpoints and metrics. Called only once every set-up
+    check has passed, so a bad config or missing data never costs the old run."""
+    for old in ckpt_io.list_checkpoints(run_dir):
+        shutil.rmtree(old)
+    for stale in (METRICS, ckpt_io.LATEST):
+        (run_dir / stale).unlink(missing_ok=True)
 
 
 def restore(
