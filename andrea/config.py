@@ -322,6 +322,12 @@ def validate(cfg: Config, origin: str) -> Config:
             f"{d.tokenizer}; set data.tokenizer=bpe or data.tokenizer_file=''"
         )
     t = cfg.train
+    if t.name and (t.name in (".", "..") or "/" in t.name or "\\" in t.name):
+        raise UserError(
+            f"{origin}: train.name: {t.name!r} is not a folder name; a run lives in "
+            f"train.runs_dir/train.name, so set train.runs_dir for the place and train.name "
+            f"without '/' for the run"
+        )
     if t.min_lr > t.lr:
         raise UserError(f"{origin}: train.min_lr: {t.min_lr} is above train.lr = {t.lr}")
     if t.optimizer == "muon" and t.parallel == "fsdp":

@@ -24,6 +24,7 @@ printed when both ran.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -77,7 +78,8 @@ def run_one(optimizer: str, args: argparse.Namespace, steps: int, warmup: int
 
 def run_name(optimizer: str, tokens: int, overrides: list[str]) -> str:
     """quality-<optimizer>-<tokens>[-<key>-<value>...]: one run folder per setting."""
-    tags = [o.split(".", 1)[-1].replace("=", "-") for o in overrides]
+    tags = [re.sub(r"[^A-Za-z0-9._-]+", "_", o.split(".", 1)[-1].replace("=", "-"))
+            for o in overrides]
     return "-".join([f"quality-{optimizer}-{tokens}", *tags])
 
 

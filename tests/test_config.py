@@ -71,6 +71,8 @@ def test_config_show_prints_resolved_yaml():
         ),
         ("train:\n  schedule: cosin\n", ["train.schedule", "did you mean 'cosine'"]),
         ("model:\n  n_head: 4\n   head_dim: 8\n", ["YAML syntax error", "line 3"]),
+        ("train:\n  name: ../elsewhere\n", ["train.name", "'../elsewhere'", "not a folder name"]),
+        ("train:\n  name: ..\n", ["train.name", "not a folder name"]),
     ],
 )
 def test_config_errors_through_the_cli(tmp_path, text, fragments):
