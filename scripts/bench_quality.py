@@ -1,6 +1,6 @@
 """Time to quality: ANDREA-12M on the embedded corpus, AdamW and Muon at one token budget.
 
-    python scripts/bench_quality.py [--tokens 4915200] [--preset andrea-12m] [--runs-dir runs]
+    python scripts/bench_quality.py [--tokens 7864320] [--preset andrea-12m] [--runs-dir runs]
                                     [--eval-tokens 32768] [--set train.muon_lr=0.02 ...]
                                     [--optimizers adamw muon]
 
@@ -98,8 +98,9 @@ def tokens_to_reach(points: list[tuple[int, float, float | None]], target: float
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="andrea-12m")
-    ap.add_argument("--tokens", type=int, default=4_915_200,
-                    help="token budget per optimizer (default: 300 steps of 16,384)")
+    ap.add_argument("--tokens", type=int, default=7_864_320,
+                    help="token budget per optimizer (default: 480 steps of 16,384 tokens, "
+                         "about 27 minutes each on 2 CPU cores)")
     ap.add_argument("--runs-dir", default="runs")
     ap.add_argument("--eval-tokens", type=int, default=32_768)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
