@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from andrea.errors import UserError
 from andrea.model.attention import attention, cuda_unavailable_reason
+from andrea.resources import cpu_name
 from andrea.train.flops import MfuMeter, attention_flops, flops_per_token, format_mfu, no_mfu_reason
 
 # name -> (B, n_head, T, head_dim)
@@ -93,18 +92,6 @@ class BenchResult:
         d["attention"] = [AttentionRow(**r) for r in d["attention"]]
         d["train"] = [TrainRow(**r) for r in d["train"]]
         return cls(**d)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (lscpu's "Model name"), which a benchmark prints beside its figures;
-    the machine type (e.g. x86_64) where the kernel does not say."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def median_ms(

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from andrea.bench import cpu_name
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
+from andrea.resources import cpu_name
 from andrea.train.device import cpu_has_bf16
 from andrea.train.optim import build_optimizer
 

@@ -36,8 +36,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_memory import cpu_name  # noqa: E402
 
+from andrea.resources import cpu_name  # noqa: E402
 from andrea.train.distributed import shutdown  # noqa: E402
 
 MIB = 2**20

@@ -30,18 +30,9 @@ import threading
 import time
 from pathlib import Path
 
+from andrea.resources import cpu_name
+
 BATCH_DOCS = 1000
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def generate(folder: Path, target_bytes: int) -> tuple[Path, Path, int, int]:

@@ -29,10 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-from andrea.bench import cpu_name
 from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.evaluate import evaluate_checkpoint
+from andrea.resources import cpu_name
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import cpu_has_bf16
 from andrea.train.loop import train

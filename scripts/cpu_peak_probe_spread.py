@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from andrea.bench import cpu_name
+from andrea.resources import cpu_name
 
 
 def old_probe(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
