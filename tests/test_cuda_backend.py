@@ -362,6 +362,7 @@ def test_bench_quick_json_on_cpu() -> None:
         assert r["dtype"] == "bf16"
         for mode in ("fwd", "bwd", "fwd_bwd"):
             assert 0 < r["ms"][mode] < 60_000
+            assert 1 <= r["calls"][mode] <= 50  # back-to-back calls per timing
             # TFLOP/s is the causal FLOP count over the time: 2*B*H*T^2*D forward.
             flops = 2 * 12 * 256**2 * 32 * {"fwd": 1, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
             assert r["tflops"][mode] == pytest.approx(flops / (r["ms"][mode] * 1e-3) / 1e12)
