@@ -547,8 +547,11 @@ def test_no_part_runs_past_the_runs_budget(tmp_path: Path) -> None:
     took = int(re.search(r"== gpu_check: (\d+) s;", proc.stdout).group(1))
     assert took < 15 + 5 + 20  # racecheck's own 35 s budget would have taken longer
     result = (logdir / "result.txt").read_text()
-    assert re.search(r"memcheck: timed out \(rc 124\) before its summary: over the run's budget "
-                     r"of 15 s \(this part had \d+ of its \d+ s\)", result), result
+    # memcheck is cut at the run's budget (setup slower than 10 s, on a loaded machine, leaves
+    # it none at all), and racecheck never starts.
+    assert re.search(r"memcheck: (timed out \(rc 124\) before its summary: over the run's "
+                     r"budget of 15 s \(this part had \d+ of its 30 s\)|NOT RUN: the run's "
+                     r"budget of 15 s is spent)", result), result
     assert "racecheck: NOT RUN: the run's budget of 15 s is spent" in result
 
 
