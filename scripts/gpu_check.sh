@@ -352,10 +352,10 @@ for tool in memcheck racecheck; do
     fi
     log="$LOGDIR/sanitizer-$tool.log"
     : >"$log"
-    status=1 verdict="not run: under 5 s left of its budget"
+    status=1 verdict="not run: under 5 s left of its budget, or the run's is spent"
     for sanitizer in "${SANITIZERS[@]}"; do
         BUDGET=$((budget - (SECONDS - PART_START)))
-        [ $BUDGET -lt 5 ] && break
+        [ $BUDGET -lt 5 ] || [ "$(run_left)" -lt 1 ] && break
         echo "### $sanitizer --tool $tool" >>"$log"
         # No torch in this program, and CuPy's pool is off in it (exact allocations).
         timed "$WORK/sanitizer.log" "$WORK/sanitizer.log" "$sanitizer" --tool "$tool" \
