@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -98,6 +98,14 @@ class BenchResult:
         return cls(**d)
 
 
+class Timer(Protocol):
+    """Marks the start of the timed calls; stop() returns the milliseconds since."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> float: ...
+
+
 class WallTimer:
     """Host time around the calls (CPU work is synchronous, so it is the work itself)."""
 
@@ -123,7 +131,7 @@ class CudaTimer:
         return self.begin.elapsed_time(self.end)
 
 
-def timer_for(device: torch.device) -> WallTimer | CudaTimer:
+def timer_for(device: torch.device) -> Timer:
     return CudaTimer() if device.type == "cuda" else WallTimer()
 
 
@@ -143,7 +151,7 @@ class Timing:
 
 
 def time_per_call(
-    timer: WallTimer | CudaTimer, repeats: int, warmup: int, timed: Callable[[Any], Any],
+    timer: Timer, repeats: int, warmup: int, timed: Callable[[Any], Any],
     prepare: Callable[[], Any] | None = None, target_ms: float = TARGET_MS,
     max_calls: int = MAX_CALLS,
 ) -> Timing:
