@@ -1,9 +1,12 @@
 """`andrea bench`: attention kernels per backend, and training steps of a preset.
 
 Attention: forward, backward and forward+backward of causal attention at fixed shapes, per
-backend and dtype; the median over `repeats` runs after `warmup` runs, timed with CUDA events on a
-GPU (device time) and with perf_counter on the CPU. Backward alone is timed after an untimed
-forward, so it is the backward kernels only.
+backend and dtype; the median over `repeats` timings after `warmup` untimed calls, timed with
+CUDA events on a GPU (device time) and with perf_counter on the CPU. A timing runs enough calls
+back to back to span TARGET_MS (`time_per_call`), so on a GPU the host's Python and launch cost
+overlaps the kernels as in training instead of being counted as GPU time. Backward alone is
+timed after untimed forwards (one per call, all made before the timing starts), so it is the
+backward kernels only.
 
 FLOPs counted (the convention of the FlashAttention papers, with the causal half removed):
 forward = 2 matmuls of 2·B·H·T²·D each, halved by the causal mask = 2·B·H·T²·D;
@@ -25,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -57,6 +60,7 @@ class AttentionRow:
     head_dim: int
     ms: dict[str, float] = field(default_factory=dict)  # mode -> median milliseconds
     tflops: dict[str, float] = field(default_factory=dict)  # mode -> achieved TFLOP/s
+    calls: dict[str, int] = field(default_factory=dict)  # mode -> back-to-back calls per timing
 
 
 @dataclass
@@ -94,29 +98,80 @@ class BenchResult:
         return cls(**d)
 
 
-def median_ms(
-    device: torch.device, repeats: int, warmup: int, timed: Callable[[Any], Any],
-    prepare: Callable[[], Any] | None = None,
-) -> float:
-    """Median milliseconds of timed(prepare()) over `repeats` after `warmup`; prepare untimed."""
-    times = []
-    for i in range(warmup + repeats):
-        state = prepare() if prepare is not None else None
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()  # after prepare's work in stream order: it is not counted
+class Timer(Protocol):
+    """Marks the start of the timed calls; stop() returns the milliseconds since."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> float: ...
+
+
+class WallTimer:
+    """Host time around the calls (CPU work is synchronous, so it is the work itself)."""
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e3
+
+
+class CudaTimer:
+    """Device time between two events on the current stream. start() comes after the untimed
+    preparation in stream order; stop() waits for the timed work and returns milliseconds."""
+
+    def start(self) -> None:
+        self.begin = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.begin.record()
+
+    def stop(self) -> float:
+        self.end.record()
+        self.end.synchronize()
+        return self.begin.elapsed_time(self.end)
+
+
+def timer_for(device: torch.device) -> Timer:
+    return CudaTimer() if device.type == "cuda" else WallTimer()
+
+
+# Each timing spans at least TARGET_MS of work (at most MAX_CALLS calls): on a GPU the host
+# launches call i+1 while the device runs call i, so the Python and launch cost of a call (tens
+# to hundreds of µs) is hidden behind the kernels except for the first call's, a fraction
+# 1/calls of one call's host time. Timing one call between events after a synchronize instead
+# adds all of it to a few hundred µs of kernels (10-20% at the gpt2 shape).
+TARGET_MS = 20.0
+MAX_CALLS = 50  # a backward's prepared forwards are all alive at once
+
+
+@dataclass
+class Timing:
+    ms: float  # median milliseconds per call
+    calls: int  # back-to-back calls per timing
+
+
+def time_per_call(
+    timer: Timer, repeats: int, warmup: int, timed: Callable[[Any], Any],
+    prepare: Callable[[], Any] | None = None, target_ms: float = TARGET_MS,
+    max_calls: int = MAX_CALLS,
+) -> Timing:
+    """Median milliseconds of one timed(prepare()) call over `repeats` timings after `warmup`
+    untimed calls. A timing runs `calls` calls back to back between timer.start() and
+    timer.stop(), enough for target_ms by a one-call estimate after the warm-up; the calls'
+    prepare() results (a forward for a backward) are all made before start(), untimed."""
+
+    def timing(calls: int) -> float:
+        states = [prepare() if prepare is not None else None for _ in range(calls)]
+        timer.start()
+        for state in states:
             timed(state)
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            timed(state)
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
-    return statistics.median(times)
+        return timer.stop() / calls
+
+    for _ in range(warmup):
+        timed(prepare() if prepare is not None else None)
+    estimate = timing(1)
+    calls = max(1, min(max_calls, math.ceil(target_ms / max(estimate, 1e-6))))
+    return Timing(statistics.median(timing(calls) for _ in range(repeats)), calls)
 
 
 def _attention_fn(backend: str) -> Callable[..., torch.Tensor]:
@@ -153,11 +208,16 @@ def bench_attention(
         return torch.autograd.grad(out, (q, k, v), dout)
 
     row = AttentionRow(shape_name, backend, dtype_name, b, h, t, d)
+    timer = timer_for(device)
     # Forward with inputs that require grad, as in training: a backend saves what its backward
     # needs; the graph is dropped right after.
-    row.ms["fwd"] = median_ms(device, repeats, warmup, lambda _: fn(q, k, v))
-    row.ms["bwd"] = median_ms(device, repeats, warmup, grads, prepare=lambda: fn(q, k, v))
-    row.ms["fwd_bwd"] = median_ms(device, repeats, warmup, lambda _: grads(fn(q, k, v)))
+    timings = {
+        "fwd": time_per_call(timer, repeats, warmup, lambda _: fn(q, k, v)),
+        "bwd": time_per_call(timer, repeats, warmup, grads, prepare=lambda: fn(q, k, v)),
+        "fwd_bwd": time_per_call(timer, repeats, warmup, lambda _: grads(fn(q, k, v))),
+    }
+    row.ms = {m: t.ms for m, t in timings.items()}
+    row.calls = {m: t.calls for m, t in timings.items()}
     flops = attention_flops(b, h, t, d)
     row.tflops = {m: flops[m] / (row.ms[m] * 1e-3) / 1e12 for m in MODES}
     return row
@@ -193,7 +253,7 @@ def bench_train(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step_ms = median_ms(device, steps, warmup, step)
+    step_ms = time_per_call(timer_for(device), steps, warmup, step).ms
     n_params = model.num_params()
     tok_s = shape[0] * shape[1] / (step_ms * 1e-3)
     meter = MfuMeter(device, dtype, flops_per_token(cfg.model, n_params))
@@ -304,7 +364,8 @@ def run_bench(
 
 def format_table(result: BenchResult) -> str:
     lines = [f"device: {result.device} ({result.device_name}), torch {result.torch_version}, "
-             f"median of {result.repeats} after {result.warmup} warm-up"]
+             f"median of {result.repeats} timings after {result.warmup} warm-up calls; a timing: "
+             f"calls back to back for {TARGET_MS:g} ms (at most {MAX_CALLS})"]
     if result.attention:
         lines.append("")
         lines.append(

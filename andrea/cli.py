@@ -283,8 +283,11 @@ def bench_cmd(
     batch: Annotated[
         int | None, typer.Option("--batch", help="Override B of the attention shapes.")
     ] = None,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs (median).")] = 10,
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs first.")] = 3,
+    repeats: Annotated[
+        int, typer.Option("--repeats", help="Timings (median), each of calls back to back for "
+                          "at least 20 ms (at most 50 calls).")
+    ] = 10,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed calls first.")] = 3,
     preset: Annotated[
         str | None,
         typer.Option("--preset", help="Training benchmark preset (default andrea-120m on a GPU, "

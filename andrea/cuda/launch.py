@@ -68,6 +68,21 @@ def nvrtc_options(arch: str) -> list[str]:
     return ["--std=c++17", f"-arch={arch}"]
 
 
+# What cupy.RawModule appends to nvrtc_options before NVRTC sees them (cupy/cuda/compiler.py,
+# CuPy 13.6 and 14.2 alike): flush-to-zero denormals, its own -arch (the device's, the same as
+# ours), and device as the default execution space. CuPy 14 adds --pch only when
+# CUPY_NVRTC_USE_PCH=1 (precompiled headers: the same cubin, checked with NVRTC 13.0), and both
+# add -I folders of their own headers, which the .cu file never includes. -ftz=true flushes
+# fp32 denormals to zero and changes ptxas's register choices.
+CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
+
+
+def runtime_nvrtc_options(arch: str) -> list[str]:
+    """What NVRTC really gets when the runtime compiles for `arch`: nvrtc_options as passed,
+    then CuPy's additions (the compile tests build with these)."""
+    return [*nvrtc_options(arch), CUPY_ADDED_OPTIONS[0], f"-arch={arch}", *CUPY_ADDED_OPTIONS[1:]]
+
+
 def module_names(name: str) -> tuple[str, ...]:
     """The kernel instances compiled together with `name` (a name expression): one module per
     (dtype, head_dim), so a run compiles only what it launches, about a sixth of every instance;
