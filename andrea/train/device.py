@@ -44,3 +44,8 @@ def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def device_name(device: torch.device) -> str:
+    """What kind of device this is, as checkpoints record it: 'cpu', or the GPU's model."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

@@ -28,7 +28,7 @@ from andrea.config import Config
 from andrea.data.loader import TokenSplit, train_batch, val_batches
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.device import pick_device
+from andrea.train.device import device_name, pick_device
 from andrea.train.distributed import (
     DistInfo,
     all_gather_bytes,
@@ -360,6 +360,7 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
             "best_val_loss": s.best_val, "best_val_step": s.best_step,
             "skipped_steps": s.skipped, "world_size": s.dist.world_size, "seed": s.cfg.train.seed,
             "preset": s.preset, "micro_batch_size": s.micro_batch, "parallel": s.parallel,
+            "tokens_per_step": s.tokens_per_step, "device": device_name(s.device),
         }
         s.checkpoint = ckpt_io.save_checkpoint(
             s.run_dir, s.step, s.cfg, s.train_split.tokenizer_identity,

@@ -102,11 +102,17 @@ def parallel_lines(asked: str, parallel: str, dist: DistInfo,
 def plan_lines(s: Session) -> list[str]:
     """The run's size up front, and a warning when it repeats its data more than 100 times."""
     steps, per_step = s.cfg.train.max_steps, s.tokens_per_step
-    total, prepared = steps * per_step, s.train_split.n_tokens
+    # A resumed run's steps so far may have had another size (global_batch_tokens: 0 on
+    # another number of processes): they count as trained.
+    total, prepared = s.tokens_seen + (steps - s.step) * per_step, s.train_split.n_tokens
     passes = total / prepared if prepared else math.inf
     shown = f"{passes:,.1f}" if passes >= 0.1 else f"{passes:.2g}"
+    size = f"{steps:,} steps x {per_step:,} tokens/step"
+    if s.tokens_seen != s.step * per_step:
+        size = (f"{s.tokens_seen:,} tokens in {s.step:,} steps + {steps - s.step:,} steps x "
+                f"{per_step:,} tokens/step")
     lines = [
-        f"plan: {steps:,} steps x {per_step:,} tokens/step = {total:,} tokens = "
+        f"plan: {size} = {total:,} tokens = "
         f"{shown} passes over the {prepared:,} prepared training tokens"
         + (f" (resuming at step {s.step:,})" if s.step else "")
     ]
