@@ -153,6 +153,32 @@ def test_fsdp_keeps_the_lm_head_tied_to_the_embedding(tmp_path):
     assert "tied 61600" in proc.stdout
 
 
+def launch_nodes(
+    path: Path, folders: list[Path], *args: str, timeout: float = 150
+) -> list[tuple[int, str, str]]:
+    """`andrea train -c PATH ARGS` as two torchrun "nodes" (one process each) on 127.0.0.1,
+    node i working in folders[i]; (exit code, stdout, stderr) per node. A hang is a failure
+    after `timeout` seconds, not a stuck test."""
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
+             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+             "-m", "andrea", "train", "-c", str(path), "--no-progress", *args],
+            cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        for rank, folder in enumerate(folders)
+    ]
+    try:
+        outputs = [node.communicate(timeout=timeout) for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            os.killpg(node.pid, 9)
+        raise AssertionError(f"the two nodes did not finish in {timeout} s (a hang)") from None
+    return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs, strict=True)]
+
+
 def test_two_nodes_match_one_process_with_two_micro_steps(tmp_path, data_dir):
     """Two torchrun launches as two "nodes" (one process each) on 127.0.0.1."""
     sets = ("train.max_steps=3", "train.checkpoint_every=0", "train.eval_every=0")
@@ -160,25 +186,64 @@ def test_two_nodes_match_one_process_with_two_micro_steps(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "nodes", *sets)
     path = tmp_path / "nodes.yaml"
     path.write_text(cfg.to_yaml())
-    port = free_port()
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
-             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-             "-m", "andrea", "train", "-c", str(path), "--no-progress"],
-            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=300) for node in nodes]
-    for node, (_, err) in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, err[-3000:]
-    assert "x 2 processes" in outputs[0][0] and outputs[1][0].strip() == ""  # rank 0 speaks
+    outputs = launch_nodes(path, [tmp_path, tmp_path])
+    for code, _, err in outputs:
+        assert code == 0, err[-3000:]
+    assert "x 2 processes" in outputs[0][1] and outputs[1][1].strip() == ""  # rank 0 speaks
     two = losses(tmp_path / "nodes")
     assert sorted(two) == [1, 2, 3]
     for step, loss in two.items():
         assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
+
+
+def test_two_nodes_with_their_own_runs_dir_resume_as_one_run(tmp_path, data_dir):
+    """ddp with train.runs_dir on each node's own disk (a relative path, two working folders):
+    node 1 never sees the checkpoint, yet `--resume auto` continues both ranks from rank 0's
+    step 2 (weights, AdamW state, lr, data position), so the losses are those of one process
+    trained straight to step 4, and the step-4 checkpoint is written without a hang."""
+    sets = ("train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0")
+    one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)  # 2 micro-steps
+    cfg = tiny(tmp_path, data_dir, "local", *sets, "train.max_steps=2", "train.runs_dir=runs")
+    path = tmp_path / "local.yaml"
+    path.write_text(cfg.to_yaml())
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in folders:
+        folder.mkdir()
+    for code, _, err in launch_nodes(path, folders):
+        assert code == 0, err[-3000:]
+    run0, run1 = (folder / "runs" / "local" for folder in folders)
+    assert (run0 / "latest").read_text().strip() == "step-000002"
+    assert not (run1 / "latest").exists()  # node 1's own runs_dir holds no checkpoint
+
+    outputs = launch_nodes(path, folders, "--resume", "auto", "--set", "train.max_steps=4")
+    for code, _, err in outputs:
+        assert code == 0, err[-3000:]
+    assert "resuming from runs/local/step-000002" in outputs[0][1]
+    assert "starting a new run" not in outputs[0][1] + outputs[1][1]
+    assert (run0 / "latest").read_text().strip() == "step-000004"
+    resumed = losses(run0)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert math.isclose(resumed[step], one.losses[step], rel_tol=1e-5), (resumed, one.losses)
+
+
+def test_fsdp_with_a_runs_dir_on_each_node_is_one_error_on_every_node(tmp_path, data_dir):
+    """fsdp writes every rank's shards into rank 0's run folder: a folder node 1 cannot see is
+    refused before any step, on both nodes, in one line."""
+    cfg = tiny(tmp_path, data_dir, "sharded", "train.parallel=fsdp", "train.max_steps=2",
+               "train.runs_dir=runs")
+    path = tmp_path / "sharded.yaml"
+    path.write_text(cfg.to_yaml())
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in folders:
+        folder.mkdir()
+    for code, _, err in launch_nodes(path, folders):
+        # andrea's own output is one line, exit code 2; torchrun then adds its failure report.
+        assert code != 0 and "exitcode  : 2" in err, err[-3000:]
+        ours = err[:err.index("torch/distributed/elastic")].strip().splitlines()[:-1]
+        assert len(ours) == 1 and ours[0].startswith("error: runs: "), err[-3000:]
+        assert "must be shared by every node for fsdp, and rank 1 cannot see it" in ours[0]
+    assert not list((folders[0] / "runs").glob("sharded/step-*"))
 
 
 def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint(tmp_path, data_dir):
