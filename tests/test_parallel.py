@@ -265,3 +265,91 @@ def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint(tmp_p
     assert "step-000002" in resumed.stdout
     assert (run_dir / "latest").read_text().strip() == "step-000004"
     assert not list(run_dir.glob("*.partial-*"))
+
+
+def records(run_dir: Path, event: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+def test_auto_micro_batch_is_chosen_again_on_another_process_count(tmp_path, data_dir):
+    """A run whose auto micro-batch was 16 x 64 on one process resumes under 2 processes: auto
+    chooses again (8 each) instead of reusing 16, which 1,024 tokens over 2 processes cannot
+    hold; the global batch and the data order stay, so the losses are the one process's."""
+    sets = ("train.micro_batch_size=auto", "train.global_batch_tokens=1024",
+            "train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0")
+    one = train(tiny(tmp_path, data_dir, "auto", *sets), progress=False)
+    state = json.loads((tmp_path / "auto" / "step-000002" / "trainer_state.json").read_text())
+    assert (state["micro_batch_size"], state["world_size"]) == (16, 1)
+    again = rewound(tmp_path / "auto", tmp_path / "again", 2)
+    proc = run_torchrun("train", "--resume", str(again), "--no-progress")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "micro-batch: auto -> 8 x 64 (1 accumulation step)" in proc.stdout
+    resumed = losses(again)
+    for step in (3, 4):
+        assert math.isclose(resumed[step], one.losses[step], rel_tol=1e-5), (resumed, one.losses)
+    state = json.loads((again / "step-000004" / "trainer_state.json").read_text())
+    assert (state["micro_batch_size"], state["tokens_per_step"]) == (8, 1024)
+
+
+def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path, data_dir):
+    """global_batch_tokens: 0 is one micro-batch per process when the run starts (2 x 4 x 64 =
+    512 tokens/step); resumed on one process it keeps 512 (2 micro-batches) and the same
+    losses; a micro-batch that cannot keep it says so in one line, and the plan adds up."""
+    cfg = tiny(tmp_path, data_dir, "zero", "train.global_batch_tokens=0", "train.max_steps=4",
+               "train.checkpoint_every=2", "train.eval_every=0")
+    launch(tmp_path, cfg)
+    two = losses(tmp_path / "zero")
+    fewer = rewound(tmp_path / "zero", tmp_path / "fewer", 2)
+    proc = run_andrea("train", "--resume", str(fewer), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "512 tokens/step (4 x 64 x 2 accumulation x 1 process)" in proc.stdout
+    assert "plan: 4 steps x 512 tokens/step = 2,048 tokens" in proc.stdout
+    assert records(fewer, "end")[-1]["tokens"] == 2048
+    for step in (3, 4):
+        assert math.isclose(losses(fewer)[step], two[step], rel_tol=1e-5), (step, two)
+
+    odd = rewound(tmp_path / "zero", tmp_path / "odd", 2)
+    proc = run_andrea("train", "--resume", str(odd), "--no-progress",
+                      "--set", "train.micro_batch_size=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resume: tokens/step 512 -> 192 (global_batch_tokens: 0" in proc.stdout
+    assert ("plan: 1,024 tokens in 2 steps + 2 steps x 192 tokens/step = 1,408 tokens"
+            in proc.stdout)
+    assert records(odd, "end")[-1]["tokens"] == 1024 + 2 * 192
+
+
+PATCHED_PEAK = """
+import andrea.train.flops as flops
+flops.peak_flops = lambda device, dtype: {peak}
+from andrea.cli import main
+main()
+"""
+
+
+def test_mfu_is_per_device_at_two_processes(tmp_path, data_dir):
+    """MFU = one device's tokens/s x FLOPs per token / one device's peak: with 2 processes, half
+    the global tokens/s (a GPU's peak is patched in, since a CPU has none)."""
+    from andrea.model.transformer import Andrea
+    from andrea.train.flops import flops_per_token
+
+    peak = 2e11
+    script = tmp_path / "patched_andrea.py"
+    script.write_text(PATCHED_PEAK.format(peak=peak))
+    cfg = tiny(tmp_path, data_dir, "mfu", "train.max_steps=2", "train.checkpoint_every=0",
+               "train.eval_every=0")
+    path = tmp_path / "mfu.yaml"
+    path.write_text(cfg.to_yaml())
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
+         "train", "-c", str(path), "--no-progress"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    per_token = flops_per_token(cfg.model, Andrea(cfg.model).num_params())
+    steps = records(tmp_path / "mfu", "train")
+    assert len(steps) == 2
+    for r in steps:
+        per_device = r["tokens_per_s"] / 2 * per_token / peak
+        assert r["mfu"] is not None and math.isclose(r["mfu"], per_device, abs_tol=1.5e-4), r
