@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from conftest import assert_user_error, free_port, run_andrea, run_torchrun
+from safetensors.torch import load_file
 
 from andrea.config import load_config
 from andrea.train.loop import train
@@ -290,6 +292,16 @@ def test_auto_micro_batch_is_chosen_again_on_another_process_count(tmp_path, dat
         assert math.isclose(resumed[step], one.losses[step], rel_tol=1e-5), (resumed, one.losses)
     state = json.loads((again / "step-000004" / "trainer_state.json").read_text())
     assert (state["micro_batch_size"], state["tokens_per_step"]) == (8, 1024)
+    # Rank 1, which the checkpoint had no generator state for, was seeded with its own seed
+    # (seed + rank, as in a new run; nothing in the tiny model draws from it since).
+    rng = load_file(again / "step-000004" / "rng.safetensors")
+    torch.manual_seed(cfg_seed(again) + 1)
+    assert torch.equal(rng["cpu.rank1"], torch.get_rng_state())
+    assert not torch.equal(rng["cpu.rank0"], rng["cpu.rank1"])
+
+
+def cfg_seed(run_dir: Path) -> int:
+    return load_config(run_dir / "config.yaml").train.seed
 
 
 def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path, data_dir):
