@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,11 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
         return run_dir if ckpt_io.read_latest(run_dir) is not None else None
     run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
     if not run_dir.is_dir():
-        raise UserError(f"--resume {resume}: no such run directory")
+        elsewhere = ""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a node with its own runs_dir
+            elsewhere = (" on this node; where train.runs_dir is on node 0 alone, give every "
+                         "node --config CONFIG --resume auto")
+        raise UserError(f"--resume {resume}: no such run directory{elsewhere}")
     if not (run_dir / CONFIG).is_file() or ckpt_io.read_latest(run_dir) is None:
         raise UserError(
             f"--resume {resume}: not a run with a checkpoint (needs config.yaml and 'latest')"
