@@ -347,7 +347,9 @@ def resolve_micro_batch(
     if isinstance(t.micro_batch_size, int):
         return t.micro_batch_size, ""
     block = cfg.model.block_size
-    recorded = recorded_micro_batch(trainer_state, dist.world_size, device)
+    # Rank 0 decides for all: ranks on other kinds of GPU must not take different paths.
+    recorded = from_rank0(lambda: recorded_micro_batch(trainer_state, dist.world_size, device),
+                          dist)
     if recorded is not None:
         return recorded, f"micro-batch: auto -> {recorded} x {block} (the run's recorded choice)"
     sequences = t.global_batch_tokens // (block * dist.world_size)
