@@ -156,9 +156,9 @@ def test_fsdp_keeps_the_lm_head_tied_to_the_embedding(tmp_path):
 
 
 def launch_nodes(
-    path: Path, folders: list[Path], *args: str, timeout: float = 150
+    path: Path | None, folders: list[Path], *args: str, timeout: float = 150
 ) -> list[tuple[int, str, str]]:
-    """`andrea train -c PATH ARGS` as two torchrun "nodes" (one process each) on 127.0.0.1,
+    """`andrea train [-c PATH] ARGS` as two torchrun "nodes" (one process each) on 127.0.0.1,
     node i working in folders[i]; (exit code, stdout, stderr) per node. A hang is a failure
     after `timeout` seconds, not a stuck test."""
     port = free_port()
@@ -166,7 +166,8 @@ def launch_nodes(
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
              "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-             "-m", "andrea", "train", "-c", str(path), "--no-progress", *args],
+             "-m", "andrea", "train", *(["-c", str(path)] if path else []), "--no-progress",
+             *args],
             cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
@@ -202,8 +203,10 @@ def test_two_nodes_with_their_own_runs_dir_resume_as_one_run(tmp_path, data_dir)
     """ddp with train.runs_dir on each node's own disk (a relative path, two working folders):
     node 1 never sees the checkpoint, yet `--resume auto` continues both ranks from rank 0's
     step 2 (weights, AdamW state, lr, data position), so the losses are those of one process
-    trained straight to step 4, and the step-4 checkpoint is written without a hang."""
-    sets = ("train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0")
+    trained straight to step 4, and the step-4 checkpoint is written without a hang. Then
+    `--resume runs/local` without --config: node 1 takes the run's config from rank 0.
+    (All steps are in the warm-up, so a longer max_steps leaves the lr of each step as is.)"""
+    sets = ("train.max_steps=5", "train.checkpoint_every=2", "train.eval_every=0")
     one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)  # 2 micro-steps
     cfg = tiny(tmp_path, data_dir, "local", *sets, "train.max_steps=2", "train.runs_dir=runs")
     path = tmp_path / "local.yaml"
@@ -227,6 +230,13 @@ def test_two_nodes_with_their_own_runs_dir_resume_as_one_run(tmp_path, data_dir)
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
         assert math.isclose(resumed[step], one.losses[step], rel_tol=1e-5), (resumed, one.losses)
+
+    # Each node started with the run's name only: node 1 has no config.yaml to read.
+    outputs = launch_nodes(None, folders, "--resume", "runs/local", "--set", "train.max_steps=5")
+    for code, _, err in outputs:
+        assert code == 0, err[-3000:]
+    assert (run0 / "latest").read_text().strip() == "step-000005"
+    assert math.isclose(losses(run0)[5], one.losses[5], rel_tol=1e-5), (losses(run0), one.losses)
 
 
 def test_fsdp_with_a_runs_dir_on_each_node_is_one_error_on_every_node(tmp_path, data_dir):
