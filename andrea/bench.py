@@ -231,8 +231,8 @@ def bench_train(
     from andrea.config import load_config
     from andrea.model.transformer import Andrea
     from andrea.train.device import pick_dtype
-    from andrea.train.loop import resolve_micro_batch
     from andrea.train.optim import build_optimizer
+    from andrea.train.setup import resolve_micro_batch
 
     cfg = load_config(preset, overrides)
     dtype = pick_dtype(cfg.train.precision, device)

@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from conftest import assert_user_error, free_port, run_andrea, run_torchrun
+from safetensors.torch import load_file
 
 from andrea.config import load_config
 from andrea.train.loop import train
@@ -153,6 +155,33 @@ def test_fsdp_keeps_the_lm_head_tied_to_the_embedding(tmp_path):
     assert "tied 61600" in proc.stdout
 
 
+def launch_nodes(
+    path: Path | None, folders: list[Path], *args: str, timeout: float = 150
+) -> list[tuple[int, str, str]]:
+    """`andrea train [-c PATH] ARGS` as two torchrun "nodes" (one process each) on 127.0.0.1,
+    node i working in folders[i]; (exit code, stdout, stderr) per node. A hang is a failure
+    after `timeout` seconds, not a stuck test."""
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
+             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+             "-m", "andrea", "train", *(["-c", str(path)] if path else []), "--no-progress",
+             *args],
+            cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        for rank, folder in enumerate(folders)
+    ]
+    try:
+        outputs = [node.communicate(timeout=timeout) for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            os.killpg(node.pid, 9)
+        raise AssertionError(f"the two nodes did not finish in {timeout} s (a hang)") from None
+    return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs, strict=True)]
+
+
 def test_two_nodes_match_one_process_with_two_micro_steps(tmp_path, data_dir):
     """Two torchrun launches as two "nodes" (one process each) on 127.0.0.1."""
     sets = ("train.max_steps=3", "train.checkpoint_every=0", "train.eval_every=0")
@@ -160,25 +189,73 @@ def test_two_nodes_match_one_process_with_two_micro_steps(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "nodes", *sets)
     path = tmp_path / "nodes.yaml"
     path.write_text(cfg.to_yaml())
-    port = free_port()
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
-             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-             "-m", "andrea", "train", "-c", str(path), "--no-progress"],
-            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=300) for node in nodes]
-    for node, (_, err) in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, err[-3000:]
-    assert "x 2 processes" in outputs[0][0] and outputs[1][0].strip() == ""  # rank 0 speaks
+    outputs = launch_nodes(path, [tmp_path, tmp_path])
+    for code, _, err in outputs:
+        assert code == 0, err[-3000:]
+    assert "x 2 processes" in outputs[0][1] and outputs[1][1].strip() == ""  # rank 0 speaks
     two = losses(tmp_path / "nodes")
     assert sorted(two) == [1, 2, 3]
     for step, loss in two.items():
         assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
+
+
+def test_two_nodes_with_their_own_runs_dir_resume_as_one_run(tmp_path, data_dir):
+    """ddp with train.runs_dir on each node's own disk (a relative path, two working folders):
+    node 1 never sees the checkpoint, yet `--resume auto` continues both ranks from rank 0's
+    step 2 (weights, AdamW state, lr, data position), so the losses are those of one process
+    trained straight to step 4, and the step-4 checkpoint is written without a hang. Then
+    `--resume runs/local` without --config: node 1 takes the run's config from rank 0.
+    (All steps are in the warm-up, so a longer max_steps leaves the lr of each step as is.)"""
+    sets = ("train.max_steps=5", "train.checkpoint_every=2", "train.eval_every=0")
+    one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)  # 2 micro-steps
+    cfg = tiny(tmp_path, data_dir, "local", *sets, "train.max_steps=2", "train.runs_dir=runs")
+    path = tmp_path / "local.yaml"
+    path.write_text(cfg.to_yaml())
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in folders:
+        folder.mkdir()
+    for code, _, err in launch_nodes(path, folders):
+        assert code == 0, err[-3000:]
+    run0, run1 = (folder / "runs" / "local" for folder in folders)
+    assert (run0 / "latest").read_text().strip() == "step-000002"
+    assert not (run1 / "latest").exists()  # node 1's own runs_dir holds no checkpoint
+
+    outputs = launch_nodes(path, folders, "--resume", "auto", "--set", "train.max_steps=4")
+    for code, _, err in outputs:
+        assert code == 0, err[-3000:]
+    assert "resuming from runs/local/step-000002" in outputs[0][1]
+    assert "starting a new run" not in outputs[0][1] + outputs[1][1]
+    assert (run0 / "latest").read_text().strip() == "step-000004"
+    resumed = losses(run0)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert math.isclose(resumed[step], one.losses[step], rel_tol=1e-5), (resumed, one.losses)
+
+    # Each node started with the run's name only: node 1 has no config.yaml to read.
+    outputs = launch_nodes(None, folders, "--resume", "runs/local", "--set", "train.max_steps=5")
+    for code, _, err in outputs:
+        assert code == 0, err[-3000:]
+    assert (run0 / "latest").read_text().strip() == "step-000005"
+    assert math.isclose(losses(run0)[5], one.losses[5], rel_tol=1e-5), (losses(run0), one.losses)
+
+
+def test_fsdp_with_a_runs_dir_on_each_node_is_one_error_on_every_node(tmp_path, data_dir):
+    """fsdp writes every rank's shards into rank 0's run folder: a folder node 1 cannot see is
+    refused before any step, on both nodes, in one line."""
+    cfg = tiny(tmp_path, data_dir, "sharded", "train.parallel=fsdp", "train.max_steps=2",
+               "train.runs_dir=runs")
+    path = tmp_path / "sharded.yaml"
+    path.write_text(cfg.to_yaml())
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in folders:
+        folder.mkdir()
+    for code, _, err in launch_nodes(path, folders):
+        # andrea's own output is one line, exit code 2; torchrun then adds its failure report.
+        assert code != 0 and "exitcode  : 2" in err, err[-3000:]
+        ours = err[:err.index("torch/distributed/elastic")].strip().splitlines()[:-1]
+        assert len(ours) == 1 and ours[0].startswith("error: runs: "), err[-3000:]
+        assert "must be shared by every node for fsdp, and rank 1 cannot see it" in ours[0]
+    assert not list((folders[0] / "runs").glob("sharded/step-*"))
 
 
 def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint(tmp_path, data_dir):
@@ -200,3 +277,101 @@ def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint(tmp_p
     assert "step-000002" in resumed.stdout
     assert (run_dir / "latest").read_text().strip() == "step-000004"
     assert not list(run_dir.glob("*.partial-*"))
+
+
+def records(run_dir: Path, event: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+def test_auto_micro_batch_is_chosen_again_on_another_process_count(tmp_path, data_dir):
+    """A run whose auto micro-batch was 16 x 64 on one process resumes under 2 processes: auto
+    chooses again (8 each) instead of reusing 16, which 1,024 tokens over 2 processes cannot
+    hold; the global batch and the data order stay, so the losses are the one process's."""
+    sets = ("train.micro_batch_size=auto", "train.global_batch_tokens=1024",
+            "train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0")
+    one = train(tiny(tmp_path, data_dir, "auto", *sets), progress=False)
+    state = json.loads((tmp_path / "auto" / "step-000002" / "trainer_state.json").read_text())
+    assert (state["micro_batch_size"], state["world_size"]) == (16, 1)
+    again = rewound(tmp_path / "auto", tmp_path / "again", 2)
+    proc = run_torchrun("train", "--resume", str(again), "--no-progress")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "micro-batch: auto -> 8 x 64 (1 accumulation step)" in proc.stdout
+    resumed = losses(again)
+    for step in (3, 4):
+        assert math.isclose(resumed[step], one.losses[step], rel_tol=1e-5), (resumed, one.losses)
+    state = json.loads((again / "step-000004" / "trainer_state.json").read_text())
+    assert (state["micro_batch_size"], state["tokens_per_step"]) == (8, 1024)
+    # Rank 1, which the checkpoint had no generator state for, was seeded with its own seed
+    # (seed + rank, as in a new run; nothing in the tiny model draws from it since).
+    rng = load_file(again / "step-000004" / "rng.safetensors")
+    torch.manual_seed(cfg_seed(again) + 1)
+    assert torch.equal(rng["cpu.rank1"], torch.get_rng_state())
+    assert not torch.equal(rng["cpu.rank0"], rng["cpu.rank1"])
+
+
+def cfg_seed(run_dir: Path) -> int:
+    return load_config(run_dir / "config.yaml").train.seed
+
+
+def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path, data_dir):
+    """global_batch_tokens: 0 is one micro-batch per process when the run starts (2 x 4 x 64 =
+    512 tokens/step); resumed on one process it keeps 512 (2 micro-batches) and the same
+    losses; a micro-batch that cannot keep it says so in one line, and the plan adds up."""
+    cfg = tiny(tmp_path, data_dir, "zero", "train.global_batch_tokens=0", "train.max_steps=4",
+               "train.checkpoint_every=2", "train.eval_every=0")
+    launch(tmp_path, cfg)
+    two = losses(tmp_path / "zero")
+    fewer = rewound(tmp_path / "zero", tmp_path / "fewer", 2)
+    proc = run_andrea("train", "--resume", str(fewer), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "512 tokens/step (4 x 64 x 2 accumulation x 1 process)" in proc.stdout
+    assert "plan: 4 steps x 512 tokens/step = 2,048 tokens" in proc.stdout
+    assert records(fewer, "end")[-1]["tokens"] == 2048
+    for step in (3, 4):
+        assert math.isclose(losses(fewer)[step], two[step], rel_tol=1e-5), (step, two)
+
+    odd = rewound(tmp_path / "zero", tmp_path / "odd", 2)
+    proc = run_andrea("train", "--resume", str(odd), "--no-progress",
+                      "--set", "train.micro_batch_size=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resume: tokens/step 512 -> 192 (global_batch_tokens: 0" in proc.stdout
+    assert ("plan: 1,024 tokens in 2 steps + 2 steps x 192 tokens/step = 1,408 tokens"
+            in proc.stdout)
+    assert records(odd, "end")[-1]["tokens"] == 1024 + 2 * 192
+
+
+PATCHED_PEAK = """
+import andrea.train.flops as flops
+flops.peak_flops = lambda device, dtype: {peak}
+from andrea.cli import main
+main()
+"""
+
+
+def test_mfu_is_per_device_at_two_processes(tmp_path, data_dir):
+    """MFU = one device's tokens/s x FLOPs per token / one device's peak: with 2 processes, half
+    the global tokens/s (a GPU's peak is patched in, since a CPU has none)."""
+    from andrea.model.transformer import Andrea
+    from andrea.train.flops import flops_per_token
+
+    peak = 2e11
+    script = tmp_path / "patched_andrea.py"
+    script.write_text(PATCHED_PEAK.format(peak=peak))
+    cfg = tiny(tmp_path, data_dir, "mfu", "train.max_steps=2", "train.checkpoint_every=0",
+               "train.eval_every=0")
+    path = tmp_path / "mfu.yaml"
+    path.write_text(cfg.to_yaml())
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
+         "train", "-c", str(path), "--no-progress"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    per_token = flops_per_token(cfg.model, Andrea(cfg.model).num_params())
+    steps = records(tmp_path / "mfu", "train")
+    assert len(steps) == 2
+    for r in steps:
+        per_device = r["tokens_per_s"] / 2 * per_token / peak
+        assert r["mfu"] is not None and math.isclose(r["mfu"], per_device, abs_tol=1.5e-4), r

@@ -515,3 +515,79 @@ def test_an_untrained_run_may_still_change_its_schedule(tmp_path, data_dir):
     assert read_events(run, "start")[0]["changed"]["train.lr"] == [0.003, 0.01]
     with pytest.raises(UserError, match=r"model.n_layer \(2 -> 3\)"):
         train(load_config(run / "config.yaml", ["model.n_layer=3"]), resume=str(run))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_precision_picks_bf16_only_where_the_gpu_has_bf16_units(monkeypatch, native):
+    """A T4 or V100 reports bf16 'supported' only through emulation (slower than fp32): auto
+    takes fp32 there, for the model and for Muon's Newton-Schulz iterations alike."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native or including_emulation)
+    cuda = torch.device("cuda")
+    want = torch.bfloat16 if native else torch.float32
+    assert pick_dtype("auto", cuda) == want
+    assert pick_dtype("bf16", cuda) == torch.bfloat16  # asked for by name: obeyed
+    cfg = load_config("andrea-tiny", ["train.optimizer=muon"])
+    optimizer = build_optimizer(Andrea(cfg.model), cfg, cuda)
+    assert getattr(optimizer.muon, "ns_dtype", torch.bfloat16) == want
+
+
+def fake_cgroup(root: Path, version: int, limit: str, usage: int, cache: int) -> None:
+    """A container's memory control group as the kernel shows it (v2, or v1's memory folder)."""
+    folder = root / "job" if version == 2 else root / "memory"
+    folder.mkdir(parents=True)
+    names = (("memory.max", "memory.current", "inactive_file") if version == 2 else
+             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+    (folder / names[0]).write_text(limit + "\n")
+    (folder / names[1]).write_text(f"{usage}\n")
+    (folder / "memory.stat").write_text(f"anon 1\n{names[2]} {cache}\nfile 2\n")
+    (root / "self-cgroup").write_text("0::/job\n" if version == 2 else "4:memory:/\n")
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_auto_micro_batch_on_a_cpu_reads_the_containers_memory_limit(
+    tmp_path, monkeypatch, version
+):
+    """In a container the machine's MemAvailable is not what the process may use: the cgroup
+    limit (less its usage, plus the page cache the kernel reclaims first) is, when lower."""
+    from andrea.train import memory
+
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "self-cgroup")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cpu = torch.device("cpu")
+    fake_cgroup(tmp_path, version, str(3 * 2**30), usage=2**30, cache=2**28)
+    assert memory.available_memory(cpu) == (2 * 2**30 + 2**28) // 2
+    # With no limit ("max"; v1's huge number) the machine's memory counts, as before.
+    unlimited = "max" if version == 2 else str(2**63 - 4096)
+    limit_file = ("job/memory.max" if version == 2 else "memory/memory.limit_in_bytes")
+    (tmp_path / limit_file).write_text(unlimited + "\n")
+    assert memory.cgroup_memory_left() is None
+    assert memory.available_memory(cpu) > (2 * 2**30 + 2**28) // 2
+
+
+def test_ranks_a_checkpoint_has_no_generator_state_for_get_their_own_seed(monkeypatch):
+    """A run resumed on more processes: the checkpoint holds rank 0's generator states only.
+    Ranks 1 and 2 each get a fresh seed of their own (seed + rank), not one shared state; and
+    on a GPU after a CPU run the CUDA generator is seeded too, per rank."""
+    from andrea.train.distributed import DistInfo
+    from andrea.train.setup import _restore_rng, seed_for_rank
+
+    torch.manual_seed(123)
+    saved = {"cpu.rank0": torch.get_rng_state()}
+    states = {}
+    for rank in (0, 1, 2):
+        torch.manual_seed(7)  # what every rank's generator holds before the restore
+        _restore_rng(saved, torch.device("cpu"), DistInfo(rank, rank, 3), seed_for_rank(5, rank))
+        states[rank] = torch.get_rng_state()
+    assert torch.equal(states[0], saved["cpu.rank0"])
+    torch.manual_seed(5 + 1)
+    assert torch.equal(states[1], torch.get_rng_state())
+    assert not torch.equal(states[1], states[2]) and not torch.equal(states[0], states[2])
+
+    seeded, restored = [], []
+    monkeypatch.setattr(torch.cuda, "manual_seed", seeded.append)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append(state))
+    for rank in (0, 1):
+        _restore_rng(saved, torch.device("cuda"), DistInfo(rank, rank, 2), seed_for_rank(5, rank))
+    assert seeded == [5, 6] and restored == []  # the CPU run's checkpoint has no CUDA state

@@ -366,7 +366,15 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origi
 def load_optimizer(
     optimizer: torch.optim.Optimizer, names: dict[int, str], ckpt: Path
 ) -> None:
-    tensors, _ = read_safetensors(ckpt / OPTIMIZER_FILE)
+    apply_optimizer_state(optimizer, names, read_safetensors(ckpt / OPTIMIZER_FILE)[0], ckpt)
+
+
+def apply_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict[str, torch.Tensor],
+    ckpt: Path,
+) -> None:
+    """Put the stored per-parameter state `tensors` (as optimizer_state keys them, read from
+    checkpoint `ckpt`) into the optimizer, sharded like each parameter."""
     state = optimizer.state_dict()
     index = 0
     for group in optimizer.param_groups:

@@ -34,7 +34,8 @@ def cpu_has_bf16() -> bool:
 
 
 def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """bf16 autocast where the hardware has fast bf16 matmuls, else fp32 (for 'auto')."""
+    """bf16 autocast where the hardware has fast bf16 matmuls (a GPU's native bf16 units, not
+    their emulation), else fp32 (for 'auto'). train.precision and train.muon_ns_precision."""
     if precision == "fp32":
         return torch.float32
     if precision == "bf16":
@@ -42,5 +43,12 @@ def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
     if precision != "auto":
         raise UserError(f"precision '{precision}': expected auto, bf16 or fp32")
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        # Without bf16 units (T4, V100) bf16 is emulated in fp32 and slower than fp32 itself.
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native else torch.float32
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def device_name(device: torch.device) -> str:
+    """What kind of device this is, as checkpoints record it: 'cpu', or the GPU's model."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

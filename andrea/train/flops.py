@@ -71,15 +71,18 @@ def no_mfu_reason(device: torch.device) -> str | None:
 
 class MfuMeter:
     """MFU for one run against the device's peak, looked up once; None where there is none
-    (`why_na` says why)."""
+    (`why_na` says why). `devices`: how many devices (processes) the tokens/s given to it are
+    shared among; MFU is per device, so 8 GPUs at one GPU's utilisation read as that one's."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, flops_token: float) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, flops_token: float,
+                 devices: int = 1) -> None:
         self.device, self.dtype, self.flops_token = device, dtype, flops_token
+        self.devices = devices
         self.peak = peak_flops(device, dtype)
         self.why_na = no_mfu_reason(device)
 
     def __call__(self, tokens_per_s: float) -> float | None:
-        return mfu(tokens_per_s, self.flops_token, self.peak)
+        return mfu(tokens_per_s / self.devices, self.flops_token, self.peak)
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak: float | None) -> float | None:

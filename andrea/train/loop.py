@@ -5,6 +5,7 @@ The recipe, per optimizer step: set the scheduled learning rate; run accum_steps
 last one); clip by global norm; check the loss and norm are finite; AdamW step; log, evaluate,
 checkpoint. Everything a resumed run needs (weights, moments, RNG states, step) is in the
 checkpoint, and batches depend only on (seed, step, rank), so a resume repeats the losses exactly.
+Setting up (run folder, data, model, optimizer, micro-batch) is andrea/train/setup.py.
 """
 
 from __future__ import annotations
@@ -14,28 +15,20 @@ import math
 import os
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from andrea.config import Config, load_config
-from andrea.data.loader import TokenSplit, mixture_report, open_split, train_batch, val_batches
-from andrea.data.prepare import check_vocab, ensure_prepared
+from andrea.config import Config
+from andrea.data.loader import TokenSplit, train_batch, val_batches
 from andrea.errors import UserError
-from andrea.fileio import atomic_write_text
-from andrea.model.attention import resolve_backend
-from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.device import pick_device, pick_dtype
+from andrea.train.device import device_name, pick_device
 from andrea.train.distributed import (
     DistInfo,
     all_gather_bytes,
@@ -43,60 +36,17 @@ from andrea.train.distributed import (
     barrier,
     clip_grad_norm,
     init_distributed,
-    shard_model,
     shutdown,
 )
-from andrea.train.flops import MfuMeter, flops_per_token, format_mfu
-from andrea.train.memory import (
-    CPU_MICRO_BATCH_TOKENS,
-    GIB,
-    available_memory,
-    choose_micro_batch,
-)
-from andrea.train.metrics import MetricsLog
-from andrea.train.optim import build_optimizer
-from andrea.train.resume import (
-    check_resume_changes,
-    find_run_to_resume,
-)
-from andrea.train.rundir import CONFIG, METRICS
+from andrea.train.flops import format_mfu
 from andrea.train.schedule import lr_at
+from andrea.train.session import Session, TrainResult
+from andrea.train.setup import set_up
 from andrea.train.signals import EXIT_SIGNAL, SignalWatch
 
 
 class NonFiniteError(Exception):
     """A NaN or infinite loss or gradient norm stopped the run."""
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    steps: int
-    tokens: int
-    seconds: float
-    state: str  # finished | stopped | interrupted | nonfinite | nothing to do
-    best_val_loss: float | None
-    best_val_step: int | None
-    last_val_loss: float | None
-    checkpoint: Path | None
-    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss
-    exit_code: int = 0
-    message: str = ""
-    is_main: bool = True  # rank 0 (the one process that writes and speaks)
-
-
-def accumulation_steps(cfg: Config, micro_batch: int, world_size: int) -> int:
-    per_micro = micro_batch * cfg.model.block_size
-    if cfg.train.global_batch_tokens == 0:
-        return 1
-    per_round = per_micro * world_size
-    if cfg.train.global_batch_tokens % per_round:
-        raise UserError(
-            f"{cfg.source}: train.global_batch_tokens: {cfg.train.global_batch_tokens} is not a "
-            f"multiple of micro_batch_size * block_size * processes = "
-            f"{micro_batch} * {cfg.model.block_size} * {world_size} = {per_round}"
-        )
-    return cfg.train.global_batch_tokens // per_round
 
 
 def _local_rng(device: torch.device) -> dict[str, torch.Tensor]:
@@ -113,15 +63,6 @@ def _rng_tensors(local: dict[str, torch.Tensor], dist: DistInfo) -> dict[str, to
         for rank, gathered in enumerate(all_gather_bytes(state, dist)):
             out[f"{kind}.rank{rank}"] = gathered
     return out
-
-
-def _restore_rng(rng: dict[str, torch.Tensor], device: torch.device, dist: DistInfo) -> None:
-    cpu = rng.get(f"cpu.rank{dist.rank}")
-    if cpu is not None:  # a run resumed with more processes than it had: fresh seeds there
-        torch.set_rng_state(cpu)
-    cuda = rng.get(f"cuda.rank{dist.rank}")
-    if cuda is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda, device)
 
 
 @torch.no_grad()
@@ -184,52 +125,6 @@ def train(
         )
     finally:
         shutdown(dist)
-
-
-@dataclass
-class Session:
-    """What one training process holds while it runs: set up once, then advanced step by step."""
-
-    cfg: Config
-    device: torch.device
-    dist: DistInfo
-    dtype: torch.dtype
-    run_dir: Path
-    model: Andrea
-    train_model: nn.Module
-    optimizer: torch.optim.Optimizer
-    param_names: dict[int, str]
-    train_split: TokenSplit
-    val_split: TokenSplit
-    micro_batch: int
-    accum: int
-    log: MetricsLog
-    signals: SignalWatch
-    mfu: MfuMeter
-    preset: str
-    parallel: str = "none"  # how the processes share the work: none (one), ddp or fsdp
-    step: int = 0
-    tokens_seen: int = 0
-    skipped: int = 0
-    best_val: float | None = None
-    best_step: int | None = None
-    last_val: float | None = None
-    checkpoint: Path | None = None  # the newest complete checkpoint of the run
-    checkpoint_step: int | None = None
-    losses: dict[int, float] = field(default_factory=dict)
-    throughput: list[float] = field(default_factory=list)
-
-    @property
-    def tokens_per_micro_batch(self) -> int:  # over all ranks
-        return self.micro_batch * self.cfg.model.block_size * self.dist.world_size
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.tokens_per_micro_batch * self.accum
-
-    def say(self, text: str) -> None:
-        if self.dist.is_main:
-            print(text, flush=True)
 
 
 def run_training(
@@ -314,289 +209,6 @@ def failures_recorded(s: Session) -> Iterator[None]:
                     state="stopped" if isinstance(exc, UserError) else "failed",
                     message=f"{type(exc).__name__}: {exc}")
         raise
-
-
-def set_up(
-    cfg: Config,
-    device: torch.device,
-    dist: DistInfo,
-    signals: SignalWatch,
-    *,
-    resume: str | None,
-    overwrite: bool,
-) -> Session | TrainResult:
-    """Find or make the run, the data, the model and optimizer (restored on resume), the
-    micro-batch; write the run's config and start record; print the plan. A TrainResult
-    instead when a resumed run is already at max_steps."""
-    t = cfg.train
-    run_dir, resume_from, changes, replace = open_run(cfg, dist, resume, overwrite)
-    if resume_from is not None:
-        done = ckpt_io.read_trainer_state(resume_from)[0]["step"]
-        if done >= t.max_steps:
-            return TrainResult(
-                run_dir=run_dir, steps=done, tokens=0, seconds=0.0, state="nothing to do",
-                best_val_loss=None, best_val_step=None, last_val_loss=None,
-                checkpoint=resume_from, is_main=dist.is_main,
-                message=f"run {run_dir} is already at step {done} (max_steps {t.max_steps}): "
-                        f"nothing to do",
-            )
-
-    # Data: rank 0 prepares the shards if they are missing, the others wait for it.
-    if dist.is_main:
-        ensure_prepared(cfg)
-    barrier(dist)
-    train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
-    check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
-
-    dtype = pick_dtype(t.precision, device)
-    backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
-    torch.manual_seed(t.seed)  # identical initial weights on every rank
-    model = Andrea(cfg.model, attention_backend=backend).to(device)
-    model.checkpoint_blocks = t.activation_checkpointing == "blocks"
-    n_params = model.num_params()
-    parallel = t.parallel if dist.enabled else "none"
-    if parallel == "fsdp":  # before the optimizer, which must hold the sharded parameters
-        shard_model(model, dist, device, bf16_params=dtype == torch.bfloat16
-                    and device.type == "cuda")
-    optimizer = build_optimizer(model, cfg, device)
-    names = {id(p): n for n, p in model.named_parameters()}
-
-    trainer_state: dict[str, Any] = {}
-    if resume_from is not None:
-        trainer_state = restore(model, optimizer, names, resume_from, train_split, device, dist)
-    else:
-        torch.manual_seed(t.seed + dist.rank)  # dropout differs per rank, deterministically
-    micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist,
-                                                        trainer_state)
-    accum = accumulation_steps(cfg, micro_batch, dist.world_size)
-
-    train_model: nn.Module = torch.compile(model) if t.compile else model
-    if parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        device_ids = [dist.local_rank] if device.type == "cuda" else None
-        train_model = DDP(train_model, device_ids=device_ids)
-
-    s = Session(
-        cfg=cfg, device=device, dist=dist, dtype=dtype, run_dir=run_dir, model=model,
-        train_model=train_model, optimizer=optimizer, param_names=names,
-        train_split=train_split, val_split=val_split, micro_batch=micro_batch, accum=accum,
-        log=MetricsLog(None), signals=signals,
-        mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, n_params)),
-        preset=trainer_state.get("preset", Path(cfg.source).stem), parallel=parallel,
-        step=trainer_state.get("step", 0), tokens_seen=trainer_state.get("tokens", 0),
-        skipped=trainer_state.get("skipped_steps", 0),
-        best_val=trainer_state.get("best_val_loss"), best_step=trainer_state.get("best_val_step"),
-        checkpoint=resume_from, checkpoint_step=trainer_state.get("step"),
-    )
-    signals.completed_step, signals.checkpoint = s.step, s.checkpoint
-    if dist.is_main:
-        if replace:
-            clear_run(run_dir)
-        start_run_files(s, resume_from, changes, backend)
-        signals.metrics_path = run_dir / METRICS
-        s.say(f"attention: {backend} ({why})")
-        for key, (old, new) in changes.items():
-            s.say(f"resume: {key} {old} -> {new}")
-        for line in parallel_lines(t.parallel, parallel, dist, trainer_state):
-            s.say(line)
-        s.say(
-            f"{run_dir}: {n_params:,} parameters, {s.tokens_per_step:,} tokens/step "
-            f"({micro_batch} x {cfg.model.block_size} x {accum} accumulation x "
-            f"{dist.world_size} process{'es' if dist.world_size > 1 else ''}), "
-            f"{str(dtype).removeprefix('torch.')}, {device}"
-            + (f", resuming from {resume_from}" if resume_from else "")
-        )
-        mixture = mixture_report(
-            train_split, seed=t.seed, start_step=s.step, max_steps=t.max_steps,
-            per_step=micro_batch * accum * dist.world_size, block_size=cfg.model.block_size,
-        )
-        if mixture is not None:
-            s.say(mixture[0])
-            s.log.write("data_mixture", **mixture[1])
-        if micro_batch_line:
-            s.say(micro_batch_line)
-        for line in plan_lines(s):
-            s.say(line)
-    return s
-
-
-def parallel_lines(asked: str, parallel: str, dist: DistInfo,
-                   trainer_state: dict[str, Any]) -> list[str]:
-    """What the processes share, and how a resumed checkpoint is laid out anew, if it is."""
-    lines = []
-    if asked == "fsdp" and not dist.enabled:
-        lines.append("parallel: fsdp with 1 process: nothing to shard, the model runs whole")
-    elif parallel == "fsdp":
-        lines.append(f"parallel: fsdp, parameters, gradients and optimizer state sharded over "
-                     f"{dist.world_size} processes")
-    if trainer_state:
-        was_world = trainer_state.get("world_size", 1)
-        was = trainer_state.get("parallel", "ddp" if was_world > 1 else "none")
-        if (was_world, was) != (dist.world_size, parallel):
-            lines.append(f"resume: resharding the checkpoint written by {was_world} "
-                         f"process{'es' if was_world > 1 else ''} ({was}) for "
-                         f"{dist.world_size} ({parallel})")
-    return lines
-
-
-def open_run(
-    cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool
-) -> tuple[Path, Path | None, dict[str, list[Any]], bool]:
-    """(run dir, checkpoint to resume from or None, allowed config changes on resume, whether
-    an old run is to be replaced: --overwrite)."""
-    run_dir = Path(cfg.train.runs_dir) / cfg.train.name
-    if resume is not None:
-        found = find_run_to_resume(resume, cfg)
-        if found is not None:
-            stored = load_config(found / CONFIG)
-            checkpoint = ckpt_io.resolve_checkpoint(found)
-            trained = ckpt_io.read_trainer_state(checkpoint)[0]["step"] > 0
-            changes = check_resume_changes(stored, cfg, found, trained)
-            cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
-            return found, checkpoint, changes, False
-        if resume == "auto" and dist.is_main:
-            print(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
-    replace = dist.is_main and ckpt_io.read_latest(run_dir) is not None
-    if replace and not overwrite:
-        raise UserError(
-            f"{run_dir}: already holds a run; continue it with --resume {run_dir} "
-            f"(or --resume auto), pick another name with --set train.name=..., "
-            f"or replace it with --overwrite"
-        )
-    return run_dir, None, {}, replace
-
-
-def clear_run(run_dir: Path) -> None:
-    """--overwrite: remove the old run's checkpoints and metrics. Called only once every set-up
-    check has passed, so a bad config or missing data never costs the old run."""
-    for old in ckpt_io.list_checkpoints(run_dir):
-        shutil.rmtree(old)
-    for stale in (METRICS, ckpt_io.LATEST):
-        (run_dir / stale).unlink(missing_ok=True)
-
-
-def restore(
-    model: Andrea,
-    optimizer: torch.optim.Optimizer,
-    names: dict[int, str],
-    checkpoint: Path,
-    train_split: TokenSplit,
-    device: torch.device,
-    dist: DistInfo,
-) -> dict[str, Any]:
-    """Load weights, optimizer state and generator states; returns the trainer state.
-    A sharded checkpoint (fsdp) is read through its shards, whole tensors otherwise; either
-    fits the model as it is laid out now."""
-    sharded = ckpt_io.has_shards(checkpoint)
-    tensors, meta = ckpt_io.read_model_checkpoint(checkpoint, tensors=not sharded)[::2]
-    if meta.get("tokenizer") != train_split.tokenizer_identity:
-        raise UserError(
-            f"{checkpoint}: trained with tokenizer {meta.get('tokenizer')}, but the data in "
-            f"{train_split.data_dir} uses {train_split.tokenizer_identity}"
-        )
-    if sharded:
-        ckpt_io.read_shards(checkpoint, model, optimizer, names)
-    else:
-        ckpt_io.load_weights(model, tensors, checkpoint / ckpt_io.MODEL_FILE)
-        ckpt_io.load_optimizer(optimizer, names, checkpoint)
-    state, rng = ckpt_io.read_trainer_state(checkpoint)
-    _restore_rng(rng, device, dist)
-    return state
-
-
-def resolve_micro_batch(
-    cfg: Config,
-    model: Andrea,
-    dtype: torch.dtype,
-    device: torch.device,
-    dist: DistInfo | None = None,
-    trainer_state: dict[str, Any] | None = None,
-) -> tuple[int, str]:
-    """(micro-batch, the line that explains an automatic choice or ''). An integer is obeyed;
-    'auto' reuses the value a resumed run recorded, else the largest that fits the memory
-    (on a CPU, of at most CPU_MICRO_BATCH_TOKENS tokens).
-    Without dist: for one process (e.g. `andrea bench`)."""
-    t, dist, trainer_state = cfg.train, dist or DistInfo(), trainer_state or {}
-    if isinstance(t.micro_batch_size, int):
-        return t.micro_batch_size, ""
-    block = cfg.model.block_size
-    if "micro_batch_size" in trainer_state:
-        recorded = trainer_state["micro_batch_size"]
-        return recorded, f"micro-batch: auto -> {recorded} x {block} (the run's recorded choice)"
-    sequences = t.global_batch_tokens // (block * dist.world_size)
-    if sequences < 1:
-        raise UserError(
-            f"{cfg.source}: train.micro_batch_size: auto needs train.global_batch_tokens of at "
-            f"least block_size x processes = {block * dist.world_size}; set it, or give "
-            f"micro_batch_size as a number"
-        )
-    cap = max(1, CPU_MICRO_BATCH_TOKENS // block) if device.type == "cpu" else None
-    choice = choose_micro_batch(
-        cfg.model, model.num_params(), sequences, dtype,
-        t.activation_checkpointing == "blocks", available_memory(device), cap,
-    )
-    # Ranks measure their memory at slightly different moments: all take the smallest choice.
-    votes = torch.zeros(dist.world_size, device=device)
-    votes[dist.rank] = choice.micro_batch
-    micro_batch = int(all_reduce_sum(votes, dist).min().item())
-    accum = sequences // micro_batch
-    line = (
-        f"micro-batch: auto -> {micro_batch} x {block} ({accum} accumulation step"
-        f"{'s' if accum != 1 else ''}), estimated {choice.estimated_bytes / GIB:.1f} of "
-        f"{choice.available_bytes / GIB:.1f} GiB available"
-    )
-    if cap is not None and cap < sequences:
-        line += f" (on a CPU at most {CPU_MICRO_BATCH_TOKENS:,} tokens a micro-batch)"
-    if not choice.fits:
-        line += (" (does not fit even at 1: expect to run out of memory; try "
-                 "train.activation_checkpointing=blocks)")
-    return micro_batch, line
-
-
-def start_run_files(
-    s: Session, resume_from: Path | None, changes: dict[str, list[Any]], backend: str
-) -> None:
-    """Rank 0: the run folder, its config.yaml (with any resume changes) and the start event."""
-    t = s.cfg.train
-    s.run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_io.clean_partials(s.run_dir)
-    atomic_write_text(s.run_dir / CONFIG, s.cfg.to_yaml())
-    tensorboard = None
-    if t.tensorboard:
-        from andrea.train.tensorboard import open_tensorboard
-
-        tensorboard = open_tensorboard(s.run_dir, True)
-    s.log = MetricsLog(s.run_dir / METRICS, tensorboard)
-    s.log.write(
-        "start", step=s.step, max_steps=t.max_steps, pid=os.getpid(),
-        host=socket.gethostname(), resumed_from=str(resume_from) if resume_from else None,
-        n_params=s.model.num_params(), preset=s.preset, world_size=s.dist.world_size,
-        precision=str(s.dtype).removeprefix("torch."), attention=backend,
-        micro_batch_size=s.micro_batch, accum_steps=s.accum,
-        tokens_per_step=s.tokens_per_step, micro_batch_auto=t.micro_batch_size == "auto",
-        activation_checkpointing=t.activation_checkpointing, changed=changes or None,
-    )
-
-
-def plan_lines(s: Session) -> list[str]:
-    """The run's size up front, and a warning when it repeats its data more than 100 times."""
-    steps, per_step = s.cfg.train.max_steps, s.tokens_per_step
-    total, prepared = steps * per_step, s.train_split.n_tokens
-    passes = total / prepared if prepared else math.inf
-    shown = f"{passes:,.1f}" if passes >= 0.1 else f"{passes:.2g}"
-    lines = [
-        f"plan: {steps:,} steps x {per_step:,} tokens/step = {total:,} tokens = "
-        f"{shown} passes over the {prepared:,} prepared training tokens"
-        + (f" (resuming at step {s.step:,})" if s.step else "")
-    ]
-    if passes > 100:
-        lines.append(
-            f"warning: {passes:,.0f} passes over the same training tokens: the model will "
-            f"memorise them; prepare more data, or lower train.max_steps or "
-            f"train.global_batch_tokens"
-        )
-    return lines
 
 
 def progress_bar(s: Session, enabled: bool) -> tqdm:
@@ -748,6 +360,7 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
             "best_val_loss": s.best_val, "best_val_step": s.best_step,
             "skipped_steps": s.skipped, "world_size": s.dist.world_size, "seed": s.cfg.train.seed,
             "preset": s.preset, "micro_batch_size": s.micro_batch, "parallel": s.parallel,
+            "tokens_per_step": s.tokens_per_step, "device": device_name(s.device),
         }
         s.checkpoint = ckpt_io.save_checkpoint(
             s.run_dir, s.step, s.cfg, s.train_split.tokenizer_identity,

@@ -48,7 +48,8 @@ class MicroBatchChoice:
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes this process may still use: free GPU memory, or the CPU's MemAvailable shared
+    """Bytes this process may still use: free GPU memory, or on the CPU the machine's
+    MemAvailable, or what the container's memory limit (cgroup) leaves if that is less, shared
     among the processes of this machine (torchrun's LOCAL_WORLD_SIZE)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -61,7 +62,71 @@ def available_memory(device: torch.device) -> int:
         pass
     if available is None:  # no /proc: free pages as the OS counts them
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limited = cgroup_memory_left()
+    if limited is not None:
+        available = min(available, limited)
     return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+# Where the kernel shows this process's control groups; module constants so a test can point
+# them at a made-up container.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+# cgroup v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages).
+_UNLIMITED = 2**60
+# (limit, usage, memory.stat key of reclaimable page cache): cgroup v2, then v1.
+_CGROUP_FILES = (
+    ("memory.max", "memory.current", "inactive_file"),
+    ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+)
+
+
+def cgroup_memory_left() -> int | None:
+    """Bytes the container's memory limit still allows (limit - usage + the page cache the
+    kernel would reclaim first), or None where no limit is set or none can be read. The
+    process's own control group (from /proc/self/cgroup) is read, else the root one (a
+    container sees its own group there)."""
+    for folder, (limit_name, usage_name, cache_key) in _cgroup_folders():
+        try:
+            limit_text = (folder / limit_name).read_text().strip()
+            usage = int((folder / usage_name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not limit_text.isdigit() or int(limit_text) >= _UNLIMITED:
+            return None  # "max" (v2) or the v1 equivalent: no limit here
+        cache = 0
+        try:
+            for line in (folder / "memory.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == cache_key:
+                    cache = int(value)
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit_text) - usage + cache)
+    return None
+
+
+def _cgroup_folders() -> list[tuple[Path, tuple[str, str, str]]]:
+    """Candidate folders, each with its version's file names: the own group first."""
+    own_v2, own_v1 = None, None
+    try:
+        for line in PROC_CGROUP.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                own_v2 = path.lstrip("/")
+            elif "memory" in controllers.split(","):
+                own_v1 = path.lstrip("/")
+    except (OSError, ValueError):
+        pass
+    v2, v1 = _CGROUP_FILES
+    folders = []
+    if own_v2:
+        folders.append((CGROUP_ROOT / own_v2, v2))
+    folders.append((CGROUP_ROOT, v2))
+    if own_v1:
+        folders.append((CGROUP_ROOT / "memory" / own_v1, v1))
+    folders.append((CGROUP_ROOT / "memory", v1))
+    return folders
 
 
 def estimate_peak_bytes(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from andrea.config import Config, load_config
+from andrea.config import Config, config_from_dict, load_config
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.rundir import CONFIG, run_path
@@ -77,9 +80,49 @@ def config_for_run(config: str | None, overrides: list[str], resume: str | None)
         return load_config(config, overrides)
     if resume is None or resume == "auto":
         raise UserError("andrea train needs --config (a path or a preset name) or --resume RUN_DIR")
+    store = _launcher_store()
+    if store is None:
+        return _run_config(resume, overrides)
+    return _run_config_from_rank0(store, resume, overrides)
+
+
+def _run_config(resume: str, overrides: list[str]) -> Config:
     run_dir = find_run_to_resume(resume, None)
     assert run_dir is not None
     return load_config(run_dir / CONFIG, overrides)
+
+
+def _launcher_store() -> Any:
+    """torchrun's key-value store when this is one of several processes it started (it exists
+    before the process group does), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timedelta(minutes=5))
+
+
+def _run_config_from_rank0(store: Any, resume: str, overrides: list[str]) -> Config:
+    """`--resume RUN_DIR` under torchrun: rank 0 reads the run's config.yaml and every rank
+    trains with it, so a node whose runs_dir holds no copy (ddp with the run on node 0 alone)
+    continues the same run; rank 0's error is every rank's, so no rank waits for another."""
+    key = (f"andrea/resume-config/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            cfg = _run_config(resume, overrides)
+        except UserError as exc:
+            store.set(key, json.dumps({"error": str(exc)}))
+            raise
+        store.set(key, json.dumps({"config": cfg.to_dict(), "source": cfg.source}))
+        return cfg
+    sent = json.loads(store.get(key))
+    if "error" in sent:
+        raise UserError(sent["error"])
+    return config_from_dict(sent["config"], sent["source"])
 
 
 def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
@@ -91,7 +134,11 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
         return run_dir if ckpt_io.read_latest(run_dir) is not None else None
     run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
     if not run_dir.is_dir():
-        raise UserError(f"--resume {resume}: no such run directory")
+        elsewhere = ""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a node with its own runs_dir
+            elsewhere = (" on this node; where train.runs_dir is on node 0 alone, give every "
+                         "node --config CONFIG --resume auto")
+        raise UserError(f"--resume {resume}: no such run directory{elsewhere}")
     if not (run_dir / CONFIG).is_file() or ckpt_io.read_latest(run_dir) is None:
         raise UserError(
             f"--resume {resume}: not a run with a checkpoint (needs config.yaml and 'latest')"

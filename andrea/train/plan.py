@@ -1,0 +1,125 @@
+"""What rank 0 writes and says when a run starts: the run folder's config and start event,
+and the lines that tell the user what the run will do (attention, resume changes, processes,
+batch, mixture, micro-batch, plan)."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from andrea.data.loader import mixture_report
+from andrea.fileio import atomic_write_text
+from andrea.train import checkpoint as ckpt_io
+from andrea.train.distributed import DistInfo
+from andrea.train.metrics import MetricsLog
+from andrea.train.rundir import CONFIG, METRICS
+from andrea.train.session import Session
+
+
+def start_run_files(
+    s: Session, resume_from: Path | None, changes: dict[str, list[Any]], backend: str
+) -> None:
+    """Rank 0: the run folder, its config.yaml (with any resume changes) and the start event."""
+    t = s.cfg.train
+    s.run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_io.clean_partials(s.run_dir)
+    atomic_write_text(s.run_dir / CONFIG, s.cfg.to_yaml())
+    tensorboard = None
+    if t.tensorboard:
+        from andrea.train.tensorboard import open_tensorboard
+
+        tensorboard = open_tensorboard(s.run_dir, True)
+    s.log = MetricsLog(s.run_dir / METRICS, tensorboard)
+    s.log.write(
+        "start", step=s.step, max_steps=t.max_steps, pid=os.getpid(),
+        host=socket.gethostname(), resumed_from=str(resume_from) if resume_from else None,
+        n_params=s.model.num_params(), preset=s.preset, world_size=s.dist.world_size,
+        precision=str(s.dtype).removeprefix("torch."), attention=backend,
+        micro_batch_size=s.micro_batch, accum_steps=s.accum,
+        tokens_per_step=s.tokens_per_step, micro_batch_auto=t.micro_batch_size == "auto",
+        activation_checkpointing=t.activation_checkpointing, changed=changes or None,
+    )
+
+
+def announce(
+    s: Session,
+    backend: str,
+    why: str,
+    changes: dict[str, list[Any]],
+    trainer_state: dict[str, Any],
+    resume_from: Path | None,
+    micro_batch_line: str,
+) -> None:
+    """Rank 0: the lines that say what the run will do, before its first step."""
+    t, dist, cfg = s.cfg.train, s.dist, s.cfg
+    s.say(f"attention: {backend} ({why})")
+    for key, (old, new) in changes.items():
+        s.say(f"resume: {key} {old} -> {new}")
+    for line in parallel_lines(t.parallel, s.parallel, dist, trainer_state):
+        s.say(line)
+    s.say(
+        f"{s.run_dir}: {s.model.num_params():,} parameters, {s.tokens_per_step:,} tokens/step "
+        f"({s.micro_batch} x {cfg.model.block_size} x {s.accum} accumulation x "
+        f"{dist.world_size} process{'es' if dist.world_size > 1 else ''}), "
+        f"{str(s.dtype).removeprefix('torch.')}, {s.device}"
+        + (f", resuming from {resume_from}" if resume_from else "")
+    )
+    mixture = mixture_report(
+        s.train_split, seed=t.seed, start_step=s.step, max_steps=t.max_steps,
+        per_step=s.micro_batch * s.accum * dist.world_size, block_size=cfg.model.block_size,
+    )
+    if mixture is not None:
+        s.say(mixture[0])
+        s.log.write("data_mixture", **mixture[1])
+    if micro_batch_line:
+        s.say(micro_batch_line)
+    for line in plan_lines(s):
+        s.say(line)
+
+
+def parallel_lines(asked: str, parallel: str, dist: DistInfo,
+                   trainer_state: dict[str, Any]) -> list[str]:
+    """What the processes share, and how a resumed checkpoint is laid out anew, if it is."""
+    lines = []
+    if asked == "fsdp" and not dist.enabled:
+        lines.append("parallel: fsdp with 1 process: nothing to shard, the model runs whole")
+    elif parallel == "fsdp":
+        lines.append(f"parallel: fsdp, parameters, gradients and optimizer state sharded over "
+                     f"{dist.world_size} processes")
+    if trainer_state:
+        was_world = trainer_state.get("world_size", 1)
+        was = trainer_state.get("parallel", "ddp" if was_world > 1 else "none")
+        if (was_world, was) != (dist.world_size, parallel):
+            lines.append(f"resume: resharding the checkpoint written by {was_world} "
+                         f"process{'es' if was_world > 1 else ''} ({was}) for "
+                         f"{dist.world_size} ({parallel})")
+    return lines
+
+
+def plan_lines(s: Session) -> list[str]:
+    """The run's size up front, and a warning when it repeats its data more than 100 times."""
+    steps, per_step = s.cfg.train.max_steps, s.tokens_per_step
+    # A resumed run's steps so far may have had another size (global_batch_tokens: 0 on
+    # another number of processes): they count as trained.
+    total, prepared = s.tokens_seen + (steps - s.step) * per_step, s.train_split.n_tokens
+    passes = total / prepared if prepared else math.inf
+    shown = f"{passes:,.1f}" if passes >= 0.1 else f"{passes:.2g}"
+    size = f"{steps:,} steps x {per_step:,} tokens/step"
+    if s.tokens_seen != s.step * per_step:
+        size = (f"{s.tokens_seen:,} tokens in {s.step:,} steps + {steps - s.step:,} steps x "
+                f"{per_step:,} tokens/step")
+    lines = [
+        f"plan: {size} = {total:,} tokens = "
+        f"{shown} passes over the {prepared:,} prepared training tokens"
+        + (f" (resuming at step {s.step:,})" if s.step else "")
+    ]
+    if passes > 100:
+        lines.append(
+            f"warning: {passes:,.0f} passes over the same training tokens: the model will "
+            f"memorise them; prepare more data, or lower train.max_steps or "
+            f"train.global_batch_tokens"
+        )
+    return lines

@@ -1,0 +1,81 @@
+"""What one training process holds while it trains (Session), and what a run's end reports
+(TrainResult): the types the set-up (andrea/train/setup.py) builds and the loop advances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from andrea.config import Config
+from andrea.data.loader import TokenSplit
+from andrea.model.transformer import Andrea
+from andrea.train.distributed import DistInfo
+from andrea.train.flops import MfuMeter
+from andrea.train.metrics import MetricsLog
+from andrea.train.signals import SignalWatch
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    tokens: int
+    seconds: float
+    state: str  # finished | stopped | interrupted | nonfinite | nothing to do
+    best_val_loss: float | None
+    best_val_step: int | None
+    last_val_loss: float | None
+    checkpoint: Path | None
+    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss
+    exit_code: int = 0
+    message: str = ""
+    is_main: bool = True  # rank 0 (the one process that writes and speaks)
+
+
+@dataclass
+class Session:
+    """What one training process holds while it runs: set up once, then advanced step by step."""
+
+    cfg: Config
+    device: torch.device
+    dist: DistInfo
+    dtype: torch.dtype
+    run_dir: Path
+    model: Andrea
+    train_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    param_names: dict[int, str]
+    train_split: TokenSplit
+    val_split: TokenSplit
+    micro_batch: int
+    accum: int
+    log: MetricsLog
+    signals: SignalWatch
+    mfu: MfuMeter
+    preset: str
+    parallel: str = "none"  # how the processes share the work: none (one), ddp or fsdp
+    step: int = 0
+    tokens_seen: int = 0
+    skipped: int = 0
+    best_val: float | None = None
+    best_step: int | None = None
+    last_val: float | None = None
+    checkpoint: Path | None = None  # the newest complete checkpoint of the run
+    checkpoint_step: int | None = None
+    losses: dict[int, float] = field(default_factory=dict)
+    throughput: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:  # over all ranks
+        return self.micro_batch * self.cfg.model.block_size * self.dist.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tokens_per_micro_batch * self.accum
+
+    def say(self, text: str) -> None:
+        if self.dist.is_main:
+            print(text, flush=True)

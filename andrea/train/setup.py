@@ -1,0 +1,437 @@
+"""Setting up a training process: the run folder (new, replaced or resumed), the data, the model
+and optimizer (restored on resume), the micro-batch. `set_up` is the recipe; each piece is one
+function below. Rank 0 then writes the run's files and says the plan (andrea/train/plan.py).
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from andrea.config import Config, load_config
+from andrea.data.loader import TokenSplit, open_split
+from andrea.data.prepare import check_vocab, ensure_prepared
+from andrea.errors import UserError
+from andrea.fileio import atomic_write_text
+from andrea.model.attention import resolve_backend
+from andrea.model.transformer import Andrea
+from andrea.train import checkpoint as ckpt_io
+from andrea.train.device import device_name, pick_dtype
+from andrea.train.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    broadcast_tensors,
+    from_rank0,
+    shard_model,
+)
+from andrea.train.flops import MfuMeter, flops_per_token
+from andrea.train.memory import (
+    CPU_MICRO_BATCH_TOKENS,
+    GIB,
+    available_memory,
+    choose_micro_batch,
+)
+from andrea.train.metrics import MetricsLog
+from andrea.train.optim import build_optimizer
+from andrea.train.plan import announce, start_run_files
+from andrea.train.resume import check_resume_changes, find_run_to_resume
+from andrea.train.rundir import CONFIG, METRICS
+from andrea.train.session import Session, TrainResult
+from andrea.train.signals import SignalWatch
+
+
+def set_up(
+    cfg: Config,
+    device: torch.device,
+    dist: DistInfo,
+    signals: SignalWatch,
+    *,
+    resume: str | None,
+    overwrite: bool,
+) -> Session | TrainResult:
+    """Find or make the run, the data, the model and optimizer (restored on resume), the
+    micro-batch; write the run's config and start record; print the plan. A TrainResult
+    instead when a resumed run is already at max_steps."""
+    t = cfg.train
+    run = decide_run(cfg, dist, resume, overwrite)
+    run_dir, resume_from, changes, replace = run.run_dir, run.resume_from, run.changes, run.replace
+    if resume_from is not None and run.trainer_state["step"] >= t.max_steps:
+        return nothing_to_do(run_dir, resume_from, run.trainer_state["step"], t.max_steps, dist)
+    check_shared_storage(run, t.parallel if dist.enabled else "none", device, dist)
+    train_split, val_split = prepare_data(cfg, dist)
+    dtype = pick_dtype(t.precision, device)
+    backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
+    model, optimizer, names, parallel = build_model(cfg, device, dist, dtype, backend)
+
+    trainer_state: dict[str, Any] = {}
+    if resume_from is not None:
+        trainer_state = restore(model, optimizer, names, run, train_split, device, dist)
+    else:
+        torch.manual_seed(seed_for_rank(t.seed, dist.rank))
+    micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist,
+                                                        trainer_state)
+    accum, batch_line = accumulation_steps(cfg, micro_batch, dist.world_size, trainer_state)
+
+    s = Session(
+        cfg=cfg, device=device, dist=dist, dtype=dtype, run_dir=run_dir, model=model,
+        train_model=wrap_for_training(model, cfg, device, dist, parallel), optimizer=optimizer,
+        param_names=names, train_split=train_split, val_split=val_split,
+        micro_batch=micro_batch, accum=accum, log=MetricsLog(None), signals=signals,
+        mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, model.num_params()),
+                     devices=dist.world_size),
+        preset=trainer_state.get("preset", Path(cfg.source).stem), parallel=parallel,
+        step=trainer_state.get("step", 0), tokens_seen=trainer_state.get("tokens", 0),
+        skipped=trainer_state.get("skipped_steps", 0),
+        best_val=trainer_state.get("best_val_loss"), best_step=trainer_state.get("best_val_step"),
+        checkpoint=resume_from, checkpoint_step=trainer_state.get("step"),
+    )
+    signals.completed_step, signals.checkpoint = s.step, s.checkpoint
+    if dist.is_main:
+        if replace:
+            clear_run(run_dir)
+        start_run_files(s, resume_from, changes, backend)
+        signals.metrics_path = run_dir / METRICS
+        announce(s, backend, why, changes, trainer_state, resume_from,
+                 "\n".join(line for line in (micro_batch_line, batch_line) if line))
+    return s
+
+
+@dataclass
+class RunDecision:
+    """Which run this is, as rank 0 found it; every rank trains by it."""
+
+    run_dir: Path
+    resume_from: Path | None  # the checkpoint to continue from, None for a new run
+    changes: dict[str, list[Any]]  # the config keys a resume changes: {key: [old, new]}
+    replace: bool  # --overwrite of an old run (done by rank 0 once set-up has passed)
+    name: str  # the run's name (a resumed run keeps its own)
+    trainer_state: dict[str, Any]  # the checkpoint's trainer_state.json, {} for a new run
+    sharded: bool  # whether the checkpoint holds fsdp shards (every rank reads its own)
+
+
+def decide_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -> RunDecision:
+    """Rank 0 decides whether this is a new, replaced or resumed run, and from which
+    checkpoint; every rank takes that decision before any step. So ranks that cannot see rank 0's
+    run folder (node-local storage) resume the same run at the same step instead of starting
+    another, and rank 0's one-line error on a bad resume stops every rank."""
+
+    def decide() -> RunDecision:
+        run_dir, resume_from, changes, replace = open_run(cfg, dist, resume, overwrite)
+        state = ckpt_io.read_trainer_state(resume_from)[0] if resume_from is not None else {}
+        sharded = resume_from is not None and ckpt_io.has_shards(resume_from)
+        return RunDecision(run_dir, resume_from, changes, replace, cfg.train.name, state, sharded)
+
+    run = from_rank0(decide, dist)
+    cfg.train.name = run.name
+    return run
+
+
+def check_shared_storage(
+    run: RunDecision, parallel: str, device: torch.device, dist: DistInfo
+) -> None:
+    """Under fsdp every rank writes its shards into rank 0's run folder, and a sharded
+    checkpoint is read by every rank: then every rank must see that folder. Rank 0 writes a
+    file there that every rank looks for; a rank that cannot find it is a one-line error on
+    every rank, before any step (instead of a hang at the first checkpoint)."""
+    if not dist.enabled or (parallel != "fsdp" and not run.sharded):
+        return
+    folder = run.run_dir if run.resume_from is not None else run.run_dir.parent
+
+    def write_marker() -> str:
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f".andrea-shared-{secrets.token_hex(8)}"
+        atomic_write_text(folder / name, name)
+        return name
+
+    marker = from_rank0(write_marker, dist)
+    blind = torch.zeros(dist.world_size, device=device)
+    blind[dist.rank] = 0.0 if (folder / marker).is_file() else 1.0
+    blind = all_reduce_sum(blind, dist)
+    if dist.is_main:
+        (folder / marker).unlink(missing_ok=True)
+    missing = [rank for rank, flag in enumerate(blind.tolist()) if flag]
+    if missing:
+        why = ("for fsdp" if parallel == "fsdp" else
+               f"to resume {run.resume_from}, whose shards (written under fsdp) every rank reads")
+        raise UserError(
+            f"{folder}: the run folder must be shared by every node {why}, and rank"
+            f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} cannot see it; "
+            f"put train.runs_dir on storage every node mounts at the same path, or use "
+            f"train.parallel=ddp"
+        )
+
+
+def nothing_to_do(
+    run_dir: Path, checkpoint: Path, done: int, max_steps: int, dist: DistInfo
+) -> TrainResult:
+    """A resumed run already at max_steps: untouched."""
+    return TrainResult(
+        run_dir=run_dir, steps=done, tokens=0, seconds=0.0, state="nothing to do",
+        best_val_loss=None, best_val_step=None, last_val_loss=None,
+        checkpoint=checkpoint, is_main=dist.is_main,
+        message=f"run {run_dir} is already at step {done} (max_steps {max_steps}): "
+                f"nothing to do",
+    )
+
+
+def prepare_data(cfg: Config, dist: DistInfo) -> tuple[TokenSplit, TokenSplit]:
+    """The train and val splits: rank 0 prepares the shards if they are missing, the others
+    wait for it."""
+    if dist.is_main:
+        ensure_prepared(cfg)
+    barrier(dist)
+    train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
+    check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
+    return train_split, val_split
+
+
+def build_model(
+    cfg: Config, device: torch.device, dist: DistInfo, dtype: torch.dtype, backend: str
+) -> tuple[Andrea, torch.optim.Optimizer, dict[int, str], str]:
+    """(model, optimizer, parameter names by id, parallel mode: none, ddp or fsdp). The model
+    is sharded first under fsdp, since the optimizer must hold the sharded parameters."""
+    t = cfg.train
+    torch.manual_seed(t.seed)  # identical initial weights on every rank
+    model = Andrea(cfg.model, attention_backend=backend).to(device)
+    model.checkpoint_blocks = t.activation_checkpointing == "blocks"
+    parallel = t.parallel if dist.enabled else "none"
+    if parallel == "fsdp":
+        shard_model(model, dist, device, bf16_params=dtype == torch.bfloat16
+                    and device.type == "cuda")
+    optimizer = build_optimizer(model, cfg, device)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return model, optimizer, names, parallel
+
+
+def wrap_for_training(
+    model: Andrea, cfg: Config, device: torch.device, dist: DistInfo, parallel: str
+) -> nn.Module:
+    """The module the steps call: compiled if asked, inside DDP under ddp."""
+    train_model: nn.Module = torch.compile(model) if cfg.train.compile else model
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        device_ids = [dist.local_rank] if device.type == "cuda" else None
+        train_model = DDP(train_model, device_ids=device_ids)
+    return train_model
+
+
+def open_run(
+    cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool
+) -> tuple[Path, Path | None, dict[str, list[Any]], bool]:
+    """(run dir, checkpoint to resume from or None, allowed config changes on resume, whether
+    an old run is to be replaced: --overwrite)."""
+    run_dir = Path(cfg.train.runs_dir) / cfg.train.name
+    if resume is not None:
+        found = find_run_to_resume(resume, cfg)
+        if found is not None:
+            stored = load_config(found / CONFIG)
+            checkpoint = ckpt_io.resolve_checkpoint(found)
+            trained = ckpt_io.read_trainer_state(checkpoint)[0]["step"] > 0
+            changes = check_resume_changes(stored, cfg, found, trained)
+            cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
+            return found, checkpoint, changes, False
+        if resume == "auto" and dist.is_main:
+            print(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
+    replace = dist.is_main and ckpt_io.read_latest(run_dir) is not None
+    if replace and not overwrite:
+        raise UserError(
+            f"{run_dir}: already holds a run; continue it with --resume {run_dir} "
+            f"(or --resume auto), pick another name with --set train.name=..., "
+            f"or replace it with --overwrite"
+        )
+    return run_dir, None, {}, replace
+
+
+def clear_run(run_dir: Path) -> None:
+    """--overwrite: remove the old run's checkpoints and metrics. Called only once every set-up
+    check has passed, so a bad config or missing data never costs the old run."""
+    for old in ckpt_io.list_checkpoints(run_dir):
+        shutil.rmtree(old)
+    for stale in (METRICS, ckpt_io.LATEST):
+        (run_dir / stale).unlink(missing_ok=True)
+
+
+def restore(
+    model: Andrea,
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str],
+    run: RunDecision,
+    train_split: TokenSplit,
+    device: torch.device,
+    dist: DistInfo,
+) -> dict[str, Any]:
+    """Load weights, optimizer state and generator states; returns the trainer state.
+    A whole checkpoint is read by rank 0 alone and sent to the others (so under ddp the run
+    folder may be on node 0 alone); a sharded one (fsdp) is read by every rank through its
+    shards (set-up has checked that every rank sees it). Either fits the model as it is laid
+    out now."""
+    checkpoint = run.resume_from
+    assert checkpoint is not None
+    if run.sharded:
+        meta = ckpt_io.read_model_checkpoint(checkpoint, tensors=False)[2]
+        check_tokenizer(checkpoint, meta, train_split)
+        ckpt_io.read_shards(checkpoint, model, optimizer, names)
+        state, rng = ckpt_io.read_trainer_state(checkpoint)
+    else:
+        read: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optimizer": {}, "rng": {}}
+
+        def read_whole() -> dict[str, Any]:
+            read["model"], meta = ckpt_io.read_model_checkpoint(checkpoint)[::2]
+            check_tokenizer(checkpoint, meta, train_split)
+            read["optimizer"] = ckpt_io.read_safetensors(checkpoint / ckpt_io.OPTIMIZER_FILE)[0]
+            state, read["rng"] = ckpt_io.read_trainer_state(checkpoint)
+            return state
+
+        state = from_rank0(read_whole, dist)
+        weights, moments, rng = (broadcast_tensors(read[k], dist) for k in read)
+        ckpt_io.load_weights(model, weights, checkpoint / ckpt_io.MODEL_FILE)
+        ckpt_io.apply_optimizer_state(optimizer, names, moments, checkpoint)
+    _restore_rng(rng, device, dist, seed_for_rank(state.get("seed", 0), dist.rank))
+    return state
+
+
+def check_tokenizer(checkpoint: Path, meta: dict[str, str], train_split: TokenSplit) -> None:
+    if meta.get("tokenizer") != train_split.tokenizer_identity:
+        raise UserError(
+            f"{checkpoint}: trained with tokenizer {meta.get('tokenizer')}, but the data in "
+            f"{train_split.data_dir} uses {train_split.tokenizer_identity}"
+        )
+
+
+def seed_for_rank(seed: int, rank: int) -> int:
+    """The generator seed of `rank` in a run seeded `seed`: dropout differs per rank,
+    deterministically."""
+    return seed + rank
+
+
+def _restore_rng(
+    rng: dict[str, torch.Tensor], device: torch.device, dist: DistInfo, fresh_seed: int
+) -> None:
+    """This rank's generator states from the checkpoint; a rank the checkpoint has no state for
+    (a run resumed with more processes than it had, or on a GPU after a CPU) is seeded anew
+    with `fresh_seed`, its own, rather than keeping the state every such rank shares."""
+    cpu = rng.get(f"cpu.rank{dist.rank}")
+    if cpu is not None:
+        torch.set_rng_state(cpu)
+    else:
+        torch.manual_seed(fresh_seed)  # seeds every CUDA device too
+    if device.type == "cuda":
+        cuda = rng.get(f"cuda.rank{dist.rank}")
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        else:
+            torch.cuda.manual_seed(fresh_seed)
+
+
+def resolve_micro_batch(
+    cfg: Config,
+    model: Andrea,
+    dtype: torch.dtype,
+    device: torch.device,
+    dist: DistInfo | None = None,
+    trainer_state: dict[str, Any] | None = None,
+) -> tuple[int, str]:
+    """(micro-batch, the line that explains an automatic choice or ''). An integer is obeyed;
+    'auto' reuses the value a resumed run recorded on as many processes and the same device,
+    else the largest that fits the memory (on a CPU, of at most CPU_MICRO_BATCH_TOKENS tokens).
+    Without dist: for one process (e.g. `andrea bench`)."""
+    t, dist, trainer_state = cfg.train, dist or DistInfo(), trainer_state or {}
+    if isinstance(t.micro_batch_size, int):
+        return t.micro_batch_size, ""
+    block = cfg.model.block_size
+    # Rank 0 decides for all: ranks on other kinds of GPU must not take different paths.
+    recorded = from_rank0(lambda: recorded_micro_batch(trainer_state, dist.world_size, device),
+                          dist)
+    if recorded is not None:
+        return recorded, f"micro-batch: auto -> {recorded} x {block} (the run's recorded choice)"
+    sequences = t.global_batch_tokens // (block * dist.world_size)
+    if sequences < 1:
+        raise UserError(
+            f"{cfg.source}: train.micro_batch_size: auto needs train.global_batch_tokens of at "
+            f"least block_size x processes = {block * dist.world_size}; set it, or give "
+            f"micro_batch_size as a number"
+        )
+    cap = max(1, CPU_MICRO_BATCH_TOKENS // block) if device.type == "cpu" else None
+    choice = choose_micro_batch(
+        cfg.model, model.num_params(), sequences, dtype,
+        t.activation_checkpointing == "blocks", available_memory(device), cap,
+    )
+    # Ranks measure their memory at slightly different moments: all take the smallest choice.
+    votes = torch.zeros(dist.world_size, device=device)
+    votes[dist.rank] = choice.micro_batch
+    micro_batch = int(all_reduce_sum(votes, dist).min().item())
+    accum = sequences // micro_batch
+    line = (
+        f"micro-batch: auto -> {micro_batch} x {block} ({accum} accumulation step"
+        f"{'s' if accum != 1 else ''}), estimated {choice.estimated_bytes / GIB:.1f} of "
+        f"{choice.available_bytes / GIB:.1f} GiB available"
+    )
+    if cap is not None and cap < sequences:
+        line += f" (on a CPU at most {CPU_MICRO_BATCH_TOKENS:,} tokens a micro-batch)"
+    if not choice.fits:
+        line += (" (does not fit even at 1: expect to run out of memory; try "
+                 "train.activation_checkpointing=blocks)")
+    return micro_batch, line
+
+
+def recorded_micro_batch(
+    trainer_state: dict[str, Any], world_size: int, device: torch.device
+) -> int | None:
+    """The micro-batch `auto` chose for a resumed run, when it still applies: the same number of
+    processes (another count changes the sequences per process, which it must divide) and the
+    same device (another has other memory). Checkpoints older than the device record are taken
+    to be of this device."""
+    if "micro_batch_size" not in trainer_state:
+        return None
+    same_world = trainer_state.get("world_size", 1) == world_size
+    same_device = trainer_state.get("device", device_name(device)) == device_name(device)
+    return trainer_state["micro_batch_size"] if same_world and same_device else None
+
+
+def accumulation_steps(
+    cfg: Config, micro_batch: int, world_size: int, trainer_state: dict[str, Any] | None = None
+) -> tuple[int, str]:
+    """(micro-batches per process and step, a line when a resume changes the tokens per step).
+    train.global_batch_tokens: 0 means one micro-batch per process when a run starts; a resumed
+    run keeps the tokens per step it started with (on fewer processes, more micro-batches),
+    or says that it cannot when they do not divide."""
+    per_round = micro_batch * cfg.model.block_size * world_size
+    target = cfg.train.global_batch_tokens
+    if target == 0:
+        recorded = recorded_tokens_per_step(cfg, trainer_state or {})
+        if recorded is None or recorded == per_round:
+            return 1, ""
+        if recorded % per_round == 0:
+            return recorded // per_round, ""
+        return 1, (
+            f"resume: tokens/step {recorded:,} -> {per_round:,} (global_batch_tokens: 0 is one "
+            f"micro-batch per process, and {recorded:,} is not a multiple of {micro_batch} x "
+            f"{cfg.model.block_size} x {world_size} processes; a train.micro_batch_size that "
+            f"divides it keeps it)"
+        )
+    if target % per_round:
+        raise UserError(
+            f"{cfg.source}: train.global_batch_tokens: {target} is not a "
+            f"multiple of micro_batch_size * block_size * processes = "
+            f"{micro_batch} * {cfg.model.block_size} * {world_size} = {per_round}"
+        )
+    return target // per_round, ""
+
+
+def recorded_tokens_per_step(cfg: Config, trainer_state: dict[str, Any]) -> int | None:
+    """The tokens per step a resumed run trained with (from older checkpoints: one micro-batch
+    per process, all global_batch_tokens: 0 allowed then); None for a new run."""
+    if "tokens_per_step" in trainer_state:
+        return trainer_state["tokens_per_step"]
+    if "micro_batch_size" not in trainer_state:
+        return None
+    return (trainer_state["micro_batch_size"] * cfg.model.block_size
+            * trainer_state.get("world_size", 1))
