@@ -247,10 +247,20 @@ def read_shards(
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """AdamW's state exists only after its first step; make it (zeros) so it can be loaded."""
+    """AdamW's and Muon's state exists only after their first step; make it (zeros) so it can be
+    loaded. Into each optimizer's own state (MuonAdamW's `state` is a merged copy)."""
+    for opt in getattr(optimizer, "optimizers", (optimizer,)):
+        _ensure_state(opt)
+
+
+def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if not optimizer.state.get(p):
+            if optimizer.state.get(p):
+                continue
+            if "ns_steps" in group:  # a Muon matrix: its momentum buffer only
+                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+            else:
                 # AdamW keeps the count on the parameter's device only when fused.
                 on = p.device if group.get("fused") else "cpu"
                 optimizer.state[p] = {

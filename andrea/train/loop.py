@@ -358,7 +358,7 @@ def set_up(
     if parallel == "fsdp":  # before the optimizer, which must hold the sharded parameters
         shard_model(model, dist, device, bf16_params=dtype == torch.bfloat16
                     and device.type == "cuda")
-    optimizer = build_optimizer(model, cfg, device)
+    optimizer = build_optimizer(model, cfg, device, dist.world_size)
     names = {id(p): n for n, p in model.named_parameters()}
 
     trainer_state: dict[str, Any] = {}
