@@ -10,8 +10,8 @@ newest complete one. Each checkpoint holds:
 - `rng.safetensors`: every generator's state (the CPU generator of each rank, and CUDA's);
 - `trainer_state.json`: step, tokens seen, data position, best val loss, skipped steps.
 
-With `train.parallel: fsdp` the weights and AdamW state are also written by every rank at once,
-each its own shards, through torch.distributed.checkpoint's Hugging Face writer:
+With `train.parallel: fsdp` the weights and optimizer state (AdamW's, Muon's) are written by every
+rank at once, each its own shards, through torch.distributed.checkpoint's Hugging Face writer:
 `shards/shard-0000R-model-00001-of-00001.safetensors` (each tensor's slice with its offsets in the
 metadata) and `shards/index.json` (the files and their sizes); `optimizer.safetensors` is then not
 written. A resume reads the shards at any number of processes, in either mode (DCP reshards);
