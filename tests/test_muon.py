@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, free_port, run_andrea
+from conftest import assert_user_error, run_andrea
 from test_train import read_events, tiny, write_config
 
 from andrea.errors import UserError
@@ -209,8 +209,9 @@ def test_two_processes_split_newton_schulz_and_match_one(tmp_path):
     script = tmp_path / "split.py"
     script.write_text(SPLIT)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)],
+        # --standalone: the rendezvous picks its own free port (no race with other tests).
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script)],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

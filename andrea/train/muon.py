@@ -205,9 +205,11 @@ class SplitMuon(Float32Muon):
             return []
         sharded = isinstance(params[0], DTensor)
         if sharded and (params[0].device_mesh.ndim != 1 or params[0].placements != (Shard(0),)):
-            raise UserError(f"train.optimizer: muon under fsdp shards each matrix by rows over "
-                            f"one mesh dimension; this model is laid out as "
-                            f"{params[0].placements}: use train.parallel=ddp")
+            # andrea builds only 1-D meshes (distributed.shard_model); hybrid sharding would
+            # need the exchange per shard group.
+            raise NotImplementedError(f"Muon over {params[0].placements} on a "
+                                      f"{params[0].device_mesh.ndim}-D mesh; only Shard(0) on "
+                                      f"a 1-D mesh is split")
         pg = params[0].device_mesh.get_group() if sharded else dist.group.WORLD
         owners = assign_owners([p.shape for p in params], dist.get_world_size(pg))
         exchange = self._exchange_shards if sharded else self._gather_updates
