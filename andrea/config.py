@@ -330,12 +330,6 @@ def validate(cfg: Config, origin: str) -> Config:
         )
     if t.min_lr > t.lr:
         raise UserError(f"{origin}: train.min_lr: {t.min_lr} is above train.lr = {t.lr}")
-    if t.optimizer == "muon" and t.parallel == "fsdp":
-        # Newton-Schulz needs each whole matrix, which FSDP holds in shards (docs/training.md).
-        raise UserError(
-            f"{origin}: train.optimizer: muon does not run under train.parallel: fsdp yet; "
-            f"use train.parallel=ddp with muon, or train.optimizer=adamw with fsdp"
-        )
     return cfg
 
 

@@ -10,7 +10,9 @@ memory: for 1 process, 2 x ddp and 2 x fsdp (torchrun, gloo), build the model an
 trainer does, take one step on a short random batch so gradients and moments exist, then add up
 the bytes of the tensors this rank holds: parameters (each once; the local shard of a sharded
 one), gradients, optimizer state. DDP's gradient buckets (another 4 B/parameter) are not counted,
-which favours ddp.
+which favours ddp. Then the same with train.optimizer muon for 1 process and 2 x fsdp (Muon's
+momentum for the block matrices, AdamW's moments for the rest; the whole matrices an owner
+orthogonalises exist only during the step and are not counted).
 
 checkpoint: the same set-up, then time writing a checkpoint the way the trainer does (1 process:
 whole tensors; 2 x fsdp: every rank its shards, plus model.safetensors gathered on rank 0) and
@@ -43,7 +45,7 @@ from andrea.train.distributed import shutdown  # noqa: E402
 MIB = 2**20
 
 
-def build(preset: str, parallel: str):
+def build(preset: str, parallel: str, optimizer: str = "adamw"):
     """(cfg, dist info, model, optimizer, names), set up in the trainer's order."""
     import torch
 
@@ -52,7 +54,8 @@ def build(preset: str, parallel: str):
     from andrea.train.distributed import init_distributed, shard_model
     from andrea.train.optim import build_optimizer
 
-    cfg = load_config(preset, ["train.precision=fp32", "train.micro_batch_size=1"])
+    cfg = load_config(preset, ["train.precision=fp32", "train.micro_batch_size=1",
+                               f"train.optimizer={optimizer}"])
     info = init_distributed("cpu")
     device = torch.device("cpu")
     torch.manual_seed(0)
@@ -60,7 +63,7 @@ def build(preset: str, parallel: str):
     train_model = model
     if info.enabled and parallel == "fsdp":
         shard_model(model, info, device, bf16_params=False)
-    optimizer = build_optimizer(model, cfg, device)
+    optimizer = build_optimizer(model, cfg, device, info.world_size)
     if info.enabled and parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -85,8 +88,8 @@ def local_bytes(tensors) -> int:
     return total
 
 
-def memory_worker(preset: str, parallel: str) -> dict:
-    _, info, model, optimizer, _ = build(preset, parallel)
+def memory_worker(preset: str, parallel: str, optimizer_name: str) -> dict:
+    _, info, model, optimizer, _ = build(preset, parallel, optimizer_name)
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if hasattr(v, "numel")]
     shutdown(info)
@@ -137,9 +140,11 @@ def checkpoint_worker(preset: str, parallel: str) -> dict:
     return {"rank": info.rank, "write_s": write_s, "load_s": load_s, "bytes": size}
 
 
-def launch(kind: str, preset: str, processes: int, parallel: str, env: dict) -> list[dict]:
+def launch(kind: str, preset: str, processes: int, parallel: str, env: dict,
+           optimizer: str = "adamw") -> list[dict]:
     """Run one case in fresh processes; every rank's JSON line."""
-    child = [str(Path(__file__)), "--worker", kind, "--preset", preset, "--parallel", parallel]
+    child = [str(Path(__file__)), "--worker", kind, "--preset", preset, "--parallel", parallel,
+             "--optimizer", optimizer]
     if processes == 1:
         cmd = [sys.executable, *child]
     else:
@@ -155,24 +160,28 @@ def launch(kind: str, preset: str, processes: int, parallel: str, env: dict) -> 
 
 
 CASES = [(1, "none"), (2, "ddp"), (2, "fsdp")]
+MEMORY_CASES = [(1, "none", "adamw"), (2, "ddp", "adamw"), (2, "fsdp", "adamw"),
+                (1, "none", "muon"), (2, "fsdp", "muon")]
 
 
 def memory(args: argparse.Namespace) -> None:
     print(f"{args.preset}, float32, on {cpu_name()}: bytes each rank holds after one step")
-    print(f"{'case':<12}{'params MiB':>11}{'grads MiB':>11}{'AdamW MiB':>11}{'total MiB':>11}"
+    print(f"{'case':<19}{'params MiB':>11}{'grads MiB':>11}{'optim MiB':>11}{'total MiB':>11}"
           f"{'vs 2 x ddp':>12}")
     totals = {}
-    for processes, parallel in CASES:
-        ranks = launch("memory", args.preset, processes, parallel, {"OMP_NUM_THREADS": "1"})
+    for processes, parallel, optimizer in MEMORY_CASES:
+        ranks = launch("memory", args.preset, processes, parallel, {"OMP_NUM_THREADS": "1"},
+                       optimizer)
         worst = max(ranks, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
-        totals[(processes, parallel)] = worst
-    ddp = totals[(2, "ddp")]
-    for (processes, parallel), r in totals.items():
+        totals[(processes, parallel, optimizer)] = worst
+    ddp = totals[(2, "ddp", "adamw")]
+    for (processes, parallel, optimizer), r in totals.items():
         total = r["params"] + r["grads"] + r["optimizer"]
         ratio = total / (ddp["params"] + ddp["grads"] + ddp["optimizer"])
-        print(f"{f'{processes} x {parallel}':<12}{r['params'] / MIB:>11.1f}"
+        case = f"{processes} x {parallel}" + (" + muon" if optimizer == "muon" else "")
+        print(f"{case:<19}{r['params'] / MIB:>11.1f}"
               f"{r['grads'] / MIB:>11.1f}{r['optimizer'] / MIB:>11.1f}{total / MIB:>11.1f}"
-              f"{ratio:>12.3f}")
+              f"{ratio:>12.3f}", flush=True)
 
 
 def checkpoint(args: argparse.Namespace) -> None:
@@ -226,10 +235,14 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where checkpoints are written (a temp dir)")
     parser.add_argument("--worker", choices=["memory", "checkpoint"], help=argparse.SUPPRESS)
     parser.add_argument("--parallel", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--optimizer", default="adamw", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        work = memory_worker if args.worker == "memory" else checkpoint_worker
-        print(json.dumps(work(args.preset, args.parallel)), flush=True)
+        if args.worker == "memory":
+            result = memory_worker(args.preset, args.parallel, args.optimizer)
+        else:
+            result = checkpoint_worker(args.preset, args.parallel)
+        print(json.dumps(result), flush=True)
         return
     default = "andrea-12m" if args.what == "checkpointing" else "andrea-120m"
     args.preset = args.preset or default

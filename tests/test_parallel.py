@@ -375,3 +375,48 @@ def test_mfu_is_per_device_at_two_processes(tmp_path, data_dir):
     for r in steps:
         per_device = r["tokens_per_s"] / 2 * per_token / peak
         assert r["mfu"] is not None and math.isclose(r["mfu"], per_device, abs_tol=1.5e-4), r
+
+
+def test_fsdp_muon_matches_one_process_and_reshards(tmp_path, data_dir, capsys):
+    """Muon under fsdp (each rank orthogonalises its share of whole matrices, the momentum stays
+    sharded): one process's losses; its state in the shards; resumes 2 -> 1, 1 -> 2 and
+    ddp -> fsdp continue the same run."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    muon = ("train.optimizer=muon", "train.muon_ns_precision=fp32")
+    one = train(tiny(tmp_path, data_dir, "one", *muon), progress=False).losses
+    fsdp_cfg = tiny(tmp_path, data_dir, "fsdp", "train.parallel=fsdp", *muon)
+    launch(tmp_path, fsdp_cfg)
+    fsdp = losses(tmp_path / "fsdp")
+    assert sorted(fsdp) == list(range(1, STEPS + 1))
+    for step in fsdp:
+        assert math.isclose(fsdp[step], one[step], rel_tol=1e-5), (step, fsdp[step], one[step])
+    stored = HuggingFaceStorageReader(str(tmp_path / "fsdp" / "step-000010" / "shards")
+                                      ).read_metadata().state_dict_metadata
+    assert "optimizer.blocks.0.attn.qkv.weight.momentum_buffer" in stored
+    assert "optimizer.blocks.0.attn.qkv.weight.exp_avg" not in stored
+    assert "optimizer.tok_emb.weight.exp_avg" in stored
+
+    def continues(run_dir: Path) -> None:
+        got = losses(run_dir)
+        assert sorted(got) == list(range(1, STEPS + 1))
+        for step in range(11, STEPS + 1):
+            assert math.isclose(got[step], one[step], rel_tol=1e-5), (run_dir, step, got[step])
+
+    # fsdp (2) -> 1 process, from the shards.
+    alone = rewound(tmp_path / "fsdp", tmp_path / "alone", 10)
+    capsys.readouterr()
+    train(load_config(alone / "config.yaml"), resume=str(alone), progress=False)
+    assert "written by 2 processes (fsdp) for 1 (none)" in capsys.readouterr().out
+    continues(alone)
+    # 1 process -> fsdp (2), from whole tensors.
+    grow = rewound(tmp_path / "one", tmp_path / "grow", 10)
+    out = launch(tmp_path, fsdp_cfg, "--resume", str(grow), "--set", "train.parallel=fsdp").stdout
+    assert "written by 1 process (none) for 2 (fsdp)" in out
+    continues(grow)
+    # ddp (2) -> fsdp (2).
+    launch(tmp_path, tiny(tmp_path, data_dir, "ddp", "train.max_steps=10", *muon))
+    out = launch(tmp_path, fsdp_cfg, "--resume", str(tmp_path / "ddp"), "--set",
+                 f"train.max_steps={STEPS}", "--set", "train.parallel=fsdp").stdout
+    assert "written by 2 processes (ddp) for 2 (fsdp)" in out
+    continues(tmp_path / "ddp")

@@ -10,8 +10,8 @@ newest complete one. Each checkpoint holds:
 - `rng.safetensors`: every generator's state (the CPU generator of each rank, and CUDA's);
 - `trainer_state.json`: step, tokens seen, data position, best val loss, skipped steps.
 
-With `train.parallel: fsdp` the weights and AdamW state are also written by every rank at once,
-each its own shards, through torch.distributed.checkpoint's Hugging Face writer:
+With `train.parallel: fsdp` the weights and optimizer state (AdamW's, Muon's) are written by every
+rank at once, each its own shards, through torch.distributed.checkpoint's Hugging Face writer:
 `shards/shard-0000R-model-00001-of-00001.safetensors` (each tensor's slice with its offsets in the
 metadata) and `shards/index.json` (the files and their sizes); `optimizer.safetensors` is then not
 written. A resume reads the shards at any number of processes, in either mode (DCP reshards);
@@ -247,10 +247,20 @@ def read_shards(
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """AdamW's state exists only after its first step; make it (zeros) so it can be loaded."""
+    """AdamW's and Muon's state exists only after their first step; make it (zeros) so it can be
+    loaded. Into each optimizer's own state (MuonAdamW's `state` is a merged copy)."""
+    for opt in getattr(optimizer, "optimizers", (optimizer,)):
+        _ensure_state(opt)
+
+
+def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if not optimizer.state.get(p):
+            if optimizer.state.get(p):
+                continue
+            if "ns_steps" in group:  # a Muon matrix: its momentum buffer only
+                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+            else:
                 # AdamW keeps the count on the parameter's device only when fused.
                 on = p.device if group.get("fused") else "cpu"
                 optimizer.state[p] = {

@@ -11,6 +11,11 @@ without bfloat16 units that is more than 10x slower than float32 (DESIGN.md sect
 in a chosen dtype; `newton_schulz` reproduces torch's operation sequence exactly, so in bfloat16
 it gives torch's bits.
 
+Under several processes (`build_muon(..., world_size > 1)`) `SplitMuon` shares the Newton-Schulz
+work: each rank orthogonalises whole matrices for its share of them (`assign_owners`) and the
+updates are exchanged, whether each rank holds every matrix (DDP) or row shards of them (FSDP2);
+docs/training.md says why it is built this way.
+
 `MuonAdamW` presents the two optimizers as one: param_groups and state over both, step,
 zero_grad, state_dict and load_state_dict with one parameter numbering, so the checkpoint code
 (checkpoint.optimizer_state / load_optimizer) handles it like a single AdamW.
@@ -22,7 +27,9 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from andrea.errors import UserError
 
@@ -66,7 +73,7 @@ def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], 
     X <- a X + (b A + c A²) X with A = X Xᵀ.
     """
     a, b, c = coefficients
-    x = grad.to(dtype)
+    x = grad.to(dtype, copy=True)  # never the caller's tensor: it is scaled in place
     tall = grad.size(0) > grad.size(1)
     if tall:
         x = x.T
@@ -95,7 +102,11 @@ def _muon_base() -> type[torch.optim.Optimizer]:
 
 
 class Float32Muon(_muon_base()):  # type: ignore[misc]
-    """torch.optim.Muon with the Newton-Schulz iterations in `ns_dtype` (float32 by default)."""
+    """torch.optim.Muon with the Newton-Schulz iterations in `ns_dtype` (float32 by default).
+
+    A step is three parts, so SplitMuon can replace the middle one: the momentum (element-wise,
+    on whatever this rank holds of each matrix), the orthogonalisation (whole matrices), the
+    update of the parameters (element-wise again)."""
 
     def __init__(self, params: Any, ns_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
@@ -108,28 +119,177 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
-            buffers: list[torch.Tensor] = []
-            self._init_group(group, params, grads, buffers)
-            lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p, grad, buf in zip(params, grads, buffers, strict=True):
-                # torch's update rule, line for line: momentum as a lerp, Nesterov's look-ahead,
-                # decoupled weight decay at the unscaled lr, the update at the shape-scaled lr.
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"],
-                                       group["eps"], self.ns_dtype)
-                p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+            params, updates = self._momentum_updates(group)
+            self._apply(group, params, self._orthogonalise(group, params, updates))
         return loss
+
+    def _momentum_updates(self, group: dict[str, Any]) -> tuple[list[torch.Tensor],
+                                                                 list[torch.Tensor]]:
+        """(parameters with a gradient, their momentum updates), each as this rank holds it."""
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        buffers: list[torch.Tensor] = []
+        self._init_group(group, params, grads, buffers)
+        momentum, updates = group["momentum"], []
+        for grad, buf in zip(grads, buffers, strict=True):
+            # torch's update rule, line for line: momentum as a lerp, Nesterov's look-ahead.
+            grad, buf = local_tensor(grad), local_tensor(buf)
+            buf.lerp_(grad, 1 - momentum)
+            updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+        return params, updates
+
+    def _newton_schulz(self, group: dict[str, Any], update: torch.Tensor) -> torch.Tensor:
+        return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                             self.ns_dtype)
+
+    def _orthogonalise(self, group: dict[str, Any], params: list[torch.Tensor],
+                       updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self._newton_schulz(group, u) for u in updates]
+
+    def _apply(self, group: dict[str, Any], params: list[torch.Tensor],
+               updates: list[torch.Tensor]) -> None:
+        # Decoupled weight decay at the unscaled lr, the update at the shape-scaled lr (the
+        # whole matrix's shape: a DTensor's shape is the global one).
+        lr, wd = group["lr"], group["weight_decay"]
+        for p, update in zip(params, updates, strict=True):
+            mine = local_tensor(p)
+            mine.mul_(1 - lr * wd)
+            mine.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: its shard of a DTensor (the same storage), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def assign_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
+    """The rank that orthogonalises each matrix: in parameter order, the rank with the least
+    Newton-Schulz work so far (rows x cols x min(rows, cols) per iteration), the lower rank on a
+    tie. A function of the shapes and the world size only: every rank computes the same
+    assignment, nothing of it is checkpointed, and a resume at another size assigns anew."""
+    load = [0] * world_size
+    owners = []
+    for rows, cols in (tuple(s) for s in shapes):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        owners.append(owner)
+        load[owner] += rows * cols * min(rows, cols)
+    return owners
+
+
+def shard_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
+    """(start, stop) of each rank's rows under FSDP2's Shard(0), which splits as torch.chunk."""
+    chunk = -(-rows // world_size)
+    return [(min(r * chunk, rows), min((r + 1) * chunk, rows)) for r in range(world_size)]
+
+
+def _flat(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+class SplitMuon(Float32Muon):
+    """Float32Muon over several processes, each orthogonalising only its share of the matrices
+    (assign_owners); the momentum and the update stay where the parameter lives.
+
+    Replicated parameters (DDP: every rank holds every whole matrix and the same all-reduced
+    gradient): each rank orthogonalises its own matrices, then one all_gather gives every rank
+    every update. Row-sharded parameters (FSDP2, Shard(0) on a 1-D mesh): one all_to_all brings
+    each matrix's shards of the momentum update to its owner, which orthogonalises the whole
+    matrix, and a second all_to_all returns each rank its rows of the result. Two collectives a
+    step whatever the number of matrices; sizes and order follow from the shapes alone."""
+
+    def _orthogonalise(self, group: dict[str, Any], params: list[torch.Tensor],
+                       updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not params:
+            return []
+        sharded = isinstance(params[0], DTensor)
+        if sharded and (params[0].device_mesh.ndim != 1 or params[0].placements != (Shard(0),)):
+            # andrea builds only 1-D meshes (distributed.shard_model); hybrid sharding would
+            # need the exchange per shard group.
+            raise NotImplementedError(f"Muon over {params[0].placements} on a "
+                                      f"{params[0].device_mesh.ndim}-D mesh; only Shard(0) on "
+                                      f"a 1-D mesh is split")
+        pg = params[0].device_mesh.get_group() if sharded else dist.group.WORLD
+        owners = assign_owners([p.shape for p in params], dist.get_world_size(pg))
+        exchange = self._exchange_shards if sharded else self._gather_updates
+        return exchange(group, params, updates, owners, pg)
+
+    def _gather_updates(self, group: dict[str, Any], params: list[torch.Tensor],
+                        updates: list[torch.Tensor], owners: list[int],
+                        pg: Any) -> list[torch.Tensor]:
+        """Whole matrices on every rank: orthogonalise my own, all-gather everyone's."""
+        rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        device = updates[0].device
+        owned = [[i for i, o in enumerate(owners) if o == r] for r in range(world)]
+        sizes = [sum(updates[i].numel() for i in owned[r]) for r in range(world)]
+        mine = [self._newton_schulz(group, updates[i]) for i in owned[rank]]
+        send = torch.zeros(max(sizes), dtype=self.ns_dtype, device=device)  # equal lengths
+        send[:sizes[rank]] = _flat(mine, self.ns_dtype, device)
+        parts = [torch.empty_like(send) for _ in range(world)]
+        dist.all_gather(parts, send, group=pg)
+        offsets, out = [0] * world, []
+        for u, owner in zip(updates, owners, strict=True):
+            out.append(parts[owner][offsets[owner]:offsets[owner] + u.numel()].view(u.shape))
+            offsets[owner] += u.numel()
+        return out
+
+    def _exchange_shards(self, group: dict[str, Any], params: list[torch.Tensor],
+                         updates: list[torch.Tensor], owners: list[int],
+                         pg: Any) -> list[torch.Tensor]:
+        """Row shards: all_to_all the shards to each matrix's owner, orthogonalise there,
+        all_to_all each rank's rows back. Each buffer is ordered by the peer rank, then by
+        parameter order, so both sides compute the same split sizes from the shapes."""
+        rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        device = updates[0].device
+        rows = [shard_rows(p.shape[0], world) for p in params]
+        cols = [p.shape[1] for p in params]
+        for i, u in enumerate(updates):
+            if u.shape != (rows[i][rank][1] - rows[i][rank][0], cols[i]):
+                raise RuntimeError(f"shard of {tuple(params[i].shape)} on rank {rank} is "
+                                   f"{tuple(u.shape)}, not torch.chunk's rows {rows[i][rank]}")
+        mine = [i for i, o in enumerate(owners) if o == rank]
+
+        def numel(i: int, r: int) -> int:  # rank r's shard of matrix i
+            return (rows[i][r][1] - rows[i][r][0]) * cols[i]
+
+        # 1. Shards to owners, in the NS dtype (the iterations' first step casts to it anyway).
+        by_owner = sorted(range(len(params)), key=lambda i: owners[i])  # stable: param order
+        send = _flat([updates[i] for i in by_owner], self.ns_dtype, device)
+        to_owner = [sum(numel(i, rank) for i in range(len(params)) if owners[i] == r)
+                    for r in range(world)]
+        from_ranks = [sum(numel(i, r) for i in mine) for r in range(world)]
+        recv = torch.empty(sum(from_ranks), dtype=self.ns_dtype, device=device)
+        dist.all_to_all_single(recv, send, from_ranks, to_owner, group=pg)
+        pieces: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
+        offset = 0
+        for r in range(world):
+            for i in mine:
+                pieces[i].append(recv[offset:offset + numel(i, r)].view(-1, cols[i]))
+                offset += numel(i, r)
+        done = {i: self._newton_schulz(group, torch.cat(pieces[i])) for i in mine}
+
+        # 2. Each rank its rows of every result.
+        send = _flat([done[i][slice(*rows[i][r])] for r in range(world) for i in mine],
+                     self.ns_dtype, device)
+        recv = torch.empty(sum(to_owner), dtype=self.ns_dtype, device=device)
+        dist.all_to_all_single(recv, send, to_owner, from_ranks, group=pg)
+        out: list[torch.Tensor] = [recv[:0]] * len(params)
+        offset = 0
+        for i in by_owner:
+            out[i] = recv[offset:offset + updates[i].numel()].view(updates[i].shape)
+            offset += updates[i].numel()
+        return out
 
 
 def build_muon(params: list[nn.Parameter], lr: float, weight_decay: float, momentum: float,
-               ns_dtype: torch.dtype) -> torch.optim.Optimizer:
-    """torch.optim.Muon itself where its bfloat16 iterations are wanted, else Float32Muon."""
+               ns_dtype: torch.dtype, world_size: int = 1) -> torch.optim.Optimizer:
+    """torch.optim.Muon itself where its bfloat16 iterations are wanted, else Float32Muon; with
+    several processes SplitMuon (in bfloat16 it computes torch's bits, see newton_schulz)."""
     muon = require_muon()
     kwargs = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True)
+    if world_size > 1:
+        return SplitMuon(params, ns_dtype=ns_dtype, **kwargs)
     if ns_dtype == torch.bfloat16:
         return muon(params, **kwargs)
     return Float32Muon(params, ns_dtype=ns_dtype, **kwargs)

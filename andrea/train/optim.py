@@ -11,16 +11,19 @@ from andrea.train.device import pick_dtype
 from andrea.train.muon import MuonAdamW, build_muon, split_parameters
 
 
-def build_optimizer(model: Andrea, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: Andrea, cfg: Config, device: torch.device,
+                    world_size: int = 1) -> torch.optim.Optimizer:
     """train.optimizer: AdamW with weight decay on matrices only (embeddings too if
-    train.decay_embeddings), or Muon for the block matrices with AdamW for the rest."""
+    train.decay_embeddings), or Muon for the block matrices with AdamW for the rest.
+    world_size > 1: the processes share Muon's Newton-Schulz work (muon.SplitMuon); the model
+    must already be laid out as it will train (sharded under fsdp)."""
     t = cfg.train
     embeddings = {"tok_emb.weight", "pos_emb.weight"}
     if t.optimizer == "muon":
         matrices, named = split_parameters(model)
         # Before AdamW is built, so a torch without Muon is refused first.
         muon = build_muon(matrices, t.muon_lr, t.muon_weight_decay, t.muon_momentum,
-                          pick_dtype(t.muon_ns_precision, device))
+                          pick_dtype(t.muon_ns_precision, device), world_size)
         for group in muon.param_groups:
             group["lr_ratio"] = t.muon_lr / t.lr  # one schedule drives both learning rates
     else:

@@ -205,7 +205,7 @@ def build_model(
     if parallel == "fsdp":
         shard_model(model, dist, device, bf16_params=dtype == torch.bfloat16
                     and device.type == "cuda")
-    optimizer = build_optimizer(model, cfg, device)
+    optimizer = build_optimizer(model, cfg, device, dist.world_size)
     names = {id(p): n for n, p in model.named_parameters()}
     return model, optimizer, names, parallel
 
