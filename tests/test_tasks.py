@@ -186,3 +186,28 @@ def test_bad_task_files(tmp_path, trained):
         "the block of 64 tokens (line 4)",
     ]
     assert proc.stdout.splitlines()[1].endswith("(1 examples, 3 skipped)")
+
+
+def test_several_checkpoints_in_one_table(tmp_path, trained):
+    hs = write_jsonl(tmp_path / "hs.jsonl", HELLASWAG)
+    run = trained.run_dir
+    common = ("--max-tokens", "256", "--precision", "fp32", "--no-progress", "--val",
+              "--task", "hellaswag", hs)
+    proc = run_andrea("eval", "--checkpoint", str(run), "--all-steps", *common)
+    assert proc.returncode == 0, proc.stderr
+    header, *rows = proc.stdout.splitlines()
+    assert header.split()[:4] == ["CHECKPOINT", "STEP", "VAL", "LOSS"]
+    assert "hellaswag (hs.jsonl) ACC / NORM" in header
+    assert [r.split()[:2] for r in rows] == [[str(run / "step-000020"), "20"],
+                                             [str(run / "step-000040"), "40"]]
+    settings = EvalSettings(max_tokens=256, precision="fp32", progress=False)
+    for row, step in zip(rows, ("step-000020", "step-000040"), strict=True):
+        (one,) = evaluate_checkpoints([str(run / step)], settings, tasks=[("hellaswag", hs)])
+        assert row.split()[2:6] == [f"{one.loss:.4f}", f"{one.bits_per_byte:.4f}",
+                                    f"{one.tasks[0]['acc']:.4f}", "/"]
+    both = json.loads(run_andrea("eval", "--checkpoint", str(run / "step-000020"),
+                                 "--checkpoint", str(run), "--json", *common).stdout)
+    assert [r["step"] for r in both] == [20, 40]
+    assert both[0]["tokens"] == both[1]["tokens"] == 256  # the same val set for each
+    assert_user_error(run_andrea("eval", "--checkpoint", str(tmp_path), "--all-steps"),
+                      "--all-steps", "no step-N checkpoint folders")
