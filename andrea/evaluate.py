@@ -28,6 +28,7 @@ import contextlib
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -344,7 +345,7 @@ def evaluate_checkpoints(
     settings: EvalSettings,
     *,
     all_steps: bool = False,
-    tasks: list[tuple[str, str]] = (),  # type: ignore[assignment]
+    tasks: Sequence[tuple[str, str]] = (),
     limit: int | None = None,
     runs_dir: str = "runs",
 ) -> list[EvalResult]:
