@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_andrea, run_torchrun
 
 from andrea.config import load_config
@@ -50,6 +51,18 @@ def test_same_val_loss_at_any_micro_batch_and_process_count(tmp_path, data_dir):
     reference = losses["1 process, micro-batch 8"]
     for where, loss in losses.items():
         assert loss == pytest.approx(reference, rel=1e-6), (where, losses)
+
+    # One model in memory, truly the same weights: batch size changes nothing but rounding.
+    from andrea.data.loader import TokenSplit
+    from andrea.evaluate import load_model
+    from andrea.train.validation import score_val, val_sources
+
+    model = load_model(tmp_path / "m4" / "step-000001")[0]
+    sources = val_sources(TokenSplit(data_dir, "val"), 64, EVAL_TOKENS)
+    scores = [score_val(model, sources, batch_size=b, device=model.lm_head.weight.device,
+                        dtype=torch.float32).loss for b in (1, 4, 8, 64)]
+    assert scores == pytest.approx([scores[0]] * 4, rel=1e-6)
+    assert scores[0] == pytest.approx(reference, rel=1e-6)
 
     # andrea eval --max-tokens N on the run's checkpoint gives the trainer's figure.
     out = run_andrea("eval", "--checkpoint", str(tmp_path / "m4"), "--max-tokens",
