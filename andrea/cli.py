@@ -163,27 +163,68 @@ CheckpointOpt = Annotated[
 
 @app.command("eval")
 def eval_cmd(
-    checkpoint: CheckpointOpt = None,
+    files: Annotated[
+        list[str] | None, typer.Argument(help="Task files, one per --task, in order.")
+    ] = None,
+    checkpoint: Annotated[
+        list[str] | None,
+        typer.Option("--checkpoint", help="runs/<name> (its latest) or runs/<name>/step-N "
+                     "(repeatable: one row each); default: the most recent run under ./runs."),
+    ] = None,
+    all_steps: Annotated[
+        bool, typer.Option("--all-steps", help="Every step-N folder of each --checkpoint run.")
+    ] = False,
     data: Annotated[
         str | None, typer.Option("--data", help="Prepared shard folder (default: the run's).")
     ] = None,
     split: Annotated[str, typer.Option("--split", help="val or train.")] = "val",
     max_tokens: Annotated[
-        int | None, typer.Option("--max-tokens", help="Evaluate at most N tokens.")
+        int | None,
+        typer.Option("--max-tokens", help="N tokens spread over the split (per source), as "
+                     "train.eval_tokens=N; default: all."),
+    ] = None,
+    source: Annotated[
+        str | None, typer.Option("--source", help="Only this mixture source (its path).")
+    ] = None,
+    task: Annotated[
+        list[str] | None,
+        typer.Option("--task", help="hellaswag, choice or lambada, scored on the FILE in the "
+                     "same place (repeatable)."),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", help="At most N examples per task.")
+    ] = None,
+    val: Annotated[
+        bool | None,
+        typer.Option("--val/--no-val", help="The val loss (default: on unless --task)."),
     ] = None,
     precision: Annotated[str, typer.Option("--precision", help="auto, fp32 or bf16.")] = "auto",
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per batch.")] = 8,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Windows (task sequences) per batch.")
+    ] = 8,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
     as_json: JsonOpt = False,
 ) -> None:
-    """Loss, perplexity and bits per byte of a checkpoint (a sequential pass over a split)."""
-    from andrea.evaluate import evaluate_checkpoint
+    """Val loss, perplexity and bits per byte (per mixture source) and downstream tasks of
+    one or more checkpoints; one table row per checkpoint."""
+    from andrea.evaluate import EvalSettings, evaluate_checkpoints, format_table
 
-    result = evaluate_checkpoint(
-        checkpoint, data, max_tokens, precision, device, batch_size, progress, split=split
-    )
-    typer.echo(result.to_json() if as_json else result.summary())
+    task, files = task or [], files or []
+    if len(task) != len(files):
+        raise UserError(f"--task: {len(task)} task(s) but {len(files)} file(s); give one file "
+                        "per --task, e.g. andrea eval --task hellaswag hellaswag_val.jsonl")
+    settings = EvalSettings(data, max_tokens, precision, device, batch_size, progress, split,
+                            source, val=not task if val is None else val)
+    results = evaluate_checkpoints(checkpoint or [], settings, all_steps=all_steps,
+                                   tasks=list(zip(task, files, strict=True)), limit=limit)
+    if as_json:
+        one = [json.loads(r.to_json()) for r in results]
+        typer.echo(json.dumps(one[0] if len(one) == 1 else one, indent=2))
+    elif len(results) == 1:
+        typer.echo(results[0].summary())
+    else:
+        typer.echo(format_table(results))
 
 
 @app.command("generate")

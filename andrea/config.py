@@ -80,7 +80,8 @@ CONSTRAINTS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.eps": (_positive, "positive"),
     "train.grad_clip": (_non_negative, "non-negative (0 turns clipping off)"),
     "train.eval_every": (_non_negative, "non-negative (0 turns evaluation off)"),
-    "train.eval_batches": (_positive, "a positive integer"),
+    "train.eval_tokens": (_non_negative, "0 (the whole val split) or a positive integer"),
+    "train.eval_batches": (_positive, "a positive integer (deprecated: use train.eval_tokens)"),
     "train.checkpoint_every": (_non_negative, "non-negative (0: only at the end)"),
     "train.keep_last": (_positive, "a positive integer"),
     "train.log_every": (_positive, "a positive integer"),
@@ -162,7 +163,13 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     eval_every: int = 100
-    eval_batches: int = 20
+    # The val set: this many target tokens in windows spread over the whole val split (of every
+    # mixture source), the same whatever the micro-batch or process count; 0: the whole split.
+    eval_tokens: int = 32768
+    # Deprecated (it counted micro-batches, so the val set moved with the micro-batch size): an
+    # old config's eval_batches N becomes eval_tokens = N x micro_batch_size x block_size (8 for
+    # micro_batch_size auto), the tokens it named, unless eval_tokens is given too.
+    eval_batches: int | None = None
     checkpoint_every: int = 200
     keep_last: int = 3
     log_every: int = 10
@@ -187,6 +194,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     # Where the config came from (a path, or "<defaults>"); not a YAML key.
     source: str = field(default="<defaults>", compare=False)
+    # The dotted keys the file or --set gave (not YAML keys): to tell a default from a choice.
+    given: set[str] = field(default_factory=set, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -286,6 +295,7 @@ def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None
             f"{origin}: unknown key '{section}.{key}'"
             f"{_suggest(key, types_, section + '.', f'the {section} keys are')}"
         )
+    cfg.given.add(f"{section}.{key}")
     if (section, key) == ("data", "sources"):
         cfg.data.sources = _sources(value, f"{origin}: data.sources")
         return
@@ -328,6 +338,11 @@ def validate(cfg: Config, origin: str) -> Config:
             f"train.runs_dir/train.name, so set train.runs_dir for the place and train.name "
             f"without '/' for the run"
         )
+    if t.eval_batches is not None:
+        if "train.eval_tokens" not in cfg.given:
+            micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 8
+            t.eval_tokens = t.eval_batches * micro * m.block_size
+        t.eval_batches = None
     if t.min_lr > t.lr:
         raise UserError(f"{origin}: train.min_lr: {t.min_lr} is above train.lr = {t.lr}")
     return cfg

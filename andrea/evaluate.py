@@ -1,11 +1,13 @@
-"""`andrea eval`: loss, perplexity and bits per byte of a checkpoint over a prepared split.
+"""`andrea eval`: val loss, perplexity and bits per byte of one or more checkpoints over a
+prepared split (every source of a mixture, and their weighted total), and downstream tasks.
 
-The pass is sequential and deterministic. Each shard of the split is cut into non-overlapping
-windows of block_size targets: window w predicts tokens [w*T + 1, (w+1)*T] of the shard from
-the tokens just before them (x = tokens[w*T : (w+1)*T], y = x shifted by one), so every token but
-the first of each shard is predicted exactly once, with the context that reaches back to its
-window's start. The last window of a shard is shorter. `max_tokens` caps the number of targets
-(the last window is cut). Windows never cross a shard boundary.
+The val set is the trainer's (andrea.train.validation, data.loader.val_windows): the whole
+split cut into non-overlapping windows of block_size targets, every token but a shard's first
+predicted once with the context back to its window's start; with `--max-tokens N`, N targets
+in windows spread evenly over the split, exactly the set a run with train.eval_tokens = N
+scores, so the figure is the trainer's. Windows never cross a shard boundary. Tasks
+(`--task`, andrea.tasks) are scored on the same model; several checkpoints get the same val
+set and tasks, one row each.
 
 Bits per byte = total nats / ln 2 / bytes, where bytes is the number of UTF-8 bytes the
 evaluated target tokens decode to, counted per token: every id of a byte-level tokenizer
@@ -26,18 +28,22 @@ import contextlib
 import json
 import math
 import sys
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
 from andrea.config import CHOICES, Config
-from andrea.data.loader import TokenSplit
-from andrea.data.prepare import SPLITS, data_dir_for, prepare_from_config, source_words
+from andrea.data.loader import TokenSplit, open_split
+from andrea.data.prepare import (
+    SPLITS,
+    data_dir_for,
+    prepare_from_config,
+    source_dirs,
+    source_words,
+)
 from andrea.data.shards import MANIFEST
 from andrea.data.tokenizer import (
     BPE_FILE,
@@ -48,7 +54,9 @@ from andrea.data.tokenizer import (
 from andrea.errors import UserError
 from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
+from andrea.tasks import TaskFile, TaskResult, read_task, run_task
 from andrea.train import checkpoint as ckpt_io
+from andrea.train.validation import ValScore, score_val, val_sources
 
 
 def _say(message: str) -> None:
@@ -165,102 +173,192 @@ def tokenizer_for_checkpoint(
     )
 
 
-# ----------------------------------------------------------------------------- bytes
-
-
 # ----------------------------------------------------------------------------- eval
 
 
 @dataclass
 class EvalResult:
-    loss: float  # mean nats per target token
-    perplexity: float
-    bits_per_byte: float | None  # None when the targets decode to no bytes
-    tokens: int  # target tokens evaluated
-    bytes: int
+    """One checkpoint's figures: the val loss (a mixture's: weighted over its sources, each of
+    which is in `sources`) and the tasks' results."""
+
     checkpoint: str
-    data_dir: str
-    split: str
+    step: int | None
     precision: str
     device: str
+    split: str = "val"
+    data_dir: str | None = None
+    loss: float | None = None  # mean nats per target token (weighted over the sources)
+    perplexity: float | None = None
+    bits_per_byte: float | None = None  # None when the targets decode to no bytes
+    tokens: int = 0  # target tokens evaluated
+    bytes: int = 0
+    # A mixture's sources (or the one --source names): name, weight, loss, bits_per_byte,
+    # tokens, bytes.
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    tasks: list[dict[str, Any]] = field(default_factory=list)  # tasks.TaskResult.as_dict()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
     def summary(self) -> str:
-        bpb = f"{self.bits_per_byte:.4f}" if self.bits_per_byte is not None else "n/a"
-        return (
-            f"{self.checkpoint} on {self.data_dir} ({self.split}): loss {self.loss:.4f}, "
-            f"perplexity {self.perplexity:.3f}, bits/byte {bpb}, {self.tokens:,} tokens "
-            f"({self.bytes:,} bytes), {self.precision}, {self.device}"
+        """The val line (and one per source of a mixture), then one line per task."""
+        if self.loss is None:
+            lines = [f"{self.checkpoint}: {self.precision}, {self.device}"]
+        else:
+            ppl = f"{self.perplexity:.3f}" if self.perplexity is not None else "n/a"
+            what = "weighted over the sources: " if len(self.sources) > 1 else ""
+            lines = [
+                f"{self.checkpoint} on {self.data_dir} ({self.split}): {what}loss "
+                f"{self.loss:.4f}, perplexity {ppl}, bits/byte {_fmt(self.bits_per_byte)}, "
+                f"{self.tokens:,} tokens ({self.bytes:,} bytes), {self.precision}, {self.device}"
+            ]
+        if len(self.sources) > 1:
+            lines += [
+                f"  {src['name']} (weight {src['weight']:.3f}): loss {src['loss']:.4f}, "
+                f"bits/byte {_fmt(src['bits_per_byte'])}, {src['tokens']:,} tokens"
+                for src in self.sources
+            ]
+        lines += [TaskResult(**task).line() for task in self.tasks]
+        return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.4f}"
+
+
+def val_figures(score: ValScore, list_sources: bool) -> dict[str, Any]:
+    """EvalResult's val fields from a ValScore; its sources listed with `list_sources`."""
+    loss = score.loss
+    return dict(
+        loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf,
+        bits_per_byte=score.bits_per_byte, tokens=score.tokens, bytes=score.bytes,
+        sources=[
+            {"name": s.name, "weight": s.weight, "loss": s.loss,
+             "bits_per_byte": s.bits_per_byte, "tokens": s.tokens, "bytes": s.bytes}
+            for s in score.sources
+        ] if list_sources else [],
+    )
+
+
+def open_val_split(ckpt: Path, cfg: Config, data: str | None, split: str) -> TokenSplit:
+    """--data's split, or the run's (a Mixture for data.sources), prepared first if missing."""
+    if data is not None:
+        if not Path(data).is_dir():
+            raise UserError(f"--data {data}: no such directory")
+        return TokenSplit(Path(data), split)
+    dirs = [d for _, d, _ in source_dirs(cfg)] if cfg.data.sources else [data_dir_for(cfg)]
+    if not all((d / MANIFEST).is_file() for d in dirs):
+        prepare_run_data(
+            ckpt, cfg, "pass --data DIR (shards prepared with the checkpoint's tokenizer)"
         )
+    return open_split(cfg, split)
 
 
-def eval_windows(
-    split: TokenSplit, block_size: int, max_tokens: int | None
-) -> Iterator[tuple[int, int, int]]:
-    """(shard, start, targets) of each window, in order; see the module doc."""
-    left = max_tokens if max_tokens is not None else math.inf
-    for shard, size in enumerate(split.shard_sizes.tolist()):
-        for start in range(0, size - 1, block_size):
-            n = int(min(block_size, size - 1 - start, left))
-            if n <= 0:
-                return
-            yield shard, start, n
-            left -= n
+@dataclass
+class EvalSettings:
+    """What `andrea eval` does to each checkpoint: the same val set and tasks for all."""
+
+    data: str | None = None
+    max_tokens: int | None = None
+    precision: str = "auto"
+    device: str = "auto"
+    batch_size: int = 8
+    progress: bool = True
+    split: str = "val"
+    source: str | None = None
+    val: bool = True
+    tasks: list[TaskFile] = field(default_factory=list)
+
+    def check(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError(f"--max-tokens: must be a positive integer, got {self.max_tokens}")
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size: must be a positive integer, got {self.batch_size}")
+        if self.precision not in CHOICES["train.precision"]:
+            raise UserError(f"--precision: '{self.precision}' is not one of auto, fp32, bf16")
+        if self.split not in SPLITS:
+            raise UserError(f"--split: '{self.split}' is not one of {', '.join(SPLITS)}")
 
 
-def _batches(
-    split: TokenSplit, block_size: int, batch_size: int, max_tokens: int | None
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Consecutive windows of equal length stacked into (x, y) int64 batches of <= batch_size."""
-    group: list[np.ndarray] = []
-    for shard, start, n in eval_windows(split, block_size, max_tokens):
-        window = np.asarray(split.shards[shard][start : start + n + 1], dtype=np.int64)
-        if group and (len(group) == batch_size or len(group[0]) != len(window)):
-            batch = torch.from_numpy(np.stack(group))
-            yield batch[:, :-1], batch[:, 1:]
-            group = []
-        group.append(window)
-    if group:
-        batch = torch.from_numpy(np.stack(group))
-        yield batch[:, :-1], batch[:, 1:]
+def evaluate_one(ckpt: Path, settings: EvalSettings) -> EvalResult:
+    """One checkpoint's val loss (per source) and tasks."""
+    from andrea.train.device import pick_device, pick_dtype
+
+    dev = pick_device(settings.device)
+    dtype = pick_dtype(settings.precision, dev)
+    model, cfg, metadata = load_model(ckpt, dev)
+    tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
+    step = int(ckpt.name[5:]) if ckpt.name[:5] == "step-" and ckpt.name[5:].isdigit() else None
+    result = EvalResult(checkpoint=str(ckpt), step=step, split=settings.split,
+                        precision=str(dtype).removeprefix("torch."), device=str(dev))
+    if settings.val:
+        split = open_val_split(ckpt, cfg, settings.data, settings.split)
+        if split.tokenizer_identity != tok.identity:
+            raise UserError(
+                f"{split.data_dir}: tokenized with {split.tokenizer_identity}, but {ckpt} was "
+                f"trained with {tok.identity}; evaluate on data prepared with the checkpoint's "
+                "tokenizer"
+            )
+        sources = val_sources(split, cfg.model.block_size, settings.max_tokens, settings.source)
+        score = score_val(model, sources, batch_size=settings.batch_size, device=dev,
+                          dtype=dtype, progress=settings.progress)
+        result.data_dir = str(sources[0].split.data_dir if len(sources) == 1 else
+                              split.data_dir)
+        listed = len(sources) > 1 or settings.source is not None
+        for key, value in val_figures(score, listed).items():
+            setattr(result, key, value)
+
+    def logits(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
+            return model(x)[0].float()
+
+    for task in settings.tasks:
+        task_result, _ = run_task(task, logits, tok, block_size=cfg.model.block_size,
+                                  batch_size=settings.batch_size, device=dev,
+                                  progress=settings.progress)
+        for note in task.notes():
+            _say(f"warning: {note}")
+        result.tasks.append(task_result.as_dict())
+    return result
 
 
-@torch.no_grad()
-def evaluate_model(
-    model: Andrea,
-    split: TokenSplit,
-    byte_lengths: np.ndarray,
+def checkpoints_to_evaluate(
+    checkpoints: list[str], all_steps: bool, runs_dir: str = "runs"
+) -> list[Path]:
+    """The checkpoint folders: each --checkpoint (a run: its latest; none: the newest run),
+    or with --all-steps every step folder of each run, oldest first."""
+    if not all_steps:
+        return [find_checkpoint(c, runs_dir) for c in (checkpoints or [None])]
+    runs = [Path(c) for c in checkpoints] if checkpoints else [most_recent_run(runs_dir).parent]
+    found: list[Path] = []
+    for run in runs:
+        steps = [p for p in ckpt_io.list_checkpoints(run) if (p / ckpt_io.MODEL_FILE).is_file()]
+        if not steps:
+            raise UserError(f"--all-steps {run}: no step-N checkpoint folders in this run; "
+                            "give a run directory, e.g. runs/<name>")
+        found += steps
+    return found
+
+
+def evaluate_checkpoints(
+    checkpoints: list[str],
+    settings: EvalSettings,
     *,
-    max_tokens: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    batch_size: int = 8,
-    progress: bool = False,
-) -> tuple[float, int, int]:
-    """(total nats, target tokens, bytes) of `model` over `split`; sums in float64."""
-    device = next(model.parameters()).device
-    total_targets = sum(n for _, _, n in eval_windows(split, model.cfg.block_size, max_tokens))
-    if total_targets == 0:
-        raise UserError(f"{split.data_dir}: the {split.split} split has no tokens to evaluate")
-    nats = torch.zeros((), dtype=torch.float64, device=device)
-    n_tokens = n_bytes = 0
-    bar = tqdm(total=total_targets, disable=not progress, unit="tok", unit_scale=True,
-               dynamic_ncols=True, file=sys.stderr)
-    autocast = dtype not in (torch.float32, torch.float64)
-    for x, y in _batches(split, model.cfg.block_size, batch_size, max_tokens):
-        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-            logits, _ = model(x.to(device))
-        losses = F.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1),
-            reduction="none",
-        )
-        nats += losses.double().sum()
-        n_tokens += y.numel()
-        n_bytes += int(byte_lengths[y.numpy()].sum())
-        bar.update(y.numel())
-    bar.close()
-    return nats.item(), n_tokens, n_bytes
+    all_steps: bool = False,
+    tasks: Sequence[tuple[str, str]] = (),
+    limit: int | None = None,
+    runs_dir: str = "runs",
+) -> list[EvalResult]:
+    """What `andrea eval` does: the task files read (and checked) first, then every
+    checkpoint scored on the same val set and tasks."""
+    settings.check()
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit: must be a positive integer, got {limit}")
+    settings.tasks = [read_task(kind, path, limit) for kind, path in tasks]
+    ckpts = checkpoints_to_evaluate(checkpoints, all_steps, runs_dir)
+    if not checkpoints and not all_steps:
+        _say(f"checkpoint: {ckpts[0]} (the most recent run under {runs_dir}/)")
+    return [evaluate_one(ckpt, settings) for ckpt in ckpts]
 
 
 def evaluate_checkpoint(
@@ -273,51 +371,39 @@ def evaluate_checkpoint(
     progress: bool = True,
     split: str = "val",
     runs_dir: str = "runs",
+    source: str | None = None,
 ) -> EvalResult:
-    """What `andrea eval` does: see the module doc."""
-    from andrea.train.device import pick_device, pick_dtype
+    """The val loss of one checkpoint (None: the most recent run under runs_dir)."""
+    settings = EvalSettings(data, max_tokens, precision, device, batch_size, progress, split,
+                            source)
+    return evaluate_checkpoints([checkpoint] if checkpoint else [], settings,
+                                runs_dir=runs_dir)[0]
 
-    if max_tokens is not None and max_tokens < 1:
-        raise UserError(f"--max-tokens: must be a positive integer, got {max_tokens}")
-    if batch_size < 1:
-        raise UserError(f"--batch-size: must be a positive integer, got {batch_size}")
-    if precision not in CHOICES["train.precision"]:
-        raise UserError(f"--precision: '{precision}' is not one of auto, fp32, bf16")
-    if split not in SPLITS:
-        raise UserError(f"--split: '{split}' is not one of {', '.join(SPLITS)}")
-    ckpt = find_checkpoint(checkpoint, runs_dir)
-    dev = pick_device(device)
-    dtype = pick_dtype(precision, dev)
-    model, cfg, metadata = load_model(ckpt, dev)
-    if data is not None:
-        data_dir = Path(data)
-        if not data_dir.is_dir():
-            raise UserError(f"--data {data}: no such directory")
-    else:
-        data_dir = prepare_run_data(
-            ckpt, cfg, "pass --data DIR (shards prepared with the checkpoint's tokenizer)"
-        )
-    tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
-    token_split = TokenSplit(data_dir, split)
-    if token_split.tokenizer_identity != tok.identity:
-        raise UserError(
-            f"{data_dir}: tokenized with {token_split.tokenizer_identity}, but {ckpt} was trained "
-            f"with {tok.identity}; evaluate on data prepared with the checkpoint's tokenizer"
-        )
-    nats, n_tokens, n_bytes = evaluate_model(
-        model, token_split, tok.token_byte_lengths(), max_tokens=max_tokens, dtype=dtype,
-        batch_size=batch_size, progress=progress,
-    )
-    loss = nats / n_tokens
-    return EvalResult(
-        loss=loss,
-        perplexity=math.exp(loss) if loss < 700 else math.inf,
-        bits_per_byte=nats / math.log(2) / n_bytes if n_bytes else None,
-        tokens=n_tokens,
-        bytes=n_bytes,
-        checkpoint=str(ckpt),
-        data_dir=str(data_dir),
-        split=split,
-        precision=str(dtype).removeprefix("torch."),
-        device=str(dev),
-    )
+
+def format_table(results: list[EvalResult]) -> str:
+    """One row per checkpoint: step, val loss and bits per byte, each source's loss, each
+    task's acc (and acc_norm)."""
+    header = ["CHECKPOINT", "STEP", "VAL LOSS", "BITS/BYTE"]
+    names = [s["name"] for s in results[0].sources] if results[0].sources else []
+    header += [f"{n.rstrip('/').rsplit('/', 1)[-1]} LOSS" for n in names]
+    header += [_task_header(t) for t in results[0].tasks]
+    rows = [header]
+    for r in results:
+        row = [r.checkpoint, "-" if r.step is None else str(r.step), _fmt(r.loss),
+               _fmt(r.bits_per_byte)]
+        row += [_fmt(s["loss"]) for s in r.sources]
+        row += [_task_cell(t) for t in r.tasks]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
+
+
+def _task_header(task: dict[str, Any]) -> str:
+    name = f"{task['task']} ({Path(task['file']).name})"
+    return f"{name} ACC" + (" / NORM" if task["acc_norm"] is not None else "")
+
+
+def _task_cell(task: dict[str, Any]) -> str:
+    cell = f"{task['acc']:.4f}"
+    return cell + (f" / {task['acc_norm']:.4f}" if task["acc_norm"] is not None else "")

@@ -16,7 +16,7 @@ from typing import Any
 
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes
-from andrea.runs import current_history, read_metrics, read_run
+from andrea.runs import current_history, read_metrics, read_run, val_sources
 from andrea.train.rundir import CONFIG, METRICS, run_path
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
@@ -51,6 +51,25 @@ def _series(records: list[dict[str, Any]], event: str, x_key: str, y_key: str):
             xs.append(x)
             ys.append(y)
     return xs, ys
+
+
+def _source_series(records: list[dict[str, Any]], x_key: str) -> dict[str, tuple[list, list]]:
+    """{source: (xs, ys)} of a mixture run's per-source val losses, finite points only."""
+    out: dict[str, tuple[list, list]] = {}
+    for r in records:
+        x = r.get(x_key)
+        if r["event"] != "eval" or not isinstance(x, int | float) or isinstance(x, bool):
+            continue
+        for name, loss in val_sources(r).items():
+            if math.isfinite(loss):
+                xs, ys = out.setdefault(name, ([], []))
+                xs.append(x)
+                ys.append(loss)
+    return out
+
+
+# Markers of a mixture's sources (the weighted total keeps the round one).
+SOURCE_MARKERS = ("s", "^", "v", "D", "P", "X", "*", "<", ">")
 
 
 def _log_helps(values: list[float], spread: float) -> bool:
@@ -148,6 +167,11 @@ def plot_runs(
         ax_loss.plot(tx, ty, color=color, lw=1.4, label=label)
         ax_loss.plot(vx, vy, color=color, lw=1.0, ls="--", marker="o", ms=4)
         losses += ty + vy
+        for j, (source, (sx, sy)) in enumerate(_source_series(history, x).items()):
+            ax_loss.plot(sx, sy, color=color, lw=0.8, ls=":", ms=4,
+                         marker=SOURCE_MARKERS[j % len(SOURCE_MARKERS)],
+                         label=f"{label}: val {source}")
+            losses += sy
         ax_lr.plot(*_series(history, "train", "step", "lr"), color=color, lw=1.4)
         ax_speed.plot(*_series(history, "train", "step", "tokens_per_s"), color=color, lw=1.4)
         gx, gy = _series(history, "train", "step", "grad_norm")
@@ -166,7 +190,8 @@ def plot_runs(
         ax_grad.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # "0.1", not 10⁻¹
 
     x_label = "tokens seen" if x == "tokens" else "optimizer step"
-    ax_loss.set(title="Loss (solid: train, dashed + dots: validation)", xlabel=x_label,
+    ax_loss.set(title="Loss (solid: train, dashed + dots: validation; dotted: a mixture's "
+                      "sources)", xlabel=x_label,
                 ylabel="cross-entropy (nats / token)")
     ax_lr.set(title="Learning rate", xlabel="optimizer step", ylabel="learning rate")
     ax_speed.set(title="Throughput", xlabel="optimizer step", ylabel="tokens / s")

@@ -43,6 +43,12 @@ class RunSummary:
     tokens: int | None = None
     best_val_loss: float | None = None
     best_val_step: int | None = None
+    # The latest evaluation: val loss (a mixture's: weighted over its sources), bits per byte,
+    # and for a mixture each source's val loss.
+    last_val_loss: float | None = None
+    last_val_bpb: float | None = None
+    last_val_step: int | None = None
+    last_val_sources: dict[str, float] | None = None
     last_train_loss: float | None = None
     median_tokens_per_s: float | None = None
     # One of STATES, or "unknown" when the files do not say (see problems).
@@ -204,6 +210,25 @@ def _read_import(run: Path, summary: RunSummary) -> bool:
     return True
 
 
+def val_sources(record: dict[str, Any]) -> dict[str, float]:
+    """{source: val loss} of an eval event of a mixture run (empty for one source)."""
+    sources = record.get("val_sources")
+    if not isinstance(sources, dict):
+        return {}
+    out = {}
+    for name, value in sources.items():
+        loss = _num(value.get("loss")) if isinstance(value, dict) else None
+        if loss is not None:
+            out[str(name)] = loss
+    return out
+
+
+def _last_eval(summary: RunSummary, rec: dict[str, Any]) -> None:
+    summary.last_val_loss, summary.last_val_step = _num(rec.get("val_loss")), _int(rec.get("step"))
+    summary.last_val_bpb = _num(rec.get("val_bpb"))
+    summary.last_val_sources = val_sources(rec) or None
+
+
 def read_run(path: Path | str) -> RunSummary:
     """Summarise one run directory. Damage goes into `problems`; this never raises for it."""
     run = Path(path)
@@ -272,6 +297,8 @@ def read_run(path: Path | str) -> RunSummary:
         if rec["event"] == "eval" and val is not None and math.isfinite(val):
             if summary.best_val_loss is None or val < summary.best_val_loss:
                 summary.best_val_loss, summary.best_val_step = val, step
+        if rec["event"] == "eval" and val is not None:
+            _last_eval(summary, rec)
 
     # The state comes from the current segment: the events after the last start.
     segment = records[starts[-1]:] if starts else records
@@ -363,6 +390,10 @@ def format_table(runs: list[RunSummary]) -> str:
     for r in runs:
         if r.message and r.state not in ("finished", "running"):
             notes.append(f"  {r.name}: {r.message}")
+        if r.last_val_sources and r.last_val_loss is not None:
+            by_source = ", ".join(f"{n} {_loss(v)}" for n, v in r.last_val_sources.items())
+            notes.append(f"  {r.name}: val loss by source at step {r.last_val_step}: "
+                         f"{by_source} (weighted {_loss(r.last_val_loss)})")
         notes.extend(f"  {r.name}: ! {p}" for p in r.problems)
     if notes:
         lines += ["", "notes:", *notes]

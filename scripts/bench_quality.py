@@ -9,8 +9,9 @@ same initial weights and the same data order (batches are a function of seed and
 differ only in train.optimizer. The budget is rounded up to a whole number of optimizer steps
 divisible by 10; warm-up is the preset's, capped at a tenth of the steps so a short budget still
 reaches the peak learning rate. Each run checkpoints at every tenth of the budget, and every
-checkpoint is evaluated (andrea.evaluate.evaluate_checkpoint) on the same first --eval-tokens
-tokens of the validation split, which gives validation loss and bits per byte on identical text.
+checkpoint is evaluated (andrea.evaluate.evaluate_checkpoint) on the same --eval-tokens tokens
+of the validation split (windows spread over the whole split, the trainer's val set for
+train.eval_tokens of that size), which gives validation loss and bits per byte on identical text.
 
 Printed: the CPU, the settings, a table of val loss and bits/byte at each tenth, and the tokens
 each optimizer needs to reach AdamW's final val loss (linear between tenths; "not reached" when it
@@ -112,8 +113,8 @@ def main() -> int:
         steps, per_step, warmup = plan(args.preset, args.tokens, args.set)
         print(f"cpu: {cpu_name()}; bf16 units: {cpu_has_bf16()}")
         print(f"{args.preset}: {steps} steps x {per_step:,} tokens = {steps * per_step:,} tokens "
-              f"per optimizer, warm-up {warmup} steps; val on the first {args.eval_tokens:,} "
-              f"tokens of the val split; overrides: {' '.join(args.set) or '-'}", flush=True)
+              f"per optimizer, warm-up {warmup} steps; val on {args.eval_tokens:,} tokens "
+              f"spread over the val split; overrides: {' '.join(args.set) or '-'}", flush=True)
         results = {}
         for optimizer in args.optimizers:
             results[optimizer], seconds = run_one(optimizer, args, steps, warmup)

@@ -19,13 +19,16 @@ from andrea.evaluate import evaluate_checkpoint, load_model
 from andrea.train.loop import train
 
 
-def hand_nats(ckpt, tokens: np.ndarray, block: int) -> float:
-    """Sum of -log p(next token) in float64, windows of `block` targets from the start."""
+def hand_nats(ckpt, tokens: np.ndarray, block: int, windows=None) -> float:
+    """Sum of -log p(next token) in float64 over windows (start, targets) of `tokens`; by
+    default windows of `block` targets from the start."""
     model, _, _ = load_model(ckpt)
     model = model.double()
+    if windows is None:
+        windows = [(s, min(block, len(tokens) - 1 - s)) for s in range(0, len(tokens) - 1, block)]
     total = 0.0
-    for start in range(0, len(tokens) - 1, block):
-        window = torch.from_numpy(tokens[start : start + block + 1].astype(np.int64))
+    for start, n in windows:
+        window = torch.from_numpy(tokens[start : start + n + 1].astype(np.int64))
         logits, _ = model(window[None, :-1])
         logp = torch.log_softmax(logits[0], dim=-1)
         total -= logp[torch.arange(len(window) - 1), window[1:]].sum().item()
@@ -43,14 +46,22 @@ def trained(tmp_path_factory, data_dir):
 
 
 def test_loss_equals_hand_computation(trained, data_dir):
+    """--max-tokens 300: five windows of 64 targets spread evenly over the val split (the
+    last cut to 44), scored as a float64 hand computation."""
     result = evaluate_checkpoint(str(trained.run_dir), None, max_tokens=300, precision="fp32",
                                  device="cpu", batch_size=2, progress=False)
     assert result.tokens == 300 and result.checkpoint == str(trained.checkpoint)
-    val = np.asarray(TokenSplit(data_dir, "val").shards[0][:301])
-    nats = hand_nats(trained.checkpoint, val, 64)  # 4 full windows and one of 44 targets
+    (val,) = TokenSplit(data_dir, "val").shards  # one shard
+    val = np.asarray(val)
+    n_full = (len(val) - 1) // 64
+    starts = [64 * (j * n_full // 5) for j in range(5)]
+    assert starts[-1] > 0.7 * len(val)  # the windows reach the end of the split
+    windows = [(s, 64) for s in starts[:4]] + [(starts[4], 44)]
+    nats = hand_nats(trained.checkpoint, val, 64, windows)
     assert result.loss == pytest.approx(nats / 300, rel=1e-5)
     assert result.perplexity == pytest.approx(math.exp(nats / 300), rel=1e-5)
-    n_bytes = int((val[1:] != ByteTokenizer.eot_id).sum())
+    targets = np.concatenate([val[s + 1 : s + n + 1] for s, n in windows])
+    n_bytes = int((targets != ByteTokenizer.eot_id).sum())
     assert result.bytes == n_bytes
     assert result.bits_per_byte == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
     # bf16 autocast: the same pass, close to fp32.

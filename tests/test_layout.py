@@ -35,6 +35,7 @@ STAGES: dict[str, tuple[int, str]] = {
     "andrea.bench": (4, "verbs"),
     "andrea.runs": (4, "verbs"),
     "andrea.plot": (4, "verbs"),
+    "andrea.tasks": (4, "verbs"),
     "andrea.cli": (5, "cli"),
     "andrea.__main__": (5, "cli"),
     "andrea": (0, "helpers"),

@@ -1,5 +1,6 @@
 """Loader: batches are a pure function of (seed, step, rank, micro_step, sizes); ranks are
-disjoint; 1 process x 2 accumulation steps equals 2 processes x 1; val is a fixed pass."""
+disjoint; 1 process x 2 accumulation steps equals 2 processes x 1; the val windows are a fixed
+set spread over the split."""
 
 import json
 
@@ -15,7 +16,8 @@ from andrea.data.loader import (
     realised_share,
     sample_distinct,
     train_batch,
-    val_batches,
+    val_windows,
+    window_batches,
 )
 from andrea.data.shards import MANIFEST, MANIFEST_VERSION
 from andrea.errors import UserError
@@ -104,19 +106,27 @@ def test_too_small_split_says_how_much_is_needed(data_dir):
         batch(split, micro_batch_size=32)
 
 
-def test_val_batches_are_a_fixed_sequential_pass(data_dir):
-    split = TokenSplit(data_dir, "val")
-    got = list(val_batches(split, micro_batch_size=4, block_size=T, max_batches=None))
-    assert len(got) == (300 - 1) // T // 4  # 18 windows -> 4 full batches
-    xs = torch.cat([x for x, _ in got])
-    assert torch.equal(xs[:, 0] - BASE, torch.arange(len(xs)) * T)
-    again = list(val_batches(split, micro_batch_size=4, block_size=T, max_batches=2))
-    assert len(again) == 2
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(again, got[:2], strict=True))
-    only = list(val_batches(split, micro_batch_size=64, block_size=T, max_batches=None))
-    assert len(only) == 1 and only[0][0].shape == (18, T)  # the partial batch, when alone
-    with pytest.raises(UserError, match="fewer than one window of 301"):
-        next(val_batches(split, micro_batch_size=1, block_size=300, max_batches=None))
+def test_val_windows_cover_the_split_or_spread_a_budget_over_it(tmp_path):
+    split = TokenSplit(write_prepared(tmp_path, {"train": [100], "val": [300, 150]},
+                                      {"train": 1, "val": 1}, 10 * BASE), "val")
+    whole = val_windows(split, T)
+    # Every token but a shard's first is a target once: 299 + 149, windows of 16 and the rest.
+    assert sum(n for _, _, n in whole) == 299 + 149
+    assert whole[:2] == [(0, 0, T), (0, T, T)] and whole[18] == (0, 288, 11)
+    assert whole[-1] == (1, 144, 5) and val_windows(split, T, 10**9) == whole
+    full = [w for w in whole if w[2] == T]  # 18 + 9 of them
+    got = val_windows(split, T, 100)  # 7 windows: 6 whole, the last cut to 4 targets
+    assert sum(n for _, _, n in got) == 100 and len(got) == 7
+    assert got[:6] == [full[j * 27 // 7] for j in range(6)] and got[6] == (*full[23][:2], 4)
+    assert {shard for shard, _, _ in got} == {0, 1}  # spread over the whole split
+    # Batched at any size: the same windows, in the same order, the same tokens.
+    for size in (1, 3, 8):
+        batches = window_batches(split, got, size)
+        assert all(len(x) <= size for x, _ in batches)
+        xs = [row for x, _ in batches for row in x.tolist()]
+        ys = [row for _, y in batches for row in y.tolist()]
+        assert [(r[0] // BASE - 1, r[0] % BASE, len(r)) for r in xs] == got
+        assert all(y[:-1] == x[1:] for x, y in zip(xs, ys, strict=True))
 
 
 def test_sample_distinct():
@@ -185,9 +195,9 @@ def test_mixture_accumulation_equals_processes(mixture):
 
 def test_mixture_val_reads_every_source_and_report(mixture, tmp_path):
     val = Mixture([("a", tmp_path / "a", 3.0), ("b", tmp_path / "b", 1.0)], "val")
-    firsts = torch.cat([x[:, 0] for x, _ in val_batches(val, micro_batch_size=4, block_size=T,
-                                                        max_batches=None)])
-    assert {int(v) // BASE for v in firsts} == {51, 60}
+    for part, first in zip(val.parts, (51, 60), strict=True):  # each source its own windows
+        firsts = torch.cat([x[:, 0] for x, _ in window_batches(part, val_windows(part, T), 4)])
+        assert {int(v) // BASE for v in firsts} == {first}
     line, record = mixture_report(mixture, seed=7, start_step=10, max_steps=110, per_step=8,
                                   block_size=T)
     assert line.startswith("data mixture, realised share of windows over steps 10-109: a ")

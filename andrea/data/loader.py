@@ -21,7 +21,6 @@ of the above holds for mixtures too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +30,7 @@ import torch
 from andrea.data import shards
 from andrea.data.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
 from andrea.data.shards import read_manifest
+from andrea.data.tokenizer import load_tokenizer
 from andrea.errors import UserError
 
 if TYPE_CHECKING:
@@ -228,21 +228,65 @@ def _check_enough(split: TokenSplit, per_step: int, block_size: int, what: str) 
         )
 
 
-def val_batches(
-    split: TokenSplit, *, micro_batch_size: int, block_size: int, max_batches: int | None
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Sequential non-overlapping windows from the start of the split, in batches of B; the
-    same every call. A last partial batch is dropped unless it would be the only one."""
-    cum = np.cumsum(split.window_counts(block_size, 0))
-    total = int(cum[-1]) if len(cum) else 0
-    if total == 0:
+def val_windows(
+    split: TokenSplit, block_size: int, max_tokens: int | None = None
+) -> list[tuple[int, int, int]]:
+    """The fixed validation windows of one split: (shard, start, targets) each, in order.
+
+    Every window predicts tokens [start + 1, start + targets] of its shard from the tokens just
+    before them, back to the window's start. The split's whole pass cuts each shard into
+    non-overlapping windows of block_size targets from its start (the last of a shard is
+    shorter), so every token but a shard's first is a target exactly once. With `max_tokens`
+    below that pass, the windows are ceil(max_tokens / block_size) full ones spread evenly
+    over the whole split (window j of the W full ones is number j * W // k), the last cut so
+    the targets are exactly max_tokens; a split with too few full windows (shards shorter
+    than a block) takes its windows from the start instead. The set depends only on the
+    split, block_size and max_tokens, never on a batch size or the number of processes.
+    """
+    windows = [
+        (shard, start, min(block_size, size - 1 - start))
+        for shard, size in enumerate(split.shard_sizes.tolist())
+        for start in range(0, size - 1, block_size)
+    ]
+    total = sum(n for _, _, n in windows)
+    if max_tokens is None or max_tokens >= total:
+        return windows
+    k = -(-max_tokens // block_size)
+    full = [w for w in windows if w[2] == block_size]
+    chosen = [full[j * len(full) // k] for j in range(k)] if len(full) >= k else windows
+    out, left = [], max_tokens
+    for shard, start, n in chosen:
+        if left <= 0:
+            break
+        out.append((shard, start, min(n, left)))
+        left -= out[-1][2]
+    return out
+
+
+def window_batches(
+    split: TokenSplit, windows: list[tuple[int, int, int]], batch_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Consecutive windows of equal length stacked into (x, y) int64 batches of at most
+    batch_size windows."""
+    batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    group: list[np.ndarray] = []
+    for shard, start, n in windows:
+        if group and (len(group) == batch_size or len(group[0]) != n + 1):
+            batches.append(_stack(group))
+            group = []
+        group.append(np.asarray(split.shards[shard][start : start + n + 1], dtype=np.int64))
+    if group:
+        batches.append(_stack(group))
+    return batches
+
+
+def token_byte_lengths(split: TokenSplit) -> np.ndarray:
+    """UTF-8 bytes each token id of the split's tokenizer stands for (end-of-text: 0), for
+    bits per byte; the tokenizer is the one the shards name (a BPE from the data dir)."""
+    tok = load_tokenizer(split.tokenizer_identity.split(":", 1)[0], split.data_dir)
+    if tok.identity != split.tokenizer_identity:
         raise UserError(
-            f"{split.data_dir}: the {split.split} split has {split.n_tokens:,} tokens, fewer "
-            f"than one window of {block_size + 1}; add data or lower block_size"
+            f"{split.data_dir}: shards tokenized with {split.tokenizer_identity}, but its "
+            f"tokenizer is {tok.identity}; re-run `andrea prepare --force`"
         )
-    n_batches = max(1, total // micro_batch_size)
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
-    for b in range(n_batches):
-        index = range(b * micro_batch_size, min((b + 1) * micro_batch_size, total))
-        yield _stack([split.window(i, cum, block_size, 0) for i in index])
+    return tok.token_byte_lengths()

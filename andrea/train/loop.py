@@ -21,11 +21,10 @@ import time
 from collections.abc import Iterator
 
 import torch
-import torch.nn as nn
 from tqdm import tqdm
 
 from andrea.config import Config
-from andrea.data.loader import TokenSplit, train_batch, val_batches
+from andrea.data.loader import train_batch
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import device_name, pick_device
@@ -43,6 +42,7 @@ from andrea.train.schedule import lr_at
 from andrea.train.session import Session, TrainResult
 from andrea.train.setup import set_up
 from andrea.train.signals import EXIT_SIGNAL, SignalWatch
+from andrea.train.validation import score_val, val_sources
 
 
 class NonFiniteError(Exception):
@@ -63,44 +63,6 @@ def _rng_tensors(local: dict[str, torch.Tensor], dist: DistInfo) -> dict[str, to
         for rank, gathered in enumerate(all_gather_bytes(state, dist)):
             out[f"{kind}.rank{rank}"] = gathered
     return out
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    split: TokenSplit,
-    cfg: Config,
-    micro_batch: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    dist: DistInfo,
-    lockstep: bool = False,
-) -> float:
-    """Mean loss over the first eval_batches sequential val batches, shared among the ranks.
-    lockstep (sharded weights): every rank runs as many forwards as the busiest one, since each
-    forward gathers the weights from all of them; a rank short of a batch repeats one and
-    counts nothing."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    batches = list(val_batches(
-        split,
-        micro_batch_size=micro_batch,
-        block_size=cfg.model.block_size,
-        max_batches=cfg.train.eval_batches,
-    ))
-    rounds = math.ceil(len(batches) / dist.world_size)
-    for i in range(rounds * dist.world_size)[dist.rank::dist.world_size]:
-        if i >= len(batches) and not lockstep:
-            break
-        x, y = batches[min(i, len(batches) - 1)]
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            _, loss = model(x.to(device), y.to(device))
-        if i < len(batches):
-            total += torch.tensor([loss.item() * y.numel(), y.numel()], device=device)
-    all_reduce_sum(total, dist)
-    model.train(was_training)
-    return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
 
 
 def train(
@@ -322,13 +284,22 @@ def maybe_evaluate(s: Session, bar: tqdm) -> None:
     t = s.cfg.train
     if not t.eval_every or (s.step % t.eval_every and s.step != t.max_steps):
         return
-    s.last_val = evaluate(s.train_model, s.val_split, s.cfg, s.micro_batch, s.device, s.dtype,
-                          s.dist, lockstep=s.parallel == "fsdp")
+    if s.val_set is None:
+        s.val_set = val_sources(s.val_split, s.cfg.model.block_size, t.eval_tokens or None)
+    score = score_val(s.train_model, s.val_set, batch_size=s.micro_batch, device=s.device,
+                      dtype=s.dtype, dist=s.dist, lockstep=s.parallel == "fsdp")
+    s.last_val = score.loss  # a mixture's: the sources' average by weight
     if s.best_val is None or s.last_val < s.best_val:
         s.best_val, s.best_step = s.last_val, s.step
-    s.log.write("eval", step=s.step, tokens=s.tokens_seen, val_loss=s.last_val)
+    s.log.write("eval", step=s.step, tokens=s.tokens_seen, **score.record())
     if s.dist.is_main:
-        bar.write(f"step {s.step}: val loss {s.last_val:.4f}")
+        line = f"step {s.step}: val loss {s.last_val:.4f}"
+        if score.bits_per_byte is not None:
+            line += f", {score.bits_per_byte:.4f} bits/byte"
+        if len(score.sources) > 1:
+            line += " (weighted; " + ", ".join(
+                f"{src.name} {src.loss:.4f}" for src in score.sources) + ")"
+        bar.write(line)
 
 
 def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:

@@ -19,6 +19,7 @@ from andrea.train.rundir import CONFIG, run_path
 RESUMABLE_KEYS = (
     "train.max_steps",
     "train.eval_every",
+    "train.eval_tokens",
     "train.eval_batches",
     "train.checkpoint_every",
     "train.keep_last",

@@ -16,6 +16,7 @@ from andrea.train.distributed import DistInfo
 from andrea.train.flops import MfuMeter
 from andrea.train.metrics import MetricsLog
 from andrea.train.signals import SignalWatch
+from andrea.train.validation import ValSource
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Session:
     checkpoint_step: int | None = None
     losses: dict[int, float] = field(default_factory=dict)
     throughput: list[float] = field(default_factory=list)
+    val_set: list[ValSource] | None = None  # the fixed val windows, made at the first eval
 
     @property
     def tokens_per_micro_batch(self) -> int:  # over all ranks

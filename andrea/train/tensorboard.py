@@ -22,7 +22,7 @@ TAGS: dict[str, dict[str, str]] = {
         "mfu": "train/mfu",
         "tokens": "train/tokens_seen",
     },
-    "eval": {"val_loss": "val/loss"},
+    "eval": {"val_loss": "val/loss", "val_bpb": "val/bits_per_byte"},
 }
 
 
@@ -44,6 +44,11 @@ class TensorBoardWriter:
                 value
             ):
                 self._writer.add_scalar(tag, float(value), global_step=step)
+        sources = record.get("val_sources")  # a mixture's: one curve per source
+        for name, fields in (sources.items() if isinstance(sources, dict) else ()):
+            loss = fields.get("loss") if isinstance(fields, dict) else None
+            if isinstance(loss, float) and math.isfinite(loss):
+                self._writer.add_scalar(f"val/source/{name}/loss", loss, global_step=step)
 
     def flush(self) -> None:
         self._writer.flush()

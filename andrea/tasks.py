@@ -1,0 +1,284 @@
+"""Downstream tasks for `andrea eval --task KIND FILE`: multiple choice and last-word accuracy.
+
+Every task is scored completion-style, as llm.c scores HellaSwag: the context's tokens, then a
+continuation's tokens (each encoded on its own), and the model's loss over the continuation's
+tokens only, given everything before them.
+
+- hellaswag: HellaSwag's own jsonl, one example a line: {"ctx": str, "endings": [str, ...],
+  "label": int}. The continuation of ending i is " " + ending i. acc: the ending with the
+  smallest summed loss is the label; acc_norm: the one with the smallest mean loss per token.
+- choice: any multiple-choice jsonl, {"context": str, "choices": [str, ...], "label": int},
+  scored as hellaswag.
+- lambada: {"text": str} a line (OpenAI's lambada_test.jsonl); the continuation is the last
+  word (" " + everything after the last space). acc: greedy decoding gives exactly its tokens
+  (the argmax at every position of the word, given the true ones before it); loss: the word's
+  summed nats, averaged over examples.
+
+A continuation is appended with a space unless the context is empty or ends in whitespace, or
+the continuation starts with it. An empty context starts from end-of-text. A sequence longer
+than block_size + 1 tokens loses its context from the left (counted, reported); one whose
+continuation alone does not fit is skipped. A record that is not the named format or whose
+label is out of range is skipped, counted and reported per reason; a file with no example
+that can be scored is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from andrea.data.tokenizer import Tokenizer
+from andrea.errors import UserError
+
+KINDS = ("hellaswag", "choice", "lambada")
+# The keys each kind reads: (context, choices) of a multiple-choice record.
+CHOICE_KEYS = {"hellaswag": ("ctx", "endings"), "choice": ("context", "choices")}
+FORMATS = {
+    "hellaswag": '{"ctx": str, "endings": [str, ...], "label": int}',
+    "choice": '{"context": str, "choices": [str, ...], "label": int}',
+    "lambada": '{"text": str ending in the word to predict}',
+}
+
+# logits [B, T, vocab] of token ids [B, T]: an andrea model or any other (e.g. transformers').
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Example:
+    context: str
+    continuations: list[str]  # the choices; lambada: the last word alone
+    label: int  # lambada: 0
+    line: int  # where in the file
+
+
+@dataclass
+class TaskFile:
+    kind: str
+    path: Path
+    examples: list[Example]
+    skipped: dict[str, list[int]] = field(default_factory=dict)  # reason -> line numbers
+
+    def notes(self) -> list[str]:
+        """One line per reason a record was skipped."""
+        return [
+            f"{self.path}: {len(lines)} record{'s' if len(lines) > 1 else ''} skipped, {reason} "
+            f"(line {lines[0]}{', ...' if len(lines) > 1 else ''})"
+            for reason, lines in self.skipped.items()
+        ]
+
+
+def _label(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():  # HF datasets: "3"
+        return int(value)
+    return None
+
+
+def _parse(kind: str, record: Any, line: int) -> Example | str:
+    """The example of one record, or why it cannot be one."""
+    not_format = f"not a {kind} record {FORMATS[kind]}"
+    if not isinstance(record, dict):
+        return not_format
+    if kind == "lambada":
+        text = record.get("text")
+        if not isinstance(text, str) or not text.strip():
+            return not_format
+        text = text.rstrip()
+        cut = text.rfind(" ")
+        if cut <= 0:
+            return "no context before the last word"
+        return Example(text[:cut], [text[cut:]], 0, line)
+    ctx_key, choices_key = CHOICE_KEYS[kind]
+    context, choices, label = record.get(ctx_key), record.get(choices_key), record.get("label")
+    if (not isinstance(context, str) or not isinstance(choices, list) or len(choices) < 2
+            or not all(isinstance(c, str) and c.strip() for c in choices)):
+        return not_format
+    label_int = _label(label)
+    if label_int is None:
+        return f"no integer label ({kind} needs one: a test split without labels cannot be scored)"
+    if not 0 <= label_int < len(choices):
+        return "label out of range"
+    return Example(context, choices, label_int, line)
+
+
+def read_task(kind: str, path: str | Path, limit: int | None = None) -> TaskFile:
+    """The examples of a task file (at most `limit`); see the module doc for the formats."""
+    if kind not in KINDS:
+        raise UserError(f"--task {kind}: not one of {', '.join(KINDS)}")
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such task file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read it as UTF-8 text ({exc})") from None
+    task = TaskFile(kind, path, [])
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        if limit is not None and len(task.examples) >= limit:
+            break
+        try:
+            parsed = _parse(kind, json.loads(text), number)
+        except ValueError:
+            parsed = "not JSON"
+        if isinstance(parsed, str):
+            task.skipped.setdefault(parsed, []).append(number)
+        else:
+            task.examples.append(parsed)
+    if not task.examples:
+        if not task.skipped:
+            raise UserError(f"{path}: empty, no {kind} examples; expected one JSON object a "
+                            f"line, {FORMATS[kind]}")
+        reasons = "; ".join(f"{len(v)} {k} (first at line {v[0]})"
+                            for k, v in task.skipped.items())
+        raise UserError(f"{path}: no {kind} example can be scored: {reasons}")
+    return task
+
+
+def continuation_text(context: str, continuation: str) -> str:
+    """The continuation as appended to the context: with a space between them unless one of
+    them supplies the whitespace or the context is empty."""
+    if not context or context[-1].isspace() or continuation[:1].isspace():
+        return continuation
+    return " " + continuation
+
+
+@dataclass
+class Scored:
+    """One continuation's per-token nats (float64) and whether greedy decoding gives it."""
+
+    nats: np.ndarray
+    greedy: bool
+
+    @property
+    def total(self) -> float:
+        return float(self.nats.sum())
+
+    @property
+    def mean(self) -> float:
+        return float(self.nats.mean())
+
+
+def encode_pairs(
+    tok: Tokenizer, examples: list[Example], block_size: int
+) -> tuple[list[list[tuple[list[int], int]]], int, list[int]]:
+    """Per example, per continuation: (token ids, how many of them are the continuation), cut
+    from the left to block_size + 1 tokens. Also how many examples lost context, and the line
+    numbers of examples whose continuation alone does not fit (left out)."""
+    out, truncated, too_long = [], 0, []
+    for ex in examples:
+        context = tok.encode(ex.context) if ex.context else [tok.eot_id]
+        pairs, cut = [], False
+        for cont_text in ex.continuations:
+            cont = tok.encode(continuation_text(ex.context, cont_text))
+            ids = context + cont
+            if len(ids) > block_size + 1:
+                ids, cut = ids[-(block_size + 1):], True
+            pairs.append((ids, len(cont)))
+        if any(n >= len(ids) for ids, n in pairs):
+            too_long.append(ex.line)
+            pairs = []
+        truncated += cut and bool(pairs)
+        out.append(pairs)
+    return out, truncated, too_long
+
+
+@torch.no_grad()
+def score_sequences(
+    logits_fn: LogitsFn, sequences: list[tuple[list[int], int]], *, batch_size: int,
+    device: torch.device, progress: bool = False,
+) -> list[Scored]:
+    """Each (ids, n) scored over its last n tokens given the ones before; batched, padded on
+    the right (causal attention: padding never reaches the positions scored). The log-softmax
+    of the scored rows is taken in float64."""
+    out: list[Scored] = []
+    bar = tqdm(total=len(sequences), unit="seq", disable=not progress, dynamic_ncols=True,
+               file=sys.stderr)
+    for first in range(0, len(sequences), batch_size):
+        group = sequences[first : first + batch_size]
+        width = max(len(ids) for ids, _ in group) - 1
+        x = torch.zeros(len(group), width, dtype=torch.int64)
+        for row, (ids, _) in enumerate(group):
+            x[row, : len(ids) - 1] = torch.tensor(ids[:-1])
+        logits = logits_fn(x.to(device))
+        for row, (ids, n) in enumerate(group):
+            rows = logits[row, len(ids) - 1 - n : len(ids) - 1].double()
+            target = torch.tensor(ids[-n:], device=rows.device)
+            nats = -torch.log_softmax(rows, dim=-1).gather(1, target[:, None])[:, 0]
+            greedy = bool((rows.argmax(dim=-1) == target).all())
+            out.append(Scored(nats.cpu().numpy(), greedy))
+        bar.update(len(group))
+    bar.close()
+    return out
+
+
+@dataclass
+class TaskResult:
+    task: str
+    file: str
+    examples: int  # scored
+    acc: float
+    acc_norm: float | None = None  # multiple choice: by mean loss per token
+    loss: float | None = None  # lambada: the last word's nats, averaged over examples
+    truncated: int = 0  # examples whose context lost tokens on the left to fit block_size
+    skipped: int = 0  # records not scored (bad records, continuations longer than the block)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        score = f"acc {self.acc:.4f}"
+        if self.acc_norm is not None:
+            score += f", acc_norm {self.acc_norm:.4f}"
+        if self.loss is not None:
+            score += f", loss {self.loss:.4f} (perplexity {math.exp(min(self.loss, 700)):.2f})"
+        extra = "".join([
+            f", {self.truncated} truncated from the left to fit the block" if self.truncated
+            else "",
+            f", {self.skipped} skipped" if self.skipped else "",
+        ])
+        return f"{self.task} {self.file}: {score} ({self.examples:,} examples{extra})"
+
+
+def run_task(
+    task: TaskFile, logits_fn: LogitsFn, tok: Tokenizer, *, block_size: int, batch_size: int,
+    device: torch.device, progress: bool = False,
+) -> tuple[TaskResult, list[list[Scored]]]:
+    """Score every example of `task`; the result and each example's scored continuations."""
+    encoded, truncated, too_long = encode_pairs(tok, task.examples, block_size)
+    if too_long:
+        task.skipped[f"continuation longer than the block of {block_size} tokens"] = too_long
+    flat = [pair for pairs in encoded for pair in pairs]
+    if not flat:
+        raise UserError(f"{task.path}: no {task.kind} example fits the model's block of "
+                        f"{block_size} tokens")
+    scored_flat = iter(score_sequences(logits_fn, flat, batch_size=batch_size, device=device,
+                                       progress=progress))
+    scored = [[next(scored_flat) for _ in pairs] for pairs in encoded]
+    kept = [(ex, s) for ex, s in zip(task.examples, scored, strict=True) if s]
+    skipped = sum(len(v) for v in task.skipped.values())
+    if task.kind == "lambada":
+        acc = float(np.mean([s[0].greedy for _, s in kept]))
+        loss = float(np.mean([s[0].total for _, s in kept]))
+        result = TaskResult(task.kind, str(task.path), len(kept), acc, loss=loss,
+                            truncated=truncated, skipped=skipped)
+    else:
+        acc = float(np.mean([int(np.argmin([c.total for c in s])) == ex.label for ex, s in kept]))
+        norm = float(np.mean([int(np.argmin([c.mean for c in s])) == ex.label
+                              for ex, s in kept]))
+        result = TaskResult(task.kind, str(task.path), len(kept), acc, acc_norm=norm,
+                            truncated=truncated, skipped=skipped)
+    return result, scored

@@ -1,0 +1,213 @@
+"""Downstream tasks (`andrea eval --task`): the scoring rule against float64 hand computations,
+the same choices through transformers on the HF export, the CLI's lines, bad task files, and
+several checkpoints in one table."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_user_error, run_andrea
+
+from andrea.config import load_config
+from andrea.data.tokenizer import ByteTokenizer
+from andrea.evaluate import EvalSettings, evaluate_checkpoints, load_model
+from andrea.tasks import read_task, run_task
+from andrea.train.loop import train
+
+# Endings of very different lengths: the summed loss favours the short one, the mean loss per
+# token the long natural one, so acc and acc_norm differ.
+HELLASWAG = [  # each fits the tiny model's block of 64 tokens (bytes)
+    {"ctx": "First Citizen: hear me", "label": 1,
+     "endings": ["zq", "speak. All: Speak, speak."]},
+    {"ctx": "KING HENRY: my lord of", "label": 0,
+     "endings": ["York?", "qqqqxz", "Westmoreland, and the lords"]},
+    {"ctx": "To be, or not to be, that is the", "label": 0,
+     "endings": ["question", "xkcd", "answer of the king and"]},
+    {"ctx": "", "label": 1, "endings": ["zzzz", "And the king"]},  # empty context: from EOT
+]
+LAMBADA = [{"text": "I will go to the king, and the king will see the"},
+           {"text": "What is your name, good sir? My name is the"}]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dir):
+    tmp = tmp_path_factory.mktemp("tasks")
+    cfg = load_config("andrea-tiny", [
+        f"data.dir={data_dir}", f"train.runs_dir={tmp / 'runs'}", "train.name=t",
+        "train.max_steps=40", "train.eval_every=0", "train.checkpoint_every=20",
+        "train.precision=fp32",
+    ])
+    return train(cfg, progress=False)
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def hand_nats(model, context: str, continuation: str) -> list[float]:
+    """-log p of each continuation byte given everything before, a float64 forward of the
+    whole sequence (no batching, no padding)."""
+    ctx = list(context.encode()) if context else [ByteTokenizer.eot_id]
+    cont = list(continuation.encode())
+    ids = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids[:, :-1])[0][0], dim=-1)
+    return [-logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont)]
+
+
+def test_multiple_choice_scoring_rule_by_hand(tmp_path, trained):
+    model = load_model(trained.checkpoint)[0].double()
+    task = read_task("hellaswag", write_jsonl(tmp_path / "hs.jsonl", HELLASWAG))
+    f32 = load_model(trained.checkpoint)[0]
+    result, scored = run_task(task, lambda x: f32(x)[0], ByteTokenizer(), block_size=64,
+                              batch_size=3, device=torch.device("cpu"))
+    by_sum, by_mean = [], []
+    for ex, got in zip(HELLASWAG, scored, strict=True):
+        space = " " if ex["ctx"] else ""
+        hand = [hand_nats(model, ex["ctx"], space + e) for e in ex["endings"]]
+        for h, g in zip(hand, got, strict=True):
+            assert len(g.nats) == len(h)
+            np.testing.assert_allclose(g.nats, h, rtol=1e-5)
+        by_sum.append(int(np.argmin([sum(h) for h in hand])) == ex["label"])
+        by_mean.append(int(np.argmin([np.mean(h) for h in hand])) == ex["label"])
+    assert by_sum != by_mean, "the file should tell the two rules apart"
+    assert result.acc == np.mean(by_sum) and result.acc_norm == np.mean(by_mean)
+    assert (result.examples, result.truncated, result.skipped) == (4, 0, 0)
+
+    # The same file as a generic choice file scores the same.
+    choice = [{"context": r["ctx"], "choices": r["endings"], "label": r["label"]}
+              for r in HELLASWAG]
+    again, _ = run_task(read_task("choice", write_jsonl(tmp_path / "c.jsonl", choice)),
+                        lambda x: f32(x)[0], ByteTokenizer(), block_size=64, batch_size=8,
+                        device=torch.device("cpu"))
+    assert (again.acc, again.acc_norm) == (result.acc, result.acc_norm)
+
+
+def test_lambada_last_word_greedy_and_loss_by_hand(tmp_path, trained):
+    model = load_model(trained.checkpoint)[0].double()
+    f32 = load_model(trained.checkpoint)[0]
+    task = read_task("lambada", write_jsonl(tmp_path / "l.jsonl", LAMBADA))
+    result, scored = run_task(task, lambda x: f32(x)[0], ByteTokenizer(), block_size=64,
+                              batch_size=2, device=torch.device("cpu"))
+    greedy, losses = [], []
+    for rec, (got,) in zip(LAMBADA, scored, strict=True):
+        context, word = rec["text"].rsplit(" ", 1)
+        ids = torch.tensor([list(rec["text"].encode())])
+        with torch.no_grad():
+            logits = model(ids[:, :-1])[0][0]
+        n = len(word) + 1  # " " + the word, one byte each
+        rows, targets = logits[-n:], ids[0, -n:]
+        greedy.append(bool((rows.argmax(-1) == targets).all()))
+        losses.append(-torch.log_softmax(rows, -1)[torch.arange(n), targets].sum().item())
+        assert got.total == pytest.approx(losses[-1], rel=1e-5) and got.greedy == greedy[-1]
+    assert result.acc == np.mean(greedy) and result.loss == pytest.approx(np.mean(losses))
+
+
+def test_hf_export_makes_the_same_choices(tmp_path, trained):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    transformers = pytest.importorskip("transformers")
+    proc = run_andrea("export", "--checkpoint", str(trained.checkpoint), "--format", "hf",
+                      "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf",
+                                                      dtype=torch.float32).eval()
+    ours = load_model(trained.checkpoint)[0]
+    file = write_jsonl(tmp_path / "hs.jsonl", HELLASWAG)
+    scores = {}
+    for name, logits in (("andrea", lambda x: ours(x)[0]), ("hf", lambda x: hf(x).logits)):
+        scores[name] = run_task(read_task("hellaswag", file), logits, ByteTokenizer(),
+                                block_size=64, batch_size=4, device=torch.device("cpu"))
+    (a, a_scored), (h, h_scored) = scores["andrea"], scores["hf"]
+    assert (a.acc, a.acc_norm) == (h.acc, h.acc_norm)
+    for a_ex, h_ex in zip(a_scored, h_scored, strict=True):
+        assert np.argmin([c.total for c in a_ex]) == np.argmin([c.total for c in h_ex])
+        assert np.argmin([c.mean for c in a_ex]) == np.argmin([c.mean for c in h_ex])
+        for ac, hc in zip(a_ex, h_ex, strict=True):
+            np.testing.assert_allclose(ac.nats, hc.nats, rtol=1e-4)
+
+
+def test_eval_task_lines_json_limit_and_truncation(tmp_path, trained):
+    long = {"ctx": "O Romeo, " * 20, "endings": ["wherefore art thou", "zz"], "label": 0}
+    hs = write_jsonl(tmp_path / "hs.jsonl", [*HELLASWAG, long])
+    lam = write_jsonl(tmp_path / "l.jsonl", LAMBADA)
+    args = ("eval", "--checkpoint", str(trained.run_dir), "--precision", "fp32",
+            "--no-progress", "--task", "hellaswag", hs, "--task", "lambada", lam)
+    proc = run_andrea(*args)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"{trained.checkpoint}: float32, cpu"  # no val pass with --task
+    assert lines[1].startswith(f"hellaswag {hs}: acc ") and "acc_norm" in lines[1]
+    assert lines[1].endswith("(5 examples, 1 truncated from the left to fit the block)")
+    assert lines[2].startswith(f"lambada {lam}: acc ") and "loss" in lines[2]
+    out = json.loads(
+        run_andrea(*args, "--json", "--limit", "2", "--val", "--max-tokens", "256").stdout)
+    assert [t["examples"] for t in out["tasks"]] == [2, 2] and out["loss"] > 0
+    direct = evaluate_checkpoints(
+        [str(trained.checkpoint)], EvalSettings(precision="fp32", progress=False, val=False),
+        tasks=[("hellaswag", hs)], limit=2)[0]
+    assert direct.tasks[0]["acc"] == out["tasks"][0]["acc"]
+
+
+def test_bad_task_files(tmp_path, trained):
+    ckpt = str(trained.checkpoint)
+
+    def task(kind, name, text):
+        (tmp_path / name).write_text(text)
+        return run_andrea("eval", "--checkpoint", ckpt, "--no-progress", "--task", kind,
+                          str(tmp_path / name))
+
+    lam = "".join(json.dumps(r) + "\n" for r in LAMBADA)
+    assert_user_error(task("hellaswag", "lam.jsonl", lam), "lam.jsonl",
+                      "no hellaswag example can be scored", "2 not a hellaswag record")
+    assert_user_error(task("choice", "empty.jsonl", "\n"), "empty.jsonl: empty")
+    out_of_range = {"context": "a", "choices": ["b", "c"], "label": 2}
+    assert_user_error(task("choice", "range.jsonl", json.dumps(out_of_range)),
+                      "label out of range (first at line 1)")
+    assert_user_error(task("choice", "notjson.jsonl", "{nope\n"), "1 not JSON")
+    assert_user_error(task("trivia", "lam.jsonl", lam), "--task trivia", "hellaswag")
+    mismatch = run_andrea("eval", "--checkpoint", ckpt, "--task", "lambada")
+    assert_user_error(mismatch, "1 task(s) but 0 file(s)")
+    # Some records bad, some good: the good ones are scored, one warning line per reason.
+    too_long = {"context": "a", "choices": ["b" * 70, "c"], "label": 0}
+    mixed = [{"context": "To be", "choices": [" or", " zz"], "label": 0}, out_of_range,
+             out_of_range, too_long]
+    proc = task("choice", "mixed.jsonl", "".join(json.dumps(r) + "\n" for r in mixed))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"warning: {tmp_path / 'mixed.jsonl'}: 2 records skipped, label out of range "
+        "(line 2, ...)",
+        f"warning: {tmp_path / 'mixed.jsonl'}: 1 record skipped, continuation longer than "
+        "the block of 64 tokens (line 4)",
+    ]
+    assert proc.stdout.splitlines()[1].endswith("(1 examples, 3 skipped)")
+
+
+def test_several_checkpoints_in_one_table(tmp_path, trained):
+    hs = write_jsonl(tmp_path / "hs.jsonl", HELLASWAG)
+    run = trained.run_dir
+    common = ("--max-tokens", "256", "--precision", "fp32", "--no-progress", "--val",
+              "--task", "hellaswag", hs)
+    proc = run_andrea("eval", "--checkpoint", str(run), "--all-steps", *common)
+    assert proc.returncode == 0, proc.stderr
+    header, *rows = proc.stdout.splitlines()
+    assert header.split()[:4] == ["CHECKPOINT", "STEP", "VAL", "LOSS"]
+    assert "hellaswag (hs.jsonl) ACC / NORM" in header
+    assert [r.split()[:2] for r in rows] == [[str(run / "step-000020"), "20"],
+                                             [str(run / "step-000040"), "40"]]
+    settings = EvalSettings(max_tokens=256, precision="fp32", progress=False)
+    for row, step in zip(rows, ("step-000020", "step-000040"), strict=True):
+        (one,) = evaluate_checkpoints([str(run / step)], settings, tasks=[("hellaswag", hs)])
+        assert row.split()[2:6] == [f"{one.loss:.4f}", f"{one.bits_per_byte:.4f}",
+                                    f"{one.tasks[0]['acc']:.4f}", "/"]
+    both = json.loads(run_andrea("eval", "--checkpoint", str(run / "step-000020"),
+                                 "--checkpoint", str(run), "--json", *common).stdout)
+    assert [r["step"] for r in both] == [20, 40]
+    assert both[0]["tokens"] == both[1]["tokens"] == 256  # the same val set for each
+    assert_user_error(run_andrea("eval", "--checkpoint", str(tmp_path), "--all-steps"),
+                      "--all-steps", "no step-N checkpoint folders")
