@@ -23,6 +23,7 @@ imported run, or a run evaluated from another working directory), as `andrea tra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -77,13 +78,18 @@ def most_recent_run(runs_dir: Path | str = "runs") -> Path:
     return max(found, key=lambda item: item[0])[1]
 
 
-def find_checkpoint(checkpoint: str | Path | None, runs_dir: Path | str = "runs") -> Path:
-    """A run dir means its latest checkpoint, a step dir itself, None the most recent run."""
+def find_checkpoint(
+    checkpoint: str | Path | None, runs_dir: Path | str = "runs",
+    use: str = "andrea eval --checkpoint {}",
+) -> Path:
+    """A run dir means its latest checkpoint, a step dir itself, None the most recent run.
+    use: the command that takes another checkpoint ({} for it), for the error that refuses a
+    damaged one and names the run's newest intact checkpoint."""
     if checkpoint is None:
         ckpt = most_recent_run(runs_dir)
         _say(f"checkpoint: {ckpt} (the most recent run under {runs_dir}/)")
         return ckpt
-    return ckpt_io.resolve_checkpoint(checkpoint)
+    return ckpt_io.resolve_checkpoint(checkpoint, use=use)
 
 
 def load_model(
@@ -100,24 +106,44 @@ def load_model(
     return model.to(device).eval(), cfg, metadata
 
 
+def local_data_config(cfg: Config) -> Config:
+    """A checkpoint's config with its data folder re-derived under ./data (data.dir cleared).
+
+    A checkpoint is untrusted input: its data.dir may name any folder on this machine (the
+    exporter's, or one chosen to do harm), so eval, generate and export never write there;
+    they prepare the run's data in data/<source>-<tokenizer>[...] instead, the folder
+    `andrea prepare` would derive from the same settings."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=""))
+
+
 def prepare_run_data(ckpt: Path, cfg: Config, instead: str) -> Path:
-    """The run's data dir (data.dir of its config, or the derived default), prepared from the
-    config first, as `andrea train` does, when it holds no prepared data; says so in one line.
-    `instead`: what the user can do when that fails (the end of the error message).
+    """The run's prepared data folder: the one its config names (data.dir) when that folder
+    already holds prepared data (read only), else the folder derived under ./data
+    (`local_data_config`), prepared from the config first, as `andrea train` does, when it
+    holds no prepared data; says so in one line. Nothing is ever written in a folder named
+    only by the checkpoint. `instead`: what the user can do when that fails (the end of the
+    error message).
 
     Notices go to stderr (stdout may be --json or the generated text).
     """
-    data_dir = data_dir_for(cfg)
+    named = data_dir_for(cfg)
+    if (named / MANIFEST).is_file():
+        return named
+    local = local_data_config(cfg)
+    data_dir = data_dir_for(local)
     if (data_dir / MANIFEST).is_file():
         return data_dir
     d = cfg.data
     tokenizer = d.tokenizer_file or f"the {d.tokenizer} tokenizer"
-    announce = (f"preparing {data_dir} (the run's data folder, not prepared yet) from "
-                f"{source_words(cfg)} with {tokenizer}, as the run's config says")
+    why = ("the run's data folder, not prepared yet" if named == data_dir else
+           f"the run's config names {named}, which is not prepared; andrea writes data only "
+           f"under ./data for a checkpoint")
+    announce = (f"preparing {data_dir} ({why}) from {source_words(cfg)} with {tokenizer}, as "
+                f"the run's config says")
     try:
         # prepare announces on stdout, as train's log; here stdout is the result.
         with contextlib.redirect_stdout(sys.stderr):
-            return prepare_from_config(cfg, verbose=False, announce=announce)
+            return prepare_from_config(local, verbose=False, announce=announce)
     except UserError as exc:
         raise UserError(
             f"{ckpt}: cannot prepare the run's data in {data_dir} from its config ({exc}); "
@@ -149,7 +175,9 @@ def tokenizer_for_checkpoint(
     if kind != "bpe":
         raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
     data_dir = data_dir_for(cfg)
-    candidates = (data_dir / BPE_FILE, ckpt / BPE_FILE, ckpt.parent / BPE_FILE)
+    local_dir = data_dir_for(local_data_config(cfg))
+    candidates = (data_dir / BPE_FILE, local_dir / BPE_FILE, ckpt / BPE_FILE,
+                  ckpt.parent / BPE_FILE)
     if prepare_missing and not any(path.is_file() for path in candidates):
         prepare_run_data(ckpt, cfg, f"copy the model's {BPE_FILE} into {ckpt.parent}")
     for path in candidates:

@@ -58,6 +58,7 @@ from andrea.train.optim import build_optimizer
 from andrea.train.resume import (
     check_resume_changes,
     find_run_to_resume,
+    resume_checkpoint,
 )
 from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.schedule import lr_at
@@ -450,7 +451,7 @@ def open_run(
         found = find_run_to_resume(resume, cfg)
         if found is not None:
             stored = load_config(found / CONFIG)
-            checkpoint = ckpt_io.resolve_checkpoint(found)
+            checkpoint = resume_checkpoint(resume, found)
             trained = ckpt_io.read_trainer_state(checkpoint)[0]["step"] > 0
             changes = check_resume_changes(stored, cfg, found, trained)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
