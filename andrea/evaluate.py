@@ -157,8 +157,9 @@ def tokenizer_for_checkpoint(
     """The tokenizer a checkpoint was trained with, checked by its identity.
 
     byte and gpt2 are rebuilt from the package. A trained BPE is read from the run's data dir
-    (data.dir of its config), else from a tokenizer.json beside the checkpoint or in its run
-    directory (where `andrea import` puts one). With `prepare_missing`, a BPE found nowhere is
+    (data.dir of its config) when that holds prepared data, else from the one derived under
+    ./data, else from a tokenizer.json beside the checkpoint or in its run directory (where
+    `andrea import` puts one). With `prepare_missing`, a BPE found nowhere is
     made by preparing the run's data from its config (`prepare_run_data`) when that folder
     holds no prepared data; its identity must still match.
     """
@@ -176,8 +177,10 @@ def tokenizer_for_checkpoint(
         raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
     data_dir = data_dir_for(cfg)
     local_dir = data_dir_for(local_data_config(cfg))
-    candidates = (data_dir / BPE_FILE, local_dir / BPE_FILE, ckpt / BPE_FILE,
-                  ckpt.parent / BPE_FILE)
+    # The folder the checkpoint names only when it holds prepared data (a manifest): any other
+    # tokenizer.json there is not the run's (see prepare_run_data).
+    named = (data_dir / BPE_FILE,) if (data_dir / MANIFEST).is_file() else ()
+    candidates = (*named, local_dir / BPE_FILE, ckpt / BPE_FILE, ckpt.parent / BPE_FILE)
     if prepare_missing and not any(path.is_file() for path in candidates):
         prepare_run_data(ckpt, cfg, f"copy the model's {BPE_FILE} into {ckpt.parent}")
     for path in candidates:
@@ -185,11 +188,11 @@ def tokenizer_for_checkpoint(
             tok = BpeTokenizer(path)
             if tok.identity == identity:
                 return tok
+    searched = ", ".join(str(path.parent) for path in candidates)
     raise UserError(
-        f"{ckpt}: trained with BPE tokenizer {identity}, which is neither in the run's data dir "
-        f"{data_dir} nor beside the checkpoint; prepare the run's data again "
-        f"(`andrea prepare -c {ckpt.parent / 'config.yaml'}`) or copy that tokenizer.json "
-        f"into {ckpt.parent}"
+        f"{ckpt}: trained with BPE tokenizer {identity}, which is in none of {searched}; "
+        f"copy that tokenizer.json into {ckpt.parent}, or prepare the run's data "
+        f"(`andrea prepare -c {ckpt.parent / 'config.yaml'} --set data.dir={local_dir}`)"
     )
 
 

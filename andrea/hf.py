@@ -191,7 +191,6 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 def _check_target(out: Path, force: bool, flag: str = "--out") -> None:
     if (out.exists() or out.is_symlink()) and not force:
         raise UserError(f"{flag} {out}: already exists; pick another path or pass --force")
-    out.parent.mkdir(parents=True, exist_ok=True)
 
 
 def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> Path:

@@ -209,7 +209,14 @@ def check_shards(ckpt: Path, expected: dict[str, torch.Tensor]) -> None:
         files = json.loads((folder / SHARD_INDEX).read_text())["files"]
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{folder / SHARD_INDEX}: unreadable shard index: {exc}") from None
+    if not isinstance(files, dict):
+        raise UserError(f"{folder / SHARD_INDEX}: 'files' is not a mapping of file names to sizes")
     for name, size in files.items():
+        # Only plain names inside shards/: an index is untrusted, '../x' or '/x' lead out.
+        if Path(name).name != name or name in ("", ".", "..") or not name.endswith(".safetensors"):
+            raise UserError(f"{folder / SHARD_INDEX}: lists {name!r}, which is not a .safetensors "
+                            f"file name inside {SHARDS_DIR}/ (a damaged or forged checkpoint); "
+                            f"resume from another checkpoint")
         path = folder / name
         if not path.is_file():
             raise UserError(f"{path}: missing (listed in {SHARD_INDEX}); the checkpoint's shards "

@@ -112,7 +112,7 @@ def checkpoint_problem(ckpt: Path, for_resume: bool = False) -> str | None:
             else:
                 json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as exc:
-            return f"{name} is unreadable ({exc})"
+            return f"{name} is unreadable: {exc}"
     return None
 
 
