@@ -21,10 +21,12 @@ an empty optimizer state and step 0) that `andrea eval`/`generate`/`export` read
 it with --set at import or resume). A bpe tokenizer.json is copied into the run directory, and
 the run's config points `data.tokenizer_file` at that copy (absolute path) with `data.dir` reset
 to the derived default: the fine-tuning data is then prepared with the model's own tokenizer
-(same identity) instead of a newly trained BPE, in data/<source>-bpe-tok<hash>. A byte or gpt2
-run keeps the exporter's `data.dir` only if that folder exists here, else the derived default.
+(same identity) instead of a newly trained BPE, in data/<source>-bpe-tok<hash>. Every import
+drops the exporter's `data.dir` (andrea.json is untrusted: it would name the folder the run's
+eval, generate and train write) for the derived default, unless `--set data.dir=...` names one.
 `andrea eval`, `generate` and `train` prepare a missing data folder from the run's config. Pick
-the data with `--set data.source=...` at import (or at resume).
+the data with `--set data.source=...` at import (or at resume). The shape config.json gives
+must be the shape model.safetensors holds (checked from its header before anything is built).
 """
 
 from __future__ import annotations
