@@ -151,17 +151,30 @@ def prepare_run_data(ckpt: Path, cfg: Config, instead: str) -> Path:
         ) from None
 
 
+def _find_bpe(candidates: tuple[Path, ...], identity: str) -> BpeTokenizer | None:
+    """The first candidate tokenizer.json that is a BPE of this identity. Only reading: a file
+    of that name that is no BPE (the folder may not be the run's at all) is passed over."""
+    for path in candidates:
+        if path.is_file():
+            try:
+                tok = BpeTokenizer(path)
+            except UserError:
+                continue
+            if tok.identity == identity:
+                return tok
+    return None
+
+
 def tokenizer_for_checkpoint(
     ckpt: Path, cfg: Config, metadata: dict[str, str], prepare_missing: bool = False
 ) -> Tokenizer:
     """The tokenizer a checkpoint was trained with, checked by its identity.
 
     byte and gpt2 are rebuilt from the package. A trained BPE is read from the run's data dir
-    (data.dir of its config) when that holds prepared data, else from the one derived under
-    ./data, else from a tokenizer.json beside the checkpoint or in its run directory (where
-    `andrea import` puts one). With `prepare_missing`, a BPE found nowhere is
-    made by preparing the run's data from its config (`prepare_run_data`) when that folder
-    holds no prepared data; its identity must still match.
+    (data.dir of its config), else from the one derived under ./data, else from a
+    tokenizer.json beside the checkpoint or in its run directory (where `andrea import` puts
+    one). With `prepare_missing`, a BPE found nowhere is made by preparing the run's data from
+    its config (`prepare_run_data`, under ./data); its identity must still match.
     """
     identity = metadata.get("tokenizer", "")
     kind = identity.split(":", 1)[0]
@@ -177,17 +190,14 @@ def tokenizer_for_checkpoint(
         raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
     data_dir = data_dir_for(cfg)
     local_dir = data_dir_for(local_data_config(cfg))
-    # The folder the checkpoint names only when it holds prepared data (a manifest): any other
-    # tokenizer.json there is not the run's (see prepare_run_data).
-    named = (data_dir / BPE_FILE,) if (data_dir / MANIFEST).is_file() else ()
-    candidates = (*named, local_dir / BPE_FILE, ckpt / BPE_FILE, ckpt.parent / BPE_FILE)
-    if prepare_missing and not any(path.is_file() for path in candidates):
+    candidates = (data_dir / BPE_FILE, local_dir / BPE_FILE, ckpt / BPE_FILE,
+                  ckpt.parent / BPE_FILE)
+    tok = _find_bpe(candidates, identity)
+    if tok is None and prepare_missing:
         prepare_run_data(ckpt, cfg, f"copy the model's {BPE_FILE} into {ckpt.parent}")
-    for path in candidates:
-        if path.is_file():
-            tok = BpeTokenizer(path)
-            if tok.identity == identity:
-                return tok
+        tok = _find_bpe(candidates, identity)
+    if tok is not None:
+        return tok
     searched = ", ".join(str(path.parent) for path in candidates)
     raise UserError(
         f"{ckpt}: trained with BPE tokenizer {identity}, which is in none of {searched}; "
