@@ -60,22 +60,27 @@ def _say(message: str) -> None:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def most_recent_run(runs_dir: Path | str = "runs") -> Path:
-    """The checkpoint of the run under runs_dir whose latest checkpoint was written last."""
+def most_recent_run(
+    runs_dir: Path | str = "runs", use: str = "andrea eval --checkpoint {}"
+) -> Path:
+    """The checkpoint of the run under runs_dir whose latest checkpoint was written last (its
+    model file's time, or its `latest` file's when that model is gone); a damaged one is
+    refused naming its newest intact step (never silently another run's)."""
     runs_dir = Path(runs_dir)
     found: list[tuple[float, Path]] = []
     if runs_dir.is_dir():
         for run in runs_dir.iterdir():
             latest = ckpt_io.read_latest(run) if run.is_dir() else None
-            model_file = latest / ckpt_io.MODEL_FILE if latest is not None else None
-            if model_file is not None and model_file.is_file():
-                found.append((model_file.stat().st_mtime, latest))
+            for written in (latest / ckpt_io.MODEL_FILE if latest else None, run / ckpt_io.LATEST):
+                if written is not None and written.is_file():
+                    found.append((written.stat().st_mtime, run))
+                    break
     if not found:
         raise UserError(
             f"no --checkpoint given and no run with a checkpoint under {runs_dir}/; "
             "pass --checkpoint runs/<name>[/step-N]"
         )
-    return max(found, key=lambda item: item[0])[1]
+    return ckpt_io.resolve_checkpoint(max(found, key=lambda item: item[0])[1], use=use)
 
 
 def find_checkpoint(
@@ -86,7 +91,7 @@ def find_checkpoint(
     use: the command that takes another checkpoint ({} for it), for the error that refuses a
     damaged one and names the run's newest intact checkpoint."""
     if checkpoint is None:
-        ckpt = most_recent_run(runs_dir)
+        ckpt = most_recent_run(runs_dir, use)
         _say(f"checkpoint: {ckpt} (the most recent run under {runs_dir}/)")
         return ckpt
     return ckpt_io.resolve_checkpoint(checkpoint, use=use)

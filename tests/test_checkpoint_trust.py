@@ -249,6 +249,9 @@ def test_a_damaged_latest_names_the_newest_intact_step_and_the_command(tmp_path,
         assert_user_error(run_andrea(verb, "--checkpoint", "runs/x", cwd=tmp_path),
                           "runs/x: the latest checkpoint, step-000020, is damaged",
                           "model.safetensors is missing", use)
+    # Without --checkpoint: the most recent run is this one, damaged; never silently another.
+    assert_user_error(run_andrea("eval", cwd=tmp_path), "step-000020, is damaged",
+                      f"andrea eval --checkpoint {intact}")
     before = snapshot(tmp_path)
     assert_user_error(run_andrea("train", "--resume", "runs/x", cwd=tmp_path),
                       "step-000020, is damaged", f"andrea train --resume {intact}")
