@@ -25,6 +25,7 @@ imported run, or a run evaluated from another working directory), as `andrea tra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -67,31 +68,41 @@ def _say(message: str) -> None:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def most_recent_run(runs_dir: Path | str = "runs") -> Path:
-    """The checkpoint of the run under runs_dir whose latest checkpoint was written last."""
+def most_recent_run(
+    runs_dir: Path | str = "runs", use: str = "andrea eval --checkpoint {}"
+) -> Path:
+    """The checkpoint of the run under runs_dir whose latest checkpoint was written last (its
+    model file's time, or its `latest` file's when that model is gone); a damaged one is
+    refused naming its newest intact step (never silently another run's)."""
     runs_dir = Path(runs_dir)
     found: list[tuple[float, Path]] = []
     if runs_dir.is_dir():
         for run in runs_dir.iterdir():
             latest = ckpt_io.read_latest(run) if run.is_dir() else None
-            model_file = latest / ckpt_io.MODEL_FILE if latest is not None else None
-            if model_file is not None and model_file.is_file():
-                found.append((model_file.stat().st_mtime, latest))
+            for written in (latest / ckpt_io.MODEL_FILE if latest else None, run / ckpt_io.LATEST):
+                if written is not None and written.is_file():
+                    found.append((written.stat().st_mtime, run))
+                    break
     if not found:
         raise UserError(
             f"no --checkpoint given and no run with a checkpoint under {runs_dir}/; "
             "pass --checkpoint runs/<name>[/step-N]"
         )
-    return max(found, key=lambda item: item[0])[1]
+    return ckpt_io.resolve_checkpoint(max(found, key=lambda item: item[0])[1], use=use)
 
 
-def find_checkpoint(checkpoint: str | Path | None, runs_dir: Path | str = "runs") -> Path:
-    """A run dir means its latest checkpoint, a step dir itself, None the most recent run."""
+def find_checkpoint(
+    checkpoint: str | Path | None, runs_dir: Path | str = "runs",
+    use: str = "andrea eval --checkpoint {}",
+) -> Path:
+    """A run dir means its latest checkpoint, a step dir itself, None the most recent run.
+    use: the command that takes another checkpoint ({} for it), for the error that refuses a
+    damaged one and names the run's newest intact checkpoint."""
     if checkpoint is None:
-        ckpt = most_recent_run(runs_dir)
+        ckpt = most_recent_run(runs_dir, use)
         _say(f"checkpoint: {ckpt} (the most recent run under {runs_dir}/)")
         return ckpt
-    return ckpt_io.resolve_checkpoint(checkpoint)
+    return ckpt_io.resolve_checkpoint(checkpoint, use=use)
 
 
 def load_model(
@@ -108,29 +119,63 @@ def load_model(
     return model.to(device).eval(), cfg, metadata
 
 
+def local_data_config(cfg: Config) -> Config:
+    """A checkpoint's config with its data folder re-derived under ./data (data.dir cleared).
+
+    A checkpoint is untrusted input: its data.dir may name any folder on this machine (the
+    exporter's, or one chosen to do harm), so eval, generate and export never write there;
+    they prepare the run's data in data/<source>-<tokenizer>[...] instead, the folder
+    `andrea prepare` would derive from the same settings."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=""))
+
+
 def prepare_run_data(ckpt: Path, cfg: Config, instead: str) -> Path:
-    """The run's data dir (data.dir of its config, or the derived default), prepared from the
-    config first, as `andrea train` does, when it holds no prepared data; says so in one line.
-    `instead`: what the user can do when that fails (the end of the error message).
+    """The run's prepared data folder: the one its config names (data.dir) when that folder
+    already holds prepared data (read only), else the folder derived under ./data
+    (`local_data_config`), prepared from the config first, as `andrea train` does, when it
+    holds no prepared data; says so in one line. Nothing is ever written in a folder named
+    only by the checkpoint. `instead`: what the user can do when that fails (the end of the
+    error message).
 
     Notices go to stderr (stdout may be --json or the generated text).
     """
-    data_dir = data_dir_for(cfg)
+    named = data_dir_for(cfg)
+    if (named / MANIFEST).is_file():
+        return named
+    local = local_data_config(cfg)
+    data_dir = data_dir_for(local)
     if (data_dir / MANIFEST).is_file():
         return data_dir
     d = cfg.data
     tokenizer = d.tokenizer_file or f"the {d.tokenizer} tokenizer"
-    announce = (f"preparing {data_dir} (the run's data folder, not prepared yet) from "
-                f"{source_words(cfg)} with {tokenizer}, as the run's config says")
+    why = ("the run's data folder, not prepared yet" if named == data_dir else
+           f"the run's config names {named}, which is not prepared; andrea writes data only "
+           f"under ./data for a checkpoint")
+    announce = (f"preparing {data_dir} ({why}) from {source_words(cfg)} with {tokenizer}, as "
+                f"the run's config says")
     try:
         # prepare announces on stdout, as train's log; here stdout is the result.
         with contextlib.redirect_stdout(sys.stderr):
-            return prepare_from_config(cfg, verbose=False, announce=announce)
+            return prepare_from_config(local, verbose=False, announce=announce)
     except UserError as exc:
         raise UserError(
             f"{ckpt}: cannot prepare the run's data in {data_dir} from its config ({exc}); "
             f"{instead}"
         ) from None
+
+
+def _find_bpe(candidates: tuple[Path, ...], identity: str) -> BpeTokenizer | None:
+    """The first candidate tokenizer.json that is a BPE of this identity. Only reading: a file
+    of that name that is no BPE (the folder may not be the run's at all) is passed over."""
+    for path in candidates:
+        if path.is_file():
+            try:
+                tok = BpeTokenizer(path)
+            except UserError:
+                continue
+            if tok.identity == identity:
+                return tok
+    return None
 
 
 def tokenizer_for_checkpoint(
@@ -139,10 +184,10 @@ def tokenizer_for_checkpoint(
     """The tokenizer a checkpoint was trained with, checked by its identity.
 
     byte and gpt2 are rebuilt from the package. A trained BPE is read from the run's data dir
-    (data.dir of its config), else from a tokenizer.json beside the checkpoint or in its run
-    directory (where `andrea import` puts one). With `prepare_missing`, a BPE found nowhere is
-    made by preparing the run's data from its config (`prepare_run_data`) when that folder
-    holds no prepared data; its identity must still match.
+    (data.dir of its config), else from the one derived under ./data, else from a
+    tokenizer.json beside the checkpoint or in its run directory (where `andrea import` puts
+    one). With `prepare_missing`, a BPE found nowhere is made by preparing the run's data from
+    its config (`prepare_run_data`, under ./data); its identity must still match.
     """
     identity = metadata.get("tokenizer", "")
     kind = identity.split(":", 1)[0]
@@ -157,19 +202,20 @@ def tokenizer_for_checkpoint(
     if kind != "bpe":
         raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
     data_dir = data_dir_for(cfg)
-    candidates = (data_dir / BPE_FILE, ckpt / BPE_FILE, ckpt.parent / BPE_FILE)
-    if prepare_missing and not any(path.is_file() for path in candidates):
+    local_dir = data_dir_for(local_data_config(cfg))
+    candidates = (data_dir / BPE_FILE, local_dir / BPE_FILE, ckpt / BPE_FILE,
+                  ckpt.parent / BPE_FILE)
+    tok = _find_bpe(candidates, identity)
+    if tok is None and prepare_missing:
         prepare_run_data(ckpt, cfg, f"copy the model's {BPE_FILE} into {ckpt.parent}")
-    for path in candidates:
-        if path.is_file():
-            tok = BpeTokenizer(path)
-            if tok.identity == identity:
-                return tok
+        tok = _find_bpe(candidates, identity)
+    if tok is not None:
+        return tok
+    searched = ", ".join(str(path.parent) for path in candidates)
     raise UserError(
-        f"{ckpt}: trained with BPE tokenizer {identity}, which is neither in the run's data dir "
-        f"{data_dir} nor beside the checkpoint; prepare the run's data again "
-        f"(`andrea prepare -c {ckpt.parent / 'config.yaml'}`) or copy that tokenizer.json "
-        f"into {ckpt.parent}"
+        f"{ckpt}: trained with BPE tokenizer {identity}, which is in none of {searched}; "
+        f"copy that tokenizer.json into {ckpt.parent}, or prepare the run's data "
+        f"(`andrea prepare -c {ckpt.parent / 'config.yaml'} --set data.dir={local_dir}`)"
     )
 
 
@@ -246,12 +292,17 @@ def open_val_split(ckpt: Path, cfg: Config, data: str | None, split: str) -> Tok
         if not Path(data).is_dir():
             raise UserError(f"--data {data}: no such directory")
         return TokenSplit(Path(data), split)
-    dirs = [d for _, d, _ in source_dirs(cfg)] if cfg.data.sources else [data_dir_for(cfg)]
-    if not all((d / MANIFEST).is_file() for d in dirs):
-        prepare_run_data(
-            ckpt, cfg, "pass --data DIR (shards prepared with the checkpoint's tokenizer)"
-        )
-    return open_split(cfg, split)
+    instead = "pass --data DIR (shards prepared with the checkpoint's tokenizer)"
+    if not cfg.data.sources:
+        return TokenSplit(prepare_run_data(ckpt, cfg, instead), split)
+    # A mixture: the sources under the checkpoint's data.dir when all are prepared there (read
+    # only), else under ./data, prepared there first if missing (never where the checkpoint says).
+    if all((d / MANIFEST).is_file() for _, d, _ in source_dirs(cfg)):
+        return open_split(cfg, split)
+    local = local_data_config(cfg)
+    if not all((d / MANIFEST).is_file() for _, d, _ in source_dirs(local)):
+        prepare_run_data(ckpt, cfg, instead)
+    return open_split(local, split)
 
 
 @dataclass

@@ -215,7 +215,7 @@ def generate_command(
         raise UserError(f"--precision: '{precision}' is not one of auto, fp32, bf16")
     if prompt is not None and prompt_ids is not None:
         raise UserError("give --prompt TEXT or --prompt-ids IDS, not both")
-    ckpt = find_checkpoint(checkpoint)
+    ckpt = find_checkpoint(checkpoint, use="andrea generate --checkpoint {}")
     dev = pick_device(device)
     model, cfg, metadata = load_model(ckpt, dev)
     model = model.to(pick_dtype(precision, dev))  # bf16 here means bf16 weights and cache

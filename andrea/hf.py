@@ -21,10 +21,12 @@ an empty optimizer state and step 0) that `andrea eval`/`generate`/`export` read
 it with --set at import or resume). A bpe tokenizer.json is copied into the run directory, and
 the run's config points `data.tokenizer_file` at that copy (absolute path) with `data.dir` reset
 to the derived default: the fine-tuning data is then prepared with the model's own tokenizer
-(same identity) instead of a newly trained BPE, in data/<source>-bpe-tok<hash>. A byte or gpt2
-run keeps the exporter's `data.dir` only if that folder exists here, else the derived default.
+(same identity) instead of a newly trained BPE, in data/<source>-bpe-tok<hash>. Every import
+drops the exporter's `data.dir` (andrea.json is untrusted: it would name the folder the run's
+eval, generate and train write) for the derived default, unless `--set data.dir=...` names one.
 `andrea eval`, `generate` and `train` prepare a missing data folder from the run's config. Pick
-the data with `--set data.source=...` at import (or at resume).
+the data with `--set data.source=...` at import (or at resume). The shape config.json gives
+must be the shape model.safetensors holds (checked from its header before anything is built).
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ from andrea.data.tokenizer import (
 )
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text
+from andrea.model.params import check_stored_shape
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.rundir import CONFIG
+from andrea.train.rundir import CONFIG, read_safetensors_header
 
 EXPORT_FORMAT = "andrea-hf-export/1"
 ANDREA_FILE = "andrea.json"
@@ -190,7 +193,6 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 def _check_target(out: Path, force: bool, flag: str = "--out") -> None:
     if (out.exists() or out.is_symlink()) and not force:
         raise UserError(f"{flag} {out}: already exists; pick another path or pass --force")
-    out.parent.mkdir(parents=True, exist_ok=True)
 
 
 def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> Path:
@@ -199,7 +201,7 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
 
     out = Path(out)
     _check_target(out, force)
-    ckpt = find_checkpoint(checkpoint)
+    ckpt = find_checkpoint(checkpoint, use=f"andrea export --checkpoint {{}} --out {out}")
     tensors, cfg, metadata = ckpt_io.read_model_checkpoint(ckpt)
     tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -279,15 +281,28 @@ def read_hf_config(src: Path) -> dict[str, Any]:
     return hf
 
 
-def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors as GPT-2 keys without the 'transformer.' prefix (attention-mask
-    buffers dropped; an untied lm_head refused)."""
+def hf_shapes(src: Path) -> dict[str, list[int]]:
+    """Each tensor's shape in model.safetensors by GPT-2 key (no 'transformer.' prefix), from
+    its header alone: a forged or truncated header is refused before anything is read."""
     path = src / WEIGHTS_FILE
     if not path.is_file():
         other = [p.name for p in src.glob("*.bin")] + [p.name for p in src.glob("*.index.json")]
         hint = (f" (found {', '.join(other)}: save it with safe_serialization, unsharded)"
                 if other else "")
         raise UserError(f"{src}: no {WEIGHTS_FILE}{hint}")
+    try:
+        header = read_safetensors_header(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: unreadable safetensors file: {exc}") from None
+    return {key.removeprefix("transformer."): list(entry.get("shape", []))
+            for key, entry in header.items() if key != "__metadata__" and isinstance(entry, dict)}
+
+
+def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors as GPT-2 keys without the 'transformer.' prefix (attention-mask
+    buffers dropped; an untied lm_head refused)."""
+    path = src / WEIGHTS_FILE
+    hf_shapes(src)  # the header is sound before the file is read
     try:
         raw = safetensors_load(path.read_bytes())
     except (SafetensorError, OSError, ValueError) as exc:
@@ -352,11 +367,10 @@ def import_config(
                              init_std=float(hf.get("initializer_range", 0.02)))
     data["data"]["tokenizer"] = tokenizer.split(":", 1)[0]
     data["data"]["tokenizer_file"] = tokenizer_file
-    exporter_dir = data["data"].get("dir") or ""
-    if tokenizer_file or not (exporter_dir and Path(exporter_dir).is_dir()):
-        # The exporter's data dir was prepared for its own config (a BPE run's) or lives on the
-        # exporter's machine: derive one here, which eval/generate/train prepare when missing.
-        data["data"]["dir"] = ""
+    # andrea.json is untrusted: its data.dir names a folder of the exporter's choosing, which
+    # the run's eval, generate and train would then write. The run's data folder is derived
+    # here (data/<source>-<tokenizer>...), unless --set data.dir names one.
+    data["data"]["dir"] = ""
     data["train"].update(name=name, runs_dir=runs_dir)
     for text in overrides:
         section, key, value = parse_override(text)
@@ -434,6 +448,8 @@ def import_hf(
     if tokenizer_json is not None:
         n_ids = BpeTokenizer(tokenizer_json).vocab_size
     check_vocab(n_ids or 0, cfg.model.vocab_size, f"{src / 'config.json'}: vocab_size")
+    check_stored_shape(cfg.model, hf_shapes(src), str(src / "config.json"),
+                       names=("wte.weight", "wpe.weight", "h."))
     tensors = from_hf_tensors(read_hf_weights(src), cfg, src)
     ckpt_io.load_weights(Andrea(cfg.model), tensors, src / WEIGHTS_FILE)  # names and shapes
 

@@ -22,12 +22,24 @@ from typing import Any
 import yaml
 
 from andrea.errors import UserError
-from andrea.train.rundir import CONFIG, LATEST, METRICS, TRAINER_STATE, is_run
+from andrea.train.rundir import (
+    CONFIG,
+    LATEST,
+    METRICS,
+    TRAINER_STATE,
+    checkpoint_problem,
+    is_run,
+    newest_intact,
+    step_dirs,
+)
 
 # Every state a run can be in; the first five come from the trainer's "end" event. "imported":
-# made by `andrea import` (a checkpoint at step 0, no metrics), not trained yet.
+# made by `andrea import` (a checkpoint at step 0, no metrics), not trained yet. "damaged": its
+# `latest` or the model file of the checkpoint it names is missing or unreadable, whatever
+# the metrics say (eval, generate and resume of the run would fail; notes name the newest
+# intact checkpoint, which --checkpoint / --resume take as a step folder).
 STATES = ("finished", "stopped", "interrupted", "nonfinite", "failed", "running", "crashed",
-          "imported")
+          "imported", "damaged")
 
 
 @dataclass
@@ -56,6 +68,8 @@ class RunSummary:
     signal: str | None = None
     message: str | None = None
     latest_checkpoint: str | None = None
+    # The newest checkpoint that is whole, when the latest is damaged (else None).
+    intact_checkpoint: str | None = None
     started: float | None = None
     host: str | None = None
     pid: int | None = None
@@ -188,8 +202,6 @@ def _latest_checkpoint(run: Path, summary: RunSummary) -> None:
         summary.problems.append(f"{LATEST} does not name a checkpoint dir: {name!r}")
         return
     summary.latest_checkpoint = name
-    if not (run / name).is_dir():
-        summary.problems.append(f"{LATEST} points to {name}, which does not exist")
 
 
 def _read_import(run: Path, summary: RunSummary) -> bool:
@@ -231,7 +243,40 @@ def _last_eval(summary: RunSummary, rec: dict[str, Any]) -> None:
 
 def read_run(path: Path | str) -> RunSummary:
     """Summarise one run directory. Damage goes into `problems`; this never raises for it."""
-    run = Path(path)
+    summary = _read_history(Path(path))
+    _check_checkpoint(Path(path), summary)
+    return summary
+
+
+def _check_checkpoint(run: Path, summary: RunSummary) -> None:
+    """Mark the run damaged when its `latest` or the model of the checkpoint it names is gone
+    or unreadable while the run has (or had) checkpoints; name the newest intact one. A
+    running run keeps its state (it writes the next checkpoint)."""
+    had_one = (run / LATEST).is_file() or step_dirs(run) or summary.latest_checkpoint
+    if not had_one:
+        return  # never checkpointed (a crash before the first save): nothing is damaged
+    bad_pointer = any(p.startswith(f"{LATEST} ") for p in summary.problems)  # already said
+    name = summary.latest_checkpoint if (run / LATEST).is_file() and not bad_pointer else None
+    if name is None:
+        problem = "" if bad_pointer else f"no {LATEST} file naming the newest checkpoint"
+    elif not (run / name).is_dir():
+        problem = f"{LATEST} points to {name}, which does not exist"
+    else:
+        damage = checkpoint_problem(run / name)
+        if damage is None:
+            return
+        problem = f"{LATEST} points to {name}, whose {damage}"
+    intact = newest_intact(run)
+    summary.intact_checkpoint = intact.name if intact is not None else None
+    found = (f"newest intact checkpoint: {intact.name}" if intact is not None
+             else "no intact checkpoint")
+    summary.problems.append(f"{problem}; {found}" if problem else found)
+    if summary.state != "running":
+        summary.state = "damaged"
+
+
+def _read_history(run: Path) -> RunSummary:
+    """The summary from config.yaml, `latest` and metrics.jsonl (see read_run)."""
     summary = RunSummary(name=run.name, path=str(run))
     config = _read_config(run, summary)
     if config is not None:

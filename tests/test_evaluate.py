@@ -134,27 +134,37 @@ def test_bad_checkpoints_and_data_are_clear_errors(tmp_path):
     missing = tmp_path / "missing.txt"
     ckpt = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'never'}",
                            f"data.source={missing}", "train.name=nosource")
-    assert_user_error(run_andrea("eval", "--checkpoint", str(ckpt)), "cannot prepare",
-                      str(tmp_path / "never"), f"{missing}: no such file", "--data")
+    assert_user_error(run_andrea("eval", "--checkpoint", str(ckpt), cwd=tmp_path),
+                      "cannot prepare", "data/missing-byte", f"{missing}: no such file", "--data")
+    assert not (tmp_path / "never").exists()
 
 
 def test_a_missing_data_folder_is_prepared_from_the_run_config(tmp_path, data_dir):
     """Like train, eval prepares the run's data when its folder has none (one line on stderr,
-    never claiming the folder existed) and then gives what --data on the same shards gives."""
+    never claiming the folder existed) and then gives what --data on the same shards gives.
+    It prepares under ./data, never in the folder the checkpoint's data.dir names (a
+    checkpoint is untrusted), and says so."""
     ckpt = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'fresh'}")
     args = ("eval", "--checkpoint", str(ckpt), "--max-tokens", "200", "--precision", "fp32",
             "--json", "--no-progress")
-    proc = run_andrea(*args)
+    proc = run_andrea(*args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     notices = [line for line in proc.stderr.splitlines() if line.strip()]
     assert notices == [
-        f"preparing {tmp_path / 'fresh'} (the run's data folder, not prepared yet) from the "
+        f"preparing data/shakespeare-byte (the run's config names {tmp_path / 'fresh'}, which "
+        "is not prepared; andrea writes data only under ./data for a checkpoint) from the "
         "embedded Shakespeare corpus with the byte tokenizer, as the run's config says"
     ]
-    assert (tmp_path / "fresh" / "manifest.json").is_file()
+    assert (tmp_path / "data/shakespeare-byte/manifest.json").is_file()
+    assert not (tmp_path / "fresh").exists()
     prepared = json.loads(proc.stdout)
+    assert prepared["data_dir"] == "data/shakespeare-byte"
     given = evaluate_checkpoint(str(ckpt), str(data_dir), 200, "fp32", "cpu", 8, False)
     assert prepared["tokens"] == given.tokens == 200
     assert prepared["loss"] == given.loss and math.isfinite(given.loss)
-    again = run_andrea(*args)  # prepared now: nothing more to say
+    again = run_andrea(*args, cwd=tmp_path)  # prepared now: nothing more to say
     assert again.returncode == 0 and again.stderr == "" and json.loads(again.stdout) == prepared
+    # A run whose data.dir holds prepared data reads it there (read only), as before.
+    ckpt = make_checkpoint(tmp_path / "own", f"data.dir={data_dir}")
+    proc = run_andrea(*args[:2], str(ckpt), *args[3:], cwd=tmp_path)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["data_dir"] == str(data_dir)

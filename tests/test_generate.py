@@ -143,7 +143,8 @@ def test_an_empty_prompt_is_a_new_document_either_way(tmp_path):
 
 def test_a_bpe_run_whose_data_is_gone_prepares_it_again(tmp_path):
     """generate needs a trained BPE's tokenizer.json: with the run's data folder gone, it
-    prepares that folder from the run's config (one line on stderr) and finds the same BPE."""
+    prepares the data from the run's config (one line on stderr) under ./data (never in the
+    folder the checkpoint names) and finds the same BPE."""
     text = tmp_path / "text.txt"
     text.write_text("".join(f"the cat sat on mat {i % 7}, the dog ran to {i % 5}.\n"
                             for i in range(300)))
@@ -156,10 +157,13 @@ def test_a_bpe_run_whose_data_is_gone_prepares_it_again(tmp_path):
     assert before.returncode == 0 and before.stderr == "", before.stderr
     shutil.rmtree(data)
     after = run_andrea("generate", "--checkpoint", str(ckpt), "-p", "the cat", "-n", "8",
-                       "--seed", "1")
+                       "--seed", "1", cwd=tmp_path)
     assert after.returncode == 0, after.stderr
     assert after.stderr.splitlines() == [
-        f"preparing {data} (the run's data folder, not prepared yet) from {text} with the bpe "
+        f"preparing data/text-bpe-320 (the run's config names {data}, which is not prepared; "
+        f"andrea writes data only under ./data for a checkpoint) from {text} with the bpe "
         "tokenizer, as the run's config says"
     ]
+    assert not (data / "manifest.json").exists()  # tmp_path/data holds only the new folder
+    assert (tmp_path / "data/text-bpe-320/tokenizer.json").is_file()
     assert after.stdout == before.stdout and after.stdout.startswith("the cat")

@@ -195,15 +195,19 @@ def test_an_imported_bpe_model_fine_tunes_with_its_tokenizer(tmp_path, monkeypat
     assert_first_loss_is_the_imported_weights(result, ckpt, cfg, data)
 
 
-def test_an_import_keeps_the_exporters_data_dir_only_if_it_exists_here(tmp_path, data_dir):
-    """A data.dir of the exporter's machine is not named as the run's data folder: eval and
-    generate would prepare into (or report) a folder that was never here."""
+def test_an_import_never_keeps_the_exporters_data_dir(tmp_path, data_dir):
+    """andrea.json is untrusted: its data.dir (a folder of the exporter's choosing, here or
+    not) is never the run's data folder, which eval, generate and train would write; the run
+    derives its own under ./data, unless the user's --set names one."""
     elsewhere = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'not-here'}", "train.name=a")
     run = import_hf(export_hf(str(elsewhere), tmp_path / "hf-a"), tmp_path / "runs" / "ia")
     assert load_config(run.parent / "config.yaml").data.dir == ""
     here = make_checkpoint(tmp_path, f"data.dir={data_dir}", "train.name=b")
     run = import_hf(export_hf(str(here), tmp_path / "hf-b"), tmp_path / "runs" / "ib")
-    assert load_config(run.parent / "config.yaml").data.dir == str(data_dir)
+    assert load_config(run.parent / "config.yaml").data.dir == ""
+    mine = tmp_path / "mine"
+    run = import_hf(tmp_path / "hf-b", tmp_path / "runs" / "ic", [f"data.dir={mine}"])
+    assert load_config(run.parent / "config.yaml").data.dir == str(mine)
 
 
 def test_an_import_over_its_default_run_names_the_default(tmp_path):

@@ -170,3 +170,65 @@ def test_every_verb_as_a_new_user_runs_it(tmp_path):
                  and line.split()[2] == "bf16"]
     assert {row[3] for row in attention} >= {"sdpa", "math"}
     assert all(float(v) > 0 for row in attention for v in row[4:7])  # fwd, bwd, f+b ms
+
+
+def test_a_damaged_run_and_a_strangers_checkpoint_as_a_user_meets_them(tmp_path):
+    """Issue 20's checkpoint cases as a user meets them, every step a real `andrea` process:
+    the newest checkpoint of a run is lost, and the error's own command gets the user going
+    again; a stranger's checkpoint and export name a folder of the user's as their data
+    folder, and nothing in it is touched."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    home = tmp_path / "project"
+    home.mkdir()
+    andrea(home, "train", "--config", "andrea-tiny", "--set", "train.max_steps=20",
+           "--set", "train.eval_every=0", "--set", "train.checkpoint_every=10")
+    run = home / "runs/andrea-tiny"
+    model = run / "step-000020/model.safetensors"
+    stranger = tmp_path / "stranger-step"
+    stranger.mkdir()
+    blob = model.read_bytes()
+    model.unlink()  # a disk clean-up took the newest weights
+
+    # runs says damaged; eval and resume refuse in one line, naming the command that works.
+    row = table_row(andrea(home, "runs").stdout, "andrea-tiny")
+    assert row[-2:] == ["!", "step-000020"] and row[-3] == "damaged", row
+    for args, intact in ((("eval", "--checkpoint", "runs/andrea-tiny"),
+                          "andrea eval --checkpoint runs/andrea-tiny/step-000010"),
+                         (("train", "--resume", "runs/andrea-tiny"),
+                          "andrea train --resume runs/andrea-tiny/step-000010")):
+        proc = run_andrea(*args, cwd=home)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.rstrip().endswith(intact), proc.stderr
+        command = intact.split()[1:]  # the command as the error gives it
+        if command[0] == "eval":
+            command += ["--max-tokens", str(EVAL_TOKENS)]
+        proc = andrea(home, *command)
+    assert "resuming from runs/andrea-tiny/step-000010" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].endswith("checkpoint runs/andrea-tiny/step-000020")
+    assert table_row(andrea(home, "runs").stdout, "andrea-tiny")[-2:] == [
+        "finished", "step-000020"]
+
+    # A stranger's checkpoint whose config names the user's notes folder as its data folder.
+    notes = home / "notes"
+    notes.mkdir()
+    for name in ("tokenizer.json", "draft.tmp", "main.py"):
+        (notes / name).write_text(f"the user's {name}\n")
+    before = {p.name: p.read_text() for p in notes.iterdir()}
+    (stranger / "model.safetensors").write_bytes(blob)
+    with safe_open(str(stranger / "model.safetensors"), "pt") as f:
+        metadata = f.metadata()
+    config = json.loads(metadata["config"])
+    config["data"]["dir"] = str(notes)
+    save_file(load_file(str(stranger / "model.safetensors")), str(stranger / "model.safetensors"),
+              {**metadata, "config": json.dumps(config)})
+    found, _ = eval_result(home, str(stranger))
+    assert found["data"] == "data/shakespeare-byte"  # the user's own prepared data, read only
+    andrea(home, "export", "--checkpoint", str(stranger), "--out", "from-stranger")
+    assert json.loads((home / "from-stranger/andrea.json").read_text())["config"]["data"][
+        "dir"] == str(notes)
+    andrea(home, "import", "from-stranger")
+    assert "dir: ''" in (home / "runs/from-stranger/config.yaml").read_text()
+    eval_result(home, "runs/from-stranger")
+    assert {p.name: p.read_text() for p in notes.iterdir()} == before

@@ -76,6 +76,8 @@ def write_run(
     (run / "metrics.jsonl").write_text(text)
     for step in checkpoints:
         (run / f"step-{step:06d}").mkdir()
+        # The smallest sound safetensors file (no tensors): the checkpoint counts as intact.
+        (run / f"step-{step:06d}" / "model.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")
     if checkpoints:
         (run / "latest").write_text(f"step-{max(checkpoints):06d}\n")
     return run
@@ -203,8 +205,9 @@ def test_damaged_runs_are_listed_with_the_reason(tmp_path):
         assert r.state == "finished" and r.step == 50 and r.shape is None, name
         assert r.model == "andrea-tiny" and r.problems[0].startswith(reason), (name, r.problems)
     d = runs["dangling"]
-    assert d.latest_checkpoint == "step-000900"
-    assert d.problems == ["latest points to step-000900, which does not exist"]
+    assert d.latest_checkpoint == "step-000900" and d.state == "damaged"
+    assert d.problems == ["latest points to step-000900, which does not exist; no intact "
+                          "checkpoint"]
 
 
 def test_list_runs_without_runs_is_a_user_error(tmp_path):

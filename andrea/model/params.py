@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from andrea.config import ModelConfig
+from andrea.errors import UserError
 from andrea.model.transformer import Andrea
 
 
@@ -45,6 +47,38 @@ def closed_form_total(cfg: ModelConfig) -> int:
         # qkv 3d + W_O d + MLP 4d + d + two LayerNorm biases 2d per layer; the final norm's d.
         total += cfg.n_layer * 11 * d + d
     return total
+
+
+def check_stored_shape(
+    cfg: ModelConfig,
+    shapes: Mapping[str, Sequence[int]],
+    origin: str,
+    names: tuple[str, str, str] = ("tok_emb.weight", "pos_emb.weight", "blocks."),
+) -> None:
+    """Refuse a config that does not describe the stored weights, before a model is built.
+
+    A checkpoint's or an imported config.json's model section is untrusted: one asking for
+    10^6 layers would otherwise allocate them before any tensor is compared. shapes: each
+    stored tensor's shape by name (from the file's header); names: the token embedding, the
+    position embedding and the block prefix as the file spells them (GPT-2: wte, wpe, h.).
+    """
+    tok_name, pos_name, prefix = names
+    blocks = {key[len(prefix):].split(".", 1)[0] for key in shapes if key.startswith(prefix)}
+    n_blocks = len({b for b in blocks if b.isdigit()})
+    tok, pos = list(shapes.get(tok_name, [])), list(shapes.get(pos_name, []))
+    wrong = []
+    if n_blocks != cfg.n_layer or blocks != {str(i) for i in range(n_blocks)}:
+        wrong.append(f"n_layer {cfg.n_layer} (the file holds {n_blocks} blocks)")
+    if tok != [cfg.vocab_size, cfg.d_model]:
+        wrong.append(f"vocab_size x d_model {cfg.vocab_size} x {cfg.d_model} ({tok_name} is "
+                     f"{tok or 'missing'})")
+    if pos != [cfg.block_size, cfg.d_model]:
+        wrong.append(f"block_size x d_model {cfg.block_size} x {cfg.d_model} ({pos_name} is "
+                     f"{pos or 'missing'})")
+    if wrong:
+        raise UserError(f"{origin}: the config does not describe the stored weights: "
+                        f"{'; '.join(wrong)}; the file is damaged or not one model's, so no "
+                        "model is built from it")
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:

@@ -41,16 +41,24 @@ from safetensors.torch import save as safetensors_bytes
 from andrea.config import Config, config_from_dict
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text, fsync_dir
+from andrea.model.params import check_stored_shape
 from andrea.train.distributed import full_tensor, shard_like
-from andrea.train.rundir import LATEST
+from andrea.train.rundir import (
+    LATEST,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    SHARD_INDEX,
+    SHARDS_DIR,
+    checkpoint_problem,
+    is_step_dir,
+    newest_intact,
+    read_safetensors_header,
+    step_dirs,
+)
 from andrea.train.rundir import TRAINER_STATE as STATE_FILE
 
 FORMAT = "andrea-checkpoint/1"
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
-RNG_FILE = "rng.safetensors"
-SHARDS_DIR = "shards"
-SHARD_INDEX = "index.json"
 OPTIMIZER_PREFIX = "optimizer."  # the optimizer's keys among the shards' tensors
 # The LM head is tied to the token embedding: stored once, re-tied on load.
 TIED_KEYS = {"lm_head.weight": "tok_emb.weight"}
@@ -201,7 +209,14 @@ def check_shards(ckpt: Path, expected: dict[str, torch.Tensor]) -> None:
         files = json.loads((folder / SHARD_INDEX).read_text())["files"]
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{folder / SHARD_INDEX}: unreadable shard index: {exc}") from None
+    if not isinstance(files, dict):
+        raise UserError(f"{folder / SHARD_INDEX}: 'files' is not a mapping of file names to sizes")
     for name, size in files.items():
+        # Only plain names inside shards/: an index is untrusted, '../x' or '/x' lead out.
+        if Path(name).name != name or name in ("", ".", "..") or not name.endswith(".safetensors"):
+            raise UserError(f"{folder / SHARD_INDEX}: lists {name!r}, which is not a .safetensors "
+                            f"file name inside {SHARDS_DIR}/ (a damaged or forged checkpoint); "
+                            f"resume from another checkpoint")
         path = folder / name
         if not path.is_file():
             raise UserError(f"{path}: missing (listed in {SHARD_INDEX}); the checkpoint's shards "
@@ -271,9 +286,9 @@ def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first."""
-    found = [p for p in run_dir.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    """Checkpoint folders (renamed into place whole, so complete unless damaged since),
+    oldest first."""
+    return step_dirs(run_dir)
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
@@ -290,34 +305,49 @@ def clean_partials(run_dir: Path) -> None:
 
 
 def read_latest(run_dir: Path) -> Path | None:
+    """The checkpoint `latest` names; None without one, or when it names anything but a
+    step folder of this run (a forged '../elsewhere' never leads out of the run)."""
     try:
         name = (run_dir / LATEST).read_text().strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
-    return run_dir / name if name else None
+    return run_dir / name if is_step_dir(Path(name)) and "/" not in name else None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run directory means its latest checkpoint; a step directory means itself."""
+def resolve_checkpoint(
+    path: str | Path, use: str = "andrea eval --checkpoint {}", for_resume: bool = False
+) -> Path:
+    """A run directory means its latest checkpoint; a step directory means itself. A damaged
+    one (see rundir.checkpoint_problem) is refused in one line that names the newest intact
+    checkpoint of the run and the command that uses it: `use` with {} for the folder."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such checkpoint or run directory")
-    if (path / MODEL_FILE).is_file():
-        return path
-    latest = read_latest(path)
-    if latest is not None and (latest / MODEL_FILE).is_file():
-        return latest
-    if latest is not None:
-        raise UserError(f"{path}: 'latest' names {latest.name}, which holds no {MODEL_FILE}")
-    raise UserError(
-        f"{path}: not a checkpoint (no {MODEL_FILE}) and not a run directory (no '{LATEST}' file)"
-    )
+    if (path / MODEL_FILE).is_file() or is_step_dir(path):
+        run_dir, ckpt, what = path.parent, path, f"{path}: damaged checkpoint"
+    else:
+        ckpt = read_latest(path)
+        if ckpt is None and not step_dirs(path):
+            raise UserError(f"{path}: not a checkpoint (no {MODEL_FILE}) and not a run "
+                            f"directory (no '{LATEST}' file)")
+        run_dir = path
+        what = (f"{path}: no usable '{LATEST}' file" if ckpt is None
+                else f"{path}: the latest checkpoint, {ckpt.name}, is damaged")
+    problem = checkpoint_problem(ckpt, for_resume) if ckpt is not None else "missing"
+    if problem is None:
+        return ckpt
+    intact = newest_intact(run_dir, for_resume)
+    way_out = (f"the newest intact checkpoint is {intact}: {use.format(intact)}"
+               if intact is not None else "the run has no intact checkpoint")
+    reason = f" ({problem})" if ckpt is not None else ""
+    raise UserError(f"{what}{reason}; {way_out}")
 
 
 def _open(path: Path):
     if not path.is_file():
         raise UserError(f"{path}: missing; the checkpoint is incomplete")
     try:
+        read_safetensors_header(path)  # a forged header length is refused before safetensors
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError, ValueError) as exc:
         raise UserError(
@@ -338,17 +368,23 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
 def read_model_checkpoint(
     ckpt: Path, tensors: bool = True
 ) -> tuple[dict[str, torch.Tensor], Config, dict[str, str]]:
-    """Weights (none with tensors=False), the config they were trained with, the metadata."""
+    """Weights (none with tensors=False), the config they were trained with, the metadata.
+    The config must describe the stored tensors (checked from the header, before any tensor
+    is read or any model built from it: a checkpoint is untrusted input)."""
     path = ckpt / MODEL_FILE
-    if tensors:
-        weights, metadata = read_safetensors(path)
-    else:
-        with _open(path) as f:
-            weights, metadata = {}, f.metadata() or {}
+    with _open(path) as f:
+        metadata = f.metadata() or {}
+        shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
     if metadata.get("format") != FORMAT or "config" not in metadata:
         raise UserError(f"{path}: not an andrea checkpoint (metadata format is "
                         f"{metadata.get('format')!r}, expected {FORMAT!r})")
-    cfg = config_from_dict(json.loads(metadata["config"]), origin=f"{path} metadata")
+    try:
+        stored = json.loads(metadata["config"])
+    except ValueError:
+        raise UserError(f"{path}: the config in the metadata is not JSON (damaged?)") from None
+    cfg = config_from_dict(stored, origin=f"{path} metadata")
+    check_stored_shape(cfg.model, shapes, f"{path} metadata")
+    weights = read_safetensors(path)[0] if tensors else {}
     return weights, cfg, metadata
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from andrea.config import Config, config_from_dict, load_config
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.rundir import CONFIG, run_path
+from andrea.train.rundir import CONFIG, is_step_dir, run_path
 
 # Keys `--resume` may change: they decide how the run proceeds (how far, how often it logs,
 # evaluates and checkpoints, how fast it computes), not what it trains. Any other difference
@@ -127,21 +127,34 @@ def _run_config_from_rank0(store: Any, resume: str, overrides: list[str]) -> Con
 
 
 def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
-    """`--resume runs/<name>` or `--resume auto` (the config's run, if it has a checkpoint)."""
+    """`--resume runs/<name>`, `--resume runs/<name>/step-N` (that checkpoint of the run) or
+    `--resume auto` (the config's run, if it has a checkpoint): the run directory."""
     if resume == "auto":
         if cfg is None:
             raise UserError("--resume auto needs --config to know the run's name")
         run_dir = Path(cfg.train.runs_dir) / cfg.train.name
-        return run_dir if ckpt_io.read_latest(run_dir) is not None else None
+        has_one = ckpt_io.read_latest(run_dir) is not None or ckpt_io.list_checkpoints(run_dir)
+        return run_dir if has_one else None
     run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
+    if is_step_dir(run_dir) and (run_dir.parent / CONFIG).is_file():
+        run_dir = run_dir.parent
     if not run_dir.is_dir():
         elsewhere = ""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a node with its own runs_dir
             elsewhere = (" on this node; where train.runs_dir is on node 0 alone, give every "
                          "node --config CONFIG --resume auto")
         raise UserError(f"--resume {resume}: no such run directory{elsewhere}")
-    if not (run_dir / CONFIG).is_file() or ckpt_io.read_latest(run_dir) is None:
+    has_one = ckpt_io.read_latest(run_dir) is not None or ckpt_io.list_checkpoints(run_dir)
+    if not (run_dir / CONFIG).is_file() or not has_one:
         raise UserError(
             f"--resume {resume}: not a run with a checkpoint (needs config.yaml and 'latest')"
         )
     return run_dir
+
+
+def resume_checkpoint(resume: str, run_dir: Path) -> Path:
+    """The checkpoint `--resume` continues from: the step folder it names, else the run's
+    latest; a damaged one is refused naming the newest intact step (resolve_checkpoint)."""
+    named = Path(resume)
+    where = run_dir / named.name if is_step_dir(named) else run_dir
+    return ckpt_io.resolve_checkpoint(where, use="andrea train --resume {}", for_resume=True)

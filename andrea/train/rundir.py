@@ -5,17 +5,32 @@
     runs/NAME/step-NNNNNN/         checkpoints (andrea/train/checkpoint.py writes them)
     runs/NAME/latest               the name of the newest complete checkpoint
 
+Also here, for the same readers: whether a checkpoint folder is intact (`checkpoint_problem`),
+judged from its files and the safetensors headers alone, and the newest intact one of a run.
+
 No torch here: `andrea runs` and `andrea plot` read runs without loading it.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import struct
 from pathlib import Path
+from typing import Any
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+SHARDS_DIR = "shards"
+SHARD_INDEX = "index.json"
+STEP_DIR = re.compile(r"step-\d+")
+# safetensors' own limit on the JSON header; a larger length is damage, never a real header.
+MAX_HEADER_BYTES = 100_000_000
 
 
 def is_run(path: Path) -> bool:
@@ -32,3 +47,78 @@ def run_path(name: str | Path, runs_dir: str | Path = "runs") -> Path:
         if not path.exists() or is_run(under):
             return under
     return path
+
+
+def is_step_dir(path: Path) -> bool:
+    """A checkpoint folder by its name (step-NNNNNN), whatever its contents."""
+    return STEP_DIR.fullmatch(path.name) is not None
+
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """The run's checkpoint folders (complete or damaged; never a .partial-), oldest first."""
+    found = [p for p in run_dir.glob("step-*") if p.is_dir() and is_step_dir(p)]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file, checked against the file's size; a ValueError
+    saying what is wrong (truncated, a length past the end, data past the end) otherwise.
+    Reads at most the header, so a forged length never makes anyone read or allocate it."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"truncated: {size} bytes, shorter than the 8-byte header length")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise ValueError(f"header length {length:,} bytes does not fit the file "
+                             f"({size:,} bytes): truncated or damaged")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise ValueError("the header is not JSON: damaged") from None
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object: damaged")
+    try:
+        end = max((int(entry["data_offsets"][1]) for key, entry in header.items()
+                   if key != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise ValueError("a tensor entry of the header has no data offsets: damaged") from None
+    if 8 + length + end != size:
+        raise ValueError(f"the tensors need {8 + length + end:,} bytes, the file has "
+                         f"{size:,}: truncated or damaged")
+    return header
+
+
+def checkpoint_problem(ckpt: Path, for_resume: bool = False) -> str | None:
+    """What makes checkpoint folder `ckpt` unusable, in a few words, or None if it is intact:
+    its model file (for eval, generate, export) and, for_resume, the trainer state, RNG states
+    and optimizer state (or shard index) too. Files and headers only; no tensor is read."""
+    if not ckpt.is_dir():
+        return "the folder does not exist"
+    files = [MODEL_FILE]
+    if for_resume:
+        sharded = (ckpt / SHARDS_DIR).is_dir()
+        files += [RNG_FILE, TRAINER_STATE, f"{SHARDS_DIR}/{SHARD_INDEX}" if sharded
+                  else OPTIMIZER_FILE]
+    for name in files:
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        try:
+            if name.endswith(".safetensors"):
+                read_safetensors_header(path)
+            else:
+                json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            return f"{name} is unreadable: {exc}"
+    return None
+
+
+def newest_intact(run_dir: Path, for_resume: bool = False) -> Path | None:
+    """The newest checkpoint folder of the run with no `checkpoint_problem`."""
+    for ckpt in reversed(step_dirs(run_dir)):
+        if checkpoint_problem(ckpt, for_resume) is None:
+            return ckpt
+    return None

@@ -41,7 +41,7 @@ from andrea.train.memory import (
 from andrea.train.metrics import MetricsLog
 from andrea.train.optim import build_optimizer
 from andrea.train.plan import announce, start_run_files
-from andrea.train.resume import check_resume_changes, find_run_to_resume
+from andrea.train.resume import check_resume_changes, find_run_to_resume, resume_checkpoint
 from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.session import Session, TrainResult
 from andrea.train.signals import SignalWatch
@@ -233,7 +233,7 @@ def open_run(
         found = find_run_to_resume(resume, cfg)
         if found is not None:
             stored = load_config(found / CONFIG)
-            checkpoint = ckpt_io.resolve_checkpoint(found)
+            checkpoint = resume_checkpoint(resume, found)
             trained = ckpt_io.read_trainer_state(checkpoint)[0]["step"] > 0
             changes = check_resume_changes(stored, cfg, found, trained)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml

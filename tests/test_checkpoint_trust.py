@@ -1,0 +1,296 @@
+"""Checkpoints are untrusted input and a damaged one must not block the rest (issue 20, cases 4
+and 5, checkpoint side), all through the real `andrea` command:
+
+- a checkpoint (or an imported andrea.json) naming data.dir=<a folder of the user's> never makes
+  eval, generate or import write or delete there; data is prepared under ./data instead;
+- damaged or forged checkpoint files (a truncated or oversized safetensors header, a shard index
+  leading out of shards/, a config asking for 10^6 layers) are one line, exit 2, nothing written;
+- a damaged `latest` is named with the newest intact step and the command that uses it, a step
+  folder is accepted by --checkpoint and --resume, and `andrea runs` says `damaged`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import assert_user_error, make_checkpoint, run_andrea
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from andrea.config import load_config
+from andrea.train.loop import train
+
+# The user's own files in a folder a forged checkpoint names as its data.dir: prepare's old
+# clean-up deleted tokenizer.json and *.tmp and wrote shards beside them.
+USER_FILES = {"tokenizer.json": '{"mine": true}', "draft.tmp": "half a thought",
+              "main.py": "print('hi')\n"}
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under root with its size and modification time: what 'nothing written' means."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+def user_folder(root: Path) -> Path:
+    folder = root / "precious"
+    folder.mkdir(parents=True)
+    for name, text in USER_FILES.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def rewrite_metadata(ckpt: Path, edit) -> None:
+    """Rewrite the checkpoint's model.safetensors with edit(config dict) applied to its config."""
+    path = ckpt / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(path))
+    config = json.loads(metadata["config"])
+    edit(config)
+    save_file(tensors, str(path), {**metadata, "config": json.dumps(config)})
+
+
+def run_limited(*args: str, cwd: Path, memory: int = 2_000_000_000):
+    """`andrea ARGS` with its address space capped: a model of 10^6 layers built by mistake
+    fails fast (MemoryError) instead of taking the machine's memory from everyone."""
+    code = ("import resource, runpy, sys; "
+            f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory})); "
+            f"sys.argv = ['andrea', *{list(args)!r}]; "
+            "runpy.run_module('andrea', run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+# ----------------------------------------------------------------------------- case 4: data.dir
+
+
+def test_a_checkpoint_naming_a_users_folder_never_writes_there(tmp_path):
+    """eval and generate of a checkpoint whose data.dir is a folder of the user's: the data is
+    prepared under ./data, the folder keeps every file as it was."""
+    precious = user_folder(tmp_path)
+    ckpt = make_checkpoint(tmp_path / "stranger", f"data.dir={precious}")
+    home = tmp_path / "home"
+    home.mkdir()
+    before = snapshot(precious)
+    proc = run_andrea("eval", "--checkpoint", str(ckpt), "--max-tokens", "64", "--no-progress",
+                      "--json", cwd=home)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["data_dir"] == "data/shakespeare-byte"
+    assert f"the run's config names {precious}, which is not prepared" in proc.stderr
+    assert (home / "data/shakespeare-byte/manifest.json").is_file()
+    assert snapshot(precious) == before
+
+    # generate of a BPE run: the tokenizer is looked for and prepared, again never in there.
+    bpe = make_checkpoint(tmp_path / "stranger-bpe", f"data.dir={precious}",
+                          "data.tokenizer=bpe", "model.vocab_size=320", tokenizer="bpe:0123abcd")
+    proc = run_andrea("generate", "--checkpoint", str(bpe), "-n", "4", cwd=home)
+    notice, error = proc.stderr.splitlines()  # the prepare under ./data, then no such BPE
+    assert proc.returncode == 2 and notice.startswith("preparing data/shakespeare-bpe-320 ")
+    assert error.startswith("error: ") and "bpe:0123abcd" in error
+    assert snapshot(precious) == before
+    assert (home / "data/shakespeare-bpe-320/manifest.json").is_file()
+
+
+def test_an_imported_andrea_json_never_names_the_data_folder(tmp_path):
+    """An export whose andrea.json names a folder of the user's (one that exists here) as its
+    data.dir: import derives the run's own, and eval of the import writes only under ./data."""
+    precious = user_folder(tmp_path)
+    export = tmp_path / "export"
+    proc = run_andrea("export", "--checkpoint", str(make_checkpoint(tmp_path / "src")),
+                      "--out", str(export))
+    assert proc.returncode == 0, proc.stderr
+    andrea_json = json.loads((export / "andrea.json").read_text())
+    andrea_json["config"]["data"]["dir"] = str(precious)
+    (export / "andrea.json").write_text(json.dumps(andrea_json))
+    home = tmp_path / "home"
+    home.mkdir()
+    before = snapshot(precious)
+    assert run_andrea("import", str(export), cwd=home).returncode == 0
+    assert load_config(home / "runs/export/config.yaml").data.dir == ""
+    proc = run_andrea("eval", "--checkpoint", "runs/export", "--max-tokens", "64",
+                      "--no-progress", cwd=home)
+    assert proc.returncode == 0, proc.stderr
+    assert " on data/shakespeare-byte (val)" in proc.stdout
+    assert snapshot(precious) == before
+
+
+# ----------------------------------------------------------------------------- case 4: fuzzing
+
+
+def _cut(blob: bytes) -> bytes:
+    return blob[:5]
+
+
+def _length_past_the_end(blob: bytes) -> bytes:
+    return struct.pack("<Q", len(blob)) + blob[8:]
+
+
+def _oversized(blob: bytes) -> bytes:
+    return struct.pack("<Q", 2**62) + blob[8:]
+
+
+def _data_cut(blob: bytes) -> bytes:
+    return blob[:-10]
+
+
+def _not_json(blob: bytes) -> bytes:
+    (n,) = struct.unpack("<Q", blob[:8])
+    return blob[:8] + b"\xff" * n + blob[8 + n:]
+
+
+DAMAGE = {"truncated": (_cut, "shorter than the 8-byte header length"),
+          "length past the end": (_length_past_the_end, "does not fit the file"),
+          "oversized header": (_oversized, "4,611,686,018,427,387,904 bytes does not fit"),
+          "tensor data cut": (_data_cut, "the tensors need"),
+          "header not JSON": (_not_json, "not JSON")}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_model_file_is_one_line_and_writes_nothing(tmp_path, data_dir, damage):
+    mutate, says = DAMAGE[damage]
+    ckpt = make_checkpoint(tmp_path, f"data.dir={data_dir}")
+    path = ckpt / "model.safetensors"
+    path.write_bytes(mutate(path.read_bytes()))
+    before = snapshot(tmp_path)
+    verbs = [("eval", "--checkpoint", str(ckpt))]
+    if damage in ("oversized header", "tensor data cut"):  # the other readers, on two of them
+        verbs += [("generate", "--checkpoint", str(ckpt.parent)),
+                  ("train", "--resume", str(ckpt.parent))]
+    for args in verbs:
+        assert_user_error(run_andrea(*args, cwd=tmp_path), str(ckpt.name), "model.safetensors",
+                          says)
+        assert snapshot(tmp_path) == before, args
+
+
+def test_a_damaged_hf_model_file_is_one_line_and_writes_nothing(tmp_path):
+    export = tmp_path / "export"
+    assert run_andrea("export", "--checkpoint", str(make_checkpoint(tmp_path / "src")),
+                      "--out", str(export)).returncode == 0
+    weights = export / "model.safetensors"
+    blob = weights.read_bytes()
+    for damage in ("truncated", "oversized header", "tensor data cut"):
+        mutate, says = DAMAGE[damage]
+        weights.write_bytes(mutate(blob))
+        before = snapshot(tmp_path)
+        assert_user_error(run_andrea("import", str(export), "--out", "runs/x", cwd=tmp_path),
+                          str(weights), says)
+        assert snapshot(tmp_path) == before
+
+
+def test_a_config_asking_for_a_million_layers_is_refused_before_allocating(tmp_path):
+    """The andrea checkpoint's metadata and an HF config.json alike: refused from the file's
+    header in one line, under an address-space cap the old code blew through."""
+    ckpt = make_checkpoint(tmp_path / "src")
+    export = tmp_path / "export"
+    assert run_andrea("export", "--checkpoint", str(ckpt), "--out", str(export)).returncode == 0
+    rewrite_metadata(ckpt, lambda c: c["model"].update(n_layer=10**6))
+    config = json.loads((export / "config.json").read_text())
+    (export / "config.json").write_text(json.dumps({**config, "n_layer": 10**6}))
+    before = snapshot(tmp_path)
+    for verb in ("eval", "generate"):
+        assert_user_error(run_limited(verb, "--checkpoint", str(ckpt), cwd=tmp_path),
+                          "n_layer 1000000 (the file holds 2 blocks)", "no model is built")
+    assert_user_error(run_limited("import", str(export), "--out", "runs/x", cwd=tmp_path),
+                      f"{export / 'config.json'}", "n_layer 1000000 (the file holds 2 blocks)")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("entry", ["../model.safetensors", "/etc/passwd"])
+def test_a_shard_index_leading_out_of_shards_is_refused(tmp_path, data_dir, entry):
+    """A sharded (fsdp) checkpoint's shards/index.json is untrusted: a name with '..' or an
+    absolute path is refused by train --resume, naming it; nothing is written."""
+    ckpt = make_checkpoint(tmp_path, f"data.dir={data_dir}")
+    (ckpt / "shards").mkdir()
+    # The size of the file the entry leads to, so only the name gives it away.
+    target = (ckpt / "shards" / entry) if not entry.startswith("/") else Path(entry)
+    size = target.stat().st_size if target.is_file() else 0
+    (ckpt / "shards/index.json").write_text(json.dumps({"files": {entry: size}}))
+    before = snapshot(tmp_path)
+    assert_user_error(run_andrea("train", "--resume", str(ckpt.parent), cwd=tmp_path),
+                      "index.json", repr(entry), "not a .safetensors file name inside shards/")
+    assert snapshot(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------- case 5: damage
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, data_dir) -> Path:
+    """A 20-step tiny run with checkpoints at steps 10 and 20 (copy it before damaging it)."""
+    tmp = tmp_path_factory.mktemp("damaged")
+    cfg = load_config("andrea-tiny", [
+        f"data.dir={data_dir}", f"train.runs_dir={tmp / 'runs'}", "train.name=x",
+        "train.max_steps=20", "train.eval_every=0", "train.checkpoint_every=10",
+        "train.log_every=1",
+    ])
+    train(cfg, progress=False)
+    return tmp / "runs" / "x"
+
+
+def losses(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    return {r["step"]: r["loss"] for r in records if r["event"] == "train"}
+
+
+def test_a_damaged_latest_names_the_newest_intact_step_and_the_command(tmp_path, trained_run):
+    run = tmp_path / "runs" / "x"
+    shutil.copytree(trained_run, run)
+    (run / "step-000020" / "model.safetensors").unlink()
+    intact = "runs/x/step-000010"
+    for verb, use in (("eval", f"andrea eval --checkpoint {intact}"),
+                      ("generate", f"andrea generate --checkpoint {intact}")):
+        assert_user_error(run_andrea(verb, "--checkpoint", "runs/x", cwd=tmp_path),
+                          "runs/x: the latest checkpoint, step-000020, is damaged",
+                          "model.safetensors is missing", use)
+    # Without --checkpoint: the most recent run is this one, damaged; never silently another.
+    assert_user_error(run_andrea("eval", cwd=tmp_path), "step-000020, is damaged",
+                      f"andrea eval --checkpoint {intact}")
+    before = snapshot(tmp_path)
+    assert_user_error(run_andrea("train", "--resume", "runs/x", cwd=tmp_path),
+                      "step-000020, is damaged", f"andrea train --resume {intact}")
+    assert snapshot(tmp_path) == before
+
+    # The step folder works for eval, and --resume from it repeats the lost steps exactly.
+    proc = run_andrea("eval", "--checkpoint", intact, "--max-tokens", "64", "--no-progress",
+                      cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"{intact} on "), proc.stderr
+    proc = run_andrea("train", "--resume", intact, "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"resuming from {intact}" in proc.stdout
+    assert (run / "latest").read_text().strip() == "step-000020"
+    assert (run / "step-000020" / "model.safetensors").is_file()
+    assert losses(run) == losses(trained_run)  # steps 11..20 again, bit for bit
+
+    # No `latest` at all: the run's checkpoints are still found and named.
+    (run / "latest").unlink()
+    assert_user_error(run_andrea("eval", "--checkpoint", "runs/x", cwd=tmp_path),
+                      "runs/x: no usable 'latest' file",
+                      "andrea eval --checkpoint runs/x/step-000020")
+
+
+def test_runs_shows_a_damaged_run(tmp_path, trained_run):
+    runs = tmp_path / "runs"
+    for name in ("ok", "no-model", "no-latest"):
+        shutil.copytree(trained_run, runs / name)
+    (runs / "no-model" / "step-000020" / "model.safetensors").unlink()
+    (runs / "no-latest" / "latest").unlink()
+    proc = run_andrea("runs", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    states = {line.split()[0]: [w for w in line.split() if w in ("finished", "damaged")]
+              for line in proc.stdout.splitlines()[1:4]}
+    assert states == {"ok": ["finished"], "no-model": ["damaged"], "no-latest": ["damaged"]}
+    assert ("no-model: ! latest points to step-000020, whose model.safetensors is missing; "
+            "newest intact checkpoint: step-000010") in proc.stdout
+    assert ("no-latest: ! no latest file naming the newest checkpoint; newest intact "
+            "checkpoint: step-000020") in proc.stdout
+    data = {r["name"]: r for r in json.loads(run_andrea("runs", "--json", cwd=tmp_path).stdout)}
+    assert {n: (r["state"], r["intact_checkpoint"]) for n, r in data.items()} == {
+        "ok": ("finished", None), "no-model": ("damaged", "step-000010"),
+        "no-latest": ("damaged", "step-000020")}
