@@ -60,8 +60,9 @@ from andrea.train.resume import (
     find_run_to_resume,
 )
 from andrea.train.rundir import CONFIG, METRICS
-from andrea.train.schedule import lr_at
+from andrea.train.schedule import lr_at, replan
 from andrea.train.signals import EXIT_SIGNAL, SignalWatch
+from andrea.train.spike import APPLY, ROLLBACK, SKIP, SpikeGuard, agree, garble, injected_spike
 
 
 class NonFiniteError(Exception):
@@ -207,6 +208,7 @@ class Session:
     signals: SignalWatch
     mfu: MfuMeter
     preset: str
+    guard: SpikeGuard
     parallel: str = "none"  # how the processes share the work: none (one), ddp or fsdp
     step: int = 0
     tokens_seen: int = 0
@@ -218,6 +220,7 @@ class Session:
     checkpoint_step: int | None = None
     losses: dict[int, float] = field(default_factory=dict)
     throughput: list[float] = field(default_factory=list)
+    schedule_anchor: dict[str, Any] | None = None  # the lr schedule re-planned on a resume
 
     @property
     def tokens_per_micro_batch(self) -> int:  # over all ranks
@@ -265,7 +268,9 @@ def run_training(
                         save_checkpoint(s, rng_before_step)
                         break
                     loss, grad_norm = outcome
-                    optimizer_step(s, loss, grad_norm)
+                    if optimizer_step(s, loss, grad_norm) == ROLLBACK:
+                        roll_back(s)
+                        continue
                     log_step(s, lr, loss, grad_norm, time.perf_counter() - t0, bar)
                     maybe_evaluate(s, bar)
                     stopping = stop_agreed(s)
@@ -384,12 +389,17 @@ def set_up(
         log=MetricsLog(None), signals=signals,
         mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, n_params)),
         preset=trainer_state.get("preset", Path(cfg.source).stem), parallel=parallel,
+        guard=SpikeGuard(t, trainer_state.get("spike_guard")),
         step=trainer_state.get("step", 0), tokens_seen=trainer_state.get("tokens", 0),
         skipped=trainer_state.get("skipped_steps", 0),
         best_val=trainer_state.get("best_val_loss"), best_step=trainer_state.get("best_val_step"),
         checkpoint=resume_from, checkpoint_step=trainer_state.get("step"),
     )
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
+    # The max_steps the checkpoint was planned for (older checkpoints: the run's config).
+    planned_max = trainer_state.get("max_steps", changes.get("train.max_steps", [t.max_steps])[0])
+    s.schedule_anchor, schedule_lines = replan(s.step, t, planned_max,
+                                               trainer_state.get("schedule_anchor"))
     if dist.is_main:
         if replace:
             clear_run(run_dir)
@@ -398,7 +408,7 @@ def set_up(
         s.say(f"attention: {backend} ({why})")
         for key, (old, new) in changes.items():
             s.say(f"resume: {key} {old} -> {new}")
-        for line in parallel_lines(t.parallel, parallel, dist, trainer_state):
+        for line in parallel_lines(t.parallel, parallel, dist, trainer_state) + schedule_lines:
             s.say(line)
         s.say(
             f"{run_dir}: {n_params:,} parameters, {s.tokens_per_step:,} tokens/step "
@@ -609,7 +619,7 @@ def progress_bar(s: Session, enabled: bool) -> tqdm:
 
 
 def set_learning_rate(s: Session) -> float:
-    lr = lr_at(s.step, s.cfg.train)
+    lr = lr_at(s.step, s.cfg.train, s.schedule_anchor) * s.guard.lr_scale(s.step)
     for group in s.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_ratio", 1.0)
     return lr
@@ -629,15 +639,19 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
     """The step's micro-batches on this rank; (mean loss over all ranks, grad norm after
     clipping's measurement), or None when a signal stops the run before the last one."""
     t, step = s.cfg.train, s.step
+    data_step = s.guard.data_step(step)  # past any data window a rollback left behind
+    spike_scale = injected_spike(data_step)  # None unless a test injects a spike
     loss_sum = torch.zeros((), device=s.device)
     for micro in range(s.accum):
         if stop_agreed(s):
             return None
         x, y = train_batch(
-            s.train_split, seed=t.seed, step=step, micro_step=micro, rank=s.dist.rank,
+            s.train_split, seed=t.seed, step=data_step, micro_step=micro, rank=s.dist.rank,
             accum_steps=s.accum, world_size=s.dist.world_size,
             micro_batch_size=s.micro_batch, block_size=s.cfg.model.block_size,
         )
+        if spike_scale is not None:
+            x, y = garble(x, y, s.cfg.model.vocab_size, data_step)
         x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
         # DDP all-reduces (FSDP reduce-scatters) the gradients once, on the last micro-batch.
         last = micro == s.accum - 1
@@ -648,7 +662,7 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
             with torch.autocast(s.device.type, dtype=s.dtype,
                                 enabled=s.dtype != torch.float32):
                 _, loss = s.train_model(x, y)
-            (loss / s.accum).backward()
+            (loss * (spike_scale or 1.0) / s.accum).backward()
         loss_sum += loss.detach()
         bar.update(s.tokens_per_micro_batch)
         if os.environ.get("ANDREA_TEST_SIGNAL_AFTER") == f"{step}.{micro}":  # only for tests
@@ -665,11 +679,14 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
     return loss_value, norm_value
 
 
-def optimizer_step(s: Session, loss: float, grad_norm: float) -> None:
-    """Apply the step's gradients (or skip a non-finite one if allowed); the step is done."""
+def optimizer_step(s: Session, loss: float, grad_norm: float) -> str:
+    """Apply the step's gradients (or skip a non-finite one if allowed, or a spike the guard
+    holds back); the step is done. Returns the guard's action: apply, skip or rollback."""
     s.step += 1
+    action = guard_step(s, loss, grad_norm)
     if math.isfinite(loss) and math.isfinite(grad_norm):
-        s.optimizer.step()
+        if action == APPLY:
+            s.optimizer.step()
     elif s.cfg.train.skip_nonfinite:
         s.skipped += 1
         s.log.write("skip", step=s.step, reason="non-finite loss or gradient norm",
@@ -683,6 +700,44 @@ def optimizer_step(s: Session, loss: float, grad_norm: float) -> None:
     s.tokens_seen += s.tokens_per_step
     s.losses[s.step] = loss
     s.signals.completed_step = s.step
+    return action
+
+
+def guard_step(s: Session, loss: float, grad_norm: float) -> str:
+    """The spike guard's verdict on the step just computed, the same on every rank; an
+    outlier is a "spike" event."""
+    if not s.guard.enabled:
+        return APPLY
+    verdict = agree(s.guard.judge(s.step, loss, grad_norm), s.device, all_reduce_sum, s.dist)
+    if verdict.action == ROLLBACK and s.checkpoint is None:
+        verdict.action = SKIP  # nothing to go back to yet
+    if verdict.outlier:
+        s.log.write("spike", step=s.step, tokens=s.tokens_seen + s.tokens_per_step, loss=loss,
+                    grad_norm=grad_norm, loss_z=round(verdict.loss_z, 3),
+                    grad_z=round(verdict.grad_z, 3), spikes_total=s.guard.spikes,
+                    action=verdict.action if verdict.action != APPLY else "accepted")
+    return verdict.action
+
+
+def roll_back(s: Session) -> None:
+    """The guard's rollback: the newest checkpoint's weights, optimizer and generator states,
+    then on past the offending data at a cut learning rate."""
+    assert s.checkpoint is not None
+    from_step = s.step
+    state = restore(s.model, s.optimizer, s.param_names, s.checkpoint, s.train_split,
+                    s.device, s.dist)
+    s.step, s.tokens_seen = state["step"], state["tokens"]
+    s.checkpoint_step = s.signals.completed_step = s.step
+    s.losses = {k: v for k, v in s.losses.items() if k <= s.step}
+    s.guard.rolled_back(from_step, s.step)
+    t = s.cfg.train
+    s.log.write("rollback", step=s.step, tokens=s.tokens_seen, from_step=from_step,
+                checkpoint=s.checkpoint.name, data_offset=s.guard.data_offset,
+                lr_factor=t.spike_lr_factor, lr_cut_until=s.guard.lr_cut_until,
+                rollbacks_total=s.guard.rollbacks)
+    s.say(f"spike guard: {t.spike_patience} outliers in a row at step {from_step}: rolled back "
+          f"to {s.checkpoint.name}, lr x {t.spike_lr_factor} until step "
+          f"{s.guard.lr_cut_until}, data resumes after step {from_step}'s")
 
 
 def log_step(
@@ -744,10 +799,13 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
         optimizer_tensors = ckpt_io.optimizer_state(s.optimizer, s.param_names)
     if s.dist.is_main:
         state = {
-            "step": s.step, "tokens": s.tokens_seen, "data_position": s.step,
+            "step": s.step, "tokens": s.tokens_seen,
+            "data_position": s.guard.data_step(s.step),
             "best_val_loss": s.best_val, "best_val_step": s.best_step,
             "skipped_steps": s.skipped, "world_size": s.dist.world_size, "seed": s.cfg.train.seed,
             "preset": s.preset, "micro_batch_size": s.micro_batch, "parallel": s.parallel,
+            "max_steps": s.cfg.train.max_steps, "schedule_anchor": s.schedule_anchor,
+            "spike_guard": s.guard.state_dict(),
         }
         s.checkpoint = ckpt_io.save_checkpoint(
             s.run_dir, s.step, s.cfg, s.train_split.tokenizer_identity,
