@@ -709,7 +709,7 @@ def guard_step(s: Session, loss: float, grad_norm: float) -> str:
     if not s.guard.enabled:
         return APPLY
     verdict = agree(s.guard.judge(s.step, loss, grad_norm), s.device, all_reduce_sum, s.dist)
-    if verdict.action == ROLLBACK and s.checkpoint is None:
+    if verdict.action == ROLLBACK and rollback_checkpoint(s) is None:
         verdict.action = SKIP  # nothing to go back to yet
     if verdict.outlier:
         s.log.write("spike", step=s.step, tokens=s.tokens_seen + s.tokens_per_step, loss=loss,
@@ -719,12 +719,21 @@ def guard_step(s: Session, loss: float, grad_norm: float) -> str:
     return verdict.action
 
 
+def rollback_checkpoint(s: Session) -> Path | None:
+    """The newest checkpoint from before the outliers began. Not simply the newest: a pause or
+    a stop may have written one inside the streak, and the resumed run must go back where the
+    uninterrupted one would."""
+    before = s.step - s.cfg.train.spike_patience
+    found = [c for c in ckpt_io.list_checkpoints(s.run_dir) if int(c.name[5:]) <= before]
+    return found[-1] if found else None
+
+
 def roll_back(s: Session) -> None:
-    """The guard's rollback: the newest checkpoint's weights, optimizer and generator states,
-    then on past the offending data at a cut learning rate."""
-    assert s.checkpoint is not None
-    from_step = s.step
-    state = restore(s.model, s.optimizer, s.param_names, s.checkpoint, s.train_split,
+    """The guard's rollback: the checkpoint's weights, optimizer and generator states, then on
+    past the offending data at a cut learning rate."""
+    checkpoint, from_step = rollback_checkpoint(s), s.step
+    assert checkpoint is not None
+    state = restore(s.model, s.optimizer, s.param_names, checkpoint, s.train_split,
                     s.device, s.dist)
     s.step, s.tokens_seen = state["step"], state["tokens"]
     s.checkpoint_step = s.signals.completed_step = s.step
@@ -732,11 +741,11 @@ def roll_back(s: Session) -> None:
     s.guard.rolled_back(from_step, s.step)
     t = s.cfg.train
     s.log.write("rollback", step=s.step, tokens=s.tokens_seen, from_step=from_step,
-                checkpoint=s.checkpoint.name, data_offset=s.guard.data_offset,
+                checkpoint=checkpoint.name, data_offset=s.guard.data_offset,
                 lr_factor=t.spike_lr_factor, lr_cut_until=s.guard.lr_cut_until,
                 rollbacks_total=s.guard.rollbacks)
     s.say(f"spike guard: {t.spike_patience} outliers in a row at step {from_step}: rolled back "
-          f"to {s.checkpoint.name}, lr x {t.spike_lr_factor} until step "
+          f"to {checkpoint.name}, lr x {t.spike_lr_factor} until step "
           f"{s.guard.lr_cut_until}, data resumes after step {from_step}'s")
 
 
