@@ -61,7 +61,7 @@ from andrea.train.resume import (
 )
 from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.schedule import lr_at, replan
-from andrea.train.signals import EXIT_SIGNAL, SignalWatch
+from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
 from andrea.train.spike import APPLY, ROLLBACK, SKIP, SpikeGuard, agree, garble, injected_spike
 
 
@@ -249,7 +249,11 @@ def run_training(
     log, evaluate, checkpoint; then record how the run ended."""
     t = cfg.train
     with SignalWatch() as signals:
-        s = set_up(cfg, device, dist, signals, resume=resume, overwrite=overwrite)
+        try:
+            s = set_up(cfg, device, dist, signals, resume=resume, overwrite=overwrite)
+        except SetUpInterrupted as stop:
+            return set_up_interrupted(cfg, dist, signals, stop.signum, resume is not None)
+        signals.setting_up = False
         if isinstance(s, TrainResult):
             return s  # nothing to do: the run was not touched
         bar = progress_bar(s, progress)
@@ -825,6 +829,23 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
         s.checkpoint = s.run_dir / ckpt_io.step_dir_name(s.step)
     s.checkpoint_step = s.step
     s.signals.checkpoint = s.checkpoint
+
+
+def set_up_interrupted(
+    cfg: Config, dist: DistInfo, signals: SignalWatch, signum: int, resuming: bool
+) -> TrainResult:
+    """A signal during set-up: stop there, with the message a stop in training would give."""
+    sig = signal.Signals(signum)
+    where = ("the run is as it was; --resume continues it" if resuming
+             else "no checkpoint was written")
+    message = f"stopped by {sig.name} during set-up, before the first step; {where}"
+    signals.record_end(message, sig.name)  # only if the run's metrics.jsonl was begun
+    return TrainResult(
+        run_dir=Path(cfg.train.runs_dir) / cfg.train.name, steps=signals.completed_step,
+        tokens=0, seconds=0.0, state="interrupted", best_val_loss=None, best_val_step=None,
+        last_val_loss=None, checkpoint=signals.checkpoint, exit_code=EXIT_SIGNAL.get(sig, 130),
+        message=message, is_main=dist.is_main,
+    )
 
 
 def interrupted_outcome(s: Session) -> tuple[str, int, str]:
