@@ -28,7 +28,14 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from andrea.config import Config, load_config
-from andrea.data.loader import TokenSplit, mixture_report, open_split, train_batch, val_batches
+from andrea.data.loader import (
+    TokenSplit,
+    mixture_report,
+    open_split,
+    source_passes,
+    train_batch,
+    val_batches,
+)
 from andrea.data.prepare import check_vocab, ensure_prepared
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
@@ -55,6 +62,7 @@ from andrea.train.memory import (
 )
 from andrea.train.metrics import MetricsLog
 from andrea.train.optim import build_optimizer
+from andrea.train.progress import RunBar, long_run_note
 from andrea.train.resume import (
     check_resume_changes,
     find_run_to_resume,
@@ -594,28 +602,40 @@ def start_run_files(
 
 
 def plan_lines(s: Session) -> list[str]:
-    """The run's size up front, and a warning when it repeats its data more than 100 times."""
+    """The run's size up front (a mixture: the passes over each source, drawn by weight), and
+    a warning for data, or a source, repeated more than 100 times."""
     steps, per_step = s.cfg.train.max_steps, s.tokens_per_step
     total, prepared = steps * per_step, s.train_split.n_tokens
     passes = total / prepared if prepared else math.inf
-    shown = f"{passes:,.1f}" if passes >= 0.1 else f"{passes:.2g}"
-    lines = [
-        f"plan: {steps:,} steps x {per_step:,} tokens/step = {total:,} tokens = "
-        f"{shown} passes over the {prepared:,} prepared training tokens"
-        + (f" (resuming at step {s.step:,})" if s.step else "")
-    ]
-    if passes > 100:
+    sources = source_passes(s.train_split, total)
+    line = (f"plan: {steps:,} steps x {per_step:,} tokens/step = {total:,} tokens = "
+            f"{_passes(passes)} passes over the {prepared:,} prepared training tokens")
+    if len(sources) > 1:
+        line += "; per source: " + ", ".join(
+            f"{name} {_passes(p)} over {n:,}" for name, p, n in sources)
+    lines = [line + (f" (resuming at step {s.step:,})" if s.step else "")]
+    if len(sources) == 1 and passes > 100:
         lines.append(
             f"warning: {passes:,.0f} passes over the same training tokens: the model will "
             f"memorise them; prepare more data, or lower train.max_steps or "
             f"train.global_batch_tokens"
         )
+    lines += [
+        f"warning: mixture source {name}: {p:,.0f} passes over its {n:,} training tokens: the "
+        f"model will memorise them; prepare more of it, lower its weight in data.sources, or "
+        f"lower train.max_steps"
+        for name, p, n in sources if len(sources) > 1 and p > 100
+    ]
     return lines
+
+
+def _passes(passes: float) -> str:
+    return f"{passes:,.1f}" if passes >= 0.1 else f"{passes:.2g}"
 
 
 def progress_bar(s: Session, enabled: bool) -> tqdm:
     """Counts tokens, advanced per micro-batch: rate and ETA for the whole run at once."""
-    return tqdm(
+    return RunBar(
         total=s.cfg.train.max_steps * s.tokens_per_step, initial=s.step * s.tokens_per_step,
         disable=not (enabled and s.dist.is_main), unit="tok", unit_scale=True,
         dynamic_ncols=True, file=sys.stderr,
@@ -761,6 +781,11 @@ def log_step(
         torch.cuda.synchronize(s.device)
     tok_s = s.tokens_per_step / seconds
     s.throughput.append(tok_s)
+    if len(s.throughput) == 3 and s.dist.is_main:  # the first steps warm up; then say it once
+        note = long_run_note((t.max_steps - s.step) * s.tokens_per_step,
+                             statistics.median(s.throughput), s.device.type, s.preset)
+        if note:
+            bar.write(note, file=sys.stderr)
     step_mfu = s.mfu(tok_s)
     if s.step % t.log_every == 0 or s.step == t.max_steps:
         s.log.write(

@@ -98,8 +98,12 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
     run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
     if not run_dir.is_dir():
         raise UserError(f"--resume {resume}: no such run directory")
-    if not (run_dir / CONFIG).is_file() or ckpt_io.read_latest(run_dir) is None:
+    if not (run_dir / CONFIG).is_file():
+        raise UserError(f"--resume {resume}: {run_dir} is not a run folder (it has no {CONFIG})")
+    if ckpt_io.read_latest(run_dir) is None:
         raise UserError(
-            f"--resume {resume}: not a run with a checkpoint (needs config.yaml and 'latest')"
+            f"--resume {resume}: the run was started but stopped before its first checkpoint "
+            f"(andrea runs {run_dir} says how), so there is nothing to continue; start it over "
+            f"with: andrea train --config {run_dir / CONFIG}"
         )
     return run_dir
