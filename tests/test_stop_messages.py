@@ -47,7 +47,7 @@ def test_sigterm_during_data_preparation_stops_it_within_seconds(tmp_path):
     source = words_file(tmp_path / "big.txt", 6_000_000)
     data = tmp_path / "prepared"
     cfg = tiny_config(tmp_path, f"{{source: {source}, tokenizer: bpe, dir: {data}}}",
-                      "max_steps: 3", "spike_guard: 'off'")
+                      "max_steps: 3")
     proc = subprocess.Popen(
         [sys.executable, "-m", "andrea", "train", "-c", str(cfg), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
