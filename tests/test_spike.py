@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, run_andrea
+from conftest import assert_user_error, run_andrea, run_torchrun
 
 from andrea.config import load_config
 from andrea.errors import UserError
@@ -163,3 +163,35 @@ def test_presets_guard_all_but_the_tiny_one():
     assert load_config("andrea-tiny").train.spike_guard == "off"
     assert load_config("andrea-12m").train.spike_guard == "skip"
     assert load_config("andrea-120m").train.spike_guard == "rollback"
+
+
+def test_two_processes_decide_as_one(tmp_path, data_dir):
+    """Under ddp every rank takes the same decisions (they judge the all-reduced loss and
+    norm, and agree() makes sure): the same spikes and rollback as one process, the same
+    losses; a rank that decided otherwise would train other weights or hang."""
+    sets = ("train.spike_guard=rollback", "train.spike_patience=2", "train.spike_window=6",
+            "train.warmup_steps=2", "train.checkpoint_every=5", "train.max_steps=16",
+            "train.eval_every=0", "train.precision=fp32", "train.micro_batch_size=4",
+            "train.global_batch_tokens=512")
+    env = {"ANDREA_TEST_SPIKE": "12-13x1000"}
+    cfg = tiny(tmp_path / "one", data_dir, "one", *sets)
+    path = tmp_path / "one.yaml"
+    path.write_text(cfg.to_yaml())
+    one = run_andrea("train", "-c", str(path), "--no-progress", env=env)
+    assert one.returncode == 0, one.stderr
+    cfg2 = tiny(tmp_path / "two", data_dir, "two", *sets)
+    path2 = tmp_path / "two.yaml"
+    path2.write_text(cfg2.to_yaml())
+    two = run_torchrun("train", "-c", str(path2), "--no-progress", env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    run1, run2 = Path(cfg.train.runs_dir) / "one", Path(cfg2.train.runs_dir) / "two"
+    for event in ("spike", "rollback"):
+        assert [(r["step"], r["action"] if event == "spike" else r["from_step"])
+                for r in events(run2, event)] == [
+            (r["step"], r["action"] if event == "spike" else r["from_step"])
+            for r in events(run1, event)]
+    assert [r["from_step"] for r in events(run2, "rollback")] == [13]
+    loss1 = {r["step"]: r["loss"] for r in events(run1, "train")}
+    loss2 = {r["step"]: r["loss"] for r in events(run2, "train")}
+    assert loss1.keys() == loss2.keys()
+    assert all(loss2[s] == pytest.approx(loss1[s], rel=1e-4) for s in loss1)
