@@ -4,11 +4,14 @@ where the clean run's is, the unguarded one's not; rollback; exact resume; the c
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, run_andrea, run_torchrun
+from conftest import assert_user_error, free_port, run_andrea, run_torchrun
 
 from andrea.config import load_config
 from andrea.errors import UserError
@@ -195,3 +198,30 @@ def test_two_processes_decide_as_one(tmp_path, data_dir):
     loss2 = {r["step"]: r["loss"] for r in events(run2, "train")}
     assert loss1.keys() == loss2.keys()
     assert all(loss2[s] == pytest.approx(loss1[s], rel=1e-4) for s in loss1)
+
+
+def test_a_rollback_needs_the_same_checkpoint_on_every_rank(tmp_path):
+    """Node-local run folders under ddp: a rank that cannot see the checkpoint makes every rank
+    skip instead (the same decision everywhere), checked with two real gloo processes."""
+    script = tmp_path / "agree.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "from andrea.train.distributed import all_reduce_sum\n"
+        "from andrea.train.spike import same_on_every_rank\n"
+        "dist.init_process_group('gloo')\n"
+        "class D: enabled, world_size = True, dist.get_world_size()\n"
+        "r = dist.get_rank()\n"
+        "cpu = torch.device('cpu')\n"
+        "print('same', r, same_on_every_rank(20, cpu, all_reduce_sum, D))\n"
+        "print('differ', r, same_on_every_rank(20 if r == 0 else -1, cpu, all_reduce_sum, D))\n"
+        "dist.destroy_process_group()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3",
+         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(proc.stdout.split("\n"))
+    assert [x for x in lines if x.startswith("same")] == [f"same {r} True" for r in range(3)]
+    assert [x for x in lines if x.startswith("differ")] == [f"differ {r} False" for r in range(3)]

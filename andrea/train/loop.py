@@ -70,7 +70,16 @@ from andrea.train.resume import (
 from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.schedule import lr_at, replan
 from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
-from andrea.train.spike import APPLY, ROLLBACK, SKIP, SpikeGuard, agree, garble, injected_spike
+from andrea.train.spike import (
+    APPLY,
+    ROLLBACK,
+    SKIP,
+    SpikeGuard,
+    agree,
+    garble,
+    injected_spike,
+    same_on_every_rank,
+)
 
 
 class NonFiniteError(Exception):
@@ -733,8 +742,14 @@ def guard_step(s: Session, loss: float, grad_norm: float) -> str:
     if not s.guard.enabled:
         return APPLY
     verdict = agree(s.guard.judge(s.step, loss, grad_norm), s.device, all_reduce_sum, s.dist)
-    if verdict.action == ROLLBACK and rollback_checkpoint(s) is None:
-        verdict.action = SKIP  # nothing to go back to yet
+    if verdict.action == ROLLBACK:
+        # Every rank must see the same checkpoint to go back to (node-local run folders may
+        # not); else, or with none written yet, the step is skipped everywhere.
+        target = rollback_checkpoint(s)
+        found = int(target.name[5:]) if target is not None else -1
+        agreed = same_on_every_rank(found, s.device, all_reduce_sum, s.dist)  # a collective
+        if target is None or not agreed:
+            verdict.action = SKIP
     if verdict.outlier:
         s.log.write("spike", step=s.step, tokens=s.tokens_seen + s.tokens_per_step, loss=loss,
                     grad_norm=grad_norm, loss_z=round(verdict.loss_z, 3),

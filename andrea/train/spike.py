@@ -135,6 +135,17 @@ def agree(verdict: Verdict, device: torch.device, all_reduce_sum: Any, dist: Any
     return verdict
 
 
+def same_on_every_rank(value: float, device: torch.device, all_reduce_sum: Any,
+                       dist: Any) -> bool:
+    """Whether every rank holds the same value; the same answer on every rank (from the sums
+    of the values and of their squares: W * sum(v^2) == sum(v)^2 only when all are equal)."""
+    if not dist.enabled:
+        return True
+    sums = torch.tensor([value, value * value], dtype=torch.float64, device=device)
+    total, squares = all_reduce_sum(sums, dist).tolist()
+    return math.isclose(dist.world_size * squares, total * total, rel_tol=1e-12, abs_tol=1e-9)
+
+
 def injected_spike(data_step: int) -> float | None:
     """Test seam (ANDREA_TEST_SPIKE=FIRST-LAST[xSCALE]): the batches of data positions
     FIRST..LAST (1-based, as steps are counted) become random tokens and their loss is scaled
