@@ -7,9 +7,9 @@ loss does not make ordinary noise an outlier. Only upward outliers count (z > sp
 once the window is full and warm-up is over.
 
 - skip: an outlier step is not applied (the optimizer does not step; its data is consumed).
-  After spike_window outliers in a row the guard takes the new level as real, applies the
-  step and starts its window afresh, so a lasting shift (new data, a changed lr) cannot stall
-  the run for longer than one window.
+  The spike_patience-th outlier in a row is taken as a lasting shift (skipping cannot undo a
+  state the model is already in): it is applied and the window starts afresh, so a shift
+  cannot stall the run.
 - rollback: outliers are skipped as above; the spike_patience-th in a row rolls the run back
   to its newest checkpoint, cuts the learning rate by spike_lr_factor for spike_lr_steps steps
   and moves the data past the offending window (data position = step + data_offset).
@@ -100,14 +100,14 @@ class SpikeGuard:
             return Verdict(APPLY, loss_z, grad_z)
         self.streak += 1
         self.spikes += 1
-        if self.cfg.spike_guard == ROLLBACK and self.streak >= self.cfg.spike_patience:
-            self.streak = 0
-            return Verdict(ROLLBACK, loss_z, grad_z, outlier=True)
-        if self.streak < self.cfg.spike_window:
+        if self.streak < self.cfg.spike_patience:
             return Verdict(SKIP, loss_z, grad_z, outlier=True)
-        # a whole window of outliers in a row is a lasting shift, not a spike: take it as the
-        # new level and measure anew from here
         self.streak = 0
+        if self.cfg.spike_guard == ROLLBACK:
+            return Verdict(ROLLBACK, loss_z, grad_z, outlier=True)
+        # skip: spike_patience outliers in a row are a lasting shift, not a spike (skipping
+        # cannot undo a state the model is already in): take it as the new level and measure
+        # anew from here
         self.window.clear()
         self.window.append((loss, grad_norm))
         return Verdict(APPLY, loss_z, grad_z, outlier=True)
