@@ -126,15 +126,16 @@ def guard(mode: str = "skip", **sets: object) -> SpikeGuard:
 
 
 def test_judge_skips_outliers_and_takes_a_lasting_shift_as_the_new_level():
-    g = guard()
+    g = guard()  # window 4, patience 2
     assert g.judge(5, 3.05, 1.0).action == APPLY  # ordinary noise
     assert g.judge(6, 3.0, 50.0).action == SKIP  # a gradient-norm spike alone is enough
-    assert g.judge(7, 9.0, 1.0).action == SKIP
-    assert g.judge(8, 2.5, 1.0).action == APPLY  # downwards is never a spike
-    assert g.judge(9, 6.0, 1.0).action == SKIP  # the loss moves up to stay: held back once...
-    accepted = g.judge(10, 6.0, 1.0)  # ... then, the patience-th in a row, taken as real
+    assert g.judge(7, 2.5, 1.0).action == APPLY  # downwards is never a spike
+    assert g.judge(8, 9.0, 1.0).action == SKIP  # a loss spike...
+    assert g.judge(9, 3.0, 1.0).action == APPLY  # ... that passed
+    assert g.judge(10, 6.0, 1.0).action == SKIP  # the loss moves up to stay: held back once,
+    accepted = g.judge(11, 6.0, 1.0)  # then, the patience-th outlier in a row, taken as real
     assert accepted.outlier and accepted.action == APPLY
-    assert g.judge(11, 6.0, 1.0).action == APPLY  # a new window fills: no verdict till full
+    assert g.judge(12, 6.0, 1.0).action == APPLY  # a new window fills: no verdict till full
     assert g.spikes == 4
 
 
