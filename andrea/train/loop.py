@@ -291,6 +291,7 @@ def run_training(
                     loss, grad_norm = outcome
                     if optimizer_step(s, loss, grad_norm) == ROLLBACK:
                         roll_back(s)
+                        bar.n = s.step * s.tokens_per_step  # the bar goes back with the run
                         continue
                     log_step(s, lr, loss, grad_norm, time.perf_counter() - t0, bar)
                     maybe_evaluate(s, bar)
