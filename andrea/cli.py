@@ -79,7 +79,9 @@ def train_cmd(
     )
     if result.is_main:
         if result.message and result.exit_code:
-            typer.echo(f"error: {result.message}", err=True)
+            # A stop the user asked for (Ctrl-C, a scheduler's SIGTERM) is no error.
+            prefix = "" if result.state == "interrupted" else "error: "
+            typer.echo(f"{prefix}{result.message}", err=True)
         typer.echo(summary_line(result))
     raise typer.Exit(result.exit_code)
 

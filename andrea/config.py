@@ -32,6 +32,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.optimizer": ("adamw", "muon"),
     "train.muon_ns_precision": ("auto", "bf16", "fp32"),
     "train.parallel": ("ddp", "fsdp"),
+    "train.spike_guard": ("off", "skip", "rollback"),
 }
 
 
@@ -85,6 +86,11 @@ CONSTRAINTS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.checkpoint_every": (_non_negative, "non-negative (0: only at the end)"),
     "train.keep_last": (_positive, "a positive integer"),
     "train.log_every": (_positive, "a positive integer"),
+    "train.spike_z": (_positive, "positive (a z-score, e.g. 6)"),
+    "train.spike_window": (lambda x: x >= 2, "an integer of at least 2"),
+    "train.spike_patience": (_positive, "a positive integer"),
+    "train.spike_lr_factor": (lambda x: 0 < x <= 1, "in (0, 1]"),
+    "train.spike_lr_steps": (_non_negative, "non-negative"),
 }
 
 
@@ -185,6 +191,16 @@ class TrainConfig:
     # The dtype of Muon's Newton-Schulz iterations; auto: bf16 where the device has fast bf16
     # matmuls (as for train.precision), else fp32.
     muon_ns_precision: str = "auto"
+    # The loss-spike guard (andrea/train/spike.py, docs/training.md): off; skip (a step whose
+    # loss or gradient norm is a z-score outlier against the last spike_window steps is not
+    # applied); rollback (as skip, and after spike_patience outliers in a row: back to the last
+    # checkpoint, lr x spike_lr_factor for spike_lr_steps steps, past the offending data).
+    spike_guard: str = "skip"
+    spike_z: float = 6.0
+    spike_window: int = 50
+    spike_patience: int = 3
+    spike_lr_factor: float = 0.5
+    spike_lr_steps: int = 100
 
 
 @dataclass
@@ -299,6 +315,8 @@ def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None
     if (section, key) == ("data", "sources"):
         cfg.data.sources = _sources(value, f"{origin}: data.sources")
         return
+    if value is False and "off" in CHOICES.get(f"{section}.{key}", ()):
+        value = "off"  # YAML 1.1 reads a bare `off` as false
     setattr(getattr(cfg, section), key, _coerce(value, types_[key], f"{origin}: {section}.{key}"))
 
 

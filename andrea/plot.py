@@ -166,6 +166,11 @@ def plot_runs(
         vx, vy = _series(history, "eval", x, "val_loss")
         ax_loss.plot(tx, ty, color=color, lw=1.4, label=label)
         ax_loss.plot(vx, vy, color=color, lw=1.0, ls="--", marker="o", ms=4)
+        # The spike guard: each held-back step a cross at its loss, each rollback a dotted line.
+        sx, sy = _series(history, "spike", x, "loss")
+        ax_loss.plot(sx, sy, color=color, ls="none", marker="x", ms=8, mew=2)
+        for rx in _series(history, "rollback", x, x)[0]:
+            ax_loss.axvline(rx, color=color, ls=":", lw=1.2)
         losses += ty + vy
         for j, (source, (sx, sy)) in enumerate(_source_series(history, x).items()):
             ax_loss.plot(sx, sy, color=color, lw=0.8, ls=":", ms=4,
@@ -190,8 +195,9 @@ def plot_runs(
         ax_grad.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # "0.1", not 10⁻¹
 
     x_label = "tokens seen" if x == "tokens" else "optimizer step"
-    ax_loss.set(title="Loss (solid: train, dashed + dots: validation; dotted: a mixture's "
-                      "sources)", xlabel=x_label,
+    ax_loss.set(title="Loss (solid: train, dashed + dots: validation; dotted + markers: a "
+                      "mixture's sources; x: spike not applied; dotted line: rollback)",
+                xlabel=x_label,
                 ylabel="cross-entropy (nats / token)")
     ax_lr.set(title="Learning rate", xlabel="optimizer step", ylabel="learning rate")
     ax_speed.set(title="Throughput", xlabel="optimizer step", ylabel="tokens / s")

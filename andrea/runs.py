@@ -40,6 +40,8 @@ from andrea.train.rundir import (
 # intact checkpoint, which --checkpoint / --resume take as a step folder).
 STATES = ("finished", "stopped", "interrupted", "nonfinite", "failed", "running", "crashed",
           "imported", "damaged")
+# The loss-spike guard's events (andrea/train/spike.py).
+GUARD_EVENTS = ("spike", "rollback")
 
 
 @dataclass
@@ -74,6 +76,9 @@ class RunSummary:
     host: str | None = None
     pid: int | None = None
     n_segments: int = 0
+    # The loss-spike guard: steps it held back (or took as a new level), and its rollbacks.
+    spikes: int = 0
+    rollbacks: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -121,14 +126,17 @@ def current_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     A run resumed from an earlier checkpoint (say step 100 after dying at step 150) repeats steps
     101..150; the old records of those steps describe a history that no longer leads to the
     current weights, so every "start" at step s drops the earlier step-bearing events past s.
+    A spike guard's "rollback" to step s does the same, but keeps the guard's own events (the
+    spikes that caused it), which are what the user needs to see.
     """
     out: list[dict[str, Any]] = []
     for rec in records:
-        if rec["event"] == "start":
+        if rec["event"] in ("start", "rollback"):
             first = _int(rec.get("step"))
+            keep = ("start",) if rec["event"] == "start" else ("start", *GUARD_EVENTS)
             if first is not None:
                 out = [r for r in out if (_int(r.get("step")) or 0) <= first
-                       or r["event"] == "start"]
+                       or r["event"] in keep]
         out.append(rec)
     return out
 
@@ -328,6 +336,8 @@ def _read_history(run: Path) -> RunSummary:
         if rec["event"] in ("train", "eval", "end") and tokens is not None:
             summary.tokens = tokens if summary.tokens is None else max(summary.tokens, tokens)
 
+    summary.spikes = sum(r["event"] == "spike" for r in history)
+    summary.rollbacks = sum(r["event"] == "rollback" for r in history)
     trains = [r for r in history if r["event"] == "train"]
     losses = [_num(r.get("loss")) for r in trains]
     losses = [x for x in losses if x is not None]
@@ -439,6 +449,10 @@ def format_table(runs: list[RunSummary]) -> str:
             by_source = ", ".join(f"{n} {_loss(v)}" for n, v in r.last_val_sources.items())
             notes.append(f"  {r.name}: val loss by source at step {r.last_val_step}: "
                          f"{by_source} (weighted {_loss(r.last_val_loss)})")
+        if r.spikes or r.rollbacks:
+            notes.append(f"  {r.name}: spike guard: {r.spikes} outlier step"
+                         f"{'s' if r.spikes != 1 else ''} not applied, {r.rollbacks} rollback"
+                         f"{'s' if r.rollbacks != 1 else ''} (metrics.jsonl: spike, rollback)")
         notes.extend(f"  {r.name}: ! {p}" for p in r.problems)
     if notes:
         lines += ["", "notes:", *notes]

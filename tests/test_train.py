@@ -225,7 +225,8 @@ def test_signal_checkpoints_and_exits(tmp_path, data_dir, sig, code):
     assert ckpt_io.read_trainer_state(latest)[0]["step"] == end["step"]
 
 
-def test_second_ctrl_c_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_dir):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_dir, sig, code):
     cfg = tiny(tmp_path, data_dir, "train.max_steps=100000")
     first = train(cfg, progress=False, stop_after=2)  # the last good checkpoint: step 2
     # Resumed with no periodic checkpoints and every write taking 3 s, the only checkpoint
@@ -239,14 +240,14 @@ def test_second_ctrl_c_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
     _wait_for(lambda: any(r["step"] > 2 for r in read_events(first.run_dir, "train")), proc)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     # Two signals that arrive before Python runs the handler count as one: wait until the
     # first is seen before sending the second.
     _wait_for(lambda: any("stopping after this micro-batch" in line for line in stderr), proc)
     _wait_for(lambda: any(first.run_dir.glob("*.partial-*/model.safetensors")), proc)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)  # old code: a second SIGTERM was ignored, the checkpoint completed
     proc.wait(timeout=60)
-    assert proc.returncode == 130
+    assert proc.returncode == code
     assert "step-000002 stays the latest checkpoint" in "".join(stderr)
     assert read_events(first.run_dir, "end")[-1]["state"] == "interrupted"
     assert ckpt_io.resolve_checkpoint(first.run_dir).name == "step-000002"
@@ -377,7 +378,7 @@ def test_interrupt_before_the_first_step_writes_and_mentions_no_checkpoint(tmp_p
     proc = run_andrea("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
                       env={"ANDREA_TEST_SIGNAL_AFTER": "0.0"})
     assert proc.returncode == 130, proc.stderr
-    assert "nothing will be checkpointed" in proc.stderr
+    assert "checkpointing the last completed step" in proc.stderr
     assert "before its first step; no checkpoint was written" in proc.stderr
     assert "step-0" not in proc.stdout + proc.stderr
     run_dir = Path(cfg.train.runs_dir) / "t"

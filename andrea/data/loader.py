@@ -21,6 +21,7 @@ of the above holds for mixtures too.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -165,6 +166,19 @@ def mixture_report(
         "weight": {n: round(float(w), 6) for n, w in zip(split.names, split.weights, strict=True)},
     }
     return line, record
+
+
+def source_passes(split: TokenSplit, total_tokens: int) -> list[tuple[str, float, int]]:
+    """(name, passes, training tokens) per source of a Mixture over `total_tokens` drawn by
+    weight; one entry (the data folder's name) for a single split."""
+    if not isinstance(split, Mixture):
+        n = split.n_tokens
+        return [(split.data_dir.name, total_tokens / n if n else math.inf, n)]
+    return [
+        (name, total_tokens * float(w) / part.n_tokens if part.n_tokens else math.inf,
+         part.n_tokens)
+        for name, w, part in zip(split.names, split.weights, split.parts, strict=True)
+    ]
 
 
 def sample_distinct(rng: np.random.Generator, n: int, k: int) -> np.ndarray:

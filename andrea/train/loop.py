@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -38,10 +39,20 @@ from andrea.train.distributed import (
     shutdown,
 )
 from andrea.train.flops import format_mfu
+from andrea.train.progress import RunBar, long_run_note
 from andrea.train.schedule import lr_at
 from andrea.train.session import Session, TrainResult
-from andrea.train.setup import set_up
-from andrea.train.signals import EXIT_SIGNAL, SignalWatch
+from andrea.train.setup import RunDecision, restore, set_up
+from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
+from andrea.train.spike import (
+    APPLY,
+    ROLLBACK,
+    SKIP,
+    agree,
+    garble,
+    injected_spike,
+    same_on_every_rank,
+)
 from andrea.train.validation import score_val, val_sources
 
 
@@ -103,7 +114,11 @@ def run_training(
     log, evaluate, checkpoint; then record how the run ended."""
     t = cfg.train
     with SignalWatch() as signals:
-        s = set_up(cfg, device, dist, signals, resume=resume, overwrite=overwrite)
+        try:
+            s = set_up(cfg, device, dist, signals, resume=resume, overwrite=overwrite)
+        except SetUpInterrupted as stop:
+            return set_up_interrupted(cfg, dist, signals, stop.signum, resume is not None)
+        signals.setting_up = False
         if isinstance(s, TrainResult):
             return s  # nothing to do: the run was not touched
         bar = progress_bar(s, progress)
@@ -122,7 +137,10 @@ def run_training(
                         save_checkpoint(s, rng_before_step)
                         break
                     loss, grad_norm = outcome
-                    optimizer_step(s, loss, grad_norm)
+                    if optimizer_step(s, loss, grad_norm) == ROLLBACK:
+                        roll_back(s)
+                        bar.n = s.step * s.tokens_per_step  # the bar goes back with the run
+                        continue
                     log_step(s, lr, loss, grad_norm, time.perf_counter() - t0, bar)
                     maybe_evaluate(s, bar)
                     stopping = stop_agreed(s)
@@ -175,7 +193,7 @@ def failures_recorded(s: Session) -> Iterator[None]:
 
 def progress_bar(s: Session, enabled: bool) -> tqdm:
     """Counts tokens, advanced per micro-batch: rate and ETA for the whole run at once."""
-    return tqdm(
+    return RunBar(
         total=s.cfg.train.max_steps * s.tokens_per_step, initial=s.step * s.tokens_per_step,
         disable=not (enabled and s.dist.is_main), unit="tok", unit_scale=True,
         dynamic_ncols=True, file=sys.stderr,
@@ -183,7 +201,7 @@ def progress_bar(s: Session, enabled: bool) -> tqdm:
 
 
 def set_learning_rate(s: Session) -> float:
-    lr = lr_at(s.step, s.cfg.train)
+    lr = lr_at(s.step, s.cfg.train, s.schedule_anchor) * s.guard.lr_scale(s.step)
     for group in s.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_ratio", 1.0)
     return lr
@@ -203,15 +221,19 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
     """The step's micro-batches on this rank; (mean loss over all ranks, grad norm after
     clipping's measurement), or None when a signal stops the run before the last one."""
     t, step = s.cfg.train, s.step
+    data_step = s.guard.data_step(step)  # past any data window a rollback left behind
+    spike_scale = injected_spike(data_step)  # None unless a test injects a spike
     loss_sum = torch.zeros((), device=s.device)
     for micro in range(s.accum):
         if stop_agreed(s):
             return None
         x, y = train_batch(
-            s.train_split, seed=t.seed, step=step, micro_step=micro, rank=s.dist.rank,
+            s.train_split, seed=t.seed, step=data_step, micro_step=micro, rank=s.dist.rank,
             accum_steps=s.accum, world_size=s.dist.world_size,
             micro_batch_size=s.micro_batch, block_size=s.cfg.model.block_size,
         )
+        if spike_scale is not None:
+            x, y = garble(x, y, s.cfg.model.vocab_size, data_step)
         x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
         # DDP all-reduces (FSDP reduce-scatters) the gradients once, on the last micro-batch.
         last = micro == s.accum - 1
@@ -222,7 +244,7 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
             with torch.autocast(s.device.type, dtype=s.dtype,
                                 enabled=s.dtype != torch.float32):
                 _, loss = s.train_model(x, y)
-            (loss / s.accum).backward()
+            (loss * (spike_scale or 1.0) / s.accum).backward()
         loss_sum += loss.detach()
         bar.update(s.tokens_per_micro_batch)
         if os.environ.get("ANDREA_TEST_SIGNAL_AFTER") == f"{step}.{micro}":  # only for tests
@@ -239,11 +261,14 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
     return loss_value, norm_value
 
 
-def optimizer_step(s: Session, loss: float, grad_norm: float) -> None:
-    """Apply the step's gradients (or skip a non-finite one if allowed); the step is done."""
+def optimizer_step(s: Session, loss: float, grad_norm: float) -> str:
+    """Apply the step's gradients (or skip a non-finite one if allowed, or a spike the guard
+    holds back); the step is done. Returns the guard's action: apply, skip or rollback."""
     s.step += 1
+    action = guard_step(s, loss, grad_norm)
     if math.isfinite(loss) and math.isfinite(grad_norm):
-        s.optimizer.step()
+        if action == APPLY:
+            s.optimizer.step()
     elif s.cfg.train.skip_nonfinite:
         s.skipped += 1
         s.log.write("skip", step=s.step, reason="non-finite loss or gradient norm",
@@ -257,6 +282,60 @@ def optimizer_step(s: Session, loss: float, grad_norm: float) -> None:
     s.tokens_seen += s.tokens_per_step
     s.losses[s.step] = loss
     s.signals.completed_step = s.step
+    return action
+
+
+def guard_step(s: Session, loss: float, grad_norm: float) -> str:
+    """The spike guard's verdict on the step just computed, the same on every rank; an
+    outlier is a "spike" event."""
+    if not s.guard.enabled:
+        return APPLY
+    verdict = agree(s.guard.judge(s.step, loss, grad_norm), s.device, all_reduce_sum, s.dist)
+    if verdict.action == ROLLBACK:
+        # Every rank must see the same checkpoint to go back to (node-local run folders may
+        # not); else, or with none written yet, the step is skipped everywhere.
+        target = rollback_checkpoint(s)
+        found = int(target.name[5:]) if target is not None else -1
+        agreed = same_on_every_rank(found, s.device, all_reduce_sum, s.dist)  # a collective
+        if target is None or not agreed:
+            verdict.action = SKIP
+    if verdict.outlier:
+        s.log.write("spike", step=s.step, tokens=s.tokens_seen + s.tokens_per_step, loss=loss,
+                    grad_norm=grad_norm, loss_z=round(verdict.loss_z, 3),
+                    grad_z=round(verdict.grad_z, 3), spikes_total=s.guard.spikes,
+                    action=verdict.action if verdict.action != APPLY else "accepted")
+    return verdict.action
+
+
+def rollback_checkpoint(s: Session) -> Path | None:
+    """The newest checkpoint from before the outliers began. Not simply the newest: a pause or
+    a stop may have written one inside the streak, and the resumed run must go back where the
+    uninterrupted one would."""
+    before = s.step - s.cfg.train.spike_patience
+    found = [c for c in ckpt_io.list_checkpoints(s.run_dir) if int(c.name[5:]) <= before]
+    return found[-1] if found else None
+
+
+def roll_back(s: Session) -> None:
+    """The guard's rollback: the checkpoint's weights, optimizer and generator states, then on
+    past the offending data at a cut learning rate."""
+    checkpoint, from_step = rollback_checkpoint(s), s.step
+    assert checkpoint is not None
+    run = RunDecision(s.run_dir, checkpoint, {}, False, s.cfg.train.name, {},
+                      ckpt_io.has_shards(checkpoint))
+    state = restore(s.model, s.optimizer, s.param_names, run, s.train_split, s.device, s.dist)
+    s.step, s.tokens_seen = state["step"], state["tokens"]
+    s.checkpoint_step = s.signals.completed_step = s.step
+    s.losses = {k: v for k, v in s.losses.items() if k <= s.step}
+    s.guard.rolled_back(from_step, s.step)
+    t = s.cfg.train
+    s.log.write("rollback", step=s.step, tokens=s.tokens_seen, from_step=from_step,
+                checkpoint=checkpoint.name, data_offset=s.guard.data_offset,
+                lr_factor=t.spike_lr_factor, lr_cut_until=s.guard.lr_cut_until,
+                rollbacks_total=s.guard.rollbacks)
+    s.say(f"spike guard: {t.spike_patience} outliers in a row at step {from_step}: rolled back "
+          f"to {checkpoint.name}, lr x {t.spike_lr_factor} until step "
+          f"{s.guard.lr_cut_until}, data resumes after step {from_step}'s")
 
 
 def log_step(
@@ -267,6 +346,11 @@ def log_step(
         torch.cuda.synchronize(s.device)
     tok_s = s.tokens_per_step / seconds
     s.throughput.append(tok_s)
+    if len(s.throughput) == 3 and s.dist.is_main:  # the first steps warm up; then say it once
+        note = long_run_note((t.max_steps - s.step) * s.tokens_per_step,
+                             statistics.median(s.throughput), s.device.type, s.preset)
+        if note:
+            bar.write(note, file=sys.stderr)
     step_mfu = s.mfu(tok_s)
     if s.step % t.log_every == 0 or s.step == t.max_steps:
         s.log.write(
@@ -327,11 +411,14 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
         optimizer_tensors = ckpt_io.optimizer_state(s.optimizer, s.param_names)
     if s.dist.is_main:
         state = {
-            "step": s.step, "tokens": s.tokens_seen, "data_position": s.step,
+            "step": s.step, "tokens": s.tokens_seen,
+            "data_position": s.guard.data_step(s.step),
             "best_val_loss": s.best_val, "best_val_step": s.best_step,
             "skipped_steps": s.skipped, "world_size": s.dist.world_size, "seed": s.cfg.train.seed,
             "preset": s.preset, "micro_batch_size": s.micro_batch, "parallel": s.parallel,
             "tokens_per_step": s.tokens_per_step, "device": device_name(s.device),
+            "max_steps": s.cfg.train.max_steps, "schedule_anchor": s.schedule_anchor,
+            "spike_guard": s.guard.state_dict(),
         }
         s.checkpoint = ckpt_io.save_checkpoint(
             s.run_dir, s.step, s.cfg, s.train_split.tokenizer_identity,
@@ -342,6 +429,23 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
         s.checkpoint = s.run_dir / ckpt_io.step_dir_name(s.step)
     s.checkpoint_step = s.step
     s.signals.checkpoint = s.checkpoint
+
+
+def set_up_interrupted(
+    cfg: Config, dist: DistInfo, signals: SignalWatch, signum: int, resuming: bool
+) -> TrainResult:
+    """A signal during set-up: stop there, with the message a stop in training would give."""
+    sig = signal.Signals(signum)
+    where = ("the run is as it was; --resume continues it" if resuming
+             else "no checkpoint was written")
+    message = f"stopped by {sig.name} during set-up, before the first step; {where}"
+    signals.record_end(message, sig.name)  # only if the run's metrics.jsonl was begun
+    return TrainResult(
+        run_dir=Path(cfg.train.runs_dir) / cfg.train.name, steps=signals.completed_step,
+        tokens=0, seconds=0.0, state="interrupted", best_val_loss=None, best_val_step=None,
+        last_val_loss=None, checkpoint=signals.checkpoint, exit_code=EXIT_SIGNAL.get(sig, 130),
+        message=message, is_main=dist.is_main,
+    )
 
 
 def interrupted_outcome(s: Session) -> tuple[str, int, str]:

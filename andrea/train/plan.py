@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from andrea.data.loader import mixture_report
+from andrea.data.loader import mixture_report, source_passes
 from andrea.fileio import atomic_write_text
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.distributed import DistInfo
@@ -52,13 +52,14 @@ def announce(
     trainer_state: dict[str, Any],
     resume_from: Path | None,
     micro_batch_line: str,
+    schedule_lines: list[str],
 ) -> None:
     """Rank 0: the lines that say what the run will do, before its first step."""
     t, dist, cfg = s.cfg.train, s.dist, s.cfg
     s.say(f"attention: {backend} ({why})")
     for key, (old, new) in changes.items():
         s.say(f"resume: {key} {old} -> {new}")
-    for line in parallel_lines(t.parallel, s.parallel, dist, trainer_state):
+    for line in parallel_lines(t.parallel, s.parallel, dist, trainer_state) + schedule_lines:
         s.say(line)
     s.say(
         f"{s.run_dir}: {s.model.num_params():,} parameters, {s.tokens_per_step:,} tokens/step "
@@ -100,26 +101,38 @@ def parallel_lines(asked: str, parallel: str, dist: DistInfo,
 
 
 def plan_lines(s: Session) -> list[str]:
-    """The run's size up front, and a warning when it repeats its data more than 100 times."""
+    """The run's size up front (a mixture: the passes over each source, drawn by weight), and
+    a warning for data, or a source, repeated more than 100 times."""
     steps, per_step = s.cfg.train.max_steps, s.tokens_per_step
     # A resumed run's steps so far may have had another size (global_batch_tokens: 0 on
     # another number of processes): they count as trained.
     total, prepared = s.tokens_seen + (steps - s.step) * per_step, s.train_split.n_tokens
     passes = total / prepared if prepared else math.inf
-    shown = f"{passes:,.1f}" if passes >= 0.1 else f"{passes:.2g}"
+    sources = source_passes(s.train_split, total)
     size = f"{steps:,} steps x {per_step:,} tokens/step"
     if s.tokens_seen != s.step * per_step:
         size = (f"{s.tokens_seen:,} tokens in {s.step:,} steps + {steps - s.step:,} steps x "
                 f"{per_step:,} tokens/step")
-    lines = [
-        f"plan: {size} = {total:,} tokens = "
-        f"{shown} passes over the {prepared:,} prepared training tokens"
-        + (f" (resuming at step {s.step:,})" if s.step else "")
-    ]
-    if passes > 100:
+    line = (f"plan: {size} = {total:,} tokens = "
+            f"{_passes(passes)} passes over the {prepared:,} prepared training tokens")
+    if len(sources) > 1:
+        line += "; per source: " + ", ".join(
+            f"{name} {_passes(p)} over {n:,}" for name, p, n in sources)
+    lines = [line + (f" (resuming at step {s.step:,})" if s.step else "")]
+    if len(sources) == 1 and passes > 100:
         lines.append(
             f"warning: {passes:,.0f} passes over the same training tokens: the model will "
             f"memorise them; prepare more data, or lower train.max_steps or "
             f"train.global_batch_tokens"
         )
+    lines += [
+        f"warning: mixture source {name}: {p:,.0f} passes over its {n:,} training tokens: the "
+        f"model will memorise them; prepare more of it, lower its weight in data.sources, or "
+        f"lower train.max_steps"
+        for name, p, n in sources if len(sources) > 1 and p > 100
+    ]
     return lines
+
+
+def _passes(passes: float) -> str:
+    return f"{passes:,.1f}" if passes >= 0.1 else f"{passes:.2g}"

@@ -26,6 +26,12 @@ RESUMABLE_KEYS = (
     "train.log_every",
     "train.tensorboard",
     "train.skip_nonfinite",
+    "train.spike_guard",
+    "train.spike_z",
+    "train.spike_window",
+    "train.spike_patience",
+    "train.spike_lr_factor",
+    "train.spike_lr_steps",
     "train.compile",
     "train.micro_batch_size",
     "train.activation_checkpointing",
@@ -144,10 +150,13 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
             elsewhere = (" on this node; where train.runs_dir is on node 0 alone, give every "
                          "node --config CONFIG --resume auto")
         raise UserError(f"--resume {resume}: no such run directory{elsewhere}")
-    has_one = ckpt_io.read_latest(run_dir) is not None or ckpt_io.list_checkpoints(run_dir)
-    if not (run_dir / CONFIG).is_file() or not has_one:
+    if not (run_dir / CONFIG).is_file():
+        raise UserError(f"--resume {resume}: {run_dir} is not a run folder (it has no {CONFIG})")
+    if ckpt_io.read_latest(run_dir) is None and not ckpt_io.list_checkpoints(run_dir):
         raise UserError(
-            f"--resume {resume}: not a run with a checkpoint (needs config.yaml and 'latest')"
+            f"--resume {resume}: the run was started but stopped before its first checkpoint "
+            f"(andrea runs {run_dir} says how), so there is nothing to continue; start it over "
+            f"with: andrea train --config {run_dir / CONFIG}"
         )
     return run_dir
 

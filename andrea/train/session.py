@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,7 @@ from andrea.train.distributed import DistInfo
 from andrea.train.flops import MfuMeter
 from andrea.train.metrics import MetricsLog
 from andrea.train.signals import SignalWatch
+from andrea.train.spike import SpikeGuard
 from andrea.train.validation import ValSource
 
 
@@ -57,6 +59,7 @@ class Session:
     signals: SignalWatch
     mfu: MfuMeter
     preset: str
+    guard: SpikeGuard
     parallel: str = "none"  # how the processes share the work: none (one), ddp or fsdp
     step: int = 0
     tokens_seen: int = 0
@@ -69,6 +72,7 @@ class Session:
     losses: dict[int, float] = field(default_factory=dict)
     throughput: list[float] = field(default_factory=list)
     val_set: list[ValSource] | None = None  # the fixed val windows, made at the first eval
+    schedule_anchor: dict[str, Any] | None = None  # the lr schedule re-planned on a resume
 
     @property
     def tokens_per_micro_batch(self) -> int:  # over all ranks

@@ -43,8 +43,10 @@ from andrea.train.optim import build_optimizer
 from andrea.train.plan import announce, start_run_files
 from andrea.train.resume import check_resume_changes, find_run_to_resume, resume_checkpoint
 from andrea.train.rundir import CONFIG, METRICS
+from andrea.train.schedule import replan
 from andrea.train.session import Session, TrainResult
 from andrea.train.signals import SignalWatch
+from andrea.train.spike import SpikeGuard
 
 
 def set_up(
@@ -91,15 +93,21 @@ def set_up(
         skipped=trainer_state.get("skipped_steps", 0),
         best_val=trainer_state.get("best_val_loss"), best_step=trainer_state.get("best_val_step"),
         checkpoint=resume_from, checkpoint_step=trainer_state.get("step"),
+        guard=SpikeGuard(t, trainer_state.get("spike_guard")),
     )
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
+    # The max_steps the checkpoint was planned for (older checkpoints: the run's config).
+    planned_max = trainer_state.get("max_steps", changes.get("train.max_steps", [t.max_steps])[0])
+    s.schedule_anchor, schedule_lines = replan(s.step, t, planned_max,
+                                               trainer_state.get("schedule_anchor"))
     if dist.is_main:
         if replace:
             clear_run(run_dir)
         start_run_files(s, resume_from, changes, backend)
         signals.metrics_path = run_dir / METRICS
         announce(s, backend, why, changes, trainer_state, resume_from,
-                 "\n".join(line for line in (micro_batch_line, batch_line) if line))
+                 "\n".join(line for line in (micro_batch_line, batch_line) if line),
+                 schedule_lines)
     return s
 
 

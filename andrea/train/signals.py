@@ -1,5 +1,6 @@
-"""Ctrl-C and SIGTERM: the first asks the loop to stop after the current micro-batch,
-the second ends the process at once."""
+"""Ctrl-C and SIGTERM: during set-up (data preparation, model build) the first stops it at once;
+during training it asks the loop to stop after the current micro-batch; the second, of either
+kind, ends the process at once."""
 
 from __future__ import annotations
 
@@ -13,12 +14,23 @@ from typing import Any
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
+class SetUpInterrupted(KeyboardInterrupt):
+    """A signal stopped the set-up. A KeyboardInterrupt, so what catches Ctrl-C (the data
+    preparation keeps its complete shards for the next run) handles it the same way."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class SignalWatch:
-    """First Ctrl-C / SIGTERM: finish the micro-batch, checkpoint the last completed step, exit.
-    Second Ctrl-C: exit at once, recording the end of the run in metrics.jsonl."""
+    """During set-up, the first Ctrl-C / SIGTERM raises SetUpInterrupted where the set-up is.
+    In training: finish the micro-batch, checkpoint the last completed step, exit.
+    The second (either kind): exit at once, recording the end of the run in metrics.jsonl."""
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.setting_up = True  # the trainer clears it once the run is set up
         self._previous: dict[int, Any] = {}
         # Kept current by the trainer, so the messages name only what exists.
         self.completed_step = 0
@@ -35,26 +47,30 @@ class SignalWatch:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.received is not None and signum == signal.SIGINT:
+        name = signal.Signals(signum).name
+        if self.received is not None:
             where = (f"{self.checkpoint} stays the latest checkpoint" if self.checkpoint
                      else "no checkpoint was written")
-            self._record_end(f"second interrupt: exited at once; {where}")
-            os.write(2, f"\nsecond interrupt: exiting now; {where}\n".encode())
-            os._exit(130)
+            self.record_end(f"second signal ({name}): exited at once; {where}", name)
+            os.write(2, f"\nsecond signal ({name}): exiting now; {where}\n".encode())
+            os._exit(EXIT_SIGNAL.get(signal.Signals(signum), 130))
         self.received = signum
-        step = self.completed_step
-        then = (f"checkpointing step {step}" if step else
-                "no step has completed, so nothing will be checkpointed")
-        os.write(2, f"\nstopping after this micro-batch, {then} "
-                    f"(Ctrl-C again to exit at once)\n".encode())
+        if self.setting_up:
+            os.write(2, f"\n{name}: stopping the set-up\n".encode())
+            raise SetUpInterrupted(signum)
+        # The step under way may still complete (a signal in its last micro-batch), so the
+        # step to be checkpointed is named only once it is known, in the final line.
+        os.write(2, f"\n{name}: stopping after this micro-batch and checkpointing the last "
+                    f"completed step ({'Ctrl-C' if signum == signal.SIGINT else name} again "
+                    f"to exit at once)\n".encode())
 
-    def _record_end(self, message: str) -> None:
+    def record_end(self, message: str, signal_name: str) -> None:
         # One O_APPEND write of a whole line: it cannot split a line the trainer is writing.
         if self.metrics_path is None:
             return
         record = {
             "event": "end", "step": self.completed_step, "state": "interrupted",
-            "signal": "SIGINT", "message": message,
+            "signal": signal_name, "message": message,
             "checkpoint": self.checkpoint.name if self.checkpoint else None,
             "time": round(time.time(), 3),
         }

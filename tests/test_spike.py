@@ -1,0 +1,233 @@
+"""The loss-spike guard (train.spike_guard): an injected spike leaves the guarded run's curve
+where the clean run's is, the unguarded one's not; rollback; exact resume; the config keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_user_error, free_port, run_andrea, run_torchrun
+
+from andrea.config import load_config
+from andrea.errors import UserError
+from andrea.runs import format_table, read_run
+from andrea.train import checkpoint as ckpt_io
+from andrea.train.loop import train
+from andrea.train.spike import APPLY, ROLLBACK, SKIP, SpikeGuard
+
+# A step of random tokens whose loss (so gradient) is 1000x: bad data and a blow-up at once.
+# Clipping is off: a scaled gradient is what clipping exists for, and the guard must not need it.
+SPIKE = "21x1000"
+
+
+def tiny(tmp_path: Path, data_dir: Path, name: str, *sets: str):
+    base = [
+        f"data.dir={data_dir}", f"train.runs_dir={tmp_path / 'runs'}", f"train.name={name}",
+        "train.log_every=1", "train.eval_every=40", "train.checkpoint_every=10",
+        "train.max_steps=40", "train.grad_clip=0", "train.spike_window=12",
+    ]
+    return load_config("andrea-tiny", base + list(sets))
+
+
+def events(run_dir: Path, event: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+def tail_loss(losses: dict[int, float]) -> float:
+    return sum(losses[s] for s in range(31, 41)) / 10
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, data_dir):
+    return train(tiny(tmp_path_factory.mktemp("clean"), data_dir, "clean"), progress=False)
+
+
+def test_a_guarded_run_keeps_the_clean_curve_an_unguarded_one_does_not(
+        tmp_path, data_dir, clean, monkeypatch):
+    monkeypatch.setenv("ANDREA_TEST_SPIKE", SPIKE)
+    bad = train(tiny(tmp_path, data_dir, "bad"), progress=False)
+    guarded = train(tiny(tmp_path, data_dir, "guarded", "train.spike_guard=skip"), progress=False)
+    # The spike happened in both: the same loss at step 21, far above the clean run's.
+    assert bad.losses[21] == guarded.losses[21] > clean.losses[21] + 1.0
+    # Afterwards, on the same data: the guarded run stays on the clean curve, the other not.
+    assert abs(tail_loss(guarded.losses) - tail_loss(clean.losses)) < 0.01
+    assert tail_loss(bad.losses) - tail_loss(clean.losses) > 0.03
+    assert abs(guarded.last_val_loss - clean.last_val_loss) < 0.01
+    assert bad.last_val_loss - clean.last_val_loss > 0.02
+    (spike,) = events(guarded.run_dir, "spike")
+    assert spike["step"] == 21 and spike["action"] == "skip" and spike["loss_z"] > 6
+    assert not events(bad.run_dir, "spike")
+    summary = read_run(guarded.run_dir)
+    assert (summary.spikes, summary.rollbacks) == (1, 0)
+    assert "guarded: spike guard: 1 outlier step not applied, 0 rollbacks" in format_table(
+        [summary])
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra")
+    from andrea.plot import plot_runs
+
+    svg = plot_runs([guarded.run_dir], tmp_path / "curves.svg", x="step").read_text()
+    assert "x: spike not applied" in svg  # the legend of the cross on the loss curve
+
+
+def test_rollback_returns_to_the_checkpoint_past_the_bad_data_at_a_cut_lr(
+        tmp_path, data_dir, clean, monkeypatch):
+    monkeypatch.setenv("ANDREA_TEST_SPIKE", "21-22x1000")
+    sets = ("train.spike_guard=rollback", "train.spike_patience=2", "train.spike_lr_factor=0.5",
+            "train.spike_lr_steps=5")
+    run = train(tiny(tmp_path, data_dir, "rb", *sets), progress=False)
+    assert run.state == "finished" and run.steps == 40
+    (rollback,) = events(run.run_dir, "rollback")
+    assert rollback["step"] == 20 and rollback["from_step"] == 22
+    assert rollback["checkpoint"] == "step-000020" and rollback["data_offset"] == 2
+    # Steps 21..25 ran again at half the lr (the clean run's lr at those steps), then the plan.
+    lr = {r["step"]: r["lr"] for r in events(run.run_dir, "train")}  # the last record wins
+    clean_lr = {r["step"]: r["lr"] for r in events(clean.run_dir, "train")}
+    assert all(lr[s] == pytest.approx(0.5 * clean_lr[s]) for s in range(21, 26))
+    assert all(lr[s] == pytest.approx(clean_lr[s]) for s in range(26, 41))
+    # Steps 21.. read the data of 23..: the garbage is never seen again, and the curve is back.
+    assert max(run.losses[s] for s in range(21, 41)) < clean.losses[21] + 0.5
+    assert abs(run.last_val_loss - clean.last_val_loss) < 0.02
+    summary = read_run(run.run_dir)
+    assert (summary.spikes, summary.rollbacks, summary.step) == (2, 1, 40)
+
+
+def test_guard_state_survives_resume_bit_for_bit(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv("ANDREA_TEST_SPIKE", "21-22x1000")
+    sets = ("train.spike_guard=rollback", "train.spike_patience=2", "train.eval_every=0",
+            "train.max_steps=30")
+    whole = train(tiny(tmp_path / "a", data_dir, "w", *sets), progress=False)
+    # Paused at step 18 (window filling), and again right after the rollback.
+    first = train(tiny(tmp_path / "b", data_dir, "w", *sets), progress=False, stop_after=18)
+    second = train(tiny(tmp_path / "b", data_dir, "w", *sets), resume=str(first.run_dir),
+                   progress=False, stop_after=3)  # 19, 20, 21: outlier held, not yet rolled
+    rest = train(tiny(tmp_path / "b", data_dir, "w", *sets), resume=str(first.run_dir),
+                 progress=False)
+    assert (first.steps, second.steps, rest.steps) == (18, 21, 30)
+    assert {**first.losses, **second.losses, **rest.losses} == whole.losses
+    a, b = (ckpt_io.read_trainer_state(r.checkpoint)[0]["spike_guard"] for r in (whole, rest))
+    assert a == b and a["rollbacks"] == 1 and a["data_offset"] == 2
+    wa, wb = (ckpt_io.read_model_checkpoint(r.checkpoint)[0] for r in (whole, rest))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def guard(mode: str = "skip", **sets: object) -> SpikeGuard:
+    cfg = load_config("andrea-tiny", [f"train.spike_guard={mode}", "train.warmup_steps=0",
+                                      "train.spike_window=4", "train.spike_patience=2",
+                                      *(f"train.{k}={v}" for k, v in sets.items())]).train
+    g = SpikeGuard(cfg)
+    for step, loss in enumerate([3.0, 3.1, 2.9, 3.0], start=1):
+        assert g.judge(step, loss, 1.0).action == APPLY
+    return g
+
+
+def test_judge_skips_outliers_and_takes_a_lasting_shift_as_the_new_level():
+    g = guard()  # window 4, patience 2
+    assert g.judge(5, 3.05, 1.0).action == APPLY  # ordinary noise
+    assert g.judge(6, 3.0, 50.0).action == SKIP  # a gradient-norm spike alone is enough
+    assert g.judge(7, 2.5, 1.0).action == APPLY  # downwards is never a spike
+    assert g.judge(8, 9.0, 1.0).action == SKIP  # a loss spike...
+    assert g.judge(9, 3.0, 1.0).action == APPLY  # ... that passed
+    assert g.judge(10, 6.0, 1.0).action == SKIP  # the loss moves up to stay: held back once,
+    accepted = g.judge(11, 6.0, 1.0)  # then, the patience-th outlier in a row, taken as real
+    assert accepted.outlier and accepted.action == APPLY
+    assert g.judge(12, 6.0, 1.0).action == APPLY  # a new window fills: no verdict till full
+    assert g.spikes == 4
+
+
+def test_judge_rolls_back_after_patience_and_state_round_trips_through_json():
+    g = guard("rollback", spike_lr_factor=0.25, spike_lr_steps=7)
+    assert g.judge(5, 9.0, 1.0).action == SKIP
+    assert g.judge(6, 9.0, 1.0).action == ROLLBACK
+    g.rolled_back(from_step=6, to_step=2)
+    assert g.data_step(2) == 6 and g.lr_scale(8) == 0.25 and g.lr_scale(9) == 1.0
+    again = SpikeGuard(g.cfg, json.loads(json.dumps(g.state_dict())))
+    assert again.state_dict() == g.state_dict()
+    assert again.judge(7, 3.2, 1.1) == g.judge(7, 3.2, 1.1)
+
+
+@pytest.mark.parametrize("setting, fragment", [
+    ("train.spike_guard=always", "train.spike_guard: 'always' is not one of off, skip, rollback"),
+    ("train.spike_z=0", "train.spike_z: must be positive"),
+    ("train.spike_window=1", "train.spike_window: must be an integer of at least 2"),
+    ("train.spike_lr_factor=2", "train.spike_lr_factor: must be in (0, 1]"),
+])
+def test_bad_guard_settings_are_one_line_errors(setting, fragment):
+    with pytest.raises(UserError, match=fragment.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        load_config("andrea-tiny", [setting])
+
+
+def test_bad_guard_setting_from_the_command_line(tmp_path):
+    proc = run_andrea("train", "-c", "andrea-tiny", "--set", "train.spike_patience=0",
+                      cwd=tmp_path)
+    assert_user_error(proc, "train.spike_patience: must be a positive integer")
+
+
+def test_presets_guard_all_but_the_tiny_one():
+    assert load_config("andrea-tiny").train.spike_guard == "off"
+    assert load_config("andrea-12m").train.spike_guard == "skip"
+    assert load_config("andrea-120m").train.spike_guard == "rollback"
+
+
+def test_two_processes_decide_as_one(tmp_path, data_dir):
+    """Under ddp every rank takes the same decisions (they judge the all-reduced loss and
+    norm, and agree() makes sure): the same spikes and rollback as one process, the same
+    losses; a rank that decided otherwise would train other weights or hang."""
+    sets = ("train.spike_guard=rollback", "train.spike_patience=2", "train.spike_window=6",
+            "train.warmup_steps=2", "train.checkpoint_every=5", "train.max_steps=16",
+            "train.eval_every=0", "train.precision=fp32", "train.micro_batch_size=4",
+            "train.global_batch_tokens=512")
+    env = {"ANDREA_TEST_SPIKE": "12-13x1000"}
+    cfg = tiny(tmp_path / "one", data_dir, "one", *sets)
+    path = tmp_path / "one.yaml"
+    path.write_text(cfg.to_yaml())
+    one = run_andrea("train", "-c", str(path), "--no-progress", env=env)
+    assert one.returncode == 0, one.stderr
+    cfg2 = tiny(tmp_path / "two", data_dir, "two", *sets)
+    path2 = tmp_path / "two.yaml"
+    path2.write_text(cfg2.to_yaml())
+    two = run_torchrun("train", "-c", str(path2), "--no-progress", env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    run1, run2 = Path(cfg.train.runs_dir) / "one", Path(cfg2.train.runs_dir) / "two"
+    for event in ("spike", "rollback"):
+        assert [(r["step"], r["action"] if event == "spike" else r["from_step"])
+                for r in events(run2, event)] == [
+            (r["step"], r["action"] if event == "spike" else r["from_step"])
+            for r in events(run1, event)]
+    assert [r["from_step"] for r in events(run2, "rollback")] == [13]
+    loss1 = {r["step"]: r["loss"] for r in events(run1, "train")}
+    loss2 = {r["step"]: r["loss"] for r in events(run2, "train")}
+    assert loss1.keys() == loss2.keys()
+    assert all(loss2[s] == pytest.approx(loss1[s], rel=1e-4) for s in loss1)
+
+
+def test_a_rollback_needs_the_same_checkpoint_on_every_rank(tmp_path):
+    """Node-local run folders under ddp: a rank that cannot see the checkpoint makes every rank
+    skip instead (the same decision everywhere), checked with two real gloo processes."""
+    script = tmp_path / "agree.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "from andrea.train.distributed import all_reduce_sum\n"
+        "from andrea.train.spike import same_on_every_rank\n"
+        "dist.init_process_group('gloo')\n"
+        "class D: enabled, world_size = True, dist.get_world_size()\n"
+        "r = dist.get_rank()\n"
+        "cpu = torch.device('cpu')\n"
+        "print('same', r, same_on_every_rank(20, cpu, all_reduce_sum, D))\n"
+        "print('differ', r, same_on_every_rank(20 if r == 0 else -1, cpu, all_reduce_sum, D))\n"
+        "dist.destroy_process_group()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3",
+         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(proc.stdout.split("\n"))
+    assert [x for x in lines if x.startswith("same")] == [f"same {r} True" for r in range(3)]
+    assert [x for x in lines if x.startswith("differ")] == [f"differ {r} False" for r in range(3)]

@@ -1,0 +1,145 @@
+"""What `andrea train` says and does when it is stopped or cannot go on: a signal during set-up,
+a stop during the last micro-batch of a step, a resume of a run without a checkpoint, a run of
+days, a mixture source repeated many times. Real processes, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import assert_user_error, run_andrea
+
+from andrea.train.progress import RunBar, format_eta, long_run_note
+
+
+def tiny_config(tmp_path: Path, data: str, *lines: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: {n_layer: 2, n_head: 4, head_dim: 16, block_size: 64, vocab_size: 320}\n"
+        f"data: {data}\n"
+        f"train: {{runs_dir: {tmp_path / 'runs'}, name: r, micro_batch_size: 8, "
+        f"log_every: 1, eval_every: 0, checkpoint_every: 0{''.join(', ' + x for x in lines)}}}\n"
+    )
+    return path
+
+
+def words_file(path: Path, n_bytes: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+             for _ in range(3000)]
+    text, size = [], 0
+    while size < n_bytes:
+        line = " ".join(rng.choices(vocab, k=12)) + "\n"
+        text.append(line)
+        size += len(line)
+    path.write_text("".join(text))
+    return path
+
+
+def test_sigterm_during_data_preparation_stops_it_within_seconds(tmp_path):
+    # Training a BPE on 6 MB and encoding it takes ~10 s here: long enough to land inside.
+    source = words_file(tmp_path / "big.txt", 6_000_000)
+    data = tmp_path / "prepared"
+    cfg = tiny_config(tmp_path, f"{{source: {source}, tokenizer: bpe, dir: {data}}}",
+                      "max_steps: 3")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "andrea", "train", "-c", str(cfg), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout.readline().startswith(f"preparing {data}")  # set-up is under way
+    time.sleep(0.5)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    stopped_in = time.monotonic() - sent
+    assert proc.returncode == 143, err
+    # The old code prepared all the data first (no manifest now: the preparation was cut),
+    # then said "error: stopped by SIGTERM before its first step".
+    assert not (data / "manifest.json").exists()
+    assert "stopped by SIGTERM during set-up, before the first step; no checkpoint was " \
+           "written" in err
+    assert "error:" not in err and "Traceback" not in err
+    assert stopped_in < 30, stopped_in  # a bound for a loaded machine, not a speed measurement
+    assert not (tmp_path / "runs" / "r" / "latest").exists()
+
+
+def test_a_stop_in_the_last_micro_batch_names_one_step(tmp_path, data_dir):
+    # Ctrl-C in the second (last) micro-batch of step 4: step 4 completes and is checkpointed.
+    cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
+                      "max_steps: 50", "global_batch_tokens: 1024")
+    proc = run_andrea("train", "-c", str(cfg), "--no-progress",
+                      env={"ANDREA_TEST_SIGNAL_AFTER": "3.1"})
+    assert proc.returncode == 130, proc.stderr
+    said = proc.stdout + proc.stderr
+    assert "stopped by SIGINT after step 4; checkpoint" in said and "step-000004" in said
+    # Old code: "checkpointing step 3" first, then "stopped after step 4"; and "error: ...".
+    assert set(re.findall(r"step[- ]0*(\d+)", said)) == {"4"}, said
+    assert "error:" not in said
+
+
+def test_resume_of_a_run_without_a_checkpoint_says_what_happened(tmp_path, data_dir):
+    cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
+                      "max_steps: 5", "global_batch_tokens: 2048")
+    stopped = run_andrea("train", "-c", str(cfg), "--no-progress",
+                         env={"ANDREA_TEST_SIGNAL_AFTER": "0.0"})  # before the first step
+    assert stopped.returncode == 130, stopped.stderr
+    run_dir = tmp_path / "runs" / "r"
+    line = assert_user_error(run_andrea("train", "--resume", str(run_dir)),
+                             "stopped before its first checkpoint", "nothing to continue")
+    # ... and the way out it names works.
+    again = line.split("start it over with: ")[1]
+    assert again == f"andrea train --config {run_dir / 'config.yaml'}"
+    started = run_andrea(*again.split()[1:], "--no-progress")
+    assert started.returncode == 0, started.stderr
+    assert (run_dir / "latest").read_text().strip() == "step-000005"
+
+
+def test_an_eta_of_days_is_said_in_days_and_a_cpu_run_is_told_it_is_a_gpu_job(tmp_path,
+                                                                             data_dir):
+    assert format_eta(3 * 3600 + 62) == "3:01:02"
+    assert format_eta(13317 * 3600 + 40 * 60 + 36) == "555 days"
+    assert long_run_note(10**6, 10**6, "cpu", "andrea-tiny") is None
+    note = long_run_note(10**12, 2000.0, "cpu", "andrea-120m")
+    assert note.startswith("note: at 2,000 tokens/s the rest of this run takes about 5,787 "
+                           "days; andrea-120m is a GPU job")
+    bar = RunBar(total=10**12, unit="tok", unit_scale=True, disable=True)
+    shown = bar.format_meter(n=5000, total=10**12, elapsed=1.0, unit="tok", unit_scale=True)
+    assert "2,315 days" in shown and not re.search(r"\d{3,}:\d\d:\d\d", shown)
+    # A real run of a billion steps of the tiny model on this CPU: months.
+    cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
+                      "max_steps: 1000000000")
+    proc = run_andrea("train", "-c", str(cfg), "--stop-after", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"note: at [\d,]+ tokens/s the rest of this run takes about [\d,]+ days; "
+                     r"run is a GPU job", proc.stderr), proc.stderr
+    assert re.search(r"<[\d,]+ days,", proc.stderr), proc.stderr
+    assert not re.search(r"\d{3,}:\d\d:\d\d", proc.stderr), proc.stderr
+
+
+def test_a_small_mixture_source_is_counted_and_warned_about_on_its_own(tmp_path):
+    small = words_file(tmp_path / "small.txt", 40_000, seed=1)
+    big = words_file(tmp_path / "big.txt", 800_000, seed=2)
+    cfg = tiny_config(
+        tmp_path,
+        f"{{tokenizer: byte, sources: [{{path: {small.name}, weight: 1}}, "
+        f"{{path: {big.name}, weight: 1}}]}}",
+        "max_steps: 20000",
+    )
+    proc = run_andrea("train", "-c", str(cfg), "--no-progress", "--stop-after", "1",
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (plan,) = [x for x in proc.stdout.splitlines() if x.startswith("plan:")]
+    # 20,000 x 512 tokens, half from each: ~36k training tokens of small.txt, ~720k of big.txt.
+    per_source = dict(re.findall(r"(\w+\.txt) ([\d,.]+) over", plan))
+    assert float(per_source["small.txt"].replace(",", "")) > 100 > float(
+        per_source["big.txt"].replace(",", "")), plan
+    warnings = [x for x in proc.stdout.splitlines() if x.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: mixture source small.txt: ")
+    records = [json.loads(x) for x in (tmp_path / "runs" / "r" / "metrics.jsonl").open()]
+    assert any(r["event"] == "data_mixture" for r in records)
