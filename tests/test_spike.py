@@ -218,8 +218,11 @@ def test_a_rollback_needs_the_same_checkpoint_on_every_rank(tmp_path):
         "class D: enabled, world_size = True, dist.get_world_size()\n"
         "r = dist.get_rank()\n"
         "cpu = torch.device('cpu')\n"
-        "print('same', r, same_on_every_rank(20, cpu, all_reduce_sum, D))\n"
-        "print('differ', r, same_on_every_rank(20 if r == 0 else -1, cpu, all_reduce_sum, D))\n"
+        # One write per line: print() writes its parts separately, and three processes share
+        # the pipe, so their words could interleave.
+        "same = same_on_every_rank(20, cpu, all_reduce_sum, D)\n"
+        "differ = same_on_every_rank(20 if r == 0 else -1, cpu, all_reduce_sum, D)\n"
+        "os.write(1, f'same {r} {same}\\ndiffer {r} {differ}\\n'.encode())\n"
         "dist.destroy_process_group()\n"
     )
     proc = subprocess.run(
