@@ -1,0 +1,166 @@
+"""Resumable shard writing: encode every job and stream its tokens into shards. Whenever a
+shard fills, the open shards are closed and the position recorded (progress.json), so an
+interrupted prepare continues from there."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from andrea.data import documents, readers, shards
+from andrea.data.documents import SCRATCH, SPLITS, Input, Settings, all_jobs
+from andrea.data.encode import encode_all, train_texts
+from andrea.data.folder import PROGRESS
+from andrea.data.tokenizer import BPE_FILE, BpeTokenizer, load_tokenizer, train_bpe
+from andrea.errors import UserError
+from andrea.fileio import atomic_write_bytes, atomic_write_text
+
+
+def resume_point(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The progress record of an interrupted prepare of these same inputs and settings, whose
+    listed shards are all intact; None when there is nothing to resume."""
+    try:
+        progress = json.loads((out / PROGRESS).read_text("utf-8"))
+        if progress["settings"] != settings or progress["job_rule"] != job_rule():
+            return None
+        identity = progress["tokenizer"]["identity"]
+        if load_tokenizer(progress["tokenizer"]["kind"], out).identity != identity:
+            return None
+        for split in SPLITS:
+            for entry in progress["shards"][split]:
+                info = shards.read_header(out / entry["file"])
+                if info.count != entry["tokens"] or info.identity != identity:
+                    return None
+    except (OSError, ValueError, UserError, KeyError, TypeError):
+        return None
+    return progress
+
+
+def job_rule() -> dict[str, int]:
+    """What fixes the job boundaries: a resumed run must cut its input the same way."""
+    return {"chunk_bytes": documents.CHUNK_BYTES, "read_bytes": readers.READ_BYTES}
+
+
+def _pause_hook(name: str) -> None:
+    """Test hook: ANDREA_PREPARE_PAUSE_IN=<shard file> stops here, mid-shard, for a SIGKILL."""
+    if os.environ.get("ANDREA_PREPARE_PAUSE_IN") == name:
+        print(f"paused in {name}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
+
+
+def write_shards(
+    out: Path, docs: list[Input], kind: str, vocab_size: int | None, shard_tokens: int,
+    workers: int, total: int, settings: Settings, manifest_settings: dict[str, Any],
+    tokenizer_blob: bytes | None, resume: dict[str, Any] | None, verbose: bool,
+) -> dict[str, Any]:
+    """Encode every job and write the shards. Whenever a shard fills, every open shard is
+    closed and the position recorded (progress.json), so a rerun after a crash continues from
+    there: skipping the jobs before it and the tokens of its first job already written."""
+    from tqdm import tqdm
+
+    scratch = out / SCRATCH
+    if resume is not None:
+        tok = load_tokenizer(kind, out)
+    elif tokenizer_blob is not None:  # byte for byte, so the identity is the file's
+        atomic_write_bytes(out / BPE_FILE, tokenizer_blob)
+        tok = BpeTokenizer(out / BPE_FILE)
+    elif kind == "bpe":
+        assert vocab_size is not None
+        tok = train_bpe(train_texts(docs, settings, scratch), vocab_size, out / BPE_FILE)
+    else:
+        tok = load_tokenizer(kind, out)
+    dtype = shards.token_dtype(tok.vocab_size)
+    written: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
+    writers: dict[str, shards.ShardWriter | None] = {s: None for s in SPLITS}
+    start_job, drop, skipped_before = 0, {s: 0 for s in SPLITS}, 0
+    if resume is not None:
+        written = resume["shards"]
+        start_job = resume["job"]
+        drop = dict(resume["drop"])
+        skipped_before = resume["skipped_records"]
+        if verbose:
+            n = sum(e["tokens"] for s in SPLITS for e in written[s])
+            print(f"{out}: resuming after {sum(map(len, written.values()))} complete shards "
+                  f"({n:,} tokens), from input job {start_job}", flush=True)
+    index = start_job  # the job being written
+    consumed = {s: 0 for s in SPLITS}  # of its tokens per split, already in shards
+
+    def checkpoint() -> None:
+        for s in SPLITS:
+            w = writers[s]
+            if w is not None:
+                written[s].append({"file": w.path.name, "tokens": w.close().count})
+                writers[s] = None
+        progress = {
+            "settings": manifest_settings, "job_rule": job_rule(),
+            "tokenizer": {"kind": kind, "identity": tok.identity},
+            "shards": written, "job": index, "drop": dict(consumed),
+            "skipped_records": skipped_before,
+        }
+        atomic_write_text(out / PROGRESS, json.dumps(progress))
+
+    def emit(split: str, tokens: np.ndarray) -> None:
+        while len(tokens):
+            w = writers[split]
+            if w is None:
+                name = f"{split}_{len(written[split]):06d}.bin"
+                w = writers[split] = shards.ShardWriter(out / name, dtype, tok.identity)
+            room = shard_tokens - w.count
+            w.write(tokens[:room])
+            consumed[split] += min(room, len(tokens))
+            tokens = tokens[room:]
+            if w.count == shard_tokens:
+                checkpoint()
+            else:
+                _pause_hook(w.path.name)
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+               desc=f"prepare {out.name}", disable=None, smoothing=0.1)
+    try:
+        jobs = all_jobs(docs, settings.val_fraction, settings.text_field, start_job, scratch)
+        stream = encode_all(jobs, settings, tok, out, dtype.str, workers)
+        for number, (job, result) in enumerate(stream):
+            bar.update(job.nbytes)
+            if result is None:  # before the resume point
+                continue
+            tokens, skipped = result
+            index, consumed = number, {s: 0 for s in SPLITS}
+            for split in SPLITS:
+                ids = tokens[split]
+                if number == start_job:  # already written before the interruption
+                    ids, consumed[split] = ids[drop[split]:], drop[split]
+                emit(split, ids)
+            skipped_before += skipped
+        for split in SPLITS:
+            w = writers[split]
+            if w is not None:
+                written[split].append({"file": w.path.name, "tokens": w.close().count})
+                writers[split] = None
+    finally:
+        bar.close()
+        for w in writers.values():
+            if w is not None:
+                w.abort()
+    counts = {s: sum(e["tokens"] for e in written[s]) for s in SPLITS}
+    if counts["val"] == 0:
+        raise UserError(
+            f"{out}: the val split came out empty (inputs too small for val fraction "
+            f"{settings.val_fraction}); add text or raise data.val_fraction"
+        )
+    return {
+        "tokenizer": {
+            "kind": kind, "identity": tok.identity, "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id,
+        },
+        "shards": written,
+        "tokens": counts,
+        "skipped_records": skipped_before,
+    }
+
