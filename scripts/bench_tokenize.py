@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from andrea.data import documents, encode
+from andrea.data.folder import scratch_name
 from andrea.data.tokenizer import load_tokenizer, train_bpe
 
 SETTINGS = documents.Settings(val_fraction=0.1, text_field="text", errors="strict")
@@ -22,7 +23,7 @@ SETTINGS = documents.Settings(val_fraction=0.1, text_field="text", errors="stric
 def encode_seconds(docs, kind: str, data_dir: Path, workers: int) -> tuple[float, int]:
     start = time.perf_counter()
     n = 0
-    jobs = documents.all_jobs(docs, 0.1, "text", 0, data_dir / documents.SCRATCH)
+    jobs = documents.all_jobs(docs, 0.1, "text", 0, data_dir / scratch_name())
     tok = load_tokenizer(kind, data_dir)
     for _, result in encode.encode_all(jobs, SETTINGS, tok, data_dir, "<u2", workers):
         n += 0 if result is None else sum(len(t) for t in result[0].values())
@@ -39,7 +40,7 @@ def main() -> None:
     print(f"corpus: {len(docs)} plays, {mb:.2f} MB")
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        texts = encode.train_texts(docs, SETTINGS, Path(tmp) / documents.SCRATCH)
+        texts = encode.train_texts(docs, SETTINGS, Path(tmp) / scratch_name())
         train_bpe(texts, 4096, Path(tmp) / "tokenizer.json")
         print(f"bpe training (4,096 ids, train split): {time.perf_counter() - t:.2f} s")
         for kind in ("gpt2", "bpe"):

@@ -177,7 +177,12 @@ def test_given_tokenizer_file_is_used_as_is(corpus, tmp_path, capsys):
     prepare.prepare_inputs(str(corpus), "bpe", out, tokenizer_file=str(given))
     assert "up to date" in capsys.readouterr().out
     other = train_bpe(iter(["ROMEO: But soft!\n"] * 50), 290, tmp_path / "other.json")
-    prepare.prepare_inputs(str(corpus), "bpe", out, tokenizer_file=str(tmp_path / "other.json"))
+    # Another tokenizer never rewrites the folder unasked; --force replaces it.
+    with pytest.raises(UserError, match=r"sha256 [0-9a-f]{8}\), but this run asks for .*--force"):
+        prepare.prepare_inputs(str(corpus), "bpe", out, tokenizer_file=str(tmp_path / "other.json"))
+    assert prepare.read_manifest(out)["tokenizer"]["identity"] == bpe.identity
+    prepare.prepare_inputs(str(corpus), "bpe", out, tokenizer_file=str(tmp_path / "other.json"),
+                           force=True)
     assert prepare.read_manifest(out)["tokenizer"]["identity"] == other.identity
     # A given tokenizer never shares the derived dir of a trained BPE of the same size.
     cfg = load_config("andrea-tiny", ["data.tokenizer=bpe", f"data.tokenizer_file={given}"])

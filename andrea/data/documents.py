@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from andrea.data.folder import is_andrea_folder
 from andrea.data.readers import (
     InputFile,
     Job,
@@ -27,10 +28,9 @@ from andrea.data.readers import (
     parquet_jobs,
     record_jobs,
 )
+from andrea.data.shards import SPLITS
 from andrea.errors import UserError
 
-SCRATCH = "decompressed.tmp"  # a compressed text file, decompressed so it can be split
-SPLITS = ("train", "val")
 SHAKESPEARE = "shakespeare"
 CHUNK_BYTES = 1 << 20
 
@@ -51,9 +51,12 @@ class Document:
 Input = Document | InputFile
 
 
-def documents(source: str) -> list[Input]:
+def documents(
+    source: str, out: Path | None = None, say: Callable[[str], None] = print
+) -> list[Input]:
     """The inputs of `source`: "shakespeare" (the embedded corpus, one Document per play) or a
-    file, directory, glob or `datasets` folder (one InputFile each)."""
+    file, directory, glob or `datasets` folder (one InputFile each). Folders that hold prepared
+    data, and the output folder `out`, are never input: skipped, and `say` says so once."""
     if source == SHAKESPEARE:
         from andrea.data.corpus import shakespeare
 
@@ -69,7 +72,20 @@ def documents(source: str) -> list[Input]:
                 )
             )
         return docs
-    files: list[Input] = list(input_files(source))
+    skipped: list[Path] = []
+    target = out.resolve() if out is not None else None
+
+    def prepared(folder: Path) -> bool:
+        if folder.resolve() == target or is_andrea_folder(folder):
+            skipped.append(folder)
+            return True
+        return False
+
+    files: list[Input] = list(input_files(source, prepared))
+    if skipped:
+        more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        say(f"{source}: skipping {', '.join(map(str, skipped[:3]))}{more}: prepared data or "
+            "the output folder, not input")
     if sum(f.size for f in files) == 0:
         raise UserError(f"{source}: input is empty ({len(files)} file(s), 0 bytes)")
     return files

@@ -18,12 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from andrea.data import shards
 from andrea.data.documents import (  # noqa: F401  (re-exported: the package's data API)
-    SCRATCH,
     SHAKESPEARE,
     SPLITS,
     Input,
@@ -35,11 +35,26 @@ from andrea.data.documents import (  # noqa: F401  (re-exported: the package's d
     val_start,
 )
 from andrea.data.encode import auto_workers
-from andrea.data.folder import PROGRESS, clear, missing_dirs, remove_empty, remove_unlisted
+from andrea.data.folder import (
+    PROGRESS,
+    FolderLock,
+    check_owned,
+    clear,
+    owned_files,
+    records,
+    remove_unlisted,
+)
 from andrea.data.readers import InputFile
 from andrea.data.shards import MANIFEST, MANIFEST_VERSION, read_manifest
-from andrea.data.tokenizer import EOT_TEXT, FIXED_VOCAB, KINDS, BpeTokenizer, load_tokenizer
-from andrea.data.writer import resume_point, write_shards
+from andrea.data.tokenizer import (
+    BPE_FILE,
+    EOT_TEXT,
+    FIXED_VOCAB,
+    KINDS,
+    BpeTokenizer,
+    load_tokenizer,
+)
+from andrea.data.writer import mark_started, resume_point, write_shards
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
 
@@ -147,6 +162,27 @@ def _is_current(out: Path, settings: dict[str, Any]) -> bool:
 
 
 
+def _check_arguments(
+    tokenizer: str, errors: str, val_fraction: float, shard_tokens: int, workers: int,
+    text_field: str,
+) -> None:
+    if tokenizer not in KINDS:
+        raise UserError(f"--tokenizer: '{tokenizer}' is not one of {', '.join(KINDS)}")
+    if errors not in ("strict", "replace"):
+        raise UserError(f"--errors: '{errors}' is not one of strict, replace")
+    if not 0 < val_fraction < 1:
+        raise UserError(f"val fraction {val_fraction} must be in (0, 1)")
+    if shard_tokens <= 0:
+        raise UserError(f"data.shard_tokens: {shard_tokens} must be a positive number of tokens")
+    if workers < 0:
+        raise UserError(
+            f"--workers (data.workers): {workers} is negative; give 0 (automatic) or a number "
+            "of encoding processes"
+        )
+    if not text_field:
+        raise UserError("--text-field: give the name of the field that holds the text")
+
+
 def prepare_inputs(
     inputs: str,
     tokenizer: str,
@@ -171,17 +207,12 @@ def prepare_inputs(
     holds the text. Returns `out`. Does nothing when `out` already holds shards from the same
     inputs and settings, unless `force`; continues an interrupted prepare of the same inputs
     from its last complete shard. `announce` is printed just before the work starts.
+
+    `out` must be empty or andrea's; one holding data prepared with other settings is refused
+    unless `force`. The work holds the folder's lock: a second prepare of `out` waits for the
+    first, then uses its result when it is what this one asks for.
     """
-    if tokenizer not in KINDS:
-        raise UserError(f"--tokenizer: '{tokenizer}' is not one of {', '.join(KINDS)}")
-    if errors not in ("strict", "replace"):
-        raise UserError(f"--errors: '{errors}' is not one of strict, replace")
-    if not 0 < val_fraction < 1:
-        raise UserError(f"val fraction {val_fraction} must be in (0, 1)")
-    if shard_tokens <= 0 or workers < 0:
-        raise UserError("shard_tokens must be positive and workers non-negative")
-    if not text_field:
-        raise UserError("--text-field: give the name of the field that holds the text")
+    _check_arguments(tokenizer, errors, val_fraction, shard_tokens, workers, text_field)
     blob = None
     if tokenizer_file:
         if tokenizer != "bpe":
@@ -191,7 +222,7 @@ def prepare_inputs(
     elif tokenizer == "bpe" and vocab_size is None:
         raise UserError("--tokenizer bpe needs --vocab-size (the BPE's id count incl. end-of-text)")
     out = Path(out)
-    docs = documents(inputs)
+    docs = documents(inputs, out, say=lambda line: print(line, flush=True))
     settings = _settings(
         inputs, docs, tokenizer, vocab_size, val_fraction, shard_tokens, errors, blob, text_field
     )
@@ -199,40 +230,129 @@ def prepare_inputs(
         if verbose:
             print(f"{out}: up to date (inputs unchanged; --force redoes it)")
         return out
+    check_owned(out)  # before anything is written there, the lock file included
+    lock = FolderLock(out).acquire(say=lambda line: print(line, flush=True))
+    failed = True
+    try:
+        if lock.waited and not force and _is_current(out, settings):
+            print(f"{out}: prepared by the other process meanwhile; using it", flush=True)
+        else:
+            check_owned(out)
+            resume = _start(out, settings, force, blob, verbose, announce)
+            total = sum(d.size for d in docs)
+            try:
+                result = write_shards(
+                    out, docs, tokenizer, vocab_size, shard_tokens,
+                    workers or auto_workers(total), total,
+                    Settings(val_fraction, text_field, errors), settings, blob, resume, verbose,
+                )
+            except KeyboardInterrupt:
+                failed = not _interrupted(out)
+                raise
+            except BaseException:
+                clear(out)  # nothing half-written is left looking valid
+                raise
+            _finish(out, {**settings, **result}, tokenizer_file, text_field, verbose)
+        failed = False
+    finally:
+        lock.release(remove_created=failed)
+    return out
+
+
+def _start(
+    out: Path, settings: dict[str, Any], force: bool, blob: bytes | None, verbose: bool,
+    announce: str | None,
+) -> dict[str, Any] | None:
+    """Under the lock, before the work: refuse another run's data (unless `force`), find the
+    resume point, and leave the folder holding only what this prepare continues from."""
+    if not force:
+        _check_same_request(out, settings)
     resume = None if force else resume_point(out, settings)
     if announce:
         print(announce, flush=True)
     elif verbose and resume is None and (out / MANIFEST).is_file():
         print(f"{out}: inputs or settings changed since it was prepared; preparing it again",
               flush=True)
-    created = missing_dirs(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if resume is None:
-        clear(out)
-    else:
+    if resume is not None:
         remove_unlisted(out, {e["file"] for s in SPLITS for e in resume["shards"][s]})
-    total = sum(d.size for d in docs)
-    if workers == 0:
-        workers = auto_workers(total)
-    try:
-        result = write_shards(
-            out, docs, tokenizer, vocab_size, shard_tokens, workers, total,
-            Settings(val_fraction, text_field, errors), settings, blob, resume, verbose,
+        return resume
+    owned = owned_files(out)
+    bpe = out / BPE_FILE
+    if (settings["tokenizer_request"]["kind"] == "bpe" and bpe.exists() and BPE_FILE not in owned
+            and (blob is None or bpe.read_bytes() != blob)):
+        raise UserError(
+            f"{bpe}: a {BPE_FILE} andrea did not write is in the way of the BPE this prepare "
+            "writes; move it, or choose another data folder (--out / data.dir)"
         )
-    except KeyboardInterrupt:
-        # Complete shards and their progress record stay: the next run continues from them.
-        for p in out.glob("*.tmp"):
-            p.unlink()
-        (out / SCRATCH).unlink(missing_ok=True)
-        if not (out / PROGRESS).is_file():
-            clear(out)
-            remove_empty(created)
-        raise
-    except BaseException:
-        clear(out)  # nothing half-written is left looking valid
-        remove_empty(created)
-        raise
-    manifest = {**settings, **result}
+    mark_started(out, settings)  # the folder stays marked as andrea's while it is cleared
+    clear(out, owned - {PROGRESS})
+    return None
+
+
+def _check_same_request(out: Path, settings: dict[str, Any]) -> None:
+    """A folder holding data (complete or not) prepared from another source or with other
+    settings is another run's: never rewritten without --force."""
+    for record in records(out):
+        differ = [k for k in REQUEST_KEYS if _request(record, k) != _request(settings, k)]
+        names = {i.get("name") for i in record.get("inputs") or [] if isinstance(i, dict)}
+        if not names & {i["name"] for i in settings["inputs"]}:
+            differ.insert(0, "source")
+        if differ:
+            what = "data" if "tokenizer" in record else "an unfinished prepare"
+            raise UserError(
+                f"{out}: holds {what} prepared with {_describe(record, differ)}, but this run "
+                f"asks for {_describe(settings, differ)}; andrea does not overwrite it: use "
+                "another data folder (--out / data.dir), or replace that data by hand with "
+                "`andrea prepare ... --force`"
+            )
+
+
+REQUEST_KEYS = ("tokenizer_request", "val_fraction", "shard_tokens", "errors", "text_field")
+
+
+def _request(record: dict[str, Any], key: str) -> Any:
+    if key == "val_fraction":
+        return (record.get("split") or {}).get("val_fraction")
+    return record.get(key)
+
+
+def _describe(record: dict[str, Any], keys: list[str]) -> str:
+    """The named settings of a manifest or request, in words."""
+    words = []
+    for key in keys:
+        value = _request(record, key) if key != "source" else record.get("source")
+        if key == "tokenizer_request" and isinstance(value, dict):
+            kind = value.get("kind")
+            if value.get("file_sha256"):
+                words.append(f"tokenizer {kind} from a tokenizer.json "
+                             f"(sha256 {str(value['file_sha256'])[:8]})")
+            elif value.get("vocab_size"):
+                words.append(f"tokenizer {kind} ({value['vocab_size']} ids)")
+            else:
+                words.append(f"tokenizer {kind}")
+        else:
+            words.append(f"{key} {value}")
+    return ", ".join(words)
+
+
+def _interrupted(out: Path) -> bool:
+    """After Ctrl-C: drop partial files, say what stays; True when complete shards stay."""
+    kept = [e for r in records(out) for s in SPLITS for e in (r.get("shards") or {}).get(s) or []]
+    remove_unlisted(out, {e.get("file") for e in kept})
+    if not kept:
+        clear(out)
+        print(f"interrupted: {out} had no complete shard yet; nothing kept", file=sys.stderr)
+        return False
+    tokens = sum(e.get("tokens", 0) for e in kept)
+    print(f"interrupted: {out} keeps {len(kept)} complete shards ({tokens:,} tokens); run the "
+          "same command again to continue from there", file=sys.stderr, flush=True)
+    return True
+
+
+def _finish(
+    out: Path, manifest: dict[str, Any], tokenizer_file: str, text_field: str, verbose: bool
+) -> None:
+    """Write the manifest (the 'complete' mark), drop the progress record, say what was made."""
     if tokenizer_file:
         manifest["tokenizer"]["copied_from"] = str(tokenizer_file)
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
@@ -246,8 +366,6 @@ def prepare_inputs(
             + (f"; skipped {skipped:,} records without a string '{text_field}'"
                if skipped else "")
         )
-    return out
-
 
 
 # ----------------------------------------------------------------------------- from a config

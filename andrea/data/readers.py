@@ -16,8 +16,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,29 +101,48 @@ def _is_datasets_folder(folder: Path) -> bool:
     return (folder / DATASETS_STATE).is_file() or (folder / DATASETS_DICT).is_file()
 
 
-def input_files(spec: str) -> list[InputFile]:
+def _walk(root: Path, exclude: Callable[[Path], bool]) -> list[Path]:
+    """Every file of a known format below `root`, hidden ones and excluded folders skipped."""
+    found = []
+    for here, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".")
+                         and not exclude(Path(here) / d))
+        found += [Path(here) / n for n in names if not n.startswith(".")
+                  and file_kind(Path(n))[0] in ("text", "records", "parquet")]
+    return sorted(found)
+
+
+def input_files(spec: str, exclude: Callable[[Path], bool] | None = None) -> list[InputFile]:
     """The files `spec` names: a file, a directory (every file of a known format in it,
-    recursively, hidden ones skipped), a glob, or a `datasets` save_to_disk folder; sorted."""
+    recursively, hidden ones skipped), a glob, or a `datasets` save_to_disk folder; sorted.
+    `exclude(folder)`: True for a folder whose files are not input (prepared data)."""
+    verdicts: dict[Path, bool] = {}
+
+    def excluded(folder: Path) -> bool:
+        if folder not in verdicts:
+            verdicts[folder] = exclude is not None and exclude(folder)
+        return verdicts[folder]
+
     path = Path(spec)
     if path.is_file():
         paths = [path]
     elif path.is_dir() and _is_datasets_folder(path):
         paths = _datasets_files(path)
     elif path.is_dir():
-        paths = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file()
-            and file_kind(p)[0] in ("text", "records", "parquet")
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
+        if excluded(path):
+            raise UserError(
+                f"{spec}: this folder is prepared data (andrea shards, a manifest or progress "
+                "record) or the output folder, not input; point --input at the text"
+            )
+        paths = _walk(path, excluded)
         if not paths:
             raise UserError(
                 f"{spec}: directory has no input files ({_described()}); "
                 "point --input at a file or a glob"
             )
     elif glob.has_magic(spec):
-        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        matched = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        paths = [p for p in matched if not any(excluded(d) for d in _parents_below(p, spec))]
         if not paths:
             raise UserError(f"{spec}: the pattern matches no files; check the path and quoting")
     else:
@@ -138,6 +158,18 @@ def input_files(spec: str) -> list[InputFile]:
         files.append(InputFile(p.resolve(), kind or "text", compression, st.st_size,
                                st.st_mtime_ns))
     return files
+
+
+def _parents_below(path: Path, spec: str) -> list[Path]:
+    """The folders from a file a glob matched up to the glob's fixed start, nearest first."""
+    prefix = spec[: min((spec.find(c) for c in "*?[" if c in spec), default=len(spec))]
+    base = Path(prefix) if prefix.endswith(("/", os.sep)) else Path(prefix).parent
+    out = []
+    for d in path.parents:
+        out.append(d)
+        if d == base:
+            break
+    return out
 
 
 def input_identity(f: InputFile) -> dict[str, Any]:

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from andrea.data import documents, readers, shards
-from andrea.data.documents import SCRATCH, SPLITS, Input, Settings, all_jobs
+from andrea.data.documents import SPLITS, Input, Settings, all_jobs
 from andrea.data.encode import encode_all, train_texts
-from andrea.data.folder import PROGRESS
+from andrea.data.folder import PROGRESS, scratch_name
 from andrea.data.tokenizer import BPE_FILE, BpeTokenizer, load_tokenizer, train_bpe
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text
@@ -42,6 +42,17 @@ def resume_point(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     return progress
 
 
+def mark_started(out: Path, settings: dict[str, Any]) -> None:
+    """The progress record of a prepare that has written nothing yet: it marks the folder as
+    andrea's (and its tokenizer.json, for a BPE) from the first file on."""
+    progress = {
+        "settings": settings, "job_rule": job_rule(), "tokenizer": None,
+        "shards": {s: [] for s in SPLITS}, "job": 0, "drop": {s: 0 for s in SPLITS},
+        "skipped_records": 0,
+    }
+    atomic_write_text(out / PROGRESS, json.dumps(progress))
+
+
 def job_rule() -> dict[str, int]:
     """What fixes the job boundaries: a resumed run must cut its input the same way."""
     return {"chunk_bytes": documents.CHUNK_BYTES, "read_bytes": readers.READ_BYTES}
@@ -65,7 +76,7 @@ def write_shards(
     there: skipping the jobs before it and the tokens of its first job already written."""
     from tqdm import tqdm
 
-    scratch = out / SCRATCH
+    scratch = out / scratch_name()
     if resume is not None:
         tok = load_tokenizer(kind, out)
     elif tokenizer_blob is not None:  # byte for byte, so the identity is the file's
