@@ -9,13 +9,14 @@ goes to val, a record goes to val by a hash of its text.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import io
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from andrea.data.folder import is_andrea_folder
 from andrea.data.readers import (
@@ -163,9 +164,29 @@ def read_span(f: BinaryIO, start: int, end: int) -> Iterator[tuple[int, bytes]]:
         yield pos - len(carry), carry
 
 
+REPLACE = "andrea-replace"  # Python's 'replace' that also counts what it replaced
+_replaced = [0]
+
+
+def _count_and_replace(exc: UnicodeError) -> tuple[str, int]:
+    """U+FFFD for each invalid UTF-8 sequence (decoding), '?' for each lone surrogate
+    (encoding), exactly as errors='replace' does; the replaced bytes or characters counted."""
+    if isinstance(exc, UnicodeDecodeError | UnicodeEncodeError):
+        _replaced[0] += exc.end - exc.start
+        return ("\ufffd" if isinstance(exc, UnicodeDecodeError) else "?", exc.end)
+    raise exc
+
+
+codecs.register_error(REPLACE, _count_and_replace)
+
+
+def _handler(errors: str) -> str:
+    return REPLACE if errors == "replace" else errors
+
+
 def _decode(chunk: bytes, offset: int, name: str, errors: str) -> str:
     try:
-        return chunk.decode("utf-8", errors=errors)
+        return chunk.decode("utf-8", errors=_handler(errors))
     except UnicodeDecodeError as exc:
         raise UserError(
             f"{name}: invalid UTF-8 at byte offset {offset + exc.start}; fix the file or "
@@ -257,11 +278,27 @@ class Settings:
     errors: str
 
 
+MISSING = object()  # a record without the text field
+
+
+def field_value(obj: dict[str, Any], field: str) -> Any:
+    """obj[field], or for a dotted path `doc.body` obj["doc"]["body"] (a key that itself holds
+    the dots wins); MISSING when there is no such field."""
+    if field in obj:
+        return obj[field]
+    value: Any = obj
+    for part in field.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
+
+
 def _record_text(value: Any, where: str, field: str, keys: Any, s: Settings) -> str | None:
     """A record's text, or None (counted as skipped) when it has none and errors != strict."""
     if isinstance(value, bytes):
         try:
-            value = value.decode("utf-8", errors=s.errors)
+            value = value.decode("utf-8", errors=_handler(s.errors))
         except UnicodeDecodeError as exc:
             raise UserError(
                 f"{where}: invalid UTF-8 in field '{field}' at byte {exc.start}; fix the input "
@@ -270,45 +307,65 @@ def _record_text(value: Any, where: str, field: str, keys: Any, s: Settings) -> 
     if isinstance(value, str):
         return value
     if s.errors == "strict":
-        what = "is missing" if value is None and keys is not None else f"is {type(value).__name__}"
+        what = ("is missing" if value is MISSING else "is null" if value is None
+                else f"is {type(value).__name__}")
         has = f" (fields: {', '.join(map(str, keys))})" if keys is not None else ""
         raise UserError(
             f"{where}: field '{field}' {what}, not a string{has}; choose the field with "
-            "--text-field, or skip such records with --errors replace"
+            "--text-field (a dotted path such as doc.body reaches into objects), or skip such "
+            "records with --errors replace"
         )
     return None
 
 
-def job_documents(job: Job, s: Settings) -> tuple[list[tuple[str, str, bool]], int]:
-    """A job's text as (split, text, end-of-text after it) in order, and how many records
-    were skipped for having no text."""
+def _record_line(line: bytes, where: str, s: Settings) -> str | None:
+    """The text of one JSON Lines record; None (skipped) for a record without a string text,
+    or, with --errors replace, for a line that is not a JSON object."""
+    try:
+        obj = json.loads(line.decode("utf-8", errors=_handler(s.errors)))
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"{where}: invalid UTF-8 at byte {exc.start} of the line; fix the input "
+            "or pass --errors replace"
+        ) from None
+    except json.JSONDecodeError as exc:
+        if s.errors == "replace":
+            return None
+        raise UserError(
+            f"{where}: not a JSON object per line ({exc.msg.removesuffix(' at')} at "
+            f"column {exc.colno}); fix the line, skip such lines with --errors replace, "
+            "or name the file .txt to read it as plain text"
+        ) from None
+    if not isinstance(obj, dict):
+        if s.errors == "replace":
+            return None
+        raise UserError(
+            f"{where}: a JSON {type(obj).__name__}, expected an object; fix the line or skip "
+            "such lines with --errors replace"
+        )
+    return _record_text(field_value(obj, s.text_field), where, s.text_field, obj.keys(), s)
+
+
+class Tally(NamedTuple):
+    """What a job's documents left out or changed, for the manifest and the last line."""
+
+    skipped: int = 0  # records without a string text (or bad lines), under --errors replace
+    replaced: int = 0  # invalid UTF-8 bytes (and lone surrogates) replaced, ditto
+
+
+def job_documents(job: Job, s: Settings) -> tuple[list[tuple[str, str, bool]], Tally]:
+    """A job's text as (split, text, end-of-text after it) in order, and its tally."""
     if job.data is None:
-        return [], 0
+        return [], Tally()
+    _replaced[0] = 0
     if job.kind == "text":
         split, chunk, offset, last = job.data
-        return [(split, _decode(chunk, offset, job.name, s.errors), last)], 0
+        return [(split, _decode(chunk, offset, job.name, s.errors), last)], Tally(0, _replaced[0])
     texts: list[str | None] = []
     if job.kind == "records":
         for i, line in enumerate(job.data.split(b"\n")):
-            if not line.strip():
-                continue
-            where = f"{job.name}:{job.start + i}"
-            try:
-                obj = json.loads(line.decode("utf-8", errors=s.errors))
-            except UnicodeDecodeError as exc:
-                raise UserError(
-                    f"{where}: invalid UTF-8 at byte {exc.start} of the line; fix the input "
-                    "or pass --errors replace"
-                ) from None
-            except json.JSONDecodeError as exc:
-                raise UserError(
-                    f"{where}: not a JSON object per line ({exc.msg.removesuffix(' at')} at "
-                    f"column {exc.colno}); "
-                    "fix the line, or name the file .txt to read it as plain text"
-                ) from None
-            if not isinstance(obj, dict):
-                raise UserError(f"{where}: a JSON {type(obj).__name__}, expected an object")
-            texts.append(_record_text(obj.get(s.text_field), where, s.text_field, obj.keys(), s))
+            if line.strip():
+                texts.append(_record_line(line, f"{job.name}:{job.start + i}", s))
     else:
         for i, value in enumerate(job.data.to_pylist()):
             where = f"{job.name}: {job.where}, row {job.start + i}"
@@ -326,8 +383,7 @@ def job_documents(job: Job, s: Settings) -> tuple[list[tuple[str, str, bool]], i
                     f"{job.name}: record {job.start + i} holds invalid Unicode (a lone "
                     "surrogate); fix the input or pass --errors replace"
                 ) from None
-            blob = text.encode("utf-8", errors="replace")
+            blob = text.encode("utf-8", errors=REPLACE)
             text = blob.decode("utf-8")
         out.append(("val" if is_val_record(blob, s.val_fraction) else "train", text, True))
-    return out, skipped
-
+    return out, Tally(skipped, _replaced[0])

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from andrea.data.documents import SPLITS, Input, Settings, all_jobs, job_documents
+from andrea.data.documents import SPLITS, Input, Settings, Tally, all_jobs, job_documents
 from andrea.data.readers import Job
 from andrea.data.tokenizer import load_tokenizer
 
@@ -37,13 +37,13 @@ def init_worker(kind: str, data_dir: str | None, in_pool: bool = True) -> None:
     _worker_tokenizer = load_tokenizer(kind, Path(data_dir) if data_dir else None)
 
 
-JobResult = tuple[dict[str, np.ndarray], int]
+JobResult = tuple[dict[str, np.ndarray], Tally]
 
 
 def encode_job(args: tuple[Job, Settings, str]) -> JobResult:
     """One job's tokens per split (each document followed by end-of-text), and its skip count."""
     job, settings, dtype = args
-    docs, skipped = job_documents(job, settings)
+    docs, tally = job_documents(job, settings)
     tok = _worker_tokenizer
     encode = getattr(tok, "encode_array", None) or tok.encode
     eot = np.array([tok.eot_id], dtype=dtype)
@@ -55,7 +55,7 @@ def encode_job(args: tuple[Job, Settings, str]) -> JobResult:
     tokens = {
         s: np.concatenate(p) if p else np.zeros(0, dtype=dtype) for s, p in parts.items()
     }
-    return tokens, skipped
+    return tokens, tally
 
 
 def encode_all(

@@ -359,12 +359,13 @@ def _finish(
     (out / PROGRESS).unlink(missing_ok=True)
     if verbose:
         n = manifest["tokens"]
-        skipped = manifest.get("skipped_records", 0)
+        skipped, replaced = manifest["skipped_records"], manifest["replaced_bytes"]
         print(
             f"{out}: {n['train']:,} train + {n['val']:,} val tokens, tokenizer "
             f"{manifest['tokenizer']['identity']} ({manifest['tokenizer']['vocab_size']:,} ids)"
-            + (f"; skipped {skipped:,} records without a string '{text_field}'"
-               if skipped else "")
+            + (f"; skipped {skipped:,} records without a string '{text_field}' or not JSON "
+               "objects" if skipped else "")
+            + (f"; replaced {replaced:,} invalid UTF-8 bytes with U+FFFD" if replaced else "")
         )
 
 

@@ -48,7 +48,7 @@ def mark_started(out: Path, settings: dict[str, Any]) -> None:
     progress = {
         "settings": settings, "job_rule": job_rule(), "tokenizer": None,
         "shards": {s: [] for s in SPLITS}, "job": 0, "drop": {s: 0 for s in SPLITS},
-        "skipped_records": 0,
+        "skipped_records": 0, "replaced_bytes": 0,
     }
     atomic_write_text(out / PROGRESS, json.dumps(progress))
 
@@ -59,11 +59,13 @@ def job_rule() -> dict[str, int]:
 
 
 def _pause_hook(name: str) -> None:
-    """Test hook: ANDREA_PREPARE_PAUSE_IN=<shard file> stops here, mid-shard, for a SIGKILL."""
+    """Test hook: ANDREA_PREPARE_PAUSE_IN=<shard file> stops here, mid-shard (for a SIGKILL or a
+    second process), until the file ANDREA_PREPARE_PAUSE_UNTIL exists (forever when unset)."""
     if os.environ.get("ANDREA_PREPARE_PAUSE_IN") == name:
         print(f"paused in {name}", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(60)
+        until = os.environ.get("ANDREA_PREPARE_PAUSE_UNTIL")
+        while not (until and os.path.exists(until)):
+            time.sleep(0.05)
 
 
 def write_shards(
@@ -90,12 +92,14 @@ def write_shards(
     dtype = shards.token_dtype(tok.vocab_size)
     written: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
     writers: dict[str, shards.ShardWriter | None] = {s: None for s in SPLITS}
-    start_job, drop, skipped_before = 0, {s: 0 for s in SPLITS}, 0
+    start_job, drop = 0, {s: 0 for s in SPLITS}
+    # Records skipped and bytes replaced (--errors replace), up to the job being written.
+    tally = {"skipped_records": 0, "replaced_bytes": 0}
     if resume is not None:
         written = resume["shards"]
         start_job = resume["job"]
         drop = dict(resume["drop"])
-        skipped_before = resume["skipped_records"]
+        tally = {k: resume.get(k, 0) for k in tally}
         if verbose:
             n = sum(e["tokens"] for s in SPLITS for e in written[s])
             print(f"{out}: resuming after {sum(map(len, written.values()))} complete shards "
@@ -113,7 +117,7 @@ def write_shards(
             "settings": manifest_settings, "job_rule": job_rule(),
             "tokenizer": {"kind": kind, "identity": tok.identity},
             "shards": written, "job": index, "drop": dict(consumed),
-            "skipped_records": skipped_before,
+            **tally,
         }
         atomic_write_text(out / PROGRESS, json.dumps(progress))
 
@@ -141,14 +145,15 @@ def write_shards(
             bar.update(job.nbytes)
             if result is None:  # before the resume point
                 continue
-            tokens, skipped = result
+            tokens, job_tally = result
             index, consumed = number, {s: 0 for s in SPLITS}
             for split in SPLITS:
                 ids = tokens[split]
                 if number == start_job:  # already written before the interruption
                     ids, consumed[split] = ids[drop[split]:], drop[split]
                 emit(split, ids)
-            skipped_before += skipped
+            tally["skipped_records"] += job_tally.skipped
+            tally["replaced_bytes"] += job_tally.replaced
         for split in SPLITS:
             w = writers[split]
             if w is not None:
@@ -172,6 +177,6 @@ def write_shards(
         },
         "shards": written,
         "tokens": counts,
-        "skipped_records": skipped_before,
+        **tally,
     }
 
