@@ -231,6 +231,8 @@ def prepare_inputs(
             print(f"{out}: up to date (inputs unchanged; --force redoes it)")
         return out
     check_owned(out)  # before anything is written there, the lock file included
+    if not force:
+        _check_same_request(out, settings)  # again under the lock: a prepare may be running
     lock = FolderLock(out).acquire(say=lambda line: print(line, flush=True))
     failed = True
     try:
