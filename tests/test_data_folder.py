@@ -231,7 +231,7 @@ def test_jsonl_as_datasets_ship_it(tmp_path):
     assert_user_error(r, "x.jsonl:101: not a JSON object per line", "--errors replace")
     r = run_andrea(*base, "-o", "out", "--errors", "replace", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "skipped 3 records without a string 'doc.body' or not JSON objects" in r.stdout
+    assert "skipped 3 records without a string 'doc.body' (or not JSON objects)" in r.stdout
     assert "replaced 2 invalid UTF-8 bytes with U+FFFD" in r.stdout
     manifest = read_manifest(tmp_path / "out")
     assert (manifest["skipped_records"], manifest["replaced_bytes"]) == (3, 2)
@@ -245,3 +245,24 @@ def test_jsonl_as_datasets_ship_it(tmp_path):
     jsonl(tmp_path / "l.jsonl", [b'{"text": "x"}', b"[1, 2]"])
     r = run_andrea("prepare", "-i", "l.jsonl", "-t", "byte", "-o", "l", cwd=tmp_path)
     assert_user_error(r, "l.jsonl:2: a JSON list, expected an object", "--errors replace")
+
+
+def test_dotted_text_field_reaches_into_parquet_structs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"id": i, "doc": {"title": f"t{i}", "body": f"record {i}: parquet body"}}
+            for i in range(300)]
+    rows[5]["doc"] = None  # a null struct: its text is null, not some other row's
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "x.parquet", row_group_size=100)
+    base = ("prepare", "-i", "x.parquet", "-t", "byte", "--text-field")
+    r = run_andrea(*base, "doc.body", "-o", "strict", cwd=tmp_path)
+    assert_user_error(r, "row group 0, row 5: field 'doc.body' is null")
+    r = run_andrea(*base, "doc.body", "--errors", "replace", "-o", "out", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    ids = np.concatenate([tokens(tmp_path / "out", s) for s in ("train", "val")])
+    text = bytes(int(t) if t < 256 else 10 for t in ids).decode()  # end-of-text as a line break
+    texts = sorted(filter(None, text.split("\n")))
+    assert texts == sorted(f"record {i}: parquet body" for i in range(300) if i != 5)
+    r = run_andrea(*base, "doc.nope", "-o", "nope", cwd=tmp_path)
+    assert_user_error(r, "column 'doc' has no field 'nope'")

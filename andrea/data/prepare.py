@@ -365,8 +365,8 @@ def _finish(
         print(
             f"{out}: {n['train']:,} train + {n['val']:,} val tokens, tokenizer "
             f"{manifest['tokenizer']['identity']} ({manifest['tokenizer']['vocab_size']:,} ids)"
-            + (f"; skipped {skipped:,} records without a string '{text_field}' or not JSON "
-               "objects" if skipped else "")
+            + (f"; skipped {skipped:,} records without a string '{text_field}' (or not JSON "
+               "objects)" if skipped else "")
             + (f"; replaced {replaced:,} invalid UTF-8 bytes with U+FFFD" if replaced else "")
         )
 

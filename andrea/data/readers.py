@@ -289,28 +289,50 @@ def _open_parquet(f: InputFile) -> Any:
         raise UserError(f"{f.path}: not a readable Parquet file ({exc})") from None
 
 
-def _check_field(f: InputFile, schema: Any, field: str) -> None:
+def _field_path(f: InputFile, schema: Any, field: str) -> list[str]:
+    """The column holding the text: [field], or for a dotted `doc.body` (no column of that
+    name) the struct column and fields down to it; checked to hold strings."""
+    import pyarrow as pa
+
     names = list(schema.names)
-    if field not in names:
+    path = [field] if field in names else field.split(".")
+    if path[0] not in names:
         raise UserError(
             f"{f.path}: no column '{field}'; it has: {', '.join(names)}; "
-            "choose one with --text-field (data.text_field)"
+            "choose one with --text-field (data.text_field; doc.body for a struct's field)"
         )
-    kind = str(schema.field(field).type)
-    if kind not in _STRING_TYPES:
+    kind = schema.field(path[0]).type
+    for depth, part in enumerate(path[1:], 1):
+        if not pa.types.is_struct(kind) or kind.get_field_index(part) < 0:
+            raise UserError(
+                f"{f.path}: column '{'.'.join(path[:depth])}' has no field '{part}' "
+                f"(it holds {kind}); choose the text with --text-field (data.text_field)"
+            )
+        kind = kind.field(part).type
+    if str(kind) not in _STRING_TYPES:
         raise UserError(
             f"{f.path}: column '{field}' holds {kind}, not strings; choose a text column with "
             "--text-field (data.text_field)"
         )
+    return path
+
+
+def _text_column(array: Any, path: list[str]) -> Any:
+    """The text out of a read column: down the struct fields of a dotted path (a null struct
+    gives null text)."""
+    for part in path[1:]:
+        array = array.flatten()[array.type.get_field_index(part)]
+    return array
 
 
 def parquet_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
     """The text column, row group by row group, in batches of about READ_BYTES of text.
     Skipped row groups are not read at all (their job count comes from the metadata)."""
     pf = _open_parquet(f)
-    _check_field(f, pf.schema_arrow, field)
+    path = _field_path(f, pf.schema_arrow, field)
     meta = pf.metadata
-    column = pf.schema_arrow.names.index(field)
+    leaves = [pf.schema.column(i).path for i in range(meta.num_columns)]
+    column = leaves.index(".".join(path))  # the Parquet leaf column, for its size
     total_rows = max(1, meta.num_rows)
     index, rows_done, bytes_done = 0, 0, 0
     for rg in range(meta.num_row_groups):
@@ -329,13 +351,15 @@ def parquet_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
             rows_done += rows
             continue
         try:
-            batches = pf.iter_batches(batch_size=per_batch, row_groups=[rg], columns=[field])
+            batches = pf.iter_batches(batch_size=per_batch, row_groups=[rg],
+                                      columns=[".".join(path)])
             first = 0
             for batch in batches:
                 end_rows = rows_done + first + batch.num_rows
                 end_bytes = f.size * end_rows // total_rows
                 yield Job("column", f.name, end_bytes - bytes_done,
-                          batch.column(0) if index >= skip else None, first, f"row group {rg}")
+                          _text_column(batch.column(0), path) if index >= skip else None,
+                          first, f"row group {rg}")
                 bytes_done = end_bytes
                 first += batch.num_rows
                 index += 1
@@ -355,11 +379,11 @@ def arrow_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
         reader = pa.ipc.open_stream(source)
     except Exception as exc:
         raise UserError(f"{f.path}: not a readable Arrow stream file ({exc})") from None
-    _check_field(f, reader.schema, field)
-    column = reader.schema.names.index(field)
+    path = _field_path(f, reader.schema, field)
+    column = reader.schema.names.index(path[0])
     index, row, pos = 0, 0, 0
     for n, batch in enumerate(reader):
-        array = batch.column(column)
+        array = _text_column(batch.column(column), path)
         batch_bytes, pos = source.tell() - pos, source.tell()
         per_job = max(1, READ_BYTES * len(array) // max(1, array.nbytes))
         starts = range(0, len(array), per_job)
