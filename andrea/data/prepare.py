@@ -236,8 +236,9 @@ def prepare_inputs(
     lock = FolderLock(out).acquire(say=lambda line: print(line, flush=True))
     failed = True
     try:
-        if lock.waited and not force and _is_current(out, settings):
-            print(f"{out}: prepared by the other process meanwhile; using it", flush=True)
+        if not force and _is_current(out, settings):  # another process prepared it meanwhile
+            if lock.waited or verbose:
+                print(f"{out}: prepared by the other process meanwhile; using it", flush=True)
         else:
             check_owned(out)
             resume = _start(out, settings, force, blob, verbose, announce)
