@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from conftest import assert_user_error, run_andrea
+from conftest import assert_user_error, make_checkpoint, run_andrea
 
 from andrea.config import load_config
 from andrea.data import prepare
@@ -51,6 +51,17 @@ def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subproces
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
+
+
+def finish(*procs: subprocess.Popen | None, timeout: float) -> list[tuple[str, str]]:
+    """(stdout, stderr) of each started command (empty for None); all killed if they have not
+    ended by `timeout` (a failing test must not leave a paused prepare behind)."""
+    try:
+        return [p.communicate(timeout=timeout) if p else ("", "") for p in procs]
+    finally:
+        for p in procs:
+            if p:
+                p.kill()
 
 
 def wait_for_line(stream, pattern: str, timeout: float = 120) -> tuple[str | None, list[str]]:
@@ -141,8 +152,7 @@ def test_two_prepares_of_one_folder_take_turns(tmp_path):
                            "folder; waiting for it to finish\n"), seen
     finally:
         go.touch()
-        out1, err1 = first.communicate(timeout=120)
-        out2, err2 = second.communicate(timeout=120) if second else ("", "")
+        (out1, err1), (out2, err2) = finish(first, second, timeout=120)
     assert first.returncode == 0, err1
     assert second.returncode == 0, err2
     assert out2.strip() == "data/x: prepared by the other process meanwhile; using it"
@@ -153,6 +163,33 @@ def test_two_prepares_of_one_folder_take_turns(tmp_path):
     for split in ("train", "val"):
         np.testing.assert_array_equal(tokens(tmp_path / "data/x", split), tokens(clean, split))
     assert sorted(p.name for p in (tmp_path / "data/x").iterdir() if ".tmp" in p.name) == []
+
+
+def test_two_evals_of_a_run_without_its_data_take_turns(tmp_path):
+    """Case 3 for eval: two `andrea eval` of a run whose data folder is not prepared yet; one
+    prepares it (paused in its third shard), the other waits (saying so on stderr, stdout being
+    the result), and both report the same loss on the same data."""
+    write_corpus(tmp_path / "in")
+    make_checkpoint(tmp_path, f"data.source={tmp_path / 'in'}", "data.shard_tokens=20000",
+                    "data.dir=data/x")
+    go = tmp_path / "go"
+    args = ("eval", "--checkpoint", "runs/r", "--max-tokens", "1024")
+    first = start(*args, cwd=tmp_path, env={"ANDREA_PREPARE_PAUSE_IN": "train_000002.bin",
+                                            "ANDREA_PREPARE_PAUSE_UNTIL": str(go)})
+    second = None
+    try:
+        paused, seen = wait_for_line(first.stderr, "paused in")
+        assert paused, seen
+        second = start(*args, cwd=tmp_path)
+        waiting, seen = wait_for_line(second.stderr, "waiting")
+        assert waiting and "data/x: another andrea process" in waiting, seen
+    finally:
+        go.touch()
+        (out1, err1), (out2, err2) = finish(first, second, timeout=120)
+    assert first.returncode == 0, err1
+    assert second.returncode == 0, err2
+    assert "data/x: prepared by the other process meanwhile; using it" in err2
+    assert out1 == out2 and " on data/x (val): loss " in out1
 
 
 def test_prepare_never_deletes_files_it_did_not_write(tmp_path):
@@ -193,9 +230,8 @@ def test_ctrl_c_says_what_it_kept_and_the_rerun_resumes(tmp_path):
         paused, seen = wait_for_line(proc.stderr, "paused in")
         assert paused, seen
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
     finally:
-        proc.kill()
+        ((_, err),) = finish(proc, timeout=60)
     kept = re.search(r"interrupted: data/x keeps (\d+) complete shards \(([\d,]+) tokens\); run "
                      r"the same command again to continue from there", err)
     assert kept, err

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import assert_user_error, run_andrea
-from test_data_folder import SHARDS, snapshot, start, wait_for_line, write_corpus
+from test_data_folder import SHARDS, finish, snapshot, start, wait_for_line, write_corpus
 
 from andrea.data.shards import read_manifest
 
@@ -38,8 +38,7 @@ def test_a_users_data_survives_a_sweep_a_resume_and_mistakes(tmp_path):
         assert waiting and "data/data-byte: another andrea process" in waiting, seen
     finally:
         go.touch()
-        out1, err1 = first.communicate(timeout=300)
-        out2, err2 = second.communicate(timeout=300) if second else ("", "")
+        (out1, err1), (out2, err2) = finish(first, second, timeout=300)
     assert first.returncode == 0, err1
     assert second.returncode == 0, err2
     assert "preparing data/data-byte from data/ (first run only)" in out1

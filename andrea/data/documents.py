@@ -199,7 +199,7 @@ def _decode(chunk: bytes, offset: int, name: str, errors: str) -> str:
 
 def _as_document(f: InputFile, scratch: Path) -> Document:
     """A text file as a seekable Document; a compressed one is first decompressed (checked
-    for truncation) to a scratch file in the output folder, which `_clear` removes."""
+    for truncation) to a scratch file in the output folder, removed once read."""
     if not f.compression:
         return Document(f.name, f.size, lambda: open(f.path, "rb"), "")
     with open(scratch, "wb") as out:
