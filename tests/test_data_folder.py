@@ -246,6 +246,8 @@ def test_workers_must_not_be_negative(tmp_path):
     r = run_andrea("prepare", "-i", "in", "-t", "byte", "--workers", "-1", "-o", "x",
                    cwd=tmp_path)
     assert_user_error(r, "--workers", "-1 is negative")
+    r = run_andrea("prepare", "-c", "andrea-tiny", "--workers", "-1", "-o", "x", cwd=tmp_path)
+    assert_user_error(r, "--workers", "-1 is negative")
     assert not (tmp_path / "x").exists()
 
 

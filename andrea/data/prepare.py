@@ -174,13 +174,17 @@ def _check_arguments(
         raise UserError(f"val fraction {val_fraction} must be in (0, 1)")
     if shard_tokens <= 0:
         raise UserError(f"data.shard_tokens: {shard_tokens} must be a positive number of tokens")
+    _check_workers(workers)
+    if not text_field:
+        raise UserError("--text-field: give the name of the field that holds the text")
+
+
+def _check_workers(workers: int) -> None:
     if workers < 0:
         raise UserError(
             f"--workers (data.workers): {workers} is negative; give 0 (automatic) or a number "
             "of encoding processes"
         )
-    if not text_field:
-        raise UserError("--text-field: give the name of the field that holds the text")
 
 
 def prepare_inputs(
@@ -512,6 +516,8 @@ def prepare_command(
     text_field: str | None = None,
 ) -> Path:
     """What `andrea prepare` does: from a config's data section, or ad hoc from --input."""
+    if workers is not None:
+        _check_workers(workers)
     if config is not None:
         if input is not None or tokenizer is not None or vocab_size is not None:
             raise UserError(
