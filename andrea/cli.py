@@ -142,7 +142,8 @@ def prepare_cmd(
         typer.Option("--tokenizer-file", help="Use this BPE tokenizer.json instead of training."),
     ] = None,
     text_field: Annotated[
-        str | None, typer.Option("--text-field", help="JSON field / Parquet column (text).")
+        str | None, typer.Option("--text-field", help="JSON field / Parquet column (text); "
+                                   "doc.body for a nested one.")
     ] = None,
 ) -> None:
     """Tokenize text into shards (the embedded Shakespeare corpus by default)."""

@@ -13,18 +13,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from andrea.data import prepare
+from andrea.data import documents, encode
+from andrea.data.folder import scratch_name
 from andrea.data.tokenizer import load_tokenizer, train_bpe
 
-SETTINGS = prepare.Settings(val_fraction=0.1, text_field="text", errors="strict")
+SETTINGS = documents.Settings(val_fraction=0.1, text_field="text", errors="strict")
 
 
 def encode_seconds(docs, kind: str, data_dir: Path, workers: int) -> tuple[float, int]:
     start = time.perf_counter()
     n = 0
-    jobs = prepare.all_jobs(docs, 0.1, "text", 0, data_dir / prepare.SCRATCH)
+    jobs = documents.all_jobs(docs, 0.1, "text", 0, data_dir / scratch_name())
     tok = load_tokenizer(kind, data_dir)
-    for _, result in prepare._encode_all(jobs, SETTINGS, tok, data_dir, "<u2", workers):
+    for _, result in encode.encode_all(jobs, SETTINGS, tok, data_dir, "<u2", workers):
         n += 0 if result is None else sum(len(t) for t in result[0].values())
     return time.perf_counter() - start, n
 
@@ -34,12 +35,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeat", type=int, default=2, help="best of this many runs")
     args = ap.parse_args()
-    docs = prepare.documents(prepare.SHAKESPEARE)
+    docs = documents.documents(documents.SHAKESPEARE)
     mb = sum(d.size for d in docs) / 1e6
     print(f"corpus: {len(docs)} plays, {mb:.2f} MB")
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        texts = prepare._train_texts(docs, SETTINGS, Path(tmp) / prepare.SCRATCH)
+        texts = encode.train_texts(docs, SETTINGS, Path(tmp) / scratch_name())
         train_bpe(texts, 4096, Path(tmp) / "tokenizer.json")
         print(f"bpe training (4,096 ids, train split): {time.perf_counter() - t:.2f} s")
         for kind in ("gpt2", "bpe"):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from andrea.config import load_config
-from andrea.data import prepare
+from andrea.data import documents, encode, prepare
 from andrea.data.shards import open_shard
 from andrea.data.tokenizer import EOT_TEXT, ByteTokenizer, Gpt2Tokenizer, train_bpe
 from andrea.errors import UserError
@@ -55,7 +55,7 @@ def test_shards_reproduce_the_documents(corpus, tmp_path):
 
 def test_chunks_and_workers_do_not_change_tokens(corpus, tmp_path, monkeypatch):
     whole = prepare.prepare_inputs(str(corpus), "gpt2", tmp_path / "whole", workers=1)
-    monkeypatch.setattr(prepare, "CHUNK_BYTES", 64)  # many chunk cuts per document
+    monkeypatch.setattr(documents, "CHUNK_BYTES", 64)  # many chunk cuts per document
     small = prepare.prepare_inputs(str(corpus), "gpt2", tmp_path / "small", workers=1)
     for split in ("train", "val"):
         np.testing.assert_array_equal(split_tokens(whole, split), split_tokens(small, split))
@@ -70,7 +70,7 @@ def test_chunks_and_workers_do_not_change_tokens(corpus, tmp_path, monkeypatch):
 
 
 def test_parallel_workers_match_one_worker(corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(documents, "CHUNK_BYTES", 256)
     one = prepare.prepare_inputs(str(corpus), "bpe", tmp_path / "one", vocab_size=300, workers=1)
     two = prepare.prepare_inputs(str(corpus), "bpe", tmp_path / "two", vocab_size=300, workers=2)
     assert (one / "tokenizer.json").read_bytes() == (two / "tokenizer.json").read_bytes()
@@ -115,9 +115,9 @@ def test_interrupted_prepare_keeps_complete_shards_and_resumes(corpus, tmp_path,
             raise KeyboardInterrupt
         return real(args)
 
-    real = prepare._encode_job
-    monkeypatch.setattr(prepare, "CHUNK_BYTES", 512)
-    monkeypatch.setattr(prepare, "_encode_job", flaky)
+    real = encode.encode_job
+    monkeypatch.setattr(documents, "CHUNK_BYTES", 512)
+    monkeypatch.setattr(encode, "encode_job", flaky)
     with pytest.raises(KeyboardInterrupt):
         prepare.prepare_inputs(str(corpus), "byte", out, shard_tokens=300, workers=1)
     kept = sorted(p.name for p in out.iterdir())
@@ -126,7 +126,7 @@ def test_interrupted_prepare_keeps_complete_shards_and_resumes(corpus, tmp_path,
     with pytest.raises(UserError, match="manifest.json missing"):
         prepare.read_manifest(out)
     first = (out / "train_000000.bin").stat()
-    monkeypatch.setattr(prepare, "_encode_job", real)
+    monkeypatch.setattr(encode, "encode_job", real)
     capsys.readouterr()
     prepare.prepare_inputs(str(corpus), "byte", out, shard_tokens=300, workers=1)
     assert "resuming after" in capsys.readouterr().out
@@ -177,7 +177,12 @@ def test_given_tokenizer_file_is_used_as_is(corpus, tmp_path, capsys):
     prepare.prepare_inputs(str(corpus), "bpe", out, tokenizer_file=str(given))
     assert "up to date" in capsys.readouterr().out
     other = train_bpe(iter(["ROMEO: But soft!\n"] * 50), 290, tmp_path / "other.json")
-    prepare.prepare_inputs(str(corpus), "bpe", out, tokenizer_file=str(tmp_path / "other.json"))
+    # Another tokenizer never rewrites the folder unasked; --force replaces it.
+    with pytest.raises(UserError, match=r"sha256 [0-9a-f]{8}\), but this run asks for .*--force"):
+        prepare.prepare_inputs(str(corpus), "bpe", out, tokenizer_file=str(tmp_path / "other.json"))
+    assert prepare.read_manifest(out)["tokenizer"]["identity"] == bpe.identity
+    prepare.prepare_inputs(str(corpus), "bpe", out, tokenizer_file=str(tmp_path / "other.json"),
+                           force=True)
     assert prepare.read_manifest(out)["tokenizer"]["identity"] == other.identity
     # A given tokenizer never shares the derived dir of a trained BPE of the same size.
     cfg = load_config("andrea-tiny", ["data.tokenizer=bpe", f"data.tokenizer_file={given}"])

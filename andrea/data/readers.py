@@ -16,8 +16,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,29 +101,48 @@ def _is_datasets_folder(folder: Path) -> bool:
     return (folder / DATASETS_STATE).is_file() or (folder / DATASETS_DICT).is_file()
 
 
-def input_files(spec: str) -> list[InputFile]:
+def _walk(root: Path, exclude: Callable[[Path], bool]) -> list[Path]:
+    """Every file of a known format below `root`, hidden ones and excluded folders skipped."""
+    found = []
+    for here, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".")
+                         and not exclude(Path(here) / d))
+        found += [Path(here) / n for n in names if not n.startswith(".")
+                  and file_kind(Path(n))[0] in ("text", "records", "parquet")]
+    return sorted(found)
+
+
+def input_files(spec: str, exclude: Callable[[Path], bool] | None = None) -> list[InputFile]:
     """The files `spec` names: a file, a directory (every file of a known format in it,
-    recursively, hidden ones skipped), a glob, or a `datasets` save_to_disk folder; sorted."""
+    recursively, hidden ones skipped), a glob, or a `datasets` save_to_disk folder; sorted.
+    `exclude(folder)`: True for a folder whose files are not input (prepared data)."""
+    verdicts: dict[Path, bool] = {}
+
+    def excluded(folder: Path) -> bool:
+        if folder not in verdicts:
+            verdicts[folder] = exclude is not None and exclude(folder)
+        return verdicts[folder]
+
     path = Path(spec)
     if path.is_file():
         paths = [path]
     elif path.is_dir() and _is_datasets_folder(path):
         paths = _datasets_files(path)
     elif path.is_dir():
-        paths = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file()
-            and file_kind(p)[0] in ("text", "records", "parquet")
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
+        if excluded(path):
+            raise UserError(
+                f"{spec}: this folder is prepared data (andrea shards, a manifest or progress "
+                "record) or the output folder, not input; point --input at the text"
+            )
+        paths = _walk(path, excluded)
         if not paths:
             raise UserError(
                 f"{spec}: directory has no input files ({_described()}); "
                 "point --input at a file or a glob"
             )
     elif glob.has_magic(spec):
-        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        matched = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        paths = [p for p in matched if not any(excluded(d) for d in _parents_below(p, spec))]
         if not paths:
             raise UserError(f"{spec}: the pattern matches no files; check the path and quoting")
     else:
@@ -138,6 +158,18 @@ def input_files(spec: str) -> list[InputFile]:
         files.append(InputFile(p.resolve(), kind or "text", compression, st.st_size,
                                st.st_mtime_ns))
     return files
+
+
+def _parents_below(path: Path, spec: str) -> list[Path]:
+    """The folders from a file a glob matched up to the glob's fixed start, nearest first."""
+    prefix = spec[: min((spec.find(c) for c in "*?[" if c in spec), default=len(spec))]
+    base = Path(prefix) if prefix.endswith(("/", os.sep)) else Path(prefix).parent
+    out = []
+    for d in path.parents:
+        out.append(d)
+        if d == base:
+            break
+    return out
 
 
 def input_identity(f: InputFile) -> dict[str, Any]:
@@ -257,28 +289,50 @@ def _open_parquet(f: InputFile) -> Any:
         raise UserError(f"{f.path}: not a readable Parquet file ({exc})") from None
 
 
-def _check_field(f: InputFile, schema: Any, field: str) -> None:
+def _field_path(f: InputFile, schema: Any, field: str) -> list[str]:
+    """The column holding the text: [field], or for a dotted `doc.body` (no column of that
+    name) the struct column and fields down to it; checked to hold strings."""
+    import pyarrow as pa
+
     names = list(schema.names)
-    if field not in names:
+    path = [field] if field in names else field.split(".")
+    if path[0] not in names:
         raise UserError(
             f"{f.path}: no column '{field}'; it has: {', '.join(names)}; "
-            "choose one with --text-field (data.text_field)"
+            "choose one with --text-field (data.text_field; doc.body for a struct's field)"
         )
-    kind = str(schema.field(field).type)
-    if kind not in _STRING_TYPES:
+    kind = schema.field(path[0]).type
+    for depth, part in enumerate(path[1:], 1):
+        if not pa.types.is_struct(kind) or kind.get_field_index(part) < 0:
+            raise UserError(
+                f"{f.path}: column '{'.'.join(path[:depth])}' has no field '{part}' "
+                f"(it holds {kind}); choose the text with --text-field (data.text_field)"
+            )
+        kind = kind.field(part).type
+    if str(kind) not in _STRING_TYPES:
         raise UserError(
             f"{f.path}: column '{field}' holds {kind}, not strings; choose a text column with "
             "--text-field (data.text_field)"
         )
+    return path
+
+
+def _text_column(array: Any, path: list[str]) -> Any:
+    """The text out of a read column: down the struct fields of a dotted path (a null struct
+    gives null text)."""
+    for part in path[1:]:
+        array = array.flatten()[array.type.get_field_index(part)]
+    return array
 
 
 def parquet_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
     """The text column, row group by row group, in batches of about READ_BYTES of text.
     Skipped row groups are not read at all (their job count comes from the metadata)."""
     pf = _open_parquet(f)
-    _check_field(f, pf.schema_arrow, field)
+    path = _field_path(f, pf.schema_arrow, field)
     meta = pf.metadata
-    column = pf.schema_arrow.names.index(field)
+    leaves = [pf.schema.column(i).path for i in range(meta.num_columns)]
+    column = leaves.index(".".join(path))  # the Parquet leaf column, for its size
     total_rows = max(1, meta.num_rows)
     index, rows_done, bytes_done = 0, 0, 0
     for rg in range(meta.num_row_groups):
@@ -297,13 +351,15 @@ def parquet_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
             rows_done += rows
             continue
         try:
-            batches = pf.iter_batches(batch_size=per_batch, row_groups=[rg], columns=[field])
+            batches = pf.iter_batches(batch_size=per_batch, row_groups=[rg],
+                                      columns=[".".join(path)])
             first = 0
             for batch in batches:
                 end_rows = rows_done + first + batch.num_rows
                 end_bytes = f.size * end_rows // total_rows
                 yield Job("column", f.name, end_bytes - bytes_done,
-                          batch.column(0) if index >= skip else None, first, f"row group {rg}")
+                          _text_column(batch.column(0), path) if index >= skip else None,
+                          first, f"row group {rg}")
                 bytes_done = end_bytes
                 first += batch.num_rows
                 index += 1
@@ -323,11 +379,11 @@ def arrow_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
         reader = pa.ipc.open_stream(source)
     except Exception as exc:
         raise UserError(f"{f.path}: not a readable Arrow stream file ({exc})") from None
-    _check_field(f, reader.schema, field)
-    column = reader.schema.names.index(field)
+    path = _field_path(f, reader.schema, field)
+    column = reader.schema.names.index(path[0])
     index, row, pos = 0, 0, 0
     for n, batch in enumerate(reader):
-        array = batch.column(column)
+        array = _text_column(batch.column(column), path)
         batch_bytes, pos = source.tell() - pos, source.tell()
         per_job = max(1, READ_BYTES * len(array) // max(1, array.nbytes))
         starts = range(0, len(array), per_job)

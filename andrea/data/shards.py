@@ -30,6 +30,7 @@ from andrea.errors import UserError
 # counts. Writers live in prepare; every reader of a prepared folder goes through here.
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
+SPLITS = ("train", "val")  # shard files are <split>_<6-digit number>.bin
 
 MAGIC = b"ANDRTOK\0"
 VERSION = 1
@@ -112,7 +113,7 @@ class ShardWriter:
 
     def __init__(self, path: Path, dtype: np.dtype, identity: str) -> None:
         self.path, self.dtype, self.identity = path, np.dtype(dtype), identity
-        self.tmp = path.with_name(path.name + ".tmp")
+        self.tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # unique per process
         self.count = 0
         self._f = open(self.tmp, "wb")
         self._f.write(pack_header(0, self.dtype.itemsize, identity))

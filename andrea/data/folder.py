@@ -1,0 +1,219 @@
+"""The data folder a prepare writes: who owns it, the lock, and what clean-up may remove.
+
+A folder is andrea's when it holds a manifest, a progress record or andrea's shards (or is empty
+but for the lock file). Anything else there is the user's: a prepare into a non-empty folder that
+is not andrea's is refused, and clean-up removes only what andrea can tell it wrote: the files the
+folder's manifest and progress record list (shards, the BPE's tokenizer.json), shard files with
+andrea's header, and andrea's own temporary names. One prepare at a time holds the folder's lock
+(`fcntl.flock` on LOCK); a second waits for it and then finds the result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from andrea.data import shards
+from andrea.data.shards import MANIFEST, SPLITS
+from andrea.data.tokenizer import BPE_FILE
+from andrea.errors import UserError
+
+PROGRESS = "progress.json"  # an unfinished prepare's complete shards and where to go on
+LOCK = ".andrea-prepare.lock"  # flock'ed by the prepare writing the folder; holds its pid
+SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin")
+# Temporary names, unique per process: a shard being written, a decompressed text file, and
+# fileio's atomic writes of the manifest, progress record and tokenizer.
+TEMP_NAME = re.compile(
+    r"(train|val)_\d{6}\.bin\.\d+\.tmp|decompressed\.\d+\.tmp"
+    rf"|\.({re.escape(MANIFEST)}|{re.escape(PROGRESS)}|{re.escape(BPE_FILE)})\.tmp\d+"
+)
+
+
+def shard_temp_name(shard: str) -> str:
+    return f"{shard}.{os.getpid()}.tmp"
+
+
+def scratch_name() -> str:
+    return f"decompressed.{os.getpid()}.tmp"
+
+
+# ----------------------------------------------------------------------------- ownership
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def records(folder: Path) -> list[dict[str, Any]]:
+    """The folder's andrea records: its manifest and progress record, those that parse."""
+    found = []
+    manifest = _read_json(folder / MANIFEST)
+    if manifest is not None and "manifest_version" in manifest:
+        found.append(manifest)
+    progress = _read_json(folder / PROGRESS)
+    if progress is not None and isinstance(progress.get("settings"), dict):
+        found.append({**progress["settings"], "shards": progress.get("shards")})
+    return found
+
+
+def _is_shard(path: Path) -> bool:
+    """A file named like a shard whose first bytes are andrea's shard magic."""
+    if not SHARD_NAME.fullmatch(path.name):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(shards.MAGIC)) == shards.MAGIC
+    except OSError:
+        return False
+
+
+def is_andrea_folder(folder: Path) -> bool:
+    """True when `folder` holds an andrea manifest, progress record or shard (prepared data,
+    complete or not): never an input to read, and a folder a prepare may write."""
+    if records(folder):
+        return True
+    try:
+        return any(_is_shard(p) for p in folder.iterdir())
+    except OSError:
+        return False
+
+
+def check_owned(out: Path) -> None:
+    """Refuse a folder andrea may not write: a file, or a non-empty folder that is not andrea's."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: not a folder; the data folder (--out / data.dir) must be one")
+    if not out.is_dir() or is_andrea_folder(out):
+        return
+    foreign = sorted(p.name for p in out.iterdir() if p.name != LOCK)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3
+                                          else "")
+        raise UserError(
+            f"{out}: the folder holds files andrea did not write ({shown}) and no {MANIFEST}; "
+            "andrea prepares only into an empty folder or one it prepared: choose another data "
+            "folder (--out / data.dir)"
+        )
+
+
+def owned_files(out: Path) -> set[str]:
+    """The names andrea wrote in `out`, by its manifest and progress record: the listed shards,
+    the BPE's tokenizer.json, the records themselves; plus andrea's shards and temporary files."""
+    owned: set[str] = set()
+    for record in records(out):
+        for split in SPLITS:
+            for entry in (record.get("shards") or {}).get(split) or []:
+                if isinstance(entry, dict) and isinstance(entry.get("file"), str):
+                    owned.add(Path(entry["file"]).name)  # a name, never a path elsewhere
+        if (record.get("tokenizer_request") or {}).get("kind") == "bpe":
+            owned.add(BPE_FILE)
+    if records(out):
+        owned |= {MANIFEST, PROGRESS}
+    for p in out.iterdir():
+        if TEMP_NAME.fullmatch(p.name) or _is_shard(p):
+            owned.add(p.name)
+    return owned
+
+
+def clear(out: Path, owned: set[str] | None = None) -> None:
+    """Remove what andrea wrote in `out` (`owned`, by default what the folder's records list):
+    the manifest first (it is the 'complete' mark), the progress record last (it marks the
+    folder as andrea's until the end)."""
+    owned = owned_files(out) if owned is None else owned
+    order = [MANIFEST, *sorted(owned - {MANIFEST, PROGRESS}), PROGRESS]
+    for name in order:
+        if name in owned:
+            (out / name).unlink(missing_ok=True)
+
+
+def remove_unlisted(out: Path, keep: set[str]) -> None:
+    """Before resuming: drop temporary files, and andrea shards the progress record does not
+    list (complete, but written after the last record)."""
+    for p in out.iterdir():
+        if p.name not in keep and (TEMP_NAME.fullmatch(p.name) or _is_shard(p)):
+            p.unlink()
+
+
+# ----------------------------------------------------------------------------- lock
+
+
+def missing_dirs(out: Path) -> list[Path]:
+    """`out` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    for p in (out, *out.absolute().parents):
+        if p.exists():
+            break
+        missing.append(p)
+    return missing
+
+
+def remove_empty(dirs: list[Path]) -> None:
+    """Remove the folders a failed prepare created, deepest first, if they are empty."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+class FolderLock:
+    """The exclusive right to write `out`: flock on out/LOCK, taken by `acquire`, released on
+    close. `created`: the folders made to hold it, which a failed prepare removes again."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.path = out, out / LOCK
+        self.created: list[Path] = []
+        self.waited = False
+        self._fd: int | None = None
+
+    def acquire(self, say: Callable[[str], None]) -> FolderLock:
+        """Take the lock, waiting (after saying so once) while another process holds it."""
+        while True:
+            self.created += [d for d in missing_dirs(self.out) if d not in self.created]
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise UserError(f"{self.out}: cannot write the data folder: {exc.strerror}") \
+                    from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not self.waited:
+                    holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+                    say(f"{self.out}: another andrea process (pid {holder}) is preparing this "
+                        "folder; waiting for it to finish")
+                self.waited = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            # A failed prepare removes the folder it created, lock file included: lock anew.
+            try:
+                held, now = os.fstat(fd), os.stat(self.path)
+                if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        self._fd = fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return self
+
+    def release(self, remove_created: bool = False) -> None:
+        """Let the next process in; with `remove_created`, first remove the lock file and the
+        folders this prepare created, when empty (a failed prepare leaves nothing behind)."""
+        if self._fd is None:
+            return
+        if remove_created and self.created:
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+        if remove_created:
+            remove_empty(self.created)

@@ -1,0 +1,306 @@
+"""The data folder is never lost: another run's data is refused, an input folder never eats its
+own output, two processes preparing one folder take turns, and files andrea did not write are
+never deleted. Every case through the real `andrea` command; each fails on the code before the
+folder lock and ownership rules (docs/data.md, "What prepare locks and refuses")."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+from conftest import assert_user_error, make_checkpoint, run_andrea
+
+from andrea.config import load_config
+from andrea.data import prepare
+from andrea.data.shards import open_shard, read_manifest
+
+LINE = "Line {j} of {name}: the quick brown fox jumps over the lazy dog.\n"
+# Byte tokens, 20,000 per shard: the ~100 KB corpus makes 5 train shards, so a prepare can be
+# paused inside its third one with complete shards before it.
+SHARDS = ("--set", "data.shard_tokens=20000")
+
+
+def write_corpus(root: Path, lines: int = 800) -> Path:
+    for name in ("a.txt", "sub/b.txt"):
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(LINE.format(j=j, name=name) for j in range(lines)))
+    return root
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(folder.iterdir())}
+
+
+def tokens(folder: Path, split: str) -> np.ndarray:
+    entries = read_manifest(folder)["shards"][split]
+    return np.concatenate([open_shard(folder / e["file"]) for e in entries]).astype(np.int64)
+
+
+def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "andrea", *args], cwd=cwd, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+
+
+def finish(*procs: subprocess.Popen | None, timeout: float) -> list[tuple[str, str]]:
+    """(stdout, stderr) of each started command (empty for None); all killed if they have not
+    ended by `timeout` (a failing test must not leave a paused prepare behind)."""
+    try:
+        return [p.communicate(timeout=timeout) if p else ("", "") for p in procs]
+    finally:
+        for p in procs:
+            if p:
+                p.kill()
+
+
+def wait_for_line(stream, pattern: str, timeout: float = 120) -> tuple[str | None, list[str]]:
+    """Read `stream` until a line matches `pattern` (returned) or it ends (None); with the lines
+    read. A thread reads, so a silent process cannot hang the test past `timeout`."""
+    seen: list[str] = []
+    found: list[str] = []
+
+    def read() -> None:
+        for line in stream:
+            seen.append(line)
+            if re.search(pattern, line):
+                found.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return (found[0] if found else None), seen
+
+
+def test_train_refuses_a_folder_prepared_with_another_tokenizer(tmp_path):
+    """Case 1: `train --set data.dir=X` where X holds another run's gpt2 data is one line, exit
+    2, naming the folder and both tokenizers, and X stays byte for byte (the old code prepared
+    it again with bytes). `andrea prepare` refuses too; only --force replaces it."""
+    write_corpus(tmp_path / "in")
+    r = run_andrea("prepare", "-i", "in", "-t", "gpt2", "-o", "data/x", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    before = snapshot(tmp_path / "data/x")
+    r = run_andrea("train", "-c", "andrea-tiny", "--set", "data.source=in", "--set",
+                   "data.dir=data/x", "--set", "train.runs_dir=runs", cwd=tmp_path)
+    assert_user_error(r, "data/x: holds data prepared with tokenizer gpt2", "asks for tokenizer "
+                      "byte", "another data folder", "andrea prepare ... --force")
+    assert snapshot(tmp_path / "data/x") == before
+    r = run_andrea("prepare", "-c", "andrea-tiny", "--set", "data.source=in", "-o", "data/x",
+                   cwd=tmp_path)
+    assert_user_error(r, "data/x", "tokenizer gpt2", "tokenizer byte")
+    assert snapshot(tmp_path / "data/x") == before
+    r = run_andrea("prepare", "-c", "andrea-tiny", "--set", "data.source=in", "-o", "data/x",
+                   "--force", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert read_manifest(tmp_path / "data/x")["tokenizer"]["identity"] == "byte:v1"
+
+
+def test_prepare_of_a_folder_that_holds_its_output_twice(tmp_path):
+    """Case 2: `prepare --input data/` puts its output in data/data-bpe-300; the second run
+    skips that folder (saying so once), finds everything up to date and changes nothing (the
+    old code read its own manifest as input and deleted the shards)."""
+    write_corpus(tmp_path / "data")
+    args = ("prepare", "--input", "data/", "--tokenizer", "bpe", "--vocab-size", "300")
+    r = run_andrea(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "data/data-bpe-300"
+    before = snapshot(out)
+    names = [Path(i["name"]).name for i in read_manifest(out)["inputs"]]
+    assert names == ["a.txt", "b.txt"]
+    r = run_andrea(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines == ["data/: skipping data/data-bpe-300: prepared data or the output folder, "
+                     "not input",
+                     "data/data-bpe-300: up to date (inputs unchanged; --force redoes it)"]
+    assert snapshot(out) == before
+    # Pointed at prepared data itself, it says what that folder is.
+    r = run_andrea("prepare", "--input", "data/data-bpe-300", "-t", "byte", "-o", "y",
+                   cwd=tmp_path)
+    assert_user_error(r, "data/data-bpe-300: this folder is prepared data")
+    assert not (tmp_path / "y").exists()
+
+
+def test_two_prepares_of_one_folder_take_turns(tmp_path):
+    """Case 3: while one prepare is paused in its third shard (holding the lock), a second
+    prepare of the same input into the same folder waits, then uses the first's result; both
+    succeed and the shards equal a lone prepare's (the old code let the second clear the
+    first's files)."""
+    write_corpus(tmp_path / "in")
+    go = tmp_path / "go"
+    args = ("prepare", "-c", "andrea-tiny", "--set", "data.source=in", *SHARDS, "-o", "data/x")
+    first = start(*args, cwd=tmp_path, env={"ANDREA_PREPARE_PAUSE_IN": "train_000002.bin",
+                                            "ANDREA_PREPARE_PAUSE_UNTIL": str(go)})
+    second = None
+    try:
+        paused, seen = wait_for_line(first.stderr, "paused in")
+        assert paused, seen
+        second = start(*args, cwd=tmp_path)
+        waiting, seen = wait_for_line(second.stdout, "waiting")
+        assert waiting == (f"data/x: another andrea process (pid {first.pid}) is preparing this "
+                           "folder; waiting for it to finish\n"), seen
+    finally:
+        go.touch()
+        (out1, err1), (out2, err2) = finish(first, second, timeout=120)
+    assert first.returncode == 0, err1
+    assert second.returncode == 0, err2
+    assert out2.strip() == "data/x: prepared by the other process meanwhile; using it"
+    clean = prepare.prepare_from_config(load_config("andrea-tiny", [
+        f"data.source={tmp_path / 'in'}", "data.shard_tokens=20000",
+        f"data.dir={tmp_path / 'clean'}"]), verbose=False)
+    assert read_manifest(tmp_path / "data/x")["shards"] == read_manifest(clean)["shards"]
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(tokens(tmp_path / "data/x", split), tokens(clean, split))
+    assert sorted(p.name for p in (tmp_path / "data/x").iterdir() if ".tmp" in p.name) == []
+
+
+def test_two_evals_of_a_run_without_its_data_take_turns(tmp_path):
+    """Case 3 for eval: two `andrea eval` of a run whose data folder is not prepared yet; one
+    prepares it (paused in its third shard), the other waits (saying so on stderr, stdout being
+    the result), and both report the same loss on the same data."""
+    write_corpus(tmp_path / "in")
+    make_checkpoint(tmp_path, f"data.source={tmp_path / 'in'}", "data.shard_tokens=20000",
+                    "data.dir=data/x")
+    go = tmp_path / "go"
+    args = ("eval", "--checkpoint", "runs/r", "--max-tokens", "1024")
+    first = start(*args, cwd=tmp_path, env={"ANDREA_PREPARE_PAUSE_IN": "train_000002.bin",
+                                            "ANDREA_PREPARE_PAUSE_UNTIL": str(go)})
+    second = None
+    try:
+        paused, seen = wait_for_line(first.stderr, "paused in")
+        assert paused, seen
+        second = start(*args, cwd=tmp_path)
+        waiting, seen = wait_for_line(second.stderr, "waiting")
+        assert waiting and "data/x: another andrea process" in waiting, seen
+    finally:
+        go.touch()
+        (out1, err1), (out2, err2) = finish(first, second, timeout=120)
+    assert first.returncode == 0, err1
+    assert second.returncode == 0, err2
+    assert "data/x: prepared by the other process meanwhile; using it" in err2
+    assert out1 == out2 and " on data/x (val): loss " in out1
+
+
+def test_prepare_never_deletes_files_it_did_not_write(tmp_path):
+    """Case 4: a non-empty folder without a manifest is refused, its files untouched (the old
+    code left only main.py of tokenizer.json, draft.tmp, main.py); in andrea's own folder a
+    user's files outlive --force and a failed prepare."""
+    write_corpus(tmp_path / "in")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name, text in {"tokenizer.json": "{}", "draft.tmp": "notes", "main.py": "print()"}.items():
+        (mine / name).write_text(text)
+    before = snapshot(mine)
+    r = run_andrea("prepare", "-i", "in", "-t", "byte", "-o", "mine", cwd=tmp_path)
+    assert_user_error(r, "mine: the folder holds files andrea did not write (draft.tmp, main.py, "
+                      "tokenizer.json) and no manifest.json", "choose another data folder")
+    assert snapshot(mine) == before
+
+    r = run_andrea("prepare", "-i", "in", "-t", "byte", "-o", "data/x", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "data/x"
+    (out / "draft.tmp").write_text("mine")
+    (out / "notes.md").write_text("mine too")
+    r = run_andrea("prepare", "-i", "in", "-t", "byte", "-o", "data/x", "--force", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "in/c.txt").write_bytes(b"\0\1binary")  # makes the next prepare fail
+    r = run_andrea("prepare", "-i", "in", "-t", "byte", "-o", "data/x", "--force", cwd=tmp_path)
+    assert_user_error(r, "c.txt: looks binary")
+    assert (out / "draft.tmp").read_text() == "mine" and (out / "notes.md").read_text() == \
+        "mine too"
+    assert not list(out.glob("*.bin")) and not (out / "manifest.json").exists()
+
+
+def test_ctrl_c_says_what_it_kept_and_the_rerun_resumes(tmp_path):
+    write_corpus(tmp_path / "in")
+    args = ("prepare", "-c", "andrea-tiny", "--set", "data.source=in", *SHARDS, "-o", "data/x")
+    proc = start(*args, cwd=tmp_path, env={"ANDREA_PREPARE_PAUSE_IN": "train_000002.bin"})
+    try:
+        paused, seen = wait_for_line(proc.stderr, "paused in")
+        assert paused, seen
+        proc.send_signal(signal.SIGINT)
+    finally:
+        ((_, err),) = finish(proc, timeout=60)
+    kept = re.search(r"interrupted: data/x keeps (\d+) complete shards \(([\d,]+) tokens\); run "
+                     r"the same command again to continue from there", err)
+    assert kept, err
+    assert "Traceback" not in err
+    r = run_andrea(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming after {kept[1]} complete shards ({kept[2]} tokens)" in r.stdout
+
+
+def test_workers_must_not_be_negative(tmp_path):
+    write_corpus(tmp_path / "in")
+    r = run_andrea("prepare", "-i", "in", "-t", "byte", "--workers", "-1", "-o", "x",
+                   cwd=tmp_path)
+    assert_user_error(r, "--workers", "-1 is negative")
+    r = run_andrea("prepare", "-c", "andrea-tiny", "--workers", "-1", "-o", "x", cwd=tmp_path)
+    assert_user_error(r, "--workers", "-1 is negative")
+    assert not (tmp_path / "x").exists()
+
+
+def jsonl(path: Path, lines: list[bytes]) -> None:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def test_jsonl_as_datasets_ship_it(tmp_path):
+    """--errors replace skips a malformed line and a non-object line and counts them with the
+    records without text; strict names the line; a dotted --text-field reaches into objects;
+    null is 'is null'; replaced invalid UTF-8 bytes are counted."""
+    good = [json.dumps({"id": i, "doc": {"body": f"record {i}: some text here"}}).encode()
+            for i in range(300)]
+    bad = [b'{"doc": {"body": "cut', b"[1, 2]", b'{"doc": {"body": null}}',
+           b'{"doc": {"body": "caf\xff\xfe au lait"}}']
+    jsonl(tmp_path / "x.jsonl", good[:100] + bad + good[100:])
+    base = ("prepare", "-i", "x.jsonl", "-t", "byte", "--text-field", "doc.body")
+    r = run_andrea(*base, "-o", "strict", cwd=tmp_path)
+    assert_user_error(r, "x.jsonl:101: not a JSON object per line", "--errors replace")
+    r = run_andrea(*base, "-o", "out", "--errors", "replace", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "skipped 3 records without a string 'doc.body' (or not JSON objects)" in r.stdout
+    assert "replaced 2 invalid UTF-8 bytes with U+FFFD" in r.stdout
+    manifest = read_manifest(tmp_path / "out")
+    assert (manifest["skipped_records"], manifest["replaced_bytes"]) == (3, 2)
+    ids = np.concatenate([tokens(tmp_path / "out", s) for s in ("train", "val")])
+    text = bytes(int(t) for t in ids if t < 256)  # byte tokens; 256 is end-of-text
+    assert "caf\ufffd\ufffd au lait".encode() in text
+    assert b"record 299: some text here" in text
+    jsonl(tmp_path / "n.jsonl", [b'{"text": null}', b'{"text": "x"}'])
+    r = run_andrea("prepare", "-i", "n.jsonl", "-t", "byte", "-o", "n", cwd=tmp_path)
+    assert_user_error(r, "n.jsonl:1: field 'text' is null, not a string (fields: text)")
+    jsonl(tmp_path / "l.jsonl", [b'{"text": "x"}', b"[1, 2]"])
+    r = run_andrea("prepare", "-i", "l.jsonl", "-t", "byte", "-o", "l", cwd=tmp_path)
+    assert_user_error(r, "l.jsonl:2: a JSON list, expected an object", "--errors replace")
+
+
+def test_dotted_text_field_reaches_into_parquet_structs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"id": i, "doc": {"title": f"t{i}", "body": f"record {i}: parquet body"}}
+            for i in range(300)]
+    rows[5]["doc"] = None  # a null struct: its text is null, not some other row's
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "x.parquet", row_group_size=100)
+    base = ("prepare", "-i", "x.parquet", "-t", "byte", "--text-field")
+    r = run_andrea(*base, "doc.body", "-o", "strict", cwd=tmp_path)
+    assert_user_error(r, "row group 0, row 5: field 'doc.body' is null")
+    r = run_andrea(*base, "doc.body", "--errors", "replace", "-o", "out", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    ids = np.concatenate([tokens(tmp_path / "out", s) for s in ("train", "val")])
+    text = bytes(int(t) if t < 256 else 10 for t in ids).decode()  # end-of-text as a line break
+    texts = sorted(filter(None, text.split("\n")))
+    assert texts == sorted(f"record {i}: parquet body" for i in range(300) if i != 5)
+    r = run_andrea(*base, "doc.nope", "-o", "nope", cwd=tmp_path)
+    assert_user_error(r, "column 'doc' has no field 'nope'")
