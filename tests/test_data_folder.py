@@ -168,7 +168,8 @@ def test_two_prepares_of_one_folder_take_turns(tmp_path):
 def test_two_evals_of_a_run_without_its_data_take_turns(tmp_path):
     """Case 3 for eval: two `andrea eval` of a run whose data folder is not prepared yet; one
     prepares it (paused in its third shard), the other waits (saying so on stderr, stdout being
-    the result), and both report the same loss on the same data."""
+    the result), and both report the same loss on the same data. The folder is the one derived
+    under ./data (data/in-byte), never the data.dir the checkpoint names (data/x)."""
     write_corpus(tmp_path / "in")
     make_checkpoint(tmp_path, f"data.source={tmp_path / 'in'}", "data.shard_tokens=20000",
                     "data.dir=data/x")
@@ -182,14 +183,15 @@ def test_two_evals_of_a_run_without_its_data_take_turns(tmp_path):
         assert paused, seen
         second = start(*args, cwd=tmp_path)
         waiting, seen = wait_for_line(second.stderr, "waiting")
-        assert waiting and "data/x: another andrea process" in waiting, seen
+        assert waiting and "data/in-byte: another andrea process" in waiting, seen
     finally:
         go.touch()
         (out1, err1), (out2, err2) = finish(first, second, timeout=120)
     assert first.returncode == 0, err1
     assert second.returncode == 0, err2
-    assert "data/x: prepared by the other process meanwhile; using it" in err2
-    assert out1 == out2 and " on data/x (val): loss " in out1
+    assert "data/in-byte: prepared by the other process meanwhile; using it" in err2
+    assert out1 == out2 and " on data/in-byte (val): loss " in out1
+    assert not (tmp_path / "data/x").exists()
 
 
 def test_prepare_never_deletes_files_it_did_not_write(tmp_path):
