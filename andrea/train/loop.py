@@ -114,13 +114,9 @@ def run_training(
     log, evaluate, checkpoint; then record how the run ended."""
     t = cfg.train
     with SignalWatch() as signals:
-        try:
-            s = set_up(cfg, device, dist, signals, resume=resume, overwrite=overwrite)
-        except SetUpInterrupted as stop:
-            return set_up_interrupted(cfg, dist, signals, stop.signum, resume is not None)
-        signals.setting_up = False
+        s = start_session(cfg, device, dist, signals, resume, overwrite)
         if isinstance(s, TrainResult):
-            return s  # nothing to do: the run was not touched
+            return s  # nothing to do, or a signal during set-up: the run was not touched
         bar = progress_bar(s, progress)
         start_step, t_start = s.step, time.perf_counter()
         state, exit_code, message = "finished", 0, ""
@@ -156,15 +152,27 @@ def run_training(
                         break
         except NonFiniteError as exc:
             state, exit_code = "nonfinite", 1
-            message = (
-                f"{exc}; nothing was written over the last good checkpoint ({s.checkpoint})"
-                if s.checkpoint else f"{exc}; no checkpoint had been written yet"
-            )
+            message = (f"{exc}; nothing was written over the last good checkpoint "
+                       f"({s.checkpoint})" if s.checkpoint else
+                       f"{exc}; no checkpoint had been written yet")
         finally:
             bar.close()
         if signals.received is not None and state != "nonfinite" and s.step < t.max_steps:
             state, exit_code, message = interrupted_outcome(s)
         return finish(s, state, exit_code, message, time.perf_counter() - t_start)
+
+
+def start_session(
+    cfg: Config, device: torch.device, dist: DistInfo, signals: SignalWatch,
+    resume: str | None, overwrite: bool,
+) -> Session | TrainResult:
+    """set_up; a TrainResult instead when there is nothing to do or a signal came during it."""
+    try:
+        s = set_up(cfg, device, dist, signals, resume=resume, overwrite=overwrite)
+    except SetUpInterrupted as stop:
+        return set_up_interrupted(cfg, dist, signals, stop.signum, resume is not None)
+    signals.setting_up = False
+    return s
 
 
 @contextlib.contextmanager
