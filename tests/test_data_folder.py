@@ -83,6 +83,30 @@ def wait_for_line(stream, pattern: str, timeout: float = 120) -> tuple[str | Non
     return (found[0] if found else None), seen
 
 
+def take_turns(
+    first_args: tuple[str, ...], second_args: tuple[str, ...], cwd: Path, second_says_on: str,
+    timeout: float = 120,
+) -> tuple[str, subprocess.Popen, subprocess.Popen, list[tuple[str, str]]]:
+    """Two andrea commands on one data folder at once: the first is paused in its third shard,
+    holding the folder's lock, until the second says it is waiting (on its stdout or stderr,
+    `second_says_on`); then both run to the end. Returns the second's "waiting" line, both
+    processes and their (stdout, stderr), the lines already read left out."""
+    go = cwd / "go"
+    first = start(*first_args, cwd=cwd, env={"ANDREA_PREPARE_PAUSE_IN": "train_000002.bin",
+                                             "ANDREA_PREPARE_PAUSE_UNTIL": str(go)})
+    second = None
+    try:
+        paused, seen = wait_for_line(first.stderr, "paused in")
+        assert paused, seen
+        second = start(*second_args, cwd=cwd)
+        waiting, seen = wait_for_line(getattr(second, second_says_on), "waiting")
+        assert waiting, seen
+    finally:
+        go.touch()
+        outputs = finish(first, second, timeout=timeout)
+    return waiting, first, second, outputs
+
+
 def test_train_refuses_a_folder_prepared_with_another_tokenizer(tmp_path):
     """Case 1: `train --set data.dir=X` where X holds another run's gpt2 data is one line, exit
     2, naming the folder and both tokenizers, and X stays byte for byte (the old code prepared
@@ -138,21 +162,11 @@ def test_two_prepares_of_one_folder_take_turns(tmp_path):
     succeed and the shards equal a lone prepare's (the old code let the second clear the
     first's files)."""
     write_corpus(tmp_path / "in")
-    go = tmp_path / "go"
     args = ("prepare", "-c", "andrea-tiny", "--set", "data.source=in", *SHARDS, "-o", "data/x")
-    first = start(*args, cwd=tmp_path, env={"ANDREA_PREPARE_PAUSE_IN": "train_000002.bin",
-                                            "ANDREA_PREPARE_PAUSE_UNTIL": str(go)})
-    second = None
-    try:
-        paused, seen = wait_for_line(first.stderr, "paused in")
-        assert paused, seen
-        second = start(*args, cwd=tmp_path)
-        waiting, seen = wait_for_line(second.stdout, "waiting")
-        assert waiting == (f"data/x: another andrea process (pid {first.pid}) is preparing this "
-                           "folder; waiting for it to finish\n"), seen
-    finally:
-        go.touch()
-        (out1, err1), (out2, err2) = finish(first, second, timeout=120)
+    waiting, first, second, [(out1, err1), (out2, err2)] = take_turns(args, args, tmp_path,
+                                                                      "stdout")
+    assert waiting == (f"data/x: another andrea process (pid {first.pid}) is preparing this "
+                       "folder; waiting for it to finish\n"), waiting
     assert first.returncode == 0, err1
     assert second.returncode == 0, err2
     assert out2.strip() == "data/x: prepared by the other process meanwhile; using it"
@@ -173,20 +187,10 @@ def test_two_evals_of_a_run_without_its_data_take_turns(tmp_path):
     write_corpus(tmp_path / "in")
     make_checkpoint(tmp_path, f"data.source={tmp_path / 'in'}", "data.shard_tokens=20000",
                     "data.dir=data/x")
-    go = tmp_path / "go"
     args = ("eval", "--checkpoint", "runs/r", "--max-tokens", "1024")
-    first = start(*args, cwd=tmp_path, env={"ANDREA_PREPARE_PAUSE_IN": "train_000002.bin",
-                                            "ANDREA_PREPARE_PAUSE_UNTIL": str(go)})
-    second = None
-    try:
-        paused, seen = wait_for_line(first.stderr, "paused in")
-        assert paused, seen
-        second = start(*args, cwd=tmp_path)
-        waiting, seen = wait_for_line(second.stderr, "waiting")
-        assert waiting and "data/in-byte: another andrea process" in waiting, seen
-    finally:
-        go.touch()
-        (out1, err1), (out2, err2) = finish(first, second, timeout=120)
+    waiting, first, second, [(out1, err1), (out2, err2)] = take_turns(args, args, tmp_path,
+                                                                      "stderr")
+    assert "data/in-byte: another andrea process" in waiting, waiting
     assert first.returncode == 0, err1
     assert second.returncode == 0, err2
     assert "data/in-byte: prepared by the other process meanwhile; using it" in err2

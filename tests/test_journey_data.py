@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import assert_user_error, run_andrea
-from test_data_folder import SHARDS, finish, snapshot, start, wait_for_line, write_corpus
+from test_data_folder import SHARDS, snapshot, take_turns, write_corpus
 
 from andrea.data.shards import read_manifest
 
@@ -25,20 +25,11 @@ TRAIN = ("train", "-c", "andrea-tiny", "--set", "data.source=data/", *SHARDS,
 
 def test_a_users_data_survives_a_sweep_a_resume_and_mistakes(tmp_path):
     write_corpus(tmp_path / "data")
-    go = tmp_path / "go"
-    first = start(*TRAIN, "--set", "train.name=a", cwd=tmp_path,
-                  env={"ANDREA_PREPARE_PAUSE_IN": "train_000002.bin",
-                       "ANDREA_PREPARE_PAUSE_UNTIL": str(go)})
-    second = None
-    try:
-        paused, seen = wait_for_line(first.stderr, "paused in")
-        assert paused, seen
-        second = start(*TRAIN, "--set", "train.name=b", "--set", "train.seed=1", cwd=tmp_path)
-        waiting, seen = wait_for_line(second.stdout, "waiting")
-        assert waiting and "data/data-byte: another andrea process" in waiting, seen
-    finally:
-        go.touch()
-        (out1, err1), (out2, err2) = finish(first, second, timeout=300)
+    waiting, first, second, [(out1, err1), (out2, err2)] = take_turns(
+        (*TRAIN, "--set", "train.name=a"),
+        (*TRAIN, "--set", "train.name=b", "--set", "train.seed=1"), tmp_path, "stdout",
+        timeout=300)
+    assert "data/data-byte: another andrea process" in waiting, waiting
     assert first.returncode == 0, err1
     assert second.returncode == 0, err2
     assert "preparing data/data-byte from data/ (first run only)" in out1
