@@ -182,6 +182,17 @@ def launch_nodes(
     return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs, strict=True)]
 
 
+def own_disks(tmp_path: Path, cfg) -> tuple[Path, list[Path]]:
+    """The config as a file, and an empty working folder per node (node0, node1): with a
+    relative runs_dir each node's runs live on its own "disk"."""
+    path = tmp_path / f"{cfg.train.name}.yaml"
+    path.write_text(cfg.to_yaml())
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in folders:
+        folder.mkdir()
+    return path, folders
+
+
 def test_two_nodes_match_one_process_with_two_micro_steps(tmp_path, data_dir):
     """Two torchrun launches as two "nodes" (one process each) on 127.0.0.1."""
     sets = ("train.max_steps=3", "train.checkpoint_every=0", "train.eval_every=0")
@@ -209,11 +220,7 @@ def test_two_nodes_with_their_own_runs_dir_resume_as_one_run(tmp_path, data_dir)
     sets = ("train.max_steps=5", "train.checkpoint_every=2", "train.eval_every=0")
     one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)  # 2 micro-steps
     cfg = tiny(tmp_path, data_dir, "local", *sets, "train.max_steps=2", "train.runs_dir=runs")
-    path = tmp_path / "local.yaml"
-    path.write_text(cfg.to_yaml())
-    folders = [tmp_path / "node0", tmp_path / "node1"]
-    for folder in folders:
-        folder.mkdir()
+    path, folders = own_disks(tmp_path, cfg)
     for code, _, err in launch_nodes(path, folders):
         assert code == 0, err[-3000:]
     run0, run1 = (folder / "runs" / "local" for folder in folders)
@@ -244,11 +251,7 @@ def test_fsdp_with_a_runs_dir_on_each_node_is_one_error_on_every_node(tmp_path, 
     refused before any step, on both nodes, in one line."""
     cfg = tiny(tmp_path, data_dir, "sharded", "train.parallel=fsdp", "train.max_steps=2",
                "train.runs_dir=runs")
-    path = tmp_path / "sharded.yaml"
-    path.write_text(cfg.to_yaml())
-    folders = [tmp_path / "node0", tmp_path / "node1"]
-    for folder in folders:
-        folder.mkdir()
+    path, folders = own_disks(tmp_path, cfg)
     for code, _, err in launch_nodes(path, folders):
         # andrea's own output is one line, exit code 2; torchrun then adds its failure report.
         assert code != 0 and "exitcode  : 2" in err, err[-3000:]
