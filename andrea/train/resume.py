@@ -132,6 +132,12 @@ def _run_config_from_rank0(store: Any, resume: str, overrides: list[str]) -> Con
     return config_from_dict(sent["config"], sent["source"])
 
 
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run has any checkpoint to resume: `latest`, or a step folder (a damaged
+    `latest` is named with the newest intact step later, by resume_checkpoint)."""
+    return ckpt_io.read_latest(run_dir) is not None or bool(ckpt_io.list_checkpoints(run_dir))
+
+
 def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
     """`--resume runs/<name>`, `--resume runs/<name>/step-N` (that checkpoint of the run) or
     `--resume auto` (the config's run, if it has a checkpoint): the run directory."""
@@ -139,8 +145,7 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
         if cfg is None:
             raise UserError("--resume auto needs --config to know the run's name")
         run_dir = Path(cfg.train.runs_dir) / cfg.train.name
-        has_one = ckpt_io.read_latest(run_dir) is not None or ckpt_io.list_checkpoints(run_dir)
-        return run_dir if has_one else None
+        return run_dir if has_checkpoint(run_dir) else None
     run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
     if is_step_dir(run_dir) and (run_dir.parent / CONFIG).is_file():
         run_dir = run_dir.parent
@@ -152,7 +157,7 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
         raise UserError(f"--resume {resume}: no such run directory{elsewhere}")
     if not (run_dir / CONFIG).is_file():
         raise UserError(f"--resume {resume}: {run_dir} is not a run folder (it has no {CONFIG})")
-    if ckpt_io.read_latest(run_dir) is None and not ckpt_io.list_checkpoints(run_dir):
+    if not has_checkpoint(run_dir):
         raise UserError(
             f"--resume {resume}: the run was started but stopped before its first checkpoint "
             f"(andrea runs {run_dir} says how), so there is nothing to continue; start it over "
