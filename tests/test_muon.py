@@ -140,7 +140,9 @@ from torch.distributed.tensor import DTensor
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
 from andrea.train import muon
-from andrea.train.distributed import full_tensor, init_distributed, shard_like, shard_model
+from andrea.train.distributed import (
+    full_tensor, init_distributed, shard_like, shard_model, shutdown,
+)
 from andrea.train.optim import build_optimizer
 
 info = init_distributed("cpu")
@@ -199,7 +201,7 @@ if info.rank == 0:
             assert (p.double() - ref[name]).abs().max() < 1e-6, (layout, name)
             assert (p - one[name]).abs().max() < 1e-6, (layout, name)  # measured: bit for bit
     print("split ok")
-dist.destroy_process_group()
+shutdown(info)  # collects the sharded model's cycles first: gloo torn down late can SIGABRT
 """
 
 
