@@ -31,6 +31,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.activation_checkpointing": ("none", "blocks"),
     "train.optimizer": ("adamw", "muon"),
     "train.muon_ns_precision": ("auto", "bf16", "fp32"),
+    "train.muon_ns_coefficients": ("quintic", "polar_express"),
     "train.parallel": ("ddp", "fsdp"),
     "train.spike_guard": ("off", "skip", "rollback"),
 }
@@ -191,6 +192,12 @@ class TrainConfig:
     # The dtype of Muon's Newton-Schulz iterations; auto: bf16 where the device has fast bf16
     # matmuls (as for train.precision), else fp32.
     muon_ns_precision: str = "auto"
+    # quintic: torch's fixed (3.4445, -4.775, 2.0315) for 5 iterations; polar_express: the
+    # Polar Express paper's per-iteration minimax quintics (arXiv:2505.16932), 5 iterations.
+    muon_ns_coefficients: str = "quintic"
+    # Start every residual branch at zero (attention W_O and the MLP down projection), so each
+    # block begins as the identity; false: GPT-2's N(0, 0.02 / sqrt(2 n_layer)).
+    zero_init_output: bool = False
     # The loss-spike guard (andrea/train/spike.py, docs/training.md): off; skip (a step whose
     # loss or gradient norm is a z-score outlier against the last spike_window steps is not
     # applied); rollback (as skip, and after spike_patience outliers in a row: back to the last

@@ -1,8 +1,10 @@
-"""Time to quality: ANDREA-12M on the embedded corpus, AdamW and Muon at one token budget.
+"""Time to quality: ANDREA-12M on the embedded corpus, AdamW and Muon (or any recipes) at one
+token budget.
 
     python scripts/bench_quality.py [--tokens 7864320] [--preset andrea-12m] [--runs-dir runs]
                                     [--eval-tokens 32768] [--set train.muon_lr=0.02 ...]
                                     [--optimizers adamw muon]
+                                    [--variant LABEL:KEY=VALUE,KEY=VALUE ...]
 
 Both runs are `andrea.train.loop.train` with the preset's settings, the same seed and therefore the
 same initial weights and the same data order (batches are a function of seed and step); they
@@ -20,11 +22,21 @@ quality-adamw-<tokens> and quality-muon-<tokens> (with the --set overrides appen
 learning-rate sweep keeps one run per setting): `andrea plot` them for the curves.
 --optimizers runs one of them only (a sweep of one optimizer's learning rate); the comparison is
 printed when both ran.
+
+--variant compares recipes instead (the preset's own optimizer unless a variant sets one): each
+is a label and its overrides, e.g. `--variant preset: --variant wsd:train.schedule=wsd,
+train.min_lr=0`; the pseudo-key `tokens=N` gives one variant its own budget. Runs are named
+quality-<label>-<tokens>. For every run (both modes) the wall time of training to each tenth is
+read from its metrics.jsonl (checkpoint events against the start event; set-up, compilation and
+checkpoint writing count, the evaluation here does not), the final checkpoint is also evaluated
+on the whole val split, and the summary gives the wall time each run needs to reach the first
+run's final val loss (linear between tenths) as a share of the first run's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -50,38 +62,83 @@ def plan(preset: str, tokens: int, extra: list[str]) -> tuple[int, int, int]:
     return steps, per_step, min(cfg.train.warmup_steps, max(1, steps // 10))
 
 
-def run_one(optimizer: str, args: argparse.Namespace, steps: int, warmup: int
-            ) -> tuple[list[tuple[int, float, float | None]], float]:
-    """Train, then evaluate each tenth's checkpoint: [(tokens, val loss, bits/byte)], seconds."""
+class Run:
+    """One training run of the comparison: a label, its overrides and its token budget."""
+
+    def __init__(self, label: str, overrides: list[str], tokens: int, name: str) -> None:
+        self.label, self.overrides, self.tokens, self.name = label, overrides, tokens, name
+        # [(tokens, val loss, bits/byte, training seconds)] at each tenth; the whole split's
+        # (val loss, bits/byte) of the final checkpoint.
+        self.points: list[tuple[int, float, float | None, float]] = []
+        self.whole: tuple[float, float | None] = (float("nan"), None)
+
+
+def run_one(run: Run, args: argparse.Namespace) -> float:
+    """Train, then evaluate each tenth's checkpoint into run.points; seconds in all."""
+    steps, _, warmup = plan(args.preset, run.tokens, run.overrides)
     tenth = steps // 10
-    name = run_name(optimizer, args.tokens, args.set)
     cfg = load_config(args.preset, [
-        f"train.optimizer={optimizer}", f"train.max_steps={steps}",
-        f"train.warmup_steps={warmup}", f"train.checkpoint_every={tenth}", "train.keep_last=10",
+        f"train.max_steps={steps}", f"train.warmup_steps={warmup}",
+        f"train.checkpoint_every={tenth}", "train.keep_last=10",
         # The trainer's own evaluation is off: every tenth's checkpoint is evaluated below.
-        "train.eval_every=0", f"train.runs_dir={args.runs_dir}", f"train.name={name}",
-        *args.set,
+        "train.eval_every=0", f"train.runs_dir={args.runs_dir}", f"train.name={run.name}",
+        *run.overrides,
     ])
     t0 = time.perf_counter()
     result = train(cfg, progress=False)
     if result.state != "finished":
-        raise UserError(f"{result.run_dir}: the {optimizer} run ended {result.state}")
+        raise UserError(f"{result.run_dir}: the {run.label} run ended {result.state}")
     per_step = result.tokens // steps
-    points = []
-    for ckpt in ckpt_io.list_checkpoints(result.run_dir):
+    seconds = checkpoint_seconds(result.run_dir / "metrics.jsonl")
+    checkpoints = ckpt_io.list_checkpoints(result.run_dir)
+    for ckpt in checkpoints:
         step = int(ckpt.name[5:])
         ev = evaluate_checkpoint(str(ckpt), max_tokens=args.eval_tokens, progress=False)
-        points.append((step * per_step, ev.loss, ev.bits_per_byte))
-    if len(points) != 10:
-        raise UserError(f"{result.run_dir}: expected 10 checkpoints, found {len(points)}")
-    return points, time.perf_counter() - t0
+        run.points.append((step * per_step, ev.loss, ev.bits_per_byte, seconds[step]))
+    if len(run.points) != 10:
+        raise UserError(f"{result.run_dir}: expected 10 checkpoints, found {len(run.points)}")
+    whole = evaluate_checkpoint(str(checkpoints[-1]), max_tokens=None, progress=False)
+    run.whole = (whole.loss, whole.bits_per_byte)
+    return time.perf_counter() - t0
 
 
-def run_name(optimizer: str, tokens: int, overrides: list[str]) -> str:
-    """quality-<optimizer>-<tokens>[-<key>-<value>...]: one run folder per setting."""
+def checkpoint_seconds(metrics: Path) -> dict[int, float]:
+    """{step: seconds from the run's start event to that step's checkpoint event}."""
+    start, at = None, {}
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        event = json.loads(line)
+        if event["event"] == "start" and start is None:
+            start = event["time"]
+        elif event["event"] == "checkpoint" and start is not None:
+            at[event["step"]] = event["time"] - start
+    return at
+
+
+def run_name(label: str, tokens: int, overrides: list[str]) -> str:
+    """quality-<label>-<tokens>[-<key>-<value>...]: one run folder per setting."""
     tags = [re.sub(r"[^A-Za-z0-9._-]+", "_", o.split(".", 1)[-1].replace("=", "-"))
             for o in overrides]
-    return "-".join([f"quality-{optimizer}-{tokens}", *tags])
+    return "-".join([f"quality-{label}-{tokens}", *tags])
+
+
+def parse_variant(text: str, tokens: int, common: list[str]) -> Run:
+    """LABEL:KEY=VALUE,KEY=VALUE (tokens=N: this run's budget) as a Run after the --set ones."""
+    label, _, spec = text.partition(":")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", label):
+        raise UserError(f"--variant {text!r}: the label before ':' must be letters, digits, "
+                        "'.', '_' or '-', e.g. --variant wsd:train.schedule=wsd")
+    overrides = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"--variant {text!r}: {item!r} is not KEY=VALUE")
+        if key == "tokens":
+            if not value.isdigit() or int(value) <= 0:
+                raise UserError(f"--variant {text!r}: tokens={value!r} is not a positive integer")
+            tokens = int(value)
+        else:
+            overrides.append(item)
+    return Run(label, [*common, *overrides], tokens, run_name(label, tokens, common))
 
 
 def tokens_to_reach(points: list[tuple[int, float, float | None]], target: float) -> float | None:
@@ -96,6 +153,14 @@ def tokens_to_reach(points: list[tuple[int, float, float | None]], target: float
     return None
 
 
+def seconds_to_reach(points: list[tuple[int, float, float | None, float]], target: float
+                     ) -> float | None:
+    """The training seconds at which the val loss first reaches target, linear between tenths."""
+    reached = tokens_to_reach([(round(sec * 1000), loss, bpb) for _, loss, bpb, sec in points],
+                              target)
+    return None if reached is None else reached / 1000
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="andrea-12m")
@@ -105,45 +170,80 @@ def main() -> int:
     ap.add_argument("--runs-dir", default="runs")
     ap.add_argument("--eval-tokens", type=int, default=32_768)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="a config override for both runs (e.g. train.muon_lr=0.03)")
-    ap.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS),
-                    help="which optimizers to run (default: both)")
+                    help="a config override for every run (e.g. train.muon_lr=0.03)")
+    ap.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=None,
+                    help="which optimizers to run (default: both, or none with --variant)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...",
+                    help="a recipe to compare, in order (the first is the reference)")
     args = ap.parse_args()
+    optimizers = args.optimizers or ([] if args.variant else list(OPTIMIZERS))
     try:
+        runs = [Run(opt, [f"train.optimizer={opt}", *args.set], args.tokens,
+                    run_name(opt, args.tokens, args.set)) for opt in optimizers]
+        runs += [parse_variant(v, args.tokens, args.set) for v in args.variant]
+        if not runs:
+            raise UserError("nothing to run: give --optimizers or --variant")
         steps, per_step, warmup = plan(args.preset, args.tokens, args.set)
         print(f"cpu: {cpu_name()}; bf16 units: {cpu_has_bf16()}")
         print(f"{args.preset}: {steps} steps x {per_step:,} tokens = {steps * per_step:,} tokens "
               f"per optimizer, warm-up {warmup} steps; val on {args.eval_tokens:,} tokens "
               f"spread over the val split; overrides: {' '.join(args.set) or '-'}", flush=True)
-        results = {}
-        for optimizer in args.optimizers:
-            results[optimizer], seconds = run_one(optimizer, args, steps, warmup)
-            run_dir = Path(args.runs_dir) / run_name(optimizer, args.tokens, args.set)
-            print(f"{optimizer}: trained and evaluated in {seconds:.0f} s (run: {run_dir})",
-                  flush=True)
+        for run in runs:
+            if run.label not in OPTIMIZERS:
+                steps, per_step, _ = plan(args.preset, run.tokens, run.overrides)
+                print(f"{run.label}: {' '.join(run.overrides) or 'the preset'}; {steps} steps x "
+                      f"{per_step:,} tokens", flush=True)
+            seconds = run_one(run, args)
+            print(f"{run.label}: trained and evaluated in {seconds:.0f} s "
+                  f"(run: {Path(args.runs_dir) / run.name})", flush=True)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
-    ran = [opt for opt in OPTIMIZERS if opt in results]
-    print(f"\n{'tokens':>11}" + "".join(f"  {opt + ' loss':>10}  {opt + ' bpb':>9}" for opt in ran))
-    for row in zip(*(results[opt] for opt in ran), strict=True):
-        print(f"{row[0][0]:>11,}" + "".join(
-            f"  {loss:>10.4f}  {bpb or float('nan'):>9.4f}" for _, loss, bpb in row))
-    for opt in ran:
-        best = min(results[opt], key=lambda point: point[1])
-        print(f"{opt}: best val loss {best[1]:.4f} ({best[2] or float('nan'):.4f} bits/byte) "
-              f"at {best[0]:,} tokens")
-    if ran != list(OPTIMIZERS):
-        return 0
-    target = results["adamw"][-1][1]
-    print(f"\ntokens to reach AdamW's final val loss {target:.4f}:")
-    needed = {opt: tokens_to_reach(results[opt], target) for opt in OPTIMIZERS}
-    for opt, tokens in needed.items():
-        print(f"  {opt:6s} {f'{tokens:,.0f}' if tokens is not None else 'not reached'}")
-    if needed["muon"] is not None and needed["adamw"]:
-        print(f"  muon / adamw: {needed['muon'] / needed['adamw']:.2f} (goal: <= 0.75)")
+    print_tables(runs)
+    print_summary(runs)
     return 0
+
+
+def print_tables(runs: list[Run]) -> None:
+    """One table with a column pair per run where the runs share their tenths, else one each."""
+    same = all([p[0] for p in r.points] == [p[0] for p in runs[0].points] for r in runs)
+    groups = [runs] if same else [[r] for r in runs]
+    for group in groups:
+        print(f"\n{'tokens':>11}" + "".join(
+            f"  {r.label + ' loss':>10}  {r.label + ' bpb':>9}  {r.label + ' s':>8}"
+            if r.label not in OPTIMIZERS else f"  {r.label + ' loss':>10}  {r.label + ' bpb':>9}"
+            for r in group))
+        for row in zip(*(r.points for r in group), strict=True):
+            print(f"{row[0][0]:>11,}" + "".join(
+                f"  {loss:>10.4f}  {bpb or float('nan'):>9.4f}"
+                + (f"  {sec:>8.0f}" if r.label not in OPTIMIZERS else "")
+                for r, (_, loss, bpb, sec) in zip(group, row, strict=True)))
+
+
+def print_summary(runs: list[Run]) -> None:
+    for r in runs:
+        best = min(r.points, key=lambda point: point[1])
+        print(f"{r.label}: best val loss {best[1]:.4f} ({best[2] or float('nan'):.4f} bits/byte) "
+              f"at {best[0]:,} tokens; final on the whole val split {r.whole[0]:.4f} "
+              f"({r.whole[1] or float('nan'):.4f} bits/byte) after {r.points[-1][3]:.0f} s")
+    if [r.label for r in runs] == list(OPTIMIZERS):
+        target = runs[0].points[-1][1]
+        print(f"\ntokens to reach AdamW's final val loss {target:.4f}:")
+        needed = {r.label: tokens_to_reach([p[:3] for p in r.points], target) for r in runs}
+        for opt, tokens in needed.items():
+            print(f"  {opt:6s} {f'{tokens:,.0f}' if tokens is not None else 'not reached'}")
+        if needed["muon"] is not None and needed["adamw"]:
+            print(f"  muon / adamw: {needed['muon'] / needed['adamw']:.2f} (goal: <= 0.75)")
+    if len(runs) < 2:
+        return
+    first = runs[0]
+    target, total = first.points[-1][1], first.points[-1][3]
+    print(f"\nwall time of training to reach {first.label}'s final val loss {target:.4f}, "
+          f"as a share of {first.label}'s {total:.0f} s:")
+    for r in runs:
+        sec = seconds_to_reach(r.points, target)
+        print(f"  {r.label:12s} " + (f"{sec:,.0f} s ({sec / total:.2f})" if sec is not None
+                                      else "not reached"))
 
 
 if __name__ == "__main__":

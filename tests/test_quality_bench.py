@@ -4,6 +4,7 @@ preset, and its interpolation of the tokens needed to reach a loss."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -70,5 +71,67 @@ def test_one_optimizer_alone_names_its_run_by_the_override(tmp_path, data_dir, m
     assert module.main() == 0
     out = capsys.readouterr().out
     assert "muon" not in out and "tokens to reach" not in out
-    assert re.search(r"^adamw: best val loss [\d.]+ \([\d.]+ bits/byte\) at [\d,]+ tokens$", out,
-                     re.M)
+    assert re.search(r"^adamw: best val loss [\d.]+ \([\d.]+ bits/byte\) at [\d,]+ tokens; "
+                     r"final on the whole val split [\d.]+ \([\d.]+ bits/byte\) after \d+ s$",
+                     out, re.M)
+    assert "wall time" not in out  # one run: nothing to compare with
+
+
+def test_seconds_to_reach_and_checkpoint_seconds(tmp_path) -> None:
+    module = bench_quality()
+    points = [(100, 5.0, None, 10.0), (200, 4.0, None, 30.0), (300, 3.0, None, 50.0)]
+    assert module.seconds_to_reach(points, 3.5) == pytest.approx(40.0)
+    assert module.seconds_to_reach(points, 2.0) is None
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(e) for e in [
+        {"event": "start", "step": 0, "time": 100.0},
+        {"event": "train", "step": 1, "time": 101.0},
+        {"event": "checkpoint", "step": 2, "time": 103.5},
+        {"event": "checkpoint", "step": 4, "time": 107.25},
+    ]) + "\n")
+    assert module.checkpoint_seconds(metrics) == {2: 3.5, 4: 7.25}
+
+
+def test_variants_side_by_side_with_wall_time(tmp_path, data_dir, monkeypatch, capsys):
+    """Recipes as a user compares them: the preset against a variant on twice the budget; each
+    has its own table with training seconds, and the summary gives each one's wall time to the
+    first run's final val loss as a share of the first run's."""
+    module = bench_quality()
+    runs = tmp_path / "runs"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_quality.py", "--preset", "andrea-tiny", "--tokens", "5120", "--runs-dir", str(runs),
+        "--eval-tokens", "512", "--set", f"data.dir={data_dir}",
+        "--variant", "preset:", "--variant", "zero:train.zero_init_output=true,tokens=10240"])
+    assert module.main() == 0
+    out = capsys.readouterr().out
+    assert "zero: data.dir=" in out and "train.zero_init_output=true; 20 steps x 512 tokens" in out
+    tables = re.findall(r"^\s+tokens\s+(\w+) loss\s+\w+ bpb\s+\w+ s$", out, re.M)
+    assert tables == ["preset", "zero"]  # different tenths: one table each
+    rows = re.findall(r"^\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)$", out, re.M)
+    assert len(rows) == 20
+    preset_seconds = [int(r[3]) for r in rows[:10]]
+    assert preset_seconds == sorted(preset_seconds) and preset_seconds[-1] > 0
+    assert [int(r[0].replace(",", "")) for r in rows[10:]] == [1024 * k for k in range(1, 11)]
+    share = re.search(r"^wall time of training to reach preset's final val loss ([\d.]+), as a "
+                      r"share of preset's (\d+) s:$", out, re.M)
+    assert share
+    assert re.search(r"^  preset\s+[\d,]+ s \(1\.00\)$", out, re.M)  # reached at its own end
+    assert re.search(r"^  zero\s+([\d,]+ s \([\d.]+\)|not reached)$", out, re.M)
+    for label, tokens in (("preset", 5120), ("zero", 10240)):
+        run_dir = runs / module.run_name(label, tokens, [f"data.dir={data_dir}"])
+        assert len(list(run_dir.glob("step-*"))) == 10
+    zero_cfg = (runs / module.run_name("zero", 10240, [f"data.dir={data_dir}"]) / "config.yaml")
+    assert "zero_init_output: true" in zero_cfg.read_text()
+
+
+@pytest.mark.parametrize("variant, words", [
+    ("bad label:train.lr=1", "the label before ':'"),
+    ("x:train.lr", "'train.lr' is not KEY=VALUE"),
+    ("x:tokens=-5", "tokens='-5' is not a positive integer"),
+])
+def test_a_bad_variant_is_one_line(variant, words, monkeypatch, capsys):
+    module = bench_quality()
+    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--variant", variant])
+    assert module.main() == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --variant") and words in err and err.count("\n") == 1

@@ -234,6 +234,16 @@ class Andrea(nn.Module):
             for proj in (block.attn.out, block.mlp.down):
                 nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
 
+    @torch.no_grad()
+    def zero_output_projections(self) -> None:
+        """train.zero_init_output: every residual branch starts at zero, so each block begins as
+        the identity and the first steps train the embeddings through an exact shortcut."""
+        for block in self.blocks:
+            for proj in (block.attn.out, block.mlp.down):
+                nn.init.zeros_(proj.weight)
+                if proj.bias is not None:
+                    nn.init.zeros_(proj.bias)
+
     def forward(
         self,
         idx: torch.Tensor,

@@ -64,21 +64,37 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[tuple[s
     return matrices, rest
 
 
+# The Polar Express paper's (arXiv:2505.16932) minimax-optimal odd quintic for each of 5
+# iterations: the early ones push small singular values up hard, the late ones settle them at 1.
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# Its polynomials are tuned for singular values in (0, 1]: a margin on the normalisation keeps
+# bf16's rounding of the Frobenius norm from putting the largest a little above 1.
+POLAR_EXPRESS_MARGIN = 1.02
+
+
 def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                  eps: float, dtype: torch.dtype) -> torch.Tensor:
+                  eps: float, dtype: torch.dtype, polar_express: bool = False) -> torch.Tensor:
     """Approximate U Vᵀ of grad = U S Vᵀ by `steps` quintic iterations in `dtype`.
 
     The same operations in the same order as torch.optim._muon._zeropower_via_newtonschulz (which
     fixes dtype to bfloat16): transpose a tall matrix, scale to Frobenius norm 1, iterate
-    X <- a X + (b A + c A²) X with A = X Xᵀ.
+    X <- a X + (b A + c A²) X with A = X Xᵀ. polar_express: each iteration its own (a, b, c)
+    from POLAR_EXPRESS (`coefficients` and `steps` are unused), the norm taken with its margin.
     """
-    a, b, c = coefficients
+    schedule = POLAR_EXPRESS if polar_express else (coefficients,) * steps
     x = grad.to(dtype, copy=True)  # never the caller's tensor: it is scaled in place
     tall = grad.size(0) > grad.size(1)
     if tall:
         x = x.T
-    x.div_(x.norm().clamp(min=eps))  # spectral norm <= Frobenius norm = 1
-    for _ in range(steps):
+    norm = x.norm() * POLAR_EXPRESS_MARGIN if polar_express else x.norm()
+    x.div_(norm.clamp(min=eps))  # spectral norm <= Frobenius norm = 1
+    for a, b, c in schedule:
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)
@@ -108,9 +124,11 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
     on whatever this rank holds of each matrix), the orthogonalisation (whole matrices), the
     update of the parameters (element-wise again)."""
 
-    def __init__(self, params: Any, ns_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
+    def __init__(self, params: Any, ns_dtype: torch.dtype = torch.float32,
+                 polar_express: bool = False, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
+        self.polar_express = polar_express
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -140,7 +158,7 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
 
     def _newton_schulz(self, group: dict[str, Any], update: torch.Tensor) -> torch.Tensor:
         return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                             self.ns_dtype)
+                             self.ns_dtype, self.polar_express)
 
     def _orthogonalise(self, group: dict[str, Any], params: list[torch.Tensor],
                        updates: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -283,16 +301,18 @@ class SplitMuon(Float32Muon):
 
 
 def build_muon(params: list[nn.Parameter], lr: float, weight_decay: float, momentum: float,
-               ns_dtype: torch.dtype, world_size: int = 1) -> torch.optim.Optimizer:
-    """torch.optim.Muon itself where its bfloat16 iterations are wanted, else Float32Muon; with
-    several processes SplitMuon (in bfloat16 it computes torch's bits, see newton_schulz)."""
+               ns_dtype: torch.dtype, world_size: int = 1, polar_express: bool = False
+               ) -> torch.optim.Optimizer:
+    """torch.optim.Muon itself where its bfloat16 quintic iterations are wanted, else
+    Float32Muon (another dtype, or Polar Express's coefficients, which torch's Muon cannot take);
+    with several processes SplitMuon (in bfloat16 it computes torch's bits, see newton_schulz)."""
     muon = require_muon()
     kwargs = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True)
     if world_size > 1:
-        return SplitMuon(params, ns_dtype=ns_dtype, **kwargs)
-    if ns_dtype == torch.bfloat16:
+        return SplitMuon(params, ns_dtype=ns_dtype, polar_express=polar_express, **kwargs)
+    if ns_dtype == torch.bfloat16 and not polar_express:
         return muon(params, **kwargs)
-    return Float32Muon(params, ns_dtype=ns_dtype, **kwargs)
+    return Float32Muon(params, ns_dtype=ns_dtype, polar_express=polar_express, **kwargs)
 
 
 class MuonAdamW:

@@ -23,7 +23,8 @@ def build_optimizer(model: Andrea, cfg: Config, device: torch.device,
         matrices, named = split_parameters(model)
         # Before AdamW is built, so a torch without Muon is refused first.
         muon = build_muon(matrices, t.muon_lr, t.muon_weight_decay, t.muon_momentum,
-                          pick_dtype(t.muon_ns_precision, device), world_size)
+                          pick_dtype(t.muon_ns_precision, device), world_size,
+                          polar_express=t.muon_ns_coefficients == "polar_express")
         for group in muon.param_groups:
             group["lr_ratio"] = t.muon_lr / t.lr  # one schedule drives both learning rates
     else:

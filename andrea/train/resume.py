@@ -33,6 +33,8 @@ RESUMABLE_KEYS = (
     "train.spike_lr_factor",
     "train.spike_lr_steps",
     "train.compile",
+    "train.zero_init_output",
+    "train.muon_ns_coefficients",
     "train.micro_batch_size",
     "train.activation_checkpointing",
     "train.parallel",

@@ -208,6 +208,8 @@ def build_model(
     t = cfg.train
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     model = Andrea(cfg.model, attention_backend=backend).to(device)
+    if t.zero_init_output:
+        model.zero_output_projections()
     model.checkpoint_blocks = t.activation_checkpointing == "blocks"
     parallel = t.parallel if dist.enabled else "none"
     if parallel == "fsdp":

@@ -1,0 +1,96 @@
+"""The time-to-quality recipe keys (docs/training.md, "Time to quality, round 2"): each is off by
+default and changes training only when set; checked against float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_train import tiny
+
+from andrea.model.transformer import Andrea
+from andrea.train.distributed import DistInfo
+from andrea.train.loop import train
+from andrea.train.muon import POLAR_EXPRESS, Float32Muon, newton_schulz
+from andrea.train.optim import build_optimizer
+from andrea.train.setup import build_model
+
+QUINTIC = (3.4445, -4.7750, 2.0315)
+
+
+def _polar(g: torch.Tensor) -> torch.Tensor:
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    return u @ vh
+
+
+@pytest.mark.parametrize("shape", [(384, 1152), (1536, 384), (96, 96)])
+def test_polar_express_is_closer_to_the_polar_factor_than_the_quintic(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    exact = _polar(g)
+    quintic = newton_schulz(g, QUINTIC, 5, 1e-7, torch.float64)
+    polar = newton_schulz(g, QUINTIC, 5, 1e-7, torch.float64, polar_express=True)
+    error = {name: float((x - exact).norm() / exact.norm())
+             for name, x in (("quintic", quintic), ("polar", polar))}
+    assert error["polar"] < 0.75 * error["quintic"], error
+    s = torch.linalg.svdvals(polar)
+    # In (0.8, 1.2) but the few a square random matrix has near zero, which 5 steps cannot lift.
+    assert s.max() < 1.2 and (s > 0.8).double().mean() > 0.95
+    # Its own iteration, step by step in float64: the five (a, b, c), the 1.02 margin.
+    x = (g.T if g.size(0) > g.size(1) else g) / (g.norm() * 1.02)
+    for a, b, c in POLAR_EXPRESS:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    x = x.T if g.size(0) > g.size(1) else x
+    assert (polar - x).abs().max() < 1e-12
+    # bf16 follows the float64 iteration to bf16's rounding.
+    bf16 = newton_schulz(g.float(), QUINTIC, 5, 1e-7, torch.bfloat16, polar_express=True)
+    assert (bf16.double() - polar).abs().max() < 0.05
+
+
+def test_polar_express_takes_float32_muon_even_in_bf16(tmp_path, data_dir):
+    for precision in ("bf16", "fp32"):
+        cfg = tiny(tmp_path, data_dir, "train.optimizer=muon",
+                   f"train.muon_ns_precision={precision}",
+                   "train.muon_ns_coefficients=polar_express")
+        opt = build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"))
+        assert type(opt.muon) is Float32Muon and opt.muon.polar_express
+    quintic = tiny(tmp_path, data_dir, "train.optimizer=muon", "train.muon_ns_precision=bf16")
+    assert type(build_optimizer(Andrea(quintic.model), quintic, torch.device("cpu")).muon) \
+        is torch.optim.Muon
+
+
+def test_zero_init_output_starts_every_block_as_the_identity(tmp_path, data_dir):
+    cpu, one = torch.device("cpu"), DistInfo()
+    plain = build_model(tiny(tmp_path, data_dir), cpu, one, torch.float32, "sdpa")[0]
+    zero = build_model(tiny(tmp_path, data_dir, "train.zero_init_output=true"), cpu, one,
+                       torch.float32, "sdpa")[0]
+    projections = {f"blocks.{i}.{m}.weight" for i in range(len(zero.blocks))
+                   for m in ("attn.out", "mlp.down")}
+    for (name, p), q in zip(zero.named_parameters(), plain.parameters(), strict=True):
+        if name in projections:
+            assert not p.any() and q.abs().sum() > 0, name
+        else:
+            assert torch.equal(p, q), name  # the same seed, the same other weights
+    # The loss is that of no blocks at all: the head over the final norm of the embeddings.
+    idx = torch.randint(0, zero.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(idx, -1, 1)
+    _, loss = zero(idx, targets)
+    x = (zero.tok_emb.weight[idx] + zero.pos_emb.weight[:16]).double()
+    x = F.layer_norm(x, (x.size(-1),), zero.ln_f.weight.double(),
+                     None if zero.ln_f.bias is None else zero.ln_f.bias.double())
+    ref = F.cross_entropy((x @ zero.tok_emb.weight.double().T).reshape(-1, zero.cfg.vocab_size),
+                          targets.reshape(-1))
+    assert abs(loss.item() - ref.item()) < 1e-5
+
+
+def test_both_keys_train_and_differ_from_the_default(tmp_path, data_dir):
+    base = ("train.optimizer=muon", "train.max_steps=4", "train.precision=fp32")
+    default = train(tiny(tmp_path, data_dir, *base, "train.name=default"), progress=False)
+    runs = {key: train(tiny(tmp_path, data_dir, *base, f"train.name={key.split('.')[1][:4]}",
+                            key), progress=False)
+            for key in ("train.zero_init_output=true", "train.muon_ns_coefficients=polar_express")}
+    for key, result in runs.items():
+        assert result.state == "finished"
+        assert result.losses[4] < result.losses[1], key  # it learns
+        assert result.losses[2] != default.losses[2], key  # and the key took effect
+        assert key.replace("=", ": ").split(".")[1] in (result.run_dir / "config.yaml").read_text()
