@@ -77,6 +77,7 @@ CONSTRAINTS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.muon_lr": (_positive, "positive"),
     "train.muon_weight_decay": (_non_negative, "non-negative"),
     "train.muon_momentum": (_fraction, "in [0, 1)"),
+    "train.muon_neuron_beta2": (_fraction, "in [0, 1) (0: off; NorMuon uses 0.95)"),
     "train.beta1": (_fraction, "in [0, 1)"),
     "train.beta2": (_fraction, "in [0, 1)"),
     "train.eps": (_positive, "positive"),
@@ -195,6 +196,9 @@ class TrainConfig:
     # quintic: torch's fixed (3.4445, -4.775, 2.0315) for 5 iterations; polar_express: the
     # Polar Express paper's per-iteration minimax quintics (arXiv:2505.16932), 5 iterations.
     muon_ns_coefficients: str = "quintic"
+    # NorMuon: > 0 divides each output neuron's orthogonalised update by the root of a running
+    # mean (this decay) of its squares, keeping the update's norm; 0: plain Muon. Not under fsdp.
+    muon_neuron_beta2: float = 0.0
     # Start every residual branch at zero (attention W_O and the MLP down projection), so each
     # block begins as the identity; false: GPT-2's N(0, 0.02 / sqrt(2 n_layer)).
     zero_init_output: bool = False

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from test_train import tiny
 
+from andrea.errors import UserError
 from andrea.model.transformer import Andrea
+from andrea.train import checkpoint as ckpt_io
 from andrea.train.distributed import DistInfo
 from andrea.train.loop import train
 from andrea.train.muon import POLAR_EXPRESS, Float32Muon, newton_schulz
@@ -94,3 +96,68 @@ def test_both_keys_train_and_differ_from_the_default(tmp_path, data_dir):
         assert result.losses[4] < result.losses[1], key  # it learns
         assert result.losses[2] != default.losses[2], key  # and the key took effect
         assert key.replace("=", ": ").split(".")[1] in (result.run_dir / "config.yaml").read_text()
+
+
+def _normuon_reference(weights, grads, lr, wd, momentum, beta2):
+    """NorMuon in float64, written out: Nesterov momentum, 5 quintic Newton-Schulz steps, each
+    row divided by the root of its running mean square, rescaled to the orthogonalised norm."""
+    weights = [w.double().clone() for w in weights]
+    bufs = [torch.zeros_like(w) for w in weights]
+    moments = [torch.zeros(w.size(0), 1, dtype=torch.float64) for w in weights]
+    for step_grads in grads:
+        for w, g, buf, v in zip(weights, step_grads, bufs, moments, strict=True):
+            g = g.double()
+            buf.mul_(momentum).add_(g, alpha=1 - momentum)
+            u = g + momentum * (buf - g)  # Nesterov: lerp(grad, buf, momentum)
+            o = newton_schulz(u, QUINTIC, 5, 1e-7, torch.float64)
+            v.mul_(beta2).add_((o * o).mean(dim=1, keepdim=True), alpha=1 - beta2)
+            scaled = o / v.sqrt()
+            scaled = scaled * o.norm() / scaled.norm()
+            w.mul_(1 - lr * wd).add_(scaled, alpha=-lr * max(1, w.size(0) / w.size(1)) ** 0.5)
+    return weights
+
+
+def test_normuon_follows_its_float64_reference():
+    gen = torch.Generator().manual_seed(3)
+    start = [torch.randn(24, 8, generator=gen), torch.randn(8, 24, generator=gen)]
+    grads = [[torch.randn(w.shape, generator=gen) for w in start] for _ in range(4)]
+    params = [torch.nn.Parameter(w.double().clone()) for w in start]
+    opt = Float32Muon(params, ns_dtype=torch.float64, neuron_beta2=0.95, lr=0.02,
+                      weight_decay=0.1, momentum=0.95, nesterov=True)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.double()
+        opt.step()
+    ref = _normuon_reference(start, grads, 0.02, 0.1, 0.95, 0.95)
+    for p, r in zip(params, ref, strict=True):
+        assert (p.detach() - r).abs().max() < 1e-10
+    plain = [torch.nn.Parameter(w.double().clone()) for w in start]
+    plain_opt = Float32Muon(plain, ns_dtype=torch.float64, lr=0.02, weight_decay=0.1,
+                            momentum=0.95, nesterov=True)
+    for step_grads in grads:
+        for p, g in zip(plain, step_grads, strict=True):
+            p.grad = g.double()
+        plain_opt.step()
+    assert not torch.allclose(plain[0], params[0])  # the normalisation changed the steps
+
+
+def test_normuon_resumes_bit_for_bit(tmp_path, data_dir):
+    sets = ("train.max_steps=6", "train.precision=fp32", "train.optimizer=muon",
+            "train.global_batch_tokens=1024", "train.warmup_steps=2",
+            "train.muon_neuron_beta2=0.95")
+    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    first = train(tiny(tmp_path / "b", data_dir, *sets), progress=False, stop_after=3)
+    fields = ckpt_io.read_safetensors(first.checkpoint / ckpt_io.OPTIMIZER_FILE)[0]
+    rows = fields["blocks.0.attn.qkv.weight.momentum_buffer"].shape[0]
+    assert fields["blocks.0.attn.qkv.weight.neuron_second_moment"].shape == (rows, 1)
+    rest = train(tiny(tmp_path / "b", data_dir, *sets), resume=str(first.run_dir),
+                 progress=False)
+    assert {**first.losses, **rest.losses} == whole.losses  # exact float equality
+
+
+def test_normuon_under_fsdp_is_refused_in_one_line(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "train.optimizer=muon", "train.muon_neuron_beta2=0.95",
+               "train.parallel=fsdp")
+    with pytest.raises(UserError, match=r"^train\.muon_neuron_beta2: 0\.95: NorMuon is not "
+                                        r"supported under train\.parallel: fsdp"):
+        build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"), world_size=2)

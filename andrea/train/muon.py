@@ -125,10 +125,11 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
     update of the parameters (element-wise again)."""
 
     def __init__(self, params: Any, ns_dtype: torch.dtype = torch.float32,
-                 polar_express: bool = False, **kwargs: Any) -> None:
+                 polar_express: bool = False, neuron_beta2: float = 0.0, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
         self.polar_express = polar_express
+        self.neuron_beta2 = neuron_beta2  # NorMuon (normalise_neurons) when > 0
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -138,8 +139,27 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
                 loss = closure()
         for group in self.param_groups:
             params, updates = self._momentum_updates(group)
-            self._apply(group, params, self._orthogonalise(group, params, updates))
+            updates = self._orthogonalise(group, params, updates)
+            if self.neuron_beta2 > 0:
+                updates = [self._normalise_neurons(p, u) for p, u in zip(params, updates,
+                                                                           strict=True)]
+            self._apply(group, params, updates)
         return loss
+
+    def _normalise_neurons(self, p: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """NorMuon (arXiv:2510.05491): each output neuron's (row's) orthogonalised update divided
+        by the root of a running mean of its squares, then the whole update scaled back to its
+        Frobenius norm before, so rows that keep getting large updates get smaller ones and the
+        step's size is Muon's. Whole matrices only (one process, or DDP's gathered updates)."""
+        state = self.state[p]
+        update = update.to(torch.promote_types(update.dtype, torch.float32))
+        moment = state.get("neuron_second_moment")
+        if moment is None:
+            moment = state["neuron_second_moment"] = torch.zeros(
+                update.size(0), 1, dtype=update.dtype, device=update.device)
+        moment.lerp_(update.square().mean(dim=1, keepdim=True), 1 - self.neuron_beta2)
+        scaled = update * moment.clamp(min=1e-10).rsqrt()
+        return scaled * (update.norm() / scaled.norm().clamp(min=1e-10))
 
     def _momentum_updates(self, group: dict[str, Any]) -> tuple[list[torch.Tensor],
                                                                  list[torch.Tensor]]:
@@ -301,18 +321,20 @@ class SplitMuon(Float32Muon):
 
 
 def build_muon(params: list[nn.Parameter], lr: float, weight_decay: float, momentum: float,
-               ns_dtype: torch.dtype, world_size: int = 1, polar_express: bool = False
-               ) -> torch.optim.Optimizer:
+               ns_dtype: torch.dtype, world_size: int = 1, polar_express: bool = False,
+               neuron_beta2: float = 0.0) -> torch.optim.Optimizer:
     """torch.optim.Muon itself where its bfloat16 quintic iterations are wanted, else
-    Float32Muon (another dtype, or Polar Express's coefficients, which torch's Muon cannot take);
-    with several processes SplitMuon (in bfloat16 it computes torch's bits, see newton_schulz)."""
+    Float32Muon (another dtype, Polar Express's coefficients or NorMuon, which torch's Muon
+    cannot do); with several processes SplitMuon (in bfloat16 it computes torch's bits, see
+    newton_schulz)."""
     muon = require_muon()
     kwargs = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True)
+    extra = dict(polar_express=polar_express, neuron_beta2=neuron_beta2)
     if world_size > 1:
-        return SplitMuon(params, ns_dtype=ns_dtype, polar_express=polar_express, **kwargs)
-    if ns_dtype == torch.bfloat16 and not polar_express:
+        return SplitMuon(params, ns_dtype=ns_dtype, **extra, **kwargs)
+    if ns_dtype == torch.bfloat16 and not polar_express and not neuron_beta2:
         return muon(params, **kwargs)
-    return Float32Muon(params, ns_dtype=ns_dtype, polar_express=polar_express, **kwargs)
+    return Float32Muon(params, ns_dtype=ns_dtype, **extra, **kwargs)
 
 
 class MuonAdamW:

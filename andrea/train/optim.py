@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from andrea.config import Config
+from andrea.errors import UserError
 from andrea.model.transformer import Andrea
 from andrea.train.device import pick_dtype
 from andrea.train.muon import MuonAdamW, build_muon, split_parameters
@@ -20,11 +21,17 @@ def build_optimizer(model: Andrea, cfg: Config, device: torch.device,
     t = cfg.train
     embeddings = {"tok_emb.weight", "pos_emb.weight"}
     if t.optimizer == "muon":
+        if t.muon_neuron_beta2 and world_size > 1 and t.parallel == "fsdp":
+            raise UserError(
+                f"train.muon_neuron_beta2: {t.muon_neuron_beta2}: NorMuon is not supported under "
+                "train.parallel: fsdp yet (its per-neuron state is not sharded); use "
+                "train.parallel=ddp or train.muon_neuron_beta2=0")
         matrices, named = split_parameters(model)
         # Before AdamW is built, so a torch without Muon is refused first.
         muon = build_muon(matrices, t.muon_lr, t.muon_weight_decay, t.muon_momentum,
                           pick_dtype(t.muon_ns_precision, device), world_size,
-                          polar_express=t.muon_ns_coefficients == "polar_express")
+                          polar_express=t.muon_ns_coefficients == "polar_express",
+                          neuron_beta2=t.muon_neuron_beta2)
         for group in muon.param_groups:
             group["lr_ratio"] = t.muon_lr / t.lr  # one schedule drives both learning rates
     else:
