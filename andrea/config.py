@@ -199,6 +199,8 @@ class TrainConfig:
     # NorMuon: > 0 divides each output neuron's orthogonalised update by the root of a running
     # mean (this decay) of its squares, keeping the update's norm; 0: plain Muon. Not under fsdp.
     muon_neuron_beta2: float = 0.0
+    # Decay only the matrix entries whose update has the same sign (moves them towards zero too).
+    muon_cautious_weight_decay: bool = False
     # Start every residual branch at zero (attention W_O and the MLP down projection), so each
     # block begins as the identity; false: GPT-2's N(0, 0.02 / sqrt(2 n_layer)).
     zero_init_output: bool = False

@@ -161,3 +161,19 @@ def test_normuon_under_fsdp_is_refused_in_one_line(tmp_path, data_dir):
     with pytest.raises(UserError, match=r"^train\.muon_neuron_beta2: 0\.95: NorMuon is not "
                                         r"supported under train\.parallel: fsdp"):
         build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"), world_size=2)
+
+
+def test_cautious_weight_decay_decays_only_where_the_update_agrees():
+    gen = torch.Generator().manual_seed(5)
+    start = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    grad = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    p = torch.nn.Parameter(start.clone())
+    opt = Float32Muon([p], ns_dtype=torch.float64, cautious_weight_decay=True, lr=0.1,
+                      weight_decay=0.5, momentum=0.0, nesterov=False)
+    p.grad = grad.clone()
+    opt.step()
+    update = newton_schulz(grad, QUINTIC, 5, 1e-7, torch.float64)  # momentum 0: the gradient
+    agree = (start * update > 0).double()
+    ref = start - 0.1 * 0.5 * start * agree - 0.1 * max(1, 16 / 8) ** 0.5 * update
+    assert (p.detach() - ref).abs().max() < 1e-12
+    assert 0 < agree.mean() < 1  # some entries decayed, some not: the mask did something

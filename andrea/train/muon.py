@@ -125,11 +125,13 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
     update of the parameters (element-wise again)."""
 
     def __init__(self, params: Any, ns_dtype: torch.dtype = torch.float32,
-                 polar_express: bool = False, neuron_beta2: float = 0.0, **kwargs: Any) -> None:
+                 polar_express: bool = False, neuron_beta2: float = 0.0,
+                 cautious_weight_decay: bool = False, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
         self.polar_express = polar_express
         self.neuron_beta2 = neuron_beta2  # NorMuon (normalise_neurons) when > 0
+        self.cautious_weight_decay = cautious_weight_decay
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -191,7 +193,12 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
         lr, wd = group["lr"], group["weight_decay"]
         for p, update in zip(params, updates, strict=True):
             mine = local_tensor(p)
-            mine.mul_(1 - lr * wd)
+            if self.cautious_weight_decay:
+                # Decay only the weights the update moves towards zero anyway (the same sign),
+                # so the decay never fights the gradient (arXiv:2510.12402).
+                mine.sub_(mine * (mine * update > 0), alpha=lr * wd)
+            else:
+                mine.mul_(1 - lr * wd)
             mine.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
 
 
@@ -322,17 +329,19 @@ class SplitMuon(Float32Muon):
 
 def build_muon(params: list[nn.Parameter], lr: float, weight_decay: float, momentum: float,
                ns_dtype: torch.dtype, world_size: int = 1, polar_express: bool = False,
-               neuron_beta2: float = 0.0) -> torch.optim.Optimizer:
+               neuron_beta2: float = 0.0, cautious_weight_decay: bool = False
+               ) -> torch.optim.Optimizer:
     """torch.optim.Muon itself where its bfloat16 quintic iterations are wanted, else
-    Float32Muon (another dtype, Polar Express's coefficients or NorMuon, which torch's Muon
-    cannot do); with several processes SplitMuon (in bfloat16 it computes torch's bits, see
-    newton_schulz)."""
+    Float32Muon (another dtype, Polar Express's coefficients, NorMuon or cautious decay, which
+    torch's Muon cannot do); with several processes SplitMuon (in bfloat16 it computes torch's
+    bits, see newton_schulz)."""
     muon = require_muon()
     kwargs = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True)
-    extra = dict(polar_express=polar_express, neuron_beta2=neuron_beta2)
+    extra = dict(polar_express=polar_express, neuron_beta2=neuron_beta2,
+                 cautious_weight_decay=cautious_weight_decay)
     if world_size > 1:
         return SplitMuon(params, ns_dtype=ns_dtype, **extra, **kwargs)
-    if ns_dtype == torch.bfloat16 and not polar_express and not neuron_beta2:
+    if ns_dtype == torch.bfloat16 and not any(extra.values()):
         return muon(params, **kwargs)
     return Float32Muon(params, ns_dtype=ns_dtype, **extra, **kwargs)
 

@@ -31,7 +31,8 @@ def build_optimizer(model: Andrea, cfg: Config, device: torch.device,
         muon = build_muon(matrices, t.muon_lr, t.muon_weight_decay, t.muon_momentum,
                           pick_dtype(t.muon_ns_precision, device), world_size,
                           polar_express=t.muon_ns_coefficients == "polar_express",
-                          neuron_beta2=t.muon_neuron_beta2)
+                          neuron_beta2=t.muon_neuron_beta2,
+                          cautious_weight_decay=t.muon_cautious_weight_decay)
         for group in muon.param_groups:
             group["lr_ratio"] = t.muon_lr / t.lr  # one schedule drives both learning rates
     else:

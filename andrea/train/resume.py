@@ -35,6 +35,7 @@ RESUMABLE_KEYS = (
     "train.compile",
     "train.zero_init_output",
     "train.muon_ns_coefficients",
+    "train.muon_cautious_weight_decay",
     "train.micro_batch_size",
     "train.activation_checkpointing",
     "train.parallel",
