@@ -216,7 +216,7 @@ def print_tables(runs: list[Run]) -> None:
         for row in zip(*(r.points for r in group), strict=True):
             print(f"{row[0][0]:>11,}" + "".join(
                 f"  {loss:>10.4f}  {bpb or float('nan'):>9.4f}"
-                + (f"  {sec:>8.0f}" if r.label not in OPTIMIZERS else "")
+                + (f"  {sec:>8.1f}" if r.label not in OPTIMIZERS else "")
                 for r, (_, loss, bpb, sec) in zip(group, row, strict=True)))
 
 

@@ -107,9 +107,9 @@ def test_variants_side_by_side_with_wall_time(tmp_path, data_dir, monkeypatch, c
     assert "zero: data.dir=" in out and "train.zero_init_output=true; 20 steps x 512 tokens" in out
     tables = re.findall(r"^\s+tokens\s+(\w+) loss\s+\w+ bpb\s+\w+ s$", out, re.M)
     assert tables == ["preset", "zero"]  # different tenths: one table each
-    rows = re.findall(r"^\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)$", out, re.M)
+    rows = re.findall(r"^\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+\.\d)$", out, re.M)
     assert len(rows) == 20
-    preset_seconds = [int(r[3]) for r in rows[:10]]
+    preset_seconds = [float(r[3]) for r in rows[:10]]  # a tiny run: tenths of a second
     assert preset_seconds == sorted(preset_seconds) and preset_seconds[-1] > 0
     assert [int(r[0].replace(",", "")) for r in rows[10:]] == [1024 * k for k in range(1, 11)]
     share = re.search(r"^wall time of training to reach preset's final val loss ([\d.]+), as a "
