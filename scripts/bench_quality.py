@@ -36,7 +36,6 @@ run's final val loss (linear between tenths) as a share of the first run's wall 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -46,6 +45,7 @@ from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.evaluate import evaluate_checkpoint
 from andrea.resources import cpu_name
+from andrea.runs import read_metrics
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import cpu_has_bf16
 from andrea.train.loop import train
@@ -105,8 +105,7 @@ def run_one(run: Run, args: argparse.Namespace) -> float:
 def checkpoint_seconds(metrics: Path) -> dict[int, float]:
     """{step: seconds from the run's start event to that step's checkpoint event}."""
     start, at = None, {}
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        event = json.loads(line)
+    for event in read_metrics(metrics)[0]:
         if event["event"] == "start" and start is None:
             start = event["time"]
         elif event["event"] == "checkpoint" and start is not None:
@@ -141,8 +140,10 @@ def parse_variant(text: str, tokens: int, common: list[str]) -> Run:
     return Run(label, [*common, *overrides], tokens, run_name(label, tokens, common))
 
 
-def tokens_to_reach(points: list[tuple[int, float, float | None]], target: float) -> float | None:
-    """The first token count at which the val loss reaches target, linear between tenths."""
+def tokens_to_reach(points: list[tuple[float, float, float | None]], target: float
+                    ) -> float | None:
+    """The first token count (or any other first coordinate, e.g. seconds) at which the val loss
+    reaches target, linear between tenths."""
     prev_tokens, prev_loss = 0, None
     for tokens, loss, _ in points:
         if loss <= target:
@@ -156,9 +157,7 @@ def tokens_to_reach(points: list[tuple[int, float, float | None]], target: float
 def seconds_to_reach(points: list[tuple[int, float, float | None, float]], target: float
                      ) -> float | None:
     """The training seconds at which the val loss first reaches target, linear between tenths."""
-    reached = tokens_to_reach([(round(sec * 1000), loss, bpb) for _, loss, bpb, sec in points],
-                              target)
-    return None if reached is None else reached / 1000
+    return tokens_to_reach([(sec, loss, bpb) for _, loss, bpb, sec in points], target)
 
 
 def main() -> int:
