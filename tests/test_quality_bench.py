@@ -22,6 +22,23 @@ def bench_quality():
     return module
 
 
+@pytest.fixture(scope="module")
+def one_play(tmp_path_factory) -> list[str]:
+    """--set overrides for a corpus of one play: every run ends with an evaluation of the whole
+    val split, which on the tiny preset's 500,000-byte Shakespeare split took most of this file's
+    time; one play's 10% keeps the same code path at a few seconds."""
+    from andrea.data.corpus import shakespeare
+
+    root = tmp_path_factory.mktemp("one-play")
+    _, text = shakespeare()[0]
+    (root / "play.txt").write_text(text, encoding="utf-8")
+    return [f"data.source={root / 'play.txt'}", f"data.dir={root / 'data'}"]
+
+
+def sets(overrides: list[str]) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
 def test_tokens_to_reach_interpolates_between_tenths() -> None:
     reach = bench_quality().tokens_to_reach
     points = [(100, 5.0, None), (200, 4.0, None), (300, 3.0, None)]
@@ -34,13 +51,13 @@ def test_tokens_to_reach_interpolates_between_tenths() -> None:
     assert reach(rising, 4.0) == pytest.approx(150.0)
 
 
-def test_both_optimizers_side_by_side_on_the_tiny_preset(tmp_path, data_dir, monkeypatch, capsys):
+def test_both_optimizers_side_by_side_on_the_tiny_preset(tmp_path, one_play, monkeypatch, capsys):
     module = bench_quality()
     runs = tmp_path / "runs"
     # andrea-tiny: 8 x 64 = 512 tokens a step, so 5,120 tokens are 10 steps, one a tenth.
     monkeypatch.setattr(sys, "argv", [
         "bench_quality.py", "--preset", "andrea-tiny", "--tokens", "5120", "--runs-dir", str(runs),
-        "--eval-tokens", "1024", "--set", f"data.dir={data_dir}"])
+        "--eval-tokens", "1024", *sets(one_play)])
     assert module.main() == 0
     out = capsys.readouterr().out
     assert "andrea-tiny: 10 steps x 512 tokens = 5,120 tokens per optimizer" in out
@@ -55,18 +72,18 @@ def test_both_optimizers_side_by_side_on_the_tiny_preset(tmp_path, data_dir, mon
     assert reached and int(reached.group(1).replace(",", "")) <= 5120
     assert re.search(r"^  muon\s+([\d,]+|not reached)$", out, re.M)
     for opt in ("adamw", "muon"):
-        run_dir = runs / module.run_name(opt, 5120, [f"data.dir={data_dir}"])
+        run_dir = runs / module.run_name(opt, 5120, one_play)
         assert len(list(run_dir.glob("step-*"))) == 10
 
 
-def test_one_optimizer_alone_names_its_run_by_the_override(tmp_path, data_dir, monkeypatch, capsys):
+def test_one_optimizer_alone_names_its_run_by_the_override(tmp_path, one_play, monkeypatch, capsys):
     module = bench_quality()
     assert module.run_name("muon", 1000, ["train.muon_lr=0.04"]) == "quality-muon-1000-muon_lr-0.04"
     assert module.run_name("adamw", 10, ["data.dir=/a b/c"]) == "quality-adamw-10-dir-_a_b_c"
     runs = tmp_path / "runs"
     monkeypatch.setattr(sys, "argv", [
         "bench_quality.py", "--preset", "andrea-tiny", "--tokens", "5120", "--runs-dir", str(runs),
-        "--eval-tokens", "512", "--optimizers", "adamw", "--set", f"data.dir={data_dir}",
+        "--eval-tokens", "512", "--optimizers", "adamw", *sets(one_play),
         "--set", "train.lr=0.01"])
     assert module.main() == 0
     out = capsys.readouterr().out
@@ -92,7 +109,7 @@ def test_seconds_to_reach_and_checkpoint_seconds(tmp_path) -> None:
     assert module.checkpoint_seconds(metrics) == {2: 3.5, 4: 7.25}
 
 
-def test_variants_side_by_side_with_wall_time(tmp_path, data_dir, monkeypatch, capsys):
+def test_variants_side_by_side_with_wall_time(tmp_path, one_play, monkeypatch, capsys):
     """Recipes as a user compares them: the preset against a variant on twice the budget; each
     has its own table with training seconds, and the summary gives each one's wall time to the
     first run's final val loss as a share of the first run's."""
@@ -100,11 +117,12 @@ def test_variants_side_by_side_with_wall_time(tmp_path, data_dir, monkeypatch, c
     runs = tmp_path / "runs"
     monkeypatch.setattr(sys, "argv", [
         "bench_quality.py", "--preset", "andrea-tiny", "--tokens", "5120", "--runs-dir", str(runs),
-        "--eval-tokens", "512", "--set", f"data.dir={data_dir}",
+        "--eval-tokens", "512", *sets(one_play),
         "--variant", "preset:", "--variant", "zero:train.zero_init_output=true,tokens=10240"])
     assert module.main() == 0
     out = capsys.readouterr().out
-    assert "zero: data.dir=" in out and "train.zero_init_output=true; 20 steps x 512 tokens" in out
+    assert "zero: data.source=" in out
+    assert "train.zero_init_output=true; 20 steps x 512 tokens" in out
     tables = re.findall(r"^\s+tokens\s+(\w+) loss\s+\w+ bpb\s+\w+ s$", out, re.M)
     assert tables == ["preset", "zero"]  # different tenths: one table each
     rows = re.findall(r"^\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+\.\d)$", out, re.M)
@@ -118,9 +136,9 @@ def test_variants_side_by_side_with_wall_time(tmp_path, data_dir, monkeypatch, c
     assert re.search(r"^  preset\s+[\d,]+ s \(1\.00\)$", out, re.M)  # reached at its own end
     assert re.search(r"^  zero\s+([\d,]+ s \([\d.]+\)|not reached)$", out, re.M)
     for label, tokens in (("preset", 5120), ("zero", 10240)):
-        run_dir = runs / module.run_name(label, tokens, [f"data.dir={data_dir}"])
+        run_dir = runs / module.run_name(label, tokens, one_play)
         assert len(list(run_dir.glob("step-*"))) == 10
-    zero_cfg = (runs / module.run_name("zero", 10240, [f"data.dir={data_dir}"]) / "config.yaml")
+    zero_cfg = (runs / module.run_name("zero", 10240, one_play) / "config.yaml")
     assert "zero_init_output: true" in zero_cfg.read_text()
 
 
