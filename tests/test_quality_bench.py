@@ -25,8 +25,8 @@ def bench_quality():
 @pytest.fixture(scope="module")
 def one_play(tmp_path_factory) -> list[str]:
     """--set overrides for a corpus of one play: every run ends with an evaluation of the whole
-    val split, which on the tiny preset's 500,000-byte Shakespeare split took most of this file's
-    time; one play's 10% keeps the same code path at a few seconds."""
+    val split, which on the tiny preset's Shakespeare split (about 500,000 bytes) took most of
+    this file's time; one play's 10% keeps the same code path at a few seconds."""
     from andrea.data.corpus import shakespeare
 
     root = tmp_path_factory.mktemp("one-play")
