@@ -50,6 +50,9 @@ def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subproces
         [sys.executable, "-m", "andrea", *args], cwd=cwd, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # Ctrl-C as at a terminal: a suite started in the background (`cmd &` in a script) hands
+        # its children SIGINT ignored, and Python then never raises KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
