@@ -68,6 +68,8 @@ CONSTRAINTS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "data.workers": (_non_negative, "0 (automatic) or a positive integer"),
     "train.micro_batch_size": (_auto_or_positive, "auto or a positive integer"),
     "train.global_batch_tokens": (_non_negative, "0 (no accumulation) or a positive integer"),
+    "train.batch_warmup_tokens": (_non_negative, "0 (off) or a positive integer"),
+    "train.batch_warmup_steps": (_non_negative, "non-negative"),
     "train.max_steps": (_positive, "a positive integer"),
     "train.lr": (_positive, "positive"),
     "train.min_lr": (_non_negative, "non-negative"),
@@ -157,6 +159,10 @@ class TrainConfig:
     parallel: str = "ddp"
     # Tokens per optimizer step over all processes; 0 means one micro-batch per process.
     global_batch_tokens: int = 0
+    # A batch-size warm-up: the first batch_warmup_steps optimizer steps take batch_warmup_tokens
+    # tokens each (fewer micro-batches), the rest global_batch_tokens; 0 and 0: off.
+    batch_warmup_tokens: int = 0
+    batch_warmup_steps: int = 0
     max_steps: int = 1000
     lr: float = 6e-4
     min_lr: float = 6e-5
@@ -376,6 +382,18 @@ def validate(cfg: Config, origin: str) -> Config:
         t.eval_batches = None
     if t.min_lr > t.lr:
         raise UserError(f"{origin}: train.min_lr: {t.min_lr} is above train.lr = {t.lr}")
+    if bool(t.batch_warmup_tokens) != bool(t.batch_warmup_steps):
+        raise UserError(
+            f"{origin}: train.batch_warmup_tokens ({t.batch_warmup_tokens}) and "
+            f"train.batch_warmup_steps ({t.batch_warmup_steps}) go together: set both for a "
+            f"batch-size warm-up, or both to 0"
+        )
+    if t.batch_warmup_tokens and not 0 < t.batch_warmup_tokens < t.global_batch_tokens:
+        raise UserError(
+            f"{origin}: train.batch_warmup_tokens: {t.batch_warmup_tokens} must be below "
+            f"train.global_batch_tokens ({t.global_batch_tokens}), the batch it warms up to; "
+            f"set global_batch_tokens, or lower batch_warmup_tokens"
+        )
     return cfg
 
 

@@ -54,12 +54,17 @@ OPTIMIZERS = ("adamw", "muon")
 
 
 def plan(preset: str, tokens: int, extra: list[str]) -> tuple[int, int, int]:
-    """(steps, tokens per step, warm-up steps) for a budget of about `tokens`."""
+    """(steps, tokens per step, warm-up steps) for a budget of about `tokens`; the steps of a
+    batch-size warm-up (train.batch_warmup_steps) count at their own, smaller, size."""
     cfg = load_config(preset, extra)
-    per_step = cfg.train.global_batch_tokens or 8 * cfg.model.block_size
-    steps = -(-tokens // per_step)
+    t = cfg.train
+    per_step = t.global_batch_tokens or 8 * cfg.model.block_size
+    warm = 0
+    if t.batch_warmup_tokens:
+        warm = min(t.batch_warmup_steps, -(-tokens // t.batch_warmup_tokens))
+    steps = warm + -(-max(0, tokens - warm * t.batch_warmup_tokens) // per_step)
     steps = -(-steps // 10) * 10
-    return steps, per_step, min(cfg.train.warmup_steps, max(1, steps // 10))
+    return steps, per_step, min(t.warmup_steps, max(1, steps // 10))
 
 
 class Run:
@@ -88,13 +93,13 @@ def run_one(run: Run, args: argparse.Namespace) -> float:
     result = train(cfg, progress=False)
     if result.state != "finished":
         raise UserError(f"{result.run_dir}: the {run.label} run ended {result.state}")
-    per_step = result.tokens // steps
     seconds = checkpoint_seconds(result.run_dir / "metrics.jsonl")
     checkpoints = ckpt_io.list_checkpoints(result.run_dir)
     for ckpt in checkpoints:
         step = int(ckpt.name[5:])
+        tokens = ckpt_io.read_trainer_state(ckpt)[0]["tokens"]  # a batch warm-up's are fewer
         ev = evaluate_checkpoint(str(ckpt), max_tokens=args.eval_tokens, progress=False)
-        run.points.append((step * per_step, ev.loss, ev.bits_per_byte, seconds[step]))
+        run.points.append((tokens, ev.loss, ev.bits_per_byte, seconds[step]))
     if len(run.points) != 10:
         raise UserError(f"{result.run_dir}: expected 10 checkpoints, found {len(run.points)}")
     whole = evaluate_checkpoint(str(checkpoints[-1]), max_tokens=None, progress=False)
@@ -190,8 +195,11 @@ def main() -> int:
         for run in runs:
             if run.label not in OPTIMIZERS:
                 steps, per_step, _ = plan(args.preset, run.tokens, run.overrides)
+                t = load_config(args.preset, run.overrides).train
+                warm = (f" (the first {t.batch_warmup_steps} x {t.batch_warmup_tokens:,})"
+                        if t.batch_warmup_tokens else "")
                 print(f"{run.label}: {' '.join(run.overrides) or 'the preset'}; {steps} steps x "
-                      f"{per_step:,} tokens", flush=True)
+                      f"{per_step:,} tokens{warm}", flush=True)
             seconds = run_one(run, args)
             print(f"{run.label}: trained and evaluated in {seconds:.0f} s "
                   f"(run: {Path(args.runs_dir) / run.name})", flush=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train import tiny
+from test_train import read_events, tiny
 
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea
@@ -177,3 +177,60 @@ def test_cautious_weight_decay_decays_only_where_the_update_agrees():
     ref = start - 0.1 * 0.5 * start * agree - 0.1 * max(1, 16 / 8) ** 0.5 * update
     assert (p.detach() - ref).abs().max() < 1e-12
     assert 0 < agree.mean() < 1  # some entries decayed, some not: the mask did something
+
+
+WARMUP = ("train.max_steps=6", "train.precision=fp32", "train.optimizer=muon",
+          "train.micro_batch_size=8", "train.warmup_steps=2")
+
+
+def test_batch_warmup_takes_the_small_batch_first_then_the_full_one(tmp_path, data_dir):
+    # tiny: 8 x 64 = 512 tokens a micro-batch; 3 steps of 1 micro-batch, then 3 of 2.
+    warm = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=warm",
+                      "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
+                      "train.batch_warmup_steps=3"), progress=False)
+    small = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=small",
+                       "train.global_batch_tokens=512"), progress=False)
+    full = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=full",
+                      "train.global_batch_tokens=1024"), progress=False)
+    # The warm-up's steps are the small-batch run's, bit for bit (same windows, same lr)...
+    assert [warm.losses[s] for s in (1, 2, 3)] == [small.losses[s] for s in (1, 2, 3)]
+    assert warm.losses[1] != full.losses[1]
+    # ...and after it the steps take twice the tokens: the full run's windows, other weights.
+    assert warm.losses[4] != small.losses[4] and warm.losses[4] != full.losses[4]
+    tokens = [e["tokens"] for e in read_events(warm.run_dir, "train")]
+    assert tokens == [512, 1024, 1536, 2560, 3584, 4608] and warm.tokens == 4608
+    start = read_events(warm.run_dir, "start")[0]
+    assert start["tokens_per_step"] == 1024
+
+
+def test_batch_warmup_resumes_bit_for_bit_inside_and_after_it(tmp_path, data_dir):
+    sets = (*WARMUP, "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
+            "train.batch_warmup_steps=3")
+    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    for stop in (2, 4):  # a resume inside the warm-up, and one after it
+        first = train(tiny(tmp_path / f"b{stop}", data_dir, *sets), progress=False,
+                      stop_after=stop)
+        rest = train(tiny(tmp_path / f"b{stop}", data_dir, *sets),
+                     resume=str(first.run_dir), progress=False)
+        assert {**first.losses, **rest.losses} == whole.losses  # exact float equality
+        assert rest.tokens == whole.tokens == 4608
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (("train.batch_warmup_tokens=512",), r"batch_warmup_tokens \(512\) and "
+                                         r"train\.batch_warmup_steps \(0\) go together"),
+    (("train.batch_warmup_tokens=1024", "train.batch_warmup_steps=3"),
+     r"batch_warmup_tokens: 1024 must be below train\.global_batch_tokens \(1024\)"),
+])
+def test_batch_warmup_settings_that_cannot_work_are_refused(tmp_path, data_dir, sets, message):
+    with pytest.raises(UserError, match=message):
+        tiny(tmp_path, data_dir, "train.global_batch_tokens=1024", *sets)
+
+
+def test_batch_warmup_not_a_whole_number_of_micro_batches_is_refused(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, *WARMUP, "train.global_batch_tokens=1024",
+               "train.batch_warmup_tokens=768", "train.batch_warmup_steps=3")
+    with pytest.raises(UserError, match=r"train\.batch_warmup_tokens: 768 is not a multiple of "
+                                        r"micro_batch_size \* block_size \* processes = "
+                                        r"8 \* 64 \* 1 = 512"):
+        train(cfg, progress=False)

@@ -135,7 +135,7 @@ def run_training(
                     loss, grad_norm = outcome
                     if optimizer_step(s, loss, grad_norm) == ROLLBACK:
                         roll_back(s)
-                        bar.n = s.step * s.tokens_per_step  # the bar goes back with the run
+                        bar.n = s.tokens_through(s.step)  # the bar goes back with the run
                         continue
                     log_step(s, lr, loss, grad_norm, time.perf_counter() - t0, bar)
                     maybe_evaluate(s, bar)
@@ -202,7 +202,7 @@ def failures_recorded(s: Session) -> Iterator[None]:
 def progress_bar(s: Session, enabled: bool) -> tqdm:
     """Counts tokens, advanced per micro-batch: rate and ETA for the whole run at once."""
     return RunBar(
-        total=s.cfg.train.max_steps * s.tokens_per_step, initial=s.step * s.tokens_per_step,
+        total=s.tokens_through(s.cfg.train.max_steps), initial=s.tokens_through(s.step),
         disable=not (enabled and s.dist.is_main), unit="tok", unit_scale=True,
         dynamic_ncols=True, file=sys.stderr,
     )
@@ -231,20 +231,21 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
     t, step = s.cfg.train, s.step
     data_step = s.guard.data_step(step)  # past any data window a rollback left behind
     spike_scale = injected_spike(data_step)  # None unless a test injects a spike
+    accum = s.accum_at(step)  # fewer during a batch-size warm-up
     loss_sum = torch.zeros((), device=s.device)
-    for micro in range(s.accum):
+    for micro in range(accum):
         if stop_agreed(s):
             return None
         x, y = train_batch(
             s.train_split, seed=t.seed, step=data_step, micro_step=micro, rank=s.dist.rank,
-            accum_steps=s.accum, world_size=s.dist.world_size,
+            accum_steps=accum, world_size=s.dist.world_size,
             micro_batch_size=s.micro_batch, block_size=s.cfg.model.block_size,
         )
         if spike_scale is not None:
             x, y = garble(x, y, s.cfg.model.vocab_size, data_step)
         x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
         # DDP all-reduces (FSDP reduce-scatters) the gradients once, on the last micro-batch.
-        last = micro == s.accum - 1
+        last = micro == accum - 1
         no_sync = s.parallel == "ddp" and not last
         if s.parallel == "fsdp":
             s.model.set_requires_gradient_sync(last)
@@ -252,12 +253,12 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
             with torch.autocast(s.device.type, dtype=s.dtype,
                                 enabled=s.dtype != torch.float32):
                 _, loss = s.train_model(x, y)
-            (loss * (spike_scale or 1.0) / s.accum).backward()
+            (loss * (spike_scale or 1.0) / accum).backward()
         loss_sum += loss.detach()
         bar.update(s.tokens_per_micro_batch)
         if os.environ.get("ANDREA_TEST_SIGNAL_AFTER") == f"{step}.{micro}":  # only for tests
             os.kill(os.getpid(), signal.SIGINT)  # as if Ctrl-C came during this micro-batch
-    loss_mean = all_reduce_sum(loss_sum / s.accum, s.dist) / s.dist.world_size
+    loss_mean = all_reduce_sum(loss_sum / accum, s.dist) / s.dist.world_size
     clip = t.grad_clip if t.grad_clip > 0 else math.inf
     if s.parallel == "fsdp":
         grad_norm = clip_grad_norm(list(s.model.parameters()), clip)
@@ -287,7 +288,7 @@ def optimizer_step(s: Session, loss: float, grad_norm: float) -> str:
             f"(loss {loss}, grad norm {grad_norm})"
         )
     s.optimizer.zero_grad(set_to_none=True)
-    s.tokens_seen += s.tokens_per_step
+    s.tokens_seen += s.tokens_at(s.step - 1)
     s.losses[s.step] = loss
     s.signals.completed_step = s.step
     return action
@@ -308,7 +309,7 @@ def guard_step(s: Session, loss: float, grad_norm: float) -> str:
         if target is None or not agreed:
             verdict.action = SKIP
     if verdict.outlier:
-        s.log.write("spike", step=s.step, tokens=s.tokens_seen + s.tokens_per_step, loss=loss,
+        s.log.write("spike", step=s.step, tokens=s.tokens_seen + s.tokens_at(s.step - 1), loss=loss,
                     grad_norm=grad_norm, loss_z=round(verdict.loss_z, 3),
                     grad_z=round(verdict.grad_z, 3), spikes_total=s.guard.spikes,
                     action=verdict.action if verdict.action != APPLY else "accepted")
@@ -352,10 +353,10 @@ def log_step(
     t = s.cfg.train
     if s.device.type == "cuda":
         torch.cuda.synchronize(s.device)
-    tok_s = s.tokens_per_step / seconds
+    tok_s = s.tokens_at(s.step - 1) / seconds
     s.throughput.append(tok_s)
     if len(s.throughput) == 3 and s.dist.is_main:  # the first steps warm up; then say it once
-        note = long_run_note((t.max_steps - s.step) * s.tokens_per_step,
+        note = long_run_note(s.tokens_through(t.max_steps) - s.tokens_through(s.step),
                              statistics.median(s.throughput), s.device.type, s.preset)
         if note:
             bar.write(note, file=sys.stderr)

@@ -68,6 +68,10 @@ def announce(
         f"{str(s.dtype).removeprefix('torch.')}, {s.device}"
         + (f", resuming from {resume_from}" if resume_from else "")
     )
+    if s.warmup_accum and s.step < s.batch_warmup_steps:
+        s.say(f"batch warm-up: steps 1-{s.batch_warmup_steps:,} take "
+              f"{s.tokens_at(0):,} tokens ({s.warmup_accum} accumulation), then "
+              f"{s.tokens_per_step:,}")
     mixture = mixture_report(
         s.train_split, seed=t.seed, start_step=s.step, max_steps=t.max_steps,
         per_step=s.micro_batch * s.accum * dist.world_size, block_size=cfg.model.block_size,
@@ -106,11 +110,18 @@ def plan_lines(s: Session) -> list[str]:
     steps, per_step = s.cfg.train.max_steps, s.tokens_per_step
     # A resumed run's steps so far may have had another size (global_batch_tokens: 0 on
     # another number of processes): they count as trained.
-    total, prepared = s.tokens_seen + (steps - s.step) * per_step, s.train_split.n_tokens
+    total = s.tokens_seen + s.tokens_through(steps) - s.tokens_through(s.step)
+    prepared = s.train_split.n_tokens
     passes = total / prepared if prepared else math.inf
     sources = source_passes(s.train_split, total)
     size = f"{steps:,} steps x {per_step:,} tokens/step"
-    if s.tokens_seen != s.step * per_step:
+    if s.warmup_accum and s.step < s.batch_warmup_steps:
+        warm = min(s.batch_warmup_steps, steps) - s.step
+        size = (f"{warm:,} steps x {s.tokens_at(0):,} + {steps - s.step - warm:,} steps x "
+                f"{per_step:,} tokens/step")
+        if s.step:
+            size = f"{s.tokens_seen:,} tokens in {s.step:,} steps + {size}"
+    elif s.tokens_seen != s.step * per_step:
         size = (f"{s.tokens_seen:,} tokens in {s.step:,} steps + {steps - s.step:,} steps x "
                 f"{per_step:,} tokens/step")
     line = (f"plan: {size} = {total:,} tokens = "

@@ -5,6 +5,7 @@ function below. Rank 0 then writes the run's files and says the plan (andrea/tra
 
 from __future__ import annotations
 
+import math
 import secrets
 import shutil
 from dataclasses import dataclass
@@ -80,12 +81,14 @@ def set_up(
     micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist,
                                                         trainer_state)
     accum, batch_line = accumulation_steps(cfg, micro_batch, dist.world_size, trainer_state)
+    warmup_accum = batch_warmup_accumulation(cfg, micro_batch, dist.world_size)
 
     s = Session(
         cfg=cfg, device=device, dist=dist, dtype=dtype, run_dir=run_dir, model=model,
         train_model=wrap_for_training(model, cfg, device, dist, parallel), optimizer=optimizer,
         param_names=names, train_split=train_split, val_split=val_split,
         micro_batch=micro_batch, accum=accum, log=MetricsLog(None), signals=signals,
+        warmup_accum=warmup_accum, batch_warmup_steps=t.batch_warmup_steps,
         mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, model.num_params()),
                      devices=dist.world_size),
         preset=trainer_state.get("preset", Path(cfg.source).stem), parallel=parallel,
@@ -362,7 +365,9 @@ def resolve_micro_batch(
                           dist)
     if recorded is not None:
         return recorded, f"micro-batch: auto -> {recorded} x {block} (the run's recorded choice)"
-    sequences = t.global_batch_tokens // (block * dist.world_size)
+    sequences = full = t.global_batch_tokens // (block * dist.world_size)
+    if t.batch_warmup_tokens:  # the micro-batch must divide the warm-up's batch as well
+        sequences = math.gcd(full, t.batch_warmup_tokens // (block * dist.world_size))
     if sequences < 1:
         raise UserError(
             f"{cfg.source}: train.micro_batch_size: auto needs train.global_batch_tokens of at "
@@ -378,7 +383,7 @@ def resolve_micro_batch(
     votes = torch.zeros(dist.world_size, device=device)
     votes[dist.rank] = choice.micro_batch
     micro_batch = int(all_reduce_sum(votes, dist).min().item())
-    accum = sequences // micro_batch
+    accum = full // micro_batch
     line = (
         f"micro-batch: auto -> {micro_batch} x {block} ({accum} accumulation step"
         f"{'s' if accum != 1 else ''}), estimated {choice.estimated_bytes / GIB:.1f} of "
@@ -434,6 +439,22 @@ def accumulation_steps(
             f"{micro_batch} * {cfg.model.block_size} * {world_size} = {per_round}"
         )
     return target // per_round, ""
+
+
+def batch_warmup_accumulation(cfg: Config, micro_batch: int, world_size: int) -> int:
+    """Micro-batches per process and step during the batch-size warm-up (0: no warm-up)."""
+    t = cfg.train
+    per_round = micro_batch * cfg.model.block_size * world_size
+    if not t.batch_warmup_tokens:
+        return 0
+    if t.batch_warmup_tokens % per_round:
+        raise UserError(
+            f"{cfg.source}: train.batch_warmup_tokens: {t.batch_warmup_tokens} is not a "
+            f"multiple of micro_batch_size * block_size * processes = "
+            f"{micro_batch} * {cfg.model.block_size} * {world_size} = {per_round}; make it one, "
+            f"or lower train.micro_batch_size"
+        )
+    return t.batch_warmup_tokens // per_round
 
 
 def recorded_tokens_per_step(cfg: Config, trainer_state: dict[str, Any]) -> int | None:
