@@ -112,33 +112,37 @@ def test_seconds_to_reach_and_checkpoint_seconds(tmp_path) -> None:
 def test_variants_side_by_side_with_wall_time(tmp_path, one_play, monkeypatch, capsys):
     """Recipes as a user compares them: the preset against a variant on twice the budget; each
     has its own table with training seconds, and the summary gives each one's wall time to the
-    first run's final val loss as a share of the first run's."""
+    first run's final val loss as a share of the first run's. The variant's batch-size warm-up
+    (10 steps of 512 tokens, then 1,024) counts its steps at their own size."""
     module = bench_quality()
     runs = tmp_path / "runs"
     monkeypatch.setattr(sys, "argv", [
         "bench_quality.py", "--preset", "andrea-tiny", "--tokens", "5120", "--runs-dir", str(runs),
         "--eval-tokens", "512", *sets(one_play),
-        "--variant", "preset:", "--variant", "zero:train.zero_init_output=true,tokens=10240"])
+        "--variant", "preset:", "--variant",
+        "zero:train.zero_init_output=true,train.global_batch_tokens=1024,"
+        "train.batch_warmup_tokens=512,train.batch_warmup_steps=10,tokens=15360"])
     assert module.main() == 0
     out = capsys.readouterr().out
     assert "zero: data.source=" in out
-    assert "train.zero_init_output=true; 20 steps x 512 tokens" in out
+    assert "train.batch_warmup_steps=10; 20 steps x 1,024 tokens (the first 10 x 512)" in out
     tables = re.findall(r"^\s+tokens\s+(\w+) loss\s+\w+ bpb\s+\w+ s$", out, re.M)
     assert tables == ["preset", "zero"]  # different tenths: one table each
     rows = re.findall(r"^\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+\.\d)$", out, re.M)
     assert len(rows) == 20
     preset_seconds = [float(r[3]) for r in rows[:10]]  # a tiny run: tenths of a second
     assert preset_seconds == sorted(preset_seconds) and preset_seconds[-1] > 0
-    assert [int(r[0].replace(",", "")) for r in rows[10:]] == [1024 * k for k in range(1, 11)]
+    assert [int(r[0].replace(",", "")) for r in rows[10:]] == [
+        1024 * k for k in range(1, 6)] + [5120 + 2048 * k for k in range(1, 6)]
     share = re.search(r"^wall time of training to reach preset's final val loss ([\d.]+), as a "
                       r"share of preset's (\d+) s:$", out, re.M)
     assert share
     assert re.search(r"^  preset\s+[\d,]+ s \(1\.00\)$", out, re.M)  # reached at its own end
     assert re.search(r"^  zero\s+([\d,]+ s \([\d.]+\)|not reached)$", out, re.M)
-    for label, tokens in (("preset", 5120), ("zero", 10240)):
+    for label, tokens in (("preset", 5120), ("zero", 15360)):
         run_dir = runs / module.run_name(label, tokens, one_play)
         assert len(list(run_dir.glob("step-*"))) == 10
-    zero_cfg = (runs / module.run_name("zero", 10240, one_play) / "config.yaml")
+    zero_cfg = (runs / module.run_name("zero", 15360, one_play) / "config.yaml")
     assert "zero_init_output: true" in zero_cfg.read_text()
 
 

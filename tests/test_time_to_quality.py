@@ -234,3 +234,13 @@ def test_batch_warmup_not_a_whole_number_of_micro_batches_is_refused(tmp_path, d
                                         r"micro_batch_size \* block_size \* processes = "
                                         r"8 \* 64 \* 1 = 512"):
         train(cfg, progress=False)
+
+
+def test_batch_warmup_auto_micro_batch_divides_both_batches(tmp_path, data_dir):
+    # 24 sequences of 64 a step after the warm-up, 8 during it: auto alone would take 24.
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=3", "train.micro_batch_size=auto",
+               "train.global_batch_tokens=1536", "train.batch_warmup_tokens=512",
+               "train.batch_warmup_steps=2")
+    result = train(cfg, progress=False)
+    start = read_events(result.run_dir, "start")[0]
+    assert 8 % start["micro_batch_size"] == 0 and result.tokens == 512 + 512 + 1536
