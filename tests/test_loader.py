@@ -185,6 +185,21 @@ def test_mixture_draws_by_weight_and_is_a_function_of_seed_and_step(mixture):
     np.testing.assert_allclose(share, expected)
 
 
+def test_mixture_share_with_a_batch_warmup_counts_each_steps_own_size(mixture):
+    # Steps 0-9 take one micro-batch of 4 windows (a batch warm-up), the rest two.
+    counts = np.zeros(2, dtype=np.int64)
+    for step in range(25):
+        accum = 1 if step < 10 else 2
+        for micro in range(accum):
+            x = batch(mixture, step=step, micro_step=micro, accum_steps=accum)[0]
+            counts += np.bincount(source_of(x), minlength=2)
+    expected = realised_share(mixture, seed=7, steps=range(25),
+                              per_step=lambda step: 4 if step < 10 else 8, block_size=T)
+    np.testing.assert_allclose(counts / counts.sum(), expected)
+    fixed = realised_share(mixture, seed=7, steps=range(25), per_step=8, block_size=T)
+    assert not np.array_equal(fixed, expected)  # the warm-up steps drew fewer windows
+
+
 def test_mixture_accumulation_equals_processes(mixture):
     for step in range(5):
         one = [batch(mixture, step=step, micro_step=m, accum_steps=2)[0] for m in range(2)]

@@ -22,6 +22,7 @@ of the above holds for mixtures too.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -131,21 +132,23 @@ def _mixture_windows(
 
 
 def realised_share(
-    split: Mixture, *, seed: int, steps: range, per_step: int, block_size: int
+    split: Mixture, *, seed: int, steps: range, per_step: int | Callable[[int], int],
+    block_size: int,
 ) -> np.ndarray:
     """The fraction of training windows each source gets over `steps` (the same draws as
-    train_batch makes)."""
+    train_batch makes); per_step: windows a step, or a function of the step (a batch warm-up)."""
     counts = np.zeros(len(split.weights), dtype=np.int64)
     for step in steps:
         rng = np.random.default_rng([seed, step])
         rng.integers(0, block_size)
-        counts += np.bincount(_source_choice(rng, split, per_step), minlength=len(counts))
+        windows = per_step(step) if callable(per_step) else per_step
+        counts += np.bincount(_source_choice(rng, split, windows), minlength=len(counts))
     return counts / max(1, counts.sum())
 
 
 def mixture_report(
-    split: TokenSplit, *, seed: int, start_step: int, max_steps: int, per_step: int,
-    block_size: int,
+    split: TokenSplit, *, seed: int, start_step: int, max_steps: int,
+    per_step: int | Callable[[int], int], block_size: int,
 ) -> tuple[str, dict] | None:
     """For a Mixture: the line train prints and the metrics record of the realised share of
     each source over the run's steps (at most SHARE_STEPS of them); None for one source."""

@@ -74,7 +74,8 @@ def announce(
               f"{s.tokens_per_step:,}")
     mixture = mixture_report(
         s.train_split, seed=t.seed, start_step=s.step, max_steps=t.max_steps,
-        per_step=s.micro_batch * s.accum * dist.world_size, block_size=cfg.model.block_size,
+        per_step=lambda step: s.micro_batch * s.accum_at(step) * dist.world_size,
+        block_size=cfg.model.block_size,
     )
     if mixture is not None:
         s.say(mixture[0])
