@@ -160,7 +160,8 @@ class TrainConfig:
     # Tokens per optimizer step over all processes; 0 means one micro-batch per process.
     global_batch_tokens: int = 0
     # A batch-size warm-up: the first batch_warmup_steps optimizer steps take batch_warmup_tokens
-    # tokens each (fewer micro-batches), the rest global_batch_tokens; 0 and 0: off.
+    # tokens each (fewer micro-batches), the rest global_batch_tokens; 0 and 0: off, and so is a
+    # warm-up batch not below global_batch_tokens (e.g. a preset's, after --set lowers the batch).
     batch_warmup_tokens: int = 0
     batch_warmup_steps: int = 0
     max_steps: int = 1000
@@ -388,11 +389,11 @@ def validate(cfg: Config, origin: str) -> Config:
             f"train.batch_warmup_steps ({t.batch_warmup_steps}) go together: set both for a "
             f"batch-size warm-up, or both to 0"
         )
-    if t.batch_warmup_tokens and not 0 < t.batch_warmup_tokens < t.global_batch_tokens:
+    if t.batch_warmup_tokens and not t.global_batch_tokens:
         raise UserError(
-            f"{origin}: train.batch_warmup_tokens: {t.batch_warmup_tokens} must be below "
-            f"train.global_batch_tokens ({t.global_batch_tokens}), the batch it warms up to; "
-            f"set global_batch_tokens, or lower batch_warmup_tokens"
+            f"{origin}: train.batch_warmup_tokens: {t.batch_warmup_tokens} needs "
+            f"train.global_batch_tokens, the batch it warms up to (0 is one micro-batch per "
+            f"process); set it, or set both batch_warmup keys to 0"
         )
     return cfg
 

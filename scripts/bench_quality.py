@@ -60,7 +60,7 @@ def plan(preset: str, tokens: int, extra: list[str]) -> tuple[int, int, int]:
     t = cfg.train
     per_step = t.global_batch_tokens or 8 * cfg.model.block_size
     warm = 0
-    if t.batch_warmup_tokens:
+    if 0 < t.batch_warmup_tokens < per_step:
         warm = min(t.batch_warmup_steps, -(-tokens // t.batch_warmup_tokens))
     steps = warm + -(-max(0, tokens - warm * t.batch_warmup_tokens) // per_step)
     steps = -(-steps // 10) * 10
@@ -197,7 +197,7 @@ def main() -> int:
                 steps, per_step, _ = plan(args.preset, run.tokens, run.overrides)
                 t = load_config(args.preset, run.overrides).train
                 warm = (f" (the first {t.batch_warmup_steps} x {t.batch_warmup_tokens:,})"
-                        if t.batch_warmup_tokens else "")
+                        if 0 < t.batch_warmup_tokens < per_step else "")
                 print(f"{run.label}: {' '.join(run.overrides) or 'the preset'}; {steps} steps x "
                       f"{per_step:,} tokens{warm}", flush=True)
             seconds = run_one(run, args)

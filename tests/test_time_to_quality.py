@@ -219,12 +219,25 @@ def test_batch_warmup_resumes_bit_for_bit_inside_and_after_it(tmp_path, data_dir
 @pytest.mark.parametrize(("sets", "message"), [
     (("train.batch_warmup_tokens=512",), r"batch_warmup_tokens \(512\) and "
                                          r"train\.batch_warmup_steps \(0\) go together"),
-    (("train.batch_warmup_tokens=1024", "train.batch_warmup_steps=3"),
-     r"batch_warmup_tokens: 1024 must be below train\.global_batch_tokens \(1024\)"),
+    (("train.global_batch_tokens=0", "train.batch_warmup_tokens=512",
+      "train.batch_warmup_steps=3"), r"batch_warmup_tokens: 512 needs train\.global_batch_tokens"),
 ])
 def test_batch_warmup_settings_that_cannot_work_are_refused(tmp_path, data_dir, sets, message):
     with pytest.raises(UserError, match=message):
         tiny(tmp_path, data_dir, "train.global_batch_tokens=1024", *sets)
+
+
+def test_a_warmup_batch_not_below_the_batch_is_off_and_says_so(tmp_path, data_dir, capsys):
+    # A preset's warm-up after --set lowered global_batch_tokens to it: the plain run.
+    plain = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=plain",
+                       "train.global_batch_tokens=1024"), progress=False)
+    capsys.readouterr()
+    same = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=same",
+                      "train.global_batch_tokens=1024", "train.batch_warmup_tokens=1024",
+                      "train.batch_warmup_steps=3"), progress=False)
+    assert "batch warm-up: off (train.batch_warmup_tokens 1,024 is not below " \
+           "train.global_batch_tokens 1,024)" in capsys.readouterr().out
+    assert same.losses == plain.losses and same.tokens == plain.tokens == 6 * 1024
 
 
 def test_batch_warmup_not_a_whole_number_of_micro_batches_is_refused(tmp_path, data_dir):

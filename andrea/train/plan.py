@@ -68,6 +68,9 @@ def announce(
         f"{str(s.dtype).removeprefix('torch.')}, {s.device}"
         + (f", resuming from {resume_from}" if resume_from else "")
     )
+    if t.batch_warmup_tokens >= t.global_batch_tokens > 0 and s.step < t.batch_warmup_steps:
+        s.say(f"batch warm-up: off (train.batch_warmup_tokens {t.batch_warmup_tokens:,} is not "
+              f"below train.global_batch_tokens {t.global_batch_tokens:,})")
     if s.warmup_accum and s.step < s.batch_warmup_steps:
         s.say(f"batch warm-up: steps 1-{s.batch_warmup_steps:,} take "
               f"{s.tokens_at(0):,} tokens ({s.warmup_accum} accumulation), then "

@@ -366,7 +366,7 @@ def resolve_micro_batch(
     if recorded is not None:
         return recorded, f"micro-batch: auto -> {recorded} x {block} (the run's recorded choice)"
     sequences = full = t.global_batch_tokens // (block * dist.world_size)
-    if t.batch_warmup_tokens:  # the micro-batch must divide the warm-up's batch as well
+    if batch_warmup_active(cfg):  # the micro-batch must divide the warm-up's batch as well
         sequences = math.gcd(full, t.batch_warmup_tokens // (block * dist.world_size))
     if sequences < 1:
         raise UserError(
@@ -441,11 +441,17 @@ def accumulation_steps(
     return target // per_round, ""
 
 
+def batch_warmup_active(cfg: Config) -> bool:
+    """A batch-size warm-up that changes anything: a smaller batch first."""
+    t = cfg.train
+    return 0 < t.batch_warmup_tokens < t.global_batch_tokens
+
+
 def batch_warmup_accumulation(cfg: Config, micro_batch: int, world_size: int) -> int:
     """Micro-batches per process and step during the batch-size warm-up (0: no warm-up)."""
     t = cfg.train
     per_round = micro_batch * cfg.model.block_size * world_size
-    if not t.batch_warmup_tokens:
+    if not batch_warmup_active(cfg):
         return 0
     if t.batch_warmup_tokens % per_round:
         raise UserError(
