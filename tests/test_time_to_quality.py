@@ -237,6 +237,7 @@ def test_a_warmup_batch_not_below_the_batch_is_off_and_says_so(tmp_path, data_di
                       "train.batch_warmup_steps=3"), progress=False)
     assert "batch warm-up: off (train.batch_warmup_tokens 1,024 is not below " \
            "train.global_batch_tokens 1,024)" in capsys.readouterr().out
+    assert same.state == "finished", (same.state, same.message)
     assert same.losses == plain.losses and same.tokens == plain.tokens == 6 * 1024
 
 

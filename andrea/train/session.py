@@ -86,7 +86,8 @@ class Session:
 
     def accum_at(self, step: int) -> int:
         """Micro-batches per process for optimizer step `step` (0-based)."""
-        return self.warmup_accum if step < self.batch_warmup_steps else self.accum
+        return self.warmup_accum if self.warmup_accum and step < self.batch_warmup_steps \
+            else self.accum
 
     def tokens_at(self, step: int) -> int:
         return self.tokens_per_micro_batch * self.accum_at(step)
