@@ -162,13 +162,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             h = hidden[rows].to(compute)
-            logits = F.linear(h, w).to(softmax_dtype)
-            logsumexp = torch.logsumexp(logits, dim=1, keepdim=True)
-            picked = logits.gather(1, safe_targets[rows])
-            total += ((logsumexp - picked).squeeze(1) * valid[rows]).sum()
+            # One fused, vectorised pass (the cast included): logsumexp, then subtracting and
+            # exponentiating in separate passes took about twice as long on a CPU.
+            log_probs = torch.log_softmax(F.linear(h, w), dim=1, dtype=softmax_dtype)
+            picked = log_probs.gather(1, safe_targets[rows])
+            total -= (picked.squeeze(1) * valid[rows]).sum()
             if wants_grad:
                 # d loss / d logits = (softmax - one_hot(target)) / count, zero on ignored rows.
-                grad_logits = logits.sub_(logsumexp).exp_()
+                grad_logits = log_probs.exp_()
                 grad_logits.scatter_add_(1, safe_targets[rows], -torch.ones_like(picked))
                 grad_logits = grad_logits.mul_((valid[rows] / count).unsqueeze(1)).to(compute)
                 grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)
