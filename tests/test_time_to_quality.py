@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_user_error, run_andrea
 from test_train import read_events, tiny
 
 from andrea.errors import UserError
@@ -248,6 +249,13 @@ def test_batch_warmup_not_a_whole_number_of_micro_batches_is_refused(tmp_path, d
                                         r"micro_batch_size \* block_size \* processes = "
                                         r"8 \* 64 \* 1 = 512"):
         train(cfg, progress=False)
+    # Not even whole windows: auto cannot help, so the message names the window instead.
+    cfg = tiny(tmp_path, data_dir, *WARMUP, "train.micro_batch_size=auto",
+               "train.global_batch_tokens=1024", "train.batch_warmup_tokens=600",
+               "train.batch_warmup_steps=3")
+    with pytest.raises(UserError, match=r"train\.batch_warmup_tokens: 600 is not a multiple of "
+                                        r"block_size \* processes = 64 \* 1 = 64; make it one$"):
+        train(cfg, progress=False)
 
 
 def test_batch_warmup_auto_micro_batch_divides_both_batches(tmp_path, data_dir):
@@ -258,3 +266,10 @@ def test_batch_warmup_auto_micro_batch_divides_both_batches(tmp_path, data_dir):
     result = train(cfg, progress=False)
     start = read_events(result.run_dir, "start")[0]
     assert 8 % start["micro_batch_size"] == 0 and result.tokens == 512 + 512 + 1536
+
+
+def test_a_half_set_batch_warmup_is_one_line_at_the_command_line():
+    proc = run_andrea("config", "show", "--config", "andrea-12m", "--set",
+                      "train.batch_warmup_tokens=4096")
+    assert_user_error(proc, "andrea-12m.yaml", "train.batch_warmup_tokens (4096) and "
+                      "train.batch_warmup_steps (0) go together")

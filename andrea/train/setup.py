@@ -453,6 +453,13 @@ def batch_warmup_accumulation(cfg: Config, micro_batch: int, world_size: int) ->
     per_round = micro_batch * cfg.model.block_size * world_size
     if not batch_warmup_active(cfg):
         return 0
+    sequence_round = cfg.model.block_size * world_size
+    if t.batch_warmup_tokens % sequence_round:
+        raise UserError(
+            f"{cfg.source}: train.batch_warmup_tokens: {t.batch_warmup_tokens} is not a "
+            f"multiple of block_size * processes = {cfg.model.block_size} * {world_size} = "
+            f"{sequence_round}; make it one"
+        )
     if t.batch_warmup_tokens % per_round:
         raise UserError(
             f"{cfg.source}: train.batch_warmup_tokens: {t.batch_warmup_tokens} is not a "
