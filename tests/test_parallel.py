@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import assert_user_error, free_port, run_andrea, run_torchrun
 from safetensors.torch import load_file
@@ -117,6 +118,7 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
 
 
 TIED = """
+import pytest
 import torch
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
@@ -423,3 +425,21 @@ def test_fsdp_muon_matches_one_process_and_reshards(tmp_path, data_dir, capsys):
                  f"train.max_steps={STEPS}", "--set", "train.parallel=fsdp").stdout
     assert "written by 2 processes (ddp) for 2 (fsdp)" in out
     continues(tmp_path / "ddp")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_batch_warmup_on_two_processes_matches_one(tmp_path, data_dir, parallel):
+    """2 steps of 512 tokens, then 1,024: one process takes 2 then 4 micro-batches of 4 x 64,
+    two processes 1 then 2 each; the same windows, so the same losses."""
+    sets = ("train.max_steps=4", "train.checkpoint_every=0", "train.eval_every=0",
+            "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
+            "train.batch_warmup_steps=2", f"train.parallel={parallel}")
+    one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)
+    proc = launch(tmp_path, tiny(tmp_path, data_dir, "two", *sets))
+    assert "batch warm-up: steps 1-2 take 512 tokens (1 accumulation), then 1,024" in proc.stdout
+    two = losses(tmp_path / "two")
+    assert sorted(two) == [1, 2, 3, 4]
+    for step, loss in two.items():
+        assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
+    tokens = [r["tokens"] for r in records(tmp_path / "two", "train")]
+    assert tokens == [512, 1024, 2048, 3072] and one.tokens == 3072
