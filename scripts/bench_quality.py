@@ -49,6 +49,7 @@ from andrea.runs import read_metrics
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import cpu_has_bf16
 from andrea.train.loop import train
+from andrea.train.setup import batch_warmup_active
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -60,7 +61,7 @@ def plan(preset: str, tokens: int, extra: list[str]) -> tuple[int, int, int]:
     t = cfg.train
     per_step = t.global_batch_tokens or 8 * cfg.model.block_size
     warm = 0
-    if 0 < t.batch_warmup_tokens < per_step:
+    if batch_warmup_active(cfg):
         warm = min(t.batch_warmup_steps, -(-tokens // t.batch_warmup_tokens))
     steps = warm + -(-max(0, tokens - warm * t.batch_warmup_tokens) // per_step)
     steps = -(-steps // 10) * 10
@@ -195,9 +196,10 @@ def main() -> int:
         for run in runs:
             if run.label not in OPTIMIZERS:
                 steps, per_step, _ = plan(args.preset, run.tokens, run.overrides)
-                t = load_config(args.preset, run.overrides).train
+                cfg = load_config(args.preset, run.overrides)
+                t = cfg.train
                 warm = (f" (the first {t.batch_warmup_steps} x {t.batch_warmup_tokens:,})"
-                        if 0 < t.batch_warmup_tokens < per_step else "")
+                        if batch_warmup_active(cfg) else "")
                 print(f"{run.label}: {' '.join(run.overrides) or 'the preset'}; {steps} steps x "
                       f"{per_step:,} tokens{warm}", flush=True)
             seconds = run_one(run, args)

@@ -68,10 +68,10 @@ def announce(
         f"{str(s.dtype).removeprefix('torch.')}, {s.device}"
         + (f", resuming from {resume_from}" if resume_from else "")
     )
-    if t.batch_warmup_tokens >= t.global_batch_tokens > 0 and s.step < t.batch_warmup_steps:
+    if t.batch_warmup_tokens and not s.warmup_accum and s.step < t.batch_warmup_steps:
         s.say(f"batch warm-up: off (train.batch_warmup_tokens {t.batch_warmup_tokens:,} is not "
               f"below train.global_batch_tokens {t.global_batch_tokens:,})")
-    if s.warmup_accum and s.step < s.batch_warmup_steps:
+    if s.step < s.batch_warmup_steps:
         s.say(f"batch warm-up: steps 1-{s.batch_warmup_steps:,} take "
               f"{s.tokens_at(0):,} tokens ({s.warmup_accum} accumulation), then "
               f"{s.tokens_per_step:,}")
@@ -119,7 +119,7 @@ def plan_lines(s: Session) -> list[str]:
     passes = total / prepared if prepared else math.inf
     sources = source_passes(s.train_split, total)
     size = f"{steps:,} steps x {per_step:,} tokens/step"
-    if s.warmup_accum and s.step < s.batch_warmup_steps:
+    if s.step < s.batch_warmup_steps:
         warm = min(s.batch_warmup_steps, steps) - s.step
         size = (f"{warm:,} steps x {s.tokens_at(0):,} + {steps - s.step - warm:,} steps x "
                 f"{per_step:,} tokens/step")

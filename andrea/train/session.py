@@ -74,7 +74,6 @@ class Session:
     val_set: list[ValSource] | None = None  # the fixed val windows, made at the first eval
     schedule_anchor: dict[str, Any] | None = None  # the lr schedule re-planned on a resume
     warmup_accum: int = 0  # micro-batches per step during the batch-size warm-up (0: none)
-    batch_warmup_steps: int = 0
 
     @property
     def tokens_per_micro_batch(self) -> int:  # over all ranks
@@ -84,17 +83,20 @@ class Session:
     def tokens_per_step(self) -> int:  # after any batch-size warm-up
         return self.tokens_per_micro_batch * self.accum
 
+    @property
+    def batch_warmup_steps(self) -> int:  # 0 when no warm-up applies
+        return self.cfg.train.batch_warmup_steps if self.warmup_accum else 0
+
     def accum_at(self, step: int) -> int:
         """Micro-batches per process for optimizer step `step` (0-based)."""
-        return self.warmup_accum if self.warmup_accum and step < self.batch_warmup_steps \
-            else self.accum
+        return self.warmup_accum if step < self.batch_warmup_steps else self.accum
 
     def tokens_at(self, step: int) -> int:
         return self.tokens_per_micro_batch * self.accum_at(step)
 
     def tokens_through(self, steps: int) -> int:
         """Tokens of steps [0, steps) as this session plans them."""
-        warm = min(steps, self.batch_warmup_steps) if self.warmup_accum else 0
+        warm = min(steps, self.batch_warmup_steps)
         micro_batches = warm * self.warmup_accum + (steps - warm) * self.accum
         return micro_batches * self.tokens_per_micro_batch
 

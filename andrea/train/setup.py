@@ -88,7 +88,7 @@ def set_up(
         train_model=wrap_for_training(model, cfg, device, dist, parallel), optimizer=optimizer,
         param_names=names, train_split=train_split, val_split=val_split,
         micro_batch=micro_batch, accum=accum, log=MetricsLog(None), signals=signals,
-        warmup_accum=warmup_accum, batch_warmup_steps=t.batch_warmup_steps,
+        warmup_accum=warmup_accum,
         mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, model.num_params()),
                      devices=dist.world_size),
         preset=trainer_state.get("preset", Path(cfg.source).stem), parallel=parallel,
