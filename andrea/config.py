@@ -70,6 +70,8 @@ CONSTRAINTS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.global_batch_tokens": (_non_negative, "0 (no accumulation) or a positive integer"),
     "train.batch_warmup_tokens": (_non_negative, "0 (off) or a positive integer"),
     "train.batch_warmup_steps": (_non_negative, "non-negative"),
+    "train.seq_warmup_length": (_non_negative, "0 (off) or a positive integer"),
+    "train.seq_warmup_steps": (_non_negative, "non-negative"),
     "train.max_steps": (_positive, "a positive integer"),
     "train.lr": (_positive, "positive"),
     "train.min_lr": (_non_negative, "non-negative"),
@@ -164,6 +166,12 @@ class TrainConfig:
     # warm-up batch not below global_batch_tokens (e.g. a preset's, after --set lowers the batch).
     batch_warmup_tokens: int = 0
     batch_warmup_steps: int = 0
+    # A sequence-length warm-up: the first seq_warmup_steps optimizer steps train on windows of
+    # seq_warmup_length tokens (block_size / seq_warmup_length times as many a micro-batch, so
+    # the tokens a step stay), the rest on block_size; 0 and 0: off, and so is a length not
+    # below model.block_size. The learned positions stay (the short windows use the first ones).
+    seq_warmup_length: int = 0
+    seq_warmup_steps: int = 0
     max_steps: int = 1000
     lr: float = 6e-4
     min_lr: float = 6e-5
@@ -394,6 +402,18 @@ def validate(cfg: Config, origin: str) -> Config:
             f"{origin}: train.batch_warmup_tokens: {t.batch_warmup_tokens} needs "
             f"train.global_batch_tokens, the batch it warms up to (0 is one micro-batch per "
             f"process); set it, or set both batch_warmup keys to 0"
+        )
+    if bool(t.seq_warmup_length) != bool(t.seq_warmup_steps):
+        raise UserError(
+            f"{origin}: train.seq_warmup_length ({t.seq_warmup_length}) and "
+            f"train.seq_warmup_steps ({t.seq_warmup_steps}) go together: set both for a "
+            f"sequence-length warm-up, or both to 0"
+        )
+    if 0 < t.seq_warmup_length < m.block_size and m.block_size % t.seq_warmup_length:
+        raise UserError(
+            f"{origin}: train.seq_warmup_length: {t.seq_warmup_length} does not divide "
+            f"model.block_size {m.block_size} (a micro-batch's windows are cut into shorter "
+            f"ones of the same tokens); pick a divisor, e.g. {m.block_size // 2}"
         )
     return cfg
 

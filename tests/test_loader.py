@@ -200,6 +200,21 @@ def test_mixture_share_with_a_batch_warmup_counts_each_steps_own_size(mixture):
     assert not np.array_equal(fixed, expected)  # the warm-up steps drew fewer windows
 
 
+def test_mixture_share_with_a_sequence_warmup_counts_tokens(mixture):
+    # Steps 0-9 take 16 windows of T // 4 tokens (a sequence-length warm-up), the rest 4 of T:
+    # the same tokens a step, and the share is of tokens, not of windows.
+    counts = np.zeros(2, dtype=np.int64)
+    for step in range(25):
+        windows, length = (16, T // 4) if step < 10 else (4, T)
+        x = batch(mixture, step=step, micro_batch_size=windows, block_size=length)[0]
+        assert x.shape == (windows, length)
+        counts += length * np.bincount(source_of(x), minlength=2)
+    expected = realised_share(
+        mixture, seed=7, steps=range(25), per_step=lambda step: 16 if step < 10 else 4,
+        block_size=lambda step: T // 4 if step < 10 else T)
+    np.testing.assert_allclose(counts / counts.sum(), expected)
+
+
 def test_mixture_accumulation_equals_processes(mixture):
     for step in range(5):
         one = [batch(mixture, step=step, micro_step=m, accum_steps=2)[0] for m in range(2)]
@@ -215,7 +230,7 @@ def test_mixture_val_reads_every_source_and_report(mixture, tmp_path):
         assert {int(v) // BASE for v in firsts} == {first}
     line, record = mixture_report(mixture, seed=7, start_step=10, max_steps=110, per_step=8,
                                   block_size=T)
-    assert line.startswith("data mixture, realised share of windows over steps 10-109: a ")
+    assert line.startswith("data mixture, realised share of tokens over steps 10-109: a ")
     assert set(record["share"]) == {"a", "b"} and record["weight"] == {"a": 0.75, "b": 0.25}
     assert abs(sum(record["share"].values()) - 1) < 1e-9
     assert mixture_report(TokenSplit(tmp_path / "a", "train"), seed=7, start_step=0,

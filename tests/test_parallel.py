@@ -428,15 +428,19 @@ def test_fsdp_muon_matches_one_process_and_reshards(tmp_path, data_dir, capsys):
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_batch_warmup_on_two_processes_matches_one(tmp_path, data_dir, parallel):
+def test_batch_and_seq_warmup_on_two_processes_matches_one(tmp_path, data_dir, parallel):
     """2 steps of 512 tokens, then 1,024: one process takes 2 then 4 micro-batches of 4 x 64,
-    two processes 1 then 2 each; the same windows, so the same losses."""
+    two processes 1 then 2 each; the same windows, so the same losses. The first 3 steps cut
+    each micro-batch into 16 windows of 16 tokens (a sequence-length warm-up)."""
     sets = ("train.max_steps=4", "train.checkpoint_every=0", "train.eval_every=0",
             "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
-            "train.batch_warmup_steps=2", f"train.parallel={parallel}")
+            "train.batch_warmup_steps=2", f"train.parallel={parallel}",
+            "train.seq_warmup_length=16", "train.seq_warmup_steps=3")
     one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)
     proc = launch(tmp_path, tiny(tmp_path, data_dir, "two", *sets))
     assert "batch warm-up: steps 1-2 take 512 tokens (1 accumulation), then 1,024" in proc.stdout
+    assert ("sequence warm-up: steps 1-3 train on windows of 16 tokens (16 x 16 a "
+            "micro-batch), then 64") in proc.stdout
     two = losses(tmp_path / "two")
     assert sorted(two) == [1, 2, 3, 4]
     for step, loss in two.items():

@@ -273,3 +273,70 @@ def test_a_half_set_batch_warmup_is_one_line_at_the_command_line():
                       "train.batch_warmup_tokens=4096")
     assert_user_error(proc, "andrea-12m.yaml", "train.batch_warmup_tokens (4096) and "
                       "train.batch_warmup_steps (0) go together")
+
+
+SEQ_WARMUP = ("train.seq_warmup_length=16", "train.seq_warmup_steps=3")
+
+
+def test_seq_warmup_trains_on_short_windows_first_then_the_block(tmp_path, data_dir,
+                                                                monkeypatch):
+    # tiny: block 64, 8 x 64 a micro-batch; the first 3 steps 32 windows of 16 (the same 512
+    # tokens), then 8 of 64. Every batch the loop asks for is recorded with its step.
+    import andrea.train.loop as loop
+
+    asked = []
+
+    def recording(split, **kw):
+        x, y = train_batch(split, **kw)
+        asked.append((kw["step"], tuple(x.shape)))
+        return x, y
+
+    train_batch = loop.train_batch
+    monkeypatch.setattr(loop, "train_batch", recording)
+    warm = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=warm", *SEQ_WARMUP),
+                 progress=False)
+    assert asked == [(0, (32, 16)), (1, (32, 16)), (2, (32, 16)),
+                     (3, (8, 64)), (4, (8, 64)), (5, (8, 64))]
+    plain = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=plain"), progress=False)
+    assert warm.losses[1] != plain.losses[1]  # other windows from the first step
+    # The tokens a step stay 512: the count, the tokens/s and the bar are unchanged.
+    tokens = [e["tokens"] for e in read_events(warm.run_dir, "train")]
+    assert tokens == [512 * k for k in range(1, 7)] and warm.tokens == plain.tokens == 3072
+
+
+def test_seq_warmup_resumes_bit_for_bit_inside_and_after_it(tmp_path, data_dir):
+    whole = train(tiny(tmp_path / "a", data_dir, *WARMUP, *SEQ_WARMUP), progress=False)
+    for stop in (2, 4):  # a resume inside the warm-up, and one after it
+        first = train(tiny(tmp_path / f"b{stop}", data_dir, *WARMUP, *SEQ_WARMUP),
+                      progress=False, stop_after=stop)
+        rest = train(tiny(tmp_path / f"b{stop}", data_dir, *WARMUP, *SEQ_WARMUP),
+                     resume=str(first.run_dir), progress=False)
+        assert {**first.losses, **rest.losses} == whole.losses  # exact float equality
+
+
+def test_seq_warmup_not_below_the_block_is_off_and_says_so(tmp_path, data_dir, capsys):
+    plain = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=plain"), progress=False)
+    capsys.readouterr()
+    same = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=same",
+                      "train.seq_warmup_length=64", "train.seq_warmup_steps=3"), progress=False)
+    assert "sequence warm-up: off (train.seq_warmup_length 64 is not below " \
+           "model.block_size 64)" in capsys.readouterr().out
+    assert same.losses == plain.losses
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (("train.seq_warmup_length=16",), r"train\.seq_warmup_length \(16\) and "
+                                      r"train\.seq_warmup_steps \(0\) go together"),
+    (("train.seq_warmup_length=24", "train.seq_warmup_steps=3"),
+     r"train\.seq_warmup_length: 24 does not divide model\.block_size 64 .* e\.g\. 32$"),
+])
+def test_seq_warmup_settings_that_cannot_work_are_refused(tmp_path, data_dir, sets, message):
+    with pytest.raises(UserError, match=message):
+        tiny(tmp_path, data_dir, *sets)
+
+
+def test_a_seq_warmup_that_does_not_divide_the_block_is_one_line_at_the_command_line():
+    proc = run_andrea("config", "show", "--config", "andrea-12m", "--set",
+                      "train.seq_warmup_length=100", "--set", "train.seq_warmup_steps=50")
+    assert_user_error(proc, "andrea-12m.yaml", "train.seq_warmup_length: 100 does not divide "
+                      "model.block_size 256")

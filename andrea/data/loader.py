@@ -133,22 +133,25 @@ def _mixture_windows(
 
 def realised_share(
     split: Mixture, *, seed: int, steps: range, per_step: int | Callable[[int], int],
-    block_size: int,
+    block_size: int | Callable[[int], int],
 ) -> np.ndarray:
-    """The fraction of training windows each source gets over `steps` (the same draws as
-    train_batch makes); per_step: windows a step, or a function of the step (a batch warm-up)."""
+    """The fraction of training tokens each source gets over `steps` (the same draws as
+    train_batch makes); per_step: windows a step, block_size: tokens a window, each a number or
+    a function of the step (a batch-size or sequence-length warm-up)."""
     counts = np.zeros(len(split.weights), dtype=np.int64)
     for step in steps:
         rng = np.random.default_rng([seed, step])
-        rng.integers(0, block_size)
+        length = block_size(step) if callable(block_size) else block_size
+        rng.integers(0, length)
         windows = per_step(step) if callable(per_step) else per_step
-        counts += np.bincount(_source_choice(rng, split, windows), minlength=len(counts))
+        counts += length * np.bincount(_source_choice(rng, split, windows),
+                                       minlength=len(counts))
     return counts / max(1, counts.sum())
 
 
 def mixture_report(
     split: TokenSplit, *, seed: int, start_step: int, max_steps: int,
-    per_step: int | Callable[[int], int], block_size: int,
+    per_step: int | Callable[[int], int], block_size: int | Callable[[int], int],
 ) -> tuple[str, dict] | None:
     """For a Mixture: the line train prints and the metrics record of the realised share of
     each source over the run's steps (at most SHARE_STEPS of them); None for one source."""
@@ -161,7 +164,7 @@ def mixture_report(
         f"{name} {100 * s:.1f}% (weight {100 * w:.1f}%)"
         for name, s, w in zip(split.names, share, split.weights, strict=True)
     ]
-    line = (f"data mixture, realised share of windows over steps {steps.start}-"
+    line = (f"data mixture, realised share of tokens over steps {steps.start}-"
             f"{steps.stop - 1}: " + ", ".join(parts))
     record = {
         "steps": [steps.start, steps.stop - 1],

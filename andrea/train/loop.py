@@ -232,6 +232,7 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
     data_step = s.guard.data_step(step)  # past any data window a rollback left behind
     spike_scale = injected_spike(data_step)  # None unless a test injects a spike
     accum = s.accum_at(step)  # fewer during a batch-size warm-up
+    windows, length = s.windows_at(step)  # shorter ones during a sequence-length warm-up
     loss_sum = torch.zeros((), device=s.device)
     for micro in range(accum):
         if stop_agreed(s):
@@ -239,7 +240,7 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
         x, y = train_batch(
             s.train_split, seed=t.seed, step=data_step, micro_step=micro, rank=s.dist.rank,
             accum_steps=accum, world_size=s.dist.world_size,
-            micro_batch_size=s.micro_batch, block_size=s.cfg.model.block_size,
+            micro_batch_size=windows, block_size=length,
         )
         if spike_scale is not None:
             x, y = garble(x, y, s.cfg.model.vocab_size, data_step)

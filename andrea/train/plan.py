@@ -75,10 +75,17 @@ def announce(
         s.say(f"batch warm-up: steps 1-{s.batch_warmup_steps:,} take "
               f"{s.tokens_at(0):,} tokens ({s.warmup_accum} accumulation), then "
               f"{s.tokens_per_step:,}")
+    if t.seq_warmup_length and not s.seq_warmup_steps and s.step < t.seq_warmup_steps:
+        s.say(f"sequence warm-up: off (train.seq_warmup_length {t.seq_warmup_length} is not "
+              f"below model.block_size {cfg.model.block_size})")
+    if s.step < s.seq_warmup_steps:
+        windows, length = s.windows_at(0)
+        s.say(f"sequence warm-up: steps 1-{s.seq_warmup_steps:,} train on windows of {length} "
+              f"tokens ({windows} x {length} a micro-batch), then {cfg.model.block_size}")
     mixture = mixture_report(
         s.train_split, seed=t.seed, start_step=s.step, max_steps=t.max_steps,
-        per_step=lambda step: s.micro_batch * s.accum_at(step) * dist.world_size,
-        block_size=cfg.model.block_size,
+        per_step=lambda step: s.windows_at(step)[0] * s.accum_at(step) * dist.world_size,
+        block_size=lambda step: s.windows_at(step)[1],
     )
     if mixture is not None:
         s.say(mixture[0])

@@ -87,6 +87,20 @@ class Session:
     def batch_warmup_steps(self) -> int:  # 0 when no warm-up applies
         return self.cfg.train.batch_warmup_steps if self.warmup_accum else 0
 
+    @property
+    def seq_warmup_steps(self) -> int:  # 0 when no sequence-length warm-up applies
+        t = self.cfg.train
+        return t.seq_warmup_steps if 0 < t.seq_warmup_length < self.cfg.model.block_size else 0
+
+    def windows_at(self, step: int) -> tuple[int, int]:
+        """(windows, tokens each) of one micro-batch of optimizer step `step` (0-based): during a
+        sequence-length warm-up more, shorter windows of the same tokens in all."""
+        block = self.cfg.model.block_size
+        if step < self.seq_warmup_steps:
+            length = self.cfg.train.seq_warmup_length
+            return self.micro_batch * (block // length), length
+        return self.micro_batch, block
+
     def accum_at(self, step: int) -> int:
         """Micro-batches per process for optimizer step `step` (0-based)."""
         return self.warmup_accum if step < self.batch_warmup_steps else self.accum
