@@ -115,6 +115,22 @@ def test_guard_state_survives_resume_bit_for_bit(tmp_path, data_dir, monkeypatch
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_the_end_of_a_sequence_warmup_is_not_a_spike_and_the_guard_goes_on(
+        tmp_path, data_dir, monkeypatch):
+    # 100 steps on windows of 8 tokens, then 64: the first whole-window steps reach positions
+    # the model has not trained, so their loss and gradient norm jump by plan. The guard used to
+    # hold two of them back as a spike; now it measures anew there, and once its window is full
+    # again (12 steps) it still catches a real spike.
+    monkeypatch.setenv("ANDREA_TEST_SPIKE", "118x1000")
+    run = train(tiny(tmp_path, data_dir, "seq", "train.spike_guard=skip", "train.eval_every=0",
+                     "train.max_steps=125", "train.grad_clip=1", "train.seq_warmup_length=8",
+                     "train.seq_warmup_steps=100"), progress=False)
+    norms = {e["step"]: e["grad_norm"] for e in events(run.run_dir, "train")}
+    assert norms[101] > 2 * max(norms[s] for s in range(89, 101))  # the planned jump
+    late = [(e["step"], e["action"]) for e in events(run.run_dir, "spike") if e["step"] > 100]
+    assert late == [(118, "skip")]
+
+
 def guard(mode: str = "skip", **sets: object) -> SpikeGuard:
     cfg = load_config("andrea-tiny", [f"train.spike_guard={mode}", "train.warmup_steps=0",
                                       "train.spike_window=4", "train.spike_patience=2",

@@ -300,6 +300,8 @@ def guard_step(s: Session, loss: float, grad_norm: float) -> str:
     outlier is a "spike" event."""
     if not s.guard.enabled:
         return APPLY
+    if s.seq_warmup_steps and s.step == s.seq_warmup_steps + 1:
+        s.guard.restart()  # the first step on whole windows: a planned jump, not a spike
     verdict = agree(s.guard.judge(s.step, loss, grad_norm), s.device, all_reduce_sum, s.dist)
     if verdict.action == ROLLBACK:
         # Every rank must see the same checkpoint to go back to (node-local run folders may

@@ -14,6 +14,10 @@ once the window is full and warm-up is over.
   to its newest checkpoint, cuts the learning rate by spike_lr_factor for spike_lr_steps steps
   and moves the data past the offending window (data position = step + data_offset).
 
+A planned change of what a step trains on (the first step after a sequence-length warm-up, whose
+longer windows reach positions the model has not trained) moves the loss and gradient norm by
+design: the window starts afresh there (restart()), and the guard judges again once it is full.
+
 Every decision is a metrics.jsonl event ("spike", "rollback"). The guard's state (window,
 streak, data offset, lr cut) is plain JSON in the checkpoint's trainer state, so a resumed run
 decides exactly as the uninterrupted one would.
@@ -111,6 +115,12 @@ class SpikeGuard:
         self.window.clear()
         self.window.append((loss, grad_norm))
         return Verdict(APPLY, loss_z, grad_z, outlier=True)
+
+    def restart(self) -> None:
+        """Forget the window: the steps from here train on something else by plan, so the old
+        level says nothing about them."""
+        self.window.clear()
+        self.streak = 0
 
     def rolled_back(self, from_step: int, to_step: int) -> None:
         """The run went back from completed step from_step to the checkpoint at to_step: its
