@@ -4,7 +4,7 @@ token budget.
     python scripts/bench_quality.py [--tokens 7864320] [--preset andrea-12m] [--runs-dir runs]
                                     [--eval-tokens 32768] [--set train.muon_lr=0.02 ...]
                                     [--optimizers adamw muon]
-                                    [--variant LABEL:KEY=VALUE,KEY=VALUE ...]
+                                    [--variant LABEL:KEY=VALUE,KEY=VALUE ...] [--reuse]
 
 Both runs are `andrea.train.loop.train` with the preset's settings, the same seed and therefore the
 same initial weights and the same data order (batches are a function of seed and step); they
@@ -31,6 +31,11 @@ read from its metrics.jsonl (checkpoint events against the start event; set-up, 
 checkpoint writing count, the evaluation here does not), the final checkpoint is also evaluated
 on the whole val split, and the summary gives the wall time each run needs to reach the first
 run's final val loss (linear between tenths) as a share of the first run's wall time.
+
+--reuse: a run whose folder already holds a finished run of the same settings (compared with
+its config.yaml) is evaluated again instead of retrained, e.g. to add a variant to a comparison
+already run; its wall times are those it was trained in, so compare only runs of one quiet
+machine.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from andrea.config import load_config
+from andrea.config import Config, load_config
 from andrea.errors import UserError
 from andrea.evaluate import evaluate_checkpoint
 from andrea.resources import cpu_name
@@ -49,6 +54,7 @@ from andrea.runs import read_metrics
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import cpu_has_bf16
 from andrea.train.loop import train
+from andrea.train.resume import config_changes
 from andrea.train.setup import batch_warmup_active
 
 OPTIMIZERS = ("adamw", "muon")
@@ -91,11 +97,15 @@ def run_one(run: Run, args: argparse.Namespace) -> float:
         *run.overrides,
     ])
     t0 = time.perf_counter()
-    result = train(cfg, progress=False)
-    if result.state != "finished":
-        raise UserError(f"{result.run_dir}: the {run.label} run ended {result.state}")
-    seconds = checkpoint_seconds(result.run_dir / "metrics.jsonl")
-    checkpoints = ckpt_io.list_checkpoints(result.run_dir)
+    run_dir = Path(args.runs_dir) / run.name
+    if args.reuse and (run_dir / "config.yaml").exists():
+        reused_run(run_dir, cfg, steps)
+    else:
+        result = train(cfg, progress=False)
+        if result.state != "finished":
+            raise UserError(f"{result.run_dir}: the {run.label} run ended {result.state}")
+    seconds = checkpoint_seconds(run_dir / "metrics.jsonl")
+    checkpoints = ckpt_io.list_checkpoints(run_dir)
     for ckpt in checkpoints:
         step = int(ckpt.name[5:])
         tokens = ckpt_io.read_trainer_state(ckpt)[0]["tokens"]  # a batch warm-up's are fewer
@@ -106,6 +116,18 @@ def run_one(run: Run, args: argparse.Namespace) -> float:
     whole = evaluate_checkpoint(str(checkpoints[-1]), max_tokens=None, progress=False)
     run.whole = (whole.loss, whole.bits_per_byte)
     return time.perf_counter() - t0
+
+
+def reused_run(run_dir: Path, cfg: Config, steps: int) -> None:
+    """--reuse: check that run_dir is a finished run of exactly these settings."""
+    changed = config_changes(load_config(run_dir / "config.yaml"), cfg)
+    if changed:
+        raise UserError(f"{run_dir}: --reuse: the run there was trained with other settings "
+                        f"({', '.join(changed)}); give this variant another label or drop --reuse")
+    checkpoints = ckpt_io.list_checkpoints(run_dir)
+    if not checkpoints or int(checkpoints[-1].name[5:]) != steps:
+        raise UserError(f"{run_dir}: --reuse: not a finished run of {steps} steps; remove the "
+                        "folder or drop --reuse")
 
 
 def checkpoint_seconds(metrics: Path) -> dict[int, float]:
@@ -180,6 +202,9 @@ def main() -> int:
                     help="which optimizers to run (default: both, or none with --variant)")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...",
                     help="a recipe to compare, in order (the first is the reference)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="a finished run of the same name and settings is evaluated again, "
+                         "not retrained (its wall times are its own)")
     args = ap.parse_args()
     optimizers = args.optimizers or ([] if args.variant else list(OPTIMIZERS))
     try:

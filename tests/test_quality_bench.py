@@ -157,3 +157,32 @@ def test_a_bad_variant_is_one_line(variant, words, monkeypatch, capsys):
     assert module.main() == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --variant") and words in err and err.count("\n") == 1
+
+
+def test_reuse_adds_a_variant_to_a_comparison_already_run(tmp_path, one_play, monkeypatch, capsys):
+    """--reuse: the preset trained once; a later invocation adds a variant and compares against
+    it without retraining it, and refuses a folder trained with other settings."""
+    module = bench_quality()
+    runs = tmp_path / "runs"
+    common = ["bench_quality.py", "--preset", "andrea-tiny", "--tokens", "5120", "--runs-dir",
+              str(runs), "--eval-tokens", "512", *sets(one_play)]
+    monkeypatch.setattr(sys, "argv", [*common, "--variant", "preset:"])
+    assert module.main() == 0
+    first = capsys.readouterr().out
+    metrics = runs / module.run_name("preset", 5120, one_play) / "metrics.jsonl"
+    trained = metrics.read_bytes()
+    monkeypatch.setattr(sys, "argv", [*common, "--reuse", "--variant", "preset:",
+                                      "--variant", "lr:train.lr=0.01"])
+    assert module.main() == 0
+    out = capsys.readouterr().out
+    assert metrics.read_bytes() == trained  # not retrained
+    # The same evaluation of the same checkpoints: the preset's table rows are the first run's.
+    row = r"^\s+[\d,]+\s+[\d.]+\s+[\d.]+\s+\d+\.\d"
+    assert re.findall(row, first, re.M) == re.findall(row, out, re.M)
+    assert re.search(r"^  preset\s+[\d,]+ s \(1\.00\)$", out, re.M)
+    assert re.search(r"^  lr\s+([\d,]+ s \([\d.]+\)|not reached)$", out, re.M)
+    # The same name with other settings is not silently taken for the preset's run.
+    monkeypatch.setattr(sys, "argv", [*common, "--reuse", "--variant", "preset:train.lr=0.02"])
+    assert module.main() == 2
+    err = capsys.readouterr().err
+    assert "--reuse: the run there was trained with other settings (train.lr)" in err
