@@ -431,8 +431,9 @@ def test_fsdp_muon_matches_one_process_and_reshards(tmp_path, data_dir, capsys):
 def test_batch_and_seq_warmup_on_two_processes_matches_one(tmp_path, data_dir, parallel):
     """2 steps of 512 tokens, then 1,024: one process takes 2 then 4 micro-batches of 4 x 64,
     two processes 1 then 2 each; the same windows, so the same losses. The first 3 steps cut
-    each micro-batch into 16 windows of 16 tokens (a sequence-length warm-up)."""
-    sets = ("train.max_steps=4", "train.checkpoint_every=0", "train.eval_every=0",
+    each micro-batch into 16 windows of 16 tokens (a sequence-length warm-up). The one process's
+    checkpoint at step 2, inside both warm-ups, resumed on two processes gives its steps 3-4."""
+    sets = ("train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0",
             "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
             "train.batch_warmup_steps=2", f"train.parallel={parallel}",
             "train.seq_warmup_length=16", "train.seq_warmup_steps=3")
@@ -447,3 +448,10 @@ def test_batch_and_seq_warmup_on_two_processes_matches_one(tmp_path, data_dir, p
         assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
     tokens = [r["tokens"] for r in records(tmp_path / "two", "train")]
     assert tokens == [512, 1024, 2048, 3072] and one.tokens == 3072
+    again = rewound(tmp_path / "one", tmp_path / "again", 2)
+    proc = run_torchrun("train", "--resume", str(again), "--no-progress")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "sequence warm-up: steps 1-3 train on windows of 16 tokens" in proc.stdout
+    resumed = losses(again)
+    for step in (3, 4):
+        assert math.isclose(resumed[step], one.losses[step], rel_tol=1e-5), (resumed, one.losses)

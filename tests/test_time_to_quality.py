@@ -324,6 +324,15 @@ def test_seq_warmup_not_below_the_block_is_off_and_says_so(tmp_path, data_dir, c
     assert same.losses == plain.losses
 
 
+def test_a_seq_warmup_as_long_as_the_run_is_warned_about(tmp_path, data_dir, capsys):
+    # The README's short run of a preset with a long warm-up would otherwise never train (nor
+    # be scored after training) on the windows evaluation uses, without a word.
+    train(tiny(tmp_path, data_dir, *WARMUP, "train.seq_warmup_length=16",
+               "train.seq_warmup_steps=6"), progress=False)
+    assert ("warning: the sequence warm-up covers all 6 steps: no step trains on windows of 64 "
+            "tokens") in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("sets", "message"), [
     (("train.seq_warmup_length=16",), r"train\.seq_warmup_length \(16\) and "
                                       r"train\.seq_warmup_steps \(0\) go together"),

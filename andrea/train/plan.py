@@ -82,6 +82,10 @@ def announce(
         windows, length = s.windows_at(0)
         s.say(f"sequence warm-up: steps 1-{s.seq_warmup_steps:,} train on windows of {length} "
               f"tokens ({windows} x {length} a micro-batch), then {cfg.model.block_size}")
+        if s.seq_warmup_steps >= t.max_steps:
+            s.say(f"warning: the sequence warm-up covers all {t.max_steps:,} steps: no step "
+                  f"trains on windows of {cfg.model.block_size} tokens, which evaluation and "
+                  f"generation use; lower train.seq_warmup_steps below train.max_steps")
     mixture = mixture_report(
         s.train_split, seed=t.seed, start_step=s.step, max_steps=t.max_steps,
         per_step=lambda step: s.windows_at(step)[0] * s.accum_at(step) * dist.world_size,
