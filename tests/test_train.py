@@ -492,6 +492,27 @@ def test_resume_may_change_only_keys_that_keep_the_runs_meaning(tmp_path, data_d
     assert (stored.train.max_steps, stored.train.log_every, stored.train.lr) == (4, 2, 0.003)
 
 
+def test_extending_a_run_that_decayed_to_lr_zero_is_refused(tmp_path, data_dir):
+    """wsd to min_lr 0 (the 12M preset's schedule) ends at lr 0: a longer max_steps on resume
+    would train at lr 0 without a word. It is one line naming the way that works, and that way
+    (a checkpoint from before the decay) trains on, holding lr and decaying over the new end."""
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=4", "train.warmup_steps=1",
+               "train.schedule=wsd", "train.min_lr=0", "train.decay_fraction=0.5",
+               "train.checkpoint_every=1", "train.keep_last=5")
+    result = train(cfg, progress=False)
+    before = (result.run_dir / "metrics.jsonl").read_bytes()
+    assert_user_error(
+        run_andrea("train", "--resume", str(result.run_dir), "--set", "train.max_steps=8"),
+        "resume: train.max_steps 4 -> 8: the run had decayed to lr 0 by step 4",
+        "before its decay began (step 1 or earlier)")
+    assert (result.run_dir / "metrics.jsonl").read_bytes() == before
+    proc = run_andrea("train", "--resume", str(result.run_dir / "step-000001"), "--no-progress",
+                      "--set", "train.max_steps=8")
+    assert proc.returncode == 0, proc.stderr
+    lrs = {r["step"]: r["lr"] for r in read_events(result.run_dir, "train")}
+    assert lrs[2] == lrs[3] == lrs[4] == cfg.train.lr and 0 < lrs[7] < lrs[5] < cfg.train.lr
+
+
 def test_resume_auto_keeps_the_runs_own_config(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "train.max_steps=2", "train.warmup_steps=3")
     path = write_config(tmp_path, cfg)

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from andrea.config import TrainConfig
+from andrea.errors import UserError
 
 # A change of the next step's lr on resume beyond this fraction is said in one line.
 JUMP_TOLERANCE = 0.10
@@ -63,6 +64,18 @@ def replan(
         return anchor, []
     was = dataclasses.replace(cfg, max_steps=old_max_steps)
     planned = lr_at(step, was, anchor)
+    if planned <= 0 and cfg.max_steps > step:
+        # A run that decayed to min_lr 0 (the wsd preset's way) would train on at lr 0.
+        hint = ""
+        if cfg.schedule == "wsd" and anchor is None:
+            # the last checkpoint whose next step still had the peak lr
+            stable = old_max_steps - max(1, round(cfg.decay_fraction * old_max_steps)) - 1
+            hint = (f"resume from a checkpoint written before its decay began (step {stable} "
+                    "or earlier) if one is kept, or ")
+        raise UserError(
+            f"resume: train.max_steps {old_max_steps} -> {cfg.max_steps}: the run had decayed to "
+            f"lr 0 by step {step}, so the steps after it would not train; {hint}start a new run "
+            f"with train.max_steps {cfg.max_steps}")
     new_anchor = {"step": step, "lr": planned}
     lines = [
         f"resume: train.max_steps {old_max_steps} -> {cfg.max_steps}: the {cfg.schedule} "
