@@ -192,8 +192,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="andrea-12m")
     ap.add_argument("--tokens", type=int, default=7_864_320,
-                    help="token budget per optimizer (default: 480 steps of 16,384 tokens, "
-                         "about 27 minutes each on 2 CPU cores)")
+                    help="token budget per run (default: the former andrea-12m preset's, "
+                         "7.9M tokens: about 27 minutes a run on 2 CPU cores)")
     ap.add_argument("--runs-dir", default="runs")
     ap.add_argument("--eval-tokens", type=int, default=32_768)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

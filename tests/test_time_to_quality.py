@@ -3,12 +3,15 @@ default and changes training only when set; checked against float64 references."
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_user_error, run_andrea
+from conftest import REPO, assert_user_error, run_andrea
 from test_train import read_events, tiny
 
+from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
@@ -331,6 +334,19 @@ def test_a_seq_warmup_as_long_as_the_run_is_warned_about(tmp_path, data_dir, cap
                "train.seq_warmup_steps=6"), progress=False)
     assert ("warning: the sequence warm-up covers all 6 steps: no step trains on windows of 64 "
             "tokens") in capsys.readouterr().out
+
+
+def test_the_readme_main_command_trains_its_last_steps_on_whole_windows():
+    """The main command shortens andrea-12m to 100 steps; the preset's 150-step sequence warm-up
+    must be shortened with it, or the README's run would never train on 256-token windows."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("<!-- main-command -->", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    args = shlex.split(block.split("andrea train", 1)[1])
+    assert args[:2] == ["--config", "andrea-12m.yaml"]
+    cfg = load_config("andrea-12m", [args[i + 1] for i, a in enumerate(args) if a == "--set"])
+    t = cfg.train
+    assert 0 < t.seq_warmup_steps < t.max_steps and t.seq_warmup_length < cfg.model.block_size
+    assert t.warmup_steps < t.max_steps and t.max_steps % t.checkpoint_every == 0
 
 
 @pytest.mark.parametrize(("sets", "message"), [
