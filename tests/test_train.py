@@ -503,7 +503,7 @@ def test_extending_a_run_that_decayed_to_lr_zero_is_refused(tmp_path, data_dir):
     before = (result.run_dir / "metrics.jsonl").read_bytes()
     assert_user_error(
         run_andrea("train", "--resume", str(result.run_dir), "--set", "train.max_steps=8"),
-        "resume: train.max_steps 4 -> 8: the run had decayed to lr 0 by step 4",
+        f"{result.run_dir}: resume: train.max_steps 4 -> 8: the run had decayed to lr 0 by step 4",
         "before its decay began (step 1 or earlier)")
     assert (result.run_dir / "metrics.jsonl").read_bytes() == before
     proc = run_andrea("train", "--resume", str(result.run_dir / "step-000001"), "--no-progress",

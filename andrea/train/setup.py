@@ -101,8 +101,11 @@ def set_up(
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
     # The max_steps the checkpoint was planned for (older checkpoints: the run's config).
     planned_max = trainer_state.get("max_steps", changes.get("train.max_steps", [t.max_steps])[0])
-    s.schedule_anchor, schedule_lines = replan(s.step, t, planned_max,
-                                               trainer_state.get("schedule_anchor"))
+    try:
+        s.schedule_anchor, schedule_lines = replan(s.step, t, planned_max,
+                                                   trainer_state.get("schedule_anchor"))
+    except UserError as exc:  # name the run the resume cannot extend
+        raise UserError(f"{run_dir}: {exc}") from None
     if dist.is_main:
         if replace:
             clear_run(run_dir)
