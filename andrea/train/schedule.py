@@ -19,6 +19,11 @@ from andrea.errors import UserError
 JUMP_TOLERANCE = 0.10
 
 
+def wsd_decay_steps(cfg: TrainConfig) -> int:
+    """wsd: the last steps of cfg.max_steps over which the lr decays to min_lr."""
+    return max(1, round(cfg.decay_fraction * cfg.max_steps))
+
+
 def lr_at(step: int, cfg: TrainConfig, anchor: dict[str, Any] | None = None) -> float:
     """The learning rate for optimizer step `step` (0-based) of cfg.max_steps; `anchor`
     ({"step", "lr"}): the schedule re-planned on a resume that changed max_steps."""
@@ -33,7 +38,7 @@ def lr_at(step: int, cfg: TrainConfig, anchor: dict[str, Any] | None = None) -> 
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
     # wsd: hold lr, then decay linearly to min_lr over the last decay_fraction of the run.
-    decay_steps = max(1, round(cfg.decay_fraction * cfg.max_steps))
+    decay_steps = wsd_decay_steps(cfg)
     decay_start = cfg.max_steps - decay_steps
     if step < decay_start:
         return cfg.lr
@@ -48,7 +53,7 @@ def _replanned(step: int, cfg: TrainConfig, start: int, start_lr: float) -> floa
     if cfg.schedule == "cosine":
         progress = min(1.0, max(0.0, (step - start) / remaining))
         return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (start_lr - cfg.min_lr)
-    decay_start = cfg.max_steps - max(1, round(cfg.decay_fraction * cfg.max_steps))
+    decay_start = cfg.max_steps - wsd_decay_steps(cfg)
     if start_lr >= cfg.lr and start <= decay_start:  # still holding: the plain wsd, extended
         return lr_at(step, cfg)
     progress = min(1.0, max(0.0, (step - start + 1) / remaining))
@@ -69,7 +74,7 @@ def replan(
         hint = ""
         if cfg.schedule == "wsd" and anchor is None:
             # the last checkpoint whose next step still had the peak lr
-            stable = old_max_steps - max(1, round(cfg.decay_fraction * old_max_steps)) - 1
+            stable = old_max_steps - wsd_decay_steps(was) - 1
             hint = (f"resume from a checkpoint written before its decay began (step {stable} "
                     "or earlier) if one is kept, or ")
         raise UserError(
