@@ -1,7 +1,7 @@
 """Read run directories (`runs/<name>/`) and summarise them: the `andrea runs` command.
 
 A run directory holds `config.yaml` (the resolved config), `metrics.jsonl` (one JSON event per
-line, see DESIGN.md and the trainer), `latest` (the name of the newest complete checkpoint) and
+line, see docs/model.md and the trainer), `latest` (the name of the newest complete checkpoint) and
 `step-NNNNNN/` checkpoint dirs. Everything here reads; nothing writes. A damaged run is summarised
 as far as its files allow and the damage is listed in `problems`, never raised: one bad run must
 not hide the others.

@@ -1,4 +1,4 @@
-"""The model's attention, exactly as DESIGN.md describes it, checked in float64."""
+"""The model's attention, exactly as docs/model.md describes it, checked in float64."""
 
 from __future__ import annotations
 

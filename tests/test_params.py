@@ -1,4 +1,4 @@
-"""Parameter counts: DESIGN.md's exact figures, through the package and the real command."""
+"""Parameter counts: docs/model.md's exact figures, through the package and the real command."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     if not (counts.total == parts == expected):
         raise RuntimeError(
             f"parameter count mismatch: model {counts.total:,}, sum of groups {parts:,}, "
-            f"closed form {expected:,}; the model and DESIGN.md's formula disagree"
+            f"closed form {expected:,}; the model and docs/model.md's formula disagree"
         )
     return counts
 

@@ -1,4 +1,4 @@
-"""The ANDREA transformer: a decoder-only, GPT-2-style model (DESIGN.md section 1).
+"""The ANDREA transformer: a decoder-only, GPT-2-style model (docs/model.md).
 
 Pre-LayerNorm blocks, learned absolute positions, GELU MLP of width 4·d_model, LM head tied to
 the token embedding, no biases by default. Attention uses one fused Q|K|V projection, heads as a

@@ -6,7 +6,7 @@ tied LM head), the norms and any bias stay with AdamW, because orthogonalising a
 or a vector has no meaning.
 
 torch.optim.Muon (torch 2.13) always runs its Newton-Schulz iterations in bfloat16. On a CPU
-without bfloat16 units that is more than 10x slower than float32 (DESIGN.md section 6), so
+without bfloat16 units that is more than 10x slower than float32 (docs/model.md), so
 `Float32Muon` is the same optimizer, the same update rule and the same state, with the iterations
 in a chosen dtype; `newton_schulz` reproduces torch's operation sequence exactly, so in bfloat16
 it gives torch's bits.

@@ -1,0 +1,62 @@
+"""The docs a user follows: every link and every repository path they name exists, and
+docs/model.md's parameter table is the closed form of each preset."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from andrea.config import load_config, resolve_path
+from andrea.model.params import closed_form_total
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# [text](target) and ![alt](target); the target up to a space, a '#' or the closing parenthesis.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s#]*)(?:#[^)]*)?\)")
+# A path inside the repository as the docs write it in prose or code: a top-level folder, then
+# names, ending in a file suffix or a slash.
+REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:andrea|tests|scripts|docs|configs|kernels)/(?:[\w./-]*?(?:\.\w+|/))?)"
+    r"(?![\w/])"
+)
+# Paths the docs name on purpose although no checkout holds them: a run's or a prepared
+# folder's files (made by running andrea), and placeholders.
+NOT_IN_REPO = re.compile(r"NNNN|<|\*")
+
+
+def relative_links(text: str) -> list[str]:
+    return [t for t in LINK.findall(text) if t and not re.match(r"[a-z]+:", t)]
+
+
+def repo_paths(text: str) -> set[str]:
+    return {p.rstrip(".") for p in REPO_PATH.findall(text) if not NOT_IN_REPO.search(p)}
+
+
+def test_the_patterns_catch_what_they_claim():
+    text = ("see [the map](architecture.md#one-step), ![plot](quality.png), [site](https://x.org), "
+            "`andrea/train/loop.py` and scripts/bench.py. Also `tests/` and step-NNNNNN/x.json")
+    assert relative_links(text) == ["architecture.md", "quality.png"]
+    assert repo_paths(text) == {"andrea/train/loop.py", "scripts/bench.py", "tests/"}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_relative_link_resolves(doc: Path):
+    missing = [t for t in relative_links(doc.read_text()) if not (doc.parent / t).exists()]
+    assert not missing, f"{doc.name} links to missing files: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_repository_path_named_exists(doc: Path):
+    missing = sorted(p for p in repo_paths(doc.read_text()) if not (REPO / p).exists())
+    assert not missing, f"{doc.name} names paths that are not in the repository: {missing}"
+
+
+def test_model_doc_parameter_table_is_the_closed_form():
+    rows = re.findall(r"^\| `(andrea-[\w.]+\.yaml)` \|.*\| ([\d,]+) \|$",
+                      (REPO / "docs" / "model.md").read_text(), re.MULTILINE)
+    presets = sorted(p.name for p in resolve_path("andrea-12m.yaml").parent.glob("andrea-*.yaml"))
+    assert sorted(name for name, _ in rows) == presets
+    for name, total in rows:
+        assert int(total.replace(",", "")) == closed_form_total(load_config(name).model), name
