@@ -247,3 +247,74 @@ def test_mixture_refuses_different_tokenizers_and_small_sources(tmp_path):
     mix = Mixture([("a", a, 1.0), ("small", small, 1.0)], "train")
     with pytest.raises(UserError, match=r"small: the train split \(mixture source small\) has 40"):
         batch(mix, micro_batch_size=4)
+
+
+# ----------------------------------------------------------------------------- unchanged draws
+
+
+def draws_digest(split):
+    """sha256 of every micro-batch of a grid of (seed, step, accumulation x processes, rank,
+    micro-step, block size): the windows a run draws."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for seed in (7, 1234):
+        for step in (0, 1, 5, 99):
+            for accum, world in ((1, 1), (2, 1), (2, 2)):
+                for rank in range(world):
+                    for micro in range(accum):
+                        for block in (T, 7):
+                            x, y = batch(split, seed=seed, step=step, accum_steps=accum,
+                                         world_size=world, rank=rank, micro_step=micro,
+                                         block_size=block)
+                            digest.update(x.numpy().tobytes() + y[:, -1].numpy().tobytes())
+    return digest.hexdigest()
+
+
+def val_digest(split):
+    """sha256 of the val set train and eval score: each source's name, weight and windows."""
+    import hashlib
+    from unittest import mock
+
+    from andrea.train import validation
+
+    digest = hashlib.sha256()
+    with mock.patch.object(validation, "token_byte_lengths", lambda part: None):
+        for budget in (None, 100):
+            for s in validation.val_sources(split, T, budget):
+                digest.update(repr((s.name, s.weight, s.split.data_dir.name, s.windows)).encode())
+    return digest.hexdigest()
+
+
+def unchanged_splits(root):
+    """A data dir, a two-source mixture and a one-source data.sources, in `root`."""
+    a = make_source(root, "a", [3000, 900], 1)
+    b = make_source(root, "b", [1500], 10)
+    return {
+        "data dir": (TokenSplit(a, "train"), TokenSplit(a, "val")),
+        "mixture": tuple(Mixture([("a", a, 3.0), ("b", b, 1.0)], s) for s in ("train", "val")),
+        "one-source mixture": tuple(Mixture([("x/a", a, 2.0)], s) for s in ("train", "val")),
+    }
+
+
+# Recorded with the loader as it was before a data dir became a mixture of one (run
+# record_unchanged_draws with that andrea first on the path); a change here means runs draw
+# other batches or val windows than they always have.
+UNCHANGED = {
+    "data dir": ("9931f89dfeb36d52add06b3c3c90a7fc5300766d82f14cd79b219482d655966e",
+                 "7825b61b6bbce722ffd8e2a4a748f01676a954fa65c33c56b1fb7ea1554b8bbb"),
+    "mixture": ("33654166d47ea5e7d3f22df4f1842f2f27ca610fd64577892cea3581334c5c8c",
+                "8551308b3e4818380faa08bdb412a291c5f16f483bea4e5a5b9bf9def3004824"),
+    "one-source mixture": ("e2bb38f7b1a5e79f642b5012429d158557af0d9a7d341f24a19b8b65c8255540",
+                           "afe42227540e8ee1368c9c369f81d68d300b89d600749cd9cd9e6f56a1631c02"),
+}
+
+
+def record_unchanged_draws(root):
+    """What UNCHANGED holds, computed by whichever andrea is imported."""
+    return {name: (draws_digest(train), val_digest(val))
+            for name, (train, val) in unchanged_splits(root).items()}
+
+
+def test_draws_and_val_windows_are_those_recorded(tmp_path):
+    assert record_unchanged_draws(tmp_path) == UNCHANGED

@@ -13,10 +13,13 @@ depends only on (seed, step, rank, micro_step, sizes): resuming at a step sees e
 batches an uninterrupted run would, 1 process x 2 accumulation steps sees the same data as
 2 processes x 1, and different ranks' windows at a step are disjoint.
 
-A mixture (data.sources) draws from the same generator, after the offset, the source of each of
-the G * B windows (probability weight / sum of weights), then per source, in source order, that
-many distinct windows among the source's own; window j takes the next one of its source. So all
-of the above holds for mixtures too.
+Every split is a mixture: a data dir is a mixture of one source (itself, weight 1), and
+data.sources makes one of several. After the offset, the same generator draws the source of each
+of the G * B windows (probability weight / sum of weights), then per source, in source order,
+that many distinct windows among the source's own; window j takes the next one of its source.
+A data dir draws no source choice (every window is its own), so its windows are step 3's draw
+over all its candidates; data.sources draws one per window even when it lists one source (as it
+always has: the same config draws the same batches). All of the above holds for every split.
 """
 
 from __future__ import annotations
@@ -44,7 +47,12 @@ SHARE_STEPS = 20_000
 
 
 class TokenSplit:
-    """One split ("train" | "val") of a prepared data dir: all its shards as np.memmap."""
+    """One split ("train" | "val") of a prepared data dir: all its shards as np.memmap. It is
+    a mixture of one source: `parts`, `names`, `weights` and `shard_ranges` describe its
+    sources as a Mixture's do (itself, named by its folder, weight 1, every shard), and
+    `draws_sources` is False: a window's source is not drawn, nor is a share reported."""
+
+    draws_sources = False
 
     def __init__(self, data_dir: Path, split: str) -> None:
         if split not in SPLITS:
@@ -65,6 +73,10 @@ class TokenSplit:
             self.shards.append(tokens)
         self.shard_sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
         self.n_tokens: int = int(self.shard_sizes.sum())
+        self.parts: list[TokenSplit] = [self]
+        self.names: list[str] = [self.data_dir.name]
+        self.weights: np.ndarray = np.ones(1)
+        self.shard_ranges: list[tuple[int, int]] = [(0, len(self.shards))]
 
     def window_counts(self, block_size: int, offset: int) -> np.ndarray:
         """Per shard: how many windows of block_size + 1 start at offset + i * block_size."""
@@ -80,9 +92,11 @@ class TokenSplit:
 
 
 class Mixture(TokenSplit):
-    """One split of several prepared data dirs that share a tokenizer: `shards` are all of
-    theirs in source order (val batches read them all); training windows are drawn per source
-    by weight (`train_batch`)."""
+    """One split of the prepared data dirs of data.sources, which share a tokenizer: `shards`
+    are all of theirs in source order (val batches read them all); training windows are drawn
+    per source by weight (`train_batch`)."""
+
+    draws_sources = True
 
     def __init__(self, parts: list[tuple[str, Path, float]], split: str) -> None:
         splits = [TokenSplit(d, split) for _, d, _ in parts]
@@ -113,12 +127,15 @@ def open_split(cfg: Config, split: str) -> TokenSplit:
     return TokenSplit(data_dir_for(cfg), split)
 
 
-def _source_choice(rng: np.random.Generator, split: Mixture, per_step: int) -> np.ndarray:
+def _source_choice(rng: np.random.Generator, split: TokenSplit, per_step: int) -> np.ndarray:
+    """Each window's source; a data dir's are not drawn (see the module doc)."""
+    if not split.draws_sources:
+        return np.zeros(per_step, dtype=np.int64)
     return rng.choice(len(split.weights), size=per_step, p=split.weights)
 
 
-def _mixture_windows(
-    split: Mixture, rng: np.random.Generator, cum: np.ndarray, per_step: int
+def _draw_windows(
+    split: TokenSplit, rng: np.random.Generator, cum: np.ndarray, per_step: int
 ) -> np.ndarray:
     """per_step global window numbers: each window's source by weight, then distinct windows
     within each source."""
@@ -132,7 +149,7 @@ def _mixture_windows(
 
 
 def realised_share(
-    split: Mixture, *, seed: int, steps: range, per_step: int | Callable[[int], int],
+    split: TokenSplit, *, seed: int, steps: range, per_step: int | Callable[[int], int],
     block_size: int | Callable[[int], int],
 ) -> np.ndarray:
     """The fraction of training tokens each source gets over `steps` (the same draws as
@@ -153,9 +170,9 @@ def mixture_report(
     split: TokenSplit, *, seed: int, start_step: int, max_steps: int,
     per_step: int | Callable[[int], int], block_size: int | Callable[[int], int],
 ) -> tuple[str, dict] | None:
-    """For a Mixture: the line train prints and the metrics record of the realised share of
-    each source over the run's steps (at most SHARE_STEPS of them); None for one source."""
-    if not isinstance(split, Mixture):
+    """For data.sources: the line train prints and the metrics record of the realised share of
+    each source over the run's steps (at most SHARE_STEPS of them); None for a data dir."""
+    if not split.draws_sources:
         return None
     steps = range(start_step, max(start_step + 1, min(max_steps, start_step + SHARE_STEPS)))
     share = realised_share(split, seed=seed, steps=steps, per_step=per_step,
@@ -175,11 +192,8 @@ def mixture_report(
 
 
 def source_passes(split: TokenSplit, total_tokens: int) -> list[tuple[str, float, int]]:
-    """(name, passes, training tokens) per source of a Mixture over `total_tokens` drawn by
-    weight; one entry (the data folder's name) for a single split."""
-    if not isinstance(split, Mixture):
-        n = split.n_tokens
-        return [(split.data_dir.name, total_tokens / n if n else math.inf, n)]
+    """(name, passes, training tokens) per source over `total_tokens` drawn by weight (a data
+    dir's one entry is named by its folder)."""
     return [
         (name, total_tokens * float(w) / part.n_tokens if part.n_tokens else math.inf,
          part.n_tokens)
@@ -220,18 +234,13 @@ def train_batch(
     if not (0 <= rank < world_size and 0 <= micro_step < accum_steps):
         raise ValueError(f"rank {rank}/{world_size}, micro_step {micro_step}/{accum_steps}")
     per_step = accum_steps * world_size * micro_batch_size
-    if isinstance(split, Mixture):
-        for name, part in zip(split.names, split.parts, strict=True):
-            _check_enough(part, per_step, block_size, f" (mixture source {name})")
-    else:
-        _check_enough(split, per_step, block_size, "")
+    for name, part in zip(split.names, split.parts, strict=True):
+        what = f" (mixture source {name})" if split.draws_sources else ""
+        _check_enough(part, per_step, block_size, what)
     rng = np.random.default_rng([seed, step])
     offset = int(rng.integers(0, block_size))
     cum = np.cumsum(split.window_counts(block_size, offset))
-    if isinstance(split, Mixture):
-        chosen = _mixture_windows(split, rng, cum, per_step)
-    else:
-        chosen = sample_distinct(rng, int(cum[-1]), per_step)
+    chosen = _draw_windows(split, rng, cum, per_step)
     g = rank * accum_steps + micro_step
     mine = chosen[g * micro_batch_size : (g + 1) * micro_batch_size]
     return _stack([split.window(int(i), cum, block_size, offset) for i in mine])

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from andrea.data.loader import Mixture, TokenSplit, token_byte_lengths, val_windows, window_batches
+from andrea.data.loader import TokenSplit, token_byte_lengths, val_windows, window_batches
 from andrea.errors import UserError
 from andrea.train.distributed import DistInfo, all_reduce_sum
 
@@ -96,13 +96,10 @@ class ValSource:
 def val_sources(
     split: TokenSplit, block_size: int, max_tokens: int | None, only: str | None = None
 ) -> list[ValSource]:
-    """The val set of `split` (a data dir, or a Mixture: one entry per source, at most
-    max_tokens targets each); `only`: the one source of that name (its path as configured,
-    or the last part of it)."""
-    if isinstance(split, Mixture):
-        parts = list(zip(split.names, split.weights.tolist(), split.parts, strict=True))
-    else:
-        parts = [(split.data_dir.name, 1.0, split)]
+    """The val set of `split`: one entry per source (a data dir is one, named by its folder),
+    at most max_tokens targets each; `only`: the one source of that name (its path as
+    configured, or the last part of it)."""
+    parts = list(zip(split.names, split.weights.tolist(), split.parts, strict=True))
     if only is not None:
         chosen = [p for p in parts if only in (p[0], p[0].rstrip("/").rsplit("/", 1)[-1])]
         if not chosen:
