@@ -1,5 +1,6 @@
-"""The docs a user follows: every link and every repository path they name exists, and
-docs/model.md's parameter table is the closed form of each preset."""
+"""The docs a user follows: every link, heading link and repository path they name exists, README
+shows its first command early, docs/training.md stays a reference, and docs/model.md's parameter
+table is the closed form of each preset."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ REPO_PATH = re.compile(
 # Paths the docs name on purpose although no checkout holds them: a run's or a prepared
 # folder's files (made by running andrea), and placeholders.
 NOT_IN_REPO = re.compile(r"NNNN|<|\*")
+ANCHORED_LINK = re.compile(r"\]\(([^)\s#]*)#([^)\s]+)\)")
 
 
 def relative_links(text: str) -> list[str]:
@@ -53,10 +55,46 @@ def test_every_repository_path_named_exists(doc: Path):
     assert not missing, f"{doc.name} names paths that are not in the repository: {missing}"
 
 
+def test_readme_shows_the_first_command_within_its_first_20_lines():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert "<!-- main-command -->" in lines[:20]
+
+
+def test_training_reference_stays_a_reference():
+    assert len((REPO / "docs" / "training.md").read_text().splitlines()) <= 600
+
+
+def github_anchor(heading: str) -> str:
+    """The id GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(doc: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.MULTILINE | re.DOTALL)
+    return {github_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
+
+
+def test_github_anchor_drops_punctuation():
+    assert github_anchor("2026-12-02: the README's commands (as run)") == \
+        "2026-12-02-the-readmes-commands-as-run"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_link_to_a_heading_finds_it(doc: Path):
+    broken = []
+    for target, anchor in ANCHORED_LINK.findall(doc.read_text()):
+        page = (doc.parent / target) if target else doc
+        if page.suffix == ".md" and anchor not in anchors(page):
+            broken.append(f"{target}#{anchor}")
+    assert not broken, f"{doc.name} links to headings that do not exist: {broken}"
+
+
 def test_model_doc_parameter_table_is_the_closed_form():
-    rows = re.findall(r"^\| `(andrea-[\w.]+\.yaml)` \|.*\| ([\d,]+) \|$",
+    rows = re.findall(r"^\| `(andrea-[\w.]+\.yaml)` \|.*\| ([\d,]+) \| ([\d,]+) \|$",
                       (REPO / "docs" / "model.md").read_text(), re.MULTILINE)
     presets = sorted(p.name for p in resolve_path("andrea-12m.yaml").parent.glob("andrea-*.yaml"))
-    assert sorted(name for name, _ in rows) == presets
-    for name, total in rows:
-        assert int(total.replace(",", "")) == closed_form_total(load_config(name).model), name
+    assert sorted(row[0] for row in rows) == presets
+    for name, attention, total in rows:
+        model = load_config(name).model
+        assert int(attention.replace(",", "")) == model.n_layer * 4 * model.d_model**2, name
+        assert int(total.replace(",", "")) == closed_form_total(model), name
