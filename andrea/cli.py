@@ -41,6 +41,22 @@ def config_show(config: ConfigOpt, set_: SetOpt = None) -> None:
     typer.echo(_load(config, set_).to_yaml(), nl=False)
 
 
+@config_app.command("keys")
+def config_keys(
+    as_json: JsonOpt = False,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="docs/config.md's text: a table per section.")
+    ] = False,
+) -> None:
+    """List every config key with its default and description."""
+    from andrea.config.reference import keys_json, keys_markdown, keys_table
+
+    if markdown:
+        typer.echo(keys_markdown(), nl=False)
+    else:
+        typer.echo(keys_json() if as_json else keys_table())
+
+
 @app.command("count-params")
 def count_params_cmd(config: ConfigOpt, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
     """Count parameters by group (built on the meta device; checked against the formula)."""

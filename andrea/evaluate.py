@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from andrea.config import CHOICES, Config
+from andrea.config import PRECISIONS, Config
 from andrea.data.loader import TokenSplit, open_split
 from andrea.data.prepare import (
     SPLITS,
@@ -325,7 +325,7 @@ class EvalSettings:
             raise UserError(f"--max-tokens: must be a positive integer, got {self.max_tokens}")
         if self.batch_size < 1:
             raise UserError(f"--batch-size: must be a positive integer, got {self.batch_size}")
-        if self.precision not in CHOICES["train.precision"]:
+        if self.precision not in PRECISIONS:
             raise UserError(f"--precision: '{self.precision}' is not one of auto, fp32, bf16")
         if self.split not in SPLITS:
             raise UserError(f"--split: '{self.split}' is not one of {', '.join(SPLITS)}")

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from andrea.config import CHOICES
+from andrea.config import PRECISIONS
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea, KVCache
 
@@ -211,7 +211,7 @@ def generate_command(
         raise UserError(f"--max-new-tokens: must be >= 0, got {max_new_tokens}")
     if num_samples < 1:
         raise UserError(f"--num-samples: must be a positive integer, got {num_samples}")
-    if precision not in CHOICES["train.precision"]:
+    if precision not in PRECISIONS:
         raise UserError(f"--precision: '{precision}' is not one of auto, fp32, bf16")
     if prompt is not None and prompt_ids is not None:
         raise UserError("give --prompt TEXT or --prompt-ids IDS, not both")

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import textwrap
 
 import pytest
 import yaml
-from conftest import assert_user_error, run_andrea
+from conftest import REPO, assert_user_error, run_andrea
 
-from andrea.config import TrainConfig, load_config
+from andrea.config import PRECISIONS, SECTIONS, TrainConfig, key_spec, key_specs, load_config
+from andrea.config.declare import key, section_keys
+from andrea.config.reference import REGENERATE, default_text, keys_markdown
 from andrea.errors import UserError
+from andrea.train.resume import check_resume_changes
 
 
 def write(tmp_path, text: str):
@@ -108,3 +112,88 @@ def test_unknown_keys_suggest_only_close_matches_else_list_the_section():
         assert line.endswith("; the train keys are: " + ", ".join(
             f.name for f in dataclasses.fields(TrainConfig)))
     assert "the model keys are: n_layer, n_head, head_dim, d_model," in err("model.layers")
+
+
+def test_every_key_is_declared_with_a_one_line_description():
+    for spec in key_specs():
+        text = spec.rule.description
+        assert text and "\n" not in text and text == text.strip(), spec.dotted
+    # Every field of every section is a key (none left out of the declarations).
+    fields = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    assert [spec.dotted for spec in key_specs()] == fields
+
+
+def test_a_field_without_a_declaration_has_no_description():
+    @dataclasses.dataclass
+    class Section:
+        declared: int = key(1, "a key")
+        bare: int = 2
+
+    rules = {spec.name: spec.rule for spec in section_keys("x", Section)}
+    assert rules["declared"].description == "a key" and rules["bare"].description == ""
+
+
+def test_docs_key_table_is_generated_from_the_declarations():
+    on_disk = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
+    assert on_disk == keys_markdown(), f"docs/config.md is stale: run {REGENERATE}"
+    for spec in key_specs():
+        assert f"| `{spec.dotted}` | `{default_text(spec)}` |" in on_disk
+
+
+def test_resumable_keys_are_the_ones_resume_always_allowed():
+    resumable = {spec.dotted for spec in key_specs() if spec.rule.resumable}
+    assert resumable == {
+        "train.max_steps", "train.eval_every", "train.eval_tokens", "train.eval_batches",
+        "train.checkpoint_every", "train.keep_last", "train.log_every", "train.tensorboard",
+        "train.skip_nonfinite", "train.spike_guard", "train.spike_z", "train.spike_window",
+        "train.spike_patience", "train.spike_lr_factor", "train.spike_lr_steps", "train.compile",
+        "train.zero_init_output", "train.muon_ns_coefficients",
+        "train.muon_cautious_weight_decay", "train.micro_batch_size",
+        "train.activation_checkpointing", "train.parallel", "train.device", "model.attention",
+        "data.dir", "data.workers",
+    }
+    located = {spec.dotted for spec in key_specs() if spec.rule.location}
+    assert located == {"train.name", "train.runs_dir"}
+
+
+def test_resume_accepts_declared_changes_and_names_every_refused_key(tmp_path):
+    stored = load_config("andrea-tiny")
+    given = load_config("andrea-tiny", ["train.max_steps=7", "train.name=elsewhere",
+                                        "model.attention=math"])
+    assert check_resume_changes(stored, given, tmp_path, trained=True) == {
+        "train.max_steps": [stored.train.max_steps, 7], "model.attention": ["auto", "math"]}
+    given = load_config("andrea-tiny", ["train.lr=0.5", "train.optimizer=muon"])
+    with pytest.raises(UserError, match=r"cannot change train\.lr \(.* -> 0\.5\), "
+                                        r"train\.optimizer \(adamw -> muon\)"):
+        check_resume_changes(stored, given, tmp_path, trained=True)
+    # Before the first step (an import) only the model is fixed.
+    assert "train.lr" in check_resume_changes(stored, given, tmp_path, trained=False)
+
+
+def test_declared_choices_and_constraints_are_checked():
+    spec = key_spec("train.precision")
+    assert spec.rule.choices == PRECISIONS and spec.allowed == "auto, bf16, fp32"
+    with pytest.raises(UserError, match=r"train\.precision: 'fp16' is not one of auto, bf16"):
+        load_config("andrea-tiny", ["train.precision=fp16"])
+    assert key_spec("train.spike_window").allowed == "an integer of at least 2"
+    assert key_spec("data.text_field").allowed == "a string"
+    assert key_spec("train.micro_batch_size").allowed == "auto or a positive integer"
+    with pytest.raises(UserError, match=r"train\.micro_batch_size: must be auto or a positive"):
+        load_config("andrea-tiny", ["train.micro_batch_size=0"])
+    assert load_config("andrea-tiny", ["train.spike_guard=off"]).train.spike_guard == "off"
+
+
+def test_config_keys_lists_every_key_with_default_and_description():
+    proc = run_andrea("config", "keys")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["key", "default", "description"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert list(rows) == [spec.dotted for spec in key_specs()]
+    assert rows["train.lr"].split(None, 2)[1:] == ["0.0006", "peak learning rate (AdamW's)"]
+    proc = run_andrea("config", "keys", "--json")
+    records = {r["key"]: r for r in json.loads(proc.stdout)}
+    assert records["train.schedule"]["choices"] == ["cosine", "constant", "wsd"]
+    assert records["train.max_steps"]["on_resume"] == "may change"
+    assert records["train.lr"]["on_resume"] == "fixed"
+    assert records["data.sources"]["default"] == []

@@ -1,4 +1,5 @@
-"""Resume rules: which run to continue, and which config keys may change when it does."""
+"""Resume rules: which run to continue, and which config changes it accepts (the keys declared
+`resumable` in andrea/config/sections.py)."""
 
 from __future__ import annotations
 
@@ -8,56 +9,21 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from andrea.config import Config, config_from_dict, load_config
+from andrea.config import Config, config_from_dict, key_specs, load_config
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.rundir import CONFIG, is_step_dir, run_path
-
-# Keys `--resume` may change: they decide how the run proceeds (how far, how often it logs,
-# evaluates and checkpoints, how fast it computes), not what it trains. Any other difference
-# from the run's own config.yaml is refused. docs/training.md lists them.
-RESUMABLE_KEYS = (
-    "train.max_steps",
-    "train.eval_every",
-    "train.eval_tokens",
-    "train.eval_batches",
-    "train.checkpoint_every",
-    "train.keep_last",
-    "train.log_every",
-    "train.tensorboard",
-    "train.skip_nonfinite",
-    "train.spike_guard",
-    "train.spike_z",
-    "train.spike_window",
-    "train.spike_patience",
-    "train.spike_lr_factor",
-    "train.spike_lr_steps",
-    "train.compile",
-    "train.zero_init_output",
-    "train.muon_ns_coefficients",
-    "train.muon_cautious_weight_decay",
-    "train.micro_batch_size",
-    "train.activation_checkpointing",
-    "train.parallel",
-    "train.device",
-    "model.attention",
-    "data.dir",
-    "data.workers",
-)
-
-
-# Where a run lives rather than what it is: never compared (--resume names the run).
-_LOCATION_KEYS = ("train.name", "train.runs_dir")
 
 
 def config_changes(stored: Config, given: Config) -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (the run's value, the given value), for every key that differs."""
     old, new = stored.to_dict(), given.to_dict()
+    locations = {spec.dotted for spec in key_specs() if spec.rule.location}
     return {
         f"{section}.{key}": (value, new[section][key])
         for section, keys in old.items()
         for key, value in keys.items()
-        if f"{section}.{key}" not in _LOCATION_KEYS and new[section][key] != value
+        if f"{section}.{key}" not in locations and new[section][key] != value
     }
 
 
@@ -69,9 +35,10 @@ def check_resume_changes(
     A run that has not trained yet (an import: its checkpoint is at step 0) may still change
     its schedule and data, everything but the model the weights fix."""
     changes = config_changes(stored, given)
+    resumable = {spec.dotted for spec in key_specs() if spec.rule.resumable}
 
     def allowed(key: str) -> bool:
-        return key in RESUMABLE_KEYS or (not trained and not key.startswith("model."))
+        return key in resumable or (not trained and not key.startswith("model."))
 
     refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items() if not allowed(k)]
     if refused:
@@ -85,7 +52,7 @@ def check_resume_changes(
 
 def config_for_run(config: str | None, overrides: list[str], resume: str | None) -> Config:
     """The config to train with: --config (+ --set), or a resumed run's own config.yaml (+ --set,
-    which train() then checks against RESUMABLE_KEYS)."""
+    which train() then checks against the keys declared resumable)."""
     if config is not None:
         return load_config(config, overrides)
     if resume is None or resume == "auto":

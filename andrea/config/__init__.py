@@ -1,0 +1,32 @@
+"""Typed configuration: YAML sections `model`, `data`, `train` loaded into dataclasses.
+
+`sections` declares every key once (type, default, allowed values, resume rule, description),
+`declare` is how a key is declared, `load` reads and validates configs against the declarations,
+`reference` prints them (`andrea config keys`, docs/config.md).
+"""
+
+from andrea.config.declare import KeySpec
+from andrea.config.load import (
+    config_from_dict,
+    from_dict,
+    load_config,
+    parse_override,
+    resolve_path,
+    validate,
+)
+from andrea.config.sections import (
+    PRECISIONS,
+    SECTIONS,
+    Config,
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    key_spec,
+    key_specs,
+)
+
+__all__ = [
+    "PRECISIONS", "SECTIONS", "Config", "DataConfig", "KeySpec", "ModelConfig", "TrainConfig",
+    "config_from_dict", "from_dict", "key_spec", "key_specs", "load_config", "parse_override",
+    "resolve_path", "validate",
+]

@@ -1,0 +1,121 @@
+"""How a config key is declared: `key(default, description, ...)` as a dataclass field.
+
+A section dataclass (andrea/config/sections.py) declares each of its keys once, with everything
+andrea knows about it; loading, validation, the resume rules and the key reference read it back
+through `key_specs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# The field-metadata entry that holds a key's `Rule`.
+_RULE = "andrea"
+
+
+@dataclass(frozen=True)
+class Check:
+    """A constraint beyond the key's type: `holds(value)`, else the value must be `must_be`."""
+
+    holds: Callable[[Any], bool]
+    must_be: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a key's declaration says besides its type and default."""
+
+    description: str
+    choices: tuple[str, ...] = ()
+    check: Check | None = None
+    # May `--resume` change it? Such keys decide how a run proceeds (how far, how often it
+    # logs, evaluates and checkpoints, how fast it computes), not what it trains.
+    resumable: bool = False
+    # Where the run lives rather than what it is: never compared on resume (--resume names it).
+    location: bool = False
+
+
+def key(
+    default: Any,
+    description: str,
+    *,
+    choices: tuple[str, ...] = (),
+    check: Check | None = None,
+    resumable: bool = False,
+    location: bool = False,
+) -> Any:
+    """A section field: its default and its rule (a list default gets a fresh list per config)."""
+    rule = Rule(description, choices, check, resumable, location)
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=list, metadata={_RULE: rule})
+    return dataclasses.field(default=default, metadata={_RULE: rule})
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One config key as declared: `section.name`, its type, default and rule."""
+
+    section: str
+    name: str
+    type: Any
+    default: Any
+    rule: Rule
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def allowed(self) -> str:
+        """The values it takes, in words: its choices, its constraint, else its type."""
+        if self.rule.choices:
+            return ", ".join(self.rule.choices)
+        if self.rule.check is not None:
+            return self.rule.check.must_be
+        return type_name(self.type)
+
+
+@functools.cache
+def section_keys(section: str, cls: type) -> tuple[KeySpec, ...]:
+    """The keys a section dataclass declares, in the order of its fields. A field declared
+    without `key` gets an empty description (tests/test_config.py refuses it)."""
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        default = [] if f.default is dataclasses.MISSING else f.default
+        rule = f.metadata.get(_RULE, Rule(""))
+        specs.append(KeySpec(section, f.name, hints[f.name], default, rule))
+    return tuple(specs)
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               list: "a list"}
+
+
+def type_name(tp: Any) -> str:
+    """'an integer', 'an integer or a string', 'an integer or null': a type in words."""
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join("null" if a is type(None) else _TYPE_NAMES[a] for a in args)
+    return _TYPE_NAMES[tp]
+
+
+def positive(must_be: str = "positive") -> Check:
+    return Check(lambda x: x > 0, must_be)
+
+
+def non_negative(must_be: str = "non-negative") -> Check:
+    return Check(lambda x: x >= 0, must_be)
+
+
+def fraction(must_be: str = "in [0, 1)") -> Check:
+    """A value in [0, 1): a dropout, a momentum, a decay."""
+    return Check(lambda x: 0 <= x < 1, must_be)
+
+
+POSITIVE_INT = positive("a positive integer")

@@ -1,0 +1,269 @@
+"""Loading and validating configs: YAML or a dict, `--set` overrides, the checks of values.
+
+Every error names the file (or the `--set` override) and the dotted key, in one line, and raises
+`UserError`, which the CLI turns into exit code 2. What each key allows is declared once, in
+andrea/config/sections.py; this module applies the declarations.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from andrea.config.declare import KeySpec, section_keys, type_name
+from andrea.config.sections import SECTIONS, Config, key_specs
+from andrea.errors import UserError
+from andrea.resources import configs_dir
+
+# A suggestion must be a likely typo (max_step -> max_steps: 0.94); at 0.5, 'nope' became
+# 'compile' (0.55) and 'steps' 'eps' (0.75), which mislead more than they help.
+SUGGEST_CUTOFF = 0.8
+
+
+def _suggest(
+    word: str, options: typing.Iterable[str], prefix: str = "", listing: str = ""
+) -> str:
+    """'; did you mean X?' for a close match; else, with `listing` (what the options are),
+    all of them; else nothing."""
+    options = list(options)
+    close = difflib.get_close_matches(word, options, n=1, cutoff=SUGGEST_CUTOFF)
+    if close:
+        return f"; did you mean '{prefix}{close[0]}'?"
+    return f"; {listing}: {', '.join(options)}" if listing else ""
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against the field type `tp`; return it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(options) > 1:
+            for option in options:
+                try:
+                    return _coerce(value, option, where)
+                except UserError:
+                    pass
+            raise UserError(f"{where}: expected {type_name(tp)}, got {value!r}")
+        (tp,) = options
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads 3e-4 (no dot) as a string; accept anything Python reads as a number.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    ok = (
+        (tp is bool and isinstance(value, bool))
+        or (tp is int and isinstance(value, int) and not isinstance(value, bool))
+        or (tp is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (tp is str and isinstance(value, str))
+    )
+    if not ok:
+        raise UserError(f"{where}: expected {type_name(tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _sources(value: Any, where: str) -> list[dict[str, Any]]:
+    """data.sources: a list of {path: str, weight: number > 0}."""
+    if not isinstance(value, list):
+        raise UserError(f"{where}: expected a list of {{path, weight}}, got {value!r}")
+    out = []
+    for i, entry in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, dict) or set(entry) - {"path", "weight"} or "path" not in entry:
+            raise UserError(
+                f"{at}: expected {{path: FILE|DIR|GLOB, weight: NUMBER}}, got {entry!r}"
+            )
+        path = _coerce(entry["path"], str, f"{at}.path")
+        weight = _coerce(entry.get("weight", 1.0), float, f"{at}.weight")
+        if not weight > 0 or weight == float("inf"):
+            raise UserError(f"{at}.weight: must be a number > 0, got {entry.get('weight')!r}")
+        out.append({"path": path, "weight": weight})
+    return out
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+    specs = {spec.name: spec for spec in section_keys(section, SECTIONS[section])}
+    if key not in specs:
+        raise UserError(
+            f"{origin}: unknown key '{section}.{key}'"
+            f"{_suggest(key, specs, section + '.', f'the {section} keys are')}"
+        )
+    cfg.given.add(f"{section}.{key}")
+    if (section, key) == ("data", "sources"):
+        cfg.data.sources = _sources(value, f"{origin}: data.sources")
+        return
+    if value is False and "off" in specs[key].rule.choices:
+        value = "off"  # YAML 1.1 reads a bare `off` as false
+    value = _coerce(value, specs[key].type, f"{origin}: {section}.{key}")
+    setattr(getattr(cfg, section), key, value)
+
+
+def _value(cfg: Config, spec: KeySpec) -> Any:
+    return getattr(getattr(cfg, spec.section), spec.name)
+
+
+def _check_declared(cfg: Config, origin: str) -> None:
+    """Every key's declared choices, then every key's declared constraint."""
+    specs = key_specs()
+    for spec in specs:
+        choices, value = spec.rule.choices, _value(cfg, spec)
+        if choices and value not in choices:
+            raise UserError(
+                f"{origin}: {spec.dotted}: '{value}' is not one of {', '.join(choices)}"
+                f"{_suggest(str(value), choices)}"
+            )
+    for spec in specs:
+        check, value = spec.rule.check, _value(cfg, spec)
+        if check is not None and value is not None and not check.holds(value):
+            raise UserError(f"{origin}: {spec.dotted}: must be {check.must_be}, got {value!r}")
+
+
+def validate(cfg: Config, origin: str) -> Config:
+    """Check values beyond their types and fill in derived fields. Returns cfg."""
+    _check_declared(cfg, origin)
+    m = cfg.model
+    derived = m.n_head * m.head_dim
+    if m.d_model is not None and m.d_model != derived:
+        raise UserError(
+            f"{origin}: model.d_model: {m.d_model} is not n_head * head_dim = "
+            f"{m.n_head} * {m.head_dim} = {derived}; drop d_model or make them agree"
+        )
+    m.d_model = derived
+    d = cfg.data
+    if d.tokenizer_file and d.tokenizer != "bpe":
+        raise UserError(
+            f"{origin}: data.tokenizer_file applies to data.tokenizer bpe only, not "
+            f"{d.tokenizer}; set data.tokenizer=bpe or data.tokenizer_file=''"
+        )
+    t = cfg.train
+    if t.name and (t.name in (".", "..") or "/" in t.name or "\\" in t.name):
+        raise UserError(
+            f"{origin}: train.name: {t.name!r} is not a folder name; a run lives in "
+            f"train.runs_dir/train.name, so set train.runs_dir for the place and train.name "
+            f"without '/' for the run"
+        )
+    if t.eval_batches is not None:
+        if "train.eval_tokens" not in cfg.given:
+            micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 8
+            t.eval_tokens = t.eval_batches * micro * m.block_size
+        t.eval_batches = None
+    if t.min_lr > t.lr:
+        raise UserError(f"{origin}: train.min_lr: {t.min_lr} is above train.lr = {t.lr}")
+    if bool(t.batch_warmup_tokens) != bool(t.batch_warmup_steps):
+        raise UserError(
+            f"{origin}: train.batch_warmup_tokens ({t.batch_warmup_tokens}) and "
+            f"train.batch_warmup_steps ({t.batch_warmup_steps}) go together: set both for a "
+            f"batch-size warm-up, or both to 0"
+        )
+    if t.batch_warmup_tokens and not t.global_batch_tokens:
+        raise UserError(
+            f"{origin}: train.batch_warmup_tokens: {t.batch_warmup_tokens} needs "
+            f"train.global_batch_tokens, the batch it warms up to (0 is one micro-batch per "
+            f"process); set it, or set both batch_warmup keys to 0"
+        )
+    if bool(t.seq_warmup_length) != bool(t.seq_warmup_steps):
+        raise UserError(
+            f"{origin}: train.seq_warmup_length ({t.seq_warmup_length}) and "
+            f"train.seq_warmup_steps ({t.seq_warmup_steps}) go together: set both for a "
+            f"sequence-length warm-up, or both to 0"
+        )
+    if 0 < t.seq_warmup_length < m.block_size and m.block_size % t.seq_warmup_length:
+        raise UserError(
+            f"{origin}: train.seq_warmup_length: {t.seq_warmup_length} does not divide "
+            f"model.block_size {m.block_size} (a micro-batch's windows are cut into shorter "
+            f"ones of the same tokens); pick a divisor, e.g. {m.block_size // 2}"
+        )
+    return cfg
+
+
+def resolve_path(name: str | Path) -> Path:
+    """A path that exists, else a bundled preset by bare name (with or without .yaml)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    if path.name == str(name):  # a bare name, no directory part
+        for candidate in (configs_dir() / path.name, configs_dir() / f"{path.name}.yaml"):
+            if candidate.is_file():
+                return candidate
+    presets = ", ".join(sorted(p.name for p in configs_dir().glob("*.yaml")))
+    raise UserError(f"{name}: no such config file, and no bundled preset by that name ({presets})")
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'train.lr=3e-4' -> ('train', 'lr', 0.0003). Values are parsed as YAML scalars."""
+    origin = f"--set {text}"
+    if "=" not in text:
+        raise UserError(f"{origin}: expected SECTION.KEY=VALUE, e.g. train.lr=3e-4")
+    dotted, raw = text.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or parts[0] not in SECTIONS:
+        raise UserError(
+            f"{origin}: '{dotted}' is not SECTION.KEY with SECTION one of {', '.join(SECTIONS)}"
+            f"{_suggest(parts[0], SECTIONS)}"
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise UserError(f"{origin}: value is not valid YAML: {exc}") from None
+    return parts[0], parts[1], value
+
+
+def from_dict(data: Any, origin: str) -> Config:
+    """Build a Config from parsed YAML (no validation of values yet)."""
+    cfg = Config(source=origin)
+    if data is None:
+        return cfg
+    if not isinstance(data, dict):
+        raise UserError(f"{origin}: expected a mapping with sections {', '.join(SECTIONS)}")
+    for section, body in data.items():
+        if section not in SECTIONS:
+            raise UserError(
+                f"{origin}: unknown section '{section}'{_suggest(str(section), SECTIONS)}"
+            )
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise UserError(f"{origin}: section '{section}' must be a mapping of keys to values")
+        for key, value in body.items():
+            _apply(cfg, section, str(key), value, origin)
+    return cfg
+
+
+def load_config(name: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a YAML config (path or bundled preset name), apply `--set` overrides, validate."""
+    if name is None:
+        cfg = Config()
+        origin = "<defaults>"
+    else:
+        path = resolve_path(name)
+        origin = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path}: cannot read config: {exc}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise UserError(f"{path}: YAML syntax error{line}: {problem}") from None
+        cfg = from_dict(data, origin)
+        if not cfg.train.name:
+            cfg.train.name = path.stem
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _apply(cfg, section, key, value, f"--set {text}")
+    return validate(cfg, origin if not overrides else f"{origin} (with --set overrides)")
+
+
+def config_from_dict(data: dict[str, Any], origin: str = "<dict>") -> Config:
+    """A validated Config from a plain dict, e.g. the metadata stored in a checkpoint."""
+    return validate(from_dict(data, origin), origin)

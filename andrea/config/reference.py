@@ -1,0 +1,99 @@
+"""The config keys for people: `andrea config keys` (a table, JSON) and docs/config.md.
+
+All of it is generated from the declarations in andrea/config/sections.py, so it cannot go
+stale; tests/test_config.py checks docs/config.md against `keys_markdown()`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from andrea.config.declare import KeySpec
+from andrea.config.sections import SECTIONS, key_specs
+
+REGENERATE = "andrea config keys --markdown > docs/config.md"
+
+
+def default_text(spec: KeySpec) -> str:
+    """The default as a YAML config spells it."""
+    value = spec.default
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if value == "":
+        return "''"
+    return str(value)
+
+
+def on_resume(spec: KeySpec) -> str:
+    """What `--resume` does with a changed value of the key."""
+    if spec.rule.location:
+        return "names the run"
+    return "may change" if spec.rule.resumable else "fixed"
+
+
+def keys_table() -> str:
+    """Every key with its default and description, aligned for a terminal."""
+    rows = [(spec.dotted, default_text(spec), spec.rule.description) for spec in key_specs()]
+    key_w = max(len(r[0]) for r in rows)
+    default_w = max(len(r[1]) for r in rows)
+    lines = [f"{'key':<{key_w}}  {'default':<{default_w}}  description"]
+    lines += [f"{k:<{key_w}}  {d:<{default_w}}  {text}" for k, d, text in rows]
+    return "\n".join(lines)
+
+
+def keys_json() -> str:
+    """Every key's declaration as a JSON list."""
+    records: list[dict[str, Any]] = [
+        {
+            "key": spec.dotted,
+            "default": spec.default,
+            "allowed": spec.allowed,
+            "choices": list(spec.rule.choices),
+            "on_resume": on_resume(spec),
+            "description": spec.rule.description,
+        }
+        for spec in key_specs()
+    ]
+    return json.dumps(records, indent=2)
+
+
+_HEADER = f"""\
+# Config keys
+
+<!-- Generated from andrea/config/sections.py by `{REGENERATE}`;
+tests/test_config.py fails when this file differs. Edit the declarations, not this file. -->
+
+A config is a YAML file with three sections, `model`, `data` and `train`, each a mapping of the
+keys below; a key left out takes its default. `--set SECTION.KEY=VALUE` overrides one key (the
+value read as YAML), `andrea config show --config X` prints a config as resolved, and
+`andrea config keys` prints this list (`--json` for a program). An unknown key, a value of the
+wrong type or outside what it allows is a one-line error naming the file and the key.
+
+On resume: `--resume` continues a run with its own config.yaml; `--set` may change the keys
+marked *may change* (how the run proceeds: how far, how often it logs, evaluates and
+checkpoints, how fast it computes), and any other change is refused, except that a run not yet
+trained (an import, at step 0) may change every key outside `model`. The keys marked
+*names the run* say where the run lives and are not compared.
+"""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("<", "\\<")
+
+
+def keys_markdown() -> str:
+    """docs/config.md: one table per section, every key with its declaration."""
+    parts = [_HEADER]
+    specs = key_specs()
+    for section in SECTIONS:
+        parts.append(f"\n## {section}\n\n| key | default | allowed | on resume | description |\n"
+                     "|---|---|---|---|---|\n")
+        parts += [
+            f"| `{spec.dotted}` | `{default_text(spec)}` | {_cell(spec.allowed)} | "
+            f"{on_resume(spec)} | {_cell(spec.rule.description)} |\n"
+            for spec in specs if spec.section == section
+        ]
+    return "".join(parts)
