@@ -72,11 +72,15 @@ value read as YAML), `andrea config show --config X` prints a config as resolved
 `andrea config keys` prints this list (`--json` for a program). An unknown key, a value of the
 wrong type or outside what it allows is a one-line error naming the file and the key.
 
-On resume: `--resume` continues a run with its own config.yaml; `--set` may change the keys
-marked *may change* (how the run proceeds: how far, how often it logs, evaluates and
-checkpoints, how fast it computes), and any other change is refused, except that a run not yet
-trained (an import, at step 0) may change every key outside `model`. The keys marked
-*names the run* say where the run lives and are not compared.
+On resume: a resumed run's config may differ from its own config.yaml (by `--set`, or the
+`--config` given with `--resume auto`) only in the keys marked *may change* (how the run
+proceeds: how far, how often it logs, evaluates and checkpoints, how fast it computes); any
+other change is refused, except that a run not yet trained (an import, at step 0) may change
+every key outside `model`. The keys marked *names the run* say where the run lives and are not
+compared.
+
+Each description is one line; how the keys work together, at length: [model.md](model.md)
+(`model`), [data.md](data.md) (`data`), [training.md](training.md) (`train`).
 """
 
 
