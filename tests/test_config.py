@@ -118,6 +118,11 @@ def test_every_key_is_declared_with_a_one_line_description():
     for spec in key_specs():
         text = spec.rule.description
         assert text and "\n" not in text and text == text.strip(), spec.dotted
+        # A default the declaration itself refuses would make every config fail.
+        default = spec.default
+        assert not spec.rule.choices or default in spec.rule.choices, spec.dotted
+        check = spec.rule.check
+        assert check is None or default is None or check.holds(default), spec.dotted
     # Every field of every section is a key (none left out of the declarations).
     fields = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
     assert [spec.dotted for spec in key_specs()] == fields
