@@ -8,8 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from andrea.config import load_config, resolve_path
+from andrea.config.sections import key_specs
 from andrea.model.params import closed_form_total
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,3 +100,20 @@ def test_model_doc_parameter_table_is_the_closed_form():
         model = load_config(name).model
         assert int(attention.replace(",", "")) == model.n_layer * 4 * model.d_model**2, name
         assert int(total.replace(",", "")) == closed_form_total(model), name
+
+
+def test_keys_tables_in_the_docs_state_the_declared_defaults():
+    """A reference table that repeats a key's default (docs/training.md's Muon and spike-guard
+    tables) says what the declaration says. docs/config.md is generated and checked elsewhere;
+    docs/log.md records what was, and its tables are of recipes, not defaults."""
+    declared = {spec.dotted: spec.default for spec in key_specs()}
+    seen = 0
+    for doc in DOCS:
+        if doc.name in ("config.md", "log.md"):
+            continue
+        for dotted, default in re.findall(r"^\| `(\w+\.\w+)` \| `?([^`| ]+)", doc.read_text(),
+                                          re.MULTILINE):
+            if dotted in declared:
+                seen += 1
+                assert yaml.safe_load(default) == declared[dotted], (doc.name, dotted, default)
+    assert seen >= 13
