@@ -1,8 +1,9 @@
-"""`andrea prepare` on real-corpus formats: JSON Lines (+gzip, zstd), Parquet, `datasets` Arrow
-folders and mixes of them give the same tokens as the tokenizer on each document; the record
+"""`andrea prepare` on real-corpus formats: JSON Lines (+gzip, zstd), Parquet, CSV, `datasets`
+Arrow folders and mixes of them give the same tokens as the tokenizer on each document; the record
 split is by document and independent of workers and chunking; a killed prepare resumes from its
 last complete shard; bad input is a one-line error with nothing half-written."""
 
+import csv
 import gzip
 import json
 import os
@@ -107,6 +108,33 @@ def test_record_split_ignores_workers_and_job_size(mixed, tmp_path, monkeypatch)
     for split in ("train", "val"):
         np.testing.assert_array_equal(split_tokens(one, split), split_tokens(two, split))
         np.testing.assert_array_equal(split_tokens(one, split), split_tokens(ds, split))
+
+
+CSV_DOCS = DOCS[:80] + ["with, commas", 'with "quotes" inside', "multi\nline\r\nfield", "", '"',
+                        'a,"b"\n,c', "café 日本語"]
+
+
+def test_csv_gives_the_shards_of_the_same_texts_as_json_lines(tmp_path, monkeypatch):
+    with open(tmp_path / "a.csv", "w", newline="", encoding="utf-8") as f:
+        rows = csv.writer(f)  # quotes what needs it; rows end in \r\n
+        rows.writerow(["id", "text", "n"])
+        rows.writerows([i, d, len(d)] for i, d in enumerate(CSV_DOCS))
+    (tmp_path / "b.csv.gz").write_bytes(gzip.compress((tmp_path / "a.csv").read_bytes()))
+    (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(CSV_DOCS))
+    monkeypatch.setattr(readers, "READ_BYTES", 300)  # jobs cut between rows, inside none
+    outs = {name: prepare.prepare_inputs(str(tmp_path / name), "byte", tmp_path / f"out-{name}")
+            for name in ("a.jsonl", "a.csv", "b.csv.gz")}
+    files = sorted(p.name for p in outs["a.jsonl"].glob("*.bin"))
+    assert files == ["train_000000.bin", "val_000000.bin"]
+    for name in ("a.csv", "b.csv.gz"):
+        assert sorted(p.name for p in outs[name].glob("*.bin")) == files
+        for file in files:
+            assert (outs[name] / file).read_bytes() == (outs["a.jsonl"] / file).read_bytes()
+        assert prepare.read_manifest(outs[name])["text_field"] == "text"
+    r = run_andrea("prepare", "-i", "a.csv", "-t", "byte", "--text-field", "body", cwd=tmp_path)
+    assert_user_error(r, "a.csv: no column 'body'; its header has: id, text, n",
+                      "--text-field")
+    assert not (tmp_path / "data").exists()
 
 
 def test_text_field_and_skipped_records(tmp_path):

@@ -22,12 +22,9 @@ from andrea.data.folder import is_andrea_folder
 from andrea.data.readers import (
     InputFile,
     Job,
-    arrow_jobs,
     input_files,
     input_identity,
     iter_blocks,
-    parquet_jobs,
-    record_jobs,
 )
 from andrea.data.shards import SPLITS
 from andrea.errors import UserError
@@ -242,17 +239,13 @@ def input_jobs(
     """The jobs of one input in their fixed order; the first `skip` carry no data."""
     if isinstance(item, Document):
         yield from _text_jobs(item, val_fraction, skip, item.size)
-    elif item.kind == "text":
+    elif item.reader.jobs is None:
         try:
             yield from _text_jobs(_as_document(item, scratch), val_fraction, skip, item.size)
         finally:
             scratch.unlink(missing_ok=True)
-    elif item.kind == "records":
-        yield from record_jobs(item, skip)
-    elif item.kind == "parquet":
-        yield from parquet_jobs(item, text_field, skip)
     else:
-        yield from arrow_jobs(item, text_field, skip)
+        yield from item.reader.jobs(item, text_field, skip)
 
 
 def all_jobs(

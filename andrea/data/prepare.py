@@ -135,7 +135,7 @@ def _settings(
         "shard_tokens": shard_tokens,
         "errors": errors,
     }
-    if any(isinstance(d, InputFile) and d.kind != "text" for d in docs):
+    if any(isinstance(d, InputFile) and d.reader.has_records for d in docs):
         # Records: the field read, and their own split rule (whole documents by hash).
         settings["text_field"] = text_field
         settings["split"]["record_rule"] = RECORD_SPLIT_RULE

@@ -1,9 +1,11 @@
 """Input formats for `andrea prepare`: which files an input names, and their content as jobs.
 
-Formats, chosen by extension and checked by content (docs/data.md):
+Formats, chosen by extension and checked by content (docs/data.md); READERS at the end of this
+file is the one list of them (a new format is one entry there and its jobs function):
   text     .txt .md .text .rst (optionally .gz / .zst): the whole file is one document
   records  .jsonl .json (optionally .gz / .zst): one JSON object per line, one document each
   parquet  .parquet: the text column, read row group by row group
+  csv      .csv (optionally .gz / .zst): a header row, then one document per row (the text column)
   arrow    the Arrow stream files of a Hugging Face `datasets` save_to_disk folder
 
 Every file is cut into jobs of about CHUNK_BYTES of text, in a fixed order, so a job number
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import io
 import json
 import os
 import zlib
@@ -22,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from andrea.errors import UserError
 
@@ -39,7 +44,7 @@ _STRING_TYPES = ("string", "large_string", "string_view", "binary", "large_binar
 @dataclass(frozen=True)
 class InputFile:
     path: Path
-    kind: str  # "text" | "records" | "parquet" | "arrow"
+    kind: str  # a Reader's kind: "text" | "records" | "parquet" | "csv" | "arrow"
     compression: str  # "" | ".gz" | ".zst"
     size: int  # bytes on disk
     mtime_ns: int
@@ -48,25 +53,24 @@ class InputFile:
     def name(self) -> str:
         return str(self.path)
 
+    @property
+    def reader(self) -> Reader:
+        return BY_KIND[self.kind]
+
 
 def file_kind(path: Path) -> tuple[str | None, str]:
     """(kind, compression) from the file name; kind None for a name no reader claims."""
     name = path.name.lower()
     compression = next((c for c in COMPRESSIONS if name.endswith(c)), "")
     suffix = Path(name.removesuffix(compression)).suffix if compression else path.suffix.lower()
-    if suffix in TEXT_SUFFIXES:
-        return "text", compression
-    if suffix in RECORD_SUFFIXES:
-        return "records", compression
-    if suffix == ".parquet" and not compression:
-        return "parquet", ""
-    if suffix == ".arrow" and not compression:
-        return "arrow", ""
-    return None, compression
+    reader = BY_SUFFIX.get(suffix)
+    if reader is None or (compression and not reader.compressible):
+        return None, compression
+    return reader.kind, compression
 
 
 def _described() -> str:
-    return ", ".join(TEXT_SUFFIXES + RECORD_SUFFIXES + (".parquet",)) + " (+.gz/.zst)"
+    return ", ".join(s for r in READERS if r.in_folders for s in r.suffixes) + " (+.gz/.zst)"
 
 
 def _datasets_files(folder: Path) -> list[Path]:
@@ -108,8 +112,12 @@ def _walk(root: Path, exclude: Callable[[Path], bool]) -> list[Path]:
         dirs[:] = sorted(d for d in dirs if not d.startswith(".")
                          and not exclude(Path(here) / d))
         found += [Path(here) / n for n in names if not n.startswith(".")
-                  and file_kind(Path(n))[0] in ("text", "records", "parquet")]
+                  and _in_folders(file_kind(Path(n))[0])]
     return sorted(found)
+
+
+def _in_folders(kind: str | None) -> bool:
+    return kind is not None and BY_KIND[kind].in_folders
 
 
 def input_files(spec: str, exclude: Callable[[Path], bool] | None = None) -> list[InputFile]:
@@ -259,25 +267,91 @@ class Job:
     where: str = ""  # "row group N" for a column job
 
 
-def record_jobs(f: InputFile, skip: int) -> Iterator[Job]:
-    """JSON Lines cut at line breaks into jobs of about READ_BYTES."""
-    buf, line, consumed = b"", 1, 0
-    index = 0
+def _pieces(f: InputFile, last_row_end: Callable[[bytes], int]) -> Iterator[tuple[bytes, int]]:
+    """(bytes, file bytes consumed) of the whole file in pieces of about READ_BYTES, each cut
+    just past its last row (`last_row_end`: 0 when no row ends in it yet: read on)."""
+    buf, consumed = b"", 0
     for block, n in iter_blocks(f):
         buf += block
         consumed += n
         if len(buf) < READ_BYTES:
             continue
-        cut = buf.rfind(b"\n") + 1
+        cut = last_row_end(buf)
         if cut == 0:
-            continue  # a line longer than a block: read on
-        data, buf = buf[:cut], buf[cut:]
+            continue  # a row longer than a block: read on
+        yield buf[:cut], consumed
+        buf, consumed = buf[cut:], 0
+    if buf or consumed:
+        yield buf, consumed
+
+
+def record_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
+    """JSON Lines cut at line breaks into jobs of about READ_BYTES (the field is read by the
+    worker)."""
+    line = 1
+    for index, (data, consumed) in enumerate(_pieces(f, lambda buf: buf.rfind(b"\n") + 1)):
         yield Job("records", f.name, consumed, data if index >= skip else None, line)
         line += data.count(b"\n")
-        index += 1
-        consumed = 0
-    if buf or consumed:
-        yield Job("records", f.name, consumed, buf if index >= skip else None, line)
+
+
+def _csv_row_ends(buf: bytes) -> np.ndarray:
+    """Offsets just past each line break outside quotes (an even number of '"' before it:
+    RFC 4180 quoting, a quote inside a quoted field doubled)."""
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    breaks = np.flatnonzero(raw == ord("\n"))
+    return breaks[np.cumsum(raw == ord('"'))[breaks] % 2 == 0] + 1
+
+
+def _csv_last_row_end(buf: bytes) -> int:
+    ends = _csv_row_ends(buf)
+    return int(ends[-1]) if len(ends) else 0
+
+
+def _read_csv(f: InputFile, data: bytes, names: list[str] | None, field: str, line: int) -> Any:
+    """A piece of CSV (whole rows, from file line `line`) as a table: with `names`, its rows
+    are data and only the text column is read, as bytes (decoded by the worker, under
+    --errors); without, the header."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    read = pcsv.ReadOptions(column_names=names, block_size=len(data) + 1, use_threads=False)
+    convert = pcsv.ConvertOptions(include_columns=[field], column_types={field: pa.binary()}
+                                  ) if names else None
+    try:
+        return pcsv.read_csv(io.BytesIO(data), read_options=read, convert_options=convert,
+                             parse_options=pcsv.ParseOptions(newlines_in_values=True))
+    except Exception as exc:  # pyarrow.ArrowInvalid: a row with too few or too many fields
+        problem = " ".join(str(exc).split())
+        raise UserError(
+            f"{f.path}: not readable CSV in the rows from line {line} on ({problem}); fix the "
+            "file (a header row, then rows of as many fields, \" around a field with , \" or "
+            "a line break, \"\" for a \" inside one)"
+        ) from None
+
+
+def csv_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
+    """A header row naming the columns, then rows cut into jobs of about READ_BYTES at row
+    ends (line breaks in quoted fields stay inside their row); each job the text column."""
+    names: list[str] | None = None
+    row, line = 1, 1
+    for index, (data, consumed) in enumerate(_pieces(f, _csv_last_row_end)):
+        if names is None:
+            ends = _csv_row_ends(data)
+            head = int(ends[0]) if len(ends) else len(data)
+            names = _read_csv(f, data[:head], None, field, line).column_names
+            if field not in names:
+                raise UserError(
+                    f"{f.path}: no column '{field}'; its header has: {', '.join(names)}; "
+                    "choose one with --text-field (data.text_field)"
+                )
+            line += data[:head].count(b"\n")
+            data = data[head:]
+        column = _read_csv(f, data, names, field, line).column(0) if data.strip() else None
+        rows = len(column) if column is not None else 0
+        yield Job("column", f.name, consumed, column if index >= skip and rows else None, row,
+                  "after the header")
+        row += rows
+        line += data.count(b"\n")
 
 
 def _open_parquet(f: InputFile) -> Any:
@@ -394,3 +468,35 @@ def arrow_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
             yield Job("column", f.name, share, part, row + start, f"batch {n}")
             index += 1
         row += len(array)
+
+
+# ----------------------------------------------------------------------------- the formats
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One input format: the suffixes that name its files and how a file becomes jobs."""
+
+    kind: str
+    suffixes: tuple[str, ...]
+    # (file, text field, jobs to skip) -> its jobs in order; None for a whole text, which
+    # andrea/data/documents.py cuts itself (its val tail needs the whole document).
+    jobs: Callable[[InputFile, str, int], Iterator[Job]] | None
+    compressible: bool = True  # also as .gz / .zst, read through iter_blocks
+    in_folders: bool = True  # collected from a directory (Arrow files: from their state.json)
+
+    @property
+    def has_records(self) -> bool:
+        """Many documents a file, each whole in one split, the text in data.text_field."""
+        return self.jobs is not None
+
+
+READERS = (
+    Reader("text", TEXT_SUFFIXES, None),
+    Reader("records", RECORD_SUFFIXES, record_jobs),
+    Reader("parquet", (".parquet",), parquet_jobs, compressible=False),
+    Reader("csv", (".csv",), csv_jobs),
+    Reader("arrow", (".arrow",), arrow_jobs, compressible=False, in_folders=False),
+)
+BY_SUFFIX = {suffix: r for r in READERS for suffix in r.suffixes}
+BY_KIND = {r.kind: r for r in READERS}
