@@ -1,7 +1,7 @@
 """`andrea prepare`: text in, token shards out (docs/data.md describes every rule here).
 
 Inputs (andrea/data/readers.py): text files, whole documents each, or the embedded Shakespeare's
-plays; JSON Lines, Parquet and `datasets` Arrow files, one document per record. A whole text's
+plays; JSON Lines, Parquet, CSV and `datasets` Arrow files, one document per record. A whole text's
 tail goes to the val split (everything after the first line break at or after (1 - val_fraction)
 of its bytes); a record goes to val by a hash of its text. Each split is written as shards of at
 most `shard_tokens` tokens, every document (or document part) followed by end-of-text.
@@ -15,14 +15,15 @@ a directory without one was never completed; re-running with unchanged inputs do
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from andrea.data import shards
 from andrea.data.documents import (  # noqa: F401  (re-exported: the package's data API)
     SHAKESPEARE,
     SPLITS,
@@ -44,122 +45,15 @@ from andrea.data.folder import (
     records,
     remove_unlisted,
 )
-from andrea.data.readers import InputFile
-from andrea.data.shards import MANIFEST, MANIFEST_VERSION, read_manifest
-from andrea.data.tokenizer import (
-    BPE_FILE,
-    EOT_TEXT,
-    FIXED_VOCAB,
-    KINDS,
-    BpeTokenizer,
-    load_tokenizer,
-)
+from andrea.data.request import check_same_request, is_current, request_settings
+from andrea.data.shards import MANIFEST, read_manifest
+from andrea.data.tokenizer import BPE_FILE, FIXED_VOCAB, KINDS, read_tokenizer_file
 from andrea.data.writer import mark_started, resume_point, write_shards
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
 
 if TYPE_CHECKING:
     from andrea.config import Config
-
-SPLIT_RULE = "tail-after-line-break-v1"
-RECORD_SPLIT_RULE = "blake2b-8-of-text-v1"
-
-
-# ----------------------------------------------------------------------------- given BPE
-
-
-def _is_byte_level(pre: Any) -> bool:
-    """A ByteLevel pre-tokenizer, alone or inside a Sequence (as newer HF BPEs have it)."""
-    if not isinstance(pre, dict):
-        return False
-    if pre.get("type") == "ByteLevel":
-        return True
-    return pre.get("type") == "Sequence" and any(
-        _is_byte_level(p) for p in pre.get("pretokenizers") or []
-    )
-
-
-def read_tokenizer_file(path: str | Path) -> tuple[bytes, BpeTokenizer]:
-    """An existing HF tokenizer.json (data.tokenizer_file), checked to be a byte-level BPE
-    with end-of-text as its last id: (its bytes, the tokenizer)."""
-    path = Path(path)
-    usable = f"needs a byte-level BPE tokenizer.json with {EOT_TEXT} as its last id"
-    try:
-        blob = path.read_bytes()
-    except OSError as exc:
-        raise UserError(
-            f"data.tokenizer_file {path}: cannot read it ({exc.strerror}); {usable}"
-        ) from None
-    try:
-        spec = json.loads(blob)
-    except (UnicodeDecodeError, ValueError):
-        raise UserError(f"data.tokenizer_file {path}: not JSON; {usable}") from None
-    model = spec.get("model") if isinstance(spec, dict) else None
-    if not isinstance(model, dict) or model.get("type") != "BPE" or not _is_byte_level(
-        spec.get("pre_tokenizer")
-    ):
-        raise UserError(f"data.tokenizer_file {path}: not a byte-level BPE; {usable}")
-    try:
-        tok = BpeTokenizer(path)
-    except UserError:
-        raise UserError(f"data.tokenizer_file {path}: unusable tokenizer; {usable}") from None
-    return blob, tok
-
-
-# ----------------------------------------------------------------------------- manifest
-
-
-def _settings(
-    source: str, docs: list[Input], kind: str, vocab_size: int | None, val_fraction: float,
-    shard_tokens: int, errors: str, tokenizer_blob: bytes | None = None, text_field: str = "text",
-) -> dict[str, Any]:
-    """Everything that determines the shards' content: equal settings mean nothing to redo."""
-    if source == SHAKESPEARE:
-        from andrea.data.corpus import corpus_identity
-
-        corpus = corpus_identity()
-    else:
-        corpus = "files"
-    request: dict[str, Any] = {"kind": kind, "vocab_size": vocab_size if kind == "bpe" else None}
-    if tokenizer_blob is not None:  # a given tokenizer.json: its content, not its path, counts
-        request = {"kind": kind, "vocab_size": None,
-                   "file_sha256": hashlib.sha256(tokenizer_blob).hexdigest()}
-    settings = {
-        "manifest_version": MANIFEST_VERSION,
-        "shard_format_version": shards.VERSION,
-        "source": source,
-        "corpus": corpus,
-        "inputs": [identity(d) for d in docs],
-        "tokenizer_request": request,
-        "split": {"rule": SPLIT_RULE, "val_fraction": val_fraction},
-        "shard_tokens": shard_tokens,
-        "errors": errors,
-    }
-    if any(isinstance(d, InputFile) and d.reader.has_records for d in docs):
-        # Records: the field read, and their own split rule (whole documents by hash).
-        settings["text_field"] = text_field
-        settings["split"]["record_rule"] = RECORD_SPLIT_RULE
-    return settings
-
-
-def _is_current(out: Path, settings: dict[str, Any]) -> bool:
-    """True if `out` holds complete shards made from exactly these inputs and settings."""
-    try:
-        manifest = read_manifest(out)
-        if {k: manifest.get(k) for k in settings} != settings:
-            return False
-        tok = load_tokenizer(manifest["tokenizer"]["kind"], out)
-        if tok.identity != manifest["tokenizer"]["identity"]:
-            return False
-        for split in SPLITS:
-            for entry in manifest["shards"][split]:
-                info = shards.read_header(out / entry["file"])
-                if info.count != entry["tokens"] or info.identity != tok.identity:
-                    return False
-    except (UserError, KeyError, TypeError):
-        return False
-    return True
-
 
 
 def _check_arguments(
@@ -207,7 +101,7 @@ def prepare_inputs(
 
     `vocab_size` is the BPE's total id count (bpe only). `tokenizer_file` (bpe only): an
     existing tokenizer.json copied into `out` and used as is instead of training (then
-    `vocab_size` is ignored). `text_field`: the field (JSON) or column (Parquet, Arrow) that
+    `vocab_size` is ignored). `text_field`: the field (JSON) or column (Parquet, CSV, Arrow) that
     holds the text. Returns `out`. Does nothing when `out` already holds shards from the same
     inputs and settings, unless `force`; continues an interrupted prepare of the same inputs
     from its last complete shard. `announce` is printed just before the work starts.
@@ -216,43 +110,67 @@ def prepare_inputs(
     unless `force`. The work holds the folder's lock: a second prepare of `out` waits for the
     first, then uses its result when it is what this one asks for.
     """
-    _check_arguments(tokenizer, errors, val_fraction, shard_tokens, workers, text_field)
-    blob = None
-    if tokenizer_file:
-        if tokenizer != "bpe":
-            raise UserError(f"--tokenizer-file applies to --tokenizer bpe only, not {tokenizer}")
-        blob, _ = read_tokenizer_file(tokenizer_file)  # read before clear: it may be in `out`
-        vocab_size = None
-    elif tokenizer == "bpe" and vocab_size is None:
-        raise UserError("--tokenizer bpe needs --vocab-size (the BPE's id count incl. end-of-text)")
+    blob, vocab_size = _given_tokenizer(
+        tokenizer, errors, val_fraction, shard_tokens, workers, text_field, vocab_size,
+        tokenizer_file)
     out = Path(out)
     docs = documents(inputs, out, say=lambda line: print(line, flush=True))
-    settings = _settings(
+    settings = request_settings(
         inputs, docs, tokenizer, vocab_size, val_fraction, shard_tokens, errors, blob, text_field
     )
-    if not force and _is_current(out, settings):
+    if not force and is_current(out, settings):
         if verbose:
             print(f"{out}: up to date (inputs unchanged; --force redoes it)")
         return out
     check_owned(out)  # before anything is written there, the lock file included
     if not force:
-        _check_same_request(out, settings)  # again under the lock: a prepare may be running
+        check_same_request(out, settings)  # again under the lock: a prepare may be running
+    total = sum(d.size for d in docs)
+    write = functools.partial(
+        write_shards, out, docs, tokenizer, vocab_size, shard_tokens,
+        workers or auto_workers(total), total, Settings(val_fraction, text_field, errors),
+        settings, blob)
+    _prepare_locked(out, settings, force, blob, verbose, announce, write, tokenizer_file,
+                    text_field)
+    return out
+
+
+def _given_tokenizer(
+    tokenizer: str, errors: str, val_fraction: float, shard_tokens: int, workers: int,
+    text_field: str, vocab_size: int | None, tokenizer_file: str,
+) -> tuple[bytes | None, int | None]:
+    """The arguments checked; (a given tokenizer.json's bytes, the BPE's vocab size to train:
+    None with a given one)."""
+    _check_arguments(tokenizer, errors, val_fraction, shard_tokens, workers, text_field)
+    if tokenizer_file:
+        if tokenizer != "bpe":
+            raise UserError(f"--tokenizer-file applies to --tokenizer bpe only, not {tokenizer}")
+        blob, _ = read_tokenizer_file(tokenizer_file)  # read before clear: it may be in `out`
+        return blob, None
+    if tokenizer == "bpe" and vocab_size is None:
+        raise UserError("--tokenizer bpe needs --vocab-size (the BPE's id count incl. end-of-text)")
+    return None, vocab_size
+
+
+def _prepare_locked(
+    out: Path, settings: dict[str, Any], force: bool, blob: bytes | None, verbose: bool,
+    announce: str | None, write: Callable[[dict[str, Any] | None, bool], dict[str, Any]],
+    tokenizer_file: str, text_field: str,
+) -> None:
+    """Holding the folder's lock: use what another process prepared meanwhile, or write the
+    shards (`write(resume point, verbose)`) and the manifest. On Ctrl-C complete shards stay
+    (and the folder with them); on any other failure the folder is cleared."""
     lock = FolderLock(out).acquire(say=lambda line: print(line, flush=True))
     failed = True
     try:
-        if not force and _is_current(out, settings):  # another process prepared it meanwhile
+        if not force and is_current(out, settings):  # another process prepared it meanwhile
             if lock.waited or verbose:
                 print(f"{out}: prepared by the other process meanwhile; using it", flush=True)
         else:
             check_owned(out)
             resume = _start(out, settings, force, blob, verbose, announce)
-            total = sum(d.size for d in docs)
             try:
-                result = write_shards(
-                    out, docs, tokenizer, vocab_size, shard_tokens,
-                    workers or auto_workers(total), total,
-                    Settings(val_fraction, text_field, errors), settings, blob, resume, verbose,
-                )
+                result = write(resume, verbose)
             except KeyboardInterrupt:
                 failed = not _interrupted(out)
                 raise
@@ -263,7 +181,6 @@ def prepare_inputs(
         failed = False
     finally:
         lock.release(remove_created=failed)
-    return out
 
 
 def _start(
@@ -273,7 +190,7 @@ def _start(
     """Under the lock, before the work: refuse another run's data (unless `force`), find the
     resume point, and leave the folder holding only what this prepare continues from."""
     if not force:
-        _check_same_request(out, settings)
+        check_same_request(out, settings)
     resume = None if force else resume_point(out, settings)
     if announce:
         print(announce, flush=True)
@@ -294,52 +211,6 @@ def _start(
     mark_started(out, settings)  # the folder stays marked as andrea's while it is cleared
     clear(out, owned - {PROGRESS})
     return None
-
-
-def _check_same_request(out: Path, settings: dict[str, Any]) -> None:
-    """A folder holding data (complete or not) prepared from another source or with other
-    settings is another run's: never rewritten without --force."""
-    for record in records(out):
-        differ = [k for k in REQUEST_KEYS if _request(record, k) != _request(settings, k)]
-        names = {i.get("name") for i in record.get("inputs") or [] if isinstance(i, dict)}
-        if not names & {i["name"] for i in settings["inputs"]}:
-            differ.insert(0, "source")
-        if differ:
-            what = "data" if "tokenizer" in record else "an unfinished prepare"
-            raise UserError(
-                f"{out}: holds {what} prepared with {_describe(record, differ)}, but this run "
-                f"asks for {_describe(settings, differ)}; andrea does not overwrite it: use "
-                "another data folder (--out / data.dir), or replace that data by hand with "
-                "`andrea prepare ... --force`"
-            )
-
-
-REQUEST_KEYS = ("tokenizer_request", "val_fraction", "shard_tokens", "errors", "text_field")
-
-
-def _request(record: dict[str, Any], key: str) -> Any:
-    if key == "val_fraction":
-        return (record.get("split") or {}).get("val_fraction")
-    return record.get(key)
-
-
-def _describe(record: dict[str, Any], keys: list[str]) -> str:
-    """The named settings of a manifest or request, in words."""
-    words = []
-    for key in keys:
-        value = _request(record, key) if key != "source" else record.get("source")
-        if key == "tokenizer_request" and isinstance(value, dict):
-            kind = value.get("kind")
-            if value.get("file_sha256"):
-                words.append(f"tokenizer {kind} from a tokenizer.json "
-                             f"(sha256 {str(value['file_sha256'])[:8]})")
-            elif value.get("vocab_size"):
-                words.append(f"tokenizer {kind} ({value['vocab_size']} ids)")
-            else:
-                words.append(f"tokenizer {kind}")
-        else:
-            words.append(f"{key} {value}")
-    return ", ".join(words)
 
 
 def _interrupted(out: Path) -> bool:

@@ -15,7 +15,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -267,3 +267,44 @@ def load_tokenizer(kind: str, data_dir: Path | None = None) -> Tokenizer:
             raise UserError(f"{path}: no trained BPE tokenizer here; run `andrea prepare` first")
         return BpeTokenizer(path)
     raise UserError(f"tokenizer '{kind}' is not one of {', '.join(KINDS)}")
+
+
+# ----------------------------------------------------------------------------- given BPE
+
+
+def _is_byte_level(pre: Any) -> bool:
+    """A ByteLevel pre-tokenizer, alone or inside a Sequence (as newer HF BPEs have it)."""
+    if not isinstance(pre, dict):
+        return False
+    if pre.get("type") == "ByteLevel":
+        return True
+    return pre.get("type") == "Sequence" and any(
+        _is_byte_level(p) for p in pre.get("pretokenizers") or []
+    )
+
+
+def read_tokenizer_file(path: str | Path) -> tuple[bytes, BpeTokenizer]:
+    """An existing HF tokenizer.json (data.tokenizer_file), checked to be a byte-level BPE
+    with end-of-text as its last id: (its bytes, the tokenizer)."""
+    path = Path(path)
+    usable = f"needs a byte-level BPE tokenizer.json with {EOT_TEXT} as its last id"
+    try:
+        blob = path.read_bytes()
+    except OSError as exc:
+        raise UserError(
+            f"data.tokenizer_file {path}: cannot read it ({exc.strerror}); {usable}"
+        ) from None
+    try:
+        spec = json.loads(blob)
+    except (UnicodeDecodeError, ValueError):
+        raise UserError(f"data.tokenizer_file {path}: not JSON; {usable}") from None
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not _is_byte_level(
+        spec.get("pre_tokenizer")
+    ):
+        raise UserError(f"data.tokenizer_file {path}: not a byte-level BPE; {usable}")
+    try:
+        tok = BpeTokenizer(path)
+    except UserError:
+        raise UserError(f"data.tokenizer_file {path}: unusable tokenizer; {usable}") from None
+    return blob, tok

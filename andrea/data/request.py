@@ -1,0 +1,120 @@
+"""What a prepare asks for, and what a data folder already holds: the settings that determine
+the shards (recorded in the manifest and in progress.json), whether a folder holds complete shards
+made with exactly them, and refusing a folder prepared with others (docs/data.md, "What prepare
+locks and refuses").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from andrea.data import shards
+from andrea.data.documents import SHAKESPEARE, SPLITS, Input, identity
+from andrea.data.folder import records
+from andrea.data.readers import InputFile
+from andrea.data.shards import MANIFEST_VERSION, read_manifest
+from andrea.data.tokenizer import load_tokenizer
+from andrea.errors import UserError
+
+SPLIT_RULE = "tail-after-line-break-v1"
+RECORD_SPLIT_RULE = "blake2b-8-of-text-v1"
+
+
+def request_settings(
+    source: str, docs: list[Input], kind: str, vocab_size: int | None, val_fraction: float,
+    shard_tokens: int, errors: str, tokenizer_blob: bytes | None = None, text_field: str = "text",
+) -> dict[str, Any]:
+    """Everything that determines the shards' content: equal settings mean nothing to redo."""
+    if source == SHAKESPEARE:
+        from andrea.data.corpus import corpus_identity
+
+        corpus = corpus_identity()
+    else:
+        corpus = "files"
+    request: dict[str, Any] = {"kind": kind, "vocab_size": vocab_size if kind == "bpe" else None}
+    if tokenizer_blob is not None:  # a given tokenizer.json: its content, not its path, counts
+        request = {"kind": kind, "vocab_size": None,
+                   "file_sha256": hashlib.sha256(tokenizer_blob).hexdigest()}
+    settings = {
+        "manifest_version": MANIFEST_VERSION,
+        "shard_format_version": shards.VERSION,
+        "source": source,
+        "corpus": corpus,
+        "inputs": [identity(d) for d in docs],
+        "tokenizer_request": request,
+        "split": {"rule": SPLIT_RULE, "val_fraction": val_fraction},
+        "shard_tokens": shard_tokens,
+        "errors": errors,
+    }
+    if any(isinstance(d, InputFile) and d.reader.has_records for d in docs):
+        # Records: the field read, and their own split rule (whole documents by hash).
+        settings["text_field"] = text_field
+        settings["split"]["record_rule"] = RECORD_SPLIT_RULE
+    return settings
+
+
+def is_current(out: Path, settings: dict[str, Any]) -> bool:
+    """True if `out` holds complete shards made from exactly these inputs and settings."""
+    try:
+        manifest = read_manifest(out)
+        if {k: manifest.get(k) for k in settings} != settings:
+            return False
+        tok = load_tokenizer(manifest["tokenizer"]["kind"], out)
+        if tok.identity != manifest["tokenizer"]["identity"]:
+            return False
+        for split in SPLITS:
+            for entry in manifest["shards"][split]:
+                info = shards.read_header(out / entry["file"])
+                if info.count != entry["tokens"] or info.identity != tok.identity:
+                    return False
+    except (UserError, KeyError, TypeError):
+        return False
+    return True
+
+
+def check_same_request(out: Path, settings: dict[str, Any]) -> None:
+    """A folder holding data (complete or not) prepared from another source or with other
+    settings is another run's: never rewritten without --force."""
+    for record in records(out):
+        differ = [k for k in REQUEST_KEYS if _request(record, k) != _request(settings, k)]
+        names = {i.get("name") for i in record.get("inputs") or [] if isinstance(i, dict)}
+        if not names & {i["name"] for i in settings["inputs"]}:
+            differ.insert(0, "source")
+        if differ:
+            what = "data" if "tokenizer" in record else "an unfinished prepare"
+            raise UserError(
+                f"{out}: holds {what} prepared with {_describe(record, differ)}, but this run "
+                f"asks for {_describe(settings, differ)}; andrea does not overwrite it: use "
+                "another data folder (--out / data.dir), or replace that data by hand with "
+                "`andrea prepare ... --force`"
+            )
+
+
+REQUEST_KEYS = ("tokenizer_request", "val_fraction", "shard_tokens", "errors", "text_field")
+
+
+def _request(record: dict[str, Any], key: str) -> Any:
+    if key == "val_fraction":
+        return (record.get("split") or {}).get("val_fraction")
+    return record.get(key)
+
+
+def _describe(record: dict[str, Any], keys: list[str]) -> str:
+    """The named settings of a manifest or request, in words."""
+    words = []
+    for key in keys:
+        value = _request(record, key) if key != "source" else record.get("source")
+        if key == "tokenizer_request" and isinstance(value, dict):
+            kind = value.get("kind")
+            if value.get("file_sha256"):
+                words.append(f"tokenizer {kind} from a tokenizer.json "
+                             f"(sha256 {str(value['file_sha256'])[:8]})")
+            elif value.get("vocab_size"):
+                words.append(f"tokenizer {kind} ({value['vocab_size']} ids)")
+            else:
+                words.append(f"tokenizer {kind}")
+        else:
+            words.append(f"{key} {value}")
+    return ", ".join(words)
