@@ -460,3 +460,95 @@ def test_batch_and_seq_warmup_on_two_processes_matches_one(tmp_path, data_dir, p
     assert tokens == [512, 1024, 2048, 3072] and one.tokens == 3072
     out = resumed_on_two_matches(tmp_path / "one", tmp_path / "again", 2, one.losses)
     assert "sequence warm-up: steps 1-3 train on windows of 16 tokens" in out
+
+
+# The mode and the torchrun environment, in-process (no launch).
+
+TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+            "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job7",
+            "MASTER_ADDR": "node0", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def test_the_torchrun_environment_is_one_record(monkeypatch):
+    from andrea.train.distributed import TorchrunEnv, torchrun_env
+
+    for key, value in TORCHRUN.items():
+        monkeypatch.setenv(key, value)
+    read = torchrun_env.__wrapped__  # uncached: the process's own reading is kept
+    assert read() == TorchrunEnv(rank=3, local_rank=1, world_size=4, local_world_size=2,
+                                 restart_count="2", run_id="job7", master_addr="node0",
+                                 master_port=29500, agent_store=True)
+    for key in TORCHRUN:
+        monkeypatch.delenv(key)
+    assert read() == TorchrunEnv()  # not under torchrun: rank 0 of 1
+    assert TorchrunEnv().world_size == 1 and not TorchrunEnv().agent_store
+
+
+def test_the_mode_is_decided_once_from_the_config_and_the_processes():
+    from andrea.train.distributed import DistInfo
+    from andrea.train.parallel import parallel_for
+
+    one, two = DistInfo(), DistInfo(0, 0, 2, 2)
+    for asked in ("ddp", "fsdp"):  # one process trains whole, whatever was asked
+        alone = parallel_for(asked, one)
+        assert (alone.name, alone.sharded) == ("none", False)
+    ddp, fsdp = parallel_for("ddp", two), parallel_for("fsdp", two)
+    assert [(p.name, p.sharded) for p in (ddp, fsdp)] == [("ddp", False), ("fsdp", True)]
+    assert parallel_for("ddp", one).lines() == ddp.lines() == []
+    assert parallel_for("fsdp", one).lines() == [
+        "parallel: fsdp with 1 process: nothing to shard, the model runs whole"]
+    assert fsdp.lines() == [
+        "parallel: fsdp, parameters, gradients and optimizer state sharded over 2 processes"]
+
+
+def test_the_resharding_line_names_what_wrote_the_checkpoint():
+    from andrea.train.distributed import DistInfo
+    from andrea.train.parallel import parallel_for
+
+    one, two = DistInfo(), DistInfo(0, 0, 2, 2)
+    # Checkpoints from before the mode was recorded: ddp on several processes, else none.
+    assert parallel_for("ddp", two).resharding_line({"world_size": 2}) is None
+    assert parallel_for("ddp", one).resharding_line({}) is None
+    assert parallel_for("fsdp", two).resharding_line({"world_size": 2}) == (
+        "resume: resharding the checkpoint written by 2 processes (ddp) for 2 (fsdp)")
+    assert parallel_for("fsdp", two).resharding_line({"world_size": 1}) == (
+        "resume: resharding the checkpoint written by 1 process (none) for 2 (fsdp)")
+    assert parallel_for("fsdp", one).resharding_line({"world_size": 2, "parallel": "fsdp"}) == (
+        "resume: resharding the checkpoint written by 2 processes (fsdp) for 1 (none)")
+
+
+def test_one_process_clips_and_accumulates_as_torch_does():
+    from andrea.train.distributed import DistInfo
+    from andrea.train.parallel import parallel_for
+
+    alone = parallel_for("fsdp", DistInfo())
+    gen = torch.Generator().manual_seed(0)
+    model, twin = torch.nn.Linear(4, 3).double(), torch.nn.Linear(4, 3).double()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        q.grad = p.grad.clone()
+    norm = alone.clip(model, 0.5)
+    assert norm == torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                           twin.parameters(), strict=True))
+    assert alone.wrap(model, False, torch.device("cpu")) is model
+    with alone.gradient_sync(model, model, last=False):
+        pass
+
+
+def test_no_module_but_the_strategy_names_a_mode():
+    """`"ddp"`/`"fsdp"` as a string in the package: only the parallel strategy and the
+    declaration of train.parallel may hold one, so no other module decides by the name."""
+    import ast
+
+    from conftest import REPO
+
+    found = []
+    for path in sorted((REPO / "andrea").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel == "andrea/train/parallel.py" or rel.startswith("andrea/config"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in ("ddp", "fsdp"):
+                found.append(f"{rel}:{node.lineno}")
+    assert found == []

@@ -19,6 +19,7 @@ from andrea.train.distributed import DistInfo
 from andrea.train.loop import train
 from andrea.train.muon import POLAR_EXPRESS, Float32Muon, newton_schulz
 from andrea.train.optim import build_optimizer
+from andrea.train.parallel import parallel_for
 from andrea.train.setup import build_model
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
@@ -66,7 +67,7 @@ def test_polar_express_takes_float32_muon_even_in_bf16(tmp_path, data_dir):
 
 
 def test_zero_init_output_starts_every_block_as_the_identity(tmp_path, data_dir):
-    cpu, one = torch.device("cpu"), DistInfo()
+    cpu, one = torch.device("cpu"), parallel_for("ddp", DistInfo())
     plain = build_model(tiny(tmp_path, data_dir), cpu, one, torch.float32, "sdpa")[0]
     zero = build_model(tiny(tmp_path, data_dir, "train.zero_init_output=true"), cpu, one,
                        torch.float32, "sdpa")[0]
@@ -164,7 +165,8 @@ def test_normuon_under_fsdp_is_refused_in_one_line(tmp_path, data_dir):
                "train.parallel=fsdp")
     with pytest.raises(UserError, match=r"^train\.muon_neuron_beta2: 0\.95: NorMuon is not "
                                         r"supported under train\.parallel: fsdp"):
-        build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"), world_size=2)
+        build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"), world_size=2,
+                        sharded=parallel_for(cfg.train.parallel, DistInfo(0, 0, 2)).sharded)
 
 
 def test_cautious_weight_decay_decays_only_where_the_update_agrees():

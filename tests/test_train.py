@@ -576,16 +576,15 @@ def test_auto_micro_batch_on_a_cpu_reads_the_containers_memory_limit(
 
     monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)
     monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "self-cgroup")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     cpu = torch.device("cpu")
     fake_cgroup(tmp_path, version, str(3 * 2**30), usage=2**30, cache=2**28)
-    assert memory.available_memory(cpu) == (2 * 2**30 + 2**28) // 2
+    assert memory.available_memory(cpu, processes_here=2) == (2 * 2**30 + 2**28) // 2
     # With no limit ("max"; v1's huge number) the machine's memory counts, as before.
     unlimited = "max" if version == 2 else str(2**63 - 4096)
     limit_file = ("job/memory.max" if version == 2 else "memory/memory.limit_in_bytes")
     (tmp_path / limit_file).write_text(unlimited + "\n")
     assert memory.cgroup_memory_left() is None
-    assert memory.available_memory(cpu) > (2 * 2**30 + 2**28) // 2
+    assert memory.available_memory(cpu, processes_here=2) > (2 * 2**30 + 2**28) // 2
 
 
 def test_ranks_a_checkpoint_has_no_generator_state_for_get_their_own_seed(monkeypatch):

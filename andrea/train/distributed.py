@@ -10,6 +10,7 @@ checkpoints gather them into whole tensors (`full_tensor`) and scatter them back
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from collections.abc import Callable
@@ -25,11 +26,43 @@ from andrea.errors import UserError
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun tells each process it starts, through the environment; a process started
+    otherwise is rank 0 of 1."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1  # the processes on this machine
+    restart_count: str = "0"  # how often the launcher has restarted the processes
+    run_id: str = ""  # the launcher's id of the job (--rdzv_id)
+    master_addr: str = ""
+    master_port: int = 0
+    agent_store: bool = False  # whether the launcher's key-value store is open to the processes
+
+
+@functools.cache
+def torchrun_env() -> TorchrunEnv:
+    """The torchrun environment, read once per process: every user takes it from here."""
+    env = os.environ
+    return TorchrunEnv(
+        rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
+        world_size=int(env.get("WORLD_SIZE", "1")),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+        restart_count=env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        run_id=env.get("TORCHELASTIC_RUN_ID", ""), master_addr=env.get("MASTER_ADDR", ""),
+        master_port=int(env.get("MASTER_PORT", "0")),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+    )
+
+
 @dataclass
 class DistInfo:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int = 1  # the processes on this machine, which share its memory
 
     @property
     def enabled(self) -> bool:
@@ -41,11 +74,11 @@ class DistInfo:
 
 
 def init_distributed(device_type: str) -> DistInfo:
-    """Join the torchrun process group if WORLD_SIZE > 1; else a single process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    """Join the torchrun process group if there are several processes; else a single one."""
+    env = torchrun_env()
+    if env.world_size <= 1:
         return DistInfo()
-    info = DistInfo(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world)
+    info = DistInfo(env.rank, env.local_rank, env.world_size, env.local_world_size)
     if device_type == "cuda":
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():

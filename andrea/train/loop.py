@@ -34,7 +34,6 @@ from andrea.train.distributed import (
     all_gather_bytes,
     all_reduce_sum,
     barrier,
-    clip_grad_norm,
     init_distributed,
     shutdown,
 )
@@ -245,12 +244,8 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
         if spike_scale is not None:
             x, y = garble(x, y, s.cfg.model.vocab_size, data_step)
         x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
-        # DDP all-reduces (FSDP reduce-scatters) the gradients once, on the last micro-batch.
-        last = micro == accum - 1
-        no_sync = s.parallel == "ddp" and not last
-        if s.parallel == "fsdp":
-            s.model.set_requires_gradient_sync(last)
-        with s.train_model.no_sync() if no_sync else contextlib.nullcontext():
+        # The processes share the gradients once, on the last micro-batch of the step.
+        with s.parallel.gradient_sync(s.model, s.train_model, last=micro == accum - 1):
             with torch.autocast(s.device.type, dtype=s.dtype,
                                 enabled=s.dtype != torch.float32):
                 _, loss = s.train_model(x, y)
@@ -261,10 +256,7 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
             os.kill(os.getpid(), signal.SIGINT)  # as if Ctrl-C came during this micro-batch
     loss_mean = all_reduce_sum(loss_sum / accum, s.dist) / s.dist.world_size
     clip = t.grad_clip if t.grad_clip > 0 else math.inf
-    if s.parallel == "fsdp":
-        grad_norm = clip_grad_norm(list(s.model.parameters()), clip)
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), clip)
+    grad_norm = s.parallel.clip(s.model, clip)
     if os.environ.get("ANDREA_TEST_NAN_AT_STEP") == str(step + 1):  # used only by tests
         loss_mean = loss_mean * float("nan")
     loss_value, norm_value = torch.stack([loss_mean.float(), grad_norm.float()]).tolist()
@@ -383,7 +375,7 @@ def maybe_evaluate(s: Session, bar: tqdm) -> None:
     if s.val_set is None:
         s.val_set = val_sources(s.val_split, s.cfg.model.block_size, t.eval_tokens or None)
     score = score_val(s.train_model, s.val_set, batch_size=s.micro_batch, device=s.device,
-                      dtype=s.dtype, dist=s.dist, lockstep=s.parallel == "fsdp")
+                      dtype=s.dtype, dist=s.dist, lockstep=s.parallel.sharded)
     s.last_val = score.loss  # a mixture's: the sources' average by weight
     if s.best_val is None or s.last_val < s.best_val:
         s.best_val, s.best_step = s.last_val, s.step
@@ -405,7 +397,7 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
         return
     all_rng = _rng_tensors(rng, s.dist)  # a collective: every rank takes part
     partial, optimizer_tensors = None, {}
-    if s.parallel == "fsdp":
+    if s.parallel.sharded:
         # Every rank writes its shards of weights and optimizer state into rank 0's folder;
         # the weights are also gathered whole (for eval, generate, export), kept by rank 0.
         pid = torch.tensor([os.getpid()], dtype=torch.int64).view(torch.uint8)
@@ -427,7 +419,7 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
             "data_position": s.guard.data_step(s.step),
             "best_val_loss": s.best_val, "best_val_step": s.best_step,
             "skipped_steps": s.skipped, "world_size": s.dist.world_size, "seed": s.cfg.train.seed,
-            "preset": s.preset, "micro_batch_size": s.micro_batch, "parallel": s.parallel,
+            "preset": s.preset, "micro_batch_size": s.micro_batch, "parallel": s.parallel.name,
             "tokens_per_step": s.tokens_per_step, "device": device_name(s.device),
             "max_steps": s.cfg.train.max_steps, "schedule_anchor": s.schedule_anchor,
             "spike_guard": s.guard.state_dict(),

@@ -47,10 +47,10 @@ class MicroBatchChoice:
         return self.estimated_bytes <= self.available_bytes * HEADROOM
 
 
-def available_memory(device: torch.device) -> int:
+def available_memory(device: torch.device, processes_here: int = 1) -> int:
     """Bytes this process may still use: free GPU memory, or on the CPU the machine's
     MemAvailable, or what the container's memory limit (cgroup) leaves if that is less, shared
-    among the processes of this machine (torchrun's LOCAL_WORLD_SIZE)."""
+    among the `processes_here` processes of this machine."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     available = None
@@ -65,7 +65,7 @@ def available_memory(device: torch.device) -> int:
     limited = cgroup_memory_left()
     if limited is not None:
         available = min(available, limited)
-    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return available // max(1, processes_here)
 
 
 # Where the kernel shows this process's control groups; module constants so a test can point

@@ -13,15 +13,15 @@ from andrea.train.muon import MuonAdamW, build_muon, split_parameters
 
 
 def build_optimizer(model: Andrea, cfg: Config, device: torch.device,
-                    world_size: int = 1) -> torch.optim.Optimizer:
+                    world_size: int = 1, sharded: bool = False) -> torch.optim.Optimizer:
     """train.optimizer: AdamW with weight decay on matrices only (embeddings too if
     train.decay_embeddings), or Muon for the block matrices with AdamW for the rest.
     world_size > 1: the processes share Muon's Newton-Schulz work (muon.SplitMuon); the model
-    must already be laid out as it will train (sharded under fsdp)."""
+    must already be laid out as it will train (sharded under fsdp, and then `sharded`)."""
     t = cfg.train
     embeddings = {"tok_emb.weight", "pos_emb.weight"}
     if t.optimizer == "muon":
-        if t.muon_neuron_beta2 and world_size > 1 and t.parallel == "fsdp":
+        if t.muon_neuron_beta2 and sharded:
             raise UserError(
                 f"train.muon_neuron_beta2: {t.muon_neuron_beta2}: NorMuon is not supported under "
                 "train.parallel: fsdp yet (its per-neuron state is not sharded); use "

@@ -13,7 +13,6 @@ from typing import Any
 from andrea.data.loader import mixture_report, source_passes
 from andrea.fileio import atomic_write_text
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.distributed import DistInfo
 from andrea.train.metrics import MetricsLog
 from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.session import Session
@@ -59,7 +58,8 @@ def announce(
     s.say(f"attention: {backend} ({why})")
     for key, (old, new) in changes.items():
         s.say(f"resume: {key} {old} -> {new}")
-    for line in parallel_lines(t.parallel, s.parallel, dist, trainer_state) + schedule_lines:
+    resharding = s.parallel.resharding_line(trainer_state) if trainer_state else None
+    for line in s.parallel.lines() + ([resharding] if resharding else []) + schedule_lines:
         s.say(line)
     s.say(
         f"{s.run_dir}: {s.model.num_params():,} parameters, {s.tokens_per_step:,} tokens/step "
@@ -98,25 +98,6 @@ def announce(
         s.say(micro_batch_line)
     for line in plan_lines(s):
         s.say(line)
-
-
-def parallel_lines(asked: str, parallel: str, dist: DistInfo,
-                   trainer_state: dict[str, Any]) -> list[str]:
-    """What the processes share, and how a resumed checkpoint is laid out anew, if it is."""
-    lines = []
-    if asked == "fsdp" and not dist.enabled:
-        lines.append("parallel: fsdp with 1 process: nothing to shard, the model runs whole")
-    elif parallel == "fsdp":
-        lines.append(f"parallel: fsdp, parameters, gradients and optimizer state sharded over "
-                     f"{dist.world_size} processes")
-    if trainer_state:
-        was_world = trainer_state.get("world_size", 1)
-        was = trainer_state.get("parallel", "ddp" if was_world > 1 else "none")
-        if (was_world, was) != (dist.world_size, parallel):
-            lines.append(f"resume: resharding the checkpoint written by {was_world} "
-                         f"process{'es' if was_world > 1 else ''} ({was}) for "
-                         f"{dist.world_size} ({parallel})")
-    return lines
 
 
 def plan_lines(s: Session) -> list[str]:

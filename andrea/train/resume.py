@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from andrea.config import Config, config_from_dict, key_specs, load_config
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
+from andrea.train.distributed import torchrun_env
 from andrea.train.rundir import CONFIG, is_step_dir, run_path
 
 
@@ -72,23 +72,22 @@ def _run_config(resume: str, overrides: list[str]) -> Config:
 def _launcher_store() -> Any:
     """torchrun's key-value store when this is one of several processes it started (it exists
     before the process group does), else None."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    env = torchrun_env()
+    if env.world_size <= 1 or not env.agent_store:
         return None
     import torch.distributed as dist
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=timedelta(minutes=5))
+    return dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                         timeout=timedelta(minutes=5))
 
 
 def _run_config_from_rank0(store: Any, resume: str, overrides: list[str]) -> Config:
     """`--resume RUN_DIR` under torchrun: rank 0 reads the run's config.yaml and every rank
     trains with it, so a node whose runs_dir holds no copy (ddp with the run on node 0 alone)
     continues the same run; rank 0's error is every rank's, so no rank waits for another."""
-    key = (f"andrea/resume-config/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-    if os.environ.get("RANK", "0") == "0":
+    env = torchrun_env()
+    key = f"andrea/resume-config/{env.run_id}/{env.restart_count}"
+    if env.rank == 0:
         try:
             cfg = _run_config(resume, overrides)
         except UserError as exc:
@@ -121,7 +120,7 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
         run_dir = run_dir.parent
     if not run_dir.is_dir():
         elsewhere = ""
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a node with its own runs_dir
+        if torchrun_env().world_size > 1:  # a node with its own runs_dir
             elsewhere = (" on this node; where train.runs_dir is on node 0 alone, give every "
                          "node --config CONFIG --resume auto")
         raise UserError(f"--resume {resume}: no such run directory{elsewhere}")

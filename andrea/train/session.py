@@ -16,6 +16,7 @@ from andrea.model.transformer import Andrea
 from andrea.train.distributed import DistInfo
 from andrea.train.flops import MfuMeter
 from andrea.train.metrics import MetricsLog
+from andrea.train.parallel import Parallel
 from andrea.train.signals import SignalWatch
 from andrea.train.spike import SpikeGuard
 from andrea.train.validation import ValSource
@@ -60,7 +61,7 @@ class Session:
     mfu: MfuMeter
     preset: str
     guard: SpikeGuard
-    parallel: str = "none"  # how the processes share the work: none (one), ddp or fsdp
+    parallel: Parallel  # how the processes share the work
     step: int = 0
     tokens_seen: int = 0
     skipped: int = 0

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 
 from andrea.config import Config, load_config
 from andrea.data.loader import TokenSplit, open_split
@@ -30,7 +29,6 @@ from andrea.train.distributed import (
     barrier,
     broadcast_tensors,
     from_rank0,
-    shard_model,
 )
 from andrea.train.flops import MfuMeter, flops_per_token
 from andrea.train.memory import (
@@ -41,6 +39,7 @@ from andrea.train.memory import (
 )
 from andrea.train.metrics import MetricsLog
 from andrea.train.optim import build_optimizer
+from andrea.train.parallel import Parallel, parallel_for
 from andrea.train.plan import announce, start_run_files
 from andrea.train.resume import check_resume_changes, find_run_to_resume, resume_checkpoint
 from andrea.train.rundir import CONFIG, METRICS
@@ -67,11 +66,12 @@ def set_up(
     run_dir, resume_from, changes, replace = run.run_dir, run.resume_from, run.changes, run.replace
     if resume_from is not None and run.trainer_state["step"] >= t.max_steps:
         return nothing_to_do(run_dir, resume_from, run.trainer_state["step"], t.max_steps, dist)
-    check_shared_storage(run, t.parallel if dist.enabled else "none", device, dist)
+    parallel = parallel_for(t.parallel, dist)
+    check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist)
     dtype = pick_dtype(t.precision, device)
     backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
-    model, optimizer, names, parallel = build_model(cfg, device, dist, dtype, backend)
+    model, optimizer, names = build_model(cfg, device, parallel, dtype, backend)
 
     trainer_state: dict[str, Any] = {}
     if resume_from is not None:
@@ -85,7 +85,7 @@ def set_up(
 
     s = Session(
         cfg=cfg, device=device, dist=dist, dtype=dtype, run_dir=run_dir, model=model,
-        train_model=wrap_for_training(model, cfg, device, dist, parallel), optimizer=optimizer,
+        train_model=parallel.wrap(model, cfg.train.compile, device), optimizer=optimizer,
         param_names=names, train_split=train_split, val_split=val_split,
         micro_batch=micro_batch, accum=accum, log=MetricsLog(None), signals=signals,
         warmup_accum=warmup_accum,
@@ -148,13 +148,13 @@ def decide_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool)
 
 
 def check_shared_storage(
-    run: RunDecision, parallel: str, device: torch.device, dist: DistInfo
+    run: RunDecision, parallel: Parallel, device: torch.device, dist: DistInfo
 ) -> None:
     """Under fsdp every rank writes its shards into rank 0's run folder, and a sharded
     checkpoint is read by every rank: then every rank must see that folder. Rank 0 writes a
     file there that every rank looks for; a rank that cannot find it is a one-line error on
     every rank, before any step (instead of a hang at the first checkpoint)."""
-    if not dist.enabled or (parallel != "fsdp" and not run.sharded):
+    if not dist.enabled or not (parallel.sharded or run.sharded):
         return
     folder = run.run_dir if run.resume_from is not None else run.run_dir.parent
 
@@ -172,7 +172,7 @@ def check_shared_storage(
         (folder / marker).unlink(missing_ok=True)
     missing = [rank for rank, flag in enumerate(blind.tolist()) if flag]
     if missing:
-        why = ("for fsdp" if parallel == "fsdp" else
+        why = (f"for {parallel.name}" if parallel.sharded else
                f"to resume {run.resume_from}, whose shards (written under fsdp) every rank reads")
         raise UserError(
             f"{folder}: the run folder must be shared by every node {why}, and rank"
@@ -207,36 +207,21 @@ def prepare_data(cfg: Config, dist: DistInfo) -> tuple[TokenSplit, TokenSplit]:
 
 
 def build_model(
-    cfg: Config, device: torch.device, dist: DistInfo, dtype: torch.dtype, backend: str
-) -> tuple[Andrea, torch.optim.Optimizer, dict[int, str], str]:
-    """(model, optimizer, parameter names by id, parallel mode: none, ddp or fsdp). The model
-    is sharded first under fsdp, since the optimizer must hold the sharded parameters."""
+    cfg: Config, device: torch.device, parallel: Parallel, dtype: torch.dtype, backend: str
+) -> tuple[Andrea, torch.optim.Optimizer, dict[int, str]]:
+    """(model, optimizer, parameter names by id). The model is laid out over the processes
+    first (sharded under fsdp), since the optimizer must hold the parameters as they train."""
     t = cfg.train
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     model = Andrea(cfg.model, attention_backend=backend).to(device)
     if t.zero_init_output:
         model.zero_output_projections()
     model.checkpoint_blocks = t.activation_checkpointing == "blocks"
-    parallel = t.parallel if dist.enabled else "none"
-    if parallel == "fsdp":
-        shard_model(model, dist, device, bf16_params=dtype == torch.bfloat16
-                    and device.type == "cuda")
-    optimizer = build_optimizer(model, cfg, device, dist.world_size)
+    parallel.shard(model, device, bf16_params=dtype == torch.bfloat16 and device.type == "cuda")
+    optimizer = build_optimizer(model, cfg, device, parallel.dist.world_size,
+                                sharded=parallel.sharded)
     names = {id(p): n for n, p in model.named_parameters()}
-    return model, optimizer, names, parallel
-
-
-def wrap_for_training(
-    model: Andrea, cfg: Config, device: torch.device, dist: DistInfo, parallel: str
-) -> nn.Module:
-    """The module the steps call: compiled if asked, inside DDP under ddp."""
-    train_model: nn.Module = torch.compile(model) if cfg.train.compile else model
-    if parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        device_ids = [dist.local_rank] if device.type == "cuda" else None
-        train_model = DDP(train_model, device_ids=device_ids)
-    return train_model
+    return model, optimizer, names
 
 
 def open_run(
@@ -380,7 +365,8 @@ def resolve_micro_batch(
     cap = max(1, CPU_MICRO_BATCH_TOKENS // block) if device.type == "cpu" else None
     choice = choose_micro_batch(
         cfg.model, model.num_params(), sequences, dtype,
-        t.activation_checkpointing == "blocks", available_memory(device), cap,
+        t.activation_checkpointing == "blocks", available_memory(device, dist.local_world_size),
+        cap,
     )
     # Ranks measure their memory at slightly different moments: all take the smallest choice.
     votes = torch.zeros(dist.world_size, device=device)

@@ -1,0 +1,120 @@
+"""How the processes share the training: one process alone, `ddp` (every process a whole copy
+of the model, gradients all-reduced) or `fsdp` (parameters, gradients and optimizer state
+sharded over the processes, FSDP2). The one place that knows the modes: set-up builds one
+`Parallel` from train.parallel and the process group (`parallel_for`), and the set-up, the loop,
+the checkpoint and the plan lines ask it what to do instead of comparing the mode's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from andrea.train.distributed import DistInfo, clip_grad_norm, shard_model
+
+
+@dataclass
+class Parallel:
+    """One process training alone (also a run that asked for ddp or fsdp with one process)."""
+
+    dist: DistInfo
+    asked: str  # train.parallel as configured, whatever the number of processes
+
+    name: ClassVar[str] = "none"  # the plan lines' and the checkpoint's word for the mode
+    # Each process holds a shard of the weights and optimizer state, so: a checkpoint is
+    # written as every rank's shards (plus the gathered weights), every forward is a
+    # collective (evaluation runs in lockstep), and every rank must see the run folder.
+    sharded: ClassVar[bool] = False
+
+    def shard(self, model: nn.Module, device: torch.device, bf16_params: bool) -> None:
+        """Lay the model out over the processes, before the optimizer takes its parameters."""
+
+    def wrap(self, model: nn.Module, compile_model: bool, device: torch.device) -> nn.Module:
+        """The module the steps call: compiled if asked (inside DDP under ddp)."""
+        return torch.compile(model) if compile_model else model
+
+    def gradient_sync(self, model: nn.Module, train_model: nn.Module,
+                      last: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context of one micro-batch's forward and backward: the gradients are shared among
+        the processes on the last micro-batch of a step only."""
+        return contextlib.nullcontext()
+
+    def clip(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to max_norm by their global norm; returns that norm."""
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def lines(self) -> list[str]:
+        """What the plan says about the processes' share of the work."""
+        if MODES[self.asked].sharded:
+            return [f"parallel: {self.asked} with 1 process: nothing to shard, the model runs "
+                    f"whole"]
+        return []
+
+    def resharding_line(self, trainer_state: dict[str, Any]) -> str | None:
+        """The plan line when a resumed checkpoint was written by another number of processes
+        or in another mode, else None."""
+        was_world = trainer_state.get("world_size", 1)
+        was = trainer_state.get("parallel", mode_before_recorded(was_world))
+        if (was_world, was) == (self.dist.world_size, self.name):
+            return None
+        return (f"resume: resharding the checkpoint written by {was_world} "
+                f"process{'es' if was_world > 1 else ''} ({was}) for "
+                f"{self.dist.world_size} ({self.name})")
+
+
+@dataclass
+class DataParallel(Parallel):
+    name: ClassVar[str] = "ddp"
+
+    def wrap(self, model: nn.Module, compile_model: bool, device: torch.device) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        device_ids = [self.dist.local_rank] if device.type == "cuda" else None
+        return DDP(super().wrap(model, compile_model, device), device_ids=device_ids)
+
+    def gradient_sync(self, model: nn.Module, train_model: nn.Module,
+                      last: bool) -> contextlib.AbstractContextManager[Any]:
+        # DDP all-reduces the gradients after every backward outside no_sync.
+        return contextlib.nullcontext() if last else train_model.no_sync()  # type: ignore[operator]
+
+
+@dataclass
+class FullyShardedParallel(Parallel):
+    name: ClassVar[str] = "fsdp"
+    sharded: ClassVar[bool] = True
+
+    def shard(self, model: nn.Module, device: torch.device, bf16_params: bool) -> None:
+        shard_model(model, self.dist, device, bf16_params)
+
+    def gradient_sync(self, model: nn.Module, train_model: nn.Module,
+                      last: bool) -> contextlib.AbstractContextManager[Any]:
+        # FSDP reduce-scatters the gradients after a backward while this is on.
+        model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
+    def clip(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(list(model.parameters()), max_norm)  # over every rank's shards
+
+    def lines(self) -> list[str]:
+        return [f"parallel: {self.name}, parameters, gradients and optimizer state sharded over "
+                f"{self.dist.world_size} processes"]
+
+
+MODES: dict[str, type[Parallel]] = {mode.name: mode for mode in (DataParallel,
+                                                                  FullyShardedParallel)}
+
+
+def parallel_for(asked: str, dist: DistInfo) -> Parallel:
+    """The mode a run trains in: train.parallel (`asked`) when there are several processes,
+    else one process alone."""
+    return MODES[asked](dist, asked) if dist.enabled else Parallel(dist, asked)
+
+
+def mode_before_recorded(world_size: int) -> str:
+    """The mode of a checkpoint written before checkpoints recorded it: ddp was the only mode
+    with several processes."""
+    return DataParallel.name if world_size > 1 else Parallel.name
