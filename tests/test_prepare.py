@@ -159,6 +159,18 @@ def test_default_dir_names():
     assert prepare.default_data_dir("x/my book.txt", "byte", 0).as_posix() == "data/my_book-byte"
 
 
+def test_a_run_reads_its_one_source_or_each_of_data_sources():
+    one = load_config("andrea-tiny", [])
+    assert [(i, d.as_posix(), w) for i, d, w in prepare.run_sources(one)] == [
+        ("shakespeare", "data/shakespeare-byte", 1.0)]
+    in_dir = load_config("andrea-tiny", ["data.dir=x/y"])
+    assert prepare.run_sources(in_dir)[0][1].as_posix() == "x/y"
+    two = load_config("andrea-tiny", ["data.sources=[{path: a/b.jsonl, weight: 3}, {path: c.txt}]"])
+    assert [(i, d.as_posix(), w) for i, d, w in prepare.run_sources(two)] == [
+        ("a/b.jsonl", "data/b-byte", 3.0), ("c.txt", "data/c-byte", 1.0)]
+    assert prepare.data_dir_for(two).as_posix() == "data/b-byte"
+
+
 def test_given_tokenizer_file_is_used_as_is(corpus, tmp_path, capsys):
     """data.tokenizer_file: the shards use that tokenizer.json byte for byte (same identity as
     the file, so an imported model's data matches it), and a new file redoes the prepare."""

@@ -278,12 +278,19 @@ def default_data_dir(
 
 def data_dir_for(cfg: Config) -> Path:
     """The data dir of `cfg` (of its first source, for a mixture)."""
+    return run_sources(cfg)[0][1]
+
+
+def run_sources(cfg: Config) -> list[tuple[str, Path, float]]:
+    """(input, data dir, weight) of each source a run reads: those of data.sources, or
+    data.source's alone (weight 1) in data.dir or data/<name>-<tokenizer>..."""
     d = cfg.data
     if d.sources:
-        return source_dirs(cfg)[0][1]
+        return source_dirs(cfg)
     if d.dir:
-        return Path(d.dir)
-    return default_data_dir(d.source, d.tokenizer, cfg.model.vocab_size, d.tokenizer_file)
+        return [(d.source, Path(d.dir), 1.0)]
+    return [(d.source, default_data_dir(d.source, d.tokenizer, cfg.model.vocab_size,
+                                        d.tokenizer_file), 1.0)]
 
 
 def source_dirs(cfg: Config) -> list[tuple[str, Path, float]]:
@@ -326,9 +333,8 @@ def prepare_from_config(
         given = read_tokenizer_file(d.tokenizer_file)[1]
         where = f"data.tokenizer_file {d.tokenizer_file}"
         check_vocab(given.vocab_size, cfg.model.vocab_size, where)
-    targets = [(p, out) for p, out, _ in source_dirs(cfg)] or [(d.source, data_dir_for(cfg))]
     identities: dict[str, Path] = {}
-    for source, target in targets:
+    for source, target, _ in run_sources(cfg):
         out = prepare_inputs(
             source, d.tokenizer, target,
             vocab_size=cfg.model.vocab_size if d.tokenizer == "bpe" else None,
