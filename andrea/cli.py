@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from andrea import faults
 from andrea.errors import UserError
 
 app = typer.Typer(
@@ -374,6 +375,7 @@ def bench_cmd(
 def main() -> None:
     """Entry point: bad input becomes one line on stderr and exit code 2, never a traceback."""
     try:
+        faults.install_from_environment()
         app()
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)

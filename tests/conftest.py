@@ -100,3 +100,13 @@ def make_checkpoint(
 @pytest.fixture
 def andrea_cli():
     return run_andrea
+
+
+@pytest.fixture
+def inject_faults():
+    """For a run in this process: inject_faults("sigint@3.1") installs those faults (the
+    spelling of ANDREA_FAULTS, andrea/faults.py); none are left installed after the test."""
+    from andrea import faults
+
+    yield faults.install
+    faults.install(None)

@@ -95,8 +95,8 @@ def take_turns(
     `second_says_on`); then both run to the end. Returns the second's "waiting" line, both
     processes and their (stdout, stderr), the lines already read left out."""
     go = cwd / "go"
-    first = start(*first_args, cwd=cwd, env={"ANDREA_PREPARE_PAUSE_IN": "train_000002.bin",
-                                             "ANDREA_PREPARE_PAUSE_UNTIL": str(go)})
+    first = start(*first_args, cwd=cwd,
+                  env={"ANDREA_FAULTS": f"prepare-pause@train_000002.bin:{go}"})
     second = None
     try:
         paused, seen = wait_for_line(first.stderr, "paused in")
@@ -234,7 +234,7 @@ def test_prepare_never_deletes_files_it_did_not_write(tmp_path):
 def test_ctrl_c_says_what_it_kept_and_the_rerun_resumes(tmp_path):
     write_corpus(tmp_path / "in")
     args = ("prepare", "-c", "andrea-tiny", "--set", "data.source=in", *SHARDS, "-o", "data/x")
-    proc = start(*args, cwd=tmp_path, env={"ANDREA_PREPARE_PAUSE_IN": "train_000002.bin"})
+    proc = start(*args, cwd=tmp_path, env={"ANDREA_FAULTS": "prepare-pause@train_000002.bin"})
     try:
         paused, seen = wait_for_line(proc.stderr, "paused in")
         assert paused, seen

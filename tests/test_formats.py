@@ -175,7 +175,7 @@ def test_killed_prepare_resumes_from_its_last_complete_shard(tmp_path):
     assert 2 * readers.READ_BYTES < (tmp_path / "big.jsonl").stat().st_size
     sets = ["-c", "andrea-tiny", "--set", "data.source=big.jsonl", "--set",
             "data.shard_tokens=400000", "--set", "data.workers=1"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ANDREA_PREPARE_PAUSE_IN": "train_000003.bin"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ANDREA_FAULTS": "prepare-pause@train_000003.bin"}
     proc = subprocess.Popen([sys.executable, "-m", "andrea", "prepare", *sets, "-o", "out"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

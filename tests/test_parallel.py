@@ -270,7 +270,7 @@ def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint(tmp_p
     path.write_text(cfg.to_yaml())
     # Rank 1 dies by SIGKILL with its shards of step 4 on disk, before the checkpoint is whole.
     proc = run_torchrun("train", "-c", str(path), "--no-progress",
-                        env={"ANDREA_TEST_KILL_RANK_IN_SHARDS": "1:step-000004"})
+                        env={"ANDREA_FAULTS": "kill-rank@1:step-000004"})
     assert proc.returncode != 0, proc.stdout[-2000:]
     run_dir = tmp_path / "killed"
     assert (run_dir / "latest").read_text().strip() == "step-000002"

@@ -22,7 +22,7 @@ from andrea.train.spike import APPLY, ROLLBACK, SKIP, SpikeGuard
 
 # A step of random tokens whose loss (so gradient) is 1000x: bad data and a blow-up at once.
 # Clipping is off: a scaled gradient is what clipping exists for, and the guard must not need it.
-SPIKE = "21x1000"
+SPIKE = "spike@21x1000"
 
 
 def tiny(tmp_path: Path, data_dir: Path, name: str, *sets: str):
@@ -49,8 +49,8 @@ def clean(tmp_path_factory, data_dir):
 
 
 def test_a_guarded_run_keeps_the_clean_curve_an_unguarded_one_does_not(
-        tmp_path, data_dir, clean, monkeypatch):
-    monkeypatch.setenv("ANDREA_TEST_SPIKE", SPIKE)
+        tmp_path, data_dir, clean, inject_faults):
+    inject_faults(SPIKE)
     bad = train(tiny(tmp_path, data_dir, "bad"), progress=False)
     guarded = train(tiny(tmp_path, data_dir, "guarded", "train.spike_guard=skip"), progress=False)
     # The spike happened in both: the same loss at step 21, far above the clean run's.
@@ -75,8 +75,8 @@ def test_a_guarded_run_keeps_the_clean_curve_an_unguarded_one_does_not(
 
 
 def test_rollback_returns_to_the_checkpoint_past_the_bad_data_at_a_cut_lr(
-        tmp_path, data_dir, clean, monkeypatch):
-    monkeypatch.setenv("ANDREA_TEST_SPIKE", "21-22x1000")
+        tmp_path, data_dir, clean, inject_faults):
+    inject_faults("spike@21-22x1000")
     sets = ("train.spike_guard=rollback", "train.spike_patience=2", "train.spike_lr_factor=0.5",
             "train.spike_lr_steps=5")
     run = train(tiny(tmp_path, data_dir, "rb", *sets), progress=False)
@@ -96,8 +96,8 @@ def test_rollback_returns_to_the_checkpoint_past_the_bad_data_at_a_cut_lr(
     assert (summary.spikes, summary.rollbacks, summary.step) == (2, 1, 40)
 
 
-def test_guard_state_survives_resume_bit_for_bit(tmp_path, data_dir, monkeypatch):
-    monkeypatch.setenv("ANDREA_TEST_SPIKE", "21-22x1000")
+def test_guard_state_survives_resume_bit_for_bit(tmp_path, data_dir, inject_faults):
+    inject_faults("spike@21-22x1000")
     sets = ("train.spike_guard=rollback", "train.spike_patience=2", "train.eval_every=0",
             "train.max_steps=30")
     whole = train(tiny(tmp_path / "a", data_dir, "w", *sets), progress=False)
@@ -116,12 +116,12 @@ def test_guard_state_survives_resume_bit_for_bit(tmp_path, data_dir, monkeypatch
 
 
 def test_the_end_of_a_sequence_warmup_is_not_a_spike_and_the_guard_goes_on(
-        tmp_path, data_dir, monkeypatch):
+        tmp_path, data_dir, inject_faults):
     # 100 steps on windows of 8 tokens, then 64: the first whole-window steps reach positions
     # the model has not trained, so their loss and gradient norm jump by plan. The guard used to
     # hold two of them back as a spike; now it measures anew there, and once its window is full
     # again (12 steps) it still catches a real spike.
-    monkeypatch.setenv("ANDREA_TEST_SPIKE", "118x1000")
+    inject_faults("spike@118x1000")
     run = train(tiny(tmp_path, data_dir, "seq", "train.spike_guard=skip", "train.eval_every=0",
                      "train.max_steps=125", "train.grad_clip=1", "train.seq_warmup_length=8",
                      "train.seq_warmup_steps=100"), progress=False)
@@ -198,7 +198,7 @@ def test_two_processes_decide_as_one(tmp_path, data_dir):
             "train.warmup_steps=2", "train.checkpoint_every=5", "train.max_steps=16",
             "train.eval_every=0", "train.precision=fp32", "train.micro_batch_size=4",
             "train.global_batch_tokens=512")
-    env = {"ANDREA_TEST_SPIKE": "12-13x1000"}
+    env = {"ANDREA_FAULTS": "spike@12-13x1000"}
     cfg = tiny(tmp_path / "one", data_dir, "one", *sets)
     path = tmp_path / "one.yaml"
     path.write_text(cfg.to_yaml())

@@ -74,7 +74,7 @@ def test_a_stop_in_the_last_micro_batch_names_one_step(tmp_path, data_dir):
     cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
                       "max_steps: 50", "global_batch_tokens: 1024")
     proc = run_andrea("train", "-c", str(cfg), "--no-progress",
-                      env={"ANDREA_TEST_SIGNAL_AFTER": "3.1"})
+                      env={"ANDREA_FAULTS": "sigint@3.1"})
     assert proc.returncode == 130, proc.stderr
     said = proc.stdout + proc.stderr
     assert "stopped by SIGINT after step 4; checkpoint" in said and "step-000004" in said
@@ -87,7 +87,7 @@ def test_resume_of_a_run_without_a_checkpoint_says_what_happened(tmp_path, data_
     cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
                       "max_steps: 5", "global_batch_tokens: 2048")
     stopped = run_andrea("train", "-c", str(cfg), "--no-progress",
-                         env={"ANDREA_TEST_SIGNAL_AFTER": "0.0"})  # before the first step
+                         env={"ANDREA_FAULTS": "sigint@0.0"})  # before the first step
     assert stopped.returncode == 130, stopped.stderr
     run_dir = tmp_path / "runs" / "r"
     line = assert_user_error(run_andrea("train", "--resume", str(run_dir)),

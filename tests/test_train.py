@@ -234,7 +234,7 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
     proc = subprocess.Popen(
         [sys.executable, "-m", "andrea", "train", "--resume", str(first.run_dir),
          "--no-progress"],
-        env={**os.environ, "ANDREA_TEST_CHECKPOINT_DELAY": "3"},
+        env={**os.environ, "ANDREA_FAULTS": "checkpoint-delay@3"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     stderr: list[str] = []
@@ -260,7 +260,7 @@ def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data
     cfg = tiny(tmp_path, data_dir, "train.max_steps=100000", "train.checkpoint_every=5")
     run_dir = Path(cfg.train.runs_dir) / "t"
     # step-000005 is written slowly too; wait for it, then catch step-000010 half written.
-    proc = _start(tmp_path, cfg, env={"ANDREA_TEST_CHECKPOINT_DELAY": "2"})
+    proc = _start(tmp_path, cfg, env={"ANDREA_FAULTS": "checkpoint-delay@2"})
     _wait_for(lambda: (run_dir / "latest").exists(), proc)
     _wait_for(lambda: any(run_dir.glob("step-000010.partial-*/model.safetensors")), proc)
     proc.kill()
@@ -278,7 +278,7 @@ def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path, data_
     cfg = tiny(tmp_path, data_dir, "train.max_steps=20", "train.checkpoint_every=5")
     path = write_config(tmp_path, cfg)
     proc = run_andrea("train", "-c", str(path), "--no-progress",
-                      env={"ANDREA_TEST_NAN_AT_STEP": "7"})
+                      env={"ANDREA_FAULTS": "nan@7"})
     assert proc.returncode == 1
     assert "step 7" in proc.stderr and "step-000005" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -288,7 +288,7 @@ def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path, data_
 
     skip = run_andrea("train", "-c", str(path), "--no-progress", "--overwrite",
                       "--set", "train.skip_nonfinite=true",
-                      env={"ANDREA_TEST_NAN_AT_STEP": "7"})
+                      env={"ANDREA_FAULTS": "nan@7"})
     assert skip.returncode == 0, skip.stderr
     assert [r["step"] for r in read_events(run_dir, "skip")] == [7]
     assert read_events(run_dir, "end")[-1]["state"] == "finished"
@@ -346,14 +346,14 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
                       "model.safetensors", "truncated")
 
 
-def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir, monkeypatch):
+def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir, inject_faults):
     sets = ("train.max_steps=6", "train.precision=fp32", "model.dropout=0.1",
             "train.global_batch_tokens=2048")  # 4 micro-batches a step; dropout uses the RNG
     whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
     cfg = tiny(tmp_path / "b", data_dir, *sets)
-    monkeypatch.setenv("ANDREA_TEST_SIGNAL_AFTER", "3.1")  # Ctrl-C in step 4's 2nd micro-batch
+    inject_faults("sigint@3.1")  # Ctrl-C in step 4's 2nd micro-batch
     cut = train(cfg, progress=False)
-    monkeypatch.delenv("ANDREA_TEST_SIGNAL_AFTER")
+    inject_faults(None)
     assert (cut.state, cut.exit_code, cut.steps) == ("interrupted", 130, 3)
     assert cut.checkpoint.name == "step-000003" and "after step 3" in cut.message
     rest = train(cfg, resume=str(cut.run_dir), progress=False)
@@ -366,8 +366,8 @@ def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir, monk
     assert all(torch.equal(opt_a[k], opt_b[k]) for k in opt_a)
 
 
-def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path, data_dir, monkeypatch):
-    monkeypatch.setenv("ANDREA_TEST_SIGNAL_AFTER", "1.0")
+def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path, data_dir, inject_faults):
+    inject_faults("sigint@1.0")
     result = train(tiny(tmp_path, data_dir, "train.max_steps=2"), progress=False)
     assert (result.state, result.exit_code, result.steps) == ("finished", 0, 2)
     assert result.checkpoint.name == "step-000002"
@@ -376,7 +376,7 @@ def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path, data_dir, m
 def test_interrupt_before_the_first_step_writes_and_mentions_no_checkpoint(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "train.max_steps=5", "train.global_batch_tokens=2048")
     proc = run_andrea("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
-                      env={"ANDREA_TEST_SIGNAL_AFTER": "0.0"})
+                      env={"ANDREA_FAULTS": "sigint@0.0"})
     assert proc.returncode == 130, proc.stderr
     assert "checkpointing the last completed step" in proc.stderr
     assert "before its first step; no checkpoint was written" in proc.stderr

@@ -5,14 +5,12 @@ interrupted prepare continues from there."""
 from __future__ import annotations
 
 import json
-import os
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from andrea import faults
 from andrea.data import documents, readers, shards
 from andrea.data.documents import SPLITS, Input, Settings, all_jobs
 from andrea.data.encode import encode_all, train_texts
@@ -56,16 +54,6 @@ def mark_started(out: Path, settings: dict[str, Any]) -> None:
 def job_rule() -> dict[str, int]:
     """What fixes the job boundaries: a resumed run must cut its input the same way."""
     return {"chunk_bytes": documents.CHUNK_BYTES, "read_bytes": readers.READ_BYTES}
-
-
-def _pause_hook(name: str) -> None:
-    """Test hook: ANDREA_PREPARE_PAUSE_IN=<shard file> stops here, mid-shard (for a SIGKILL or a
-    second process), until the file ANDREA_PREPARE_PAUSE_UNTIL exists (forever when unset)."""
-    if os.environ.get("ANDREA_PREPARE_PAUSE_IN") == name:
-        print(f"paused in {name}", file=sys.stderr, flush=True)
-        until = os.environ.get("ANDREA_PREPARE_PAUSE_UNTIL")
-        while not (until and os.path.exists(until)):
-            time.sleep(0.05)
 
 
 def _tokenizer(
@@ -135,7 +123,7 @@ class ShardStream:
             if w.count == self.shard_tokens:
                 self.checkpoint()
             else:
-                _pause_hook(w.path.name)
+                faults.in_shard(w.path.name)
 
     def abort(self) -> None:
         for w in self.writers.values():

@@ -28,8 +28,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from andrea import faults
 from andrea.config import Config, config_from_dict
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text, fsync_dir
@@ -128,10 +127,7 @@ def write_shards(folder: Path, state: dict[str, torch.Tensor], rank: int) -> Non
     folder.mkdir(parents=True, exist_ok=True)
     dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(folder),
                                                                 save_distributed=True))
-    # Used only by the tests: "RANK:step-NNNNNN" kills that rank here, its shards written and
-    # the checkpoint not yet complete.
-    if os.environ.get("ANDREA_TEST_KILL_RANK_IN_SHARDS") == f"{rank}:{folder.parent.name[:11]}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    faults.after_shards_written(rank, folder.parent.name[:11])
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
@@ -168,11 +164,8 @@ def save_checkpoint(
         "tokenizer": tokenizer_identity,
         "config": json.dumps(cfg.to_dict()),
     }
-    # Used only by the tests, to kill the process while a checkpoint is half written.
-    delay = float(os.environ.get("ANDREA_TEST_CHECKPOINT_DELAY", "0"))
     atomic_write_bytes(partial / MODEL_FILE, safetensors_bytes(model_tensors, metadata))
-    if delay:
-        time.sleep(delay)
+    faults.after_model_file()
     if not sharded:
         atomic_write_bytes(
             partial / OPTIMIZER_FILE, safetensors_bytes(optimizer_tensors, {"format": FORMAT})

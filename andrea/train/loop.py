@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from andrea import faults
 from andrea.config import Config
 from andrea.data.loader import train_batch
 from andrea.errors import UserError
@@ -48,8 +49,6 @@ from andrea.train.spike import (
     ROLLBACK,
     SKIP,
     agree,
-    garble,
-    injected_spike,
     same_on_every_rank,
 )
 from andrea.train.validation import score_val, val_sources
@@ -229,7 +228,7 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
     clipping's measurement), or None when a signal stops the run before the last one."""
     t, step = s.cfg.train, s.step
     data_step = s.guard.data_step(step)  # past any data window a rollback left behind
-    spike_scale = injected_spike(data_step)  # None unless a test injects a spike
+    spike_scale = faults.spike_scale(data_step)  # None unless a test injects a spike
     accum = s.accum_at(step)  # fewer during a batch-size warm-up
     windows, length = s.windows_at(step)  # shorter ones during a sequence-length warm-up
     loss_sum = torch.zeros((), device=s.device)
@@ -242,7 +241,7 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
             micro_batch_size=windows, block_size=length,
         )
         if spike_scale is not None:
-            x, y = garble(x, y, s.cfg.model.vocab_size, data_step)
+            x, y = faults.garble(x, y, s.cfg.model.vocab_size, data_step)
         x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
         # The processes share the gradients once, on the last micro-batch of the step.
         with s.parallel.gradient_sync(s.model, s.train_model, last=micro == accum - 1):
@@ -252,13 +251,11 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
             (loss * (spike_scale or 1.0) / accum).backward()
         loss_sum += loss.detach()
         bar.update(s.tokens_per_micro_batch)
-        if os.environ.get("ANDREA_TEST_SIGNAL_AFTER") == f"{step}.{micro}":  # only for tests
-            os.kill(os.getpid(), signal.SIGINT)  # as if Ctrl-C came during this micro-batch
+        faults.after_micro_batch(step, micro)
     loss_mean = all_reduce_sum(loss_sum / accum, s.dist) / s.dist.world_size
     clip = t.grad_clip if t.grad_clip > 0 else math.inf
     grad_norm = s.parallel.clip(s.model, clip)
-    if os.environ.get("ANDREA_TEST_NAN_AT_STEP") == str(step + 1):  # used only by tests
-        loss_mean = loss_mean * float("nan")
+    loss_mean = faults.poison_loss(loss_mean, step + 1)
     loss_value, norm_value = torch.stack([loss_mean.float(), grad_norm.float()]).tolist()
     return loss_value, norm_value
 

@@ -26,7 +26,6 @@ decides exactly as the uninterrupted one would.
 from __future__ import annotations
 
 import math
-import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -154,26 +153,3 @@ def same_on_every_rank(value: float, device: torch.device, all_reduce_sum: Any,
     sums = torch.tensor([value, value * value], dtype=torch.float64, device=device)
     total, squares = all_reduce_sum(sums, dist).tolist()
     return math.isclose(dist.world_size * squares, total * total, rel_tol=1e-12, abs_tol=1e-9)
-
-
-def injected_spike(data_step: int) -> float | None:
-    """Test seam (ANDREA_TEST_SPIKE=FIRST-LAST[xSCALE]): the batches of data positions
-    FIRST..LAST (1-based, as steps are counted) become random tokens and their loss is scaled
-    by SCALE (default 1) before backward: bad data and a gradient blow-up at a chosen place.
-    Returns SCALE for such a position, else None."""
-    spec = os.environ.get("ANDREA_TEST_SPIKE")
-    if not spec:
-        return None
-    span, _, scale = spec.partition("x")
-    first, _, last = span.partition("-")
-    if int(first) <= data_step + 1 <= int(last or first):
-        return float(scale or 1.0)
-    return None
-
-
-def garble(x: torch.Tensor, y: torch.Tensor, vocab_size: int,
-           data_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The injected spike's batch: uniform random tokens, the same on every run."""
-    gen = torch.Generator().manual_seed(data_step)
-    tokens = torch.randint(0, vocab_size, (x.shape[0], x.shape[1] + 1), generator=gen)
-    return tokens[:, :-1].to(x.device), tokens[:, 1:].to(y.device)
