@@ -1,8 +1,9 @@
 """Inputs as jobs, and jobs as documents: what `andrea prepare` reads and how it splits it.
 
 `documents` lists the inputs of a source (the embedded plays, or files through
-andrea/data/readers.py). `all_jobs` cuts them into jobs of about CHUNK_BYTES in a fixed order (a
-job number names the same piece of input in every run: what a resumed prepare skips to).
+andrea/data/inputs.py). `all_jobs` cuts them into jobs of about CHUNK_BYTES in a fixed order (a
+job number names the same piece of input in every run: what a resumed prepare skips to), each
+file by its format's reader (andrea/data/readers.py).
 `job_documents`, run in a worker, turns a job into (split, text) documents: a whole text's tail
 goes to val, a record goes to val by a hash of its text.
 """
@@ -19,13 +20,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 from andrea.data.folder import is_andrea_folder
-from andrea.data.readers import (
-    InputFile,
-    Job,
-    input_files,
-    input_identity,
-    iter_blocks,
-)
+from andrea.data.inputs import input_files, input_identity
+from andrea.data.readers import InputFile, Job, iter_blocks
 from andrea.data.shards import SPLITS
 from andrea.errors import UserError
 
