@@ -125,6 +125,25 @@ class ShardStream:
             else:
                 faults.in_shard(w.path.name)
 
+    def manifest_part(self, kind: str, val_fraction: float) -> dict[str, Any]:
+        """What the finished shards add to the manifest: tokenizer, shards, counts, tally."""
+        counts = {s: sum(e["tokens"] for e in self.written[s]) for s in SPLITS}
+        if counts["val"] == 0:
+            raise UserError(
+                f"{self.out}: the val split came out empty (inputs too small for val fraction "
+                f"{val_fraction}); add text or raise data.val_fraction"
+            )
+        tok = self.tok
+        return {
+            "tokenizer": {
+                "kind": kind, "identity": tok.identity, "vocab_size": tok.vocab_size,
+                "eot_id": tok.eot_id,
+            },
+            "shards": self.written,
+            "tokens": counts,
+            **self.tally,
+        }
+
     def abort(self) -> None:
         for w in self.writers.values():
             if w is not None:
@@ -177,18 +196,4 @@ def write_shards(
     finally:
         bar.close()
         stream.abort()
-    counts = {s: sum(e["tokens"] for e in stream.written[s]) for s in SPLITS}
-    if counts["val"] == 0:
-        raise UserError(
-            f"{out}: the val split came out empty (inputs too small for val fraction "
-            f"{settings.val_fraction}); add text or raise data.val_fraction"
-        )
-    return {
-        "tokenizer": {
-            "kind": kind, "identity": tok.identity, "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id,
-        },
-        "shards": stream.written,
-        "tokens": counts,
-        **stream.tally,
-    }
+    return stream.manifest_part(kind, settings.val_fraction)
