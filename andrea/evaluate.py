@@ -57,6 +57,7 @@ from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
 from andrea.tasks import TaskFile, TaskResult, read_task, run_task
 from andrea.train import checkpoint as ckpt_io
+from andrea.train.rundir import step_of_dir
 from andrea.train.validation import ValScore, score_val, val_sources
 
 
@@ -339,8 +340,7 @@ def evaluate_one(ckpt: Path, settings: EvalSettings) -> EvalResult:
     dtype = pick_dtype(settings.precision, dev)
     model, cfg, metadata = load_model(ckpt, dev)
     tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
-    step = int(ckpt.name[5:]) if ckpt.name[:5] == "step-" and ckpt.name[5:].isdigit() else None
-    result = EvalResult(checkpoint=str(ckpt), step=step, split=settings.split,
+    result = EvalResult(checkpoint=str(ckpt), step=step_of_dir(ckpt), split=settings.split,
                         precision=str(dtype).removeprefix("torch."), device=str(dev))
     if settings.val:
         split = open_val_split(ckpt, cfg, settings.data, settings.split)

@@ -59,6 +59,7 @@ from andrea.model.params import check_stored_shape
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.rundir import CONFIG, read_safetensors_header
+from andrea.train.state import TrainerState
 
 EXPORT_FORMAT = "andrea-hf-export/1"
 ANDREA_FILE = "andrea.json"
@@ -459,12 +460,10 @@ def import_hf(
     tmp.mkdir(parents=True)
     try:
         rng = {"cpu.rank0": torch.Generator().manual_seed(cfg.train.seed).get_state()}
-        state = {
-            "step": 0, "tokens": 0, "data_position": 0, "best_val_loss": None,
-            "best_val_step": None, "skipped_steps": 0, "world_size": 1, "seed": cfg.train.seed,
-            "preset": "imported", "imported_from": str(src.resolve()),
-            "imported_sha256": hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest(),
-        }
+        state = TrainerState(
+            step=0, seed=cfg.train.seed, preset="imported", imported_from=str(src.resolve()),
+            imported_sha256=hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest(),
+        )
         ckpt_io.save_checkpoint(tmp, 0, cfg, identity, tensors, {}, rng, state, keep_last=1)
         atomic_write_text(tmp / CONFIG, cfg.to_yaml())
         if tokenizer_json is not None:

@@ -32,6 +32,7 @@ from andrea.train.rundir import (
     newest_intact,
     step_dirs,
 )
+from andrea.train.state import TrainerState
 
 # Every state a run can be in; the first five come from the trainer's "end" event. "imported":
 # made by `andrea import` (a checkpoint at step 0, no metrics), not trained yet. "damaged": its
@@ -218,15 +219,16 @@ def _read_import(run: Path, summary: RunSummary) -> bool:
     if summary.latest_checkpoint is None:
         return False
     try:
-        state = json.loads((run / summary.latest_checkpoint / TRAINER_STATE).read_text("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    if not isinstance(state, dict) or not isinstance(state.get("imported_from"), str):
+        raw = json.loads((run / summary.latest_checkpoint / TRAINER_STATE).read_text("utf-8"))
+        state = TrainerState.from_dict(raw)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return False  # unreadable, or not a trainer state: the run's other records say more
+    if not isinstance(state.imported_from, str):
         return False
     summary.state = "imported"
-    summary.step, summary.tokens = _int(state.get("step")), _int(state.get("tokens"))
-    summary.preset = state.get("preset") if isinstance(state.get("preset"), str) else None
-    summary.message = f"imported from {state['imported_from']}; not trained here yet"
+    summary.step, summary.tokens = _int(state.step), _int(state.tokens)
+    summary.preset = state.preset if isinstance(state.preset, str) else None
+    summary.message = f"imported from {state.imported_from}; not trained here yet"
     return True
 
 

@@ -55,6 +55,7 @@ from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import cpu_has_bf16
 from andrea.train.loop import train
 from andrea.train.resume import config_changes
+from andrea.train.rundir import step_of_dir
 from andrea.train.setup import batch_warmup_active
 
 OPTIMIZERS = ("adamw", "muon")
@@ -107,8 +108,8 @@ def run_one(run: Run, args: argparse.Namespace) -> float:
     seconds = checkpoint_seconds(run_dir / "metrics.jsonl")
     checkpoints = ckpt_io.list_checkpoints(run_dir)
     for ckpt in checkpoints:
-        step = int(ckpt.name[5:])
-        tokens = ckpt_io.read_trainer_state(ckpt)[0]["tokens"]  # a batch warm-up's are fewer
+        step = step_of_dir(ckpt)
+        tokens = ckpt_io.read_trainer_state(ckpt)[0].tokens  # a batch warm-up's are fewer
         ev = evaluate_checkpoint(str(ckpt), max_tokens=args.eval_tokens, progress=False)
         run.points.append((tokens, ev.loss, ev.bits_per_byte, seconds[step]))
     if len(run.points) != 10:
@@ -125,7 +126,7 @@ def reused_run(run_dir: Path, cfg: Config, steps: int) -> None:
         raise UserError(f"{run_dir}: --reuse: the run there was trained with other settings "
                         f"({', '.join(changed)}); give this variant another label or drop --reuse")
     checkpoints = ckpt_io.list_checkpoints(run_dir)
-    if not checkpoints or int(checkpoints[-1].name[5:]) != steps:
+    if not checkpoints or step_of_dir(checkpoints[-1]) != steps:
         raise UserError(f"{run_dir}: --reuse: not a finished run of {steps} steps; remove the "
                         "folder or drop --reuse")
 

@@ -83,6 +83,7 @@ def make_checkpoint(
     from andrea.config import load_config
     from andrea.model.transformer import Andrea
     from andrea.train import checkpoint as ckpt_io
+    from andrea.train.state import TrainerState
 
     cfg = load_config(
         "andrea-tiny", [f"train.runs_dir={tmp_path / 'runs'}", "train.name=r", *sets]
@@ -93,7 +94,8 @@ def make_checkpoint(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     return ckpt_io.save_checkpoint(
-        run_dir, step, cfg, tokenizer, ckpt_io.model_state(model), {}, {}, {"step": step}, 1
+        run_dir, step, cfg, tokenizer, ckpt_io.model_state(model), {}, {},
+        TrainerState(step=step), 1
     )
 
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from andrea.config import load_config
 from andrea.train.loop import train
+from andrea.train.rundir import step_of_dir
 
 STEPS = 20
 SETS = (f"train.max_steps={STEPS}", "train.precision=fp32", "train.micro_batch_size=4",
@@ -50,7 +51,7 @@ def rewound(run_dir: Path, to: Path, step: int) -> Path:
     """A copy of the run whose latest checkpoint is `step`, as if it had stopped there."""
     shutil.copytree(run_dir, to)
     for later in to.glob("step-*"):
-        if int(later.name[5:]) > step:
+        if (step_of_dir(later) or 0) > step:
             shutil.rmtree(later)
     (to / "latest").write_text(f"step-{step:06d}\n")
     return to

@@ -109,7 +109,7 @@ def test_guard_state_survives_resume_bit_for_bit(tmp_path, data_dir, inject_faul
                  progress=False)
     assert (first.steps, second.steps, rest.steps) == (18, 21, 30)
     assert {**first.losses, **second.losses, **rest.losses} == whole.losses
-    a, b = (ckpt_io.read_trainer_state(r.checkpoint)[0]["spike_guard"] for r in (whole, rest))
+    a, b = (ckpt_io.read_trainer_state(r.checkpoint)[0].spike_guard for r in (whole, rest))
     assert a == b and a["rollbacks"] == 1 and a["data_offset"] == 2
     wa, wb = (ckpt_io.read_model_checkpoint(r.checkpoint)[0] for r in (whole, rest))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -26,6 +26,7 @@ from andrea.train.device import pick_device, pick_dtype
 from andrea.train.loop import train
 from andrea.train.memory import HEADROOM, choose_micro_batch, estimate_peak_bytes
 from andrea.train.optim import build_optimizer
+from andrea.train.rundir import step_of_dir
 from andrea.train.schedule import lr_at
 
 # data_dir: the session fixture in conftest.py (the tiny preset's prepared data).
@@ -126,7 +127,7 @@ def test_checkpoint_round_trip(tmp_path, data_dir):
     assert stored.keys() == again.keys()
     assert all(torch.equal(stored[k], again[k]) for k in stored)
     state, rng = ckpt_io.read_trainer_state(result.checkpoint)
-    assert state["step"] == 3 and state["tokens"] == 3 * 8 * 64
+    assert state.step == 3 and state.tokens == 3 * 8 * 64
     assert "cpu.rank0" in rng
 
 
@@ -222,7 +223,7 @@ def test_signal_checkpoints_and_exits(tmp_path, data_dir, sig, code):
     assert end["state"] == "interrupted" and end["signal"] == sig.name
     latest = ckpt_io.resolve_checkpoint(run_dir)
     assert latest.name == end["checkpoint"] and latest.name in out
-    assert ckpt_io.read_trainer_state(latest)[0]["step"] == end["step"]
+    assert ckpt_io.read_trainer_state(latest)[0].step == end["step"]
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -253,7 +254,7 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
     assert ckpt_io.resolve_checkpoint(first.run_dir).name == "step-000002"
     ckpt_io.read_model_checkpoint(first.run_dir / "step-000002")  # complete and loadable
     (cut,) = first.run_dir.glob("*.partial-*")  # the interrupted write, never the latest
-    assert not (cut / ckpt_io.STATE_FILE).exists() and int(cut.name[5:11]) > 2
+    assert not (cut / ckpt_io.STATE_FILE).exists() and step_of_dir(cut.with_suffix("")) > 2
 
 
 def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data_dir):
@@ -439,7 +440,7 @@ def test_micro_batch_auto_is_resolved_recorded_and_reused(tmp_path, data_dir):
     run_dir = Path(cfg.train.runs_dir) / "t"
     assert read_events(run_dir, "start")[0]["micro_batch_size"] == 32
     assert load_config(run_dir / "config.yaml").train.micro_batch_size == "auto"
-    assert ckpt_io.read_trainer_state(run_dir / "step-000001")[0]["micro_batch_size"] == 32
+    assert ckpt_io.read_trainer_state(run_dir / "step-000001")[0].micro_batch_size == 32
     rest = run_andrea("train", "--resume", str(run_dir), "--no-progress")
     assert rest.returncode == 0, rest.stderr
     assert "micro-batch: auto -> 32 x 64 (the run's recorded choice)" in rest.stdout

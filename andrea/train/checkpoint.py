@@ -8,7 +8,7 @@ newest complete one. Each checkpoint holds:
 - `optimizer.safetensors`: the optimizer state keyed by `<parameter name>.<field>`: AdamW's
   moments and step counts, and with train.optimizer muon each block matrix's Muon momentum buffer;
 - `rng.safetensors`: every generator's state (the CPU generator of each rank, and CUDA's);
-- `trainer_state.json`: step, tokens seen, data position, best val loss, skipped steps.
+- `trainer_state.json`: the run's counters and records (andrea/train/state.py, `TrainerState`).
 
 With `train.parallel: fsdp` the weights and optimizer state (AdamW's, Muon's) are written by every
 rank at once, each its own shards, through torch.distributed.checkpoint's Hugging Face writer:
@@ -30,7 +30,6 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -53,18 +52,16 @@ from andrea.train.rundir import (
     is_step_dir,
     newest_intact,
     read_safetensors_header,
+    step_dir_name,
     step_dirs,
 )
 from andrea.train.rundir import TRAINER_STATE as STATE_FILE
+from andrea.train.state import TrainerState
 
 FORMAT = "andrea-checkpoint/1"
 OPTIMIZER_PREFIX = "optimizer."  # the optimizer's keys among the shards' tensors
 # The LM head is tied to the token embedding: stored once, re-tied on load.
 TIED_KEYS = {"lm_head.weight": "tok_emb.weight"}
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
@@ -144,7 +141,7 @@ def save_checkpoint(
     model_tensors: dict[str, torch.Tensor],
     optimizer_tensors: dict[str, torch.Tensor],
     rng_tensors: dict[str, torch.Tensor],
-    trainer_state: dict[str, Any],
+    trainer_state: TrainerState,
     keep_last: int,
     partial: Path | None = None,
 ) -> Path:
@@ -171,7 +168,7 @@ def save_checkpoint(
             partial / OPTIMIZER_FILE, safetensors_bytes(optimizer_tensors, {"format": FORMAT})
         )
     atomic_write_bytes(partial / RNG_FILE, safetensors_bytes(rng_tensors, {"format": FORMAT}))
-    atomic_write_text(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
+    atomic_write_text(partial / STATE_FILE, json.dumps(trainer_state.to_dict(), indent=1))
     if final.exists():  # the same step written by an earlier segment of this run
         stale = run_dir / f"{final.name}.stale-{os.getpid()}"
         final.rename(stale)
@@ -433,11 +430,15 @@ def apply_optimizer_state(
     optimizer.load_state_dict(state)
 
 
-def read_trainer_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_trainer_state(ckpt: Path) -> tuple[TrainerState, dict[str, torch.Tensor]]:
+    """The checkpoint's TrainerState and every rank's generator states."""
     path = ckpt / STATE_FILE
     try:
-        state = json.loads(path.read_text())
+        state = TrainerState.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError) as exc:
         raise UserError(f"{path}: unreadable trainer state: {exc}") from None
+    except (KeyError, TypeError, AttributeError):
+        raise UserError(f"{path}: not a trainer state (no step); the checkpoint is damaged: "
+                        f"resume from another") from None
     rng, _ = read_safetensors(ckpt / RNG_FILE)
     return state, rng

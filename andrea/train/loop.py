@@ -40,6 +40,7 @@ from andrea.train.distributed import (
 )
 from andrea.train.flops import format_mfu
 from andrea.train.progress import RunBar, long_run_note
+from andrea.train.rundir import step_of_dir
 from andrea.train.schedule import lr_at
 from andrea.train.session import Session, TrainResult
 from andrea.train.setup import RunDecision, restore, set_up
@@ -51,6 +52,7 @@ from andrea.train.spike import (
     agree,
     same_on_every_rank,
 )
+from andrea.train.state import TrainerState
 from andrea.train.validation import score_val, val_sources
 
 
@@ -296,7 +298,7 @@ def guard_step(s: Session, loss: float, grad_norm: float) -> str:
         # Every rank must see the same checkpoint to go back to (node-local run folders may
         # not); else, or with none written yet, the step is skipped everywhere.
         target = rollback_checkpoint(s)
-        found = int(target.name[5:]) if target is not None else -1
+        found = step_of_dir(target) if target is not None else -1
         agreed = same_on_every_rank(found, s.device, all_reduce_sum, s.dist)  # a collective
         if target is None or not agreed:
             verdict.action = SKIP
@@ -313,7 +315,7 @@ def rollback_checkpoint(s: Session) -> Path | None:
     a stop may have written one inside the streak, and the resumed run must go back where the
     uninterrupted one would."""
     before = s.step - s.cfg.train.spike_patience
-    found = [c for c in ckpt_io.list_checkpoints(s.run_dir) if int(c.name[5:]) <= before]
+    found = [c for c in ckpt_io.list_checkpoints(s.run_dir) if (step_of_dir(c) or 0) <= before]
     return found[-1] if found else None
 
 
@@ -325,7 +327,7 @@ def roll_back(s: Session) -> None:
     run = RunDecision(s.run_dir, checkpoint, {}, False, s.cfg.train.name, {},
                       ckpt_io.has_shards(checkpoint))
     state = restore(s.model, s.optimizer, s.param_names, run, s.train_split, s.device, s.dist)
-    s.step, s.tokens_seen = state["step"], state["tokens"]
+    s.step, s.tokens_seen = state.step, state.tokens
     s.checkpoint_step = s.signals.completed_step = s.step
     s.losses = {k: v for k, v in s.losses.items() if k <= s.step}
     s.guard.rolled_back(from_step, s.step)
@@ -411,16 +413,15 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
         model_tensors = ckpt_io.model_state(s.model)
         optimizer_tensors = ckpt_io.optimizer_state(s.optimizer, s.param_names)
     if s.dist.is_main:
-        state = {
-            "step": s.step, "tokens": s.tokens_seen,
-            "data_position": s.guard.data_step(s.step),
-            "best_val_loss": s.best_val, "best_val_step": s.best_step,
-            "skipped_steps": s.skipped, "world_size": s.dist.world_size, "seed": s.cfg.train.seed,
-            "preset": s.preset, "micro_batch_size": s.micro_batch, "parallel": s.parallel.name,
-            "tokens_per_step": s.tokens_per_step, "device": device_name(s.device),
-            "max_steps": s.cfg.train.max_steps, "schedule_anchor": s.schedule_anchor,
-            "spike_guard": s.guard.state_dict(),
-        }
+        state = TrainerState(
+            step=s.step, tokens=s.tokens_seen, data_position=s.guard.data_step(s.step),
+            best_val_loss=s.best_val, best_val_step=s.best_step, skipped_steps=s.skipped,
+            world_size=s.dist.world_size, seed=s.cfg.train.seed, preset=s.preset,
+            micro_batch_size=s.micro_batch, parallel=s.parallel.name,
+            tokens_per_step=s.tokens_per_step, device=device_name(s.device),
+            max_steps=s.cfg.train.max_steps, schedule_anchor=s.schedule_anchor,
+            spike_guard=s.guard.state_dict(),
+        )
         s.checkpoint = ckpt_io.save_checkpoint(
             s.run_dir, s.step, s.cfg, s.train_split.tokenizer_identity,
             model_tensors, optimizer_tensors, all_rng, state, s.cfg.train.keep_last, partial,

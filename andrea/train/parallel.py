@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from andrea.train.distributed import DistInfo, clip_grad_norm, shard_model
+from andrea.train.state import TrainerState
 
 
 @dataclass
@@ -54,11 +55,11 @@ class Parallel:
                     f"whole"]
         return []
 
-    def resharding_line(self, trainer_state: dict[str, Any]) -> str | None:
+    def resharding_line(self, trainer_state: TrainerState) -> str | None:
         """The plan line when a resumed checkpoint was written by another number of processes
         or in another mode, else None."""
-        was_world = trainer_state.get("world_size", 1)
-        was = trainer_state.get("parallel", mode_before_recorded(was_world))
+        was_world = trainer_state.world_size
+        was = trainer_state.parallel or mode_before_recorded(was_world)
         if (was_world, was) == (self.dist.world_size, self.name):
             return None
         return (f"resume: resharding the checkpoint written by {was_world} "

@@ -16,6 +16,7 @@ from andrea.train import checkpoint as ckpt_io
 from andrea.train.metrics import MetricsLog
 from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.session import Session
+from andrea.train.state import TrainerState
 
 
 def start_run_files(
@@ -48,7 +49,7 @@ def announce(
     backend: str,
     why: str,
     changes: dict[str, list[Any]],
-    trainer_state: dict[str, Any],
+    trainer_state: TrainerState | None,
     resume_from: Path | None,
     micro_batch_line: str,
     schedule_lines: list[str],
@@ -58,7 +59,8 @@ def announce(
     s.say(f"attention: {backend} ({why})")
     for key, (old, new) in changes.items():
         s.say(f"resume: {key} {old} -> {new}")
-    resharding = s.parallel.resharding_line(trainer_state) if trainer_state else None
+    resharding = (s.parallel.resharding_line(trainer_state) if trainer_state is not None
+                  else None)
     for line in s.parallel.lines() + ([resharding] if resharding else []) + schedule_lines:
         s.say(line)
     s.say(

@@ -28,7 +28,7 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 SHARDS_DIR = "shards"
 SHARD_INDEX = "index.json"
-STEP_DIR = re.compile(r"step-\d+")
+STEP_DIR = re.compile(r"step-(\d+)")
 # safetensors' own limit on the JSON header; a larger length is damage, never a real header.
 MAX_HEADER_BYTES = 100_000_000
 
@@ -49,15 +49,26 @@ def run_path(name: str | Path, runs_dir: str | Path = "runs") -> Path:
     return path
 
 
+def step_dir_name(step: int) -> str:
+    """The folder name of the checkpoint of step `step`; `step_of_dir` reads it back."""
+    return f"step-{step:06d}"
+
+
+def step_of_dir(path: Path) -> int | None:
+    """The step a checkpoint folder's name says (step-NNNNNN), None for any other name."""
+    match = STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
 def is_step_dir(path: Path) -> bool:
     """A checkpoint folder by its name (step-NNNNNN), whatever its contents."""
-    return STEP_DIR.fullmatch(path.name) is not None
+    return step_of_dir(path) is not None
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
     """The run's checkpoint folders (complete or damaged; never a .partial-), oldest first."""
     found = [p for p in run_dir.glob("step-*") if p.is_dir() and is_step_dir(p)]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    return sorted(found, key=lambda p: step_of_dir(p) or 0)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from andrea.train.schedule import replan
 from andrea.train.session import Session, TrainResult
 from andrea.train.signals import SignalWatch
 from andrea.train.spike import SpikeGuard
+from andrea.train.state import TrainerState
 
 
 def set_up(
@@ -64,8 +65,8 @@ def set_up(
     t = cfg.train
     run = decide_run(cfg, dist, resume, overwrite)
     run_dir, resume_from, changes, replace = run.run_dir, run.resume_from, run.changes, run.replace
-    if resume_from is not None and run.trainer_state["step"] >= t.max_steps:
-        return nothing_to_do(run_dir, resume_from, run.trainer_state["step"], t.max_steps, dist)
+    if resume_from is not None and run.trainer_state.step >= t.max_steps:
+        return nothing_to_do(run_dir, resume_from, run.trainer_state.step, t.max_steps, dist)
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist)
@@ -73,7 +74,7 @@ def set_up(
     backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
     model, optimizer, names = build_model(cfg, device, parallel, dtype, backend)
 
-    trainer_state: dict[str, Any] = {}
+    trainer_state: TrainerState | None = None  # the checkpoint's, as every rank has it
     if resume_from is not None:
         trainer_state = restore(model, optimizer, names, run, train_split, device, dist)
     else:
@@ -91,19 +92,14 @@ def set_up(
         warmup_accum=warmup_accum,
         mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, model.num_params()),
                      devices=dist.world_size),
-        preset=trainer_state.get("preset", Path(cfg.source).stem), parallel=parallel,
-        step=trainer_state.get("step", 0), tokens_seen=trainer_state.get("tokens", 0),
-        skipped=trainer_state.get("skipped_steps", 0),
-        best_val=trainer_state.get("best_val_loss"), best_step=trainer_state.get("best_val_step"),
-        checkpoint=resume_from, checkpoint_step=trainer_state.get("step"),
-        guard=SpikeGuard(t, trainer_state.get("spike_guard")),
+        preset=Path(cfg.source).stem, parallel=parallel, guard=SpikeGuard(t),
     )
+    if trainer_state is not None:
+        continue_from(s, trainer_state, resume_from)
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
-    # The max_steps the checkpoint was planned for (older checkpoints: the run's config).
-    planned_max = trainer_state.get("max_steps", changes.get("train.max_steps", [t.max_steps])[0])
     try:
-        s.schedule_anchor, schedule_lines = replan(s.step, t, planned_max,
-                                                   trainer_state.get("schedule_anchor"))
+        s.schedule_anchor, schedule_lines = replan(s.step, t, planned_max_steps(
+            trainer_state, changes, t.max_steps), s.schedule_anchor)
     except UserError as exc:  # name the run the resume cannot extend
         raise UserError(f"{run_dir}: {exc}") from None
     if dist.is_main:
@@ -126,7 +122,7 @@ class RunDecision:
     changes: dict[str, list[Any]]  # the config keys a resume changes: {key: [old, new]}
     replace: bool  # --overwrite of an old run (done by rank 0 once set-up has passed)
     name: str  # the run's name (a resumed run keeps its own)
-    trainer_state: dict[str, Any]  # the checkpoint's trainer_state.json, {} for a new run
+    trainer_state: TrainerState | None  # the checkpoint's, None for a new run
     sharded: bool  # whether the checkpoint holds fsdp shards (every rank reads its own)
 
 
@@ -138,7 +134,7 @@ def decide_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool)
 
     def decide() -> RunDecision:
         run_dir, resume_from, changes, replace = open_run(cfg, dist, resume, overwrite)
-        state = ckpt_io.read_trainer_state(resume_from)[0] if resume_from is not None else {}
+        state = ckpt_io.read_trainer_state(resume_from)[0] if resume_from is not None else None
         sharded = resume_from is not None and ckpt_io.has_shards(resume_from)
         return RunDecision(run_dir, resume_from, changes, replace, cfg.train.name, state, sharded)
 
@@ -180,6 +176,27 @@ def check_shared_storage(
             f"put train.runs_dir on storage every node mounts at the same path, or use "
             f"train.parallel=ddp"
         )
+
+
+def continue_from(s: Session, state: TrainerState, checkpoint: Path) -> None:
+    """A resumed session takes up the checkpoint's counters, records and spike guard."""
+    if state.preset is not None:
+        s.preset = state.preset
+    s.step, s.tokens_seen, s.skipped = state.step, state.tokens, state.skipped_steps
+    s.best_val, s.best_step = state.best_val_loss, state.best_val_step
+    s.checkpoint, s.checkpoint_step = checkpoint, state.step
+    s.guard = SpikeGuard(s.cfg.train, state.spike_guard)
+    s.schedule_anchor = state.schedule_anchor
+
+
+def planned_max_steps(
+    state: TrainerState | None, changes: dict[str, list[Any]], max_steps: int
+) -> int:
+    """The max_steps the run's schedule was planned for: the checkpoint's record, else (older
+    checkpoints) the run's config.yaml's, else (a new run) max_steps."""
+    if state is not None and state.max_steps is not None:
+        return state.max_steps
+    return changes.get("train.max_steps", [max_steps])[0]
 
 
 def nothing_to_do(
@@ -235,7 +252,7 @@ def open_run(
         if found is not None:
             stored = load_config(found / CONFIG)
             checkpoint = resume_checkpoint(resume, found)
-            trained = ckpt_io.read_trainer_state(checkpoint)[0]["step"] > 0
+            trained = ckpt_io.read_trainer_state(checkpoint)[0].step > 0
             changes = check_resume_changes(stored, cfg, found, trained)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
             return found, checkpoint, changes, False
@@ -268,7 +285,7 @@ def restore(
     train_split: TokenSplit,
     device: torch.device,
     dist: DistInfo,
-) -> dict[str, Any]:
+) -> TrainerState:
     """Load weights, optimizer state and generator states; returns the trainer state.
     A whole checkpoint is read by rank 0 alone and sent to the others (so under ddp the run
     folder may be on node 0 alone); a sharded one (fsdp) is read by every rank through its
@@ -284,7 +301,7 @@ def restore(
     else:
         read: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optimizer": {}, "rng": {}}
 
-        def read_whole() -> dict[str, Any]:
+        def read_whole() -> TrainerState:
             read["model"], meta = ckpt_io.read_model_checkpoint(checkpoint)[::2]
             check_tokenizer(checkpoint, meta, train_split)
             read["optimizer"] = ckpt_io.read_safetensors(checkpoint / ckpt_io.OPTIMIZER_FILE)[0]
@@ -295,7 +312,7 @@ def restore(
         weights, moments, rng = (broadcast_tensors(read[k], dist) for k in read)
         ckpt_io.load_weights(model, weights, checkpoint / ckpt_io.MODEL_FILE)
         ckpt_io.apply_optimizer_state(optimizer, names, moments, checkpoint)
-    _restore_rng(rng, device, dist, seed_for_rank(state.get("seed", 0), dist.rank))
+    _restore_rng(rng, device, dist, seed_for_rank(state.seed, dist.rank))
     return state
 
 
@@ -338,18 +355,19 @@ def resolve_micro_batch(
     dtype: torch.dtype,
     device: torch.device,
     dist: DistInfo | None = None,
-    trainer_state: dict[str, Any] | None = None,
+    trainer_state: TrainerState | None = None,
 ) -> tuple[int, str]:
     """(micro-batch, the line that explains an automatic choice or ''). An integer is obeyed;
     'auto' reuses the value a resumed run recorded on as many processes and the same device,
     else the largest that fits the memory (on a CPU, of at most CPU_MICRO_BATCH_TOKENS tokens).
     Without dist: for one process (e.g. `andrea bench`)."""
-    t, dist, trainer_state = cfg.train, dist or DistInfo(), trainer_state or {}
+    t, dist = cfg.train, dist or DistInfo()
     if isinstance(t.micro_batch_size, int):
         return t.micro_batch_size, ""
     block = cfg.model.block_size
     # Rank 0 decides for all: ranks on other kinds of GPU must not take different paths.
-    recorded = from_rank0(lambda: recorded_micro_batch(trainer_state, dist.world_size, device),
+    recorded = from_rank0(lambda: None if trainer_state is None else
+                          trainer_state.recorded_micro_batch(dist.world_size, device_name(device)),
                           dist)
     if recorded is not None:
         return recorded, f"micro-batch: auto -> {recorded} x {block} (the run's recorded choice)"
@@ -386,22 +404,8 @@ def resolve_micro_batch(
     return micro_batch, line
 
 
-def recorded_micro_batch(
-    trainer_state: dict[str, Any], world_size: int, device: torch.device
-) -> int | None:
-    """The micro-batch `auto` chose for a resumed run, when it still applies: the same number of
-    processes (another count changes the sequences per process, which it must divide) and the
-    same device (another has other memory). Checkpoints older than the device record are taken
-    to be of this device."""
-    if "micro_batch_size" not in trainer_state:
-        return None
-    same_world = trainer_state.get("world_size", 1) == world_size
-    same_device = trainer_state.get("device", device_name(device)) == device_name(device)
-    return trainer_state["micro_batch_size"] if same_world and same_device else None
-
-
 def accumulation_steps(
-    cfg: Config, micro_batch: int, world_size: int, trainer_state: dict[str, Any] | None = None
+    cfg: Config, micro_batch: int, world_size: int, trainer_state: TrainerState | None = None
 ) -> tuple[int, str]:
     """(micro-batches per process and step, a line when a resume changes the tokens per step).
     train.global_batch_tokens: 0 means one micro-batch per process when a run starts; a resumed
@@ -410,7 +414,8 @@ def accumulation_steps(
     per_round = micro_batch * cfg.model.block_size * world_size
     target = cfg.train.global_batch_tokens
     if target == 0:
-        recorded = recorded_tokens_per_step(cfg, trainer_state or {})
+        recorded = (trainer_state.recorded_tokens_per_step(cfg.model.block_size)
+                    if trainer_state is not None else None)
         if recorded is None or recorded == per_round:
             return 1, ""
         if recorded % per_round == 0:
@@ -457,14 +462,3 @@ def batch_warmup_accumulation(cfg: Config, micro_batch: int, world_size: int) ->
             f"or lower train.micro_batch_size"
         )
     return t.batch_warmup_tokens // per_round
-
-
-def recorded_tokens_per_step(cfg: Config, trainer_state: dict[str, Any]) -> int | None:
-    """The tokens per step a resumed run trained with (from older checkpoints: one micro-batch
-    per process, all global_batch_tokens: 0 allowed then); None for a new run."""
-    if "tokens_per_step" in trainer_state:
-        return trainer_state["tokens_per_step"]
-    if "micro_batch_size" not in trainer_state:
-        return None
-    return (trainer_state["micro_batch_size"] * cfg.model.block_size
-            * trainer_state.get("world_size", 1))
