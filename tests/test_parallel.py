@@ -505,16 +505,20 @@ def test_the_mode_is_decided_once_from_the_config_and_the_processes():
 def test_the_resharding_line_names_what_wrote_the_checkpoint():
     from andrea.train.distributed import DistInfo
     from andrea.train.parallel import parallel_for
+    from andrea.train.state import TrainerState
+
+    def written(**keys):
+        return TrainerState.from_dict({"step": 10, **keys})
 
     one, two = DistInfo(), DistInfo(0, 0, 2, 2)
     # Checkpoints from before the mode was recorded: ddp on several processes, else none.
-    assert parallel_for("ddp", two).resharding_line({"world_size": 2}) is None
-    assert parallel_for("ddp", one).resharding_line({}) is None
-    assert parallel_for("fsdp", two).resharding_line({"world_size": 2}) == (
+    assert parallel_for("ddp", two).resharding_line(written(world_size=2)) is None
+    assert parallel_for("fsdp", one).resharding_line(written()) is None
+    assert parallel_for("fsdp", two).resharding_line(written(world_size=2)) == (
         "resume: resharding the checkpoint written by 2 processes (ddp) for 2 (fsdp)")
-    assert parallel_for("fsdp", two).resharding_line({"world_size": 1}) == (
+    assert parallel_for("fsdp", two).resharding_line(written(world_size=1)) == (
         "resume: resharding the checkpoint written by 1 process (none) for 2 (fsdp)")
-    assert parallel_for("fsdp", one).resharding_line({"world_size": 2, "parallel": "fsdp"}) == (
+    assert parallel_for("ddp", one).resharding_line(written(world_size=2, parallel="fsdp")) == (
         "resume: resharding the checkpoint written by 2 processes (fsdp) for 1 (none)")
 
 
