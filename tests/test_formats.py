@@ -5,6 +5,7 @@ last complete shard; bad input is a one-line error with nothing half-written."""
 
 import csv
 import gzip
+import io
 import json
 import os
 import random
@@ -39,6 +40,15 @@ def jsonl_bytes(docs, field="text"):
     return "".join(json.dumps({"id": i, field: d}) + "\n" for i, d in enumerate(docs)).encode()
 
 
+def csv_bytes(docs):
+    """A header, then id,text rows (quoted where a text needs it; rows end in \r\n)."""
+    out = io.StringIO(newline="")
+    rows = csv.writer(out)
+    rows.writerow(["id", "text", "n"])
+    rows.writerows([i, d, len(d)] for i, d in enumerate(docs))
+    return out.getvalue().encode()
+
+
 def write_datasets_folder(folder, docs):
     """What `datasets.Dataset.save_to_disk` writes: Arrow stream files and state.json."""
     folder.mkdir()
@@ -61,8 +71,9 @@ def mixed(tmp_path):
     (root / "b.jsonl.gz").write_bytes(gzip.compress(jsonl_bytes(DOCS[60:120])))
     (root / "c.json.zst").write_bytes(zstandard.ZstdCompressor().compress(
         jsonl_bytes(DOCS[120:180])))
-    pq.write_table(pa.table({"id": list(range(60)), "text": DOCS[180:240]}),
+    pq.write_table(pa.table({"id": list(range(30)), "text": DOCS[180:210]}),
                    root / "d.parquet", row_group_size=7)
+    (root / "e.csv.zst").write_bytes(zstandard.ZstdCompressor().compress(csv_bytes(DOCS[210:])))
     return root
 
 
@@ -90,7 +101,7 @@ def test_every_format_gives_each_documents_tokens(mixed, tmp_path):
     assert 10 < n_val < 40  # about 10% of 240 documents, whole documents each
     manifest = prepare.read_manifest(out)
     assert [i["name"].rsplit("/", 1)[1] for i in manifest["inputs"]] == [
-        "a.jsonl", "b.jsonl.gz", "c.json.zst", "d.parquet"]
+        "a.jsonl", "b.jsonl.gz", "c.json.zst", "d.parquet", "e.csv.zst"]
     assert {"bytes", "mtime_ns", "sample_sha256"} <= set(manifest["inputs"][0])
     # A datasets save_to_disk folder holding the same documents gives the same tokens.
     write_datasets_folder(tmp_path / "ds", DOCS)
@@ -115,10 +126,7 @@ CSV_DOCS = DOCS[:80] + ["with, commas", 'with "quotes" inside', "multi\nline\r\n
 
 
 def test_csv_gives_the_shards_of_the_same_texts_as_json_lines(tmp_path, monkeypatch):
-    with open(tmp_path / "a.csv", "w", newline="", encoding="utf-8") as f:
-        rows = csv.writer(f)  # quotes what needs it; rows end in \r\n
-        rows.writerow(["id", "text", "n"])
-        rows.writerows([i, d, len(d)] for i, d in enumerate(CSV_DOCS))
+    (tmp_path / "a.csv").write_bytes(csv_bytes(CSV_DOCS))
     (tmp_path / "b.csv.gz").write_bytes(gzip.compress((tmp_path / "a.csv").read_bytes()))
     (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(CSV_DOCS))
     monkeypatch.setattr(readers, "READ_BYTES", 300)  # jobs cut between rows, inside none

@@ -235,6 +235,10 @@ def test_mixture_val_reads_every_source_and_report(mixture, tmp_path):
     assert abs(sum(record["share"].values()) - 1) < 1e-9
     assert mixture_report(TokenSplit(tmp_path / "a", "train"), seed=7, start_step=0,
                           max_steps=10, per_step=8, block_size=T) is None
+    # data.sources listing one source still reports its share, as it always has.
+    line, _ = mixture_report(Mixture([("x/a", tmp_path / "a", 2.0)], "train"), seed=7,
+                             start_step=0, max_steps=10, per_step=8, block_size=T)
+    assert line.endswith("steps 0-9: x/a 100.0% (weight 100.0%)")
 
 
 def test_mixture_refuses_different_tokenizers_and_small_sources(tmp_path):
@@ -247,6 +251,8 @@ def test_mixture_refuses_different_tokenizers_and_small_sources(tmp_path):
     mix = Mixture([("a", a, 1.0), ("small", small, 1.0)], "train")
     with pytest.raises(UserError, match=r"small: the train split \(mixture source small\) has 40"):
         batch(mix, micro_batch_size=4)
+    with pytest.raises(UserError, match=r"\(mixture source small\) has 40"):  # one of one
+        batch(Mixture([("small", small, 1.0)], "train"), micro_batch_size=4)
 
 
 # ----------------------------------------------------------------------------- unchanged draws
