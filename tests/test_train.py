@@ -593,14 +593,15 @@ def test_ranks_a_checkpoint_has_no_generator_state_for_get_their_own_seed(monkey
     Ranks 1 and 2 each get a fresh seed of their own (seed + rank), not one shared state; and
     on a GPU after a CPU run the CUDA generator is seeded too, per rank."""
     from andrea.train.distributed import DistInfo
-    from andrea.train.setup import _restore_rng, seed_for_rank
+    from andrea.train.snapshot import restore_rng_states, seed_for_rank
 
     torch.manual_seed(123)
     saved = {"cpu.rank0": torch.get_rng_state()}
     states = {}
     for rank in (0, 1, 2):
         torch.manual_seed(7)  # what every rank's generator holds before the restore
-        _restore_rng(saved, torch.device("cpu"), DistInfo(rank, rank, 3), seed_for_rank(5, rank))
+        restore_rng_states(saved, torch.device("cpu"), DistInfo(rank, rank, 3),
+                           seed_for_rank(5, rank))
         states[rank] = torch.get_rng_state()
     assert torch.equal(states[0], saved["cpu.rank0"])
     torch.manual_seed(5 + 1)
@@ -611,5 +612,6 @@ def test_ranks_a_checkpoint_has_no_generator_state_for_get_their_own_seed(monkey
     monkeypatch.setattr(torch.cuda, "manual_seed", seeded.append)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append(state))
     for rank in (0, 1):
-        _restore_rng(saved, torch.device("cuda"), DistInfo(rank, rank, 2), seed_for_rank(5, rank))
+        restore_rng_states(saved, torch.device("cuda"), DistInfo(rank, rank, 2),
+                           seed_for_rank(5, rank))
     assert seeded == [5, 6] and restored == []  # the CPU run's checkpoint has no CUDA state

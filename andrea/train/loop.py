@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import shutil
 import signal
 import statistics
 import sys
@@ -29,12 +27,11 @@ from andrea.config import Config
 from andrea.data.loader import train_batch
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
+from andrea.train import snapshot
 from andrea.train.device import device_name, pick_device
 from andrea.train.distributed import (
     DistInfo,
-    all_gather_bytes,
     all_reduce_sum,
-    barrier,
     init_distributed,
     shutdown,
 )
@@ -43,7 +40,7 @@ from andrea.train.progress import RunBar, long_run_note
 from andrea.train.rundir import step_of_dir
 from andrea.train.schedule import lr_at
 from andrea.train.session import Session, TrainResult
-from andrea.train.setup import RunDecision, restore, set_up
+from andrea.train.setup import set_up
 from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
 from andrea.train.spike import (
     APPLY,
@@ -58,22 +55,6 @@ from andrea.train.validation import score_val, val_sources
 
 class NonFiniteError(Exception):
     """A NaN or infinite loss or gradient norm stopped the run."""
-
-
-def _local_rng(device: torch.device) -> dict[str, torch.Tensor]:
-    states = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def _rng_tensors(local: dict[str, torch.Tensor], dist: DistInfo) -> dict[str, torch.Tensor]:
-    """Every rank's generator states, keyed '<kind>.rank<r>' (a collective)."""
-    out = {}
-    for kind, state in local.items():
-        for rank, gathered in enumerate(all_gather_bytes(state, dist)):
-            out[f"{kind}.rank{rank}"] = gathered
-    return out
 
 
 def train(
@@ -126,7 +107,7 @@ def run_training(
                 while s.step < t.max_steps:
                     t0 = time.perf_counter()
                     lr = set_learning_rate(s)
-                    rng_before_step = _local_rng(device)
+                    rng_before_step = snapshot.local_rng_states(device)
                     outcome = forward_backward(s, bar)
                     if outcome is None:  # stopped inside the step: its gradients never apply
                         s.optimizer.zero_grad(set_to_none=True)
@@ -143,7 +124,7 @@ def run_training(
                     pausing = stop_after is not None and s.step - start_step >= stop_after
                     periodic = t.checkpoint_every and s.step % t.checkpoint_every == 0
                     if periodic or s.step == t.max_steps or stopping or pausing:
-                        save_checkpoint(s, _local_rng(device))
+                        save_checkpoint(s, snapshot.local_rng_states(device))
                     if stopping:
                         break
                     if pausing and s.step < t.max_steps:
@@ -324,9 +305,8 @@ def roll_back(s: Session) -> None:
     past the offending data at a cut learning rate."""
     checkpoint, from_step = rollback_checkpoint(s), s.step
     assert checkpoint is not None
-    run = RunDecision(s.run_dir, checkpoint, {}, False, s.cfg.train.name, {},
-                      ckpt_io.has_shards(checkpoint))
-    state = restore(s.model, s.optimizer, s.param_names, run, s.train_split, s.device, s.dist)
+    state = snapshot.restore_session(checkpoint, ckpt_io.has_shards(checkpoint), s.model,
+                                    s.optimizer, s.param_names, s.train_split, s.device, s.dist)
     s.step, s.tokens_seen = state.step, state.tokens
     s.checkpoint_step = s.signals.completed_step = s.step
     s.losses = {k: v for k, v in s.losses.items() if k <= s.step}
@@ -394,43 +374,27 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
     unless that step is already the newest checkpoint (or no step has been taken)."""
     if s.step == 0 or s.checkpoint_step == s.step:
         return
-    all_rng = _rng_tensors(rng, s.dist)  # a collective: every rank takes part
-    partial, optimizer_tensors = None, {}
-    if s.parallel.sharded:
-        # Every rank writes its shards of weights and optimizer state into rank 0's folder;
-        # the weights are also gathered whole (for eval, generate, export), kept by rank 0.
-        pid = torch.tensor([os.getpid()], dtype=torch.int64).view(torch.uint8)
-        writer = int(all_gather_bytes(pid, s.dist)[0].view(torch.int64).item())
-        partial = ckpt_io.partial_dir(s.run_dir, s.step, writer)
-        if s.dist.is_main and partial.exists():
-            shutil.rmtree(partial)
-        barrier(s.dist)
-        ckpt_io.write_shards(partial / ckpt_io.SHARDS_DIR,
-                             ckpt_io.sharded_state(s.model, s.optimizer, s.param_names),
-                             s.dist.rank)
-        model_tensors = ckpt_io.model_state(s.model, s.dist.is_main)
-    elif s.dist.is_main:
-        model_tensors = ckpt_io.model_state(s.model)
-        optimizer_tensors = ckpt_io.optimizer_state(s.optimizer, s.param_names)
+    s.checkpoint = snapshot.write_session(
+        s.run_dir, s.cfg, s.train_split.tokenizer_identity, s.model, s.optimizer,
+        s.param_names, rng, trainer_state(s), s.dist, s.parallel.sharded,
+    )
     if s.dist.is_main:
-        state = TrainerState(
-            step=s.step, tokens=s.tokens_seen, data_position=s.guard.data_step(s.step),
-            best_val_loss=s.best_val, best_val_step=s.best_step, skipped_steps=s.skipped,
-            world_size=s.dist.world_size, seed=s.cfg.train.seed, preset=s.preset,
-            micro_batch_size=s.micro_batch, parallel=s.parallel.name,
-            tokens_per_step=s.tokens_per_step, device=device_name(s.device),
-            max_steps=s.cfg.train.max_steps, schedule_anchor=s.schedule_anchor,
-            spike_guard=s.guard.state_dict(),
-        )
-        s.checkpoint = ckpt_io.save_checkpoint(
-            s.run_dir, s.step, s.cfg, s.train_split.tokenizer_identity,
-            model_tensors, optimizer_tensors, all_rng, state, s.cfg.train.keep_last, partial,
-        )
         s.log.write("checkpoint", step=s.step, path=s.checkpoint.name)
-    else:
-        s.checkpoint = s.run_dir / ckpt_io.step_dir_name(s.step)
     s.checkpoint_step = s.step
     s.signals.checkpoint = s.checkpoint
+
+
+def trainer_state(s: Session) -> TrainerState:
+    """What the checkpoint of the session's last completed step records besides tensors."""
+    return TrainerState(
+        step=s.step, tokens=s.tokens_seen, data_position=s.guard.data_step(s.step),
+        best_val_loss=s.best_val, best_val_step=s.best_step, skipped_steps=s.skipped,
+        world_size=s.dist.world_size, seed=s.cfg.train.seed, preset=s.preset,
+        micro_batch_size=s.micro_batch, parallel=s.parallel.name,
+        tokens_per_step=s.tokens_per_step, device=device_name(s.device),
+        max_steps=s.cfg.train.max_steps, schedule_anchor=s.schedule_anchor,
+        spike_guard=s.guard.state_dict(),
+    )
 
 
 def set_up_interrupted(

@@ -22,12 +22,12 @@ from andrea.fileio import atomic_write_text
 from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
+from andrea.train import snapshot
 from andrea.train.device import device_name, pick_dtype
 from andrea.train.distributed import (
     DistInfo,
     all_reduce_sum,
     barrier,
-    broadcast_tensors,
     from_rank0,
 )
 from andrea.train.flops import MfuMeter, flops_per_token
@@ -76,9 +76,10 @@ def set_up(
 
     trainer_state: TrainerState | None = None  # the checkpoint's, as every rank has it
     if resume_from is not None:
-        trainer_state = restore(model, optimizer, names, run, train_split, device, dist)
+        trainer_state = snapshot.restore_session(resume_from, run.sharded, model, optimizer,
+                                                names, train_split, device, dist)
     else:
-        torch.manual_seed(seed_for_rank(t.seed, dist.rank))
+        torch.manual_seed(snapshot.seed_for_rank(t.seed, dist.rank))
     micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist,
                                                         trainer_state)
     accum, batch_line = accumulation_steps(cfg, micro_batch, dist.world_size, trainer_state)
@@ -275,78 +276,6 @@ def clear_run(run_dir: Path) -> None:
         shutil.rmtree(old)
     for stale in (METRICS, ckpt_io.LATEST):
         (run_dir / stale).unlink(missing_ok=True)
-
-
-def restore(
-    model: Andrea,
-    optimizer: torch.optim.Optimizer,
-    names: dict[int, str],
-    run: RunDecision,
-    train_split: TokenSplit,
-    device: torch.device,
-    dist: DistInfo,
-) -> TrainerState:
-    """Load weights, optimizer state and generator states; returns the trainer state.
-    A whole checkpoint is read by rank 0 alone and sent to the others (so under ddp the run
-    folder may be on node 0 alone); a sharded one (fsdp) is read by every rank through its
-    shards (set-up has checked that every rank sees it). Either fits the model as it is laid
-    out now."""
-    checkpoint = run.resume_from
-    assert checkpoint is not None
-    if run.sharded:
-        meta = ckpt_io.read_model_checkpoint(checkpoint, tensors=False)[2]
-        check_tokenizer(checkpoint, meta, train_split)
-        ckpt_io.read_shards(checkpoint, model, optimizer, names)
-        state, rng = ckpt_io.read_trainer_state(checkpoint)
-    else:
-        read: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optimizer": {}, "rng": {}}
-
-        def read_whole() -> TrainerState:
-            read["model"], meta = ckpt_io.read_model_checkpoint(checkpoint)[::2]
-            check_tokenizer(checkpoint, meta, train_split)
-            read["optimizer"] = ckpt_io.read_safetensors(checkpoint / ckpt_io.OPTIMIZER_FILE)[0]
-            state, read["rng"] = ckpt_io.read_trainer_state(checkpoint)
-            return state
-
-        state = from_rank0(read_whole, dist)
-        weights, moments, rng = (broadcast_tensors(read[k], dist) for k in read)
-        ckpt_io.load_weights(model, weights, checkpoint / ckpt_io.MODEL_FILE)
-        ckpt_io.apply_optimizer_state(optimizer, names, moments, checkpoint)
-    _restore_rng(rng, device, dist, seed_for_rank(state.seed, dist.rank))
-    return state
-
-
-def check_tokenizer(checkpoint: Path, meta: dict[str, str], train_split: TokenSplit) -> None:
-    if meta.get("tokenizer") != train_split.tokenizer_identity:
-        raise UserError(
-            f"{checkpoint}: trained with tokenizer {meta.get('tokenizer')}, but the data in "
-            f"{train_split.data_dir} uses {train_split.tokenizer_identity}"
-        )
-
-
-def seed_for_rank(seed: int, rank: int) -> int:
-    """The generator seed of `rank` in a run seeded `seed`: dropout differs per rank,
-    deterministically."""
-    return seed + rank
-
-
-def _restore_rng(
-    rng: dict[str, torch.Tensor], device: torch.device, dist: DistInfo, fresh_seed: int
-) -> None:
-    """This rank's generator states from the checkpoint; a rank the checkpoint has no state for
-    (a run resumed with more processes than it had, or on a GPU after a CPU) is seeded anew
-    with `fresh_seed`, its own, rather than keeping the state every such rank shares."""
-    cpu = rng.get(f"cpu.rank{dist.rank}")
-    if cpu is not None:
-        torch.set_rng_state(cpu)
-    else:
-        torch.manual_seed(fresh_seed)  # seeds every CUDA device too
-    if device.type == "cuda":
-        cuda = rng.get(f"cuda.rank{dist.rank}")
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        else:
-            torch.cuda.manual_seed(fresh_seed)
 
 
 def resolve_micro_batch(
