@@ -16,19 +16,14 @@ byte length of the decoded target stream whatever the token boundaries (no parti
 miscounting). End-of-text stands for no text and counts 0 bytes. With the byte tokenizer,
 bytes = targets that are not end-of-text.
 
-Also here, shared with `generate` and `export`: finding a checkpoint (`find_checkpoint`),
-loading it as a model (`load_model`), finding its tokenizer (`tokenizer_for_checkpoint`) and
-preparing the run's data folder from its config when it has none yet (`prepare_run_data`: an
-imported run, or a run evaluated from another working directory), as `andrea train` does.
+Finding, loading and the data of a checkpoint are andrea.trained's, shared with `generate`,
+`export` and `runs`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,189 +31,21 @@ from typing import Any
 
 import torch
 
-from andrea.config import PRECISIONS, Config
-from andrea.data.loader import TokenSplit, open_split
-from andrea.data.prepare import (
-    SPLITS,
-    data_dir_for,
-    prepare_from_config,
-    source_dirs,
-    source_words,
-)
-from andrea.data.shards import MANIFEST
-from andrea.data.tokenizer import (
-    BPE_FILE,
-    BpeTokenizer,
-    Tokenizer,
-    load_tokenizer,
-)
+from andrea.config import PRECISIONS
+from andrea.data.prepare import SPLITS
 from andrea.errors import UserError
-from andrea.model.attention import resolve_backend
-from andrea.model.transformer import Andrea
 from andrea.tasks import TaskFile, TaskResult, read_task, run_task
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.rundir import step_of_dir
 from andrea.train.validation import ValScore, score_val, val_sources
-
-
-def _say(message: str) -> None:
-    """Notices go to stderr, so that stdout holds only the result (e.g. --json)."""
-    print(message, file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def most_recent_run(
-    runs_dir: Path | str = "runs", use: str = "andrea eval --checkpoint {}"
-) -> Path:
-    """The checkpoint of the run under runs_dir whose latest checkpoint was written last (its
-    model file's time, or its `latest` file's when that model is gone); a damaged one is
-    refused naming its newest intact step (never silently another run's)."""
-    runs_dir = Path(runs_dir)
-    found: list[tuple[float, Path]] = []
-    if runs_dir.is_dir():
-        for run in runs_dir.iterdir():
-            latest = ckpt_io.read_latest(run) if run.is_dir() else None
-            for written in (latest / ckpt_io.MODEL_FILE if latest else None, run / ckpt_io.LATEST):
-                if written is not None and written.is_file():
-                    found.append((written.stat().st_mtime, run))
-                    break
-    if not found:
-        raise UserError(
-            f"no --checkpoint given and no run with a checkpoint under {runs_dir}/; "
-            "pass --checkpoint runs/<name>[/step-N]"
-        )
-    return ckpt_io.resolve_checkpoint(max(found, key=lambda item: item[0])[1], use=use)
-
-
-def find_checkpoint(
-    checkpoint: str | Path | None, runs_dir: Path | str = "runs",
-    use: str = "andrea eval --checkpoint {}",
-) -> Path:
-    """A run dir means its latest checkpoint, a step dir itself, None the most recent run.
-    use: the command that takes another checkpoint ({} for it), for the error that refuses a
-    damaged one and names the run's newest intact checkpoint."""
-    if checkpoint is None:
-        ckpt = most_recent_run(runs_dir, use)
-        _say(f"checkpoint: {ckpt} (the most recent run under {runs_dir}/)")
-        return ckpt
-    return ckpt_io.resolve_checkpoint(checkpoint, use=use)
-
-
-def load_model(
-    ckpt: Path, device: torch.device | str = "cpu"
-) -> tuple[Andrea, Config, dict[str, str]]:
-    """The checkpoint's model in eval mode on `device` (float32 weights), config, metadata."""
-    tensors, cfg, metadata = ckpt_io.read_model_checkpoint(ckpt)
-    device = torch.device(device)
-    # The CUDA kernels only where there is a GPU: a GPU-trained checkpoint still runs on a CPU.
-    requested = cfg.model.attention if device.type == "cuda" else "auto"
-    backend, _ = resolve_backend(requested, cfg.model.head_dim, device)
-    model = Andrea(cfg.model, attention_backend=backend)
-    ckpt_io.load_weights(model, tensors, ckpt / ckpt_io.MODEL_FILE)
-    return model.to(device).eval(), cfg, metadata
-
-
-def local_data_config(cfg: Config) -> Config:
-    """A checkpoint's config with its data folder re-derived under ./data (data.dir cleared).
-
-    A checkpoint is untrusted input: its data.dir may name any folder on this machine (the
-    exporter's, or one chosen to do harm), so eval, generate and export never write there;
-    they prepare the run's data in data/<source>-<tokenizer>[...] instead, the folder
-    `andrea prepare` would derive from the same settings."""
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=""))
-
-
-def prepare_run_data(ckpt: Path, cfg: Config, instead: str) -> Path:
-    """The run's prepared data folder: the one its config names (data.dir) when that folder
-    already holds prepared data (read only), else the folder derived under ./data
-    (`local_data_config`), prepared from the config first, as `andrea train` does, when it
-    holds no prepared data; says so in one line. Nothing is ever written in a folder named
-    only by the checkpoint. `instead`: what the user can do when that fails (the end of the
-    error message).
-
-    Notices go to stderr (stdout may be --json or the generated text).
-    """
-    named = data_dir_for(cfg)
-    if (named / MANIFEST).is_file():
-        return named
-    local = local_data_config(cfg)
-    data_dir = data_dir_for(local)
-    if (data_dir / MANIFEST).is_file():
-        return data_dir
-    d = cfg.data
-    tokenizer = d.tokenizer_file or f"the {d.tokenizer} tokenizer"
-    why = ("the run's data folder, not prepared yet" if named == data_dir else
-           f"the run's config names {named}, which is not prepared; andrea writes data only "
-           f"under ./data for a checkpoint")
-    announce = (f"preparing {data_dir} ({why}) from {source_words(cfg)} with {tokenizer}, as "
-                f"the run's config says")
-    try:
-        # prepare announces on stdout, as train's log; here stdout is the result.
-        with contextlib.redirect_stdout(sys.stderr):
-            return prepare_from_config(local, verbose=False, announce=announce)
-    except UserError as exc:
-        raise UserError(
-            f"{ckpt}: cannot prepare the run's data in {data_dir} from its config ({exc}); "
-            f"{instead}"
-        ) from None
-
-
-def _find_bpe(candidates: tuple[Path, ...], identity: str) -> BpeTokenizer | None:
-    """The first candidate tokenizer.json that is a BPE of this identity. Only reading: a file
-    of that name that is no BPE (the folder may not be the run's at all) is passed over."""
-    for path in candidates:
-        if path.is_file():
-            try:
-                tok = BpeTokenizer(path)
-            except UserError:
-                continue
-            if tok.identity == identity:
-                return tok
-    return None
-
-
-def tokenizer_for_checkpoint(
-    ckpt: Path, cfg: Config, metadata: dict[str, str], prepare_missing: bool = False
-) -> Tokenizer:
-    """The tokenizer a checkpoint was trained with, checked by its identity.
-
-    byte and gpt2 are rebuilt from the package. A trained BPE is read from the run's data dir
-    (data.dir of its config), else from the one derived under ./data, else from a
-    tokenizer.json beside the checkpoint or in its run directory (where `andrea import` puts
-    one). With `prepare_missing`, a BPE found nowhere is made by preparing the run's data from
-    its config (`prepare_run_data`, under ./data); its identity must still match.
-    """
-    identity = metadata.get("tokenizer", "")
-    kind = identity.split(":", 1)[0]
-    if kind in ("byte", "gpt2"):
-        tok = load_tokenizer(kind)
-        if tok.identity != identity:
-            raise UserError(
-                f"{ckpt}: trained with tokenizer {identity}, but this install's {kind} tokenizer "
-                f"is {tok.identity}"
-            )
-        return tok
-    if kind != "bpe":
-        raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
-    data_dir = data_dir_for(cfg)
-    local_dir = data_dir_for(local_data_config(cfg))
-    candidates = (data_dir / BPE_FILE, local_dir / BPE_FILE, ckpt / BPE_FILE,
-                  ckpt.parent / BPE_FILE)
-    tok = _find_bpe(candidates, identity)
-    if tok is None and prepare_missing:
-        prepare_run_data(ckpt, cfg, f"copy the model's {BPE_FILE} into {ckpt.parent}")
-        tok = _find_bpe(candidates, identity)
-    if tok is not None:
-        return tok
-    searched = ", ".join(str(path.parent) for path in candidates)
-    raise UserError(
-        f"{ckpt}: trained with BPE tokenizer {identity}, which is in none of {searched}; "
-        f"copy that tokenizer.json into {ckpt.parent}, or prepare the run's data "
-        f"(`andrea prepare -c {ckpt.parent / 'config.yaml'} --set data.dir={local_dir}`)"
-    )
-
+from andrea.trained import (
+    TrainedModel,
+    find_checkpoint,
+    most_recent_run,
+    notice,
+    open_data_split,
+    open_trained,
+)
 
 # ----------------------------------------------------------------------------- eval
 
@@ -287,25 +114,6 @@ def val_figures(score: ValScore, list_sources: bool) -> dict[str, Any]:
     )
 
 
-def open_val_split(ckpt: Path, cfg: Config, data: str | None, split: str) -> TokenSplit:
-    """--data's split, or the run's (a Mixture for data.sources), prepared first if missing."""
-    if data is not None:
-        if not Path(data).is_dir():
-            raise UserError(f"--data {data}: no such directory")
-        return TokenSplit(Path(data), split)
-    instead = "pass --data DIR (shards prepared with the checkpoint's tokenizer)"
-    if not cfg.data.sources:
-        return TokenSplit(prepare_run_data(ckpt, cfg, instead), split)
-    # A mixture: the sources under the checkpoint's data.dir when all are prepared there (read
-    # only), else under ./data, prepared there first if missing (never where the checkpoint says).
-    if all((d / MANIFEST).is_file() for _, d, _ in source_dirs(cfg)):
-        return open_split(cfg, split)
-    local = local_data_config(cfg)
-    if not all((d / MANIFEST).is_file() for _, d, _ in source_dirs(local)):
-        prepare_run_data(ckpt, cfg, instead)
-    return open_split(local, split)
-
-
 @dataclass
 class EvalSettings:
     """What `andrea eval` does to each checkpoint: the same val set and tasks for all."""
@@ -338,39 +146,55 @@ def evaluate_one(ckpt: Path, settings: EvalSettings) -> EvalResult:
 
     dev = pick_device(settings.device)
     dtype = pick_dtype(settings.precision, dev)
-    model, cfg, metadata = load_model(ckpt, dev)
-    tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
+    opened = open_trained(ckpt, dev)
     result = EvalResult(checkpoint=str(ckpt), step=step_of_dir(ckpt), split=settings.split,
                         precision=str(dtype).removeprefix("torch."), device=str(dev))
     if settings.val:
-        split = open_val_split(ckpt, cfg, settings.data, settings.split)
-        if split.tokenizer_identity != tok.identity:
-            raise UserError(
-                f"{split.data_dir}: tokenized with {split.tokenizer_identity}, but {ckpt} was "
-                f"trained with {tok.identity}; evaluate on data prepared with the checkpoint's "
-                "tokenizer"
-            )
-        sources = val_sources(split, cfg.model.block_size, settings.max_tokens, settings.source)
-        score = score_val(model, sources, batch_size=settings.batch_size, device=dev,
-                          dtype=dtype, progress=settings.progress)
-        result.data_dir = str(sources[0].split.data_dir if len(sources) == 1 else
-                              split.data_dir)
-        listed = len(sources) > 1 or settings.source is not None
-        for key, value in val_figures(score, listed).items():
-            setattr(result, key, value)
+        _score_split(opened, settings, dev, dtype, result)
+    _score_tasks(opened, settings, dev, dtype, result)
+    return result
+
+
+def _score_split(
+    opened: TrainedModel, settings: EvalSettings, dev: torch.device, dtype: torch.dtype,
+    result: EvalResult,
+) -> None:
+    """The val figures of `result`: the model's loss over the split's val windows."""
+    ckpt, cfg, tok = opened.checkpoint, opened.cfg, opened.tokenizer
+    split = open_data_split(ckpt, cfg, settings.data, settings.split)
+    if split.tokenizer_identity != tok.identity:
+        raise UserError(
+            f"{split.data_dir}: tokenized with {split.tokenizer_identity}, but {ckpt} was "
+            f"trained with {tok.identity}; evaluate on data prepared with the checkpoint's "
+            "tokenizer"
+        )
+    sources = val_sources(split, cfg.model.block_size, settings.max_tokens, settings.source)
+    score = score_val(opened.model, sources, batch_size=settings.batch_size, device=dev,
+                      dtype=dtype, progress=settings.progress)
+    result.data_dir = str(sources[0].split.data_dir if len(sources) == 1 else split.data_dir)
+    listed = len(sources) > 1 or settings.source is not None
+    for key, value in val_figures(score, listed).items():
+        setattr(result, key, value)
+
+
+def _score_tasks(
+    opened: TrainedModel, settings: EvalSettings, dev: torch.device, dtype: torch.dtype,
+    result: EvalResult,
+) -> None:
+    """Each task's result appended to `result.tasks`, its skipped records noted on stderr."""
 
     def logits(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
-            return model(x)[0].float()
+            return opened.model(x)[0].float()
 
     for task in settings.tasks:
-        task_result, _ = run_task(task, logits, tok, block_size=cfg.model.block_size,
+        task_result, _ = run_task(task, logits, opened.tokenizer,
+                                  block_size=opened.cfg.model.block_size,
                                   batch_size=settings.batch_size, device=dev,
                                   progress=settings.progress)
         for note in task.notes():
-            _say(f"warning: {note}")
+            notice(f"warning: {note}")
         result.tasks.append(task_result.as_dict())
-    return result
 
 
 def checkpoints_to_evaluate(
@@ -408,7 +232,7 @@ def evaluate_checkpoints(
     settings.tasks = [read_task(kind, path, limit) for kind, path in tasks]
     ckpts = checkpoints_to_evaluate(checkpoints, all_steps, runs_dir)
     if not checkpoints and not all_steps:
-        _say(f"checkpoint: {ckpts[0]} (the most recent run under {runs_dir}/)")
+        notice(f"checkpoint: {ckpts[0]} (the most recent run under {runs_dir}/)")
     return [evaluate_one(ckpt, settings) for ckpt in ckpts]
 
 

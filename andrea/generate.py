@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from andrea.config import PRECISIONS
+from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea, KVCache
 
@@ -110,24 +111,12 @@ def generate(
         ids = ids[-cfg.block_size :]
     if generator is None:
         generator = seeded_generator(seed)
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
     was_training = model.training
     model.eval()
-
-    def prefill(tokens: list[int]) -> tuple[KVCache, torch.Tensor]:
-        cache = KVCache.empty(cfg, 1, cfg.block_size, device, dtype)
-        logits, _ = model(torch.tensor([tokens], device=device), cache=cache)
-        return cache, logits[0, -1]
-
     try:
-        cache = None
-        if use_cache:
-            cache, logits = prefill(ids)
+        decoder = _Decoder(model, ids, use_cache)
         for _ in range(max_new_tokens):
-            if not use_cache:
-                context = torch.tensor([ids[-cfg.block_size :]], device=device)
-                logits = model(context)[0][0, -1]
+            logits = decoder.next_logits(ids)
             if logits.dtype != torch.float64:  # sample in float32 at least; keep float64
                 logits = logits.float()
             if n_valid < logits.numel():
@@ -139,15 +128,45 @@ def generate(
             yield nxt
             if stop_at_eot and nxt == eot_id:
                 return
-            if use_cache:
-                assert cache is not None
-                if cache.length == cfg.block_size:  # full: slide to the last half block
-                    cache, logits = prefill(ids[-max(1, cfg.block_size // 2) :])
-                else:
-                    logits, _ = model(torch.tensor([[nxt]], device=device), cache=cache)
-                    logits = logits[0, -1]
+            decoder.advance(ids)
     finally:
         model.train(was_training)
+
+
+class _Decoder:
+    """The next-token logits of a growing text: with the cache, the prompt is run once and
+    each new token costs one position (sliding to the last half block when the cache is
+    full); without it, the last block_size tokens are run again at every step."""
+
+    def __init__(self, model: Andrea, ids: list[int], use_cache: bool) -> None:
+        self.model, self.cfg = model, model.cfg
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache: KVCache | None = None
+        if use_cache:
+            self._prefill(ids)
+
+    def _prefill(self, tokens: list[int]) -> None:
+        self.cache = KVCache.empty(self.cfg, 1, self.cfg.block_size, self.device, self.dtype)
+        logits, _ = self.model(torch.tensor([tokens], device=self.device), cache=self.cache)
+        self.logits = logits[0, -1]
+
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        if self.cache is not None:
+            return self.logits
+        context = torch.tensor([ids[-self.cfg.block_size :]], device=self.device)
+        return self.model(context)[0][0, -1]
+
+    def advance(self, ids: list[int]) -> None:
+        """Feed the newest id (the last of ids) to the cache."""
+        if self.cache is None:
+            return
+        if self.cache.length == self.cfg.block_size:  # full: slide to the last half block
+            self._prefill(ids[-max(1, self.cfg.block_size // 2) :])
+        else:
+            logits, _ = self.model(torch.tensor([[ids[-1]]], device=self.device),
+                                   cache=self.cache)
+            self.logits = logits[0, -1]
 
 
 class TextStream:
@@ -202,37 +221,20 @@ def generate_command(
     out=None,
 ) -> None:
     """What `andrea generate` does: print each sample (prompt + continuation) as it grows."""
-    from andrea.evaluate import find_checkpoint, load_model, tokenizer_for_checkpoint
     from andrea.train.device import pick_device, pick_dtype
+    from andrea.trained import find_checkpoint, open_trained
 
     out = out or sys.stdout
-    check_sampling(temperature, top_k, top_p)
-    if max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens: must be >= 0, got {max_new_tokens}")
-    if num_samples < 1:
-        raise UserError(f"--num-samples: must be a positive integer, got {num_samples}")
-    if precision not in PRECISIONS:
-        raise UserError(f"--precision: '{precision}' is not one of auto, fp32, bf16")
+    _check_options(temperature, top_k, top_p, max_new_tokens, num_samples, precision)
     if prompt is not None and prompt_ids is not None:
         raise UserError("give --prompt TEXT or --prompt-ids IDS, not both")
     ckpt = find_checkpoint(checkpoint, use="andrea generate --checkpoint {}")
     dev = pick_device(device)
-    model, cfg, metadata = load_model(ckpt, dev)
-    model = model.to(pick_dtype(precision, dev))  # bf16 here means bf16 weights and cache
-    tok = tokenizer_for_checkpoint(ckpt, cfg, metadata, prepare_missing=True)
-    given = parse_prompt_ids(prompt_ids) if prompt_ids is not None else tok.encode(prompt or "")
-    # No prompt, --prompt "" and --prompt-ids "" alike: a new document, which in the shards
-    # follows an end-of-text, so the sample is unconditional.
-    ids = given or [tok.eot_id]
-    n_valid = min(tok.vocab_size, cfg.model.vocab_size)
-    check_prompt_ids(ids, n_valid)  # before the prompt is printed (generate checks it lazily)
-    if len(ids) > cfg.model.block_size:
-        print(
-            f"note: the prompt is {len(ids)} tokens, longer than the block size "
-            f"{cfg.model.block_size}; keeping its last {cfg.model.block_size}",
-            file=sys.stderr, flush=True,
-        )
-        ids = ids[-cfg.model.block_size :]
+    opened = open_trained(ckpt, dev, prepare_missing=True)
+    model = opened.model.to(pick_dtype(precision, dev))  # bf16: bf16 weights and cache
+    tok, block_size = opened.tokenizer, opened.cfg.model.block_size
+    n_valid = min(tok.vocab_size, opened.cfg.model.vocab_size)
+    ids = _prompt_tokens(tok, prompt, prompt_ids, n_valid, block_size)
     generator = seeded_generator(seed)
     for sample in range(num_samples):
         if sample:
@@ -253,3 +255,36 @@ def generate_command(
                 out.flush()
         out.write(stream.flush() + "\n")
         out.flush()
+
+
+def _check_options(
+    temperature: float, top_k: int | None, top_p: float | None, max_new_tokens: int,
+    num_samples: int, precision: str,
+) -> None:
+    check_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens: must be >= 0, got {max_new_tokens}")
+    if num_samples < 1:
+        raise UserError(f"--num-samples: must be a positive integer, got {num_samples}")
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision: '{precision}' is not one of auto, fp32, bf16")
+
+
+def _prompt_tokens(
+    tok: Tokenizer, prompt: str | None, prompt_ids: str | None, n_valid: int, block_size: int
+) -> list[int]:
+    """The prompt's ids, checked before the prompt is printed (generate checks them lazily),
+    cut to the last block_size (said on stderr)."""
+    given = parse_prompt_ids(prompt_ids) if prompt_ids is not None else tok.encode(prompt or "")
+    # No prompt, --prompt "" and --prompt-ids "" alike: a new document, which in the shards
+    # follows an end-of-text, so the sample is unconditional.
+    ids = given or [tok.eot_id]
+    check_prompt_ids(ids, n_valid)
+    if len(ids) > block_size:
+        print(
+            f"note: the prompt is {len(ids)} tokens, longer than the block size "
+            f"{block_size}; keeping its last {block_size}",
+            file=sys.stderr, flush=True,
+        )
+        ids = ids[-block_size :]
+    return ids

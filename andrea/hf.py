@@ -198,7 +198,7 @@ def _check_target(out: Path, force: bool, flag: str = "--out") -> None:
 
 def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> Path:
     """Write a transformers GPT2LMHeadModel directory for the checkpoint; returns the dir."""
-    from andrea.evaluate import find_checkpoint, tokenizer_for_checkpoint
+    from andrea.trained import find_checkpoint, tokenizer_for_checkpoint
 
     out = Path(out)
     _check_target(out, force)

@@ -15,8 +15,9 @@ from andrea.config import load_config
 from andrea.data.loader import TokenSplit
 from andrea.data.prepare import prepare_inputs
 from andrea.data.tokenizer import ByteTokenizer, Gpt2Tokenizer, train_bpe
-from andrea.evaluate import evaluate_checkpoint, load_model
+from andrea.evaluate import evaluate_checkpoint
 from andrea.train.loop import train
+from andrea.trained import load_model
 
 
 def hand_nats(ckpt, tokens: np.ndarray, block: int, windows=None) -> float:

@@ -12,9 +12,9 @@ from andrea.config import load_config
 from andrea.data.prepare import ensure_prepared
 from andrea.data.tokenizer import BpeTokenizer, ByteTokenizer
 from andrea.errors import UserError
-from andrea.evaluate import load_model
 from andrea.generate import TextStream, generate, pick_next
 from andrea.model.transformer import Andrea
+from andrea.trained import load_model
 
 
 @pytest.fixture(scope="module")

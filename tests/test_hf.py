@@ -13,9 +13,9 @@ from conftest import assert_user_error, make_checkpoint, run_andrea
 from andrea.config import load_config
 from andrea.data.tokenizer import Gpt2Tokenizer, gpt2_vocab_files, train_bpe
 from andrea.errors import UserError
-from andrea.evaluate import load_model, tokenizer_for_checkpoint
 from andrea.hf import export_hf, import_hf
 from andrea.train import checkpoint as ckpt_io
+from andrea.trained import load_model, tokenizer_for_checkpoint
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # transformers is a test-only dependency; never the network
 os.environ["TRANSFORMERS_OFFLINE"] = "1"

@@ -4,8 +4,9 @@ Reads every `import` in andrea/ with ast (lazy imports inside functions count: a
 is a dependency wherever it is written) and checks two rules:
 
 - no cycles between modules;
-- no import points up the stages: helpers < data, cuda < model < train < verbs < cli.
-  data and cuda are separate stages of one rank and may not import each other.
+- no import points up the stages: helpers < data, cuda < model < train < trained < verbs <
+  cli. data and cuda are separate stages of one rank and may not import each other; verbs
+  may import each other.
 
 The guard is checked on a small synthetic package too, so a planted cycle or an upward
 import is shown to fail.
@@ -30,15 +31,16 @@ STAGES: dict[str, tuple[int, str]] = {
     "andrea.cuda": (1, "cuda"),
     "andrea.model": (2, "model"),
     "andrea.train": (3, "train"),
-    "andrea.evaluate": (4, "verbs"),
-    "andrea.generate": (4, "verbs"),
-    "andrea.hf": (4, "verbs"),
-    "andrea.bench": (4, "verbs"),
-    "andrea.runs": (4, "verbs"),
-    "andrea.plot": (4, "verbs"),
-    "andrea.tasks": (4, "verbs"),
-    "andrea.cli": (5, "cli"),
-    "andrea.__main__": (5, "cli"),
+    "andrea.trained": (4, "trained"),
+    "andrea.evaluate": (5, "verbs"),
+    "andrea.generate": (5, "verbs"),
+    "andrea.hf": (5, "verbs"),
+    "andrea.bench": (5, "verbs"),
+    "andrea.runs": (5, "verbs"),
+    "andrea.plot": (5, "verbs"),
+    "andrea.tasks": (5, "verbs"),
+    "andrea.cli": (6, "cli"),
+    "andrea.__main__": (6, "cli"),
     "andrea": (0, "helpers"),
 }
 
@@ -115,7 +117,7 @@ def upward_imports(graph: dict[str, set[str]], stages: dict[str, tuple[int, str]
         rank, name = stage(mod, stages)
         for dep in sorted(deps):
             dep_rank, dep_name = stage(dep, stages)
-            if dep_rank > rank or (dep_rank == rank and dep_name != name and rank < 4):
+            if dep_rank > rank or (dep_rank == rank and dep_name != name and name != "verbs"):
                 bad.append(f"{mod} ({name}) imports {dep} ({dep_name})")
     return bad
 

@@ -54,8 +54,8 @@ def test_same_val_loss_at_any_micro_batch_and_process_count(tmp_path, data_dir):
 
     # One model in memory, truly the same weights: batch size changes nothing but rounding.
     from andrea.data.loader import TokenSplit
-    from andrea.evaluate import load_model
     from andrea.train.validation import score_val, val_sources
+    from andrea.trained import load_model
 
     model = load_model(tmp_path / "m4" / "step-000001")[0]
     sources = val_sources(TokenSplit(data_dir, "val"), 64, EVAL_TOKENS)
