@@ -284,6 +284,39 @@ def run_bench(
         repeats, warmup, train_steps, train_warmup = min(repeats, 3), 1, 3, 1
         dtypes = dtypes or ["bf16"]
         train_overrides = ["train.micro_batch_size=2", *(train_overrides or [])]
+    _check_options(dev, backends, dtypes, shapes, batch, repeats, warmup)
+    wanted = backends or [b for b in BACKENDS if b != "sdpa_flash" or dev.type == "cuda"]
+    bench = _Bench(dev, log, BenchResult(
+        device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
+        torch_version=torch.__version__, repeats=repeats, warmup=warmup,
+        attention=[], train=[], skipped=[],
+    ))
+    for shape_name in shapes or list(SHAPES):
+        for dtype_name in dtypes or list(DTYPES):
+            for backend in wanted:
+                bench.attention(shape_name, batch, dtype_name, backend, repeats, warmup)
+    if train:
+        from andrea.config import load_config
+
+        preset = preset or ("andrea-120m" if dev.type == "cuda" and not quick else "andrea-12m")
+        overrides = train_overrides or []
+        head_dim = load_config(preset, overrides).model.head_dim
+        for backend in [b for b in wanted if b in ("cuda", "sdpa")]:
+            if not bench.usable(backend, head_dim, "", f"train {preset}"):
+                continue
+            row = bench_train(preset, backend, dev, train_steps, train_warmup, overrides)
+            bench.result.train.append(row)
+            log(f"train {preset} {backend}: {row.tokens_per_s:,.0f} tokens/s")
+    return bench.result
+
+
+def _check_options(
+    dev: torch.device, backends: list[str] | None, dtypes: list[str] | None,
+    shapes: list[str] | None, batch: int | None, repeats: int, warmup: int,
+) -> None:
+    """Refuse unknown names and impossible counts, and a backend asked for by name where it
+    cannot run at all (the user's mistake, said at once)."""
     for name in backends or []:
         if name not in BACKENDS:
             raise UserError(f"--backend {name}: expected one of {', '.join(BACKENDS)}")
@@ -299,67 +332,52 @@ def run_bench(
         raise UserError(f"--repeats {repeats} / --warmup {warmup}: need repeats >= 1, warmup >= 0")
     for name in ("cuda", "cuda_naive"):
         if backends and name in backends:
-            # Asked for by name where it cannot run at all: the user's mistake, said at once.
             why = cuda_unavailable_reason(64, dev)
             if why is not None:
                 raise UserError(f"--backend {name} cannot run here: {why}")
     if backends and "sdpa_flash" in backends and dev.type != "cuda":
         raise UserError(f"--backend sdpa_flash needs a GPU; the device is {dev}")
-    wanted = backends or [b for b in BACKENDS if b != "sdpa_flash" or dev.type == "cuda"]
-    dtypes = dtypes or list(DTYPES)
-    shapes = shapes or list(SHAPES)
 
-    result = BenchResult(
-        device=str(dev),
-        device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
-        torch_version=torch.__version__, repeats=repeats, warmup=warmup,
-        attention=[], train=[], skipped=[],
-    )
 
-    def usable(backend: str, head_dim: int, dtype_name: str, what: str) -> bool:
+@dataclass
+class _Bench:
+    """One benchmark under way: its device, its log and the result it fills."""
+
+    dev: torch.device
+    log: Callable[[str], None]
+    result: BenchResult
+
+    def skip(self, case: str, why: str) -> None:
+        self.result.skipped.append(f"{case}: {why}")
+        self.log(f"skip {case}: {why}")
+
+    def usable(self, backend: str, head_dim: int, dtype_name: str, what: str) -> bool:
+        """Whether the backend can run this case here; if not, the case is skipped (said)."""
         why = None
         if backend in ("cuda", "cuda_naive"):
-            why = cuda_unavailable_reason(head_dim, dev)
-        elif backend == "sdpa_flash" and (dev.type != "cuda" or dtype_name != "bf16"):
+            why = cuda_unavailable_reason(head_dim, self.dev)
+        elif backend == "sdpa_flash" and (self.dev.type != "cuda" or dtype_name != "bf16"):
             why = "the flash SDPA kernel needs a GPU and bf16"
         if why is None:
             return True
-        result.skipped.append(f"{what} {backend}: {why}")
-        log(f"skip {what} {backend}: {why}")
+        self.skip(f"{what} {backend}", why)
         return False
 
-    for shape_name in shapes:
+    def attention(self, shape_name: str, batch: int | None, dtype_name: str, backend: str,
+                  repeats: int, warmup: int) -> None:
+        """One attention case timed into the result (or skipped, with why)."""
         b, h, t, d = SHAPES[shape_name]
-        shape = (batch or b, h, t, d)
-        for dtype_name in dtypes:
-            for backend in wanted:
-                what = f"attention {shape_name} {dtype_name}"
-                if not usable(backend, d, dtype_name, what):
-                    continue
-                try:
-                    row = bench_attention(shape_name, shape, backend, dtype_name, dev,
-                                          repeats, warmup)
-                except RuntimeError as exc:  # e.g. no flash kernel for this GPU
-                    result.skipped.append(f"{what} {backend}: {str(exc).splitlines()[0]}")
-                    log(f"skip {what} {backend}: {str(exc).splitlines()[0]}")
-                    continue
-                result.attention.append(row)
-                log(f"{what} {backend}: " + ", ".join(
-                    f"{m} {row.ms[m]:.3f} ms" for m in MODES))
-
-    if train:
-        from andrea.config import load_config
-
-        preset = preset or ("andrea-120m" if dev.type == "cuda" and not quick else "andrea-12m")
-        overrides = train_overrides or []
-        head_dim = load_config(preset, overrides).model.head_dim
-        for backend in [b for b in wanted if b in ("cuda", "sdpa")]:
-            if not usable(backend, head_dim, "", f"train {preset}"):
-                continue
-            row = bench_train(preset, backend, dev, train_steps, train_warmup, overrides)
-            result.train.append(row)
-            log(f"train {preset} {backend}: {row.tokens_per_s:,.0f} tokens/s")
-    return result
+        what = f"attention {shape_name} {dtype_name}"
+        if not self.usable(backend, d, dtype_name, what):
+            return
+        try:
+            row = bench_attention(shape_name, (batch or b, h, t, d), backend, dtype_name,
+                                  self.dev, repeats, warmup)
+        except RuntimeError as exc:  # e.g. no flash kernel for this GPU
+            self.skip(f"{what} {backend}", str(exc).splitlines()[0])
+            return
+        self.result.attention.append(row)
+        self.log(f"{what} {backend}: " + ", ".join(f"{m} {row.ms[m]:.3f} ms" for m in MODES))
 
 
 def format_table(result: BenchResult) -> str:

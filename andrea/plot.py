@@ -121,68 +121,104 @@ def plot_runs(
         raise UserError(f"--x {x}: must be one of {', '.join(X_AXES)}")
     if not run_dirs:
         raise UserError("no runs given: andrea plot RUN [RUN ...] --out FILE.png")
+    runs = _runs_to_draw(run_dirs, warn)
+    plt = _import_pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), layout="constrained")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    losses, grads = [], []
+    for i, (label, history) in enumerate(runs):
+        run_losses, run_grads = _draw_run(axes.flat, label, history, x, colors[i % len(colors)])
+        losses += run_losses
+        grads += run_grads
+    _label_axes(axes, x, losses, grads)
+    fig.suptitle(f"andrea training curves: {len(runs)} run(s)", fontsize="large")
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, format=fmt, dpi=100)
+    finally:
+        plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out, image.getvalue())
+    except OSError as exc:
+        raise UserError(f"{out}: cannot write there: {exc.strerror or exc}") from None
+    return out
 
+
+def _runs_to_draw(
+    run_dirs: Sequence[Path | str], warn: Callable[[str], None]
+) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(legend label, current history) of each run with something to draw; why the others
+    are left out is warned when some run is drawn, else it is the one-line error."""
     runs: list[tuple[str, list[dict[str, Any]]]] = []
-    # Said only if something gets drawn; otherwise they become the one-line error.
     notes: list[str] = []
     for name in run_dirs:
         path = resolve_run(name)
-        if not (path / METRICS).is_file():
-            imported = read_run(path).state == "imported"
-            why = "an imported run, not trained yet" if imported else "not trained yet"
-            notes.append(f"{path}: no {METRICS} ({why}); run left out")
-            continue
-        try:
-            records, n_bad = read_metrics(path / METRICS)
-        except OSError as exc:
-            notes.append(f"{path / METRICS}: cannot read ({exc.strerror or exc}); run left out")
-            continue
-        if n_bad:
-            notes.append(
-                f"{path / METRICS}: skipped {n_bad} unreadable line(s); plotting the rest"
-            )
-        history = current_history(records)
-        if not any(r["event"] in ("train", "eval") for r in history):
-            notes.append(f"{path / METRICS}: no train or eval records; run left out")
-            continue
-        # The state in the legend says why a curve stops early.
-        label = f"{path.resolve().name} ({read_run(path).state})"
-        runs.append((label, history))
+        history = _history_to_draw(path, notes)
+        if history is not None:
+            # The state in the legend says why a curve stops early.
+            runs.append((f"{path.resolve().name} ({read_run(path).state})", history))
     if not runs:
         raise UserError("nothing to plot: " + "; ".join(notes))
     for note in notes:
         warn(note)
+    return runs
 
-    plt = _import_pyplot()
+
+def _history_to_draw(path: Path, notes: list[str]) -> list[dict[str, Any]] | None:
+    """A run's current history, or None (why noted) when it has nothing to draw."""
+    if not (path / METRICS).is_file():
+        imported = read_run(path).state == "imported"
+        why = "an imported run, not trained yet" if imported else "not trained yet"
+        notes.append(f"{path}: no {METRICS} ({why}); run left out")
+        return None
+    try:
+        records, n_bad = read_metrics(path / METRICS)
+    except OSError as exc:
+        notes.append(f"{path / METRICS}: cannot read ({exc.strerror or exc}); run left out")
+        return None
+    if n_bad:
+        notes.append(f"{path / METRICS}: skipped {n_bad} unreadable line(s); plotting the rest")
+    history = current_history(records)
+    if not any(r["event"] in ("train", "eval") for r in history):
+        notes.append(f"{path / METRICS}: no train or eval records; run left out")
+        return None
+    return history
+
+
+def _draw_run(
+    axes: Any, label: str, history: list[dict[str, Any]], x: str, color: str
+) -> tuple[list[float], list[float]]:
+    """One run's curves in its colour on the four panels; the losses and gradient norms
+    drawn (for the log-scale choice)."""
+    ax_loss, ax_lr, ax_speed, ax_grad = axes
+    tx, ty = _series(history, "train", x, "loss")
+    vx, vy = _series(history, "eval", x, "val_loss")
+    ax_loss.plot(tx, ty, color=color, lw=1.4, label=label)
+    ax_loss.plot(vx, vy, color=color, lw=1.0, ls="--", marker="o", ms=4)
+    # The spike guard: each held-back step a cross at its loss, each rollback a dotted line.
+    sx, sy = _series(history, "spike", x, "loss")
+    ax_loss.plot(sx, sy, color=color, ls="none", marker="x", ms=8, mew=2)
+    for rx in _series(history, "rollback", x, x)[0]:
+        ax_loss.axvline(rx, color=color, ls=":", lw=1.2)
+    losses = ty + vy
+    for j, (source, (sx, sy)) in enumerate(_source_series(history, x).items()):
+        ax_loss.plot(sx, sy, color=color, lw=0.8, ls=":", ms=4,
+                     marker=SOURCE_MARKERS[j % len(SOURCE_MARKERS)],
+                     label=f"{label}: val {source}")
+        losses += sy
+    ax_lr.plot(*_series(history, "train", "step", "lr"), color=color, lw=1.4)
+    ax_speed.plot(*_series(history, "train", "step", "tokens_per_s"), color=color, lw=1.4)
+    gx, gy = _series(history, "train", "step", "grad_norm")
+    ax_grad.plot(gx, gy, color=color, lw=1.0)
+    return losses, gy
+
+
+def _label_axes(axes: Any, x: str, losses: list[float], grads: list[float]) -> None:
+    """Scales, tick formats, titles, grids and the legend of the four panels."""
     from matplotlib.ticker import EngFormatter, FormatStrFormatter, LogLocator, NullLocator
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), layout="constrained")
     ax_loss, ax_lr, ax_speed, ax_grad = axes.flat
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    losses, grads = [], []
-    for i, (label, history) in enumerate(runs):
-        color = colors[i % len(colors)]
-        tx, ty = _series(history, "train", x, "loss")
-        vx, vy = _series(history, "eval", x, "val_loss")
-        ax_loss.plot(tx, ty, color=color, lw=1.4, label=label)
-        ax_loss.plot(vx, vy, color=color, lw=1.0, ls="--", marker="o", ms=4)
-        # The spike guard: each held-back step a cross at its loss, each rollback a dotted line.
-        sx, sy = _series(history, "spike", x, "loss")
-        ax_loss.plot(sx, sy, color=color, ls="none", marker="x", ms=8, mew=2)
-        for rx in _series(history, "rollback", x, x)[0]:
-            ax_loss.axvline(rx, color=color, ls=":", lw=1.2)
-        losses += ty + vy
-        for j, (source, (sx, sy)) in enumerate(_source_series(history, x).items()):
-            ax_loss.plot(sx, sy, color=color, lw=0.8, ls=":", ms=4,
-                         marker=SOURCE_MARKERS[j % len(SOURCE_MARKERS)],
-                         label=f"{label}: val {source}")
-            losses += sy
-        ax_lr.plot(*_series(history, "train", "step", "lr"), color=color, lw=1.4)
-        ax_speed.plot(*_series(history, "train", "step", "tokens_per_s"), color=color, lw=1.4)
-        gx, gy = _series(history, "train", "step", "grad_norm")
-        ax_grad.plot(gx, gy, color=color, lw=1.0)
-        grads += gy
-
     if _log_helps(losses, 2.0):
         ax_loss.set_yscale("log")
         # Losses span less than a decade or two: label 1, 1.5, 2, 3, 4, 6 of each decade as
@@ -193,7 +229,6 @@ def plot_runs(
     if _log_helps(grads, 10.0):
         ax_grad.set_yscale("log")
         ax_grad.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # "0.1", not 10⁻¹
-
     x_label = "tokens seen" if x == "tokens" else "optimizer step"
     ax_loss.set(title="Loss (solid: train, dashed + dots: validation; dotted + markers: a "
                       "mixture's sources; x: spike not applied; dotted line: rollback)",
@@ -210,16 +245,3 @@ def plot_runs(
     for ax in axes.flat:
         ax.grid(True, which="major", alpha=0.3)
     ax_loss.legend(title="run", fontsize="small")
-    fig.suptitle(f"andrea training curves: {len(runs)} run(s)", fontsize="large")
-
-    image = io.BytesIO()
-    try:
-        fig.savefig(image, format=fmt, dpi=100)
-    finally:
-        plt.close(fig)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(out, image.getvalue())
-    except OSError as exc:
-        raise UserError(f"{out}: cannot write there: {exc.strerror or exc}") from None
-    return out

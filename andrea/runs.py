@@ -27,12 +27,12 @@ from andrea.train.rundir import (
     LATEST,
     METRICS,
     TRAINER_STATE,
-    checkpoint_problem,
     is_run,
     newest_intact,
     step_dirs,
 )
 from andrea.train.state import TrainerState
+from andrea.trained import latest_problem
 
 # Every state a run can be in; the first five come from the trainer's "end" event. "imported":
 # made by `andrea import` (a checkpoint at step 0, no metrics), not trained yet. "damaged": its
@@ -266,16 +266,10 @@ def _check_checkpoint(run: Path, summary: RunSummary) -> None:
     if not had_one:
         return  # never checkpointed (a crash before the first save): nothing is damaged
     bad_pointer = any(p.startswith(f"{LATEST} ") for p in summary.problems)  # already said
-    name = summary.latest_checkpoint if (run / LATEST).is_file() and not bad_pointer else None
-    if name is None:
-        problem = "" if bad_pointer else f"no {LATEST} file naming the newest checkpoint"
-    elif not (run / name).is_dir():
-        problem = f"{LATEST} points to {name}, which does not exist"
-    else:
-        damage = checkpoint_problem(run / name)
-        if damage is None:
-            return
-        problem = f"{LATEST} points to {name}, whose {damage}"
+    name = summary.latest_checkpoint if (run / LATEST).is_file() else None
+    problem = "" if bad_pointer else latest_problem(run, name)
+    if problem is None:
+        return
     intact = newest_intact(run)
     summary.intact_checkpoint = intact.name if intact is not None else None
     found = (f"newest intact checkpoint: {intact.name}" if intact is not None
@@ -288,56 +282,80 @@ def _check_checkpoint(run: Path, summary: RunSummary) -> None:
 def _read_history(run: Path) -> RunSummary:
     """The summary from config.yaml, `latest` and metrics.jsonl (see read_run)."""
     summary = RunSummary(name=run.name, path=str(run))
-    config = _read_config(run, summary)
-    if config is not None:
-        summary.shape = _shape(config.get("model"))
-        train = config.get("train") if isinstance(config.get("train"), dict) else {}
-        summary.max_steps = _int(train.get("max_steps"))
-        if summary.shape is None:
-            summary.problems.append(f"{CONFIG}: model section lacks the shape keys")
+    _read_shape(run, summary)
     _latest_checkpoint(run, summary)
+    records = _load_metrics(run, summary)
+    if not records:
+        return summary
+    starts = [i for i, r in enumerate(records) if r["event"] == "start"]
+    _read_starts(records, starts, summary)
+    history = current_history(records)
+    _read_progress(history, summary)
+    _read_losses(history, summary)
+    # The state comes from the current segment: the events after the last start.
+    _read_state(records[starts[-1]:] if starts else records, bool(starts), summary)
+    return summary
 
+
+def _read_shape(run: Path, summary: RunSummary) -> None:
+    """The model's shape and max_steps from config.yaml."""
+    config = _read_config(run, summary)
+    if config is None:
+        return
+    summary.shape = _shape(config.get("model"))
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    summary.max_steps = _int(train.get("max_steps"))
+    if summary.shape is None:
+        summary.problems.append(f"{CONFIG}: model section lacks the shape keys")
+
+
+def _load_metrics(run: Path, summary: RunSummary) -> list[dict[str, Any]]:
+    """The readable events of metrics.jsonl; none (and the problem said, or the run read as
+    an import) when there are none."""
     metrics = run / METRICS
     if not metrics.is_file():
         if not _read_import(run, summary):
             summary.problems.append(f"no {METRICS}")
-        return summary
+        return []
     try:
         records, n_bad = read_metrics(metrics)
     except OSError as exc:
         summary.problems.append(f"{METRICS} unreadable: {exc.strerror or exc}")
-        return summary
+        return []
     if n_bad:
         summary.problems.append(f"{METRICS}: {n_bad} unreadable line(s) skipped")
-    if not records:
-        if not n_bad:
-            summary.problems.append(f"{METRICS} is empty")
-        return summary
+    if not records and not n_bad:
+        summary.problems.append(f"{METRICS} is empty")
+    return records
 
-    starts = [i for i, r in enumerate(records) if r["event"] == "start"]
+
+def _read_starts(records: list[dict[str, Any]], starts: list[int], summary: RunSummary) -> None:
+    """Segments, start time, preset, and the last segment's max_steps, size, pid and host."""
     summary.n_segments = len(starts)
     if not starts:
         summary.problems.append(f"{METRICS} has no start event")
-    else:
-        first, last = records[starts[0]], records[starts[-1]]
-        summary.started = _num(first.get("time"))
-        # The preset the run was created from: a resumed segment is started from the run's own
-        # config.yaml, so its start event may name that file ("config") instead.
-        presets = [r.get("preset") for r in (records[i] for i in starts)]
-        summary.preset = next((p for p in presets if isinstance(p, str) and p), None)
-        summary.max_steps = _int(last.get("max_steps")) or summary.max_steps
-        summary.n_params = _int(last.get("n_params"))
-        summary.pid = _int(last.get("pid"))
-        summary.host = last.get("host") if isinstance(last.get("host"), str) else None
+        return
+    first, last = records[starts[0]], records[starts[-1]]
+    summary.started = _num(first.get("time"))
+    # The preset the run was created from: a resumed segment is started from the run's own
+    # config.yaml, so its start event may name that file ("config") instead.
+    presets = [r.get("preset") for r in (records[i] for i in starts)]
+    summary.preset = next((p for p in presets if isinstance(p, str) and p), None)
+    summary.max_steps = _int(last.get("max_steps")) or summary.max_steps
+    summary.n_params = _int(last.get("n_params"))
+    summary.pid = _int(last.get("pid"))
+    summary.host = last.get("host") if isinstance(last.get("host"), str) else None
 
-    history = current_history(records)
+
+def _read_progress(history: list[dict[str, Any]], summary: RunSummary) -> None:
+    """The step and tokens reached, the spike guard's counts, the last train loss and the
+    median speed."""
     for rec in history:
         step, tokens = _int(rec.get("step")), _int(rec.get("tokens"))
         if rec["event"] in ("train", "eval", "checkpoint", "end") and step is not None:
             summary.step = step if summary.step is None else max(summary.step, step)
         if rec["event"] in ("train", "eval", "end") and tokens is not None:
             summary.tokens = tokens if summary.tokens is None else max(summary.tokens, tokens)
-
     summary.spikes = sum(r["event"] == "spike" for r in history)
     summary.rollbacks = sum(r["event"] == "rollback" for r in history)
     trains = [r for r in history if r["event"] == "train"]
@@ -349,6 +367,10 @@ def _read_history(run: Path) -> RunSummary:
     speeds = [x for x in speeds if x is not None and math.isfinite(x)]
     if speeds:
         summary.median_tokens_per_s = statistics.median(speeds)
+
+
+def _read_losses(history: list[dict[str, Any]], summary: RunSummary) -> None:
+    """The best finite val loss (and its step) and the latest evaluation."""
     for rec in history:
         val, step = _num(rec.get("val_loss")), _int(rec.get("step"))
         if rec["event"] == "eval" and val is not None and math.isfinite(val):
@@ -357,24 +379,14 @@ def _read_history(run: Path) -> RunSummary:
         if rec["event"] == "eval" and val is not None:
             _last_eval(summary, rec)
 
-    # The state comes from the current segment: the events after the last start.
-    segment = records[starts[-1]:] if starts else records
+
+def _read_state(segment: list[dict[str, Any]], started: bool, summary: RunSummary) -> None:
+    """The state of the current segment: its end event's, else running or crashed by its
+    process (when the start event says which, on this host)."""
     ends = [r for r in segment if r["event"] == "end"]
     if ends:
-        end = ends[-1]
-        state = end.get("state")
-        if state in STATES:
-            summary.state = state
-        else:
-            summary.problems.append(f"{METRICS}: end event has an unknown state {state!r}")
-        summary.signal = end.get("signal") if isinstance(end.get("signal"), str) else None
-        summary.message = end.get("message") if isinstance(end.get("message"), str) else None
-        if summary.best_val_loss is None and _num(end.get("best_val_loss")) is not None:
-            summary.best_val_loss = _num(end.get("best_val_loss"))
-            summary.best_val_step = _int(end.get("best_val_step"))
-        if summary.latest_checkpoint is None and isinstance(end.get("checkpoint"), str):
-            summary.latest_checkpoint = end["checkpoint"]
-    elif starts:
+        _read_end(ends[-1], summary)
+    elif started:
         if summary.pid is None:
             summary.problems.append(f"{METRICS}: start event has no pid; cannot tell if running")
         elif summary.host not in (None, socket.gethostname()):
@@ -383,7 +395,21 @@ def _read_history(run: Path) -> RunSummary:
             )
         else:
             summary.state = "running" if _pid_alive(summary.pid) else "crashed"
-    return summary
+
+
+def _read_end(end: dict[str, Any], summary: RunSummary) -> None:
+    state = end.get("state")
+    if state in STATES:
+        summary.state = state
+    else:
+        summary.problems.append(f"{METRICS}: end event has an unknown state {state!r}")
+    summary.signal = end.get("signal") if isinstance(end.get("signal"), str) else None
+    summary.message = end.get("message") if isinstance(end.get("message"), str) else None
+    if summary.best_val_loss is None and _num(end.get("best_val_loss")) is not None:
+        summary.best_val_loss = _num(end.get("best_val_loss"))
+        summary.best_val_step = _int(end.get("best_val_step"))
+    if summary.latest_checkpoint is None and isinstance(end.get("checkpoint"), str):
+        summary.latest_checkpoint = end["checkpoint"]
 
 
 def list_runs(root: Path | str = "runs") -> list[RunSummary]:
