@@ -208,7 +208,7 @@ def eval_cmd(
     ] = None,
     task: Annotated[
         list[str] | None,
-        typer.Option("--task", help="hellaswag, choice or lambada, scored on the FILE in the "
+        typer.Option("--task", help="hellaswag, choice, lambada or arc, scored on the FILE in the "
                      "same place (repeatable)."),
     ] = None,
     limit: Annotated[

@@ -13,6 +13,15 @@ tokens only, given everything before them.
   word (" " + everything after the last space). acc: greedy decoding gives exactly its tokens
   (the argmax at every position of the word, given the true ones before it); loss: the word's
   summed nats, averaged over examples.
+- arc: ARC-Easy's (and ARC-Challenge's) records, {"question": {"stem": str}, "choices":
+  {"text": [str, ...], "label": ["A", ...]}, "answerKey": "B"}; also as AI2 ships them (the
+  choices inside the question, a list of {"text", "label"}) and as Hugging Face does (the
+  question a plain string). Labels are letters or "1".."4"; the answer is the choice whose
+  label is answerKey. The context is "Question: <stem>\nAnswer:", each choice its
+  continuation; scored as hellaswag.
+
+A kind is one entry of TASKS: how to read a record (its Example, or why it is none) and how to
+score the examples (the result's figures).
 
 A continuation is appended with a space unless the context is empty or ends in whitespace, or
 the continuation starts with it. An empty context starts from end-of-text. A sequence longer
@@ -38,15 +47,6 @@ from tqdm import tqdm
 
 from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
-
-KINDS = ("hellaswag", "choice", "lambada")
-# The keys each kind reads: (context, choices) of a multiple-choice record.
-CHOICE_KEYS = {"hellaswag": ("ctx", "endings"), "choice": ("context", "choices")}
-FORMATS = {
-    "hellaswag": '{"ctx": str, "endings": [str, ...], "label": int}',
-    "choice": '{"context": str, "choices": [str, ...], "label": int}',
-    "lambada": '{"text": str ending in the word to predict}',
-}
 
 # logits [B, T, vocab] of token ids [B, T]: an andrea model or any other (e.g. transformers').
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -86,37 +86,125 @@ def _label(value: Any) -> int | None:
     return None
 
 
+def _read_choice(ctx_key: str, choices_key: str) -> Callable[[dict[str, Any]], Example | str]:
+    """The reader of a multiple-choice record {ctx_key: str, choices_key: [str, ...],
+    "label": int} (an int-like string counts: Hugging Face datasets write "3")."""
+
+    def read(record: dict[str, Any]) -> Example | str:
+        context, choices = record.get(ctx_key), record.get(choices_key)
+        if not isinstance(context, str) or not _choice_texts(choices):
+            return NOT_FORMAT
+        label = _label(record.get("label"))
+        if label is None:
+            return ("no integer label ({kind} needs one: a test split without labels cannot be "
+                    "scored)")
+        if not 0 <= label < len(choices):
+            return "label out of range"
+        return Example(context, choices, label, 0)
+
+    return read
+
+
+def _choice_texts(choices: Any) -> bool:
+    """Whether `choices` can be a record's choices: two or more non-blank strings."""
+    return (isinstance(choices, list) and len(choices) >= 2
+            and all(isinstance(c, str) and c.strip() for c in choices))
+
+
+def _read_last_word(record: dict[str, Any]) -> Example | str:
+    text = record.get("text")
+    if not isinstance(text, str) or not text.strip():
+        return NOT_FORMAT
+    text = text.rstrip()
+    cut = text.rfind(" ")
+    if cut <= 0:
+        return "no context before the last word"
+    return Example(text[:cut], [text[cut:]], 0, 0)
+
+
+def _read_arc(record: dict[str, Any]) -> Example | str:
+    """An ARC record: the question's stem, and the choice whose label is answerKey."""
+    question = record.get("question")
+    stem = question.get("stem") if isinstance(question, dict) else question
+    choices = record.get("choices")
+    if choices is None and isinstance(question, dict):  # AI2's files: a list in the question
+        listed = question.get("choices")
+        if isinstance(listed, list) and all(isinstance(c, dict) for c in listed):
+            choices = {"text": [c.get("text") for c in listed],
+                       "label": [c.get("label") for c in listed]}
+    texts = choices.get("text") if isinstance(choices, dict) else None
+    labels = choices.get("label") if isinstance(choices, dict) else None
+    if (not isinstance(stem, str) or not _choice_texts(texts) or not isinstance(labels, list)
+            or len(labels) != len(texts)):
+        return NOT_FORMAT
+    answer = record.get("answerKey")
+    if not isinstance(answer, str) or not answer.strip():
+        return "no answerKey ({kind} needs one: a test split without answers cannot be scored)"
+    labels = [str(label).strip() for label in labels]
+    if answer.strip() not in labels:
+        return "answerKey is none of the choices' labels"
+    return Example(f"Question: {stem.strip()}\nAnswer:", texts, labels.index(answer.strip()), 0)
+
+
+# What a reader returns for a record that is not its kind's format.
+NOT_FORMAT = "not {a} {kind} record {format}"
+
+
+def _score_choice(kept: list[tuple[Example, list[Scored]]]) -> dict[str, float]:
+    """acc: the choice with the smallest summed loss is the label; acc_norm: the one with the
+    smallest mean loss per token."""
+    acc = float(np.mean([int(np.argmin([c.total for c in s])) == ex.label for ex, s in kept]))
+    norm = float(np.mean([int(np.argmin([c.mean for c in s])) == ex.label for ex, s in kept]))
+    return {"acc": acc, "acc_norm": norm}
+
+
+def _score_last_word(kept: list[tuple[Example, list[Scored]]]) -> dict[str, float]:
+    """acc: greedy decoding gives the word; loss: its summed nats, averaged over examples."""
+    acc = float(np.mean([s[0].greedy for _, s in kept]))
+    loss = float(np.mean([s[0].total for _, s in kept]))
+    return {"acc": acc, "loss": loss}
+
+
+@dataclass(frozen=True)
+class TaskKind:
+    """One kind of task file: the record it reads (`format`, quoted by the errors), how
+    (`read`: the record's Example, its line left 0, or why it is none; a reason may name
+    {kind}), and how its scored examples become the result's figures (`score`: TaskResult's
+    acc and acc_norm or loss)."""
+
+    format: str
+    read: Callable[[dict[str, Any]], Example | str]
+    score: Callable[[list[tuple[Example, list[Scored]]]], dict[str, float]]
+
+
+# Every task kind `andrea eval --task` knows; a new kind is one entry (see the module doc).
+TASKS: dict[str, TaskKind] = {
+    "hellaswag": TaskKind('{"ctx": str, "endings": [str, ...], "label": int}',
+                          _read_choice("ctx", "endings"), _score_choice),
+    "choice": TaskKind('{"context": str, "choices": [str, ...], "label": int}',
+                       _read_choice("context", "choices"), _score_choice),
+    "lambada": TaskKind('{"text": str ending in the word to predict}', _read_last_word,
+                        _score_last_word),
+    "arc": TaskKind('{"question": {"stem": str}, "choices": {"text": [str, ...], "label": '
+                    '["A", ...]}, "answerKey": "A"}', _read_arc, _score_choice),
+}
+
+
 def _parse(kind: str, record: Any, line: int) -> Example | str:
     """The example of one record, or why it cannot be one."""
-    not_format = f"not a {kind} record {FORMATS[kind]}"
-    if not isinstance(record, dict):
-        return not_format
-    if kind == "lambada":
-        text = record.get("text")
-        if not isinstance(text, str) or not text.strip():
-            return not_format
-        text = text.rstrip()
-        cut = text.rfind(" ")
-        if cut <= 0:
-            return "no context before the last word"
-        return Example(text[:cut], [text[cut:]], 0, line)
-    ctx_key, choices_key = CHOICE_KEYS[kind]
-    context, choices, label = record.get(ctx_key), record.get(choices_key), record.get("label")
-    if (not isinstance(context, str) or not isinstance(choices, list) or len(choices) < 2
-            or not all(isinstance(c, str) and c.strip() for c in choices)):
-        return not_format
-    label_int = _label(label)
-    if label_int is None:
-        return f"no integer label ({kind} needs one: a test split without labels cannot be scored)"
-    if not 0 <= label_int < len(choices):
-        return "label out of range"
-    return Example(context, choices, label_int, line)
+    task_kind = TASKS[kind]
+    parsed = task_kind.read(record) if isinstance(record, dict) else NOT_FORMAT
+    if isinstance(parsed, str):
+        a = "an" if kind[0] in "aeiou" else "a"
+        return parsed.format(a=a, kind=kind, format=task_kind.format)
+    parsed.line = line
+    return parsed
 
 
 def read_task(kind: str, path: str | Path, limit: int | None = None) -> TaskFile:
     """The examples of a task file (at most `limit`); see the module doc for the formats."""
-    if kind not in KINDS:
-        raise UserError(f"--task {kind}: not one of {', '.join(KINDS)}")
+    if kind not in TASKS:
+        raise UserError(f"--task {kind}: not one of {', '.join(TASKS)}")
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -141,7 +229,7 @@ def read_task(kind: str, path: str | Path, limit: int | None = None) -> TaskFile
     if not task.examples:
         if not task.skipped:
             raise UserError(f"{path}: empty, no {kind} examples; expected one JSON object a "
-                            f"line, {FORMATS[kind]}")
+                            f"line, {TASKS[kind].format}")
         reasons = "; ".join(f"{len(v)} {k} (first at line {v[0]})"
                             for k, v in task.skipped.items())
         raise UserError(f"{path}: no {kind} example can be scored: {reasons}")
@@ -270,15 +358,7 @@ def run_task(
     scored = [[next(scored_flat) for _ in pairs] for pairs in encoded]
     kept = [(ex, s) for ex, s in zip(task.examples, scored, strict=True) if s]
     skipped = sum(len(v) for v in task.skipped.values())
-    if task.kind == "lambada":
-        acc = float(np.mean([s[0].greedy for _, s in kept]))
-        loss = float(np.mean([s[0].total for _, s in kept]))
-        result = TaskResult(task.kind, str(task.path), len(kept), acc, loss=loss,
-                            truncated=truncated, skipped=skipped)
-    else:
-        acc = float(np.mean([int(np.argmin([c.total for c in s])) == ex.label for ex, s in kept]))
-        norm = float(np.mean([int(np.argmin([c.mean for c in s])) == ex.label
-                              for ex, s in kept]))
-        result = TaskResult(task.kind, str(task.path), len(kept), acc, acc_norm=norm,
-                            truncated=truncated, skipped=skipped)
+    figures = TASKS[task.kind].score(kept)
+    result = TaskResult(task.kind, str(task.path), len(kept), truncated=truncated,
+                        skipped=skipped, **figures)
     return result, scored

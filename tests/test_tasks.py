@@ -14,9 +14,10 @@ from conftest import assert_user_error, run_andrea
 
 from andrea.config import load_config
 from andrea.data.tokenizer import ByteTokenizer
-from andrea.evaluate import EvalSettings, evaluate_checkpoints, load_model
-from andrea.tasks import read_task, run_task
+from andrea.evaluate import EvalSettings, evaluate_checkpoints
+from andrea.tasks import TASKS, read_task, run_task
 from andrea.train.loop import train
+from andrea.trained import load_model
 
 # Endings of very different lengths: the summed loss favours the short one, the mean loss per
 # token the long natural one, so acc and acc_norm differ.
@@ -106,6 +107,60 @@ def test_lambada_last_word_greedy_and_loss_by_hand(tmp_path, trained):
         losses.append(-torch.log_softmax(rows, -1)[torch.arange(n), targets].sum().item())
         assert got.total == pytest.approx(losses[-1], rel=1e-5) and got.greedy == greedy[-1]
     assert result.acc == np.mean(greedy) and result.loss == pytest.approx(np.mean(losses))
+
+
+# ARC-Easy's records as the issue quotes them (letter labels), one with "1".."4" labels, one
+# as AI2's files nest it and one as Hugging Face writes it; each fits the block of 64 bytes.
+ARC = [
+    {"question": {"stem": "Who is the king?"}, "answerKey": "B",
+     "choices": {"text": ["a fish", "Henry", "blue"], "label": ["A", "B", "C"]}},
+    {"question": {"stem": "What is thy name?"}, "answerKey": "3",
+     "choices": {"text": ["qqq", "zz", "Romeo", "xkcd"], "label": ["1", "2", "3", "4"]}},
+    {"question": {"stem": "Where is my lord?",
+                  "choices": [{"text": "in the court", "label": "A"},
+                              {"text": "zqzq", "label": "B"}]}, "answerKey": "A"},
+    {"question": "What shall I say?", "answerKey": "B",
+     "choices": {"text": ["xx", "speak, speak"], "label": ["A", "B"]}},
+]
+
+
+def test_arc_records_and_their_scores_by_hand(tmp_path, trained):
+    """Each ARC choice's summed log-likelihood after "Question: <stem>\nAnswer:", a float64
+    forward by hand; the task picks the most likely choice (and the most likely per token)."""
+    task = read_task("arc", write_jsonl(tmp_path / "arc.jsonl", ARC))
+    assert [ex.label for ex in task.examples] == [1, 2, 0, 1]
+    assert task.examples[2].continuations == ["in the court", "zqzq"]
+    model = load_model(trained.checkpoint)[0].double()
+    f32 = load_model(trained.checkpoint)[0]
+    result, scored = run_task(task, lambda x: f32(x)[0], ByteTokenizer(), block_size=64,
+                              batch_size=3, device=torch.device("cpu"))
+    by_sum, by_mean = [], []
+    for rec, ex, got in zip(ARC, task.examples, scored, strict=True):
+        stem = rec["question"]["stem"] if isinstance(rec["question"], dict) else rec["question"]
+        context = f"Question: {stem}\nAnswer:"
+        hand = [hand_nats(model, context, " " + text) for text in ex.continuations]
+        for h, g in zip(hand, got, strict=True):
+            np.testing.assert_allclose(g.nats, h, rtol=1e-5)
+        by_sum.append(int(np.argmax([-sum(h) for h in hand])) == ex.label)
+        by_mean.append(int(np.argmax([-np.mean(h) for h in hand])) == ex.label)
+    assert result.acc == np.mean(by_sum) and result.acc_norm == np.mean(by_mean)
+    assert (result.task, result.examples, result.skipped) == ("arc", 4, 0)
+
+
+def test_bad_arc_records_are_skipped_with_their_reason(tmp_path):
+    good = ARC[0]
+    bad = [
+        {**good, "answerKey": "D"},
+        {**good, "answerKey": None},
+        {**good, "choices": {"text": ["a", "b"], "label": ["A"]}},
+        {"stem": "no question", "choices": good["choices"], "answerKey": "A"},
+    ]
+    task = read_task("arc", write_jsonl(tmp_path / "arc.jsonl", [good, *bad]))
+    assert len(task.examples) == 1 and task.skipped == {
+        "answerKey is none of the choices' labels": [2],
+        "no answerKey (arc needs one: a test split without answers cannot be scored)": [3],
+        f"not an arc record {TASKS['arc'].format}": [4, 5],
+    }
 
 
 def test_hf_export_makes_the_same_choices(tmp_path, trained):
