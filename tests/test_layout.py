@@ -136,6 +136,15 @@ def test_every_module_belongs_to_a_stage() -> None:
         stage(mod, STAGES)
 
 
+def test_verbs_open_a_trained_model_through_trained_not_evaluate() -> None:
+    """Finding and loading a checkpoint is andrea.trained's: the verbs that open one use it,
+    and only the CLI imports the eval verb."""
+    graph = imports_of(REPO / "andrea")
+    assert {mod for mod, deps in graph.items() if "andrea.evaluate" in deps} == {"andrea.cli"}
+    for verb in ("andrea.evaluate", "andrea.generate", "andrea.hf", "andrea.runs"):
+        assert "andrea.trained" in graph[verb], verb
+
+
 def _write(root: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         path = root / name
