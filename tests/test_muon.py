@@ -15,12 +15,13 @@ import torch
 from conftest import assert_user_error, run_andrea
 from test_train import read_events, tiny, write_config
 
+from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.loop import train
-from andrea.train.muon import Float32Muon, MuonAdamW, newton_schulz
-from andrea.train.optim import build_optimizer
+from andrea.train.muon import Float32Muon, newton_schulz
+from andrea.train.optim import CombinedOptimizer, build_optimizer, make_empty_state
 
 torch_ns = pytest.importorskip("torch.optim._muon")._zeropower_via_newtonschulz
 COEFFS = (3.4445, -4.7750, 2.0315)
@@ -71,17 +72,17 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(data_dir, tmp_path):
     cfg = tiny(tmp_path, data_dir, "train.optimizer=muon", "train.muon_lr=0.05")
     model = Andrea(cfg.model)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
-    assert isinstance(opt, MuonAdamW)
+    assert isinstance(opt, CombinedOptimizer) and list(opt.parts) == ["muon", "adamw"]
     names = {id(p): n for n, p in model.named_parameters()}
-    muon = sorted(names[id(p)] for g in opt.muon.param_groups for p in g["params"])
+    muon = sorted(names[id(p)] for g in opt.parts["muon"].param_groups for p in g["params"])
     assert muon == sorted(f"blocks.{i}.{m}.weight" for i in range(cfg.model.n_layer)
                           for m in ("attn.qkv", "attn.out", "mlp.up", "mlp.down"))
-    adamw = {names[id(p)] for g in opt.adamw.param_groups for p in g["params"]}
+    adamw = {names[id(p)] for g in opt.parts["adamw"].param_groups for p in g["params"]}
     assert "tok_emb.weight" in adamw and "pos_emb.weight" in adamw and "ln_f.weight" in adamw
     assert len(muon) + len(adamw) == len(names)  # every parameter once (the head is tied)
-    assert isinstance(opt.muon, Float32Muon) or type(opt.muon) is torch.optim.Muon
-    group = opt.muon.param_groups[0]
-    assert group["lr_ratio"] * cfg.train.lr == pytest.approx(0.05)
+    assert isinstance(opt.parts["muon"], (Float32Muon, torch.optim.Muon))
+    # each group's peak lr, stated once: Muon's train.muon_lr, AdamW's train.lr
+    assert [g["peak_lr"] for g in opt.param_groups] == [0.05] + [cfg.train.lr] * 2
 
 
 def test_ns_precision_picks_the_implementation(data_dir, tmp_path):
@@ -89,7 +90,7 @@ def test_ns_precision_picks_the_implementation(data_dir, tmp_path):
         cfg = tiny(tmp_path, data_dir, "train.optimizer=muon",
                    f"train.muon_ns_precision={precision}")
         opt = build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"))
-        assert type(opt.muon) is want
+        assert type(opt.parts["muon"]) is want
 
 
 def test_exact_resume_bit_for_bit_with_muon(tmp_path, data_dir):
@@ -164,7 +165,7 @@ def train(layout, world_size):
         model.double()
     opt = build_optimizer(model, cfg, torch.device("cpu"), world_size)
     if layout == "float64":
-        opt.muon.ns_dtype = torch.float64
+        opt.parts["muon"].ns_dtype = torch.float64
     gen = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         for p in model.parameters():  # every rank the same (all-reduced) gradient
@@ -180,10 +181,10 @@ got = {}
 for layout in ("ddp", "fsdp"):
     calls.clear()
     model, opt = train(layout, 2)
-    matrices = opt.muon.param_groups[0]["params"]
+    matrices = opt.parts["muon"].param_groups[0]["params"]
     owners = muon.assign_owners([p.shape for p in matrices], 2)
     assert calls == [tuple(p.shape) for p, o in zip(matrices, owners) if o == info.rank] * STEPS
-    assert isinstance(opt.muon.state[matrices[0]]["momentum_buffer"], DTensor) == (
+    assert isinstance(opt.parts["muon"].state[matrices[0]]["momentum_buffer"], DTensor) == (
         layout == "fsdp")
     got[layout] = {n: full_tensor(p.detach()) for n, p in model.named_parameters()}
     shares = [None, None]
@@ -250,3 +251,38 @@ def test_a_torch_without_muon_is_named(tmp_path, data_dir, monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.8.0")
     with pytest.raises(UserError, match=r"muon needs torch >= 2\.9 \(this is 2\.8\.0\)"):
         build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("sets", [["train.optimizer=adamw"],
+                                  ["train.optimizer=muon", "train.muon_ns_precision=bf16"],
+                                  ["train.optimizer=muon", "train.muon_neuron_beta2=0.95"]])
+def test_each_optimizer_makes_the_empty_state_its_first_step_makes(sets):
+    """What a sharded checkpoint is read into: the fields, shapes, dtypes and devices of the
+    state a step makes (AdamW's, torch's Muon, NorMuon's per-neuron moments), as zeros."""
+    cfg = load_config("andrea-tiny", sets)
+
+    def built():
+        torch.manual_seed(0)
+        model = Andrea(cfg.model)
+        return model, build_optimizer(model, cfg, torch.device("cpu"))
+
+    stepped, opt = built()
+    for p in stepped.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    _, empty = built()
+    make_empty_state(empty)
+
+    def layout(o):
+        return [{k: (v.shape, v.dtype, v.device) for k, v in o.state[p].items()}
+                for g in o.param_groups for p in g["params"]]
+
+    assert layout(empty) == layout(opt)
+    assert all(not v.any() for s in empty.state.values() for v in s.values())
+
+
+def test_an_optimizer_whose_state_is_unknown_is_refused_not_given_adamws():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1, momentum=0.9)
+    with pytest.raises(NotImplementedError, match="SGD: its per-parameter state is not known"):
+        make_empty_state(CombinedOptimizer(sgd=sgd))
+    assert not sgd.state

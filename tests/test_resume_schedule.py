@@ -1,16 +1,28 @@
-"""A resume that changes train.max_steps: the learning rate goes on from where it was, never
-jumps (AdamW's and Muon's, which the one schedule drives)."""
+"""The learning-rate schedule: its shapes, each group's lr bit for bit as runs were trained, and a
+resume that changes train.max_steps, where the lr goes on from where it was, never jumps
+(AdamW's and Muon's, which the one schedule drives)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from andrea.config import load_config
+from andrea.errors import UserError
+from andrea.model.transformer import Andrea
 from andrea.train.loop import train
-from andrea.train.schedule import lr_at, replan
+from andrea.train.optim import build_optimizer, set_learning_rates
+from andrea.train.schedule import multiplier, replan
+
+
+def lr_at(step, cfg, anchor=None):
+    """The lr the schedule gives train.lr (AdamW's, the one logged)."""
+    return multiplier(step, cfg, anchor).lr
 
 
 def schedule(kind: str, max_steps: int):
@@ -76,3 +88,99 @@ def test_resuming_a_finished_run_for_longer_keeps_the_lr(tmp_path: Path, data_di
     lines = (first.run_dir / "metrics.jsonl").read_text().splitlines()
     lr = {r["step"]: r["lr"] for r in map(json.loads, lines) if r["event"] == "train"}
     assert again.steps == 14 and lr[13] == pytest.approx(planned)
+
+
+def test_schedules_at_chosen_steps():
+    t = load_config("andrea-tiny", ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=10",
+                                    "train.max_steps=110"]).train
+    assert lr_at(0, t) == pytest.approx(0.1)
+    assert lr_at(9, t) == pytest.approx(1.0)
+    assert lr_at(60, t) == pytest.approx(0.55)  # halfway through the cosine
+    assert lr_at(110, t) == pytest.approx(0.1)
+    t.schedule = "constant"
+    assert lr_at(5, t) == pytest.approx(0.6) and lr_at(100, t) == 1.0
+    t.schedule, t.decay_fraction = "wsd", 0.1  # decays over the last 11 steps
+    assert lr_at(98, t) == 1.0
+    assert lr_at(99, t) == pytest.approx(1.0 - 0.9 / 11)
+    assert lr_at(109, t) == pytest.approx(0.1)
+
+
+# The schedule as every run so far was trained with it, kept verbatim as the reference: AdamW's
+# lr from these formulas x the spike guard's cut, Muon's that x (muon_lr / lr).
+def old_lr_at(step, cfg, anchor=None):
+    if anchor is not None:
+        return old_replanned(step, cfg, anchor["step"], anchor["lr"])
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    if cfg.schedule == "cosine":
+        span = max(1, cfg.max_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+    decay_steps = max(1, round(cfg.decay_fraction * cfg.max_steps))
+    decay_start = cfg.max_steps - decay_steps
+    if step < decay_start:
+        return cfg.lr
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    return cfg.lr + progress * (cfg.min_lr - cfg.lr)
+
+
+def old_replanned(step, cfg, start, start_lr):
+    remaining = max(1, cfg.max_steps - start)
+    if cfg.schedule == "constant":
+        return cfg.lr
+    if cfg.schedule == "cosine":
+        progress = min(1.0, max(0.0, (step - start) / remaining))
+        return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (start_lr - cfg.min_lr)
+    decay_start = cfg.max_steps - max(1, round(cfg.decay_fraction * cfg.max_steps))
+    if start_lr >= cfg.lr and start <= decay_start:
+        return old_lr_at(step, cfg)
+    progress = min(1.0, max(0.0, (step - start + 1) / remaining))
+    return start_lr + progress * (cfg.min_lr - start_lr)
+
+
+PLANS = {  # (preset, overrides): the presets' own paths, then every shape with uneven lrs
+    "12m": ("andrea-12m", []),
+    "readme": ("andrea-12m", ["train.max_steps=100"]),
+    "tiny": ("andrea-tiny", []),
+    "constant": ("andrea-tiny", ["train.schedule=constant", "train.lr=7.3e-4"]),
+    "wsd": ("andrea-tiny", ["train.schedule=wsd", "train.lr=7.3e-4", "train.min_lr=3.1e-5",
+                            "train.muon_lr=0.023", "train.decay_fraction=0.37"]),
+    "cosine": ("andrea-tiny", ["train.lr=1.7e-3", "train.min_lr=1.3e-4", "train.muon_lr=0.037",
+                               "train.warmup_steps=7", "train.max_steps=301"]),
+}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_every_groups_lr_is_bit_for_bit_the_old_schedules(plan):
+    """For every step of each plan, fresh and re-planned on resumes that lengthen or shorten
+    it (the anchors as older checkpoints stored them), with and without a spike-guard cut:
+    each group's lr equals the old formula's to the last bit."""
+    preset, sets = PLANS[plan]
+    cfg = load_config(preset, ["train.optimizer=muon", *sets])
+    opt = build_optimizer(Andrea(load_config("andrea-tiny").model), cfg, torch.device("cpu"))
+    t = cfg.train
+    ratio = t.muon_lr / t.lr  # the old Muon groups' lr_ratio
+    plans = [(t, None)]
+    for at, longer in ((t.warmup_steps + 3, 2), (t.max_steps // 2, 3), (t.max_steps - 7, 2),
+                       (t.max_steps // 3, 0.8)):
+        new = dataclasses.replace(t, max_steps=round(t.max_steps * longer))
+        try:
+            anchor, _ = replan(at, new, t.max_steps, None)
+        except UserError:  # decayed to lr 0: refused, nothing to train
+            continue
+        assert anchor is None or anchor == {"step": at, "lr": old_lr_at(at, t)}
+        plans.append((new, json.loads(json.dumps(anchor))))  # as a checkpoint keeps it
+    assert len(plans) >= 3
+    moved = []
+    for sched, anchor in plans:
+        for step in range(sched.max_steps + 3):
+            for cut in (1.0, 0.5, 0.3):
+                set_learning_rates(opt, multiplier(step, sched, anchor).cut(cut))
+                adamw = old_lr_at(step, sched, anchor) * cut
+                want = [adamw * ratio] + [adamw * 1.0] * 2  # Muon's group, then AdamW's two
+                got = [g["lr"] for g in opt.param_groups]
+                if got != want:
+                    moved.append((sched.max_steps, step, cut, got, want))
+    assert not moved, moved[:5]

@@ -60,10 +60,10 @@ def test_polar_express_takes_float32_muon_even_in_bf16(tmp_path, data_dir):
                    f"train.muon_ns_precision={precision}",
                    "train.muon_ns_coefficients=polar_express")
         opt = build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"))
-        assert type(opt.muon) is Float32Muon and opt.muon.polar_express
+        assert type(opt.parts["muon"]) is Float32Muon and opt.parts["muon"].polar_express
     quintic = tiny(tmp_path, data_dir, "train.optimizer=muon", "train.muon_ns_precision=bf16")
-    assert type(build_optimizer(Andrea(quintic.model), quintic, torch.device("cpu")).muon) \
-        is torch.optim.Muon
+    built = build_optimizer(Andrea(quintic.model), quintic, torch.device("cpu"))
+    assert type(built.parts["muon"]) is torch.optim.Muon
 
 
 def test_zero_init_output_starts_every_block_as_the_identity(tmp_path, data_dir):

@@ -27,7 +27,6 @@ from andrea.train.loop import train
 from andrea.train.memory import HEADROOM, choose_micro_batch, estimate_peak_bytes
 from andrea.train.optim import build_optimizer
 from andrea.train.rundir import step_of_dir
-from andrea.train.schedule import lr_at
 
 # data_dir: the session fixture in conftest.py (the tiny preset's prepared data).
 
@@ -83,21 +82,6 @@ def test_resume_by_bare_run_name(tmp_path, data_dir):
     assert proc.returncode == 0, proc.stderr
     assert "finished: 4 steps" in proc.stdout
     assert ckpt_io.resolve_checkpoint(first.run_dir).name == "step-000004"
-
-
-def test_schedules_at_chosen_steps():
-    t = load_config("andrea-tiny", ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=10",
-                                    "train.max_steps=110"]).train
-    assert lr_at(0, t) == pytest.approx(0.1)
-    assert lr_at(9, t) == pytest.approx(1.0)
-    assert lr_at(60, t) == pytest.approx(0.55)  # halfway through the cosine
-    assert lr_at(110, t) == pytest.approx(0.1)
-    t.schedule = "constant"
-    assert lr_at(5, t) == pytest.approx(0.6) and lr_at(100, t) == 1.0
-    t.schedule, t.decay_fraction = "wsd", 0.1  # decays over the last 11 steps
-    assert lr_at(98, t) == 1.0
-    assert lr_at(99, t) == pytest.approx(1.0 - 0.9 / 11)
-    assert lr_at(109, t) == pytest.approx(0.1)
 
 
 def test_weight_decay_only_on_matrices(tmp_path, data_dir):
@@ -552,7 +536,7 @@ def test_auto_precision_picks_bf16_only_where_the_gpu_has_bf16_units(monkeypatch
     assert pick_dtype("bf16", cuda) == torch.bfloat16  # asked for by name: obeyed
     cfg = load_config("andrea-tiny", ["train.optimizer=muon"])
     optimizer = build_optimizer(Andrea(cfg.model), cfg, cuda)
-    assert getattr(optimizer.muon, "ns_dtype", torch.bfloat16) == want
+    assert getattr(optimizer.parts["muon"], "ns_dtype", torch.bfloat16) == want
 
 
 def fake_cgroup(root: Path, version: int, limit: str, usage: int, cache: int) -> None:

@@ -41,6 +41,7 @@ from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text, fsync_dir
 from andrea.model.params import check_stored_shape
 from andrea.train.distributed import full_tensor, shard_like
+from andrea.train.optim import make_empty_state
 from andrea.train.rundir import (
     LATEST,
     MODEL_FILE,
@@ -233,7 +234,7 @@ def read_shards(
     (sharded over any number of ranks, or whole): DCP reads each rank's slices."""
     import torch.distributed.checkpoint as dcp
 
-    ensure_optimizer_state(optimizer)
+    make_empty_state(optimizer)  # loaded into in place
     state = sharded_state(model, optimizer, names)
     check_shards(ckpt, state)
     import torch.distributed as dist
@@ -249,30 +250,6 @@ def read_shards(
                     loaded = state[f"{OPTIMIZER_PREFIX}{names[id(p)]}.{field}"]
                     if optimizer.state[p][field] is not loaded:
                         optimizer.state[p][field].copy_(loaded)
-
-
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """AdamW's and Muon's state exists only after their first step; make it (zeros) so it can be
-    loaded. Into each optimizer's own state (MuonAdamW's `state` is a merged copy)."""
-    for opt in getattr(optimizer, "optimizers", (optimizer,)):
-        _ensure_state(opt)
-
-
-def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if optimizer.state.get(p):
-                continue
-            if "ns_steps" in group:  # a Muon matrix: its momentum buffer only
-                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
-            else:
-                # AdamW keeps the count on the parameter's device only when fused.
-                on = p.device if group.get("fused") else "cpu"
-                optimizer.state[p] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=on),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

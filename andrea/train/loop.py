@@ -36,9 +36,10 @@ from andrea.train.distributed import (
     shutdown,
 )
 from andrea.train.flops import format_mfu
+from andrea.train.optim import set_learning_rates
 from andrea.train.progress import RunBar, long_run_note
 from andrea.train.rundir import step_of_dir
-from andrea.train.schedule import lr_at
+from andrea.train.schedule import multiplier
 from andrea.train.session import Session, TrainResult
 from andrea.train.setup import set_up
 from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
@@ -190,10 +191,10 @@ def progress_bar(s: Session, enabled: bool) -> tqdm:
 
 
 def set_learning_rate(s: Session) -> float:
-    lr = lr_at(s.step, s.cfg.train, s.schedule_anchor) * s.guard.lr_scale(s.step)
-    for group in s.optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_ratio", 1.0)
-    return lr
+    """Every group's peak lr x the schedule x the spike guard's cut; the lr to log: AdamW's."""
+    factor = multiplier(s.step, s.cfg.train, s.schedule_anchor).cut(s.guard.lr_scale(s.step))
+    set_learning_rates(s.optimizer, factor)
+    return factor.lr
 
 
 def stop_agreed(s: Session) -> bool:

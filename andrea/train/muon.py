@@ -1,4 +1,4 @@
-"""Muon for the block matrices, AdamW for the rest, as one optimizer the trainer drives.
+"""Muon for the block matrices (AdamW, andrea/train/optim.py, takes the rest).
 
 `train.optimizer: muon` splits the parameters (`split_parameters`): the 2-D weights inside the
 transformer blocks (QKV, W_O, MLP up and down) go to `torch.optim.Muon`; the embeddings (and so the
@@ -16,9 +16,7 @@ work: each rank orthogonalises whole matrices for its share of them (`assign_own
 updates are exchanged, whether each rank holds every matrix (DDP) or row shards of them (FSDP2);
 docs/training.md says why it is built this way.
 
-`MuonAdamW` presents the two optimizers as one: param_groups and state over both, step,
-zero_grad, state_dict and load_state_dict with one parameter numbering, so the checkpoint code
-(checkpoint.optimizer_state / load_optimizer) handles it like a single AdamW.
+train.optimizer: muon drives Muon and AdamW as one optimizer (optim.CombinedOptimizer).
 """
 
 from __future__ import annotations
@@ -344,57 +342,3 @@ def build_muon(params: list[nn.Parameter], lr: float, weight_decay: float, momen
     if ns_dtype == torch.bfloat16 and not any(extra.values()):
         return muon(params, **kwargs)
     return Float32Muon(params, ns_dtype=ns_dtype, **extra, **kwargs)
-
-
-class MuonAdamW:
-    """Two optimizers, one interface. Parameters are numbered Muon's first, then AdamW's, as
-    torch numbers the parameters of one optimizer holding both sets of groups."""
-
-    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer) -> None:
-        self.muon, self.adamw = muon, adamw
-        self.optimizers = (muon, adamw)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for opt in self.optimizers for g in opt.param_groups]
-
-    @property
-    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
-        return {**self.muon.state, **self.adamw.state}
-
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-
-    def _count(self, opt: torch.optim.Optimizer) -> int:
-        return sum(len(g["params"]) for g in opt.param_groups)
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[int, Any] = {}
-        groups: list[dict[str, Any]] = []
-        offset = 0
-        for opt in self.optimizers:
-            sd = opt.state_dict()
-            state.update({offset + i: s for i, s in sd["state"].items()})
-            groups += [{**g, "params": [offset + i for i in g["params"]]}
-                       for g in sd["param_groups"]]
-            offset += self._count(opt)
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        groups = state_dict["param_groups"]
-        offset = 0
-        for opt in self.optimizers:
-            count, n_groups = self._count(opt), len(opt.param_groups)
-            own = groups[:n_groups]
-            groups = groups[n_groups:]
-            opt.load_state_dict({
-                "state": {i - offset: s for i, s in state_dict["state"].items()
-                          if offset <= i < offset + count},
-                "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in own],
-            })
-            offset += count

@@ -1,9 +1,14 @@
 """Learning-rate schedules: linear warmup, then cosine decay, constant, or warmup-stable-decay.
 
+The schedule is a multiplier on every parameter group's peak lr (optim.py records each group's
+peak when the optimizer is built: train.lr for AdamW's, train.muon_lr for Muon's). It is
+computed as the lr it gives the reference peak, train.lr (see `Multiplier` for why).
+
 A resume that changes max_steps re-plans the rest of the schedule from the learning rate the
-next step would have had (the anchor, kept in the checkpoint's trainer state), so the lr never
-jumps: cosine decays from there to min_lr over the remaining steps; wsd still in its constant
-phase simply holds longer (its decay moves to the new end), else decays linearly from there.
+next step would have had (the anchor, kept in the checkpoint's trainer state as {"step", "lr"},
+the reference lr), so the lr never jumps: cosine decays from there to min_lr over the remaining
+steps; wsd still in its constant phase simply holds longer (its decay moves to the new end), else
+decays linearly from there. A re-planned decay is the fresh decay started from the anchor.
 """
 
 from __future__ import annotations
@@ -19,45 +24,71 @@ from andrea.errors import UserError
 JUMP_TOLERANCE = 0.10
 
 
+@dataclasses.dataclass(frozen=True)
+class Multiplier:
+    """The schedule's factor on a group's peak lr at one step, held as the lr it gives the
+    reference peak (`lr` at `reference`, train.lr) rather than as a rounded quotient.
+
+    A group's lr is `lr * (peak / reference)`: for the reference group (AdamW's) the ratio is
+    exactly 1, so its lr is the schedule's formula to the last bit; for Muon's it is the product
+    every run has been trained with. (peak * (lr / reference) would move some last bits, and
+    with them the losses.)"""
+
+    lr: float
+    reference: float
+
+    def cut(self, factor: float) -> Multiplier:
+        """This multiplier times `factor` (the spike guard's lr cut)."""
+        return Multiplier(self.lr * factor, self.reference)
+
+    def lr_for(self, peak: float) -> float:
+        """The lr of a group whose peak lr is `peak`."""
+        return self.lr * (peak / self.reference)
+
+
 def wsd_decay_steps(cfg: TrainConfig) -> int:
     """wsd: the last steps of cfg.max_steps over which the lr decays to min_lr."""
     return max(1, round(cfg.decay_fraction * cfg.max_steps))
 
 
-def lr_at(step: int, cfg: TrainConfig, anchor: dict[str, Any] | None = None) -> float:
-    """The learning rate for optimizer step `step` (0-based) of cfg.max_steps; `anchor`
+def multiplier(step: int, cfg: TrainConfig, anchor: dict[str, Any] | None = None) -> Multiplier:
+    """The schedule at optimizer step `step` (0-based) of cfg.max_steps; `anchor`
     ({"step", "lr"}): the schedule re-planned on a resume that changed max_steps."""
-    if anchor is not None:
-        return _replanned(step, cfg, anchor["step"], anchor["lr"])
+    return Multiplier(_reference_lr(step, cfg, anchor), cfg.lr)
+
+
+def _reference_lr(step: int, cfg: TrainConfig, anchor: dict[str, Any] | None) -> float:
+    """The lr the schedule gives the reference peak cfg.lr at `step`."""
+    if anchor is not None and not _still_holding(cfg, anchor):
+        if cfg.schedule == "constant":
+            return cfg.lr
+        return _decay(step, cfg, anchor["step"], anchor["lr"])
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return cfg.lr
-    if cfg.schedule == "cosine":
-        span = max(1, cfg.max_steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
-    # wsd: hold lr, then decay linearly to min_lr over the last decay_fraction of the run.
-    decay_steps = wsd_decay_steps(cfg)
-    decay_start = cfg.max_steps - decay_steps
-    if step < decay_start:
+    # cosine decays from the end of warm-up; wsd holds the peak until its last decay steps
+    start = cfg.warmup_steps if cfg.schedule == "cosine" else cfg.max_steps - wsd_decay_steps(cfg)
+    if step < start:
         return cfg.lr
-    progress = min(1.0, (step - decay_start + 1) / decay_steps)
-    return cfg.lr + progress * (cfg.min_lr - cfg.lr)
+    return _decay(step, cfg, start, cfg.lr)
 
 
-def _replanned(step: int, cfg: TrainConfig, start: int, start_lr: float) -> float:
-    remaining = max(1, cfg.max_steps - start)
-    if cfg.schedule == "constant":
-        return cfg.lr
-    if cfg.schedule == "cosine":
-        progress = min(1.0, max(0.0, (step - start) / remaining))
-        return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (start_lr - cfg.min_lr)
+def _still_holding(cfg: TrainConfig, anchor: dict[str, Any]) -> bool:
+    """A wsd run re-planned before its decay began: the plain wsd over the new length."""
     decay_start = cfg.max_steps - wsd_decay_steps(cfg)
-    if start_lr >= cfg.lr and start <= decay_start:  # still holding: the plain wsd, extended
-        return lr_at(step, cfg)
-    progress = min(1.0, max(0.0, (step - start + 1) / remaining))
-    return start_lr + progress * (cfg.min_lr - start_lr)
+    return cfg.schedule == "wsd" and anchor["lr"] >= cfg.lr and anchor["step"] <= decay_start
+
+
+def _decay(step: int, cfg: TrainConfig, start: int, top: float) -> float:
+    """From `top` at step `start` down to min_lr at cfg.max_steps: a cosine, or (wsd) a line
+    whose first step is already one decay step below `top`."""
+    length = max(1, cfg.max_steps - start)
+    if cfg.schedule == "cosine":
+        progress = min(1.0, max(0.0, (step - start) / length))
+        return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (top - cfg.min_lr)
+    progress = min(1.0, max(0.0, (step - start + 1) / length))
+    return top + progress * (cfg.min_lr - top)
 
 
 def replan(
@@ -68,7 +99,7 @@ def replan(
     if old_max_steps == cfg.max_steps or (anchor is None and step < cfg.warmup_steps):
         return anchor, []
     was = dataclasses.replace(cfg, max_steps=old_max_steps)
-    planned = lr_at(step, was, anchor)
+    planned = _reference_lr(step, was, anchor)
     if planned <= 0 and cfg.max_steps > step:
         # A run that decayed to min_lr 0 (the wsd preset's way) would train on at lr 0.
         hint = ""
@@ -87,7 +118,7 @@ def replan(
         f"schedule continues from lr {planned:.3g} at step {step} over the remaining "
         f"{max(0, cfg.max_steps - step)} steps (docs/training.md)"
     ]
-    now = lr_at(step, cfg, new_anchor)
+    now = _reference_lr(step, cfg, new_anchor)
     if planned > 0 and abs(now - planned) / planned > JUMP_TOLERANCE:
         lines.append(f"resume: the learning rate jumps from {planned:.3g} to {now:.3g} at "
                      f"step {step}")
