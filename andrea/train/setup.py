@@ -98,11 +98,7 @@ def set_up(
     if trainer_state is not None:
         continue_from(s, trainer_state, resume_from)
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
-    try:
-        s.schedule_anchor, schedule_lines = replan(s.step, t, planned_max_steps(
-            trainer_state, changes, t.max_steps), s.schedule_anchor)
-    except UserError as exc:  # name the run the resume cannot extend
-        raise UserError(f"{run_dir}: {exc}") from None
+    schedule_lines = plan_schedule(s, trainer_state, changes)
     if dist.is_main:
         if replace:
             clear_run(run_dir)
@@ -190,14 +186,21 @@ def continue_from(s: Session, state: TrainerState, checkpoint: Path) -> None:
     s.schedule_anchor = state.schedule_anchor
 
 
-def planned_max_steps(
-    state: TrainerState | None, changes: dict[str, list[Any]], max_steps: int
-) -> int:
-    """The max_steps the run's schedule was planned for: the checkpoint's record, else (older
-    checkpoints) the run's config.yaml's, else (a new run) max_steps."""
+def plan_schedule(
+    s: Session, state: TrainerState | None, changes: dict[str, list[Any]]
+) -> list[str]:
+    """Re-plan the lr schedule when a resume changes max_steps (see schedule.replan); the
+    lines that say so. The max_steps it was planned for: the checkpoint's record, else (older
+    checkpoints) the run's config.yaml's."""
+    t = s.cfg.train
+    planned = changes.get("train.max_steps", [t.max_steps])[0]
     if state is not None and state.max_steps is not None:
-        return state.max_steps
-    return changes.get("train.max_steps", [max_steps])[0]
+        planned = state.max_steps
+    try:
+        s.schedule_anchor, lines = replan(s.step, t, planned, s.schedule_anchor)
+    except UserError as exc:  # name the run the resume cannot extend
+        raise UserError(f"{s.run_dir}: {exc}") from None
+    return lines
 
 
 def nothing_to_do(
