@@ -46,33 +46,30 @@ MIB = 2**20
 
 
 def build(preset: str, parallel: str, optimizer: str = "adamw"):
-    """(cfg, dist info, model, optimizer, names), set up in the trainer's order."""
+    """(cfg, the mode, model, optimizer, names), set up in the trainer's order; parallel is
+    train.parallel (anything on one process)."""
     import torch
 
     from andrea.config import load_config
     from andrea.model.transformer import Andrea
-    from andrea.train.distributed import init_distributed, shard_model
+    from andrea.train.distributed import init_distributed
     from andrea.train.optim import build_optimizer
+    from andrea.train.parallel import parallel_for
 
     cfg = load_config(preset, ["train.precision=fp32", "train.micro_batch_size=1",
                                f"train.optimizer={optimizer}"])
-    info = init_distributed("cpu")
+    mode = parallel_for(parallel, init_distributed("cpu"))
     device = torch.device("cpu")
     torch.manual_seed(0)
     model = Andrea(cfg.model)
-    train_model = model
-    if info.enabled and parallel == "fsdp":
-        shard_model(model, info, device, bf16_params=False)
-    optimizer = build_optimizer(model, cfg, device, info.world_size)
-    if info.enabled and parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        train_model = DDP(model)
+    mode.shard(model, device, bf16_params=False)
+    optimizer = build_optimizer(model, cfg, device, mode.dist.world_size, sharded=mode.sharded)
+    train_model = mode.wrap(model, False, device)
     x = torch.randint(0, cfg.model.vocab_size, (1, 32))
     train_model(x, x)[1].backward()
     optimizer.step()
     names = {id(p): n for n, p in model.named_parameters()}
-    return cfg, info, model, optimizer, names
+    return cfg, mode, model, optimizer, names
 
 
 def local_bytes(tensors) -> int:
@@ -89,7 +86,8 @@ def local_bytes(tensors) -> int:
 
 
 def memory_worker(preset: str, parallel: str, optimizer_name: str) -> dict:
-    _, info, model, optimizer, _ = build(preset, parallel, optimizer_name)
+    _, mode, model, optimizer, _ = build(preset, parallel, optimizer_name)
+    info = mode.dist
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if hasattr(v, "numel")]
     shutdown(info)
@@ -102,12 +100,14 @@ def checkpoint_worker(preset: str, parallel: str) -> dict:
 
     from andrea.train import checkpoint as ckpt_io
     from andrea.train.distributed import all_gather_bytes, barrier
+    from andrea.train.state import TrainerState
 
-    cfg, info, model, optimizer, names = build(preset, parallel)
+    cfg, mode, model, optimizer, names = build(preset, parallel)
+    info = mode.dist
     pid = torch.tensor([os.getpid()], dtype=torch.int64).view(torch.uint8)
     root = Path(os.environ["BENCH_DIR"])
     run_dir = root / f"run-{int(all_gather_bytes(pid, info)[0].view(torch.int64).item())}"
-    sharded = info.enabled and parallel == "fsdp"
+    sharded = mode.sharded
     barrier(info)
     t0 = time.perf_counter()
     partial = None
@@ -118,8 +118,8 @@ def checkpoint_worker(preset: str, parallel: str) -> dict:
     weights = ckpt_io.model_state(model, info.is_main)
     moments = {} if sharded else ckpt_io.optimizer_state(optimizer, names)
     if info.is_main:
-        ckpt_io.save_checkpoint(run_dir, 1, cfg, "bench", weights, moments, {}, {"step": 1}, 1,
-                                partial)
+        ckpt_io.save_checkpoint(run_dir, 1, cfg, "bench", weights, moments, {},
+                                TrainerState(step=1), 1, partial)
     barrier(info)
     write_s = time.perf_counter() - t0
     ckpt = run_dir / ckpt_io.step_dir_name(1)
