@@ -4,6 +4,7 @@ table is the closed form of each preset."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -117,3 +118,62 @@ def test_keys_tables_in_the_docs_state_the_declared_defaults():
                 seen += 1
                 assert yaml.safe_load(default) == declared[dotted], (doc.name, dotted, default)
     assert seen >= 13
+
+
+def package_names() -> dict[str, set[str]]:
+    """Every module of the package (dotted) and what it defines at the top: functions, classes,
+    their methods and fields (`Class.name`), assigned names, and the names it spells as strings
+    (a metric's, a key's)."""
+    names: dict[str, set[str]] = {}
+    for path in (REPO / "andrea").rglob("*.py"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(path.read_text())
+        defined = {node.value for node in ast.walk(tree)
+                   if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                   and node.value.isidentifier()}
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                defined.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                defined |= {f"{node.name}.{sub.name}" for sub in node.body
+                            if isinstance(sub, ast.FunctionDef)}
+                defined |= {f"{node.name}.{sub.target.id}" for sub in node.body
+                            if isinstance(sub, ast.AnnAssign) and isinstance(sub.target, ast.Name)}
+            elif isinstance(node, ast.Assign):
+                defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                defined.add(node.target.id)
+        names[module] = defined
+    return names
+
+
+def names_the_map_cannot_find(text: str, names: dict[str, set[str]]) -> list[str]:
+    """The `module.name` and `snake_case` names in backticks that no module defines (the map
+    shortens andrea.train.loop.train to `loop.train` or `train.loop.train`)."""
+    keys = {spec.dotted for spec in key_specs()} | {spec.name for spec in key_specs()}
+    everything = set().union(*names.values())
+    missing = []
+    for token in set(re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)`", text)):
+        parts = token.split(".")
+        if token in keys or token in everything or ("." not in token and "_" not in token):
+            continue
+        if any(f"{base}.{'.'.join(parts[:k])}" in names
+               and ".".join(parts[k:]) in names[f"{base}.{'.'.join(parts[:k])}"] | {""}
+               for k in range(1, len(parts) + 1)
+               for base in ("andrea", "andrea.train", "andrea.data", "andrea.model", "andrea.cuda",
+                            "andrea.config")):
+            continue
+        if not re.search(r"\.(py|cu|md|json|yaml)$", token):
+            missing.append(token)
+    return sorted(missing)
+
+
+def test_the_map_check_finds_what_is_not_there():
+    names = {"andrea.train.loop": {"train", "Session.step"}, "andrea.train": set()}
+    text = "`loop.train`, `train.loop.train`, `Session.step`, `loop.gone`, `no_such_thing`, `x.py`"
+    assert names_the_map_cannot_find(text, names) == ["loop.gone", "no_such_thing"]
+
+
+def test_every_module_and_function_the_architecture_map_names_exists():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    assert names_the_map_cannot_find(text, package_names()) == []
