@@ -13,13 +13,13 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from andrea.errors import UserError
 
@@ -183,17 +183,27 @@ def shard_model(model: torch.nn.Module, info: DistInfo, device: torch.device,
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
+def is_dtensor(value: object) -> bool:
+    """Whether `value` is a sharded (FSDP2) tensor. Importing torch.distributed.tensor costs about
+    a second of every process's start-up, so it is left to fully_shard: until something has
+    imported it, no tensor can be a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded one (a collective: every rank calls it, in the same order);
     a plain tensor as it is."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return value.full_tensor() if is_dtensor(value) else value
 
 
 def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`whole` laid out as `like` is: this rank's shard if `like` is sharded. Every rank holds
     the whole tensor already (read from the checkpoint), so nothing is sent."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return whole.to(like.device)
+    from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements,
                              src_data_rank=None)
 

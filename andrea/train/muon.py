@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from andrea.errors import UserError
+from andrea.train.distributed import is_dtensor
 
 MUON_MIN_TORCH = "2.9"
 
@@ -202,7 +202,7 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `t`: its shard of a DTensor (the same storage), else `t`."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def assign_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
@@ -223,6 +223,12 @@ def shard_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
     """(start, stop) of each rank's rows under FSDP2's Shard(0), which splits as torch.chunk."""
     chunk = -(-rows // world_size)
     return [(min(r * chunk, rows), min((r + 1) * chunk, rows)) for r in range(world_size)]
+
+
+def _row_sharded_on_one_dim(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import Shard  # imported already: p is a DTensor
+
+    return p.device_mesh.ndim == 1 and p.placements == (Shard(0),)
 
 
 def _flat(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -246,8 +252,8 @@ class SplitMuon(Float32Muon):
                        updates: list[torch.Tensor]) -> list[torch.Tensor]:
         if not params:
             return []
-        sharded = isinstance(params[0], DTensor)
-        if sharded and (params[0].device_mesh.ndim != 1 or params[0].placements != (Shard(0),)):
+        sharded = is_dtensor(params[0])
+        if sharded and not _row_sharded_on_one_dim(params[0]):
             # andrea builds only 1-D meshes (distributed.shard_model); hybrid sharding would
             # need the exchange per shard group.
             raise NotImplementedError(f"Muon over {params[0].placements} on a "
