@@ -2,9 +2,11 @@
 in its default output form (tables and summary lines, not --json), on the tiny preset.
 
 prepare -> train -> runs -> plot -> eval -> generate -> export -> import (elsewhere) -> eval the
-import -> train --resume (more steps) -> bench --quick. Each step checks what the user reads:
-numbers parse and agree with each other, files exist, losses are finite and equal where the
-weights are the same.
+import -> train --resume (more steps). Each step checks what the user reads: numbers parse and
+agree with each other, files exist, losses are finite and equal where the weights are the same.
+The project trained once (prepare, then 20 steps) is shared: each test walks on in a copy of it.
+`andrea bench --quick` is walked in tests/test_cuda_backend.py (table and --json), at the small
+shape and the tiny preset: its CPU defaults train andrea-12m, most of a minute here.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -59,24 +62,39 @@ def table_row(stdout: str, name: str) -> list[str]:
     return row.split()
 
 
-def test_every_verb_as_a_new_user_runs_it(tmp_path):
-    home = tmp_path / "project"
+@pytest.fixture(scope="module")
+def first_steps(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """A new user's project after `prepare` (twice) and 20 steps of `train`, evaluated and
+    checkpointed every 10; and those three commands' processes."""
+    home = tmp_path_factory.mktemp("journey") / "project"
     home.mkdir()
+    procs = [andrea(home, "prepare", "--config", "andrea-tiny") for _ in range(2)]
+    procs.append(andrea(home, "train", "--config", "andrea-tiny", "--set", "train.max_steps=20",
+                        "--set", "train.eval_every=10", "--set", "train.checkpoint_every=10"))
+    return home, procs
+
+
+def project_copy(first_steps: tuple[Path, list], tmp_path: Path) -> Path:
+    """A copy of the shared project (runs and data name their folders relative to it)."""
+    home = tmp_path / "project"
+    shutil.copytree(first_steps[0], home, symlinks=True)
+    return home
+
+
+def test_every_verb_as_a_new_user_runs_it(tmp_path, first_steps):
+    home = project_copy(first_steps, tmp_path)
+    prepared, again, proc = first_steps[1]
 
     # prepare: the tiny preset's data (bytes of the embedded corpus), then nothing to redo.
-    proc = andrea(home, "prepare", "--config", "andrea-tiny")
     found = re.fullmatch(rf"data/shakespeare-byte: ({NUM}) train \+ ({NUM}) val tokens, "
-                         r"tokenizer byte:v1 \(257 ids\)", proc.stdout.strip())
-    assert found, proc.stdout
+                         r"tokenizer byte:v1 \(257 ids\)", prepared.stdout.strip())
+    assert found, prepared.stdout
     assert number(found[1]) > 9 * number(found[2]) > 0  # val fraction 0.1
     assert (home / "data/shakespeare-byte/manifest.json").is_file()
-    proc = andrea(home, "prepare", "--config", "andrea-tiny")
-    assert proc.stdout.strip() == "data/shakespeare-byte: up to date (inputs unchanged; --force " \
-                                  "redoes it)"
+    assert again.stdout.strip() == "data/shakespeare-byte: up to date (inputs unchanged; " \
+                                   "--force redoes it)"
 
     # train: 20 steps, evaluated and checkpointed every 10.
-    proc = andrea(home, "train", "--config", "andrea-tiny", "--set", "train.max_steps=20",
-                  "--set", "train.eval_every=10", "--set", "train.checkpoint_every=10")
     vals = {int(s): float(v) for s, v in re.findall(r"step (\d+): val loss ([\d.]+)", proc.stdout)}
     assert sorted(vals) == [10, 20] and vals[20] < vals[10] < math.log(257)  # it learns
     best_step = min(vals, key=vals.get)
@@ -159,20 +177,8 @@ def test_every_verb_as_a_new_user_runs_it(tmp_path):
     assert resumed["ckpt"] == "runs/andrea-tiny/step-000030"
     assert resumed["loss"] != trained["loss"]  # ten more steps changed the weights
 
-    # bench --quick: the table, with the CPU's name and a training row.
-    proc = andrea(home, "bench", "--quick")
-    lines = proc.stdout.splitlines()
-    assert lines[0].startswith("device: cpu (") and "torch" in lines[0]
-    (train_row,) = [line.split() for line in lines if line.startswith("andrea-12m ")
-                    and "x" in line.split()]
-    assert number(train_row[-2]) > 0 and train_row[-1] == "n/a"
-    attention = [line.split() for line in lines if line.split()[:1] in (["gpt2"], ["andrea-12m"])
-                 and line.split()[2] == "bf16"]
-    assert {row[3] for row in attention} >= {"sdpa", "math"}
-    assert all(float(v) > 0 for row in attention for v in row[4:7])  # fwd, bwd, f+b ms
 
-
-def test_a_damaged_run_and_a_strangers_checkpoint_as_a_user_meets_them(tmp_path):
+def test_a_damaged_run_and_a_strangers_checkpoint_as_a_user_meets_them(tmp_path, first_steps):
     """Issue 20's checkpoint cases as a user meets them, every step a real `andrea` process:
     the newest checkpoint of a run is lost, and the error's own command gets the user going
     again; a stranger's checkpoint and export name a folder of the user's as their data
@@ -180,10 +186,7 @@ def test_a_damaged_run_and_a_strangers_checkpoint_as_a_user_meets_them(tmp_path)
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    home = tmp_path / "project"
-    home.mkdir()
-    andrea(home, "train", "--config", "andrea-tiny", "--set", "train.max_steps=20",
-           "--set", "train.eval_every=0", "--set", "train.checkpoint_every=10")
+    home = project_copy(first_steps, tmp_path)
     run = home / "runs/andrea-tiny"
     model = run / "step-000020/model.safetensors"
     stranger = tmp_path / "stranger-step"
