@@ -189,15 +189,24 @@ WARMUP = ("train.max_steps=6", "train.precision=fp32", "train.optimizer=muon",
           "train.micro_batch_size=8", "train.warmup_steps=2")
 
 
-def test_batch_warmup_takes_the_small_batch_first_then_the_full_one(tmp_path, data_dir):
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, data_dir) -> dict[int, object]:
+    """WARMUP's run with no warm-up, trained once for the tests that compare with it, by
+    train.global_batch_tokens: 0 (one micro-batch of 512 tokens a step) and 1,024."""
+    root = tmp_path_factory.mktemp("plain")
+    return {tokens: train(tiny(root, data_dir, *WARMUP, f"train.name=plain-{tokens}",
+                               f"train.global_batch_tokens={tokens}"), progress=False)
+            for tokens in (0, 1024)}
+
+
+def test_batch_warmup_takes_the_small_batch_first_then_the_full_one(tmp_path, data_dir, plain):
     # tiny: 8 x 64 = 512 tokens a micro-batch; 3 steps of 1 micro-batch, then 3 of 2.
     warm = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=warm",
                       "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
                       "train.batch_warmup_steps=3"), progress=False)
     small = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=small",
                        "train.global_batch_tokens=512"), progress=False)
-    full = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=full",
-                      "train.global_batch_tokens=1024"), progress=False)
+    full = plain[1024]
     # The warm-up's steps are the small-batch run's, bit for bit (same windows, same lr)...
     assert [warm.losses[s] for s in (1, 2, 3)] == [small.losses[s] for s in (1, 2, 3)]
     assert warm.losses[1] != full.losses[1]
@@ -233,10 +242,10 @@ def test_batch_warmup_settings_that_cannot_work_are_refused(tmp_path, data_dir, 
         tiny(tmp_path, data_dir, "train.global_batch_tokens=1024", *sets)
 
 
-def test_a_warmup_batch_not_below_the_batch_is_off_and_says_so(tmp_path, data_dir, capsys):
+def test_a_warmup_batch_not_below_the_batch_is_off_and_says_so(tmp_path, data_dir, capsys,
+                                                                plain):
     # A preset's warm-up after --set lowered global_batch_tokens to it: the plain run.
-    plain = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=plain",
-                       "train.global_batch_tokens=1024"), progress=False)
+    plain = plain[1024]
     capsys.readouterr()
     same = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=same",
                       "train.global_batch_tokens=1024", "train.batch_warmup_tokens=1024",
@@ -284,7 +293,7 @@ SEQ_WARMUP = ("train.seq_warmup_length=16", "train.seq_warmup_steps=3")
 
 
 def test_seq_warmup_trains_on_short_windows_first_then_the_block(tmp_path, data_dir,
-                                                                monkeypatch):
+                                                                monkeypatch, plain):
     # tiny: block 64, 8 x 64 a micro-batch; the first 3 steps 32 windows of 16 (the same 512
     # tokens), then 8 of 64. Every batch the loop asks for is recorded with its step.
     import andrea.train.loop as loop
@@ -302,7 +311,7 @@ def test_seq_warmup_trains_on_short_windows_first_then_the_block(tmp_path, data_
                  progress=False)
     assert asked == [(0, (32, 16)), (1, (32, 16)), (2, (32, 16)),
                      (3, (8, 64)), (4, (8, 64)), (5, (8, 64))]
-    plain = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=plain"), progress=False)
+    plain = plain[0]
     assert warm.losses[1] != plain.losses[1]  # other windows from the first step
     # The tokens a step stay 512: the count, the tokens/s and the bar are unchanged.
     tokens = [e["tokens"] for e in read_events(warm.run_dir, "train")]
@@ -319,8 +328,8 @@ def test_seq_warmup_resumes_bit_for_bit_inside_and_after_it(tmp_path, data_dir):
         assert {**first.losses, **rest.losses} == whole.losses  # exact float equality
 
 
-def test_seq_warmup_not_below_the_block_is_off_and_says_so(tmp_path, data_dir, capsys):
-    plain = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=plain"), progress=False)
+def test_seq_warmup_not_below_the_block_is_off_and_says_so(tmp_path, data_dir, capsys, plain):
+    plain = plain[0]
     capsys.readouterr()
     same = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=same",
                       "train.seq_warmup_length=64", "train.seq_warmup_steps=3"), progress=False)
