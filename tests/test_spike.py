@@ -190,7 +190,7 @@ def test_presets_guard_all_but_the_tiny_one():
     assert load_config("andrea-120m").train.spike_guard == "rollback"
 
 
-def test_two_processes_decide_as_one(tmp_path, data_dir):
+def test_two_processes_decide_as_one(tmp_path, data_dir, inject_faults):
     """Under ddp every rank takes the same decisions (they judge the all-reduced loss and
     norm, and agree() makes sure): the same spikes and rollback as one process, the same
     losses; a rank that decided otherwise would train other weights or hang."""
@@ -198,16 +198,14 @@ def test_two_processes_decide_as_one(tmp_path, data_dir):
             "train.warmup_steps=2", "train.checkpoint_every=5", "train.max_steps=16",
             "train.eval_every=0", "train.precision=fp32", "train.micro_batch_size=4",
             "train.global_batch_tokens=512")
-    env = {"ANDREA_FAULTS": "spike@12-13x1000"}
+    spike = "spike@12-13x1000"
+    inject_faults(spike)
     cfg = tiny(tmp_path / "one", data_dir, "one", *sets)
-    path = tmp_path / "one.yaml"
-    path.write_text(cfg.to_yaml())
-    one = run_andrea("train", "-c", str(path), "--no-progress", env=env)
-    assert one.returncode == 0, one.stderr
+    assert train(cfg, progress=False).state == "finished"
     cfg2 = tiny(tmp_path / "two", data_dir, "two", *sets)
     path2 = tmp_path / "two.yaml"
     path2.write_text(cfg2.to_yaml())
-    two = run_torchrun("train", "-c", str(path2), "--no-progress", env=env)
+    two = run_torchrun("train", "-c", str(path2), "--no-progress", env={"ANDREA_FAULTS": spike})
     assert two.returncode == 0, two.stderr[-3000:]
     run1, run2 = Path(cfg.train.runs_dir) / "one", Path(cfg2.train.runs_dir) / "two"
     for event in ("spike", "rollback"):
