@@ -228,7 +228,7 @@ def eval_cmd(
 ) -> None:
     """Val loss, perplexity and bits per byte (per mixture source) and downstream tasks of
     one or more checkpoints; one table row per checkpoint."""
-    from andrea.evaluate import EvalSettings, evaluate_checkpoints, format_table
+    from andrea.evaluate import EvalSettings, evaluate_checkpoints, format_results
 
     task, files = task or [], files or []
     if len(task) != len(files):
@@ -238,13 +238,7 @@ def eval_cmd(
                             source, val=not task if val is None else val)
     results = evaluate_checkpoints(checkpoint or [], settings, all_steps=all_steps,
                                    tasks=list(zip(task, files, strict=True)), limit=limit)
-    if as_json:
-        one = [json.loads(r.to_json()) for r in results]
-        typer.echo(json.dumps(one[0] if len(one) == 1 else one, indent=2))
-    elif len(results) == 1:
-        typer.echo(results[0].summary())
-    else:
-        typer.echo(format_table(results))
+    typer.echo(format_results(results, as_json))
 
 
 @app.command("generate")

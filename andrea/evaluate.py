@@ -255,6 +255,15 @@ def evaluate_checkpoint(
                                 runs_dir=runs_dir)[0]
 
 
+def format_results(results: list[EvalResult], as_json: bool = False) -> str:
+    """What `andrea eval` prints: one result's summary, a table of several, or JSON (an object
+    for one checkpoint, a list for several)."""
+    if as_json:
+        rows = [json.loads(r.to_json()) for r in results]
+        return json.dumps(rows[0] if len(rows) == 1 else rows, indent=2)
+    return results[0].summary() if len(results) == 1 else format_table(results)
+
+
 def format_table(results: list[EvalResult]) -> str:
     """One row per checkpoint: step, val loss and bits per byte, each source's loss, each
     task's acc (and acc_norm)."""

@@ -1,4 +1,4 @@
-"""The time-to-quality recipe keys (docs/training.md, "Time to quality, round 2"): each is off by
+"""The time-to-quality recipe keys (docs/log.md, "time to quality, round 2"): each is off by
 default and changes training only when set; checked against float64 references."""
 
 from __future__ import annotations
