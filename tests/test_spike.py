@@ -61,7 +61,9 @@ def test_a_guarded_run_keeps_the_clean_curve_an_unguarded_one_does_not(
     assert abs(guarded.last_val_loss - clean.last_val_loss) < 0.01
     assert bad.last_val_loss - clean.last_val_loss > 0.02
     (spike,) = events(guarded.run_dir, "spike")
-    assert spike["step"] == 21 and spike["action"] == "skip" and spike["loss_z"] > 6
+    # Flagged by either z-score (which one crosses 6 first depends on the CPU's rounding).
+    assert spike["step"] == 21 and spike["action"] == "skip"
+    assert max(spike["loss_z"], spike["grad_z"]) > 6
     assert not events(bad.run_dir, "spike")
     summary = read_run(guarded.run_dir)
     assert (summary.spikes, summary.rollbacks) == (1, 0)
