@@ -15,6 +15,9 @@ ANDREA_FAULTS holds comma-separated items, each KIND@WHERE; at most one item per
 - ``prepare-pause@SHARD[:UNTIL_FILE]``: `andrea prepare` stops mid-shard in the shard file
   SHARD (``train_000002.bin``), saying ``paused in SHARD`` on stderr, until UNTIL_FILE exists
   (forever without one), for a SIGKILL or a second process to act on.
+- ``disk-full@AREA:NAME``: the write NAME of AREA fails as on a full disk (OSError ENOSPC), for
+  a machine where no small filesystem can be mounted: ``checkpoint:step-000004`` (that
+  checkpoint, after its model file is written), ``prepare:train_000003.bin`` (that shard file).
 
 Example: ``ANDREA_FAULTS=nan@7,checkpoint-delay@2``. The CLI parses the variable once
 (`install_from_environment`); a malformed item is a one-line error naming it. Unset, every hook
@@ -23,6 +26,7 @@ is a no-op behind one attribute check. In-process tests call `install` directly.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -45,6 +49,7 @@ class Faults:
     kill_rank: tuple[int, str] | None = None  # (rank, step folder name)
     checkpoint_delay: float = 0.0
     prepare_pause: tuple[str, str | None] | None = None  # (shard file, until file)
+    disk_full: str | None = None  # "AREA:NAME", the write that fails
 
 
 def _nan(where: str) -> tuple[str, Any]:
@@ -82,6 +87,13 @@ def _prepare_pause(where: str) -> tuple[str, Any]:
     return "prepare_pause", (shard, until or None)
 
 
+def _disk_full(where: str) -> tuple[str, Any]:
+    area, colon, name = where.partition(":")
+    if not colon or not area or not name:
+        raise ValueError(where)
+    return "disk_full", where
+
+
 # kind -> (its spelling, its parser)
 KINDS = {
     "nan": ("nan@STEP", _nan),
@@ -90,6 +102,7 @@ KINDS = {
     "kill-rank": ("kill-rank@RANK:step-NNNNNN", _kill_rank),
     "checkpoint-delay": ("checkpoint-delay@SECONDS", _checkpoint_delay),
     "prepare-pause": ("prepare-pause@SHARD[:UNTIL_FILE]", _prepare_pause),
+    "disk-full": ("disk-full@AREA:NAME", _disk_full),
 }
 
 
@@ -177,3 +190,9 @@ def in_shard(name: str) -> None:
     until = pause[1]
     while not (until and os.path.exists(until)):
         time.sleep(0.05)
+
+
+def disk_full(area: str, name: str) -> None:
+    """disk-full@: write `name` of `area` (checkpoint, prepare) fails here as on a full disk."""
+    if _active.disk_full == f"{area}:{name}":
+        raise OSError(errno.ENOSPC, f"No space left on device ({VARIABLE} disk-full@{area}:{name})")

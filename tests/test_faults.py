@@ -4,6 +4,7 @@ test_stop_messages, test_spike, test_parallel, test_data_folder, test_formats.)"
 
 from __future__ import annotations
 
+import errno
 import math
 
 import pytest
@@ -16,10 +17,12 @@ from andrea.errors import UserError
 
 def test_a_spec_with_every_kind_parses_into_its_faults():
     got = faults.parse("nan@7, sigint@3.1,spike@12-13x50,kill-rank@1:step-000004,"
-                       "checkpoint-delay@2.5,prepare-pause@train_000002.bin:/tmp/a:b")
+                       "checkpoint-delay@2.5,prepare-pause@train_000002.bin:/tmp/a:b,"
+                       "disk-full@checkpoint:step-000004")
     assert got == faults.Faults(
         nan_at_step=7, sigint_after=(3, 1), spike=(12, 13, 50.0), kill_rank=(1, "step-000004"),
-        checkpoint_delay=2.5, prepare_pause=("train_000002.bin", "/tmp/a:b"))
+        checkpoint_delay=2.5, prepare_pause=("train_000002.bin", "/tmp/a:b"),
+        disk_full="checkpoint:step-000004")
     assert faults.parse("spike@21").spike == (21, 21, 1.0)
     assert faults.parse("spike@118x1000").spike == (118, 118, 1000.0)
     assert faults.parse("prepare-pause@train_000003.bin").prepare_pause == (
@@ -36,6 +39,12 @@ def test_installed_faults_fire_only_where_asked(inject_faults):
     gx, gy = faults.garble(x, y, 256, 11)
     assert torch.equal(gx[:, 1:], gy[:, :-1]) and gx.shape == x.shape
     assert torch.equal(faults.garble(x, y, 256, 11)[0], gx)  # the same on every run
+    inject_faults("disk-full@prepare:train_000003.bin")
+    faults.disk_full("prepare", "train_000002.bin")
+    faults.disk_full("checkpoint", "train_000003.bin")
+    with pytest.raises(OSError) as err:
+        faults.disk_full("prepare", "train_000003.bin")
+    assert err.value.errno == errno.ENOSPC
 
 
 @pytest.mark.parametrize("spec", [None, "", " , "])
@@ -49,6 +58,7 @@ def test_unset_every_hook_does_nothing(inject_faults, spec):
     faults.after_shards_written(0, "step-000001")  # would SIGKILL it
     faults.after_model_file()
     faults.in_shard("train_000000.bin")  # would wait forever
+    faults.disk_full("checkpoint", "step-000001")  # would raise
 
 
 @pytest.mark.parametrize("item, says", [
@@ -60,6 +70,8 @@ def test_unset_every_hook_does_nothing(inject_faults, spec):
     ("kill-rank@1:4", "is not kill-rank@RANK:step-NNNNNN"),
     ("checkpoint-delay@soon", "is not checkpoint-delay@SECONDS"),
     ("prepare-pause@", "is not prepare-pause@SHARD[:UNTIL_FILE]"),
+    ("disk-full@step-000004", "is not disk-full@AREA:NAME"),
+    ("disk-full@checkpoint:", "is not disk-full@AREA:NAME"),
     ("nap@7", "unknown fault 'nap@7'; the kinds are nan@STEP, sigint@STEP.MICRO"),
     ("nan@7,nan@8", "nan is given twice"),
 ])
