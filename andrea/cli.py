@@ -8,26 +8,64 @@ from typing import Annotated
 
 import typer
 
+import andrea
 from andrea import faults
 from andrea.errors import UserError
 
+try:  # Typer >= 0.20 carries its own click; its parser errors derive from TyperException
+    from typer import TyperException as ParserError
+except ImportError:  # an older Typer on click
+    from click.exceptions import ClickException as ParserError
+
+# Plain (click-style) help: Typer's rich panels print a type placeholder even beside a flag
+# (`--overwrite <bool>`), which reads as if the flag took a value.
 app = typer.Typer(
     help="andrea: train, evaluate and sample ANDREA GPT-style language models.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
-config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
+config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(config_app, name="config")
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"andrea {andrea.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool | None,
+        typer.Option("--version", "-V", callback=_print_version, is_eager=True,
+                     help="Print andrea's version and exit."),
+    ] = None,
+) -> None:
+    pass
+
 ConfigOpt = Annotated[
-    str, typer.Option("--config", "-c", help="YAML config: a path, or a bundled preset name.")
+    str,
+    typer.Option("--config", "-c", metavar="FILE|PRESET",
+                 help="YAML config: a path, or a bundled preset name."),
 ]
 SetOpt = Annotated[
     list[str] | None,
-    typer.Option("--set", "-s", help="Override a key, e.g. --set train.lr=3e-4 (repeatable)."),
+    typer.Option("--set", "-s", metavar="KEY=VALUE",
+                 help="Override a key, e.g. --set train.lr=3e-4 (repeatable)."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
+ProgressOpt = Annotated[bool, typer.Option(help="Show the progress bar.")]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", metavar="auto|cpu|cuda", help="auto: a GPU if there is one.")
+]
+PrecisionOpt = Annotated[
+    str, typer.Option("--precision", metavar="auto|fp32|bf16",
+                      help="auto: bf16 where the hardware has fast bf16, else fp32.")
+]
 
 
 def _load(config: str, overrides: list[str] | None):
@@ -70,20 +108,24 @@ def count_params_cmd(config: ConfigOpt, set_: SetOpt = None, as_json: JsonOpt = 
 @app.command("train")
 def train_cmd(
     config: Annotated[
-        str | None, typer.Option("--config", "-c", help="YAML config: a path or a preset name.")
+        str | None,
+        typer.Option("--config", "-c", metavar="FILE|PRESET",
+                     help="YAML config: a path or a preset name."),
     ] = None,
     set_: SetOpt = None,
     resume: Annotated[
         str | None,
-        typer.Option("--resume", help="Continue runs/<name>, or 'auto': the config's run if any."),
+        typer.Option("--resume", metavar="RUN|auto",
+                     help="Continue runs/<name>, or 'auto': the config's run if any."),
     ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing run of the same name.")
     ] = False,
-    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    progress: ProgressOpt = True,
     stop_after: Annotated[
         int | None,
-        typer.Option("--stop-after", min=1, help="Run at most N steps now, checkpoint, stop."),
+        typer.Option("--stop-after", metavar="N",
+                     min=1, help="Run at most N steps now, checkpoint, stop."),
     ] = None,
 ) -> None:
     """Train a model (also under torchrun for several processes)."""
@@ -105,7 +147,8 @@ def train_cmd(
 
 @app.command("runs")
 def runs_cmd(
-    root: Annotated[str, typer.Argument(help="Folder of run directories.")] = "runs",
+    root: Annotated[str, typer.Argument(metavar="[DIR]",
+                                        help="Folder of run directories.")] = "runs",
     as_json: JsonOpt = False,
 ) -> None:
     """List runs: steps, tokens, best val loss, speed, state, latest checkpoint."""
@@ -117,9 +160,12 @@ def runs_cmd(
 
 @app.command("plot")
 def plot_cmd(
-    runs: Annotated[list[str], typer.Argument(help="Run directories (or names under runs/).")],
-    out: Annotated[str, typer.Option("--out", "-o", help="Image file: .png, .svg or .pdf.")],
-    x: Annotated[str, typer.Option("--x", help="Loss panel x axis: tokens or step.")] = "tokens",
+    runs: Annotated[list[str], typer.Argument(metavar="RUN...",
+                                              help="Run directories (or names under runs/).")],
+    out: Annotated[str, typer.Option("--out", "-o", metavar="FILE",
+                                      help="Image file: .png, .svg or .pdf.")],
+    x: Annotated[str, typer.Option("--x", metavar="tokens|step",
+                                   help="Loss panel x axis: tokens or step.")] = "tokens",
 ) -> None:
     """Plot loss, learning rate, tokens/s and gradient norm of one or more runs."""
     from andrea.plot import plot_runs
@@ -130,37 +176,47 @@ def plot_cmd(
 @app.command("prepare")
 def prepare_cmd(
     config: Annotated[
-        str | None, typer.Option("--config", "-c", help="Use this config's data section.")
+        str | None,
+        typer.Option("--config", "-c", metavar="FILE|PRESET",
+                     help="Use this config's data section."),
     ] = None,
     set_: SetOpt = None,
     input: Annotated[
         str | None,
-        typer.Option("--input", "-i", help="A file, directory, glob or datasets folder: text, "
+        typer.Option("--input", "-i", metavar="PATH",
+                     help="A file, directory, glob or datasets folder: text, "
                      "JSON Lines, Parquet (+.gz/.zst)."),
     ] = None,
     tokenizer: Annotated[
-        str | None, typer.Option("--tokenizer", "-t", help="gpt2, bpe (default) or byte.")
+        str | None, typer.Option("--tokenizer", "-t", metavar="NAME",
+                                 help="gpt2, bpe (default) or byte.")
     ] = None,
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Shard folder.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", metavar="DIR",
+                                            help="Shard folder.")] = None,
     vocab_size: Annotated[
-        int | None, typer.Option("--vocab-size", help="BPE ids incl. end-of-text (4096).")
+        int | None, typer.Option("--vocab-size", metavar="N",
+                                 help="BPE ids incl. end-of-text (4096).")
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Redo even if up to date.")] = False,
     errors: Annotated[
         str | None,
-        typer.Option("--errors", help="Invalid UTF-8 or a record without text: strict (fail) "
+        typer.Option("--errors", metavar="strict|replace",
+                     help="Invalid UTF-8 or a record without text: strict (fail) "
                      "or replace (U+FFFD; skip and count the record)."),
     ] = None,
     workers: Annotated[
-        int | None, typer.Option("--workers", help="Encoding processes (0: automatic).")
+        int | None, typer.Option("--workers", metavar="N",
+                                 help="Encoding processes (0: automatic).")
     ] = None,
     tokenizer_file: Annotated[
         str | None,
-        typer.Option("--tokenizer-file", help="Use this BPE tokenizer.json instead of training."),
+        typer.Option("--tokenizer-file", metavar="FILE",
+                     help="Use this BPE tokenizer.json instead of training."),
     ] = None,
     text_field: Annotated[
-        str | None, typer.Option("--text-field", help="JSON field / Parquet column (text); "
-                                   "doc.body for a nested one.")
+        str | None, typer.Option("--text-field", metavar="FIELD",
+                                 help="JSON field / Parquet column (text); "
+                                 "doc.body for a nested one.")
     ] = None,
 ) -> None:
     """Tokenize text into shards (the embedded Shakespeare corpus by default)."""
@@ -175,8 +231,8 @@ def prepare_cmd(
 CheckpointOpt = Annotated[
     str | None,
     typer.Option(
-        "--checkpoint", help="runs/<name> (its latest) or runs/<name>/step-N; default: the "
-        "most recent run under ./runs.",
+        "--checkpoint", metavar="RUN|STEP_DIR", help="runs/<name> (its latest) or "
+        "runs/<name>/step-N; default: the most recent run under ./runs.",
     ),
 ]
 
@@ -184,60 +240,63 @@ CheckpointOpt = Annotated[
 @app.command("eval")
 def eval_cmd(
     files: Annotated[
-        list[str] | None, typer.Argument(help="Task files, one per --task, in order.")
+        list[str] | None, typer.Argument(metavar="[FILE]...",
+                                         help="Task files, one per --task, in order.")
     ] = None,
     checkpoint: Annotated[
         list[str] | None,
-        typer.Option("--checkpoint", help="runs/<name> (its latest) or runs/<name>/step-N "
+        typer.Option("--checkpoint", metavar="RUN|STEP_DIR",
+                     help="runs/<name> (its latest) or runs/<name>/step-N "
                      "(repeatable: one row each); default: the most recent run under ./runs."),
     ] = None,
     all_steps: Annotated[
         bool, typer.Option("--all-steps", help="Every step-N folder of each --checkpoint run.")
     ] = False,
     data: Annotated[
-        str | None, typer.Option("--data", help="Prepared shard folder (default: the run's).")
+        str | None, typer.Option("--data", metavar="DIR",
+                                 help="Prepared shard folder (default: the run's).")
     ] = None,
-    split: Annotated[str, typer.Option("--split", help="val or train.")] = "val",
+    split: Annotated[str, typer.Option("--split", metavar="val|train", help="The split.")] = "val",
     max_tokens: Annotated[
         int | None,
-        typer.Option("--max-tokens", help="N tokens spread over the split (per source), as "
+        typer.Option("--max-tokens", metavar="N",
+                     help="N tokens spread over the split (per source), as "
                      "train.eval_tokens=N; default: all."),
     ] = None,
     source: Annotated[
-        str | None, typer.Option("--source", help="Only this mixture source (its path).")
+        str | None, typer.Option("--source", metavar="NAME",
+                                 help="Only this mixture source (its path).")
     ] = None,
     task: Annotated[
         list[str] | None,
-        typer.Option("--task", help="hellaswag, choice, lambada or arc, scored on the FILE in the "
+        typer.Option("--task", metavar="KIND",
+                     help="hellaswag, choice, lambada or arc, scored on the FILE in the "
                      "same place (repeatable)."),
     ] = None,
     limit: Annotated[
-        int | None, typer.Option("--limit", help="At most N examples per task.")
+        int | None, typer.Option("--limit", metavar="N", help="At most N examples per task.")
     ] = None,
     val: Annotated[
         bool | None,
         typer.Option("--val/--no-val", help="The val loss (default: on unless --task)."),
     ] = None,
-    precision: Annotated[str, typer.Option("--precision", help="auto, fp32 or bf16.")] = "auto",
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    precision: PrecisionOpt = "auto",
+    device: DeviceOpt = "auto",
     batch_size: Annotated[
-        int, typer.Option("--batch-size", help="Windows (task sequences) per batch.")
+        int, typer.Option("--batch-size", metavar="N", help="Windows (task sequences) per batch.")
     ] = 8,
-    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    progress: ProgressOpt = True,
     as_json: JsonOpt = False,
 ) -> None:
     """Val loss, perplexity and bits per byte (per mixture source) and downstream tasks of
     one or more checkpoints; one table row per checkpoint."""
-    from andrea.evaluate import EvalSettings, evaluate_checkpoints, format_results
+    from andrea.evaluate import EvalSettings, evaluate_checkpoints, format_results, task_pairs
 
-    task, files = task or [], files or []
-    if len(task) != len(files):
-        raise UserError(f"--task: {len(task)} task(s) but {len(files)} file(s); give one file "
-                        "per --task, e.g. andrea eval --task hellaswag hellaswag_val.jsonl")
+    tasks = task_pairs(task, files)
     settings = EvalSettings(data, max_tokens, precision, device, batch_size, progress, split,
-                            source, val=not task if val is None else val)
-    results = evaluate_checkpoints(checkpoint or [], settings, all_steps=all_steps,
-                                   tasks=list(zip(task, files, strict=True)), limit=limit)
+                            source, val=not tasks if val is None else val)
+    results = evaluate_checkpoints(checkpoint or [], settings, all_steps=all_steps, tasks=tasks,
+                                   limit=limit)
     typer.echo(format_results(results, as_json))
 
 
@@ -246,26 +305,42 @@ def generate_cmd(
     checkpoint: CheckpointOpt = None,
     prompt: Annotated[
         str | None,
-        typer.Option("--prompt", "-p", help="Text to continue. None or empty: a new document "
-                     "(unconditional, from the end-of-text token)."),
+        typer.Option("--prompt", "-p", metavar="TEXT", help="Text to continue. None or empty: a "
+                     "new document (unconditional, from the end-of-text token)."),
     ] = None,
     prompt_ids: Annotated[
         str | None,
-        typer.Option("--prompt-ids", help="Token ids instead, e.g. '464,3290'; empty as "
-                     "--prompt \"\"."),
+        typer.Option("--prompt-ids", metavar="IDS", help="Token ids instead, e.g. '464,3290'; "
+                     "empty as --prompt \"\"."),
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 200,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0: greedy.")] = 0.8,
-    top_k: Annotated[int | None, typer.Option("--top-k")] = 200,
-    top_p: Annotated[float | None, typer.Option("--top-p", help="Nucleus, in (0, 1].")] = None,
-    seed: Annotated[int | None, typer.Option("--seed")] = None,
-    num_samples: Annotated[int, typer.Option("--num-samples")] = 1,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", metavar="N",
+                          help="Tokens to add after the prompt (fewer if end-of-text stops it).")
+    ] = 200,
+    temperature: Annotated[
+        float, typer.Option("--temperature", "-t", metavar="T", help="0: greedy.")
+    ] = 0.8,
+    top_k: Annotated[
+        int | None, typer.Option("--top-k", metavar="K", help="Sample among the K likeliest.")
+    ] = 200,
+    top_p: Annotated[
+        float | None, typer.Option("--top-p", metavar="P", help="Nucleus, in (0, 1].")
+    ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option("--seed", metavar="N", help="Repeat a sampling exactly (on any device); "
+                     "default: random."),
+    ] = None,
+    num_samples: Annotated[
+        int, typer.Option("--num-samples", metavar="N",
+                          help="Samples of the same prompt, separated by '---'.")
+    ] = 1,
     stop_at_eot: Annotated[
         bool, typer.Option("--stop-at-eot/--no-stop-at-eot", help="Stop at end-of-text.")
     ] = True,
     cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Key/value cache.")] = True,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
-    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or auto.")] = "fp32",
+    device: DeviceOpt = "auto",
+    precision: PrecisionOpt = "fp32",
 ) -> None:
     """Sample text from a checkpoint, streamed to stdout."""
     from andrea.generate import generate_command
@@ -276,7 +351,8 @@ def generate_cmd(
     )
 
 
-FormatOpt = Annotated[str, typer.Option("--format", help="hf: a transformers GPT-2 directory.")]
+FormatOpt = Annotated[str, typer.Option("--format", metavar="hf",
+                                        help="hf: a transformers GPT-2 directory.")]
 
 
 def _check_format(fmt: str) -> None:
@@ -286,7 +362,7 @@ def _check_format(fmt: str) -> None:
 
 @app.command("export")
 def export_cmd(
-    out: Annotated[str, typer.Option("--out", "-o", help="Directory to write.")],
+    out: Annotated[str, typer.Option("--out", "-o", metavar="DIR", help="Directory to write.")],
     checkpoint: CheckpointOpt = None,
     fmt: FormatOpt = "hf",
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
@@ -300,10 +376,11 @@ def export_cmd(
 
 @app.command("import")
 def import_cmd(
-    src: Annotated[str, typer.Argument(help="A transformers GPT-2 directory.")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="A transformers GPT-2 directory.")],
     fmt: FormatOpt = "hf",
     out: Annotated[
-        str | None, typer.Option("--out", "-o", help="Run directory (default runs/<SRC name>).")
+        str | None, typer.Option("--out", "-o", metavar="DIR",
+                                     help="Run directory (default runs/<SRC name>).")
     ] = None,
     set_: SetOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
@@ -322,33 +399,39 @@ def bench_cmd(
     quick: Annotated[
         bool, typer.Option("--quick", help="Small sizes, bf16 only: about a minute on a CPU.")
     ] = False,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    device: DeviceOpt = "auto",
     backend: Annotated[
         list[str] | None,
-        typer.Option("--backend", help="cuda, cuda_naive, sdpa, sdpa_flash or math (repeatable; "
+        typer.Option("--backend", metavar="NAME",
+                     help="cuda, cuda_naive, sdpa, sdpa_flash or math (repeatable; "
                      "default all that run here)."),
     ] = None,
     dtype: Annotated[
-        list[str] | None, typer.Option("--dtype", help="bf16 or fp32 (repeatable; default both).")
+        list[str] | None, typer.Option("--dtype", metavar="bf16|fp32",
+                                       help="bf16 or fp32 (repeatable; default both).")
     ] = None,
     shape: Annotated[
         list[str] | None,
-        typer.Option("--shape", help="gpt2 (8,12,1024,64) or andrea-12m (8,12,256,32)."),
+        typer.Option("--shape", metavar="NAME",
+                     help="gpt2 (8,12,1024,64) or andrea-12m (8,12,256,32)."),
     ] = None,
     batch: Annotated[
-        int | None, typer.Option("--batch", help="Override B of the attention shapes.")
+        int | None, typer.Option("--batch", metavar="B", help="Override B of the attention shapes.")
     ] = None,
     repeats: Annotated[
-        int, typer.Option("--repeats", help="Timings (median), each of calls back to back for "
+        int, typer.Option("--repeats", metavar="N",
+                          help="Timings (median), each of calls back to back for "
                           "at least 20 ms (at most 50 calls).")
     ] = 10,
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed calls first.")] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", metavar="N", help="Untimed calls first.")] = 3,
     preset: Annotated[
         str | None,
-        typer.Option("--preset", help="Training benchmark preset (default andrea-120m on a GPU, "
+        typer.Option("--preset", metavar="NAME",
+                     help="Training benchmark preset (default andrea-120m on a GPU, "
                      "andrea-12m on a CPU)."),
     ] = None,
-    train_steps: Annotated[int, typer.Option("--train-steps", help="Timed training steps.")] = 10,
+    train_steps: Annotated[int, typer.Option("--train-steps", metavar="N",
+                                             help="Timed training steps.")] = 10,
     set_: SetOpt = None,
     train: Annotated[
         bool, typer.Option("--train/--no-train", help="Run the training-step benchmark.")
@@ -366,13 +449,33 @@ def bench_cmd(
     typer.echo(result.to_json() if as_json else format_table(result))
 
 
-def main() -> None:
-    """Entry point: bad input becomes one line on stderr and exit code 2, never a traceback."""
+def _parser_error_line(exc: Exception) -> str:
+    """A parser error (unknown option, bad value, missing argument) as one line, with the command
+    whose help lists what it accepts."""
+    message = " ".join(exc.format_message().split())  # type: ignore[attr-defined]
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    return f"error: {message}{hint}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: bad input, ours or the parser's, becomes one line on stderr and exit code 2,
+    never a traceback."""
     try:
         faults.install_from_environment()
-        app()
+        code = app(args=argv, prog_name="andrea", standalone_mode=False)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except ParserError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare `andrea config`: its help
+            typer.echo(exc.format_message(), err=True)
+        else:
+            typer.echo(_parser_error_line(exc), err=True)
+        sys.exit(UserError.exit_code)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -215,6 +215,15 @@ def checkpoints_to_evaluate(
     return found
 
 
+def task_pairs(kinds: list[str] | None, files: list[str] | None) -> list[tuple[str, str]]:
+    """`--task KIND` (repeatable) paired in order with the FILE arguments; the counts must agree."""
+    kinds, files = kinds or [], files or []
+    if len(kinds) != len(files):
+        raise UserError(f"--task: {len(kinds)} task(s) but {len(files)} file(s); give one file "
+                        "per --task, e.g. andrea eval --task hellaswag hellaswag_val.jsonl")
+    return list(zip(kinds, files, strict=True))
+
+
 def evaluate_checkpoints(
     checkpoints: list[str],
     settings: EvalSettings,

@@ -1,0 +1,80 @@
+"""The conventions users bring to a command line: `--version`/`-V`, `-h` as `--help` on every
+command, every option described and no value placeholder beside a flag, and every error, the
+parser's own included, as one line on stderr with exit code 2. In-process (cheap) except one real
+process for the exit code and stderr as a shell sees them."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from conftest import assert_user_error, run_andrea
+from typer.testing import CliRunner
+
+import andrea
+from andrea.cli import app, main
+
+
+def all_commands() -> list[tuple[list[str], object]]:
+    """(path, command) for the app, every command and every sub-command."""
+    found, todo = [], [([], typer.main.get_command(app))]
+    while todo:
+        path, cmd = todo.pop()
+        found.append((path, cmd))
+        for name, sub in getattr(cmd, "commands", {}).items():
+            todo.append(([*path, name], sub))
+    return found
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """`andrea ARGV` through the real entry point, in this process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    out = capsys.readouterr()
+    return exited.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(capsys, flag):
+    assert run_main(capsys, flag) == (0, f"andrea {andrea.__version__}\n", "")
+
+
+def test_every_command_takes_h_and_describes_every_option():
+    commands = all_commands()
+    assert len(commands) > 12  # the app, its verbs, config and its sub-commands
+    runner = CliRunner()
+    for path, cmd in commands:
+        shown = runner.invoke(app, [*path, "-h"])
+        assert shown.exit_code == 0 and "Usage: " in shown.output, (path, shown.output)
+        ctx = typer.Context(cmd, info_name=" ".join(["andrea", *path]))
+        for param in cmd.get_params(ctx):
+            where = (path, param.name)
+            assert (param.help or "").strip(), f"{where}: an option without a description"
+            if param.param_type_name != "option":
+                continue
+            names = param.get_help_record(ctx)[0]
+            # No type placeholder (<str>, <list[str]>): each value option names its value.
+            assert "<" not in names, where
+            if param.is_flag:  # only its spellings: "-V, --version", "--val / --no-val"
+                words = names.replace(",", " ").replace(";", " ").replace(" / ", " ").split()
+                assert all(w.startswith("-") for w in words), (where, names)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["train", "--stop-after", "0"], "'--stop-after'"),
+    (["train", "--bogus"], "--bogus"),
+    (["plot"], "Missing argument"),
+    (["eval", "--split"], "--split"),
+    (["generate", "--seed", "x"], "--seed"),
+    (["config", "nope"], "nope"),
+    (["count-params"], "--config"),
+])
+def test_parser_errors_are_one_line(capsys, argv, fragment):
+    code, out, err = run_main(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, (argv, err)
+    assert lines[0].startswith("error: ") and fragment in lines[0], (argv, err)
+
+
+def test_a_parser_error_in_a_real_process_is_one_line_exit_2():
+    line = assert_user_error(run_andrea("train", "--stop-after", "0"), "--stop-after")
+    assert "andrea train --help" in line
