@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
 
 
@@ -36,3 +38,30 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+# A full disk and an exhausted quota look alike to whoever writes: no byte more fits.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for the OSError of a write that found no space (a full disk, an exhausted quota)."""
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an ordinary user may still write on the filesystem that holds `path` (or will hold
+    it: its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def size_text(n: float) -> str:
+    """A byte count for a message, in powers of 1024 as `df -h` counts: 512 B, 80.0 MiB."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    step = 0
+    while abs(n) >= 1024 and step < len(units) - 1:
+        n, step = n / 1024, step + 1
+    return f"{n:.0f} B" if step == 0 else f"{n:.1f} {units[step]}"

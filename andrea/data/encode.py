@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ def init_worker(kind: str, data_dir: str | None, in_pool: bool = True) -> None:
     global _worker_tokenizer
     if in_pool:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+        # Ctrl-C at a terminal reaches the whole process group: the main process alone stops
+        # the prepare, and ends the pool (SIGTERM, which kills a worker without a word).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer = load_tokenizer(kind, Path(data_dir) if data_dir else None)
 
 

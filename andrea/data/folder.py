@@ -142,6 +142,21 @@ def remove_unlisted(out: Path, keep: set[str]) -> None:
             p.unlink()
 
 
+def keep_complete(out: Path) -> tuple[int, int, int]:
+    """After a prepare stopped short (a signal, a full disk, a failure): keep the complete
+    shards its records list, remove partial and unlisted files; with nothing complete, clear
+    the folder. Returns (shards kept, their tokens, their bytes)."""
+    kept = [e for r in records(out) for s in SPLITS for e in (r.get("shards") or {}).get(s) or []
+            if isinstance(e, dict) and isinstance(e.get("file"), str)]
+    remove_unlisted(out, {Path(e["file"]).name for e in kept})
+    if not kept:
+        clear(out)
+        return 0, 0, 0
+    size = sum(p.stat().st_size for p in (out / Path(e["file"]).name for e in kept)
+               if p.is_file())
+    return len(kept), sum(int(e.get("tokens", 0)) for e in kept), size
+
+
 # ----------------------------------------------------------------------------- lock
 
 

@@ -41,16 +41,24 @@ from andrea.data.folder import (
     FolderLock,
     check_owned,
     clear,
+    keep_complete,
     owned_files,
-    records,
     remove_unlisted,
 )
 from andrea.data.request import check_same_request, is_current, request_settings
 from andrea.data.shards import MANIFEST, read_manifest
+from andrea.data.stops import (
+    disk_full_error,
+    estimate_bytes,
+    kept_words,
+    stop_on_signals,
+    stopped_line,
+    warn_if_short,
+)
 from andrea.data.tokenizer import BPE_FILE, FIXED_VOCAB, KINDS, read_tokenizer_file
 from andrea.data.writer import mark_started, resume_point, write_shards
 from andrea.errors import UserError
-from andrea.fileio import atomic_write_text
+from andrea.fileio import atomic_write_text, is_disk_full
 
 if TYPE_CHECKING:
     from andrea.config import Config
@@ -131,7 +139,7 @@ def prepare_inputs(
         workers or auto_workers(total), total, Settings(val_fraction, text_field, errors),
         settings, blob)
     _prepare_locked(out, settings, force, blob, verbose, announce, write, tokenizer_file,
-                    text_field)
+                    text_field, estimate_bytes(docs, tokenizer, vocab_size))
     return out
 
 
@@ -155,11 +163,12 @@ def _given_tokenizer(
 def _prepare_locked(
     out: Path, settings: dict[str, Any], force: bool, blob: bytes | None, verbose: bool,
     announce: str | None, write: Callable[[dict[str, Any] | None, bool], dict[str, Any]],
-    tokenizer_file: str, text_field: str,
+    tokenizer_file: str, text_field: str, estimate: int,
 ) -> None:
     """Holding the folder's lock: use what another process prepared meanwhile, or write the
-    shards (`write(resume point, verbose)`) and the manifest. On Ctrl-C complete shards stay
-    (and the folder with them); on any other failure the folder is cleared."""
+    shards (`write(resume point, verbose)`, `estimate` bytes in all) and the manifest. Stopped
+    short by anything (Ctrl-C, SIGTERM, a full disk, bad input), the complete shards stay, and
+    the folder with them (`_stopped`)."""
     lock = FolderLock(out).acquire(say=lambda line: print(line, flush=True))
     failed = True
     try:
@@ -169,18 +178,29 @@ def _prepare_locked(
         else:
             check_owned(out)
             resume = _start(out, settings, force, blob, verbose, announce)
+            done = _written_bytes(out, resume)
+            warn_if_short(out, estimate - done, settings["tokenizer_request"]["kind"],
+                          resuming=resume is not None)
             try:
                 result = write(resume, verbose)
-            except KeyboardInterrupt:
-                failed = not _interrupted(out)
-                raise
-            except BaseException:
-                clear(out)  # nothing half-written is left looking valid
+            except BaseException as exc:
+                count, tokens, size = keep_complete(out)
+                failed = count == 0
+                as_line = _stop_message(out, exc, count, tokens, max(0, estimate - size))
+                if as_line is not None:
+                    raise as_line from None
                 raise
             _finish(out, {**settings, **result}, tokenizer_file, text_field, verbose)
         failed = False
     finally:
         lock.release(remove_created=failed)
+
+
+def _written_bytes(out: Path, resume: dict[str, Any] | None) -> int:
+    """The bytes of the complete shards a resumed prepare continues after."""
+    if resume is None:
+        return 0
+    return sum((out / e["file"]).stat().st_size for s in SPLITS for e in resume["shards"][s])
 
 
 def _start(
@@ -213,18 +233,22 @@ def _start(
     return None
 
 
-def _interrupted(out: Path) -> bool:
-    """After Ctrl-C: drop partial files, say what stays; True when complete shards stay."""
-    kept = [e for r in records(out) for s in SPLITS for e in (r.get("shards") or {}).get(s) or []]
-    remove_unlisted(out, {e.get("file") for e in kept})
-    if not kept:
-        clear(out)
-        print(f"interrupted: {out} had no complete shard yet; nothing kept", file=sys.stderr)
-        return False
-    tokens = sum(e.get("tokens", 0) for e in kept)
-    print(f"interrupted: {out} keeps {len(kept)} complete shards ({tokens:,} tokens); run the "
-          "same command again to continue from there", file=sys.stderr, flush=True)
-    return True
+def _stop_message(
+    out: Path, exc: BaseException, count: int, tokens: int, rest: int
+) -> UserError | None:
+    """What the user reads when the writing stopped short, `count` complete shards kept: a
+    signal's one line (printed here), a full disk's (the UserError returned, to raise in place
+    of the OSError); bad input keeps its own line; a crash gets what was kept above its
+    traceback."""
+    if isinstance(exc, KeyboardInterrupt):
+        print(stopped_line(exc, out, count, tokens), file=sys.stderr, flush=True)
+    elif is_disk_full(exc):
+        assert isinstance(exc, OSError)
+        return disk_full_error(exc, out, count, tokens, rest)
+    elif count and not isinstance(exc, UserError):
+        print(f"{kept_words(out, count, tokens)}; once the error below is fixed, the same "
+              "command continues from there", file=sys.stderr, flush=True)
+    return None
 
 
 def _finish(
@@ -379,6 +403,7 @@ def source_words(cfg: Config) -> str:
     return "the embedded Shakespeare corpus" if source == SHAKESPEARE else source
 
 
+@stop_on_signals()  # SIGTERM stops it as Ctrl-C does: the complete shards kept, one line
 def prepare_command(
     config: str | None = None,
     overrides: list[str] | None = None,

@@ -132,8 +132,12 @@ class ShardWriter:
         return ShardInfo(self.path, self.count, self.dtype, self.identity)
 
     def abort(self) -> None:
-        self._f.close()
-        self.tmp.unlink(missing_ok=True)
+        try:
+            self._f.close()
+        except OSError:
+            pass  # its buffer did not fit on a full disk: the partial file goes all the same
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
 def read_manifest(data_dir: Path) -> dict[str, Any]:

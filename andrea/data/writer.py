@@ -95,6 +95,7 @@ class ShardStream:
             self.index = resume["job"]
             self.tally = {k: resume.get(k, 0) for k in self.tally}
         self.consumed = {s: 0 for s in SPLITS}
+        self.writing: Path | None = None  # the file being written, for a full disk's message
 
     def close_open(self) -> None:
         for s in SPLITS:
@@ -107,6 +108,7 @@ class ShardStream:
         self.close_open()
         record = {**self.progress, "shards": self.written, "job": self.index,
                   "drop": dict(self.consumed), **self.tally}
+        self.writing = self.out / PROGRESS
         atomic_write_text(self.out / PROGRESS, json.dumps(record))
 
     def emit(self, split: str, tokens: np.ndarray) -> None:
@@ -117,6 +119,8 @@ class ShardStream:
                 w = self.writers[split] = shards.ShardWriter(self.out / name, self.dtype,
                                                              self.tok.identity)
             room = self.shard_tokens - w.count
+            self.writing = w.path
+            faults.disk_full("prepare", w.path.name)
             w.write(tokens[:room])
             self.consumed[split] += min(room, len(tokens))
             tokens = tokens[room:]
@@ -175,11 +179,10 @@ def write_shards(
               f"({n:,} tokens), from input job {start_job}", flush=True)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                desc=f"prepare {out.name}", disable=None, smoothing=0.1)
+    jobs = all_jobs(docs, settings.val_fraction, settings.text_field, start_job, scratch)
+    encoded = encode_all(jobs, settings, tok, out, dtype.str, workers)
     try:
-        jobs = all_jobs(docs, settings.val_fraction, settings.text_field, start_job, scratch)
-        for number, (job, result) in enumerate(
-            encode_all(jobs, settings, tok, out, dtype.str, workers)
-        ):
+        for number, (job, result) in enumerate(encoded):
             bar.update(job.nbytes)
             if result is None:  # before the resume point
                 continue
@@ -193,7 +196,12 @@ def write_shards(
             stream.tally["skipped_records"] += job_tally.skipped
             stream.tally["replaced_bytes"] += job_tally.replaced
         stream.close_open()
+    except OSError as exc:
+        if exc.filename is None and stream.writing is not None:  # a write(), not an open()
+            exc.filename = str(stream.writing)
+        raise
     finally:
+        encoded.close()  # the worker pool ends here, not when the traceback is freed
         bar.close()
         stream.abort()
     return stream.manifest_part(kind, settings.val_fraction)
