@@ -17,6 +17,9 @@ from typing import Any
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes
 from andrea.runs import current_history, read_metrics, read_run, val_sources
+from andrea.train.flops import format_mfu
+from andrea.train.metrics import recorded_speed
+from andrea.train.progress import format_speed
 from andrea.train.rundir import CONFIG, METRICS, run_path
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
@@ -209,6 +212,10 @@ def _draw_run(
         losses += sy
     ax_lr.plot(*_series(history, "train", "step", "lr"), color=color, lw=1.4)
     ax_speed.plot(*_series(history, "train", "step", "tokens_per_s"), color=color, lw=1.4)
+    speed, mfu = recorded_speed(history)  # the run's figure, as the bar and `andrea runs` say
+    if speed is not None:
+        ax_speed.axhline(speed, color=color, ls="--", lw=1.0,
+                         label=f"{label}: {format_speed(speed)} tok/s, MFU {format_mfu(mfu)}")
     gx, gy = _series(history, "train", "step", "grad_norm")
     ax_grad.plot(gx, gy, color=color, lw=1.0)
     return losses, gy
@@ -235,7 +242,10 @@ def _label_axes(axes: Any, x: str, losses: list[float], grads: list[float]) -> N
                 xlabel=x_label,
                 ylabel="cross-entropy (nats / token)")
     ax_lr.set(title="Learning rate", xlabel="optimizer step", ylabel="learning rate")
-    ax_speed.set(title="Throughput", xlabel="optimizer step", ylabel="tokens / s")
+    ax_speed.set(title="Throughput (solid: each logged step; dashed: the run's tokens/s)",
+                 xlabel="optimizer step", ylabel="tokens / s")
+    if ax_speed.get_legend_handles_labels()[0]:
+        ax_speed.legend(fontsize="small")
     ax_grad.set(title="Gradient norm", xlabel="optimizer step", ylabel="global L2 norm")
     if x == "tokens":
         ax_loss.xaxis.set_major_formatter(EngFormatter())

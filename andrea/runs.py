@@ -22,6 +22,9 @@ from typing import Any
 import yaml
 
 from andrea.errors import UserError
+from andrea.train.flops import format_mfu
+from andrea.train.metrics import recorded_speed
+from andrea.train.progress import format_speed
 from andrea.train.rundir import (
     CONFIG,
     LATEST,
@@ -65,6 +68,9 @@ class RunSummary:
     last_val_step: int | None = None
     last_val_sources: dict[str, float] | None = None
     last_train_loss: float | None = None
+    # The run's (train.metrics.recorded_speed); the median of logged steps for older runs.
+    tokens_per_s: float | None = None
+    mfu: float | None = None
     median_tokens_per_s: float | None = None
     # One of STATES, or "unknown" when the files do not say (see problems).
     state: str = "unknown"
@@ -292,6 +298,7 @@ def _read_history(run: Path) -> RunSummary:
     history = current_history(records)
     _read_progress(history, summary)
     _read_losses(history, summary)
+    summary.tokens_per_s, summary.mfu = recorded_speed(records)
     # The state comes from the current segment: the events after the last start.
     _read_state(records[starts[-1]:] if starts else records, bool(starts), summary)
     return summary
@@ -456,10 +463,11 @@ def _row(r: RunSummary) -> list[str]:
     if r.problems:
         state += " !"
     return [r.name, r.model, steps, _si(r.tokens), best, _loss(r.last_train_loss),
-            _si(r.median_tokens_per_s), state, r.latest_checkpoint or "-"]
+            format_speed(r.tokens_per_s if r.tokens_per_s is not None else r.median_tokens_per_s),
+            format_mfu(r.mfu), state, r.latest_checkpoint or "-"]
 
 
-HEADER = ["RUN", "MODEL", "STEPS", "TOKENS", "BEST VAL", "LAST LOSS", "TOK/S", "STATE",
+HEADER = ["RUN", "MODEL", "STEPS", "TOKENS", "BEST VAL", "LAST LOSS", "TOK/S", "MFU", "STATE",
           "CHECKPOINT"]
 
 

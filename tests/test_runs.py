@@ -1,5 +1,5 @@
 """`andrea runs`: summaries of fabricated run directories in every state, damaged ones included.
-Also the optional TensorBoard sink (andrea/train/tensorboard.py)."""
+Also the optional TensorBoard sink (andrea/train/tensorboard.py) and the run's one tokens/s."""
 
 from __future__ import annotations
 
@@ -121,6 +121,7 @@ def test_ended_runs(tmp_path, state, signal, last):
     assert r.last_train_loss == pytest.approx(5.0 - last / 100)
     speeds = [1000.0 + s for s in range(10, last + 1, 10)]
     assert r.median_tokens_per_s == pytest.approx(statistics.median(speeds))
+    assert r.tokens_per_s is None and r.mfu is None  # older records: no run figure to show
     if last >= 50:
         assert (r.best_val_loss, r.best_val_step) == (pytest.approx(3.0), 50)
     else:
@@ -349,3 +350,35 @@ def test_a_bare_name_is_the_run_not_an_export_folder_of_that_name(tmp_path, monk
     (tmp_path / "other").mkdir()
     assert run_path("other") == Path("other")  # neither is a run: the path as given
     assert run_path("missing") == Path("missing")
+
+
+def test_one_tokens_per_s_in_the_bar_the_end_record_and_runs(tmp_path, data_dir, capsys):
+    """A real run with evaluations and checkpoints: the bar's last rate, the end record, and
+    `andrea runs` give one figure, the steps' tokens over the steps' wall time."""
+    from tqdm import tqdm
+
+    from andrea.runs import format_json, format_table
+    from andrea.train.loop import train
+
+    cfg = load_config("andrea-tiny", [
+        f"data.dir={data_dir}", f"train.runs_dir={tmp_path}", "train.name=s",
+        "train.max_steps=4", "train.log_every=1", "train.eval_every=2",
+        "train.checkpoint_every=2"])
+    assert train(cfg, progress=True).state == "finished"
+    records, _ = read_metrics(tmp_path / "s" / "metrics.jsonl")
+    end, trains = records[-1], [r for r in records if r["event"] == "train"]
+    assert end["event"] == "end" and len(trains) == 4
+    # The definition, from the records alone: each step's tokens over its seconds, summed.
+    seconds = sum(512 / r["tokens_per_s"] for r in trains)
+    assert end["train_tokens"] == 4 * 512 and end["train_seconds"] == trains[-1]["train_seconds"]
+    assert end["train_seconds"] == pytest.approx(seconds, rel=1e-3)
+    assert end["tokens_per_s"] == round(4 * 512 / end["train_seconds"], 1)
+    # Evaluations and checkpoints are not in it: the run took longer than its steps.
+    assert end["train_seconds"] < end["time"] - records[0]["time"]
+    shown = tqdm.format_sizeof(end["tokens_per_s"])
+    last_bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert f", {shown}tok/s, step 4/4" in last_bar and "mfu n/a" in last_bar, last_bar
+    listed = json.loads(format_json(list_runs(tmp_path)))[0]
+    assert (listed["tokens_per_s"], listed["mfu"]) == (end["tokens_per_s"], end["mfu"])
+    header, row = format_table(list_runs(tmp_path)).splitlines()[:2]
+    assert row[header.index("TOK/S"):].split()[:2] == [shown, "n/a"]

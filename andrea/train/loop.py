@@ -181,7 +181,7 @@ def failures_recorded(s: Session) -> Iterator[None]:
         raise
 
 
-def progress_bar(s: Session, enabled: bool) -> tqdm:
+def progress_bar(s: Session, enabled: bool) -> RunBar:
     """Counts tokens, advanced per micro-batch: rate and ETA for the whole run at once."""
     return RunBar(
         total=s.tokens_through(s.cfg.train.max_steps), initial=s.tokens_through(s.step),
@@ -323,13 +323,18 @@ def roll_back(s: Session) -> None:
 
 
 def log_step(
-    s: Session, lr: float, loss: float, grad_norm: float, seconds: float, bar: tqdm
+    s: Session, lr: float, loss: float, grad_norm: float, seconds: float, bar: RunBar
 ) -> None:
+    """The step's train record (every log_every steps) and the bar's state. A record's
+    tokens_per_s and mfu are the step's own; the run's figure is train_tokens / train_seconds,
+    the same the bar shows (train.metrics.Throughput)."""
     t = s.cfg.train
     if s.device.type == "cuda":
         torch.cuda.synchronize(s.device)
-    tok_s = s.tokens_at(s.step - 1) / seconds
+    step_tokens = s.tokens_at(s.step - 1)
+    tok_s = step_tokens / seconds
     s.throughput.append(tok_s)
+    s.speed.add(step_tokens, seconds)
     if len(s.throughput) == 3 and s.dist.is_main:  # the first steps warm up; then say it once
         note = long_run_note(s.tokens_through(t.max_steps) - s.tokens_through(s.step),
                              statistics.median(s.throughput), s.device.type, s.preset)
@@ -340,12 +345,22 @@ def log_step(
         s.log.write(
             "train", step=s.step, tokens=s.tokens_seen, loss=loss, lr=lr,
             grad_norm=grad_norm, tokens_per_s=round(tok_s, 1),
-            mfu=None if step_mfu is None else round(step_mfu, 4),
+            mfu=None if step_mfu is None else round(step_mfu, 4), **s.speed.fields(),
         )
+    run_tok_s = s.speed.tokens_per_s
+    bar.set_rate(run_tok_s)
     bar.set_postfix_str(
-        f"step {s.step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} mfu {format_mfu(step_mfu)}",
+        f"step {s.step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} "
+        f"mfu {format_mfu(run_mfu(s))}",
         refresh=True,
     )
+
+
+def run_mfu(s: Session) -> float | None:
+    """The run's MFU: its tokens/s (Throughput) against the device's peak, as recorded."""
+    tok_s = s.speed.tokens_per_s
+    value = s.mfu(tok_s) if tok_s else None
+    return None if value is None else round(value, 4)
 
 
 def maybe_evaluate(s: Session, bar: tqdm) -> None:
@@ -432,6 +447,7 @@ def finish(s: Session, state: str, exit_code: int, message: str, seconds: float)
         message=message, best_val_loss=s.best_val, best_val_step=s.best_step,
         checkpoint=s.checkpoint.name if s.checkpoint else None,
         median_tokens_per_s=statistics.median(s.throughput) if s.throughput else None,
+        tokens_per_s=s.speed.tokens_per_s, mfu=run_mfu(s), **s.speed.fields(),
     )
     s.log.close()
     return TrainResult(

@@ -1,19 +1,29 @@
-"""metrics.jsonl: one JSON event per line, appended (and mirrored to TensorBoard)."""
+"""metrics.jsonl: one JSON event per line, appended (and passed on to any other sinks: TensorBoard,
+Weights & Biases); and the run's one tokens/s figure."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+
+class Sink(Protocol):
+    """A second home for the records (TensorBoard, W&B): every record as written, then close."""
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class MetricsLog:
-    """metrics.jsonl: one JSON object a line, appended and flushed as it happens (rank 0)."""
+    """metrics.jsonl: one JSON object a line, appended and flushed as it happens (rank 0); each
+    record also goes to every sink, so the loop writes a record once whatever is logging it."""
 
-    def __init__(self, path: Path | None, tensorboard: Any = None) -> None:
+    def __init__(self, path: Path | None, sinks: list[Sink] | None = None) -> None:
         self.file = open(path, "a", encoding="utf-8") if path is not None else None
-        self.tensorboard = tensorboard
+        self.sinks = list(sinks or [])
 
     def write(self, event: str, **fields: Any) -> None:
         if self.file is None:
@@ -21,11 +31,61 @@ class MetricsLog:
         record = {"event": event, **fields, "time": round(time.time(), 3)}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tensorboard is not None:
-            self.tensorboard.log(record)
+        for sink in self.sinks:
+            sink.log(record)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def tokens_per_s(tokens: float, seconds: float) -> float | None:
+    """The one speed figure (see Throughput), rounded as every record and display gives it."""
+    return round(tokens / seconds, 1) if seconds > 0 else None
+
+
+class Throughput:
+    """The run's tokens/s: the tokens this process's steps trained over the wall time of those
+    steps, from the start of a step's first micro-batch to its logging. Evaluation, checkpoints,
+    set-up and a rolled-back step's work are left out, so the figure says how fast the model
+    trains, whatever the eval and checkpoint intervals. Counted per `andrea train` process (a
+    resumed segment starts again at zero: it may run on other hardware)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        # From the seconds as recorded, so the figure recomputes exactly from a record.
+        return tokens_per_s(self.tokens, round(self.seconds, 4))
+
+    def fields(self) -> dict[str, Any]:
+        """What a train or end record carries to recompute the figure: tokens over seconds."""
+        return {"train_tokens": self.tokens, "train_seconds": round(self.seconds, 4)}
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok else None
+
+
+def recorded_speed(records: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """(tokens/s, MFU) of the run as its metrics.jsonl records give them, for `andrea runs` and
+    `andrea plot`: those of the latest segment's end record; a segment still running (or one
+    that failed) from its last train record's train_tokens / train_seconds (its MFU then None).
+    (None, None) for runs written before these fields (their readers fall back to a median)."""
+    last_start = max((i for i, r in enumerate(records) if r.get("event") == "start"), default=-1)
+    for rec in reversed(records[last_start + 1:]):
+        if rec.get("event") == "end" and _number(rec.get("tokens_per_s")) is not None:
+            return _number(rec["tokens_per_s"]), _number(rec.get("mfu"))
+        tokens, seconds = _number(rec.get("train_tokens")), _number(rec.get("train_seconds"))
+        if rec.get("event") == "train" and tokens is not None and seconds is not None:
+            return tokens_per_s(tokens, seconds), None
+    return None, None

@@ -18,8 +18,27 @@ def format_eta(seconds: float) -> str:
     return tqdm.format_interval(seconds)
 
 
+def format_speed(tokens_per_s: float | None) -> str:
+    """A tokens/s figure as the bar prints it ('1.11k'), for every other place that shows it."""
+    return "-" if tokens_per_s is None else tqdm.format_sizeof(tokens_per_s)
+
+
 class RunBar(tqdm):
-    """tqdm, with the remaining time in days once it passes two days."""
+    """tqdm, with the remaining time in days once it passes two days, and as its rate the run's
+    tokens/s (train.metrics.Throughput, given by `set_rate` after each step) instead of tqdm's
+    own smoothed one, so the bar's last state says what the end record and `andrea runs` say."""
+
+    run_rate: float | None = None
+
+    def set_rate(self, tokens_per_s: float | None) -> None:
+        self.run_rate = tokens_per_s
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        d = super().format_dict
+        if self.run_rate:
+            d["rate"] = self.run_rate
+        return d
 
     @staticmethod
     def format_meter(n: float, total: float, elapsed: float, **kw: Any) -> str:

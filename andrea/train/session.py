@@ -15,7 +15,7 @@ from andrea.data.loader import TokenSplit
 from andrea.model.transformer import Andrea
 from andrea.train.distributed import DistInfo
 from andrea.train.flops import MfuMeter
-from andrea.train.metrics import MetricsLog
+from andrea.train.metrics import MetricsLog, Throughput
 from andrea.train.parallel import Parallel
 from andrea.train.signals import SignalWatch
 from andrea.train.spike import SpikeGuard
@@ -71,7 +71,8 @@ class Session:
     checkpoint: Path | None = None  # the newest complete checkpoint of the run
     checkpoint_step: int | None = None
     losses: dict[int, float] = field(default_factory=dict)
-    throughput: list[float] = field(default_factory=list)
+    throughput: list[float] = field(default_factory=list)  # each step's tokens/s
+    speed: Throughput = field(default_factory=Throughput)  # the run's one tokens/s
     val_set: list[ValSource] | None = None  # the fixed val windows, made at the first eval
     schedule_anchor: dict[str, Any] | None = None  # the lr schedule re-planned on a resume
     warmup_accum: int = 0  # micro-batches per step during the batch-size warm-up (0: none)
