@@ -157,6 +157,15 @@ class TrainConfig:
         False, "a step whose loss or gradient is not finite is skipped instead of stopping "
         "the run", resumable=True)
     tensorboard: bool = key(False, "also write TensorBoard event files", resumable=True)
+    wandb: str = key(
+        "off", "also log to Weights & Biases: online, or offline (W&B's files under the run "
+        "folder, uploaded later by `wandb sync`); needs pip install 'andrea[wandb]'",
+        choices=("off", "online", "offline"), resumable=True)
+    wandb_project: str = key("andrea", "the W&B project", resumable=True)
+    wandb_name: str | None = key(None, "the W&B run's name (default: the run's name)",
+                                 resumable=True)
+    wandb_entity: str | None = key(
+        None, "the W&B entity, a team or user (default: your W&B account's)", resumable=True)
     optimizer: str = key(
         "adamw", "adamw for every parameter; muon: Muon for the 2-D matrices inside the blocks, "
         "AdamW for the rest", choices=("adamw", "muon"))

@@ -4,6 +4,7 @@ Weights & Biases); and the run's one tokens/s figure."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,6 +16,44 @@ class Sink(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
+
+
+# Record field -> scalar name, per event type: what TensorBoard and W&B draw of each record.
+SCALARS: dict[str, dict[str, str]] = {
+    "train": {
+        "loss": "train/loss",
+        "lr": "train/lr",
+        "grad_norm": "train/grad_norm",
+        "tokens_per_s": "train/tokens_per_s",
+        "mfu": "train/mfu",
+        "tokens": "train/tokens_seen",
+    },
+    "eval": {"val_loss": "val/loss", "val_bpb": "val/bits_per_byte"},
+    "end": {"tokens_per_s": "run/tokens_per_s", "mfu": "run/mfu"},
+}
+
+
+def scalars(record: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
+    """(step, {name: value}) of a record for a sink that draws curves, or None when it has none.
+
+    A mixture's val losses become one curve per source; the counters of the other events
+    (spike, rollback, skip, overflow: their `*_total` fields) become `events/<field>`, so an
+    event kind added later is drawn without a change here. Missing values (MFU on a CPU is null)
+    and NaN losses are left out, not drawn as 0."""
+    event, step = record.get("event", ""), record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None
+    names = dict(SCALARS.get(event, {}))
+    if event not in SCALARS:
+        names = {k: f"events/{k}" for k in record if k.endswith("_total")}
+    out = {name: float(v) for k, name in names.items()
+           if (v := _number(record.get(k))) is not None and math.isfinite(v)}
+    sources = record.get("val_sources") if event == "eval" else None
+    for source, fields in (sources.items() if isinstance(sources, dict) else ()):
+        loss = _number(fields.get("loss")) if isinstance(fields, dict) else None
+        if loss is not None and math.isfinite(loss):
+            out[f"val/source/{source}/loss"] = loss
+    return (step, out) if out else None
 
 
 class MetricsLog:

@@ -17,6 +17,8 @@ from andrea.train.metrics import MetricsLog
 from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.session import Session
 from andrea.train.state import TrainerState
+from andrea.train.tensorboard import open_tensorboard
+from andrea.train.wandb_log import open_wandb
 
 
 def start_run_files(
@@ -24,15 +26,12 @@ def start_run_files(
 ) -> None:
     """Rank 0: the run folder, its config.yaml (with any resume changes) and the start event."""
     t = s.cfg.train
+    wandb = open_wandb(s.cfg, s.run_dir)  # first: a missing package stops before any write
     s.run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_io.clean_partials(s.run_dir)
     atomic_write_text(s.run_dir / CONFIG, s.cfg.to_yaml())
-    tensorboard = None
-    if t.tensorboard:
-        from andrea.train.tensorboard import open_tensorboard
-
-        tensorboard = open_tensorboard(s.run_dir, True)
-    s.log = MetricsLog(s.run_dir / METRICS, tensorboard)
+    tensorboard = open_tensorboard(s.run_dir, t.tensorboard)
+    s.log = MetricsLog(s.run_dir / METRICS, [x for x in (tensorboard, wandb) if x is not None])
     s.log.write(
         "start", step=s.step, max_steps=t.max_steps, pid=os.getpid(),
         host=socket.gethostname(), resumed_from=str(resume_from) if resume_from else None,

@@ -4,6 +4,8 @@
     runs/NAME/metrics.jsonl        one JSON event per line (start, step, eval, end, ...)
     runs/NAME/step-NNNNNN/         checkpoints (andrea/train/checkpoint.py writes them)
     runs/NAME/latest               the name of the newest complete checkpoint
+    runs/NAME/wandb_run_id         the W&B run's id (train.wandb), kept so a resume continues it
+    runs/NAME/wandb/               W&B's own files (an offline run's, for `wandb sync`)
 
 Also here, for the same readers: whether a checkpoint folder is intact (`checkpoint_problem`),
 judged from its files and the safetensors headers alone, and the newest intact one of a run.
@@ -22,6 +24,7 @@ from typing import Any
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 LATEST = "latest"
+WANDB_RUN_ID = "wandb_run_id"
 TRAINER_STATE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"

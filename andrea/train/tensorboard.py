@@ -1,54 +1,30 @@
-"""Optional TensorBoard logging (`train.tensorboard: true`), a second sink beside metrics.jsonl.
+"""Optional TensorBoard logging (`train.tensorboard: true`), a sink beside metrics.jsonl.
 
-The trainer opens it once, passes every metrics record to `.log`, and closes it at the end.
+The trainer opens it once; MetricsLog passes it every record (`.log`: the scalars that
+`train.metrics.scalars` finds in it, the same W&B gets) and closes it at the end.
 TensorBoard is not a dependency: without the package, `open_tensorboard` says so in one line and
 returns None, and training goes on with metrics.jsonl alone.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
-# Record field -> TensorBoard tag, per event type. Steps are the records' optimizer steps.
-TAGS: dict[str, dict[str, str]] = {
-    "train": {
-        "loss": "train/loss",
-        "lr": "train/lr",
-        "grad_norm": "train/grad_norm",
-        "tokens_per_s": "train/tokens_per_s",
-        "mfu": "train/mfu",
-        "tokens": "train/tokens_seen",
-    },
-    "eval": {"val_loss": "val/loss", "val_bpb": "val/bits_per_byte"},
-}
+from andrea.train.metrics import scalars
 
 
 class TensorBoardWriter:
-    """Writes the scalars of train and eval records into `<run_dir>/tensorboard/`."""
+    """Writes the scalars of each record (train.metrics.scalars) into `<run_dir>/tensorboard/`."""
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
 
     def log(self, record: dict[str, Any]) -> None:
-        tags = TAGS.get(record.get("event", ""))
-        step = record.get("step")
-        if not tags or not isinstance(step, int):
-            return
-        for key, tag in tags.items():
-            value = record.get(key)
-            # Missing values (mfu on a CPU is null) and NaN losses are left out, not drawn as 0.
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(
-                value
-            ):
-                self._writer.add_scalar(tag, float(value), global_step=step)
-        sources = record.get("val_sources")  # a mixture's: one curve per source
-        for name, fields in (sources.items() if isinstance(sources, dict) else ()):
-            loss = fields.get("loss") if isinstance(fields, dict) else None
-            if isinstance(loss, float) and math.isfinite(loss):
-                self._writer.add_scalar(f"val/source/{name}/loss", loss, global_step=step)
+        found = scalars(record)
+        for tag, value in (found[1].items() if found else ()):
+            self._writer.add_scalar(tag, value, global_step=found[0])
 
     def flush(self) -> None:
         self._writer.flush()
