@@ -409,6 +409,11 @@ def apply_optimizer_state(
 
 def read_trainer_state(ckpt: Path) -> tuple[TrainerState, dict[str, torch.Tensor]]:
     """The checkpoint's TrainerState and every rank's generator states."""
+    return read_state(ckpt), read_safetensors(ckpt / RNG_FILE)[0]
+
+
+def read_state(ckpt: Path) -> TrainerState:
+    """The checkpoint's TrainerState (trainer_state.json) alone."""
     path = ckpt / STATE_FILE
     try:
         state = TrainerState.from_dict(json.loads(path.read_text()))
@@ -417,5 +422,4 @@ def read_trainer_state(ckpt: Path) -> tuple[TrainerState, dict[str, torch.Tensor
     except (KeyError, TypeError, AttributeError):
         raise UserError(f"{path}: not a trainer state (no step); the checkpoint is damaged: "
                         f"resume from another") from None
-    rng, _ = read_safetensors(ckpt / RNG_FILE)
-    return state, rng
+    return state

@@ -297,7 +297,7 @@ def rollback_checkpoint(s: Session) -> Path | None:
     a stop may have written one inside the streak, and the resumed run must go back where the
     uninterrupted one would."""
     before = s.step - s.cfg.train.spike_patience
-    found = [c for c in ckpt_io.list_checkpoints(s.run_dir) if (step_of_dir(c) or 0) <= before]
+    found = [c for c in ckpt_io.list_checkpoints(s.run_dir) if step_of_dir(c) <= before]
     return found[-1] if found else None
 
 

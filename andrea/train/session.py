@@ -45,7 +45,6 @@ class Session:
 
     cfg: Config
     device: torch.device
-    dist: DistInfo
     dtype: torch.dtype
     run_dir: Path
     model: Andrea
@@ -76,6 +75,10 @@ class Session:
     val_set: list[ValSource] | None = None  # the fixed val windows, made at the first eval
     schedule_anchor: dict[str, Any] | None = None  # the lr schedule re-planned on a resume
     warmup_accum: int = 0  # micro-batches per step during the batch-size warm-up (0: none)
+
+    @property
+    def dist(self) -> DistInfo:  # the processes, as the parallel mode holds them
+        return self.parallel.dist
 
     @property
     def tokens_per_micro_batch(self) -> int:  # over all ranks

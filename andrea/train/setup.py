@@ -77,7 +77,8 @@ def set_up(
     trainer_state: TrainerState | None = None  # the checkpoint's, as every rank has it
     if resume_from is not None:
         trainer_state = snapshot.restore_session(resume_from, run.sharded, model, optimizer,
-                                                names, train_split, device, dist)
+                                                names, train_split, device, dist,
+                                                run.trainer_state)
     else:
         torch.manual_seed(snapshot.seed_for_rank(t.seed, dist.rank))
     micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist,
@@ -86,7 +87,7 @@ def set_up(
     warmup_accum = batch_warmup_accumulation(cfg, micro_batch, dist.world_size)
 
     s = Session(
-        cfg=cfg, device=device, dist=dist, dtype=dtype, run_dir=run_dir, model=model,
+        cfg=cfg, device=device, dtype=dtype, run_dir=run_dir, model=model,
         train_model=parallel.wrap(model, cfg.train.compile, device), optimizer=optimizer,
         param_names=names, train_split=train_split, val_split=val_split,
         micro_batch=micro_batch, accum=accum, log=MetricsLog(None), signals=signals,
@@ -129,13 +130,7 @@ def decide_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool)
     run folder (node-local storage) resume the same run at the same step instead of starting
     another, and rank 0's one-line error on a bad resume stops every rank."""
 
-    def decide() -> RunDecision:
-        run_dir, resume_from, changes, replace = open_run(cfg, dist, resume, overwrite)
-        state = ckpt_io.read_trainer_state(resume_from)[0] if resume_from is not None else None
-        sharded = resume_from is not None and ckpt_io.has_shards(resume_from)
-        return RunDecision(run_dir, resume_from, changes, replace, cfg.train.name, state, sharded)
-
-    run = from_rank0(decide, dist)
+    run = from_rank0(lambda: open_run(cfg, dist, resume, overwrite), dist)
     cfg.train.name = run.name
     return run
 
@@ -245,21 +240,20 @@ def build_model(
     return model, optimizer, names
 
 
-def open_run(
-    cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool
-) -> tuple[Path, Path | None, dict[str, list[Any]], bool]:
-    """(run dir, checkpoint to resume from or None, allowed config changes on resume, whether
-    an old run is to be replaced: --overwrite)."""
+def open_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -> RunDecision:
+    """Rank 0's decision: a resumed run (its checkpoint's trainer state read here, once), a new
+    one, or an old one to replace (--overwrite)."""
     run_dir = Path(cfg.train.runs_dir) / cfg.train.name
     if resume is not None:
         found = find_run_to_resume(resume, cfg)
         if found is not None:
             stored = load_config(found / CONFIG)
             checkpoint = resume_checkpoint(resume, found)
-            trained = ckpt_io.read_trainer_state(checkpoint)[0].step > 0
-            changes = check_resume_changes(stored, cfg, found, trained)
+            state = ckpt_io.read_state(checkpoint)
+            changes = check_resume_changes(stored, cfg, found, state.step > 0)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
-            return found, checkpoint, changes, False
+            return RunDecision(found, checkpoint, changes, False, cfg.train.name, state,
+                               ckpt_io.has_shards(checkpoint))
         if resume == "auto" and dist.is_main:
             print(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
     replace = dist.is_main and ckpt_io.read_latest(run_dir) is not None
@@ -269,7 +263,7 @@ def open_run(
             f"(or --resume auto), pick another name with --set train.name=..., "
             f"or replace it with --overwrite"
         )
-    return run_dir, None, {}, replace
+    return RunDecision(run_dir, None, {}, replace, cfg.train.name, None, False)
 
 
 def clear_run(run_dir: Path) -> None:

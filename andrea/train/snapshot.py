@@ -64,25 +64,30 @@ def write_session(
 def restore_session(
     ckpt: Path, sharded: bool, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     names: dict[int, str], train_split: TokenSplit, device: torch.device, dist: DistInfo,
+    state: TrainerState | None = None,
 ) -> TrainerState:
-    """Load weights, optimizer state and generator states; returns the trainer state.
-    A whole checkpoint is read by rank 0 alone and sent to the others (so under ddp the run
-    folder may be on node 0 alone); a sharded one (fsdp) is read by every rank through its
-    shards (set-up has checked that every rank sees it). Either fits the model as it is laid
-    out now."""
+    """Load weights, optimizer state and generator states; returns the trainer state (`state`
+    when the caller has it already, as every rank has it: set-up's rank 0 read it to decide
+    the run). A whole checkpoint is read by rank 0 alone and sent to the others (so under ddp
+    the run folder may be on node 0 alone); a sharded one (fsdp) is read by every rank through
+    its shards (set-up has checked that every rank sees it). Either fits the model as it is
+    laid out now."""
     if sharded:
         check_tokenizer(ckpt, ckpt_io.read_model_checkpoint(ckpt, tensors=False)[2], train_split)
         ckpt_io.read_shards(ckpt, model, optimizer, names)
-        state, rng = ckpt_io.read_trainer_state(ckpt)
+        if state is None:
+            state = ckpt_io.read_state(ckpt)
+        rng = ckpt_io.read_safetensors(ckpt / ckpt_io.RNG_FILE)[0]
     else:
         read: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optimizer": {}, "rng": {}}
+        known = state
 
         def read_whole() -> TrainerState:
             read["model"], meta = ckpt_io.read_model_checkpoint(ckpt)[::2]
             check_tokenizer(ckpt, meta, train_split)
             read["optimizer"] = ckpt_io.read_safetensors(ckpt / ckpt_io.OPTIMIZER_FILE)[0]
-            state, read["rng"] = ckpt_io.read_trainer_state(ckpt)
-            return state
+            read["rng"] = ckpt_io.read_safetensors(ckpt / ckpt_io.RNG_FILE)[0]
+            return known if known is not None else ckpt_io.read_state(ckpt)
 
         state = from_rank0(read_whole, dist)
         weights, moments, rng = (broadcast_tensors(read[k], dist) for k in read)
