@@ -10,6 +10,9 @@ ANDREA_FAULTS holds comma-separated items, each KIND@WHERE; at most one item per
   backward: bad data and a gradient blow-up at a chosen place.
 - ``kill-rank@RANK:step-NNNNNN``: rank RANK SIGKILLs itself once its shards of that checkpoint
   are written, the checkpoint not yet complete.
+- ``kill-after@RANK:step-NNNNNN``: rank RANK SIGKILLs itself once that checkpoint is complete
+  (renamed into place and `latest` naming it), as a worker lost between checkpoints; only the
+  process that wrote it, so a run restarted from it goes on.
 - ``checkpoint-delay@SECONDS``: a checkpoint write sleeps SECONDS after its model file, so a
   test can kill the process while the checkpoint is half written.
 - ``prepare-pause@SHARD[:UNTIL_FILE]``: `andrea prepare` stops mid-shard in the shard file
@@ -26,6 +29,7 @@ is a no-op behind one attribute check. In-process tests call `install` directly.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -47,6 +51,7 @@ class Faults:
     sigint_after: tuple[int, int] | None = None  # (completed steps, micro-batch)
     spike: tuple[int, int, float] | None = None  # (first, last, scale)
     kill_rank: tuple[int, str] | None = None  # (rank, step folder name)
+    kill_after: tuple[int, str] | None = None  # (rank, step folder name)
     checkpoint_delay: float = 0.0
     prepare_pause: tuple[str, str | None] | None = None  # (shard file, until file)
     disk_full: str | None = None  # "AREA:NAME", the write that fails
@@ -76,6 +81,10 @@ def _kill_rank(where: str) -> tuple[str, Any]:
     return "kill_rank", (int(rank), folder)
 
 
+def _kill_after(where: str) -> tuple[str, Any]:
+    return "kill_after", _kill_rank(where)[1]
+
+
 def _checkpoint_delay(where: str) -> tuple[str, Any]:
     return "checkpoint_delay", float(where)
 
@@ -100,6 +109,7 @@ KINDS = {
     "sigint": ("sigint@STEP.MICRO", _sigint),
     "spike": ("spike@FIRST[-LAST][xSCALE]", _spike),
     "kill-rank": ("kill-rank@RANK:step-NNNNNN", _kill_rank),
+    "kill-after": ("kill-after@RANK:step-NNNNNN", _kill_after),
     "checkpoint-delay": ("checkpoint-delay@SECONDS", _checkpoint_delay),
     "prepare-pause": ("prepare-pause@SHARD[:UNTIL_FILE]", _prepare_pause),
     "disk-full": ("disk-full@AREA:NAME", _disk_full),
@@ -173,6 +183,22 @@ def after_shards_written(rank: int, step_folder: str) -> None:
     """kill-rank@: this rank dies here, its shards of checkpoint `step_folder` written."""
     if _active.kill_rank == (rank, step_folder):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def after_checkpoint(rank: int, folder: str) -> None:
+    """kill-after@: this rank dies once checkpoint `folder` is whole. Rank 0 writes it while
+    the others go on, so another rank first waits (at most a minute) for `latest` to name it."""
+    if _active.kill_after != (rank, os.path.basename(folder)):
+        return
+    latest = os.path.join(os.path.dirname(folder), "latest")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with open(latest) as f:
+                if f.read().strip() == os.path.basename(folder):
+                    break
+        time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def after_model_file() -> None:

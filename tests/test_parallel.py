@@ -477,7 +477,7 @@ def test_the_torchrun_environment_is_one_record(monkeypatch):
         monkeypatch.setenv(key, value)
     read = torchrun_env.__wrapped__  # uncached: the process's own reading is kept
     assert read() == TorchrunEnv(rank=3, local_rank=1, world_size=4, local_world_size=2,
-                                 restart_count="2", run_id="job7", master_addr="node0",
+                                 restart_count=2, run_id="job7", master_addr="node0",
                                  master_port=29500, agent_store=True)
     for key in TORCHRUN:
         monkeypatch.delenv(key)

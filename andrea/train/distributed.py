@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -35,7 +36,7 @@ class TorchrunEnv:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1  # the processes on this machine
-    restart_count: str = "0"  # how often the launcher has restarted the processes
+    restart_count: int = 0  # how often the launcher has restarted the processes
     run_id: str = ""  # the launcher's id of the job (--rdzv_id)
     master_addr: str = ""
     master_port: int = 0
@@ -50,7 +51,7 @@ def torchrun_env() -> TorchrunEnv:
         rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
         world_size=int(env.get("WORLD_SIZE", "1")),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
-        restart_count=env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         run_id=env.get("TORCHELASTIC_RUN_ID", ""), master_addr=env.get("MASTER_ADDR", ""),
         master_port=int(env.get("MASTER_PORT", "0")),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
@@ -82,8 +83,37 @@ def init_distributed(device_type: str) -> DistInfo:
     if device_type == "cuda":
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                store=attempt().store, rank=env.rank,
+                                world_size=env.world_size)
     return info
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Which launch of the workers this is, the same on every rank, and its key-value store."""
+
+    number: int  # 0: the first launch; n: torchrun's n-th restart of the workers
+    store: Any  # this attempt's part of torchrun's store (None without a shared one)
+
+
+@functools.cache
+def attempt() -> Attempt:
+    """torchrun keeps its store across a restart: without keys of its own, a restarted worker
+    reads the addresses the dead attempt published there, and gloo fails to connect
+    (`connectFullMesh ... Connection refused`) or waits on them. TORCHELASTIC_RESTART_COUNT
+    alone cannot name the attempt: under --rdzv-backend c10d across machines, a node whose
+    workers did not fail restarts them without counting. Every restart starts every rank once,
+    so each rank takes the first number, from the restart count on, it has not started under."""
+    env = torchrun_env()
+    if env.world_size <= 1 or not env.agent_store:
+        return Attempt(env.restart_count, None)
+    client = dist.TCPStore(env.master_addr, env.master_port, world_size=env.world_size,
+                           is_master=False, timeout=timedelta(minutes=5))
+    number = env.restart_count
+    while client.add(f"andrea/rank-{env.rank}/started-{number}", 1) > 1:
+        number += 1
+    return Attempt(number, dist.PrefixStore(f"andrea/attempt-{number}", client))
 
 
 def barrier(info: DistInfo) -> None:

@@ -398,6 +398,7 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
         s.log.write("checkpoint", step=s.step, path=s.checkpoint.name)
     s.checkpoint_step = s.step
     s.signals.checkpoint = s.checkpoint
+    faults.after_checkpoint(s.dist.rank, str(s.checkpoint))
 
 
 def trainer_state(s: Session) -> TrainerState:

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from andrea.config import Config, config_from_dict, key_specs, load_config
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.distributed import torchrun_env
-from andrea.train.rundir import CONFIG, is_step_dir, run_path
+from andrea.train.distributed import attempt, torchrun_env
+from andrea.train.rundir import CONFIG, is_step_dir, newest_intact, run_path
 
 
 def config_changes(stored: Config, given: Config) -> dict[str, tuple[Any, Any]]:
@@ -57,7 +56,7 @@ def config_for_run(config: str | None, overrides: list[str], resume: str | None)
         return load_config(config, overrides)
     if resume is None or resume == "auto":
         raise UserError("andrea train needs --config (a path or a preset name) or --resume RUN_DIR")
-    store = _launcher_store()
+    store = attempt().store
     if store is None:
         return _run_config(resume, overrides)
     return _run_config_from_rank0(store, resume, overrides)
@@ -69,24 +68,12 @@ def _run_config(resume: str, overrides: list[str]) -> Config:
     return load_config(run_dir / CONFIG, overrides)
 
 
-def _launcher_store() -> Any:
-    """torchrun's key-value store when this is one of several processes it started (it exists
-    before the process group does), else None."""
-    env = torchrun_env()
-    if env.world_size <= 1 or not env.agent_store:
-        return None
-    import torch.distributed as dist
-
-    return dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                         timeout=timedelta(minutes=5))
-
-
 def _run_config_from_rank0(store: Any, resume: str, overrides: list[str]) -> Config:
     """`--resume RUN_DIR` under torchrun: rank 0 reads the run's config.yaml and every rank
     trains with it, so a node whose runs_dir holds no copy (ddp with the run on node 0 alone)
     continues the same run; rank 0's error is every rank's, so no rank waits for another."""
     env = torchrun_env()
-    key = f"andrea/resume-config/{env.run_id}/{env.restart_count}"
+    key = "andrea/resume-config"  # under this attempt's prefix
     if env.rank == 0:
         try:
             cfg = _run_config(resume, overrides)
@@ -137,7 +124,29 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
 
 def resume_checkpoint(resume: str, run_dir: Path) -> Path:
     """The checkpoint `--resume` continues from: the step folder it names, else the run's
-    latest; a damaged one is refused naming the newest intact step (resolve_checkpoint)."""
+    latest; a damaged one is refused naming the newest intact step (resolve_checkpoint). A
+    worker torchrun restarted takes the newest intact one instead: nobody is there to choose."""
     named = Path(resume)
     where = run_dir / named.name if is_step_dir(named) else run_dir
-    return ckpt_io.resolve_checkpoint(where, use="andrea train --resume {}", for_resume=True)
+    try:
+        return ckpt_io.resolve_checkpoint(where, use="andrea train --resume {}", for_resume=True)
+    except UserError:
+        intact = newest_intact(run_dir, for_resume=True) if attempt().number else None
+        if intact is None:
+            raise
+        return intact
+
+
+def restart_resume(resume: str | None, overwrite: bool) -> tuple[str | None, bool]:
+    """(--resume, --overwrite) as this process takes them. A worker torchrun restarted after a
+    failure continues the run the first launch trained, from its newest checkpoint (a
+    `--resume RUN/step-N` means RUN then, and --overwrite would throw away what the first
+    launch trained); a first launch takes them as given."""
+    if not attempt().number:
+        return resume, overwrite
+    if resume is None or resume == "auto":
+        return "auto", False
+    named = Path(resume)
+    if is_step_dir(named) and (named.parent / CONFIG).is_file():
+        return str(named.parent), False
+    return resume, False

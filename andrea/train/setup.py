@@ -27,6 +27,7 @@ from andrea.train.device import device_name, pick_dtype
 from andrea.train.distributed import (
     DistInfo,
     all_reduce_sum,
+    attempt,
     barrier,
     from_rank0,
 )
@@ -41,7 +42,12 @@ from andrea.train.metrics import MetricsLog
 from andrea.train.optim import build_optimizer
 from andrea.train.parallel import Parallel, parallel_for
 from andrea.train.plan import announce, start_run_files
-from andrea.train.resume import check_resume_changes, find_run_to_resume, resume_checkpoint
+from andrea.train.resume import (
+    check_resume_changes,
+    find_run_to_resume,
+    restart_resume,
+    resume_checkpoint,
+)
 from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.schedule import replan
 from andrea.train.session import Session, TrainResult
@@ -244,11 +250,13 @@ def open_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -
     """Rank 0's decision: a resumed run (its checkpoint's trainer state read here, once), a new
     one, or an old one to replace (--overwrite)."""
     run_dir = Path(cfg.train.runs_dir) / cfg.train.name
+    resume, overwrite = restart_resume(resume, overwrite)
     if resume is not None:
         found = find_run_to_resume(resume, cfg)
         if found is not None:
             stored = load_config(found / CONFIG)
             checkpoint = resume_checkpoint(resume, found)
+            say_restart(checkpoint)
             state = ckpt_io.read_state(checkpoint)
             changes = check_resume_changes(stored, cfg, found, state.step > 0)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
@@ -264,6 +272,14 @@ def open_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -
             f"or replace it with --overwrite"
         )
     return RunDecision(run_dir, None, {}, replace, cfg.train.name, None, False)
+
+
+def say_restart(checkpoint: Path) -> None:
+    """The one line of a worker torchrun restarted (rank 0's: only it decides the run)."""
+    restart = attempt().number
+    if restart:
+        print(f"torchrun restart {restart}: continuing from {checkpoint}, the run's newest "
+              f"intact checkpoint", flush=True)
 
 
 def clear_run(run_dir: Path) -> None:
