@@ -17,10 +17,12 @@ from andrea.errors import UserError
 
 def test_a_spec_with_every_kind_parses_into_its_faults():
     got = faults.parse("nan@7, sigint@3.1,spike@12-13x50,kill-rank@1:step-000004,"
+                       "kill-after@0:step-000002,"
                        "checkpoint-delay@2.5,prepare-pause@train_000002.bin:/tmp/a:b,"
                        "disk-full@checkpoint:step-000004")
     assert got == faults.Faults(
         nan_at_step=7, sigint_after=(3, 1), spike=(12, 13, 50.0), kill_rank=(1, "step-000004"),
+        kill_after=(0, "step-000002"),
         checkpoint_delay=2.5, prepare_pause=("train_000002.bin", "/tmp/a:b"),
         disk_full="checkpoint:step-000004")
     assert faults.parse("spike@21").spike == (21, 21, 1.0)
@@ -56,6 +58,7 @@ def test_unset_every_hook_does_nothing(inject_faults, spec):
     assert faults.spike_scale(0) is None
     faults.after_micro_batch(0, 0)  # would SIGINT this process
     faults.after_shards_written(0, "step-000001")  # would SIGKILL it
+    faults.after_checkpoint(0, "runs/r/step-000001")  # would SIGKILL it
     faults.after_model_file()
     faults.in_shard("train_000000.bin")  # would wait forever
     faults.disk_full("checkpoint", "step-000001")  # would raise
@@ -68,6 +71,7 @@ def test_unset_every_hook_does_nothing(inject_faults, spec):
     ("spike@a-b", "is not spike@FIRST[-LAST][xSCALE]"),
     ("kill-rank@1", "is not kill-rank@RANK:step-NNNNNN"),
     ("kill-rank@1:4", "is not kill-rank@RANK:step-NNNNNN"),
+    ("kill-after@1", "is not kill-after@RANK:step-NNNNNN"),
     ("checkpoint-delay@soon", "is not checkpoint-delay@SECONDS"),
     ("prepare-pause@", "is not prepare-pause@SHARD[:UNTIL_FILE]"),
     ("disk-full@step-000004", "is not disk-full@AREA:NAME"),
