@@ -63,8 +63,9 @@ DeviceOpt = Annotated[
     str, typer.Option("--device", metavar="auto|cpu|cuda", help="auto: a GPU if there is one.")
 ]
 PrecisionOpt = Annotated[
-    str, typer.Option("--precision", metavar="auto|fp32|bf16",
-                      help="auto: bf16 where the hardware has fast bf16, else fp32.")
+    str, typer.Option("--precision", metavar="auto|fp32|bf16|fp16",
+                      help="auto: bf16 where the hardware has fast bf16, fp16 on older "
+                           "tensor-core GPUs (T4, V100), else fp32.")
 ]
 
 
@@ -76,8 +77,13 @@ def _load(config: str, overrides: list[str] | None):
 
 @config_app.command("show")
 def config_show(config: ConfigOpt, set_: SetOpt = None) -> None:
-    """Print the resolved config (file + overrides + derived values) as YAML."""
-    typer.echo(_load(config, set_).to_yaml(), nl=False)
+    """Print the resolved config (file + overrides + derived values) as YAML, and (a YAML
+    comment) the precision it trains in on this machine."""
+    from andrea.train.device import precision_note
+
+    cfg = _load(config, set_)
+    typer.echo(cfg.to_yaml(), nl=False)
+    typer.echo(f"# {precision_note(cfg.train.precision, cfg.train.device)}")
 
 
 @config_app.command("keys")

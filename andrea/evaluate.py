@@ -135,7 +135,8 @@ class EvalSettings:
         if self.batch_size < 1:
             raise UserError(f"--batch-size: must be a positive integer, got {self.batch_size}")
         if self.precision not in PRECISIONS:
-            raise UserError(f"--precision: '{self.precision}' is not one of auto, fp32, bf16")
+            raise UserError(f"--precision: '{self.precision}' is not one of "
+                            f"{', '.join(PRECISIONS)}")
         if self.split not in SPLITS:
             raise UserError(f"--split: '{self.split}' is not one of {', '.join(SPLITS)}")
 

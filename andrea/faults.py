@@ -3,6 +3,10 @@
 ANDREA_FAULTS holds comma-separated items, each KIND@WHERE; at most one item per kind:
 
 - ``nan@STEP``: step STEP's loss (1-based, after the clip) becomes NaN.
+- ``overflow@STEP``: rank 0's backward of step STEP (1-based) overflows: its loss is multiplied
+  by infinity before backward, so every gradient (after ddp's all-reduce or fsdp's
+  reduce-scatter, every rank's) is inf or NaN while the loss stays finite, as in an fp16
+  overflow.
 - ``sigint@STEP.MICRO``: SIGINT to this process after micro-batch MICRO (0-based) of the step
   that follows STEP completed steps, as if Ctrl-C came then (``sigint@3.1``: step 4's second).
 - ``spike@FIRST[-LAST][xSCALE]``: the batches of data positions FIRST..LAST (1-based, as steps
@@ -48,6 +52,7 @@ class Faults:
     """The parsed variable: None (or 0) for a fault not asked for."""
 
     nan_at_step: int | None = None
+    overflow_at_step: int | None = None
     sigint_after: tuple[int, int] | None = None  # (completed steps, micro-batch)
     spike: tuple[int, int, float] | None = None  # (first, last, scale)
     kill_rank: tuple[int, str] | None = None  # (rank, step folder name)
@@ -59,6 +64,10 @@ class Faults:
 
 def _nan(where: str) -> tuple[str, Any]:
     return "nan_at_step", int(where)
+
+
+def _overflow(where: str) -> tuple[str, Any]:
+    return "overflow_at_step", int(where)
 
 
 def _sigint(where: str) -> tuple[str, Any]:
@@ -113,6 +122,7 @@ KINDS = {
     "checkpoint-delay": ("checkpoint-delay@SECONDS", _checkpoint_delay),
     "prepare-pause": ("prepare-pause@SHARD[:UNTIL_FILE]", _prepare_pause),
     "disk-full": ("disk-full@AREA:NAME", _disk_full),
+    "overflow": ("overflow@STEP", _overflow),
 }
 
 
@@ -160,6 +170,12 @@ def after_micro_batch(step: int, micro: int) -> None:
 def poison_loss(loss: Any, step: int) -> Any:
     """nan@: step `step`'s (1-based) loss made NaN; otherwise the loss itself."""
     return loss * float("nan") if _active.nan_at_step == step else loss
+
+
+def overflow_factor(step: int, rank: int) -> float:
+    """overflow@: what the loss of step `step` (1-based) is multiplied by before backward on
+    `rank`: infinity where the fault fires, else 1."""
+    return float("inf") if rank == 0 and _active.overflow_at_step == step else 1.0
 
 
 def spike_scale(data_step: int) -> float | None:

@@ -267,7 +267,7 @@ def _check_options(
     if num_samples < 1:
         raise UserError(f"--num-samples: must be a positive integer, got {num_samples}")
     if precision not in PRECISIONS:
-        raise UserError(f"--precision: '{precision}' is not one of auto, fp32, bf16")
+        raise UserError(f"--precision: '{precision}' is not one of {', '.join(PRECISIONS)}")
 
 
 def _prompt_tokens(

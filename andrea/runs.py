@@ -86,6 +86,7 @@ class RunSummary:
     # The loss-spike guard: steps it held back (or took as a new level), and its rollbacks.
     spikes: int = 0
     rollbacks: int = 0
+    overflows: int = 0  # fp16: steps skipped, their gradients overflowing the loss scale
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -355,23 +356,21 @@ def _read_starts(records: list[dict[str, Any]], starts: list[int], summary: RunS
 
 
 def _read_progress(history: list[dict[str, Any]], summary: RunSummary) -> None:
-    """The step and tokens reached, the spike guard's counts, the last train loss and the
-    median speed."""
+    """The step and tokens reached, the guard's and fp16's counts, the last loss, the speed."""
     for rec in history:
         step, tokens = _int(rec.get("step")), _int(rec.get("tokens"))
         if rec["event"] in ("train", "eval", "checkpoint", "end") and step is not None:
             summary.step = step if summary.step is None else max(summary.step, step)
         if rec["event"] in ("train", "eval", "end") and tokens is not None:
             summary.tokens = tokens if summary.tokens is None else max(summary.tokens, tokens)
-    summary.spikes = sum(r["event"] == "spike" for r in history)
-    summary.rollbacks = sum(r["event"] == "rollback" for r in history)
+    summary.spikes, summary.rollbacks, summary.overflows = (
+        sum(r["event"] == kind for r in history) for kind in ("spike", "rollback", "overflow"))
     trains = [r for r in history if r["event"] == "train"]
-    losses = [_num(r.get("loss")) for r in trains]
-    losses = [x for x in losses if x is not None]
+    losses = [x for x in (_num(r.get("loss")) for r in trains) if x is not None]
     if losses:
         summary.last_train_loss = losses[-1]
-    speeds = [_num(r.get("tokens_per_s")) for r in trains]
-    speeds = [x for x in speeds if x is not None and math.isfinite(x)]
+    speeds = [x for x in (_num(r.get("tokens_per_s")) for r in trains)
+              if x is not None and math.isfinite(x)]
     if speeds:
         summary.median_tokens_per_s = statistics.median(speeds)
 
@@ -489,6 +488,8 @@ def format_table(runs: list[RunSummary]) -> str:
             notes.append(f"  {r.name}: spike guard: {r.spikes} outlier step"
                          f"{'s' if r.spikes != 1 else ''} not applied, {r.rollbacks} rollback"
                          f"{'s' if r.rollbacks != 1 else ''} (metrics.jsonl: spike, rollback)")
+        if r.overflows:
+            notes.append(f"  {r.name}: fp16 overflow steps skipped: {r.overflows} (metrics.jsonl)")
         notes.extend(f"  {r.name}: ! {p}" for p in r.problems)
     if notes:
         lines += ["", "notes:", *notes]

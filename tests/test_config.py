@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import textwrap
 
 import pytest
@@ -56,6 +57,9 @@ def test_config_show_prints_resolved_yaml():
     assert shown["model"]["d_model"] == 384
     assert shown["train"]["lr"] == pytest.approx(2e-4)
     assert set(shown) == {"model", "data", "train"}
+    # and what train.precision: auto means on this machine, as a comment
+    assert re.search(r"\n# train\.precision: auto -> (bf16|fp32) on cpu \(auto: this CPU has",
+                     proc.stdout), proc.stdout[-300:]
 
 
 @pytest.mark.parametrize(
@@ -178,9 +182,11 @@ def test_resume_accepts_declared_changes_and_names_every_refused_key(tmp_path):
 
 def test_declared_choices_and_constraints_are_checked():
     spec = key_spec("train.precision")
-    assert spec.rule.choices == PRECISIONS and spec.allowed == "auto, bf16, fp32"
-    with pytest.raises(UserError, match=r"train\.precision: 'fp16' is not one of auto, bf16"):
-        load_config("andrea-tiny", ["train.precision=fp16"])
+    assert spec.rule.choices == PRECISIONS and spec.allowed == "auto, bf16, fp16, fp32"
+    with pytest.raises(UserError, match=r"train\.precision: 'fp8' is not one of auto, bf16"):
+        load_config("andrea-tiny", ["train.precision=fp8"])
+    with pytest.raises(UserError, match=r"muon_ns_precision: 'fp16' is not one of auto, bf16"):
+        load_config("andrea-tiny", ["train.muon_ns_precision=fp16"])
     assert key_spec("train.spike_window").allowed == "an integer of at least 2"
     assert key_spec("data.text_field").allowed == "a string"
     assert key_spec("train.micro_batch_size").allowed == "auto or a positive integer"

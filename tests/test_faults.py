@@ -19,9 +19,10 @@ def test_a_spec_with_every_kind_parses_into_its_faults():
     got = faults.parse("nan@7, sigint@3.1,spike@12-13x50,kill-rank@1:step-000004,"
                        "kill-after@0:step-000002,"
                        "checkpoint-delay@2.5,prepare-pause@train_000002.bin:/tmp/a:b,"
-                       "disk-full@checkpoint:step-000004")
+                       "disk-full@checkpoint:step-000004,overflow@4")
     assert got == faults.Faults(
-        nan_at_step=7, sigint_after=(3, 1), spike=(12, 13, 50.0), kill_rank=(1, "step-000004"),
+        nan_at_step=7, overflow_at_step=4, sigint_after=(3, 1), spike=(12, 13, 50.0),
+        kill_rank=(1, "step-000004"),
         kill_after=(0, "step-000002"),
         checkpoint_delay=2.5, prepare_pause=("train_000002.bin", "/tmp/a:b"),
         disk_full="checkpoint:step-000004")
@@ -32,8 +33,10 @@ def test_a_spec_with_every_kind_parses_into_its_faults():
 
 
 def test_installed_faults_fire_only_where_asked(inject_faults):
-    inject_faults("nan@7,spike@12-13x50")
+    inject_faults("nan@7,spike@12-13x50,overflow@3")
     loss = torch.tensor(2.0)
+    assert [faults.overflow_factor(step, 0) for step in (2, 3, 4)] == [1.0, math.inf, 1.0]
+    assert faults.overflow_factor(3, 1) == 1.0  # rank 0's backward only
     assert faults.poison_loss(loss, 6) is loss and math.isnan(faults.poison_loss(loss, 7))
     # data positions are 0-based, the spike's 1-based as steps are counted
     assert [faults.spike_scale(d) for d in (10, 11, 12, 13)] == [None, 50.0, 50.0, None]
@@ -56,6 +59,7 @@ def test_unset_every_hook_does_nothing(inject_faults, spec):
     loss = torch.tensor(2.0)
     assert faults.poison_loss(loss, 1) is loss
     assert faults.spike_scale(0) is None
+    assert faults.overflow_factor(1, 0) == 1.0
     faults.after_micro_batch(0, 0)  # would SIGINT this process
     faults.after_shards_written(0, "step-000001")  # would SIGKILL it
     faults.after_checkpoint(0, "runs/r/step-000001")  # would SIGKILL it
@@ -76,6 +80,7 @@ def test_unset_every_hook_does_nothing(inject_faults, spec):
     ("prepare-pause@", "is not prepare-pause@SHARD[:UNTIL_FILE]"),
     ("disk-full@step-000004", "is not disk-full@AREA:NAME"),
     ("disk-full@checkpoint:", "is not disk-full@AREA:NAME"),
+    ("overflow@", "is not overflow@STEP"),
     ("nap@7", "unknown fault 'nap@7'; the kinds are nan@STEP, sigint@STEP.MICRO"),
     ("nan@7,nan@8", "nan is given twice"),
 ])

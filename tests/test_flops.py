@@ -14,7 +14,7 @@ def test_mfu_is_na_where_the_peak_is_unknown():
     assert mfu(1000.0, 1e6, 1e12) == pytest.approx(1e-3)
     assert format_mfu(mfu(1000.0, 1e6, 1e12)) == "0.1%"
     assert mfu(1000.0, 1e6, 1e8) is None  # above 100%: a wrong peak, never printed
-    assert "no peak FLOP/s known for meta" in no_mfu_reason(torch.device("meta"))
+    assert "no bf16 peak FLOP/s known for meta" in no_mfu_reason(torch.device("meta"))
 
 
 def test_a_cpu_has_no_mfu_and_says_why(tmp_path, monkeypatch):
@@ -34,6 +34,18 @@ def test_a_listed_gpu_gets_its_peak(monkeypatch):
     meter = MfuMeter(torch.device("cuda"), torch.bfloat16, 6e9)
     assert meter.peak == 989e12 and meter.why_na is None
     assert meter(989e12 / 6e9 / 2) == pytest.approx(0.5)
+    # Against the device's own peak in the dtype the run computes in, found by whole words.
+    for name, dtype, peak in [
+        ("Tesla T4", torch.float16, 65e12), ("Tesla T4", torch.float32, 8.1e12),
+        ("NVIDIA A10", torch.bfloat16, 125e12), ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
+        ("Tesla V100-SXM2-16GB", torch.float16, 125e12),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert MfuMeter(torch.device("cuda"), dtype, 6e9).peak == pytest.approx(peak), name
+    for name, dtype in [("Tesla T4", torch.bfloat16), ("NVIDIA A10G", torch.float16)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        meter = MfuMeter(torch.device("cuda"), dtype, 6e9)
+        assert meter.peak is None and name in meter.why_na, name  # no bf16 units; unlisted
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU 9")
     meter = MfuMeter(torch.device("cuda"), torch.bfloat16, 6e9)
     assert meter(1e3) is None and "Mystery GPU 9" in meter.why_na

@@ -25,8 +25,10 @@ from andrea.config.declare import (
     section_keys,
 )
 
-# train.precision and muon_ns_precision; eval and generate take the same as --precision.
-PRECISIONS = ("auto", "bf16", "fp32")
+# train.precision; eval and generate take the same as --precision.
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+# train.muon_ns_precision: no fp16, whose range the Newton-Schulz iterations would not keep.
+NS_PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass
@@ -87,7 +89,8 @@ class TrainConfig:
     device: str = key("auto", "auto: cuda when there is a GPU, else cpu",
                       choices=("auto", "cpu", "cuda"), resumable=True)
     precision: str = key(
-        "auto", "auto: bf16 where the device has fast bf16 matmuls, else fp32",
+        "auto", "autocast dtype; fp16 trains with dynamic loss scaling; auto: bf16 on a GPU of "
+        "compute capability 8.0+ or a CPU with bf16 units, fp16 on 7.x GPUs and P100, else fp32",
         choices=PRECISIONS)
     compile: bool = key(False, "torch.compile the model", resumable=True)
     micro_batch_size: int | str = key(
@@ -175,7 +178,7 @@ class TrainConfig:
     muon_momentum: float = key(0.95, "Muon's momentum", check=fraction())
     muon_ns_precision: str = key(
         "auto", "dtype of Muon's Newton-Schulz iterations; auto: bf16 where the device has fast "
-        "bf16 matmuls, else fp32", choices=PRECISIONS)
+        "bf16 matmuls, else fp32", choices=NS_PRECISIONS)
     muon_ns_coefficients: str = key(
         "quintic", "quintic: torch's fixed (3.4445, -4.775, 2.0315); polar_express: the Polar "
         "Express paper's per-iteration quintics (arXiv:2505.16932); 5 iterations each",

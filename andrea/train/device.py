@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,15 +34,68 @@ def cpu_has_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """bf16 autocast where the hardware has fast bf16 matmuls (a GPU's native bf16 units, not
-    their emulation), else fp32 (for 'auto'). train.precision and train.muon_ns_precision."""
-    if precision == "fp32":
-        return torch.float32
-    if precision == "bf16":
-        return torch.bfloat16
+# Pre-Volta GPUs whose fp16 arithmetic runs at twice their fp32 rate (P100 sm_60, Jetson TX1 sm_53
+# and TX2 sm_62): fp16 pays there. Consumer Pascal (sm_61: GTX 10xx, P4, P40) does fp16 at 1/64
+# of fp32 and Maxwell (sm_50, sm_52) has no fp16 arithmetic: fp32.
+FAST_FP16_BEFORE_VOLTA = ((5, 3), (6, 0), (6, 2))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtype a run computes in (autocast; float32 is none) and why it was chosen."""
+
+    dtype: torch.dtype
+    why: str
+
+    @property
+    def name(self) -> str:
+        return next(name for name, dtype in DTYPES.items() if dtype == self.dtype)
+
+
+def choose_precision(precision: str, device: torch.device) -> Precision:
+    """train.precision (and eval's and generate's --precision): a name is obeyed; auto takes
+    what the device computes fastest without losing training quality (gpu_precision; a CPU:
+    bf16 where it has bf16 units, else fp32)."""
+    if precision in DTYPES:
+        scaled = "; fp16 with dynamic loss scaling" if precision == "fp16" else ""
+        return Precision(DTYPES[precision], "asked for" + scaled)
     if precision != "auto":
-        raise UserError(f"precision '{precision}': expected auto, bf16 or fp32")
+        raise UserError(f"precision '{precision}': expected auto, bf16, fp16 or fp32")
+    if device.type == "cuda":
+        return gpu_precision(torch.cuda.get_device_capability(device))
+    if cpu_has_bf16():
+        return Precision(torch.bfloat16, "auto: this CPU has bf16 units (AMX or AVX-512 BF16)")
+    return Precision(torch.float32, "auto: this CPU has no bf16 units, and fp16 is slower "
+                                    "than fp32 on a CPU")
+
+
+def gpu_precision(capability: tuple[int, int]) -> Precision:
+    """precision: auto on a GPU of this compute capability."""
+    cc = f"compute capability {capability[0]}.{capability[1]}"
+    if capability >= (8, 0):
+        return Precision(torch.bfloat16, f"auto: {cc} has bf16 tensor cores")
+    if capability >= (7, 0):
+        return Precision(torch.float16, f"auto: {cc} has fp16 tensor cores but no bf16 units "
+                                        f"(bf16 would be emulated); fp16 with loss scaling")
+    if capability in FAST_FP16_BEFORE_VOLTA:
+        return Precision(torch.float16, f"auto: {cc} has no tensor cores but computes fp16 at "
+                                        f"twice its fp32 rate; fp16 with loss scaling")
+    return Precision(torch.float32, f"auto: {cc} computes fp16 far slower than fp32 (or not "
+                                    f"at all) and has no bf16")
+
+
+def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype of choose_precision."""
+    return choose_precision(precision, device).dtype
+
+
+def muon_ns_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """train.muon_ns_precision: bf16 or fp32 by name; auto: bf16 where the device has fast bf16
+    matmuls (a GPU's native bf16 units, not their emulation), else fp32. Never fp16: the
+    iterations' range is not loss-scaled."""
+    if precision != "auto":
+        return DTYPES[precision]
     if device.type == "cuda":
         # Without bf16 units (T4, V100) bf16 is emulated in fp32 and slower than fp32 itself.
         native = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -52,3 +106,13 @@ def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
 def device_name(device: torch.device) -> str:
     """What kind of device this is, as checkpoints record it: 'cpu', or the GPU's model."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def precision_note(precision: str, device: str) -> str:
+    """One line for `andrea config show`: what train.precision means on this machine."""
+    try:
+        dev = pick_device(device)
+    except UserError as exc:
+        return f"train.precision: {precision}, decided when training starts ({exc})"
+    chosen = choose_precision(precision, dev)
+    return f"train.precision: {precision} -> {chosen.name} on {device_name(dev)} ({chosen.why})"

@@ -8,17 +8,55 @@ accounting; the causal mask's skipped half is counted, as FlashAttention papers 
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from andrea.config import ModelConfig
 
-# Dense bf16 tensor-core peaks, FLOP/s, by a substring of torch.cuda.get_device_name().
-GPU_PEAK_BF16 = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is lower, 756e12
-    "A100": 312e12,
-    "RTX 4090": 165e12,
+# Dense peak FLOP/s by the dtype a run computes in (train.precision), for the GPUs people train
+# on; a GPU is found by its name as torch.cuda.get_device_name() gives it (a key matching as
+# whole words, the first that matches). From each vendor datasheet or architecture whitepaper,
+# the dense figure (not "with sparsity"), the tensor-core rate with fp32 accumulation (what
+# autocast's matmuls use; GeForce Turing/Ampere/Ada cards halve it against fp16 accumulation),
+# and fp32 on the CUDA cores (andrea leaves TF32 off). No bf16 before Ampere (sm_80).
+#   T4: NVIDIA T4 datasheet (65 fp16 "mixed precision", 8.1 fp32)
+#   P100: Tesla P100 datasheet, PCIe 16 GB (18.7 fp16, 9.3 fp32; no tensor cores); SXM2 21.2/10.6
+#   V100: Tesla V100 datasheet, SXM2 (125 tensor, 15.7 fp32); PCIe 112/14
+#   RTX 2080 Ti: Turing whitepaper, reference clocks (53.8 fp16 with fp32 accumulate, 13.4)
+#   RTX 3090: Ampere GA102 whitepaper (71 fp16/bf16 with fp32 accumulate, 35.6)
+#   RTX 4090: Ada whitepaper (165.2 fp16/bf16 with fp32 accumulate, 82.6)
+#   A10: NVIDIA A10 datasheet (125 bf16/fp16, 31.2); A100: A100 datasheet (312, 19.5)
+#   L4: NVIDIA L4 datasheet (121 bf16/fp16, 30.3); L40S: L40S datasheet (362.05, 91.6)
+#   H100: H100 datasheet, SXM (989 bf16/fp16, 67 fp32); PCIe 756/51; H200: H200 datasheet (989, 67)
+TERA = 1e12
+GPU_PEAKS: dict[str, dict[str, float]] = {
+    "T4": {"fp16": 65 * TERA, "fp32": 8.1 * TERA},
+    "P100-SXM2": {"fp16": 21.2 * TERA, "fp32": 10.6 * TERA},
+    "P100": {"fp16": 18.7 * TERA, "fp32": 9.3 * TERA},
+    "V100-PCIE": {"fp16": 112 * TERA, "fp32": 14 * TERA},
+    "V100": {"fp16": 125 * TERA, "fp32": 15.7 * TERA},
+    "RTX 2080 Ti": {"fp16": 53.8 * TERA, "fp32": 13.4 * TERA},
+    "RTX 3090": {"fp16": 71 * TERA, "bf16": 71 * TERA, "fp32": 35.6 * TERA},
+    "RTX 4090": {"fp16": 165.2 * TERA, "bf16": 165.2 * TERA, "fp32": 82.6 * TERA},
+    "A10": {"fp16": 125 * TERA, "bf16": 125 * TERA, "fp32": 31.2 * TERA},
+    "A100": {"fp16": 312 * TERA, "bf16": 312 * TERA, "fp32": 19.5 * TERA},
+    "L4": {"fp16": 121 * TERA, "bf16": 121 * TERA, "fp32": 30.3 * TERA},
+    "L40S": {"fp16": 362.05 * TERA, "bf16": 362.05 * TERA, "fp32": 91.6 * TERA},
+    "H100 PCIe": {"fp16": 756 * TERA, "bf16": 756 * TERA, "fp32": 51 * TERA},
+    "H100": {"fp16": 989 * TERA, "bf16": 989 * TERA, "fp32": 67 * TERA},
+    "H200": {"fp16": 989 * TERA, "bf16": 989 * TERA, "fp32": 67 * TERA},
 }
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def gpu_peak(name: str, dtype: torch.dtype) -> float | None:
+    """The dense peak FLOP/s of the GPU called `name` in `dtype`, or None (not listed, or no
+    such units: bf16 on a T4)."""
+    for key, peaks in GPU_PEAKS.items():
+        if re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", name):
+            return peaks.get(DTYPE_NAMES.get(dtype, ""))
+    return None
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
@@ -48,25 +86,22 @@ CPU_NO_MFU = (
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Dense bf16 peak FLOP/s for MFU, or None (MFU then reads "n/a"): a CPU (see CPU_NO_MFU)
-    or a GPU not in GPU_PEAK_BF16."""
+    """The device's dense peak FLOP/s in `dtype` for MFU, or None (MFU then reads "n/a"): a CPU
+    (see CPU_NO_MFU) or a GPU not in GPU_PEAKS."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in GPU_PEAK_BF16.items():
-            if key in name:
-                # fp32 runs on TF32 or CUDA cores; quoting MFU against the bf16 peak stays honest.
-                return peak
+        return gpu_peak(torch.cuda.get_device_name(device), dtype)
     return None
 
 
-def no_mfu_reason(device: torch.device) -> str | None:
-    """Why MFU reads n/a on `device` (one line), or None when it has a known peak."""
+def no_mfu_reason(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why MFU reads n/a on `device` in `dtype` (one line), or None when it has a known peak."""
     if device.type == "cpu":
         return CPU_NO_MFU
-    if peak_flops(device, torch.bfloat16) is not None:
+    if peak_flops(device, dtype) is not None:
         return None
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return f"MFU is n/a: no peak FLOP/s known for {what} (andrea/train/flops.py GPU_PEAK_BF16)"
+    return (f"MFU is n/a: no {DTYPE_NAMES.get(dtype, dtype)} peak FLOP/s known for {what} "
+            f"(andrea/train/flops.py GPU_PEAKS)")
 
 
 class MfuMeter:
@@ -79,7 +114,7 @@ class MfuMeter:
         self.device, self.dtype, self.flops_token = device, dtype, flops_token
         self.devices = devices
         self.peak = peak_flops(device, dtype)
-        self.why_na = no_mfu_reason(device)
+        self.why_na = no_mfu_reason(device, dtype)
 
     def __call__(self, tokens_per_s: float) -> float | None:
         return mfu(tokens_per_s / self.devices, self.flops_token, self.peak)

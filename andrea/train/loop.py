@@ -39,6 +39,7 @@ from andrea.train.flops import format_mfu
 from andrea.train.optim import set_learning_rates
 from andrea.train.progress import RunBar, long_run_note
 from andrea.train.rundir import step_of_dir
+from andrea.train.scaling import MIN_SCALE
 from andrea.train.schedule import multiplier
 from andrea.train.session import Session, TrainResult
 from andrea.train.setup import set_up
@@ -213,6 +214,7 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
     t, step = s.cfg.train, s.step
     data_step = s.guard.data_step(step)  # past any data window a rollback left behind
     spike_scale = faults.spike_scale(data_step)  # None unless a test injects a spike
+    factor = (spike_scale or 1.0) * faults.overflow_factor(step + 1, s.dist.rank)
     accum = s.accum_at(step)  # fewer during a batch-size warm-up
     windows, length = s.windows_at(step)  # shorter ones during a sequence-length warm-up
     loss_sum = torch.zeros((), device=s.device)
@@ -232,12 +234,13 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
             with torch.autocast(s.device.type, dtype=s.dtype,
                                 enabled=s.dtype != torch.float32):
                 _, loss = s.train_model(x, y)
-            (loss * (spike_scale or 1.0) / accum).backward()
+            s.scaling.scale(loss * factor / accum).backward()
         loss_sum += loss.detach()
         bar.update(s.tokens_per_micro_batch)
         faults.after_micro_batch(step, micro)
     loss_mean = all_reduce_sum(loss_sum / accum, s.dist) / s.dist.world_size
     clip = t.grad_clip if t.grad_clip > 0 else math.inf
+    s.scaling.unscale(s.optimizer)  # the clip, the guard and the optimizer see true gradients
     grad_norm = s.parallel.clip(s.model, clip)
     loss_mean = faults.poison_loss(loss_mean, step + 1)
     loss_value, norm_value = torch.stack([loss_mean.float(), grad_norm.float()]).tolist()
@@ -245,27 +248,44 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
 
 
 def optimizer_step(s: Session, loss: float, grad_norm: float) -> str:
-    """Apply the step's gradients (or skip a non-finite one if allowed, or a spike the guard
-    holds back); the step is done. Returns the guard's action: apply, skip or rollback."""
+    """Apply the step's gradients (or skip a non-finite one if allowed, an fp16 overflow, or a
+    spike the guard holds back); the step is done. Returns the guard's action: apply, skip or
+    rollback."""
     s.step += 1
     action = guard_step(s, loss, grad_norm)
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        if action == APPLY:
-            s.optimizer.step()
-    elif s.cfg.train.skip_nonfinite:
-        s.skipped += 1
-        s.log.write("skip", step=s.step, reason="non-finite loss or gradient norm",
-                    skipped_total=s.skipped)
-    else:
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    overflow = s.scaling.overflowed(loss, grad_norm)
+    if not (finite or overflow or s.cfg.train.skip_nonfinite):
         raise NonFiniteError(
             f"non-finite loss or gradient norm at step {s.step} "
             f"(loss {loss}, grad norm {grad_norm})"
         )
+    s.scaling.step(s.optimizer, apply=finite and action == APPLY)
+    if overflow:
+        record_overflow(s, loss)
+    elif not finite:
+        s.skipped += 1
+        s.log.write("skip", step=s.step, reason="non-finite loss or gradient norm",
+                    skipped_total=s.skipped)
     s.optimizer.zero_grad(set_to_none=True)
     s.tokens_seen += s.tokens_at(s.step - 1)
     s.losses[s.step] = loss
     s.signals.completed_step = s.step
     return action
+
+
+def record_overflow(s: Session, loss: float) -> None:
+    """An fp16 step whose gradients overflowed: not applied, the scale halved; counted. A scale
+    fallen below MIN_SCALE means fp16 cannot hold these gradients at all: the run stops."""
+    s.scaling.overflows += 1
+    s.log.write("overflow", step=s.step, tokens=s.tokens_seen + s.tokens_at(s.step - 1),
+                loss=loss, loss_scale=s.scaling.value, overflows_total=s.scaling.overflows)
+    if s.scaling.value is not None and s.scaling.value < MIN_SCALE:
+        raise NonFiniteError(
+            f"the fp16 loss scale fell to {s.scaling.value:g} after {s.scaling.overflows} "
+            f"overflowing steps at step {s.step}: the gradients do not fit fp16 even unscaled; "
+            f"train with train.precision=bf16 or fp32"
+        )
 
 
 def guard_step(s: Session, loss: float, grad_norm: float) -> str:
@@ -341,17 +361,20 @@ def log_step(
         if note:
             bar.write(note, file=sys.stderr)
     step_mfu = s.mfu(tok_s)
+    scaling = ({"loss_scale": s.scaling.value, "overflows": s.scaling.overflows}
+               if s.scaling.enabled else {})
     if s.step % t.log_every == 0 or s.step == t.max_steps:
         s.log.write(
             "train", step=s.step, tokens=s.tokens_seen, loss=loss, lr=lr,
             grad_norm=grad_norm, tokens_per_s=round(tok_s, 1),
-            mfu=None if step_mfu is None else round(step_mfu, 4), **s.speed.fields(),
+            mfu=None if step_mfu is None else round(step_mfu, 4), **s.speed.fields(), **scaling,
         )
     run_tok_s = s.speed.tokens_per_s
     bar.set_rate(run_tok_s)
     bar.set_postfix_str(
         f"step {s.step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} "
-        f"mfu {format_mfu(run_mfu(s))}",
+        f"mfu {format_mfu(run_mfu(s))}"
+        + "".join(f" {k.replace('_', ' ')} {v:g}" for k, v in scaling.items()),
         refresh=True,
     )
 
@@ -410,7 +433,7 @@ def trainer_state(s: Session) -> TrainerState:
         micro_batch_size=s.micro_batch, parallel=s.parallel.name,
         tokens_per_step=s.tokens_per_step, device=device_name(s.device),
         max_steps=s.cfg.train.max_steps, schedule_anchor=s.schedule_anchor,
-        spike_guard=s.guard.state_dict(),
+        spike_guard=s.guard.state_dict(), loss_scaling=s.scaling.state_dict(),
     )
 
 
@@ -449,6 +472,7 @@ def finish(s: Session, state: str, exit_code: int, message: str, seconds: float)
         checkpoint=s.checkpoint.name if s.checkpoint else None,
         median_tokens_per_s=statistics.median(s.throughput) if s.throughput else None,
         tokens_per_s=s.speed.tokens_per_s, mfu=run_mfu(s), **s.speed.fields(),
+        **({"overflow_steps": s.scaling.overflows} if s.scaling.enabled else {}),
     )
     s.log.close()
     return TrainResult(

@@ -23,7 +23,7 @@ import torch
 from andrea.config import Config, TrainConfig
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea
-from andrea.train.device import pick_dtype
+from andrea.train.device import muon_ns_dtype
 from andrea.train.muon import Float32Muon, build_muon, split_parameters
 from andrea.train.schedule import Multiplier
 
@@ -90,7 +90,7 @@ def build_muon_with_adamw(model: Andrea, cfg: Config, device: torch.device, worl
     matrices, named = split_parameters(model)
     # Before AdamW is built, so a torch without Muon is refused first.
     muon = build_muon(matrices, t.muon_lr, t.muon_weight_decay, t.muon_momentum,
-                      pick_dtype(t.muon_ns_precision, device), world_size,
+                      muon_ns_dtype(t.muon_ns_precision, device), world_size,
                       polar_express=t.muon_ns_coefficients == "polar_express",
                       neuron_beta2=t.muon_neuron_beta2,
                       cautious_weight_decay=t.muon_cautious_weight_decay)

@@ -55,6 +55,7 @@ def announce(
 ) -> None:
     """Rank 0: the lines that say what the run will do, before its first step."""
     t, dist, cfg = s.cfg.train, s.dist, s.cfg
+    s.say(f"precision: {str(s.dtype).removeprefix('torch.')} ({s.precision_why})")
     s.say(f"attention: {backend} ({why})")
     for key, (old, new) in changes.items():
         s.say(f"resume: {key} {old} -> {new}")

@@ -17,6 +17,7 @@ from andrea.train.distributed import DistInfo
 from andrea.train.flops import MfuMeter
 from andrea.train.metrics import MetricsLog, Throughput
 from andrea.train.parallel import Parallel
+from andrea.train.scaling import LossScaling
 from andrea.train.signals import SignalWatch
 from andrea.train.spike import SpikeGuard
 from andrea.train.validation import ValSource
@@ -75,6 +76,8 @@ class Session:
     val_set: list[ValSource] | None = None  # the fixed val windows, made at the first eval
     schedule_anchor: dict[str, Any] | None = None  # the lr schedule re-planned on a resume
     warmup_accum: int = 0  # micro-batches per step during the batch-size warm-up (0: none)
+    scaling: LossScaling = field(default_factory=LossScaling)  # fp16's loss scaling, or none
+    precision_why: str = ""  # why the run computes in its dtype (train.precision auto: the device)
 
     @property
     def dist(self) -> DistInfo:  # the processes, as the parallel mode holds them

@@ -23,7 +23,7 @@ from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import snapshot
-from andrea.train.device import device_name, pick_dtype
+from andrea.train.device import choose_precision, device_name
 from andrea.train.distributed import (
     DistInfo,
     all_reduce_sum,
@@ -49,6 +49,7 @@ from andrea.train.resume import (
     resume_checkpoint,
 )
 from andrea.train.rundir import CONFIG, METRICS
+from andrea.train.scaling import loss_scaling_for
 from andrea.train.schedule import replan
 from andrea.train.session import Session, TrainResult
 from andrea.train.signals import SignalWatch
@@ -76,10 +77,10 @@ def set_up(
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist)
-    dtype = pick_dtype(t.precision, device)
+    precision = choose_precision(t.precision, device)
     backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
+    dtype = precision.dtype
     model, optimizer, names = build_model(cfg, device, parallel, dtype, backend)
-
     trainer_state: TrainerState | None = None  # the checkpoint's, as every rank has it
     if resume_from is not None:
         trainer_state = snapshot.restore_session(resume_from, run.sharded, model, optimizer,
@@ -101,6 +102,7 @@ def set_up(
         mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, model.num_params()),
                      devices=dist.world_size),
         preset=Path(cfg.source).stem, parallel=parallel, guard=SpikeGuard(t),
+        scaling=loss_scaling_for(dtype, device), precision_why=precision.why,
     )
     if trainer_state is not None:
         continue_from(s, trainer_state, resume_from)
@@ -184,6 +186,7 @@ def continue_from(s: Session, state: TrainerState, checkpoint: Path) -> None:
     s.best_val, s.best_step = state.best_val_loss, state.best_val_step
     s.checkpoint, s.checkpoint_step = checkpoint, state.step
     s.guard = SpikeGuard(s.cfg.train, state.spike_guard)
+    s.scaling.load_state_dict(state.loss_scaling)
     s.schedule_anchor = state.schedule_anchor
 
 

@@ -11,7 +11,8 @@ place that knows what checkpoints of earlier releases lack and what a missing ke
 - tokens_per_step and device with the one-resume-decision change (missing: one micro-batch
   per process, and the device the run resumes on);
 - max_steps, schedule_anchor and spike_guard with the spike guard (missing: the max_steps of
-  the run's config, the plain schedule, a fresh guard).
+  the run's config, the plain schedule, a fresh guard);
+- loss_scaling with train.precision fp16 (missing, or null for bf16 and fp32: a fresh scale).
 
 An imported run (`andrea import`) records where its weights came from instead of the training
 fields it has not used yet.
@@ -50,6 +51,7 @@ class TrainerState:
     max_steps: int | None = None  # the max_steps planned for; None: the run's config's
     schedule_anchor: dict[str, Any] | None = None  # the lr schedule as re-planned on a resume
     spike_guard: dict[str, Any] | None = None  # SpikeGuard.state_dict(); None: a fresh guard
+    loss_scaling: dict[str, Any] | None = None  # fp16's scaler state; None: none or a fresh one
     imported_from: str | None = None  # an imported run: the folder its weights came from
     imported_sha256: str | None = None  # and the digest of its weights file
 
@@ -66,12 +68,13 @@ class TrainerState:
             parallel=raw.get("parallel"),
             tokens_per_step=raw.get("tokens_per_step"), device=raw.get("device"),
             max_steps=raw.get("max_steps"), schedule_anchor=raw.get("schedule_anchor"),
-            spike_guard=raw.get("spike_guard"), imported_from=raw.get("imported_from"),
+            spike_guard=raw.get("spike_guard"), loss_scaling=raw.get("loss_scaling"),
+            imported_from=raw.get("imported_from"),
             imported_sha256=raw.get("imported_sha256"),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """trainer_state.json's content: a trained run's sixteen keys, or an import's first
+        """trainer_state.json's content: a trained run's seventeen keys, or an import's first
         keys and its source."""
         out = {key: getattr(self, key) for key in _FIRST_KEYS}
         if self.imported_from is not None:
@@ -81,7 +84,7 @@ class TrainerState:
             **out, "micro_batch_size": self.micro_batch_size, "parallel": self.parallel,
             "tokens_per_step": self.tokens_per_step, "device": self.device,
             "max_steps": self.max_steps, "schedule_anchor": self.schedule_anchor,
-            "spike_guard": self.spike_guard,
+            "spike_guard": self.spike_guard, "loss_scaling": self.loss_scaling,
         }
 
     def recorded_micro_batch(self, world_size: int, device: str) -> int | None:
