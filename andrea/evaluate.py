@@ -266,11 +266,10 @@ def evaluate_checkpoint(
 
 
 def format_results(results: list[EvalResult], as_json: bool = False) -> str:
-    """What `andrea eval` prints: one result's summary, a table of several, or JSON (an object
-    for one checkpoint, a list for several)."""
+    """What `andrea eval` prints: one result's summary, a table of several, or JSON: always a
+    list, one object per checkpoint (a script reads one checkpoint as it reads several)."""
     if as_json:
-        rows = [json.loads(r.to_json()) for r in results]
-        return json.dumps(rows[0] if len(rows) == 1 else rows, indent=2)
+        return json.dumps([json.loads(r.to_json()) for r in results], indent=2)
     return results[0].summary() if len(results) == 1 else format_table(results)
 
 

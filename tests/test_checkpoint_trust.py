@@ -82,7 +82,7 @@ def test_a_checkpoint_naming_a_users_folder_never_writes_there(tmp_path):
     proc = run_andrea("eval", "--checkpoint", str(ckpt), "--max-tokens", "64", "--no-progress",
                       "--json", cwd=home)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["data_dir"] == "data/shakespeare-byte"
+    assert json.loads(proc.stdout)[0]["data_dir"] == "data/shakespeare-byte"
     assert f"the run's config names {precious}, which is not prepared" in proc.stderr
     assert (home / "data/shakespeare-byte/manifest.json").is_file()
     assert snapshot(precious) == before

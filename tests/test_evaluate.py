@@ -119,7 +119,7 @@ def test_most_recent_run_and_json_on_the_command_line(tmp_path, trained):
     proc = run_andrea("eval", "--json", "--no-progress", "--max-tokens", "128",
                       "--precision", "fp32", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    (out,) = json.loads(proc.stdout)
     assert out["checkpoint"] == "runs/new/step-000020" and out["tokens"] == 128
     assert "runs/new/step-000020 (the most recent run under runs/)" in proc.stderr
     direct = evaluate_checkpoint(str(trained.checkpoint), None, 128, "fp32", "cpu", 8, False)
@@ -158,14 +158,14 @@ def test_a_missing_data_folder_is_prepared_from_the_run_config(tmp_path, data_di
     ]
     assert (tmp_path / "data/shakespeare-byte/manifest.json").is_file()
     assert not (tmp_path / "fresh").exists()
-    prepared = json.loads(proc.stdout)
+    (prepared,) = json.loads(proc.stdout)
     assert prepared["data_dir"] == "data/shakespeare-byte"
     given = evaluate_checkpoint(str(ckpt), str(data_dir), 200, "fp32", "cpu", 8, False)
     assert prepared["tokens"] == given.tokens == 200
     assert prepared["loss"] == given.loss and math.isfinite(given.loss)
     again = run_andrea(*args, cwd=tmp_path)  # prepared now: nothing more to say
-    assert again.returncode == 0 and again.stderr == "" and json.loads(again.stdout) == prepared
+    assert again.returncode == 0 and again.stderr == "" and json.loads(again.stdout) == [prepared]
     # A run whose data.dir holds prepared data reads it there (read only), as before.
     ckpt = make_checkpoint(tmp_path / "own", f"data.dir={data_dir}")
     proc = run_andrea(*args[:2], str(ckpt), *args[3:], cwd=tmp_path)
-    assert proc.returncode == 0 and json.loads(proc.stdout)["data_dir"] == str(data_dir)
+    assert proc.returncode == 0 and json.loads(proc.stdout)[0]["data_dir"] == str(data_dir)

@@ -200,7 +200,7 @@ def test_eval_task_lines_json_limit_and_truncation(tmp_path, trained):
     assert lines[1].startswith(f"hellaswag {hs}: acc ") and "acc_norm" in lines[1]
     assert lines[1].endswith("(5 examples, 1 truncated from the left to fit the block)")
     assert lines[2].startswith(f"lambada {lam}: acc ") and "loss" in lines[2]
-    out = json.loads(
+    (out,) = json.loads(
         run_andrea(*args, "--json", "--limit", "2", "--val", "--max-tokens", "256").stdout)
     assert [t["examples"] for t in out["tasks"]] == [2, 2] and out["loss"] > 0
     direct = evaluate_checkpoints(

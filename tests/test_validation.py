@@ -69,7 +69,7 @@ def test_same_val_loss_at_any_micro_batch_and_process_count(tmp_path, data_dir):
                      str(EVAL_TOKENS), "--precision", "fp32", "--batch-size", "3", "--json",
                      "--no-progress")
     assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
+    (got,) = json.loads(out.stdout)  # a list, also of one checkpoint
     (record,) = evals(tmp_path / "m4")
     assert got["tokens"] == EVAL_TOKENS and got["step"] == 1
     assert got["loss"] == pytest.approx(record["val_loss"], rel=1e-6)
@@ -121,7 +121,7 @@ def test_a_mixture_is_scored_per_source_with_a_weighted_total(tmp_path):
 
     args = ("eval", "--checkpoint", str(result.run_dir), "--max-tokens", str(EVAL_TOKENS),
             "--precision", "fp32", "--no-progress")
-    got = json.loads(run_andrea(*args, "--json").stdout)
+    (got,) = json.loads(run_andrea(*args, "--json").stdout)
     assert [s["name"] for s in got["sources"]] == [str(a), str(b)]
     assert got["loss"] == pytest.approx(record["val_loss"], rel=1e-6)
     for s in got["sources"]:
@@ -130,7 +130,7 @@ def test_a_mixture_is_scored_per_source_with_a_weighted_total(tmp_path):
     table = run_andrea(*args).stdout.splitlines()
     assert "weighted over the sources" in table[0] and len(table) == 3
     assert table[2].startswith(f"  {b} (weight 0.250): loss {lb:.4f}")
-    only = json.loads(run_andrea(*args, "--source", "b.txt", "--json").stdout)
+    (only,) = json.loads(run_andrea(*args, "--source", "b.txt", "--json").stdout)
     assert [s["name"] for s in only["sources"]] == [str(b)]
     assert only["loss"] == pytest.approx(lb, rel=1e-6)
     from conftest import assert_user_error

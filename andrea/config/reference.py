@@ -69,7 +69,8 @@ tests/test_config.py fails when this file differs. Edit the declarations, not th
 A config is a YAML file with three sections, `model`, `data` and `train`, each a mapping of the
 keys below; a key left out takes its default. `--set SECTION.KEY=VALUE` overrides one key (the
 value read as YAML), `andrea config show --config X` prints a config as resolved, and
-`andrea config keys` prints this list (`--json` for a program). An unknown key, a value of the
+`andrea config keys` prints this list (`--json`: a list with one object per key, `key`,
+`default`, `allowed`, `choices`, `on_resume` and `description`). An unknown key, a value of the
 wrong type or outside what it allows is a one-line error naming the file and the key.
 
 On resume: a resumed run's config may differ from its own config.yaml (by `--set`, or the
