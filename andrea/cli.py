@@ -135,6 +135,9 @@ def train_cmd(
     ] = None,
 ) -> None:
     """Train a model (also under torchrun for several processes)."""
+    if resume is not None and overwrite:
+        raise UserError(f"--resume {resume} --overwrite: give one; --resume continues the run, "
+                        "--overwrite deletes it and starts a new one")
     from andrea.train.loop import summary_line, train
     from andrea.train.resume import config_for_run
 

@@ -78,3 +78,22 @@ def test_parser_errors_are_one_line(capsys, argv, fragment):
 def test_a_parser_error_in_a_real_process_is_one_line_exit_2():
     line = assert_user_error(run_andrea("train", "--stop-after", "0"), "--stop-after")
     assert "andrea train --help" in line
+
+
+def test_an_empty_config_is_an_error_naming_the_file_and_the_preset_meant(capsys, tmp_path):
+    shadow, mine, defaults = (tmp_path / n for n in ("andrea-12m.yaml", "mine.yaml", "all.yaml"))
+    shadow.write_text("")
+    mine.write_text("# only a comment\n")
+    defaults.write_text("{}\n")  # asks for every default in so many words
+    code, _, err = run_main(capsys, "config", "show", "-c", str(shadow))
+    assert code == 2 and err.startswith(f"error: {shadow}: the config file is empty")
+    assert "--config andrea-12m," in err and len(err.splitlines()) == 1
+    code, _, err = run_main(capsys, "config", "show", "-c", str(mine))
+    assert code == 2 and f"{mine}: the config file is empty" in err and "andrea-tiny" in err
+    code, out, _ = run_main(capsys, "config", "show", "-c", str(defaults))
+    assert code == 0 and "name: all" in out
+
+
+def test_resume_with_overwrite_is_refused(capsys):
+    code, out, err = run_main(capsys, "train", "--resume", "auto", "--overwrite")
+    assert (code, out) == (2, "") and err.startswith("error: --resume auto --overwrite: give one")

@@ -291,9 +291,15 @@ def test_overwrite_replaces_a_run_only_once_the_new_one_can_start(tmp_path, data
     assert (run_dir / "latest").read_text().strip() == "step-000002"
     assert (run_dir / "step-000002" / "model.safetensors").is_file()
 
+    old = [f for f in (run_dir / "step-000002").iterdir()] + [run_dir / "metrics.jsonl"]
+    mib = sum(f.stat().st_size for f in old) / 2**20
     replaced = run_andrea("train", "-c", path, "--overwrite", "--no-progress",
                           "--set", "train.max_steps=1")
     assert replaced.returncode == 0, replaced.stderr
+    # It names what it deletes before it does.
+    assert replaced.stdout.splitlines()[0] == (f"--overwrite: deleting the run in {run_dir} "
+                                               f"(1 checkpoint, the newest at step 2, "
+                                               f"{mib:.1f} MiB on disk)")
     assert [c.name for c in ckpt_io.list_checkpoints(run_dir)] == ["step-000001"]
     assert len(read_events(run_dir, "start")) == 1
 

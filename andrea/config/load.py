@@ -255,6 +255,8 @@ def load_config(name: str | Path | None = None, overrides: typing.Sequence[str] 
             line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise UserError(f"{path}: YAML syntax error{line}: {problem}") from None
+        if data is None:
+            raise UserError(_empty_config(path))
         cfg = from_dict(data, origin)
         if not cfg.train.name:
             cfg.train.name = path.stem
@@ -262,6 +264,17 @@ def load_config(name: str | Path | None = None, overrides: typing.Sequence[str] 
         section, key, value = parse_override(text)
         _apply(cfg, section, key, value, f"--set {text}")
     return validate(cfg, origin if not overrides else f"{origin} (with --set overrides)")
+
+
+def _empty_config(path: Path) -> str:
+    """The error for a config file with no keys (an empty file, or comments only): training
+    every default under the file's name is rarely what was meant; `{}` still asks for it."""
+    presets = sorted(p.stem for p in configs_dir().glob("*.yaml"))
+    close = difflib.get_close_matches(path.stem, presets, n=1, cutoff=SUGGEST_CUTOFF)
+    meant = (f"for the bundled preset give --config {close[0]}," if close
+             else f"give a bundled preset ({', '.join(presets)}),")
+    return (f"{path}: the config file is empty; {meant} or write the keys you change "
+            "(docs/config.md), or {} for every default")
 
 
 def config_from_dict(data: dict[str, Any], origin: str = "<dict>") -> Config:

@@ -74,6 +74,18 @@ def step_dirs(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: step_of_dir(p) or 0)
 
 
+def describe_run(run_dir: Path) -> str:
+    """What a run folder holds, for the line that names it before --overwrite deletes it:
+    its checkpoints, the newest one's step, and their size with the metrics on disk."""
+    steps = step_dirs(run_dir)
+    files = [f for d in steps for f in d.rglob("*") if f.is_file()]
+    files += [run_dir / METRICS] if (run_dir / METRICS).is_file() else []
+    size = sum(f.stat().st_size for f in files)
+    newest = f", the newest at step {step_of_dir(steps[-1])}" if steps else ""
+    return (f"{len(steps)} checkpoint{'s' if len(steps) != 1 else ''}{newest}, "
+            f"{size / 2**20:.1f} MiB on disk")
+
+
 def read_safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file, checked against the file's size; a ValueError
     saying what is wrong (truncated, a length past the end, data past the end) otherwise.

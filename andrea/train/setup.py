@@ -48,7 +48,7 @@ from andrea.train.resume import (
     restart_resume,
     resume_checkpoint,
 )
-from andrea.train.rundir import CONFIG, METRICS
+from andrea.train.rundir import CONFIG, METRICS, describe_run
 from andrea.train.scaling import loss_scaling_for
 from andrea.train.schedule import replan
 from andrea.train.session import Session, TrainResult
@@ -286,8 +286,10 @@ def say_restart(checkpoint: Path) -> None:
 
 
 def clear_run(run_dir: Path) -> None:
-    """--overwrite: remove the old run's checkpoints and metrics. Called only once every set-up
-    check has passed, so a bad config or missing data never costs the old run."""
+    """--overwrite: remove the old run's checkpoints and metrics, saying first what they were.
+    Called only once every set-up check has passed, so a bad config or missing data never costs
+    the old run."""
+    print(f"--overwrite: deleting the run in {run_dir} ({describe_run(run_dir)})", flush=True)
     for old in ckpt_io.list_checkpoints(run_dir):
         shutil.rmtree(old)
     for stale in (METRICS, ckpt_io.LATEST):
