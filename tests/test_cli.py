@@ -97,3 +97,28 @@ def test_an_empty_config_is_an_error_naming_the_file_and_the_preset_meant(capsys
 def test_resume_with_overwrite_is_refused(capsys):
     code, out, err = run_main(capsys, "train", "--resume", "auto", "--overwrite")
     assert (code, out) == (2, "") and err.startswith("error: --resume auto --overwrite: give one")
+
+
+def test_prepare_input_takes_data_keys_by_set(capsys, tmp_path):
+    import json
+
+    records = tmp_path / "in.jsonl"
+    records.write_text("".join(json.dumps({"body": f"record {i} " * 20}) + "\n"
+                               for i in range(40)))
+    out = tmp_path / "shards"
+    code, _, err = run_main(capsys, "prepare", "--input", str(records), "--tokenizer", "byte",
+                            "--workers", "1", "--out", str(out), "--set", "data.text_field=body",
+                            "--set", "data.shard_tokens=1000", "--set", "data.val_fraction=0.25")
+    assert code == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["shard_tokens"] == 1000 and manifest["split"]["val_fraction"] == 0.25
+    assert len(list(out.glob("train_*.bin"))) > 1  # cut at 1,000 tokens
+    code, _, err = run_main(capsys, "prepare", "--input", str(records), "--set", "model.n_layer=2")
+    assert code == 2 and "data keys only" in err and "--set model.n_layer=2" in err
+
+
+def test_a_vocabulary_mismatch_names_the_set_that_fixes_it(capsys, tmp_path):
+    code, _, err = run_main(capsys, "prepare", "--config", "andrea-12m", "--set",
+                            "data.tokenizer=gpt2", "--out", str(tmp_path / "never"))
+    assert code == 2 and "--set model.vocab_size=50257" in err, err
+    assert not (tmp_path / "never").exists()

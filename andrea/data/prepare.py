@@ -61,7 +61,7 @@ from andrea.errors import UserError
 from andrea.fileio import atomic_write_text, is_disk_full
 
 if TYPE_CHECKING:
-    from andrea.config import Config
+    from andrea.config import Config, DataConfig
 
 
 def _check_arguments(
@@ -341,7 +341,8 @@ def check_vocab(tokenizer_vocab: int, model_vocab: int, where: str) -> None:
     if tokenizer_vocab > model_vocab:
         raise UserError(
             f"{where}: the tokenizer has {tokenizer_vocab:,} ids but model.vocab_size is "
-            f"{model_vocab:,}; set model.vocab_size >= {tokenizer_vocab}"
+            f"{model_vocab:,}; give the model a row per id: --set model.vocab_size="
+            f"{tokenizer_vocab} (or more; in a config, model: {{vocab_size: {tokenizer_vocab}}})"
         )
 
 
@@ -440,9 +441,10 @@ def prepare_command(
         return prepare_from_config(cfg, force=force)
     if input is None:
         raise UserError("prepare: give --config X (e.g. andrea-12m) or --input FILE|DIR|GLOB")
-    if overrides:
-        raise UserError("prepare: --set needs --config")
-    kind = tokenizer or "bpe"
+    d = input_settings(overrides, dict(
+        tokenizer=tokenizer, dir=out, errors=errors, workers=workers,
+        tokenizer_file=tokenizer_file, text_field=text_field))
+    kind, tokenizer_file = d.tokenizer, d.tokenizer_file or None
     if tokenizer_file is not None:
         if kind != "bpe" or vocab_size is not None:
             raise UserError(
@@ -452,11 +454,32 @@ def prepare_command(
         vocab_size = 4096
     if kind != "bpe" and vocab_size is not None:
         raise UserError(f"--vocab-size applies to --tokenizer bpe only, not {kind}")
-    target = Path(out) if out else default_data_dir(input, kind, vocab_size or 0,
-                                                    tokenizer_file or "")
+    target = Path(d.dir) if d.dir else default_data_dir(
+        input, kind, vocab_size or 0, tokenizer_file or "")
     return prepare_inputs(
-        input, kind, target, vocab_size=vocab_size, force=force, errors=errors or "strict",
-        workers=workers or 0, tokenizer_file=tokenizer_file or "",
-        text_field=text_field or "text",
+        input, kind, target, vocab_size=vocab_size, force=force, errors=d.errors,
+        workers=d.workers, val_fraction=d.val_fraction, shard_tokens=d.shard_tokens,
+        tokenizer_file=tokenizer_file or "", text_field=d.text_field,
     )
+
+
+def input_settings(overrides: list[str] | None, flags: dict[str, Any]) -> DataConfig:
+    """`prepare --input`'s data settings: `--set data.KEY=VALUE` checked as in a config (the
+    data section's declarations), then the flags given, which name the same keys and win (as
+    with --config); prepare_inputs checks their values. --input names the input, so
+    data.source and data.sources have no place here."""
+    from andrea.config import load_config, parse_override
+
+    for text in overrides or []:
+        section, key, _ = parse_override(text)
+        if key in ("source", "sources"):
+            raise UserError(f"--set {text}: --input names the input; give one of the two")
+        if section != "data":
+            raise UserError(f"--set {text}: prepare --input takes data keys only (shard_tokens, "
+                            f"val_fraction, text_field, ...); {section} keys go with --config")
+    cfg = load_config(None, overrides or [])
+    for key, value in flags.items():
+        if value is not None:
+            setattr(cfg.data, key, value)
+    return cfg.data
 
