@@ -25,6 +25,8 @@ ANDREA_FAULTS holds comma-separated items, each KIND@WHERE; at most one item per
 - ``disk-full@AREA:NAME``: the write NAME of AREA fails as on a full disk (OSError ENOSPC), for
   a machine where no small filesystem can be mounted: ``checkpoint:step-000004`` (that
   checkpoint, after its model file is written), ``prepare:train_000003.bin`` (that shard file).
+- ``sigterm@STEP.MICRO``, ``sigkill@STEP.MICRO``: as sigint@, with SIGTERM (a scheduler's stop)
+  or SIGKILL (``kill -9``: nothing runs after it) at that micro-batch.
 
 Example: ``ANDREA_FAULTS=nan@7,checkpoint-delay@2``. The CLI parses the variable once
 (`install_from_environment`); a malformed item is a one-line error naming it. Unset, every hook
@@ -60,6 +62,8 @@ class Faults:
     checkpoint_delay: float = 0.0
     prepare_pause: tuple[str, str | None] | None = None  # (shard file, until file)
     disk_full: str | None = None  # "AREA:NAME", the write that fails
+    sigterm_after: tuple[int, int] | None = None  # as sigint_after
+    sigkill_after: tuple[int, int] | None = None  # as sigint_after
 
 
 def _nan(where: str) -> tuple[str, Any]:
@@ -105,6 +109,14 @@ def _prepare_pause(where: str) -> tuple[str, Any]:
     return "prepare_pause", (shard, until or None)
 
 
+def _sigterm(where: str) -> tuple[str, Any]:
+    return "sigterm_after", _sigint(where)[1]
+
+
+def _sigkill(where: str) -> tuple[str, Any]:
+    return "sigkill_after", _sigint(where)[1]
+
+
 def _disk_full(where: str) -> tuple[str, Any]:
     area, colon, name = where.partition(":")
     if not colon or not area or not name:
@@ -123,6 +135,8 @@ KINDS = {
     "prepare-pause": ("prepare-pause@SHARD[:UNTIL_FILE]", _prepare_pause),
     "disk-full": ("disk-full@AREA:NAME", _disk_full),
     "overflow": ("overflow@STEP", _overflow),
+    "sigterm": ("sigterm@STEP.MICRO", _sigterm),
+    "sigkill": ("sigkill@STEP.MICRO", _sigkill),
 }
 
 
@@ -162,9 +176,13 @@ def install_from_environment() -> None:
 
 
 def after_micro_batch(step: int, micro: int) -> None:
-    """sigint@: Ctrl-C as if it came during this micro-batch."""
-    if _active.sigint_after == (step, micro):
-        os.kill(os.getpid(), signal.SIGINT)
+    """sigint@, sigterm@, sigkill@: that signal as if it came during this micro-batch."""
+    at = (step, micro)
+    for sig, asked in ((signal.SIGINT, _active.sigint_after),
+                       (signal.SIGTERM, _active.sigterm_after),
+                       (signal.SIGKILL, _active.sigkill_after)):
+        if asked == at:
+            os.kill(os.getpid(), sig)
 
 
 def poison_loss(loss: Any, step: int) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import math
+import signal
 
 import pytest
 import torch
@@ -100,3 +101,16 @@ def test_no_production_module_reads_a_fault_from_the_environment():
     sources = {p: p.read_text() for p in (REPO / "andrea").rglob("*.py")}
     assert not [p for p, s in sources.items() if "ANDREA_TEST" in s or "ANDREA_PREPARE" in s]
     assert "os.environ" not in sources[REPO / "andrea" / "train" / "loop.py"]
+
+
+def test_each_signal_fault_sends_its_own_signal_at_its_micro_batch(inject_faults, monkeypatch):
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    inject_faults("sigint@1.0,sigterm@2.1,sigkill@5.1")
+    for step in range(7):
+        for micro in range(2):
+            faults.after_micro_batch(step, micro)
+    pid = faults.os.getpid()
+    assert sent == [(pid, signal.SIGINT), (pid, signal.SIGTERM), (pid, signal.SIGKILL)]
+    with pytest.raises(UserError, match="is not sigkill@STEP.MICRO"):
+        faults.parse("sigkill@5")
