@@ -1,0 +1,447 @@
+"""The fault matrix (issue 33): each fault injected into a short real run, one row each.
+
+    python scripts/faults.py [--work DIR] [--only NAME ...]
+
+On one machine, CPU, a few minutes. Every run is the real `andrea` command in a subprocess (one
+thread each) on the tiny preset: 12 steps of 1,024 tokens, a checkpoint every 4, fp32. Each row
+injects one fault (ANDREA_FAULTS, a signal, a tmpfs too small for the writes where this process
+may mount one, else a write failing with ENOSPC at the same call), recovers as a user would (the
+same command, or `--resume`), and compares the outcome with an uninterrupted run: every step's
+loss and grad norm and the final weights, exactly ("identical"), or the prepared shards byte for
+byte. "lost" counts the steps completed but not in a checkpoint when the fault hit (for prepare:
+complete shards lost). A row whose feature is not on this branch says "not available".
+Prints the CPU's model name first; the table is Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import filecmp
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from andrea import faults
+from andrea.resources import cpu_name
+
+STEPS, EVERY = 12, 4
+SETS = ("train.max_steps=12", "train.checkpoint_every=4", "train.eval_every=0",
+        "train.log_every=1", "train.global_batch_tokens=1024", "train.precision=fp32")
+LINE = "Line {j} of {name}: the quick brown fox jumps over the lazy dog.\n"
+PREPARE = ("prepare", "-c", "andrea-tiny", "--set", "data.source=in", "--set",
+           "data.shard_tokens=20000")
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class Row:
+    fault: str
+    did: str
+    lost: str
+    after: str
+    test: str  # the test that covers the row
+
+
+class Bench:
+    """The work folder: prepared data, the uninterrupted runs compared against, and helpers
+    that run andrea there."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.data = work / "data"
+        self.runs = work / "runs"
+        self._refs: dict[str, Path] = {}
+
+    def env(self, fault: str = "") -> dict[str, str]:
+        return {**os.environ, **ENV, **({faults.VARIABLE: fault} if fault else {})}
+
+    def train_args(self, name: str, *extra: str) -> list[str]:
+        runs = self.runs.relative_to(self.work)  # relative: the messages stay short
+        sets = [*SETS, "data.dir=data", f"train.runs_dir={runs}", f"train.name={name}"]
+        return ["train", "-c", "andrea-tiny", *[a for s in sets for a in ("--set", s)],
+                "--no-progress", "--overwrite", *extra]  # a new run, whatever --work holds
+
+    def andrea(
+        self, *args: str, fault: str = "", cwd: Path | None = None
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "andrea", *args], env=self.env(fault),
+                              cwd=cwd or self.work, capture_output=True, text=True, timeout=600)
+
+    def start(self, *args: str, fault: str = "", torchrun: int = 0,
+              cwd: Path | None = None) -> subprocess.Popen:
+        return subprocess.Popen(launcher(torchrun) + ["-m", "andrea", *args], env=self.env(fault),
+                                cwd=cwd or self.work, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def torchrun(
+        self, *args: str, fault: str = "", restarts: int = 0
+    ) -> subprocess.CompletedProcess:
+        cmd = launcher(2, restarts) + ["-m", "andrea", *args]
+        return subprocess.run(cmd, env=self.env(fault), cwd=self.work, capture_output=True,
+                              text=True, timeout=600)
+
+    def reference(self, procs: int = 1) -> Path:
+        """The uninterrupted run on `procs` processes (trained once)."""
+        name = f"ref{procs}"
+        if name not in self._refs and latest_step(self.runs / name) != STEPS:
+            args = self.train_args(name)
+            r = self.torchrun(*args) if procs > 1 else self.andrea(*args)
+            check(r, f"the uninterrupted run on {procs} process(es)")
+        self._refs[name] = self.runs / name
+        return self._refs[name]
+
+
+def launcher(procs: int, restarts: int = 0) -> list[str]:
+    """python, or torchrun with `procs` processes on 127.0.0.1 (a static rendezvous)."""
+    if not procs:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+            f"--max-restarts={restarts}"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check(r: subprocess.CompletedProcess, what: str) -> None:
+    if r.returncode != 0:
+        raise SystemExit(f"{what} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+
+
+# ----------------------------------------------------------------------------- comparing
+
+
+def steps_of(run: Path) -> dict[int, tuple[float, float]]:
+    """Each step's (loss, grad norm), the last record of a step winning (a resume redoes it)."""
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r.get("event") == "train":
+            out[r["step"]] = (r["loss"], r["grad_norm"])
+    return out
+
+
+def latest_step(run: Path) -> int:
+    latest = run / "latest"
+    return int(latest.read_text().strip().split("-")[-1]) if latest.exists() else 0
+
+
+def same_run(run: Path, ref: Path) -> str:
+    """'identical' when every step's loss and grad norm and the final weights equal the
+    uninterrupted run's exactly; else what differs."""
+    import torch
+
+    from andrea.train.checkpoint import read_model_checkpoint, resolve_checkpoint
+
+    got, want = steps_of(run), steps_of(ref)
+    if sorted(got) != sorted(want):
+        return f"differs: steps {sorted(got)} against {sorted(want)}"
+    bad = [s for s in want if got[s] != want[s]]
+    a = read_model_checkpoint(resolve_checkpoint(run))[0]
+    b = read_model_checkpoint(resolve_checkpoint(ref))[0]
+    tensors = [k for k in b if not torch.equal(a[k], b[k])]
+    if bad or tensors:
+        return f"differs: {len(bad)} steps, {len(tensors)} tensors"
+    return "identical"
+
+
+def same_shards(a: Path, b: Path) -> str:
+    names = sorted(p.name for p in b.glob("*.bin"))
+    if sorted(p.name for p in a.glob("*.bin")) != names:
+        return "differs: other shard files"
+    equal = filecmp.cmpfiles(a, b, names, shallow=False)[0]
+    return "identical" if equal == names and (a / "manifest.json").exists() else "differs"
+
+
+def said(stderr: str) -> str:
+    """andrea's own last line (a traceback's last line for a crash), for the table."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback") for ln in lines):
+        return f"traceback ({lines[-1][:60]})"
+    return lines[-1] if lines else "nothing"
+
+
+def wait_until(cond: Callable[[], bool], proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise SystemExit(f"the run ended or hung before the fault: {proc.communicate()}")
+        time.sleep(0.05)
+
+
+def collect(stream) -> list[str]:
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(stream), daemon=True).start()
+    return lines
+
+
+# ----------------------------------------------------------------------------- training rows
+
+
+def resumed(b: Bench, name: str, ref: Path, procs: int = 1) -> str:
+    """Resume runs/NAME as a user would (`--resume`) and compare it with `ref`."""
+    args = ["train", "--resume", str((b.runs / name).relative_to(b.work)), "--no-progress"]
+    r = b.torchrun(*args) if procs > 1 else b.andrea(*args)
+    if r.returncode != 0:
+        return f"resume failed: {said(r.stderr)}"
+    partial = list((b.runs / name).glob("*.partial-*"))
+    return same_run(b.runs / name, ref) + (f" ({len(partial)} partial left)" if partial else "")
+
+
+def signal_row(b: Bench, name: str, fault: str, label: str, test: str) -> Row:
+    """A signal (or SIGKILL) from ANDREA_FAULTS in step 6.s first micro-batch."""
+    ref = b.reference()
+    r = b.andrea(*b.train_args(name), fault=fault)
+    done, kept = max(steps_of(b.runs / name)), latest_step(b.runs / name)
+    did = f"exit {r.returncode}; {said(r.stderr)}" if r.returncode > 0 else \
+        f"killed ({r.returncode}); latest stayed step {kept}"
+    return Row(label, did, str(done - kept), resumed(b, name, ref), test)
+
+
+def kill_mid_checkpoint(b: Bench) -> Row:
+    # test_train.py::test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable
+    ref, name = b.reference(), "kill9ckpt"
+    proc = b.start(*b.train_args(name), fault="checkpoint-delay@2")
+    run = b.runs / name
+    wait_until(lambda: any(run.glob("step-000008.partial-*/model.safetensors")), proc)
+    proc.kill()
+    proc.communicate()
+    done, kept = max(steps_of(run)), latest_step(run)
+    did = f"killed mid-write of step 8; latest stayed step {kept}; the resume swept the partial"
+    return Row("kill -9 mid-checkpoint", did, str(done - kept), resumed(b, name, ref),
+               "test_train.py::test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable")
+
+
+def double_signal(b: Bench) -> Row:
+    # test_train.py::test_second_signal_exits_at_once_leaving_the_last_checkpoint
+    ref, name = b.reference(), "double"
+    proc = b.start(*b.train_args(name), fault="sigint@5.0,checkpoint-delay@3")
+    err, run = collect(proc.stderr), b.runs / name
+    wait_until(lambda: any(run.glob("step-000005.partial-*/model.safetensors")), proc)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    time.sleep(0.2)  # the reader thread's last lines
+    done, kept = max(steps_of(run)), latest_step(run)
+    did = f"exit {proc.returncode}; {said(''.join(err))}"
+    return Row("double Ctrl-C (2nd during its checkpoint)", did, str(done - kept),
+               resumed(b, name, ref),
+               "test_train.py::test_second_signal_exits_at_once_leaving_the_last_checkpoint")
+
+
+def launcher_sigterm(b: Bench) -> Row:
+    ref, name = b.reference(2), "launcher"
+    proc = b.start(*b.train_args(name), torchrun=2)
+    err, run = collect(proc.stderr), b.runs / name
+    wait_until(lambda: (run / "metrics.jsonl").exists() and max(steps_of(run), default=0) >= 5,
+               proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    time.sleep(0.2)
+    done, kept = max(steps_of(run)), latest_step(run)
+    ours = [ln for ln in err if "SIGTERM" in ln and "torch" not in ln]
+    did = f"exit {proc.returncode}; {ours[-1].strip() if ours else said(''.join(err))}"
+    return Row("torchrun launcher SIGTERMed (2 processes)", did, str(done - kept),
+               resumed(b, name, ref, procs=2), "none yet")
+
+
+def torchrun_restart(b: Bench) -> Row:
+    label = "torchrun worker killed, --max-restarts 1"
+    if "kill-after" not in faults.KINDS:
+        return Row(label, "not available: needs the torchrun restarts of issue 33", "-", "-",
+                   "-")
+    ref, name = b.reference(2), "restart"
+    r = b.torchrun(*b.train_args(name), fault="kill-after@1:step-000008", restarts=1)
+    run = b.runs / name
+    restarted = [ln for ln in r.stdout.splitlines() + r.stderr.splitlines()
+                 if "torchrun restart" in ln]
+    did = f"exit {r.returncode}; " + (restarted[0].strip() if restarted else said(r.stderr))
+    lost = str(8 - latest_step_before_restart(run))
+    after = same_run(run, ref) if r.returncode == 0 else "did not finish"
+    return Row(label, did, lost, after, "test_parallel.py (restarts)")
+
+
+def latest_step_before_restart(run: Path) -> int:
+    """The step a restarted run resumed from: its second start event's."""
+    starts = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()
+              if '"start"' in ln]
+    return int(starts[-1]["step"]) if len(starts) > 1 else 0
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str) -> Iterator[bool]:
+    """A tmpfs of `size` at `folder` (True) where this process may mount one, else nothing
+    (False: the row injects ENOSPC instead). Unmounted at the end."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                              str(folder)], capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+
+
+def grow(folder: Path, mounted: bool) -> None:
+    if mounted:
+        subprocess.run(["mount", "-o", "remount,size=64m", str(folder)], check=True)
+
+
+def checkpoint_disk_full(b: Bench) -> Row:
+    label = "full disk during a checkpoint"
+    ref, name = b.reference(), "diskfull"
+    size = sum(p.stat().st_size for p in (ref / "step-000004").rglob("*") if p.is_file())
+    small = Bench(b.work)
+    small.runs = b.work / "small-runs"
+    with small_disk(small.runs, f"{(2 * size + size // 2) // 1024 + 64}k") as mounted:
+        fault = "" if mounted else "disk-full@checkpoint:step-000012"
+        r = small.andrea(*small.train_args(name), fault=fault)
+        run = small.runs / name
+        if r.returncode == 0:
+            return Row(label, "not available: the checkpoint write takes no disk-full fault "
+                       "here", "-", "-", "-")
+        done, kept = max(steps_of(run)), latest_step(run)
+        partial = len(list(run.glob("*.partial-*")))
+        did = f"exit {r.returncode}; {said(r.stderr)}; {partial} partial folder(s) left"
+        grow(small.runs, mounted)
+        after = resumed(small, name, ref)
+    how = "tmpfs" if mounted else "ENOSPC injected"
+    return Row(f"{label} ({how})", did, str(done - kept), after,
+               "test_checkpoint_disk (ckptdisk)")
+
+
+# ----------------------------------------------------------------------------- prepare rows
+
+
+def corpus(work: Path) -> Path:
+    """About 100 KB of text in two files: 5 train shards and 2 val ones of 20,000 byte tokens."""
+    for name in ("a.txt", "sub/b.txt"):
+        path = work / "in" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(LINE.format(j=j, name=name) for j in range(800)))
+    return work
+
+
+def clean_prepare(b: Bench) -> Path:
+    out = b.work / "prep-clean"
+    if not (out / "manifest.json").exists():
+        check(b.andrea(*PREPARE, "-o", out.name), "the uninterrupted prepare")
+    return out
+
+
+def paused_prepare(b: Bench, out: Path, sig: int, *extra: str) -> tuple[int, str]:
+    """A prepare into `out` paused in its third train shard, then sent `sig`."""
+    proc = b.start(*PREPARE, "-o", out.name, *extra, fault="prepare-pause@train_000002.bin")
+    for line in proc.stderr:
+        if "paused in" in line:
+            break
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def prepare_stopped(b: Bench, sig: int, label: str, test: str, *extra: str) -> Row:
+    clean, out = clean_prepare(b), b.work / f"prep-{signal.Signals(sig).name}"
+    shutil.rmtree(out, ignore_errors=True)
+    code, err = paused_prepare(b, out, sig, *extra)
+    kept = len(list(out.glob("*.bin")))
+    did = (f"killed ({code})" if code < 0 else f"exit {code}; {said(err)}") + \
+        f"; {kept} complete shards kept"
+    r = b.andrea(*PREPARE, "-o", out.name)
+    after = same_shards(out, clean) if r.returncode == 0 else f"rerun failed: {said(r.stderr)}"
+    return Row(label, did, "0 shards", after, test)
+
+
+def prepare_disk_full(b: Bench) -> Row:
+    clean, small = clean_prepare(b), b.work / "prep-small"
+    with small_disk(small, "160k") as mounted:
+        fault = "" if mounted else "disk-full@prepare:train_000003.bin"
+        shutil.rmtree(small / "prep", ignore_errors=True)
+        r = b.andrea(*PREPARE, "-o", "prep-small/prep", fault=fault)
+        kept = len(list((small / "prep").glob("*.bin")))
+        did = f"exit {r.returncode}; {said(r.stderr)}"
+        grow(small, mounted)
+        again = b.andrea(*PREPARE, "-o", "prep-small/prep")
+        after = same_shards(small / "prep", clean) if again.returncode == 0 else \
+            f"rerun failed: {said(again.stderr)}"
+    how = "tmpfs" if mounted else "ENOSPC injected"
+    return Row(f"full disk during prepare ({how})", did, f"0 shards ({kept} kept)", after,
+               "test_prepare_stops.py::test_full_disk_keeps_every_complete_shard_and_the_rerun_"
+               "finishes")
+
+
+# ----------------------------------------------------------------------------- the matrix
+
+ROWS: dict[str, Callable[[Bench], Row]] = {
+    # tests/test_fault_matrix.py::test_kill_9_mid_step_then_resume_equals_the_uninterrupted_run
+    "kill9": lambda b: signal_row(
+        b, "kill9", "sigkill@5.0", "kill -9 mid-step (step 6)",
+        "test_fault_matrix.py::test_kill_9_mid_step_then_resume_equals_the_uninterrupted_run"),
+    "kill9ckpt": kill_mid_checkpoint,
+    # test_train.py::test_interrupt_mid_accumulation_resumes_bit_for_bit
+    "sigint": lambda b: signal_row(
+        b, "sigint", "sigint@5.0", "Ctrl-C mid-step (step 6)",
+        "test_train.py::test_interrupt_mid_accumulation_resumes_bit_for_bit"),
+    # test_train.py::test_signal_checkpoints_and_exits[SIGTERM]
+    "sigterm": lambda b: signal_row(
+        b, "sigterm", "sigterm@5.0", "SIGTERM mid-step (step 6)",
+        "test_train.py::test_signal_checkpoints_and_exits"),
+    "double": double_signal,
+    "restart": torchrun_restart,
+    "launcher": launcher_sigterm,
+    "ckptdisk": checkpoint_disk_full,
+    "prepdisk": prepare_disk_full,
+    # test_formats.py::test_killed_prepare_resumes_from_its_last_complete_shard
+    "prepkill": lambda b: prepare_stopped(
+        b, signal.SIGKILL, "prepare killed (-9) mid-shard, run again",
+        "test_formats.py::test_killed_prepare_resumes_from_its_last_complete_shard"),
+    # test_prepare_stops.py::test_sigterm_is_the_clean_stop_of_ctrl_c
+    "prepterm": lambda b: prepare_stopped(
+        b, signal.SIGTERM, "prepare SIGTERMed (2 workers), run again",
+        "test_prepare_stops.py::test_sigterm_is_the_clean_stop_of_ctrl_c", "--workers", "2"),
+}
+
+
+def cell(text: str, width: int = 110) -> str:
+    text = text.replace("|", "\\|")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", help="work folder (kept); default: a temporary one, removed")
+    ap.add_argument("--only", nargs="+", choices=list(ROWS), help="these rows only")
+    args = ap.parse_args()
+    print(f"CPU: {cpu_name()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        b = Bench(corpus(work))
+        t0 = time.time()
+        check(b.andrea("prepare", "-c", "andrea-tiny", "-o", "data"), "preparing the data")
+        print("| fault | what andrea did | lost | after recovery | test |\n|---|---|---|---|---|",
+              flush=True)
+        for key in args.only or ROWS:
+            row = ROWS[key](b)
+            print(f"| {row.fault} | {cell(row.did)} | {row.lost} | {row.after} | {row.test} |",
+                  flush=True)
+        print(f"\n{time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

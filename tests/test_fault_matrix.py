@@ -1,0 +1,42 @@
+"""The rows of scripts/faults.py (the fault matrix) that no other test covers, each through a
+real process. The script names each row's test; the others live in test_train, test_formats and
+test_prepare_stops."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import torch
+from conftest import run_andrea
+from test_train import read_events, tiny, write_config
+
+from andrea.train import checkpoint as ckpt_io
+from andrea.train.loop import train
+
+
+def steps(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """Each step's (loss, grad norm); a step a resume redid counts as its last record."""
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_events(run_dir, "train")}
+
+
+def test_kill_9_mid_step_then_resume_equals_the_uninterrupted_run(tmp_path, data_dir):
+    """SIGKILL in step 6's first micro-batch: nothing runs after it, step-000004 stays the
+    latest; the resume redoes step 5 and ends with the uninterrupted run's losses, grad norms
+    and weights, exactly."""
+    sets = ("train.max_steps=8", "train.checkpoint_every=4", "train.global_batch_tokens=1024",
+            "train.precision=fp32")
+    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    cfg = tiny(tmp_path / "b", data_dir, *sets)
+    r = run_andrea("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
+                   env={"ANDREA_FAULTS": "sigkill@5.0"})  # threads as this process: same sums
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    run_dir = Path(cfg.train.runs_dir) / "t"
+    assert sorted(steps(run_dir)) == [1, 2, 3, 4, 5]
+    assert ckpt_io.resolve_checkpoint(run_dir).name == "step-000004"
+    rest = train(cfg, resume=str(run_dir), progress=False)
+    assert rest.steps == 8 and sorted(rest.losses) == [5, 6, 7, 8]
+    assert steps(run_dir) == steps(whole.run_dir)  # exact float equality, every step
+    a = ckpt_io.read_model_checkpoint(whole.checkpoint)[0]
+    b = ckpt_io.read_model_checkpoint(rest.checkpoint)[0]
+    assert all(torch.equal(a[k], b[k]) for k in a)
