@@ -154,6 +154,10 @@ class TrainConfig:
         200, "steps between checkpoints (and at the last step)",
         check=non_negative("non-negative (0: only at the end)"), resumable=True)
     keep_last: int = key(3, "step checkpoints kept", check=POSITIVE_INT, resumable=True)
+    join_timeout: int = key(
+        300, "seconds a process under torchrun waits for every other to join the process group "
+        "before it stops with one line, instead of waiting silently (a restart the launcher "
+        "could not bring together)", check=POSITIVE_INT, resumable=True)
     log_every: int = key(10, "steps between printed and logged training records",
                          check=POSITIVE_INT, resumable=True)
     skip_nonfinite: bool = key(

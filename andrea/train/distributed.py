@@ -10,13 +10,17 @@ checkpoints gather them into whole tensors (`full_tensor`) and scatter them back
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -74,8 +78,9 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device_type: str) -> DistInfo:
-    """Join the torchrun process group if there are several processes; else a single one."""
+def init_distributed(device_type: str, join_timeout: float = 300.0) -> DistInfo:
+    """Join the torchrun process group if there are several processes; else a single one.
+    A process that cannot meet the others within join_timeout seconds stops with one line."""
     env = torchrun_env()
     if env.world_size <= 1:
         return DistInfo()
@@ -83,10 +88,34 @@ def init_distributed(device_type: str) -> DistInfo:
     if device_type == "cuda":
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
-                                store=attempt().store, rank=env.rank,
-                                world_size=env.world_size)
+        with join_watchdog(join_timeout, env):
+            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                    store=attempt().store, rank=env.rank,
+                                    world_size=env.world_size)
     return info
+
+
+@contextlib.contextmanager
+def join_watchdog(seconds: float, env: TorchrunEnv) -> Iterator[None]:
+    """torch waits for the other processes in native code, silently and for half an hour by
+    default; past `seconds` this ends the process with one line (exit code 2) instead."""
+
+    def give_up() -> None:
+        os.write(2, (
+            f"error: rank {env.rank} of {env.world_size}: the processes did not all join "
+            f"within {seconds:g} s (train.join_timeout); check "
+            f"that every node runs the same command, then launch again with torchrun's static "
+            f"rendezvous (--master-addr HOST --master-port PORT --node-rank I), whose "
+            f"restarts always agree; --resume auto continues the run\n").encode())
+        os._exit(2)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @dataclass(frozen=True)
@@ -114,6 +143,46 @@ def attempt() -> Attempt:
     while client.add(f"andrea/rank-{env.rank}/started-{number}", 1) > 1:
         number += 1
     return Attempt(number, dist.PrefixStore(f"andrea/attempt-{number}", client))
+
+
+def lost_ranks(info: DistInfo, wait: float = 5.0) -> list[int] | None:
+    """After a collective failed on this rank: the ranks that do not answer a roll call in this
+    attempt's store within `wait` seconds. Every rank a collective failed on answers, so []
+    means that no process was lost (the failure is another); None: no store to ask (it is gone
+    with node 0's launcher, or torchrun shares none)."""
+    store = attempt().store
+    if store is None:
+        return None
+    try:
+        store.set(f"andrea/alive/{info.rank}", "1")
+        deadline = time.monotonic() + wait
+        while True:
+            missing = [r for r in range(info.world_size)
+                       if not store.check([f"andrea/alive/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except (RuntimeError, OSError):  # the store's own failure: nobody left to ask
+        return None
+
+
+def lost_peer_line(info: DistInfo, exc: BaseException, step: int, checkpoint: Path | None,
+                   run_dir: Path) -> str | None:
+    """What the surviving ranks say when a collective failed because another rank's process
+    ended (gloo's or nccl's own message names an address, not a rank, nor how to go on);
+    None for any other failure."""
+    if not (info.enabled and isinstance(exc, RuntimeError)):
+        return None
+    lost = lost_ranks(info)
+    if lost == []:
+        return None
+    who = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} was lost"
+           if lost else "a process on another node was lost")
+    where = (f"the newest intact checkpoint is {checkpoint}" if checkpoint is not None
+             else "no checkpoint was written yet")
+    return (f"{who} (its process ended, or its node went down) after step {step}; {where}; "
+            f"continue with the same launch and --resume {run_dir} (torchrun --max-restarts "
+            f"N continues by itself)")
 
 
 def barrier(info: DistInfo) -> None:

@@ -33,6 +33,7 @@ from andrea.train.distributed import (
     DistInfo,
     all_reduce_sum,
     init_distributed,
+    lost_peer_line,
     shutdown,
 )
 from andrea.train.flops import format_mfu
@@ -73,7 +74,7 @@ def train(
     e.g. to fit a job's time slot; `--resume` continues on the same schedule.
     """
     device = pick_device(cfg.train.device)
-    dist = init_distributed(device.type)
+    dist = init_distributed(device.type, cfg.train.join_timeout)
     try:
         return run_training(
             cfg, device, dist, resume=resume, overwrite=overwrite, progress=progress,
@@ -175,6 +176,11 @@ def failures_recorded(s: Session) -> Iterator[None]:
             f"train.activation_checkpointing=blocks (train.global_batch_tokens stays)"
         ) from None
     except BaseException as exc:
+        lost = lost_peer_line(s.dist, exc, s.step, s.checkpoint, s.run_dir)
+        if lost is not None:  # a dead peer: the way on, not the transport's message
+            s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None, state="failed",
+                        message=lost)
+            raise UserError(lost) from None
         # A user's mistake stops the run; anything else is a failure. Either way, say so.
         s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None,
                     state="stopped" if isinstance(exc, UserError) else "failed",
