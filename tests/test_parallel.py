@@ -159,19 +159,21 @@ def test_fsdp_keeps_the_lm_head_tied_to_the_embedding(tmp_path):
 
 
 def launch_nodes(
-    path: Path | None, folders: list[Path], *args: str, timeout: float = 150
+    path: Path | None, folders: list[Path], *args: str, timeout: float = 150,
+    launcher: tuple[str, ...] = (), env: dict[str, str] | None = None,
 ) -> list[tuple[int, str, str]]:
     """`andrea train [-c PATH] ARGS` as two torchrun "nodes" (one process each) on 127.0.0.1,
-    node i working in folders[i]; (exit code, stdout, stderr) per node. A hang is a failure
-    after `timeout` seconds, not a stuck test."""
+    node i working in folders[i], torchrun given LAUNCHER too; (exit code, stdout, stderr) per
+    node. A hang is a failure after `timeout` seconds, not a stuck test."""
     port = free_port()
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
              "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-             "-m", "andrea", "train", *(["-c", str(path)] if path else []), "--no-progress",
-             *args],
-            cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+             *launcher, "-m", "andrea", "train", *(["-c", str(path)] if path else []),
+             "--no-progress", *args],
+            cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         for rank, folder in enumerate(folders)
