@@ -153,7 +153,8 @@ def test_resumable_keys_are_the_ones_resume_always_allowed():
     resumable = {spec.dotted for spec in key_specs() if spec.rule.resumable}
     assert resumable == {
         "train.max_steps", "train.eval_every", "train.eval_tokens", "train.eval_batches",
-        "train.checkpoint_every", "train.keep_last", "train.log_every", "train.tensorboard",
+        "train.checkpoint_every", "train.keep_last", "train.join_timeout", "train.log_every",
+        "train.tensorboard",
         "train.wandb", "train.wandb_project", "train.wandb_name", "train.wandb_entity",
         "train.skip_nonfinite", "train.spike_guard", "train.spike_z", "train.spike_window",
         "train.spike_patience", "train.spike_lr_factor", "train.spike_lr_steps", "train.compile",
