@@ -45,13 +45,7 @@ from andrea.train.schedule import multiplier
 from andrea.train.session import Session, TrainResult
 from andrea.train.setup import set_up
 from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
-from andrea.train.spike import (
-    APPLY,
-    ROLLBACK,
-    SKIP,
-    agree,
-    same_on_every_rank,
-)
+from andrea.train.spike import APPLY, ROLLBACK, SKIP, agree, same_on_every_rank
 from andrea.train.state import TrainerState
 from andrea.train.validation import score_val, val_sources
 
@@ -176,15 +170,14 @@ def failures_recorded(s: Session) -> Iterator[None]:
             f"train.activation_checkpointing=blocks (train.global_batch_tokens stays)"
         ) from None
     except BaseException as exc:
+        # A user's mistake stops the run; anything else is a failure. Either way, say so: a
+        # lost peer as the way on, not the transport's message.
         lost = lost_peer_line(s.dist, exc, s.step, s.checkpoint, s.run_dir)
-        if lost is not None:  # a dead peer: the way on, not the transport's message
-            s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None, state="failed",
-                        message=lost)
-            raise UserError(lost) from None
-        # A user's mistake stops the run; anything else is a failure. Either way, say so.
         s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None,
                     state="stopped" if isinstance(exc, UserError) else "failed",
-                    message=f"{type(exc).__name__}: {exc}")
+                    message=lost or f"{type(exc).__name__}: {exc}")
+        if lost is not None:
+            raise UserError(lost) from None
         raise
 
 
