@@ -350,11 +350,19 @@ def test_cupy_that_cannot_reach_the_gpu_is_reported(monkeypatch) -> None:
 # --- andrea bench --------------------------------------------------------------------------
 
 
-def test_bench_quick_json_on_cpu() -> None:
+@pytest.fixture(scope="module")
+def quick_bench() -> str:
+    """`andrea bench --quick --json` on the CPU, run once (about a minute on 2 cores): its
+    stdout, for the JSON test and the table test alike."""
     proc = run_andrea("bench", "--quick", "--json", "--device", "cpu", "--shape", "andrea-12m",
                       "--preset", "andrea-tiny", timeout=300)
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
+    assert "Traceback" not in proc.stderr
+    return proc.stdout
+
+
+def test_bench_quick_json_on_cpu(quick_bench) -> None:
+    result = json.loads(quick_bench)
     rows = {r["backend"]: r for r in result["attention"]}
     assert set(rows) == {"sdpa", "math"}
     for r in rows.values():
@@ -372,13 +380,12 @@ def test_bench_quick_json_on_cpu() -> None:
     assert any("cuda" in s and "no GPU" in s for s in result["skipped"])
 
 
-def test_bench_quick_table_on_cpu() -> None:
-    """The default output form (the table), as a user first runs it."""
-    proc = run_andrea("bench", "--quick", "--device", "cpu", "--shape", "andrea-12m",
-                      "--preset", "andrea-tiny", timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = proc.stdout.splitlines()
+def test_bench_quick_table_on_cpu(quick_bench) -> None:
+    """The default output form (the table) of the same measurement: what `andrea bench`
+    prints without --json (cli.bench_cmd: format_table of the result)."""
+    from andrea.bench import BenchResult, format_table
+
+    lines = format_table(BenchResult.from_json(quick_bench)).splitlines()
     assert lines[0].startswith("device: cpu")
     rows = [line.split() for line in lines if line.startswith("andrea-12m ")]
     assert {row[3] for row in rows} == {"sdpa", "math"}

@@ -198,33 +198,51 @@ def own_disks(tmp_path: Path, cfg) -> tuple[Path, list[Path]]:
     return path, folders
 
 
-def test_two_nodes_match_one_process_with_two_micro_steps(tmp_path, data_dir):
-    """Two torchrun launches as two "nodes" (one process each) on 127.0.0.1."""
-    sets = ("train.max_steps=3", "train.checkpoint_every=0", "train.eval_every=0")
-    one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)  # 2 micro-steps
-    cfg = tiny(tmp_path, data_dir, "nodes", *sets)
+# All six steps are inside the tiny preset's 10 warm-up steps, so the lr of each step does not
+# depend on max_steps: the same reference serves runs of 2 to 6 steps.
+NODE_SETS = ("train.checkpoint_every=0", "train.eval_every=0")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, data_dir) -> dict[int, float]:
+    """The losses of one process training 6 steps of 2 micro-steps (4 x 64 each): what two
+    processes of one micro-step each must give."""
+    root = tmp_path_factory.mktemp("one")
+    return train(tiny(root, data_dir, "one", "train.max_steps=6", *NODE_SETS),
+                 progress=False).losses
+
+
+def test_two_nodes_match_one_process_and_one_process_resumes(tmp_path, data_dir, one_process):
+    """Two torchrun launches as two "nodes" (one process each) on 127.0.0.1 train the losses of
+    one process taking two micro-steps; only rank 0 speaks; stopped at step 3, the run is
+    continued by one process alone, with the same losses."""
+    cfg = tiny(tmp_path, data_dir, "nodes", "train.max_steps=6", *NODE_SETS)
     path = tmp_path / "nodes.yaml"
     path.write_text(cfg.to_yaml())
-    outputs = launch_nodes(path, [tmp_path, tmp_path])
+    outputs = launch_nodes(path, [tmp_path, tmp_path], "--stop-after", "3")
     for code, _, err in outputs:
         assert code == 0, err[-3000:]
     assert "x 2 processes" in outputs[0][1] and outputs[1][1].strip() == ""  # rank 0 speaks
+    assert outputs[0][1].count("stopped: 3 steps") == 1
+    assert records(tmp_path / "nodes", "start")[0]["world_size"] == 2
     two = losses(tmp_path / "nodes")
     assert sorted(two) == [1, 2, 3]
     for step, loss in two.items():
-        assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
+        assert math.isclose(loss, one_process[step], rel_tol=1e-5), (step, loss, one_process)
+    rest = train(cfg, resume=str(tmp_path / "nodes"), progress=False)  # one process takes over
+    for step in (4, 5, 6):
+        assert math.isclose(rest.losses[step], one_process[step], rel_tol=1e-4), step
 
 
-def test_two_nodes_with_their_own_runs_dir_resume_as_one_run(tmp_path, data_dir):
+def test_two_nodes_with_their_own_runs_dir_resume_as_one_run(tmp_path, data_dir, one_process):
     """ddp with train.runs_dir on each node's own disk (a relative path, two working folders):
     node 1 never sees the checkpoint, yet `--resume auto` continues both ranks from rank 0's
     step 2 (weights, AdamW state, lr, data position), so the losses are those of one process
     trained straight to step 4, and the step-4 checkpoint is written without a hang. Then
-    `--resume runs/local` without --config: node 1 takes the run's config from rank 0.
-    (All steps are in the warm-up, so a longer max_steps leaves the lr of each step as is.)"""
-    sets = ("train.max_steps=5", "train.checkpoint_every=2", "train.eval_every=0")
-    one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)  # 2 micro-steps
-    cfg = tiny(tmp_path, data_dir, "local", *sets, "train.max_steps=2", "train.runs_dir=runs")
+    `--resume runs/local` without --config: node 1 takes the run's config from rank 0."""
+    cfg = tiny(tmp_path, data_dir, "local", "train.max_steps=2", "train.checkpoint_every=2",
+               "train.eval_every=0", "train.runs_dir=runs")
+    one = one_process
     path, folders = own_disks(tmp_path, cfg)
     for code, _, err in launch_nodes(path, folders):
         assert code == 0, err[-3000:]
@@ -241,14 +259,14 @@ def test_two_nodes_with_their_own_runs_dir_resume_as_one_run(tmp_path, data_dir)
     resumed = losses(run0)
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
-        assert math.isclose(resumed[step], one.losses[step], rel_tol=1e-5), (resumed, one.losses)
+        assert math.isclose(resumed[step], one[step], rel_tol=1e-5), (resumed, one)
 
     # Each node started with the run's name only: node 1 has no config.yaml to read.
     outputs = launch_nodes(None, folders, "--resume", "runs/local", "--set", "train.max_steps=5")
     for code, _, err in outputs:
         assert code == 0, err[-3000:]
     assert (run0 / "latest").read_text().strip() == "step-000005"
-    assert math.isclose(losses(run0)[5], one.losses[5], rel_tol=1e-5), (losses(run0), one.losses)
+    assert math.isclose(losses(run0)[5], one[5], rel_tol=1e-5), (losses(run0), one)
 
 
 def test_fsdp_with_a_runs_dir_on_each_node_is_one_error_on_every_node(tmp_path, data_dir):
@@ -332,13 +350,53 @@ def cfg_seed(run_dir: Path) -> int:
     return load_config(run_dir / "config.yaml").train.seed
 
 
+PATCHED_PEAK = """
+import andrea.train.flops as flops
+flops.peak_flops = lambda device, dtype: {peak}
+from andrea.cli import main
+main()
+"""
+
+
+def launch_with_peak(tmp_path: Path, cfg, peak: float) -> None:
+    """`launch`, through andrea with a device peak of `peak` FLOP/s patched in (a CPU has none,
+    so its MFU is n/a)."""
+    script = tmp_path / "patched_andrea.py"
+    script.write_text(PATCHED_PEAK.format(peak=peak))
+    path = tmp_path / f"{cfg.train.name}.yaml"
+    path.write_text(cfg.to_yaml())
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
+         "train", "-c", str(path), "--no-progress"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def assert_mfu_per_device(run_dir: Path, cfg, peak: float) -> None:
+    """MFU = one device's tokens/s x FLOPs per token / one device's peak: with 2 processes, half
+    the global tokens/s."""
+    from andrea.model.transformer import Andrea
+    from andrea.train.flops import flops_per_token
+
+    per_token = flops_per_token(cfg.model, Andrea(cfg.model).num_params())
+    steps = records(run_dir, "train")
+    assert len(steps) == cfg.train.max_steps
+    for r in steps:
+        per_device = r["tokens_per_s"] / 2 * per_token / peak
+        assert r["mfu"] is not None and math.isclose(r["mfu"], per_device, abs_tol=1.5e-4), r
+
+
 def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path, data_dir):
     """global_batch_tokens: 0 is one micro-batch per process when the run starts (2 x 4 x 64 =
     512 tokens/step); resumed on one process it keeps 512 (2 micro-batches) and the same
-    losses; a micro-batch that cannot keep it says so in one line, and the plan adds up."""
+    losses; a micro-batch that cannot keep it says so in one line, and the plan adds up. The
+    two processes' MFU is per device (a GPU's peak patched in)."""
     cfg = tiny(tmp_path, data_dir, "zero", "train.global_batch_tokens=0", "train.max_steps=4",
                "train.checkpoint_every=2", "train.eval_every=0")
-    launch(tmp_path, cfg)
+    launch_with_peak(tmp_path, cfg, 2e11)
+    assert_mfu_per_device(tmp_path / "zero", cfg, 2e11)
     two = losses(tmp_path / "zero")
     fewer = rewound(tmp_path / "zero", tmp_path / "fewer", 2)
     proc = run_andrea("train", "--resume", str(fewer), "--no-progress")
@@ -359,46 +417,11 @@ def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path
     assert records(odd, "end")[-1]["tokens"] == 1024 + 2 * 192
 
 
-PATCHED_PEAK = """
-import andrea.train.flops as flops
-flops.peak_flops = lambda device, dtype: {peak}
-from andrea.cli import main
-main()
-"""
-
-
-def test_mfu_is_per_device_at_two_processes(tmp_path, data_dir):
-    """MFU = one device's tokens/s x FLOPs per token / one device's peak: with 2 processes, half
-    the global tokens/s (a GPU's peak is patched in, since a CPU has none)."""
-    from andrea.model.transformer import Andrea
-    from andrea.train.flops import flops_per_token
-
-    peak = 2e11
-    script = tmp_path / "patched_andrea.py"
-    script.write_text(PATCHED_PEAK.format(peak=peak))
-    cfg = tiny(tmp_path, data_dir, "mfu", "train.max_steps=2", "train.checkpoint_every=0",
-               "train.eval_every=0")
-    path = tmp_path / "mfu.yaml"
-    path.write_text(cfg.to_yaml())
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
-         "train", "-c", str(path), "--no-progress"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    per_token = flops_per_token(cfg.model, Andrea(cfg.model).num_params())
-    steps = records(tmp_path / "mfu", "train")
-    assert len(steps) == 2
-    for r in steps:
-        per_device = r["tokens_per_s"] / 2 * per_token / peak
-        assert r["mfu"] is not None and math.isclose(r["mfu"], per_device, abs_tol=1.5e-4), r
-
-
 def test_fsdp_muon_matches_one_process_and_reshards(tmp_path, data_dir, capsys):
     """Muon under fsdp (each rank orthogonalises its share of whole matrices, the momentum stays
-    sharded): one process's losses; its state in the shards; resumes 2 -> 1, 1 -> 2 and
-    ddp -> fsdp continue the same run."""
+    sharded): one process's losses; its state in the shards; resumes 2 -> 1 (from the shards)
+    and 1 -> 2 (from whole tensors, as a ddp checkpoint holds them too: ddp -> fsdp is
+    test_fsdp_matches_ddp_reshards_and_resumes_exactly's) continue the same run."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     muon = ("train.optimizer=muon", "train.muon_ns_precision=fp32")
@@ -432,12 +455,6 @@ def test_fsdp_muon_matches_one_process_and_reshards(tmp_path, data_dir, capsys):
     out = launch(tmp_path, fsdp_cfg, "--resume", str(grow), "--set", "train.parallel=fsdp").stdout
     assert "written by 1 process (none) for 2 (fsdp)" in out
     continues(grow)
-    # ddp (2) -> fsdp (2).
-    launch(tmp_path, tiny(tmp_path, data_dir, "ddp", "train.max_steps=10", *muon))
-    out = launch(tmp_path, fsdp_cfg, "--resume", str(tmp_path / "ddp"), "--set",
-                 f"train.max_steps={STEPS}", "--set", "train.parallel=fsdp").stdout
-    assert "written by 2 processes (ddp) for 2 (fsdp)" in out
-    continues(tmp_path / "ddp")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -445,7 +462,8 @@ def test_batch_and_seq_warmup_on_two_processes_matches_one(tmp_path, data_dir, p
     """2 steps of 512 tokens, then 1,024: one process takes 2 then 4 micro-batches of 4 x 64,
     two processes 1 then 2 each; the same windows, so the same losses. The first 3 steps cut
     each micro-batch into 16 windows of 16 tokens (a sequence-length warm-up). The one process's
-    checkpoint at step 2, inside both warm-ups, resumed on two processes gives its steps 3-4."""
+    checkpoint at step 2, inside both warm-ups, resumed on two processes (fsdp, which reshards
+    it too) gives its steps 3-4."""
     sets = ("train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0",
             "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
             "train.batch_warmup_steps=2", f"train.parallel={parallel}",
@@ -461,8 +479,9 @@ def test_batch_and_seq_warmup_on_two_processes_matches_one(tmp_path, data_dir, p
         assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
     tokens = [r["tokens"] for r in records(tmp_path / "two", "train")]
     assert tokens == [512, 1024, 2048, 3072] and one.tokens == 3072
-    out = resumed_on_two_matches(tmp_path / "one", tmp_path / "again", 2, one.losses)
-    assert "sequence warm-up: steps 1-3 train on windows of 16 tokens" in out
+    if parallel == "fsdp":  # resuming inside the warm-ups does not depend on the mode: once
+        out = resumed_on_two_matches(tmp_path / "one", tmp_path / "again", 2, one.losses)
+        assert "sequence warm-up: steps 1-3 train on windows of 16 tokens" in out
 
 
 # The mode and the torchrun environment, in-process (no launch).

@@ -1,12 +1,11 @@
-"""The training loop: learning, exact resume, several processes, checkpoints, signals, faults."""
+"""The training loop: learning, exact resume, checkpoints, signals, faults (several processes:
+tests/test_parallel.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -143,34 +142,6 @@ def test_device_and_precision_names_are_checked():
             pick_device("cuda:0")
     with pytest.raises(UserError, match="precision 'fp8'"):
         pick_dtype("fp8", torch.device("cpu"))
-
-
-def test_two_processes_match_one_and_resume_in_one(tmp_path, data_dir):
-    sets = ("train.max_steps=6", "train.precision=fp32", "train.micro_batch_size=4",
-            "train.global_batch_tokens=512")
-    one = train(tiny(tmp_path / "one", data_dir, *sets), progress=False)  # 2 accumulation steps
-    cfg2 = tiny(tmp_path / "two", data_dir, *sets)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "andrea", "train",
-         "-c", str(write_config(tmp_path, cfg2)), "--no-progress", "--stop-after", "3"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("stopped: 3 steps") == 1  # only rank 0 speaks
-    run2 = Path(cfg2.train.runs_dir) / "t"
-    assert read_events(run2, "start")[0]["world_size"] == 2
-    two = {r["step"]: r["loss"] for r in read_events(run2, "train")}
-    assert sorted(two) == [1, 2, 3]
-    for step, loss in two.items():
-        assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
-    rest = train(cfg2, resume=str(run2), progress=False)  # one process takes over
-    for step in (4, 5, 6):
-        assert math.isclose(rest.losses[step], one.losses[step], rel_tol=1e-4)
 
 
 def _start(tmp_path: Path, cfg, *args: str, env: dict | None = None) -> subprocess.Popen:
