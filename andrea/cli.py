@@ -69,10 +69,25 @@ PrecisionOpt = Annotated[
 ]
 
 
-def _load(config: str, overrides: list[str] | None):
-    from andrea.config import load_config
+def _registries() -> None:
+    """Import the registries that give config keys their allowed values (train.optimizer's
+    optimizers, train.parallel's modes), so a config is checked against them and listed with
+    them."""
+    import andrea.train.optim  # noqa: F401
+    import andrea.train.parallel  # noqa: F401
 
-    return load_config(config, overrides or [])
+
+def _load(config: str, overrides: list[str] | None):
+    from andrea.config import Registered, key_specs, load_config
+
+    cfg = load_config(config, overrides or [])
+    # The registries import torch: only a config that picks a value from one needs them (again,
+    # now checked against its names); `andrea config show` stays quick otherwise.
+    if any(isinstance(spec.rule.options, Registered) and spec.dotted in cfg.given
+           for spec in key_specs()):
+        _registries()
+        cfg = load_config(config, overrides or [])
+    return cfg
 
 
 @config_app.command("show")
@@ -96,6 +111,7 @@ def config_keys(
     """List every config key with its default and description."""
     from andrea.config.reference import keys_json, keys_markdown, keys_table
 
+    _registries()
     if markdown:
         typer.echo(keys_markdown(), nl=False)
     else:
@@ -140,6 +156,8 @@ def train_cmd(
                         "--overwrite deletes it and starts a new one")
     from andrea.train.loop import summary_line, train
     from andrea.train.resume import config_for_run
+
+    _registries()
 
     cfg = config_for_run(config, set_ or [], resume)
     result = train(

@@ -15,6 +15,7 @@ from andrea.config import PRECISIONS, SECTIONS, TrainConfig, key_spec, key_specs
 from andrea.config.declare import key, section_keys
 from andrea.config.reference import REGENERATE, default_text, keys_markdown
 from andrea.errors import UserError
+from andrea.train import optim, parallel  # noqa: F401  (their registries: keys' allowed values)
 from andrea.train.resume import check_resume_changes
 
 
@@ -210,3 +211,36 @@ def test_config_keys_lists_every_key_with_default_and_description():
     assert records["train.max_steps"]["on_resume"] == "may change"
     assert records["train.lr"]["on_resume"] == "fixed"
     assert records["data.sources"]["default"] == []
+
+
+def test_an_optimizer_is_one_entry_in_its_registry(monkeypatch):
+    """A throwaway optimizer added to optim.OPTIMIZERS (its class's empty state in EMPTY_STATE
+    beside it), and nowhere else: config validation accepts its name, the key reference lists
+    it, and a checkpoint's state would be read into the empty state it makes. Gone again, its
+    name is refused."""
+    import torch
+
+    from andrea.model.transformer import Andrea
+
+    class Plain(torch.optim.SGD):
+        pass
+
+    made = []
+
+    def empty_state(opt, p, group):
+        made.append(p)
+        return {"momentum_buffer": torch.zeros_like(p)}
+
+    monkeypatch.setitem(optim.OPTIMIZERS, "plain", lambda model, cfg, device, world, sharded:
+                        Plain(model.parameters(), lr=cfg.train.lr, momentum=0.9))
+    monkeypatch.setitem(optim.EMPTY_STATE, Plain, empty_state)
+    cfg = load_config("andrea-tiny", ["train.optimizer=plain"])
+    assert key_spec("train.optimizer").allowed == "adamw, muon, plain"
+    model = Andrea(cfg.model)
+    opt = optim.build_optimizer(model, cfg, torch.device("cpu"))
+    optim.make_empty_state(opt)
+    assert len(made) == len(list(model.parameters())) > 0
+    assert all(opt.state[p]["momentum_buffer"].shape == p.shape for p in model.parameters())
+    monkeypatch.undo()
+    with pytest.raises(UserError, match=r"train\.optimizer: 'plain' is not one of adamw, muon"):
+        load_config("andrea-tiny", ["train.optimizer=plain"])

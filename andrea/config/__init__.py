@@ -5,7 +5,7 @@
 `reference` prints them (`andrea config keys`, docs/config.md).
 """
 
-from andrea.config.declare import KeySpec
+from andrea.config.declare import KeySpec, Registered, register_choices
 from andrea.config.load import (
     config_from_dict,
     from_dict,
@@ -26,7 +26,8 @@ from andrea.config.sections import (
 )
 
 __all__ = [
-    "PRECISIONS", "SECTIONS", "Config", "DataConfig", "KeySpec", "ModelConfig", "TrainConfig",
+    "PRECISIONS", "SECTIONS", "Config", "DataConfig", "KeySpec", "ModelConfig", "Registered",
+    "TrainConfig", "register_choices",
     "config_from_dict", "from_dict", "key_spec", "key_specs", "load_config", "parse_override",
     "resolve_path", "validate",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +26,31 @@ class Check:
     must_be: str
 
 
+# The registries above config whose names a key's value picks (train.optimizer: OPTIMIZERS in
+# andrea/train/optim.py), by the key's dotted name. Config may not import them
+# (tests/test_layout.py), so each registers itself here as it is imported.
+_REGISTRIES: dict[str, Mapping[str, Any]] = {}
+
+
+def register_choices(dotted: str, registry: Mapping[str, Any]) -> None:
+    """The values of key `dotted` are the names of `registry` (read whenever they are needed,
+    so an entry added to it is the whole change)."""
+    _REGISTRIES[dotted] = registry
+
+
+@dataclass(frozen=True)
+class Registered:
+    """`choices=` of a key whose allowed values are a registry's names, e.g. the optimizers."""
+
+    dotted: str
+
+
 @dataclass(frozen=True)
 class Rule:
     """What a key's declaration says besides its type and default."""
 
     description: str
-    choices: tuple[str, ...] = ()
+    options: tuple[str, ...] | Registered = ()
     check: Check | None = None
     # May `--resume` change it? Such keys decide how a run proceeds (how far, how often it
     # logs, evaluates and checkpoints, how fast it computes), not what it trains.
@@ -39,12 +58,21 @@ class Rule:
     # Where the run lives rather than what it is: never compared on resume (--resume names it).
     location: bool = False
 
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """The allowed values; for a registry's names, those registered now (none until its
+        module is imported: andrea.train imports it before it reads the key, and the CLI before
+        it loads a config)."""
+        if isinstance(self.options, Registered):
+            return tuple(_REGISTRIES.get(self.options.dotted, ()))
+        return self.options
+
 
 def key(
     default: Any,
     description: str,
     *,
-    choices: tuple[str, ...] = (),
+    choices: tuple[str, ...] | Registered = (),
     check: Check | None = None,
     resumable: bool = False,
     location: bool = False,

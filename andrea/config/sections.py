@@ -18,6 +18,7 @@ from andrea.config.declare import (
     POSITIVE_INT,
     Check,
     KeySpec,
+    Registered,
     fraction,
     key,
     non_negative,
@@ -104,7 +105,7 @@ class TrainConfig:
     parallel: str = key(
         "ddp", "under torchrun: ddp keeps a whole copy of the model, gradients and optimizer "
         "state on every process; fsdp shards all three over the processes (FSDP2)",
-        choices=("ddp", "fsdp"), resumable=True)
+        choices=Registered("train.parallel"), resumable=True)  # parallel.MODES
     global_batch_tokens: int = key(
         0, "tokens per optimizer step over all processes; 0: one micro-batch per process",
         check=non_negative("0 (no accumulation) or a positive integer"))
@@ -175,7 +176,7 @@ class TrainConfig:
         None, "the W&B entity, a team or user (default: your W&B account's)", resumable=True)
     optimizer: str = key(
         "adamw", "adamw for every parameter; muon: Muon for the 2-D matrices inside the blocks, "
-        "AdamW for the rest", choices=("adamw", "muon"))
+        "AdamW for the rest", choices=Registered("train.optimizer"))  # optim.OPTIMIZERS
     muon_lr: float = key(0.02, "Muon's peak learning rate; the schedule scales it as it scales lr",
                          check=positive())
     muon_weight_decay: float = key(0.01, "Muon's decoupled weight decay", check=non_negative())

@@ -9,8 +9,8 @@ step sets it to that peak times the schedule's multiplier (`set_learning_rates`)
 `EMPTY_STATE` maps an optimizer class to the state of one parameter before its first step
 (zeros), which a sharded checkpoint is read into; a class without an entry is refused there.
 Adding an optimizer (say Lion) is its builder in OPTIMIZERS and, for a class of its own, its
-state in EMPTY_STATE, here, and its name among train.optimizer's allowed values
-(andrea/config/sections.py).
+state in EMPTY_STATE, here: train.optimizer's allowed values are OPTIMIZERS' names
+(`register_choices`), in validation, `andrea config keys` and docs/config.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from andrea.config import Config, TrainConfig
+from andrea.config import Config, TrainConfig, register_choices
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea
 from andrea.train.device import muon_ns_dtype
@@ -101,6 +101,7 @@ OPTIMIZERS: dict[str, Builder] = {
     "adamw": build_adamw,
     "muon": build_muon_with_adamw,
 }
+register_choices("train.optimizer", OPTIMIZERS)  # its names are the key's allowed values
 
 
 class CombinedOptimizer:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
+from andrea.config import register_choices
 from andrea.train.distributed import DistInfo, clip_grad_norm, shard_model
 from andrea.train.state import TrainerState
 
@@ -107,6 +108,7 @@ class FullyShardedParallel(Parallel):
 
 MODES: dict[str, type[Parallel]] = {mode.name: mode for mode in (DataParallel,
                                                                   FullyShardedParallel)}
+register_choices("train.parallel", MODES)  # its names are the key's allowed values
 
 
 def parallel_for(asked: str, dist: DistInfo) -> Parallel:
