@@ -70,21 +70,15 @@ PrecisionOpt = Annotated[
 
 
 def _registries() -> None:
-    """Import the registries that give config keys their allowed values (train.optimizer's
-    optimizers, train.parallel's modes), so a config is checked against them and listed with
-    them."""
-    import andrea.train.optim  # noqa: F401
-    import andrea.train.parallel  # noqa: F401
+    """Import the registries whose names train.optimizer and train.parallel allow."""
+    from andrea.train import optim, parallel  # noqa: F401
 
 
 def _load(config: str, overrides: list[str] | None):
-    from andrea.config import Registered, key_specs, load_config
+    from andrea.config import load_config, registered_keys
 
     cfg = load_config(config, overrides or [])
-    # The registries import torch: only a config that picks a value from one needs them (again,
-    # now checked against its names); `andrea config show` stays quick otherwise.
-    if any(isinstance(spec.rule.options, Registered) and spec.dotted in cfg.given
-           for spec in key_specs()):
+    if cfg.given & registered_keys():  # checked again with the registries (they import torch)
         _registries()
         cfg = load_config(config, overrides or [])
     return cfg
@@ -155,9 +149,7 @@ def train_cmd(
         raise UserError(f"--resume {resume} --overwrite: give one; --resume continues the run, "
                         "--overwrite deletes it and starts a new one")
     from andrea.train.loop import summary_line, train
-    from andrea.train.resume import config_for_run
-
-    _registries()
+    from andrea.train.resume import config_for_run  # loop's set-up imports the registries
 
     cfg = config_for_run(config, set_ or [], resume)
     result = train(

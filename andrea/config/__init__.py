@@ -23,11 +23,12 @@ from andrea.config.sections import (
     TrainConfig,
     key_spec,
     key_specs,
+    registered_keys,
 )
 
 __all__ = [
     "PRECISIONS", "SECTIONS", "Config", "DataConfig", "KeySpec", "ModelConfig", "Registered",
     "TrainConfig", "register_choices",
     "config_from_dict", "from_dict", "key_spec", "key_specs", "load_config", "parse_override",
-    "resolve_path", "validate",
+    "registered_keys", "resolve_path", "validate",
 ]

@@ -246,3 +246,8 @@ def key_spec(dotted: str) -> KeySpec:
         if spec.dotted == dotted:
             return spec
     raise KeyError(dotted)
+
+
+def registered_keys() -> set[str]:
+    """The keys whose allowed values are a registry's names (`choices=Registered(...)`)."""
+    return {spec.dotted for spec in key_specs() if isinstance(spec.rule.options, Registered)}
