@@ -72,7 +72,9 @@ class EvalResult:
     tasks: list[dict[str, Any]] = field(default_factory=list)  # tasks.TaskResult.as_dict()
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        """Strict JSON: a non-finite figure (a diverged checkpoint's loss) is null, as in
+        `andrea runs --json`; json.dumps would write NaN, which strict parsers (jq) refuse."""
+        return json.dumps(_finite(asdict(self)), indent=2)
 
     def summary(self) -> str:
         """The val line (and one per source of a mixture), then one line per task."""
@@ -94,6 +96,16 @@ class EvalResult:
             ]
         lines += [TaskResult(**task).line() for task in self.tasks]
         return "\n".join(lines)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _fmt(x: float | None) -> str:

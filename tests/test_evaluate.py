@@ -15,7 +15,7 @@ from andrea.config import load_config
 from andrea.data.loader import TokenSplit
 from andrea.data.prepare import prepare_inputs
 from andrea.data.tokenizer import ByteTokenizer, Gpt2Tokenizer, train_bpe
-from andrea.evaluate import evaluate_checkpoint
+from andrea.evaluate import EvalResult, evaluate_checkpoint, format_results
 from andrea.train.loop import train
 from andrea.trained import load_model
 
@@ -169,3 +169,17 @@ def test_a_missing_data_folder_is_prepared_from_the_run_config(tmp_path, data_di
     ckpt = make_checkpoint(tmp_path / "own", f"data.dir={data_dir}")
     proc = run_andrea(*args[:2], str(ckpt), *args[3:], cwd=tmp_path)
     assert proc.returncode == 0 and json.loads(proc.stdout)[0]["data_dir"] == str(data_dir)
+
+
+def test_json_is_a_list_for_one_checkpoint_and_several_and_strict_json():
+    def row(step: int, loss: float) -> EvalResult:
+        return EvalResult(f"runs/r/step-{step}", step, "float32", "cpu", loss=loss,
+                          perplexity=math.exp(loss), tasks=[{"task": "choice", "acc": loss}])
+
+    def strict(text: str):  # as jq reads it: NaN and Infinity are not JSON
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in --json"))
+
+    assert strict(format_results([row(1, 2.5)], as_json=True))[0]["step"] == 1
+    both = strict(format_results([row(1, 2.5), row(2, float("nan"))], as_json=True))
+    assert [r["step"] for r in both] == [1, 2]
+    assert both[1]["loss"] is None and both[1]["tasks"][0]["acc"] is None
