@@ -82,7 +82,8 @@ def gradients(model: Andrea, x: torch.Tensor, scaling: LossScaling, dtype: torch
 def test_scaled_fp16_gradients_match_float64_where_unscaled_ones_underflow():
     """A small loss (x 2^-14, as a late-training loss's gradients are small) through fp16's
     backward: scaled by 2^16 its gradients match a float64 reference within fp16's precision
-    (relative error of order 2^-11 per operation); unscaled, most of them flush to zero."""
+    (a relative error of a few 2^-11: 5.5e-4 measured); unscaled, a quarter of them flush to
+    zero and the whole is half wrong (0.51)."""
     cfg = load_config("andrea-tiny")
     torch.manual_seed(0)
     model = Andrea(cfg.model)
@@ -93,9 +94,9 @@ def test_scaled_fp16_gradients_match_float64_where_unscaled_ones_underflow():
     scaled = gradients(model, x, DynamicLossScaling(torch.device("cpu")), torch.float16, small)
     unscaled = gradients(model, x, LossScaling(), torch.float16, small)
     error = (scaled - reference).norm() / reference.norm()
-    assert error < 2e-2, error  # fp16 products accumulated in fp32 over a 64-wide model
+    assert error < 8 * 2.0**-11, error
     lost = (unscaled - reference).norm() / reference.norm()
-    assert lost > 0.2 and lost > 20 * error, (lost, error)
+    assert lost > 0.2 and (unscaled == 0).float().mean() > 0.1, lost
 
 
 def test_no_scaling_is_a_pass_through():

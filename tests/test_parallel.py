@@ -19,6 +19,7 @@ from conftest import assert_user_error, free_port, run_andrea, run_torchrun
 from safetensors.torch import load_file
 
 from andrea.config import load_config
+from andrea.train.checkpoint import read_trainer_state
 from andrea.train.loop import train
 from andrea.train.rundir import step_of_dir
 
@@ -578,3 +579,28 @@ def test_no_module_but_the_strategy_names_a_mode():
             if isinstance(node, ast.Constant) and node.value in ("ddp", "fsdp"):
                 found.append(f"{rel}:{node.lineno}")
     assert found == []
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_fp16_on_two_processes_skips_the_overflow_everywhere_and_keeps_the_scale(
+        tmp_path, data_dir, inject_faults, parallel):
+    """fp16, rank 0's backward of step 2 overflowing (overflow@2): every rank skips step 2 and
+    halves its scale (ddp's all-reduce and fsdp's reduce-scatter carry the inf into every rank's
+    gradients; fsdp's inf check is reduced over the ranks too), so the losses are one process's.
+    The checkpoint records the halved scale and the count (a resume's test: test_fp16.py)."""
+    sets = ("train.max_steps=3", "train.precision=fp16", "train.micro_batch_size=2",
+            "train.global_batch_tokens=256", "train.eval_every=0", "train.checkpoint_every=0",
+            f"train.parallel={parallel}")
+    inject_faults("overflow@2")
+    one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)
+    cfg = tiny(tmp_path, data_dir, "two", *sets)
+    (tmp_path / "two.yaml").write_text(cfg.to_yaml())
+    proc = run_torchrun("train", "-c", str(tmp_path / "two.yaml"), "--no-progress",
+                        env={"ANDREA_FAULTS": "overflow@2"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [r["step"] for r in records(tmp_path / "two", "overflow")] == [2]
+    two = losses(tmp_path / "two")
+    for step in (1, 2, 3):
+        assert math.isclose(two[step], one.losses[step], rel_tol=1e-3), (step, two, one.losses)
+    state = read_trainer_state(tmp_path / "two" / "step-000003")[0]
+    assert (state.loss_scaling["scale"], state.loss_scaling["overflows"]) == (2.0**15, 1)

@@ -22,7 +22,9 @@ GIB = 2**30
 # (4 bytes in fp32, 2 under bf16 autocast, whose fp32 norms and residuals count double):
 # slopes of peak RSS against micro-batch, ANDREA-120M at 1 and 2 x 1024 on the CPU with SDPA
 # (fp32: +0.91 GiB a sequence, bf16: +0.51), the same 28 in ANDREA-12M at 4 and 16 x 256.
-ACTIVATION_WIDTHS = {torch.float32: 26, torch.bfloat16: 28}
+# fp16 autocast keeps the same tensors as bf16 (not measured apart: no fp16 units here).
+ACTIVATION_WIDTHS = {torch.float32: 26, torch.bfloat16: 28, torch.float16: 28}
+HALF = (torch.bfloat16, torch.float16)
 # With activation checkpointing each block's input stays, plus one block's activations while
 # it is recomputed: ANDREA-120M bf16 grew by 0.15 GiB a sequence, 6 units per layer.
 CHECKPOINTED_WIDTH = 6
@@ -134,10 +136,10 @@ def estimate_peak_bytes(
 ) -> int:
     """Estimated peak memory of one process training `model` at `micro_batch` sequences."""
     d, n_layer, tokens = model.d_model or 0, model.n_layer, micro_batch * model.block_size
-    element = 2 if dtype == torch.bfloat16 else 4
+    element = 2 if dtype in HALF else 4
     fixed = 16 * n_params  # float32 weights, gradients, AdamW exp_avg and exp_avg_sq
-    if dtype == torch.bfloat16:
-        fixed += 2 * n_params  # autocast's cached bf16 copies of the weights
+    if dtype in HALF:
+        fixed += 2 * n_params  # autocast's cached half copies of the weights
     # One chunk of the loss: float32 logits turned softmax in place, the matmul's own output
     # and the gradient in the compute dtype; and the float32 gradient of the tied weight.
     fixed += 8 * min(tokens * model.vocab_size, LOSS_CHUNK_LOGITS) + 4 * model.vocab_size * d
