@@ -16,6 +16,7 @@ from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import choose_precision, gpu_precision
 from andrea.train.loop import train
+from andrea.train.optim import build_optimizer
 from andrea.train.scaling import INIT_SCALE, DynamicLossScaling, LossScaling, loss_scaling_for
 from andrea.train.schedule import multiplier
 
@@ -68,14 +69,14 @@ def test_an_overflow_is_one_skipped_step_and_a_resume_keeps_the_scale(
 
 
 def gradients(model: Andrea, x: torch.Tensor, scaling: LossScaling, dtype: torch.dtype,
-              loss_factor: float) -> torch.Tensor:
-    """Every gradient, flat, of loss_factor x the model's loss under autocast to dtype."""
+              loss_factor: float, optimizer=None) -> torch.Tensor:
+    """Every gradient, flat, of loss_factor x the model's loss under autocast to dtype, as the
+    optimizer would step with it."""
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         _, loss = model(x[:, :-1], x[:, 1:])
     scaling.scale(loss * loss_factor).backward()
-    optimizer = torch.optim.SGD(model.parameters())
-    scaling.unscale(optimizer)
+    scaling.unscale(optimizer or torch.optim.SGD(model.parameters()))
     return torch.cat([p.grad.double().flatten() for p in model.parameters()])
 
 
@@ -97,6 +98,21 @@ def test_scaled_fp16_gradients_match_float64_where_unscaled_ones_underflow():
     assert error < 8 * 2.0**-11, error
     lost = (unscaled - reference).norm() / reference.norm()
     assert lost > 0.2 and (unscaled == 0).float().mean() > 0.1, lost
+
+
+def test_muon_and_adamw_both_step_with_unscaled_gradients():
+    """Muon orthogonalises its gradients (a scale would not change the direction, but its
+    weight decay and AdamW's moments would see 65,536x too much): each part is unscaled."""
+    cfg = load_config("andrea-tiny", ["train.optimizer=muon"])
+    torch.manual_seed(0)
+    model = Andrea(cfg.model)
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    assert set(optimizer.parts) == {"muon", "adamw"}
+    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size + 1))
+    plain = gradients(model, x, LossScaling(), torch.float16, 1.0, optimizer)
+    scaled = gradients(model, x, DynamicLossScaling(torch.device("cpu")), torch.float16, 1.0,
+                       optimizer)
+    assert (scaled - plain).norm() / plain.norm() < 1e-2  # unscaled: 65,535 off
 
 
 def test_no_scaling_is_a_pass_through():
