@@ -245,6 +245,9 @@ def double_signal(b: Bench) -> Row:
 
 
 def launcher_sigterm(b: Bench) -> Row:
+    # No test: it needs a torchrun launch of its own (the workers' SIGTERM path is
+    # test_train.py::test_signal_checkpoints_and_exits, their resume on two processes
+    # test_parallel.py's).
     ref, name = b.reference(2), "launcher"
     proc = b.start(*b.train_args(name), torchrun=2)
     err, run = collect(proc.stderr), b.runs / name
@@ -257,10 +260,11 @@ def launcher_sigterm(b: Bench) -> Row:
     ours = [ln for ln in err if "SIGTERM" in ln and "torch" not in ln]
     did = f"exit {proc.returncode}; {ours[-1].strip() if ours else said(''.join(err))}"
     return Row("torchrun launcher SIGTERMed (2 processes)", did, str(done - kept),
-               resumed(b, name, ref, procs=2), "none yet")
+               resumed(b, name, ref, procs=2), "none (a torchrun test is not cheap)")
 
 
 def torchrun_restart(b: Bench) -> Row:
+    # test_restarts.py::test_a_restarted_worker_continues_the_run_by_itself
     label = "torchrun worker killed, --max-restarts 1"
     if "kill-after" not in faults.KINDS:
         return Row(label, "not available: needs the torchrun restarts of issue 33", "-", "-",
@@ -273,7 +277,8 @@ def torchrun_restart(b: Bench) -> Row:
     did = f"exit {r.returncode}; " + (restarted[0].strip() if restarted else said(r.stderr))
     lost = str(8 - latest_step_before_restart(run))
     after = same_run(run, ref) if r.returncode == 0 else "did not finish"
-    return Row(label, did, lost, after, "test_parallel.py (restarts)")
+    return Row(label, did, lost, after,
+               "test_restarts.py::test_a_restarted_worker_continues_the_run_by_itself")
 
 
 def latest_step_before_restart(run: Path) -> int:
@@ -303,6 +308,7 @@ def grow(folder: Path, mounted: bool) -> None:
 
 
 def checkpoint_disk_full(b: Bench) -> Row:
+    # test_diskspace.py::test_a_failed_checkpoint_write_stops_cleanly
     label = "full disk during a checkpoint"
     ref, name = b.reference(), "diskfull"
     size = sum(p.stat().st_size for p in (ref / "step-000004").rglob("*") if p.is_file())
@@ -322,7 +328,7 @@ def checkpoint_disk_full(b: Bench) -> Row:
         after = resumed(small, name, ref)
     how = "tmpfs" if mounted else "ENOSPC injected"
     return Row(f"{label} ({how})", did, str(done - kept), after,
-               "test_checkpoint_disk (ckptdisk)")
+               "test_diskspace.py::test_a_failed_checkpoint_write_stops_cleanly")
 
 
 # ----------------------------------------------------------------------------- prepare rows
@@ -368,6 +374,7 @@ def prepare_stopped(b: Bench, sig: int, label: str, test: str, *extra: str) -> R
 
 
 def prepare_disk_full(b: Bench) -> Row:
+    # test_prepare_stops.py::test_full_disk_keeps_every_complete_shard_and_the_rerun_finishes
     clean, small = clean_prepare(b), b.work / "prep-small"
     with small_disk(small, "160k") as mounted:
         fault = "" if mounted else "disk-full@prepare:train_000003.bin"
