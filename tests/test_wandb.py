@@ -52,10 +52,10 @@ def history(records: list) -> list[dict]:
 def test_offline_run_logs_the_scalars_and_a_resume_continues_it(tmp_path, data_dir):
     pytest.importorskip("wandb", reason="optional: pip install 'andrea[wandb]'")
     cfg = load_config("andrea-tiny", [
-        f"data.dir={data_dir}", f"train.runs_dir={tmp_path}", "train.name=w", "train.max_steps=3",
-        "train.log_every=1", "train.eval_every=2", "train.wandb=offline",
+        f"data.dir={data_dir}", f"train.runs_dir={tmp_path}", "train.name=w", "train.max_steps=2",
+        "train.log_every=1", "train.eval_every=1", "train.wandb=offline",
         "train.wandb_project=p"])
-    assert train(cfg, progress=False, stop_after=2).state == "stopped"
+    assert train(cfg, progress=False, stop_after=1).state == "stopped"
     assert train(cfg, resume="auto", progress=False).state == "finished"
     import wandb
 
@@ -67,12 +67,12 @@ def test_offline_run_logs_the_scalars_and_a_resume_continues_it(tmp_path, data_d
     runs = [r.run for r in first + second if r.WhichOneof("record_type") == "run"]
     assert {(r.run_id, r.project, r.display_name) for r in runs} == {(run_id, "p", "w")}
     config = {u.key: json.loads(u.value_json) for u in runs[0].config.update}
-    assert config["train"]["max_steps"] == 3 and config["model"]["n_layer"] == 2
+    assert config["train"]["max_steps"] == 2 and config["model"]["n_layer"] == 2
     rows = history(first) + history(second)
     metrics = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").open()]
     trains = [r for r in metrics if r["event"] == "train"]
     logged = {row["step"]: row for row in rows if "train/loss" in row}
-    assert sorted(logged) == [1, 2, 3]  # the first run's two steps, the resumed run's third
+    assert sorted(logged) == [1, 2]  # the first run's step, the resumed run's second
     for rec in trains:
         assert logged[rec["step"]]["train/loss"] == pytest.approx(rec["loss"])
         assert logged[rec["step"]]["train/lr"] == pytest.approx(rec["lr"])
