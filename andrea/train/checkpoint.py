@@ -121,10 +121,17 @@ def write_shards(folder: Path, state: dict[str, torch.Tensor], rank: int) -> Non
     it returns when every rank's files are written); then rank 0 writes the index."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     folder.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(folder),
-                                                                save_distributed=True))
+    try:
+        dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(folder),
+                                                                    save_distributed=True))
+    except CheckpointException as exc:  # raised on every rank when any rank's write failed
+        lost = [inner for inner, _ in exc.failures.values() if isinstance(inner, OSError)]
+        if lost:
+            raise lost[0] from None  # a full disk, as a plain write would say it
+        raise
     faults.after_shards_written(rank, folder.parent.name[:11])
     if dist.is_initialized():
         dist.barrier()
@@ -164,6 +171,7 @@ def save_checkpoint(
     }
     atomic_write_bytes(partial / MODEL_FILE, safetensors_bytes(model_tensors, metadata))
     faults.after_model_file()
+    faults.disk_full("checkpoint", final.name)
     if not sharded:
         atomic_write_bytes(
             partial / OPTIMIZER_FILE, safetensors_bytes(optimizer_tensors, {"format": FORMAT})

@@ -29,6 +29,7 @@ from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import snapshot
 from andrea.train.device import device_name, pick_device
+from andrea.train.diskspace import DiskFull, checked_write
 from andrea.train.distributed import (
     DistInfo,
     all_reduce_sum,
@@ -133,9 +134,11 @@ def run_training(
             message = (f"{exc}; nothing was written over the last good checkpoint "
                        f"({s.checkpoint})" if s.checkpoint else
                        f"{exc}; no checkpoint had been written yet")
+        except DiskFull as exc:  # the step's checkpoint did not fit: stop cleanly, every rank
+            state, exit_code, message = "stopped", UserError.exit_code, str(exc)
         finally:
             bar.close()
-        if signals.received is not None and state != "nonfinite" and s.step < t.max_steps:
+        if signals.received is not None and exit_code == 0 and s.step < t.max_steps:
             state, exit_code, message = interrupted_outcome(s)
         return finish(s, state, exit_code, message, time.perf_counter() - t_start)
 
@@ -159,7 +162,7 @@ def failures_recorded(s: Session) -> Iterator[None]:
     out of GPU memory becomes a one-line error saying what to change."""
     try:
         yield
-    except NonFiniteError:
+    except (NonFiniteError, DiskFull):  # the loop's own stops: it records their end
         raise
     except torch.cuda.OutOfMemoryError:
         s.log.write("end", step=s.step, tokens=s.tokens_seen, state="failed", signal=None,
@@ -412,10 +415,10 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
     unless that step is already the newest checkpoint (or no step has been taken)."""
     if s.step == 0 or s.checkpoint_step == s.step:
         return
-    s.checkpoint = snapshot.write_session(
+    s.checkpoint = checked_write(s, lambda: snapshot.write_session(
         s.run_dir, s.cfg, s.train_split.tokenizer_identity, s.model, s.optimizer,
         s.param_names, rng, trainer_state(s), s.dist, s.parallel.sharded,
-    )
+    ))
     if s.dist.is_main:
         s.log.write("checkpoint", step=s.step, path=s.checkpoint.name)
     s.checkpoint_step = s.step

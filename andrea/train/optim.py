@@ -186,16 +186,38 @@ if hasattr(torch.optim, "Muon"):
     EMPTY_STATE[torch.optim.Muon] = _muon_state
 
 
+def _state_maker(opt: torch.optim.Optimizer) -> StateMaker:
+    maker = next((EMPTY_STATE[c] for c in type(opt).__mro__ if c in EMPTY_STATE), None)
+    if maker is None:
+        raise NotImplementedError(
+            f"{type(opt).__name__}: its per-parameter state is not known, so a checkpoint "
+            f"cannot be read into it; give it an entry in andrea/train/optim.py EMPTY_STATE")
+    return maker
+
+
 def make_empty_state(optimizer: torch.optim.Optimizer | CombinedOptimizer) -> None:
     """Every parameter's state (zeros) that the optimizer would make at its first step, made
     now so a checkpoint can be loaded into it: into each part's own state."""
     for opt in getattr(optimizer, "optimizers", (optimizer,)):
-        maker = next((EMPTY_STATE[c] for c in type(opt).__mro__ if c in EMPTY_STATE), None)
-        if maker is None:
-            raise NotImplementedError(
-                f"{type(opt).__name__}: its per-parameter state is not known, so a checkpoint "
-                f"cannot be read into it; give it an entry in andrea/train/optim.py EMPTY_STATE")
+        maker = _state_maker(opt)
         for group in opt.param_groups:
             for p in group["params"]:
                 if not opt.state.get(p):
                     opt.state[p] = maker(opt, p, group)
+
+
+def state_size(optimizer: torch.optim.Optimizer | CombinedOptimizer) -> tuple[int, int]:
+    """(tensors, bytes) of every parameter's state, whole (a sharded tensor counts all its
+    shards): the state as it is, or for a parameter without one yet, as its first step will
+    make it (measured on a stand-in on the meta device, so nothing is allocated)."""
+    count = total = 0
+    for opt in getattr(optimizer, "optimizers", (optimizer,)):
+        maker = _state_maker(opt)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state.get(p) or maker(
+                    opt, torch.empty(p.shape, dtype=p.dtype, device="meta"), group)
+                count += len(state)
+                total += sum(v.numel() * v.element_size() if torch.is_tensor(v) else 8
+                             for v in state.values())
+    return count, total

@@ -78,6 +78,7 @@ class Session:
     warmup_accum: int = 0  # micro-batches per step during the batch-size warm-up (0: none)
     scaling: LossScaling = field(default_factory=LossScaling)  # fp16's loss scaling, or none
     precision_why: str = ""  # why the run computes in its dtype (train.precision auto: the device)
+    checkpoint_nbytes: int = 0  # one checkpoint's size on disk, as diskspace estimates it
 
     @property
     def dist(self) -> DistInfo:  # the processes, as the parallel mode holds them

@@ -19,9 +19,11 @@ from andrea.config import Config
 from andrea.data.loader import TokenSplit
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
+from andrea.train.diskspace import WriteFailed, describe
 from andrea.train.distributed import (
     DistInfo,
     all_gather_bytes,
+    all_reduce_sum,
     barrier,
     broadcast_tensors,
     from_rank0,
@@ -37,7 +39,33 @@ def write_session(
     """Checkpoint step state.step: weights, optimizer state, every rank's generator states
     (`rng`: this rank's, as local_rng_states took them) and the trainer state. Every rank calls
     it (it gathers); rank 0 writes, and under a sharded mode every rank first writes its
-    shards into rank 0's folder. Returns the checkpoint folder, on every rank."""
+    shards into rank 0's folder. Returns the checkpoint folder, on every rank.
+
+    A write that fails on any rank (a full disk) raises WriteFailed on every rank, once every
+    rank is past its writes and rank 0 has removed the partial folder: `latest` and the older
+    checkpoints are as they were."""
+    failure: OSError | None = None
+    try:
+        written = _write(run_dir, cfg, tokenizer_identity, model, optimizer, names, rng, state,
+                         dist, sharded)
+    except OSError as exc:
+        failure = exc
+    failed = torch.tensor([0.0 if failure is None else 1.0])
+    if all_reduce_sum(failed, dist).item() == 0:  # every rank reaches this: no one waits alone
+        return written
+
+    def clean_up() -> tuple[str, bool]:
+        shutil.rmtree(ckpt_io.partial_dir(run_dir, state.step, os.getpid()), ignore_errors=True)
+        return describe(failure)
+
+    raise WriteFailed(*from_rank0(clean_up, dist))
+
+
+def _write(
+    run_dir: Path, cfg: Config, tokenizer_identity: str, model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer, names: dict[int, str], rng: dict[str, torch.Tensor],
+    state: TrainerState, dist: DistInfo, sharded: bool,
+) -> Path:
     all_rng = all_rng_states(rng, dist)
     partial, optimizer_tensors = None, {}
     if sharded:

@@ -1,0 +1,148 @@
+"""Room for checkpoints on the run folder's disk.
+
+A checkpoint's size is estimated from the byte counts of the weights and the optimizer state
+(`checkpoint_nbytes`). At start rank 0 warns when the disk cannot hold the checkpoints the run
+will keep at once (`start_warning`); before each checkpoint, too little room for one stops the
+run before anything is written, and a write that fails anyway (ENOSPC above all) stops it the
+same way once the partial folder is removed (`checked_write`): one line, exit code 2, `latest`
+and the older checkpoints untouched, every rank stopping together.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from andrea.train.checkpoint import TIED_KEYS, read_latest
+from andrea.train.distributed import from_rank0
+from andrea.train.optim import state_size
+from andrea.train.rundir import CONFIG, step_dir_name, step_dirs
+from andrea.train.session import Session
+
+# Besides the tensors' bytes: the model file's metadata (the config as JSON, about 3 kB) and
+# trainer_state.json, then each tensor's entry in a safetensors header.
+FIXED_BYTES = 16_384
+HEADER_BYTES_PER_TENSOR = 128
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFull(Exception):
+    """A checkpoint did not fit (or its write failed): the run stops with this one line."""
+
+
+class WriteFailed(Exception):
+    """A checkpoint write failed on some rank; raised on every rank once its partial folder is
+    gone. `cause`: rank 0's account of it."""
+
+    def __init__(self, cause: str, full: bool) -> None:
+        super().__init__(cause)
+        self.cause, self.full = cause, full
+
+
+def checkpoint_nbytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool, world_size: int,
+    device_type: str,
+) -> int:
+    """About how many bytes one checkpoint of this model and optimizer takes on disk: the
+    weights (tied ones once), the optimizer state, every rank's generator states and the
+    headers; a sharded checkpoint also holds the weights a second time, in its shards."""
+    weights = {k: v for k, v in model.state_dict().items()
+               if k.replace("_orig_mod.", "").removeprefix("module.") not in TIED_KEYS}
+    weight_bytes = sum(v.numel() * v.element_size() for v in weights.values())
+    n_state, state_bytes = state_size(optimizer)
+    rng_bytes = world_size * (torch.get_rng_state().numel() + (16 if device_type == "cuda" else 0))
+    tensors = len(weights) + n_state + 2 * world_size
+    total = weight_bytes + state_bytes + rng_bytes + FIXED_BYTES
+    if sharded:
+        total += weight_bytes + world_size * FIXED_BYTES
+        tensors += len(weights) + n_state
+    return total + tensors * HEADER_BYTES_PER_TENSOR
+
+
+def free_nbytes(folder: Path) -> int:
+    """Free bytes on the disk holding `folder` (its nearest existing parent's disk)."""
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return shutil.disk_usage(".").free
+
+
+def human(nbytes: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            break
+        nbytes /= 1000
+    return f"{nbytes:,.0f} {unit}" if unit == "bytes" or nbytes >= 10 else f"{nbytes:.1f} {unit}"
+
+
+def checkpoints_ahead(step: int, max_steps: int, every: int) -> int:
+    """How many checkpoints a run at `step` still writes on its way to max_steps."""
+    periodic = (max_steps // every - step // every) if every else 0
+    return periodic + (0 if every and max_steps % every == 0 else 1)
+
+
+def start_warning(s: Session, free: int) -> str | None:
+    """The warning line when the disk cannot hold the checkpoints the run keeps at once (its
+    existing ones, up to train.keep_last, and the one being written), or None."""
+    t, per = s.cfg.train, s.checkpoint_nbytes
+    existing = len(step_dirs(s.run_dir))
+    ahead = checkpoints_ahead(s.step, t.max_steps, t.checkpoint_every)
+    peak = max(existing + 1, min(t.keep_last + 1, existing + ahead))
+    needed = (peak - existing) * per
+    if free >= needed:
+        return None
+    held = f"{peak} at once, {human(per)} each" + (
+        f": train.keep_last {t.keep_last} and the one being written"
+        if peak == t.keep_last + 1 else "")
+    return (f"warning: {s.run_dir}: {human(free)} free on its disk, but the checkpoints need "
+            f"about {human(needed)} more ({held}); the run will stop cleanly at the first "
+            f"checkpoint that does not fit: free space, lower train.keep_last, or set "
+            f"train.runs_dir to a disk with room")
+
+
+def full_message(s: Session, free: int, cause: str | None, full: bool = True) -> str:
+    """The one line of a checkpoint that was not written. cause: why the write failed, None
+    when the free-space check stopped it before writing anything."""
+    folder, per = s.run_dir / step_dir_name(s.step), human(s.checkpoint_nbytes)
+    if cause is None:
+        what = (f"{folder} was not written: a checkpoint needs about {per}, the disk has "
+                f"{human(free)} free")
+    else:
+        what = (f"writing {folder} failed ({cause}; it needs about {per}, {human(free)} was "
+                f"free); its partial folder is removed")
+    latest = read_latest(s.run_dir)
+    if latest is None:
+        how = (f"no checkpoint was written before it; free space there, or set train.runs_dir "
+               f"to a disk with room, then start over: andrea train --config "
+               f"{s.run_dir / CONFIG}")
+    else:
+        how = (f"latest is still {latest}; free space there, or move {s.run_dir} to a disk with "
+               f"room, then continue: andrea train --resume {s.run_dir} (its new path if moved)")
+    head = "disk full" if full else "checkpoint write failed"
+    return f"{head} at step {s.step}: {what}; {how}"
+
+
+def checked_write(s: Session, write: Callable[[], Path]) -> Path:
+    """write() the checkpoint of step s.step (every rank calls this), once rank 0's disk has
+    room for it by the estimate. DiskFull on every rank, with nothing left behind, when it has
+    not or when a write fails."""
+    free = from_rank0(lambda: free_nbytes(s.run_dir), s.dist)
+    if free < s.checkpoint_nbytes:
+        raise DiskFull(full_message(s, free, None))
+    try:
+        return write()
+    except WriteFailed as failed:
+        raise DiskFull(full_message(s, free, failed.cause, failed.full)) from None
+
+
+def describe(exc: OSError | None) -> tuple[str, bool]:
+    """(what failed, in a few words; whether the disk was full) for a failed write: rank 0's
+    OSError, or None when only another rank's write failed."""
+    if exc is None:
+        return "a write failed on another rank", False
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}", exc.errno in FULL_DISK

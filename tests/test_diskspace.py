@@ -1,0 +1,155 @@
+"""A full disk at a checkpoint: the run stops in one line before or after a failed write, with
+`latest` and the older checkpoints intact and nothing partial left; resumed on a disk with room
+it equals an uninterrupted run. The room is checked at start (a warning) and before each
+checkpoint (a clean stop before anything is written)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_torchrun
+
+from andrea.config import load_config
+from andrea.model.transformer import Andrea
+from andrea.runs import format_table, list_runs
+from andrea.train import checkpoint as ckpt_io
+from andrea.train import diskspace
+from andrea.train.loop import train
+from andrea.train.optim import build_optimizer
+
+# data_dir: the session fixture in conftest.py. Checkpoints at steps 2, 4 and 6 (~1.5 MB each).
+SETS = ("train.max_steps=6", "train.checkpoint_every=2", "train.log_every=1",
+        "train.eval_every=0", "train.keep_last=3")
+
+
+def tiny(runs: Path, data_dir: Path, *sets: str):
+    return load_config("andrea-tiny", [f"data.dir={data_dir}", f"train.runs_dir={runs}",
+                                       "train.name=t", *SETS, *sets])
+
+
+def steps_logged(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """Step -> (loss, grad norm); a resumed step's newer record replaces the older one."""
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records if r["event"] == "train"}
+
+
+def final_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    weights = ckpt_io.read_model_checkpoint(ckpt)[0]
+    moments = ckpt_io.read_safetensors(ckpt / ckpt_io.OPTIMIZER_FILE)[0]
+    return {**weights, **{f"optimizer.{k}": v for k, v in moments.items()}}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_dir) -> tuple[dict, dict, Path]:
+    result = train(tiny(tmp_path_factory.mktemp("whole"), data_dir), progress=False)
+    return steps_logged(result.run_dir), final_tensors(result.checkpoint), result.checkpoint
+
+
+def assert_resumes_as_uninterrupted(run_dir: Path, data_dir: Path, uninterrupted) -> None:
+    """Resume `run_dir` (on a disk with room) to the end: every step's loss and grad norm and
+    the final weights and optimizer state equal the uninterrupted run's, exactly."""
+    rest = train(tiny(run_dir.parent, data_dir), resume=str(run_dir), progress=False)
+    assert rest.state == "finished" and rest.steps == 6, rest.message
+    logged, tensors, _ = uninterrupted
+    assert steps_logged(run_dir) == logged
+    got = final_tensors(rest.checkpoint)
+    assert got.keys() == tensors.keys()
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+
+def assert_stopped_at_4(run_dir: Path) -> None:
+    assert (run_dir / "latest").read_text().strip() == "step-000002"
+    assert [p.name for p in run_dir.iterdir() if p.name.startswith("step-")] == ["step-000002"]
+    assert ckpt_io.checkpoint_problem(run_dir / "step-000002", for_resume=True) is None
+
+
+def test_the_estimate_is_within_two_percent_of_a_real_checkpoint(uninterrupted):
+    cfg = load_config("andrea-tiny")
+    model = Andrea(cfg.model)
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))  # no state yet: estimated
+    estimate = diskspace.checkpoint_nbytes(model, optimizer, False, 1, "cpu")
+    real = sum(f.stat().st_size for f in uninterrupted[2].iterdir())
+    assert real <= estimate <= 1.02 * real, (estimate, real)
+
+
+def test_a_failed_checkpoint_write_stops_cleanly(tmp_path, data_dir, inject_faults):
+    inject_faults("disk-full@checkpoint:step-000004")  # ENOSPC after its model file is written
+    cut = train(tiny(tmp_path, data_dir), progress=False)
+    inject_faults(None)
+    run_dir = tmp_path / "t"
+    assert (cut.state, cut.exit_code, cut.steps) == ("stopped", 2, 4)
+    assert cut.message.startswith(f"disk full at step 4: writing {run_dir}/step-000004 failed "
+                                  f"(No space left on device"), cut.message
+    assert "its partial folder is removed" in cut.message
+    assert f"latest is still {run_dir}/step-000002" in cut.message
+    assert cut.message.endswith(f"andrea train --resume {run_dir} (its new path if moved)")
+    assert_stopped_at_4(run_dir)  # no step-000004.partial-* either
+    (note,) = [line for line in format_table(list_runs(tmp_path)).splitlines()
+               if line.startswith("  t: ")]
+    assert note.startswith("  t: disk full at step 4: ")
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """A folder on a 2.5 MB filesystem: a real tmpfs where this process may mount one (root),
+    else one shutil.disk_usage says is that small (its files counted against 2.5 MB)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(disk)]
+    if os.geteuid() == 0 and subprocess.run(mount, capture_output=True).returncode == 0:
+        yield disk
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+        return
+    real = shutil.disk_usage
+
+    def usage(path):
+        if not Path(path).resolve().is_relative_to(disk.resolve()):
+            return real(path)
+        used = sum(f.stat().st_size for f in disk.rglob("*") if f.is_file())
+        return real(path)._replace(free=2_500_000 - used)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    yield disk
+
+
+def test_a_small_disk_warns_at_start_stops_before_writing_and_resumes_elsewhere(
+    tmp_path, data_dir, uninterrupted, small_disk, capsys
+):
+    """Step 2's checkpoint fits, then less than one checkpoint is free at step 4. The run
+    folder moved to a disk with room resumes as if nothing had happened."""
+    result = train(tiny(small_disk / "runs", data_dir), progress=False)
+    out = capsys.readouterr().out
+    assert "warning: " in out and "free on its disk, but the checkpoints need about 4.5 MB more "\
+        "(3 at once, 1.5 MB each)" in out, out
+    run_dir = small_disk / "runs" / "t"
+    assert (result.state, result.exit_code, result.steps) == ("stopped", 2, 4)
+    assert result.message.startswith(
+        f"disk full at step 4: {run_dir}/step-000004 was not written: a checkpoint needs about "
+        f"1.5 MB, the disk has "), result.message
+    assert f"latest is still {run_dir}/step-000002" in result.message
+    moved = shutil.copytree(run_dir, tmp_path / "elsewhere" / "t")
+    assert_stopped_at_4(moved)
+    assert_resumes_as_uninterrupted(moved, data_dir, uninterrupted)
+
+
+def test_fsdp_ranks_agree_on_a_failed_checkpoint_and_end_cleanly(tmp_path, data_dir):
+    """Rank 0's write fails after every rank wrote its shards of step 4: no rank hangs, each
+    ends with exit code 2, and the one line says so; the run folder is as at step 2."""
+    cfg = tiny(tmp_path, data_dir, "train.parallel=fsdp", "train.max_steps=4",
+               "train.micro_batch_size=4", "train.global_batch_tokens=512")
+    path = tmp_path / "t.yaml"
+    path.write_text(cfg.to_yaml())
+    proc = run_torchrun("train", "-c", str(path), "--no-progress", timeout=600,
+                        env={"ANDREA_FAULTS": "disk-full@checkpoint:step-000004"})
+    err = proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 2" in err, err[-3000:]
+    ours = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith("error: disk full at step 4: "), err[-3000:]
+    assert "Traceback" not in err[:err.index("torch/distributed/elastic")], err[-3000:]
+    assert_stopped_at_4(tmp_path / "t")
