@@ -129,13 +129,8 @@ def run_training(
                         state = "stopped"
                         message = f"paused after {stop_after} steps (--stop-after); {s.checkpoint}"
                         break
-        except NonFiniteError as exc:
-            state, exit_code = "nonfinite", 1
-            message = (f"{exc}; nothing was written over the last good checkpoint "
-                       f"({s.checkpoint})" if s.checkpoint else
-                       f"{exc}; no checkpoint had been written yet")
-        except DiskFull as exc:  # the step's checkpoint did not fit: stop cleanly, every rank
-            state, exit_code, message = "stopped", UserError.exit_code, str(exc)
+        except (NonFiniteError, DiskFull) as exc:
+            state, exit_code, message = stopped_outcome(s, exc)
         finally:
             bar.close()
         if signals.received is not None and exit_code == 0 and s.step < t.max_steps:
@@ -454,6 +449,16 @@ def set_up_interrupted(
         last_val_loss=None, checkpoint=signals.checkpoint, exit_code=EXIT_SIGNAL.get(sig, 130),
         message=message, is_main=dist.is_main,
     )
+
+
+def stopped_outcome(s: Session, exc: NonFiniteError | DiskFull) -> tuple[str, int, str]:
+    """(state, exit code, message) of a run the loop stopped itself: a non-finite loss, or a
+    checkpoint that did not fit on the disk (a stop the user can act on: exit code 2)."""
+    if isinstance(exc, DiskFull):
+        return "stopped", UserError.exit_code, str(exc)
+    message = (f"{exc}; nothing was written over the last good checkpoint ({s.checkpoint})"
+               if s.checkpoint else f"{exc}; no checkpoint had been written yet")
+    return "nonfinite", 1, message
 
 
 def interrupted_outcome(s: Session) -> tuple[str, int, str]:
