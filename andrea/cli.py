@@ -148,8 +148,9 @@ def train_cmd(
     if resume is not None and overwrite:
         raise UserError(f"--resume {resume} --overwrite: give one; --resume continues the run, "
                         "--overwrite deletes it and starts a new one")
-    from andrea.train.loop import summary_line, train
+    from andrea.train.loop import train
     from andrea.train.resume import config_for_run  # loop's set-up imports the registries
+    from andrea.train.session import summary_line
 
     cfg = config_for_run(config, set_ or [], resume)
     result = train(

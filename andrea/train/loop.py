@@ -489,17 +489,3 @@ def finish(s: Session, state: str, exit_code: int, message: str, seconds: float)
         is_main=s.dist.is_main,
     )
 
-
-def summary_line(result: TrainResult) -> str:
-    if result.state == "nothing to do":
-        return result.message
-    best = (
-        f"best val loss {result.best_val_loss:.4f} at step {result.best_val_step}"
-        if result.best_val_loss is not None
-        else "no evaluation"
-    )
-    where = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint"
-    return (
-        f"{result.state}: {result.steps} steps, {result.tokens:,} tokens in "
-        f"{result.seconds:.1f} s; {best}; {where}"
-    )
