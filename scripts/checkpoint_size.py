@@ -24,7 +24,8 @@ import torch
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.diskspace import checkpoint_nbytes, human
+from andrea.train.checkpoint import checkpoint_nbytes
+from andrea.train.diskspace import human
 from andrea.train.optim import build_optimizer
 from andrea.train.state import TrainerState
 

@@ -19,7 +19,6 @@ from andrea.config import load_config
 from andrea.model.transformer import Andrea
 from andrea.runs import format_table, list_runs
 from andrea.train import checkpoint as ckpt_io
-from andrea.train import diskspace
 from andrea.train.loop import train
 from andrea.train.optim import build_optimizer
 
@@ -73,7 +72,7 @@ def test_the_estimate_is_within_two_percent_of_a_real_checkpoint(uninterrupted):
     cfg = load_config("andrea-tiny")
     model = Andrea(cfg.model)
     optimizer = build_optimizer(model, cfg, torch.device("cpu"))  # no state yet: estimated
-    estimate = diskspace.checkpoint_nbytes(model, optimizer, False, 1, "cpu")
+    estimate = ckpt_io.checkpoint_nbytes(model, optimizer, False, 1, "cpu")
     real = sum(f.stat().st_size for f in uninterrupted[2].iterdir())
     assert real <= estimate <= 1.02 * real, (estimate, real)
 

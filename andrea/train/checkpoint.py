@@ -41,7 +41,7 @@ from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text, fsync_dir
 from andrea.model.params import check_stored_shape
 from andrea.train.distributed import full_tensor, shard_like
-from andrea.train.optim import make_empty_state
+from andrea.train.optim import make_empty_state, state_size
 from andrea.train.rundir import (
     LATEST,
     MODEL_FILE,
@@ -63,6 +63,10 @@ FORMAT = "andrea-checkpoint/1"
 OPTIMIZER_PREFIX = "optimizer."  # the optimizer's keys among the shards' tensors
 # The LM head is tied to the token embedding: stored once, re-tied on load.
 TIED_KEYS = {"lm_head.weight": "tok_emb.weight"}
+# Besides the tensors' bytes: the model file's metadata (the config as JSON, about 3 kB) and
+# trainer_state.json, then each tensor's entry in a safetensors header.
+FIXED_BYTES = 16_384
+HEADER_BYTES_PER_TENSOR = 128
 
 
 def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
@@ -187,6 +191,26 @@ def save_checkpoint(
     atomic_write_text(run_dir / LATEST, final.name + "\n")
     prune_checkpoints(run_dir, keep_last)
     return final
+
+
+def checkpoint_nbytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool, world_size: int,
+    device_type: str,
+) -> int:
+    """About how many bytes one checkpoint of this model and optimizer takes on disk: the
+    weights (tied ones once), the optimizer state, every rank's generator states and the
+    headers; a sharded checkpoint also holds the weights a second time, in its shards."""
+    weights = {k: v for k, v in model.state_dict().items()
+               if k.replace("_orig_mod.", "").removeprefix("module.") not in TIED_KEYS}
+    weight_bytes = sum(v.numel() * v.element_size() for v in weights.values())
+    n_state, state_bytes = state_size(optimizer)
+    rng_bytes = world_size * (torch.get_rng_state().numel() + (16 if device_type == "cuda" else 0))
+    tensors = len(weights) + n_state + 2 * world_size
+    total = weight_bytes + state_bytes + rng_bytes + FIXED_BYTES
+    if sharded:
+        total += weight_bytes + world_size * FIXED_BYTES
+        tensors += len(weights) + n_state
+    return total + tensors * HEADER_BYTES_PER_TENSOR
 
 
 def partial_dir(run_dir: Path, step: int, pid: int) -> Path:

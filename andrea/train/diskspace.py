@@ -1,11 +1,12 @@
 """Room for checkpoints on the run folder's disk.
 
 A checkpoint's size is estimated from the byte counts of the weights and the optimizer state
-(`checkpoint_nbytes`). At start rank 0 warns when the disk cannot hold the checkpoints the run
-will keep at once (`start_warning`); before each checkpoint, too little room for one stops the
-run before anything is written, and a write that fails anyway (ENOSPC above all) stops it the
-same way once the partial folder is removed (`checked_write`): one line, exit code 2, `latest`
-and the older checkpoints untouched, every rank stopping together.
+(`checkpoint.checkpoint_nbytes`, once a session: `Session.checkpoint_nbytes`). At start rank 0
+warns when the disk cannot hold the checkpoints the run will keep at once (`start_warning`);
+before each checkpoint, too little room for one stops the run before anything is written, and
+a write that fails anyway (ENOSPC above all) stops it the same way once the partial folder is
+removed (`checked_write`): one line, exit code 2, `latest` and the older checkpoints untouched,
+every rank stopping together.
 """
 
 from __future__ import annotations
@@ -15,18 +16,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from andrea.train.checkpoint import TIED_KEYS, read_latest
+from andrea.train.checkpoint import read_latest
 from andrea.train.distributed import from_rank0
-from andrea.train.optim import state_size
 from andrea.train.rundir import CONFIG, step_dir_name, step_dirs
 from andrea.train.session import Session
 
-# Besides the tensors' bytes: the model file's metadata (the config as JSON, about 3 kB) and
-# trainer_state.json, then each tensor's entry in a safetensors header.
-FIXED_BYTES = 16_384
-HEADER_BYTES_PER_TENSOR = 128
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -41,26 +35,6 @@ class WriteFailed(Exception):
     def __init__(self, cause: str, full: bool) -> None:
         super().__init__(cause)
         self.cause, self.full = cause, full
-
-
-def checkpoint_nbytes(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool, world_size: int,
-    device_type: str,
-) -> int:
-    """About how many bytes one checkpoint of this model and optimizer takes on disk: the
-    weights (tied ones once), the optimizer state, every rank's generator states and the
-    headers; a sharded checkpoint also holds the weights a second time, in its shards."""
-    weights = {k: v for k, v in model.state_dict().items()
-               if k.replace("_orig_mod.", "").removeprefix("module.") not in TIED_KEYS}
-    weight_bytes = sum(v.numel() * v.element_size() for v in weights.values())
-    n_state, state_bytes = state_size(optimizer)
-    rng_bytes = world_size * (torch.get_rng_state().numel() + (16 if device_type == "cuda" else 0))
-    tensors = len(weights) + n_state + 2 * world_size
-    total = weight_bytes + state_bytes + rng_bytes + FIXED_BYTES
-    if sharded:
-        total += weight_bytes + world_size * FIXED_BYTES
-        tensors += len(weights) + n_state
-    return total + tensors * HEADER_BYTES_PER_TENSOR
 
 
 def free_nbytes(folder: Path) -> int:

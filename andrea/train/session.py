@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch.nn as nn
 from andrea.config import Config
 from andrea.data.loader import TokenSplit
 from andrea.model.transformer import Andrea
+from andrea.train.checkpoint import checkpoint_nbytes
 from andrea.train.distributed import DistInfo
 from andrea.train.flops import MfuMeter
 from andrea.train.metrics import MetricsLog, Throughput
@@ -94,11 +96,15 @@ class Session:
     warmup_accum: int = 0  # micro-batches per step during the batch-size warm-up (0: none)
     scaling: LossScaling = field(default_factory=LossScaling)  # fp16's loss scaling, or none
     precision_why: str = ""  # why the run computes in its dtype (train.precision auto: the device)
-    checkpoint_nbytes: int = 0  # one checkpoint's size on disk, as diskspace estimates it
 
     @property
     def dist(self) -> DistInfo:  # the processes, as the parallel mode holds them
         return self.parallel.dist
+
+    @cached_property
+    def checkpoint_nbytes(self) -> int:  # one checkpoint's size on disk, estimated once
+        return checkpoint_nbytes(self.model, self.optimizer, self.parallel.sharded,
+                                 self.dist.world_size, self.device.type)
 
     @property
     def tokens_per_micro_batch(self) -> int:  # over all ranks

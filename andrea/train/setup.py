@@ -24,7 +24,6 @@ from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import snapshot
 from andrea.train.device import choose_precision, device_name
-from andrea.train.diskspace import checkpoint_nbytes
 from andrea.train.distributed import (
     DistInfo,
     all_reduce_sum,
@@ -104,8 +103,6 @@ def set_up(
                      devices=dist.world_size),
         preset=Path(cfg.source).stem, parallel=parallel, guard=SpikeGuard(t),
         scaling=loss_scaling_for(dtype, device), precision_why=precision.why,
-        checkpoint_nbytes=checkpoint_nbytes(model, optimizer, parallel.sharded,
-                                            dist.world_size, device.type),
     )
     if trainer_state is not None:
         continue_from(s, trainer_state, resume_from)
