@@ -150,7 +150,6 @@ def train_cmd(
                         "--overwrite deletes it and starts a new one")
     from andrea.train.loop import train
     from andrea.train.resume import config_for_run  # loop's set-up imports the registries
-    from andrea.train.session import summary_line
 
     cfg = config_for_run(config, set_ or [], resume)
     result = train(
@@ -161,7 +160,7 @@ def train_cmd(
             # A stop the user asked for (Ctrl-C, a scheduler's SIGTERM) is no error.
             prefix = "" if result.state == "interrupted" else "error: "
             typer.echo(f"{prefix}{result.message}", err=True)
-        typer.echo(summary_line(result))
+        typer.echo(result.summary_line())
     raise typer.Exit(result.exit_code)
 
 

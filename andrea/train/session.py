@@ -41,21 +41,20 @@ class TrainResult:
     message: str = ""
     is_main: bool = True  # rank 0 (the one process that writes and speaks)
 
-
-def summary_line(result: TrainResult) -> str:
-    """The run's last line (rank 0's stdout): how it ended, its size, best val loss, checkpoint."""
-    if result.state == "nothing to do":
-        return result.message
-    best = (
-        f"best val loss {result.best_val_loss:.4f} at step {result.best_val_step}"
-        if result.best_val_loss is not None
-        else "no evaluation"
-    )
-    where = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint"
-    return (
-        f"{result.state}: {result.steps} steps, {result.tokens:,} tokens in "
-        f"{result.seconds:.1f} s; {best}; {where}"
-    )
+    def summary_line(self) -> str:
+        """The run's last line (rank 0's stdout): how it ended, size, best val loss, checkpoint."""
+        if self.state == "nothing to do":
+            return self.message
+        best = (
+            f"best val loss {self.best_val_loss:.4f} at step {self.best_val_step}"
+            if self.best_val_loss is not None
+            else "no evaluation"
+        )
+        where = f"checkpoint {self.checkpoint}" if self.checkpoint else "no checkpoint"
+        return (
+            f"{self.state}: {self.steps} steps, {self.tokens:,} tokens in "
+            f"{self.seconds:.1f} s; {best}; {where}"
+        )
 
 
 @dataclass
