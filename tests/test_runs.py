@@ -382,3 +382,23 @@ def test_one_tokens_per_s_in_the_bar_the_end_record_and_runs(tmp_path, data_dir,
     assert (listed["tokens_per_s"], listed["mfu"]) == (end["tokens_per_s"], end["mfu"])
     header, row = format_table(list_runs(tmp_path)).splitlines()[:2]
     assert row[header.index("TOK/S"):].split()[:2] == [shown, "n/a"]
+
+
+def test_one_mapping_of_records_to_scalars_for_both_sinks():
+    """train.metrics.scalars: what TensorBoard and W&B draw of each record, events included
+    (an event kind's *_total counters, so fp16's overflow events need no entry of their own)."""
+    from andrea.train.metrics import scalars
+
+    assert scalars(start_record()) is None and scalars({"event": "train", "loss": 1.0}) is None
+    step, values = scalars(train_record(10, loss=float("nan"), mfu=None))
+    assert step == 10 and "train/loss" not in values and "train/mfu" not in values
+    assert values["train/tokens_seen"] == 10 * TOKENS_PER_STEP
+    _, values = scalars({"event": "eval", "step": 5, "val_loss": 3.5, "val_bpb": 1.2,
+                         "val_sources": {"a": {"loss": 3.0}, "b": {"loss": float("nan")}}})
+    assert values == {"val/loss": 3.5, "val/bits_per_byte": 1.2, "val/source/a/loss": 3.0}
+    assert scalars({"event": "end", "step": 7, "tokens_per_s": 539.1, "mfu": None}) == (
+        7, {"run/tokens_per_s": 539.1})
+    assert scalars({"event": "overflow", "step": 3, "loss": 2.0, "loss_scale": 32768.0,
+                    "overflows_total": 2}) == (3, {"events/overflows_total": 2.0})
+    assert scalars({"event": "spike", "step": 4, "spikes_total": 1, "action": "skip"}) == (
+        4, {"events/spikes_total": 1.0})
