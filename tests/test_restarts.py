@@ -108,6 +108,21 @@ def test_each_rank_numbers_its_attempts_as_every_other_does(monkeypatch):
     del server
 
 
+def test_a_restart_continues_the_first_launchs_run_from_its_newest_checkpoint(monkeypatch,
+                                                                           tmp_path):
+    from andrea.train import resume
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text("")
+    given = [(None, False), ("auto", True), (str(run / "step-000002"), True), (str(run), True)]
+    monkeypatch.setattr(resume, "attempt", lambda: distributed.Attempt(0, None))
+    assert [resume.restart_resume(*g) for g in given] == given  # a first launch: as given
+    monkeypatch.setattr(resume, "attempt", lambda: distributed.Attempt(1, None))
+    assert [resume.restart_resume(*g) for g in given] == [
+        ("auto", False), ("auto", False), (str(run), False), (str(run), False)]
+
+
 def test_a_process_the_others_never_join_stops_with_one_line(monkeypatch, capfd):
     ended = threading.Event()
     codes: list[int] = []

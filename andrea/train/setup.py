@@ -259,13 +259,13 @@ def open_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -
         if found is not None:
             stored = load_config(found / CONFIG)
             checkpoint = resume_checkpoint(resume, found)
-            say_restart(checkpoint)
+            say_restart(checkpoint, found)
             state = ckpt_io.read_state(checkpoint)
             changes = check_resume_changes(stored, cfg, found, state.step > 0)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
             return RunDecision(found, checkpoint, changes, False, cfg.train.name, state,
                                ckpt_io.has_shards(checkpoint))
-        if resume == "auto" and dist.is_main:
+        if resume == "auto" and dist.is_main and not say_restart(None, run_dir):
             print(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
     replace = dist.is_main and ckpt_io.read_latest(run_dir) is not None
     if replace and not overwrite:
@@ -277,12 +277,15 @@ def open_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -
     return RunDecision(run_dir, None, {}, replace, cfg.train.name, None, False)
 
 
-def say_restart(checkpoint: Path) -> None:
-    """The one line of a worker torchrun restarted (rank 0's: only it decides the run)."""
+def say_restart(checkpoint: Path | None, run_dir: Path) -> bool:
+    """The one line of a worker torchrun restarted (rank 0's: only it decides the run);
+    whether this is one."""
     restart = attempt().number
     if restart:
-        print(f"torchrun restart {restart}: continuing from {checkpoint}, the run's newest "
-              f"intact checkpoint", flush=True)
+        print(f"torchrun restart {restart}: continuing from {checkpoint}, the run's newest intact "
+              f"checkpoint" if checkpoint is not None else f"torchrun restart {restart}: no "
+              f"checkpoint under {run_dir} yet, starting the run again", flush=True)
+    return bool(restart)
 
 
 def clear_run(run_dir: Path) -> None:
