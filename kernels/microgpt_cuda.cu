@@ -2,13 +2,13 @@
 //
 // One source, three compilers: NVRTC at run time (andrea's CUDA backend), nvcc for the compile
 // gates, and g++ against kernels/cpu/cuda_emulator.h to run the same kernels on the CPU. So: no
-// headers, own bfloat16 conversions and INFINITY, and every GPU-only instruction (ldmatrix,
+// headers, own bfloat16 and fp16 conversions and INFINITY, and every GPU-only instruction (ldmatrix,
 // mma.sync) sits in one small device function whose #else body computes the same thing with
 // the PTX-documented fragment layouts (lane registers <-> matrix elements).
 //
 // ---------------------------------------------------------------------------------------------
 // Tensors (all contiguous, 16-byte aligned base pointers):
-//   q, k, v, o, dout, dq, dk, dv : [B, H, T, D] of T_ (float or bf16_t)
+//   q, k, v, o, dout, dq, dk, dv : [B, H, T, D] of T_ (float, bf16_t or half_t)
 //   lse, delta                   : [B, H, T] float32  (lse = natural log-sum-exp of scaled scores)
 //   scale: score multiplier, 1/sqrt(D) by default. Causal mask: key j visible to query i iff j <= i.
 //
@@ -17,7 +17,7 @@
 //   attn_bwd_preprocess<T_, D>(o, dout, delta, int rows)          rows = B*H*T
 //   attn_bwd_dq<T_, D>(q, k, v, dout, lse, delta, dq, int seq_len, float scale)
 //   attn_bwd_dkdv<T_, D>(q, k, v, dout, lse, delta, dk, dv, int seq_len, float scale)
-//   T_ in {float, bf16_t}, D in {32, 64, 128}. Other head dims are refused by the caller.
+//   T_ in {float, bf16_t, half_t}, D in {32, 64, 128}. Other head dims are refused by the caller.
 //   Naive baseline (speed reference only; same arguments as the kernel without the suffix):
 //   attn_fwd_naive<T_, D>, attn_bwd_dq_naive<T_, D>, attn_bwd_dkdv_naive<T_, D>
 //
@@ -37,6 +37,7 @@
 //   bf16  D=32         (4, 64)  (4, 64)  (4, 64)
 //   bf16  D=64         (4, 64)  (4, 64)  (4, 64)
 //   bf16  D=128        (4, 32)  (4, 16)  (4, 16)
+//   fp16               as bf16 (same element size, same fragments)
 //   fp32  D=32         (4, 32)  (4, 32)  (4, 32)
 //   fp32  D=64         (4, 32)  (2, 32)  (2, 32)
 //   fp32  D=128        (2, 16)  (1, 16)  (1, 16)
@@ -48,7 +49,9 @@
 // then writes O and the log-sum-exp. Backward recomputes P = exp(S*scale - lse) tile by tile
 // (no T x T matrix): dq owns query tiles and streams K/V; dkdv owns key tiles and streams Q/dO.
 // bf16 matmuls use tensor cores (mma.sync m16n8k16, fp32 accumulate) with ldmatrix fragment
-// loads; P and dS stay in registers (C fragment -> A fragment repack). fp32 matmuls use the same
+// loads; P and dS stay in registers (C fragment -> A fragment repack). fp16 does the same on
+// sm_80+ (m16n8k16 .f16), as two m16n8k8 per step on sm_75, and with float FMAs from shared
+// memory on sm_70 and older (ANDREA_HALF_PATH). fp32 matmuls use the same
 // fragment ownership with float FMAs from shared memory (the A operand of the second matmul goes
 // through a warp-private scratch tile) so fp32 keeps full precision.
 // ---------------------------------------------------------------------------------------------
@@ -82,13 +85,79 @@ template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
   return r;
 }
 
-// Two floats -> one .b32 register holding two bf16 (lower column in the low half).
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-  return (u32)bf16_bits(lo) | ((u32)bf16_bits(hi) << 16);
+// IEEE binary16 (fp16) as 16 bits. Both directions in integer arithmetic, so the emulator and
+// every GPU give the same bits whatever their float modes (-ftz=true included).
+struct half_t {
+  u16 bits;
+};
+
+// float -> fp16, round to nearest even: past 65504 + half an ulp to inf, below 2^-14 to a
+// subnormal (exactly half of 2^-24 rounds to 0, its even neighbour), NaN to a quiet NaN.
+__device__ __forceinline__ u16 half_bits(float f) {
+  const u32 u = __float_as_uint(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (u16)(sign | 0x7e00u);
+  if (a >= 0x477ff000u) return (u16)(sign | 0x7c00u);
+  if (a >= 0x38800000u)  // normal: rebias the exponent by 127 - 15, round 23 -> 10 bits
+    return (u16)(sign | ((a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13));
+  if (a <= 0x33000000u) return (u16)sign;
+  // Subnormal: the 24-bit significand in units of 2^-24 is m >> shift, shift in 14..24.
+  const u32 m = (a & 0x7fffffu) | 0x800000u, shift = 126u - (a >> 23);
+  const u32 r = m >> shift, rem = m & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
+  return (u16)(sign | (r + ((rem > halfway || (rem == halfway && (r & 1u))) ? 1u : 0u)));
 }
 
-template <typename T_> struct IsBf16 { static constexpr bool value = false; };
-template <> struct IsBf16<bf16_t> { static constexpr bool value = true; };
+// fp16 -> float, exact, so the device's cvt.f32.f16 (one instruction where the integer version
+// costs the naive kernels spills) and the integer version agree on every value. In the latter a
+// subnormal is m * 2^-24: m converted and scaled by a power of two, both exact, and the result a
+// normal float, so flush-to-zero cannot touch it.
+__device__ __forceinline__ float half_to_float(u32 h) {
+#if defined(__CUDA_ARCH__)
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+  return f;
+#else
+  const u32 sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+  if (e != 0u) return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+  const float x = (float)m * 5.9604644775390625e-8f;  // 2^-24
+  return sign ? -x : x;
+#endif
+}
+
+__device__ __forceinline__ float to_float(half_t x) { return half_to_float(x.bits); }
+template <> __device__ __forceinline__ half_t from_float<half_t>(float x) {
+  half_t r;
+  r.bits = half_bits(x);
+  return r;
+}
+
+// Two floats -> one .b32 register holding two 16-bit values (lower column in the low half).
+__device__ __forceinline__ u32 pack2(float lo, float hi, bf16_t) {
+  return (u32)bf16_bits(lo) | ((u32)bf16_bits(hi) << 16);
+}
+__device__ __forceinline__ u32 pack2(float lo, float hi, half_t) {
+  return (u32)half_bits(lo) | ((u32)half_bits(hi) << 16);
+}
+
+// Which fp16 path is built: tensor cores m16n8k16 (sm_80+), two m16n8k8 per k16 step (sm_75),
+// or the scalar float path (sm_70 and older: no fp16 MMA fragments worth the name there).
+// __CUDA_ARCH__ on a device, sm_80's in the emulator; -DANDREA_HALF_ARCH=750 or 700 builds
+// another arch's path (the emulator's tests of those paths, and nvcc 13, which has no sm_70
+// target, compiling sm_70's path for sm_75).
+#if defined(ANDREA_HALF_ARCH)
+#define ANDREA_HALF_PATH ANDREA_HALF_ARCH
+#elif defined(__CUDA_ARCH__)
+#define ANDREA_HALF_PATH __CUDA_ARCH__
+#else
+#define ANDREA_HALF_PATH 800
+#endif
+
+template <typename T_> struct IsFloat { static constexpr bool value = false; };
+template <> struct IsFloat<float> { static constexpr bool value = true; };
+// Whether a 16-bit type's matmuls run as ldmatrix + mma.sync fragments (else the scalar path).
+template <typename T_> struct UsesMma { static constexpr bool value = false; };
+template <> struct UsesMma<bf16_t> { static constexpr bool value = true; };
+template <> struct UsesMma<half_t> { static constexpr bool value = ANDREA_HALF_PATH >= 750; };
 
 // ------------------------------------------------------------------------------- tile configs
 // W warps per block (block owns M = 16*W rows), N rows per streamed tile. All shared memory is
@@ -103,6 +172,9 @@ template <typename T_, int D, int K> struct TileCfg;
 ANDREA_TILE(bf16_t, 32, 4, 64, 4, 64, 4, 64)
 ANDREA_TILE(bf16_t, 64, 4, 64, 4, 64, 4, 64)
 ANDREA_TILE(bf16_t, 128, 4, 32, 4, 16, 4, 16)
+ANDREA_TILE(half_t, 32, 4, 64, 4, 64, 4, 64)
+ANDREA_TILE(half_t, 64, 4, 64, 4, 64, 4, 64)
+ANDREA_TILE(half_t, 128, 4, 32, 4, 16, 4, 16)
 ANDREA_TILE(float, 32, 4, 32, 4, 32, 4, 32)
 ANDREA_TILE(float, 64, 4, 32, 2, 32, 2, 32)
 ANDREA_TILE(float, 128, 2, 16, 1, 16, 1, 16)
@@ -123,21 +195,33 @@ template <typename T_, int D, int K> struct MinBlocks { static constexpr int val
 template <> struct MinBlocks<bf16_t, 64, KIND_DKDV> { static constexpr int value = 3; };
 template <> struct MinBlocks<bf16_t, 64, KIND_DQ> { static constexpr int value = 3; };
 template <> struct MinBlocks<float, 32, KIND_FWD> { static constexpr int value = 8; };
+// fp16 has bf16's tiles and fragments, so bf16's promises, for the same reasons, on sm_80+. On
+// sm_75 (64 KiB of shared memory per SM) one block of 37 KiB fits anyway, and the promise of 3
+// (168 registers) made dQ spill a word there.
+template <> struct MinBlocks<half_t, 64, KIND_DKDV> {
+  static constexpr int value = ANDREA_HALF_PATH >= 800 ? 3 : 0;
+};
+template <> struct MinBlocks<half_t, 64, KIND_DQ> {
+  static constexpr int value = ANDREA_HALF_PATH >= 800 ? 3 : 0;
+};
 
 // attn_bwd_dkdv takes a streamed tile's N query columns in this many passes: the score and dP
 // fragments of a pass (2 x N/8 x 4 floats per lane when 1) are live beside both D-wide
 // accumulators, and halving them is what lets bf16 D=64 fit 168 registers without spills.
 template <typename T_, int D> struct DkdvPasses { static constexpr int value = 1; };
 template <> struct DkdvPasses<bf16_t, 64> { static constexpr int value = 2; };
+template <> struct DkdvPasses<half_t, 64> { static constexpr int value = 2; };
 
 // Row stride in shared memory: D plus 16 bytes, so the 8 rows an ldmatrix reads fall in
 // different banks, and every row start stays 16-byte aligned.
 template <typename T_, int D> struct Ld { static constexpr int value = D + 16 / (int)sizeof(T_); };
 
 // Warp-private scratch for the fp32 path's register -> shared A operand (a 16 x N tile per warp).
+// The 16-bit types need none (fp16's scalar path takes P from the quad by shuffles), so their
+// shared memory is the same on every arch.
 template <typename T_, int W, int N> struct Scratch {
   static constexpr int LD = N + 4;
-  static constexpr int size = IsBf16<T_>::value ? 4 : W * 16 * LD;
+  static constexpr int size = IsFloat<T_>::value ? W * 16 * LD : 4;
 };
 
 // Shared memory of one block: the owned tile (rows a, optional second operand a2), the streamed
@@ -170,23 +254,9 @@ template <typename V> __device__ __forceinline__ void warp_allgather(const V& mi
 }
 #endif
 
-// ldmatrix.m8n8.x4.b16: lanes 8i..8i+7 give the row addresses of 8x8 matrix i; lane l gets in
-// r[i] row l/4, columns 2(l%4), 2(l%4)+1 of matrix i (TRANS: rows 2(l%4), 2(l%4)+1 of column l/4).
-template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  u32 addr;
-  asm volatile("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }"
-               : "=r"(addr)
-               : "l"(row));
-  if (TRANS)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-#else
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750)
+// ldmatrix_x4 below by the PTX layout, through the lanes' exchange. Not inlined, as mma_emulated.
+template <bool TRANS> __device__ __noinline__ void ldmatrix_emulated(u32 (&r)[4], const void* row) {
   const unsigned char* rows[32];
   const unsigned char* mine = (const unsigned char*)row;
   warp_allgather(mine, rows);
@@ -201,13 +271,75 @@ template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], c
       r[i] = (u32)lo[0] | ((u32)hi[0] << 16);
     }
   }
+}
+#endif
+
+// ldmatrix.m8n8.x4.b16 (sm_75+): lanes 8i..8i+7 give the row addresses of 8x8 matrix i; lane l
+// gets in r[i] row l/4, columns 2(l%4), 2(l%4)+1 of matrix i (TRANS: rows 2(l%4), 2(l%4)+1 of
+// column l/4).
+template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  u32 addr;
+  asm volatile("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }"
+               : "=r"(addr)
+               : "l"(row));
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+#else
+  ldmatrix_emulated<TRANS>(r, row);
 #endif
 }
 
-// mma.sync.m16n8k16 row.col bf16 -> f32: c += A (16x16) * B (16x8). Fragments (g = lane/4,
-// t = lane%4): a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..];
-// b[0] = B[2t..2t+1][g], b[1] = B[2t+8..2t+9][g]; c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..].
-__device__ __forceinline__ void mma_m16n8k16_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+// The 16-bit element in the low (0) or high (1) half of a fragment register, as a float.
+__device__ __forceinline__ float elem16(u32 r, int hi, bf16_t) {
+  return __uint_as_float((hi ? r >> 16 : r & 0xffffu) << 16);
+}
+__device__ __forceinline__ float elem16(u32 r, int hi, half_t) {
+  return half_to_float(hi ? r >> 16 : r & 0xffffu);
+}
+
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+// mma.sync.m16n8kK row.col with float accumulation, K = 8 or 16, by the PTX fragment layouts
+// (g = lane/4, t = lane%4): a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], and for K = 16 also
+// a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]; b[0] = B[2t..2t+1][g] (K = 16: b[1] =
+// B[2t+8..2t+9][g]); c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..]. Products in float are exact
+// for 16-bit inputs; the sum runs over k in order. Not inlined: at every call site of the
+// unrolled GEMMs it would triple the emulator's build time.
+template <int K, typename T_>
+__device__ __noinline__ void mma_emulated(float (&c)[4], const u32* a, const u32* b) {
+  struct Frag {
+    u32 a[K / 4];
+    u32 b[K / 8];
+  };
+  Frag mine;
+  for (int i = 0; i < K / 4; ++i) mine.a[i] = a[i];
+  for (int i = 0; i < K / 8; ++i) mine.b[i] = b[i];
+  Frag all[32];
+  warp_allgather(mine, all);
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+    float s = c[i];
+    for (int k = 0; k < K; ++k) {
+      const int kl = (k % 8) / 2, hi = k & 1;
+      const u32 ar = all[(row % 8) * 4 + kl].a[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+      const u32 br = all[col * 4 + kl].b[k >= 8 ? 1 : 0];
+      s += elem16(ar, hi, T_{}) * elem16(br, hi, T_{});
+    }
+    c[i] = s;
+  }
+}
+#endif
+
+// mma.sync.m16n8k16 row.col bf16 -> f32: c += A (16x16) * B (16x8), fragments as above.
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1,
+                                             bf16_t) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -215,29 +347,42 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&c)[4], const u32 (&a)[
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-  struct Frag {
-    u32 a[4];
-    u32 b[2];
-  };
-  Frag mine;
-  for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
-  mine.b[0] = b0;
-  mine.b[1] = b1;
-  Frag all[32];
-  warp_allgather(mine, all);
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
-    float s = c[i];
-    for (int k = 0; k < 16; ++k) {
-      const int kl = (k % 8) / 2, half = k & 1;
-      const u32 ar = all[(row % 8) * 4 + kl].a[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
-      const u32 br = all[col * 4 + kl].b[k >= 8 ? 1 : 0];
-      s += __uint_as_float((half ? ar >> 16 : ar & 0xffffu) << 16) *
-           __uint_as_float((half ? br >> 16 : br & 0xffffu) << 16);
-    }
-    c[i] = s;
-  }
+  const u32 b[2] = {b0, b1};
+  mma_emulated<16, bf16_t>(c, a, b);
+#endif
+}
+
+// mma.sync.m16n8k8 row.col f16 -> f32 (sm_75+): c += A (16x8) * B (8x8).
+__device__ __forceinline__ void mma_m16n8k8_f16(float (&c)[4], u32 a0, u32 a1, u32 b0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(b0));
+#else
+  const u32 a[2] = {a0, a1}, b[1] = {b0};
+  mma_emulated<8, half_t>(c, a, b);
+#endif
+}
+
+// c += A (16x16) * B (16x8) in fp16: one m16n8k16 on sm_80+; on sm_75 (ANDREA_HALF_PATH 750),
+// which has only m16n8k8 for fp16, the k16 fragments split into two k8 steps: columns 0..7 of
+// A are a[0], a[1] with b0, columns 8..15 are a[2], a[3] with b1.
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1,
+                                             half_t) {
+#if ANDREA_HALF_PATH >= 800 && defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif ANDREA_HALF_PATH >= 800
+  const u32 b[2] = {b0, b1};
+  mma_emulated<16, half_t>(c, a, b);
+#else
+  mma_m16n8k8_f16(c, a[0], a[1], b0);
+  mma_m16n8k8_f16(c, a[2], a[3], b1);
 #endif
 }
 
@@ -258,7 +403,7 @@ template <typename T_, int K, int NT, bool B_NMAJOR>
 __device__ __forceinline__ void warp_gemm_ss(float (&acc)[NT][4], const T_* a, int lda, const T_* b,
                                              int ldb) {
   const int lane = threadIdx.x & 31;
-  if constexpr (IsBf16<T_>::value) {
+  if constexpr (UsesMma<T_>::value) {
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
       u32 af[4];
@@ -272,8 +417,8 @@ __device__ __forceinline__ void warp_gemm_ss(float (&acc)[NT][4], const T_* a, i
         else
           ldmatrix_x4<true>(bf, b + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ldb + j * 16 +
                                     (lane / 16) * 8);
-        mma_m16n8k16_bf16(acc[2 * j], af, bf[0], bf[1]);
-        mma_m16n8k16_bf16(acc[2 * j + 1], af, bf[2], bf[3]);
+        mma_m16n8k16(acc[2 * j], af, bf[0], bf[1], T_{});
+        mma_m16n8k16(acc[2 * j + 1], af, bf[2], bf[3], T_{});
       }
     }
   } else {
@@ -296,27 +441,47 @@ __device__ __forceinline__ void warp_gemm_ss(float (&acc)[NT][4], const T_* a, i
 }
 
 // acc (16 x 8NT) += P (16 x 8KT, C fragments in registers) * B (8KT x 8NT, element (k, n) at
-// b[k*ldb + n]). bf16: P's C fragments are repacked into A fragments in registers. fp32: P goes
-// through this warp's scratch tile (16 x (8KT+4) floats).
+// b[k*ldb + n]). bf16 and fp16 on tensor cores: P's C fragments are repacked into A fragments in
+// registers (rounded to the element type). fp16 without them: the lanes of a quad hold a row of
+// P between them, so each k's two values come by shuffles from the quad, kept in float. fp32: P
+// goes through this warp's scratch tile (16 x (8KT+4) floats).
 template <typename T_, int KT, int NT>
 __device__ __forceinline__ void warp_gemm_rs(float (&acc)[NT][4], const float (&p)[KT][4],
                                              float* scratch, const T_* b, int ldb) {
   const int lane = threadIdx.x & 31;
-  if constexpr (IsBf16<T_>::value) {
+  if constexpr (UsesMma<T_>::value) {
 #pragma unroll
     for (int kk = 0; kk < KT / 2; ++kk) {
       u32 af[4];
-      af[0] = pack_bf16x2(p[2 * kk][0], p[2 * kk][1]);
-      af[1] = pack_bf16x2(p[2 * kk][2], p[2 * kk][3]);
-      af[2] = pack_bf16x2(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-      af[3] = pack_bf16x2(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+      af[0] = pack2(p[2 * kk][0], p[2 * kk][1], T_{});
+      af[1] = pack2(p[2 * kk][2], p[2 * kk][3], T_{});
+      af[2] = pack2(p[2 * kk + 1][0], p[2 * kk + 1][1], T_{});
+      af[3] = pack2(p[2 * kk + 1][2], p[2 * kk + 1][3], T_{});
 #pragma unroll
       for (int j = 0; j < NT / 2; ++j) {
         u32 bf[4];
         ldmatrix_x4<true>(bf, b + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ldb + j * 16 +
                                   (lane / 16) * 8);
-        mma_m16n8k16_bf16(acc[2 * j], af, bf[0], bf[1]);
-        mma_m16n8k16_bf16(acc[2 * j + 1], af, bf[2], bf[3]);
+        mma_m16n8k16(acc[2 * j], af, bf[0], bf[1], T_{});
+        mma_m16n8k16(acc[2 * j + 1], af, bf[2], bf[3], T_{});
+      }
+    }
+  } else if constexpr (!IsFloat<T_>::value) {
+    const int t = lane & 3, quad = lane & ~3;
+#pragma unroll
+    for (int k = 0; k < 8 * KT; ++k) {
+      // Lane 4g + (k%8)/2 holds P[g][k] in p[k/8][k%2] and P[g+8][k] in p[k/8][2 + k%2].
+      const int src = quad | ((k % 8) / 2);
+      const float a0 = __shfl_sync(0xffffffffu, p[k / 8][k & 1], src);
+      const float a1 = __shfl_sync(0xffffffffu, p[k / 8][2 + (k & 1)], src);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int n = j * 8 + 2 * t;
+        const float b0 = to_float(b[k * ldb + n]), b1 = to_float(b[k * ldb + n + 1]);
+        acc[j][0] += a0 * b0;
+        acc[j][1] += a0 * b1;
+        acc[j][2] += a1 * b0;
+        acc[j][3] += a1 * b1;
       }
     }
   } else {
@@ -376,7 +541,10 @@ __device__ __forceinline__ void store_pair(float* dst, float lo, float hi) {
   *(FloatPair*)dst = FloatPair{lo, hi};
 }
 __device__ __forceinline__ void store_pair(bf16_t* dst, float lo, float hi) {
-  *(u32*)dst = pack_bf16x2(lo, hi);
+  *(u32*)dst = pack2(lo, hi, bf16_t{});
+}
+__device__ __forceinline__ void store_pair(half_t* dst, float lo, float hi) {
+  *(u32*)dst = pack2(lo, hi, half_t{});
 }
 
 // Writes a warp's 16 x D accumulator (times mul) to rows row0.. of a [seq_len, D] slice. Every
@@ -484,7 +652,7 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_FWD>::W,
 }
 
 // ------------------------------------------------------------------------------- backward
-// Dot product of two 16-byte chunks of a row (8 bf16 or 4 floats), in float32.
+// Dot product of two 16-byte chunks of a row (8 bf16 or fp16, or 4 floats), in float32.
 __device__ __forceinline__ float dot_chunk(const Chunk16& a, const Chunk16& b, float) {
   return __uint_as_float(a.x) * __uint_as_float(b.x) + __uint_as_float(a.y) * __uint_as_float(b.y) +
          __uint_as_float(a.z) * __uint_as_float(b.z) + __uint_as_float(a.w) * __uint_as_float(b.w);
@@ -496,6 +664,13 @@ __device__ __forceinline__ float dot_bf16x2(u32 a, u32 b) {
 __device__ __forceinline__ float dot_chunk(const Chunk16& a, const Chunk16& b, bf16_t) {
   return dot_bf16x2(a.x, b.x) + dot_bf16x2(a.y, b.y) + dot_bf16x2(a.z, b.z) +
          dot_bf16x2(a.w, b.w);
+}
+__device__ __forceinline__ float dot_half2(u32 a, u32 b) {
+  return half_to_float(a & 0xffffu) * half_to_float(b & 0xffffu) +
+         half_to_float(a >> 16) * half_to_float(b >> 16);
+}
+__device__ __forceinline__ float dot_chunk(const Chunk16& a, const Chunk16& b, half_t) {
+  return dot_half2(a.x, b.x) + dot_half2(a.y, b.y) + dot_half2(a.z, b.z) + dot_half2(a.w, b.w);
 }
 
 // delta[r] = sum_d dout[r, d] * o[r, d]  (rowsum(dO o O)); a block covers 128 consecutive rows.
@@ -780,9 +955,11 @@ __global__ void __launch_bounds__(ANDREA_NAIVE_THREADS)
   }
 }
 
-// Explicit instantiations for offline builds (the nvcc compile gates); NVRTC instantiates
-// through name expressions instead, so the runtime compiles only what it launches.
-#if defined(ANDREA_INSTANTIATE_ALL)
+// Explicit instantiations for offline builds (the nvcc compile gates): every instance, or with
+// ANDREA_INSTANTIATE_HALF the fp16 ones only (sm_75, whose bf16 would be emulated by shuffles).
+// NVRTC instantiates through name expressions instead, so the runtime compiles only what it
+// launches.
+#if defined(ANDREA_INSTANTIATE_ALL) || defined(ANDREA_INSTANTIATE_HALF)
 #define ANDREA_INSTANTIATE(TYPE, D)                                                              \
   template __global__ void attn_fwd<TYPE, D>(const TYPE*, const TYPE*, const TYPE*, TYPE*,       \
                                              float*, int, float);                                \
@@ -801,11 +978,18 @@ __global__ void __launch_bounds__(ANDREA_NAIVE_THREADS)
   template __global__ void attn_bwd_dkdv_naive<TYPE, D>(const TYPE*, const TYPE*, const TYPE*,   \
                                                         const TYPE*, const float*, const float*, \
                                                         TYPE*, TYPE*, int, float);
+#endif
+#if defined(ANDREA_INSTANTIATE_ALL)
 ANDREA_INSTANTIATE(float, 32)
 ANDREA_INSTANTIATE(float, 64)
 ANDREA_INSTANTIATE(float, 128)
 ANDREA_INSTANTIATE(bf16_t, 32)
 ANDREA_INSTANTIATE(bf16_t, 64)
 ANDREA_INSTANTIATE(bf16_t, 128)
-#undef ANDREA_INSTANTIATE
 #endif
+#if defined(ANDREA_INSTANTIATE_ALL) || defined(ANDREA_INSTANTIATE_HALF)
+ANDREA_INSTANTIATE(half_t, 32)
+ANDREA_INSTANTIATE(half_t, 64)
+ANDREA_INSTANTIATE(half_t, 128)
+#endif
+#undef ANDREA_INSTANTIATE

@@ -1,9 +1,11 @@
 """The attention kernels of kernels/microgpt_cuda.cu, run unchanged on the CPU emulator, against
-a float64 reference: forward (O, log-sum-exp) and backward (dQ, dK, dV), fp32 and bf16.
+a float64 reference: forward (O, log-sum-exp) and backward (dQ, dK, dV), fp32, bf16 and fp16.
 
 Output buffers are NaN-poisoned before each launch (andrea.cuda.emulator does it), so an
-element a kernel fails to write fails the comparison. The bf16 path runs the tensor-core code
-(ldmatrix / mma.sync fragment bookkeeping) through its emulated warp-collective bodies.
+element a kernel fails to write fails the comparison. The bf16 and fp16 paths run the
+tensor-core code (ldmatrix / mma.sync fragment bookkeeping) through its emulated
+warp-collective bodies; fp16's sm_75 (two m16n8k8 a step) and sm_70 (scalar) paths run from
+builds of their own. `python scripts/kernel_errors.py` prints the errors per case.
 """
 
 from __future__ import annotations
@@ -23,14 +25,23 @@ pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
 )
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# Relative to max(|reference|, 1). fp16 (unit roundoff u = 2^-11): an output element goes
+# through at most two roundings to fp16 (P or dS into the A operand of the second product, then
+# the result), each at most u relative; the dS-weighted sums of dQ and dK cancel, so their
+# largest term can reach about twice the largest result: 2 x 2u = 2^-9. Inputs are fp16
+# already (the reference uses them as rounded); float32 accumulation adds ~T x 2^-24. Measured:
+# at most 1.2u (kernels/README.md). bf16's 1e-2 is 2.6 of its u = 2^-8 by the same reckoning.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2.0**-9}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SEQ_LENS = (1, 17, 64, 100, 129)
 CASES = [
     (dtype, d, t, bh)
-    for dtype in (torch.float32, torch.bfloat16)
+    for dtype in DTYPES
     for d in (32, 64)
     for t, bh in zip(SEQ_LENS, [(2, 3), (1, 2), (2, 1), (1, 3), (1, 2)], strict=True)
-] + [(torch.float32, 128, 33, (1, 2)), (torch.bfloat16, 128, 33, (1, 2))]
+] + [(dtype, 128, 33, (1, 2)) for dtype in DTYPES] + [
+    (dtype, 32, 5, (2, 16)) for dtype in DTYPES  # B*H = 32 blocks along grid.y
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,23 +49,13 @@ def emulator() -> kernel_emulator.Emulator:
     return kernel_emulator.default_emulator()
 
 
-def reference(q, k, v, dout, scale):
-    """float64 causal attention on the (already rounded) inputs: o, lse, dq, dk, dv."""
-    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
-    t = q.shape[2]
-    s = (q @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    o = torch.softmax(s, dim=-1) @ v
-    o.backward(dout.double())
-    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
+reference = kernel_emulator.float64_reference
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     assert not torch.isnan(got).any(), f"{name}: elements left unwritten (NaN poison)"
-    err = (got.double() - want).abs().max().item()
-    bound = tol * max(want.abs().max().item(), 1.0)
-    assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
+    err = kernel_emulator.max_error(got, want)
+    assert err <= tol, f"{name}: max error {err:.3g} of max(|ref|, 1) > {tol:.3g}"
 
 
 def random_inputs(b, h, t, d, dtype, seed):
@@ -120,7 +121,7 @@ def test_launch_config_matches_the_kernel_file(emulator) -> None:
 
 NAIVE_CASES = [
     (dtype, d, t, bh)
-    for dtype in (torch.float32, torch.bfloat16)
+    for dtype in DTYPES
     for d in (32, 64)
     for t, bh in ((1, (2, 2)), (17, (1, 2)), (100, (1, 1)))
 ]
@@ -183,7 +184,7 @@ def test_poisoned_outputs_expose_an_unwritten_row() -> None:
     assert torch.isnan(o[0, 0, -1]).all() and not torch.isnan(o[0, 0, :-1]).any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("d", kernel_launch.SUPPORTED_HEAD_DIMS)
 def test_preprocess_row_sums_match_float64(emulator, dtype, d) -> None:
     """delta = rowsum(dO * O) from the coalesced kernel (a group of threads per row, shuffle
@@ -195,3 +196,65 @@ def test_preprocess_row_sums_match_float64(emulator, dtype, d) -> None:
     emulator.launch(launch["bwd_preprocess"], o, dout, delta, b * h * t)
     want = (o.double() * dout.double()).sum(-1)
     assert_close("delta", delta, want, 1e-6)
+
+
+def half_conversion_inputs() -> torch.Tensor:
+    """Floats where fp16 rounding decides: every fp16 value, the exact ties between neighbours
+    (round to even) and a float ulp either side of each, the overflow edge, random floats."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = values[torch.isfinite(values)].double().unique()  # sorted, -0 folded into 0
+    ties = ((finite[1:] + finite[:-1]) / 2).float()  # exact in float32
+    near = [ties, torch.nextafter(ties, torch.tensor(math.inf)),
+            torch.nextafter(ties, torch.tensor(-math.inf))]
+    edge = torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, 1e30, math.inf, -math.inf,
+                         2.0**-25, 2.0**-25 * 1.0000001, 2.0**-26, 2.0**-14, -0.0, 0.0])
+    rand = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 2.0 ** torch.randint(
+        -30, 20, (100_000,), generator=torch.Generator().manual_seed(1))
+    return torch.cat([finite.float(), *near, edge, rand])
+
+
+def test_half_conversions_match_torch_bit_for_bit(emulator) -> None:
+    """The .cu file's float -> fp16 (integer round to nearest even, overflow to inf, subnormals)
+    and fp16 -> float against torch's conversions (IEEE), on every fp16 bit pattern and every
+    rounding tie; NaN stays NaN."""
+    x = half_conversion_inputs()
+    got, want = emulator.to_half(x), x.to(torch.float16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    nan = emulator.to_half(torch.tensor([math.nan, -math.nan]))
+    assert torch.isnan(nan).all()
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    back, want_back = emulator.from_half(every), every.float()
+    is_nan = torch.isnan(want_back)
+    assert torch.equal(torch.isnan(back), is_nan) and is_nan.sum() == 2 * 1023
+    assert torch.equal(back[~is_nan].view(torch.int32), want_back[~is_nan].view(torch.int32))
+
+
+@pytest.fixture(scope="module")
+def half_path_results(emulator) -> dict:
+    """fp16 fwd + bwd at three shapes (one per tile family) on the default build (sm_80's path)
+    and on builds of sm_75's and sm_70's paths (ANDREA_HALF_ARCH)."""
+    shapes = [(32, 17, (1, 2)), (64, 100, (1, 3)), (128, 33, (1, 2))]
+    builds = {800: emulator, **{arch: kernel_emulator.Emulator(defines=defines)
+                                for arch, defines in kernel_emulator.HALF_ARCH_DEFINES.items()}}
+    results = {}
+    for arch, emu in builds.items():
+        for d, t, (b, h) in shapes:
+            q, k, v, dout = random_inputs(b, h, t, d, torch.float16, seed=t * 7 + d)
+            o, lse = kernel_emulator.attention_forward(q, k, v, emulator=emu)
+            grads = kernel_emulator.attention_backward(q, k, v, o, lse, dout, emulator=emu)
+            results[arch, d] = ((o, lse, *grads), reference(q, k, v, dout, d**-0.5))
+    return results
+
+
+@pytest.mark.parametrize("arch", sorted(kernel_emulator.HALF_ARCH_DEFINES))
+def test_half_paths_of_older_archs_match_float64(half_path_results, arch) -> None:
+    for d in kernel_launch.SUPPORTED_HEAD_DIMS:
+        got, want = half_path_results[arch, d]
+        for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True):
+            assert_close(f"sm_{arch // 10} D={d} {name}", g, w, 1e-5 if name == "lse" else
+                         TOL[torch.float16])
+        default = half_path_results[800, d][0]
+        # sm_75's two k8 steps add in sm_80's k16 order: the same bits. sm_70's path keeps P and
+        # dS in float: other bits (so that build really took its own path).
+        same = all(torch.equal(a, b) for a, b in zip(got, default, strict=True))
+        assert same == (arch == 750), f"sm_{arch // 10} D={d}"

@@ -37,7 +37,7 @@ from andrea.cuda.launch import (
     naive_attention_launches,
 )
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 ALIGNMENT = 16  # bytes; the kernels load 16-byte vectors from every tensor's base pointer
 
 KernelArg = torch.Tensor | int | float

@@ -83,15 +83,22 @@ def _build(main: str, flags: list[str], kernel_text: str | None, stem: str) -> P
     return out
 
 
-def build_library(kernel_text: str | None = None) -> Path:
-    return _build("emu_entry.cpp", LIBRARY_FLAGS, kernel_text, "libandrea_emu.so")
+# Builds of another arch's fp16 path (ANDREA_HALF_PATH in the .cu file): its fp16 instances only.
+HALF_ARCH_DEFINES = {
+    750: ("-DANDREA_HALF_ARCH=750", "-DANDREA_EMU_HALF_ONLY"),  # two m16n8k8 per k16 step
+    700: ("-DANDREA_HALF_ARCH=700", "-DANDREA_EMU_HALF_ONLY"),  # no MMA: float FMAs, shuffles
+}
+
+
+def build_library(kernel_text: str | None = None, defines: tuple[str, ...] = ()) -> Path:
+    return _build("emu_entry.cpp", [*LIBRARY_FLAGS, *defines], kernel_text, "libandrea_emu.so")
 
 
 def build_sanitizer_program(
     sanitizer: str, dtype: str = "bfloat16", head_dim: int = 32, kernel_text: str | None = None
 ) -> Path:
     """A standalone program that runs forward + backward once (see emu_sanitize_main.cpp)."""
-    ctype = {"float32": "float", "bfloat16": "bf16_t"}[dtype]
+    ctype = ELEMENT_TYPES[dtype][0]
     flags = [
         *SANITIZER_FLAGS[sanitizer],
         f"-DANDREA_SAN_TYPE={ctype}",
@@ -120,13 +127,30 @@ def run_sanitizer_program(
 class Emulator:
     """The emulated kernels as a library: launch(Launch, *args) like cuLaunchKernel."""
 
-    def __init__(self, kernel_text: str | None = None, mode: str = "fibers") -> None:
-        self.path = build_library(kernel_text)
+    def __init__(self, kernel_text: str | None = None, mode: str = "fibers",
+                 defines: tuple[str, ...] = ()) -> None:
+        self.path = build_library(kernel_text, defines)
         self.lib = ctypes.CDLL(str(self.path))
         self.lib.andrea_emu_kernel_name.restype = ctypes.c_char_p
         self.lib.andrea_emu_launch.argtypes = [ctypes.c_char_p, *[ctypes.c_uint] * 6,
                                                ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
         self.mode = mode
+
+    def to_half(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 -> float16 by the kernel file's own conversion (half_bits)."""
+        src = x.detach().to(torch.float32).contiguous()
+        out = torch.empty(src.shape, dtype=torch.int16)
+        self.lib.andrea_emu_to_half(ctypes.c_void_p(src.data_ptr()),
+                                    ctypes.c_void_p(out.data_ptr()), ctypes.c_long(src.numel()))
+        return out.view(torch.float16)
+
+    def from_half(self, x: torch.Tensor) -> torch.Tensor:
+        """float16 -> float32 by the kernel file's own conversion (half_to_float)."""
+        src = x.detach().contiguous().view(torch.int16)
+        out = torch.empty(src.shape, dtype=torch.float32)
+        self.lib.andrea_emu_from_half(ctypes.c_void_p(src.data_ptr()),
+                                      ctypes.c_void_p(out.data_ptr()), ctypes.c_long(src.numel()))
+        return out
 
     def kernel_names(self) -> list[str]:
         n = self.lib.andrea_emu_kernel_count()
@@ -161,6 +185,26 @@ class Emulator:
             raise KeyError(f"the emulated library has no kernel {launch.name!r}")
 
 
+def float64_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, ...]:
+    """float64 causal attention on the (already rounded) inputs: o, lse, dq, dk, dv."""
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    t = q.shape[2]
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.softmax(s, dim=-1) @ v
+    o.backward(dout.double())
+    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute error relative to max(largest reference value, 1)."""
+    err = (got.double() - want).abs().max().item()
+    return err / max(want.abs().max().item(), 1.0)
+
+
 _default: Emulator | None = None
 
 
@@ -174,7 +218,7 @@ def default_emulator() -> Emulator:
 def _shape(q: torch.Tensor) -> tuple[int, int, int, int, str]:
     dtype = str(q.dtype).removeprefix("torch.")
     if q.dim() != 4 or dtype not in ELEMENT_TYPES:
-        raise ValueError("q must be [B, n_head, T, head_dim] float32 or bfloat16")
+        raise ValueError(f"q must be [B, n_head, T, head_dim] of {', '.join(ELEMENT_TYPES)}")
     b, h, t, d = q.shape
     return b, h, t, d, dtype
 

@@ -20,13 +20,19 @@ KERNEL_FILE = "microgpt_cuda.cu"  # in kernels_dir()
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 128)
 
 # torch dtype name -> (C++ element type in the .cu file, bytes per element)
-ELEMENT_TYPES: dict[str, tuple[str, int]] = {"float32": ("float", 4), "bfloat16": ("bf16_t", 2)}
+ELEMENT_TYPES: dict[str, tuple[str, int]] = {
+    "float32": ("float", 4), "bfloat16": ("bf16_t", 2), "float16": ("half_t", 2),
+}
 
 # (dtype, head_dim) -> kernel -> (warps W, streamed tile rows N); a block owns M = 16*W rows.
 TILES: dict[tuple[str, int], dict[str, tuple[int, int]]] = {
     ("bfloat16", 32): {"fwd": (4, 64), "dq": (4, 64), "dkdv": (4, 64)},
     ("bfloat16", 64): {"fwd": (4, 64), "dq": (4, 64), "dkdv": (4, 64)},
     ("bfloat16", 128): {"fwd": (4, 32), "dq": (4, 16), "dkdv": (4, 16)},
+    # fp16: bf16's tiles (same element size and fragments; the sm_70 scalar path needs no scratch)
+    ("float16", 32): {"fwd": (4, 64), "dq": (4, 64), "dkdv": (4, 64)},
+    ("float16", 64): {"fwd": (4, 64), "dq": (4, 64), "dkdv": (4, 64)},
+    ("float16", 128): {"fwd": (4, 32), "dq": (4, 16), "dkdv": (4, 16)},
     ("float32", 32): {"fwd": (4, 32), "dq": (4, 32), "dkdv": (4, 32)},
     ("float32", 64): {"fwd": (4, 32), "dq": (2, 32), "dkdv": (2, 32)},
     ("float32", 128): {"fwd": (2, 16), "dq": (1, 16), "dkdv": (1, 16)},
@@ -133,7 +139,8 @@ def check_head_dim(head_dim: int) -> None:
 def check_dtype(dtype: str) -> None:
     if dtype not in ELEMENT_TYPES:
         raise UserError(
-            f"attention dtype {dtype!r} has no CUDA kernel (supported: float32, bfloat16)"
+            f"attention dtype {dtype!r} has no CUDA kernel "
+            f"(supported: {', '.join(ELEMENT_TYPES)})"
         )
 
 
@@ -165,7 +172,7 @@ def static_shared_bytes(kernel: str, dtype: str, head_dim: int) -> int:
     ld = head_dim + 16 // elem
     a_tiles = 1 if kind == "fwd" else 2
     stat_rows = {"fwd": 4, "dq": m, "dkdv": n}[kind]
-    scratch = 4 if dtype == "bfloat16" else warps * 16 * (n + 4)
+    scratch = warps * 16 * (n + 4) if dtype == "float32" else 4  # fp32's P staging tile
     return (a_tiles * m * ld + 2 * n * ld) * elem + 2 * stat_rows * 4 + scratch * 4
 
 

@@ -31,26 +31,36 @@ struct Entry {
   Entry{#KERNEL "<" TN ", " #D ">",                                                            \
         [](dim3 g, dim3 b, int m, void** a) { run(&KERNEL<TYPE, D>, g, b, m, a); },            \
         TileCfg<TYPE, D, K>::W, TileCfg<TYPE, D, K>::N, (int)sizeof(Smem<TYPE, D, K>)}
-#define ANDREA_ENTRIES(TYPE, TN, D)                                                           \
+#define ANDREA_TILED(TYPE, TN, D)                                                             \
   ANDREA_KIND(attn_fwd, KIND_FWD, TYPE, TN, D), ANDREA_KIND(attn_bwd_dq, KIND_DQ, TYPE, TN, D), \
       ANDREA_KIND(attn_bwd_dkdv, KIND_DKDV, TYPE, TN, D),                                      \
       Entry{"attn_bwd_preprocess<" TN ", " #D ">",                                             \
             [](dim3 g, dim3 b, int m, void** a) {                                              \
               run(&attn_bwd_preprocess<TYPE, D>, g, b, m, a);                                  \
             },                                                                                 \
-            4, 0, 0},                                                                          \
-      ANDREA_NAIVE(attn_fwd_naive, TYPE, TN, D), ANDREA_NAIVE(attn_bwd_dq_naive, TYPE, TN, D),  \
-      ANDREA_NAIVE(attn_bwd_dkdv_naive, TYPE, TN, D)
+            4, 0, 0}
+#define ANDREA_ENTRIES(TYPE, TN, D)                                                           \
+  ANDREA_TILED(TYPE, TN, D), ANDREA_NAIVE(attn_fwd_naive, TYPE, TN, D),                        \
+      ANDREA_NAIVE(attn_bwd_dq_naive, TYPE, TN, D), ANDREA_NAIVE(attn_bwd_dkdv_naive, TYPE, TN, D)
 // The naive baseline kernels: ANDREA_NAIVE_THREADS threads, no tiles, no shared memory.
 #define ANDREA_NAIVE(KERNEL, TYPE, TN, D)                                                     \
   Entry{#KERNEL "<" TN ", " #D ">",                                                            \
         [](dim3 g, dim3 b, int m, void** a) { run(&KERNEL<TYPE, D>, g, b, m, a); },            \
         ANDREA_NAIVE_THREADS / 32, 0, 0}
 
+// ANDREA_EMU_HALF_ONLY: the tiled fp16 kernels alone, for the builds of another arch's fp16 path
+// (-DANDREA_HALF_ARCH=750 or 700; the naive kernels have no per-arch path), a sixth of the code.
 const Entry kEntries[] = {
+#if defined(ANDREA_EMU_HALF_ONLY)
+    ANDREA_TILED(half_t, "half_t", 32), ANDREA_TILED(half_t, "half_t", 64),
+    ANDREA_TILED(half_t, "half_t", 128),
+#else
     ANDREA_ENTRIES(float, "float", 32),   ANDREA_ENTRIES(float, "float", 64),
     ANDREA_ENTRIES(float, "float", 128),  ANDREA_ENTRIES(bf16_t, "bf16_t", 32),
     ANDREA_ENTRIES(bf16_t, "bf16_t", 64), ANDREA_ENTRIES(bf16_t, "bf16_t", 128),
+    ANDREA_ENTRIES(half_t, "half_t", 32), ANDREA_ENTRIES(half_t, "half_t", 64),
+    ANDREA_ENTRIES(half_t, "half_t", 128),
+#endif
 };
 
 const Entry* find(const char* name) {
@@ -62,6 +72,14 @@ const Entry* find(const char* name) {
 }  // namespace
 
 extern "C" {
+
+// The kernel file's own float <-> fp16 conversions over n values, for the conversion tests.
+void andrea_emu_to_half(const float* in, unsigned short* out, long n) {
+  for (long i = 0; i < n; ++i) out[i] = half_bits(in[i]);
+}
+void andrea_emu_from_half(const unsigned short* in, float* out, long n) {
+  for (long i = 0; i < n; ++i) out[i] = half_to_float(in[i]);
+}
 
 int andrea_emu_kernel_count() { return (int)(sizeof(kEntries) / sizeof(kEntries[0])); }
 
