@@ -42,7 +42,7 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "gpt2": (8, 12, 1024, 64),  # GPT-2 small / ANDREA-120M attention
     "andrea-12m": (8, 12, 256, 32),
 }
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 # cuda_naive: the one-block-per-(batch, head) baseline kernels, the reference of the goal
 # "cuda at least 10x cuda_naive" (the "cuda vs naive" column).
 BACKENDS = ("cuda", "cuda_naive", "sdpa", "sdpa_flash", "math")
@@ -356,8 +356,8 @@ class _Bench:
         why = None
         if backend in ("cuda", "cuda_naive"):
             why = cuda_unavailable_reason(head_dim, self.dev)
-        elif backend == "sdpa_flash" and (self.dev.type != "cuda" or dtype_name != "bf16"):
-            why = "the flash SDPA kernel needs a GPU and bf16"
+        elif backend == "sdpa_flash" and (self.dev.type != "cuda" or dtype_name == "fp32"):
+            why = "the flash SDPA kernel needs a GPU and bf16 or fp16"
         if why is None:
             return True
         self.skip(f"{what} {backend}", why)

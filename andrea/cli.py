@@ -426,8 +426,9 @@ def bench_cmd(
                      "default all that run here)."),
     ] = None,
     dtype: Annotated[
-        list[str] | None, typer.Option("--dtype", metavar="bf16|fp32",
-                                       help="bf16 or fp32 (repeatable; default both).")
+        list[str] | None,
+        typer.Option("--dtype", metavar="bf16|fp32|fp16",
+                     help="bf16, fp32 or fp16 (repeatable; default all three)."),
     ] = None,
     shape: Annotated[
         list[str] | None,

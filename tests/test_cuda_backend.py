@@ -23,7 +23,7 @@ from andrea.errors import UserError
 from andrea.model.attention import math_attention, resolve_backend, sdpa_attention
 from andrea.train.flops import CPU_NO_MFU
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2.0**-9}  # test_kernel_numerics
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
 )
@@ -104,6 +104,7 @@ CPU_CASES = [  # dtype, (B, H, T, D): odd T everywhere, one T=1, both head dims 
     (torch.bfloat16, (2, 1, 33, 64)),
     (torch.float32, (2, 3, 1, 32)),
     (torch.bfloat16, (1, 2, 71, 32)),
+    (torch.float16, (1, 2, 40, 64)),
 ]
 
 
@@ -191,7 +192,7 @@ def _aligned(shape, dtype=torch.float32):
     "make,error,fragment",
     [
         (lambda: [_aligned((1, 2, 8, 72))] * 3, UserError, "model.head_dim=72"),
-        (lambda: [_aligned((1, 2, 8, 64), torch.float16)] * 3, UserError, "float16"),
+        (lambda: [_aligned((1, 2, 8, 64), torch.float64)] * 3, UserError, "float64"),
         (lambda: [_aligned((1, 2, 8, 64)), _aligned((1, 2, 9, 64)), _aligned((1, 2, 8, 64))],
          ValueError, "k has shape (1, 2, 9, 64)"),
         (lambda: [_aligned((1, 2, 8, 64)), _aligned((1, 2, 8, 64), torch.bfloat16),
@@ -347,6 +348,22 @@ def test_cupy_that_cannot_reach_the_gpu_is_reported(monkeypatch) -> None:
     assert backend == "sdpa" and "cudaErrorInsufficientDriver" in why and "cupy-cuda12x" in why
 
 
+def test_a_gpu_older_than_cupys_nvrtc_falls_back_to_sdpa(monkeypatch) -> None:
+    """A V100 (sm_70) with CuPy for CUDA 13, whose NVRTC has no sm_70 target any more."""
+    fake = type(sys)("cupy")
+    fake.cuda = type(sys)("cupy.cuda")
+    fake.cuda.runtime = type("Runtime", (), {"getDeviceCount": staticmethod(lambda: 1)})
+    fake.cuda.nvrtc = type("Nvrtc", (), {"getVersion": staticmethod(lambda: (13, 0))})
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    backend, why = resolve_backend("auto", 64, torch.device("cuda"))
+    assert backend == "sdpa" and "NVRTC 13 cannot compile for sm_70" in why
+    assert "cupy-cuda12x" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert resolve_backend("auto", 64, torch.device("cuda"))[0] == "cuda"  # a T4 is fine
+    assert kernel_launch.arch_problem("sm_70", 12) is None  # CUDA 12's NVRTC still has it
+
+
 # --- andrea bench --------------------------------------------------------------------------
 
 
@@ -407,7 +424,7 @@ def test_bench_cuda_backend_on_cpu_is_a_one_line_error() -> None:
 
 GPU_CASES = [
     (dtype, shape)
-    for dtype in (torch.float32, torch.bfloat16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16)
     for shape in ((2, 3, 1, 64), (2, 3, 129, 64), (1, 4, 1000, 64), (2, 2, 77, 32),
                   (1, 2, 300, 128))
 ]
@@ -430,7 +447,8 @@ def test_gpu_matches_float64_and_sdpa(dtype, shape) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
 def test_gpu_poisoned_outputs_are_all_written(dtype) -> None:
     q, k, v, dout = (x.detach() for x in inputs((3, 2, 145, 64), dtype, device="cuda"))
     o, lse = ca.attention_forward(q, k, v, poison=True)

@@ -465,8 +465,8 @@ def run_launch_program(monkeypatch, skip: str = "", argv: tuple[str, ...] = ()) 
 def test_sanitizer_program_launches_every_kernel_and_checks_outputs(monkeypatch, capsys) -> None:
     assert run_launch_program(monkeypatch) == 0
     out = capsys.readouterr().out
-    assert out.count("4 kernels launched, outputs finite") == 3, out
-    for case in ("bfloat16 D=64", "bfloat16 D=128", "float32 D=32"):
+    assert out.count("4 kernels launched, outputs finite") == 4, out
+    for case in ("bfloat16 D=64", "bfloat16 D=128", "float32 D=32", "float16 D=64"):
         assert f"{case} B*H=2 T=77" in out
 
 
@@ -550,7 +550,7 @@ def test_no_part_runs_past_the_runs_budget(tmp_path: Path) -> None:
     # memcheck is cut at the run's budget (setup slower than 10 s, on a loaded machine, leaves
     # it none at all), and racecheck never starts.
     assert re.search(r"memcheck: (timed out \(rc 124\) before its summary: over the run's "
-                     r"budget of 15 s \(this part had \d+ of its 30 s\)|NOT RUN: the run's "
+                     r"budget of 15 s \(this part had \d+ of its 35 s\)|NOT RUN: the run's "
                      r"budget of 15 s is spent)", result), result
     assert "racecheck: NOT RUN: the run's budget of 15 s is spent" in result
 
@@ -563,6 +563,6 @@ def test_sanitizer_program_reports_kernel_resources(monkeypatch, capsys) -> None
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:5] == ["kernel", "regs", "smem", "B", "local"]
     rows = {line.split()[0] + " " + line.split()[1]: line.split()[2:] for line in lines[1:]}
-    assert len(rows) == 4 * 6  # four kernels x (bf16, fp32) x (32, 64, 128)
+    assert len(rows) == 4 * 9  # four kernels x (fp32, bf16, fp16) x (32, 64, 128)
     smem = kernel_launch.static_shared_bytes("bwd_dkdv", "bfloat16", 64)
     assert rows["attn_bwd_dkdv<bf16_t, 64>"] == ["168", str(smem), "0", "3"]

@@ -1,8 +1,12 @@
 """Compile gates for kernels/microgpt_cuda.cu (no GPU needed).
 
-nvcc: every kernel instance for sm_80, sm_89 and sm_90 with all warnings as errors and ptxas
-register-spill warnings as errors, with -ftz=true as the runtime compiles. The ptxas resource
-table per arch is printed into the test's captured output: shown by `pytest -s`
+nvcc: every kernel instance for sm_80, sm_89 and sm_90, and the fp16 instances for sm_75 (two
+m16n8k8 a step) and sm_86, with all warnings as errors and ptxas register-spill warnings as
+errors, with -ftz=true as the runtime compiles. sm_70 (V100) where nvcc still has it: CUDA 13
+dropped sm_70 and sm_72, so with nvcc 13 that case is skipped, saying so, and sm_70's fp16 path
+(-DANDREA_HALF_ARCH=700: float FMAs, no MMA) is compiled for sm_75 instead, which at least
+proves it builds without spills under a Volta-class register file (64 K registers per SM). The
+ptxas resource table per arch is printed into the test's captured output: shown by `pytest -s`
 (scripts/ptxas_resources.sh) or on failure, not in every `-q` run.
 NVRTC: what NVRTC really gets at run time (andrea.cuda.launch.runtime_nvrtc_options: the
 backend's options plus those CuPy appends, -ftz=true among them) and the name expressions,
@@ -28,28 +32,49 @@ from andrea.resources import kernels_dir
 KERNEL = kernels_dir() / "microgpt_cuda.cu"
 ARCHS = ("sm_80", "sm_89", "sm_90")
 N_INSTANCES = len(kernel_launch.all_name_expressions())
+HALF_NAMES = [n for n in kernel_launch.all_name_expressions() if "<half_t," in n]
+ALL, HALF = ("-DANDREA_INSTANTIATE_ALL",), ("-DANDREA_INSTANTIATE_HALF",)
+# (arch, defines, what): every instance where bf16 has tensor cores; the fp16 ones elsewhere.
+NVCC_BUILDS = [(arch, ALL, "all") for arch in ARCHS] + [
+    ("sm_75", HALF, "fp16"),
+    ("sm_86", HALF, "fp16"),
+    ("sm_70", HALF, "fp16"),
+    ("sm_75", (*HALF, "-DANDREA_HALF_ARCH=700"), "fp16, sm_70's path"),
+]
+
+
+def _nvcc_archs() -> str:
+    if shutil.which("nvcc") is None:
+        return ""
+    return subprocess.run(["nvcc", "--list-gpu-arch"], capture_output=True, text=True).stdout
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")
-@pytest.mark.parametrize("arch", ARCHS)
-def test_nvcc_builds_without_spills(arch: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch,defines,what", NVCC_BUILDS,
+                         ids=[f"{a}-{w}" for a, _, w in NVCC_BUILDS])
+def test_nvcc_builds_without_spills(arch: str, defines: tuple[str, ...], what: str,
+                                    tmp_path: Path) -> None:
+    if f"compute_{arch[3:]}" not in _nvcc_archs():
+        pytest.skip(f"this nvcc has no {arch} target (CUDA 13 dropped sm_70 and sm_72); "
+                    "sm_70's fp16 path is compiled for sm_75 instead (ANDREA_HALF_ARCH=700)")
     cmd = [
-        "nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-DANDREA_INSTANTIATE_ALL",
+        "nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", *defines,
         "-Xptxas", "-v,--warn-on-spills", "-Werror", "all-warnings",
         "-o", str(tmp_path / "k.cubin"), str(KERNEL),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
+    count = N_INSTANCES if defines == ALL else len(HALF_NAMES)
     functions = re.findall(r"Compiling entry function '(\w+)' for '(\w+)'", log)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(functions) == N_INSTANCES and all(a == arch for _, a in functions), log
-    assert len(spills) == N_INSTANCES and all(s == ("0", "0") for s in spills), log
+    assert len(functions) == count and all(a == arch for _, a in functions), log
+    assert len(spills) == count and all(s == ("0", "0") for s in spills), log
     resources = re.findall(r"Used (\d+) registers.*?(?:(\d+) bytes smem|$)", log, re.M)
-    assert len(resources) == N_INSTANCES, log
+    assert len(resources) == count, log
     for (_, _), (regs, _) in zip(functions, resources, strict=True):
         assert int(regs) <= 255
-    print(f"\nptxas resources, {arch}:")
+    print(f"\nptxas resources, {arch} ({what}):")
     for (fn, _), (regs, smem) in zip(functions, resources, strict=True):
         print(f"  {fn:72s} {regs:>3s} registers, {smem or 0:>5} bytes smem, 0 spills")
 
@@ -96,9 +121,14 @@ def _spills_by_function(log: str) -> dict[str, tuple[str, str, str]]:
     return {fn: tuple(v) for fn, v in found.items()}
 
 
+# sm_75 (T4, RTX 20xx) runs fp16, or fp32 (nothing of bf16 there): its fp16 modules.
+NVRTC_BUILDS = [(arch, None) for arch in ARCHS] + [("sm_75", "fp16")]
+
+
 @pytest.mark.skipif(_libnvrtc() is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
-@pytest.mark.parametrize("arch", ARCHS)
-def test_nvrtc_compiles_with_runtime_options_without_spills(arch: str) -> None:
+@pytest.mark.parametrize("arch,only", NVRTC_BUILDS, ids=[f"{a}-{o or 'all'}" for a, o in
+                                                        NVRTC_BUILDS])
+def test_nvrtc_compiles_with_runtime_options_without_spills(arch: str, only: str | None) -> None:
     path = _libnvrtc()
     # libnvrtc dlopens its builtins library by name; load it first from the same directory.
     for builtins in path.parent.glob("libnvrtc-builtins.so.*"):
@@ -114,7 +144,7 @@ def test_nvrtc_compiles_with_runtime_options_without_spills(arch: str) -> None:
     options = kernel_launch.runtime_nvrtc_options(arch)
     assert options[:2] == kernel_launch.nvrtc_options(arch) and "-ftz=true" in options
     try:
-        names = kernel_launch.all_name_expressions()
+        names = HALF_NAMES if only == "fp16" else kernel_launch.all_name_expressions()
         for name in names:
             _check(lib, lib.nvrtcAddNameExpression(prog, name.encode()), name, prog)
         opts = [o.encode() for o in [*options, "--ptxas-options=-v"]]

@@ -127,6 +127,23 @@ def compiled_module(source: str, arch: str, names: tuple[str, ...]) -> Any:
     return module
 
 
+# The oldest GPU architecture each NVRTC major version compiles for: CUDA 13 dropped Maxwell,
+# Pascal and Volta (sm_50 to sm_72); CUDA 12 has sm_50 and up. Without the target NVRTC fails
+# at the first launch; asked before, the backend can fall back to SDPA and say why.
+OLDEST_ARCH = {11: 35, 12: 50, 13: 75}
+
+
+def arch_problem(arch: str, nvrtc_major: int) -> str | None:
+    """Why NVRTC `nvrtc_major` cannot compile the kernels for `arch` (e.g. "sm_70"), or None."""
+    oldest = OLDEST_ARCH.get(nvrtc_major, max(OLDEST_ARCH.values()))
+    if int(arch.removeprefix("sm_")) >= oldest:
+        return None
+    return (
+        f"CuPy's NVRTC {nvrtc_major} cannot compile for {arch} (its oldest target is "
+        f"sm_{oldest}); install CuPy for CUDA 12 (pip install cupy-cuda12x) on this GPU"
+    )
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         supported = ", ".join(str(d) for d in SUPPORTED_HEAD_DIMS)

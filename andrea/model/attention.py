@@ -98,12 +98,16 @@ def cuda_unavailable_reason(head_dim: int, device: torch.device) -> str | None:
         # A CuPy built for another CUDA major version imports fine and fails here.
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return "CuPy sees no GPU"
+        nvrtc_major = cupy.cuda.nvrtc.getVersion()[0]
     except Exception as exc:  # CuPy raises its own CUDARuntimeError, or ImportError for a lib
         return (
             f"CuPy cannot use the GPU ({type(exc).__name__}: {exc}); install the CuPy wheel "
             "for this CUDA version (cupy-cuda13x, or cupy-cuda12x for CUDA 12)"
         )
-    return None
+    from andrea.cuda.attention import device_arch
+    from andrea.cuda.launch import arch_problem
+
+    return arch_problem(device_arch(device), nvrtc_major)
 
 
 def resolve_backend(requested: str, head_dim: int, device: torch.device) -> tuple[str, str]:
