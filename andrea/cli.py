@@ -426,9 +426,8 @@ def bench_cmd(
                      "default all that run here)."),
     ] = None,
     dtype: Annotated[
-        list[str] | None,
-        typer.Option("--dtype", metavar="bf16|fp32|fp16",
-                     help="bf16, fp32 or fp16 (repeatable; default all three)."),
+        list[str] | None, typer.Option("--dtype", metavar="bf16|fp32|fp16",
+                                       help="bf16, fp32 or fp16 (repeatable; default all).")
     ] = None,
     shape: Annotated[
         list[str] | None,
