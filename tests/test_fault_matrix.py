@@ -21,21 +21,20 @@ def steps(run_dir: Path) -> dict[int, tuple[float, float]]:
 
 
 def test_kill_9_mid_step_then_resume_equals_the_uninterrupted_run(tmp_path, data_dir):
-    """SIGKILL in step 6's first micro-batch: nothing runs after it, step-000004 stays the
-    latest; the resume redoes step 5 and ends with the uninterrupted run's losses, grad norms
-    and weights, exactly."""
-    sets = ("train.max_steps=8", "train.checkpoint_every=4", "train.global_batch_tokens=1024",
-            "train.precision=fp32")
+    """SIGKILL after step 5's forward and backward, before its update: nothing runs after it,
+    step-000003 stays the latest; the resume redoes step 4 and ends with the uninterrupted
+    run's losses, grad norms and weights, exactly."""
+    sets = ("train.max_steps=6", "train.checkpoint_every=3", "train.precision=fp32")
     whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
     cfg = tiny(tmp_path / "b", data_dir, *sets)
     r = run_andrea("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
-                   env={"ANDREA_FAULTS": "sigkill@5.0"})  # threads as this process: same sums
+                   env={"ANDREA_FAULTS": "sigkill@4.0"})  # threads as this process: same sums
     assert r.returncode == -signal.SIGKILL, r.stderr
     run_dir = Path(cfg.train.runs_dir) / "t"
-    assert sorted(steps(run_dir)) == [1, 2, 3, 4, 5]
-    assert ckpt_io.resolve_checkpoint(run_dir).name == "step-000004"
+    assert sorted(steps(run_dir)) == [1, 2, 3, 4]
+    assert ckpt_io.resolve_checkpoint(run_dir).name == "step-000003"
     rest = train(cfg, resume=str(run_dir), progress=False)
-    assert rest.steps == 8 and sorted(rest.losses) == [5, 6, 7, 8]
+    assert rest.steps == 6 and sorted(rest.losses) == [4, 5, 6]
     assert steps(run_dir) == steps(whole.run_dir)  # exact float equality, every step
     a = ckpt_io.read_model_checkpoint(whole.checkpoint)[0]
     b = ckpt_io.read_model_checkpoint(rest.checkpoint)[0]
