@@ -74,7 +74,8 @@ class TrainerState:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """trainer_state.json's content: a trained run's seventeen keys, or an import's first
+        """trainer_state.json's content: a trained run's sixteen keys (and loss_scaling under
+        fp16 only, so other runs' files stay as they were), or an import's first
         keys and its source."""
         out = {key: getattr(self, key) for key in _FIRST_KEYS}
         if self.imported_from is not None:
@@ -84,7 +85,8 @@ class TrainerState:
             **out, "micro_batch_size": self.micro_batch_size, "parallel": self.parallel,
             "tokens_per_step": self.tokens_per_step, "device": self.device,
             "max_steps": self.max_steps, "schedule_anchor": self.schedule_anchor,
-            "spike_guard": self.spike_guard, "loss_scaling": self.loss_scaling,
+            "spike_guard": self.spike_guard,
+            **({} if self.loss_scaling is None else {"loss_scaling": self.loss_scaling}),
         }
 
     def recorded_micro_batch(self, world_size: int, device: str) -> int | None:
