@@ -415,8 +415,10 @@ def format_table(result: BenchResult) -> str:
                 f"{f'{r.micro_batch_size} x {r.block_size}':<11} {r.step_ms:>9.1f} "
                 f"{r.tokens_per_s:>11,.0f} {format_mfu(r.mfu):>7}"
             )
-        why = no_mfu_reason(torch.device(result.device))
-        if why and any(r.mfu is None for r in result.train):
+        missing = [r for r in result.train if r.mfu is None]
+        device = torch.device(result.device)
+        why = missing and no_mfu_reason(device, getattr(torch, missing[0].dtype))
+        if why:
             lines.append(why)
     if result.skipped:
         lines.append("")

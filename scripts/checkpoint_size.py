@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from andrea.config import load_config
+from andrea.fileio import size_text
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.checkpoint import checkpoint_nbytes
-from andrea.train.diskspace import human
 from andrea.train.optim import build_optimizer
 from andrea.train.state import TrainerState
 
@@ -82,7 +82,7 @@ def main() -> None:
         rows.append(("andrea-tiny, adamw, 2 x fsdp", *fsdp_two_processes()))
     print("| checkpoint | estimate | real | estimate / real |\n|---|---|---|---|")
     for name, estimate, real in rows:
-        print(f"| {name} | {estimate:,} ({human(estimate)}) | {real:,} ({human(real)}) | "
+        print(f"| {name} | {estimate:,} ({size_text(estimate)}) | {real:,} ({size_text(real)}) | "
               f"{estimate / real:.4f} |")
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,22 @@ def assert_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> str
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str) -> Iterator[bool]:
+    """A tmpfs of `size` (mount's spelling: "160k") at `folder`: True where this process may
+    mount one (root), else False and `folder` is an ordinary folder (the caller then injects the
+    full disk: disk-full@ in ANDREA_FAULTS, or a faked shutil.disk_usage). Unmounted at the end."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+        capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
 @pytest.fixture(scope="session")

@@ -6,14 +6,13 @@ checkpoint (a clean stop before anything is written)."""
 from __future__ import annotations
 
 import json
-import os
+import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_torchrun
+from conftest import run_torchrun, small_disk
 
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
@@ -95,42 +94,42 @@ def test_a_failed_checkpoint_write_stops_cleanly(tmp_path, data_dir, inject_faul
 
 
 @pytest.fixture
-def small_disk(tmp_path, monkeypatch):
+def small_disk_dir(tmp_path, monkeypatch):
     """A folder on a 2.5 MB filesystem: a real tmpfs where this process may mount one (root),
     else one shutil.disk_usage says is that small (its files counted against 2.5 MB)."""
     disk = tmp_path / "disk"
-    disk.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(disk)]
-    if os.geteuid() == 0 and subprocess.run(mount, capture_output=True).returncode == 0:
+    with small_disk(disk, "2500k") as mounted:
+        if not mounted:
+            real = shutil.disk_usage
+
+            def usage(path):
+                if not Path(path).resolve().is_relative_to(disk.resolve()):
+                    return real(path)
+                used = sum(f.stat().st_size for f in disk.rglob("*") if f.is_file())
+                return real(path)._replace(free=2_500_000 - used)
+
+            monkeypatch.setattr(shutil, "disk_usage", usage)
         yield disk
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
-        return
-    real = shutil.disk_usage
-
-    def usage(path):
-        if not Path(path).resolve().is_relative_to(disk.resolve()):
-            return real(path)
-        used = sum(f.stat().st_size for f in disk.rglob("*") if f.is_file())
-        return real(path)._replace(free=2_500_000 - used)
-
-    monkeypatch.setattr(shutil, "disk_usage", usage)
-    yield disk
 
 
 def test_a_small_disk_warns_at_start_stops_before_writing_and_resumes_elsewhere(
-    tmp_path, data_dir, uninterrupted, small_disk, capsys
+    tmp_path, data_dir, uninterrupted, small_disk_dir, capsys
 ):
     """Step 2's checkpoint fits, then less than one checkpoint is free at step 4. The run
     folder moved to a disk with room resumes as if nothing had happened."""
-    result = train(tiny(small_disk / "runs", data_dir), progress=False)
+    result = train(tiny(small_disk_dir / "runs", data_dir), progress=False)
     out = capsys.readouterr().out
-    assert "warning: " in out and "free on its disk, but the checkpoints need about 4.5 MB more "\
-        "(3 at once, 1.5 MB each)" in out, out
-    run_dir = small_disk / "runs" / "t"
+    warned = re.search(r"warning: .* free on its disk, but the checkpoints need about "
+                       r"([\d.]+) MiB more \(3 at once, ([\d.]+) MiB each\)", out)
+    assert warned, out
+    more, each = (float(x) for x in warned.groups())
+    run_dir = small_disk_dir / "runs" / "t"
+    written = sum(f.stat().st_size for f in (run_dir / "step-000002").iterdir()) / 2**20
+    assert abs(each - written) <= 0.05 * written + 0.05 and abs(more - 3 * each) <= 0.15, out
     assert (result.state, result.exit_code, result.steps) == ("stopped", 2, 4)
     assert result.message.startswith(
         f"disk full at step 4: {run_dir}/step-000004 was not written: a checkpoint needs about "
-        f"1.5 MB, the disk has "), result.message
+        f"{each} MiB, the disk has "), result.message
     assert f"latest is still {run_dir}/step-000002" in result.message
     moved = shutil.copytree(run_dir, tmp_path / "elsewhere" / "t")
     assert_stopped_at_4(moved)

@@ -6,16 +6,14 @@ the process with a leaked-semaphore warning, a full disk cleared the folder)."""
 
 from __future__ import annotations
 
-import contextlib
 import filecmp
 import re
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import run_andrea
+from conftest import run_andrea, small_disk
 from test_data_folder import SHARDS, finish, start, wait_for_line, write_corpus
 
 from andrea.data import stops
@@ -73,25 +71,11 @@ def test_sigterm_is_the_clean_stop_of_ctrl_c(clean):
     same_shards(clean / "data/term", clean / "data/clean")
 
 
-@contextlib.contextmanager
-def small_disk(folder: Path) -> Iterator[bool]:
-    """A tmpfs of SMALL_DISK at `folder` (True) where this process may mount one (root), else
-    nothing (False: the caller injects the full disk instead). Unmounted at the end."""
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs",
-                              str(folder)], capture_output=True).returncode == 0
-    try:
-        yield mounted
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(folder)], check=True)
-
-
 def test_full_disk_keeps_every_complete_shard_and_the_rerun_finishes(clean):
     """The issue's case: a prepare killed (-9) with 2 complete shards, run again on a disk too
     small for the rest: one line (what, free space, kept, the command), exit 2, every complete
     shard kept; the same command with room finishes byte-identical to an uninterrupted one."""
-    with small_disk(clean / "small") as mounted:
+    with small_disk(clean / "small", SMALL_DISK) as mounted:
         code, _ = pause_and_signal(clean, "small/prep", signal.SIGKILL)
         assert code == -signal.SIGKILL
         full = {} if mounted else {"ANDREA_FAULTS": "disk-full@prepare:train_000003.bin"}

@@ -19,6 +19,7 @@ from conftest import assert_user_error, make_checkpoint, run_andrea
 from andrea.config import load_config
 from andrea.data.loader import TokenSplit
 from andrea.errors import UserError
+from andrea.fileio import size_text
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import pick_device, pick_dtype
@@ -263,14 +264,14 @@ def test_overwrite_replaces_a_run_only_once_the_new_one_can_start(tmp_path, data
     assert (run_dir / "step-000002" / "model.safetensors").is_file()
 
     old = [f for f in (run_dir / "step-000002").iterdir()] + [run_dir / "metrics.jsonl"]
-    mib = sum(f.stat().st_size for f in old) / 2**20
+    size = size_text(sum(f.stat().st_size for f in old))
     replaced = run_andrea("train", "-c", path, "--overwrite", "--no-progress",
                           "--set", "train.max_steps=1")
     assert replaced.returncode == 0, replaced.stderr
     # It names what it deletes before it does.
     assert replaced.stdout.splitlines()[0] == (f"--overwrite: deleting the run in {run_dir} "
                                                f"(1 checkpoint, the newest at step 2, "
-                                               f"{mib:.1f} MiB on disk)")
+                                               f"{size} on disk)")
     assert [c.name for c in ckpt_io.list_checkpoints(run_dir)] == ["step-000001"]
     assert len(read_events(run_dir, "start")) == 1
 

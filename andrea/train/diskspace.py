@@ -11,17 +11,14 @@ every rank stopping together.
 
 from __future__ import annotations
 
-import errno
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from andrea.fileio import DISK_FULL_ERRNOS, free_bytes, size_text
 from andrea.train.checkpoint import read_latest
 from andrea.train.distributed import from_rank0
 from andrea.train.rundir import CONFIG, step_dir_name, step_dirs
 from andrea.train.session import Session
-
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
 
 class DiskFull(Exception):
@@ -35,22 +32,6 @@ class WriteFailed(Exception):
     def __init__(self, cause: str, full: bool) -> None:
         super().__init__(cause)
         self.cause, self.full = cause, full
-
-
-def free_nbytes(folder: Path) -> int:
-    """Free bytes on the disk holding `folder` (its nearest existing parent's disk)."""
-    for candidate in (folder, *folder.parents):
-        if candidate.exists():
-            return shutil.disk_usage(candidate).free
-    return shutil.disk_usage(".").free
-
-
-def human(nbytes: float) -> str:
-    for unit in ("bytes", "kB", "MB", "GB"):
-        if nbytes < 1000 or unit == "GB":
-            break
-        nbytes /= 1000
-    return f"{nbytes:,.0f} {unit}" if unit == "bytes" or nbytes >= 10 else f"{nbytes:.1f} {unit}"
 
 
 def checkpoints_ahead(step: int, max_steps: int, every: int) -> int:
@@ -69,11 +50,11 @@ def start_warning(s: Session, free: int) -> str | None:
     needed = (peak - existing) * per
     if free >= needed:
         return None
-    held = f"{peak} at once, {human(per)} each" + (
+    held = f"{peak} at once, {size_text(per)} each" + (
         f": train.keep_last {t.keep_last} and the one being written"
         if peak == t.keep_last + 1 else "")
-    return (f"warning: {s.run_dir}: {human(free)} free on its disk, but the checkpoints need "
-            f"about {human(needed)} more ({held}); the run will stop cleanly at the first "
+    return (f"warning: {s.run_dir}: {size_text(free)} free on its disk, but the checkpoints need "
+            f"about {size_text(needed)} more ({held}); the run will stop cleanly at the first "
             f"checkpoint that does not fit: free space, lower train.keep_last, or set "
             f"train.runs_dir to a disk with room")
 
@@ -81,12 +62,12 @@ def start_warning(s: Session, free: int) -> str | None:
 def full_message(s: Session, free: int, cause: str | None, full: bool = True) -> str:
     """The one line of a checkpoint that was not written. cause: why the write failed, None
     when the free-space check stopped it before writing anything."""
-    folder, per = s.run_dir / step_dir_name(s.step), human(s.checkpoint_nbytes)
+    folder, per = s.run_dir / step_dir_name(s.step), size_text(s.checkpoint_nbytes)
     if cause is None:
         what = (f"{folder} was not written: a checkpoint needs about {per}, the disk has "
-                f"{human(free)} free")
+                f"{size_text(free)} free")
     else:
-        what = (f"writing {folder} failed ({cause}; it needs about {per}, {human(free)} was "
+        what = (f"writing {folder} failed ({cause}; it needs about {per}, {size_text(free)} was "
                 f"free); its partial folder is removed")
     latest = read_latest(s.run_dir)
     if latest is None:
@@ -104,7 +85,7 @@ def checked_write(s: Session, write: Callable[[], Path]) -> Path:
     """write() the checkpoint of step s.step (every rank calls this), once rank 0's disk has
     room for it by the estimate. DiskFull on every rank, with nothing left behind, when it has
     not or when a write fails."""
-    free = from_rank0(lambda: free_nbytes(s.run_dir), s.dist)
+    free = from_rank0(lambda: free_bytes(s.run_dir), s.dist)
     if free < s.checkpoint_nbytes:
         raise DiskFull(full_message(s, free, None))
     try:
@@ -119,4 +100,4 @@ def describe(exc: OSError | None) -> tuple[str, bool]:
     if exc is None:
         return "a write failed on another rank", False
     where = f": {exc.filename}" if exc.filename else ""
-    return f"{exc.strerror or exc}{where}", exc.errno in FULL_DISK
+    return f"{exc.strerror or exc}{where}", exc.errno in DISK_FULL_ERRNOS

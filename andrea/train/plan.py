@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from andrea.data.loader import mixture_report, source_passes
-from andrea.fileio import atomic_write_text
+from andrea.fileio import atomic_write_text, free_bytes
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.diskspace import free_nbytes, start_warning
+from andrea.train.diskspace import start_warning
 from andrea.train.metrics import MetricsLog
 from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.session import Session
@@ -99,7 +99,7 @@ def announce(
         s.log.write("data_mixture", **mixture[1])
     if micro_batch_line:
         s.say(micro_batch_line)
-    room = start_warning(s, free_nbytes(s.run_dir))  # the disk's room for the checkpoints
+    room = start_warning(s, free_bytes(s.run_dir))  # the disk's room for the checkpoints
     for line in plan_lines(s) + ([room] if room else []):
         s.say(line)
 

@@ -21,6 +21,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from andrea.fileio import size_text
+
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 LATEST = "latest"
@@ -83,7 +85,7 @@ def describe_run(run_dir: Path) -> str:
     size = sum(f.stat().st_size for f in files)
     newest = f", the newest at step {step_of_dir(steps[-1])}" if steps else ""
     return (f"{len(steps)} checkpoint{'s' if len(steps) != 1 else ''}{newest}, "
-            f"{size / 2**20:.1f} MiB on disk")
+            f"{size_text(size)} on disk")
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
