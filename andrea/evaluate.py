@@ -34,6 +34,7 @@ import torch
 from andrea.config import PRECISIONS
 from andrea.data.prepare import SPLITS
 from andrea.errors import UserError
+from andrea.fileio import json_safe
 from andrea.tasks import TaskFile, TaskResult, read_task, run_task
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.rundir import step_of_dir
@@ -74,7 +75,7 @@ class EvalResult:
     def to_json(self) -> str:
         """Strict JSON: a non-finite figure (a diverged checkpoint's loss) is null, as in
         `andrea runs --json`; json.dumps would write NaN, which strict parsers (jq) refuse."""
-        return json.dumps(_finite(asdict(self)), indent=2)
+        return json.dumps(json_safe(asdict(self)), indent=2)
 
     def summary(self) -> str:
         """The val line (and one per source of a mixture), then one line per task."""
@@ -96,16 +97,6 @@ class EvalResult:
             ]
         lines += [TaskResult(**task).line() for task in self.tasks]
         return "\n".join(lines)
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _fmt(x: float | None) -> str:

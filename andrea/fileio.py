@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 
 def fsync_dir(path: Path) -> None:
@@ -65,3 +67,15 @@ def size_text(n: float) -> str:
     while abs(n) >= 1024 and step < len(units) - 1:
         n, step = n / 1024, step + 1
     return f"{n:.0f} B" if step == 0 else f"{n:.1f} {units[step]}"
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float (a diverged run's NaN loss) made None, nested dicts
+    and lists included: json.dumps would write NaN, which is not JSON and jq refuses."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from andrea.errors import UserError
+from andrea.fileio import json_safe
 from andrea.train.flops import format_mfu
 from andrea.train.metrics import recorded_speed
 from andrea.train.progress import format_speed
@@ -99,8 +100,7 @@ class RunSummary:
         """Plain JSON-able data; non-finite floats (a NaN loss) become null."""
         out = dataclasses.asdict(self)
         out["model"] = self.model
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                for k, v in out.items()}
+        return json_safe(out)
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
