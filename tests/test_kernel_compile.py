@@ -1,27 +1,29 @@
 """Compile gates for kernels/microgpt_cuda.cu (no GPU needed).
 
-nvcc: every kernel instance for sm_80, sm_89 and sm_90, and the fp16 instances for sm_75 (two
-m16n8k8 a step) and sm_86, with all warnings as errors and ptxas register-spill warnings as
-errors, with -ftz=true as the runtime compiles. sm_70 (V100) where nvcc still has it: CUDA 13
-dropped sm_70 and sm_72, so with nvcc 13 that case is skipped, saying so; sm_70's fp16 path
-compiled for sm_75 instead (-DANDREA_HALF_ARCH=700, 48 s of CPU: too dear for the suite) is a
-command in kernels/README.md, with its figures. The ptxas resource table per arch is printed
-into the test's captured output: shown by `pytest -s` (scripts/ptxas_resources.sh) or on
-failure, not in every `-q` run.
-NVRTC: what NVRTC really gets at run time (andrea.cuda.launch.runtime_nvrtc_options: the
-backend's options plus those CuPy appends, -ftz=true among them) and the name expressions,
-compiled to cubin for each arch through libnvrtc from the nvidia-cuda-nvrtc wheel, called
-directly (CuPy's compile path asks for a device first); ptxas's verbose log must show no spill.
-NVRTC and nvcc do not choose registers alike (fp32 D=32 forward spilled on sm_90 under NVRTC
-only), so each is checked.
+NVRTC (what runs): what NVRTC really gets at run time (andrea.cuda.launch.runtime_nvrtc_options:
+the backend's options plus those CuPy appends, -ftz=true among them) and the name expressions,
+compiled to cubin for sm_80 and sm_90 (and sm_89 under ANDREA_COMPILE_ALL=1) through libnvrtc
+from the nvidia-cuda-nvrtc wheel, called directly (CuPy's compile path asks for a device first).
+Its log must show no warning and ptxas's verbose lines no spill.
+nvcc: the fp16 instances for sm_75 (two m16n8k8 a step) and sm_86, archs the NVRTC gate does not
+build, with all warnings as errors and ptxas spill warnings as errors, -ftz=true as the runtime
+compiles. sm_70 (V100) where nvcc still has it: CUDA 13 dropped sm_70 and sm_72, so with nvcc 13
+that case is skipped, saying so; sm_70's fp16 path compiled for sm_75 instead
+(-DANDREA_HALF_ARCH=700, 48 s of CPU) is a command in kernels/README.md, with its figures.
+nvcc's build of every instance for sm_80/89/90 (80 s of CPU; nvcc and NVRTC do not choose
+registers alike, and the runtime uses NVRTC's) runs under ANDREA_COMPILE_ALL=1, which
+scripts/ptxas_resources.sh sets to print the ptxas resource table per arch.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,10 @@ from andrea.resources import kernels_dir
 
 KERNEL = kernels_dir() / "microgpt_cuda.cu"
 ARCHS = ("sm_80", "sm_89", "sm_90")
+EVERY_BUILD = os.environ.get("ANDREA_COMPILE_ALL") == "1"
+# sm_89 takes sm_80's source path (no code in the .cu is special to it): its NVRTC build, like
+# nvcc's of every instance, runs under ANDREA_COMPILE_ALL=1 (40 s of CPU each)
+NVRTC_ARCHS = ARCHS if EVERY_BUILD else ("sm_80", "sm_90")
 N_INSTANCES = len(kernel_launch.all_name_expressions())
 HALF_NAMES = [n for n in kernel_launch.all_name_expressions() if "<half_t," in n]
 ALL, HALF = ("-DANDREA_INSTANTIATE_ALL",), ("-DANDREA_INSTANTIATE_HALF",)
@@ -48,21 +54,46 @@ def _nvcc_archs() -> str:
     return subprocess.run(["nvcc", "--list-gpu-arch"], capture_output=True, text=True).stdout
 
 
+def _skip_reason(arch: str, defines: tuple[str, ...]) -> str:
+    if defines == ALL and not EVERY_BUILD:
+        return ("what runs is NVRTC's build, checked below for the same archs (spills and "
+                "warnings); nvcc's is scripts/ptxas_resources.sh (80 s of CPU)")
+    if f"compute_{arch[3:]}" not in _nvcc_archs():
+        return (f"this nvcc has no {arch} target (CUDA 13 dropped sm_70 and sm_72); "
+                "kernels/README.md has sm_70's fp16 path compiled for sm_75 instead")
+    return ""
+
+
+@pytest.fixture(scope="module")
+def nvcc_builds(tmp_path_factory) -> Iterator[dict[str, subprocess.Popen]]:
+    """Every nvcc build this module checks, started at once (two: the machine's cores, not one)
+    and left to the test of its arch to wait for. NVRTC's start after them: all five at once
+    on 2 cores took 102 s against 78 s in two rounds."""
+    folder = tmp_path_factory.mktemp("nvcc")
+    builds = {}
+    for arch, defines, what in NVCC_BUILDS:
+        if not _skip_reason(arch, defines):
+            builds[f"{arch}-{what}"] = subprocess.Popen(
+                ["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", *defines,
+                 "-Xptxas", "-v,--warn-on-spills", "-Werror", "all-warnings",
+                 "-o", str(folder / f"{arch}-{what}.cubin"), str(KERNEL)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield builds
+    for proc in builds.values():
+        if proc.returncode is None:  # its test did not wait for it (deselected, or failed)
+            proc.kill()
+            proc.communicate()
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")
 @pytest.mark.parametrize("arch,defines,what", NVCC_BUILDS,
                          ids=[f"{a}-{w}" for a, _, w in NVCC_BUILDS])
 def test_nvcc_builds_without_spills(arch: str, defines: tuple[str, ...], what: str,
-                                    tmp_path: Path) -> None:
-    if f"compute_{arch[3:]}" not in _nvcc_archs():
-        pytest.skip(f"this nvcc has no {arch} target (CUDA 13 dropped sm_70 and sm_72); "
-                    "kernels/README.md has sm_70's fp16 path compiled for sm_75 instead")
-    cmd = [
-        "nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", *defines,
-        "-Xptxas", "-v,--warn-on-spills", "-Werror", "all-warnings",
-        "-o", str(tmp_path / "k.cubin"), str(KERNEL),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
+                                    nvcc_builds: dict[str, subprocess.Popen]) -> None:
+    if reason := _skip_reason(arch, defines):
+        pytest.skip(reason)
+    proc = nvcc_builds[f"{arch}-{what}"]
+    log, _ = proc.communicate()
     assert proc.returncode == 0, log
     count = N_INSTANCES if defines == ALL else len(HALF_NAMES)
     functions = re.findall(r"Compiling entry function '(\w+)' for '(\w+)'", log)
@@ -120,15 +151,14 @@ def _spills_by_function(log: str) -> dict[str, tuple[str, str, str]]:
     return {fn: tuple(v) for fn, v in found.items()}
 
 
-# sm_75's fp16 modules are left to nvcc above (the same -ftz=true; NVRTC's own register choices
-# there cost another 15-20 s of CPU).
-NVRTC_BUILDS = [(arch, None) for arch in ARCHS]
+# sm_75's and sm_86's fp16 modules are left to nvcc above (the same -ftz=true; NVRTC's own
+# register choices there cost another 15-20 s of CPU each).
 
 
-@pytest.mark.skipif(_libnvrtc() is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
-@pytest.mark.parametrize("arch,only", NVRTC_BUILDS, ids=[f"{a}-{o or 'all'}" for a, o in
-                                                        NVRTC_BUILDS])
-def test_nvrtc_compiles_with_runtime_options_without_spills(arch: str, only: str | None) -> None:
+def _nvrtc_build(arch: str) -> dict:
+    """NVRTC's build of every name expression for ARCH with the runtime's options: its log, the
+    cubin's size and the lowered names. ctypes lets go of the GIL in nvrtcCompileProgram, so
+    builds in threads use every core."""
     path = _libnvrtc()
     # libnvrtc dlopens its builtins library by name; load it first from the same directory.
     for builtins in path.parent.glob("libnvrtc-builtins.so.*"):
@@ -144,7 +174,7 @@ def test_nvrtc_compiles_with_runtime_options_without_spills(arch: str, only: str
     options = kernel_launch.runtime_nvrtc_options(arch)
     assert options[:2] == kernel_launch.nvrtc_options(arch) and "-ftz=true" in options
     try:
-        names = HALF_NAMES if only == "fp16" else kernel_launch.all_name_expressions()
+        names = kernel_launch.all_name_expressions()
         for name in names:
             _check(lib, lib.nvrtcAddNameExpression(prog, name.encode()), name, prog)
         opts = [o.encode() for o in [*options, "--ptxas-options=-v"]]
@@ -170,9 +200,33 @@ def test_nvrtc_compiles_with_runtime_options_without_spills(arch: str, only: str
             lowered_names.append(lowered.value.decode())
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return {"log": log, "options": options, "lowered": lowered_names, "size": size.value,
+            "version": f"{major.value}.{minor.value}", "count": len(names)}
+
+
+@pytest.fixture(scope="module")
+def nvrtc_builds() -> Iterator[dict[str, concurrent.futures.Future]]:
+    if _libnvrtc() is None:
+        yield {}
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(NVRTC_ARCHS)) as pool:
+        yield {arch: pool.submit(_nvrtc_build, arch) for arch in NVRTC_ARCHS}
+
+
+@pytest.mark.skipif(_libnvrtc() is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nvrtc_compiles_with_runtime_options_without_spills(
+        arch: str, nvrtc_builds: dict[str, concurrent.futures.Future]) -> None:
+    if arch not in NVRTC_ARCHS:
+        pytest.skip(f"{arch} compiles sm_80's source path: its build runs under "
+                    "ANDREA_COMPILE_ALL=1")
+    build = nvrtc_builds[arch].result()
+    log, options, lowered_names = build["log"], build["options"], build["lowered"]
+    warnings = [line for line in log.splitlines() if "warning" in line.lower()]
+    assert not warnings, f"{arch}: NVRTC warned under {options}:\n" + "\n".join(warnings)
     resources = _spills_by_function(log)
     assert set(resources) == set(lowered_names), log
     spilled = {fn: r for fn, r in resources.items() if len(r) != 3 or r[1:] != ("0", "0")}
     assert not spilled, f"{arch}: spills (registers, store, load bytes) under {options}: {spilled}"
-    print(f"NVRTC {major.value}.{minor.value} {arch}: cubin of {size.value} bytes, "
-          f"{len(names)} kernels, no spills")
+    print(f"NVRTC {build['version']} {arch}: cubin of {build['size']} bytes, "
+          f"{build['count']} kernels, no spills")
