@@ -6,19 +6,25 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import forkserver
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_andrea(
-    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`python -m andrea ARGS` as a user would run it; returns the completed process."""
+    """`python -m andrea ARGS` as a user would run it; returns the completed process. The process
+    is forked from one that has imported andrea and torch already (tests/forkserver.py says why
+    and what that skips); FRESH, or ANDREA_TEST_FRESH=1, starts a new interpreter instead."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if not fresh and forkserver.enabled():
+        return forkserver.run(["-m", "andrea", *args], str(cwd or Path.cwd()), full_env, timeout)
     return subprocess.run(
         [sys.executable, "-m", "andrea", *args],
         cwd=cwd,
@@ -38,6 +44,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def python_command(*argv: str) -> list[str]:
+    """`python ARGV` (-m MODULE ARGS, or SCRIPT ARGS) as a command line for subprocess.run or
+    Popen: forked from the warm process (tests/forkserver.py), fresh under ANDREA_TEST_FRESH=1."""
+    return forkserver.command(*argv)
+
+
+def torchrun_command(*options: str, entry: Sequence[str]) -> list[str]:
+    """`torchrun OPTIONS ENTRY` (ENTRY: -m andrea ARGS, or SCRIPT ARGS) as a command line: the
+    launcher and each worker it starts forked from the warm process."""
+    return forkserver.command("-m", "torch.distributed.run", *options, "--no-python",
+                              *forkserver.command(*entry))
+
+
 def run_torchrun(
     *args: str, nproc: int = 2, launcher: tuple[str, ...] = (), timeout: float = 300,
     env: dict[str, str] | None = None,
@@ -46,8 +65,7 @@ def run_torchrun(
     process (the test machines have 2 cores). LAUNCHER replaces the default rendezvous."""
     rendezvous = launcher or ("--master_addr=127.0.0.1", f"--master_port={free_port()}")
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-         *rendezvous, "-m", "andrea", *args],
+        torchrun_command(f"--nproc_per_node={nproc}", *rendezvous, entry=["-m", "andrea", *args]),
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
         capture_output=True, text=True, timeout=timeout,
     )

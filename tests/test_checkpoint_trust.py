@@ -15,11 +15,10 @@ import json
 import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_user_error, make_checkpoint, run_andrea
+from conftest import assert_user_error, make_checkpoint, python_command, run_andrea
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -65,7 +64,7 @@ def run_limited(*args: str, cwd: Path, memory: int = 2_000_000_000):
             f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory})); "
             f"sys.argv = ['andrea', *{list(args)!r}]; "
             "runpy.run_module('andrea', run_name='__main__')")
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run(python_command("-c", code), cwd=cwd, capture_output=True, text=True,
                           timeout=120)
 
 

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from conftest import assert_user_error, make_checkpoint, run_andrea
+from conftest import assert_user_error, make_checkpoint, python_command, run_andrea
 
 from andrea.config import load_config
 from andrea.data import prepare
@@ -45,9 +45,13 @@ def tokens(folder: Path, split: str) -> np.ndarray:
     return np.concatenate([open_shard(folder / e["file"]) for e in entries]).astype(np.int64)
 
 
-def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(*args: str, cwd: Path, env: dict[str, str] | None = None,
+          fresh: bool = False) -> subprocess.Popen:
+    """`andrea ARGS` started; FRESH: a new interpreter, whose pid is andrea's own (through the
+    warm process, Popen's pid is the stand-in's, tests/forkserver.py)."""
+    command = ["-m", "andrea", *args]
     return subprocess.Popen(
-        [sys.executable, "-m", "andrea", *args], cwd=cwd, text=True,
+        [sys.executable, *command] if fresh else python_command(*command), cwd=cwd, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         # Ctrl-C as at a terminal: a suite started in the background (`cmd &` in a script) hands
@@ -95,7 +99,7 @@ def take_turns(
     `second_says_on`); then both run to the end. Returns the second's "waiting" line, both
     processes and their (stdout, stderr), the lines already read left out."""
     go = cwd / "go"
-    first = start(*first_args, cwd=cwd,
+    first = start(*first_args, cwd=cwd, fresh=True,  # the second names its pid
                   env={"ANDREA_FAULTS": f"prepare-pause@train_000002.bin:{go}"})
     second = None
     try:

@@ -11,14 +11,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import assert_user_error, run_andrea
+from conftest import assert_user_error, python_command, run_andrea
 
 from andrea.data import prepare, readers
 from andrea.data.shards import open_shard, read_header
@@ -184,7 +183,7 @@ def test_killed_prepare_resumes_from_its_last_complete_shard(tmp_path):
     sets = ["-c", "andrea-tiny", "--set", "data.source=big.jsonl", "--set",
             "data.shard_tokens=400000", "--set", "data.workers=1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ANDREA_FAULTS": "prepare-pause@train_000003.bin"}
-    proc = subprocess.Popen([sys.executable, "-m", "andrea", "prepare", *sets, "-o", "out"],
+    proc = subprocess.Popen(python_command("-m", "andrea", "prepare", *sets, "-o", "out"),
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
+import forkserver
 import numpy as np
 import pytest
 from conftest import REPO
@@ -83,7 +84,7 @@ def run_script(tmp_path: Path, *, gpu: bool, parts: str | None = None,
                env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
     bin_dir = fake_nvidia_smi(tmp_path / "bin", gpu)
     full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-                "PYTHON": sys.executable,
+                "PYTHON": forkserver.python_script(str(bin_dir)),
                 "ANDREA_GPU_CHECK_WHEELS": str(fake_wheels(tmp_path / "wheels"))}
     for name in ("ANDREA_GPU_CHECK_ASSUME_GPU", "ANDREA_GPU_CHECK_RUN_BUDGET_S"):
         full_env.pop(name, None)
@@ -486,6 +487,7 @@ def gpu_shims(folder: Path) -> Path:
     a probe out of time with FAKE_PROBE=timeout; any other use runs the real interpreter). The
     compute-sanitizer is the fake wheel's (FAKE_SANITIZER says what it reports)."""
     fake_nvidia_smi(folder, gpu=True)
+    real = forkserver.python_script(str(folder))  # the interpreter, through the warm process
     python = folder / "python-shim"
     python.write_text(f"""#!/bin/bash
 if [ "$1" = - ]; then
@@ -495,9 +497,9 @@ if [ "$1" = - ]; then
         printf 'torch 2.11 cuda 13.0\\ngpu NVIDIA H200 sm_90\\ntorch_gpu 1\\nbackend \\n'
         exit 0
     fi
-    exec {sys.executable} - <<<"$src"
+    exec {real} - <<<"$src"
 fi
-exec {sys.executable} "$@"
+exec {real} "$@"
 """)
     python.chmod(0o755)
     return python

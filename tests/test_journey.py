@@ -33,8 +33,16 @@ EVAL_LINE = re.compile(
 EVAL_TOKENS = 4096  # README: [--max-tokens N]; the whole val split takes a minute here
 
 
+VERBS_STARTED: set[str] = set()
+
+
 def andrea(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    proc = run_andrea(*args, cwd=cwd, timeout=300)
+    # Each verb's first call starts a fresh interpreter, as a user's shell does: start-up and
+    # the verb's own imports are part of the journey. Its later calls are forked from the warm
+    # process (tests/forkserver.py).
+    fresh = args[0] not in VERBS_STARTED
+    VERBS_STARTED.add(args[0])
+    proc = run_andrea(*args, cwd=cwd, timeout=300, fresh=fresh)
     assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc

@@ -7,12 +7,11 @@ import math
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, run_andrea
+from conftest import assert_user_error, run_andrea, torchrun_command
 from test_train import read_events, tiny, write_config
 
 from andrea.config import load_config
@@ -121,9 +120,9 @@ def test_two_processes_with_muon_match_one(tmp_path, data_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "andrea", "train",
-         "-c", str(write_config(tmp_path, cfg2)), "--no-progress"],
+        torchrun_command("--nproc_per_node=2", "--master_addr=127.0.0.1",
+                         f"--master_port={port}", entry=["-m", "andrea", "train", "-c",
+                         str(write_config(tmp_path, cfg2)), "--no-progress"]),
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -213,8 +212,7 @@ def test_two_processes_split_newton_schulz_and_match_one(tmp_path):
     script.write_text(SPLIT)
     proc = subprocess.run(
         # --standalone: the rendezvous picks its own free port (no race with other tests).
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(script)],
+        torchrun_command("--standalone", "--nproc_per_node=2", entry=[str(script)]),
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,12 +10,11 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, free_port, run_andrea, run_torchrun
+from conftest import assert_user_error, free_port, run_andrea, run_torchrun, torchrun_command
 from safetensors.torch import load_file
 
 from andrea.config import load_config
@@ -150,8 +149,8 @@ def test_fsdp_keeps_the_lm_head_tied_to_the_embedding(tmp_path):
     script = tmp_path / "tied.py"
     script.write_text(TIED)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)],
+        torchrun_command("--nproc_per_node=2", "--master_addr=127.0.0.1",
+                         f"--master_port={free_port()}", entry=[str(script)]),
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -169,10 +168,11 @@ def launch_nodes(
     port = free_port()
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
-             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-             *launcher, "-m", "andrea", "train", *(["-c", str(path)] if path else []),
-             "--no-progress", *args],
+            torchrun_command("--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1",
+                             "--master_addr=127.0.0.1", f"--master_port={port}", *launcher,
+                             entry=["-m", "andrea", "train",
+                                    *(["-c", str(path)] if path else []), "--no-progress",
+                                    *args]),
             cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -367,9 +367,9 @@ def launch_with_peak(tmp_path: Path, cfg, peak: float) -> None:
     path = tmp_path / f"{cfg.train.name}.yaml"
     path.write_text(cfg.to_yaml())
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
-         "train", "-c", str(path), "--no-progress"],
+        torchrun_command("--nproc_per_node=2", "--master_addr=127.0.0.1",
+                         f"--master_port={free_port()}",
+                         entry=[str(script), "train", "-c", str(path), "--no-progress"]),
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

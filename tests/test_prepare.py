@@ -4,10 +4,10 @@ makes re-runs free, and bad input is a one-line error with exit code 2."""
 import io
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import python_command
 
 from andrea.config import load_config
 from andrea.data import documents, encode, prepare
@@ -238,7 +238,7 @@ def test_bad_tokenizer_file(corpus, tmp_path):
 
 def run_cli(*args, cwd):
     return subprocess.run(
-        [sys.executable, "-m", "andrea", "prepare", *args],
+        python_command("-m", "andrea", "prepare", *args),
         capture_output=True, text=True, cwd=cwd, timeout=120,
     )
 

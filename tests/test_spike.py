@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, free_port, run_andrea, run_torchrun
+from conftest import assert_user_error, free_port, run_andrea, run_torchrun, torchrun_command
 
 from andrea.config import load_config
 from andrea.errors import UserError
@@ -242,8 +241,8 @@ def test_a_rollback_needs_the_same_checkpoint_on_every_rank(tmp_path):
         "dist.destroy_process_group()\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3",
-         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)],
+        torchrun_command("--nproc_per_node=3", "--master_addr=127.0.0.1",
+                         f"--master_port={free_port()}", entry=[str(script)]),
         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -9,11 +9,10 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from conftest import assert_user_error, run_andrea
+from conftest import assert_user_error, python_command, run_andrea
 
 from andrea.train.progress import RunBar, format_eta, long_run_note
 
@@ -49,7 +48,7 @@ def test_sigterm_during_data_preparation_stops_it_within_seconds(tmp_path):
     cfg = tiny_config(tmp_path, f"{{source: {source}, tokenizer: bpe, dir: {data}}}",
                       "max_steps: 3")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "andrea", "train", "-c", str(cfg), "--no-progress"],
+        python_command("-m", "andrea", "train", "-c", str(cfg), "--no-progress"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     assert proc.stdout.readline().startswith(f"preparing {data}")  # set-up is under way

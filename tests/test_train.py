@@ -7,14 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, make_checkpoint, run_andrea
+from conftest import assert_user_error, make_checkpoint, python_command, run_andrea
 
 from andrea.config import load_config
 from andrea.data.loader import TokenSplit
@@ -147,8 +146,8 @@ def test_device_and_precision_names_are_checked():
 
 def _start(tmp_path: Path, cfg, *args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "andrea", "train", "-c", str(write_config(tmp_path, cfg)),
-         "--no-progress", *args],
+        python_command("-m", "andrea", "train", "-c", str(write_config(tmp_path, cfg)),
+                       "--no-progress", *args),
         env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )
@@ -189,8 +188,8 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
     # Resumed with no periodic checkpoints and every write taking 3 s, the only checkpoint
     # started is the one the first Ctrl-C asks for; the second Ctrl-C lands inside it.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "andrea", "train", "--resume", str(first.run_dir),
-         "--no-progress"],
+        python_command("-m", "andrea", "train", "--resume", str(first.run_dir),
+                       "--no-progress"),
         env={**os.environ, "ANDREA_FAULTS": "checkpoint-delay@3"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
