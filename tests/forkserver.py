@@ -14,7 +14,7 @@ The warm process (the zygote) is started once per pytest process, on first use. 
 builds nothing with data: no thread pool exists when it forks, and no andrea function has run,
 so no per-process cache (distributed.torchrun_env, ...) is filled before a child reads its own
 environment. A child whose caller goes away (a killed torchrun, a test that timed out) is
-killed, as a process whose pipes closed would be.
+killed with its process group, as a killpg of a fresh command's group would end it.
 
 A process started with `command("-m", "andrea", ARGS)` (subprocess.Popen, or the worker torchrun
 starts with --no-python) is a stdlib-only stand-in, up in tens of milliseconds, that hands its
@@ -218,7 +218,11 @@ def serve(path: str) -> None:
             elif key.fileobj is listener:
                 conn, _ = listener.accept()
                 conn.setblocking(True)
-                request, fds = _receive(conn)
+                try:
+                    request, fds = _receive(conn)
+                except (OSError, EOFError, ValueError):  # a caller gone before it asked
+                    conn.close()
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
