@@ -416,8 +416,8 @@ def format_table(result: BenchResult) -> str:
                 f"{r.tokens_per_s:>11,.0f} {format_mfu(r.mfu):>7}"
             )
         missing = [r for r in result.train if r.mfu is None]
-        device = torch.device(result.device)
-        why = missing and no_mfu_reason(device, getattr(torch, missing[0].dtype))
+        why = (no_mfu_reason(torch.device(result.device), getattr(torch, missing[0].dtype))
+               if missing else None)
         if why:
             lines.append(why)
     if result.skipped:

@@ -44,10 +44,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def python_command(*argv: str) -> list[str]:
-    """`python ARGV` (-m MODULE ARGS, or SCRIPT ARGS) as a command line for subprocess.run or
-    Popen: forked from the warm process (tests/forkserver.py), fresh under ANDREA_TEST_FRESH=1."""
-    return forkserver.command(*argv)
+def python_command(*argv: str, fresh: bool = False) -> list[str]:
+    """`python ARGV` (-m MODULE ARGS, SCRIPT ARGS, -c CODE ARGS) as a command line for
+    subprocess.run or Popen: forked from the warm process (tests/forkserver.py); FRESH, or
+    ANDREA_TEST_FRESH=1, a new interpreter."""
+    return [sys.executable, *argv] if fresh else forkserver.command(*argv)
 
 
 def torchrun_command(*options: str, entry: Sequence[str]) -> list[str]:

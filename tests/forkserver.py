@@ -35,6 +35,11 @@ import sys
 import tempfile
 import threading
 
+# what a stand-in passes on to its child; a child starts with them at a fresh interpreter's
+# dispositions
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGQUIT)
+
 
 def _send(conn: socket.socket, message: dict, fds: list[int] | None = None) -> None:
     data = json.dumps(message).encode() + b"\n"
@@ -95,10 +100,9 @@ def _child(request: dict, fds: list[int]) -> None:
         # takes the lot, as a killpg of a fresh command's group would
         os.setpgid(0, 0)
         # dispositions as a fresh interpreter has them, whatever the zygote inherited
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
-                    signal.SIGQUIT, signal.SIGCHLD):
+        for sig in (*PASSED_ON, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -155,10 +159,16 @@ def _child(request: dict, fds: list[int]) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            if code < 0:
-                signal.signal(-code, signal.SIG_DFL)
-                os.kill(os.getpid(), -code)
-            os._exit(code)
+            _end_as(code, os._exit)
+
+
+def _end_as(code: int, exit_with) -> None:
+    """End this process as one that ended with CODE: killed by the signal -CODE, else
+    exit_with(CODE)."""
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    exit_with(code)
 
 
 def _own_exit_handlers() -> None:
@@ -302,9 +312,11 @@ def _stop() -> None:
         proc.wait()
 
 
-def _start(conn: socket.socket, argv: list[str], cwd: str, env: dict[str, str],
+def _start(conn: socket.socket, path: str, argv: list[str], cwd: str, env: dict[str, str],
            fds: list[int]) -> tuple[int, object]:
-    conn.connect(socket_path())
+    """Ask the warm process at PATH for `python ARGV` over FDS (its stdin, stdout, stderr): the
+    child's pid, and the reader its exit status will come on."""
+    conn.connect(path)
     _send(conn, {"argv": argv, "cwd": cwd, "env": env}, fds)
     reader = conn.makefile("rb")
     return json.loads(reader.readline())["pid"], reader
@@ -316,7 +328,8 @@ def run(argv: list[str], cwd: str, env: dict[str, str],
     stand-in process between: the same CompletedProcess, or TimeoutExpired after TIMEOUT."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        pid, reader = _start(conn, argv, cwd, env, [0, out.fileno(), err.fileno()])
+        pid, reader = _start(conn, socket_path(), argv, cwd, env,
+                             [0, out.fileno(), err.fileno()])
         conn.settimeout(timeout)
         try:
             status = json.loads(reader.readline())["status"]
@@ -337,29 +350,23 @@ def _text(data: bytes) -> str:
 
 
 def stand_in(path: str, argv: list[str]) -> None:
-    """`python ARGV` (-m MODULE ARGS) as this process: a child forked with this process's stdio,
-    folder and environment; signals sent here are passed on; this process ends as the child
+    """`python ARGV` as this process: a child forked with this process's stdio, folder and
+    environment; signals sent here are passed on; this process ends as the child
     ended (its exit code, or killed by the same signal). Killed itself (SIGKILL, a killpg), it
     closes its connection and the child's process group is killed."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(path)
-        _send(conn, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}, [0, 1, 2])
-        reader = conn.makefile("rb")
-        pid = json.loads(reader.readline())["pid"]
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
-                    signal.SIGUSR2, signal.SIGQUIT):
+        pid, reader = _start(conn, path, argv, os.getcwd(), dict(os.environ), [0, 1, 2])
+        for sig in PASSED_ON:
             signal.signal(sig, lambda number, _frame: os.kill(pid, number))
         code = os.waitstatus_to_exitcode(json.loads(reader.readline())["status"])
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    sys.exit(code)
+    _end_as(code, sys.exit)
 
 
 def command(*argv: str) -> list[str]:
-    """The command line that runs `python ARGV` (-m MODULE ARGS, or SCRIPT ARGS) through the
-    warm process: for subprocess.run/Popen, and for torchrun --no-python (whose workers it then
-    starts). A fresh `python ARGV` where the warm process is not used (enabled())."""
+    """The command line that runs `python ARGV` (-m MODULE ARGS, SCRIPT ARGS, -c CODE ARGS or
+    - ARGS) through the warm process: for subprocess.run/Popen, and for torchrun --no-python
+    (whose workers it then starts). A fresh `python ARGV` where the warm process is not used
+    (enabled())."""
     if not enabled():
         return [sys.executable, *argv]
     return [sys.executable, __file__, "--socket", socket_path(), *argv]

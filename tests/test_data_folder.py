@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -49,9 +48,8 @@ def start(*args: str, cwd: Path, env: dict[str, str] | None = None,
           fresh: bool = False) -> subprocess.Popen:
     """`andrea ARGS` started; FRESH: a new interpreter, whose pid is andrea's own (through the
     warm process, Popen's pid is the stand-in's, tests/forkserver.py)."""
-    command = ["-m", "andrea", *args]
     return subprocess.Popen(
-        [sys.executable, *command] if fresh else python_command(*command), cwd=cwd, text=True,
+        python_command("-m", "andrea", *args, fresh=fresh), cwd=cwd, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         # Ctrl-C as at a terminal: a suite started in the background (`cmd &` in a script) hands

@@ -56,8 +56,9 @@ def _nvcc_archs() -> str:
 
 def _skip_reason(arch: str, defines: tuple[str, ...]) -> str:
     if defines == ALL and not EVERY_BUILD:
-        return ("what runs is NVRTC's build, checked below for the same archs (spills and "
-                "warnings); nvcc's is scripts/ptxas_resources.sh (80 s of CPU)")
+        return ("what runs is NVRTC's build, checked below (spills and warnings); nvcc's of "
+                "every instance runs under ANDREA_COMPILE_ALL=1 (scripts/ptxas_resources.sh, "
+                "80 s of CPU)")
     if f"compute_{arch[3:]}" not in _nvcc_archs():
         return (f"this nvcc has no {arch} target (CUDA 13 dropped sm_70 and sm_72); "
                 "kernels/README.md has sm_70's fp16 path compiled for sm_75 instead")
