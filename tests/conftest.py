@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import background
 import forkserver
 import pytest
 
@@ -99,39 +101,26 @@ def small_disk(folder: Path, size: str) -> Iterator[bool]:
             subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
+# The kernel emulator's library, which these files' tests load (tests/background.py: built on a
+# low-priority thread from the session's start; the half-arch and sanitizer builds are declared
+# by the files that use them).
+EMULATOR_USERS = ("test_cuda_backend.py", "test_cuda_compile.py", "test_gpu_check.py",
+                  "test_kernel_numerics.py")
+if shutil.which(os.environ.get("CXX", "g++")):
+    from andrea.cuda import emulator as _emulator
+
+    background.declare("emulator", _emulator.build_library, wanted_by=EMULATOR_USERS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=background.runs_late)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
-def emulator_builds_in_the_background() -> Iterator[None]:
-    """The CPU kernel emulator's builds (g++, about 13 s of CPU each on a cold cache, as on CI;
-    cached by a hash of their sources) start on a thread of low priority when the session does:
-    the suite leaves one of the two cores idle much of the time, and the tests that need a build
-    then find it done. A test that gets there first builds it itself, beside the thread: a build
-    is renamed into place, so two of one are safe."""
-    import shutil
-    import threading
-
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        yield
-        return
-    from andrea.cuda import emulator
-
-    def build_all() -> None:
-        # nice applies to this thread alone on Linux, and to the compilers it starts
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        jobs = [emulator.build_library,
-                *(lambda d=d: emulator.build_library(defines=d)
-                  for d in emulator.HALF_ARCH_DEFINES.values()),
-                *(lambda s=s: emulator.build_sanitizer_program(s, "bfloat16", 32)
-                  for s in ("thread", "address"))]
-        for job in jobs:
-            try:
-                job()
-            except Exception:  # noqa: BLE001 - the test that needs the build reports it
-                pass
-
-    thread = threading.Thread(target=build_all, name="emulator-builds", daemon=True)
-    thread.start()
+def builds_in_the_background(request: pytest.FixtureRequest) -> Iterator[None]:
+    background.start(request.session.items)
     yield
-    thread.join()
+    background.stop()
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import math
 import shutil
 import sys
 
+import background
 import pytest
 import torch
 from conftest import assert_user_error, run_andrea
@@ -96,6 +97,7 @@ def run_function(q, k, v, dout, launcher):
 
 @pytest.fixture(scope="module")
 def emu():
+    background.result("emulator")
     return ca.EmulatorLauncher()
 
 

@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
+import background
 import forkserver
 import numpy as np
 import pytest
@@ -334,6 +335,12 @@ def test_missing_dependencies_come_from_the_wheel_folder(tmp_path, monkeypatch) 
     monkeypatch.setattr(report, "requirements", lambda: ["numpy", "andrea-fake-dep"])
     monkeypatch.setattr(report, "IMPORT_NAMES", {"andrea-fake-dep": "andrea_fake_mod"})
     monkeypatch.setattr(sys, "path", list(sys.path))
+    # install_missing asks find_spec("pip"), and setuptools' distutils shim takes that for a
+    # build under pip and stands down for the rest of the process, after which inductor's builds
+    # in this pytest process fail (test_cuda_compile). The shim gets its own state back.
+    for finder in sys.meta_path:
+        if type(finder).__module__ == "_distutils_hack":
+            monkeypatch.setattr(finder, "spec_for_distutils", finder.spec_for_distutils)
     wheels, site = tmp_path / "wheels", tmp_path / "site"
     status, line = report.install_missing(wheels, site)  # no wheel yet
     assert status == 1
@@ -405,6 +412,7 @@ def emulated_cupy(skip: str = "") -> ModuleType:
     from andrea.cuda import emulator as kernel_emulator
     from andrea.cuda.launch import Launch
 
+    background.result("emulator")
     emulator = kernel_emulator.default_emulator()
 
     class RawModule:

@@ -17,15 +17,16 @@ scripts/ptxas_resources.sh sets to print the ptxas resource table per arch.
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
+import functools
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+import tempfile
 from pathlib import Path
 
+import background
 import pytest
 
 from andrea.cuda import launch as kernel_launch
@@ -48,6 +49,7 @@ NVCC_BUILDS = [(arch, ALL, "all") for arch in ARCHS] + [
 ]
 
 
+@functools.cache
 def _nvcc_archs() -> str:
     if shutil.which("nvcc") is None:
         return ""
@@ -65,36 +67,32 @@ def _skip_reason(arch: str, defines: tuple[str, ...]) -> str:
     return ""
 
 
-@pytest.fixture(scope="module")
-def nvcc_builds(tmp_path_factory) -> Iterator[dict[str, subprocess.Popen]]:
-    """Every nvcc build this module checks, started at once (two: the machine's cores, not one)
-    and left to the test of its arch to wait for. NVRTC's start after them: all five at once
-    on 2 cores took 102 s against 78 s in two rounds."""
-    folder = tmp_path_factory.mktemp("nvcc")
-    builds = {}
-    for arch, defines, what in NVCC_BUILDS:
-        if not _skip_reason(arch, defines):
-            builds[f"{arch}-{what}"] = subprocess.Popen(
-                ["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", *defines,
-                 "-Xptxas", "-v,--warn-on-spills", "-Werror", "all-warnings",
-                 "-o", str(folder / f"{arch}-{what}.cubin"), str(KERNEL)],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    yield builds
-    for proc in builds.values():
-        if proc.returncode is None:  # its test did not wait for it (deselected, or failed)
-            proc.kill()
-            proc.communicate()
+def _nvcc_build(arch: str, defines: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """nvcc's cubin of DEFINES' instances for ARCH: the process, its output the ptxas log."""
+    with tempfile.TemporaryDirectory() as folder:
+        return background.run_process(
+            ["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", *defines,
+             "-Xptxas", "-v,--warn-on-spills", "-Werror", "all-warnings",
+             "-o", str(Path(folder, "out.cubin")), str(KERNEL)])
+
+
+# Each build runs on a low-priority thread from the session's start (tests/background.py); two
+# at a time, the machine's cores: all five at once on 2 cores took 102 s against 78 s.
+for _arch, _defines, _what in NVCC_BUILDS:
+    if shutil.which("nvcc") and not _skip_reason(_arch, _defines):
+        background.declare(f"nvcc-{_arch}-{_what}",
+                           functools.partial(_nvcc_build, _arch, _defines),
+                           wanted_by=["test_kernel_compile.py::test_nvcc_builds_without_spills"])
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")
 @pytest.mark.parametrize("arch,defines,what", NVCC_BUILDS,
                          ids=[f"{a}-{w}" for a, _, w in NVCC_BUILDS])
-def test_nvcc_builds_without_spills(arch: str, defines: tuple[str, ...], what: str,
-                                    nvcc_builds: dict[str, subprocess.Popen]) -> None:
+def test_nvcc_builds_without_spills(arch: str, defines: tuple[str, ...], what: str) -> None:
     if reason := _skip_reason(arch, defines):
         pytest.skip(reason)
-    proc = nvcc_builds[f"{arch}-{what}"]
-    log, _ = proc.communicate()
+    proc = background.result(f"nvcc-{arch}-{what}")
+    log = proc.stdout
     assert proc.returncode == 0, log
     count = N_INSTANCES if defines == ALL else len(HALF_NAMES)
     functions = re.findall(r"Compiling entry function '(\w+)' for '(\w+)'", log)
@@ -205,23 +203,21 @@ def _nvrtc_build(arch: str) -> dict:
             "version": f"{major.value}.{minor.value}", "count": len(names)}
 
 
-@pytest.fixture(scope="module")
-def nvrtc_builds() -> Iterator[dict[str, concurrent.futures.Future]]:
-    if _libnvrtc() is None:
-        yield {}
-        return
-    with concurrent.futures.ThreadPoolExecutor(len(NVRTC_ARCHS)) as pool:
-        yield {arch: pool.submit(_nvrtc_build, arch) for arch in NVRTC_ARCHS}
+# On a low-priority thread from the session's start (tests/background.py): ctypes lets go of the
+# GIL in nvrtcCompileProgram, so the two threads use both cores.
+for _arch in NVRTC_ARCHS if _libnvrtc() is not None else ():
+    background.declare(
+        f"nvrtc-{_arch}", functools.partial(_nvrtc_build, _arch),
+        wanted_by=["test_kernel_compile.py::test_nvrtc_compiles_with_runtime_options_without_spills"])
 
 
 @pytest.mark.skipif(_libnvrtc() is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
 @pytest.mark.parametrize("arch", ARCHS)
-def test_nvrtc_compiles_with_runtime_options_without_spills(
-        arch: str, nvrtc_builds: dict[str, concurrent.futures.Future]) -> None:
+def test_nvrtc_compiles_with_runtime_options_without_spills(arch: str) -> None:
     if arch not in NVRTC_ARCHS:
         pytest.skip(f"{arch} compiles sm_80's source path: its build runs under "
                     "ANDREA_COMPILE_ALL=1")
-    build = nvrtc_builds[arch].result()
+    build = background.result(f"nvrtc-{arch}")
     log, options, lowered_names = build["log"], build["options"], build["lowered"]
     warnings = [line for line in log.splitlines() if "warning" in line.lower()]
     assert not warnings, f"{arch}: NVRTC warned under {options}:\n" + "\n".join(warnings)

@@ -10,9 +10,11 @@ builds of their own. `python scripts/kernel_errors.py` prints the errors per cas
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 
+import background
 import pytest
 import torch
 
@@ -46,10 +48,32 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def emulator() -> kernel_emulator.Emulator:
+    background.result("emulator")
     return kernel_emulator.default_emulator()
 
 
 reference = kernel_emulator.float64_reference
+
+# The output rows' bounds check; a copy of the kernel file without it stores no last row.
+ROW_BOUNDS = "if (row >= seq_len) continue;  // bounds: no rows past the sequence"
+
+
+def row_skipping_kernel() -> str:
+    text = kernel_emulator.kernel_source()
+    assert text.count(ROW_BOUNDS) == 1
+    return text.replace(ROW_BOUNDS, ROW_BOUNDS.replace("seq_len", "seq_len - 1"))
+
+
+# Built on a low-priority thread from the session's start (tests/background.py).
+if shutil.which("g++"):
+    for _arch, _defines in kernel_emulator.HALF_ARCH_DEFINES.items():
+        background.declare(
+            f"emulator-half-{_arch}", functools.partial(kernel_emulator.build_library,
+                                                        defines=_defines),
+            wanted_by=["test_kernel_numerics.py::test_half_paths_of_older_archs_match_float64"])
+    background.declare(
+        "emulator-row-skipping", lambda: kernel_emulator.build_library(row_skipping_kernel()),
+        wanted_by=["test_kernel_numerics.py::test_poisoned_outputs_expose_an_unwritten_row"])
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
@@ -172,11 +196,8 @@ def test_unsupported_head_dim_is_refused(head_dim) -> None:
 
 
 def test_poisoned_outputs_expose_an_unwritten_row() -> None:
-    # A copy of the kernel file whose stores skip the last row of the sequence.
-    marker = "if (row >= seq_len) continue;  // bounds: no rows past the sequence"
-    text = kernel_emulator.kernel_source()
-    assert text.count(marker) == 1
-    emu = kernel_emulator.Emulator(text.replace(marker, marker.replace("seq_len", "seq_len - 1")))
+    background.result("emulator-row-skipping")
+    emu = kernel_emulator.Emulator(row_skipping_kernel())
     q, k, v, _ = random_inputs(1, 1, 17, 32, torch.float32, seed=1)
     o, _ = kernel_emulator.attention_forward(q, k, v, emulator=emu)
     with pytest.raises(AssertionError, match="unwritten"):
@@ -234,6 +255,8 @@ def half_path_results(emulator) -> dict:
     """fp16 fwd + bwd at three shapes (one per tile family) on the default build (sm_80's path)
     and on builds of sm_75's and sm_70's paths (ANDREA_HALF_ARCH)."""
     shapes = [(32, 17, (1, 2)), (64, 100, (1, 3)), (128, 33, (1, 2))]
+    for arch in kernel_emulator.HALF_ARCH_DEFINES:
+        background.result(f"emulator-half-{arch}")
     builds = {800: emulator, **{arch: kernel_emulator.Emulator(defines=defines)
                                 for arch, defines in kernel_emulator.HALF_ARCH_DEFINES.items()}}
     results = {}

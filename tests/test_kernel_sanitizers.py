@@ -8,8 +8,12 @@ The sanitizer programs run forward + backward once with the block's threads as O
 
 from __future__ import annotations
 
+import functools
 import shutil
+from collections.abc import Callable
+from pathlib import Path
 
+import background
 import pytest
 
 from andrea.cuda import emulator as kernel_emulator
@@ -32,30 +36,58 @@ def broken(original: str, replace: str, by: str) -> str:
     return original.replace(replace, by)
 
 
-def run(sanitizer: str, kernel_text: str | None = None):
-    program = kernel_emulator.build_sanitizer_program(sanitizer, "bfloat16", 32, kernel_text)
-    return kernel_emulator.run_sanitizer_program(program, BH, SEQ_LEN)
+def no_barrier() -> str:
+    return broken(kernel_emulator.kernel_source(), BARRIER, "/* barrier removed */")
+
+
+def no_bounds_check() -> str:
+    return broken(kernel_emulator.kernel_source(), BOUNDS, "if (true)")
+
+
+# Each program is built on a low-priority thread from the session's start (tests/background.py).
+# build name: (sanitizer, the kernel file's text (None: the file as it is), the test that runs it)
+PROGRAMS = {
+    "sanitizer-thread": ("thread", None, "test_kernels_are_clean_under_sanitizer"),
+    "sanitizer-address": ("address", None, "test_kernels_are_clean_under_sanitizer"),
+    "sanitizer-thread-no-barrier": ("thread", no_barrier,
+                                    "test_thread_sanitizer_catches_a_removed_barrier"),
+    "sanitizer-address-no-bounds-check": ("address", no_bounds_check,
+                                          "test_address_sanitizer_catches_a_removed_bounds_check"),
+}
+
+
+def build(sanitizer: str, kernel_text: Callable[[], str] | None) -> Path:
+    text = kernel_text() if kernel_text else None
+    return kernel_emulator.build_sanitizer_program(sanitizer, "bfloat16", 32, text)
+
+
+if shutil.which("g++"):
+    for _name, (_sanitizer, _text, _test) in PROGRAMS.items():
+        background.declare(_name, functools.partial(build, _sanitizer, _text),
+                           wanted_by=[f"test_kernel_sanitizers.py::{_test}"])
+
+
+def run(program: str):
+    return kernel_emulator.run_sanitizer_program(background.result(program), BH, SEQ_LEN)
 
 
 @pytest.mark.parametrize("sanitizer", ["thread", "address"])
 def test_kernels_are_clean_under_sanitizer(sanitizer: str) -> None:
-    proc = run(sanitizer)
+    proc = run(f"sanitizer-{sanitizer}")
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "Sanitizer" not in proc.stderr, proc.stderr[-6000:]
     assert proc.stdout.startswith("checksum ")
 
 
 def test_thread_sanitizer_catches_a_removed_barrier() -> None:
-    text = broken(kernel_emulator.kernel_source(), BARRIER, "/* barrier removed */")
-    proc = run("thread", text)
+    proc = run("sanitizer-thread-no-barrier")
     assert proc.returncode != 0
     assert "WARNING: ThreadSanitizer: data race" in proc.stderr, proc.stderr[-3000:]
     assert "attn_fwd" in proc.stderr  # the race is reported in the kernel that lost the barrier
 
 
 def test_address_sanitizer_catches_a_removed_bounds_check() -> None:
-    text = broken(kernel_emulator.kernel_source(), BOUNDS, "if (true)")
-    proc = run("address", text)
+    proc = run("sanitizer-address-no-bounds-check")
     assert proc.returncode != 0
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
     assert "load_tile" in proc.stderr

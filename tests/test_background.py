@@ -1,0 +1,110 @@
+"""tests/background.py: builds start for the selected tests only, in order, once each, at the
+lowest priority; a test gets what its build returned or raised; the session's end kills what
+still runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from background import Builds
+
+
+def item(spec: str) -> SimpleNamespace:
+    """A selected test as pytest gives it: "file.py::function[param]"."""
+    file, name = spec.split("::")
+    return SimpleNamespace(path=Path("/somewhere/tests", file), name=name,
+                           originalname=name.split("[")[0])
+
+
+def test_only_builds_a_selected_test_wants_start_and_in_the_order_declared():
+    builds, ran, gate = Builds(workers=1), [], threading.Event()
+    for name in ("a", "b", "c", "d"):
+        builds.declare(name, lambda n=name: ran.append(n) or gate.wait(5) and n,
+                       wanted_by={"a": ["test_x.py::test_one"], "b": ["test_y.py"],
+                                  "c": ["test_x.py::test_two"], "d": ["test_x.py::test_one"]}[name])
+    builds.start([item("test_x.py::test_one[p0]"), item("test_y.py::test_other")])
+    gate.set()
+    assert [builds.result(n) for n in ("a", "b", "d")] == ["a", "b", "d"]
+    assert ran == ["a", "b", "d"]  # c's only test was not selected: nothing started it
+    assert builds.result("c") == "c" and ran[-1] == "c"  # asked for, it runs in the caller
+    builds.stop()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+def test_threads_run_at_nice_19_and_a_test_takes_over_a_build_no_thread_has_taken():
+    def priority() -> tuple[int, int]:
+        return threading.get_native_id(), os.getpriority(os.PRIO_PROCESS,
+                                                         threading.get_native_id())
+
+    builds, gate = Builds(workers=1), threading.Event()
+    builds.declare("slow", lambda: gate.wait(5) and priority(), wanted_by=["t.py"])
+    builds.declare("queued", priority, wanted_by=["t.py"])
+    builds.start([item("t.py::test")])
+    here = priority()
+    assert builds.result("queued") == here  # the one thread is busy: the test ran it itself
+    gate.set()
+    worker, nice = builds.result("slow")
+    assert worker != here[0] and nice == 19
+    builds.stop()
+
+
+def test_each_build_runs_once_however_many_ask():
+    builds, calls = Builds(workers=2), []
+    builds.declare("once", lambda: calls.append(1) or time.sleep(0.2) or len(calls),
+                   wanted_by=["t.py"])
+    builds.start([item("t.py::test")])
+    results = []
+    askers = [threading.Thread(target=lambda: results.append(builds.result("once")))
+              for _ in range(4)]
+    for thread in askers:
+        thread.start()
+    for thread in askers:
+        thread.join()
+    assert calls == [1] and results == [1] * 4
+
+
+def test_what_a_build_raises_is_raised_in_the_test_a_skip_included():
+    builds = Builds()
+    builds.declare("fails", lambda: 1 / 0, wanted_by=["t.py"])
+    builds.declare("skips", lambda: pytest.skip("no compiler here"), wanted_by=["t.py"])
+    builds.start([item("t.py::test")])
+    with pytest.raises(ZeroDivisionError):
+        builds.result("fails")
+    with pytest.raises(pytest.skip.Exception, match="no compiler here"):
+        builds.result("skips")
+
+
+def test_stop_kills_a_process_still_running():
+    builds = Builds()
+    code = "import time; print('started', flush=True); time.sleep(60)"
+    builds.declare("hangs", lambda: builds.run_process([sys.executable, "-c", code]),
+                   wanted_by=["t.py"])
+    builds.start([item("t.py::test")])
+    deadline = time.monotonic() + 30
+    while not builds._processes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    began = time.monotonic()
+    builds.stop()
+    proc = builds.result("hangs")
+    assert proc.returncode == -9 and time.monotonic() - began < 10
+
+
+def test_a_late_build_starts_after_the_others_and_its_tests_sort_last():
+    builds, ran = Builds(workers=1), []
+    builds.declare("long", lambda: ran.append("long"), wanted_by=["a.py::test_two"], late=True)
+    builds.declare("quick", lambda: ran.append("quick"), wanted_by=["a.py"])
+    items = [item(spec) for spec in ("a.py::test_one", "a.py::test_two[x]", "a.py::test_two[y]",
+                                     "b.py::test_three")]
+    assert [i.name for i in sorted(items, key=builds.runs_late)] == [
+        "test_one", "test_three", "test_two[x]", "test_two[y]"]
+    builds.start(items)
+    deadline = time.monotonic() + 30
+    while len(ran) < 2 and time.monotonic() < deadline:  # the thread runs both, asked or not
+        time.sleep(0.01)
+    assert ran == ["quick", "long"]
