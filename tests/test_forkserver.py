@@ -104,3 +104,15 @@ def process_exists(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_the_warm_process_and_its_folder_end_with_the_session(tmp_path: Path) -> None:
+    code = ("import forkserver, os; r = forkserver.run(['-c', 'print(7)'], os.getcwd(), "
+            "dict(os.environ), 60); print(forkserver._zygote['proc'].pid, "
+            "forkserver.socket_path(), r.stdout.strip())")
+    proc = subprocess.run(python_command("-c", code, fresh=True), cwd=Path(forkserver.__file__)
+                          .parent, capture_output=True, text=True, timeout=120)
+    pid, socket, printed = proc.stdout.split()
+    assert (proc.returncode, printed) == (0, "7"), proc.stderr
+    assert not os.path.exists(os.path.dirname(socket))
+    assert not Path(f"/proc/{pid}").exists()  # killed and waited for
