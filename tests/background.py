@@ -64,7 +64,7 @@ class Builds:
                 late: bool = False) -> None:
         """Build NAME is RUN(), wanted by the tests WANTED_BY names ("test_file.py" for every
         test of a file, "test_file.py::test_function" for one test and all its parameters);
-        LATE: those tests run last."""
+        LATE: it starts after the others, and those tests run last."""
         assert name not in self._builds, f"two builds named {name}"
         self._builds[name] = Build(run, tuple(wanted_by), late)
 
