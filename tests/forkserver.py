@@ -301,7 +301,7 @@ def socket_path() -> str:
             )
             if proc.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"the fork server did not start (exit {proc.wait()})")
-            _zygote.update(proc=proc, path=path, folder=folder)
+            _zygote.update(proc=proc, path=path)
             atexit.register(_stop)
         return _zygote["path"]
 
@@ -311,8 +311,8 @@ def _stop() -> None:
     if proc is not None and proc.poll() is None:
         proc.kill()
         proc.wait()
-    if "folder" in _zygote:
-        shutil.rmtree(_zygote["folder"], ignore_errors=True)
+    if "path" in _zygote:
+        shutil.rmtree(os.path.dirname(_zygote["path"]), ignore_errors=True)
 
 
 def _start(conn: socket.socket, path: str, argv: list[str], cwd: str, env: dict[str, str],

@@ -54,7 +54,8 @@ def emulator() -> kernel_emulator.Emulator:
 
 reference = kernel_emulator.float64_reference
 
-# The output rows' bounds check; a copy of the kernel file without it stores no last row.
+# The output rows' bounds check; a copy of the kernel file whose check stops a row short stores
+# no last row.
 ROW_BOUNDS = "if (row >= seq_len) continue;  // bounds: no rows past the sequence"
 
 
