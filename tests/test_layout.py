@@ -145,45 +145,6 @@ def test_verbs_open_a_trained_model_through_trained_not_evaluate() -> None:
         assert "andrea.trained" in graph[verb], verb
 
 
-# Short enough to read whole: a function on one screen, a module in one sitting.
-MAX_FUNCTION_LINES = 60
-MAX_MODULE_LINES = 500
-
-
-def too_long(root: Path) -> list[str]:
-    """Every function (methods and nested ones too) over MAX_FUNCTION_LINES lines and every
-    module over MAX_MODULE_LINES lines under root, as 'path:line name (N lines)'."""
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        text = path.read_text()
-        where = path.relative_to(root.parent)
-        if len(text.splitlines()) > MAX_MODULE_LINES:
-            found.append(f"{where} ({len(text.splitlines())} lines)")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    found.append(f"{where}:{node.lineno} {node.name} ({length} lines)")
-    return found
-
-
-def test_functions_and_modules_stay_short() -> None:
-    assert too_long(REPO / "andrea") == []
-
-
-def test_length_guard_finds_a_long_function_and_module(tmp_path: Path) -> None:
-    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
-    root = _write(tmp_path, {
-        "pkg/short.py": "def f():\n    return 1\n",
-        "pkg/long_function.py": f"def g():\n{body}\n",
-        "pkg/long_module.py": "\n" * MAX_MODULE_LINES + "x = 1\n",
-    })
-    assert too_long(root) == [
-        f"pkg/long_function.py:1 g ({MAX_FUNCTION_LINES + 1} lines)",
-        f"pkg/long_module.py ({MAX_MODULE_LINES + 1} lines)",
-    ]
-
-
 def _write(root: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         path = root / name
