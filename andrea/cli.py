@@ -10,7 +10,7 @@ import typer
 
 import andrea
 from andrea import faults
-from andrea.errors import UserError
+from andrea.errors import Restarting, UserError
 
 try:  # Typer >= 0.20 carries its own click; its parser errors derive from TyperException
     from typer import TyperException as ParserError
@@ -485,6 +485,9 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=argv, prog_name="andrea", standalone_mode=False)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except Restarting as exc:
+        typer.echo(str(exc), err=True)
         sys.exit(exc.exit_code)
     except ParserError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":  # a bare `andrea config`: its help

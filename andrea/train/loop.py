@@ -173,9 +173,9 @@ def failures_recorded(s: Session) -> Iterator[None]:
         lost = lost_peer_line(s.dist, exc, s.step, s.checkpoint, s.run_dir)
         s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None,
                     state="stopped" if isinstance(exc, UserError) else "failed",
-                    message=lost or f"{type(exc).__name__}: {exc}")
+                    message=str(lost) if lost else f"{type(exc).__name__}: {exc}")
         if lost is not None:
-            raise UserError(lost) from None
+            raise lost from None
         raise
 
 
