@@ -14,7 +14,6 @@ import json
 import math
 import os
 import socket
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import yaml
 from andrea.errors import UserError
 from andrea.fileio import json_safe
 from andrea.train.flops import format_mfu
-from andrea.train.metrics import recorded_speed
+from andrea.train.metrics import recorded_median, recorded_speed
 from andrea.train.progress import format_speed
 from andrea.train.rundir import (
     CONFIG,
@@ -300,6 +299,7 @@ def _read_history(run: Path) -> RunSummary:
     _read_progress(history, summary)
     _read_losses(history, summary)
     summary.tokens_per_s, summary.mfu = recorded_speed(records)
+    summary.median_tokens_per_s = recorded_median(records, history)
     # The state comes from the current segment: the events after the last start.
     _read_state(records[starts[-1]:] if starts else records, bool(starts), summary)
     return summary
@@ -356,7 +356,7 @@ def _read_starts(records: list[dict[str, Any]], starts: list[int], summary: RunS
 
 
 def _read_progress(history: list[dict[str, Any]], summary: RunSummary) -> None:
-    """The step and tokens reached, the guard's and fp16's counts, the last loss, the speed."""
+    """The step and tokens reached, the guard's and fp16's counts, the last loss."""
     for rec in history:
         step, tokens = _int(rec.get("step")), _int(rec.get("tokens"))
         if rec["event"] in ("train", "eval", "checkpoint", "end") and step is not None:
@@ -369,10 +369,6 @@ def _read_progress(history: list[dict[str, Any]], summary: RunSummary) -> None:
     losses = [x for x in (_num(r.get("loss")) for r in trains) if x is not None]
     if losses:
         summary.last_train_loss = losses[-1]
-    speeds = [x for x in (_num(r.get("tokens_per_s")) for r in trains)
-              if x is not None and math.isfinite(x)]
-    if speeds:
-        summary.median_tokens_per_s = statistics.median(speeds)
 
 
 def _read_losses(history: list[dict[str, Any]], summary: RunSummary) -> None:

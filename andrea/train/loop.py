@@ -38,6 +38,7 @@ from andrea.train.distributed import (
     shutdown,
 )
 from andrea.train.flops import format_mfu
+from andrea.train.metrics import median_tokens_per_s
 from andrea.train.optim import set_learning_rates
 from andrea.train.progress import RunBar, long_run_note
 from andrea.train.rundir import step_of_dir
@@ -477,7 +478,7 @@ def finish(s: Session, state: str, exit_code: int, message: str, seconds: float)
         signal=signal.Signals(s.signals.received).name if s.signals.received else None,
         message=message, best_val_loss=s.best_val, best_val_step=s.best_step,
         checkpoint=s.checkpoint.name if s.checkpoint else None,
-        median_tokens_per_s=statistics.median(s.throughput) if s.throughput else None,
+        median_tokens_per_s=median_tokens_per_s(s.throughput),
         tokens_per_s=s.speed.tokens_per_s, mfu=run_mfu(s), **s.speed.fields(),
         **({"overflow_steps": s.scaling.overflows} if s.scaling.enabled else {}),
     )
