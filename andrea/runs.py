@@ -22,6 +22,7 @@ import yaml
 
 from andrea.errors import UserError
 from andrea.fileio import json_safe
+from andrea.train.device import DTYPES
 from andrea.train.flops import format_mfu
 from andrea.train.metrics import recorded_median, recorded_speed
 from andrea.train.progress import format_speed
@@ -56,6 +57,9 @@ class RunSummary:
     # e.g. "6L/12H/d384/ctx256": layers, heads, d_model, block_size (context in tokens).
     shape: str | None = None
     n_params: int | None = None
+    # What it computes in (bf16, fp16, fp32): its last segment's start record (auto resolved),
+    # else config.yaml's train.precision.
+    precision: str | None = None
     step: int | None = None
     max_steps: int | None = None
     tokens: int | None = None
@@ -313,6 +317,8 @@ def _read_shape(run: Path, summary: RunSummary) -> None:
     summary.shape = _shape(config.get("model"))
     train = config.get("train") if isinstance(config.get("train"), dict) else {}
     summary.max_steps = _int(train.get("max_steps"))
+    precision = train.get("precision")
+    summary.precision = precision if isinstance(precision, str) else None
     if summary.shape is None:
         summary.problems.append(f"{CONFIG}: model section lacks the shape keys")
 
@@ -351,6 +357,10 @@ def _read_starts(records: list[dict[str, Any]], starts: list[int], summary: RunS
     summary.preset = next((p for p in presets if isinstance(p, str) and p), None)
     summary.max_steps = _int(last.get("max_steps")) or summary.max_steps
     summary.n_params = _int(last.get("n_params"))
+    recorded = last.get("precision")
+    summary.precision = next((name for name, dtype in DTYPES.items()
+                              if str(dtype).removeprefix("torch.") == recorded),
+                             summary.precision)
     summary.pid = _int(last.get("pid"))
     summary.host = last.get("host") if isinstance(last.get("host"), str) else None
 
@@ -458,12 +468,13 @@ def _row(r: RunSummary) -> list[str]:
     if r.problems:
         state += " !"
     return [r.name, r.model, steps, _si(r.tokens), best, _loss(r.last_train_loss),
+            r.precision or "-",
             format_speed(r.tokens_per_s if r.tokens_per_s is not None else r.median_tokens_per_s),
             format_mfu(r.mfu), state, r.latest_checkpoint or "-"]
 
 
-HEADER = ["RUN", "MODEL", "STEPS", "TOKENS", "BEST VAL", "LAST LOSS", "TOK/S", "MFU", "STATE",
-          "CHECKPOINT"]
+HEADER = ["RUN", "MODEL", "STEPS", "TOKENS", "BEST VAL", "LAST LOSS", "PRECISION", "TOK/S", "MFU",
+          "STATE", "CHECKPOINT"]
 
 
 def format_table(runs: list[RunSummary]) -> str:

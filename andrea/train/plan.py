@@ -13,6 +13,7 @@ from typing import Any
 from andrea.data.loader import mixture_report, source_passes
 from andrea.fileio import atomic_write_text, free_bytes
 from andrea.train import checkpoint as ckpt_io
+from andrea.train.device import precision_warning
 from andrea.train.diskspace import start_warning
 from andrea.train.metrics import MetricsLog
 from andrea.train.rundir import CONFIG, METRICS
@@ -57,6 +58,9 @@ def announce(
     """Rank 0: the lines that say what the run will do, before its first step."""
     t, dist, cfg = s.cfg.train, s.dist, s.cfg
     s.say(f"precision: {str(s.dtype).removeprefix('torch.')} ({s.precision_why})")
+    costly = precision_warning(s.dtype, s.device)
+    if costly:
+        s.say(costly)
     s.say(f"attention: {backend} ({why})")
     for key, (old, new) in changes.items():
         s.say(f"resume: {key} {old} -> {new}")
