@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from andrea.train.distributed import (
 from andrea.train.flops import format_mfu
 from andrea.train.metrics import median_tokens_per_s
 from andrea.train.optim import set_learning_rates
-from andrea.train.progress import RunBar, long_run_note
+from andrea.train.progress import RunBar, plan_note_for
 from andrea.train.rundir import step_of_dir
 from andrea.train.scaling import MIN_SCALE
 from andrea.train.schedule import multiplier
@@ -182,11 +181,13 @@ def failures_recorded(s: Session) -> Iterator[None]:
 
 def progress_bar(s: Session, enabled: bool) -> RunBar:
     """Counts tokens, advanced per micro-batch: rate and ETA for the whole run at once."""
-    return RunBar(
-        total=s.tokens_through(s.cfg.train.max_steps), initial=s.tokens_through(s.step),
-        disable=not (enabled and s.dist.is_main), unit="tok", unit_scale=True,
-        dynamic_ncols=True, file=sys.stderr,
-    )
+    total, done = s.tokens_through(s.cfg.train.max_steps), s.tokens_through(s.step)
+    bar = RunBar(total=total, initial=done, disable=not (enabled and s.dist.is_main),
+                 unit="tok", unit_scale=True, dynamic_ncols=True, file=sys.stderr)
+    if s.dist.is_main:  # a plan of days said once, with or without the bar
+        bar.plan_note = plan_note_for(total - done, s.device, s.dist.world_size,
+                                      s.model.num_params())
+    return bar
 
 
 def set_learning_rate(s: Session) -> float:
@@ -353,11 +354,6 @@ def log_step(
     tok_s = step_tokens / seconds
     s.throughput.append(tok_s)
     s.speed.add(step_tokens, seconds)
-    if len(s.throughput) == 3 and s.dist.is_main:  # the first steps warm up; then say it once
-        note = long_run_note(s.tokens_through(t.max_steps) - s.tokens_through(s.step),
-                             statistics.median(s.throughput), s.device.type, s.preset)
-        if note:
-            bar.write(note, file=sys.stderr)
     step_mfu = s.mfu(tok_s)
     scaling = ({"loss_scale": s.scaling.value, "overflows": s.scaling.overflows}
                if s.scaling.enabled else {})
