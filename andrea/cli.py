@@ -131,8 +131,9 @@ def train_cmd(
     set_: SetOpt = None,
     resume: Annotated[
         str | None,
-        typer.Option("--resume", metavar="RUN|auto",
-                     help="Continue runs/<name>, or 'auto': the config's run if any."),
+        typer.Option("--resume", metavar="RUN|STEP_DIR|auto",
+                     help="Continue runs/<name> (or from one of its step folders), or 'auto': "
+                          "the config's run if any."),
     ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing run of the same name.")
