@@ -34,6 +34,8 @@ def start_run_files(
     atomic_write_text(s.run_dir / CONFIG, s.cfg.to_yaml())
     tensorboard = open_tensorboard(s.run_dir, t.tensorboard)
     s.log = MetricsLog(s.run_dir / METRICS, [x for x in (tensorboard, wandb) if x is not None])
+    if wandb is not None:
+        s.say(wandb.line)
     s.log.write(
         "start", step=s.step, max_steps=t.max_steps, pid=os.getpid(),
         host=socket.gethostname(), resumed_from=str(resume_from) if resume_from else None,
