@@ -10,7 +10,7 @@ import typer
 
 import andrea
 from andrea import faults
-from andrea.errors import UserError
+from andrea.errors import Restarting, UserError
 
 try:  # Typer >= 0.20 carries its own click; its parser errors derive from TyperException
     from typer import TyperException as ParserError
@@ -131,8 +131,9 @@ def train_cmd(
     set_: SetOpt = None,
     resume: Annotated[
         str | None,
-        typer.Option("--resume", metavar="RUN|auto",
-                     help="Continue runs/<name>, or 'auto': the config's run if any."),
+        typer.Option("--resume", metavar="RUN|STEP_DIR|auto",
+                     help="Continue runs/<name> (or from one of its step folders), or 'auto': "
+                          "the config's run if any."),
     ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing run of the same name.")
@@ -485,6 +486,9 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=argv, prog_name="andrea", standalone_mode=False)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except Restarting as exc:
+        typer.echo(str(exc), err=True)
         sys.exit(exc.exit_code)
     except ParserError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":  # a bare `andrea config`: its help

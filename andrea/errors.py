@@ -1,7 +1,15 @@
-"""The one exception type for bad input: the CLI prints it as one line and exits with 2."""
+"""The one exception type for bad input: the CLI prints it as one line and exits with 2; and
+the end of a process its launcher restarts, said as what it is."""
 
 
 class UserError(Exception):
     """Bad input from the user (a file, a key, a value). The message says what to do."""
 
     exit_code = 2
+
+
+class Restarting(Exception):
+    """No error to act on: this process ends so that its launcher (torchrun --max-restarts, with
+    restarts left) starts the job again. The CLI prints the message as it is, exit code 1."""
+
+    exit_code = 1

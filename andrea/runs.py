@@ -14,7 +14,6 @@ import json
 import math
 import os
 import socket
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,9 @@ import yaml
 
 from andrea.errors import UserError
 from andrea.fileio import json_safe
+from andrea.train.device import DTYPES
 from andrea.train.flops import format_mfu
-from andrea.train.metrics import recorded_speed
+from andrea.train.metrics import recorded_median, recorded_speed
 from andrea.train.progress import format_speed
 from andrea.train.rundir import (
     CONFIG,
@@ -57,6 +57,9 @@ class RunSummary:
     # e.g. "6L/12H/d384/ctx256": layers, heads, d_model, block_size (context in tokens).
     shape: str | None = None
     n_params: int | None = None
+    # What it computes in (bf16, fp16, fp32): its last segment's start record (auto resolved),
+    # else config.yaml's train.precision.
+    precision: str | None = None
     step: int | None = None
     max_steps: int | None = None
     tokens: int | None = None
@@ -300,6 +303,7 @@ def _read_history(run: Path) -> RunSummary:
     _read_progress(history, summary)
     _read_losses(history, summary)
     summary.tokens_per_s, summary.mfu = recorded_speed(records)
+    summary.median_tokens_per_s = recorded_median(records, history)
     # The state comes from the current segment: the events after the last start.
     _read_state(records[starts[-1]:] if starts else records, bool(starts), summary)
     return summary
@@ -313,6 +317,8 @@ def _read_shape(run: Path, summary: RunSummary) -> None:
     summary.shape = _shape(config.get("model"))
     train = config.get("train") if isinstance(config.get("train"), dict) else {}
     summary.max_steps = _int(train.get("max_steps"))
+    precision = train.get("precision")
+    summary.precision = precision if isinstance(precision, str) else None
     if summary.shape is None:
         summary.problems.append(f"{CONFIG}: model section lacks the shape keys")
 
@@ -351,12 +357,16 @@ def _read_starts(records: list[dict[str, Any]], starts: list[int], summary: RunS
     summary.preset = next((p for p in presets if isinstance(p, str) and p), None)
     summary.max_steps = _int(last.get("max_steps")) or summary.max_steps
     summary.n_params = _int(last.get("n_params"))
+    recorded = last.get("precision")
+    summary.precision = next((name for name, dtype in DTYPES.items()
+                              if str(dtype).removeprefix("torch.") == recorded),
+                             summary.precision)
     summary.pid = _int(last.get("pid"))
     summary.host = last.get("host") if isinstance(last.get("host"), str) else None
 
 
 def _read_progress(history: list[dict[str, Any]], summary: RunSummary) -> None:
-    """The step and tokens reached, the guard's and fp16's counts, the last loss, the speed."""
+    """The step and tokens reached, the guard's and fp16's counts, the last loss."""
     for rec in history:
         step, tokens = _int(rec.get("step")), _int(rec.get("tokens"))
         if rec["event"] in ("train", "eval", "checkpoint", "end") and step is not None:
@@ -369,10 +379,6 @@ def _read_progress(history: list[dict[str, Any]], summary: RunSummary) -> None:
     losses = [x for x in (_num(r.get("loss")) for r in trains) if x is not None]
     if losses:
         summary.last_train_loss = losses[-1]
-    speeds = [x for x in (_num(r.get("tokens_per_s")) for r in trains)
-              if x is not None and math.isfinite(x)]
-    if speeds:
-        summary.median_tokens_per_s = statistics.median(speeds)
 
 
 def _read_losses(history: list[dict[str, Any]], summary: RunSummary) -> None:
@@ -462,12 +468,13 @@ def _row(r: RunSummary) -> list[str]:
     if r.problems:
         state += " !"
     return [r.name, r.model, steps, _si(r.tokens), best, _loss(r.last_train_loss),
+            r.precision or "-",
             format_speed(r.tokens_per_s if r.tokens_per_s is not None else r.median_tokens_per_s),
             format_mfu(r.mfu), state, r.latest_checkpoint or "-"]
 
 
-HEADER = ["RUN", "MODEL", "STEPS", "TOKENS", "BEST VAL", "LAST LOSS", "TOK/S", "MFU", "STATE",
-          "CHECKPOINT"]
+HEADER = ["RUN", "MODEL", "STEPS", "TOKENS", "BEST VAL", "LAST LOSS", "PRECISION", "TOK/S", "MFU",
+          "STATE", "CHECKPOINT"]
 
 
 def format_table(runs: list[RunSummary]) -> str:

@@ -20,6 +20,7 @@ import contextlib
 import filecmp
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -331,6 +332,35 @@ def checkpoint_disk_full(b: Bench) -> Row:
                "test_diskspace.py::test_a_failed_checkpoint_write_stops_cleanly")
 
 
+def disk_below_one_checkpoint(b: Bench) -> Row:
+    """A tmpfs half a checkpoint in size: the run stops before step 1, and the command its line
+    gives (another train.runs_dir, found under $HOME) trains the run there."""
+    label = "a disk smaller than one checkpoint (tmpfs)"
+    test = "test_diskspace.py::test_a_disk_smaller_than_one_checkpoint_stops_before_step_1"
+    ref, name = b.reference(), "onedisk"
+    size = sum(p.stat().st_size for p in (ref / "step-000004").rglob("*") if p.is_file())
+    small = Bench(b.work)
+    small.runs = b.work / "tiny-runs"
+    home = b.work / "home"  # where the line finds room: not the user's own home
+    shutil.rmtree(home, ignore_errors=True)
+    env = {**b.env(), "HOME": str(home)}
+    with small_disk(small.runs, f"{size // 2048}k") as mounted:
+        if not mounted:
+            return Row(label, "not available: no tmpfs here (root mounts one)", "-", "-", test)
+        r = subprocess.run([sys.executable, "-m", "andrea", *small.train_args(name)], env=env,
+                           cwd=b.work, capture_output=True, text=True, timeout=600)
+        trained = (small.runs / name / "metrics.jsonl").exists()
+    did = f"exit {r.returncode}; {said(r.stderr)}" + ("; it trained" if trained else "")
+    if "train on a disk with room: " not in r.stderr:
+        return Row(label, did, "-", "no command to paste", test)
+    pasted = shlex.split(r.stderr.split("train on a disk with room: ")[1].splitlines()[0])
+    rerun = subprocess.run([sys.executable, "-m", "andrea", *pasted[1:], "--no-progress"],
+                           env=env, cwd=b.work, capture_output=True, text=True, timeout=600)
+    after = (same_run(home / "andrea-runs" / name, ref) if rerun.returncode == 0
+             else f"its command failed: {said(rerun.stderr)}")
+    return Row(label, did, "0", f"{after} (its command pasted)", test)
+
+
 # ----------------------------------------------------------------------------- prepare rows
 
 
@@ -421,6 +451,7 @@ ROWS: dict[str, Callable[[Bench], Row]] = {
     "prepterm": lambda b: prepare_stopped(
         b, signal.SIGTERM, "prepare SIGTERMed (2 workers), run again",
         "test_prepare_stops.py::test_sigterm_is_the_clean_stop_of_ctrl_c", "--workers", "2"),
+    "onedisk": disk_below_one_checkpoint,
 }
 
 

@@ -5,6 +5,9 @@ process for the exit code and stderr as a shell sees them."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import typer
 from conftest import assert_user_error, run_andrea
@@ -57,6 +60,14 @@ def test_every_command_takes_h_and_describes_every_option():
             if param.is_flag:  # only its spellings: "-V, --version", "--val / --no-val"
                 words = names.replace(",", " ").replace(";", " ").replace(" / ", " ").split()
                 assert all(w.startswith("-") for w in words), (where, names)
+
+
+def test_train_help_spells_resume_as_the_readme_does(capsys):
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    spelled = re.search(r"\[--resume ([^\]]+)\]", readme)[1].replace("\\|", "|")
+    assert spelled == "RUN|STEP_DIR|auto"
+    code, out, _ = run_main(capsys, "train", "-h")
+    assert code == 0 and f"--resume {spelled} " in out, out
 
 
 @pytest.mark.parametrize("argv, fragment", [

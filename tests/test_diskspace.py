@@ -5,15 +5,19 @@ checkpoint (a clean stop before anything is written)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shlex
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_torchrun, small_disk
 
+from andrea.cli import main
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
 from andrea.runs import format_table, list_runs
@@ -93,12 +97,11 @@ def test_a_failed_checkpoint_write_stops_cleanly(tmp_path, data_dir, inject_faul
     assert note.startswith("  t: disk full at step 4: ")
 
 
-@pytest.fixture
-def small_disk_dir(tmp_path, monkeypatch):
-    """A folder on a 2.5 MB filesystem: a real tmpfs where this process may mount one (root),
-    else one shutil.disk_usage says is that small (its files counted against 2.5 MB)."""
-    disk = tmp_path / "disk"
-    with small_disk(disk, "2500k") as mounted:
+@contextlib.contextmanager
+def disk_of(disk: Path, kib: int, monkeypatch) -> Iterator[Path]:
+    """A folder on a filesystem of `kib` KiB: a real tmpfs where this process may mount one
+    (root), else one shutil.disk_usage says is that small (its files counted against it)."""
+    with small_disk(disk, f"{kib}k") as mounted:
         if not mounted:
             real = shutil.disk_usage
 
@@ -106,10 +109,69 @@ def small_disk_dir(tmp_path, monkeypatch):
                 if not Path(path).resolve().is_relative_to(disk.resolve()):
                     return real(path)
                 used = sum(f.stat().st_size for f in disk.rglob("*") if f.is_file())
-                return real(path)._replace(free=2_500_000 - used)
+                return real(path)._replace(free=kib * 1024 - used)
 
             monkeypatch.setattr(shutil, "disk_usage", usage)
         yield disk
+
+
+@pytest.fixture
+def small_disk_dir(tmp_path, monkeypatch):
+    """A folder on a 2.5 MB filesystem (room for one tiny checkpoint, not two)."""
+    with disk_of(tmp_path / "disk", 2441, monkeypatch) as disk:
+        yield disk
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """`andrea ARGV` in this process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    out = capsys.readouterr()
+    return exited.value.code, out.out, out.err
+
+
+def test_a_disk_smaller_than_one_checkpoint_stops_before_step_1(
+    tmp_path, data_dir, monkeypatch, capsys
+):
+    """The 12M preset (on the tiny's bytes: 10.8M parameters) on a 12 MiB disk stops in set-up
+    with one line naming the size, the room and the folder, writing nothing; its command, on
+    the disk with room it names, trains the same config there."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # where the line finds room
+    with disk_of(tmp_path / "disk", 12 * 1024, monkeypatch) as disk:
+        sets = [f"data.dir={data_dir}", "data.tokenizer=byte", "model.vocab_size=320",
+                f"train.runs_dir={disk / 'runs'}", "train.micro_batch_size=4",
+                "train.max_steps=2", "train.name=m"]
+        code, out, err = run_main(capsys, "train", "--config", "andrea-12m", "--no-progress",
+                                  *(x for kv in sets for x in ("--set", kv)))
+        assert code == 2 and "step 1" not in out and not (disk / "runs").exists(), out + err
+        (line,) = err.splitlines()
+        needed = re.match(rf"error: {disk}/runs/m: a checkpoint of this run needs about "
+                          r"([\d.]+) MiB, its disk has ([\d.]+) MiB free; nothing was trained "
+                          r"or written; train on a disk with room: (andrea train .*)$", line)
+        assert needed, line
+        size, free, command = float(needed[1]), float(needed[2]), shlex.split(needed[3])
+        # 10.8M weights of 4 bytes, Muon's momentum as large and AdamW's 2 for the embedding
+        assert 83 < size < 85 and free <= 12, line
+        assert command[:4] == ["andrea", "train", "--config", "andrea-12m"], command
+        room = tmp_path / "home" / "andrea-runs"
+        assert f"train.runs_dir={room}" in command, command
+        given = load_config("andrea-12m", [*sets, f"train.runs_dir={room}"])
+        assert load_config("andrea-12m", command[5::2]) == given
+
+
+def test_the_command_of_a_disk_too_small_trains_elsewhere(tmp_path, data_dir, monkeypatch,
+                                                          capsys):
+    """The tiny preset on a 160 KiB disk: the command it prints, pasted, trains the run."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with disk_of(tmp_path / "disk", 160, monkeypatch) as disk:
+        code, _, err = run_main(capsys, "train", "-c", "andrea-tiny", "--no-progress",
+                                "--set", f"data.dir={data_dir}", "--set", "train.name=t",
+                                "--set", f"train.runs_dir={disk}", "--set", "train.max_steps=2")
+        assert code == 2 and not (disk / "t").exists(), err
+    command = shlex.split(err.split("train on a disk with room: ")[1])
+    assert command[0] == "andrea", err
+    code, out, err = run_main(capsys, *command[1:], "--no-progress")
+    assert code == 0 and (tmp_path / "home" / "andrea-runs" / "t" / "step-000002").is_dir(), err
 
 
 def test_a_small_disk_warns_at_start_stops_before_writing_and_resumes_elsewhere(

@@ -35,13 +35,19 @@ def events(run_dir, kind: str) -> list[dict]:
 
 
 def test_an_overflow_is_one_skipped_step_and_a_resume_keeps_the_scale(
-        tmp_path, data_dir, inject_faults):
+        tmp_path, data_dir, inject_faults, capsys):
     """overflow@3: step 3 is not applied, the scale halves, the schedule and the run go on;
     the skip is counted in metrics.jsonl and `andrea runs`. A run stopped after step 3 and
-    resumed repeats the uninterrupted run bit for bit, its scale and count carried over."""
+    resumed repeats the uninterrupted run bit for bit, its scale and count carried over.
+    fp16 asked for on a CPU is one warning line with its measured cost, and `andrea runs`
+    shows the run's precision."""
     inject_faults("overflow@3")
     sets = (*SMALL, "train.max_steps=5")
     whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    warned = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert warned == ["warning: fp16 on a CPU: it ran 3.4 to 6.8 times slower than fp32 on this "
+                      "project's CPU (docs/precision.md); set train.precision=auto (fp32 on a "
+                      "CPU, bf16 on one with bf16 units)"]
     assert whole.state == "finished" and sorted(whole.losses) == [1, 2, 3, 4, 5]
     [overflow] = events(whole.run_dir, "overflow")
     assert overflow["step"] == 3 and overflow["loss_scale"] == INIT_SCALE / 2
@@ -55,6 +61,8 @@ def test_an_overflow_is_one_skipped_step_and_a_resume_keeps_the_scale(
     summary = runs.read_run(whole.run_dir)
     assert summary.overflows == 1
     assert "fp16 overflow steps skipped: 1" in runs.format_table([summary])
+    header, row = runs.format_table([summary]).splitlines()[:2]
+    assert summary.precision == "fp16" and row[header.index("PRECISION"):].split()[0] == "fp16"
 
     first = train(tiny(tmp_path / "b", data_dir, *sets), progress=False, stop_after=3)
     inject_faults(None)  # the resumed segment needs no fault: step 3 is behind it

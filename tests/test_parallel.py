@@ -488,7 +488,8 @@ def test_batch_and_seq_warmup_on_two_processes_matches_one(tmp_path, data_dir, p
 # The mode and the torchrun environment, in-process (no launch).
 
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-            "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job7",
+            "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "3",
+            "TORCHELASTIC_RUN_ID": "job7",
             "MASTER_ADDR": "node0", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
@@ -499,8 +500,8 @@ def test_the_torchrun_environment_is_one_record(monkeypatch):
         monkeypatch.setenv(key, value)
     read = torchrun_env.__wrapped__  # uncached: the process's own reading is kept
     assert read() == TorchrunEnv(rank=3, local_rank=1, world_size=4, local_world_size=2,
-                                 restart_count=2, run_id="job7", master_addr="node0",
-                                 master_port=29500, agent_store=True)
+                                 restart_count=2, max_restarts=3, run_id="job7",
+                                 master_addr="node0", master_port=29500, agent_store=True)
     for key in TORCHRUN:
         monkeypatch.delenv(key)
     assert read() == TorchrunEnv()  # not under torchrun: rank 0 of 1

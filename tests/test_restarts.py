@@ -43,6 +43,7 @@ def test_a_restarted_worker_continues_the_run_by_itself(tmp_path, data_dir, unin
                         launcher=("--standalone", "--max-restarts=1"),
                         env={"ANDREA_FAULTS": "kill-after@1:step-000004"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "error: " not in proc.stderr, proc.stderr[-3000:]  # nothing for the user to do
     run_dir = tmp_path / "job"
     assert (f"torchrun restart 1: continuing from {run_dir}/step-000004, the run's newest "
             f"intact checkpoint") in proc.stdout
@@ -74,17 +75,41 @@ def test_two_nodes_restart_then_a_lost_peer_is_one_line(tmp_path, data_dir, unin
     assert (run_dir / "latest").read_text().strip() == "step-000004"
     same_losses(losses(run_dir), uninterrupted, range(1, 7))
 
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    said = [f"error: rank 1 was lost (its process ended, or its node went down) after step "
-            f"{step}; the newest intact checkpoint is {run_dir}/step-000004; continue with the "
-            f"same launch and --resume {run_dir}" for step in (4, 6)]
-    assert [line[:len(said[0])] for line in lines] == said, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith(("error: ", "rank 1 was"))]
+    lost = (f"rank 1 was lost (its process ended, or its node went down) after step {{}}; the "
+            f"newest intact checkpoint is {run_dir}/step-000004; ")
+    assert lines == [  # a restart left: said as one; none left: the way on
+        lost.format(4) + "torchrun restarts the job (restart 1 of 1)",
+        "error: " + lost.format(6) + f"continue with the same launch and --resume {run_dir} "
+        "(torchrun --max-restarts N continues by itself)"], err[-3000:]
     assert "Connection" not in err and "[rank0]" not in err, err[-3000:]
     runs = run_andrea("runs", str(tmp_path))
     assert f"nodes: {lines[1][len('error: '):]}" in runs.stdout
 
 
-# In-process: the attempt's number, and the watchdog (no launch).
+# In-process: the lost rank's line, the attempt's number, and the watchdog (no launch).
+
+def test_a_lost_rank_with_a_restart_left_is_no_error(tmp_path):
+    """The line names the lost ranks and the checkpoint; with a restart left (attempt 1 of
+    --max-restarts 3) it says torchrun restarts the job (a Restarting, which the CLI prints
+    as it is: test_two_nodes_...); with none left, or the ranks unknown, it is the error line
+    saying how to continue."""
+    run, ckpt = tmp_path / "r", tmp_path / "r" / "step-000004"
+    head = (f"ranks 1, 2 were lost (their processes ended, or their nodes went down) "
+            f"after step 5; the newest intact checkpoint is {ckpt}; ")
+    manual = (f"continue with the same launch and --resume {run} (torchrun --max-restarts N "
+              f"continues by itself)")
+    words = distributed.lost_peer_words
+    assert words([1, 2], 5, ckpt, run, 1, 3) == (
+        head + "torchrun restarts the job (restart 2 of 3)", True)
+    assert words([1, 2], 5, ckpt, run, 3, 3) == (head + manual, False)
+    assert words([1, 2], 5, ckpt, run, 0, 0) == (head + manual, False)
+    assert words(None, 5, None, run, 0, 3) == (
+        "a process on another node was lost (its process ended, or its node went down) after "
+        f"step 5; no checkpoint was written yet; {manual}", False)
+
+
+
 
 def test_each_rank_numbers_its_attempts_as_every_other_does(monkeypatch):
     """Under c10d across machines a node restarts its workers without counting (its restart

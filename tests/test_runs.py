@@ -380,6 +380,11 @@ def test_one_tokens_per_s_in_the_bar_the_end_record_and_runs(tmp_path, data_dir,
     assert f", {shown}tok/s, step 4/4" in last_bar and "mfu n/a" in last_bar, last_bar
     listed = json.loads(format_json(list_runs(tmp_path)))[0]
     assert (listed["tokens_per_s"], listed["mfu"]) == (end["tokens_per_s"], end["mfu"])
+    # The steps' median, too, is one figure: the end record's, every step as timed (the train
+    # records' rates are rounded), whatever the logging interval.
+    assert listed["median_tokens_per_s"] == end["median_tokens_per_s"] is not None
+    # train.precision auto, as the start record has it: fp32, or bf16 on a CPU with bf16 units
+    assert listed["precision"] == {"float32": "fp32", "bfloat16": "bf16"}[records[0]["precision"]]
     header, row = format_table(list_runs(tmp_path)).splitlines()[:2]
     assert row[header.index("TOK/S"):].split()[:2] == [shown, "n/a"]
 

@@ -1,6 +1,7 @@
 """What `andrea train` says and does when it is stopped or cannot go on: a signal during set-up,
 a stop during the last micro-batch of a step, a resume of a run without a checkpoint, a run of
-days, a mixture source repeated many times. Real processes, as a user runs them."""
+days (its note also with an injected pace), a mixture source repeated many times. Real
+processes, as a user runs them."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import torch
 from conftest import assert_user_error, python_command, run_andrea
 
-from andrea.train.progress import RunBar, format_eta, long_run_note
+from andrea.resources import cpu_name
+from andrea.train.progress import RunBar, format_eta, plan_note_for
 
 
 def tiny_config(tmp_path: Path, data: str, *lines: str) -> Path:
@@ -99,24 +102,41 @@ def test_resume_of_a_run_without_a_checkpoint_says_what_happened(tmp_path, data_
     assert (run_dir / "latest").read_text().strip() == "step-000005"
 
 
-def test_an_eta_of_days_is_said_in_days_and_a_cpu_run_is_told_it_is_a_gpu_job(tmp_path,
-                                                                             data_dir):
+def test_an_eta_of_days_is_said_in_days_and_a_plan_of_days_once_with_what_to_run(
+        tmp_path, data_dir):
     assert format_eta(3 * 3600 + 62) == "3:01:02"
     assert format_eta(13317 * 3600 + 40 * 60 + 36) == "555 days"
-    assert long_run_note(10**6, 10**6, "cpu", "andrea-tiny") is None
-    note = long_run_note(10**12, 2000.0, "cpu", "andrea-120m")
-    assert note.startswith("note: at 2,000 tokens/s the rest of this run takes about 5,787 "
-                           "days; andrea-120m is a GPU job")
     bar = RunBar(total=10**12, unit="tok", unit_scale=True, disable=True)
     shown = bar.format_meter(n=5000, total=10**12, elapsed=1.0, unit="tok", unit_scale=True)
     assert "2,315 days" in shown and not re.search(r"\d{3,}:\d\d:\d\d", shown)
-    # A real run of a billion steps of the tiny model on this CPU: months.
+    # The pace of the micro-batches after the first: 4,096 tokens in 2 s each, 2,048 tokens/s.
+    clock = iter([100.0, 102.0, 104.0, 106.0, 108.0])
+    cpu, n_120m = torch.device("cpu"), 124_000_000
+    note = plan_note_for(2_048 * 86_400 * 1_246 + 3 * 4_096, cpu, 1, n_120m)
+    note.clock = lambda: next(clock)
+    said = [note.after_micro_batch(4_096) for _ in range(5)]
+    assert said[:2] == [None, None] and said[3:] == [None, None], said  # said once, at the 3rd
+    assert said[2] == (
+        f"note: this plan needs about 1,246 days on this machine ({cpu_name()}, "
+        f"{torch.get_num_threads()} threads, 2,048 tokens/s); on a CPU train andrea-12m, as the "
+        f"README does: andrea train --config andrea-12m.yaml; or lower train.max_steps for a "
+        f"trial of this plan")
+    clock = iter([0.0, 1.0, 2.0])  # a day's plan at 4,096 tokens/s: nothing to say
+    note = plan_note_for(4_096 * 86_400, cpu, 1, n_120m)
+    note.clock = lambda: next(clock)
+    assert [note.after_micro_batch(4_096) for _ in range(3)] == [None, None, None]
+    # A real run of a billion steps of the tiny model on this CPU: months, said before step 1
+    # ends (the tiny model: no other preset to suggest).
     cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
                       "max_steps: 1000000000")
-    proc = run_andrea("train", "-c", str(cfg), "--stop-after", "4")
+    proc = run_andrea("train", "-c", str(cfg), "--stop-after", "2", "--set",
+                      "train.global_batch_tokens=2048", "--set", "train.micro_batch_size=8")
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"note: at [\d,]+ tokens/s the rest of this run takes about [\d,]+ days; "
-                     r"run is a GPU job", proc.stderr), proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "note: this plan" in line]
+    assert len(lines) == 1 and re.search(
+        r"note: this plan needs about [\d,]+ days on this machine \(.+, [\d,]+ tokens/s\); "
+        r"lower train.max_steps or train.global_batch_tokens, or train on a GPU$",
+        lines[0]), proc.stderr
     assert re.search(r"<[\d,]+ days,", proc.stderr), proc.stderr
     assert not re.search(r"\d{3,}:\d\d:\d\d", proc.stderr), proc.stderr
 

@@ -49,7 +49,9 @@ def history(records: list) -> list[dict]:
              for item in row.item} for row in rows]
 
 
-def test_offline_run_logs_the_scalars_and_a_resume_continues_it(tmp_path, data_dir):
+def test_offline_run_logs_the_scalars_and_a_resume_continues_it(tmp_path, data_dir, capfd):
+    """...and W&B prints nothing to the terminal (its banner, summary and sync hints): andrea
+    says one line of it per segment."""
     pytest.importorskip("wandb", reason="optional: pip install 'andrea[wandb]'")
     cfg = load_config("andrea-tiny", [
         f"data.dir={data_dir}", f"train.runs_dir={tmp_path}", "train.name=w", "train.max_steps=2",
@@ -63,6 +65,11 @@ def test_offline_run_logs_the_scalars_and_a_resume_continues_it(tmp_path, data_d
     run_id = (tmp_path / "w" / "wandb_run_id").read_text().strip()
     folders = sorted((tmp_path / "w" / "wandb").glob("offline-run-*"))
     assert len(folders) == 2 and all(f.name.endswith("-" + run_id) for f in folders)
+    out, err = capfd.readouterr()
+    assert "wandb:" not in out + err, out + err
+    said = [line for line in out.splitlines() if line.startswith("W&B: ")]
+    assert said == [f"W&B: offline run {run_id} in {f}; upload it with: wandb sync {f}"
+                    for f in folders], out
     first, second = (read_wandb_file(next(f.glob("*.wandb"))) for f in folders)
     runs = [r.run for r in first + second if r.WhichOneof("record_type") == "run"]
     assert {(r.run_id, r.project, r.display_name) for r in runs} == {(run_id, "p", "w")}
@@ -94,3 +101,30 @@ def test_wandb_without_the_package_is_a_one_line_error(tmp_path, monkeypatch):
         open_wandb(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before anything is written
     assert open_wandb(load_config("andrea-tiny", []), tmp_path / "run") is None  # off
+
+
+def test_wandb_is_asked_for_silence_and_andrea_says_one_line(tmp_path, monkeypatch, capsys):
+    """Without the package too (a stand-in module records what wandb.init is given): W&B's own
+    output off (silent: no banner, run summary or sync hints; console off: the terminal not
+    copied), and one line of andrea's per mode."""
+    from types import SimpleNamespace
+
+    from andrea.train.wandb_log import open_wandb
+
+    given: dict = {}
+
+    def init(**kwargs):
+        given.update(kwargs)
+        return SimpleNamespace(id=kwargs["id"], url="https://wandb.example/r",
+                               define_metric=lambda *a, **kw: None,
+                               settings=SimpleNamespace(sync_dir=str(tmp_path / "sync")))
+
+    fake = SimpleNamespace(Settings=lambda **kw: kw, init=init)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    offline = open_wandb(load_config("andrea-tiny", ["train.wandb=offline"]), tmp_path / "r")
+    assert given["settings"] == {"console": "off", "silent": True}
+    run_id = (tmp_path / "r" / "wandb_run_id").read_text().strip()
+    assert offline.line == (f"W&B: offline run {run_id} in {tmp_path / 'sync'}; upload it "
+                            f"with: wandb sync {tmp_path / 'sync'}")
+    online = open_wandb(load_config("andrea-tiny", ["train.wandb=online"]), tmp_path / "r")
+    assert online.line == f"W&B: run {run_id}: https://wandb.example/r"

@@ -70,6 +70,16 @@ def choose_precision(precision: str, device: torch.device) -> Precision:
                                     "than fp32 on a CPU")
 
 
+def precision_warning(dtype: torch.dtype, device: torch.device) -> str | None:
+    """The warning line for a precision that costs more than it saves on this device: fp16 on
+    a CPU, which has no fp16 arithmetic to speed it up (docs/precision.md measured it)."""
+    if dtype != torch.float16 or device.type != "cpu":
+        return None
+    return ("warning: fp16 on a CPU: it ran 3.4 to 6.8 times slower than fp32 on this "
+            "project's CPU (docs/precision.md); set train.precision=auto (fp32 on a CPU, bf16 "
+            "on one with bf16 units)")
+
+
 def gpu_precision(capability: tuple[int, int]) -> Precision:
     """precision: auto on a GPU of this compute capability."""
     cc = f"compute capability {capability[0]}.{capability[1]}"

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from andrea.errors import UserError
+from andrea.errors import Restarting, UserError
 
 T = TypeVar("T")
 
@@ -41,6 +41,7 @@ class TorchrunEnv:
     world_size: int = 1
     local_world_size: int = 1  # the processes on this machine
     restart_count: int = 0  # how often the launcher has restarted the processes
+    max_restarts: int = 0  # how often it may (torchrun --max-restarts)
     run_id: str = ""  # the launcher's id of the job (--rdzv_id)
     master_addr: str = ""
     master_port: int = 0
@@ -56,6 +57,7 @@ def torchrun_env() -> TorchrunEnv:
         world_size=int(env.get("WORLD_SIZE", "1")),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
         restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
         run_id=env.get("TORCHELASTIC_RUN_ID", ""), master_addr=env.get("MASTER_ADDR", ""),
         master_port=int(env.get("MASTER_PORT", "0")),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
@@ -167,22 +169,38 @@ def lost_ranks(info: DistInfo, wait: float = 5.0) -> list[int] | None:
 
 
 def lost_peer_line(info: DistInfo, exc: BaseException, step: int, checkpoint: Path | None,
-                   run_dir: Path) -> str | None:
+                   run_dir: Path) -> UserError | Restarting | None:
     """What the surviving ranks say when a collective failed because another rank's process
-    ended (gloo's or nccl's own message names an address, not a rank, nor how to go on);
-    None for any other failure."""
+    ended (gloo's or nccl's own message names an address, not a rank, nor how to go on), as
+    the exception that ends this process; None for any other failure."""
     if not (info.enabled and isinstance(exc, RuntimeError)):
         return None
     lost = lost_ranks(info)
     if lost == []:
         return None
-    who = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} was lost"
-           if lost else "a process on another node was lost")
+    line, restarting = lost_peer_words(lost, step, checkpoint, run_dir, attempt().number,
+                                       torchrun_env().max_restarts)
+    return Restarting(line) if restarting else UserError(line)
+
+
+def lost_peer_words(lost: list[int] | None, step: int, checkpoint: Path | None, run_dir: Path,
+                    attempt_number: int, max_restarts: int) -> tuple[str, bool]:
+    """(the line, whether torchrun restarts the job) for `lost` ranks (None: unknown, the store
+    is gone with node 0's launcher, which takes the job with it) in attempt `attempt_number`.
+    The attempt counts every restart, and each node's launcher at most as many, so restarts
+    left by it are left on every node: the line never promises one that does not come."""
+    who = (f"ranks {', '.join(map(str, lost))} were lost (their processes ended, or their "
+           f"nodes went down)" if lost and len(lost) > 1 else
+           f"{f'rank {lost[0]}' if lost else 'a process on another node'} was lost (its "
+           f"process ended, or its node went down)")
     where = (f"the newest intact checkpoint is {checkpoint}" if checkpoint is not None
              else "no checkpoint was written yet")
-    return (f"{who} (its process ended, or its node went down) after step {step}; {where}; "
-            f"continue with the same launch and --resume {run_dir} (torchrun --max-restarts "
-            f"N continues by itself)")
+    head = f"{who} after step {step}; {where}"
+    if lost and attempt_number < max_restarts:
+        return (f"{head}; torchrun restarts the job (restart {attempt_number + 1} of "
+                f"{max_restarts})"), True
+    return (f"{head}; continue with the same launch and --resume {run_dir} (torchrun "
+            f"--max-restarts N continues by itself)"), False
 
 
 def barrier(info: DistInfo) -> None:

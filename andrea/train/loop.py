@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -38,8 +37,9 @@ from andrea.train.distributed import (
     shutdown,
 )
 from andrea.train.flops import format_mfu
+from andrea.train.metrics import median_tokens_per_s
 from andrea.train.optim import set_learning_rates
-from andrea.train.progress import RunBar, long_run_note
+from andrea.train.progress import RunBar, plan_note_for
 from andrea.train.rundir import step_of_dir
 from andrea.train.scaling import MIN_SCALE
 from andrea.train.schedule import multiplier
@@ -173,19 +173,21 @@ def failures_recorded(s: Session) -> Iterator[None]:
         lost = lost_peer_line(s.dist, exc, s.step, s.checkpoint, s.run_dir)
         s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None,
                     state="stopped" if isinstance(exc, UserError) else "failed",
-                    message=lost or f"{type(exc).__name__}: {exc}")
+                    message=str(lost) if lost else f"{type(exc).__name__}: {exc}")
         if lost is not None:
-            raise UserError(lost) from None
+            raise lost from None
         raise
 
 
 def progress_bar(s: Session, enabled: bool) -> RunBar:
     """Counts tokens, advanced per micro-batch: rate and ETA for the whole run at once."""
-    return RunBar(
-        total=s.tokens_through(s.cfg.train.max_steps), initial=s.tokens_through(s.step),
-        disable=not (enabled and s.dist.is_main), unit="tok", unit_scale=True,
-        dynamic_ncols=True, file=sys.stderr,
-    )
+    total, done = s.tokens_through(s.cfg.train.max_steps), s.tokens_through(s.step)
+    bar = RunBar(total=total, initial=done, disable=not (enabled and s.dist.is_main),
+                 unit="tok", unit_scale=True, dynamic_ncols=True, file=sys.stderr)
+    if s.dist.is_main:  # a plan of days said once, with or without the bar
+        bar.plan_note = plan_note_for(total - done, s.device, s.dist.world_size,
+                                      s.model.num_params())
+    return bar
 
 
 def set_learning_rate(s: Session) -> float:
@@ -352,11 +354,6 @@ def log_step(
     tok_s = step_tokens / seconds
     s.throughput.append(tok_s)
     s.speed.add(step_tokens, seconds)
-    if len(s.throughput) == 3 and s.dist.is_main:  # the first steps warm up; then say it once
-        note = long_run_note(s.tokens_through(t.max_steps) - s.tokens_through(s.step),
-                             statistics.median(s.throughput), s.device.type, s.preset)
-        if note:
-            bar.write(note, file=sys.stderr)
     step_mfu = s.mfu(tok_s)
     scaling = ({"loss_scale": s.scaling.value, "overflows": s.scaling.overflows}
                if s.scaling.enabled else {})
@@ -477,7 +474,7 @@ def finish(s: Session, state: str, exit_code: int, message: str, seconds: float)
         signal=signal.Signals(s.signals.received).name if s.signals.received else None,
         message=message, best_val_loss=s.best_val, best_val_step=s.best_step,
         checkpoint=s.checkpoint.name if s.checkpoint else None,
-        median_tokens_per_s=statistics.median(s.throughput) if s.throughput else None,
+        median_tokens_per_s=median_tokens_per_s(s.throughput),
         tokens_per_s=s.speed.tokens_per_s, mfu=run_mfu(s), **s.speed.fields(),
         **({"overflow_steps": s.scaling.overflows} if s.scaling.enabled else {}),
     )

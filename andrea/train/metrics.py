@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -128,3 +129,23 @@ def recorded_speed(records: list[dict[str, Any]]) -> tuple[float | None, float |
         if rec.get("event") == "train" and tokens is not None and seconds is not None:
             return tokens_per_s(tokens, seconds), None
     return None, None
+
+
+def median_tokens_per_s(rates: list[float]) -> float | None:
+    """The median of steps' tokens/s (the end record's `median_tokens_per_s`, as before the run
+    figure); None without a step."""
+    finite = [r for r in rates if math.isfinite(r)]
+    return statistics.median(finite) if finite else None
+
+
+def recorded_median(records: list[dict[str, Any]], history: list[dict[str, Any]]) -> float | None:
+    """The median steps' tokens/s as `andrea runs` gives it: the latest segment's end record's
+    (over every step of that segment, as the trainer timed them), so that the two never differ;
+    a segment without one (running, crashed, or written before the field) from the logged
+    steps' rates in `history`."""
+    last_start = max((i for i, r in enumerate(records) if r.get("event") == "start"), default=-1)
+    for rec in reversed(records[last_start + 1:]):
+        if rec.get("event") == "end" and _number(rec.get("median_tokens_per_s")) is not None:
+            return _number(rec["median_tokens_per_s"])
+    rates = (_number(r.get("tokens_per_s")) for r in history if r.get("event") == "train")
+    return median_tokens_per_s([x for x in rates if x is not None])

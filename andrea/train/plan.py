@@ -13,6 +13,7 @@ from typing import Any
 from andrea.data.loader import mixture_report, source_passes
 from andrea.fileio import atomic_write_text, free_bytes
 from andrea.train import checkpoint as ckpt_io
+from andrea.train.device import precision_warning
 from andrea.train.diskspace import start_warning
 from andrea.train.metrics import MetricsLog
 from andrea.train.rundir import CONFIG, METRICS
@@ -33,6 +34,8 @@ def start_run_files(
     atomic_write_text(s.run_dir / CONFIG, s.cfg.to_yaml())
     tensorboard = open_tensorboard(s.run_dir, t.tensorboard)
     s.log = MetricsLog(s.run_dir / METRICS, [x for x in (tensorboard, wandb) if x is not None])
+    if wandb is not None:
+        s.say(wandb.line)
     s.log.write(
         "start", step=s.step, max_steps=t.max_steps, pid=os.getpid(),
         host=socket.gethostname(), resumed_from=str(resume_from) if resume_from else None,
@@ -57,6 +60,9 @@ def announce(
     """Rank 0: the lines that say what the run will do, before its first step."""
     t, dist, cfg = s.cfg.train, s.dist, s.cfg
     s.say(f"precision: {str(s.dtype).removeprefix('torch.')} ({s.precision_why})")
+    costly = precision_warning(s.dtype, s.device)
+    if costly:
+        s.say(costly)
     s.say(f"attention: {backend} ({why})")
     for key, (old, new) in changes.items():
         s.say(f"resume: {key} {old} -> {new}")

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from tqdm import tqdm
+
+from andrea.resources import cpu_name
+from andrea.train.device import device_name
 
 DAY = 86_400.0
 # From this remaining time on, the bar says days instead of H:MM:SS (13317:40:36 says little).
@@ -23,12 +30,81 @@ def format_speed(tokens_per_s: float | None) -> str:
     return "-" if tokens_per_s is None else tqdm.format_sizeof(tokens_per_s)
 
 
+class PlanNote:
+    """One line, once the first micro-batches are timed, when the rest of the plan would take
+    more than a day at their pace: how long, on what, and what to run instead. The first
+    micro-batch (allocations, a compile) is left out; the next TIMED set the pace, so a plan of
+    years is told within a few micro-batches, not after steps that may take hours each."""
+
+    TIMED = 2
+
+    def __init__(self, tokens_left: int, machine: str, instead: str,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.tokens_left, self.machine, self.instead = tokens_left, machine, instead
+        self.clock = clock
+        self.start: float | None = None
+        self.timed = 0
+        self.tokens = 0
+        self.said = False
+
+    def after_micro_batch(self, tokens: int) -> str | None:
+        """Call after each micro-batch of `tokens` (over every rank): the line, at most once."""
+        now = self.clock()
+        self.tokens_left -= tokens
+        if self.said:
+            return None
+        if self.start is None:
+            self.start = now
+            return None
+        self.timed, self.tokens = self.timed + 1, self.tokens + tokens
+        if self.timed < self.TIMED or now <= self.start:
+            return None
+        self.said = True
+        rate = self.tokens / (now - self.start)
+        days = self.tokens_left / rate / DAY
+        if days <= 1:
+            return None
+        return (f"note: this plan needs about {days:,.{0 if days >= 10 else 1}f} days on this "
+                f"machine ({self.machine}, {rate:,.0f} tokens/s); {self.instead}")
+
+
+# andrea-12m's parameters: the preset the README trains on a CPU, in minutes.
+CPU_PRESET, CPU_PRESET_PARAMS = "andrea-12m", 12_292_992
+
+
+def plan_note_for(tokens_left: int, device: torch.device, world_size: int,
+                  n_params: int) -> PlanNote:
+    """The PlanNote of a run on `device` x world_size: the machine named as a benchmark names
+    it, and what to run instead there (a model larger than andrea-12m on a CPU: that preset)."""
+    if device.type == "cpu":
+        machine = f"{cpu_name()}, {torch.get_num_threads()} threads"
+        if world_size > 1:
+            machine = f"{world_size} processes on {machine}"
+        instead = (f"on a CPU train {CPU_PRESET}, as the README does: andrea train --config "
+                   f"{CPU_PRESET}.yaml; or lower train.max_steps for a trial of this plan"
+                   if n_params > 2 * CPU_PRESET_PARAMS else
+                   "lower train.max_steps or train.global_batch_tokens, or train on a GPU")
+    else:
+        machine = f"{world_size} x {device_name(device)}"
+        instead = ("lower train.max_steps or train.global_batch_tokens, or add GPUs (torchrun "
+                   "--nproc_per_node, --nnodes)")
+    return PlanNote(tokens_left, machine, instead)
+
+
 class RunBar(tqdm):
     """tqdm, with the remaining time in days once it passes two days, and as its rate the run's
     tokens/s (train.metrics.Throughput, given by `set_rate` after each step) instead of tqdm's
-    own smoothed one, so the bar's last state says what the end record and `andrea runs` say."""
+    own smoothed one, so the bar's last state says what the end record and `andrea runs` say.
+    `plan_note` (rank 0's): said above the bar, disabled or not."""
 
     run_rate: float | None = None
+    plan_note: PlanNote | None = None
+
+    def update(self, n: float = 1) -> bool | None:
+        line = self.plan_note.after_micro_batch(int(n)) if self.plan_note else None
+        if line:
+            self.write(line, file=sys.stderr)
+        return super().update(n)
 
     def set_rate(self, tokens_per_s: float | None) -> None:
         self.run_rate = tokens_per_s
@@ -48,18 +124,3 @@ class RunBar(tqdm):
             kw["bar_format"] = ("{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<" + eta
                                 + ", {rate_fmt}{postfix}]")
         return tqdm.format_meter(n, total, elapsed, **kw)
-
-
-def long_run_note(tokens_left: int, tokens_per_s: float, device_type: str,
-                  preset: str) -> str | None:
-    """One line when the rest of the run would take two days or more at the measured speed;
-    on a CPU, it says the preset wants a GPU."""
-    seconds = tokens_left / tokens_per_s if tokens_per_s > 0 else 0.0
-    if seconds < LONG_RUN:
-        return None
-    line = (f"note: at {tokens_per_s:,.0f} tokens/s the rest of this run takes about "
-            f"{format_eta(seconds)}")
-    if device_type == "cpu":
-        line += (f"; {preset} is a GPU job on this scale (lower train.max_steps for a trial "
-                 f"here, or run it on a GPU)")
-    return line

@@ -24,6 +24,7 @@ from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import snapshot
 from andrea.train.device import choose_precision, device_name
+from andrea.train.diskspace import check_room_at_start
 from andrea.train.distributed import (
     DistInfo,
     all_reduce_sum,
@@ -108,6 +109,7 @@ def set_up(
         continue_from(s, trainer_state, resume_from)
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
     schedule_lines = plan_schedule(s, trainer_state, changes)
+    check_room_at_start(s, replace)
     if dist.is_main:
         if replace:
             clear_run(run_dir)

@@ -38,11 +38,18 @@ def import_wandb(mode: str) -> Any:
 
 
 class WandbWriter:
-    """Logs each record's scalars to one W&B run; the end record's also as its summary."""
+    """Logs each record's scalars to one W&B run; the end record's also as its summary.
+    `line`: what andrea says of it, W&B itself saying nothing."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Any, mode: str) -> None:
         self.run = run
         run.define_metric("*", step_metric=STEP)
+        if mode == "offline":
+            folder = run.settings.sync_dir
+            self.line = (f"W&B: offline run {run.id} in {folder}; upload it with: wandb sync "
+                         f"{folder}")
+        else:
+            self.line = f"W&B: run {run.id}: {run.url}"
 
     def log(self, record: dict[str, Any]) -> None:
         found = scalars(record)
@@ -68,8 +75,9 @@ def open_wandb(cfg: Config, run_dir: Path) -> WandbWriter | None:
     run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(id_file, run_id + "\n")
-    # console off: the bar and andrea's lines stay on the terminal, not copied into W&B.
-    settings = wandb.Settings(console="off")
+    # console off: the bar and andrea's lines stay on the terminal, not copied into W&B; silent:
+    # W&B's own banner, run summary and sync hints stay off it (andrea says one line instead).
+    settings = wandb.Settings(console="off", silent=True)
     try:
         run = wandb.init(
             mode=t.wandb, dir=str(run_dir), project=t.wandb_project,
@@ -82,4 +90,4 @@ def open_wandb(cfg: Config, run_dir: Path) -> WandbWriter | None:
             f"train.wandb: {t.wandb}: W&B could not start the run ({first}); run `wandb login`, "
             "or set train.wandb=offline and `wandb sync` the run's wandb folder later"
         ) from None
-    return WandbWriter(run)
+    return WandbWriter(run, t.wandb)
