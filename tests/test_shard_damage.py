@@ -44,10 +44,10 @@ def set_token(shard: Path, position: int, value: int) -> int:
 def drop_checksums(data: Path) -> None:
     """The manifest as a prepare before checksums wrote it."""
     manifest = json.loads((data / MANIFEST).read_text())
-    manifest.pop("shard_checksum")
+    manifest.pop("shard_checksum", None)
     for entries in manifest["shards"].values():
         for entry in entries:
-            entry.pop("checksum")
+            entry.pop("checksum", None)
     (data / MANIFEST).write_text(json.dumps(manifest))
 
 
