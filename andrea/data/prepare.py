@@ -162,11 +162,11 @@ def _given_tokenizer(
 
 def _prepare_locked(
     out: Path, settings: dict[str, Any], force: bool, blob: bytes | None, verbose: bool,
-    announce: str | None, write: Callable[[dict[str, Any] | None, bool], dict[str, Any]],
+    announce: str | None, write: Callable[[dict[str, Any] | None], dict[str, Any]],
     tokenizer_file: str, text_field: str, estimate: int,
 ) -> None:
     """Holding the folder's lock: use what another process prepared meanwhile, or write the
-    shards (`write(resume point, verbose)`, `estimate` bytes in all) and the manifest. Stopped
+    shards (`write(resume point)`, `estimate` bytes in all) and the manifest. Stopped
     short by anything (Ctrl-C, SIGTERM, a full disk, bad input), the complete shards stay, and
     the folder with them (`_stopped`)."""
     lock = FolderLock(out).acquire(say=lambda line: print(line, flush=True))
@@ -182,7 +182,7 @@ def _prepare_locked(
             warn_if_short(out, estimate - done, settings["tokenizer_request"]["kind"],
                           resuming=resume is not None)
             try:
-                result = write(resume, verbose)
+                result = write(resume)
             except BaseException as exc:
                 count, tokens, size = keep_complete(out)
                 failed = count == 0

@@ -163,7 +163,7 @@ class ShardStream:
 def write_shards(
     out: Path, docs: list[Input], kind: str, vocab_size: int | None, shard_tokens: int,
     workers: int, total: int, settings: Settings, manifest_settings: dict[str, Any],
-    tokenizer_blob: bytes | None, resume: dict[str, Any] | None, verbose: bool,
+    tokenizer_blob: bytes | None, resume: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Encode every job and write the shards, recording progress whenever a shard fills, so a
     rerun after a crash continues from there: skipping the jobs before it and the tokens of its
@@ -179,7 +179,7 @@ def write_shards(
     stream = ShardStream(out, shard_tokens, dtype, tok, progress, resume)
     start_job = stream.index
     drop = dict(resume["drop"]) if resume is not None else {s: 0 for s in SPLITS}
-    if resume is not None and any(stream.written.values()):  # said even when not verbose
+    if resume is not None and any(stream.written.values()):
         n = sum(e["tokens"] for s in SPLITS for e in stream.written[s])
         print(f"{out}: resuming after {sum(map(len, stream.written.values()))} complete shards "
               f"({n:,} tokens), from input job {start_job}", flush=True)
