@@ -238,10 +238,21 @@ def prepare_cmd(
                                  help="JSON field / Parquet column (text); "
                                  "doc.body for a nested one.")
     ] = None,
+    verify: Annotated[
+        str | None,
+        typer.Option("--verify", metavar="DIR",
+                     help="Check a prepared folder's shards (checksums) and exit."),
+    ] = None,
 ) -> None:
     """Tokenize text into shards (the embedded Shakespeare corpus by default)."""
     from andrea.data.prepare import prepare_command
 
+    if verify is not None:
+        from andrea.data.verify import verify_command
+
+        typer.echo(verify_command(verify, config, set_, input, tokenizer, out, vocab_size, force,
+                                  errors, workers, tokenizer_file, text_field))
+        return
     prepare_command(
         config, set_, input, tokenizer, out, vocab_size, force, errors, workers, tokenizer_file,
         text_field,

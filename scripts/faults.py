@@ -424,6 +424,55 @@ def prepare_disk_full(b: Bench) -> Row:
 
 # ----------------------------------------------------------------------------- the matrix
 
+# ----------------------------------------------------------------------------- data rows
+
+
+def flip_in_range(data: Path) -> None:
+    """One id of the train shard changed to another valid one (the byte tokenizer's 0)."""
+    with open(data / "train_000000.bin", "r+b") as f:
+        f.seek(256 + 2 * 123_457)
+        f.write(b"\0\0")
+
+
+def flip_out_of_range(data: Path) -> None:
+    """Bytes of the train shard overwritten mid-file: ids 0x4141 = 16705 >= 257."""
+    with open(data / "train_000000.bin", "r+b") as f:
+        f.seek(256 + 2 * 100_000)
+        f.write(b"A" * 4096)
+
+
+def data_damage_row(
+    b: Bench, name: str, label: str, damage: Callable[[Path], None], test: str,
+    stops: bool = True,
+) -> Row:
+    """A run with a data folder of its own stops after step 4 (--stop-after 4, a checkpoint
+    there); `damage` hits the folder; the resume either stops with one line (`stops`: then the
+    user deletes the damaged train shard, as the line says) or prepares the folder again, saying
+    why; the run resumed is compared with the uninterrupted one."""
+    ref = b.reference()
+    data = b.work / f"data-{name}"
+    shutil.rmtree(data, ignore_errors=True)
+    shutil.copytree(b.data, data)
+    check(b.andrea(*b.train_args(name, "--stop-after", str(EVERY), "--set",
+                                 f"data.dir={data.name}")), f"{name}: the run to step 4")
+    damage(data)
+    args = ["train", "--resume", str((b.runs / name).relative_to(b.work)), "--no-progress"]
+    r = b.andrea(*args)
+    done, kept = max(steps_of(b.runs / name)), latest_step(b.runs / name)
+    if stops:
+        did = f"exit {r.returncode}; {said(r.stderr)}"
+        (data / "train_000000.bin").unlink()
+        return Row(label, did, str(done - kept), resumed(b, name, ref), test)
+    said_out = next((ln for ln in r.stdout.splitlines() if "preparing" in ln), "nothing said")
+    did = f"exit {r.returncode}; {said_out}"
+    after = same_run(b.runs / name, ref) if r.returncode == 0 else f"failed: {said(r.stderr)}"
+    return Row(label, did, "0", after, test)
+
+
+def break_manifest(data: Path) -> None:
+    (data / "manifest.json").write_bytes(b"\x00garbage")
+
+
 ROWS: dict[str, Callable[[Bench], Row]] = {
     # tests/test_fault_matrix.py::test_kill_9_mid_step_then_resume_equals_the_uninterrupted_run
     "kill9": lambda b: signal_row(
@@ -452,6 +501,19 @@ ROWS: dict[str, Callable[[Bench], Row]] = {
         b, signal.SIGTERM, "prepare SIGTERMed (2 workers), run again",
         "test_prepare_stops.py::test_sigterm_is_the_clean_stop_of_ctrl_c", "--workers", "2"),
     "onedisk": disk_below_one_checkpoint,
+    "shardflip": lambda b: data_damage_row(
+        b, "shardflip", "a train shard's id changed in range, then resume", flip_in_range,
+        "test_shard_damage.py::test_in_range_damage_stops_the_run_keeping_its_checkpoints"),
+    "shardrange": lambda b: data_damage_row(
+        b, "shardrange", "a train shard overwritten out of range, then resume", flip_out_of_range,
+        "test_shard_damage.py::test_out_of_range_id_is_one_line_naming_shard_and_position"),
+    "shardgone": lambda b: data_damage_row(
+        b, "shardgone", "a val shard deleted, then resume",
+        lambda data: (data / "val_000000.bin").unlink(),
+        "test_shard_damage.py::test_a_damaged_folder_is_named_and_prepared_again", stops=False),
+    "manifest": lambda b: data_damage_row(
+        b, "manifest", "garbage manifest.json, then resume", break_manifest,
+        "test_shard_damage.py::test_a_damaged_folder_is_named_and_prepared_again", stops=False),
 }
 
 

@@ -36,6 +36,7 @@ from andrea.data import shards
 from andrea.data.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
 from andrea.data.shards import read_manifest
 from andrea.data.tokenizer import load_tokenizer
+from andrea.data.verify import BackgroundCheck, range_problem, remedy
 from andrea.errors import UserError
 
 if TYPE_CHECKING:
@@ -63,7 +64,10 @@ class TokenSplit:
         self.vocab_size: int = manifest["tokenizer"]["vocab_size"]
         self.eot_id: int = manifest["tokenizer"]["eot_id"]
         self.shards: list[np.ndarray] = []
-        for entry in manifest["shards"][split]:
+        self.entries: list[dict] = manifest["shards"][split]  # file, tokens, checksum
+        self.paths: list[Path] = [self.data_dir / e["file"] for e in self.entries]
+        self.check: BackgroundCheck | None = None  # the checksums, once check_in_background
+        for entry in self.entries:
             tokens = shards.open_shard(self.data_dir / entry["file"], self.tokenizer_identity)
             if len(tokens) != entry["tokens"]:
                 raise UserError(
@@ -88,7 +92,17 @@ class TokenSplit:
         shard = int(np.searchsorted(cum, index, side="right"))
         local = index - (int(cum[shard - 1]) if shard else 0)
         start = offset + local * block_size
-        return np.asarray(self.shards[shard][start : start + block_size + 1], dtype=np.int64)
+        return self.tokens(shard, start, block_size + 1)
+
+    def tokens(self, shard: int, start: int, length: int) -> np.ndarray:
+        """`length` tokens of a shard from `start`, as int64, every id checked to be one the
+        tokenizer has (on the host: an id out of range must never reach the embedding)."""
+        window = np.asarray(self.shards[shard][start : start + length], dtype=np.int64)
+        problem = range_problem(window, self.vocab_size, start)
+        if problem is not None:
+            path = self.paths[shard]
+            raise UserError(f"{path}: {problem}; {remedy(path)}")
+        return window
 
 
 class Mixture(TokenSplit):
@@ -114,6 +128,9 @@ class Mixture(TokenSplit):
         weights = np.array([w for _, _, w in parts], dtype=np.float64)
         self.weights = weights / weights.sum()
         self.shards = [shard for part in splits for shard in part.shards]
+        self.entries = [entry for part in splits for entry in part.entries]
+        self.paths = [path for part in splits for path in part.paths]
+        self.check = None
         ends = np.cumsum([len(part.shards) for part in splits])
         self.shard_ranges = list(zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True))
         self.shard_sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
@@ -125,6 +142,26 @@ def open_split(cfg: Config, split: str) -> TokenSplit:
     if cfg.data.sources:
         return Mixture(source_dirs(cfg), split)
     return TokenSplit(data_dir_for(cfg), split)
+
+
+def check_in_background(*splits: TokenSplit) -> BackgroundCheck:
+    """Start checking the checksums of every shard of `splits` on a thread (each shard once);
+    the splits' batches look at its verdict (`train_batch`), `wait_checked` waits for it."""
+    shards_: dict[Path, dict] = {}
+    for split in splits:
+        shards_.update(zip(split.paths, split.entries, strict=True))
+    check = BackgroundCheck(list(shards_.items()))
+    for split in splits:
+        split.check = check
+    return check
+
+
+def wait_checked(split: TokenSplit, wait: bool = True) -> None:
+    """Wait until every shard the run reads is checked; a damaged one stops here (before a
+    checkpoint: none is written from a shard not found intact). `wait=False` (a stop asked
+    for by a signal, which may have seconds left): only a damage already found stops."""
+    if split.check is not None:
+        split.check.wait() if wait else split.check.raise_if_damaged()
 
 
 def _source_choice(rng: np.random.Generator, split: TokenSplit, per_step: int) -> np.ndarray:
@@ -233,6 +270,10 @@ def train_batch(
     """Micro-batch (x, y), int64 [B, T], for (step, rank, micro_step); see the module doc."""
     if not (0 <= rank < world_size and 0 <= micro_step < accum_steps):
         raise ValueError(f"rank {rank}/{world_size}, micro_step {micro_step}/{accum_steps}")
+    if split.check is not None and world_size == 1:
+        # Not waited for: a damage found so far stops here. Several ranks find it at different
+        # steps, so they stop together where they all wait for it (wait_checked).
+        split.check.raise_if_damaged()
     per_step = accum_steps * world_size * micro_batch_size
     for name, part in zip(split.names, split.parts, strict=True):
         what = f" (mixture source {name})" if split.draws_sources else ""
@@ -303,7 +344,7 @@ def window_batches(
         if group and (len(group) == batch_size or len(group[0]) != n + 1):
             batches.append(_stack(group))
             group = []
-        group.append(np.asarray(split.shards[shard][start : start + n + 1], dtype=np.int64))
+        group.append(split.tokens(shard, start, n + 1))
     if group:
         batches.append(_stack(group))
     return batches

@@ -45,7 +45,7 @@ from andrea.data.folder import (
     owned_files,
     remove_unlisted,
 )
-from andrea.data.request import check_same_request, is_current, request_settings
+from andrea.data.request import check_same_request, is_current, request_settings, stale
 from andrea.data.shards import MANIFEST, read_manifest
 from andrea.data.stops import (
     disk_full_error,
@@ -162,11 +162,11 @@ def _given_tokenizer(
 
 def _prepare_locked(
     out: Path, settings: dict[str, Any], force: bool, blob: bytes | None, verbose: bool,
-    announce: str | None, write: Callable[[dict[str, Any] | None, bool], dict[str, Any]],
+    announce: str | None, write: Callable[[dict[str, Any] | None], dict[str, Any]],
     tokenizer_file: str, text_field: str, estimate: int,
 ) -> None:
     """Holding the folder's lock: use what another process prepared meanwhile, or write the
-    shards (`write(resume point, verbose)`, `estimate` bytes in all) and the manifest. Stopped
+    shards (`write(resume point)`, `estimate` bytes in all) and the manifest. Stopped
     short by anything (Ctrl-C, SIGTERM, a full disk, bad input), the complete shards stay, and
     the folder with them (`_stopped`)."""
     lock = FolderLock(out).acquire(say=lambda line: print(line, flush=True))
@@ -182,7 +182,7 @@ def _prepare_locked(
             warn_if_short(out, estimate - done, settings["tokenizer_request"]["kind"],
                           resuming=resume is not None)
             try:
-                result = write(resume, verbose)
+                result = write(resume)
             except BaseException as exc:
                 count, tokens, size = keep_complete(out)
                 failed = count == 0
@@ -212,15 +212,15 @@ def _start(
     if not force:
         check_same_request(out, settings)
     resume = None if force else resume_point(out, settings)
-    if announce:
-        print(announce, flush=True)
-    elif verbose and resume is None and (out / MANIFEST).is_file():
-        print(f"{out}: inputs or settings changed since it was prepared; preparing it again",
-              flush=True)
-    if resume is not None:
+    if resume is not None:  # write_shards says what it continues after
         remove_unlisted(out, {e["file"] for s in SPLITS for e in resume["shards"][s]})
         return resume
-    owned = owned_files(out)
+    why = None if force else stale(out, settings)
+    if why is not None:  # never "(first run only)" on a folder prepared before
+        print(why.line, flush=True)
+    elif announce:
+        print(announce, flush=True)
+    owned = owned_files(out) | (why.owned if why is not None else set())
     bpe = out / BPE_FILE
     if (settings["tokenizer_request"]["kind"] == "bpe" and bpe.exists() and BPE_FILE not in owned
             and (blob is None or bpe.read_bytes() != blob)):
@@ -228,9 +228,11 @@ def _start(
             f"{bpe}: a {BPE_FILE} andrea did not write is in the way of the BPE this prepare "
             "writes; move it, or choose another data folder (--out / data.dir)"
         )
-    mark_started(out, settings)  # the folder stays marked as andrea's while it is cleared
-    clear(out, owned - {PROGRESS})
-    return None
+    keep = why.keep_tokenizer if why is not None else None
+    mark_started(out, settings, keep)  # the folder stays marked as andrea's while it is cleared
+    clear(out, owned - {PROGRESS} - ({BPE_FILE} if keep else set()))
+    # Kept, the folder's tokenizer makes the record a resume point with no shard written yet.
+    return resume_point(out, settings) if keep else None
 
 
 def _stop_message(

@@ -7,15 +7,17 @@ locks and refuses").
 from __future__ import annotations
 
 import hashlib
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from andrea.data import shards
 from andrea.data.documents import SHAKESPEARE, SPLITS, Input, identity
-from andrea.data.folder import records
+from andrea.data.folder import PROGRESS, is_andrea_folder, records
 from andrea.data.readers import InputFile
-from andrea.data.shards import MANIFEST_VERSION, read_manifest
-from andrea.data.tokenizer import load_tokenizer
+from andrea.data.shards import MANIFEST, MANIFEST_VERSION, DamagedShard, read_manifest
+from andrea.data.tokenizer import BPE_FILE, load_tokenizer
 from andrea.errors import UserError
 
 SPLIT_RULE = "tail-after-line-break-v1"
@@ -72,6 +74,90 @@ def is_current(out: Path, settings: dict[str, Any]) -> bool:
     except (UserError, KeyError, TypeError):
         return False
     return True
+
+
+@dataclass(frozen=True)
+class Stale:
+    """Why a folder that was prepared before is prepared again (`line`, said before the work),
+    and the tokenizer the new prepare keeps ({kind, identity}: the folder's own, when it was
+    made for these same inputs and settings), or None."""
+
+    line: str
+    keep_tokenizer: dict[str, str] | None = None
+    # Files andrea wrote that its records no longer tell (an unreadable manifest's folder).
+    owned: frozenset[str] = frozenset()
+
+
+def stale(out: Path, settings: dict[str, Any]) -> Stale | None:
+    """For a folder that is not current (is_current) and holds no prepare to continue: why it
+    is prepared again, in one line; None when nothing was ever prepared there."""
+    path = out / MANIFEST
+    if not path.is_file():
+        if (out / PROGRESS).is_file():
+            return Stale(f"{out}: the interrupted prepare here cannot be continued "
+                         f"({_unfinished_problem(out, settings)}); preparing it again")
+        if is_andrea_folder(out):
+            return Stale(f"{out}: holds shards but no {MANIFEST}; preparing it again")
+        return None
+    try:
+        manifest = json.loads(path.read_text("utf-8"))
+        if not isinstance(manifest, dict):
+            raise ValueError(f"a JSON {type(manifest).__name__}, not an object")
+    except (OSError, ValueError) as exc:
+        return Stale(f"{path}: unreadable ({exc}); preparing {out} again from its inputs, "
+                     "nothing of it kept", owned=frozenset({MANIFEST, BPE_FILE}))
+    if {k: manifest.get(k) for k in settings} != settings:
+        return Stale(f"{out}: inputs or settings changed since it was prepared; preparing it "
+                     "again")
+    try:
+        tok = manifest["tokenizer"]
+        kind, identity = tok["kind"], tok["identity"]
+        entries = [e for split in SPLITS for e in manifest["shards"][split]]
+        names = [e["file"] for e in entries]
+    except (KeyError, TypeError) as exc:
+        return Stale(f"{path}: unreadable (no {exc}); preparing {out} again from its inputs, "
+                     "nothing of it kept", owned=frozenset({MANIFEST, BPE_FILE}))
+    try:
+        own = load_tokenizer(kind, out).identity
+    except UserError as exc:
+        what = f"{out}: its tokenizer cannot be read ({exc})"
+    else:
+        if own == identity:
+            keep = {"kind": kind, "identity": identity}
+            kept = f"keeping its {BPE_FILE}" if (out / BPE_FILE).is_file() else "nothing kept"
+            return Stale(f"{_damage(out, entries, names, identity)}; preparing {out} again "
+                         f"from the same inputs ({kept})", keep)
+        what = (f"{out / BPE_FILE}: changed since the shards were made (tokenizer {own}, "
+                f"{MANIFEST} says {identity})")
+    return Stale(f"{what}; preparing {out} again from the same inputs, nothing kept")
+
+
+def _damage(out: Path, entries: list[dict[str, Any]], names: list[str], identity: str) -> str:
+    """The first shard of a manifest that is missing or not what it lists, in words."""
+    for entry, name in zip(entries, names, strict=True):
+        try:
+            info = shards.read_header(out / name)
+        except DamagedShard as exc:
+            return f"{exc.path}: {exc.what}"
+        if info.count != entry.get("tokens"):
+            return f"{out / name}: {info.count:,} tokens, {MANIFEST} says {entry.get('tokens')}"
+        if info.identity != identity:
+            return f"{out / name}: made with tokenizer {info.identity}, {MANIFEST} says {identity}"
+    return f"{out / MANIFEST}: does not match its shards"
+
+
+def _unfinished_problem(out: Path, settings: dict[str, Any]) -> str:
+    """Why the progress record of an interrupted prepare is no resume point, in words."""
+    try:
+        progress = json.loads((out / PROGRESS).read_text("utf-8"))
+        same = progress["settings"] == settings
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{PROGRESS} unreadable: {exc}"
+    if not same:
+        return "its inputs or settings changed"
+    if not progress.get("tokenizer") or not any((progress.get("shards") or {}).values()):
+        return "it had no complete shard yet"
+    return "a shard it lists is missing or damaged, or its tokenizer changed"
 
 
 def check_same_request(out: Path, settings: dict[str, Any]) -> None:

@@ -40,11 +40,14 @@ def resume_point(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     return progress
 
 
-def mark_started(out: Path, settings: dict[str, Any]) -> None:
+def mark_started(
+    out: Path, settings: dict[str, Any], tokenizer: dict[str, str] | None = None
+) -> None:
     """The progress record of a prepare that has written nothing yet: it marks the folder as
-    andrea's (and its tokenizer.json, for a BPE) from the first file on."""
+    andrea's (and its tokenizer.json, for a BPE) from the first file on. `tokenizer` ({kind,
+    identity}): the folder's own, kept: the record is then a resume point with no shard."""
     progress = {
-        "settings": settings, "job_rule": job_rule(), "tokenizer": None,
+        "settings": settings, "job_rule": job_rule(), "tokenizer": tokenizer,
         "shards": {s: [] for s in SPLITS}, "job": 0, "drop": {s: 0 for s in SPLITS},
         "skipped_records": 0, "replaced_bytes": 0,
     }
@@ -101,7 +104,9 @@ class ShardStream:
         for s in SPLITS:
             w = self.writers[s]
             if w is not None:
-                self.written[s].append({"file": w.path.name, "tokens": w.close().count})
+                count = w.close().count
+                self.written[s].append({"file": w.path.name, "tokens": count,
+                                        "checksum": w.checksum})
                 self.writers[s] = None
 
     def checkpoint(self) -> None:
@@ -144,6 +149,7 @@ class ShardStream:
                 "eot_id": tok.eot_id,
             },
             "shards": self.written,
+            "shard_checksum": shards.CHECKSUM,
             "tokens": counts,
             **self.tally,
         }
@@ -157,7 +163,7 @@ class ShardStream:
 def write_shards(
     out: Path, docs: list[Input], kind: str, vocab_size: int | None, shard_tokens: int,
     workers: int, total: int, settings: Settings, manifest_settings: dict[str, Any],
-    tokenizer_blob: bytes | None, resume: dict[str, Any] | None, verbose: bool,
+    tokenizer_blob: bytes | None, resume: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Encode every job and write the shards, recording progress whenever a shard fills, so a
     rerun after a crash continues from there: skipping the jobs before it and the tokens of its
@@ -173,7 +179,7 @@ def write_shards(
     stream = ShardStream(out, shard_tokens, dtype, tok, progress, resume)
     start_job = stream.index
     drop = dict(resume["drop"]) if resume is not None else {s: 0 for s in SPLITS}
-    if resume is not None and verbose:
+    if resume is not None and any(stream.written.values()):
         n = sum(e["tokens"] for s in SPLITS for e in stream.written[s])
         print(f"{out}: resuming after {sum(map(len, stream.written.values()))} complete shards "
               f"({n:,} tokens), from input job {start_job}", flush=True)

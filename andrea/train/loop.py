@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from andrea import faults
 from andrea.config import Config
-from andrea.data.loader import train_batch
+from andrea.data.loader import train_batch, wait_checked
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import snapshot
@@ -407,6 +407,8 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
     unless that step is already the newest checkpoint (or no step has been taken)."""
     if s.step == 0 or s.checkpoint_step == s.step:
         return
+    # No checkpoint from a shard not yet found intact, unless a signal asks to stop now.
+    wait_checked(s.train_split, wait=s.signals.received is None)
     s.checkpoint = checked_write(s, lambda: snapshot.write_session(
         s.run_dir, s.cfg, s.train_split.tokenizer_identity, s.model, s.optimizer,
         s.param_names, rng, trainer_state(s), s.dist, s.parallel.sharded,

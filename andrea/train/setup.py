@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from andrea.config import Config, load_config
-from andrea.data.loader import TokenSplit, open_split
+from andrea.data.loader import TokenSplit, check_in_background, open_split
 from andrea.data.prepare import check_vocab, ensure_prepared
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
@@ -229,6 +229,7 @@ def prepare_data(cfg: Config, dist: DistInfo) -> tuple[TokenSplit, TokenSplit]:
         ensure_prepared(cfg)
     barrier(dist)
     train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
+    check_in_background(train_split, val_split)  # their checksums, not waited for here
     check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
     return train_split, val_split
 

@@ -1,0 +1,271 @@
+"""Damaged token shards and data folders (issue 41): a shard's checksum, recorded as prepare
+writes it, is checked by `andrea prepare --verify` and, on a thread, by every training; an id
+out of range never reaches the embedding; a missing shard or an unreadable manifest is named
+and prepared again, never in silence."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cli import run_main
+from test_prepare import corpus  # noqa: F401  (a fixture)
+
+from andrea.config import load_config
+from andrea.data import documents, encode, loader, prepare, verify
+from andrea.data.shards import HEADER_BYTES, MANIFEST, open_shard
+from andrea.errors import UserError
+
+# data_dir: the session fixture in conftest.py (the tiny preset's data), copied before damage.
+FIRST_RUN = "(first run only)"
+
+
+def copy_data(data_dir: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "data"
+    shutil.copytree(data_dir, out)
+    return out
+
+
+def set_token(shard: Path, position: int, value: int) -> int:
+    """Write one uint16 token of a shard in place; returns the value it held."""
+    tokens = open_shard(shard)
+    old = int(tokens[position])
+    with open(shard, "r+b") as f:
+        f.seek(HEADER_BYTES + 2 * position)
+        f.write(np.uint16(value).tobytes())
+    return old
+
+
+def drop_checksums(data: Path) -> None:
+    """The manifest as a prepare before checksums wrote it."""
+    manifest = json.loads((data / MANIFEST).read_text())
+    manifest.pop("shard_checksum", None)
+    for entries in manifest["shards"].values():
+        for entry in entries:
+            entry.pop("checksum", None)
+    (data / MANIFEST).write_text(json.dumps(manifest))
+
+
+def train_argv(data: Path, runs: Path, *sets: str) -> list[str]:
+    argv = ["train", "--no-progress", "--config", "andrea-tiny", "--set", f"data.dir={data}",
+            "--set", f"train.runs_dir={runs}", "--set", "train.name=t",
+            "--set", "train.eval_every=0", "--set", "train.checkpoint_every=2"]
+    for s in sets:
+        argv += ["--set", s]
+    return argv
+
+
+def test_prepare_records_each_shards_checksum(data_dir):
+    manifest = json.loads((data_dir / MANIFEST).read_text())
+    assert manifest["shard_checksum"] == "crc32"
+    for entries in manifest["shards"].values():
+        for e in entries:
+            assert e["checksum"] == verify.token_crc32(data_dir / e["file"])
+
+
+def test_in_range_damage_stops_the_run_keeping_its_checkpoints(data_dir, tmp_path, capsys):
+    """An id changed to another valid id trained silently before. Now the run stops with one
+    line naming the shard, before another checkpoint; deleting the shard and resuming prepares
+    the folder again and finishes the run."""
+    data, runs = copy_data(data_dir, tmp_path), tmp_path / "runs"
+    assert run_main(capsys, *train_argv(data, runs, "train.max_steps=4"))[0] == 0
+    shard = data / "train_000000.bin"
+    old = set_token(shard, 123_457, 0)
+    assert old != 0
+    code, out, err = run_main(capsys, *train_argv(data, runs, "train.max_steps=8"),
+                              "--resume", "auto")
+    assert code == 2 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: {shard}: checksum mismatch (crc32 of its tokens is ")
+    assert f"`rm {shard}`" in line and "--resume" in line
+    assert sorted(p.name for p in (runs / "t").glob("step-*")) == ["step-000002", "step-000004"]
+    shard.unlink()
+    code, out, err = run_main(capsys, *train_argv(data, runs, "train.max_steps=8"),
+                              "--resume", "auto")
+    assert code == 0, err
+    assert f"{shard}: token shard missing; preparing {data} again from the same inputs" in out
+    assert FIRST_RUN not in out
+    assert (runs / "t" / "latest").read_text().strip() == "step-000008"
+
+
+def test_out_of_range_id_is_one_line_naming_shard_and_position(data_dir, tmp_path, capsys):
+    """Before: `IndexError: index out of range in self`, a traceback naming no file. A folder
+    without checksums (prepared before them) is caught by the loader's check of each batch."""
+    data, runs = copy_data(data_dir, tmp_path), tmp_path / "runs"
+    drop_checksums(data)
+    shard = data / "train_000000.bin"
+    tokens = np.array(open_shard(shard))
+    with open(shard, "r+b") as f:  # every id of the shard out of range: step 1 reads one
+        f.seek(HEADER_BYTES)
+        f.write((tokens + 300).astype("<u2").tobytes())
+    code, out, err = run_main(capsys, *train_argv(data, runs, "train.max_steps=2"))
+    assert code == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: {shard}: token ")
+    assert "at position " in err and "outside the tokenizer's 257 ids" in err
+
+
+def test_loader_checks_ids_of_train_batches_and_val_windows(data_dir, tmp_path):
+    """The check is on the host-side batch: the position named is the damaged token's."""
+    data = copy_data(data_dir, tmp_path)
+    set_token(data / "val_000000.bin", 1000, 40_000)
+    val = loader.TokenSplit(data, "val")
+    windows = loader.val_windows(val, 64)
+    with pytest.raises(UserError, match=r"val_000000.bin: token 40000 at position 1,000 is "
+                                        r"outside the tokenizer's 257 ids"):
+        loader.window_batches(val, windows, 8)
+    train = loader.TokenSplit(data, "train")
+    args = dict(seed=0, step=0, micro_step=0, rank=0, accum_steps=1, world_size=1,
+                micro_batch_size=8, block_size=64)
+    x, _ = loader.train_batch(train, **args)
+    rng = np.random.default_rng([0, 0])
+    offset = int(rng.integers(0, 64))
+    position = int(offset + 64 * loader._draw_windows(
+        train, rng, np.cumsum(train.window_counts(64, offset)), 8)[0]) + 3
+    assert int(x[0, 3]) == int(open_shard(data / "train_000000.bin")[position])
+    set_token(data / "train_000000.bin", position, 9999)
+    with pytest.raises(UserError, match=rf"train_000000.bin: token 9999 at position "
+                                        rf"{position:,} is outside"):
+        loader.train_batch(loader.TokenSplit(data, "train"), **args)
+
+
+def test_checksums_are_checked_on_a_thread_without_delaying_the_first_batch(
+        data_dir, tmp_path, monkeypatch):
+    """However long the checksums take (here: until released), the first batch is served at
+    once; the damage found stops the next batch, and wait_checked (before a checkpoint)."""
+    data = copy_data(data_dir, tmp_path)
+    release = threading.Event()
+    real = verify.token_crc32
+
+    def slow(path):
+        release.wait(30)
+        return "00000000" if path.name == "val_000000.bin" else real(path)
+
+    monkeypatch.setattr(verify, "token_crc32", slow)
+    train, val = loader.TokenSplit(data, "train"), loader.TokenSplit(data, "val")
+    check = loader.check_in_background(train, val)
+    args = dict(seed=0, step=0, micro_step=0, rank=0, accum_steps=1, world_size=1,
+                micro_batch_size=8, block_size=64)
+    t0 = time.perf_counter()
+    loader.train_batch(train, **args)
+    assert time.perf_counter() - t0 < 1.0 and not check.done
+    release.set()
+    with pytest.raises(UserError, match=r"val_000000.bin: checksum mismatch .* records "):
+        loader.wait_checked(train)
+    with pytest.raises(UserError, match=r"val_000000.bin: checksum mismatch"):
+        loader.train_batch(train, **args)
+
+
+def test_prepare_verify_a_good_and_a_damaged_folder(data_dir, tmp_path, capsys):
+    data = copy_data(data_dir, tmp_path)
+    code, out, err = run_main(capsys, "prepare", "--verify", str(data))
+    assert code == 0 and err == ""
+    assert out.startswith(f"{data}: 2 shards (") and "intact, crc32 checksums match" in out
+    assert len(out.splitlines()) == 1
+    set_token(data / "train_000000.bin", 5, 7)
+    val = data / "val_000000.bin"
+    val.write_bytes(val.read_bytes()[:-2])
+    code, out, err = run_main(capsys, "prepare", "--verify", str(data))
+    assert code == 2
+    assert out.splitlines() == [
+        f"{data / 'train_000000.bin'}: checksum mismatch (crc32 of its tokens is "
+        + out.split("is ")[1].split(",")[0] + ", manifest.json records "
+        + json.loads((data / MANIFEST).read_text())["shards"]["train"][0]["checksum"]
+        + "): the shard is damaged",
+        f"{val}: token shard truncated: {val.stat().st_size} bytes, header says "
+        f"{(val.stat().st_size + 2 - HEADER_BYTES) // 2} tokens = {val.stat().st_size + 2} "
+        "bytes"]
+    assert err.startswith(f"error: {data}: 2 of 2 shards damaged; delete them (`rm ")
+
+
+def test_old_manifest_without_checksums_still_trains_and_verifies(data_dir, tmp_path, capsys):
+    data, runs = copy_data(data_dir, tmp_path), tmp_path / "runs"
+    drop_checksums(data)
+    assert run_main(capsys, *train_argv(data, runs, "train.max_steps=2"))[0] == 0
+    code, out, _ = run_main(capsys, "prepare", "--verify", str(data))
+    assert code == 0 and "no checksums recorded" in out
+    set_token(data / "train_000000.bin", 77, 258)
+    code, out, _ = run_main(capsys, "prepare", "--verify", str(data))
+    assert code == 2 and out == (f"{data / 'train_000000.bin'}: token 258 at position 77 is "
+                                 "outside the tokenizer's 257 ids: the shard is damaged\n")
+
+
+@pytest.mark.parametrize("damage", ["deleted shard", "garbage", "truncated", "not an object"])
+def test_a_damaged_folder_is_named_and_prepared_again(data_dir, tmp_path, capsys, damage):
+    """Before: prepared again under "preparing ... (first run only)", nothing said why."""
+    data = copy_data(data_dir, tmp_path)
+    manifest = data / MANIFEST
+    if damage == "deleted shard":
+        (data / "val_000000.bin").unlink()
+    elif damage == "garbage":
+        manifest.write_bytes(b"\x00\x17garbage")
+    elif damage == "truncated":
+        manifest.write_text(manifest.read_text()[:100])
+    else:
+        manifest.write_text("[1, 2]")
+    cfg = load_config("andrea-tiny", [f"data.dir={data}"])
+    assert prepare.ensure_prepared(cfg) == data
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and FIRST_RUN not in lines[0]
+    if damage == "deleted shard":
+        assert lines == [f"{data / 'val_000000.bin'}: token shard missing; preparing {data} "
+                         "again from the same inputs (nothing kept)"]
+    else:
+        assert lines[0].startswith(f"{manifest}: unreadable (")
+        assert lines[0].endswith(f"); preparing {data} again from its inputs, nothing of it kept")
+    assert verify.verify_folder(data).endswith(")")  # intact again
+    assert json.loads(manifest.read_text())["shards"] == json.loads(
+        (data_dir / MANIFEST).read_text())["shards"]
+
+
+def test_a_bpe_folder_prepared_again_keeps_its_tokenizer(corpus, tmp_path, capsys):  # noqa: F811
+    """A run's checkpoint names its tokenizer: after a shard is lost, the folder prepared again
+    keeps the same tokenizer.json (not a BPE trained anew), so a resume still matches."""
+    out = prepare.prepare_inputs(str(corpus), "bpe", tmp_path / "out", vocab_size=300,
+                                 shard_tokens=300)
+    tok = (out / "tokenizer.json").stat()
+    before = json.loads((out / MANIFEST).read_text())
+    (out / "train_000001.bin").unlink()
+    capsys.readouterr()
+    prepare.prepare_inputs(str(corpus), "bpe", out, vocab_size=300, shard_tokens=300,
+                           verbose=False, announce=f"preparing {out} {FIRST_RUN}")
+    assert capsys.readouterr().out.splitlines() == [
+        f"{out / 'train_000001.bin'}: token shard missing; preparing {out} again from the same "
+        "inputs (keeping its tokenizer.json)"]
+    again = (out / "tokenizer.json").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (tok.st_ino, tok.st_mtime_ns)
+    assert json.loads((out / MANIFEST).read_text())["shards"] == before["shards"]
+    assert not (out / "progress.json").exists()
+
+
+def test_an_interrupted_prepare_continues_without_first_run_only(corpus, tmp_path,  # noqa: F811
+                                                                monkeypatch, capsys):
+    """A folder holding an interrupted prepare's progress.json was prepared before: the next
+    prepare says what it continues after, never "(first run only)"."""
+    calls = 0
+
+    def flaky(args):
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise KeyboardInterrupt
+        return real(args)
+
+    real = encode.encode_job
+    monkeypatch.setattr(documents, "CHUNK_BYTES", 512)
+    monkeypatch.setattr(encode, "encode_job", flaky)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare_inputs(str(corpus), "byte", out, shard_tokens=300, workers=1)
+    assert (out / "progress.json").is_file()
+    monkeypatch.setattr(encode, "encode_job", real)
+    capsys.readouterr()
+    prepare.prepare_inputs(str(corpus), "byte", out, shard_tokens=300, workers=1,
+                           verbose=False, announce=f"preparing {out} {FIRST_RUN}")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{out}: resuming after 4 complete shards")
