@@ -464,7 +464,9 @@ def import_hf(
             step=0, seed=cfg.train.seed, preset="imported", imported_from=str(src.resolve()),
             imported_sha256=hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest(),
         )
-        ckpt_io.save_checkpoint(tmp, 0, cfg, identity, tensors, {}, rng, state, keep_last=1)
+        carried = {BPE_FILE: tokenizer_json.read_bytes()} if tokenizer_json is not None else {}
+        ckpt_io.save_checkpoint(tmp, 0, cfg, identity, tensors, {}, rng, state, keep_last=1,
+                                files=carried)
         atomic_write_text(tmp / CONFIG, cfg.to_yaml())
         if tokenizer_json is not None:
             shutil.copyfile(tokenizer_json, tmp / BPE_FILE)

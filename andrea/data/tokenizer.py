@@ -194,7 +194,7 @@ class BpeTokenizer:
         self.path = path
         self.vocab_size = self._tok.get_vocab_size()
         self.eot_id = eot
-        self.identity = f"bpe:{hashlib.sha256(blob).hexdigest()[:16]}"
+        self.identity = bpe_identity(blob)
 
     def encode(self, text: str) -> list[int]:
         # HF encodes one long string about 2x slower than its lines as a batch. Cutting only
@@ -218,6 +218,29 @@ class BpeTokenizer:
             lengths[i] = sum(1 for c in token if c in to_byte)
         lengths[self.eot_id] = 0
         return lengths
+
+
+def bpe_identity(blob: bytes) -> str:
+    """A BPE's identity: its tokenizer.json's bytes, hashed."""
+    return f"bpe:{hashlib.sha256(blob).hexdigest()[:16]}"
+
+
+def checkpoint_files(identity: str, data_dir: Path) -> dict[str, bytes]:
+    """The files a checkpoint of a model trained with tokenizer `identity` carries, so that it
+    opens without its data folder: a BPE's tokenizer.json, read from the run's data folder
+    and checked to be that BPE; none for byte and gpt2, which their names rebuild."""
+    if identity.split(":", 1)[0] != "bpe":
+        return {}
+    path = Path(data_dir) / BPE_FILE
+    try:
+        blob = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the run's BPE to save it with the checkpoint "
+                        f"({exc.strerror}); was the data folder removed while training?") from None
+    if bpe_identity(blob) != identity:
+        raise UserError(f"{path}: is {bpe_identity(blob)}, not the BPE {identity} this run trains "
+                        f"with; was the data folder prepared again while training?")
+    return {BPE_FILE: blob}
 
 
 # The id counts of the tokenizers that are not trained on the corpus.

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from andrea import faults
 from andrea.config import Config
 from andrea.data.loader import train_batch
+from andrea.data.tokenizer import checkpoint_files
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import snapshot
@@ -410,9 +411,11 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
     unless that step is already the newest checkpoint (or no step has been taken)."""
     if s.step == 0 or s.checkpoint_step == s.step:
         return
+    identity = s.train_split.tokenizer_identity
     s.checkpoint = checked_write(s, lambda: snapshot.write_session(
-        s.run_dir, s.cfg, s.train_split.tokenizer_identity, s.model, s.optimizer,
+        s.run_dir, s.cfg, identity, s.model, s.optimizer,
         s.param_names, rng, trainer_state(s), s.dist, s.parallel.sharded,
+        checkpoint_files(identity, s.train_split.data_dir),
     ))
     if s.dist.is_main:
         s.log.write("checkpoint", step=s.step, path=s.checkpoint.name)
