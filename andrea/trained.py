@@ -29,7 +29,7 @@ import torch
 from andrea.config import Config
 from andrea.data.loader import TokenSplit, open_split
 from andrea.data.prepare import data_dir_for, prepare_from_config
-from andrea.data.tokenizer import BPE_FILE, BpeTokenizer, Tokenizer, load_tokenizer
+from andrea.data.tokenizer import BpeTokenizer, Tokenizer, kind_of
 from andrea.errors import UserError
 from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
@@ -140,19 +140,19 @@ def tokenizer_for_checkpoint(
     identity must still match.
     """
     identity = metadata.get("tokenizer", "")
-    kind = identity.split(":", 1)[0]
-    if kind in ("byte", "gpt2"):
-        tok = load_tokenizer(kind)
+    kind = kind_of(identity)
+    if kind is None:
+        raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
+    if kind.file is None:
+        tok = kind.open()
         if tok.identity != identity:
             raise UserError(
-                f"{ckpt}: trained with tokenizer {identity}, but this install's {kind} tokenizer "
-                f"is {tok.identity}"
+                f"{ckpt}: trained with tokenizer {identity}, but this install's {kind.name} "
+                f"tokenizer is {tok.identity}"
             )
         return tok
-    if kind != "bpe":
-        raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
-    own = ckpt / BPE_FILE
-    if own.is_file():
+    own = kind.in_checkpoint(ckpt)
+    if own is not None:
         ckpt_io.verify_file(own)
         tok = BpeTokenizer(own)
         if tok.identity != identity:
@@ -161,14 +161,14 @@ def tokenizer_for_checkpoint(
         return tok
     data_dir = data_dir_for(cfg)
     local_dir = data_dir_for(local_data_config(cfg))
-    candidates = (data_dir / BPE_FILE, local_dir / BPE_FILE, ckpt.parent / BPE_FILE)
+    candidates = (data_dir / kind.file, local_dir / kind.file, ckpt.parent / kind.file)
     tok = _find_bpe(candidates, identity)
     if tok is None and prepare_missing:
         prepare_run_data(ckpt, cfg, "its BPE (which checkpoints this old do not carry)")
         tok = _find_bpe(candidates, identity)
     if tok is not None:
         return tok
-    searched = ", ".join(str(path.parent) for path in (own, *candidates))
+    searched = ", ".join(str(path.parent) for path in (ckpt / kind.file, *candidates))
     raise UserError(
         f"{ckpt}: trained with BPE tokenizer {identity}, which is in none of {searched}; "
         f"copy that tokenizer.json into {ckpt}, or prepare the run's data "

@@ -15,7 +15,7 @@ from andrea.data.documents import SHAKESPEARE, SPLITS, Input, identity
 from andrea.data.folder import records
 from andrea.data.readers import InputFile
 from andrea.data.shards import MANIFEST_VERSION, read_manifest
-from andrea.data.tokenizer import load_tokenizer
+from andrea.data.tokenizer import KINDS, load_tokenizer
 from andrea.errors import UserError
 
 SPLIT_RULE = "tail-after-line-break-v1"
@@ -33,7 +33,8 @@ def request_settings(
         corpus = corpus_identity()
     else:
         corpus = "files"
-    request: dict[str, Any] = {"kind": kind, "vocab_size": vocab_size if kind == "bpe" else None}
+    request: dict[str, Any] = {"kind": kind,
+                               "vocab_size": vocab_size if KINDS[kind].trained else None}
     if tokenizer_blob is not None:  # a given tokenizer.json: its content, not its path, counts
         request = {"kind": kind, "vocab_size": None,
                    "file_sha256": hashlib.sha256(tokenizer_blob).hexdigest()}

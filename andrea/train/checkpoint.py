@@ -170,7 +170,7 @@ def save_checkpoint(
     """Write checkpoint `step` into run_dir, point `latest` at it, prune to keep_last.
     partial: the folder every rank's shards were written into (see partial_dir); it then holds
     the optimizer state, and optimizer_tensors is ignored. files: other files the checkpoint
-    carries, by name (the tokenizer's: data.tokenizer.checkpoint_files). Every file's sha256
+    carries, by name (the tokenizer's: TokenizerKind.checkpoint_files). Every file's sha256
     goes into checksums.json, written last."""
     final = run_dir / step_dir_name(step)
     sharded = partial is not None

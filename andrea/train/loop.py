@@ -25,7 +25,7 @@ from tqdm import tqdm
 from andrea import faults
 from andrea.config import Config
 from andrea.data.loader import train_batch
-from andrea.data.tokenizer import checkpoint_files
+from andrea.data.tokenizer import kind_of
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import snapshot
@@ -415,7 +415,7 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
     s.checkpoint = checked_write(s, lambda: snapshot.write_session(
         s.run_dir, s.cfg, identity, s.model, s.optimizer,
         s.param_names, rng, trainer_state(s), s.dist, s.parallel.sharded,
-        checkpoint_files(identity, s.train_split.data_dir),
+        kind_of(identity).checkpoint_files(identity, s.train_split.data_dir),
     ))
     if s.dist.is_main:
         s.log.write("checkpoint", step=s.step, path=s.checkpoint.name)

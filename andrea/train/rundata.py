@@ -20,7 +20,7 @@ from andrea.data.documents import SHAKESPEARE
 from andrea.data.inputs import names_anything
 from andrea.data.prepare import run_sources, source_words
 from andrea.data.shards import MANIFEST
-from andrea.data.tokenizer import BPE_FILE
+from andrea.data.tokenizer import KINDS
 from andrea.errors import UserError
 from andrea.train.checkpoint import verify_file
 from andrea.train.rundir import CONFIG
@@ -32,11 +32,18 @@ def own_tokenizer_config(cfg: Config, ckpt: Path) -> Config:
     `andrea prepare -c RUN/config.yaml --tokenizer-file CKPT/tokenizer.json` writes
     (data/<source>-bpe-tok<hash of the file>). cfg itself when the checkpoint carries none
     (byte, gpt2, or a checkpoint written before checkpoints carried their tokenizer)."""
-    path = ckpt / BPE_FILE
-    if not path.is_file():
+    path = KINDS[cfg.data.tokenizer].in_checkpoint(ckpt)
+    if path is None:
         return cfg
     verify_file(path)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer_file=str(path)))
+
+
+def carried(cfg: Config, ckpt: Path) -> bool:
+    """Whether cfg's data.tokenizer_file is the tokenizer file checkpoint `ckpt` carries."""
+    own = KINDS[cfg.data.tokenizer].in_checkpoint(ckpt)
+    return own is not None and bool(cfg.data.tokenizer_file) and \
+        Path(cfg.data.tokenizer_file) == own
 
 
 def is_prepared(cfg: Config) -> bool:
@@ -48,7 +55,7 @@ def prepare_command(cfg: Config, ckpt: Path, out: Path | None = None) -> str:
     """The command that prepares the run's data with its own tokenizer (from its config.yaml),
     into `out` when given (else where the run's config says)."""
     argv = ["andrea", "prepare", "-c", str(ckpt.parent / CONFIG)]
-    if cfg.data.tokenizer_file and Path(cfg.data.tokenizer_file) == ckpt / BPE_FILE:
+    if carried(cfg, ckpt):
         argv += ["--tokenizer-file", cfg.data.tokenizer_file]
     if out is not None:
         argv += ["--out", str(out)]
@@ -74,13 +81,14 @@ def prepare_line(own: Config, ckpt: Path, data: Path, target: Path, note: str = 
     """The one line that says the run's data is prepared again: into `target`, from what, with
     which tokenizer, and why (`data`, the run's folder, is not here; `note`: more on that)."""
     d = own.data
-    if d.tokenizer_file and Path(d.tokenizer_file) == ckpt / BPE_FILE:
+    if carried(own, ckpt):
         tokenizer = f"the run's own tokenizer ({d.tokenizer_file})"
     elif d.tokenizer_file:
         tokenizer = f"the tokenizer {d.tokenizer_file} its config names"
-    elif d.tokenizer == "bpe":
+    elif KINDS[d.tokenizer].trained:
         tokenizer = (f"a BPE trained again, as the run's config says ({ckpt} holds no "
-                     f"{BPE_FILE}: written before checkpoints carried their tokenizer)")
+                     f"{KINDS[d.tokenizer].file}: written before checkpoints carried their "
+                     f"tokenizer)")
     else:
         tokenizer = f"the {d.tokenizer} tokenizer"
     return (f"preparing {target} from {source_words(own)} with {tokenizer}: the run's data, "

@@ -38,7 +38,7 @@ def write_session(
 ) -> Path:
     """Checkpoint step state.step: weights, optimizer state, every rank's generator states
     (`rng`: this rank's, as local_rng_states took them), the trainer state and `files` (the
-    tokenizer's, data.tokenizer.checkpoint_files). Every rank calls
+    tokenizer's, TokenizerKind.checkpoint_files). Every rank calls
     it (it gathers); rank 0 writes, and under a sharded mode every rank first writes its
     shards into rank 0's folder. Returns the checkpoint folder, on every rank.
 
