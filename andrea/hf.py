@@ -47,7 +47,7 @@ from andrea.config import Config, config_from_dict, parse_override
 from andrea.data.tokenizer import (
     BPE_FILE,
     EOT_TEXT,
-    FIXED_VOCAB,
+    KINDS,
     BpeTokenizer,
     ByteTokenizer,
     Gpt2Tokenizer,
@@ -162,16 +162,14 @@ def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: Config) -> dict[str, to
 
 def _write_tokenizer(tok, out: Path, cfg: Config) -> None:
     special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
-    if tok.name == "gpt2":
-        encoder, merges = gpt2_vocab_files()
-        shutil.copyfile(encoder, out / "vocab.json")
-        shutil.copyfile(merges, out / "merges.txt")
-        config = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False}
-    elif tok.name == "bpe":
-        shutil.copyfile(tok.path, out / BPE_FILE)
-        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    else:
+    kind = KINDS[tok.name]
+    if kind.hf_class is None:
         return  # byte: transformers has no such tokenizer; andrea.json names it
+    for name, path in kind.hf_files(tok).items():
+        shutil.copyfile(path, out / name)
+    config: dict[str, Any] = {"tokenizer_class": kind.hf_class}
+    if kind.hf_vocab is not None:  # GPT-2's own files: its tokenizer's settings
+        config["add_prefix_space"] = False
     config.update(special, model_max_length=cfg.model.block_size)
     atomic_write_text(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
     atomic_write_text(out / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
@@ -445,7 +443,7 @@ def import_hf(
                         list(overrides or []), run_tokenizer)
     from andrea.data.prepare import check_vocab
 
-    n_ids = FIXED_VOCAB.get(cfg.data.tokenizer)
+    n_ids = KINDS[cfg.data.tokenizer].fixed_vocab
     if tokenizer_json is not None:
         n_ids = BpeTokenizer(tokenizer_json).vocab_size
     check_vocab(n_ids or 0, cfg.model.vocab_size, f"{src / 'config.json'}: vocab_size")
@@ -464,7 +462,9 @@ def import_hf(
             step=0, seed=cfg.train.seed, preset="imported", imported_from=str(src.resolve()),
             imported_sha256=hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest(),
         )
-        ckpt_io.save_checkpoint(tmp, 0, cfg, identity, tensors, {}, rng, state, keep_last=1)
+        carried = {BPE_FILE: tokenizer_json.read_bytes()} if tokenizer_json is not None else {}
+        ckpt_io.save_checkpoint(tmp, 0, cfg, identity, tensors, {}, rng, state, keep_last=1,
+                                files=carried)
         atomic_write_text(tmp / CONFIG, cfg.to_yaml())
         if tokenizer_json is not None:
             shutil.copyfile(tokenizer_json, tmp / BPE_FILE)

@@ -4,12 +4,14 @@
   run under ./runs written last: `most_recent_run`); a damaged one is refused naming the run's
   newest intact checkpoint (train.checkpoint.resolve_checkpoint); `latest_problem` is the same
   verdict as `andrea runs` reports it, without raising;
-- the model and its tokenizer: `load_model`, `tokenizer_for_checkpoint`, both at once:
-  `open_trained`;
+- the model and its tokenizer: `load_model`, `tokenizer_for_checkpoint` (a BPE's
+  tokenizer.json is in the checkpoint: it opens from any directory, with no data folder),
+  both at once: `open_trained`; each file checked against the checkpoint's checksums;
 - its data: `open_data_split` (`--data`, or the run's own prepared folder, a mixture's
-  sources), prepared from the run's config when it has none yet (`prepare_run_data`: an
-  imported run, or a run opened from another working directory), as `andrea train` does, but
-  only ever under ./data (`local_data_config`: a checkpoint is untrusted input).
+  sources), prepared from the run's text with the run's own tokenizer when it has none here
+  (`prepare_run_data`: an imported run, or a run opened from another working directory), in
+  one line, but only ever under ./data (`local_data_config`: a checkpoint is untrusted input);
+  without that text, one line saying how to prepare it (train/rundata.py).
 
 Notices go to stderr (`notice`): stdout holds a verb's result (--json, generated text).
 """
@@ -26,13 +28,13 @@ import torch
 
 from andrea.config import Config
 from andrea.data.loader import TokenSplit, open_split
-from andrea.data.prepare import data_dir_for, prepare_from_config, source_dirs, source_words
-from andrea.data.shards import MANIFEST
-from andrea.data.tokenizer import BPE_FILE, BpeTokenizer, Tokenizer, load_tokenizer
+from andrea.data.prepare import data_dir_for, prepare_from_config
+from andrea.data.tokenizer import BpeTokenizer, Tokenizer, kind_of
 from andrea.errors import UserError
 from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
+from andrea.train import rundata
 from andrea.train.rundir import LATEST, checkpoint_problem
 
 
@@ -129,38 +131,47 @@ def tokenizer_for_checkpoint(
 ) -> Tokenizer:
     """The tokenizer a checkpoint was trained with, checked by its identity.
 
-    byte and gpt2 are rebuilt from the package. A trained BPE is read from the run's data dir
-    (data.dir of its config), else from the one derived under ./data, else from a
-    tokenizer.json beside the checkpoint or in its run directory (where `andrea import` puts
-    one). With `prepare_missing`, a BPE found nowhere is made by preparing the run's data from
-    its config (`prepare_run_data`, under ./data); its identity must still match.
+    byte and gpt2 are rebuilt from the package. A trained BPE is the tokenizer.json the
+    checkpoint carries (checked against its checksum). A checkpoint written before checkpoints
+    carried their tokenizer: read from the run's data dir (data.dir of its config), else from
+    the one derived under ./data, else from a tokenizer.json in its run directory (where
+    `andrea import` put one). With `prepare_missing`, such a BPE found nowhere is made by
+    preparing the run's data from its config (`prepare_run_data`, under ./data, one line); its
+    identity must still match.
     """
     identity = metadata.get("tokenizer", "")
-    kind = identity.split(":", 1)[0]
-    if kind in ("byte", "gpt2"):
-        tok = load_tokenizer(kind)
+    kind = kind_of(identity)
+    if kind is None:
+        raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
+    if kind.file is None:
+        tok = kind.open()
         if tok.identity != identity:
             raise UserError(
-                f"{ckpt}: trained with tokenizer {identity}, but this install's {kind} tokenizer "
-                f"is {tok.identity}"
+                f"{ckpt}: trained with tokenizer {identity}, but this install's {kind.name} "
+                f"tokenizer is {tok.identity}"
             )
         return tok
-    if kind != "bpe":
-        raise UserError(f"{ckpt}: unknown tokenizer identity {identity!r} in the metadata")
+    own = kind.in_checkpoint(ckpt)
+    if own is not None:
+        ckpt_io.verify_file(own)
+        tok = BpeTokenizer(own)
+        if tok.identity != identity:
+            raise UserError(f"{own}: is the BPE {tok.identity}, but {ckpt} was trained with "
+                            f"{identity}; the checkpoint's files do not belong together")
+        return tok
     data_dir = data_dir_for(cfg)
     local_dir = data_dir_for(local_data_config(cfg))
-    candidates = (data_dir / BPE_FILE, local_dir / BPE_FILE, ckpt / BPE_FILE,
-                  ckpt.parent / BPE_FILE)
+    candidates = (data_dir / kind.file, local_dir / kind.file, ckpt.parent / kind.file)
     tok = _find_bpe(candidates, identity)
     if tok is None and prepare_missing:
-        prepare_run_data(ckpt, cfg, f"copy the model's {BPE_FILE} into {ckpt.parent}")
+        prepare_run_data(ckpt, cfg, "its BPE (which checkpoints this old do not carry)")
         tok = _find_bpe(candidates, identity)
     if tok is not None:
         return tok
-    searched = ", ".join(str(path.parent) for path in candidates)
+    searched = ", ".join(str(path.parent) for path in (ckpt / kind.file, *candidates))
     raise UserError(
         f"{ckpt}: trained with BPE tokenizer {identity}, which is in none of {searched}; "
-        f"copy that tokenizer.json into {ckpt.parent}, or prepare the run's data "
+        f"copy that tokenizer.json into {ckpt}, or prepare the run's data "
         f"(`andrea prepare -c {ckpt.parent / 'config.yaml'} --set data.dir={local_dir}`)"
     )
 
@@ -199,36 +210,37 @@ def local_data_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=""))
 
 
-def prepare_run_data(ckpt: Path, cfg: Config, instead: str) -> Path:
-    """The run's prepared data folder: the one its config names (data.dir) when that folder
-    already holds prepared data (read only), else the folder derived under ./data
-    (`local_data_config`), prepared from the config first, as `andrea train` does, when it
-    holds no prepared data; says so in one line. Nothing is ever written in a folder named
-    only by the checkpoint. `instead`: what the user can do when that fails (the end of the
-    error message)."""
-    named = data_dir_for(cfg)
-    if (named / MANIFEST).is_file():
-        return named
+def prepare_run_data(ckpt: Path, cfg: Config, needs: str) -> Config:
+    """The config whose data folders hold the run's prepared data: the ones its config names
+    (data.dir) when they are prepared (read only), else those derived under ./data
+    (`local_data_config`), else those prepared with the tokenizer the checkpoint carries
+    (train/rundata.py), prepared first from the run's text with one line that says so.
+    Nothing is ever written in a folder named only by the checkpoint. Without the text: a
+    one-line error naming the data and the command that prepares it. `needs`: what needs the
+    data, for that error (e.g. "the val loss")."""
+    if rundata.is_prepared(cfg):
+        return cfg
     local = local_data_config(cfg)
-    data_dir = data_dir_for(local)
-    if (data_dir / MANIFEST).is_file():
-        return data_dir
-    d = cfg.data
-    tokenizer = d.tokenizer_file or f"the {d.tokenizer} tokenizer"
-    why = ("the run's data folder, not prepared yet" if named == data_dir else
-           f"the run's config names {named}, which is not prepared; andrea writes data only "
-           f"under ./data for a checkpoint")
-    announce = (f"preparing {data_dir} ({why}) from {source_words(cfg)} with {tokenizer}, as "
-                f"the run's config says")
+    if rundata.is_prepared(local):
+        return local
+    own = rundata.own_tokenizer_config(local, ckpt)
+    if rundata.is_prepared(own):
+        return own
+    named, target = data_dir_for(cfg), data_dir_for(own)
+    rundata.stop_without_text(own, ckpt, needs, named, rundata.prepare_command(own, ckpt, target),
+                              ", or pass --data DIR (shards prepared with its tokenizer)")
+    note = "" if named == target else " (andrea writes a checkpoint's data only under ./data)"
     try:
         # prepare announces on stdout, as train's log; here stdout is the result.
         with contextlib.redirect_stdout(sys.stderr):
-            return prepare_from_config(local, verbose=False, announce=announce)
+            prepare_from_config(own, verbose=False,
+                                announce=rundata.prepare_line(own, ckpt, named, target, note))
     except UserError as exc:
         raise UserError(
-            f"{ckpt}: cannot prepare the run's data in {data_dir} from its config ({exc}); "
-            f"{instead}"
+            f"{ckpt}: cannot prepare the run's data in {target} from its config ({exc}); "
+            f"pass --data DIR (shards prepared with the checkpoint's tokenizer)"
         ) from None
+    return own
 
 
 def open_data_split(ckpt: Path, cfg: Config, data: str | None, split: str) -> TokenSplit:
@@ -237,14 +249,4 @@ def open_data_split(ckpt: Path, cfg: Config, data: str | None, split: str) -> To
         if not Path(data).is_dir():
             raise UserError(f"--data {data}: no such directory")
         return TokenSplit(Path(data), split)
-    instead = "pass --data DIR (shards prepared with the checkpoint's tokenizer)"
-    if not cfg.data.sources:
-        return TokenSplit(prepare_run_data(ckpt, cfg, instead), split)
-    # A mixture: the sources under the checkpoint's data.dir when all are prepared there (read
-    # only), else under ./data, prepared there first if missing (never where the checkpoint says).
-    if all((d / MANIFEST).is_file() for _, d, _ in source_dirs(cfg)):
-        return open_split(cfg, split)
-    local = local_data_config(cfg)
-    if not all((d / MANIFEST).is_file() for _, d, _ in source_dirs(local)):
-        prepare_run_data(ckpt, cfg, instead)
-    return open_split(local, split)
+    return open_split(prepare_run_data(ckpt, cfg, "the val loss"), split)

@@ -422,6 +422,50 @@ def prepare_disk_full(b: Bench) -> Row:
                "finishes")
 
 
+# ----------------------------------------------------------------------------- run folders
+
+
+def run_folder_moved(b: Bench) -> Row:
+    """A run stopped at step 8, copied (`cp -r`) to another folder, the original deleted, and
+    resumed from a third directory that holds no data: its data is prepared there again, with
+    the run's own tokenizer, in one line."""
+    ref, name = b.reference(), "moved"
+    r = b.andrea(*b.train_args(name), "--stop-after", "8")
+    check(r, "the run to move")
+    moved, third = b.work / "elsewhere" / name, b.work / "third"
+    shutil.rmtree(moved.parent, ignore_errors=True)
+    shutil.rmtree(third, ignore_errors=True)
+    third.mkdir()
+    shutil.copytree(b.runs / name, moved)
+    shutil.rmtree(b.runs / name)
+    r = b.andrea("train", "--resume", str(moved), "--no-progress", cwd=third)
+    prepared = [ln for ln in r.stdout.splitlines() if ln.startswith("preparing ")]
+    did = f"exit {r.returncode}; " + (prepared[0] if prepared else said(r.stderr))
+    after = same_run(moved, ref) if r.returncode == 0 else "did not finish"
+    return Row("run folder moved (`cp -r`), resumed from a third folder without its data", did,
+               "0", after,
+               "test_portable.py::test_a_resume_without_the_data_or_its_text_says_how_to_prepare_it")
+
+
+def checkpoint_damaged_in_transit(b: Bench) -> Row:
+    """One byte flipped in the tensor data of a copied checkpoint's model.safetensors (its
+    header stays valid): generate refuses it."""
+    ref = b.reference()
+    copy = b.work / "transit" / "ref1"
+    shutil.rmtree(copy.parent, ignore_errors=True)
+    shutil.copytree(ref, copy)
+    model = copy / f"step-{STEPS:06d}" / "model.safetensors"
+    blob = bytearray(model.read_bytes())
+    blob[len(blob) - 1000] ^= 0x40
+    model.write_bytes(bytes(blob))
+    r = b.andrea("generate", "--checkpoint", str(copy), "-n", "8", "--seed", "1")
+    after = "refused, nothing generated" if r.returncode == 2 and not r.stdout else \
+        f"used: exit {r.returncode}, {len(r.stdout)} characters generated"
+    return Row("a checkpoint damaged in transit (1 byte of model.safetensors)",
+               f"exit {r.returncode}; {said(r.stderr)}", "-", after,
+               "test_portable.py::test_a_checkpoint_damaged_on_its_way_is_named_and_never_used")
+
+
 # ----------------------------------------------------------------------------- the matrix
 
 # ----------------------------------------------------------------------------- data rows
@@ -514,6 +558,8 @@ ROWS: dict[str, Callable[[Bench], Row]] = {
     "manifest": lambda b: data_damage_row(
         b, "manifest", "garbage manifest.json, then resume", break_manifest,
         "test_shard_damage.py::test_a_damaged_folder_is_named_and_prepared_again", stops=False),
+    "moved": run_folder_moved,
+    "transit": checkpoint_damaged_in_transit,
 }
 
 

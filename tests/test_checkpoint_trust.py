@@ -83,7 +83,8 @@ def test_a_checkpoint_naming_a_users_folder_never_writes_there(tmp_path):
                       "--json", cwd=home)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)[0]["data_dir"] == "data/shakespeare-byte"
-    assert f"the run's config names {precious}, which is not prepared" in proc.stderr
+    assert f"the run's data, {precious}, is not here (andrea writes a checkpoint's data only" \
+        " under ./data)" in proc.stderr
     assert (home / "data/shakespeare-byte/manifest.json").is_file()
     assert snapshot(precious) == before
 

@@ -136,7 +136,8 @@ def test_bad_checkpoints_and_data_are_clear_errors(tmp_path):
     ckpt = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'never'}",
                            f"data.source={missing}", "train.name=nosource")
     assert_user_error(run_andrea("eval", "--checkpoint", str(ckpt), cwd=tmp_path),
-                      "cannot prepare", "data/missing-byte", f"{missing}: no such file", "--data")
+                      f"the run's data, {tmp_path / 'never'}, which is not here, nor is "
+                      f"{missing}", "--out data/missing-byte`", "--data")
     assert not (tmp_path / "never").exists()
 
 
@@ -152,9 +153,9 @@ def test_a_missing_data_folder_is_prepared_from_the_run_config(tmp_path, data_di
     assert proc.returncode == 0, proc.stderr
     notices = [line for line in proc.stderr.splitlines() if line.strip()]
     assert notices == [
-        f"preparing data/shakespeare-byte (the run's config names {tmp_path / 'fresh'}, which "
-        "is not prepared; andrea writes data only under ./data for a checkpoint) from the "
-        "embedded Shakespeare corpus with the byte tokenizer, as the run's config says"
+        "preparing data/shakespeare-byte from the embedded Shakespeare corpus with the byte "
+        f"tokenizer: the run's data, {tmp_path / 'fresh'}, is not here (andrea writes a "
+        "checkpoint's data only under ./data)"
     ]
     assert (tmp_path / "data/shakespeare-byte/manifest.json").is_file()
     assert not (tmp_path / "fresh").exists()

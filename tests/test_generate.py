@@ -161,9 +161,10 @@ def test_a_bpe_run_whose_data_is_gone_prepares_it_again(tmp_path):
                        "--seed", "1", cwd=tmp_path)
     assert after.returncode == 0, after.stderr
     assert after.stderr.splitlines() == [
-        f"preparing data/text-bpe-320 (the run's config names {data}, which is not prepared; "
-        f"andrea writes data only under ./data for a checkpoint) from {text} with the bpe "
-        "tokenizer, as the run's config says"
+        f"preparing data/text-bpe-320 from {text} with a BPE trained again, as the run's config "
+        f"says ({ckpt} holds no tokenizer.json: written before checkpoints carried their "
+        f"tokenizer): the run's data, {data}, is not here (andrea writes a checkpoint's data "
+        "only under ./data)"
     ]
     assert not (data / "manifest.json").exists()  # tmp_path/data holds only the new folder
     assert (tmp_path / "data/text-bpe-320/tokenizer.json").is_file()

@@ -151,8 +151,8 @@ def test_every_verb_as_a_new_user_runs_it(tmp_path, first_steps):
     # eval of the import prepares its data (one line) and equals eval of the exported run.
     imported, stderr = eval_result(elsewhere, "runs/exported")
     assert [line for line in stderr.splitlines() if "prepar" in line] == [
-        "preparing data/shakespeare-byte (the run's data folder, not prepared yet) from the "
-        "embedded Shakespeare corpus with the byte tokenizer, as the run's config says"]
+        "preparing data/shakespeare-byte from the embedded Shakespeare corpus with the byte "
+        "tokenizer: the run's data, data/shakespeare-byte, is not here"]
     assert (elsewhere / "data/shakespeare-byte/manifest.json").is_file()
     assert imported["ckpt"] == "runs/exported/step-000000"
     for key in ("loss", "ppl", "bpb", "tokens", "bytes", "dtype"):

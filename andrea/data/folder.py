@@ -20,7 +20,7 @@ from typing import Any
 
 from andrea.data import shards
 from andrea.data.shards import MANIFEST, SPLITS
-from andrea.data.tokenizer import BPE_FILE
+from andrea.data.tokenizer import BPE_FILE, KINDS
 from andrea.errors import UserError
 
 PROGRESS = "progress.json"  # an unfinished prepare's complete shards and where to go on
@@ -113,8 +113,10 @@ def owned_files(out: Path) -> set[str]:
             for entry in (record.get("shards") or {}).get(split) or []:
                 if isinstance(entry, dict) and isinstance(entry.get("file"), str):
                     owned.add(Path(entry["file"]).name)  # a name, never a path elsewhere
-        if (record.get("tokenizer_request") or {}).get("kind") == "bpe":
-            owned.add(BPE_FILE)
+        name = (record.get("tokenizer_request") or {}).get("kind")  # a record is untrusted
+        kind = KINDS.get(name) if isinstance(name, str) else None
+        if kind is not None and kind.file:
+            owned.add(kind.file)
     if records(out):
         owned |= {MANIFEST, PROGRESS}
     for p in out.iterdir():

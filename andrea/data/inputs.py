@@ -131,6 +131,12 @@ def input_files(spec: str, exclude: Callable[[Path], bool] | None = None) -> lis
     return files
 
 
+def names_anything(spec: str) -> bool:
+    """Whether an input spec names something here (a file, a folder, a glob's match), without
+    reading it."""
+    return Path(spec).exists() or (glob.has_magic(spec) and bool(glob.glob(spec, recursive=True)))
+
+
 def _parents_below(path: Path, spec: str) -> list[Path]:
     """The folders from a file a glob matched up to the glob's fixed start, nearest first."""
     prefix = spec[: min((spec.find(c) for c in "*?[" if c in spec), default=len(spec))]

@@ -55,7 +55,7 @@ from andrea.data.stops import (
     stopped_line,
     warn_if_short,
 )
-from andrea.data.tokenizer import BPE_FILE, FIXED_VOCAB, KINDS, read_tokenizer_file
+from andrea.data.tokenizer import BPE_FILE, KINDS, read_tokenizer_file
 from andrea.data.writer import mark_started, resume_point, write_shards
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text, is_disk_full
@@ -151,11 +151,11 @@ def _given_tokenizer(
     None with a given one)."""
     _check_arguments(tokenizer, errors, val_fraction, shard_tokens, workers, text_field)
     if tokenizer_file:
-        if tokenizer != "bpe":
+        if KINDS[tokenizer].file is None:
             raise UserError(f"--tokenizer-file applies to --tokenizer bpe only, not {tokenizer}")
         blob, _ = read_tokenizer_file(tokenizer_file)  # read before clear: it may be in `out`
         return blob, None
-    if tokenizer == "bpe" and vocab_size is None:
+    if KINDS[tokenizer].trained and vocab_size is None:
         raise UserError("--tokenizer bpe needs --vocab-size (the BPE's id count incl. end-of-text)")
     return None, vocab_size
 
@@ -222,7 +222,7 @@ def _start(
         print(announce, flush=True)
     owned = owned_files(out) | (why.owned if why is not None else set())
     bpe = out / BPE_FILE
-    if (settings["tokenizer_request"]["kind"] == "bpe" and bpe.exists() and BPE_FILE not in owned
+    if (KINDS[settings["tokenizer_request"]["kind"]].file and bpe.exists() and BPE_FILE not in owned
             and (blob is None or bpe.read_bytes() != blob)):
         raise UserError(
             f"{bpe}: a {BPE_FILE} andrea did not write is in the way of the BPE this prepare "
@@ -296,8 +296,8 @@ def default_data_dir(
         base = Path(re.split(r"[*?\[]", source, maxsplit=1)[0].rstrip("/\\") or ".")
         name = (base.stem if base.suffix else base.name) or base.resolve().name or "input"
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
-    suffix = f"-{vocab_size}" if tokenizer == "bpe" else ""
-    if tokenizer == "bpe" and tokenizer_file:
+    suffix = f"-{vocab_size}" if KINDS[tokenizer].trained else ""
+    if KINDS[tokenizer].file and tokenizer_file:
         suffix = f"-tok{_file_tag(tokenizer_file)}"
     return Path("data") / f"{name}-{tokenizer}{suffix}"
 
@@ -354,9 +354,10 @@ def prepare_from_config(
     """Prepare the shards that `cfg.data` describes (BPE vocab = model.vocab_size, unless
     data.tokenizer_file gives the BPE)."""
     d = cfg.data
-    if d.tokenizer in FIXED_VOCAB:
-        check_vocab(FIXED_VOCAB[d.tokenizer], cfg.model.vocab_size, cfg.source)
-    if d.tokenizer == "bpe" and d.tokenizer_file:
+    kind = KINDS[d.tokenizer]
+    if kind.fixed_vocab is not None:
+        check_vocab(kind.fixed_vocab, cfg.model.vocab_size, cfg.source)
+    if kind.file and d.tokenizer_file:
         given = read_tokenizer_file(d.tokenizer_file)[1]
         where = f"data.tokenizer_file {d.tokenizer_file}"
         check_vocab(given.vocab_size, cfg.model.vocab_size, where)
@@ -364,12 +365,12 @@ def prepare_from_config(
     for source, target, _ in run_sources(cfg):
         out = prepare_inputs(
             source, d.tokenizer, target,
-            vocab_size=cfg.model.vocab_size if d.tokenizer == "bpe" else None,
+            vocab_size=cfg.model.vocab_size if kind.trained else None,
             force=force, errors=d.errors, workers=d.workers, val_fraction=d.val_fraction,
             shard_tokens=d.shard_tokens, verbose=verbose,
             announce=announce if not d.sources or announce is None
             else f"preparing {target} from {source} (first run only)",
-            tokenizer_file=d.tokenizer_file if d.tokenizer == "bpe" else "",
+            tokenizer_file=d.tokenizer_file if kind.file else "",
             text_field=d.text_field,
         )
         tok = read_manifest(out)["tokenizer"]
@@ -448,13 +449,13 @@ def prepare_command(
         tokenizer_file=tokenizer_file, text_field=text_field))
     kind, tokenizer_file = d.tokenizer, d.tokenizer_file or None
     if tokenizer_file is not None:
-        if kind != "bpe" or vocab_size is not None:
+        if kind not in KINDS or KINDS[kind].file is None or vocab_size is not None:
             raise UserError(
                 "--tokenizer-file gives the BPE and its vocab size; drop --tokenizer/--vocab-size"
             )
-    elif kind == "bpe" and vocab_size is None:
+    elif kind in KINDS and KINDS[kind].trained and vocab_size is None:
         vocab_size = 4096
-    if kind != "bpe" and vocab_size is not None:
+    if not (kind in KINDS and KINDS[kind].trained) and vocab_size is not None:
         raise UserError(f"--vocab-size applies to --tokenizer bpe only, not {kind}")
     target = Path(d.dir) if d.dir else default_data_dir(
         input, kind, vocab_size or 0, tokenizer_file or "")

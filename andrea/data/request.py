@@ -17,7 +17,7 @@ from andrea.data.documents import SHAKESPEARE, SPLITS, Input, identity
 from andrea.data.folder import PROGRESS, is_andrea_folder, records
 from andrea.data.readers import InputFile
 from andrea.data.shards import MANIFEST, MANIFEST_VERSION, DamagedShard, read_manifest
-from andrea.data.tokenizer import BPE_FILE, load_tokenizer
+from andrea.data.tokenizer import BPE_FILE, KINDS, load_tokenizer
 from andrea.errors import UserError
 
 SPLIT_RULE = "tail-after-line-break-v1"
@@ -35,7 +35,8 @@ def request_settings(
         corpus = corpus_identity()
     else:
         corpus = "files"
-    request: dict[str, Any] = {"kind": kind, "vocab_size": vocab_size if kind == "bpe" else None}
+    request: dict[str, Any] = {"kind": kind,
+                               "vocab_size": vocab_size if KINDS[kind].trained else None}
     if tokenizer_blob is not None:  # a given tokenizer.json: its content, not its path, counts
         request = {"kind": kind, "vocab_size": None,
                    "file_sha256": hashlib.sha256(tokenizer_blob).hexdigest()}

@@ -21,14 +21,10 @@ from pathlib import Path
 from andrea.data.documents import Input
 from andrea.data.readers import InputFile
 from andrea.data.shards import token_dtype
-from andrea.data.tokenizer import FIXED_VOCAB
+from andrea.data.tokenizer import KINDS
 from andrea.errors import UserError
 from andrea.fileio import free_bytes, size_text
 
-# Tokens per byte of text, measured on the embedded Shakespeare and on andrea's own docs
-# (docs/log.md, 2026-12-02): byte 1.0; gpt2 0.31 and 0.32; a BPE of 4,096 ids 0.33 and 0.30
-# (larger vocabularies make fewer). The larger figure is taken, so the warning errs early.
-TOKENS_PER_TEXT_BYTE = {"byte": 1.0, "gpt2": 0.33, "bpe": 0.33}
 # Bytes of text per byte of a compressed input, measured on Shakespeare: gzip -6 2.56, zstd -3
 # 2.61, Parquet (snappy, pyarrow's default) 1.55.
 EXPANSION = {".gz": 2.6, ".zst": 2.6}
@@ -47,9 +43,11 @@ def estimate_bytes(docs: list[Input], kind: str, vocab_size: int | None) -> int:
     """About how many bytes the shards of `docs` take with tokenizer `kind`: the text's bytes
     times tokens per text byte times bytes per id (uint16, or uint32 for a BPE of over 65,536
     ids). A BPE read from a tokenizer.json (`vocab_size` None) is taken as uint16."""
-    ids = FIXED_VOCAB.get(kind) or vocab_size or 2**16
+    known = KINDS.get(kind)
+    ids = (known.fixed_vocab if known else None) or vocab_size or 2**16
     per_token = token_dtype(ids).itemsize
-    return int(sum(map(_text_bytes, docs)) * TOKENS_PER_TEXT_BYTE.get(kind, 1.0) * per_token)
+    per_byte = known.tokens_per_text_byte if known else 1.0
+    return int(sum(map(_text_bytes, docs)) * per_byte * per_token)
 
 
 def warn_if_short(out: Path, needed: int, kind: str, resuming: bool) -> None:

@@ -13,7 +13,8 @@ import hashlib
 import importlib.util
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,7 +24,6 @@ from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
 
 EOT_TEXT = "<|endoftext|>"
-KINDS = ("gpt2", "bpe", "byte")
 BPE_FILE = "tokenizer.json"  # the trained BPE, saved beside the shards
 _LINE_CUT = re.compile(r"(?<=\S\n)(?=\S)")  # a line break between two non-space characters
 
@@ -194,7 +194,7 @@ class BpeTokenizer:
         self.path = path
         self.vocab_size = self._tok.get_vocab_size()
         self.eot_id = eot
-        self.identity = f"bpe:{hashlib.sha256(blob).hexdigest()[:16]}"
+        self.identity = bpe_identity(blob)
 
     def encode(self, text: str) -> list[int]:
         # HF encodes one long string about 2x slower than its lines as a batch. Cutting only
@@ -220,8 +220,9 @@ class BpeTokenizer:
         return lengths
 
 
-# The id counts of the tokenizers that are not trained on the corpus.
-FIXED_VOCAB = {"gpt2": Gpt2Tokenizer.vocab_size, "byte": ByteTokenizer.vocab_size}
+def bpe_identity(blob: bytes) -> str:
+    """A BPE's identity: its tokenizer.json's bytes, hashed."""
+    return f"bpe:{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
 def train_bpe(texts: Iterator[str], vocab_size: int, path: Path) -> BpeTokenizer:
@@ -253,20 +254,99 @@ def train_bpe(texts: Iterator[str], vocab_size: int, path: Path) -> BpeTokenizer
     return BpeTokenizer(path)
 
 
-def load_tokenizer(kind: str, data_dir: Path | None = None) -> Tokenizer:
-    """The tokenizer `kind`; `bpe` is read from `data_dir/tokenizer.json`."""
-    if kind == "byte":
-        return ByteTokenizer()
-    if kind == "gpt2":
-        return Gpt2Tokenizer()
-    if kind == "bpe":
-        if data_dir is None:
-            raise UserError("tokenizer bpe: needs the data directory that holds tokenizer.json")
-        path = Path(data_dir) / BPE_FILE
+# ----------------------------------------------------------------------------- the kinds
+
+
+@dataclass(frozen=True)
+class TokenizerKind:
+    """One kind of tokenizer (a value of data.tokenizer), the one home of what differs between
+    them: whether it is trained on the corpus or fixed (its id count), its file (a trained or
+    given BPE's tokenizer.json, kept in the data folder and in each checkpoint; none where the
+    name rebuilds it), how it is opened and saved, and how many tokens a byte of text makes.
+    Callers ask the kind (`KINDS`, `kind_of`) instead of comparing names."""
+
+    name: str
+    fixed_vocab: int | None  # the id count of a tokenizer not trained on the corpus; None: bpe
+    # Tokens per byte of text, measured on the embedded Shakespeare and on andrea's own docs
+    # (docs/log.md, 2026-12-02): byte 1.0; gpt2 0.31 and 0.32; a BPE of 4,096 ids 0.33 and
+    # 0.30 (larger vocabularies make fewer). The larger figure is taken: prepare's disk
+    # warning errs early.
+    tokens_per_text_byte: float
+    file: str | None = None  # its own file in a data folder and a checkpoint
+    build: Callable[[], Tokenizer] | None = None  # a fixed one, rebuilt from its name
+    # transformers' class for it in an export (tokenizer_config.json); None: it has none
+    hf_class: str | None = None
+    # a fixed one's files in an export, by name (GPT-2's own vocab.json and merges.txt)
+    hf_vocab: Callable[[], dict[str, Path]] | None = None
+
+    @property
+    def trained(self) -> bool:
+        """Trained on the corpus (its vocab size is model.vocab_size), not fixed."""
+        return self.fixed_vocab is None
+
+    def open(self, folder: Path | None = None) -> Tokenizer:
+        """The tokenizer: rebuilt from its name, or read from its file in `folder`."""
+        if self.build is not None:
+            return self.build()
+        if folder is None:
+            raise UserError(f"tokenizer {self.name}: needs the data directory that holds "
+                            f"{self.file}")
+        path = Path(folder) / self.file
         if not path.is_file():
             raise UserError(f"{path}: no trained BPE tokenizer here; run `andrea prepare` first")
         return BpeTokenizer(path)
-    raise UserError(f"tokenizer '{kind}' is not one of {', '.join(KINDS)}")
+
+    def checkpoint_files(self, identity: str, data_dir: Path) -> dict[str, bytes]:
+        """The files a checkpoint of a model trained with tokenizer `identity` carries, so that
+        it opens without its data folder: its file, read from the run's data folder and checked
+        to be that tokenizer; none where the name rebuilds it."""
+        if self.file is None:
+            return {}
+        path = Path(data_dir) / self.file
+        try:
+            blob = path.read_bytes()
+        except OSError as exc:
+            raise UserError(f"{path}: cannot read the run's BPE to save it with the checkpoint "
+                            f"({exc.strerror}); was the data folder removed while "
+                            f"training?") from None
+        if bpe_identity(blob) != identity:
+            raise UserError(f"{path}: is {bpe_identity(blob)}, not the BPE {identity} this run "
+                            f"trains with; was the data folder prepared again while training?")
+        return {self.file: blob}
+
+    def in_checkpoint(self, ckpt: Path) -> Path | None:
+        """Its file as checkpoint `ckpt` carries it; None for a kind without one, or a
+        checkpoint written before checkpoints carried their tokenizer."""
+        if self.file is None or not (ckpt / self.file).is_file():
+            return None
+        return ckpt / self.file
+
+    def hf_files(self, tok: Tokenizer) -> dict[str, Path]:
+        """The files an export holds for tokenizer `tok` of this kind, by name: GPT-2's own
+        vocab.json and merges.txt, a BPE's tokenizer.json byte for byte, none for byte."""
+        if self.file is not None:
+            return {self.file: tok.path}  # type: ignore[attr-defined]
+        return self.hf_vocab() if self.hf_vocab is not None else {}
+
+
+GPT2 = TokenizerKind(
+    "gpt2", Gpt2Tokenizer.vocab_size, 0.33, build=Gpt2Tokenizer, hf_class="GPT2Tokenizer",
+    hf_vocab=lambda: dict(zip(("vocab.json", "merges.txt"), gpt2_vocab_files(), strict=True)))
+BPE = TokenizerKind("bpe", None, 0.33, file=BPE_FILE, hf_class="PreTrainedTokenizerFast")
+BYTE = TokenizerKind("byte", ByteTokenizer.vocab_size, 1.0, build=ByteTokenizer)
+KINDS = {kind.name: kind for kind in (GPT2, BPE, BYTE)}
+
+
+def kind_of(identity: str) -> TokenizerKind | None:
+    """The kind a tokenizer identity (`bpe:<hash>`, `byte:v1`) names; None for none."""
+    return KINDS.get(identity.split(":", 1)[0])
+
+
+def load_tokenizer(kind: str, data_dir: Path | None = None) -> Tokenizer:
+    """The tokenizer `kind`; `bpe` is read from `data_dir/tokenizer.json`."""
+    if kind not in KINDS:
+        raise UserError(f"tokenizer '{kind}' is not one of {', '.join(KINDS)}")
+    return KINDS[kind].open(data_dir)
 
 
 # ----------------------------------------------------------------------------- given BPE

@@ -15,7 +15,7 @@ from andrea.data import documents, readers, shards
 from andrea.data.documents import SPLITS, Input, Settings, all_jobs
 from andrea.data.encode import encode_all, train_texts
 from andrea.data.folder import PROGRESS, scratch_name
-from andrea.data.tokenizer import BPE_FILE, BpeTokenizer, load_tokenizer, train_bpe
+from andrea.data.tokenizer import BPE_FILE, KINDS, BpeTokenizer, load_tokenizer, train_bpe
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text
 
@@ -71,7 +71,7 @@ def _tokenizer(
     if tokenizer_blob is not None:
         atomic_write_bytes(out / BPE_FILE, tokenizer_blob)
         return BpeTokenizer(out / BPE_FILE)
-    if kind == "bpe":
+    if KINDS[kind].trained:
         assert vocab_size is not None
         return train_bpe(train_texts(docs, settings, scratch), vocab_size, out / BPE_FILE)
     return load_tokenizer(kind, out)

@@ -8,7 +8,13 @@ newest complete one. Each checkpoint holds:
 - `optimizer.safetensors`: the optimizer state keyed by `<parameter name>.<field>`: AdamW's
   moments and step counts, and with train.optimizer muon each block matrix's Muon momentum buffer;
 - `rng.safetensors`: every generator's state (the CPU generator of each rank, and CUDA's);
-- `trainer_state.json`: the run's counters and records (andrea/train/state.py, `TrainerState`).
+- `trainer_state.json`: the run's counters and records (andrea/train/state.py, `TrainerState`);
+- `tokenizer.json` for a run with a trained or given BPE: the tokenizer it was trained with, so
+  that the checkpoint opens without the run's data folder (byte and gpt2 need only their names);
+- `checksums.json`: the sha256 of each other file, computed from the bytes as they were written
+  (the shards' from their files, once every rank has written them), checked as each file is
+  read (`verify_file`): a copy damaged on its way is refused naming the file, never used.
+  Checkpoints written before it open unchecked.
 
 With `train.parallel: fsdp` the weights and optimizer state (AdamW's, Muon's) are written by every
 rank at once, each its own shards, through torch.distributed.checkpoint's Hugging Face writer:
@@ -25,6 +31,7 @@ pointing at a complete checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -43,6 +50,7 @@ from andrea.model.params import check_stored_shape
 from andrea.train.distributed import full_tensor, shard_like
 from andrea.train.optim import make_empty_state, state_size
 from andrea.train.rundir import (
+    CHECKSUMS,
     LATEST,
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -60,6 +68,7 @@ from andrea.train.rundir import TRAINER_STATE as STATE_FILE
 from andrea.train.state import TrainerState
 
 FORMAT = "andrea-checkpoint/1"
+CHECKSUMS_FORMAT = "andrea-checksums/1"
 OPTIMIZER_PREFIX = "optimizer."  # the optimizer's keys among the shards' tensors
 # The LM head is tied to the token embedding: stored once, re-tied on load.
 TIED_KEYS = {"lm_head.weight": "tok_emb.weight"}
@@ -156,10 +165,13 @@ def save_checkpoint(
     trainer_state: TrainerState,
     keep_last: int,
     partial: Path | None = None,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
     """Write checkpoint `step` into run_dir, point `latest` at it, prune to keep_last.
     partial: the folder every rank's shards were written into (see partial_dir); it then holds
-    the optimizer state, and optimizer_tensors is ignored."""
+    the optimizer state, and optimizer_tensors is ignored. files: other files the checkpoint
+    carries, by name (the tokenizer's: TokenizerKind.checkpoint_files). Every file's sha256
+    goes into checksums.json, written last."""
     final = run_dir / step_dir_name(step)
     sharded = partial is not None
     if partial is None:
@@ -173,15 +185,26 @@ def save_checkpoint(
         "tokenizer": tokenizer_identity,
         "config": json.dumps(cfg.to_dict()),
     }
-    atomic_write_bytes(partial / MODEL_FILE, safetensors_bytes(model_tensors, metadata))
+    sums: dict[str, str] = {}
+
+    def write(name: str, blob: bytes) -> None:
+        atomic_write_bytes(partial / name, blob)
+        sums[name] = hashlib.sha256(blob).hexdigest()  # the bytes in hand: no second read
+
+    write(MODEL_FILE, safetensors_bytes(model_tensors, metadata))
     faults.after_model_file()
     faults.disk_full("checkpoint", final.name)
     if not sharded:
-        atomic_write_bytes(
-            partial / OPTIMIZER_FILE, safetensors_bytes(optimizer_tensors, {"format": FORMAT})
-        )
-    atomic_write_bytes(partial / RNG_FILE, safetensors_bytes(rng_tensors, {"format": FORMAT}))
-    atomic_write_text(partial / STATE_FILE, json.dumps(trainer_state.to_dict(), indent=1))
+        write(OPTIMIZER_FILE, safetensors_bytes(optimizer_tensors, {"format": FORMAT}))
+    write(RNG_FILE, safetensors_bytes(rng_tensors, {"format": FORMAT}))
+    write(STATE_FILE, json.dumps(trainer_state.to_dict(), indent=1).encode("utf-8"))
+    for name, blob in (files or {}).items():
+        write(name, blob)
+    if sharded:  # written by torch.distributed.checkpoint: hashed from their files
+        for shard in sorted((partial / SHARDS_DIR).iterdir()):
+            sums[f"{SHARDS_DIR}/{shard.name}"] = file_sha256(shard)
+    atomic_write_text(partial / CHECKSUMS, json.dumps(
+        {"format": CHECKSUMS_FORMAT, "hash": "sha256", "files": sums}, indent=1))
     if final.exists():  # the same step written by an earlier segment of this run
         stale = run_dir / f"{final.name}.stale-{os.getpid()}"
         final.rename(stale)
@@ -229,6 +252,7 @@ def check_shards(ckpt: Path, expected: dict[str, torch.Tensor]) -> None:
 
     folder = ckpt / SHARDS_DIR
     try:
+        verify_file(folder / SHARD_INDEX)
         files = json.loads((folder / SHARD_INDEX).read_text())["files"]
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{folder / SHARD_INDEX}: unreadable shard index: {exc}") from None
@@ -247,6 +271,7 @@ def check_shards(ckpt: Path, expected: dict[str, torch.Tensor]) -> None:
         if path.stat().st_size != size:
             raise UserError(f"{path}: {path.stat().st_size} bytes, {SHARD_INDEX} says {size} "
                             f"(truncated or damaged?)")
+        verify_file(path)  # on every rank: each hashes every shard once (docs/faults.md)
     stored = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
     for key, value in expected.items():
         if key not in stored:
@@ -342,6 +367,37 @@ def resolve_checkpoint(
     raise UserError(f"{what}{reason}; {way_out}")
 
 
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def verify_file(path: Path, blob: bytes | None = None) -> None:
+    """Check a checkpoint's file against the sha256 its checksums.json recorded when it was
+    written; `blob`: its bytes, when the caller has read them. A mismatch is a copy damaged on
+    its way (a flipped byte keeps a safetensors header valid): refused in one line naming the
+    file and the checkpoint. A checkpoint without the record (written before andrea kept one),
+    or a file it does not list, passes unchecked."""
+    ckpt = path.parent.parent if path.parent.name == SHARDS_DIR else path.parent
+    record = ckpt / CHECKSUMS
+    if not record.is_file():
+        return
+    again = f"copy {ckpt} again from where it was written, or use another checkpoint of the run"
+    try:
+        sums = json.loads(record.read_text(encoding="utf-8"))["files"]
+        expected = sums.get(path.relative_to(ckpt).as_posix())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"{record}: unreadable (damaged?), so the checkpoint's files cannot be "
+                        f"checked; {again}") from None
+    if expected is None:
+        return
+    actual = hashlib.sha256(blob).hexdigest() if blob is not None else file_sha256(path)
+    if actual != expected:
+        raise UserError(f"{path}: damaged: its sha256 is not the one {ckpt.name}/{CHECKSUMS} "
+                        f"recorded when the checkpoint was written (a copy damaged on its "
+                        f"way?); {again}")
+
+
 def _open(path: Path):
     if not path.is_file():
         raise UserError(f"{path}: missing; the checkpoint is incomplete")
@@ -355,6 +411,8 @@ def _open(path: Path):
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A checkpoint's safetensors file whole, checked against its checksum first."""
+    verify_file(path)
     with _open(path) as f:
         metadata = f.metadata() or {}
         try:
@@ -448,7 +506,9 @@ def read_state(ckpt: Path) -> TrainerState:
     """The checkpoint's TrainerState (trainer_state.json) alone."""
     path = ckpt / STATE_FILE
     try:
-        state = TrainerState.from_dict(json.loads(path.read_text()))
+        blob = path.read_bytes()
+        verify_file(path, blob)
+        state = TrainerState.from_dict(json.loads(blob))
     except (OSError, ValueError) as exc:
         raise UserError(f"{path}: unreadable trainer state: {exc}") from None
     except (KeyError, TypeError, AttributeError):

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from andrea import faults
 from andrea.config import Config
 from andrea.data.loader import train_batch, wait_checked
+from andrea.data.tokenizer import kind_of
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import snapshot
@@ -409,9 +410,11 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
         return
     # No checkpoint from a shard not yet found intact, unless a signal asks to stop now.
     wait_checked(s.train_split, wait=s.signals.received is None)
+    identity = s.train_split.tokenizer_identity
     s.checkpoint = checked_write(s, lambda: snapshot.write_session(
-        s.run_dir, s.cfg, s.train_split.tokenizer_identity, s.model, s.optimizer,
+        s.run_dir, s.cfg, identity, s.model, s.optimizer,
         s.param_names, rng, trainer_state(s), s.dist, s.parallel.sharded,
+        kind_of(identity).checkpoint_files(identity, s.train_split.data_dir),
     ))
     if s.dist.is_main:
         s.log.write("checkpoint", step=s.step, path=s.checkpoint.name)

@@ -33,6 +33,7 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 SHARDS_DIR = "shards"
 SHARD_INDEX = "index.json"
+CHECKSUMS = "checksums.json"  # each other file's sha256 as written (train/checkpoint.py)
 STEP_DIR = re.compile(r"step-(\d+)")
 # safetensors' own limit on the JSON header; a larger length is damage, never a real header.
 MAX_HEADER_BYTES = 100_000_000

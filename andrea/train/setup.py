@@ -16,13 +16,13 @@ import torch
 
 from andrea.config import Config, load_config
 from andrea.data.loader import TokenSplit, check_in_background, open_split
-from andrea.data.prepare import check_vocab, ensure_prepared
+from andrea.data.prepare import check_vocab, data_dir_for, ensure_prepared, prepare_from_config
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
 from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
-from andrea.train import snapshot
+from andrea.train import rundata, snapshot
 from andrea.train.device import choose_precision, device_name
 from andrea.train.diskspace import check_room_at_start
 from andrea.train.distributed import (
@@ -77,7 +77,7 @@ def set_up(
         return nothing_to_do(run_dir, resume_from, run.trainer_state.step, t.max_steps, dist)
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
-    train_split, val_split = prepare_data(cfg, dist)
+    train_split, val_split = prepare_data(cfg, dist, resume_from)
     precision = choose_precision(t.precision, device)
     backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
     dtype = precision.dtype
@@ -222,16 +222,42 @@ def nothing_to_do(
     )
 
 
-def prepare_data(cfg: Config, dist: DistInfo) -> tuple[TokenSplit, TokenSplit]:
+def prepare_data(
+    cfg: Config, dist: DistInfo, resume_from: Path | None = None
+) -> tuple[TokenSplit, TokenSplit]:
     """The train and val splits: rank 0 prepares the shards if they are missing, the others
-    wait for it."""
-    if dist.is_main:
+    wait for it. A resume whose data folder is not here takes them from rank 0's
+    `resume_data`."""
+    if resume_from is not None:
+        cfg = from_rank0(lambda: resume_data(cfg, resume_from), dist)
+    elif dist.is_main:
         ensure_prepared(cfg)
     barrier(dist)
     train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
     check_in_background(train_split, val_split)  # their checksums, not waited for here
     check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
     return train_split, val_split
+
+
+def resume_data(cfg: Config, checkpoint: Path) -> Config:
+    """Rank 0, resuming from `checkpoint`: the config whose data folders the run trains on,
+    prepared. The run's own folders when they are here (kept current, as for any run); else
+    those prepared with the tokenizer the checkpoint carries (train/rundata.py), prepared
+    first from the run's text with one line that says so, or a one-line error with the
+    command that prepares them when that text is not here either."""
+    if rundata.is_prepared(cfg):
+        ensure_prepared(cfg)
+        return cfg
+    own = rundata.own_tokenizer_config(cfg, checkpoint)
+    if own is not cfg and rundata.is_prepared(own):
+        ensure_prepared(own)
+        return own
+    data, target = data_dir_for(cfg), data_dir_for(own)
+    rundata.stop_without_text(own, checkpoint, "resuming", data,
+                              rundata.prepare_command(own, checkpoint))
+    prepare_from_config(own, verbose=False,
+                        announce=rundata.prepare_line(own, checkpoint, data, target))
+    return own
 
 
 def build_model(

@@ -34,10 +34,11 @@ from andrea.train.state import TrainerState
 def write_session(
     run_dir: Path, cfg: Config, tokenizer_identity: str, model: torch.nn.Module,
     optimizer: torch.optim.Optimizer, names: dict[int, str], rng: dict[str, torch.Tensor],
-    state: TrainerState, dist: DistInfo, sharded: bool,
+    state: TrainerState, dist: DistInfo, sharded: bool, files: dict[str, bytes] | None = None,
 ) -> Path:
     """Checkpoint step state.step: weights, optimizer state, every rank's generator states
-    (`rng`: this rank's, as local_rng_states took them) and the trainer state. Every rank calls
+    (`rng`: this rank's, as local_rng_states took them), the trainer state and `files` (the
+    tokenizer's, TokenizerKind.checkpoint_files). Every rank calls
     it (it gathers); rank 0 writes, and under a sharded mode every rank first writes its
     shards into rank 0's folder. Returns the checkpoint folder, on every rank.
 
@@ -47,7 +48,7 @@ def write_session(
     failure: OSError | None = None
     try:
         written = _write(run_dir, cfg, tokenizer_identity, model, optimizer, names, rng, state,
-                         dist, sharded)
+                         dist, sharded, files)
     except OSError as exc:
         failure = exc
     failed = torch.tensor([0.0 if failure is None else 1.0])
@@ -64,7 +65,7 @@ def write_session(
 def _write(
     run_dir: Path, cfg: Config, tokenizer_identity: str, model: torch.nn.Module,
     optimizer: torch.optim.Optimizer, names: dict[int, str], rng: dict[str, torch.Tensor],
-    state: TrainerState, dist: DistInfo, sharded: bool,
+    state: TrainerState, dist: DistInfo, sharded: bool, files: dict[str, bytes] | None,
 ) -> Path:
     all_rng = all_rng_states(rng, dist)
     partial, optimizer_tensors = None, {}
@@ -86,7 +87,7 @@ def _write(
         return run_dir / ckpt_io.step_dir_name(state.step)
     return ckpt_io.save_checkpoint(run_dir, state.step, cfg, tokenizer_identity, model_tensors,
                                    optimizer_tensors, all_rng, state, cfg.train.keep_last,
-                                   partial)
+                                   partial, files)
 
 
 def restore_session(

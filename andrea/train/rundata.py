@@ -1,0 +1,95 @@
+"""A trained run's data when its data folder is not here: a run folder copied to another
+machine, or its data folder deleted. Shared by `andrea train --resume` (train/setup.py) and the
+verbs that open a checkpoint (andrea/trained.py).
+
+The data is prepared again only with the run's own tokenizer: the tokenizer.json its checkpoint
+carries for a BPE (`own_tokenizer_config`; a new BPE trained on the same text could differ), or
+byte and gpt2 by name; and only from the run's own text, said in one line (`prepare_line`).
+When that text is not here either, a one-line error names the data, the text and the command
+that prepares it (`stop_without_text`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from pathlib import Path
+
+from andrea.config import Config
+from andrea.data.documents import SHAKESPEARE
+from andrea.data.inputs import names_anything
+from andrea.data.prepare import run_sources, source_words
+from andrea.data.shards import MANIFEST
+from andrea.data.tokenizer import KINDS
+from andrea.errors import UserError
+from andrea.train.checkpoint import verify_file
+from andrea.train.rundir import CONFIG
+
+
+def own_tokenizer_config(cfg: Config, ckpt: Path) -> Config:
+    """cfg with data.tokenizer_file set to the tokenizer.json checkpoint `ckpt` carries (a BPE
+    run's, checked against the checkpoint's checksum): its data folders are then the ones
+    `andrea prepare -c RUN/config.yaml --tokenizer-file CKPT/tokenizer.json` writes
+    (data/<source>-bpe-tok<hash of the file>). cfg itself when the checkpoint carries none
+    (byte, gpt2, or a checkpoint written before checkpoints carried their tokenizer)."""
+    path = KINDS[cfg.data.tokenizer].in_checkpoint(ckpt)
+    if path is None:
+        return cfg
+    verify_file(path)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer_file=str(path)))
+
+
+def carried(cfg: Config, ckpt: Path) -> bool:
+    """Whether cfg's data.tokenizer_file is the tokenizer file checkpoint `ckpt` carries."""
+    own = KINDS[cfg.data.tokenizer].in_checkpoint(ckpt)
+    return own is not None and bool(cfg.data.tokenizer_file) and \
+        Path(cfg.data.tokenizer_file) == own
+
+
+def is_prepared(cfg: Config) -> bool:
+    """Whether every data folder of cfg holds a finished prepare (its manifest)."""
+    return all((d / MANIFEST).is_file() for _, d, _ in run_sources(cfg))
+
+
+def prepare_command(cfg: Config, ckpt: Path, out: Path | None = None) -> str:
+    """The command that prepares the run's data with its own tokenizer (from its config.yaml),
+    into `out` when given (else where the run's config says)."""
+    argv = ["andrea", "prepare", "-c", str(ckpt.parent / CONFIG)]
+    if carried(cfg, ckpt):
+        argv += ["--tokenizer-file", cfg.data.tokenizer_file]
+    if out is not None:
+        argv += ["--out", str(out)]
+    return shlex.join(argv)
+
+
+def stop_without_text(
+    own: Config, ckpt: Path, needs: str, data: Path, command: str, otherwise: str = ""
+) -> None:
+    """A UserError when the text the run's data is prepared from is not here: what `needs` it
+    (e.g. "the val loss"), the data folder, the text, and `command` to run once the text is
+    back (`otherwise`: what else the user can do)."""
+    missing = [s for s, _, _ in run_sources(own) if s != SHAKESPEARE and not names_anything(s)]
+    if missing:
+        raise UserError(
+            f"{ckpt}: {needs} needs the run's data, {data}, which is not here, nor is "
+            f"{missing[0]}, the text it is prepared from; put that text there and prepare the "
+            f"data with the run's own tokenizer: `{command}`{otherwise}"
+        )
+
+
+def prepare_line(own: Config, ckpt: Path, data: Path, target: Path, note: str = "") -> str:
+    """The one line that says the run's data is prepared again: into `target`, from what, with
+    which tokenizer, and why (`data`, the run's folder, is not here; `note`: more on that)."""
+    d = own.data
+    if carried(own, ckpt):
+        tokenizer = f"the run's own tokenizer ({d.tokenizer_file})"
+    elif d.tokenizer_file:
+        tokenizer = f"the tokenizer {d.tokenizer_file} its config names"
+    elif KINDS[d.tokenizer].trained:
+        tokenizer = (f"a BPE trained again, as the run's config says ({ckpt} holds no "
+                     f"{KINDS[d.tokenizer].file}: written before checkpoints carried their "
+                     f"tokenizer)")
+    else:
+        tokenizer = f"the {d.tokenizer} tokenizer"
+    return (f"preparing {target} from {source_words(own)} with {tokenizer}: the run's data, "
+            f"{data}, is not here{note}")
