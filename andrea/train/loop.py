@@ -41,6 +41,7 @@ from andrea.train.flops import format_mfu
 from andrea.train.optim import set_learning_rates
 from andrea.train.progress import RunBar, long_run_note
 from andrea.train.rundir import step_of_dir
+from andrea.train.runlock import held_during
 from andrea.train.scaling import MIN_SCALE
 from andrea.train.schedule import multiplier
 from andrea.train.session import Session, TrainResult
@@ -71,10 +72,11 @@ def train(
     device = pick_device(cfg.train.device)
     dist = init_distributed(device.type, cfg.train.join_timeout)
     try:
-        return run_training(
-            cfg, device, dist, resume=resume, overwrite=overwrite, progress=progress,
-            stop_after=stop_after,
-        )
+        with held_during():  # the run folder's lock, released however the training ends
+            return run_training(
+                cfg, device, dist, resume=resume, overwrite=overwrite, progress=progress,
+                stop_after=stop_after,
+            )
     finally:
         shutdown(dist)
 
