@@ -392,6 +392,25 @@ def prepare_disk_full(b: Bench) -> Row:
                "finishes")
 
 
+def two_writers(b: Bench) -> Row:
+    """`--resume auto` on a run another `andrea train` is writing (held mid-run by a slow
+    checkpoint write): refused; the first run goes on as if alone."""
+    ref, name = b.reference(), "writers"
+    proc = b.start(*b.train_args(name), fault="checkpoint-delay@8")
+    collect(proc.stdout), collect(proc.stderr)  # drained, so that it never blocks on a pipe
+    run = b.runs / name
+    wait_until(lambda: (run / "latest").exists(), proc)
+    second = [a for a in b.train_args(name) if a != "--overwrite"] + ["--resume", "auto"]
+    began = time.time()
+    r = b.andrea(*second)
+    did = f"exit {r.returncode} in {time.time() - began:.1f} s; {said(r.stderr)}"
+    proc.wait(timeout=300)
+    after = same_run(run, ref) if proc.returncode == 0 else f"the first run: exit {proc.returncode}"
+    return Row("a second train --resume auto on a live run", did, "0", after,
+               "test_runlock.py::test_a_second_training_on_a_live_run_is_refused_in_seconds_"
+               "naming_its_holder")
+
+
 # ----------------------------------------------------------------------------- the matrix
 
 ROWS: dict[str, Callable[[Bench], Row]] = {
@@ -421,6 +440,7 @@ ROWS: dict[str, Callable[[Bench], Row]] = {
     "prepterm": lambda b: prepare_stopped(
         b, signal.SIGTERM, "prepare SIGTERMed (2 workers), run again",
         "test_prepare_stops.py::test_sigterm_is_the_clean_stop_of_ctrl_c", "--workers", "2"),
+    "writers": two_writers,
 }
 
 
