@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_user_error, python_command, run_andrea, run_torchrun
+from conftest import assert_user_error, python_command, run_andrea
+from test_parallel import launch_nodes
 
 from andrea.cli import main
 from andrea.train import runlock
@@ -112,10 +113,9 @@ def test_the_same_new_run_started_twice_at_once_trains_once(tmp_path, data_dir):
         wait_for(run_dir / METRICS, trains)
         assert trains.poll() is None
     finally:
-        for proc in both:
-            stop(proc)
-    assert trains.returncode == 143
-    assert [e["event"] for e in events(run_dir)].count("start") == 1
+        said = [stop(proc) for proc in both]
+    assert trains.returncode == 143, said
+    assert [e["event"] for e in events(run_dir)].count("start") == 1, said
 
 
 def test_a_holder_killed_with_sigkill_never_blocks(tmp_path, data_dir):
@@ -184,18 +184,21 @@ def test_a_run_refused_at_set_up_leaves_no_folder(tmp_path, data_dir, capsys):
 
 
 def test_a_second_torchrun_job_is_refused_on_every_rank(tmp_path, data_dir):
-    """Only rank 0 takes the lock; its refusal reaches the other rank, which never waits."""
+    """Only rank 0 takes the lock; its refusal reaches the other rank, which never waits for
+    it. Two torchrun "nodes" (one launcher each), so that each rank's own line shows: one
+    launcher stops its workers as soon as one fails."""
     cfg = tiny_config(tmp_path, data_dir, "max_steps: 2", "checkpoint_every: 2")
     run_dir = tmp_path / "runs" / "r"
     held = RunLock(run_dir).acquire()  # this process trains the run, as far as they know
     try:
-        proc = run_torchrun("train", "-c", str(cfg), "--no-progress", timeout=120)
+        nodes = launch_nodes(cfg, [tmp_path, tmp_path], timeout=120)
     finally:
         held.release()
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode != 0 and len(ours) == 2, proc.stderr[-3000:]
-    assert all(f"another andrea train is writing this run (pid {os.getpid()} on host {HOST}"
-               in line for line in ours), ours
+    for code, _, err in nodes:
+        ours = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code != 0 and len(ours) == 1, err[-3000:]
+        assert (f"another andrea train is writing this run (pid {os.getpid()} on host {HOST}"
+                in ours[0]), ours
     assert not (run_dir / "latest").exists()
 
 
