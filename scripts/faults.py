@@ -464,6 +464,23 @@ def checkpoint_damaged_in_transit(b: Bench) -> Row:
     return Row("a checkpoint damaged in transit (1 byte of model.safetensors)",
                f"exit {r.returncode}; {said(r.stderr)}", "-", after,
                "test_portable.py::test_a_checkpoint_damaged_on_its_way_is_named_and_never_used")
+def two_writers(b: Bench) -> Row:
+    """`--resume auto` on a run another `andrea train` is writing (held mid-run by a slow
+    checkpoint write): refused; the first run goes on as if alone."""
+    ref, name = b.reference(), "writers"
+    proc = b.start(*b.train_args(name), fault="checkpoint-delay@8")
+    collect(proc.stdout), collect(proc.stderr)  # drained, so that it never blocks on a pipe
+    run = b.runs / name
+    wait_until(lambda: (run / "latest").exists(), proc)
+    second = [a for a in b.train_args(name) if a != "--overwrite"] + ["--resume", "auto"]
+    began = time.time()
+    r = b.andrea(*second)
+    did = f"exit {r.returncode} in {time.time() - began:.1f} s; {said(r.stderr)}"
+    proc.wait(timeout=300)
+    after = same_run(run, ref) if proc.returncode == 0 else f"the first run: exit {proc.returncode}"
+    return Row("a second train --resume auto on a live run", did, "0", after,
+               "test_runlock.py::test_a_second_training_on_a_live_run_is_refused_in_seconds_"
+               "naming_its_holder")
 
 
 # ----------------------------------------------------------------------------- the matrix
@@ -560,6 +577,7 @@ ROWS: dict[str, Callable[[Bench], Row]] = {
         "test_shard_damage.py::test_a_damaged_folder_is_named_and_prepared_again", stops=False),
     "moved": run_folder_moved,
     "transit": checkpoint_damaged_in_transit,
+    "writers": two_writers,
 }
 
 

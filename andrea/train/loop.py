@@ -42,6 +42,7 @@ from andrea.train.metrics import median_tokens_per_s
 from andrea.train.optim import set_learning_rates
 from andrea.train.progress import RunBar, plan_note_for
 from andrea.train.rundir import step_of_dir
+from andrea.train.runlock import held_during
 from andrea.train.scaling import MIN_SCALE
 from andrea.train.schedule import multiplier
 from andrea.train.session import Session, TrainResult
@@ -72,10 +73,11 @@ def train(
     device = pick_device(cfg.train.device)
     dist = init_distributed(device.type, cfg.train.join_timeout)
     try:
-        return run_training(
-            cfg, device, dist, resume=resume, overwrite=overwrite, progress=progress,
-            stop_after=stop_after,
-        )
+        with held_during():  # the run folder's lock, released however the training ends
+            return run_training(
+                cfg, device, dist, resume=resume, overwrite=overwrite, progress=progress,
+                stop_after=stop_after,
+            )
     finally:
         shutdown(dist)
 

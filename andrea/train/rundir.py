@@ -6,6 +6,9 @@
     runs/NAME/latest               the name of the newest complete checkpoint
     runs/NAME/wandb_run_id         the W&B run's id (train.wandb), kept so a resume continues it
     runs/NAME/wandb/               W&B's own files (an offline run's, for `wandb sync`)
+    runs/NAME/.andrea-train.lock   while a training writes the run: its lock, who holds it
+                                   (andrea/train/runlock.py); removed at its end (a killed
+                                   training's is stale)
 
 Also here, for the same readers: whether a checkpoint folder is intact (`checkpoint_problem`),
 judged from its files and the safetensors headers alone, and the newest intact one of a run.
@@ -27,6 +30,7 @@ CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 LATEST = "latest"
 WANDB_RUN_ID = "wandb_run_id"
+RUN_LOCK = ".andrea-train.lock"
 TRAINER_STATE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"

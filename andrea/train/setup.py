@@ -50,6 +50,7 @@ from andrea.train.resume import (
     resume_checkpoint,
 )
 from andrea.train.rundir import CONFIG, METRICS, describe_run
+from andrea.train.runlock import lock_run
 from andrea.train.scaling import loss_scaling_for
 from andrea.train.schedule import replan
 from andrea.train.session import Session, TrainResult
@@ -280,9 +281,15 @@ def build_model(
 
 def open_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -> RunDecision:
     """Rank 0's decision: a resumed run (its checkpoint's trainer state read here, once), a new
-    one, or an old one to replace (--overwrite)."""
+    one, or an old one to replace (--overwrite). It takes the run folder's lock first, so that
+    a second training on a run in use is refused before it decides anything about it."""
     run_dir = Path(cfg.train.runs_dir) / cfg.train.name
     resume, overwrite = restart_resume(resume, overwrite)
+    if dist.is_main:
+        folder = run_dir
+        if resume is not None and resume != "auto":  # a run named by its path
+            folder = find_run_to_resume(resume, cfg) or run_dir
+        lock_run(folder)
     if resume is not None:
         found = find_run_to_resume(resume, cfg)
         if found is not None:

@@ -1,0 +1,242 @@
+"""One writer per run folder (andrea/train/runlock.py): a second `andrea train` on a run in use
+(--resume of it, --overwrite of it, the same new name at the same moment, a second torchrun
+job) is refused in seconds, in one line naming its holder; a holder killed with SIGKILL never
+blocks; a holder on another host is named with the way to take the run over; the lock is
+released when train() ends, so trainings one after another in one process each take the run.
+Real processes where two at once or a kill is the point; the rest in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import assert_user_error, python_command, run_andrea
+from test_parallel import launch_nodes
+
+from andrea.cli import main
+from andrea.train import runlock
+from andrea.train.rundir import METRICS, RUN_LOCK
+from andrea.train.runlock import Holder, RunLock, is_stale
+
+HOST = socket.gethostname()
+
+
+def tiny_config(tmp_path: Path, data_dir: Path, *lines: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: {n_layer: 2, n_head: 4, head_dim: 16, block_size: 64, vocab_size: 320}\n"
+        f"data: {{source: shakespeare, tokenizer: byte, dir: {data_dir}}}\n"
+        f"train: {{runs_dir: {tmp_path / 'runs'}, name: r, micro_batch_size: 8, "
+        f"log_every: 1, eval_every: 0, {', '.join(lines)}}}\n"
+    )
+    return path
+
+
+def start_training(cfg: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(python_command("-m", "andrea", "train", "-c", str(cfg),
+                                           "--no-progress", *args),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM, as a scheduler stops a run: it checkpoints its last step and exits 143."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=120)
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
+
+
+def pid_alive(pid: int) -> bool:
+    return runlock.pid_alive(pid)
+
+
+def test_a_second_training_on_a_live_run_is_refused_in_seconds_naming_its_holder(
+        tmp_path, data_dir):
+    cfg = tiny_config(tmp_path, data_dir, "max_steps: 1000000", "checkpoint_every: 5")
+    run_dir = tmp_path / "runs" / "r"
+    first = start_training(cfg)
+    try:
+        wait_for(run_dir / "latest", first)  # training, with a checkpoint to resume from
+        holder = json.loads((run_dir / RUN_LOCK).read_text())
+        assert holder["host"] == HOST and pid_alive(holder["pid"])
+        # Old code: the second one trains alongside (a million steps: the timeout ends it).
+        for way in (["--resume", "auto"], ["--overwrite"], ["--resume", str(run_dir)]):
+            began = time.monotonic()
+            second = run_andrea("train", "-c", str(cfg), "--no-progress", *way, timeout=60)
+            took = time.monotonic() - began
+            assert_user_error(second, f"{run_dir}: another andrea train is writing this run "
+                                      f"(pid {holder['pid']} on host {HOST}, since ",
+                              f"stop it (kill {holder['pid']})", "--set train.name=")
+            assert took < 30, took  # a bound for a loaded machine: start-up, then refused
+            assert first.poll() is None  # the first trains on
+    finally:
+        out, err = stop(first)
+    assert first.returncode == 143, err[-3000:]
+    written = events(run_dir)
+    assert [e["event"] for e in written].count("start") == 1  # nobody else wrote the run
+    steps = [e["step"] for e in written if e["event"] == "train"]
+    assert steps == list(range(1, len(steps) + 1)) and written[-1]["event"] == "end"
+    assert not pid_alive(holder["pid"]) and not (run_dir / RUN_LOCK).exists()
+
+
+def test_the_same_new_run_started_twice_at_once_trains_once(tmp_path, data_dir):
+    cfg = tiny_config(tmp_path, data_dir, "max_steps: 1000000", "checkpoint_every: 0")
+    run_dir = tmp_path / "runs" / "r"
+    both = [start_training(cfg), start_training(cfg)]
+    try:
+        deadline = time.monotonic() + 60  # old code: both train a million steps
+        while all(p.poll() is None for p in both):
+            assert time.monotonic() < deadline, "neither was refused"
+            time.sleep(0.05)
+        refused = next(p for p in both if p.poll() is not None)
+        trains = next(p for p in both if p is not refused)
+        out, err = refused.communicate()
+        assert_user_error(subprocess.CompletedProcess([], refused.returncode, out, err),
+                          f"{run_dir}: another andrea train is ")
+        wait_for(run_dir / METRICS, trains)
+        assert trains.poll() is None
+    finally:
+        said = [stop(proc) for proc in both]
+    assert trains.returncode == 143, said
+    assert [e["event"] for e in events(run_dir)].count("start") == 1, said
+
+
+def test_a_holder_killed_with_sigkill_never_blocks(tmp_path, data_dir):
+    cfg = tiny_config(tmp_path, data_dir, "max_steps: 8", "checkpoint_every: 2")
+    run_dir = tmp_path / "runs" / "r"
+    killed = run_andrea("train", "-c", str(cfg), "--no-progress",
+                        env={"ANDREA_FAULTS": "sigkill@5.0"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left = json.loads((run_dir / RUN_LOCK).read_text())  # it died holding the run
+    assert left["host"] == HOST and not pid_alive(left["pid"])
+    began = time.monotonic()
+    resumed = run_andrea("train", "--resume", str(run_dir), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert time.monotonic() - began < 30
+    assert "another andrea train" not in resumed.stdout + resumed.stderr
+    assert (run_dir / "latest").read_text().strip() == "step-000008"
+    assert not (run_dir / RUN_LOCK).exists()
+
+
+def train_main(capsys, *argv: str) -> tuple[int, str]:
+    """`andrea train ARGV` in this process: (exit code, stderr)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--no-progress", *argv])
+    return exited.value.code, capsys.readouterr().err
+
+
+def test_a_run_held_on_another_host_is_named_and_can_be_taken_over(tmp_path, data_dir, capsys):
+    cfg = tiny_config(tmp_path, data_dir, "max_steps: 2", "checkpoint_every: 2")
+    run_dir = tmp_path / "runs" / "r"
+    assert train_main(capsys, "-c", str(cfg))[0] == 0
+    lock = run_dir / RUN_LOCK
+    # A node that trained the run on a shared filesystem was lost ten minutes ago.
+    lock.write_bytes(Holder(4242, "lost-node", time.time() - 3600, time.time() - 600).encode())
+    code, err = train_main(capsys, "-c", str(cfg), "--resume", "auto",
+                           "--set", "train.max_steps=4")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {run_dir}: another andrea train is writing this run (pid 4242 "
+                          f"on host lost-node, since "), err
+    assert ", last alive 10 min ago by that host's clock)" in err, err
+    # The way out the line names.
+    assert err.rstrip().endswith(f"take the run over: rm {lock}, then run this again"), err
+    lock.unlink()
+    assert train_main(capsys, "-c", str(cfg), "--resume", "auto",
+                      "--set", "train.max_steps=4")[0] == 0
+    assert (run_dir / "latest").read_text().strip() == "step-000004" and not lock.exists()
+
+
+def test_trainings_one_after_another_in_one_process_each_take_the_run(tmp_path, data_dir,
+                                                                      capsys):
+    cfg = tiny_config(tmp_path, data_dir, "max_steps: 2", "checkpoint_every: 2")
+    run_dir = tmp_path / "runs" / "r"
+    assert train_main(capsys, "-c", str(cfg))[0] == 0
+    # Refused after it took the lock (a key that defines the run): released as it raises.
+    code, err = train_main(capsys, "--resume", str(run_dir), "--set", "model.n_layer=3")
+    assert code == 2 and "resuming cannot change model.n_layer" in err, err
+    assert train_main(capsys, "--resume", str(run_dir), "--set", "train.max_steps=4")[0] == 0
+    assert (run_dir / "latest").read_text().strip() == "step-000004"
+    assert not (run_dir / RUN_LOCK).exists()
+
+
+def test_a_run_refused_at_set_up_leaves_no_folder(tmp_path, data_dir, capsys):
+    cfg = tiny_config(tmp_path, data_dir, "max_steps: 2", "global_batch_tokens: 100")
+    code, err = train_main(capsys, "-c", str(cfg))
+    assert code == 2 and "global_batch_tokens" in err, err
+    assert not (tmp_path / "runs").exists()  # the folders made to hold the lock are gone
+
+
+def test_a_second_torchrun_job_is_refused_on_every_rank(tmp_path, data_dir):
+    """Only rank 0 takes the lock; its refusal reaches the other rank, which never waits for
+    it. Two torchrun "nodes" (one launcher each), so that each rank's own line shows: one
+    launcher stops its workers as soon as one fails."""
+    cfg = tiny_config(tmp_path, data_dir, "max_steps: 2", "checkpoint_every: 2")
+    run_dir = tmp_path / "runs" / "r"
+    held = RunLock(run_dir).acquire()  # this process trains the run, as far as they know
+    try:
+        nodes = launch_nodes(cfg, [tmp_path, tmp_path], timeout=120)
+    finally:
+        held.release()
+    for code, _, err in nodes:
+        ours = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code != 0 and len(ours) == 1, err[-3000:]
+        assert (f"another andrea train is writing this run (pid {os.getpid()} on host {HOST}"
+                in ours[0]), ours
+    assert not (run_dir / "latest").exists()
+
+
+# In this process: which recorded holder is stale, and the heartbeat.
+
+def test_a_recorded_holder_is_stale_only_when_it_cannot_be_writing():
+    now = time.time()
+    me = Holder(os.getpid(), HOST, now, now, "job@10.0.0.1:29500", 1)
+    here = Holder(_dead_pid(), HOST, now, now)
+    assert is_stale(None, me, flocked=True)
+    assert is_stale(here, me, flocked=True)  # the kernel dropped its flock: it died
+    # Where flock does not work, the pid decides.
+    assert is_stale(here, me, flocked=False)
+    assert not is_stale(Holder(os.getppid(), HOST, now, now), me, flocked=False)
+    # On another host: never, but for an earlier attempt of the same torchrun job.
+    elsewhere = Holder(4242, "node-1", now, now, "job@10.0.0.1:29500", 0)
+    assert is_stale(elsewhere, me, flocked=True)
+    assert not is_stale(Holder(4242, "node-1", now, now, "job@10.0.0.1:29500", 1), me, True)
+    assert not is_stale(Holder(4242, "node-1", now, now, "other@10.0.0.1:29500", 0), me, True)
+    assert not is_stale(Holder(4242, "node-1", now, now), me, flocked=True)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_the_holder_says_it_is_alive_while_it_holds_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(runlock, "HEARTBEAT_S", 0.05)
+    lock = RunLock(tmp_path / "runs" / "r").acquire()
+    try:
+        first = Holder.decode(lock.path.read_bytes())
+        time.sleep(0.3)
+        later = Holder.decode(lock.path.read_bytes())
+        assert first is not None and later is not None
+        assert (later.pid, later.host, later.since) == (os.getpid(), HOST, first.since)
+        assert later.alive > first.alive
+    finally:
+        lock.release()
+    assert not (tmp_path / "runs").exists()
