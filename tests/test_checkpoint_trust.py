@@ -33,9 +33,11 @@ USER_FILES = {"tokenizer.json": '{"mine": true}', "draft.tmp": "half a thought",
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    """Every path under root with its size and modification time: what 'nothing written' means."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*"))}
+    """Every path under root, each file with its size and modification time: what 'nothing
+    written' means. A folder's own time is left out: the run lock a refused training took and
+    gave back (train/runlock.py) touches its run folder, writing nothing there."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file()
+            else (0, 0) for p in sorted(root.rglob("*"))}
 
 
 def user_folder(root: Path) -> Path:
