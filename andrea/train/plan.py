@@ -15,12 +15,10 @@ from andrea.fileio import atomic_write_text, free_bytes
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import precision_warning
 from andrea.train.diskspace import start_warning
-from andrea.train.metrics import MetricsLog
+from andrea.train.metrics import MetricsLog, open_tensorboard, open_wandb
 from andrea.train.rundir import CONFIG, METRICS
 from andrea.train.session import Session
 from andrea.train.state import TrainerState
-from andrea.train.tensorboard import open_tensorboard
-from andrea.train.wandb_log import open_wandb
 
 
 def start_run_files(
