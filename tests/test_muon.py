@@ -140,9 +140,8 @@ from torch.distributed.tensor import DTensor
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
 from andrea.train import muon
-from andrea.train.distributed import (
-    full_tensor, init_distributed, shard_like, shard_model, shutdown,
-)
+from andrea.train.process_group import init_distributed, shutdown
+from andrea.train.sharding import full_tensor, shard_like, shard_model
 from andrea.train.optim import build_optimizer
 
 info = init_distributed("cpu")

@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 
 from andrea.config import register_choices
-from andrea.train.distributed import DistInfo, clip_grad_norm, shard_model
+from andrea.train.sharding import clip_grad_norm, shard_model
 from andrea.train.state import TrainerState
+from andrea.train.torchrun import DistInfo
 
 
 @dataclass

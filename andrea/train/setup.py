@@ -32,15 +32,9 @@ from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import rundata, snapshot
+from andrea.train.collectives import all_reduce_sum, barrier, from_rank0
 from andrea.train.device import choose_precision, device_name, precision_warning
 from andrea.train.diskspace import check_room_at_start, start_warning
-from andrea.train.distributed import (
-    DistInfo,
-    all_reduce_sum,
-    attempt,
-    barrier,
-    from_rank0,
-)
 from andrea.train.flops import MfuMeter, flops_per_token
 from andrea.train.memory import (
     CPU_MICRO_BATCH_TOKENS,
@@ -51,6 +45,7 @@ from andrea.train.memory import (
 from andrea.train.metrics import MetricsLog, open_tensorboard, open_wandb
 from andrea.train.optim import build_optimizer
 from andrea.train.parallel import Parallel, parallel_for
+from andrea.train.restarts import attempt
 from andrea.train.resume import (
     check_resume_changes,
     find_run_to_resume,
@@ -65,6 +60,7 @@ from andrea.train.session import Session, TrainResult
 from andrea.train.signals import SignalWatch
 from andrea.train.spike import SpikeGuard
 from andrea.train.state import TrainerState
+from andrea.train.torchrun import DistInfo
 
 
 def set_up(

@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from andrea.data.loader import TokenSplit, token_byte_lengths, val_windows, window_batches
 from andrea.errors import UserError
-from andrea.train.distributed import DistInfo, all_reduce_sum
+from andrea.train.collectives import all_reduce_sum
+from andrea.train.torchrun import DistInfo
 
 
 @dataclass
