@@ -1,6 +1,8 @@
-"""What the ranks send each other: collectives that do nothing in a single process (`barrier`,
-`all_reduce_sum`, `all_gather_bytes`), and rank 0's decision and tensors on every rank
-(`from_rank0`, `broadcast_tensors`).
+"""What the ranks send each other: sums, gathers, and rank 0's decisions and tensors.
+
+Each does nothing in a single process: `barrier`, `all_reduce_sum`, `all_gather_bytes`;
+`from_rank0` (a decision made on rank 0, its result or its error on every rank) and
+`broadcast_tensors` (rank 0's tensors on every rank).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""What a run records: metrics.jsonl, one JSON event a line, appended and passed on to its
-optional sinks (TensorBoard, Weights & Biases); the run's one tokens/s figure, and that figure
-read back from a run's records.
+"""What a run records: metrics.jsonl, its sinks (TensorBoard, W&B), the run's tokens/s.
+
+metrics.jsonl: one JSON event a line, appended and passed on to its optional sinks (TensorBoard,
+Weights & Biases); the run's one tokens/s figure, and that figure read back from a run's records
+(`andrea runs`, `andrea plot`).
 
 The sinks: the trainer opens them once (rank 0), MetricsLog passes each every record (`.log`:
 the scalars that `scalars` finds in it, the same for both) and closes them at the end.

@@ -1,5 +1,7 @@
-"""The process group of a torchrun launch (gloo on CPU, nccl on GPU): joined within
-train.join_timeout, else one line (`join_watchdog`), and left while Python is whole (`shutdown`).
+"""The process group of a torchrun launch: joined within a time limit, and left.
+
+gloo on CPU, nccl on GPU; a process that cannot meet the others within train.join_timeout stops
+with one line (`join_watchdog`); the group is destroyed while Python is whole (`shutdown`).
 """
 
 from __future__ import annotations

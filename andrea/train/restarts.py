@@ -1,6 +1,8 @@
-"""torchrun's restarts: which launch of the workers this is, and its part of torchrun's store
-(`attempt`); after a collective failed, which ranks were lost and what the surviving ranks say
-(`lost_peer_line`: torchrun restarts the job, or the command that continues it).
+"""torchrun's restarts: which launch of the workers this is, and what is said of a lost rank.
+
+`attempt`: the launch, the same on every rank, and its part of torchrun's store. After a
+collective failed: which ranks were lost, and the surviving ranks' line (`lost_peer_line`:
+torchrun restarts the job, or the command that continues it).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""What one training process holds while it trains (Session), and what a run's end reports
-(TrainResult): the types the set-up (andrea/train/setup.py) builds and the loop advances."""
+"""What one training process holds while it trains, and what a run's end reports.
+
+`Session` and `TrainResult`: the types the set-up (andrea/train/setup.py) builds and the loop
+advances."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Setting up a training process: the run folder (new, replaced or resumed), the data, the model
-and optimizer (restored on resume), the micro-batch, then rank 0's start: the run folder's
-config and start event, and the lines that tell the user what the run will do. `set_up` is the
-recipe; each piece is one function below.
+"""Setting up a training process, up to rank 0's start files and plan lines.
+
+The run folder (new, replaced or resumed), the data, the model and optimizer (restored on
+resume), the micro-batch, then rank 0's start: the run folder's config and start event, and the
+lines that tell the user what the run will do. `set_up` is the recipe; each piece is one
+function below.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""FSDP2 sharding (`train.parallel: fsdp`): parameters, gradients and optimizer state sharded
-over the processes (`shard_model`); checkpoints gather them into whole tensors (`full_tensor`)
-and scatter them back on load (`shard_like`), so a checkpoint does not depend on the number of
-processes or the mode; the global gradient norm over every shard (`clip_grad_norm`).
+"""FSDP2 sharding (`train.parallel: fsdp`): the model sharded, and its tensors whole again.
+
+Parameters, gradients and optimizer state are sharded over the processes (`shard_model`);
+checkpoints gather them into whole tensors (`full_tensor`) and scatter them back on load
+(`shard_like`), so a checkpoint does not depend on the number of processes or the mode; the
+global gradient norm over every shard (`clip_grad_norm`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Which process this is among how many: what torchrun tells each process through the
-environment, read once (`torchrun_env`), and the ranks as training holds them (`DistInfo`).
+"""Which process this is among how many, as torchrun's environment says it (read once).
+
+`torchrun_env`: what torchrun tells each process through the environment; `DistInfo`: the
+ranks as training holds them.
 
 One machine: `torchrun --nproc_per_node=K -m andrea train ...`. Several machines: the same command
 on each with `--nnodes=N --node_rank=i --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT`; nothing in

@@ -1,5 +1,7 @@
-"""The validation loss: one fixed set of windows per source, scored by summed negative
-log-likelihood over summed target tokens, shared by the trainer and `andrea eval`.
+"""The validation loss, shared by the trainer and `andrea eval`.
+
+One fixed set of windows per source, scored by summed negative log-likelihood over summed
+target tokens.
 
 The windows (`data.loader.val_windows`) depend only on the val split, block_size and the token
 budget (train.eval_tokens, `andrea eval --max-tokens`), so the figure does not move with the
