@@ -153,7 +153,7 @@ def recorded_speed(records: list[dict[str, Any]]) -> tuple[float | None, float |
 
 
 def median_tokens_per_s(rates: list[float]) -> float | None:
-    """The median of steps' tokens/s (the end record's `median_tokens_per_s`, as before the run
+    """The median of steps' tokens/s (the end record's `median_tokens_per_s`, beside the run's
     figure); None without a step."""
     finite = [r for r in rates if math.isfinite(r)]
     return statistics.median(finite) if finite else None
