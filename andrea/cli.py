@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any
 
+import click
 import typer
+from typer.core import TyperCommand
 
 import andrea
 from andrea import faults
@@ -29,6 +32,78 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(config_app, name="config")
+
+
+def _one_of(names: Iterable[str], last: str = "or") -> str:
+    """'a, b or c'."""
+    words = list(names)
+    return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else "".join(words)
+
+
+def _input_formats() -> str:
+    from andrea.data.readers import COMPRESSIONS, READERS
+
+    titles = [r.title or r.kind for r in READERS]
+    packed = [r.title or r.kind for r in READERS if r.compressible]
+    return f"{_one_of(titles)} ({_one_of(packed, 'and')} also {'/'.join(COMPRESSIONS)})"
+
+
+def _tokenizers() -> str:
+    from andrea.config import key_spec
+    from andrea.data.tokenizer import KINDS
+
+    default = key_spec("data.tokenizer").default
+    return _one_of(f"{name} (default)" if name == default else name for name in KINDS)
+
+
+def _task_kinds() -> str:
+    from andrea.tasks import TASKS
+
+    return _one_of(TASKS)
+
+
+def _bench_backends() -> str:
+    from andrea.bench import BACKENDS
+
+    return _one_of(BACKENDS)
+
+
+def _bench_dtypes(sep: str | None = None) -> str:
+    from andrea.bench import DTYPES
+
+    return sep.join(DTYPES) if sep else _one_of(DTYPES)
+
+
+def _bench_shapes() -> str:
+    from andrea.bench import SHAPES
+
+    return _one_of(f"{name} ({','.join(map(str, dims))})" for name, dims in SHAPES.items())
+
+
+# What a `{placeholder}` in an option's help or metavar stands for: the names a registry owns,
+# read from it when the help is shown. The registries import numpy and torch, which every other
+# start of the CLI (`andrea --version`, a parser error) would pay for if the help were built
+# with the app.
+REGISTRY_WORDS: dict[str, Callable[[], str]] = {
+    "{input_formats}": _input_formats, "{tokenizers}": _tokenizers, "{task_kinds}": _task_kinds,
+    "{backends}": _bench_backends, "{dtypes}": _bench_dtypes,
+    "{dtypes|}": lambda: _bench_dtypes("|"), "{shapes}": _bench_shapes,
+}
+
+
+class RegistryHelp(TyperCommand):
+    """A command whose options' help names a registry's values: each `{placeholder}` of
+    REGISTRY_WORDS is filled in from the registry as the help is formatted."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        for param in self.params:
+            for attr in ("help", "metavar"):
+                text: Any = getattr(param, attr, None)
+                for placeholder, words in REGISTRY_WORDS.items():
+                    if isinstance(text, str) and placeholder in text:
+                        text = text.replace(placeholder, words())
+                        setattr(param, attr, text)
+        super().format_help(ctx, formatter)
 
 
 def _print_version(value: bool) -> None:
@@ -193,7 +268,7 @@ def plot_cmd(
     typer.echo(f"wrote {plot_runs(runs, out, x=x)}")
 
 
-@app.command("prepare")
+@app.command("prepare", cls=RegistryHelp)
 def prepare_cmd(
     config: Annotated[
         str | None,
@@ -204,12 +279,11 @@ def prepare_cmd(
     input: Annotated[
         str | None,
         typer.Option("--input", "-i", metavar="PATH",
-                     help="A file, directory, glob or datasets folder: text, "
-                     "JSON Lines, Parquet (+.gz/.zst)."),
+                     help="A file, directory, glob or datasets folder: {input_formats}."),
     ] = None,
     tokenizer: Annotated[
         str | None, typer.Option("--tokenizer", "-t", metavar="NAME",
-                                 help="gpt2, bpe (default) or byte.")
+                                 help="{tokenizers}.")
     ] = None,
     out: Annotated[str | None, typer.Option("--out", "-o", metavar="DIR",
                                             help="Shard folder.")] = None,
@@ -268,7 +342,7 @@ CheckpointOpt = Annotated[
 ]
 
 
-@app.command("eval")
+@app.command("eval", cls=RegistryHelp)
 def eval_cmd(
     files: Annotated[
         list[str] | None, typer.Argument(metavar="[FILE]...",
@@ -301,8 +375,7 @@ def eval_cmd(
     task: Annotated[
         list[str] | None,
         typer.Option("--task", metavar="KIND",
-                     help="hellaswag, choice, lambada or arc, scored on the FILE in the "
-                     "same place (repeatable)."),
+                     help="{task_kinds}, scored on the FILE in the same place (repeatable)."),
     ] = None,
     limit: Annotated[
         int | None, typer.Option("--limit", metavar="N", help="At most N examples per task.")
@@ -425,7 +498,7 @@ def import_cmd(
     typer.echo(f"wrote {ckpt}; fine-tune with: andrea train --resume {ckpt.parent}")
 
 
-@app.command("bench")
+@app.command("bench", cls=RegistryHelp)
 def bench_cmd(
     quick: Annotated[
         bool, typer.Option("--quick", help="Small sizes, bf16 only: about a minute on a CPU.")
@@ -434,17 +507,16 @@ def bench_cmd(
     backend: Annotated[
         list[str] | None,
         typer.Option("--backend", metavar="NAME",
-                     help="cuda, cuda_naive, sdpa, sdpa_flash or math (repeatable; "
-                     "default all that run here)."),
+                     help="{backends} (repeatable; default all that run here)."),
     ] = None,
     dtype: Annotated[
-        list[str] | None, typer.Option("--dtype", metavar="bf16|fp32|fp16",
-                                       help="bf16, fp32 or fp16 (repeatable; default all).")
+        list[str] | None, typer.Option("--dtype", metavar="{dtypes|}",
+                                       help="{dtypes} (repeatable; default all).")
     ] = None,
     shape: Annotated[
         list[str] | None,
         typer.Option("--shape", metavar="NAME",
-                     help="gpt2 (8,12,1024,64) or andrea-12m (8,12,256,32)."),
+                     help="{shapes}."),
     ] = None,
     batch: Annotated[
         int | None, typer.Option("--batch", metavar="B", help="Override B of the attention shapes.")

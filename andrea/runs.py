@@ -72,7 +72,8 @@ class RunSummary:
     last_val_step: int | None = None
     last_val_sources: dict[str, float] | None = None
     last_train_loss: float | None = None
-    # The run's (train.metrics.recorded_speed); the median of logged steps for older runs.
+    # The run's (train.metrics.recorded_speed); the median of logged steps for runs whose
+    # records lack it.
     tokens_per_s: float | None = None
     mfu: float | None = None
     median_tokens_per_s: float | None = None

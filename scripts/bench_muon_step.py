@@ -35,9 +35,11 @@ import torch
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
 from andrea.resources import cpu_name
+from andrea.train.collectives import barrier
 from andrea.train.device import cpu_has_bf16, pick_dtype
-from andrea.train.distributed import barrier, init_distributed, shard_like, shard_model, shutdown
 from andrea.train.optim import build_optimizer
+from andrea.train.process_group import init_distributed, shutdown
+from andrea.train.sharding import shard_like, shard_model
 
 SIDES = {"adamw": ["train.optimizer=adamw"],
          "muon bf16 NS": ["train.optimizer=muon", "train.muon_ns_precision=bf16"],

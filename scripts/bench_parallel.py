@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from andrea.resources import cpu_name  # noqa: E402
-from andrea.train.distributed import shutdown  # noqa: E402
+from andrea.train.process_group import shutdown  # noqa: E402
 
 MIB = 2**20
 
@@ -52,9 +52,9 @@ def build(preset: str, parallel: str, optimizer: str = "adamw"):
 
     from andrea.config import load_config
     from andrea.model.transformer import Andrea
-    from andrea.train.distributed import init_distributed
     from andrea.train.optim import build_optimizer
     from andrea.train.parallel import parallel_for
+    from andrea.train.process_group import init_distributed
 
     cfg = load_config(preset, ["train.precision=fp32", "train.micro_batch_size=1",
                                f"train.optimizer={optimizer}"])
@@ -99,7 +99,7 @@ def checkpoint_worker(preset: str, parallel: str) -> dict:
     import torch
 
     from andrea.train import checkpoint as ckpt_io
-    from andrea.train.distributed import all_gather_bytes, barrier
+    from andrea.train.collectives import all_gather_bytes, barrier
     from andrea.train.state import TrainerState
 
     cfg, mode, model, optimizer, names = build(preset, parallel)

@@ -6,6 +6,8 @@ process for the exit code and stderr as a shell sees them."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,39 @@ def test_train_help_spells_resume_as_the_readme_does(capsys):
     assert spelled == "RUN|STEP_DIR|auto"
     code, out, _ = run_main(capsys, "train", "-h")
     assert code == 0 and f"--resume {spelled} " in out, out
+
+
+def test_the_help_lists_what_the_registries_hold(capsys, monkeypatch):
+    """`--input`, `--tokenizer`, `--task` and bench's lists are the registries' names, read when
+    the help is shown: every input format (CSV and Arrow too), and a kind a registry gains."""
+    from andrea import bench, tasks
+    from andrea.data.readers import READERS
+    from andrea.data.tokenizer import KINDS
+
+    def shown(*argv: str) -> str:
+        code, out, _ = run_main(capsys, *argv, "-h")
+        assert code == 0
+        return " ".join(out.split())
+
+    prepare = shown("prepare")
+    assert ("A file, directory, glob or datasets folder: text, JSON Lines, Parquet, CSV or Arrow "
+            "(text, JSON Lines and CSV also .gz/.zst).") in prepare
+    assert [r.title or r.kind for r in READERS] == ["text", "JSON Lines", "Parquet", "CSV", "Arrow"]
+    assert "gpt2, bpe (default) or byte." in prepare and list(KINDS) == ["gpt2", "bpe", "byte"]
+    monkeypatch.setitem(tasks.TASKS, "arc_easy", tasks.TASKS["arc"])
+    assert "hellaswag, choice, lambada, arc or arc_easy, scored on the FILE" in shown("eval")
+    monkeypatch.setattr(bench, "DTYPES", {**bench.DTYPES, "fp8": None})
+    assert "--dtype bf16|fp32|fp16|fp8 bf16, fp32, fp16 or fp8 (repeatable" in shown("bench")
+
+
+def test_the_cli_starts_without_torch_or_numpy(tmp_path):
+    """The help's lists come from registries that import torch and numpy; a start that shows no
+    help (`andrea --version`) imports neither. A fresh interpreter: start-up is the point."""
+    code = ("import sys\nfrom andrea.cli import main\ntry:\n    main(['--version'])\n"
+            "except SystemExit:\n    pass\nprint(sorted({'torch', 'numpy'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("argv, fragment", [

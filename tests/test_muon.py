@@ -140,10 +140,9 @@ from torch.distributed.tensor import DTensor
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
 from andrea.train import muon
-from andrea.train.distributed import (
-    full_tensor, init_distributed, shard_like, shard_model, shutdown,
-)
 from andrea.train.optim import build_optimizer
+from andrea.train.process_group import init_distributed, shutdown
+from andrea.train.sharding import full_tensor, shard_like, shard_model
 
 info = init_distributed("cpu")
 # d_model 15: every matrix has an odd number of rows (45, 15, 60, 15), so the shards are uneven.

@@ -123,7 +123,8 @@ import pytest
 import torch
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
-from andrea.train.distributed import init_distributed, shard_model
+from andrea.train.process_group import init_distributed
+from andrea.train.sharding import shard_model
 from torch.distributed.tensor import DTensor
 
 info = init_distributed("cpu")
@@ -494,7 +495,7 @@ TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE
 
 
 def test_the_torchrun_environment_is_one_record(monkeypatch):
-    from andrea.train.distributed import TorchrunEnv, torchrun_env
+    from andrea.train.torchrun import TorchrunEnv, torchrun_env
 
     for key, value in TORCHRUN.items():
         monkeypatch.setenv(key, value)
@@ -509,8 +510,8 @@ def test_the_torchrun_environment_is_one_record(monkeypatch):
 
 
 def test_the_mode_is_decided_once_from_the_config_and_the_processes():
-    from andrea.train.distributed import DistInfo
     from andrea.train.parallel import parallel_for
+    from andrea.train.torchrun import DistInfo
 
     one, two = DistInfo(), DistInfo(0, 0, 2, 2)
     for asked in ("ddp", "fsdp"):  # one process trains whole, whatever was asked
@@ -526,9 +527,9 @@ def test_the_mode_is_decided_once_from_the_config_and_the_processes():
 
 
 def test_the_resharding_line_names_what_wrote_the_checkpoint():
-    from andrea.train.distributed import DistInfo
     from andrea.train.parallel import parallel_for
     from andrea.train.state import TrainerState
+    from andrea.train.torchrun import DistInfo
 
     def written(**keys):
         return TrainerState.from_dict({"step": 10, **keys})
@@ -546,8 +547,8 @@ def test_the_resharding_line_names_what_wrote_the_checkpoint():
 
 
 def test_one_process_clips_and_accumulates_as_torch_does():
-    from andrea.train.distributed import DistInfo
     from andrea.train.parallel import parallel_for
+    from andrea.train.torchrun import DistInfo
 
     alone = parallel_for("fsdp", DistInfo())
     gen = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ from conftest import free_port, run_andrea, run_torchrun
 from test_parallel import launch_nodes, losses, tiny
 
 from andrea.errors import UserError
-from andrea.train import distributed
+from andrea.train import process_group, restarts, torchrun
 from andrea.train.loop import train
 
 SETS = ("train.max_steps=6", "train.checkpoint_every=2", "train.eval_every=0")
@@ -99,7 +99,7 @@ def test_a_lost_rank_with_a_restart_left_is_no_error(tmp_path):
             f"after step 5; the newest intact checkpoint is {ckpt}; ")
     manual = (f"continue with the same launch and --resume {run} (torchrun --max-restarts N "
               f"continues by itself)")
-    words = distributed.lost_peer_words
+    words = restarts.lost_peer_words
     assert words([1, 2], 5, ckpt, run, 1, 3) == (
         head + "torchrun restarts the job (restart 2 of 3)", True)
     assert words([1, 2], 5, ckpt, run, 3, 3) == (head + manual, False)
@@ -117,16 +117,16 @@ def test_each_rank_numbers_its_attempts_as_every_other_does(monkeypatch):
     count on that it has not started under, so both meet as attempt 1."""
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    monkeypatch.setattr(distributed, "torchrun_env", lambda: env)
+    monkeypatch.setattr(restarts, "torchrun_env", lambda: env)
 
     def number(rank: int, count: int) -> int:
         nonlocal env
-        env = distributed.TorchrunEnv(rank=rank, world_size=2, restart_count=count,
+        env = torchrun.TorchrunEnv(rank=rank, world_size=2, restart_count=count,
                                       master_addr="127.0.0.1", master_port=port,
                                       agent_store=True)
-        return distributed.attempt.__wrapped__().number
+        return restarts.attempt.__wrapped__().number
 
-    env = distributed.TorchrunEnv()
+    env = torchrun.TorchrunEnv()
     assert [number(0, 0), number(1, 0)] == [0, 0]  # the first launch
     assert [number(0, 0), number(1, 1)] == [1, 1]  # node 0 did not count its restart
     assert [number(0, 2), number(1, 2)] == [2, 2]  # torchrun's count, when it agrees
@@ -141,9 +141,9 @@ def test_a_restart_continues_the_first_launchs_run_from_its_newest_checkpoint(mo
     run.mkdir()
     (run / "config.yaml").write_text("")
     given = [(None, False), ("auto", True), (str(run / "step-000002"), True), (str(run), True)]
-    monkeypatch.setattr(resume, "attempt", lambda: distributed.Attempt(0, None))
+    monkeypatch.setattr(resume, "attempt", lambda: restarts.Attempt(0, None))
     assert [resume.restart_resume(*g) for g in given] == given  # a first launch: as given
-    monkeypatch.setattr(resume, "attempt", lambda: distributed.Attempt(1, None))
+    monkeypatch.setattr(resume, "attempt", lambda: restarts.Attempt(1, None))
     assert [resume.restart_resume(*g) for g in given] == [
         ("auto", False), ("auto", False), (str(run), False), (str(run), False)]
 
@@ -151,9 +151,9 @@ def test_a_restart_continues_the_first_launchs_run_from_its_newest_checkpoint(mo
 def test_a_process_the_others_never_join_stops_with_one_line(monkeypatch, capfd):
     ended = threading.Event()
     codes: list[int] = []
-    monkeypatch.setattr(distributed.os, "_exit", lambda code: (codes.append(code), ended.set()))
-    env = distributed.TorchrunEnv(rank=1, world_size=4)
-    with distributed.join_watchdog(0.05, env):
+    monkeypatch.setattr(process_group.os, "_exit", lambda code: (codes.append(code), ended.set()))
+    env = torchrun.TorchrunEnv(rank=1, world_size=4)
+    with process_group.join_watchdog(0.05, env):
         assert ended.wait(30)
     assert codes == [2]
     line = capfd.readouterr().err.strip()

@@ -1,5 +1,5 @@
 """`andrea runs`: summaries of fabricated run directories in every state, damaged ones included.
-Also the optional TensorBoard sink (andrea/train/tensorboard.py) and the run's one tokens/s."""
+Also the optional TensorBoard sink (andrea/train/metrics.py) and the run's one tokens/s."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from conftest import assert_user_error, run_andrea
 from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.runs import list_runs, read_metrics, read_run
-from andrea.train.tensorboard import open_tensorboard
+from andrea.train.metrics import open_tensorboard
 
 TOKENS_PER_STEP = 512
 

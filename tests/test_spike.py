@@ -227,7 +227,7 @@ def test_a_rollback_needs_the_same_checkpoint_on_every_rank(tmp_path):
     script = tmp_path / "agree.py"
     script.write_text(
         "import os, torch, torch.distributed as dist\n"
-        "from andrea.train.distributed import all_reduce_sum\n"
+        "from andrea.train.collectives import all_reduce_sum\n"
         "from andrea.train.spike import same_on_every_rank\n"
         "dist.init_process_group('gloo')\n"
         "class D: enabled, world_size = True, dist.get_world_size()\n"

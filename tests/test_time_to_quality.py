@@ -15,12 +15,12 @@ from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.distributed import DistInfo
 from andrea.train.loop import train
 from andrea.train.muon import POLAR_EXPRESS, Float32Muon, newton_schulz
 from andrea.train.optim import build_optimizer
 from andrea.train.parallel import parallel_for
 from andrea.train.setup import build_model
+from andrea.train.torchrun import DistInfo
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
 

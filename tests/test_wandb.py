@@ -1,4 +1,4 @@
-"""Weights & Biases (train.wandb, andrea/train/wandb_log.py) with the real package, offline: the
+"""Weights & Biases (train.wandb, andrea/train/metrics.py) with the real package, offline: the
 run folder's W&B files read back, a resume continuing the same W&B run. Skipped without wandb."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_offline_run_logs_the_scalars_and_a_resume_continues_it(tmp_path, data_d
 
 def test_wandb_without_the_package_is_a_one_line_error(tmp_path, monkeypatch):
     from andrea.errors import UserError
-    from andrea.train.wandb_log import open_wandb
+    from andrea.train.metrics import open_wandb
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # the import fails as if not installed
     cfg = load_config("andrea-tiny", ["train.wandb=online"])
@@ -109,7 +109,7 @@ def test_wandb_is_asked_for_silence_and_andrea_says_one_line(tmp_path, monkeypat
     copied), and one line of andrea's per mode."""
     from types import SimpleNamespace
 
-    from andrea.train.wandb_log import open_wandb
+    from andrea.train.metrics import open_wandb
 
     given: dict = {}
 

@@ -34,10 +34,6 @@ TEMP_NAME = re.compile(
 )
 
 
-def shard_temp_name(shard: str) -> str:
-    return f"{shard}.{os.getpid()}.tmp"
-
-
 def scratch_name() -> str:
     return f"decompressed.{os.getpid()}.tmp"
 

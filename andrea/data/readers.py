@@ -342,6 +342,7 @@ class Reader:
     jobs: Callable[[InputFile, str, int], Iterator[Job]] | None
     compressible: bool = True  # also as .gz / .zst, read through iter_blocks
     in_folders: bool = True  # collected from a directory (Arrow files: from their state.json)
+    title: str = ""  # its name in `andrea prepare --help`; the kind's when empty
 
     @property
     def has_records(self) -> bool:
@@ -351,10 +352,10 @@ class Reader:
 
 READERS = (
     Reader("text", TEXT_SUFFIXES, None),
-    Reader("records", RECORD_SUFFIXES, record_jobs),
-    Reader("parquet", (".parquet",), parquet_jobs, compressible=False),
-    Reader("csv", (".csv",), csv_jobs),
-    Reader("arrow", (".arrow",), arrow_jobs, compressible=False, in_folders=False),
+    Reader("records", RECORD_SUFFIXES, record_jobs, title="JSON Lines"),
+    Reader("parquet", (".parquet",), parquet_jobs, compressible=False, title="Parquet"),
+    Reader("csv", (".csv",), csv_jobs, title="CSV"),
+    Reader("arrow", (".arrow",), arrow_jobs, compressible=False, in_folders=False, title="Arrow"),
 )
 BY_SUFFIX = {suffix: r for r in READERS for suffix in r.suffixes}
 BY_KIND = {r.kind: r for r in READERS}

@@ -1,10 +1,19 @@
-"""Stage 3, train: one run from config to checkpoints.
+"""Stage 3, train: one run from config to checkpoints. Its modules by concern:
 
-loop (the recipe: set-up, then per step batch, forward/backward, clip, step, log, eval,
-checkpoint), device (device and precision choice), optim (AdamW groups), schedule (learning
-rate), memory (the automatic micro-batch), checkpoint (safetensors checkpoints and exact
-resume), rundir (a run folder's layout), distributed (torchrun set-up), flops (the MFU meter),
-signals (Ctrl-C and SIGTERM), metrics (metrics.jsonl), tensorboard.
+- the run: loop (the recipe: set-up, then per step batch, forward/backward, clip, step, log,
+  eval, checkpoint), setup (run folder, data, model, optimizer, micro-batch; rank 0's start
+  files and plan lines), session (what a process holds while it trains), signals (Ctrl-C and
+  SIGTERM), runlock (one writer per run folder), rundata (a run's data when its folder is not
+  here);
+- one step's numbers: device (device and precision), scaling (fp16's loss scaling), optim and
+  muon (the optimizers), schedule (the learning rate), memory (the automatic micro-batch),
+  spike (the loss-spike guard), validation (the val loss), flops (MFU);
+- checkpoints: checkpoint, snapshot, state, rundir, diskspace, resume;
+- several processes: parallel (one process, ddp or fsdp), torchrun (its environment, the
+  ranks), restarts (torchrun's restarts, a lost rank), process_group, collectives, sharding
+  (FSDP2);
+- reporting: metrics (metrics.jsonl and its sinks, tokens/s), progress (the bar).
 
-May import: andrea.model, andrea.data, andrea.cuda and the helpers. Not the verbs or the CLI.
+docs/architecture.md maps them. May import: andrea.model, andrea.data, andrea.cuda and the
+helpers. Not the verbs or the CLI.
 """

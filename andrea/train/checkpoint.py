@@ -47,7 +47,6 @@ from andrea.config import Config, config_from_dict
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text, fsync_dir
 from andrea.model.params import check_stored_shape
-from andrea.train.distributed import full_tensor, shard_like
 from andrea.train.optim import make_empty_state, state_size
 from andrea.train.rundir import (
     CHECKSUMS,
@@ -65,6 +64,7 @@ from andrea.train.rundir import (
     step_dirs,
 )
 from andrea.train.rundir import TRAINER_STATE as STATE_FILE
+from andrea.train.sharding import full_tensor, shard_like
 from andrea.train.state import TrainerState
 
 FORMAT = "andrea-checkpoint/1"

@@ -25,7 +25,7 @@ from andrea.errors import UserError
 from andrea.fileio import DISK_FULL_ERRNOS, free_bytes, size_text
 from andrea.resources import configs_dir
 from andrea.train.checkpoint import read_latest
-from andrea.train.distributed import from_rank0
+from andrea.train.collectives import from_rank0
 from andrea.train.rundir import CONFIG, step_dir_name, step_dirs
 from andrea.train.session import Session
 

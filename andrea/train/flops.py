@@ -77,8 +77,8 @@ def attention_flops(batch: int, n_head: int, seq_len: int, head_dim: int) -> dic
 # Why a CPU gets no MFU. A CPU's peak is not knowable from here (FMA units per core, AMX, clocks
 # hidden by the hypervisor: three 2-core machines of this project differ 6x in bf16 matmul
 # rate), and a measured matmul rate is no substitute on a shared machine: a probe of a few
-# 1024^3 matmuls read anywhere from half to all of the machine depending on the neighbours,
-# was cached and reused by later runs, so the same run printed 58-98% or "n/a" (above 100%).
+# 1024^3 matmuls reads anywhere from half to all of the machine depending on the neighbours, so
+# the same run would read 58-98% against it, or above 100%.
 CPU_NO_MFU = (
     "MFU is n/a on a CPU: its peak FLOP/s is not known here and a measured one varies with the "
     "machine's load; compare tokens/s with a baseline instead"

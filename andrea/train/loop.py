@@ -28,19 +28,15 @@ from andrea.data.tokenizer import kind_of
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import snapshot
+from andrea.train.collectives import all_reduce_sum
 from andrea.train.device import device_name, pick_device
 from andrea.train.diskspace import DiskFull, checked_write
-from andrea.train.distributed import (
-    DistInfo,
-    all_reduce_sum,
-    init_distributed,
-    lost_peer_line,
-    shutdown,
-)
 from andrea.train.flops import format_mfu
 from andrea.train.metrics import median_tokens_per_s
 from andrea.train.optim import set_learning_rates
+from andrea.train.process_group import init_distributed, shutdown
 from andrea.train.progress import RunBar, plan_note_for
+from andrea.train.restarts import lost_peer_line
 from andrea.train.rundir import step_of_dir
 from andrea.train.runlock import held_during
 from andrea.train.scaling import MIN_SCALE
@@ -50,6 +46,7 @@ from andrea.train.setup import set_up
 from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
 from andrea.train.spike import APPLY, ROLLBACK, SKIP, agree, same_on_every_rank
 from andrea.train.state import TrainerState
+from andrea.train.torchrun import DistInfo
 from andrea.train.validation import score_val, val_sources
 
 

@@ -1,14 +1,35 @@
-"""metrics.jsonl: one JSON event per line, appended (and passed on to any other sinks: TensorBoard,
-Weights & Biases); and the run's one tokens/s figure."""
+"""What a run records: metrics.jsonl, its sinks (TensorBoard, W&B), the run's tokens/s.
+
+metrics.jsonl: one JSON event a line, appended and passed on to its optional sinks (TensorBoard,
+Weights & Biases); the run's one tokens/s figure, and that figure read back from a run's records
+(`andrea runs`, `andrea plot`).
+
+The sinks: the trainer opens them once (rank 0), MetricsLog passes each every record (`.log`:
+the scalars that `scalars` finds in it, the same for both) and closes them at the end.
+TensorBoard (`train.tensorboard: true`) is not a dependency: without the package,
+`open_tensorboard` says so in one line and returns None, and training goes on with
+metrics.jsonl alone. W&B (`train.wandb: online | offline`) logs the scalars against the
+optimizer step, with the resolved config as the W&B run's config. The W&B run's id is kept in
+the run folder (`wandb_run_id`), so a resumed run continues the same W&B run. `offline` writes
+W&B's files under `<run>/wandb/` without any network; `wandb sync <run>/wandb/offline-run-*`
+uploads them later.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
+
+from andrea.config import Config
+from andrea.errors import UserError
+from andrea.fileio import atomic_write_text
+from andrea.train.rundir import WANDB_RUN_ID
 
 
 class Sink(Protocol):
@@ -132,7 +153,7 @@ def recorded_speed(records: list[dict[str, Any]]) -> tuple[float | None, float |
 
 
 def median_tokens_per_s(rates: list[float]) -> float | None:
-    """The median of steps' tokens/s (the end record's `median_tokens_per_s`, as before the run
+    """The median of steps' tokens/s (the end record's `median_tokens_per_s`, beside the run's
     figure); None without a step."""
     finite = [r for r in rates if math.isfinite(r)]
     return statistics.median(finite) if finite else None
@@ -149,3 +170,115 @@ def recorded_median(records: list[dict[str, Any]], history: list[dict[str, Any]]
             return _number(rec["median_tokens_per_s"])
     rates = (_number(r.get("tokens_per_s")) for r in history if r.get("event") == "train")
     return median_tokens_per_s([x for x in rates if x is not None])
+
+
+# ----------------------------------------------------------------------------- TensorBoard
+
+
+class TensorBoardWriter:
+    """Writes the scalars of each record (train.metrics.scalars) into `<run_dir>/tensorboard/`."""
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+
+    def log(self, record: dict[str, Any]) -> None:
+        found = scalars(record)
+        for tag, value in (found[1].items() if found else ()):
+            self._writer.add_scalar(tag, value, global_step=found[0])
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def open_tensorboard(run_dir: Path, enabled: bool) -> TensorBoardWriter | None:
+    """A writer for `run_dir/tensorboard`, or None when disabled or TensorBoard is missing."""
+    if not enabled:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception as exc:  # ImportError, or a broken install (protobuf mismatches raise others)
+        print(
+            f"tensorboard: skipped, the package is not usable ({type(exc).__name__}: {exc}); "
+            "pip install tensorboard to enable it",
+            file=sys.stderr,
+        )
+        return None
+    return TensorBoardWriter(SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard")))
+
+
+# ----------------------------------------------------------------------------- W&B
+
+# W&B draws every scalar against this one, not its own call counter: a resume from an earlier
+# checkpoint repeats steps, which W&B's counter would refuse as going backwards.
+STEP = "step"
+
+
+def import_wandb(mode: str) -> Any:
+    """The wandb module, or a one-line error saying how to install it."""
+    try:
+        import wandb
+    except ImportError:
+        raise UserError(
+            f"train.wandb: {mode} needs the wandb package, which is not installed: "
+            "pip install 'andrea[wandb]' (or pip install wandb), or set train.wandb=off"
+        ) from None
+    return wandb
+
+
+class WandbWriter:
+    """Logs each record's scalars to one W&B run; the end record's also as its summary.
+    `line`: what andrea says of it, W&B itself saying nothing."""
+
+    def __init__(self, run: Any, mode: str) -> None:
+        self.run = run
+        run.define_metric("*", step_metric=STEP)
+        if mode == "offline":
+            folder = run.settings.sync_dir
+            self.line = (f"W&B: offline run {run.id} in {folder}; upload it with: wandb sync "
+                         f"{folder}")
+        else:
+            self.line = f"W&B: run {run.id}: {run.url}"
+
+    def log(self, record: dict[str, Any]) -> None:
+        found = scalars(record)
+        if found is None:
+            return
+        step, values = found
+        self.run.log({STEP: step, **values})
+        if record.get("event") == "end":
+            self.run.summary.update(values)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_wandb(cfg: Config, run_dir: Path) -> WandbWriter | None:
+    """The W&B run of `run_dir` (a new one, or the one its `wandb_run_id` names), or None when
+    train.wandb is off. Call before anything else is written: a missing package is an error."""
+    t = cfg.train
+    if t.wandb == "off":
+        return None
+    wandb = import_wandb(t.wandb)
+    id_file = run_dir / WANDB_RUN_ID
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(id_file, run_id + "\n")
+    # console off: the bar and andrea's lines stay on the terminal, not copied into W&B; silent:
+    # W&B's own banner, run summary and sync hints stay off it (andrea says one line instead).
+    settings = wandb.Settings(console="off", silent=True)
+    try:
+        run = wandb.init(
+            mode=t.wandb, dir=str(run_dir), project=t.wandb_project,
+            entity=t.wandb_entity or None, name=t.wandb_name or run_dir.name, id=run_id,
+            resume="allow", config=cfg.to_dict(), settings=settings,
+        )
+    except Exception as exc:  # no login, no network, a refused entity: wandb's own types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(
+            f"train.wandb: {t.wandb}: W&B could not start the run ({first}); run `wandb login`, "
+            "or set train.wandb=offline and `wandb sync` the run's wandb folder later"
+        ) from None
+    return WandbWriter(run, t.wandb)

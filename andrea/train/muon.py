@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from andrea.errors import UserError
-from andrea.train.distributed import is_dtensor
+from andrea.train.sharding import is_dtensor
 
 MUON_MIN_TORCH = "2.9"
 
@@ -254,7 +254,7 @@ class SplitMuon(Float32Muon):
             return []
         sharded = is_dtensor(params[0])
         if sharded and not _row_sharded_on_one_dim(params[0]):
-            # andrea builds only 1-D meshes (distributed.shard_model); hybrid sharding would
+            # andrea builds only 1-D meshes (sharding.shard_model); hybrid sharding would
             # need the exchange per shard group.
             raise NotImplementedError(f"Muon over {params[0].placements} on a "
                                       f"{params[0].device_mesh.ndim}-D mesh; only Shard(0) on "

@@ -1,5 +1,4 @@
-"""The optimizers by name (train.optimizer): how each is built from the config and the model,
-and what per-parameter state each keeps.
+"""The optimizers by name (train.optimizer): how each is built, and its per-parameter state.
 
 `OPTIMIZERS` maps a name to its builder: adamw (AdamW with weight decay on matrices only), muon
 (Muon for the block matrices beside AdamW for the rest, andrea/train/muon.py, as one

@@ -1,8 +1,10 @@
-"""How the processes share the training: one process alone, `ddp` (every process a whole copy
-of the model, gradients all-reduced) or `fsdp` (parameters, gradients and optimizer state
-sharded over the processes, FSDP2). The one place that knows the modes: set-up builds one
-`Parallel` from train.parallel and the process group (`parallel_for`), and the set-up, the loop,
-the checkpoint and the plan lines ask it what to do instead of comparing the mode's name.
+"""How the processes share the training: one process alone, `ddp` or `fsdp`, one object each.
+
+`ddp`: every process a whole copy of the model, gradients all-reduced; `fsdp`: parameters,
+gradients and optimizer state sharded over the processes (FSDP2). The one place that knows the
+modes: set-up builds one `Parallel` from train.parallel and the process group (`parallel_for`),
+and the set-up, the loop, the checkpoint and the plan lines ask it what to do instead of
+comparing the mode's name.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import torch
 import torch.nn as nn
 
 from andrea.config import register_choices
-from andrea.train.distributed import DistInfo, clip_grad_norm, shard_model
+from andrea.train.sharding import clip_grad_norm, shard_model
 from andrea.train.state import TrainerState
+from andrea.train.torchrun import DistInfo
 
 
 @dataclass

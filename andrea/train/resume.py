@@ -10,8 +10,9 @@ from typing import Any
 from andrea.config import Config, config_from_dict, key_specs, load_config
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.distributed import attempt, torchrun_env
+from andrea.train.restarts import attempt
 from andrea.train.rundir import CONFIG, is_step_dir, newest_intact, run_path
+from andrea.train.torchrun import torchrun_env
 
 
 def config_changes(stored: Config, given: Config) -> dict[str, tuple[Any, Any]]:

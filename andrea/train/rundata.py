@@ -1,6 +1,7 @@
-"""A trained run's data when its data folder is not here: a run folder copied to another
-machine, or its data folder deleted. Shared by `andrea train --resume` (train/setup.py) and the
-verbs that open a checkpoint (andrea/trained.py).
+"""A trained run's data when its data folder is not here, prepared with the run's own tokenizer.
+
+A run folder copied to another machine, or its data folder deleted. Shared by `andrea train
+--resume` (train/setup.py) and the verbs that open a checkpoint (andrea/trained.py).
 
 The data is prepared again only with the run's own tokenizer: the tokenizer.json its checkpoint
 carries for a BPE (`own_tokenizer_config`; a new BPE trained on the same text could differ), or

@@ -29,8 +29,9 @@ from pathlib import Path
 
 from andrea.data.folder import missing_dirs, remove_empty
 from andrea.errors import UserError
-from andrea.train.distributed import attempt, torchrun_env
+from andrea.train.restarts import attempt
 from andrea.train.rundir import RUN_LOCK
+from andrea.train.torchrun import torchrun_env
 
 HEARTBEAT_S = 30.0  # how often a holder refreshes `alive` in its record
 RECORD_BYTES = 512  # the record is rewritten in place at this size, so a reader never sees it
@@ -46,7 +47,7 @@ class Holder:
     since: float  # time.time() when it took the lock
     alive: float  # time.time() at its last heartbeat
     job: str = ""  # the torchrun job ("" outside torchrun): its id and rendezvous address
-    attempt: int = 0  # which launch of that job's workers (andrea.train.distributed.attempt)
+    attempt: int = 0  # which launch of that job's workers (andrea.train.restarts.attempt)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode().ljust(RECORD_BYTES)

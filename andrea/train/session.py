@@ -1,5 +1,7 @@
-"""What one training process holds while it trains (Session), and what a run's end reports
-(TrainResult): the types the set-up (andrea/train/setup.py) builds and the loop advances."""
+"""What one training process holds while it trains, and what a run's end reports.
+
+`Session` and `TrainResult`: the types the set-up (andrea/train/setup.py) builds and the loop
+advances."""
 
 from __future__ import annotations
 
@@ -15,13 +17,13 @@ from andrea.config import Config
 from andrea.data.loader import TokenSplit
 from andrea.model.transformer import Andrea
 from andrea.train.checkpoint import checkpoint_nbytes
-from andrea.train.distributed import DistInfo
 from andrea.train.flops import MfuMeter
 from andrea.train.metrics import MetricsLog, Throughput
 from andrea.train.parallel import Parallel
 from andrea.train.scaling import LossScaling
 from andrea.train.signals import SignalWatch
 from andrea.train.spike import SpikeGuard
+from andrea.train.torchrun import DistInfo
 from andrea.train.validation import ValSource
 
 

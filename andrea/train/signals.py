@@ -1,6 +1,8 @@
-"""Ctrl-C and SIGTERM: during set-up (data preparation, model build) the first stops it at once;
-during training it asks the loop to stop after the current micro-batch; the second, of either
-kind, ends the process at once."""
+"""Ctrl-C and SIGTERM in `andrea train`: a stop during set-up, or after a micro-batch.
+
+During set-up (data preparation, model build) the first stops it at once; during training it
+asks the loop to stop after the current micro-batch; the second, of either kind, ends the
+process at once."""
 
 from __future__ import annotations
 

@@ -19,16 +19,16 @@ from andrea.config import Config
 from andrea.data.loader import TokenSplit
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.diskspace import WriteFailed, describe
-from andrea.train.distributed import (
-    DistInfo,
+from andrea.train.collectives import (
     all_gather_bytes,
     all_reduce_sum,
     barrier,
     broadcast_tensors,
     from_rank0,
 )
+from andrea.train.diskspace import WriteFailed, describe
 from andrea.train.state import TrainerState
+from andrea.train.torchrun import DistInfo
 
 
 def write_session(

@@ -1,5 +1,4 @@
-"""The loss-spike guard (train.spike_guard): a step whose loss or gradient norm stands far out
-from the recent steps is not applied.
+"""The loss-spike guard (train.spike_guard): a step far out from the recent ones is not applied.
 
 Each step's loss and (pre-clip) gradient norm are compared with the last spike_window applied
 steps: z = (x - mean) / std, with std at least SPREAD_FLOOR of the mean, so a flat stretch of

@@ -1,5 +1,7 @@
-"""The validation loss: one fixed set of windows per source, scored by summed negative
-log-likelihood over summed target tokens, shared by the trainer and `andrea eval`.
+"""The validation loss, shared by the trainer and `andrea eval`.
+
+One fixed set of windows per source, scored by summed negative log-likelihood over summed
+target tokens.
 
 The windows (`data.loader.val_windows`) depend only on the val split, block_size and the token
 budget (train.eval_tokens, `andrea eval --max-tokens`), so the figure does not move with the
@@ -22,7 +24,8 @@ from tqdm import tqdm
 
 from andrea.data.loader import TokenSplit, token_byte_lengths, val_windows, window_batches
 from andrea.errors import UserError
-from andrea.train.distributed import DistInfo, all_reduce_sum
+from andrea.train.collectives import all_reduce_sum
+from andrea.train.torchrun import DistInfo
 
 
 @dataclass
