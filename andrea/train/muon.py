@@ -30,6 +30,7 @@ from torch import nn
 
 from andrea.errors import UserError
 from andrea.train.distributed import is_dtensor
+from andrea.train.parallel import bare_name
 
 MUON_MIN_TORCH = "2.9"
 
@@ -47,8 +48,7 @@ def require_muon() -> type[torch.optim.Optimizer]:
 
 def is_muon_matrix(name: str, p: nn.Parameter) -> bool:
     """A 2-D weight inside a transformer block: QKV, W_O, MLP up, MLP down."""
-    name = name.replace("_orig_mod.", "").removeprefix("module.")
-    return name.startswith("blocks.") and p.dim() == 2
+    return bare_name(name).startswith("blocks.") and p.dim() == 2
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[tuple[str, nn.Parameter]]]:

@@ -16,7 +16,13 @@ import torch.nn as nn
 
 from andrea.config import register_choices
 from andrea.train.distributed import DistInfo, clip_grad_norm, shard_model
-from andrea.train.state import TrainerState
+from andrea.train.rundir import TrainerState
+
+
+def bare_name(name: str) -> str:
+    """A parameter's or state_dict key's name as the model itself has it, without the prefixes
+    of the wrappers `Parallel.wrap` puts around it (compiled, inside DDP)."""
+    return name.replace("_orig_mod.", "").removeprefix("module.")
 
 
 @dataclass

@@ -12,13 +12,11 @@ from typing import Any
 
 from andrea.data.loader import mixture_report, source_passes
 from andrea.fileio import atomic_write_text, free_bytes
-from andrea.train import checkpoint as ckpt_io
+from andrea.train.checkpoint import start_warning
 from andrea.train.device import precision_warning
-from andrea.train.diskspace import start_warning
 from andrea.train.metrics import MetricsLog
-from andrea.train.rundir import CONFIG, METRICS
+from andrea.train.rundir import CONFIG, METRICS, TrainerState, clean_partials
 from andrea.train.session import Session
-from andrea.train.state import TrainerState
 from andrea.train.tensorboard import open_tensorboard
 from andrea.train.wandb_log import open_wandb
 
@@ -30,7 +28,7 @@ def start_run_files(
     t = s.cfg.train
     wandb = open_wandb(s.cfg, s.run_dir)  # first: a missing package stops before any write
     s.run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_io.clean_partials(s.run_dir)
+    clean_partials(s.run_dir)
     atomic_write_text(s.run_dir / CONFIG, s.cfg.to_yaml())
     tensorboard = open_tensorboard(s.run_dir, t.tensorboard)
     s.log = MetricsLog(s.run_dir / METRICS, [x for x in (tensorboard, wandb) if x is not None])
@@ -52,6 +50,7 @@ def announce(
     backend: str,
     why: str,
     changes: dict[str, list[Any]],
+    *,
     trainer_state: TrainerState | None,
     resume_from: Path | None,
     micro_batch_line: str,
