@@ -36,8 +36,7 @@ from andrea.data.prepare import SPLITS
 from andrea.errors import UserError
 from andrea.fileio import json_safe
 from andrea.tasks import TaskFile, TaskResult, read_task, run_task
-from andrea.train import checkpoint as ckpt_io
-from andrea.train.rundir import step_of_dir
+from andrea.train.rundir import MODEL_FILE, step_dirs, step_of_dir
 from andrea.train.validation import ValScore, score_val, val_sources
 from andrea.trained import (
     TrainedModel,
@@ -211,7 +210,7 @@ def checkpoints_to_evaluate(
     runs = [Path(c) for c in checkpoints] if checkpoints else [most_recent_run(runs_dir).parent]
     found: list[Path] = []
     for run in runs:
-        steps = [p for p in ckpt_io.list_checkpoints(run) if (p / ckpt_io.MODEL_FILE).is_file()]
+        steps = [p for p in step_dirs(run) if (p / MODEL_FILE).is_file()]
         if not steps:
             raise UserError(f"--all-steps {run}: no step-N checkpoint folders in this run; "
                             "give a run directory, e.g. runs/<name>")

@@ -58,8 +58,7 @@ from andrea.fileio import atomic_write_bytes, atomic_write_text
 from andrea.model.params import check_stored_shape
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.rundir import CONFIG, read_safetensors_header
-from andrea.train.state import TrainerState
+from andrea.train.rundir import CONFIG, TrainerState, read_safetensors_header, step_dir_name
 
 EXPORT_FORMAT = "andrea-hf-export/1"
 ANDREA_FILE = "andrea.json"
@@ -463,8 +462,8 @@ def import_hf(
             imported_sha256=hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest(),
         )
         carried = {BPE_FILE: tokenizer_json.read_bytes()} if tokenizer_json is not None else {}
-        ckpt_io.save_checkpoint(tmp, 0, cfg, identity, tensors, {}, rng, state, keep_last=1,
-                                files=carried)
+        ckpt_io.save_checkpoint(tmp, state, cfg, identity, model=tensors, optimizer={}, rng=rng,
+                                keep_last=1, files=carried)
         atomic_write_text(tmp / CONFIG, cfg.to_yaml())
         if tokenizer_json is not None:
             shutil.copyfile(tokenizer_json, tmp / BPE_FILE)
@@ -472,4 +471,4 @@ def import_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return run_dir / ckpt_io.step_dir_name(0)
+    return run_dir / step_dir_name(0)

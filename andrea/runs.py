@@ -31,11 +31,11 @@ from andrea.train.rundir import (
     LATEST,
     METRICS,
     TRAINER_STATE,
+    TrainerState,
     is_run,
     newest_intact,
     step_dirs,
 )
-from andrea.train.state import TrainerState
 from andrea.trained import latest_problem
 
 # Every state a run can be in; the first five come from the trainer's "end" event. "imported":

@@ -2,7 +2,7 @@
 
 - which checkpoint: `find_checkpoint` (a run means its latest, a step folder itself, none the
   run under ./runs written last: `most_recent_run`); a damaged one is refused naming the run's
-  newest intact checkpoint (train.checkpoint.resolve_checkpoint); `latest_problem` is the same
+  newest intact checkpoint (train.rundir.resolve_checkpoint); `latest_problem` is the same
   verdict as `andrea runs` reports it, without raising;
 - the model and its tokenizer: `load_model`, `tokenizer_for_checkpoint` (a BPE's
   tokenizer.json is in the checkpoint: it opens from any directory, with no data folder),
@@ -35,7 +35,14 @@ from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import rundata
-from andrea.train.rundir import LATEST, checkpoint_problem
+from andrea.train.rundir import (
+    LATEST,
+    MODEL_FILE,
+    checkpoint_problem,
+    read_latest,
+    resolve_checkpoint,
+    verify_file,
+)
 
 
 def notice(message: str) -> None:
@@ -56,8 +63,8 @@ def most_recent_run(
     found: list[tuple[float, Path]] = []
     if runs_dir.is_dir():
         for run in runs_dir.iterdir():
-            latest = ckpt_io.read_latest(run) if run.is_dir() else None
-            for written in (latest / ckpt_io.MODEL_FILE if latest else None, run / ckpt_io.LATEST):
+            latest = read_latest(run) if run.is_dir() else None
+            for written in (latest / MODEL_FILE if latest else None, run / LATEST):
                 if written is not None and written.is_file():
                     found.append((written.stat().st_mtime, run))
                     break
@@ -66,7 +73,7 @@ def most_recent_run(
             f"no --checkpoint given and no run with a checkpoint under {runs_dir}/; "
             "pass --checkpoint runs/<name>[/step-N]"
         )
-    return ckpt_io.resolve_checkpoint(max(found, key=lambda item: item[0])[1], use=use)
+    return resolve_checkpoint(max(found, key=lambda item: item[0])[1], use=use)
 
 
 def find_checkpoint(
@@ -80,7 +87,7 @@ def find_checkpoint(
         ckpt = most_recent_run(runs_dir, use)
         notice(f"checkpoint: {ckpt} (the most recent run under {runs_dir}/)")
         return ckpt
-    return ckpt_io.resolve_checkpoint(checkpoint, use=use)
+    return resolve_checkpoint(checkpoint, use=use)
 
 
 def latest_problem(run: Path, name: str | None) -> str | None:
@@ -108,7 +115,7 @@ def load_model(
     requested = cfg.model.attention if device.type == "cuda" else "auto"
     backend, _ = resolve_backend(requested, cfg.model.head_dim, device)
     model = Andrea(cfg.model, attention_backend=backend)
-    ckpt_io.load_weights(model, tensors, ckpt / ckpt_io.MODEL_FILE)
+    ckpt_io.load_weights(model, tensors, ckpt / MODEL_FILE)
     return model.to(device).eval(), cfg, metadata
 
 
@@ -153,7 +160,7 @@ def tokenizer_for_checkpoint(
         return tok
     own = kind.in_checkpoint(ckpt)
     if own is not None:
-        ckpt_io.verify_file(own)
+        verify_file(own)
         tok = BpeTokenizer(own)
         if tok.identity != identity:
             raise UserError(f"{own}: is the BPE {tok.identity}, but {ckpt} was trained with "

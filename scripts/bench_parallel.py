@@ -100,7 +100,7 @@ def checkpoint_worker(preset: str, parallel: str) -> dict:
 
     from andrea.train import checkpoint as ckpt_io
     from andrea.train.collectives import all_gather_bytes, barrier
-    from andrea.train.state import TrainerState
+    from andrea.train.rundir import SHARDS_DIR, TrainerState, has_shards, partial_dir, step_dir_name
 
     cfg, mode, model, optimizer, names = build(preset, parallel)
     info = mode.dist
@@ -112,19 +112,19 @@ def checkpoint_worker(preset: str, parallel: str) -> dict:
     t0 = time.perf_counter()
     partial = None
     if sharded:
-        partial = ckpt_io.partial_dir(run_dir, 1, 0)
-        ckpt_io.write_shards(partial / ckpt_io.SHARDS_DIR,
+        partial = partial_dir(run_dir, 1, 0)
+        ckpt_io.write_shards(partial / SHARDS_DIR,
                              ckpt_io.sharded_state(model, optimizer, names), info.rank)
     weights = ckpt_io.model_state(model, info.is_main)
     moments = {} if sharded else ckpt_io.optimizer_state(optimizer, names)
     if info.is_main:
-        ckpt_io.save_checkpoint(run_dir, 1, cfg, "bench", weights, moments, {},
-                                TrainerState(step=1), 1, partial)
+        ckpt_io.save_checkpoint(run_dir, TrainerState(step=1), cfg, "bench", model=weights,
+                                optimizer=moments, rng={}, keep_last=1, partial=partial)
     barrier(info)
     write_s = time.perf_counter() - t0
-    ckpt = run_dir / ckpt_io.step_dir_name(1)
+    ckpt = run_dir / step_dir_name(1)
     t0 = time.perf_counter()
-    if ckpt_io.has_shards(ckpt):
+    if has_shards(ckpt):
         ckpt_io.read_shards(ckpt, model, optimizer, names)
     else:
         tensors = ckpt_io.read_model_checkpoint(ckpt)[0]

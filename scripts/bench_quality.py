@@ -55,7 +55,7 @@ from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import cpu_has_bf16
 from andrea.train.loop import train
 from andrea.train.resume import config_changes
-from andrea.train.rundir import step_of_dir
+from andrea.train.rundir import step_dirs, step_of_dir
 from andrea.train.setup import batch_warmup_active
 
 OPTIMIZERS = ("adamw", "muon")
@@ -106,7 +106,7 @@ def run_one(run: Run, args: argparse.Namespace) -> float:
         if result.state != "finished":
             raise UserError(f"{result.run_dir}: the {run.label} run ended {result.state}")
     seconds = checkpoint_seconds(run_dir / "metrics.jsonl")
-    checkpoints = ckpt_io.list_checkpoints(run_dir)
+    checkpoints = step_dirs(run_dir)
     for ckpt in checkpoints:
         step = step_of_dir(ckpt)
         tokens = ckpt_io.read_trainer_state(ckpt)[0].tokens  # a batch warm-up's are fewer
@@ -125,7 +125,7 @@ def reused_run(run_dir: Path, cfg: Config, steps: int) -> None:
     if changed:
         raise UserError(f"{run_dir}: --reuse: the run there was trained with other settings "
                         f"({', '.join(changed)}); give this variant another label or drop --reuse")
-    checkpoints = ckpt_io.list_checkpoints(run_dir)
+    checkpoints = step_dirs(run_dir)
     if not checkpoints or step_of_dir(checkpoints[-1]) != steps:
         raise UserError(f"{run_dir}: --reuse: not a finished run of {steps} steps; remove the "
                         "folder or drop --reuse")

@@ -1,4 +1,4 @@
-"""How close the trainer's estimate of a checkpoint's size (andrea/train/diskspace.py, used for
+"""How close the trainer's estimate of a checkpoint's size (andrea/train/checkpoint.py, used for
 the free-space checks) comes to a real checkpoint's bytes on disk.
 
     python scripts/checkpoint_size.py [--presets andrea-tiny andrea-12m] [--fsdp]
@@ -27,7 +27,7 @@ from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.checkpoint import checkpoint_nbytes
 from andrea.train.optim import build_optimizer
-from andrea.train.state import TrainerState
+from andrea.train.rundir import TrainerState
 
 
 def folder_bytes(folder: Path) -> int:
@@ -46,9 +46,9 @@ def one_process(preset: str, optimizer: str) -> tuple[int, int]:
     names = {id(p): n for n, p in model.named_parameters()}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = ckpt_io.save_checkpoint(
-            Path(tmp), 1, cfg, "byte:v1", ckpt_io.model_state(model),
-            ckpt_io.optimizer_state(opt, names), {"cpu.rank0": torch.get_rng_state()},
-            TrainerState(step=1), 1)
+            Path(tmp), TrainerState(step=1), cfg, "byte:v1", model=ckpt_io.model_state(model),
+            optimizer=ckpt_io.optimizer_state(opt, names),
+            rng={"cpu.rank0": torch.get_rng_state()}, keep_last=1)
         return estimate, folder_bytes(ckpt)
 
 

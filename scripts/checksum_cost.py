@@ -17,7 +17,7 @@ from pathlib import Path
 
 from andrea.fileio import atomic_write_bytes
 from andrea.resources import cpu_name
-from andrea.train.checkpoint import file_sha256
+from andrea.train.rundir import file_sha256
 
 SIZES = [("12M preset checkpoint (weights + AdamW)", 300 << 20),
          ("120M model.safetensors (fp32)", 124_000_000 * 4),

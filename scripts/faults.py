@@ -147,7 +147,8 @@ def same_run(run: Path, ref: Path) -> str:
     uninterrupted run's exactly; else what differs."""
     import torch
 
-    from andrea.train.checkpoint import read_model_checkpoint, resolve_checkpoint
+    from andrea.train.checkpoint import read_model_checkpoint
+    from andrea.train.rundir import resolve_checkpoint
 
     got, want = steps_of(run), steps_of(ref)
     if sorted(got) != sorted(want):

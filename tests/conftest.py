@@ -144,7 +144,7 @@ def make_checkpoint(
     from andrea.config import load_config
     from andrea.model.transformer import Andrea
     from andrea.train import checkpoint as ckpt_io
-    from andrea.train.state import TrainerState
+    from andrea.train.rundir import TrainerState
 
     cfg = load_config(
         "andrea-tiny", [f"train.runs_dir={tmp_path / 'runs'}", "train.name=r", *sets]
@@ -155,8 +155,8 @@ def make_checkpoint(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     return ckpt_io.save_checkpoint(
-        run_dir, step, cfg, tokenizer, ckpt_io.model_state(model), {}, {},
-        TrainerState(step=step), 1
+        run_dir, TrainerState(step=step), cfg, tokenizer, model=ckpt_io.model_state(model),
+        optimizer={}, rng={}, keep_last=1,
     )
 
 

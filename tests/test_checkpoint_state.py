@@ -14,8 +14,7 @@ from conftest import REPO, assert_user_error, run_andrea
 
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.rundir import step_dir_name, step_of_dir
-from andrea.train.state import TrainerState
+from andrea.train.rundir import TrainerState, step_dir_name, step_of_dir
 
 FIXTURES = REPO / "tests" / "fixtures" / "checkpoints"
 TODAY = ("adamw", "muon")  # written by the code before TrainerState
@@ -133,3 +132,34 @@ def test_checkpoints_written_before_evaluate_as_before(tmp_path, data_dir):
     results = json.loads(proc.stdout)
     assert [r["step"] for r in results] == [3, 3, 3]
     assert [r["loss"] for r in results] == pytest.approx([OLD_EVAL[n] for n in names], rel=RTOL)
+
+
+def test_a_resumed_session_records_what_its_checkpoint_recorded(tmp_path, data_dir, capsys):
+    """TrainingState.restore takes up every counter and record that TrainingState.record wrote
+    (with fp16's loss scale and the spike guard's window, both non-trivial here): the two
+    directions are one object's, and a session resumed from a checkpoint would write it back
+    as it was."""
+    import torch
+
+    from andrea.config import load_config
+    from andrea.train.checkpoint import TrainingState
+    from andrea.train.loop import train
+    from andrea.train.rundir import read_state
+    from andrea.train.runlock import held_during
+    from andrea.train.setup import set_up
+    from andrea.train.signals import SignalWatch
+    from andrea.train.torchrun import DistInfo
+
+    cfg = load_config("andrea-tiny", [
+        f"data.dir={data_dir}", f"train.runs_dir={tmp_path / 'runs'}", "train.name=r",
+        "train.max_steps=6", "train.eval_every=2", "train.checkpoint_every=0",
+        "train.precision=fp16", "train.micro_batch_size=2", "train.spike_guard=skip"])
+    first = train(cfg, progress=False, stop_after=3)
+    written = read_state(first.checkpoint)
+    assert written.loss_scaling and written.spike_guard["window"] and written.best_val_loss
+    with held_during(), SignalWatch() as signals:
+        s = set_up(load_config(first.run_dir / "config.yaml"), torch.device("cpu"), DistInfo(),
+                   signals, resume=str(first.run_dir), overwrite=False)
+        s.log.close()
+    assert TrainingState(s).record() == written
+    assert (s.checkpoint, s.checkpoint_step) == (first.checkpoint, 3)

@@ -24,6 +24,7 @@ from andrea.runs import format_table, list_runs
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.loop import train
 from andrea.train.optim import build_optimizer
+from andrea.train.rundir import OPTIMIZER_FILE, checkpoint_problem
 
 # data_dir: the session fixture in conftest.py. Checkpoints at steps 2, 4 and 6 (~1.5 MB each).
 SETS = ("train.max_steps=6", "train.checkpoint_every=2", "train.log_every=1",
@@ -43,7 +44,7 @@ def steps_logged(run_dir: Path) -> dict[int, tuple[float, float]]:
 
 def final_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     weights = ckpt_io.read_model_checkpoint(ckpt)[0]
-    moments = ckpt_io.read_safetensors(ckpt / ckpt_io.OPTIMIZER_FILE)[0]
+    moments = ckpt_io.read_safetensors(ckpt / OPTIMIZER_FILE)[0]
     return {**weights, **{f"optimizer.{k}": v for k, v in moments.items()}}
 
 
@@ -68,7 +69,7 @@ def assert_resumes_as_uninterrupted(run_dir: Path, data_dir: Path, uninterrupted
 def assert_stopped_at_4(run_dir: Path) -> None:
     assert (run_dir / "latest").read_text().strip() == "step-000002"
     assert [p.name for p in run_dir.iterdir() if p.name.startswith("step-")] == ["step-000002"]
-    assert ckpt_io.checkpoint_problem(run_dir / "step-000002", for_resume=True) is None
+    assert checkpoint_problem(run_dir / "step-000002", for_resume=True) is None
 
 
 def test_the_estimate_is_within_two_percent_of_a_real_checkpoint(uninterrupted):

@@ -13,6 +13,7 @@ from test_train import read_events, tiny, write_config
 
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.loop import train
+from andrea.train.rundir import resolve_checkpoint
 
 
 def steps(run_dir: Path) -> dict[int, tuple[float, float]]:
@@ -32,7 +33,7 @@ def test_kill_9_mid_step_then_resume_equals_the_uninterrupted_run(tmp_path, data
     assert r.returncode == -signal.SIGKILL, r.stderr
     run_dir = Path(cfg.train.runs_dir) / "t"
     assert sorted(steps(run_dir)) == [1, 2, 3, 4]
-    assert ckpt_io.resolve_checkpoint(run_dir).name == "step-000003"
+    assert resolve_checkpoint(run_dir).name == "step-000003"
     rest = train(cfg, resume=str(run_dir), progress=False)
     assert rest.steps == 6 and sorted(rest.losses) == [4, 5, 6]
     assert steps(run_dir) == steps(whole.run_dir)  # exact float equality, every step

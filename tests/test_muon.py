@@ -21,6 +21,7 @@ from andrea.train import checkpoint as ckpt_io
 from andrea.train.loop import train
 from andrea.train.muon import Float32Muon, newton_schulz
 from andrea.train.optim import CombinedOptimizer, build_optimizer, make_empty_state
+from andrea.train.rundir import OPTIMIZER_FILE
 
 torch_ns = pytest.importorskip("torch.optim._muon")._zeropower_via_newtonschulz
 COEFFS = (3.4445, -4.7750, 2.0315)
@@ -98,7 +99,7 @@ def test_exact_resume_bit_for_bit_with_muon(tmp_path, data_dir):
     whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
     first = train(tiny(tmp_path / "b", data_dir, *sets), progress=False, stop_after=3)
     assert first.state == "stopped" and first.steps == 3
-    fields = ckpt_io.read_safetensors(first.checkpoint / ckpt_io.OPTIMIZER_FILE)[0]
+    fields = ckpt_io.read_safetensors(first.checkpoint / OPTIMIZER_FILE)[0]
     assert "blocks.0.attn.qkv.weight.momentum_buffer" in fields
     assert "tok_emb.weight.exp_avg" in fields and "blocks.0.attn.qkv.weight.exp_avg" not in fields
     rest = train(tiny(tmp_path / "b", data_dir, *sets), resume=str(first.run_dir),

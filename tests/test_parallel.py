@@ -528,7 +528,7 @@ def test_the_mode_is_decided_once_from_the_config_and_the_processes():
 
 def test_the_resharding_line_names_what_wrote_the_checkpoint():
     from andrea.train.parallel import parallel_for
-    from andrea.train.state import TrainerState
+    from andrea.train.rundir import TrainerState
     from andrea.train.torchrun import DistInfo
 
     def written(**keys):

@@ -19,6 +19,7 @@ from andrea.train.loop import train
 from andrea.train.muon import POLAR_EXPRESS, Float32Muon, newton_schulz
 from andrea.train.optim import build_optimizer
 from andrea.train.parallel import parallel_for
+from andrea.train.rundir import OPTIMIZER_FILE
 from andrea.train.setup import build_model
 from andrea.train.torchrun import DistInfo
 
@@ -152,7 +153,7 @@ def test_normuon_resumes_bit_for_bit(tmp_path, data_dir):
             "train.muon_neuron_beta2=0.95")
     whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
     first = train(tiny(tmp_path / "b", data_dir, *sets), progress=False, stop_after=3)
-    fields = ckpt_io.read_safetensors(first.checkpoint / ckpt_io.OPTIMIZER_FILE)[0]
+    fields = ckpt_io.read_safetensors(first.checkpoint / OPTIMIZER_FILE)[0]
     rows = fields["blocks.0.attn.qkv.weight.momentum_buffer"].shape[0]
     assert fields["blocks.0.attn.qkv.weight.neuron_second_moment"].shape == (rows, 1)
     rest = train(tiny(tmp_path / "b", data_dir, *sets), resume=str(first.run_dir),

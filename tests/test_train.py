@@ -25,7 +25,14 @@ from andrea.train.device import pick_device, pick_dtype
 from andrea.train.loop import train
 from andrea.train.memory import HEADROOM, choose_micro_batch, estimate_peak_bytes
 from andrea.train.optim import build_optimizer
-from andrea.train.rundir import step_of_dir
+from andrea.train.rundir import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    TRAINER_STATE,
+    resolve_checkpoint,
+    step_dirs,
+    step_of_dir,
+)
 
 # data_dir: the session fixture in conftest.py (the tiny preset's prepared data).
 
@@ -80,7 +87,7 @@ def test_resume_by_bare_run_name(tmp_path, data_dir):
     proc = run_andrea("train", "--resume", "t", "--no-progress", cwd=tmp_path)  # runs/t
     assert proc.returncode == 0, proc.stderr
     assert "finished: 4 steps" in proc.stdout
-    assert ckpt_io.resolve_checkpoint(first.run_dir).name == "step-000004"
+    assert resolve_checkpoint(first.run_dir).name == "step-000004"
 
 
 def test_weight_decay_only_on_matrices(tmp_path, data_dir):
@@ -106,7 +113,7 @@ def test_checkpoint_round_trip(tmp_path, data_dir):
     names = {id(p): n for n, p in model.named_parameters()}
     ckpt_io.load_optimizer(opt, names, result.checkpoint)
     again = ckpt_io.optimizer_state(opt, names)
-    stored, _ = ckpt_io.read_safetensors(result.checkpoint / ckpt_io.OPTIMIZER_FILE)
+    stored, _ = ckpt_io.read_safetensors(result.checkpoint / OPTIMIZER_FILE)
     assert stored.keys() == again.keys()
     assert all(torch.equal(stored[k], again[k]) for k in stored)
     state, rng = ckpt_io.read_trainer_state(result.checkpoint)
@@ -118,7 +125,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "train.max_steps=4", "train.checkpoint_every=1",
                "train.keep_last=2")
     result = train(cfg, progress=False)
-    assert [p.name for p in ckpt_io.list_checkpoints(result.run_dir)] == [
+    assert [p.name for p in step_dirs(result.run_dir)] == [
         "step-000003", "step-000004"]
     assert len(read_events(result.run_dir, "checkpoint")) == 4
 
@@ -176,7 +183,7 @@ def test_signal_checkpoints_and_exits(tmp_path, data_dir, sig, code):
     assert proc.returncode == code, err
     (end,) = read_events(run_dir, "end")
     assert end["state"] == "interrupted" and end["signal"] == sig.name
-    latest = ckpt_io.resolve_checkpoint(run_dir)
+    latest = resolve_checkpoint(run_dir)
     assert latest.name == end["checkpoint"] and latest.name in out
     assert ckpt_io.read_trainer_state(latest)[0].step == end["step"]
 
@@ -206,10 +213,10 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
     assert proc.returncode == code
     assert "step-000002 stays the latest checkpoint" in "".join(stderr)
     assert read_events(first.run_dir, "end")[-1]["state"] == "interrupted"
-    assert ckpt_io.resolve_checkpoint(first.run_dir).name == "step-000002"
+    assert resolve_checkpoint(first.run_dir).name == "step-000002"
     ckpt_io.read_model_checkpoint(first.run_dir / "step-000002")  # complete and loadable
     (cut,) = first.run_dir.glob("*.partial-*")  # the interrupted write, never the latest
-    assert not (cut / ckpt_io.STATE_FILE).exists() and step_of_dir(cut.with_suffix("")) > 2
+    assert not (cut / TRAINER_STATE).exists() and step_of_dir(cut.with_suffix("")) > 2
 
 
 def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data_dir):
@@ -222,7 +229,7 @@ def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data
     proc.kill()
     proc.communicate()
     assert (run_dir / "latest").read_text().strip() == "step-000005"
-    tensors, _, meta = ckpt_io.read_model_checkpoint(ckpt_io.resolve_checkpoint(run_dir))
+    tensors, _, meta = ckpt_io.read_model_checkpoint(resolve_checkpoint(run_dir))
     assert meta["step"] == "5" and tensors
     # Resuming continues from step 5 and sweeps away the half-written folder.
     result = train(cfg, resume=str(run_dir), progress=False, stop_after=1)
@@ -271,7 +278,7 @@ def test_overwrite_replaces_a_run_only_once_the_new_one_can_start(tmp_path, data
     assert replaced.stdout.splitlines()[0] == (f"--overwrite: deleting the run in {run_dir} "
                                                f"(1 checkpoint, the newest at step 2, "
                                                f"{size} on disk)")
-    assert [c.name for c in ckpt_io.list_checkpoints(run_dir)] == ["step-000001"]
+    assert [c.name for c in step_dirs(run_dir)] == ["step-000001"]
     assert len(read_events(run_dir, "start")) == 1
 
 
@@ -302,7 +309,7 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
         "blocks.0.attn.out.weight", "[64, 64] in the checkpoint", "[32, 32] in the model",
     )
 
-    model_file = result.checkpoint / ckpt_io.MODEL_FILE
+    model_file = result.checkpoint / MODEL_FILE
     model_file.write_bytes(model_file.read_bytes()[:1000])
     assert_user_error(run_andrea("train", "--resume", run, "--set", "train.max_steps=3"),
                       "model.safetensors", "truncated")
@@ -323,8 +330,8 @@ def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir, inje
     a = ckpt_io.read_model_checkpoint(whole.checkpoint)[0]
     b = ckpt_io.read_model_checkpoint(rest.checkpoint)[0]
     assert all(torch.equal(a[k], b[k]) for k in a)
-    opt_a, _ = ckpt_io.read_safetensors(whole.checkpoint / ckpt_io.OPTIMIZER_FILE)
-    opt_b, _ = ckpt_io.read_safetensors(rest.checkpoint / ckpt_io.OPTIMIZER_FILE)
+    opt_a, _ = ckpt_io.read_safetensors(whole.checkpoint / OPTIMIZER_FILE)
+    opt_b, _ = ckpt_io.read_safetensors(rest.checkpoint / OPTIMIZER_FILE)
     assert all(torch.equal(opt_a[k], opt_b[k]) for k in opt_a)
 
 
@@ -344,7 +351,7 @@ def test_interrupt_before_the_first_step_writes_and_mentions_no_checkpoint(tmp_p
     assert "before its first step; no checkpoint was written" in proc.stderr
     assert "step-0" not in proc.stdout + proc.stderr
     run_dir = Path(cfg.train.runs_dir) / "t"
-    assert not ckpt_io.list_checkpoints(run_dir) and not (run_dir / "latest").exists()
+    assert not step_dirs(run_dir) and not (run_dir / "latest").exists()
     (end,) = read_events(run_dir, "end")
     assert end["state"] == "interrupted" and end["checkpoint"] is None and end["step"] == 0
     table = run_andrea("runs", str(run_dir.parent))
@@ -556,7 +563,7 @@ def test_ranks_a_checkpoint_has_no_generator_state_for_get_their_own_seed(monkey
     """A run resumed on more processes: the checkpoint holds rank 0's generator states only.
     Ranks 1 and 2 each get a fresh seed of their own (seed + rank), not one shared state; and
     on a GPU after a CPU run the CUDA generator is seeded too, per rank."""
-    from andrea.train.snapshot import restore_rng_states, seed_for_rank
+    from andrea.train.checkpoint import restore_rng_states, seed_for_rank
     from andrea.train.torchrun import DistInfo
 
     torch.manual_seed(123)

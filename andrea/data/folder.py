@@ -19,17 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from andrea.data import shards
-from andrea.data.shards import MANIFEST, SPLITS
+from andrea.data.shards import MANIFEST, SHARD_NAME, SHARD_TEMP_NAME, SPLITS
 from andrea.data.tokenizer import BPE_FILE, KINDS
 from andrea.errors import UserError
 
 PROGRESS = "progress.json"  # an unfinished prepare's complete shards and where to go on
 LOCK = ".andrea-prepare.lock"  # flock'ed by the prepare writing the folder; holds its pid
-SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin")
 # Temporary names, unique per process: a shard being written, a decompressed text file, and
 # fileio's atomic writes of the manifest, progress record and tokenizer.
 TEMP_NAME = re.compile(
-    r"(train|val)_\d{6}\.bin\.\d+\.tmp|decompressed\.\d+\.tmp"
+    rf"{SHARD_TEMP_NAME.pattern}|decompressed\.\d+\.tmp"
     rf"|\.({re.escape(MANIFEST)}|{re.escape(PROGRESS)}|{re.escape(BPE_FILE)})\.tmp\d+"
 )
 

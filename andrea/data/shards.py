@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -33,7 +34,11 @@ from andrea.errors import UserError
 # counts. Writers live in prepare; every reader of a prepared folder goes through here.
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-SPLITS = ("train", "val")  # shard files are <split>_<6-digit number>.bin
+SPLITS = ("train", "val")
+# A shard file's name, <split>_<6-digit number>.bin (shard_name), and the temporary name
+# ShardWriter writes it under, <name>.<pid>.tmp.
+SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin")
+SHARD_TEMP_NAME = re.compile(r"(train|val)_\d{6}\.bin\.\d+\.tmp")
 
 MAGIC = b"ANDRTOK\0"
 VERSION = 1
@@ -45,6 +50,11 @@ DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 # shard entry's "checksum". The fastest candidate without a new dependency, 3.3 GB/s on one
 # core, sha256 1.5, blake2b 0.7 (docs/log.md, 2026-12-03); it is for damage, not for attacks.
 CHECKSUM = "crc32"
+
+
+def shard_name(split: str, index: int) -> str:
+    """The file name of shard number `index` (from 0) of `split`."""
+    return f"{split}_{index:06d}.bin"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

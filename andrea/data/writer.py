@@ -120,7 +120,7 @@ class ShardStream:
         while len(tokens):
             w = self.writers[split]
             if w is None:
-                name = f"{split}_{len(self.written[split]):06d}.bin"
+                name = shards.shard_name(split, len(self.written[split]))
                 w = self.writers[split] = shards.ShardWriter(self.out / name, self.dtype,
                                                              self.tok.identity)
             room = self.shard_tokens - w.count

@@ -8,7 +8,8 @@
 - one step's numbers: device (device and precision), scaling (fp16's loss scaling), optim and
   muon (the optimizers), schedule (the learning rate), memory (the automatic micro-batch),
   spike (the loss-spike guard), validation (the val loss), flops (MFU);
-- checkpoints: checkpoint, snapshot, state, rundir, diskspace, resume;
+- checkpoints: checkpoint (what a checkpoint holds as one object, TrainingState; its tensors;
+  room on disk), rundir (the run folder and checkpoint format, no torch), resume;
 - several processes: parallel (one process, ddp or fsdp), torchrun (its environment, the
   ranks), restarts (torchrun's restarts, a lost rank), process_group, collectives, sharding
   (FSDP2);

@@ -24,20 +24,17 @@ from tqdm import tqdm
 from andrea import faults
 from andrea.config import Config
 from andrea.data.loader import train_batch, wait_checked
-from andrea.data.tokenizer import kind_of
 from andrea.errors import UserError
-from andrea.train import checkpoint as ckpt_io
-from andrea.train import snapshot
+from andrea.train.checkpoint import DiskFull, TrainingState, local_rng_states
 from andrea.train.collectives import all_reduce_sum
-from andrea.train.device import device_name, pick_device
-from andrea.train.diskspace import DiskFull, checked_write
+from andrea.train.device import pick_device
 from andrea.train.flops import format_mfu
 from andrea.train.metrics import median_tokens_per_s
 from andrea.train.optim import set_learning_rates
 from andrea.train.process_group import init_distributed, shutdown
 from andrea.train.progress import RunBar, plan_note_for
 from andrea.train.restarts import lost_peer_line
-from andrea.train.rundir import step_of_dir
+from andrea.train.rundir import step_dirs, step_of_dir
 from andrea.train.runlock import held_during
 from andrea.train.scaling import MIN_SCALE
 from andrea.train.schedule import multiplier
@@ -45,7 +42,6 @@ from andrea.train.session import Session, TrainResult
 from andrea.train.setup import set_up
 from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
 from andrea.train.spike import APPLY, ROLLBACK, SKIP, agree, same_on_every_rank
-from andrea.train.state import TrainerState
 from andrea.train.torchrun import DistInfo
 from andrea.train.validation import score_val, val_sources
 
@@ -105,7 +101,7 @@ def run_training(
                 while s.step < t.max_steps:
                     t0 = time.perf_counter()
                     lr = set_learning_rate(s)
-                    rng_before_step = snapshot.local_rng_states(device)
+                    rng_before_step = local_rng_states(device)
                     outcome = forward_backward(s, bar)
                     if outcome is None:  # stopped inside the step: its gradients never apply
                         s.optimizer.zero_grad(set_to_none=True)
@@ -122,7 +118,7 @@ def run_training(
                     pausing = stop_after is not None and s.step - start_step >= stop_after
                     periodic = t.checkpoint_every and s.step % t.checkpoint_every == 0
                     if periodic or s.step == t.max_steps or stopping or pausing:
-                        save_checkpoint(s, snapshot.local_rng_states(device))
+                        save_checkpoint(s, local_rng_states(device))
                     if stopping:
                         break
                     if pausing and s.step < t.max_steps:
@@ -316,7 +312,7 @@ def rollback_checkpoint(s: Session) -> Path | None:
     a stop may have written one inside the streak, and the resumed run must go back where the
     uninterrupted one would."""
     before = s.step - s.cfg.train.spike_patience
-    found = [c for c in ckpt_io.list_checkpoints(s.run_dir) if step_of_dir(c) <= before]
+    found = [c for c in step_dirs(s.run_dir) if step_of_dir(c) <= before]
     return found[-1] if found else None
 
 
@@ -325,11 +321,8 @@ def roll_back(s: Session) -> None:
     past the offending data at a cut learning rate."""
     checkpoint, from_step = rollback_checkpoint(s), s.step
     assert checkpoint is not None
-    state = snapshot.restore_session(checkpoint, ckpt_io.has_shards(checkpoint), s.model,
-                                    s.optimizer, s.param_names, s.train_split, s.device, s.dist)
-    s.step, s.tokens_seen = state.step, state.tokens
-    s.checkpoint_step = s.signals.completed_step = s.step
-    s.losses = {k: v for k, v in s.losses.items() if k <= s.step}
+    TrainingState(s).roll_back(checkpoint)
+    s.signals.completed_step = s.step
     s.guard.rolled_back(from_step, s.step)
     t = s.cfg.train
     s.log.write("rollback", step=s.step, tokens=s.tokens_seen, from_step=from_step,
@@ -409,30 +402,12 @@ def save_checkpoint(s: Session, rng: dict[str, torch.Tensor]) -> None:
         return
     # No checkpoint from a shard not yet found intact, unless a signal asks to stop now.
     wait_checked(s.train_split, wait=s.signals.received is None)
-    identity = s.train_split.tokenizer_identity
-    s.checkpoint = checked_write(s, lambda: snapshot.write_session(
-        s.run_dir, s.cfg, identity, s.model, s.optimizer,
-        s.param_names, rng, trainer_state(s), s.dist, s.parallel.sharded,
-        kind_of(identity).checkpoint_files(identity, s.train_split.data_dir),
-    ))
+    s.checkpoint = TrainingState(s).save(rng)
     if s.dist.is_main:
         s.log.write("checkpoint", step=s.step, path=s.checkpoint.name)
     s.checkpoint_step = s.step
     s.signals.checkpoint = s.checkpoint
     faults.after_checkpoint(s.dist.rank, str(s.checkpoint))
-
-
-def trainer_state(s: Session) -> TrainerState:
-    """What the checkpoint of the session's last completed step records besides tensors."""
-    return TrainerState(
-        step=s.step, tokens=s.tokens_seen, data_position=s.guard.data_step(s.step),
-        best_val_loss=s.best_val, best_val_step=s.best_step, skipped_steps=s.skipped,
-        world_size=s.dist.world_size, seed=s.cfg.train.seed, preset=s.preset,
-        micro_batch_size=s.micro_batch, parallel=s.parallel.name,
-        tokens_per_step=s.tokens_per_step, device=device_name(s.device),
-        max_steps=s.cfg.train.max_steps, schedule_anchor=s.schedule_anchor,
-        spike_guard=s.guard.state_dict(), loss_scaling=s.scaling.state_dict(),
-    )
 
 
 def set_up_interrupted(

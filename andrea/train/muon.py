@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from andrea.errors import UserError
+from andrea.train.parallel import bare_name
 from andrea.train.sharding import is_dtensor
 
 MUON_MIN_TORCH = "2.9"
@@ -47,8 +48,7 @@ def require_muon() -> type[torch.optim.Optimizer]:
 
 def is_muon_matrix(name: str, p: nn.Parameter) -> bool:
     """A 2-D weight inside a transformer block: QKV, W_O, MLP up, MLP down."""
-    name = name.replace("_orig_mod.", "").removeprefix("module.")
-    return name.startswith("blocks.") and p.dim() == 2
+    return bare_name(name).startswith("blocks.") and p.dim() == 2
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[tuple[str, nn.Parameter]]]:

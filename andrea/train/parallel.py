@@ -17,9 +17,15 @@ import torch
 import torch.nn as nn
 
 from andrea.config import register_choices
+from andrea.train.rundir import TrainerState
 from andrea.train.sharding import clip_grad_norm, shard_model
-from andrea.train.state import TrainerState
 from andrea.train.torchrun import DistInfo
+
+
+def bare_name(name: str) -> str:
+    """A parameter's or state_dict key's name as the model itself has it, without the prefixes
+    of the wrappers `Parallel.wrap` puts around it (compiled, inside DDP)."""
+    return name.replace("_orig_mod.", "").removeprefix("module.")
 
 
 @dataclass

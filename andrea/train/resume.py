@@ -9,9 +9,16 @@ from typing import Any
 
 from andrea.config import Config, config_from_dict, key_specs, load_config
 from andrea.errors import UserError
-from andrea.train import checkpoint as ckpt_io
 from andrea.train.restarts import attempt
-from andrea.train.rundir import CONFIG, is_step_dir, newest_intact, run_path
+from andrea.train.rundir import (
+    CONFIG,
+    is_step_dir,
+    newest_intact,
+    read_latest,
+    resolve_checkpoint,
+    run_path,
+    step_dirs,
+)
 from andrea.train.torchrun import torchrun_env
 
 
@@ -92,7 +99,7 @@ def _run_config_from_rank0(store: Any, resume: str, overrides: list[str]) -> Con
 def has_checkpoint(run_dir: Path) -> bool:
     """Whether the run has any checkpoint to resume: `latest`, or a step folder (a damaged
     `latest` is named with the newest intact step later, by resume_checkpoint)."""
-    return ckpt_io.read_latest(run_dir) is not None or bool(ckpt_io.list_checkpoints(run_dir))
+    return read_latest(run_dir) is not None or bool(step_dirs(run_dir))
 
 
 def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
@@ -130,7 +137,7 @@ def resume_checkpoint(resume: str, run_dir: Path) -> Path:
     named = Path(resume)
     where = run_dir / named.name if is_step_dir(named) else run_dir
     try:
-        return ckpt_io.resolve_checkpoint(where, use="andrea train --resume {}", for_resume=True)
+        return resolve_checkpoint(where, use="andrea train --resume {}", for_resume=True)
     except UserError:
         intact = newest_intact(run_dir, for_resume=True) if attempt().number else None
         if intact is None:

@@ -23,8 +23,7 @@ from andrea.data.prepare import run_sources, source_words
 from andrea.data.shards import MANIFEST
 from andrea.data.tokenizer import KINDS
 from andrea.errors import UserError
-from andrea.train.checkpoint import verify_file
-from andrea.train.rundir import CONFIG
+from andrea.train.rundir import CONFIG, verify_file
 
 
 def own_tokenizer_config(cfg: Config, ckpt: Path) -> Config:

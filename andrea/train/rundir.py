@@ -1,8 +1,12 @@
-"""A run directory's layout, and how a run is named on the command line.
+"""A run folder's layout and its checkpoints' format, without torch: every name in them, `latest`,
+the partial folders a checkpoint is assembled in, the checksums record, trainer_state.json
+(`TrainerState`), which checkpoint a path means and whether it is intact. `andrea runs` and
+`andrea plot` read runs through here without loading torch; andrea/train/checkpoint.py writes
+and reads the tensors.
 
     runs/NAME/config.yaml          the resolved config the run trains with
     runs/NAME/metrics.jsonl        one JSON event per line (start, step, eval, end, ...)
-    runs/NAME/step-NNNNNN/         checkpoints (andrea/train/checkpoint.py writes them)
+    runs/NAME/step-NNNNNN/         checkpoints, below
     runs/NAME/latest               the name of the newest complete checkpoint
     runs/NAME/wandb_run_id         the W&B run's id (train.wandb), kept so a resume continues it
     runs/NAME/wandb/               W&B's own files (an offline run's, for `wandb sync`)
@@ -10,21 +14,48 @@
                                    (andrea/train/runlock.py); removed at its end (a killed
                                    training's is stale)
 
-Also here, for the same readers: whether a checkpoint folder is intact (`checkpoint_problem`),
-judged from its files and the safetensors headers alone, and the newest intact one of a run.
+Checkpoints are safetensors and JSON only (no pickle). Each `step-NNNNNN/` holds:
 
-No torch here: `andrea runs` and `andrea plot` read runs without loading it.
+- `model.safetensors`: the weights (the tied LM head stored once, as the token embedding), with the
+  resolved config, step and tokenizer identity in the safetensors metadata;
+- `optimizer.safetensors`: the optimizer state keyed by `<parameter name>.<field>`: AdamW's
+  moments and step counts, and with train.optimizer muon each block matrix's Muon momentum buffer;
+- `rng.safetensors`: every generator's state (the CPU generator of each rank, and CUDA's);
+- `trainer_state.json`: the run's counters and records (`TrainerState`);
+- `tokenizer.json` for a run with a trained or given BPE: the tokenizer it was trained with, so
+  that the checkpoint opens without the run's data folder (byte and gpt2 need only their names);
+- `checksums.json`: the sha256 of each other file, computed from the bytes as they were written
+  (the shards' from their files, once every rank has written them), checked as each file is
+  read (`verify_file`): a copy damaged on its way is refused naming the file, never used.
+  Checkpoints written before it open unchecked.
+
+With `train.parallel: fsdp` the weights and optimizer state (AdamW's, Muon's) are written by every
+rank at once, each its own shards, through torch.distributed.checkpoint's Hugging Face writer:
+`shards/shard-0000R-model-00001-of-00001.safetensors` (each tensor's slice with its offsets in the
+metadata) and `shards/index.json` (the files and their sizes); `optimizer.safetensors` is then not
+written. A resume reads the shards at any number of processes, in either mode (DCP reshards);
+`model.safetensors` stays whole for eval, generate and export.
+
+A checkpoint is assembled in `step-NNNNNN.partial-<pid>/` (each file flushed and fsynced; with
+shards, after every rank has finished its files), the folder is renamed into place (`publish`),
+and only then is `latest` replaced (write, fsync, rename). A crash at any moment therefore leaves
+`latest` pointing at a complete checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from andrea.fileio import size_text
+from andrea.errors import UserError
+from andrea.fileio import atomic_write_text, fsync_dir, size_text
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -37,8 +68,10 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 SHARDS_DIR = "shards"
 SHARD_INDEX = "index.json"
-CHECKSUMS = "checksums.json"  # each other file's sha256 as written (train/checkpoint.py)
+CHECKSUMS = "checksums.json"  # each other file's sha256 as written
 STEP_DIR = re.compile(r"step-(\d+)")
+FORMAT = "andrea-checkpoint/1"  # the safetensors files' and the shard index's "format"
+CHECKSUMS_FORMAT = "andrea-checksums/1"
 # safetensors' own limit on the JSON header; a larger length is damage, never a real header.
 MAX_HEADER_BYTES = 100_000_000
 
@@ -76,7 +109,8 @@ def is_step_dir(path: Path) -> bool:
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
-    """The run's checkpoint folders (complete or damaged; never a .partial-), oldest first."""
+    """The run's checkpoint folders, oldest first: renamed into place whole, so complete unless
+    damaged since (never a .partial-)."""
     found = [p for p in run_dir.glob("step-*") if p.is_dir() and is_step_dir(p)]
     return sorted(found, key=lambda p: step_of_dir(p) or 0)
 
@@ -155,3 +189,237 @@ def newest_intact(run_dir: Path, for_resume: bool = False) -> Path | None:
         if checkpoint_problem(ckpt, for_resume) is None:
             return ckpt
     return None
+
+
+def has_shards(ckpt: Path) -> bool:
+    """Whether the checkpoint holds fsdp shards (every rank reads its own)."""
+    return (ckpt / SHARDS_DIR).is_dir()
+
+
+# ----------------------------------------------------------------------------- latest, partials
+
+
+def read_latest(run_dir: Path) -> Path | None:
+    """The checkpoint `latest` names; None without one, or when it names anything but a
+    step folder of this run (a forged '../elsewhere' never leads out of the run)."""
+    try:
+        name = (run_dir / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return run_dir / name if is_step_dir(Path(name)) and "/" not in name else None
+
+
+def partial_dir(run_dir: Path, step: int, pid: int) -> Path:
+    """Where checkpoint `step` is assembled by the writer with process id `pid` (rank 0's)."""
+    return run_dir / f"{step_dir_name(step)}.partial-{pid}"
+
+
+def publish(partial: Path, run_dir: Path, step: int) -> Path:
+    """Rename the assembled `partial` folder into place as checkpoint `step`, then point `latest`
+    at it; the checkpoint folder. A folder of the same step (written by an earlier segment of
+    this run) is set aside under a .stale- name and removed first."""
+    final = run_dir / step_dir_name(step)
+    if final.exists():
+        stale = run_dir / f"{final.name}.stale-{os.getpid()}"
+        final.rename(stale)
+        shutil.rmtree(stale)
+    partial.rename(final)
+    fsync_dir(run_dir)
+    atomic_write_text(run_dir / LATEST, final.name + "\n")
+    return final
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    """Remove all but the newest keep_last checkpoints (never the one `latest` names)."""
+    latest = read_latest(run_dir)
+    for old in step_dirs(run_dir)[:-keep_last]:
+        if latest is None or old.resolve() != latest.resolve():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def clean_partials(run_dir: Path) -> None:
+    """Remove folders a crashed writer left behind (never a complete checkpoint)."""
+    for leftover in list(run_dir.glob("step-*.partial-*")) + list(run_dir.glob("step-*.stale-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def resolve_checkpoint(
+    path: str | Path, use: str = "andrea eval --checkpoint {}", for_resume: bool = False
+) -> Path:
+    """A run directory means its latest checkpoint; a step directory means itself. A damaged
+    one (see checkpoint_problem) is refused in one line that names the newest intact
+    checkpoint of the run and the command that uses it: `use` with {} for the folder."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such checkpoint or run directory")
+    if (path / MODEL_FILE).is_file() or is_step_dir(path):
+        run_dir, ckpt, what = path.parent, path, f"{path}: damaged checkpoint"
+    else:
+        ckpt = read_latest(path)
+        if ckpt is None and not step_dirs(path):
+            raise UserError(f"{path}: not a checkpoint (no {MODEL_FILE}) and not a run "
+                            f"directory (no '{LATEST}' file)")
+        run_dir = path
+        what = (f"{path}: no usable '{LATEST}' file" if ckpt is None
+                else f"{path}: the latest checkpoint, {ckpt.name}, is damaged")
+    problem = checkpoint_problem(ckpt, for_resume) if ckpt is not None else "missing"
+    if problem is None:
+        return ckpt
+    intact = newest_intact(run_dir, for_resume)
+    way_out = (f"the newest intact checkpoint is {intact}: {use.format(intact)}"
+               if intact is not None else "the run has no intact checkpoint")
+    reason = f" ({problem})" if ckpt is not None else ""
+    raise UserError(f"{what}{reason}; {way_out}")
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checksums(folder: Path, sums: dict[str, str]) -> None:
+    """The checkpoint's checksums.json: each file's sha256 by its path inside `folder`; written
+    last, once every other file is."""
+    atomic_write_text(folder / CHECKSUMS, json.dumps(
+        {"format": CHECKSUMS_FORMAT, "hash": "sha256", "files": sums}, indent=1))
+
+
+def verify_file(path: Path, blob: bytes | None = None) -> None:
+    """Check a checkpoint's file against the sha256 its checksums.json recorded when it was
+    written; `blob`: its bytes, when the caller has read them. A mismatch is a copy damaged on
+    its way (a flipped byte keeps a safetensors header valid): refused in one line naming the
+    file and the checkpoint. A checkpoint without the record (written before andrea kept one),
+    or a file it does not list, passes unchecked."""
+    ckpt = path.parent.parent if path.parent.name == SHARDS_DIR else path.parent
+    record = ckpt / CHECKSUMS
+    if not record.is_file():
+        return
+    again = f"copy {ckpt} again from where it was written, or use another checkpoint of the run"
+    try:
+        sums = json.loads(record.read_text(encoding="utf-8"))["files"]
+        expected = sums.get(path.relative_to(ckpt).as_posix())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"{record}: unreadable (damaged?), so the checkpoint's files cannot be "
+                        f"checked; {again}") from None
+    if expected is None:
+        return
+    actual = hashlib.sha256(blob).hexdigest() if blob is not None else file_sha256(path)
+    if actual != expected:
+        raise UserError(f"{path}: damaged: its sha256 is not the one {ckpt.name}/{CHECKSUMS} "
+                        f"recorded when the checkpoint was written (a copy damaged on its "
+                        f"way?); {again}")
+
+
+# ----------------------------------------------------------------------------- trainer_state.json
+
+# The keys every trainer_state.json has; a trained run's later ones follow in to_dict.
+_FIRST_KEYS = ("step", "tokens", "data_position", "best_val_loss", "best_val_step",
+               "skipped_steps", "world_size", "seed", "preset")
+
+
+@dataclass
+class TrainerState:
+    """What trainer_state.json records: the run's counters and the records a resume decides by.
+
+    A key an older checkpoint lacks reads as what its absence means (`from_dict`, the one place
+    that knows): no micro_batch_size, nothing recorded to reuse; no parallel, None, which
+    train.parallel.mode_before_recorded reads as the one mode there was; no tokens_per_step or
+    device, one micro-batch per process and the device the run resumes on; no max_steps,
+    schedule_anchor or spike_guard, the run's config's max_steps, the plain schedule and a fresh
+    guard; no loss_scaling (or null: bf16 and fp32), a fresh scale. An imported run (`andrea
+    import`) records where its weights came from instead of the training fields it has not
+    used yet."""
+
+    step: int
+    tokens: int = 0
+    data_position: int = 0  # the data step the next step draws from, past skipped windows
+    best_val_loss: float | None = None
+    best_val_step: int | None = None
+    skipped_steps: int = 0
+    world_size: int = 1
+    seed: int = 0
+    preset: str | None = None
+    micro_batch_size: int | None = None  # None: the checkpoint predates its record
+    parallel: str | None = None  # Parallel.name of the mode that wrote it; None: not recorded
+    tokens_per_step: int | None = None  # None: one micro-batch per process (older runs)
+    device: str | None = None  # None: taken to be the device the run resumes on
+    max_steps: int | None = None  # the max_steps planned for; None: the run's config's
+    schedule_anchor: dict[str, Any] | None = None  # the lr schedule as re-planned on a resume
+    spike_guard: dict[str, Any] | None = None  # SpikeGuard.state_dict(); None: a fresh guard
+    loss_scaling: dict[str, Any] | None = None  # fp16's scaler state; None: none or a fresh one
+    imported_from: str | None = None  # an imported run: the folder its weights came from
+    imported_sha256: str | None = None  # and the digest of its weights file
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainerState:
+        """Any trainer_state.json andrea has written (a KeyError without a step: not one)."""
+        return cls(
+            step=raw["step"], tokens=raw.get("tokens", 0),
+            data_position=raw.get("data_position", raw["step"]),
+            best_val_loss=raw.get("best_val_loss"), best_val_step=raw.get("best_val_step"),
+            skipped_steps=raw.get("skipped_steps", 0), world_size=raw.get("world_size", 1),
+            seed=raw.get("seed", 0), preset=raw.get("preset"),
+            micro_batch_size=raw.get("micro_batch_size"),
+            parallel=raw.get("parallel"),
+            tokens_per_step=raw.get("tokens_per_step"), device=raw.get("device"),
+            max_steps=raw.get("max_steps"), schedule_anchor=raw.get("schedule_anchor"),
+            spike_guard=raw.get("spike_guard"), loss_scaling=raw.get("loss_scaling"),
+            imported_from=raw.get("imported_from"),
+            imported_sha256=raw.get("imported_sha256"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """trainer_state.json's content, its keys in their order: a trained run's sixteen keys
+        (and loss_scaling under fp16 only, so that other runs' files stay byte for byte as
+        without it), or an import's first keys and its source."""
+        out = {key: getattr(self, key) for key in _FIRST_KEYS}
+        if self.imported_from is not None:
+            return {**out, "imported_from": self.imported_from,
+                    "imported_sha256": self.imported_sha256}
+        return {
+            **out, "micro_batch_size": self.micro_batch_size, "parallel": self.parallel,
+            "tokens_per_step": self.tokens_per_step, "device": self.device,
+            "max_steps": self.max_steps, "schedule_anchor": self.schedule_anchor,
+            "spike_guard": self.spike_guard,
+            **({} if self.loss_scaling is None else {"loss_scaling": self.loss_scaling}),
+        }
+
+    def to_json(self) -> bytes:
+        """trainer_state.json's bytes."""
+        return json.dumps(self.to_dict(), indent=1).encode("utf-8")
+
+    def recorded_micro_batch(self, world_size: int, device: str) -> int | None:
+        """The micro-batch `auto` chose, when it still applies: on as many processes (another
+        count changes the sequences per process, which it must divide) and the same device
+        (another has other memory)."""
+        same_device = self.device is None or self.device == device
+        if self.micro_batch_size is None or self.world_size != world_size or not same_device:
+            return None
+        return self.micro_batch_size
+
+    def recorded_tokens_per_step(self, block_size: int) -> int | None:
+        """The tokens per step the run trained with (older runs: one micro-batch per
+        process, all that global_batch_tokens: 0 allowed then); None if not recorded."""
+        if self.tokens_per_step is not None:
+            return self.tokens_per_step
+        if self.micro_batch_size is None:
+            return None
+        return self.micro_batch_size * block_size * self.world_size
+
+
+def read_state(ckpt: Path) -> TrainerState:
+    """The checkpoint's TrainerState (trainer_state.json), checked against its checksum."""
+    path = ckpt / TRAINER_STATE
+    try:
+        blob = path.read_bytes()
+        verify_file(path, blob)
+        state = TrainerState.from_dict(json.loads(blob))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: unreadable trainer state: {exc}") from None
+    except (KeyError, TypeError, AttributeError):
+        raise UserError(f"{path}: not a trainer state (no step); the checkpoint is damaged: "
+                        f"resume from another") from None
+    return state

@@ -6,7 +6,6 @@ advances."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ import torch.nn as nn
 from andrea.config import Config
 from andrea.data.loader import TokenSplit
 from andrea.model.transformer import Andrea
-from andrea.train.checkpoint import checkpoint_nbytes
 from andrea.train.flops import MfuMeter
 from andrea.train.metrics import MetricsLog, Throughput
 from andrea.train.parallel import Parallel
@@ -68,13 +66,10 @@ class Session:
     dtype: torch.dtype
     run_dir: Path
     model: Andrea
-    train_model: nn.Module
     optimizer: torch.optim.Optimizer
     param_names: dict[int, str]
     train_split: TokenSplit
     val_split: TokenSplit
-    micro_batch: int
-    accum: int
     log: MetricsLog
     signals: SignalWatch
     mfu: MfuMeter
@@ -97,15 +92,15 @@ class Session:
     warmup_accum: int = 0  # micro-batches per step during the batch-size warm-up (0: none)
     scaling: LossScaling = field(default_factory=LossScaling)  # fp16's loss scaling, or none
     precision_why: str = ""  # why the run computes in its dtype (train.precision auto: the device)
+    checkpoint_nbytes: int = 0  # one checkpoint's size on disk, estimated once by the set-up
+    # Decided once a resumed checkpoint is restored (auto measures the memory it leaves):
+    micro_batch: int = field(init=False)
+    accum: int = field(init=False)
+    train_model: nn.Module = field(init=False)  # the module the steps call (Parallel.wrap)
 
     @property
     def dist(self) -> DistInfo:  # the processes, as the parallel mode holds them
         return self.parallel.dist
-
-    @cached_property
-    def checkpoint_nbytes(self) -> int:  # one checkpoint's size on disk, estimated once
-        return checkpoint_nbytes(self.model, self.optimizer, self.parallel.sharded,
-                                 self.dist.world_size, self.device.type)
 
     @property
     def tokens_per_micro_batch(self) -> int:  # over all ranks

@@ -32,11 +32,15 @@ from andrea.errors import UserError
 from andrea.fileio import atomic_write_text, free_bytes
 from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
-from andrea.train import checkpoint as ckpt_io
-from andrea.train import rundata, snapshot
+from andrea.train import rundata
+from andrea.train.checkpoint import (
+    TrainingState,
+    check_room_at_start,
+    checkpoint_nbytes,
+    start_warning,
+)
 from andrea.train.collectives import all_reduce_sum, barrier, from_rank0
 from andrea.train.device import choose_precision, device_name, precision_warning
-from andrea.train.diskspace import check_room_at_start, start_warning
 from andrea.train.flops import MfuMeter, flops_per_token
 from andrea.train.memory import (
     CPU_MICRO_BATCH_TOKENS,
@@ -54,14 +58,24 @@ from andrea.train.resume import (
     restart_resume,
     resume_checkpoint,
 )
-from andrea.train.rundir import CONFIG, METRICS, describe_run
+from andrea.train.rundir import (
+    CONFIG,
+    LATEST,
+    METRICS,
+    TrainerState,
+    clean_partials,
+    describe_run,
+    has_shards,
+    read_latest,
+    read_state,
+    step_dirs,
+)
 from andrea.train.runlock import lock_run
 from andrea.train.scaling import loss_scaling_for
 from andrea.train.schedule import replan
 from andrea.train.session import Session, TrainResult
 from andrea.train.signals import SignalWatch
 from andrea.train.spike import SpikeGuard
-from andrea.train.state import TrainerState
 from andrea.train.torchrun import DistInfo
 
 
@@ -89,31 +103,27 @@ def set_up(
     backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
     dtype = precision.dtype
     model, optimizer, names = build_model(cfg, device, parallel, dtype, backend)
-    trainer_state: TrainerState | None = None  # the checkpoint's, as every rank has it
-    if resume_from is not None:
-        trainer_state = snapshot.restore_session(resume_from, run.sharded, model, optimizer,
-                                                names, train_split, device, dist,
-                                                run.trainer_state)
-    else:
-        torch.manual_seed(snapshot.seed_for_rank(t.seed, dist.rank))
-    micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist,
-                                                        trainer_state)
-    accum, batch_line = accumulation_steps(cfg, micro_batch, dist.world_size, trainer_state)
-    warmup_accum = batch_warmup_accumulation(cfg, micro_batch, dist.world_size)
-
     s = Session(
-        cfg=cfg, device=device, dtype=dtype, run_dir=run_dir, model=model,
-        train_model=parallel.wrap(model, cfg.train.compile, device), optimizer=optimizer,
-        param_names=names, train_split=train_split, val_split=val_split,
-        micro_batch=micro_batch, accum=accum, log=MetricsLog(None), signals=signals,
-        warmup_accum=warmup_accum,
+        cfg=cfg, device=device, dtype=dtype, run_dir=run_dir, model=model, optimizer=optimizer,
+        param_names=names, train_split=train_split, val_split=val_split, log=MetricsLog(None),
+        signals=signals,
         mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, model.num_params()),
                      devices=dist.world_size),
         preset=Path(cfg.source).stem, parallel=parallel, guard=SpikeGuard(t),
         scaling=loss_scaling_for(dtype, device), precision_why=precision.why,
     )
-    if trainer_state is not None:
-        continue_from(s, trainer_state, resume_from)
+    trainer_state = run.trainer_state  # the checkpoint's, as every rank has it; None: a new run
+    if resume_from is not None:
+        TrainingState(s).restore(resume_from, record=trainer_state, sharded=run.sharded)
+    else:
+        TrainingState(s).start_fresh()
+    s.micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist,
+                                                          trainer_state)
+    s.accum, batch_line = accumulation_steps(cfg, s.micro_batch, dist.world_size, trainer_state)
+    s.warmup_accum = batch_warmup_accumulation(cfg, s.micro_batch, dist.world_size)
+    s.train_model = parallel.wrap(model, cfg.train.compile, device)
+    s.checkpoint_nbytes = checkpoint_nbytes(model, optimizer, parallel.sharded, dist.world_size,
+                                            device.type)
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
     schedule_lines = plan_schedule(s, trainer_state, changes)
     check_room_at_start(s, replace)
@@ -122,9 +132,10 @@ def set_up(
             clear_run(run_dir)
         start_run_files(s, resume_from, changes, backend)
         signals.metrics_path = run_dir / METRICS
-        announce(s, backend, why, changes, trainer_state, resume_from,
-                 "\n".join(line for line in (micro_batch_line, batch_line) if line),
-                 schedule_lines)
+        announce(s, backend, why, changes, trainer_state=trainer_state, resume_from=resume_from,
+                 micro_batch_line="\n".join(line for line in (micro_batch_line, batch_line)
+                                             if line),
+                 schedule_lines=schedule_lines)
     return s
 
 
@@ -185,18 +196,6 @@ def check_shared_storage(
             f"put train.runs_dir on storage every node mounts at the same path, or use "
             f"train.parallel=ddp"
         )
-
-
-def continue_from(s: Session, state: TrainerState, checkpoint: Path) -> None:
-    """A resumed session takes up the checkpoint's counters, records and spike guard."""
-    if state.preset is not None:
-        s.preset = state.preset
-    s.step, s.tokens_seen, s.skipped = state.step, state.tokens, state.skipped_steps
-    s.best_val, s.best_step = state.best_val_loss, state.best_val_step
-    s.checkpoint, s.checkpoint_step = checkpoint, state.step
-    s.guard = SpikeGuard(s.cfg.train, state.spike_guard)
-    s.scaling.load_state_dict(state.loss_scaling)
-    s.schedule_anchor = state.schedule_anchor
 
 
 def plan_schedule(
@@ -302,14 +301,14 @@ def open_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -
             stored = load_config(found / CONFIG)
             checkpoint = resume_checkpoint(resume, found)
             say_restart(checkpoint, found)
-            state = ckpt_io.read_state(checkpoint)
+            state = read_state(checkpoint)
             changes = check_resume_changes(stored, cfg, found, state.step > 0)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
             return RunDecision(found, checkpoint, changes, False, cfg.train.name, state,
-                               ckpt_io.has_shards(checkpoint))
+                               has_shards(checkpoint))
         if resume == "auto" and dist.is_main and not say_restart(None, run_dir):
             print(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
-    replace = dist.is_main and ckpt_io.read_latest(run_dir) is not None
+    replace = dist.is_main and read_latest(run_dir) is not None
     if replace and not overwrite:
         raise UserError(
             f"{run_dir}: already holds a run; continue it with --resume {run_dir} "
@@ -335,9 +334,9 @@ def clear_run(run_dir: Path) -> None:
     Called only once every set-up check has passed, so a bad config or missing data never costs
     the old run."""
     print(f"--overwrite: deleting the run in {run_dir} ({describe_run(run_dir)})", flush=True)
-    for old in ckpt_io.list_checkpoints(run_dir):
+    for old in step_dirs(run_dir):
         shutil.rmtree(old)
-    for stale in (METRICS, ckpt_io.LATEST):
+    for stale in (METRICS, LATEST):
         (run_dir / stale).unlink(missing_ok=True)
 
 
@@ -466,7 +465,7 @@ def start_run_files(
     t = s.cfg.train
     wandb = open_wandb(s.cfg, s.run_dir)  # first: a missing package stops before any write
     s.run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_io.clean_partials(s.run_dir)
+    clean_partials(s.run_dir)
     atomic_write_text(s.run_dir / CONFIG, s.cfg.to_yaml())
     tensorboard = open_tensorboard(s.run_dir, t.tensorboard)
     s.log = MetricsLog(s.run_dir / METRICS, [x for x in (tensorboard, wandb) if x is not None])
@@ -488,6 +487,7 @@ def announce(
     backend: str,
     why: str,
     changes: dict[str, list[Any]],
+    *,
     trainer_state: TrainerState | None,
     resume_from: Path | None,
     micro_batch_line: str,
