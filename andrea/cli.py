@@ -231,12 +231,7 @@ def train_cmd(
     result = train(
         cfg, resume=resume, overwrite=overwrite, progress=progress, stop_after=stop_after
     )
-    if result.is_main:
-        if result.message and result.exit_code:
-            # A stop the user asked for (Ctrl-C, a scheduler's SIGTERM) is no error.
-            prefix = "" if result.state == "interrupted" else "error: "
-            typer.echo(f"{prefix}{result.message}", err=True)
-        typer.echo(result.summary_line())
+    result.say()
     raise typer.Exit(result.exit_code)
 
 

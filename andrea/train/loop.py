@@ -26,7 +26,7 @@ from andrea.config import Config
 from andrea.data.loader import train_batch, wait_checked
 from andrea.errors import UserError
 from andrea.train.checkpoint import DiskFull, TrainingState, local_rng_states
-from andrea.train.collectives import all_reduce_sum
+from andrea.train.collectives import all_reduce_sum, barrier
 from andrea.train.device import pick_device
 from andrea.train.flops import format_mfu
 from andrea.train.metrics import median_tokens_per_s
@@ -67,10 +67,16 @@ def train(
     dist = init_distributed(device.type, cfg.train.join_timeout)
     try:
         with held_during():  # the run folder's lock, released however the training ends
-            return run_training(
+            result = run_training(
                 cfg, device, dist, resume=resume, overwrite=overwrite, progress=progress,
                 stop_after=stop_after,
             )
+        if result.exit_code and result.state in ("stopped", "nonfinite"):
+            # Every rank stopped together, alive. torchrun stops the other workers as soon as
+            # one exits non-zero: rank 0 says why before any rank may leave.
+            result.say()
+            barrier(dist)
+        return result
     finally:
         shutdown(dist)
 

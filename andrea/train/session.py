@@ -5,6 +5,7 @@ advances."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,17 @@ class TrainResult:
     exit_code: int = 0
     message: str = ""
     is_main: bool = True  # rank 0 (the one process that writes and speaks)
+    said: bool = False  # its end lines are printed (`say`)
+
+    def say(self) -> None:
+        """Rank 0's end of the run, once: a stop's line on stderr (`error: ` unless the user
+        asked for it: Ctrl-C, a scheduler's SIGTERM), then the summary line on stdout."""
+        if self.is_main and not self.said:
+            if self.message and self.exit_code:
+                prefix = "" if self.state == "interrupted" else "error: "
+                print(f"{prefix}{self.message}", file=sys.stderr, flush=True)
+            print(self.summary_line(), flush=True)
+        self.said = True
 
     def summary_line(self) -> str:
         """The run's last line (rank 0's stdout): how it ended, size, best val loss, checkpoint."""
