@@ -44,12 +44,10 @@ def tokens(folder: Path, split: str) -> np.ndarray:
     return np.concatenate([open_shard(folder / e["file"]) for e in entries]).astype(np.int64)
 
 
-def start(*args: str, cwd: Path, env: dict[str, str] | None = None,
-          fresh: bool = False) -> subprocess.Popen:
-    """`andrea ARGS` started; FRESH: a new interpreter, whose pid is andrea's own (through the
-    warm process, Popen's pid is the stand-in's, tests/forkserver.py)."""
+def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`andrea ARGS` started in a process of its own."""
     return subprocess.Popen(
-        python_command("-m", "andrea", *args, fresh=fresh), cwd=cwd, text=True,
+        python_command("-m", "andrea", *args), cwd=cwd, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         # Ctrl-C as at a terminal: a suite started in the background (`cmd &` in a script) hands
@@ -97,7 +95,7 @@ def take_turns(
     `second_says_on`); then both run to the end. Returns the second's "waiting" line, both
     processes and their (stdout, stderr), the lines already read left out."""
     go = cwd / "go"
-    first = start(*first_args, cwd=cwd, fresh=True,  # the second names its pid
+    first = start(*first_args, cwd=cwd,
                   env={"ANDREA_FAULTS": f"prepare-pause@train_000002.bin:{go}"})
     second = None
     try:
