@@ -182,6 +182,22 @@ def data_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory, data_dir):
+    """One run the whole session reads (eval, tasks, export, generate, runs): the tiny preset in
+    fp32, 40 steps, a checkpoint at steps 20 and 40, every step logged. Its TrainResult (run_dir,
+    checkpoint, losses). Never change it: copy the run folder first (shutil.copytree)."""
+    from andrea.config import load_config
+    from andrea.train.loop import train
+
+    runs = tmp_path_factory.mktemp("trained") / "runs"
+    return train(load_config("andrea-tiny", [
+        f"data.dir={data_dir}", f"train.runs_dir={runs}", "train.name=t", "train.max_steps=40",
+        "train.eval_every=0", "train.checkpoint_every=20", "train.log_every=1",
+        "train.precision=fp32",
+    ]), progress=False)
+
+
 def make_checkpoint(
     tmp_path: Path, *sets: str, tokenizer: str = "byte:v1", seed: int = 0, step: int = 5
 ) -> Path:
