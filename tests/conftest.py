@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -35,38 +36,57 @@ def andrea_main(
     *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, stdin: str = "",
 ) -> Result:
     """`andrea ARGS` through the real entry point (andrea.cli.main) in this process, in folder
-    CWD with ENV added to the environment (both restored after), stdin STDIN. Its exit status
-    as a shell would see it: main's SystemExit; an exception main let through is a traceback on
-    stderr and status 1, as Python ends a process with one."""
+    CWD with ENV added to the environment (both restored after), stdin STDIN. What it writes to
+    file descriptors 1 and 2 is its stdout and stderr, in order: print and typer alike, and the
+    lines a signal handler writes with os.write. Its exit status as a shell would see it: main's
+    SystemExit; an exception main let through is a traceback on stderr and status 1, as Python
+    ends a process with one."""
     from andrea.cli import main
 
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     saved_std = sys.stdin, sys.stdout, sys.stderr
-    out, err = io.StringIO(), io.StringIO()
+    captured = [tempfile.TemporaryFile() for _ in (1, 2)]
+    saved_fds = [os.dup(fd) for fd in (1, 2)]
+    for f in (*saved_std[1:], sys.__stdout__, sys.__stderr__):
+        f.flush()
     try:
         os.environ.update(env or {})
         if cwd is not None:
             os.chdir(cwd)
-        sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin), out, err
+        for fd, file in zip((1, 2), captured, strict=True):
+            os.dup2(file.fileno(), fd)
+        sys.stdin = io.StringIO(stdin)
+        sys.stdout, sys.stderr = (
+            io.TextIOWrapper(open(fd, "wb", closefd=False), encoding="utf-8", errors=errors,
+                             write_through=True)
+            for fd, errors in ((1, "strict"), (2, "backslashreplace")))
         try:
             main(list(args))
         except SystemExit as exited:
             code = exited.code
             if not isinstance(code, int):  # sys.exit("message"): printed, status 1
                 if code is not None:
-                    print(code, file=err)
+                    print(code, file=sys.stderr)
                 code = 0 if code is None else 1
         except Exception:  # noqa: BLE001 - what a process would print before it ends
-            traceback.print_exc(file=err)
+            traceback.print_exc()
             code = 1
         else:
             code = 0
+        sys.stdout.flush()
+        sys.stderr.flush()
     finally:
         sys.stdin, sys.stdout, sys.stderr = saved_std
+        for fd, saved in zip((1, 2), saved_fds, strict=True):
+            os.dup2(saved, fd)
+            os.close(saved)
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
-    return Result(code, out.getvalue(), err.getvalue())
+    out, err = (file.seek(0) or file.read().decode("utf-8", "replace") for file in captured)
+    for file in captured:
+        file.close()
+    return Result(code, out, err)
 
 
 def run_andrea(
