@@ -36,14 +36,15 @@ def andrea_main(
     *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, stdin: str = "",
 ) -> Result:
     """`andrea ARGS` through the real entry point (andrea.cli.main) in this process, in folder
-    CWD with ENV added to the environment (both restored after), stdin STDIN. What it writes to
-    file descriptors 1 and 2 is its stdout and stderr, in order: print and typer alike, and the
-    lines a signal handler writes with os.write. Its exit status as a shell would see it: main's
-    SystemExit; an exception main let through is a traceback on stderr and status 1, as Python
-    ends a process with one."""
+    CWD with ENV added to the environment and sys.argv as `python -m andrea ARGS` has it (all
+    restored after), stdin STDIN. What it writes to file descriptors 1 and 2 is its stdout and
+    stderr, in order: print and typer alike, and the lines a signal handler writes with
+    os.write. Its exit status as a shell would see it: main's SystemExit; an exception main let
+    through is a traceback on stderr and status 1, as Python ends a process with one."""
+    import andrea.__main__
     from andrea.cli import main
 
-    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
     saved_std = sys.stdin, sys.stdout, sys.stderr
     captured = [tempfile.TemporaryFile() for _ in (1, 2)]
     saved_fds = [os.dup(fd) for fd in (1, 2)]
@@ -55,6 +56,7 @@ def andrea_main(
             os.chdir(cwd)
         for fd, file in zip((1, 2), captured, strict=True):
             os.dup2(file.fileno(), fd)
+        sys.argv = [andrea.__main__.__file__, *args]
         sys.stdin = io.StringIO(stdin)
         sys.stdout, sys.stderr = (
             io.TextIOWrapper(open(fd, "wb", closefd=False), encoding="utf-8", errors=errors,
@@ -77,6 +79,7 @@ def andrea_main(
         sys.stderr.flush()
     finally:
         sys.stdin, sys.stdout, sys.stderr = saved_std
+        sys.argv = saved_argv
         for fd, saved in zip((1, 2), saved_fds, strict=True):
             os.dup2(saved, fd)
             os.close(saved)
