@@ -560,8 +560,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: bad input, ours or the parser's, becomes one line on stderr and exit code 2,
     never a traceback."""
     try:
-        faults.install_from_environment()
-        code = app(args=argv, prog_name="andrea", standalone_mode=False)
+        with faults.installed_from_environment():
+            code = app(args=argv, prog_name="andrea", standalone_mode=False)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)

@@ -29,8 +29,9 @@ ANDREA_FAULTS holds comma-separated items, each KIND@WHERE; at most one item per
   or SIGKILL (``kill -9``: nothing runs after it) at that micro-batch.
 
 Example: ``ANDREA_FAULTS=nan@7,checkpoint-delay@2``. The CLI parses the variable once
-(`install_from_environment`); a malformed item is a one-line error naming it. Unset, every hook
-is a no-op behind one attribute check. In-process tests call `install` directly.
+(`installed_from_environment`, for the command's length); a malformed item is a one-line error
+naming it. Unset, every hook is a no-op behind one attribute check. In-process tests call
+`install` directly.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -170,9 +172,18 @@ def install(spec: str | None) -> None:
     _active = parse(spec) if spec else Faults()
 
 
-def install_from_environment() -> None:
-    """Read ANDREA_FAULTS once, at start-up: the hooks never read the environment."""
-    install(os.environ.get(VARIABLE))
+@contextlib.contextmanager
+def installed_from_environment() -> Iterator[None]:
+    """Read ANDREA_FAULTS once, at start-up: the hooks never read the environment. The faults
+    installed before come back at the end, so a command run in a process that goes on (a test
+    calling the CLI's main) leaves none behind."""
+    global _active
+    previous = _active
+    try:
+        install(os.environ.get(VARIABLE))
+        yield
+    finally:
+        _active = previous
 
 
 def after_micro_batch(step: int, micro: int) -> None:

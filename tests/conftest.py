@@ -1,32 +1,104 @@
-"""Shared test helpers: run the real `andrea` command in a subprocess."""
+"""Shared test helpers: the `andrea` command in this process (andrea_main), or in a process of
+its own (run_andrea, python_command, torchrun_command, run_torchrun) where the process is the
+point: signals, kill -9, several processes at once, torchrun."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import traceback
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import background
-import forkserver
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@dataclass
+class Result:
+    """What a command left: its exit status and its output (subprocess.CompletedProcess's
+    names, so assert_user_error reads either)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def andrea_main(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, stdin: str = "",
+) -> Result:
+    """`andrea ARGS` through the real entry point (andrea.cli.main) in this process, in folder
+    CWD with ENV added to the environment and sys.argv as `python -m andrea ARGS` has it (all
+    restored after), stdin STDIN. What it writes to file descriptors 1 and 2 is its stdout and
+    stderr, in order: print and typer alike, and the lines a signal handler writes with
+    os.write. Its exit status as a shell would see it: main's SystemExit; an exception main let
+    through is a traceback on stderr and status 1, as Python ends a process with one."""
+    import andrea.__main__
+    from andrea.cli import main
+
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    saved_std = sys.stdin, sys.stdout, sys.stderr
+    captured = [tempfile.TemporaryFile() for _ in (1, 2)]
+    saved_fds = [os.dup(fd) for fd in (1, 2)]
+    for f in (*saved_std[1:], sys.__stdout__, sys.__stderr__):
+        f.flush()
+    try:
+        os.environ.update(env or {})
+        if cwd is not None:
+            os.chdir(cwd)
+        for fd, file in zip((1, 2), captured, strict=True):
+            os.dup2(file.fileno(), fd)
+        sys.argv = [andrea.__main__.__file__, *args]
+        sys.stdin = io.StringIO(stdin)
+        sys.stdout, sys.stderr = (
+            io.TextIOWrapper(open(fd, "wb", closefd=False), encoding="utf-8", errors=errors,
+                             write_through=True)
+            for fd, errors in ((1, "strict"), (2, "backslashreplace")))
+        try:
+            main(list(args))
+        except SystemExit as exited:
+            code = exited.code
+            if not isinstance(code, int):  # sys.exit("message"): printed, status 1
+                if code is not None:
+                    print(code, file=sys.stderr)
+                code = 0 if code is None else 1
+        except Exception:  # noqa: BLE001 - what a process would print before it ends
+            traceback.print_exc()
+            code = 1
+        else:
+            code = 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = saved_std
+        sys.argv = saved_argv
+        for fd, saved in zip((1, 2), saved_fds, strict=True):
+            os.dup2(saved, fd)
+            os.close(saved)
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    out, err = (file.seek(0) or file.read().decode("utf-8", "replace") for file in captured)
+    for file in captured:
+        file.close()
+    return Result(code, out, err)
+
+
 def run_andrea(
     *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600,
-    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`python -m andrea ARGS` as a user would run it; returns the completed process. The process
-    is forked from one that has imported andrea and torch already (tests/forkserver.py says why
-    and what that skips); FRESH, or ANDREA_TEST_FRESH=1, starts a new interpreter instead."""
+    """`python -m andrea ARGS` in a process of its own, as a user would run it; returns the
+    completed process. A fresh interpreter spends about 3 s of CPU on imports: use andrea_main
+    unless the process is the point."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    if not fresh and forkserver.enabled():
-        return forkserver.run(["-m", "andrea", *args], str(cwd or Path.cwd()), full_env, timeout)
     return subprocess.run(
         [sys.executable, "-m", "andrea", *args],
         cwd=cwd,
@@ -46,18 +118,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def python_command(*argv: str, fresh: bool = False) -> list[str]:
+def python_command(*argv: str) -> list[str]:
     """`python ARGV` (-m MODULE ARGS, SCRIPT ARGS, -c CODE ARGS) as a command line for
-    subprocess.run or Popen: forked from the warm process (tests/forkserver.py); FRESH, or
-    ANDREA_TEST_FRESH=1, a new interpreter."""
-    return [sys.executable, *argv] if fresh else forkserver.command(*argv)
+    subprocess.run or Popen, with this interpreter."""
+    return [sys.executable, *argv]
 
 
 def torchrun_command(*options: str, entry: Sequence[str]) -> list[str]:
-    """`torchrun OPTIONS ENTRY` (ENTRY: -m andrea ARGS, or SCRIPT ARGS) as a command line: the
-    launcher and each worker it starts forked from the warm process."""
-    return forkserver.command("-m", "torch.distributed.run", *options, "--no-python",
-                              *forkserver.command(*entry))
+    """`torchrun OPTIONS ENTRY` (ENTRY: -m andrea ARGS, or SCRIPT ARGS) as a command line."""
+    return python_command("-m", "torch.distributed.run", *options, *entry)
 
 
 def run_torchrun(
@@ -74,7 +143,9 @@ def run_torchrun(
     )
 
 
-def assert_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+def assert_user_error(
+    proc: Result | subprocess.CompletedProcess, *fragments: str
+) -> str:
     """Exit code 2, one line on stderr starting 'error:', no traceback, naming each fragment."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -134,6 +205,22 @@ def data_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory, data_dir):
+    """One run the whole session reads (eval, tasks, export, generate, runs): the tiny preset in
+    fp32, 40 steps, a checkpoint at steps 20 and 40, every step logged. Its TrainResult (run_dir,
+    checkpoint, losses). Never change it: copy the run folder first (shutil.copytree)."""
+    from andrea.config import load_config
+    from andrea.train.loop import train
+
+    runs = tmp_path_factory.mktemp("trained") / "runs"
+    return train(load_config("andrea-tiny", [
+        f"data.dir={data_dir}", f"train.runs_dir={runs}", "train.name=t", "train.max_steps=40",
+        "train.eval_every=0", "train.checkpoint_every=20", "train.log_every=1",
+        "train.precision=fp32",
+    ]), progress=False)
+
+
 def make_checkpoint(
     tmp_path: Path, *sets: str, tokenizer: str = "byte:v1", seed: int = 0, step: int = 5
 ) -> Path:
@@ -158,11 +245,6 @@ def make_checkpoint(
         run_dir, TrainerState(step=step), cfg, tokenizer, model=ckpt_io.model_state(model),
         optimizer={}, rng={}, keep_last=1,
     )
-
-
-@pytest.fixture
-def andrea_cli():
-    return run_andrea
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_user_error, run_andrea
+from conftest import REPO, andrea_main, assert_user_error
 
 from andrea.errors import UserError
 from andrea.train import checkpoint as ckpt_io
@@ -91,7 +91,7 @@ def test_a_trainer_state_without_a_step_is_a_one_line_error(tmp_path):
     (tmp_path / "r" / "step-000003" / "trainer_state.json").write_text('{"tokens": 1}')
     with pytest.raises(UserError, match="trainer_state.json: not a trainer state"):
         ckpt_io.read_trainer_state(tmp_path / "r" / "step-000003")
-    assert_user_error(run_andrea("train", "--resume", str(tmp_path / "r")),
+    assert_user_error(andrea_main("train", "--resume", str(tmp_path / "r")),
                       "trainer_state.json", "resume from another")
 
 
@@ -108,8 +108,8 @@ def test_a_checkpoint_written_before_resumes_with_the_same_losses(tmp_path, data
     run_dir = tmp_path / "runs" / name
     shutil.copytree(FIXTURES / fixture, run_dir)
     more = ["--set", "train.max_steps=8"] if name == "longer" else []
-    proc = run_andrea("train", "--resume", str(run_dir), "--set", f"data.dir={data_dir}",
-                      *more, "--no-progress", cwd=tmp_path)
+    proc = andrea_main("train", "--resume", str(run_dir), "--set", f"data.dir={data_dir}",
+                       *more, "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     train, val = OLD_LOSSES[name]
     assert events(run_dir, "train", 3) == pytest.approx(train, rel=RTOL)
@@ -126,8 +126,8 @@ def test_a_checkpoint_written_before_resumes_with_the_same_losses(tmp_path, data
 def test_checkpoints_written_before_evaluate_as_before(tmp_path, data_dir):
     names = [*TODAY, RELEASE]
     args = [a for n in names for a in ("--checkpoint", str(FIXTURES / n))]
-    proc = run_andrea("eval", *args, "--data", str(data_dir), "--max-tokens", "8192",
-                      "--precision", "fp32", "--no-progress", "--json", cwd=tmp_path)
+    proc = andrea_main("eval", *args, "--data", str(data_dir), "--max-tokens", "8192",
+                       "--precision", "fp32", "--no-progress", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)
     assert [r["step"] for r in results] == [3, 3, 3]

@@ -18,12 +18,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import assert_user_error, make_checkpoint, python_command, run_andrea
+from conftest import Result, andrea_main, assert_user_error, make_checkpoint, python_command
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from andrea.config import load_config
-from andrea.train.loop import train
 from andrea.train.rundir import checkpoint_problem
 
 # The user's own files in a folder a forged checkpoint names as its data.dir: prepare's old
@@ -32,12 +31,13 @@ USER_FILES = {"tokenizer.json": '{"mine": true}', "draft.tmp": "half a thought",
               "main.py": "print('hi')\n"}
 
 
-def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+def snapshot(root: Path) -> dict[str, tuple[int, int] | None]:
     """Every path under root, each file with its size and modification time: what 'nothing
-    written' means. A folder's own time is left out: the run lock a refused training took and
-    gave back (train/runlock.py) touches its run folder, writing nothing there."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file()
-            else (0, 0) for p in sorted(root.rglob("*"))}
+    written' means. A folder's own time is left out: train's run lock is a file made and
+    removed again (andrea/train/runlock.py), which touches its folder and writes nothing."""
+    return {str(p.relative_to(root)): None if p.is_dir() else (p.stat().st_size,
+                                                                p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
 
 
 def user_folder(root: Path) -> Path:
@@ -59,15 +59,26 @@ def rewrite_metadata(ckpt: Path, edit) -> None:
     save_file(tensors, str(path), {**metadata, "config": json.dumps(config)})
 
 
-def run_limited(*args: str, cwd: Path, memory: int = 2_000_000_000):
-    """`andrea ARGS` with its address space capped: a model of 10^6 layers built by mistake
+def run_limited(*commands: list[str], cwd: Path, memory: int = 2_000_000_000) -> list[Result]:
+    """Each of COMMANDS (`andrea ARGS` as a list of ARGS) through andrea.cli.main, one after the
+    other in one process whose address space is capped: a model of 10^6 layers built by mistake
     fails fast (MemoryError) instead of taking the machine's memory from everyone."""
-    code = ("import resource, runpy, sys; "
-            f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory})); "
-            f"sys.argv = ['andrea', *{list(args)!r}]; "
-            "runpy.run_module('andrea', run_name='__main__')")
-    return subprocess.run(python_command("-c", code), cwd=cwd, capture_output=True, text=True,
+    code = ("import contextlib, io, json, resource, sys\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))\n"
+            "from andrea.cli import main\n"
+            "results = []\n"
+            f"for argv in {[list(c) for c in commands]!r}:\n"
+            "    out, err = io.StringIO(), io.StringIO()\n"
+            "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
+            "        try:\n"
+            "            main(argv)\n"
+            "        except SystemExit as exited:\n"
+            "            results.append([exited.code, out.getvalue(), err.getvalue()])\n"
+            "print(json.dumps(results))\n")
+    proc = subprocess.run(python_command("-c", code), cwd=cwd, capture_output=True, text=True,
                           timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return [Result(*result) for result in json.loads(proc.stdout)]
 
 
 # ----------------------------------------------------------------------------- case 4: data.dir
@@ -81,8 +92,8 @@ def test_a_checkpoint_naming_a_users_folder_never_writes_there(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     before = snapshot(precious)
-    proc = run_andrea("eval", "--checkpoint", str(ckpt), "--max-tokens", "64", "--no-progress",
-                      "--json", cwd=home)
+    proc = andrea_main("eval", "--checkpoint", str(ckpt), "--max-tokens", "64", "--no-progress",
+                       "--json", cwd=home)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)[0]["data_dir"] == "data/shakespeare-byte"
     assert f"the run's data, {precious}, is not here (andrea writes a checkpoint's data only" \
@@ -93,7 +104,7 @@ def test_a_checkpoint_naming_a_users_folder_never_writes_there(tmp_path):
     # generate of a BPE run: the tokenizer is looked for and prepared, again never in there.
     bpe = make_checkpoint(tmp_path / "stranger-bpe", f"data.dir={precious}",
                           "data.tokenizer=bpe", "model.vocab_size=320", tokenizer="bpe:0123abcd")
-    proc = run_andrea("generate", "--checkpoint", str(bpe), "-n", "4", cwd=home)
+    proc = andrea_main("generate", "--checkpoint", str(bpe), "-n", "4", cwd=home)
     notice, error = proc.stderr.splitlines()  # the prepare under ./data, then no such BPE
     assert proc.returncode == 2 and notice.startswith("preparing data/shakespeare-bpe-320 ")
     assert error.startswith("error: ") and "bpe:0123abcd" in error
@@ -106,8 +117,8 @@ def test_an_imported_andrea_json_never_names_the_data_folder(tmp_path):
     data.dir: import derives the run's own, and eval of the import writes only under ./data."""
     precious = user_folder(tmp_path)
     export = tmp_path / "export"
-    proc = run_andrea("export", "--checkpoint", str(make_checkpoint(tmp_path / "src")),
-                      "--out", str(export))
+    proc = andrea_main("export", "--checkpoint", str(make_checkpoint(tmp_path / "src")),
+                       "--out", str(export))
     assert proc.returncode == 0, proc.stderr
     andrea_json = json.loads((export / "andrea.json").read_text())
     andrea_json["config"]["data"]["dir"] = str(precious)
@@ -115,10 +126,10 @@ def test_an_imported_andrea_json_never_names_the_data_folder(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     before = snapshot(precious)
-    assert run_andrea("import", str(export), cwd=home).returncode == 0
+    assert andrea_main("import", str(export), cwd=home).returncode == 0
     assert load_config(home / "runs/export/config.yaml").data.dir == ""
-    proc = run_andrea("eval", "--checkpoint", "runs/export", "--max-tokens", "64",
-                      "--no-progress", cwd=home)
+    proc = andrea_main("eval", "--checkpoint", "runs/export", "--max-tokens", "64",
+                       "--no-progress", cwd=home)
     assert proc.returncode == 0, proc.stderr
     assert " on data/shakespeare-byte (val)" in proc.stdout
     assert snapshot(precious) == before
@@ -171,22 +182,22 @@ def test_a_damaged_model_file_is_one_line_and_writes_nothing(tmp_path, data_dir,
                   ("generate", "--checkpoint", str(ckpt.parent)),
                   ("train", "--resume", str(ckpt.parent))]
     for args in verbs:
-        assert_user_error(run_andrea(*args, cwd=tmp_path), str(ckpt.name), "model.safetensors",
+        assert_user_error(andrea_main(*args, cwd=tmp_path), str(ckpt.name), "model.safetensors",
                           says)
         assert snapshot(tmp_path) == before, args
 
 
 def test_a_damaged_hf_model_file_is_one_line_and_writes_nothing(tmp_path):
     export = tmp_path / "export"
-    assert run_andrea("export", "--checkpoint", str(make_checkpoint(tmp_path / "src")),
-                      "--out", str(export)).returncode == 0
+    assert andrea_main("export", "--checkpoint", str(make_checkpoint(tmp_path / "src")),
+                       "--out", str(export)).returncode == 0
     weights = export / "model.safetensors"
     blob = weights.read_bytes()
     for damage in ("truncated", "oversized header", "tensor data cut"):
         mutate, says = DAMAGE[damage]
         weights.write_bytes(mutate(blob))
         before = snapshot(tmp_path)
-        assert_user_error(run_andrea("import", str(export), "--out", "runs/x", cwd=tmp_path),
+        assert_user_error(andrea_main("import", str(export), "--out", "runs/x", cwd=tmp_path),
                           str(weights), says)
         assert snapshot(tmp_path) == before
 
@@ -196,16 +207,19 @@ def test_a_config_asking_for_a_million_layers_is_refused_before_allocating(tmp_p
     header in one line, under an address-space cap the old code blew through."""
     ckpt = make_checkpoint(tmp_path / "src")
     export = tmp_path / "export"
-    assert run_andrea("export", "--checkpoint", str(ckpt), "--out", str(export)).returncode == 0
+    assert andrea_main("export", "--checkpoint", str(ckpt), "--out", str(export)).returncode == 0
     rewrite_metadata(ckpt, lambda c: c["model"].update(n_layer=10**6))
     config = json.loads((export / "config.json").read_text())
     (export / "config.json").write_text(json.dumps({**config, "n_layer": 10**6}))
     before = snapshot(tmp_path)
-    for verb in ("eval", "generate"):
-        assert_user_error(run_limited(verb, "--checkpoint", str(ckpt), cwd=tmp_path),
-                          "n_layer 1000000 (the file holds 2 blocks)", "no model is built")
-    assert_user_error(run_limited("import", str(export), "--out", "runs/x", cwd=tmp_path),
-                      f"{export / 'config.json'}", "n_layer 1000000 (the file holds 2 blocks)")
+    *verbs, imported = run_limited(["eval", "--checkpoint", str(ckpt)],
+                                   ["generate", "--checkpoint", str(ckpt)],
+                                   ["import", str(export), "--out", "runs/x"], cwd=tmp_path)
+    for result in verbs:
+        assert_user_error(result, "n_layer 1000000 (the file holds 2 blocks)",
+                          "no model is built")
+    assert_user_error(imported, f"{export / 'config.json'}",
+                      "n_layer 1000000 (the file holds 2 blocks)")
     assert snapshot(tmp_path) == before
 
 
@@ -220,7 +234,7 @@ def test_a_shard_index_leading_out_of_shards_is_refused(tmp_path, data_dir, entr
     size = target.stat().st_size if target.is_file() else 0
     (ckpt / "shards/index.json").write_text(json.dumps({"files": {entry: size}}))
     before = snapshot(tmp_path)
-    assert_user_error(run_andrea("train", "--resume", str(ckpt.parent), cwd=tmp_path),
+    assert_user_error(andrea_main("train", "--resume", str(ckpt.parent), cwd=tmp_path),
                       "index.json", repr(entry), "not a .safetensors file name inside shards/")
     assert snapshot(tmp_path) == before
 
@@ -228,76 +242,63 @@ def test_a_shard_index_leading_out_of_shards_is_refused(tmp_path, data_dir, entr
 # ----------------------------------------------------------------------------- case 5: damage
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, data_dir) -> Path:
-    """A 20-step tiny run with checkpoints at steps 10 and 20 (copy it before damaging it)."""
-    tmp = tmp_path_factory.mktemp("damaged")
-    cfg = load_config("andrea-tiny", [
-        f"data.dir={data_dir}", f"train.runs_dir={tmp / 'runs'}", "train.name=x",
-        "train.max_steps=20", "train.eval_every=0", "train.checkpoint_every=10",
-        "train.log_every=1",
-    ])
-    train(cfg, progress=False)
-    return tmp / "runs" / "x"
-
-
 def losses(run: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     return {r["step"]: r["loss"] for r in records if r["event"] == "train"}
 
 
-def test_a_damaged_latest_names_the_newest_intact_step_and_the_command(tmp_path, trained_run):
+def test_a_damaged_latest_names_the_newest_intact_step_and_the_command(tmp_path, trained_tiny):
     run = tmp_path / "runs" / "x"
-    shutil.copytree(trained_run, run)
-    (run / "step-000020" / "model.safetensors").unlink()
-    intact = "runs/x/step-000010"
+    shutil.copytree(trained_tiny.run_dir, run)
+    (run / "step-000040" / "model.safetensors").unlink()
+    intact = "runs/x/step-000020"
     for verb, use in (("eval", f"andrea eval --checkpoint {intact}"),
                       ("generate", f"andrea generate --checkpoint {intact}")):
-        assert_user_error(run_andrea(verb, "--checkpoint", "runs/x", cwd=tmp_path),
-                          "runs/x: the latest checkpoint, step-000020, is damaged",
+        assert_user_error(andrea_main(verb, "--checkpoint", "runs/x", cwd=tmp_path),
+                          "runs/x: the latest checkpoint, step-000040, is damaged",
                           "model.safetensors is missing", use)
     # Without --checkpoint: the most recent run is this one, damaged; never silently another.
-    assert_user_error(run_andrea("eval", cwd=tmp_path), "step-000020, is damaged",
+    assert_user_error(andrea_main("eval", cwd=tmp_path), "step-000040, is damaged",
                       f"andrea eval --checkpoint {intact}")
     before = snapshot(tmp_path)
-    assert_user_error(run_andrea("train", "--resume", "runs/x", cwd=tmp_path),
-                      "step-000020, is damaged", f"andrea train --resume {intact}")
+    assert_user_error(andrea_main("train", "--resume", "runs/x", cwd=tmp_path),
+                      "step-000040, is damaged", f"andrea train --resume {intact}")
     assert snapshot(tmp_path) == before
 
     # The step folder works for eval, and --resume from it repeats the lost steps exactly.
-    proc = run_andrea("eval", "--checkpoint", intact, "--max-tokens", "64", "--no-progress",
-                      cwd=tmp_path)
+    proc = andrea_main("eval", "--checkpoint", intact, "--max-tokens", "64", "--no-progress",
+                       cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith(f"{intact} on "), proc.stderr
-    proc = run_andrea("train", "--resume", intact, "--no-progress", cwd=tmp_path)
+    proc = andrea_main("train", "--resume", intact, "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"resuming from {intact}" in proc.stdout
-    assert (run / "latest").read_text().strip() == "step-000020"
-    assert (run / "step-000020" / "model.safetensors").is_file()
-    assert losses(run) == losses(trained_run)  # steps 11..20 again, bit for bit
+    assert (run / "latest").read_text().strip() == "step-000040"
+    assert (run / "step-000040" / "model.safetensors").is_file()
+    assert losses(run) == losses(trained_tiny.run_dir)  # steps 21..40 again, bit for bit
 
     # No `latest` at all: the run's checkpoints are still found and named.
     (run / "latest").unlink()
-    assert_user_error(run_andrea("eval", "--checkpoint", "runs/x", cwd=tmp_path),
+    assert_user_error(andrea_main("eval", "--checkpoint", "runs/x", cwd=tmp_path),
                       "runs/x: no usable 'latest' file",
-                      "andrea eval --checkpoint runs/x/step-000020")
+                      "andrea eval --checkpoint runs/x/step-000040")
 
 
-def test_runs_shows_a_damaged_run(tmp_path, trained_run):
+def test_runs_shows_a_damaged_run(tmp_path, trained_tiny):
     runs = tmp_path / "runs"
     for name in ("ok", "no-model", "no-latest"):
-        shutil.copytree(trained_run, runs / name)
-    (runs / "no-model" / "step-000020" / "model.safetensors").unlink()
+        shutil.copytree(trained_tiny.run_dir, runs / name)
+    (runs / "no-model" / "step-000040" / "model.safetensors").unlink()
     (runs / "no-latest" / "latest").unlink()
-    proc = run_andrea("runs", cwd=tmp_path)
+    proc = andrea_main("runs", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     states = {line.split()[0]: [w for w in line.split() if w in ("finished", "damaged")]
               for line in proc.stdout.splitlines()[1:4]}
     assert states == {"ok": ["finished"], "no-model": ["damaged"], "no-latest": ["damaged"]}
-    assert ("no-model: ! latest points to step-000020, whose model.safetensors is missing; "
-            "newest intact checkpoint: step-000010") in proc.stdout
+    assert ("no-model: ! latest points to step-000040, whose model.safetensors is missing; "
+            "newest intact checkpoint: step-000020") in proc.stdout
     assert ("no-latest: ! no latest file naming the newest checkpoint; newest intact "
-            "checkpoint: step-000020") in proc.stdout
-    data = {r["name"]: r for r in json.loads(run_andrea("runs", "--json", cwd=tmp_path).stdout)}
+            "checkpoint: step-000040") in proc.stdout
+    data = {r["name"]: r for r in json.loads(andrea_main("runs", "--json", cwd=tmp_path).stdout)}
     assert {n: (r["state"], r["intact_checkpoint"]) for n, r in data.items()} == {
-        "ok": ("finished", None), "no-model": ("damaged", "step-000010"),
-        "no-latest": ("damaged", "step-000020")}
+        "ok": ("finished", None), "no-model": ("damaged", "step-000020"),
+        "no-latest": ("damaged", "step-000040")}

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import yaml
-from conftest import REPO, assert_user_error, run_andrea
+from conftest import REPO, andrea_main, assert_user_error
 
 from andrea.config import PRECISIONS, SECTIONS, TrainConfig, key_spec, key_specs, load_config
 from andrea.config.declare import key, section_keys
@@ -52,7 +52,7 @@ def test_path_and_d_model_derivation(tmp_path):
 
 
 def test_config_show_prints_resolved_yaml():
-    proc = run_andrea("config", "show", "--config", "andrea-12m.yaml", "--set", "train.lr=2e-4")
+    proc = andrea_main("config", "show", "--config", "andrea-12m.yaml", "--set", "train.lr=2e-4")
     assert proc.returncode == 0, proc.stderr
     shown = yaml.safe_load(proc.stdout)
     assert shown["model"]["d_model"] == 384
@@ -96,12 +96,12 @@ def test_config_errors_name_the_file_and_the_key(tmp_path, text, fragments):
 
 def test_missing_file_names_it_and_the_presets(tmp_path):
     missing = tmp_path / "nope.yaml"
-    proc = run_andrea("count-params", "--config", str(missing))
+    proc = andrea_main("count-params", "--config", str(missing))
     assert_user_error(proc, str(missing), "andrea-12m.yaml")
 
 
 def test_override_errors_through_the_cli():
-    proc = run_andrea("config", "show", "-c", "andrea-12m", "--set", "model.n_layer=2.5")
+    proc = andrea_main("config", "show", "-c", "andrea-12m", "--set", "model.n_layer=2.5")
     assert_user_error(proc, "--set model.n_layer=2.5", "expected an integer")
     with pytest.raises(UserError, match="trian.lr.*did you mean 'train'"):
         load_config("andrea-12m", ["trian.lr=1"])
@@ -204,14 +204,14 @@ def test_declared_choices_and_constraints_are_checked():
 
 
 def test_config_keys_lists_every_key_with_default_and_description():
-    proc = run_andrea("config", "keys")
+    proc = andrea_main("config", "keys")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["key", "default", "description"]
     rows = {line.split()[0]: line for line in lines[1:]}
     assert list(rows) == [spec.dotted for spec in key_specs()]
     assert rows["train.lr"].split(None, 2)[1:] == ["0.0006", "peak learning rate (AdamW's)"]
-    proc = run_andrea("config", "keys", "--json")
+    proc = andrea_main("config", "keys", "--json")
     records = {r["key"]: r for r in json.loads(proc.stdout)}
     assert records["train.schedule"]["choices"] == ["cosine", "constant", "wsd"]
     assert records["train.max_steps"]["on_resume"] == "may change"

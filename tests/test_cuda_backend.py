@@ -16,7 +16,7 @@ import sys
 import background
 import pytest
 import torch
-from conftest import assert_user_error, run_andrea
+from conftest import andrea_main, assert_user_error
 
 from andrea.cuda import attention as ca
 from andrea.cuda import launch as kernel_launch
@@ -373,8 +373,8 @@ def test_a_gpu_older_than_cupys_nvrtc_falls_back_to_sdpa(monkeypatch) -> None:
 def quick_bench() -> str:
     """`andrea bench --quick --json` on the CPU, run once (about a minute on 2 cores): its
     stdout, for the JSON test and the table test alike."""
-    proc = run_andrea("bench", "--quick", "--json", "--device", "cpu", "--shape", "andrea-12m",
-                      "--preset", "andrea-tiny", timeout=300)
+    proc = andrea_main("bench", "--quick", "--json", "--device", "cpu", "--shape", "andrea-12m",
+                       "--preset", "andrea-tiny")
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     return proc.stdout
@@ -418,7 +418,7 @@ def test_bench_quick_table_on_cpu(quick_bench) -> None:
 
 
 def test_bench_cuda_backend_on_cpu_is_a_one_line_error() -> None:
-    proc = run_andrea("bench", "--backend", "cuda", "--device", "cpu")
+    proc = andrea_main("bench", "--backend", "cuda", "--device", "cpu")
     assert_user_error(proc, "--backend cuda", "no GPU")
 
 

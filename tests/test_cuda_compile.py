@@ -50,7 +50,7 @@ def compile_the_tiny_model() -> None:
 
 def warm_inductors_cache() -> subprocess.CompletedProcess:
     background.result("emulator")
-    # a fresh interpreter, not one forked from the warm process: it inherits this thread's nice
+    # a process of its own: it inherits this thread's nice
     code = "import test_cuda_compile as t; t.compile_the_tiny_model()"
     return background.run_process([sys.executable, "-c", code], cwd=Path(__file__).parent)
 

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from conftest import assert_user_error, make_checkpoint, python_command, run_andrea
+from conftest import andrea_main, assert_user_error, make_checkpoint, python_command
 
 from andrea.config import load_config
 from andrea.data import prepare
@@ -44,12 +44,10 @@ def tokens(folder: Path, split: str) -> np.ndarray:
     return np.concatenate([open_shard(folder / e["file"]) for e in entries]).astype(np.int64)
 
 
-def start(*args: str, cwd: Path, env: dict[str, str] | None = None,
-          fresh: bool = False) -> subprocess.Popen:
-    """`andrea ARGS` started; FRESH: a new interpreter, whose pid is andrea's own (through the
-    warm process, Popen's pid is the stand-in's, tests/forkserver.py)."""
+def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`andrea ARGS` started in a process of its own."""
     return subprocess.Popen(
-        python_command("-m", "andrea", *args, fresh=fresh), cwd=cwd, text=True,
+        python_command("-m", "andrea", *args), cwd=cwd, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         # Ctrl-C as at a terminal: a suite started in the background (`cmd &` in a script) hands
@@ -97,7 +95,7 @@ def take_turns(
     `second_says_on`); then both run to the end. Returns the second's "waiting" line, both
     processes and their (stdout, stderr), the lines already read left out."""
     go = cwd / "go"
-    first = start(*first_args, cwd=cwd, fresh=True,  # the second names its pid
+    first = start(*first_args, cwd=cwd,
                   env={"ANDREA_FAULTS": f"prepare-pause@train_000002.bin:{go}"})
     second = None
     try:
@@ -117,20 +115,20 @@ def test_train_refuses_a_folder_prepared_with_another_tokenizer(tmp_path):
     2, naming the folder and both tokenizers, and X stays byte for byte (the old code prepared
     it again with bytes). `andrea prepare` refuses too; only --force replaces it."""
     write_corpus(tmp_path / "in")
-    r = run_andrea("prepare", "-i", "in", "-t", "gpt2", "-o", "data/x", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "in", "-t", "gpt2", "-o", "data/x", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     before = snapshot(tmp_path / "data/x")
-    r = run_andrea("train", "-c", "andrea-tiny", "--set", "data.source=in", "--set",
-                   "data.dir=data/x", "--set", "train.runs_dir=runs", cwd=tmp_path)
+    r = andrea_main("train", "-c", "andrea-tiny", "--set", "data.source=in", "--set",
+                    "data.dir=data/x", "--set", "train.runs_dir=runs", cwd=tmp_path)
     assert_user_error(r, "data/x: holds data prepared with tokenizer gpt2", "asks for tokenizer "
                       "byte", "another data folder", "andrea prepare ... --force")
     assert snapshot(tmp_path / "data/x") == before
-    r = run_andrea("prepare", "-c", "andrea-tiny", "--set", "data.source=in", "-o", "data/x",
-                   cwd=tmp_path)
+    r = andrea_main("prepare", "-c", "andrea-tiny", "--set", "data.source=in", "-o", "data/x",
+                    cwd=tmp_path)
     assert_user_error(r, "data/x", "tokenizer gpt2", "tokenizer byte")
     assert snapshot(tmp_path / "data/x") == before
-    r = run_andrea("prepare", "-c", "andrea-tiny", "--set", "data.source=in", "-o", "data/x",
-                   "--force", cwd=tmp_path)
+    r = andrea_main("prepare", "-c", "andrea-tiny", "--set", "data.source=in", "-o", "data/x",
+                    "--force", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert read_manifest(tmp_path / "data/x")["tokenizer"]["identity"] == "byte:v1"
 
@@ -141,13 +139,13 @@ def test_prepare_of_a_folder_that_holds_its_output_twice(tmp_path):
     old code read its own manifest as input and deleted the shards)."""
     write_corpus(tmp_path / "data")
     args = ("prepare", "--input", "data/", "--tokenizer", "bpe", "--vocab-size", "300")
-    r = run_andrea(*args, cwd=tmp_path)
+    r = andrea_main(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "data/data-bpe-300"
     before = snapshot(out)
     names = [Path(i["name"]).name for i in read_manifest(out)["inputs"]]
     assert names == ["a.txt", "b.txt"]
-    r = run_andrea(*args, cwd=tmp_path)
+    r = andrea_main(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines == ["data/: skipping data/data-bpe-300: prepared data or the output folder, "
@@ -155,8 +153,8 @@ def test_prepare_of_a_folder_that_holds_its_output_twice(tmp_path):
                      "data/data-bpe-300: up to date (inputs unchanged; --force redoes it)"]
     assert snapshot(out) == before
     # Pointed at prepared data itself, it says what that folder is.
-    r = run_andrea("prepare", "--input", "data/data-bpe-300", "-t", "byte", "-o", "y",
-                   cwd=tmp_path)
+    r = andrea_main("prepare", "--input", "data/data-bpe-300", "-t", "byte", "-o", "y",
+                    cwd=tmp_path)
     assert_user_error(r, "data/data-bpe-300: this folder is prepared data")
     assert not (tmp_path / "y").exists()
 
@@ -213,20 +211,20 @@ def test_prepare_never_deletes_files_it_did_not_write(tmp_path):
     for name, text in {"tokenizer.json": "{}", "draft.tmp": "notes", "main.py": "print()"}.items():
         (mine / name).write_text(text)
     before = snapshot(mine)
-    r = run_andrea("prepare", "-i", "in", "-t", "byte", "-o", "mine", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "in", "-t", "byte", "-o", "mine", cwd=tmp_path)
     assert_user_error(r, "mine: the folder holds files andrea did not write (draft.tmp, main.py, "
                       "tokenizer.json) and no manifest.json", "choose another data folder")
     assert snapshot(mine) == before
 
-    r = run_andrea("prepare", "-i", "in", "-t", "byte", "-o", "data/x", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "in", "-t", "byte", "-o", "data/x", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "data/x"
     (out / "draft.tmp").write_text("mine")
     (out / "notes.md").write_text("mine too")
-    r = run_andrea("prepare", "-i", "in", "-t", "byte", "-o", "data/x", "--force", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "in", "-t", "byte", "-o", "data/x", "--force", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     (tmp_path / "in/c.txt").write_bytes(b"\0\1binary")  # makes the next prepare fail
-    r = run_andrea("prepare", "-i", "in", "-t", "byte", "-o", "data/x", "--force", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "in", "-t", "byte", "-o", "data/x", "--force", cwd=tmp_path)
     assert_user_error(r, "c.txt: looks binary")
     assert (out / "draft.tmp").read_text() == "mine" and (out / "notes.md").read_text() == \
         "mine too"
@@ -247,17 +245,17 @@ def test_ctrl_c_says_what_it_kept_and_the_rerun_resumes(tmp_path):
                      r"the same command again to continue from there", err)
     assert kept, err
     assert "Traceback" not in err
-    r = run_andrea(*args, cwd=tmp_path)
+    r = andrea_main(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert f"resuming after {kept[1]} complete shards ({kept[2]} tokens)" in r.stdout
 
 
 def test_workers_must_not_be_negative(tmp_path):
     write_corpus(tmp_path / "in")
-    r = run_andrea("prepare", "-i", "in", "-t", "byte", "--workers", "-1", "-o", "x",
-                   cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "in", "-t", "byte", "--workers", "-1", "-o", "x",
+                    cwd=tmp_path)
     assert_user_error(r, "--workers", "-1 is negative")
-    r = run_andrea("prepare", "-c", "andrea-tiny", "--workers", "-1", "-o", "x", cwd=tmp_path)
+    r = andrea_main("prepare", "-c", "andrea-tiny", "--workers", "-1", "-o", "x", cwd=tmp_path)
     assert_user_error(r, "--workers", "-1 is negative")
     assert not (tmp_path / "x").exists()
 
@@ -276,9 +274,9 @@ def test_jsonl_as_datasets_ship_it(tmp_path):
            b'{"doc": {"body": "caf\xff\xfe au lait"}}']
     jsonl(tmp_path / "x.jsonl", good[:100] + bad + good[100:])
     base = ("prepare", "-i", "x.jsonl", "-t", "byte", "--text-field", "doc.body")
-    r = run_andrea(*base, "-o", "strict", cwd=tmp_path)
+    r = andrea_main(*base, "-o", "strict", cwd=tmp_path)
     assert_user_error(r, "x.jsonl:101: not a JSON object per line", "--errors replace")
-    r = run_andrea(*base, "-o", "out", "--errors", "replace", cwd=tmp_path)
+    r = andrea_main(*base, "-o", "out", "--errors", "replace", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "skipped 3 records without a string 'doc.body' (or not JSON objects)" in r.stdout
     assert "replaced 2 invalid UTF-8 bytes with U+FFFD" in r.stdout
@@ -289,10 +287,10 @@ def test_jsonl_as_datasets_ship_it(tmp_path):
     assert "caf\ufffd\ufffd au lait".encode() in text
     assert b"record 299: some text here" in text
     jsonl(tmp_path / "n.jsonl", [b'{"text": null}', b'{"text": "x"}'])
-    r = run_andrea("prepare", "-i", "n.jsonl", "-t", "byte", "-o", "n", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "n.jsonl", "-t", "byte", "-o", "n", cwd=tmp_path)
     assert_user_error(r, "n.jsonl:1: field 'text' is null, not a string (fields: text)")
     jsonl(tmp_path / "l.jsonl", [b'{"text": "x"}', b"[1, 2]"])
-    r = run_andrea("prepare", "-i", "l.jsonl", "-t", "byte", "-o", "l", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "l.jsonl", "-t", "byte", "-o", "l", cwd=tmp_path)
     assert_user_error(r, "l.jsonl:2: a JSON list, expected an object", "--errors replace")
 
 
@@ -305,13 +303,13 @@ def test_dotted_text_field_reaches_into_parquet_structs(tmp_path):
     rows[5]["doc"] = None  # a null struct: its text is null, not some other row's
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "x.parquet", row_group_size=100)
     base = ("prepare", "-i", "x.parquet", "-t", "byte", "--text-field")
-    r = run_andrea(*base, "doc.body", "-o", "strict", cwd=tmp_path)
+    r = andrea_main(*base, "doc.body", "-o", "strict", cwd=tmp_path)
     assert_user_error(r, "row group 0, row 5: field 'doc.body' is null")
-    r = run_andrea(*base, "doc.body", "--errors", "replace", "-o", "out", cwd=tmp_path)
+    r = andrea_main(*base, "doc.body", "--errors", "replace", "-o", "out", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     ids = np.concatenate([tokens(tmp_path / "out", s) for s in ("train", "val")])
     text = bytes(int(t) if t < 256 else 10 for t in ids).decode()  # end-of-text as a line break
     texts = sorted(filter(None, text.split("\n")))
     assert texts == sorted(f"record {i}: parquet body" for i in range(300) if i != 5)
-    r = run_andrea(*base, "doc.nope", "-o", "nope", cwd=tmp_path)
+    r = andrea_main(*base, "doc.nope", "-o", "nope", cwd=tmp_path)
     assert_user_error(r, "column 'doc' has no field 'nope'")

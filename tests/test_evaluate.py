@@ -9,14 +9,12 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import assert_user_error, make_checkpoint, run_andrea
+from conftest import andrea_main, assert_user_error, make_checkpoint
 
-from andrea.config import load_config
 from andrea.data.loader import TokenSplit
 from andrea.data.prepare import prepare_inputs
 from andrea.data.tokenizer import ByteTokenizer, Gpt2Tokenizer, train_bpe
 from andrea.evaluate import EvalResult, evaluate_checkpoint, format_results
-from andrea.train.loop import train
 from andrea.trained import load_model
 
 
@@ -36,29 +34,19 @@ def hand_nats(ckpt, tokens: np.ndarray, block: int, windows=None) -> float:
     return total
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, data_dir):
-    tmp = tmp_path_factory.mktemp("evalrun")
-    cfg = load_config("andrea-tiny", [
-        f"data.dir={data_dir}", f"train.runs_dir={tmp / 'runs'}", "train.name=t",
-        "train.max_steps=20", "train.eval_every=0", "train.checkpoint_every=0",
-    ])
-    return train(cfg, progress=False)
-
-
-def test_loss_equals_hand_computation(trained, data_dir):
+def test_loss_equals_hand_computation(trained_tiny, data_dir):
     """--max-tokens 300: five windows of 64 targets spread evenly over the val split (the
     last cut to 44), scored as a float64 hand computation."""
-    result = evaluate_checkpoint(str(trained.run_dir), None, max_tokens=300, precision="fp32",
+    result = evaluate_checkpoint(str(trained_tiny.run_dir), None, max_tokens=300, precision="fp32",
                                  device="cpu", batch_size=2, progress=False)
-    assert result.tokens == 300 and result.checkpoint == str(trained.checkpoint)
+    assert result.tokens == 300 and result.checkpoint == str(trained_tiny.checkpoint)
     (val,) = TokenSplit(data_dir, "val").shards  # one shard
     val = np.asarray(val)
     n_full = (len(val) - 1) // 64
     starts = [64 * (j * n_full // 5) for j in range(5)]
     assert starts[-1] > 0.7 * len(val)  # the windows reach the end of the split
     windows = [(s, 64) for s in starts[:4]] + [(starts[4], 44)]
-    nats = hand_nats(trained.checkpoint, val, 64, windows)
+    nats = hand_nats(trained_tiny.checkpoint, val, 64, windows)
     assert result.loss == pytest.approx(nats / 300, rel=1e-5)
     assert result.perplexity == pytest.approx(math.exp(nats / 300), rel=1e-5)
     targets = np.concatenate([val[s + 1 : s + n + 1] for s, n in windows])
@@ -66,11 +54,11 @@ def test_loss_equals_hand_computation(trained, data_dir):
     assert result.bytes == n_bytes
     assert result.bits_per_byte == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
     # bf16 autocast: the same pass, close to fp32.
-    bf16 = evaluate_checkpoint(str(trained.run_dir), None, 300, "bf16", "cpu", 8, False)
+    bf16 = evaluate_checkpoint(str(trained_tiny.run_dir), None, 300, "bf16", "cpu", 8, False)
     assert bf16.tokens == 300 and bf16.loss == pytest.approx(result.loss, rel=2e-2)
 
 
-def test_bits_per_byte_on_a_known_text(tmp_path, trained):
+def test_bits_per_byte_on_a_known_text(tmp_path, trained_tiny):
     val_text = "héllo wörld ✓ 🙂 日本\n" * 3
     val_bytes = val_text.encode("utf-8")
     assert len(val_bytes) <= 99  # so the val split starts right after the 901-byte first line
@@ -80,10 +68,11 @@ def test_bits_per_byte_on_a_known_text(tmp_path, trained):
     tokens = np.asarray(split.shards[0])
     assert bytes(tokens[:-1].tolist()) == val_bytes and tokens[-1] == ByteTokenizer.eot_id
 
-    result = evaluate_checkpoint(str(trained.checkpoint), str(data), None, "fp32", "cpu", 4, False)
+    result = evaluate_checkpoint(str(trained_tiny.checkpoint), str(data), None, "fp32", "cpu", 4,
+                                 False)
     # Targets: every token but the first; end-of-text stands for no bytes.
     assert result.tokens == len(val_bytes) and result.bytes == len(val_bytes) - 1
-    nats = hand_nats(trained.checkpoint, tokens, 64)
+    nats = hand_nats(trained_tiny.checkpoint, tokens, 64)
     assert result.bits_per_byte == pytest.approx(nats / math.log(2) / (len(val_bytes) - 1),
                                                  rel=1e-5)
 
@@ -111,31 +100,31 @@ def test_byte_lengths_of_a_trained_bpe(tmp_path):
     assert int(lengths[ids].sum()) == len(TEXT.encode("utf-8"))
 
 
-def test_most_recent_run_and_json_on_the_command_line(tmp_path, trained):
+def test_most_recent_run_and_json_on_the_command_line(tmp_path, trained_tiny):
     older = make_checkpoint(tmp_path, "train.name=old")  # no data: eval of it would fail
     os.utime(older / "model.safetensors", (1, 1))
     newer = tmp_path / "runs" / "new"
-    os.symlink(trained.run_dir, newer)
-    proc = run_andrea("eval", "--json", "--no-progress", "--max-tokens", "128",
-                      "--precision", "fp32", cwd=tmp_path)
+    os.symlink(trained_tiny.run_dir, newer)
+    proc = andrea_main("eval", "--json", "--no-progress", "--max-tokens", "128",
+                       "--precision", "fp32", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     (out,) = json.loads(proc.stdout)
-    assert out["checkpoint"] == "runs/new/step-000020" and out["tokens"] == 128
-    assert "runs/new/step-000020 (the most recent run under runs/)" in proc.stderr
-    direct = evaluate_checkpoint(str(trained.checkpoint), None, 128, "fp32", "cpu", 8, False)
+    assert out["checkpoint"] == "runs/new/step-000040" and out["tokens"] == 128
+    assert "runs/new/step-000040 (the most recent run under runs/)" in proc.stderr
+    direct = evaluate_checkpoint(str(trained_tiny.checkpoint), None, 128, "fp32", "cpu", 8, False)
     assert out["loss"] == pytest.approx(direct.loss, rel=1e-6)
 
 
 def test_bad_checkpoints_and_data_are_clear_errors(tmp_path):
-    assert_user_error(run_andrea("eval", "--checkpoint", str(tmp_path / "nope")),
+    assert_user_error(andrea_main("eval", "--checkpoint", str(tmp_path / "nope")),
                       "no such checkpoint")
-    assert_user_error(run_andrea("eval", "--checkpoint", str(tmp_path)), "not a checkpoint")
-    assert_user_error(run_andrea("eval", cwd=tmp_path), "no run with a checkpoint under runs/")
+    assert_user_error(andrea_main("eval", "--checkpoint", str(tmp_path)), "not a checkpoint")
+    assert_user_error(andrea_main("eval", cwd=tmp_path), "no run with a checkpoint under runs/")
     # A data folder that cannot be prepared from the run's config: the source is missing.
     missing = tmp_path / "missing.txt"
     ckpt = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'never'}",
                            f"data.source={missing}", "train.name=nosource")
-    assert_user_error(run_andrea("eval", "--checkpoint", str(ckpt), cwd=tmp_path),
+    assert_user_error(andrea_main("eval", "--checkpoint", str(ckpt), cwd=tmp_path),
                       f"the run's data, {tmp_path / 'never'}, which is not here, nor is "
                       f"{missing}", "--out data/missing-byte`", "--data")
     assert not (tmp_path / "never").exists()
@@ -149,7 +138,7 @@ def test_a_missing_data_folder_is_prepared_from_the_run_config(tmp_path, data_di
     ckpt = make_checkpoint(tmp_path, f"data.dir={tmp_path / 'fresh'}")
     args = ("eval", "--checkpoint", str(ckpt), "--max-tokens", "200", "--precision", "fp32",
             "--json", "--no-progress")
-    proc = run_andrea(*args, cwd=tmp_path)
+    proc = andrea_main(*args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     notices = [line for line in proc.stderr.splitlines() if line.strip()]
     assert notices == [
@@ -164,11 +153,11 @@ def test_a_missing_data_folder_is_prepared_from_the_run_config(tmp_path, data_di
     given = evaluate_checkpoint(str(ckpt), str(data_dir), 200, "fp32", "cpu", 8, False)
     assert prepared["tokens"] == given.tokens == 200
     assert prepared["loss"] == given.loss and math.isfinite(given.loss)
-    again = run_andrea(*args, cwd=tmp_path)  # prepared now: nothing more to say
+    again = andrea_main(*args, cwd=tmp_path)  # prepared now: nothing more to say
     assert again.returncode == 0 and again.stderr == "" and json.loads(again.stdout) == [prepared]
     # A run whose data.dir holds prepared data reads it there (read only), as before.
     ckpt = make_checkpoint(tmp_path / "own", f"data.dir={data_dir}")
-    proc = run_andrea(*args[:2], str(ckpt), *args[3:], cwd=tmp_path)
+    proc = andrea_main(*args[:2], str(ckpt), *args[3:], cwd=tmp_path)
     assert proc.returncode == 0 and json.loads(proc.stdout)[0]["data_dir"] == str(data_dir)
 
 

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 import torch
-from conftest import REPO, assert_user_error, run_andrea
+from conftest import REPO, andrea_main, assert_user_error
 
 from andrea import faults
 from andrea.errors import UserError
@@ -92,7 +92,7 @@ def test_a_malformed_item_is_named(item, says):
 
 
 def test_the_cli_refuses_a_malformed_spec_in_one_line_before_anything_runs():
-    proc = run_andrea("config", "show", "-c", "andrea-tiny", env={"ANDREA_FAULTS": "nan@7,boom"})
+    proc = andrea_main("config", "show", "-c", "andrea-tiny", env={"ANDREA_FAULTS": "nan@7,boom"})
     assert_user_error(proc, "ANDREA_FAULTS", "'boom'")
     assert proc.stdout == ""
 

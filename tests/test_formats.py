@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import assert_user_error, python_command, run_andrea
+from conftest import andrea_main, assert_user_error, python_command
 
 from andrea.data import prepare, readers
 from andrea.data.shards import open_shard, read_header
@@ -91,7 +91,7 @@ def expected_tokens(docs, split, val_fraction=0.1):
 
 
 def test_every_format_gives_each_documents_tokens(mixed, tmp_path):
-    r = run_andrea("prepare", "--input", str(mixed), "-t", "gpt2", "-o", "out", cwd=tmp_path)
+    r = andrea_main("prepare", "--input", str(mixed), "-t", "gpt2", "-o", "out", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "out"
     for split in ("train", "val"):
@@ -138,7 +138,7 @@ def test_csv_gives_the_shards_of_the_same_texts_as_json_lines(tmp_path, monkeypa
         for file in files:
             assert (outs[name] / file).read_bytes() == (outs["a.jsonl"] / file).read_bytes()
         assert prepare.read_manifest(outs[name])["text_field"] == "text"
-    r = run_andrea("prepare", "-i", "a.csv", "-t", "byte", "--text-field", "body", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "a.csv", "-t", "byte", "--text-field", "body", cwd=tmp_path)
     assert_user_error(r, "a.csv: no column 'body'; its header has: id, text, n",
                       "--text-field")
     assert not (tmp_path / "data").exists()
@@ -147,16 +147,16 @@ def test_csv_gives_the_shards_of_the_same_texts_as_json_lines(tmp_path, monkeypa
 def test_text_field_and_skipped_records(tmp_path):
     lines = [json.dumps({"body": d}) for d in DOCS[:50]] + ['{"body": 5}', '{"other": "x"}']
     (tmp_path / "x.jsonl").write_text("\n".join(lines) + "\n")
-    r = run_andrea("prepare", "-i", "x.jsonl", "-t", "byte", "-o", "strict", "--text-field",
-                   "body", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "x.jsonl", "-t", "byte", "-o", "strict", "--text-field",
+                    "body", cwd=tmp_path)
     assert_user_error(r, "x.jsonl:51", "field 'body' is int", "--errors replace")
     assert not (tmp_path / "strict").exists()
-    r = run_andrea("prepare", "-i", "x.jsonl", "-t", "byte", "-o", "out", "--text-field", "body",
-                   "--errors", "replace", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "x.jsonl", "-t", "byte", "-o", "out", "--text-field", "body",
+                    "--errors", "replace", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "skipped 2 records without a string 'body'" in r.stdout
     assert prepare.read_manifest(tmp_path / "out")["skipped_records"] == 2
-    r = run_andrea("prepare", "-i", "x.jsonl", "-t", "byte", "-o", "other", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "x.jsonl", "-t", "byte", "-o", "other", cwd=tmp_path)
     assert_user_error(r, "x.jsonl:1", "field 'text' is missing", "(fields: body)",
                       "--text-field")
 
@@ -203,14 +203,14 @@ def test_killed_prepare_resumes_from_its_last_complete_shard(tmp_path):
     complete = {n: (out / n).stat() for n in ("train_000000.bin", "train_000001.bin",
                                                "train_000002.bin", "val_000000.bin")}
     assert all(read_header(out / f"train_00000{k}.bin").count == 400_000 for k in range(3))
-    r = run_andrea("prepare", *sets, "-o", "out", cwd=tmp_path)
+    r = andrea_main("prepare", *sets, "-o", "out", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "resuming after" in r.stdout and "from input job" in r.stdout
     for n, before in complete.items():
         after = (out / n).stat()
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert not list(out.glob("*.tmp")) and not (out / "progress.json").exists()
-    r = run_andrea("prepare", *sets, "-o", "clean", cwd=tmp_path)
+    r = andrea_main("prepare", *sets, "-o", "clean", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for split in ("train", "val"):
         np.testing.assert_array_equal(split_tokens(out, split),
@@ -248,7 +248,7 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path):
         (["-i", "nothing/*.jsonl"], ["nothing/*.jsonl: the pattern matches no files"]),
     ]
     for args, fragments in cases:
-        r = run_andrea("prepare", *args, "-t", "byte", cwd=tmp_path)
+        r = andrea_main("prepare", *args, "-t", "byte", cwd=tmp_path)
         assert_user_error(r, *fragments)
         # No output folder, not even an empty data/ (issue 11, item 7).
         assert not (tmp_path / "data").exists(), (args, list((tmp_path / "data").rglob("*")))
@@ -258,18 +258,18 @@ def test_mixture_errors_through_the_command(tmp_path):
     (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(DOCS[:120]))
     (tmp_path / "b.jsonl").write_bytes(jsonl_bytes(make_docs(120, seed=5)))
     weight0 = "data.sources=[{path: a.jsonl, weight: 1}, {path: b.jsonl, weight: 0}]"
-    r = run_andrea("prepare", "-c", "andrea-tiny", "--set", weight0, cwd=tmp_path)
+    r = andrea_main("prepare", "-c", "andrea-tiny", "--set", weight0, cwd=tmp_path)
     assert_user_error(r, "data.sources[1].weight: must be a number > 0, got 0")
-    r = run_andrea("prepare", "-c", "andrea-tiny", "--set", weight0.replace("0}", "-2}"),
-                   cwd=tmp_path)
+    r = andrea_main("prepare", "-c", "andrea-tiny", "--set", weight0.replace("0}", "-2}"),
+                    cwd=tmp_path)
     assert_user_error(r, "data.sources[1].weight", "got -2")
     # A BPE trained per source: two tokenizers, which one mixture cannot use.
     both = "data.sources=[{path: a.jsonl, weight: 1}, {path: b.jsonl, weight: 2}]"
-    r = run_andrea("prepare", "-c", "andrea-tiny", "--set", both, "--set", "data.tokenizer=bpe",
-                   cwd=tmp_path)
+    r = andrea_main("prepare", "-c", "andrea-tiny", "--set", both, "--set", "data.tokenizer=bpe",
+                    cwd=tmp_path)
     assert_user_error(r, "data.sources: data/a-bpe-320 was prepared with tokenizer bpe:",
                       "but data/b-bpe-320 with bpe:", "one tokenizer")
-    r = run_andrea("prepare", "-c", "andrea-tiny", "--set", both, cwd=tmp_path)
+    r = andrea_main("prepare", "-c", "andrea-tiny", "--set", both, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "data" / "a-byte" / "manifest.json").is_file()
     assert (tmp_path / "data" / "b-byte" / "manifest.json").is_file()
@@ -279,7 +279,7 @@ def test_mixture_errors_through_the_command(tmp_path):
 def test_train_on_a_mixture_reports_the_realised_share(tmp_path):
     (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(make_docs(300, seed=2)))
     pq.write_table(pa.table({"text": make_docs(300, seed=3)}), tmp_path / "b.parquet")
-    r = run_andrea(
+    r = andrea_main(
         "train", "-c", "andrea-tiny",
         "--set", "data.sources=[{path: a.jsonl, weight: 3}, {path: b.parquet, weight: 1}]",
         "--set", "train.max_steps=2", "--set", "train.micro_batch_size=4",

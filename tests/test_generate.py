@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_user_error, make_checkpoint, run_andrea
+from conftest import andrea_main, assert_user_error, make_checkpoint
 
 from andrea.config import load_config
 from andrea.data.prepare import ensure_prepared
@@ -112,17 +112,17 @@ def test_command_line(tmp_path):
     args = ["generate", "--checkpoint", str(ckpt), "-n", "20", "--seed", "5", "-t", "1.0",
             "--no-stop-at-eot", "--num-samples", "2"]
     long_prompt = "To be, or not to be, that is the question. " * 3  # 129 bytes > block 64
-    a = run_andrea(*args, "--prompt", long_prompt)
+    a = andrea_main(*args, "--prompt", long_prompt)
     assert a.returncode == 0, a.stderr
     assert "the prompt is 129 tokens, longer than the block size 64; keeping its last 64" \
         in a.stderr
     assert a.stdout.count(long_prompt[-64:]) == 2 and "\n---\n" in a.stdout
-    b = run_andrea(*args, "--prompt", "To be")
-    c = run_andrea(*args, "--prompt", "To be", "--no-cache")
+    b = andrea_main(*args, "--prompt", "To be")
+    c = andrea_main(*args, "--prompt", "To be", "--no-cache")
     assert b.returncode == 0 and b.stdout.startswith("To be")
     assert c.stdout == b.stdout  # the same seed; the cache changes nothing within a block
     # The sampling arguments' own errors are generate()'s (test_bad_sampling_arguments).
-    assert_user_error(run_andrea(*args, "--prompt-ids", "1,2,999"), "999", "outside the vocab")
+    assert_user_error(andrea_main(*args, "--prompt-ids", "1,2,999"), "999", "outside the vocab")
 
 
 def test_an_empty_prompt_is_a_new_document_either_way(tmp_path):
@@ -131,7 +131,7 @@ def test_an_empty_prompt_is_a_new_document_either_way(tmp_path):
     args = ["generate", "--checkpoint", str(ckpt), "-n", "30", "--seed", "3", "-t", "1.0",
             "--no-stop-at-eot"]
     eot = ByteTokenizer.eot_id
-    outs = [run_andrea(*args, *extra) for extra in ([], ["--prompt", ""], ["--prompt-ids", ""])]
+    outs = [andrea_main(*args, *extra) for extra in ([], ["--prompt", ""], ["--prompt-ids", ""])]
     for proc in outs:
         assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert len({proc.stdout for proc in outs}) == 1
@@ -153,12 +153,12 @@ def test_a_bpe_run_whose_data_is_gone_prepares_it_again(tmp_path):
     data = ensure_prepared(load_config("andrea-tiny", sets))
     identity = BpeTokenizer(data / "tokenizer.json").identity
     ckpt = make_checkpoint(tmp_path, *sets, tokenizer=identity)
-    before = run_andrea("generate", "--checkpoint", str(ckpt), "-p", "the cat", "-n", "8",
-                        "--seed", "1")
+    before = andrea_main("generate", "--checkpoint", str(ckpt), "-p", "the cat", "-n", "8",
+                         "--seed", "1")
     assert before.returncode == 0 and before.stderr == "", before.stderr
     shutil.rmtree(data)
-    after = run_andrea("generate", "--checkpoint", str(ckpt), "-p", "the cat", "-n", "8",
-                       "--seed", "1", cwd=tmp_path)
+    after = andrea_main("generate", "--checkpoint", str(ckpt), "-p", "the cat", "-n", "8",
+                        "--seed", "1", cwd=tmp_path)
     assert after.returncode == 0, after.stderr
     assert after.stderr.splitlines() == [
         f"preparing data/text-bpe-320 from {text} with a BPE trained again, as the run's config "

@@ -22,7 +22,6 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import background
-import forkserver
 import numpy as np
 import pytest
 from conftest import REPO
@@ -85,7 +84,7 @@ def run_script(tmp_path: Path, *, gpu: bool, parts: str | None = None,
                env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
     bin_dir = fake_nvidia_smi(tmp_path / "bin", gpu)
     full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-                "PYTHON": forkserver.python_script(str(bin_dir)),
+                "PYTHON": sys.executable,
                 "ANDREA_GPU_CHECK_WHEELS": str(fake_wheels(tmp_path / "wheels"))}
     for name in ("ANDREA_GPU_CHECK_ASSUME_GPU", "ANDREA_GPU_CHECK_RUN_BUDGET_S"):
         full_env.pop(name, None)
@@ -495,7 +494,7 @@ def gpu_shims(folder: Path) -> Path:
     a probe out of time with FAKE_PROBE=timeout; any other use runs the real interpreter). The
     compute-sanitizer is the fake wheel's (FAKE_SANITIZER says what it reports)."""
     fake_nvidia_smi(folder, gpu=True)
-    real = forkserver.python_script(str(folder))  # the interpreter, through the warm process
+    real = sys.executable
     python = folder / "python-shim"
     python.write_text(f"""#!/bin/bash
 if [ "$1" = - ]; then

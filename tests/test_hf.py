@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_user_error, make_checkpoint, run_andrea
+from conftest import andrea_main, assert_user_error, make_checkpoint
 
 from andrea.config import load_config
 from andrea.data.tokenizer import Gpt2Tokenizer, gpt2_vocab_files, train_bpe
@@ -136,7 +136,7 @@ def test_bad_exports_and_imports(tmp_path):
     target = tmp_path / "hf"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
-    assert_user_error(run_andrea("export", "--checkpoint", str(ckpt), "--format", "hf",
+    assert_user_error(andrea_main("export", "--checkpoint", str(ckpt), "--format", "hf",
                                  "--out", str(target)), str(target), "already exists", "--force")
     assert (target / "keep.txt").read_text() == "mine"
     export_hf(str(ckpt), target, force=True)
@@ -146,7 +146,7 @@ def test_bad_exports_and_imports(tmp_path):
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps(
         {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    assert_user_error(run_andrea("import", "--format", "hf", str(llama)),
+    assert_user_error(andrea_main("import", "--format", "hf", str(llama)),
                       "llama", "LlamaForCausalLM", "not GPT-2")
     with pytest.raises(UserError, match="not a Hugging Face model directory"):
         import_hf(tmp_path / "runs")
@@ -213,8 +213,8 @@ def test_an_import_never_keeps_the_exporters_data_dir(tmp_path, data_dir):
 def test_an_import_over_its_default_run_names_the_default(tmp_path):
     """Without --out the run folder is runs/<source name>; a clash says so, not '--out X'."""
     hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "model")
-    assert run_andrea("import", str(hf), cwd=tmp_path).returncode == 0
-    line = assert_user_error(run_andrea("import", str(hf), cwd=tmp_path),
+    assert andrea_main("import", str(hf), cwd=tmp_path).returncode == 0
+    line = assert_user_error(andrea_main("import", str(hf), cwd=tmp_path),
                              "runs/model (the default --out, named after model): already exists",
                              "--out runs/NAME", "--force")
     assert not line.startswith("error: --out")

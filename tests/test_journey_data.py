@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import assert_user_error, run_andrea
+from conftest import andrea_main, assert_user_error
 from test_data_folder import SHARDS, snapshot, take_turns, write_corpus
 
 from andrea.data.shards import read_manifest
@@ -41,15 +41,14 @@ def test_a_users_data_survives_a_sweep_a_resume_and_mistakes(tmp_path):
     assert inputs == ["a.txt", "b.txt"]
     before = snapshot(prepared)
 
-    r = run_andrea("train", "--resume", "runs/a", "--set", "train.max_steps=3", cwd=tmp_path,
-                   timeout=300)
+    r = andrea_main("train", "--resume", "runs/a", "--set", "train.max_steps=3", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "data/: skipping data/data-byte: prepared data or the output folder" in r.stdout
     assert "finished: 3 steps" in r.stdout
     assert snapshot(prepared) == before
 
-    r = run_andrea(*TRAIN, "--set", "train.name=c", "--set", "data.tokenizer=gpt2", "--set",
-                   "model.vocab_size=50304", "--set", "data.dir=data/data-byte", cwd=tmp_path)
+    r = andrea_main(*TRAIN, "--set", "train.name=c", "--set", "data.tokenizer=gpt2", "--set",
+                    "model.vocab_size=50304", "--set", "data.dir=data/data-byte", cwd=tmp_path)
     assert_user_error(r, "data/data-byte: holds data prepared with tokenizer byte",
                       "asks for tokenizer gpt2", "--force")
     assert snapshot(prepared) == before
@@ -57,7 +56,7 @@ def test_a_users_data_survives_a_sweep_a_resume_and_mistakes(tmp_path):
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "main.py").write_text("print('mine')\n")
-    r = run_andrea("prepare", "-i", "data/", "-t", "byte", "-o", "notes", cwd=tmp_path)
+    r = andrea_main("prepare", "-i", "data/", "-t", "byte", "-o", "notes", cwd=tmp_path)
     assert_user_error(r, "notes: the folder holds files andrea did not write (main.py)")
     assert [p.name for p in notes.iterdir()] == ["main.py"]
     assert snapshot(prepared) == before

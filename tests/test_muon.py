@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, run_andrea, torchrun_command
+from conftest import andrea_main, assert_user_error, torchrun_command
 from test_train import read_events, tiny, write_config
 
 from andrea.config import load_config
@@ -227,18 +227,18 @@ def test_bad_muon_settings_are_one_line_errors(tmp_path, data_dir):
     for key in ("train.muon_lr", "train.lr"):
         for value in ("0", "-0.01"):
             assert_user_error(
-                run_andrea("train", "-c", path, "--set", "train.optimizer=muon",
+                andrea_main("train", "-c", path, "--set", "train.optimizer=muon",
                            "--set", f"{key}={value}"),
                 key, "must be positive",
             )
-    assert_user_error(run_andrea("train", "-c", path, "--set", "train.optimizer=lion"),
+    assert_user_error(andrea_main("train", "-c", path, "--set", "train.optimizer=lion"),
                       "train.optimizer", "'lion'", "adamw, muon")
 
 
 def test_resuming_with_another_optimizer_is_refused(tmp_path, data_dir):
     result = train(tiny(tmp_path, data_dir, "train.max_steps=2"), progress=False)
     assert_user_error(
-        run_andrea("train", "--resume", str(result.run_dir), "--set", "train.optimizer=muon"),
+        andrea_main("train", "--resume", str(result.run_dir), "--set", "train.optimizer=muon"),
         "cannot change", "train.optimizer (adamw -> muon)",
     )
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import zipfile
 
-from conftest import REPO, run_andrea
+from conftest import REPO, andrea_main
 
 
 def test_wheel_ships_configs_and_kernels_and_runs_elsewhere(tmp_path):
@@ -53,7 +53,7 @@ def test_wheel_ships_configs_and_kernels_and_runs_elsewhere(tmp_path):
 
 
 def test_help_lists_the_verbs():
-    proc = run_andrea("--help")
+    proc = andrea_main("--help")
     assert proc.returncode == 0
     verbs = ("train", "eval", "generate", "count-params", "prepare", "export", "import",
              "bench", "runs", "plot", "config")

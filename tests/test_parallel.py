@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, free_port, run_andrea, run_torchrun, torchrun_command
+from conftest import andrea_main, assert_user_error, free_port, run_torchrun, torchrun_command
 from safetensors.torch import load_file
 
 from andrea.config import load_config
@@ -98,12 +98,12 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
     bad = rewound(tmp_path / "fsdp", tmp_path / "bad", 10)
     shard = "shard-00002-model-00001-of-00001.safetensors"
     (bad / "step-000010" / "shards" / shard).unlink()
-    assert_user_error(run_andrea("train", "--resume", str(bad)), shard, "missing")
+    assert_user_error(andrea_main("train", "--resume", str(bad)), shard, "missing")
     shape = rewound(tmp_path / "fsdp", tmp_path / "shape", 10)
     (shape / "config.yaml").write_text((shape / "config.yaml").read_text()
                                        .replace("head_dim: 16", "head_dim: 8")
                                        .replace("d_model: 64", "d_model: 32"))
-    assert_user_error(run_andrea("train", "--resume", str(shape)),
+    assert_user_error(andrea_main("train", "--resume", str(shape)),
                       "tok_emb.weight", "[320, 64] in the checkpoint", "[320, 32] in the model")
 
     # 1 process -> fsdp (2), with activation checkpointing: the same gradients, recomputed.
@@ -300,7 +300,7 @@ def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint(tmp_p
     assert not (run_dir / "step-000004").exists()
     assert list(run_dir.glob("step-000004.partial-*"))  # the half-written one, never latest
     # The previous checkpoint still loads: one process resumes from it and finishes the run.
-    resumed = run_andrea("train", "--resume", str(run_dir), "--no-progress")
+    resumed = andrea_main("train", "--resume", str(run_dir), "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
     assert "step-000002" in resumed.stdout
     assert (run_dir / "latest").read_text().strip() == "step-000004"
@@ -401,7 +401,7 @@ def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path
     assert_mfu_per_device(tmp_path / "zero", cfg, 2e11)
     two = losses(tmp_path / "zero")
     fewer = rewound(tmp_path / "zero", tmp_path / "fewer", 2)
-    proc = run_andrea("train", "--resume", str(fewer), "--no-progress")
+    proc = andrea_main("train", "--resume", str(fewer), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "512 tokens/step (4 x 64 x 2 accumulation x 1 process)" in proc.stdout
     assert "plan: 4 steps x 512 tokens/step = 2,048 tokens" in proc.stdout
@@ -410,8 +410,8 @@ def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path
         assert math.isclose(losses(fewer)[step], two[step], rel_tol=1e-5), (step, two)
 
     odd = rewound(tmp_path / "zero", tmp_path / "odd", 2)
-    proc = run_andrea("train", "--resume", str(odd), "--no-progress",
-                      "--set", "train.micro_batch_size=3")
+    proc = andrea_main("train", "--resume", str(odd), "--no-progress",
+                       "--set", "train.micro_batch_size=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resume: tokens/step 512 -> 192 (global_batch_tokens: 0" in proc.stdout
     assert ("plan: 1,024 tokens in 2 steps + 2 steps x 192 tokens/step = 1,408 tokens"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_andrea
+from conftest import andrea_main
 
 from andrea.config import load_config
 from andrea.model.params import closed_form_total, count_params
@@ -23,7 +23,7 @@ from andrea.model.transformer import Andrea
     ],
 )
 def test_count_params_cli(preset, per_layer_attention, attention_total, total):
-    proc = run_andrea("count-params", "--config", preset, "--json")
+    proc = andrea_main("count-params", "--config", preset, "--json")
     assert proc.returncode == 0, proc.stderr
     counts = json.loads(proc.stdout)
     assert counts["attention_per_layer"] == per_layer_attention
@@ -35,7 +35,7 @@ def test_count_params_cli(preset, per_layer_attention, attention_total, total):
 
     cfg = load_config(preset)
     assert counts["total"] == closed_form_total(cfg.model)
-    table = run_andrea("count-params", "--config", preset).stdout
+    table = andrea_main("count-params", "--config", preset).stdout
     assert f"{total:,}" in table and f"{per_layer_attention:,}" in table
 
 

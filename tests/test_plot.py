@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
-from conftest import assert_user_error, run_andrea
+from conftest import andrea_main, assert_user_error
 from test_runs import dead_pid, end_record, normal_history, start_record, write_run
 
 from andrea.errors import UserError
@@ -92,16 +92,16 @@ def test_plot_cli(tmp_path):
     a, b = two_runs(tmp_path)
     empty = write_run(tmp_path, "empty", [])
     # A run with nothing readable is left out with a warning; the others are plotted.
-    proc = run_andrea("plot", str(a), str(b), str(empty), "--out", str(tmp_path / "p.png"))
+    proc = andrea_main("plot", str(a), str(b), str(empty), "--out", str(tmp_path / "p.png"))
     assert proc.returncode == 0, proc.stderr
     assert "skipped 1 unreadable line(s)" in proc.stderr
     assert "empty/metrics.jsonl: no train or eval records; run left out" in proc.stderr
     assert Image.open(tmp_path / "p.png").size == (1300, 850)
     # Nothing readable at all: exit 2, one line, no file.
-    proc = run_andrea("plot", str(empty), "--out", str(tmp_path / "q.png"))
+    proc = andrea_main("plot", str(empty), "--out", str(tmp_path / "q.png"))
     assert_user_error(proc, "nothing to plot")
     assert not (tmp_path / "q.png").exists()
-    assert_user_error(run_andrea("plot", str(a), "--out", str(tmp_path / "q.gif")), "q.gif")
+    assert_user_error(andrea_main("plot", str(a), "--out", str(tmp_path / "q.gif")), "q.gif")
 
 
 def test_an_imported_run_is_left_out_with_a_note(tmp_path):
@@ -109,12 +109,12 @@ def test_an_imported_run_is_left_out_with_a_note(tmp_path):
 
     a, _ = two_runs(tmp_path)
     imp = imported_run(tmp_path)
-    proc = run_andrea("plot", str(a), str(imp), "--out", str(tmp_path / "p.png"))
+    proc = andrea_main("plot", str(a), str(imp), "--out", str(tmp_path / "p.png"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == [
         f"warning: {imp}: no metrics.jsonl (an imported run, not trained yet); run left out"]
     pixels = np.asarray(Image.open(tmp_path / "p.png").convert("RGB"))
     assert count_colour(pixels, BLUE) > 1000 and count_colour(pixels, ORANGE) == 0
-    assert_user_error(run_andrea("plot", str(imp), "--out", str(tmp_path / "q.png")),
+    assert_user_error(andrea_main("plot", str(imp), "--out", str(tmp_path / "q.png")),
                       "nothing to plot", "an imported run")
     assert not (tmp_path / "q.png").exists()

@@ -3,11 +3,10 @@ makes re-runs free, and bad input is a one-line error with exit code 2."""
 
 import io
 import json
-import subprocess
 
 import numpy as np
 import pytest
-from conftest import python_command
+from conftest import andrea_main
 
 from andrea.config import load_config
 from andrea.data import documents, encode, prepare
@@ -237,10 +236,7 @@ def test_bad_tokenizer_file(corpus, tmp_path):
 
 
 def run_cli(*args, cwd):
-    return subprocess.run(
-        python_command("-m", "andrea", "prepare", *args),
-        capture_output=True, text=True, cwd=cwd, timeout=120,
-    )
+    return andrea_main("prepare", *args, cwd=cwd)
 
 
 def test_cli_bad_input(tmp_path):

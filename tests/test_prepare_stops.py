@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import run_andrea, small_disk
+from conftest import andrea_main, small_disk
 from test_data_folder import SHARDS, finish, start, wait_for_line, write_corpus
 
 from andrea.data import stops
@@ -30,7 +30,7 @@ def clean(tmp_path_factory) -> Path:
     """The corpus and its uninterrupted prepare (data/clean), shared by the module's tests."""
     root = tmp_path_factory.mktemp("stops")
     write_corpus(root / "in")
-    r = run_andrea(*ARGS, "-o", "data/clean", cwd=root)
+    r = andrea_main(*ARGS, "-o", "data/clean", cwd=root)
     assert r.returncode == 0, r.stderr
     return root
 
@@ -65,7 +65,7 @@ def test_sigterm_is_the_clean_stop_of_ctrl_c(clean):
     assert code == 143
     assert sorted(p.name for p in (clean / "data/term").iterdir()) == [
         ".andrea-prepare.lock", "progress.json", "train_000000.bin", "train_000001.bin"]
-    r = run_andrea(*ARGS, "-o", "data/term", cwd=clean)  # the shards do not depend on it
+    r = andrea_main(*ARGS, "-o", "data/term", cwd=clean)  # the shards do not depend on it
     assert r.returncode == 0, r.stderr
     assert "resuming after 2 complete shards (40,000 tokens)" in r.stdout
     same_shards(clean / "data/term", clean / "data/clean")
@@ -79,7 +79,7 @@ def test_full_disk_keeps_every_complete_shard_and_the_rerun_finishes(clean):
         code, _ = pause_and_signal(clean, "small/prep", signal.SIGKILL)
         assert code == -signal.SIGKILL
         full = {} if mounted else {"ANDREA_FAULTS": "disk-full@prepare:train_000003.bin"}
-        r = run_andrea(*ARGS, "-o", "small/prep", cwd=clean, env=full)
+        r = andrea_main(*ARGS, "-o", "small/prep", cwd=clean, env=full)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert "resuming after 2 complete shards" in r.stdout
         lines = r.stderr.splitlines()
@@ -100,7 +100,7 @@ def test_full_disk_keeps_every_complete_shard_and_the_rerun_finishes(clean):
             assert filecmp.cmp(clean / "small/prep" / name, clean / "data/clean" / name, False)
         if mounted:
             subprocess.run(["mount", "-o", "remount,size=4m", str(clean / "small")], check=True)
-        r = run_andrea(*ARGS, "-o", "small/prep", cwd=clean)
+        r = andrea_main(*ARGS, "-o", "small/prep", cwd=clean)
         assert r.returncode == 0 and not r.stderr, r.stderr
         assert f"resuming after {kept[2]} complete shards ({kept[3]} tokens)" in r.stdout
         same_shards(clean / "small/prep", clean / "data/clean")

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch.distributed as dist
-from conftest import free_port, run_andrea, run_torchrun
+from conftest import andrea_main, free_port, run_torchrun
 from test_parallel import launch_nodes, losses, tiny
 
 from andrea.errors import UserError
@@ -83,7 +83,7 @@ def test_two_nodes_restart_then_a_lost_peer_is_one_line(tmp_path, data_dir, unin
         "error: " + lost.format(6) + f"continue with the same launch and --resume {run_dir} "
         "(torchrun --max-restarts N continues by itself)"], err[-3000:]
     assert "Connection" not in err and "[rank0]" not in err, err[-3000:]
-    runs = run_andrea("runs", str(tmp_path))
+    runs = andrea_main("runs", str(tmp_path))
     assert f"nodes: {lines[1][len('error: '):]}" in runs.stdout
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_user_error, python_command, run_andrea
+from conftest import andrea_main, assert_user_error, python_command, run_andrea
 from test_parallel import launch_nodes
 
 from andrea.cli import main
@@ -79,7 +79,9 @@ def test_a_second_training_on_a_live_run_is_refused_in_seconds_naming_its_holder
         # Old code: the second one trains alongside (a million steps: the timeout ends it).
         for way in (["--resume", "auto"], ["--overwrite"], ["--resume", str(run_dir)]):
             began = time.monotonic()
-            second = run_andrea("train", "-c", str(cfg), "--no-progress", *way, timeout=60)
+            # --stop-after 1: old code trains a step alongside, then ends (and this fails)
+            second = andrea_main("train", "-c", str(cfg), "--no-progress", "--stop-after", "1",
+                                 *way)
             took = time.monotonic() - began
             assert_user_error(second, f"{run_dir}: another andrea train is writing this run "
                                       f"(pid {holder['pid']} on host {HOST}, since ",
@@ -127,7 +129,7 @@ def test_a_holder_killed_with_sigkill_never_blocks(tmp_path, data_dir):
     left = json.loads((run_dir / RUN_LOCK).read_text())  # it died holding the run
     assert left["host"] == HOST and not pid_alive(left["pid"])
     began = time.monotonic()
-    resumed = run_andrea("train", "--resume", str(run_dir), "--no-progress")
+    resumed = andrea_main("train", "--resume", str(run_dir), "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
     assert time.monotonic() - began < 30
     assert "another andrea train" not in resumed.stdout + resumed.stderr

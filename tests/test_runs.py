@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_user_error, run_andrea
+from conftest import andrea_main, assert_user_error
 
 from andrea.config import load_config
 from andrea.errors import UserError
@@ -228,7 +228,7 @@ def test_runs_cli_table_json_and_errors(tmp_path):
     write_run(root, "nan", [start_record(), train_record(10, loss=float("nan")),
                             end_record(10, "nonfinite")])
 
-    proc = run_andrea("runs", str(root))
+    proc = andrea_main("runs", str(root))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:3] == ["RUN", "MODEL", "STEPS"]
@@ -239,7 +239,7 @@ def test_runs_cli_table_json_and_errors(tmp_path):
     assert "nonfinite" in rows["nan"]
     assert "cut: ! metrics.jsonl: 1 unreadable line(s) skipped" in proc.stdout
 
-    proc = run_andrea("runs", str(root), "--json")
+    proc = andrea_main("runs", str(root), "--json")
     assert proc.returncode == 0, proc.stderr
     def reject(token):
         raise AssertionError(f"non-standard JSON token {token}")
@@ -252,7 +252,7 @@ def test_runs_cli_table_json_and_errors(tmp_path):
     assert data["done"]["model"] == "andrea-tiny 2L/4H/d64/ctx64"
 
     (tmp_path / "empty").mkdir()
-    assert_user_error(run_andrea("runs", str(tmp_path / "empty")), "no runs here")
+    assert_user_error(andrea_main("runs", str(tmp_path / "empty")), "no runs here")
 
 
 # --- TensorBoard -----------------------------------------------------------------------------
@@ -327,13 +327,13 @@ def test_an_imported_run_has_its_own_state(tmp_path):
     assert (r.state, r.step, r.tokens, r.problems) == ("imported", 0, 0, [])
     assert r.model == "imported 1L/4H/d64/ctx64"  # d_model, not head_dim (16)
     assert r.latest_checkpoint == "step-000000"
-    proc = run_andrea("runs", str(tmp_path / "runs"))
+    proc = andrea_main("runs", str(tmp_path / "runs"))
     assert proc.returncode == 0, proc.stderr
     row = next(line for line in proc.stdout.splitlines() if line.startswith("imp "))
     assert row.split()[-2:] == ["imported", "step-000000"] and "!" not in row
     assert f"imp: imported from {(tmp_path / 'hf').resolve()}; not trained here yet" in proc.stdout
-    data = {r["name"]: r for r in json.loads(run_andrea("runs", str(tmp_path / "runs"),
-                                                        "--json").stdout)}
+    data = {r["name"]: r for r in json.loads(andrea_main("runs", str(tmp_path / "runs"),
+                                                         "--json").stdout)}
     assert data["imp"]["state"] == "imported" and data["done"]["state"] == "finished"
 
 

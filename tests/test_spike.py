@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, free_port, run_andrea, run_torchrun, torchrun_command
+from conftest import andrea_main, assert_user_error, free_port, run_torchrun, torchrun_command
 
 from andrea.config import load_config
 from andrea.errors import UserError
@@ -180,8 +180,8 @@ def test_bad_guard_settings_are_one_line_errors(setting, fragment):
 
 
 def test_bad_guard_setting_from_the_command_line(tmp_path):
-    proc = run_andrea("train", "-c", "andrea-tiny", "--set", "train.spike_patience=0",
-                      cwd=tmp_path)
+    proc = andrea_main("train", "-c", "andrea-tiny", "--set", "train.spike_patience=0",
+                       cwd=tmp_path)
     assert_user_error(proc, "train.spike_patience: must be a positive integer")
 
 

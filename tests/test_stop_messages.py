@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import assert_user_error, python_command, run_andrea
+from conftest import andrea_main, assert_user_error, python_command
 
 from andrea.resources import cpu_name
 from andrea.train.progress import RunBar, format_eta, plan_note_for
@@ -75,8 +75,8 @@ def test_a_stop_in_the_last_micro_batch_names_one_step(tmp_path, data_dir):
     # Ctrl-C in the second (last) micro-batch of step 4: step 4 completes and is checkpointed.
     cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
                       "max_steps: 50", "global_batch_tokens: 1024")
-    proc = run_andrea("train", "-c", str(cfg), "--no-progress",
-                      env={"ANDREA_FAULTS": "sigint@3.1"})
+    proc = andrea_main("train", "-c", str(cfg), "--no-progress",
+                       env={"ANDREA_FAULTS": "sigint@3.1"})
     assert proc.returncode == 130, proc.stderr
     said = proc.stdout + proc.stderr
     assert "stopped by SIGINT after step 4; checkpoint" in said and "step-000004" in said
@@ -88,16 +88,16 @@ def test_a_stop_in_the_last_micro_batch_names_one_step(tmp_path, data_dir):
 def test_resume_of_a_run_without_a_checkpoint_says_what_happened(tmp_path, data_dir):
     cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
                       "max_steps: 5", "global_batch_tokens: 2048")
-    stopped = run_andrea("train", "-c", str(cfg), "--no-progress",
-                         env={"ANDREA_FAULTS": "sigint@0.0"})  # before the first step
+    stopped = andrea_main("train", "-c", str(cfg), "--no-progress",
+                          env={"ANDREA_FAULTS": "sigint@0.0"})  # before the first step
     assert stopped.returncode == 130, stopped.stderr
     run_dir = tmp_path / "runs" / "r"
-    line = assert_user_error(run_andrea("train", "--resume", str(run_dir)),
+    line = assert_user_error(andrea_main("train", "--resume", str(run_dir)),
                              "stopped before its first checkpoint", "nothing to continue")
     # ... and the way out it names works.
     again = line.split("start it over with: ")[1]
     assert again == f"andrea train --config {run_dir / 'config.yaml'}"
-    started = run_andrea(*again.split()[1:], "--no-progress")
+    started = andrea_main(*again.split()[1:], "--no-progress")
     assert started.returncode == 0, started.stderr
     assert (run_dir / "latest").read_text().strip() == "step-000005"
 
@@ -129,8 +129,8 @@ def test_an_eta_of_days_is_said_in_days_and_a_plan_of_days_once_with_what_to_run
     # ends (the tiny model: no other preset to suggest).
     cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
                       "max_steps: 1000000000")
-    proc = run_andrea("train", "-c", str(cfg), "--stop-after", "2", "--set",
-                      "train.global_batch_tokens=2048", "--set", "train.micro_batch_size=8")
+    proc = andrea_main("train", "-c", str(cfg), "--stop-after", "2", "--set",
+                       "train.global_batch_tokens=2048", "--set", "train.micro_batch_size=8")
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "note: this plan" in line]
     assert len(lines) == 1 and re.search(
@@ -150,8 +150,8 @@ def test_a_small_mixture_source_is_counted_and_warned_about_on_its_own(tmp_path)
         f"{{path: {big.name}, weight: 1}}]}}",
         "max_steps: 20000",
     )
-    proc = run_andrea("train", "-c", str(cfg), "--no-progress", "--stop-after", "1",
-                      cwd=tmp_path)
+    proc = andrea_main("train", "-c", str(cfg), "--no-progress", "--stop-after", "1",
+                       cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     (plan,) = [x for x in proc.stdout.splitlines() if x.startswith("plan:")]
     # 20,000 x 512 tokens, half from each: ~36k training tokens of small.txt, ~720k of big.txt.

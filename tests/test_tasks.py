@@ -10,13 +10,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import assert_user_error, run_andrea
+from conftest import andrea_main, assert_user_error
 
-from andrea.config import load_config
 from andrea.data.tokenizer import ByteTokenizer
 from andrea.evaluate import EvalSettings, evaluate_checkpoints
 from andrea.tasks import TASKS, read_task, run_task
-from andrea.train.loop import train
 from andrea.trained import load_model
 
 # Endings of very different lengths: the summed loss favours the short one, the mean loss per
@@ -32,17 +30,6 @@ HELLASWAG = [  # each fits the tiny model's block of 64 tokens (bytes)
 ]
 LAMBADA = [{"text": "I will go to the king, and the king will see the"},
            {"text": "What is your name, good sir? My name is the"}]
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, data_dir):
-    tmp = tmp_path_factory.mktemp("tasks")
-    cfg = load_config("andrea-tiny", [
-        f"data.dir={data_dir}", f"train.runs_dir={tmp / 'runs'}", "train.name=t",
-        "train.max_steps=40", "train.eval_every=0", "train.checkpoint_every=20",
-        "train.precision=fp32",
-    ])
-    return train(cfg, progress=False)
 
 
 def write_jsonl(path, records) -> str:
@@ -61,10 +48,10 @@ def hand_nats(model, context: str, continuation: str) -> list[float]:
     return [-logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont)]
 
 
-def test_multiple_choice_scoring_rule_by_hand(tmp_path, trained):
-    model = load_model(trained.checkpoint)[0].double()
+def test_multiple_choice_scoring_rule_by_hand(tmp_path, trained_tiny):
+    model = load_model(trained_tiny.checkpoint)[0].double()
     task = read_task("hellaswag", write_jsonl(tmp_path / "hs.jsonl", HELLASWAG))
-    f32 = load_model(trained.checkpoint)[0]
+    f32 = load_model(trained_tiny.checkpoint)[0]
     result, scored = run_task(task, lambda x: f32(x)[0], ByteTokenizer(), block_size=64,
                               batch_size=3, device=torch.device("cpu"))
     by_sum, by_mean = [], []
@@ -89,9 +76,9 @@ def test_multiple_choice_scoring_rule_by_hand(tmp_path, trained):
     assert (again.acc, again.acc_norm) == (result.acc, result.acc_norm)
 
 
-def test_lambada_last_word_greedy_and_loss_by_hand(tmp_path, trained):
-    model = load_model(trained.checkpoint)[0].double()
-    f32 = load_model(trained.checkpoint)[0]
+def test_lambada_last_word_greedy_and_loss_by_hand(tmp_path, trained_tiny):
+    model = load_model(trained_tiny.checkpoint)[0].double()
+    f32 = load_model(trained_tiny.checkpoint)[0]
     task = read_task("lambada", write_jsonl(tmp_path / "l.jsonl", LAMBADA))
     result, scored = run_task(task, lambda x: f32(x)[0], ByteTokenizer(), block_size=64,
                               batch_size=2, device=torch.device("cpu"))
@@ -124,14 +111,14 @@ ARC = [
 ]
 
 
-def test_arc_records_and_their_scores_by_hand(tmp_path, trained):
+def test_arc_records_and_their_scores_by_hand(tmp_path, trained_tiny):
     """Each ARC choice's summed log-likelihood after "Question: <stem>\nAnswer:", a float64
     forward by hand; the task picks the most likely choice (and the most likely per token)."""
     task = read_task("arc", write_jsonl(tmp_path / "arc.jsonl", ARC))
     assert [ex.label for ex in task.examples] == [1, 2, 0, 1]
     assert task.examples[2].continuations == ["in the court", "zqzq"]
-    model = load_model(trained.checkpoint)[0].double()
-    f32 = load_model(trained.checkpoint)[0]
+    model = load_model(trained_tiny.checkpoint)[0].double()
+    f32 = load_model(trained_tiny.checkpoint)[0]
     result, scored = run_task(task, lambda x: f32(x)[0], ByteTokenizer(), block_size=64,
                               batch_size=3, device=torch.device("cpu"))
     by_sum, by_mean = [], []
@@ -163,16 +150,16 @@ def test_bad_arc_records_are_skipped_with_their_reason(tmp_path):
     }
 
 
-def test_hf_export_makes_the_same_choices(tmp_path, trained):
+def test_hf_export_makes_the_same_choices(tmp_path, trained_tiny):
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     transformers = pytest.importorskip("transformers")
-    proc = run_andrea("export", "--checkpoint", str(trained.checkpoint), "--format", "hf",
-                      "--out", str(tmp_path / "hf"))
+    proc = andrea_main("export", "--checkpoint", str(trained_tiny.checkpoint), "--format", "hf",
+                       "--out", str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf",
                                                       dtype=torch.float32).eval()
-    ours = load_model(trained.checkpoint)[0]
+    ours = load_model(trained_tiny.checkpoint)[0]
     file = write_jsonl(tmp_path / "hs.jsonl", HELLASWAG)
     scores = {}
     for name, logits in (("andrea", lambda x: ours(x)[0]), ("hf", lambda x: hf(x).logits)):
@@ -187,35 +174,35 @@ def test_hf_export_makes_the_same_choices(tmp_path, trained):
             np.testing.assert_allclose(ac.nats, hc.nats, rtol=1e-4)
 
 
-def test_eval_task_lines_json_limit_and_truncation(tmp_path, trained):
+def test_eval_task_lines_json_limit_and_truncation(tmp_path, trained_tiny):
     long = {"ctx": "O Romeo, " * 20, "endings": ["wherefore art thou", "zz"], "label": 0}
     hs = write_jsonl(tmp_path / "hs.jsonl", [*HELLASWAG, long])
     lam = write_jsonl(tmp_path / "l.jsonl", LAMBADA)
-    args = ("eval", "--checkpoint", str(trained.run_dir), "--precision", "fp32",
+    args = ("eval", "--checkpoint", str(trained_tiny.run_dir), "--precision", "fp32",
             "--no-progress", "--task", "hellaswag", hs, "--task", "lambada", lam)
-    proc = run_andrea(*args)
+    proc = andrea_main(*args)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0] == f"{trained.checkpoint}: float32, cpu"  # no val pass with --task
+    assert lines[0] == f"{trained_tiny.checkpoint}: float32, cpu"  # no val pass with --task
     assert lines[1].startswith(f"hellaswag {hs}: acc ") and "acc_norm" in lines[1]
     assert lines[1].endswith("(5 examples, 1 truncated from the left to fit the block)")
     assert lines[2].startswith(f"lambada {lam}: acc ") and "loss" in lines[2]
     (out,) = json.loads(
-        run_andrea(*args, "--json", "--limit", "2", "--val", "--max-tokens", "256").stdout)
+        andrea_main(*args, "--json", "--limit", "2", "--val", "--max-tokens", "256").stdout)
     assert [t["examples"] for t in out["tasks"]] == [2, 2] and out["loss"] > 0
     direct = evaluate_checkpoints(
-        [str(trained.checkpoint)], EvalSettings(precision="fp32", progress=False, val=False),
+        [str(trained_tiny.checkpoint)], EvalSettings(precision="fp32", progress=False, val=False),
         tasks=[("hellaswag", hs)], limit=2)[0]
     assert direct.tasks[0]["acc"] == out["tasks"][0]["acc"]
 
 
-def test_bad_task_files(tmp_path, trained):
-    ckpt = str(trained.checkpoint)
+def test_bad_task_files(tmp_path, trained_tiny):
+    ckpt = str(trained_tiny.checkpoint)
 
     def task(kind, name, text):
         (tmp_path / name).write_text(text)
-        return run_andrea("eval", "--checkpoint", ckpt, "--no-progress", "--task", kind,
-                          str(tmp_path / name))
+        return andrea_main("eval", "--checkpoint", ckpt, "--no-progress", "--task", kind,
+                           str(tmp_path / name))
 
     lam = "".join(json.dumps(r) + "\n" for r in LAMBADA)
     assert_user_error(task("hellaswag", "lam.jsonl", lam), "lam.jsonl",
@@ -226,7 +213,7 @@ def test_bad_task_files(tmp_path, trained):
                       "label out of range (first at line 1)")
     assert_user_error(task("choice", "notjson.jsonl", "{nope\n"), "1 not JSON")
     assert_user_error(task("trivia", "lam.jsonl", lam), "--task trivia", "hellaswag")
-    mismatch = run_andrea("eval", "--checkpoint", ckpt, "--task", "lambada")
+    mismatch = andrea_main("eval", "--checkpoint", ckpt, "--task", "lambada")
     assert_user_error(mismatch, "1 task(s) but 0 file(s)")
     # Some records bad, some good: the good ones are scored, one warning line per reason.
     too_long = {"context": "a", "choices": ["b" * 70, "c"], "label": 0}
@@ -243,12 +230,12 @@ def test_bad_task_files(tmp_path, trained):
     assert proc.stdout.splitlines()[1].endswith("(1 examples, 3 skipped)")
 
 
-def test_several_checkpoints_in_one_table(tmp_path, trained):
+def test_several_checkpoints_in_one_table(tmp_path, trained_tiny):
     hs = write_jsonl(tmp_path / "hs.jsonl", HELLASWAG)
-    run = trained.run_dir
+    run = trained_tiny.run_dir
     common = ("--max-tokens", "256", "--precision", "fp32", "--no-progress", "--val",
               "--task", "hellaswag", hs)
-    proc = run_andrea("eval", "--checkpoint", str(run), "--all-steps", *common)
+    proc = andrea_main("eval", "--checkpoint", str(run), "--all-steps", *common)
     assert proc.returncode == 0, proc.stderr
     header, *rows = proc.stdout.splitlines()
     assert header.split()[:4] == ["CHECKPOINT", "STEP", "VAL", "LOSS"]
@@ -260,9 +247,9 @@ def test_several_checkpoints_in_one_table(tmp_path, trained):
         (one,) = evaluate_checkpoints([str(run / step)], settings, tasks=[("hellaswag", hs)])
         assert row.split()[2:6] == [f"{one.loss:.4f}", f"{one.bits_per_byte:.4f}",
                                     f"{one.tasks[0]['acc']:.4f}", "/"]
-    both = json.loads(run_andrea("eval", "--checkpoint", str(run / "step-000020"),
-                                 "--checkpoint", str(run), "--json", *common).stdout)
+    both = json.loads(andrea_main("eval", "--checkpoint", str(run / "step-000020"),
+                                  "--checkpoint", str(run), "--json", *common).stdout)
     assert [r["step"] for r in both] == [20, 40]
     assert both[0]["tokens"] == both[1]["tokens"] == 256  # the same val set for each
-    assert_user_error(run_andrea("eval", "--checkpoint", str(tmp_path), "--all-steps"),
+    assert_user_error(andrea_main("eval", "--checkpoint", str(tmp_path), "--all-steps"),
                       "--all-steps", "no step-N checkpoint folders")

@@ -8,7 +8,7 @@ import shlex
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, assert_user_error, run_andrea
+from conftest import REPO, andrea_main, assert_user_error
 from test_train import read_events, tiny
 
 from andrea.config import load_config
@@ -284,7 +284,7 @@ def test_batch_warmup_auto_micro_batch_divides_both_batches(tmp_path, data_dir):
 
 
 def test_a_half_set_batch_warmup_is_one_line_at_the_command_line():
-    proc = run_andrea("config", "show", "--config", "andrea-12m", "--set",
+    proc = andrea_main("config", "show", "--config", "andrea-12m", "--set",
                       "train.batch_warmup_tokens=4096")
     assert_user_error(proc, "andrea-12m.yaml", "train.batch_warmup_tokens (4096) and "
                       "train.batch_warmup_steps (0) go together")
@@ -373,7 +373,7 @@ def test_seq_warmup_settings_that_cannot_work_are_refused(tmp_path, data_dir, se
 
 
 def test_a_seq_warmup_that_does_not_divide_the_block_is_one_line_at_the_command_line():
-    proc = run_andrea("config", "show", "--config", "andrea-12m", "--set",
+    proc = andrea_main("config", "show", "--config", "andrea-12m", "--set",
                       "train.seq_warmup_length=100", "--set", "train.seq_warmup_steps=50")
     assert_user_error(proc, "andrea-12m.yaml", "train.seq_warmup_length: 100 does not divide "
                       "model.block_size 256")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_user_error, make_checkpoint, python_command, run_andrea
+from conftest import andrea_main, assert_user_error, make_checkpoint, python_command
 
 from andrea.config import load_config
 from andrea.data.loader import TokenSplit
@@ -84,7 +84,7 @@ def test_exact_resume_bit_for_bit(tmp_path, data_dir, precision):
 
 def test_resume_by_bare_run_name(tmp_path, data_dir):
     first = train(tiny(tmp_path, data_dir, "train.max_steps=4"), progress=False, stop_after=2)
-    proc = run_andrea("train", "--resume", "t", "--no-progress", cwd=tmp_path)  # runs/t
+    proc = andrea_main("train", "--resume", "t", "--no-progress", cwd=tmp_path)  # runs/t
     assert proc.returncode == 0, proc.stderr
     assert "finished: 4 steps" in proc.stdout
     assert resolve_checkpoint(first.run_dir).name == "step-000004"
@@ -240,8 +240,8 @@ def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data
 def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "train.max_steps=20", "train.checkpoint_every=5")
     path = write_config(tmp_path, cfg)
-    proc = run_andrea("train", "-c", str(path), "--no-progress",
-                      env={"ANDREA_FAULTS": "nan@7"})
+    proc = andrea_main("train", "-c", str(path), "--no-progress",
+                       env={"ANDREA_FAULTS": "nan@7"})
     assert proc.returncode == 1
     assert "step 7" in proc.stderr and "step-000005" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -249,9 +249,9 @@ def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path, data_
     assert (run_dir / "latest").read_text().strip() == "step-000005"
     assert read_events(run_dir, "end")[-1]["state"] == "nonfinite"
 
-    skip = run_andrea("train", "-c", str(path), "--no-progress", "--overwrite",
-                      "--set", "train.skip_nonfinite=true",
-                      env={"ANDREA_FAULTS": "nan@7"})
+    skip = andrea_main("train", "-c", str(path), "--no-progress", "--overwrite",
+                       "--set", "train.skip_nonfinite=true",
+                       env={"ANDREA_FAULTS": "nan@7"})
     assert skip.returncode == 0, skip.stderr
     assert [r["step"] for r in read_events(run_dir, "skip")] == [7]
     assert read_events(run_dir, "end")[-1]["state"] == "finished"
@@ -263,16 +263,16 @@ def test_overwrite_replaces_a_run_only_once_the_new_one_can_start(tmp_path, data
     old_metrics = (run_dir / "metrics.jsonl").read_bytes()
     path = str(write_config(tmp_path, cfg))
     # The model's vocabulary is too small for the data: found after the run folder is chosen.
-    assert_user_error(run_andrea("train", "-c", path, "--overwrite", "--set",
-                                 "model.vocab_size=100"), "model.vocab_size")
+    assert_user_error(andrea_main("train", "-c", path, "--overwrite", "--set",
+                                  "model.vocab_size=100"), "model.vocab_size")
     assert (run_dir / "metrics.jsonl").read_bytes() == old_metrics
     assert (run_dir / "latest").read_text().strip() == "step-000002"
     assert (run_dir / "step-000002" / "model.safetensors").is_file()
 
     old = [f for f in (run_dir / "step-000002").iterdir()] + [run_dir / "metrics.jsonl"]
     size = size_text(sum(f.stat().st_size for f in old))
-    replaced = run_andrea("train", "-c", path, "--overwrite", "--no-progress",
-                          "--set", "train.max_steps=1")
+    replaced = andrea_main("train", "-c", path, "--overwrite", "--no-progress",
+                           "--set", "train.max_steps=1")
     assert replaced.returncode == 0, replaced.stderr
     # It names what it deletes before it does.
     assert replaced.stdout.splitlines()[0] == (f"--overwrite: deleting the run in {run_dir} "
@@ -286,13 +286,13 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
     result = train(cfg, progress=False)
     run = str(result.run_dir)
-    assert_user_error(run_andrea("train", "--resume", str(tmp_path)), "not a run")
-    assert_user_error(run_andrea("train", "--resume", str(tmp_path / "nope")), "no such run")
+    assert_user_error(andrea_main("train", "--resume", str(tmp_path)), "not a run")
+    assert_user_error(andrea_main("train", "--resume", str(tmp_path / "nope")), "no such run")
     assert_user_error(
-        run_andrea("train", "--resume", run, "--set", "model.n_layer=3"),
+        andrea_main("train", "--resume", run, "--set", "model.n_layer=3"),
         "cannot change", "model.n_layer (2 -> 3)",
     )
-    assert_user_error(run_andrea("train", "-c", str(write_config(tmp_path, cfg))),
+    assert_user_error(andrea_main("train", "-c", str(write_config(tmp_path, cfg))),
                       "already holds a run", "--resume")
 
     stored = load_config(result.run_dir / "config.yaml")
@@ -305,13 +305,13 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
     (shape_dir / "latest").write_text(result.checkpoint.name)
     os.symlink(result.checkpoint, shape_dir / result.checkpoint.name)
     assert_user_error(
-        run_andrea("train", "--resume", str(shape_dir), "--set", "train.max_steps=3"),
+        andrea_main("train", "--resume", str(shape_dir), "--set", "train.max_steps=3"),
         "blocks.0.attn.out.weight", "[64, 64] in the checkpoint", "[32, 32] in the model",
     )
 
     model_file = result.checkpoint / MODEL_FILE
     model_file.write_bytes(model_file.read_bytes()[:1000])
-    assert_user_error(run_andrea("train", "--resume", run, "--set", "train.max_steps=3"),
+    assert_user_error(andrea_main("train", "--resume", run, "--set", "train.max_steps=3"),
                       "model.safetensors", "truncated")
 
 
@@ -344,8 +344,8 @@ def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path, data_dir, i
 
 def test_interrupt_before_the_first_step_writes_and_mentions_no_checkpoint(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "train.max_steps=5", "train.global_batch_tokens=2048")
-    proc = run_andrea("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
-                      env={"ANDREA_FAULTS": "sigint@0.0"})
+    proc = andrea_main("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
+                       env={"ANDREA_FAULTS": "sigint@0.0"})
     assert proc.returncode == 130, proc.stderr
     assert "checkpointing the last completed step" in proc.stderr
     assert "before its first step; no checkpoint was written" in proc.stderr
@@ -354,10 +354,10 @@ def test_interrupt_before_the_first_step_writes_and_mentions_no_checkpoint(tmp_p
     assert not step_dirs(run_dir) and not (run_dir / "latest").exists()
     (end,) = read_events(run_dir, "end")
     assert end["state"] == "interrupted" and end["checkpoint"] is None and end["step"] == 0
-    table = run_andrea("runs", str(run_dir.parent))
+    table = andrea_main("runs", str(run_dir.parent))
     assert table.returncode == 0, table.stderr
     assert "interrupted (SIGINT)" in table.stdout and "crashed" not in table.stdout
-    again = run_andrea("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress")
+    again = andrea_main("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress")
     assert again.returncode == 0, again.stderr  # nothing to resume: a new run starts
 
 
@@ -401,7 +401,7 @@ def test_micro_batch_auto_is_resolved_recorded_and_reused(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "train.micro_batch_size=auto",
                "train.global_batch_tokens=2048", "train.max_steps=3")
     path = write_config(tmp_path, cfg)
-    proc = run_andrea("train", "-c", str(path), "--no-progress", "--stop-after", "1")
+    proc = andrea_main("train", "-c", str(path), "--no-progress", "--stop-after", "1")
     assert proc.returncode == 0, proc.stderr
     # The tiny model fits at once: all 32 sequences of the step in one micro-batch.
     assert "micro-batch: auto -> 32 x 64 (1 accumulation step), estimated" in proc.stdout
@@ -409,17 +409,17 @@ def test_micro_batch_auto_is_resolved_recorded_and_reused(tmp_path, data_dir):
     assert read_events(run_dir, "start")[0]["micro_batch_size"] == 32
     assert load_config(run_dir / "config.yaml").train.micro_batch_size == "auto"
     assert ckpt_io.read_trainer_state(run_dir / "step-000001")[0].micro_batch_size == 32
-    rest = run_andrea("train", "--resume", str(run_dir), "--no-progress")
+    rest = andrea_main("train", "--resume", str(run_dir), "--no-progress")
     assert rest.returncode == 0, rest.stderr
     assert "micro-batch: auto -> 32 x 64 (the run's recorded choice)" in rest.stdout
-    explicit = run_andrea("train", "-c", str(path), "--no-progress", "--overwrite",
-                          "--set", "train.micro_batch_size=8", "--stop-after", "1")
+    explicit = andrea_main("train", "-c", str(path), "--no-progress", "--overwrite",
+                           "--set", "train.micro_batch_size=8", "--stop-after", "1")
     assert explicit.returncode == 0, explicit.stderr
     assert "micro-batch: auto" not in explicit.stdout and "8 x 64 x 4 accumulation" in (
         explicit.stdout)
     assert_user_error(
-        run_andrea("train", "-c", str(path), "--set", "train.name=t2",
-                   "--set", "train.global_batch_tokens=0"),
+        andrea_main("train", "-c", str(path), "--set", "train.name=t2",
+                    "--set", "train.global_batch_tokens=0"),
         "train.micro_batch_size: auto needs train.global_batch_tokens of at least",
     )
 
@@ -428,20 +428,20 @@ def test_resume_may_change_only_keys_that_keep_the_runs_meaning(tmp_path, data_d
     cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
     result = train(cfg, progress=False)
     run = str(result.run_dir)
-    assert_user_error(run_andrea("train", "--resume", run, "--set", "train.lr=0.01"),
+    assert_user_error(andrea_main("train", "--resume", run, "--set", "train.lr=0.01"),
                       "train.lr (0.003 -> 0.01)", "cannot change")
     # --config with --resume must agree with the run on every meaning-carrying key.
     other = load_config(write_config(tmp_path, cfg), ["train.warmup_steps=3", "model.n_layer=3"])
     other_path = tmp_path / "other.yaml"
     other_path.write_text(other.to_yaml())
-    assert_user_error(run_andrea("train", "-c", str(other_path), "--resume", run),
+    assert_user_error(andrea_main("train", "-c", str(other_path), "--resume", run),
                       "train.warmup_steps (10 -> 3)", "model.n_layer (2 -> 3)")
     metrics_before = (result.run_dir / "metrics.jsonl").read_bytes()
     config_before = (result.run_dir / "config.yaml").read_bytes()
 
     # Already at max_steps: one line, exit 0, the run untouched.
     for steps in ("2", "1"):
-        proc = run_andrea("train", "--resume", run, "--set", f"train.max_steps={steps}")
+        proc = andrea_main("train", "--resume", run, "--set", f"train.max_steps={steps}")
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == (
             f"run {run} is already at step 2 (max_steps {steps}): nothing to do")
@@ -450,8 +450,8 @@ def test_resume_may_change_only_keys_that_keep_the_runs_meaning(tmp_path, data_d
     assert (result.run_dir / "config.yaml").read_bytes() == config_before
 
     # A larger max_steps continues the finished run; the change is printed and recorded.
-    proc = run_andrea("train", "--resume", run, "--no-progress", "--set", "train.max_steps=4",
-                      "--set", "train.log_every=2")
+    proc = andrea_main("train", "--resume", run, "--no-progress", "--set", "train.max_steps=4",
+                       "--set", "train.log_every=2")
     assert proc.returncode == 0, proc.stderr
     assert "resume: train.max_steps 2 -> 4" in proc.stdout
     assert "resume: train.log_every 1 -> 2" in proc.stdout and "finished: 4 steps" in proc.stdout
@@ -471,12 +471,12 @@ def test_extending_a_run_that_decayed_to_lr_zero_is_refused(tmp_path, data_dir):
     result = train(cfg, progress=False)
     before = (result.run_dir / "metrics.jsonl").read_bytes()
     assert_user_error(
-        run_andrea("train", "--resume", str(result.run_dir), "--set", "train.max_steps=8"),
+        andrea_main("train", "--resume", str(result.run_dir), "--set", "train.max_steps=8"),
         f"{result.run_dir}: resume: train.max_steps 4 -> 8: the run had decayed to lr 0 by step 4",
         "before its decay began (step 1 or earlier)")
     assert (result.run_dir / "metrics.jsonl").read_bytes() == before
-    proc = run_andrea("train", "--resume", str(result.run_dir / "step-000001"), "--no-progress",
-                      "--set", "train.max_steps=8")
+    proc = andrea_main("train", "--resume", str(result.run_dir / "step-000001"), "--no-progress",
+                       "--set", "train.max_steps=8")
     assert proc.returncode == 0, proc.stderr
     lrs = {r["step"]: r["lr"] for r in read_events(result.run_dir, "train")}
     assert lrs[2] == lrs[3] == lrs[4] == cfg.train.lr and 0 < lrs[7] < lrs[5] < cfg.train.lr
@@ -488,10 +488,10 @@ def test_resume_auto_keeps_the_runs_own_config(tmp_path, data_dir):
     train(cfg, progress=False)
     changed = load_config(path, ["train.warmup_steps=5"])
     path.write_text(changed.to_yaml())  # as if the preset changed since the run began
-    assert_user_error(run_andrea("train", "-c", str(path), "--resume", "auto"),
+    assert_user_error(andrea_main("train", "-c", str(path), "--resume", "auto"),
                       "train.warmup_steps (3 -> 5)")
-    same = run_andrea("train", "-c", str(path), "--resume", "auto", "--no-progress",
-                      "--set", "train.warmup_steps=3", "--set", "train.max_steps=3")
+    same = andrea_main("train", "-c", str(path), "--resume", "auto", "--no-progress",
+                       "--set", "train.warmup_steps=3", "--set", "train.max_steps=3")
     assert same.returncode == 0, same.stderr
     assert "finished: 3 steps" in same.stdout
 

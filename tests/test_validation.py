@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_andrea, run_torchrun
+from conftest import andrea_main, run_torchrun
 
 from andrea.config import load_config
 from andrea.train.loop import train
@@ -65,9 +65,9 @@ def test_same_val_loss_at_any_micro_batch_and_process_count(tmp_path, data_dir):
     assert scores[0] == pytest.approx(reference, rel=1e-6)
 
     # andrea eval --max-tokens N on the run's checkpoint gives the trainer's figure.
-    out = run_andrea("eval", "--checkpoint", str(tmp_path / "m4"), "--max-tokens",
-                     str(EVAL_TOKENS), "--precision", "fp32", "--batch-size", "3", "--json",
-                     "--no-progress")
+    out = andrea_main("eval", "--checkpoint", str(tmp_path / "m4"), "--max-tokens",
+                      str(EVAL_TOKENS), "--precision", "fp32", "--batch-size", "3", "--json",
+                      "--no-progress")
     assert out.returncode == 0, out.stderr
     (got,) = json.loads(out.stdout)  # a list, also of one checkpoint
     (record,) = evals(tmp_path / "m4")
@@ -121,25 +121,25 @@ def test_a_mixture_is_scored_per_source_with_a_weighted_total(tmp_path):
 
     args = ("eval", "--checkpoint", str(result.run_dir), "--max-tokens", str(EVAL_TOKENS),
             "--precision", "fp32", "--no-progress")
-    (got,) = json.loads(run_andrea(*args, "--json").stdout)
+    (got,) = json.loads(andrea_main(*args, "--json").stdout)
     assert [s["name"] for s in got["sources"]] == [str(a), str(b)]
     assert got["loss"] == pytest.approx(record["val_loss"], rel=1e-6)
     for s in got["sources"]:
         assert s["loss"] == pytest.approx(by_source[s["name"]]["loss"], rel=1e-6)
         assert s["bits_per_byte"] == pytest.approx(by_source[s["name"]]["bpb"], rel=1e-6)
-    table = run_andrea(*args).stdout.splitlines()
+    table = andrea_main(*args).stdout.splitlines()
     assert "weighted over the sources" in table[0] and len(table) == 3
     assert table[2].startswith(f"  {b} (weight 0.250): loss {lb:.4f}")
-    (only,) = json.loads(run_andrea(*args, "--source", "b.txt", "--json").stdout)
+    (only,) = json.loads(andrea_main(*args, "--source", "b.txt", "--json").stdout)
     assert [s["name"] for s in only["sources"]] == [str(b)]
     assert only["loss"] == pytest.approx(lb, rel=1e-6)
     from conftest import assert_user_error
 
-    assert_user_error(run_andrea(*args, "--source", "c.txt"), "--source c.txt", str(a))
+    assert_user_error(andrea_main(*args, "--source", "c.txt"), "--source c.txt", str(a))
 
-    runs = run_andrea("runs", str(tmp_path / "mix"))
+    runs = andrea_main("runs", str(tmp_path / "mix"))
     assert f"mix: val loss by source at step 1: {a} {la:.4f}, {b} {lb:.4f}" in runs.stdout
-    runs_json = json.loads(run_andrea("runs", str(tmp_path / "mix"), "--json").stdout)
+    runs_json = json.loads(andrea_main("runs", str(tmp_path / "mix"), "--json").stdout)
     assert runs_json[0]["last_val_sources"] == {str(a): la, str(b): lb}
 
     pytest.importorskip("matplotlib")

@@ -1,0 +1,62 @@
+"""The command run twice in one process leaves nothing behind (what the suite relies on to call
+`andrea.cli.main` in the pytest process, tests/conftest.py andrea_main): signal handlers,
+torch's thread and numeric settings, the process group, the current folder, the environment,
+the injected faults, logging's handlers, the threads left running."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed
+from conftest import andrea_main
+
+from andrea import faults
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
+           signal.SIGQUIT, signal.SIGCHLD, signal.SIGPIPE)
+
+
+def process_state() -> dict:
+    known = logging.Logger.manager.loggerDict.values()
+    loggers = [logging.getLogger(), *(x for x in known if isinstance(x, logging.Logger))]
+    return {
+        "signal handlers": {sig.name: signal.getsignal(sig) for sig in SIGNALS},
+        "torch threads": (torch.get_num_threads(), torch.get_num_interop_threads()),
+        "torch numerics": (torch.get_default_dtype(), torch.is_grad_enabled(),
+                           torch.get_float32_matmul_precision(),
+                           torch.are_deterministic_algorithms_enabled(),
+                           torch.is_autocast_enabled("cpu")),
+        "process group": torch.distributed.is_initialized(),
+        "folder": os.getcwd(),
+        "environment": dict(os.environ),
+        "faults": faults._active,
+        "logging": {logger.name: (logger.level, list(logger.handlers))
+                    for logger in loggers if logger.handlers or logger.level},
+        "threads": sorted(t.name for t in threading.enumerate()),
+    }
+
+
+def test_train_then_eval_and_generate_twice_leave_the_process_as_it_was(tmp_path: Path,
+                                                                          data_dir: Path) -> None:
+    before = process_state()
+    runs = tmp_path / "runs"
+    for attempt in range(2):
+        train = andrea_main(
+            "train", "--config", "andrea-tiny", "--set", f"data.dir={data_dir}",
+            "--set", f"train.runs_dir={runs}", "--set", f"train.name=r{attempt}",
+            "--set", "train.max_steps=2", "--set", "train.eval_every=0",
+            "--set", "train.log_every=1", cwd=tmp_path, env={"ANDREA_FAULTS": "nan@1000"})
+        assert train.returncode == 0, train.stderr
+        assert process_state() == before
+        run = str(runs / f"r{attempt}")
+        for command in (("eval", "--checkpoint", run, "--max-tokens", "64"),
+                        ("generate", "--checkpoint", run, "--prompt", "To be",
+                         "--max-new-tokens", "4", "--seed", "0")):
+            result = andrea_main(*command, cwd=tmp_path)
+            assert result.returncode == 0, result.stderr
+            assert process_state() == before, command
