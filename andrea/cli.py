@@ -319,12 +319,14 @@ def prepare_cmd(
     if verify is not None:
         from andrea.data.verify import verify_command
 
-        typer.echo(verify_command(verify, config, set_, input, tokenizer, out, vocab_size, force,
-                                  errors, workers, tokenizer_file, text_field))
+        others = (config, set_, input, tokenizer, out, vocab_size, force, errors, workers,
+                  tokenizer_file, text_field)
+        typer.echo(verify_command(verify, alone=all(o in (None, False, []) for o in others)))
         return
     prepare_command(
-        config, set_, input, tokenizer, out, vocab_size, force, errors, workers, tokenizer_file,
-        text_field,
+        config, set_, input=input, tokenizer=tokenizer, out=out, vocab_size=vocab_size,
+        force=force, errors=errors, workers=workers, tokenizer_file=tokenizer_file,
+        text_field=text_field,
     )
 
 
@@ -445,8 +447,9 @@ def generate_cmd(
     from andrea.generate import generate_command
 
     generate_command(
-        checkpoint, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
-        num_samples, stop_at_eot, cache, device, precision,
+        checkpoint, prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, num_samples=num_samples,
+        stop_at_eot=stop_at_eot, use_cache=cache, device=device, precision=precision,
     )
 
 

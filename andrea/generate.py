@@ -207,6 +207,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 def generate_command(
     checkpoint: str | None,
     prompt: str | None,
+    *,
     prompt_ids: str | None = None,
     max_new_tokens: int = 200,
     temperature: float = 0.8,

@@ -234,8 +234,9 @@ def prepare_run_data(ckpt: Path, cfg: Config, needs: str) -> Config:
     if rundata.is_prepared(own):
         return own
     named, target = data_dir_for(cfg), data_dir_for(own)
-    rundata.stop_without_text(own, ckpt, needs, named, rundata.prepare_command(own, ckpt, target),
-                              ", or pass --data DIR (shards prepared with its tokenizer)")
+    rundata.stop_without_text(own, ckpt, needs=needs, data=named,
+                              command=rundata.prepare_command(own, ckpt, target),
+                              otherwise=", or pass --data DIR (shards prepared with its tokenizer)")
     note = "" if named == target else " (andrea writes a checkpoint's data only under ./data)"
     try:
         # prepare announces on stdout, as train's log; here stdout is the result.

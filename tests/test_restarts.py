@@ -100,11 +100,13 @@ def test_a_lost_rank_with_a_restart_left_is_no_error(tmp_path):
     manual = (f"continue with the same launch and --resume {run} (torchrun --max-restarts N "
               f"continues by itself)")
     words = restarts.lost_peer_words
-    assert words([1, 2], 5, ckpt, run, 1, 3) == (
+    assert words([1, 2], 5, ckpt, run, attempt_number=1, max_restarts=3) == (
         head + "torchrun restarts the job (restart 2 of 3)", True)
-    assert words([1, 2], 5, ckpt, run, 3, 3) == (head + manual, False)
-    assert words([1, 2], 5, ckpt, run, 0, 0) == (head + manual, False)
-    assert words(None, 5, None, run, 0, 3) == (
+    assert words([1, 2], 5, ckpt, run, attempt_number=3, max_restarts=3) == (head + manual,
+                                                                           False)
+    assert words([1, 2], 5, ckpt, run, attempt_number=0, max_restarts=0) == (head + manual,
+                                                                           False)
+    assert words(None, 5, None, run, attempt_number=0, max_restarts=3) == (
         "a process on another node was lost (its process ended, or its node went down) after "
         f"step 5; no checkpoint was written yet; {manual}", False)
 

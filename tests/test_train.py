@@ -379,7 +379,8 @@ def test_micro_batch_auto_fits_memory_and_keeps_the_global_batch():
     n = 124_373_760
 
     def pick(gib: float, checkpointing: bool = False):
-        return choose_micro_batch(model, n, 12, torch.bfloat16, checkpointing, int(gib * 2**30))
+        return choose_micro_batch(model, n, 12, torch.bfloat16, checkpointing=checkpointing,
+                                  available=int(gib * 2**30))
 
     big, small = pick(1000), pick(4)
     assert big.micro_batch == 12 and big.fits  # the whole per-rank batch at once
@@ -391,9 +392,12 @@ def test_micro_batch_auto_fits_memory_and_keeps_the_global_batch():
     none = pick(1)
     assert none.micro_batch == 1 and not none.fits
     # A cap (a CPU's) takes the largest divisor at or under it, whatever memory allows.
-    assert choose_micro_batch(model, n, 12, torch.bfloat16, False, 1000 * 2**30, 4).micro_batch == 4
-    assert choose_micro_batch(model, n, 12, torch.bfloat16, False, 1000 * 2**30, 5).micro_batch == 4
-    assert choose_micro_batch(model, n, 12, torch.bfloat16, False, 4 * 2**30, 12).micro_batch \
+    assert choose_micro_batch(model, n, 12, torch.bfloat16, checkpointing=False,
+                              available=1000 * 2**30, max_sequences=4).micro_batch == 4
+    assert choose_micro_batch(model, n, 12, torch.bfloat16, checkpointing=False,
+                              available=1000 * 2**30, max_sequences=5).micro_batch == 4
+    assert choose_micro_batch(model, n, 12, torch.bfloat16, checkpointing=False,
+                              available=4 * 2**30, max_sequences=12).micro_batch \
         == small.micro_batch
 
 

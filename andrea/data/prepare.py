@@ -411,6 +411,7 @@ def source_words(cfg: Config) -> str:
 def prepare_command(
     config: str | None = None,
     overrides: list[str] | None = None,
+    *,
     input: str | None = None,
     tokenizer: str | None = None,
     out: str | None = None,

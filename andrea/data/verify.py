@@ -137,9 +137,9 @@ def verify_folder(data_dir: Path) -> str:
             f"({time.perf_counter() - t0:.1f} s)")
 
 
-def verify_command(data_dir: str, *others: Any) -> str:
-    """`andrea prepare --verify DIR`: nothing else with it (it writes nothing)."""
-    if any(o not in (None, False, []) for o in others):
+def verify_command(data_dir: str, alone: bool = True) -> str:
+    """`andrea prepare --verify DIR`: nothing else with it (`alone`: it writes nothing)."""
+    if not alone:
         raise UserError("prepare --verify DIR checks a prepared folder and writes nothing; give "
                         "it alone")
     return verify_folder(Path(data_dir))

@@ -95,7 +95,7 @@ def run_training(
     log, evaluate, checkpoint; then record how the run ended."""
     t = cfg.train
     with SignalWatch() as signals:
-        s = start_session(cfg, device, dist, signals, resume, overwrite)
+        s = start_session(cfg, device, dist, signals, resume=resume, overwrite=overwrite)
         if isinstance(s, TrainResult):
             return s  # nothing to do, or a signal during set-up: the run was not touched
         bar = progress_bar(s, progress)
@@ -118,7 +118,8 @@ def run_training(
                         roll_back(s)
                         bar.n = s.tokens_through(s.step)  # the bar goes back with the run
                         continue
-                    log_step(s, lr, loss, grad_norm, time.perf_counter() - t0, bar)
+                    log_step(s, bar, lr=lr, loss=loss, grad_norm=grad_norm,
+                             seconds=time.perf_counter() - t0)
                     maybe_evaluate(s, bar)
                     stopping = stop_agreed(s)
                     pausing = stop_after is not None and s.step - start_step >= stop_after
@@ -142,7 +143,7 @@ def run_training(
 
 def start_session(
     cfg: Config, device: torch.device, dist: DistInfo, signals: SignalWatch,
-    resume: str | None, overwrite: bool,
+    *, resume: str | None, overwrite: bool,
 ) -> Session | TrainResult:
     """set_up; a TrainResult instead when there is nothing to do or a signal came during it."""
     try:
@@ -341,7 +342,7 @@ def roll_back(s: Session) -> None:
 
 
 def log_step(
-    s: Session, lr: float, loss: float, grad_norm: float, seconds: float, bar: RunBar
+    s: Session, bar: RunBar, *, lr: float, loss: float, grad_norm: float, seconds: float
 ) -> None:
     """The step's train record (every log_every steps) and the bar's state. A record's
     tokens_per_s and mfu are the step's own; the run's figure is train_tokens / train_seconds,

@@ -156,6 +156,7 @@ def choose_micro_batch(
     n_params: int,
     sequences_per_rank: int,
     dtype: torch.dtype,
+    *,
     checkpointing: bool,
     available: int,
     max_sequences: int | None = None,

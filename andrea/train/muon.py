@@ -331,7 +331,7 @@ class SplitMuon(Float32Muon):
         return out
 
 
-def build_muon(params: list[nn.Parameter], lr: float, weight_decay: float, momentum: float,
+def build_muon(params: list[nn.Parameter], *, lr: float, weight_decay: float, momentum: float,
                ns_dtype: torch.dtype, world_size: int = 1, polar_express: bool = False,
                neuron_beta2: float = 0.0, cautious_weight_decay: bool = False
                ) -> torch.optim.Optimizer:

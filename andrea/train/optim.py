@@ -88,8 +88,9 @@ def build_muon_with_adamw(model: Andrea, cfg: Config, device: torch.device, worl
             "train.parallel=ddp or train.muon_neuron_beta2=0")
     matrices, named = split_parameters(model)
     # Before AdamW is built, so a torch without Muon is refused first.
-    muon = build_muon(matrices, t.muon_lr, t.muon_weight_decay, t.muon_momentum,
-                      muon_ns_dtype(t.muon_ns_precision, device), world_size,
+    muon = build_muon(matrices, lr=t.muon_lr, weight_decay=t.muon_weight_decay,
+                      momentum=t.muon_momentum,
+                      ns_dtype=muon_ns_dtype(t.muon_ns_precision, device), world_size=world_size,
                       polar_express=t.muon_ns_coefficients == "polar_express",
                       neuron_beta2=t.muon_neuron_beta2,
                       cautious_weight_decay=t.muon_cautious_weight_decay)

@@ -78,13 +78,14 @@ def lost_peer_line(info: DistInfo, exc: BaseException, step: int, checkpoint: Pa
     lost = lost_ranks(info)
     if lost == []:
         return None
-    line, restarting = lost_peer_words(lost, step, checkpoint, run_dir, attempt().number,
-                                       torchrun_env().max_restarts)
+    line, restarting = lost_peer_words(lost, step, checkpoint, run_dir,
+                                       attempt_number=attempt().number,
+                                       max_restarts=torchrun_env().max_restarts)
     return Restarting(line) if restarting else UserError(line)
 
 
 def lost_peer_words(lost: list[int] | None, step: int, checkpoint: Path | None, run_dir: Path,
-                    attempt_number: int, max_restarts: int) -> tuple[str, bool]:
+                    *, attempt_number: int, max_restarts: int) -> tuple[str, bool]:
     """(the line, whether torchrun restarts the job) for `lost` ranks (None: unknown, the store
     is gone with node 0's launcher, which takes the job with it) in attempt `attempt_number`.
     The attempt counts every restart, and each node's launcher at most as many, so restarts

@@ -63,7 +63,7 @@ def prepare_command(cfg: Config, ckpt: Path, out: Path | None = None) -> str:
 
 
 def stop_without_text(
-    own: Config, ckpt: Path, needs: str, data: Path, command: str, otherwise: str = ""
+    own: Config, ckpt: Path, *, needs: str, data: Path, command: str, otherwise: str = ""
 ) -> None:
     """A UserError when the text the run's data is prepared from is not here: what `needs` it
     (e.g. "the val loss"), the data folder, the text, and `command` to run once the text is

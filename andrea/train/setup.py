@@ -117,8 +117,8 @@ def set_up(
         TrainingState(s).restore(resume_from, record=trainer_state, sharded=run.sharded)
     else:
         TrainingState(s).start_fresh()
-    s.micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist,
-                                                          trainer_state)
+    s.micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist=dist,
+                                                          trainer_state=trainer_state)
     s.accum, batch_line = accumulation_steps(cfg, s.micro_batch, dist.world_size, trainer_state)
     s.warmup_accum = batch_warmup_accumulation(cfg, s.micro_batch, dist.world_size)
     s.train_model = parallel.wrap(model, cfg.train.compile, device)
@@ -259,8 +259,8 @@ def resume_data(cfg: Config, checkpoint: Path) -> Config:
         ensure_prepared(own)
         return own
     data, target = data_dir_for(cfg), data_dir_for(own)
-    rundata.stop_without_text(own, checkpoint, "resuming", data,
-                              rundata.prepare_command(own, checkpoint))
+    rundata.stop_without_text(own, checkpoint, needs="resuming", data=data,
+                              command=rundata.prepare_command(own, checkpoint))
     prepare_from_config(own, verbose=False,
                         announce=rundata.prepare_line(own, checkpoint, data, target))
     return own
@@ -345,6 +345,7 @@ def resolve_micro_batch(
     model: Andrea,
     dtype: torch.dtype,
     device: torch.device,
+    *,
     dist: DistInfo | None = None,
     trainer_state: TrainerState | None = None,
 ) -> tuple[int, str]:
@@ -374,8 +375,8 @@ def resolve_micro_batch(
     cap = max(1, CPU_MICRO_BATCH_TOKENS // block) if device.type == "cpu" else None
     choice = choose_micro_batch(
         cfg.model, model.num_params(), sequences, dtype,
-        t.activation_checkpointing == "blocks", available_memory(device, dist.local_world_size),
-        cap,
+        checkpointing=t.activation_checkpointing == "blocks",
+        available=available_memory(device, dist.local_world_size), max_sequences=cap,
     )
     # Ranks measure their memory at slightly different moments: all take the smallest choice.
     votes = torch.zeros(dist.world_size, device=device)
