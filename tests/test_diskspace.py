@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_torchrun, small_disk
+from test_cli import run_main
 
-from andrea.cli import main
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
 from andrea.runs import format_table, list_runs
@@ -121,14 +121,6 @@ def small_disk_dir(tmp_path, monkeypatch):
     """A folder on a 2.5 MB filesystem (room for one tiny checkpoint, not two)."""
     with disk_of(tmp_path / "disk", 2441, monkeypatch) as disk:
         yield disk
-
-
-def run_main(capsys, *argv: str) -> tuple[int, str, str]:
-    """`andrea ARGV` in this process: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exited:
-        main(list(argv))
-    out = capsys.readouterr()
-    return exited.value.code, out.out, out.err
 
 
 def test_a_disk_smaller_than_one_checkpoint_stops_before_step_1(
