@@ -131,13 +131,15 @@ def torchrun_command(*options: str, entry: Sequence[str]) -> list[str]:
 
 def run_torchrun(
     *args: str, nproc: int = 2, launcher: tuple[str, ...] = (), timeout: float = 300,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, script: bool = False,
 ) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node=NPROC [LAUNCHER] -m andrea ARGS` on 127.0.0.1, one thread per
-    process (the test machines have 2 cores). LAUNCHER replaces the default rendezvous."""
+    process (the test machines have 2 cores). LAUNCHER replaces the default rendezvous; with
+    script, ARGS are a script and its arguments instead of andrea's."""
     rendezvous = launcher or ("--master_addr=127.0.0.1", f"--master_port={free_port()}")
+    entry = list(args) if script else ["-m", "andrea", *args]
     return subprocess.run(
-        torchrun_command(f"--nproc_per_node={nproc}", *rendezvous, entry=["-m", "andrea", *args]),
+        torchrun_command(f"--nproc_per_node={nproc}", *rendezvous, entry=entry),
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
         capture_output=True, text=True, timeout=timeout,
     )

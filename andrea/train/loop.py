@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -41,7 +42,7 @@ from andrea.train.schedule import multiplier
 from andrea.train.session import Session, TrainResult
 from andrea.train.setup import set_up
 from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
-from andrea.train.spike import APPLY, ROLLBACK, SKIP, agree, same_on_every_rank
+from andrea.train.spike import APPLY, ROLLBACK, SKIP, same_on_every_rank
 from andrea.train.torchrun import DistInfo
 from andrea.train.validation import score_val, val_sources
 
@@ -113,7 +114,7 @@ def run_training(
                         s.optimizer.zero_grad(set_to_none=True)
                         save_checkpoint(s, rng_before_step)
                         break
-                    loss, grad_norm = outcome
+                    loss, grad_norm = outcome.loss, outcome.grad_norm
                     if optimizer_step(s, loss, grad_norm) == ROLLBACK:
                         roll_back(s)
                         bar.n = s.tokens_through(s.step)  # the bar goes back with the run
@@ -121,7 +122,7 @@ def run_training(
                     log_step(s, bar, lr=lr, loss=loss, grad_norm=grad_norm,
                              seconds=time.perf_counter() - t0)
                     maybe_evaluate(s, bar)
-                    stopping = stop_agreed(s)
+                    stopping = stop_after_step(s, outcome)
                     pausing = stop_after is not None and s.step - start_step >= stop_after
                     periodic = t.checkpoint_every and s.step % t.checkpoint_every == 0
                     if periodic or s.step == t.max_steps or stopping or pausing:
@@ -200,19 +201,31 @@ def set_learning_rate(s: Session) -> float:
     return factor.lr
 
 
-def stop_agreed(s: Session) -> bool:
-    """Whether a signal asks to stop; every rank must agree, or one would wait forever in the
-    next all-reduce."""
-    flag = s.signals.received is not None
+class StepOutcome(NamedTuple):
+    loss: float  # the mean over the step's micro-batches and every rank
+    grad_norm: float  # before clipping
+    signalled: bool  # a signal came while some rank ran the step: stop after it
+
+
+def stop_after_step(s: Session, outcome: StepOutcome) -> bool:
+    """Whether a signal asks to stop after this step. One process asks its own flag; several
+    take what the step's loss reduction carried, the same on every rank (a signal later than
+    that is seen in the next step's micro-batches), so no rank waits for another here."""
     if not s.dist.enabled:
-        return flag
-    t_flag = torch.tensor([1.0 if flag else 0.0], device=s.device)
-    return all_reduce_sum(t_flag, s.dist).item() > 0
+        return s.signals.received is not None
+    return outcome.signalled
 
 
-def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
-    """The step's micro-batches on this rank; (mean loss over all ranks, grad norm after
-    clipping's measurement), or None when a signal stops the run before the last one."""
+def forward_backward(s: Session, bar: tqdm) -> StepOutcome | None:
+    """The step's micro-batches on this rank, or None when a signal stops the run before the
+    last one began (its gradients never apply).
+
+    A micro-batch reads nothing from the device and waits on no other rank: the stop flags
+    travel in the step's one reduction, with its loss, and the step's numbers reach Python in
+    one read. A signalled rank stops computing at once: alone, it returns; under torchrun it
+    goes on to the step's last micro-batch, whose backward every rank joins to share the
+    gradients (FSDP's ranks gather weights in every micro-batch, so there it runs them all),
+    and then every rank drops the step together."""
     t, step = s.cfg.train, s.step
     data_step = s.guard.data_step(step)  # past any data window a rollback left behind
     spike_scale = faults.spike_scale(data_step)  # None unless a test injects a spike
@@ -220,9 +233,15 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
     accum = s.accum_at(step)  # fewer during a batch-size warm-up
     windows, length = s.windows_at(step)  # shorter ones during a sequence-length warm-up
     loss_sum = torch.zeros((), device=s.device)
+    dropped = False  # a signal came before this rank's last micro-batch began
     for micro in range(accum):
-        if stop_agreed(s):
-            return None
+        last = micro == accum - 1
+        if s.signals.received is not None:
+            if not s.dist.enabled:
+                return None
+            dropped = True
+            if not last and not s.parallel.sharded:
+                continue
         x, y = train_batch(
             s.train_split, seed=t.seed, step=data_step, micro_step=micro, rank=s.dist.rank,
             accum_steps=accum, world_size=s.dist.world_size,
@@ -232,7 +251,7 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
             x, y = faults.garble(x, y, s.cfg.model.vocab_size, data_step)
         x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
         # The processes share the gradients once, on the last micro-batch of the step.
-        with s.parallel.gradient_sync(s.model, s.train_model, last=micro == accum - 1):
+        with s.parallel.gradient_sync(s.model, s.train_model, last=last):
             with torch.autocast(s.device.type, dtype=s.dtype,
                                 enabled=s.dtype != torch.float32):
                 _, loss = s.train_model(x, y)
@@ -240,13 +259,19 @@ def forward_backward(s: Session, bar: tqdm) -> tuple[float, float] | None:
         loss_sum += loss.detach()
         bar.update(s.tokens_per_micro_batch)
         faults.after_micro_batch(step, micro)
-    loss_mean = all_reduce_sum(loss_sum / accum, s.dist) / s.dist.world_size
+    # [mean loss, ranks that drop the step, ranks signalled by now], summed over the ranks
+    flags = [float(dropped), float(s.signals.received is not None)]
+    reduced = all_reduce_sum(torch.cat([(loss_sum / accum).reshape(1).float(),
+                                        torch.tensor(flags, device=s.device)]), s.dist)
     clip = t.grad_clip if t.grad_clip > 0 else math.inf
     s.scaling.unscale(s.optimizer)  # the clip, the guard and the optimizer see true gradients
     grad_norm = s.parallel.clip(s.model, clip)
-    loss_mean = faults.poison_loss(loss_mean, step + 1)
-    loss_value, norm_value = torch.stack([loss_mean.float(), grad_norm.float()]).tolist()
-    return loss_value, norm_value
+    loss_mean = faults.poison_loss(reduced[0] / s.dist.world_size, step + 1)
+    loss_value, norm_value, dropping, signalled = torch.stack(
+        [loss_mean, grad_norm.float(), reduced[1], reduced[2]]).tolist()  # the step's one read
+    if dropping > 0:
+        return None
+    return StepOutcome(loss_value, norm_value, signalled > 0)
 
 
 def optimizer_step(s: Session, loss: float, grad_norm: float) -> str:
@@ -297,7 +322,9 @@ def guard_step(s: Session, loss: float, grad_norm: float) -> str:
         return APPLY
     if s.seq_warmup_steps and s.step == s.seq_warmup_steps + 1:
         s.guard.restart()  # the first step on whole windows: a planned jump, not a spike
-    verdict = agree(s.guard.judge(s.step, loss, grad_norm), s.device, all_reduce_sum, s.dist)
+    # No vote: every rank judges the same reduced loss and norm with the same history, so
+    # every rank reaches the same verdict.
+    verdict = s.guard.judge(s.step, loss, grad_norm)
     if verdict.action == ROLLBACK:
         # Every rank must see the same checkpoint to go back to (node-local run folders may
         # not); else, or with none written yet, the step is skipped everywhere.
@@ -348,8 +375,6 @@ def log_step(
     tokens_per_s and mfu are the step's own; the run's figure is train_tokens / train_seconds,
     the same the bar shows (train.metrics.Throughput)."""
     t = s.cfg.train
-    if s.device.type == "cuda":
-        torch.cuda.synchronize(s.device)
     step_tokens = s.tokens_at(s.step - 1)
     tok_s = step_tokens / seconds
     s.throughput.append(tok_s)

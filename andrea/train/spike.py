@@ -88,7 +88,9 @@ class SpikeGuard:
 
     def judge(self, step: int, loss: float, grad_norm: float) -> Verdict:
         """The verdict on completed step `step` (1-based), and the window updated for it.
-        Every rank must pass the same (reduced) loss and norm; agree() makes sure."""
+        Every rank passes the same reduced loss and norm (the loss's all-reduce and the norm
+        of the shared gradients give every rank the same bits), so every rank's guard reaches
+        the same verdict without a vote."""
         full = len(self.window) == self.window.maxlen and step > self.cfg.warmup_steps
         if not self.enabled or not full or not (math.isfinite(loss) and math.isfinite(grad_norm)):
             if self.enabled and math.isfinite(loss) and math.isfinite(grad_norm):
@@ -126,21 +128,6 @@ class SpikeGuard:
         self.data_offset += from_step - to_step
         self.lr_cut_until = to_step + self.cfg.spike_lr_steps
         self.rollbacks += 1
-
-
-def agree(verdict: Verdict, device: torch.device, all_reduce_sum: Any, dist: Any) -> Verdict:
-    """Every rank takes the most cautious verdict any rank reached (they see the same reduced
-    numbers, so this only guards against a rank whose float sums differ)."""
-    if not dist.enabled:
-        return verdict
-    order = (APPLY, SKIP, ROLLBACK)
-    votes = torch.zeros(len(order), device=device)
-    votes[order.index(verdict.action)] = 1.0
-    all_reduce_sum(votes, dist)
-    worst = max(i for i in range(len(order)) if votes[i].item() > 0)
-    if order[worst] != verdict.action:
-        verdict.action, verdict.outlier = order[worst], True
-    return verdict
 
 
 def same_on_every_rank(value: float, device: torch.device, all_reduce_sum: Any,
