@@ -14,9 +14,13 @@ backward = 5 such matmuls (recompute S, dV, dP, dQ, dK) = 2.5 × forward. Softma
 exponentials are not counted. A backend that computes the masked half anyway (math) is still
 credited with the causal count, so its TFLOP/s is comparable with the others.
 
-Training: steps of a preset on random tokens, one micro-batch of train.micro_batch_size a step
-(forward under autocast, backward, gradient clipping, AdamW), built from the trainer's own pieces
-(model, optimizer builder, precision choice, FLOPs per token, peak for MFU).
+Training: optimizer steps of a preset on random tokens at the preset's batch on one process:
+train.global_batch_tokens as micro-batches of train.micro_batch_size (auto as the trainer
+chooses it), each forward under autocast and backward, then gradient clipping and the preset's
+optimizer step (Muon's orthogonalisation once per step, as in training), built from the
+trainer's own pieces (model, optimizer builder, micro-batch and accumulation, precision choice,
+FLOPs per token, peak for MFU). Full-length windows: a sequence-length warm-up's short windows
+are not measured. `--quick` and global_batch_tokens: 0 time one micro-batch per step.
 """
 
 from __future__ import annotations
@@ -71,9 +75,10 @@ class TrainRow:
     micro_batch_size: int
     block_size: int
     n_params: int
-    step_ms: float
+    step_ms: float  # one optimizer step: `accumulation` micro-batches
     tokens_per_s: float
     mfu: float | None
+    accumulation: int = 1  # micro-batches per optimizer step
 
 
 @dataclass
@@ -227,12 +232,13 @@ def bench_train(
     preset: str, backend: str, device: torch.device, steps: int, warmup: int,
     overrides: list[str],
 ) -> TrainRow:
-    """Median step time of `preset` with `backend` on random tokens."""
+    """Median optimizer-step time of `preset` with `backend` on random tokens, at the preset's
+    tokens per step on one process."""
     from andrea.config import load_config
     from andrea.model.transformer import Andrea
     from andrea.train.device import pick_dtype
     from andrea.train.optim import build_optimizer
-    from andrea.train.setup import resolve_micro_batch
+    from andrea.train.setup import accumulation_steps, resolve_micro_batch
 
     cfg = load_config(preset, overrides)
     dtype = pick_dtype(cfg.train.precision, device)
@@ -240,27 +246,30 @@ def bench_train(
     model = Andrea(cfg.model, attention_backend=backend).to(device)
     model.train()
     optimizer = build_optimizer(model, cfg, device)
-    shape = (resolve_micro_batch(cfg, model, dtype, device)[0], cfg.model.block_size)
-    x = torch.randint(cfg.model.vocab_size, shape, device=device)
-    y = torch.randint(cfg.model.vocab_size, shape, device=device)
+    micro_batch = resolve_micro_batch(cfg, model, dtype, device)[0]
+    accum = accumulation_steps(cfg, micro_batch, 1)[0]
+    shape = (micro_batch, cfg.model.block_size)
+    batches = [(torch.randint(cfg.model.vocab_size, shape, device=device),
+                torch.randint(cfg.model.vocab_size, shape, device=device)) for _ in range(accum)]
     clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
 
     def step(_: Any) -> None:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            _, loss = model(x, y)
-        loss.backward()
+        for x, y in batches:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                _, loss = model(x, y)
+            (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     step_ms = time_per_call(timer_for(device), steps, warmup, step).ms
     n_params = model.num_params()
-    tok_s = shape[0] * shape[1] / (step_ms * 1e-3)
+    tok_s = accum * shape[0] * shape[1] / (step_ms * 1e-3)
     meter = MfuMeter(device, dtype, flops_per_token(cfg.model, n_params))
     return TrainRow(
         preset=preset, backend=backend, dtype=str(dtype).removeprefix("torch."),
         micro_batch_size=shape[0], block_size=shape[1], n_params=n_params, step_ms=step_ms,
-        tokens_per_s=tok_s, mfu=meter(tok_s),
+        tokens_per_s=tok_s, mfu=meter(tok_s), accumulation=accum,
     )
 
 
@@ -274,7 +283,7 @@ def run_bench(
     """Runs the benchmark; `log` gets one line per case as it finishes.
 
     quick: small enough for a 2-core CPU in about a minute (batch 1, bf16 only, 3 repeats after
-    1 warm-up, training ANDREA-12M at micro-batch 2 for 3 steps).
+    1 warm-up, training ANDREA-12M at micro-batch 2, one micro-batch a step, for 3 steps).
     """
     from andrea.train.device import pick_device
 
@@ -283,7 +292,8 @@ def run_bench(
         batch = 1 if batch is None else batch
         repeats, warmup, train_steps, train_warmup = min(repeats, 3), 1, 3, 1
         dtypes = dtypes or ["bf16"]
-        train_overrides = ["train.micro_batch_size=2", *(train_overrides or [])]
+        train_overrides = ["train.micro_batch_size=2", "train.global_batch_tokens=0",
+                           *(train_overrides or [])]
     _check_options(dev, backends, dtypes, shapes, batch, repeats, warmup)
     wanted = backends or [b for b in BACKENDS if b != "sdpa_flash" or dev.type == "cuda"]
     bench = _Bench(dev, log, BenchResult(
@@ -407,14 +417,17 @@ def format_table(result: BenchResult) -> str:
             )
     if result.train:
         lines.append("")
-        lines.append(f"{'preset':<12} {'backend':<8} {'dtype':<9} {'batch x T':<11} "
-                     f"{'step ms':>9} {'tokens/s':>11} {'MFU':>7}")
+        lines.append(f"{'preset':<12} {'backend':<8} {'dtype':<9} {'batch x T x accum':<19} "
+                     f"{'tokens/step':>11} {'step ms':>9} {'tokens/s':>11} {'MFU':>7}")
         for r in result.train:
+            shape = f"{r.micro_batch_size} x {r.block_size} x {r.accumulation}"
             lines.append(
-                f"{r.preset:<12} {r.backend:<8} {r.dtype:<9} "
-                f"{f'{r.micro_batch_size} x {r.block_size}':<11} {r.step_ms:>9.1f} "
+                f"{r.preset:<12} {r.backend:<8} {r.dtype:<9} {shape:<19} "
+                f"{r.accumulation * r.micro_batch_size * r.block_size:>11,} {r.step_ms:>9.1f} "
                 f"{r.tokens_per_s:>11,.0f} {format_mfu(r.mfu):>7}"
             )
+        lines.append("a step: the preset's tokens per step on one process (accum micro-batches, "
+                     "then one optimizer step), full-length windows")
         missing = [r for r in result.train if r.mfu is None]
         why = (no_mfu_reason(torch.device(result.device), getattr(torch, missing[0].dtype))
                if missing else None)

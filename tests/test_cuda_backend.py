@@ -395,6 +395,7 @@ def test_bench_quick_json_on_cpu(quick_bench) -> None:
             assert r["tflops"][mode] == pytest.approx(flops / (r["ms"][mode] * 1e-3) / 1e12)
     (train,) = result["train"]
     assert train["preset"] == "andrea-tiny" and train["backend"] == "sdpa"
+    assert train["accumulation"] == 1  # --quick: one micro-batch a step, said in the docs
     assert train["tokens_per_s"] == pytest.approx(2 * 64 / (train["step_ms"] * 1e-3))
     assert any("cuda" in s and "no GPU" in s for s in result["skipped"])
 
@@ -415,6 +416,44 @@ def test_bench_quick_table_on_cpu(quick_bench) -> None:
     assert float(train[0][-2].replace(",", "")) > 0  # tokens/s
     assert CPU_NO_MFU in lines  # why MFU is n/a, once
     assert any(line.startswith("skipped: ") and "cuda" in line for line in lines)
+
+
+def test_bench_train_steps_the_optimizer_once_per_preset_batch(monkeypatch) -> None:
+    """A benchmarked step is a training step of the preset: its global_batch_tokens as
+    accumulated micro-batches, then one optimizer step (Muon's cost is per step)."""
+    from andrea.bench import bench_train
+    from andrea.config import load_config
+    from andrea.model.transformer import Andrea
+    from andrea.train import optim
+
+    calls = {"forward": 0, "step": 0}
+    forward, build = Andrea.forward, optim.build_optimizer
+
+    def counted_forward(self, *args, **kwargs):
+        calls["forward"] += 1
+        return forward(self, *args, **kwargs)
+
+    def counted_build(*args, **kwargs):
+        optimizer = build(*args, **kwargs)
+        step = optimizer.step
+
+        def counted_step(*a, **k):
+            calls["step"] += 1
+            return step(*a, **k)
+
+        optimizer.step = counted_step
+        return optimizer
+
+    monkeypatch.setattr(Andrea, "forward", counted_forward)
+    monkeypatch.setattr(optim, "build_optimizer", counted_build)
+    sets = ["train.optimizer=muon", "train.micro_batch_size=2", "train.global_batch_tokens=512",
+            "train.precision=fp32"]
+    cfg = load_config("andrea-tiny", sets)
+    row = bench_train("andrea-tiny", "sdpa", torch.device("cpu"), 2, 1, sets)
+    per_step = 512 // (2 * cfg.model.block_size)
+    assert row.accumulation == per_step > 1
+    assert calls["step"] >= 3 and calls["forward"] == per_step * calls["step"]
+    assert row.tokens_per_s == pytest.approx(512 / (row.step_ms * 1e-3))
 
 
 def test_bench_cuda_backend_on_cpu_is_a_one_line_error() -> None:
