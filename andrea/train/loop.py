@@ -259,10 +259,12 @@ def forward_backward(s: Session, bar: tqdm) -> StepOutcome | None:
         loss_sum += loss.detach()
         bar.update(s.tokens_per_micro_batch)
         faults.after_micro_batch(step, micro)
-    # [mean loss, ranks that drop the step, ranks signalled by now], summed over the ranks
-    flags = [float(dropped), float(s.signals.received is not None)]
-    reduced = all_reduce_sum(torch.cat([(loss_sum / accum).reshape(1).float(),
-                                        torch.tensor(flags, device=s.device)]), s.dist)
+    # [mean loss, ranks that drop the step, ranks signalled by now], summed over the ranks.
+    # The flags are filled on the device (new_full): a copy from the host would wait for it.
+    signalled_now = s.signals.received is not None
+    reduced = all_reduce_sum(torch.stack([
+        (loss_sum / accum).float(), loss_sum.new_full((), float(dropped)),
+        loss_sum.new_full((), float(signalled_now))]), s.dist)
     clip = t.grad_clip if t.grad_clip > 0 else math.inf
     s.scaling.unscale(s.optimizer)  # the clip, the guard and the optimizer see true gradients
     grad_norm = s.parallel.clip(s.model, clip)
