@@ -39,7 +39,8 @@ def test_a_step_waits_as_often_with_8_micro_batches_as_with_1(tmp_path, data_dir
         # SIGTERM on both ranks after micro-batch 1 of step 4's 8 (0-based step 3)
         "stop8": config(tmp_path, data_dir, "stop8", 8) + "@sigterm@3.1",
     }
-    # FSDP's process group is not set up twice in one process, nor a signal after a run: alone
+    # One launch for both ddp runs. In one torchrun process a second fsdp run hangs, and a
+    # signalled run after another one was stopped by the launcher (causes not found): alone.
     counts = {0: {}, 1: {}}
     for group in (("ddp1", "ddp8"), ("fsdp1",), ("fsdp8",), ("stop8",)):
         out = tmp_path / "-".join(group)
