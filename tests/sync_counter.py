@@ -1,9 +1,9 @@
-"""Run under torchrun: `sync_counter.py OUT NAME=CONFIG.yaml[@FAULTS] ...` trains each config in
-this process (`andrea.cli.main`, one after the other; FAULTS is ANDREA_FAULTS for that run) and
-writes OUT.rankR.json: per run, how many times it called `torch.distributed.all_reduce`, read a
-tensor into Python (`item`, `tolist`, `float()`, `int()`, `bool()`, `numpy`) and ran the model's
-forward, with its exit code. tests/test_step_syncs.py compares 1 and 8 micro-batches a step.
-"""
+"""Run under torchrun: `sync_counter.py OUT CONFIG.yaml` trains CONFIG (`andrea.cli.main`, the
+environment's ANDREA_FAULTS as usual) and writes OUT.rankR.json: how many times the run called
+`torch.distributed.all_reduce`, read a tensor into Python (`item`, `tolist`, `float()`, `int()`,
+`bool()`, `numpy`) and ran the model's forward, with its exit code. tests/test_step_syncs.py
+compares 1 and 8 micro-batches a step. One run per process: a second one sometimes hung setting
+up its process group again."""
 
 from __future__ import annotations
 
@@ -38,28 +38,19 @@ def install() -> None:
     Andrea.forward = counted("forward", Andrea.forward)
 
 
-def run(config: str, faults: str | None) -> dict[str, Any]:
-    counts.clear()
-    if faults:
-        os.environ["ANDREA_FAULTS"] = faults
+def run(config: str) -> dict[str, Any]:
     try:
         main(["train", "-c", config, "--no-progress"])
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 0
-    finally:
-        os.environ.pop("ANDREA_FAULTS", None)
     return {"exit_code": code, **counts}
 
 
 if __name__ == "__main__":
-    out, runs = sys.argv[1], sys.argv[2:]
+    out, config = sys.argv[1], sys.argv[2]
     install()
-    result = {}
-    for item in runs:
-        name, spec = item.split("=", 1)
-        config, _, faults = spec.partition("@")
-        result[name] = run(config, faults or None)
+    result = run(config)
     rank = os.environ.get("RANK", "0")
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(result, f)

@@ -36,19 +36,19 @@ def test_a_step_waits_as_often_with_8_micro_batches_as_with_1(tmp_path, data_dir
         "ddp8": config(tmp_path, data_dir, "ddp8", 8),
         "fsdp1": config(tmp_path, data_dir, "fsdp1", 1, "train.parallel=fsdp"),
         "fsdp8": config(tmp_path, data_dir, "fsdp8", 8, "train.parallel=fsdp"),
-        # SIGTERM on both ranks after micro-batch 1 of step 4's 8 (0-based step 3)
-        "stop8": config(tmp_path, data_dir, "stop8", 8) + "@sigterm@3.1",
+        "stop8": config(tmp_path, data_dir, "stop8", 8),
     }
-    # A launch per run: a second run in one torchrun process sometimes hangs setting up its
-    # process group again (seen with ddp and fsdp; cause not found).
-    counts = {0: {}, 1: {}}
-    for group in (("ddp1",), ("ddp8",), ("fsdp1",), ("fsdp8",), ("stop8",)):
-        out = tmp_path / "-".join(group)
-        proc = run_torchrun(str(Path(__file__).with_name("sync_counter.py")), str(out),
-                            *(f"{name}={runs[name]}" for name in group), script=True)
+    # SIGTERM on both ranks after micro-batch 1 of step 4's 8 (0-based step 3)
+    faults = {"stop8": "sigterm@3.1"}
+    counts: dict[int, dict] = {0: {}, 1: {}}
+    for name, path in runs.items():  # a torchrun launch per run (tests/sync_counter.py)
+        out = tmp_path / name
+        env = {"ANDREA_FAULTS": faults[name]} if name in faults else None
+        proc = run_torchrun(str(Path(__file__).with_name("sync_counter.py")), str(out), path,
+                            script=True, env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         for rank in (0, 1):
-            counts[rank].update(json.loads(Path(f"{out}.rank{rank}.json").read_text()))
+            counts[rank][name] = json.loads(Path(f"{out}.rank{rank}.json").read_text())
     for rank in (0, 1):
         for mode in ("ddp", "fsdp"):
             one, eight = counts[rank][f"{mode}1"], counts[rank][f"{mode}8"]
