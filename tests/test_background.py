@@ -42,10 +42,13 @@ def test_threads_run_at_nice_19_and_a_test_takes_over_a_build_no_thread_has_take
         return threading.get_native_id(), os.getpriority(os.PRIO_PROCESS,
                                                          threading.get_native_id())
 
-    builds, gate = Builds(workers=1), threading.Event()
-    builds.declare("slow", lambda: gate.wait(5) and priority(), wanted_by=["t.py"])
+    builds, taken, gate = Builds(workers=1), threading.Event(), threading.Event()
+    builds.declare("slow", lambda: taken.set() or gate.wait(5) and priority(), wanted_by=["t.py"])
     builds.declare("queued", priority, wanted_by=["t.py"])
     builds.start([item("t.py::test")])
+    # the thread may start late on a loaded machine: had the test asked first, it would have
+    # taken "slow" too, which is right but not what this test is about
+    assert taken.wait(5)
     here = priority()
     assert builds.result("queued") == here  # the one thread is busy: the test ran it itself
     gate.set()
