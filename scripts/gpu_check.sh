@@ -17,11 +17,11 @@
 #      compute-sanitizer does not run, so neither is found out on the GPU.
 #   2. on the GPU machine, through the device tool, from the repository root (.gpu-wheels is
 #      git-ignored, so it must be carried):
-#        run(command="bash scripts/gpu_check.sh $OUT", carry=[".gpu-wheels"], timeout_s=360)
-#      360 s is the worst case: no part starts or runs past RUN_BUDGET_S = 330 s from the
+#        run(command="bash scripts/gpu_check.sh $OUT", carry=[".gpu-wheels"], timeout_s=390)
+#      390 s is the worst case: no part starts or runs past RUN_BUDGET_S = 365 s from the
 #      script's start (a part's budget is cut to what is left), a part that ignores SIGTERM
-#      gets 5 s more, and the last part's report and the summary take at most 20 s: 355 s. The
-#      budgets below add up to 320 s, so a run that is only slow still ends with every part. A
+#      gets 5 s more, and the last part's report and the summary take at most 20 s: 390 s. The
+#      budgets below add up to 355 s, so a run that is only slow still ends with every part. A
 #      hung run then still leaves time for a second one in the 15 minutes of device time.
 #
 # The machine (documented image): python3 3.12 with torch 2.11+cu130, cupy-cuda13x 14.2, pytest,
@@ -64,6 +64,12 @@
 #   train-sdpa 25 s  accumulation), 12 steps: 6 x 124M x 16,384 = 1.2e13 FLOP a step, 30-60 ms
 #                    at 200-400 TFLOP/s, under 1 s of steps; process start, model and optimizer
 #                    about 10 s, the final 1.5 GB checkpoint a few s: about 20 s each.
+#   step-syncs 35 s  ANDREA-12M's training step (scripts/gpu_step_syncs.py): its data prepared
+#                    (the corpus's BPE, 4,096 ids: 4 s on a 2-core CPU), then 4 short runs in
+#                    one process, 1 and 8 micro-batches a step, 3 and 8 steps each: the host's
+#                    waits for the GPU a step (torch.cuda.set_sync_debug_mode), from which
+#                    lines, and the step's time. It fails when 8 micro-batches wait more often
+#                    than 1. Process start about 10 s, each run a second or two: about 20 s.
 #   bench-more 20 s  ANDREA-12M attention shape, bf16, fp32 and fp16 (`--dtype fp16` is how
 #                    `andrea bench` takes half precision), cuda / cuda_naive / sdpa: 15 s.
 #
@@ -94,10 +100,10 @@ LOGDIR=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.." || exit 2
 REPO=$PWD
 PY=${PYTHON:-python3}
-ALL_PARTS=pytest,ptxas,bench,memcheck,racecheck,prepare,train-cuda,train-sdpa,bench-more
+ALL_PARTS=pytest,ptxas,bench,memcheck,racecheck,prepare,train-cuda,train-sdpa,step-syncs,bench-more
 PARTS=${ANDREA_GPU_CHECK_PARTS:-$ALL_PARTS}
 WHEELS=${ANDREA_GPU_CHECK_WHEELS:-$REPO/.gpu-wheels}
-RUN_BUDGET_S=${ANDREA_GPU_CHECK_RUN_BUDGET_S:-330}  # see the header: no part runs past it
+RUN_BUDGET_S=${ANDREA_GPU_CHECK_RUN_BUDGET_S:-365}  # see the header: no part runs past it
 KILL_GRACE_S=5    # after SIGTERM, for a part that ignores it
 FINISH_S=20       # after the last part: its report (REPORT_LIMIT_S + 2 s grace), the summary
 REPORT_LIMIT_S=15 # one decision of gpu_check_report.py
@@ -413,6 +419,33 @@ for backend in cuda sdpa; do
         end ok "$verdict"
     fi
 done
+
+# --- step-syncs: ANDREA-12M's step, how often it waits for the GPU, and its time --------------
+if gpu_part step-syncs 35 cuda; then
+    BUDGET=10  # of the part's 35 s
+    timed "$LOGDIR/step-syncs-prepare.log" "$LOGDIR/step-syncs-prepare.log" "$PY" -m andrea \
+        prepare --config andrea-12m --out "$WORK/data-bpe"
+    rc=$?
+    BUDGET=$((35 - (SECONDS - PART_START)))
+    if over_budget $rc || [ $rc -ne 0 ]; then
+        BUDGET=35
+        end FAIL "preparing andrea-12m's data: rc $rc; $(tail -n 1 "$LOGDIR/step-syncs-prepare.log")"
+    else
+        timed "$LOGDIR/step-syncs.log" "$LOGDIR/step-syncs.log" "$PY" scripts/gpu_step_syncs.py \
+            "$WORK/data-bpe" "$LOGDIR/step-syncs.json"
+        rc=$?
+        verdict=$(report syncs "$LOGDIR/step-syncs.json")
+        vrc=$?
+        if over_budget $rc; then
+            end FAIL "over $(budget_text) (step-syncs.log)"
+        elif [ $rc -ne 0 ] || [ $vrc -ne 0 ]; then
+            end FAIL "rc $rc; $verdict; $(tail -n 1 "$LOGDIR/step-syncs.log")"
+        else
+            end ok "$verdict"
+        fi
+        BUDGET=35
+    fi
+fi
 
 # --- bench-more: the ANDREA-12M attention shape, every dtype ---------------------------------
 if gpu_part bench-more 20 cuda; then

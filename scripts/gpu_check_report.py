@@ -15,6 +15,8 @@ own python3 before anything is installed. One subcommand per decision; each prin
                             when an expected row (shape/dtype/backend) is missing
   sanitizer LOG RC          compute-sanitizer's verdict: ok, unsupported, or failed
   train METRICS STEPS       the figures of a training row's metrics.jsonl
+  syncs JSON                scripts/gpu_step_syncs.py's counts and step times; fail when a step
+                            synchronises more often with 8 micro-batches than with 1
 """
 
 from __future__ import annotations
@@ -234,6 +236,28 @@ def train_report(path: Path, steps: int) -> tuple[int, str]:
     return OK, line
 
 
+def syncs_report(path: Path) -> tuple[int, str]:
+    """scripts/gpu_step_syncs.py's counts: a step's synchronisations must not grow with its
+    micro-batches."""
+    try:
+        result = json.loads(path.read_text())
+        by_micro = {s["micro_batches"]: s for s in result["settings"]}
+        one, eight = by_micro[1], by_micro[8]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return FAILED, f"no counts ({type(exc).__name__}: {exc})"
+
+    def setting(s: dict) -> str:
+        return (f"{s['micro_batches']} x {s['micro_batch_size']} windows {s['per_step']:g} a "
+                f"step, {s['step_ms']:.1f} ms ({s['tokens_per_s']:,.0f} tokens/s)")
+
+    line = f"{result['preset']} step syncs: {setting(one)}; {setting(eight)}"
+    if eight["per_step"] > one["per_step"]:
+        grown = [f"{where} {n:g}" for where, n in eight["per_step_lines"].items()
+                 if n > one["per_step_lines"].get(where, 0)]
+        return FAILED, f"{line}; more with 8 micro-batches: {', '.join(grown)}"
+    return OK, f"{line}; from {', '.join(one['per_step_lines']) or 'nowhere'}"
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
@@ -249,6 +273,8 @@ def main(argv: list[str]) -> int:
         status, line = sanitizer_verdict(Path(args[0]).read_text(errors="replace"), int(args[1]))
     elif cmd == "train":
         status, line = train_report(Path(args[0]), int(args[1]))
+    elif cmd == "syncs":
+        status, line = syncs_report(Path(args[0]))
     else:
         print(f"error: unknown subcommand {cmd!r}", file=sys.stderr)
         return 2

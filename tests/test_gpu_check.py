@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -24,6 +25,7 @@ from types import ModuleType, SimpleNamespace
 import background
 import numpy as np
 import pytest
+import torch
 from conftest import REPO
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -31,7 +33,7 @@ needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
 )
 ALL_PARTS = ("pytest", "ptxas", "bench", "memcheck", "racecheck", "prepare", "train-cuda",
-             "train-sdpa", "bench-more")
+             "train-sdpa", "step-syncs", "bench-more")
 
 spec = importlib.util.spec_from_file_location("gpu_check_report",
                                               REPO / "scripts" / "gpu_check_report.py")
@@ -137,7 +139,7 @@ def test_dry_run_without_a_gpu_passes_and_lists_every_skip(tmp_path: Path) -> No
         budgets += int(announced.group(1))
     run_budget, worst = map(int, re.search(r"^\[setup\] no part runs past (\d+) s; worst case "
                                            r"(\d+) s$", proc.stdout, re.M).groups())
-    assert budgets == 320 <= run_budget < worst
+    assert budgets == 355 <= run_budget < worst
     assert worst <= header_timeout() <= 390  # a second run fits 15 minutes of device time
     skipped = proc.stdout.split("\nskipped:\n", 1)[1]
     # Each @gpu test with its reason, each GPU part with its reason.
@@ -311,6 +313,66 @@ def test_train_summary(tmp_path: Path) -> None:
     assert line == "6 steps, 5,000 tokens/s (median of steps > 3), MFU 10.0%, loss 10.500 -> 8.000"
     assert report.train_report(path, 12)[0] == 1  # stopped short
     assert report.train_report(tmp_path / "absent.jsonl", 6)[0] == 1
+
+
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_syncs_counted_per_step_on_a_cpu_whose_reads_warn(tmp_path, data_dir, monkeypatch):
+    """scripts/gpu_step_syncs.py end to end on the CPU, where torch's sync debug mode has nothing
+    to say: every read of a tensor into Python warns as it would on a GPU. The step reads once
+    (its loss, grad norm and flags), at 1 and at 8 micro-batches alike; the final checkpoint's
+    read cancels between the short and the long run. A read planted in the model's forward is
+    a read per micro-batch: the verdict fails and names the line."""
+    steps = load_script("gpu_step_syncs")
+
+    def warns(name: str) -> None:
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            warnings.warn(steps.SYNC_WARNING, UserWarning, stacklevel=2)
+            return original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        warns(name)
+    sets = ["model.block_size=32", "train.global_batch_tokens=256", "train.precision=fp32"]
+    result = steps.measure("andrea-tiny", data_dir, "cpu", tmp_path / "runs", sets)
+    one, eight = result["settings"]
+    assert (one["micro_batch_size"], eight["micro_batch_size"]) == (8, 1)
+    for setting in (one, eight):
+        assert setting["steps"] == steps.LONG and setting["step_ms"] > 0
+        assert setting["per_step"] == 1, setting
+        (line,) = setting["per_step_lines"]
+        assert line.startswith("andrea/train/loop.py:") and line.endswith("(forward_backward)")
+        assert setting["syncs"]["long"] - setting["syncs"]["short"] == steps.LONG - steps.SHORT
+        assert setting["syncs"]["short"] > steps.SHORT  # the checkpoint's own read, cancelled
+    path = tmp_path / "syncs.json"
+    path.write_text(json.dumps(result))
+    status, line = report.syncs_report(path)
+    assert status == 0 and "andrea-tiny step syncs: 1 x 8 windows 1 a step" in line, line
+
+    from andrea.model.transformer import Andrea
+    forward = Andrea.forward
+    monkeypatch.setattr(Andrea, "forward",
+                        lambda self, *a, **k: (torch.ones(1).item(), forward(self, *a, **k))[1])
+    path.write_text(json.dumps(steps.measure("andrea-tiny", data_dir, "cpu", tmp_path / "again",
+                                             sets)))
+    status, line = report.syncs_report(path)
+    assert status == 1 and "1 x 8 windows 2 a step" in line and "8 x 1 windows 9 a step" in line
+    assert re.search(r"more with 8 micro-batches: andrea/train/loop.py:\d+ \(forward_backward\) 8",
+                     line), line
+
+
+def test_syncs_verdict_without_counts_fails(tmp_path: Path) -> None:
+    assert report.syncs_report(tmp_path / "absent.json")[0] == 1
+    (tmp_path / "s.json").write_text(json.dumps({"preset": "p", "settings": []}))
+    status, line = report.syncs_report(tmp_path / "s.json")
+    assert status == 1 and line.startswith("no counts (KeyError")
 
 
 def make_wheel(folder: Path, dist: str, module: str, version: str = "1.0",
