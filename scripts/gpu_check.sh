@@ -65,11 +65,12 @@
 #                    at 200-400 TFLOP/s, under 1 s of steps; process start, model and optimizer
 #                    about 10 s, the final 1.5 GB checkpoint a few s: about 20 s each.
 #   step-syncs 35 s  ANDREA-12M's training step (scripts/gpu_step_syncs.py): its data prepared
-#                    (the corpus's BPE, 4,096 ids: 4 s on a 2-core CPU), then 4 short runs in
-#                    one process, 1 and 8 micro-batches a step, 3 and 8 steps each: the host's
-#                    waits for the GPU a step (torch.cuda.set_sync_debug_mode), from which
-#                    lines, and the step's time. It fails when 8 micro-batches wait more often
-#                    than 1. Process start about 10 s, each run a second or two: about 20 s.
+#                    (the corpus's BPE, 4,096 ids: 4 s on a 2-core CPU), then in one process a
+#                    1-step warm-up run and 4 short runs, 1 and 8 micro-batches a step, 3 and 8
+#                    steps each: the host's waits for the GPU a step (torch.cuda.
+#                    set_sync_debug_mode), from which lines, and the step's time. It fails when
+#                    8 micro-batches wait more often than 1. Process start about 10 s, each run
+#                    a second or two: about 20 s.
 #   bench-more 20 s  ANDREA-12M attention shape, bf16, fp32 and fp16 (`--dtype fp16` is how
 #                    `andrea bench` takes half precision), cuda / cuda_naive / sdpa: 15 s.
 #
@@ -426,11 +427,12 @@ if gpu_part step-syncs 35 cuda; then
     timed "$LOGDIR/step-syncs-prepare.log" "$LOGDIR/step-syncs-prepare.log" "$PY" -m andrea \
         prepare --config andrea-12m --out "$WORK/data-bpe"
     rc=$?
-    BUDGET=$((35 - (SECONDS - PART_START)))
-    if over_budget $rc || [ $rc -ne 0 ]; then
-        BUDGET=35
+    if over_budget $rc; then
+        end FAIL "preparing andrea-12m's data: over $(budget_text) (step-syncs-prepare.log)"
+    elif [ $rc -ne 0 ]; then
         end FAIL "preparing andrea-12m's data: rc $rc; $(tail -n 1 "$LOGDIR/step-syncs-prepare.log")"
     else
+        BUDGET=$((35 - (SECONDS - PART_START)))
         timed "$LOGDIR/step-syncs.log" "$LOGDIR/step-syncs.log" "$PY" scripts/gpu_step_syncs.py \
             "$WORK/data-bpe" "$LOGDIR/step-syncs.json"
         rc=$?
@@ -443,7 +445,6 @@ if gpu_part step-syncs 35 cuda; then
         else
             end ok "$verdict"
         fi
-        BUDGET=35
     fi
 fi
 

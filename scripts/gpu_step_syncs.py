@@ -6,17 +6,17 @@ device, from which lines, and how long the step takes, at 1 and at 8 micro-batch
 A synchronisation is a PyTorch call that makes the host wait for the GPU: a tensor read into
 Python, a copy to the host. torch.cuda.set_sync_debug_mode("warn") has each one warn; the
 warnings are counted by the line that asked (the innermost frame in the andrea package, else the
-innermost frame). Each setting trains the preset twice on DATA (`andrea.cli.main`, in this
-process), for SHORT and for LONG steps: what both runs share (set-up, the final checkpoint)
-cancels, and (LONG - SHORT) / (LONG steps - SHORT steps) is a step's count. A step's time is the
-median of the LONG run's per-step records after its first two (log_every 1: from one step's read
-to the next). Both settings keep the preset's tokens per step; the sequence warm-up is off, so
-every step has the preset's block size.
+innermost frame). After one uncounted run (what a process does once), each setting trains the
+preset twice on DATA (`andrea.cli.main`, in this process), for SHORT and for LONG steps: what
+both runs share (set-up, the final checkpoint) cancels, and (LONG - SHORT) / (LONG steps - SHORT
+steps) is a step's count. A step's time is the median of the LONG run's per-step records after
+its first two (log_every 1: from one step's read to the next). Both settings keep the preset's
+tokens per step; the sequence warm-up is off, so every step has the preset's block size.
 
-scripts/gpu_check.sh runs it on the GPU, with the andrea package of the checkout, and of an older
-tree when one is carried (before and after); gpu_check_report.py `syncs` gives the verdict: a
-step's count must not grow with its micro-batches. Without a GPU there is nothing to count
-(tests/test_gpu_check.py runs it on the CPU with reads made to warn as a GPU's would).
+scripts/gpu_check.sh runs it on the GPU (its step-syncs part); gpu_check_report.py `syncs` gives
+the verdict: a step's count must not grow with its micro-batches. Without a GPU there is nothing
+to count (tests/test_gpu_check.py runs it on the CPU with reads made to warn as a GPU's would).
+To count an older version, put that checkout's `andrea` and `configs` first on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -103,18 +103,24 @@ def measure(preset: str, data: Path, device: str, runs: Path,
     """Both settings' counts and step times (the module's docstring)."""
     cfg = load_config(preset, extra or [])
     windows = cfg.train.global_batch_tokens // cfg.model.block_size
+
+    def run_sets(name: str, micro: int, steps: int) -> list[str]:
+        return [*(extra or []), f"data.dir={data}", f"train.runs_dir={runs}",
+                f"train.name={name}", f"train.device={device}", f"train.max_steps={steps}",
+                "train.warmup_steps=2", "train.seq_warmup_steps=0",
+                f"train.micro_batch_size={micro}", "train.eval_every=0",
+                "train.checkpoint_every=0", "train.keep_last=1", "train.log_every=1"]
+
+    # The process's first run pays what happens once (CUDA's and cuBLAS's set-up, the kernels'
+    # compilation): uncounted, so that it does not land in one setting's short run only.
+    train(preset, run_sets("syncs-warm-up", windows // MICRO_BATCHES[-1], 1))
     settings = []
     for micro_batches in MICRO_BATCHES:
         micro = windows // micro_batches
         counts, records = {}, []
         for steps in (SHORT, LONG):
             name = f"syncs-{micro_batches}x{micro}-{steps}"
-            sets = [*(extra or []), f"data.dir={data}", f"train.runs_dir={runs}",
-                    f"train.name={name}", f"train.device={device}", f"train.max_steps={steps}",
-                    "train.warmup_steps=2", "train.seq_warmup_steps=0",
-                    f"train.micro_batch_size={micro}", "train.eval_every=0",
-                    "train.checkpoint_every=0", "train.keep_last=1", "train.log_every=1"]
-            counts[steps] = count_syncs(partial(train, preset, sets))
+            counts[steps] = count_syncs(partial(train, preset, run_sets(name, micro, steps)))
             records = step_records(runs / name)
         per_line = {line: (counts[LONG][line] - counts[SHORT][line]) / (LONG - SHORT)
                     for line in counts[LONG] | counts[SHORT]}

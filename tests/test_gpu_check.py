@@ -322,6 +322,7 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.filterwarnings("ignore:called a synchronizing")  # the uncounted warm-up run
 def test_step_syncs_counted_per_step_on_a_cpu_whose_reads_warn(tmp_path, data_dir, monkeypatch):
     """scripts/gpu_step_syncs.py end to end on the CPU, where torch's sync debug mode has nothing
     to say: every read of a tensor into Python warns as it would on a GPU. The step reads once
