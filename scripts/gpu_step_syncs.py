@@ -7,11 +7,12 @@ A synchronisation is a PyTorch call that makes the host wait for the GPU: a tens
 Python, a copy to the host. torch.cuda.set_sync_debug_mode("warn") has each one warn; the
 warnings are counted by the line that asked (the innermost frame in the andrea package, else the
 innermost frame). After one uncounted run (what a process does once), each setting trains the
-preset twice on DATA (`andrea.cli.main`, in this process), for SHORT and for LONG steps: what
-both runs share (set-up, the final checkpoint) cancels, and (LONG - SHORT) / (LONG steps - SHORT
-steps) is a step's count. A step's time is the median of the LONG run's per-step records after
-its first two (log_every 1: from one step's read to the next). Both settings keep the preset's
-tokens per step; the sequence warm-up is off, so every step has the preset's block size.
+preset twice on DATA (`andrea.train.loop.train`, in this process), for SHORT and for LONG
+steps: what both runs share (set-up, the final checkpoint) cancels, and (LONG - SHORT) / (LONG
+steps - SHORT steps) is a step's count. A step's time is the median of the LONG run's per-step
+records after its first two (log_every 1: from one step's read to the next). Both settings keep
+the preset's tokens per step; the sequence warm-up is off, so every step has the preset's block
+size.
 
 scripts/gpu_check.sh runs it on the GPU (its step-syncs part); gpu_check_report.py `syncs` gives
 the verdict: a step's count must not grow with its micro-batches. Without a GPU there is nothing
@@ -37,8 +38,9 @@ from typing import Any
 import torch
 
 import andrea
-from andrea.cli import main as andrea_main
 from andrea.config import load_config
+from andrea.runs import read_metrics
+from andrea.train.loop import train
 
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's text in sync debug mode "warn"
 SHORT, LONG = 3, 8
@@ -83,45 +85,31 @@ def count_syncs(run: Callable[[], Any]) -> Counter[str]:
     return counts
 
 
-def train(preset: str, sets: list[str]) -> None:
-    try:
-        andrea_main(["train", "-c", preset, "--overwrite", "--no-progress",
-                     *[arg for s in sets for arg in ("--set", s)]])
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            raise RuntimeError(f"andrea train {preset} {' '.join(sets)}: exit {exc.code}") from None
-
-
-def step_records(run_dir: Path) -> list[dict[str, Any]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
-    return [r for r in records if r.get("event") == "train"]
-
-
 def measure(preset: str, data: Path, device: str, runs: Path,
             extra: list[str] | None = None) -> dict[str, Any]:
     """Both settings' counts and step times (the module's docstring)."""
     cfg = load_config(preset, extra or [])
     windows = cfg.train.global_batch_tokens // cfg.model.block_size
 
-    def run_sets(name: str, micro: int, steps: int) -> list[str]:
-        return [*(extra or []), f"data.dir={data}", f"train.runs_dir={runs}",
-                f"train.name={name}", f"train.device={device}", f"train.max_steps={steps}",
-                "train.warmup_steps=2", "train.seq_warmup_steps=0",
-                f"train.micro_batch_size={micro}", "train.eval_every=0",
-                "train.checkpoint_every=0", "train.keep_last=1", "train.log_every=1"]
+    def run(name: str, micro: int, steps: int) -> Callable[[], object]:
+        return partial(train, load_config(preset, [
+            *(extra or []), f"data.dir={data}", f"train.runs_dir={runs}", f"train.name={name}",
+            f"train.device={device}", f"train.max_steps={steps}", "train.warmup_steps=2",
+            "train.seq_warmup_steps=0", f"train.micro_batch_size={micro}", "train.eval_every=0",
+            "train.checkpoint_every=0", "train.keep_last=1", "train.log_every=1",
+        ]), progress=False)
 
     # The process's first run pays what happens once (CUDA's and cuBLAS's set-up, the kernels'
     # compilation): uncounted, so that it does not land in one setting's short run only.
-    train(preset, run_sets("syncs-warm-up", windows // MICRO_BATCHES[-1], 1))
+    run("syncs-warm-up", windows // MICRO_BATCHES[-1], 1)()
     settings = []
     for micro_batches in MICRO_BATCHES:
         micro = windows // micro_batches
-        counts, records = {}, []
-        for steps in (SHORT, LONG):
-            name = f"syncs-{micro_batches}x{micro}-{steps}"
-            counts[steps] = count_syncs(partial(train, preset, run_sets(name, micro, steps)))
-            records = step_records(runs / name)
+        name = f"syncs-{micro_batches}x{micro}"
+        counts = {steps: count_syncs(run(f"{name}-{steps}", micro, steps))
+                  for steps in (SHORT, LONG)}
+        records = [r for r in read_metrics(runs / f"{name}-{LONG}" / "metrics.jsonl")[0]
+                   if r["event"] == "train"]
         per_line = {line: (counts[LONG][line] - counts[SHORT][line]) / (LONG - SHORT)
                     for line in counts[LONG] | counts[SHORT]}
         steady = records[2:] or records
