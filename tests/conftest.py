@@ -5,6 +5,7 @@ point: signals, kill -9, several processes at once, torchrun."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import shutil
@@ -15,11 +16,20 @@ import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import background
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/NAME.py as a module, freshly executed (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclass

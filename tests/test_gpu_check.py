@@ -25,8 +25,9 @@ from types import ModuleType, SimpleNamespace
 import background
 import numpy as np
 import pytest
+import sync_counter
 import torch
-from conftest import REPO
+from conftest import REPO, load_script
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 needs_gxx = pytest.mark.skipif(
@@ -35,10 +36,8 @@ needs_gxx = pytest.mark.skipif(
 ALL_PARTS = ("pytest", "ptxas", "bench", "memcheck", "racecheck", "prepare", "train-cuda",
              "train-sdpa", "step-syncs", "bench-more")
 
-spec = importlib.util.spec_from_file_location("gpu_check_report",
-                                              REPO / "scripts" / "gpu_check_report.py")
-report = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(report)
+
+report = load_script("gpu_check_report")
 
 
 def fake_nvidia_smi(folder: Path, gpu: bool) -> Path:
@@ -315,13 +314,6 @@ def test_train_summary(tmp_path: Path) -> None:
     assert report.train_report(tmp_path / "absent.jsonl", 6)[0] == 1
 
 
-def load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.filterwarnings("ignore:called a synchronizing")  # the uncounted warm-up run
 def test_step_syncs_counted_per_step_on_a_cpu_whose_reads_warn(tmp_path, data_dir, monkeypatch):
     """scripts/gpu_step_syncs.py end to end on the CPU, where torch's sync debug mode has nothing
@@ -339,7 +331,7 @@ def test_step_syncs_counted_per_step_on_a_cpu_whose_reads_warn(tmp_path, data_di
             return original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, read)
 
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+    for name in sync_counter.READS:  # every way a tensor reaches Python
         warns(name)
     sets = ["model.block_size=32", "train.global_batch_tokens=256", "train.precision=fp32"]
     result = steps.measure("andrea-tiny", data_dir, "cpu", tmp_path / "runs", sets)
@@ -525,11 +517,7 @@ def run_launch_program(monkeypatch, skip: str = "", argv: tuple[str, ...] = ()) 
 
     monkeypatch.setitem(sys.modules, "cupy", emulated_cupy(skip))
     monkeypatch.setattr(kernel_launch, "_MODULES", {})
-    path = REPO / "scripts" / "gpu_check_launch.py"
-    program_spec = importlib.util.spec_from_file_location("gpu_check_launch", path)
-    program = importlib.util.module_from_spec(program_spec)
-    program_spec.loader.exec_module(program)
-    return program.main(list(argv))
+    return load_script("gpu_check_launch").main(list(argv))
 
 
 @needs_gxx

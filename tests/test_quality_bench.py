@@ -3,23 +3,16 @@ preset, and its interpolation of the tokens needed to reach a loss."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def bench_quality():
-    spec = importlib.util.spec_from_file_location(
-        "bench_quality", REPO / "scripts" / "bench_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_quality")
 
 
 @pytest.fixture(scope="module")
