@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import andrea_main, assert_user_error, torchrun_command
+from conftest import andrea_main, assert_user_error, load_script, torchrun_command
 from test_train import read_events, tiny, write_config
 
 from andrea.config import load_config
@@ -42,20 +42,10 @@ def test_newton_schulz_is_torchs_in_bf16_and_close_in_fp32(shape):
     assert s.min() > 0.3 and s.max() < 1.5
 
 
-def _spread_spectrum(rows, cols, decades, seed=0):
-    """A float64 [rows, cols] matrix whose singular values fall evenly over `decades` decades,
-    as a momentum matrix's do, unlike a random matrix's."""
-    gen = torch.Generator().manual_seed(seed)
-    m = min(rows, cols)
-    u, _ = torch.linalg.qr(torch.randn(rows, m, generator=gen, dtype=torch.float64))
-    v, _ = torch.linalg.qr(torch.randn(cols, m, generator=gen, dtype=torch.float64))
-    return (u * 10 ** (-decades * torch.arange(m, dtype=torch.float64) / m)) @ v.T
-
-
 @pytest.mark.parametrize("shape", [(384, 1536), (1152, 384), (96, 192)])
 @pytest.mark.parametrize("polar_express", [False, True])
 def test_gram_iteration_is_the_plain_iteration(shape, polar_express):
-    g = _spread_spectrum(*shape, decades=8)
+    g = load_script("bench_newton_schulz").spread_matrix(*shape, decades=8, seed=0)
     plain64 = newton_schulz(g, COEFFS, 5, 1e-7, torch.float64, polar_express)
     # The same arithmetic: in float64 the two forms agree to rounding.
     gram64 = newton_schulz(g, COEFFS, 5, 1e-7, torch.float64, polar_express, gram=True)
@@ -74,10 +64,11 @@ def test_gram_iteration_is_the_plain_iteration(shape, polar_express):
 
 
 def test_square_matrices_and_bf16_keep_the_plain_iteration():
-    square = _spread_spectrum(96, 96, decades=4).float()
+    spread_matrix = load_script("bench_newton_schulz").spread_matrix
+    square = spread_matrix(96, 96, decades=4, seed=0).float()
     assert torch.equal(newton_schulz(square, COEFFS, 5, 1e-7, torch.float32),
                        newton_schulz(square, COEFFS, 5, 1e-7, torch.float32, gram=False))
-    wide = _spread_spectrum(32, 96, decades=4).float()
+    wide = spread_matrix(32, 96, decades=4, seed=0).float()
     assert torch.equal(newton_schulz(wide, COEFFS, 5, 1e-7, torch.bfloat16),
                        torch_ns(wide, COEFFS, 5, 1e-7))
 
