@@ -19,7 +19,7 @@ from andrea.errors import UserError
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.loop import train
-from andrea.train.muon import Float32Muon, newton_schulz
+from andrea.train.muon import Float32Muon, assign_owners, newton_schulz, newton_schulz_macs
 from andrea.train.optim import CombinedOptimizer, build_optimizer, make_empty_state
 from andrea.train.rundir import OPTIMIZER_FILE
 
@@ -71,6 +71,30 @@ def test_square_matrices_and_bf16_keep_the_plain_iteration():
     wide = spread_matrix(32, 96, decades=4, seed=0).float()
     assert torch.equal(newton_schulz(wide, COEFFS, 5, 1e-7, torch.bfloat16),
                        torch_ns(wide, COEFFS, 5, 1e-7))
+
+
+@pytest.mark.parametrize("shape", [(96, 96), (32, 96), (96, 32), (32, 48), (32, 160)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("polar_express", [False, True])
+def test_newton_schulz_macs_counts_what_newton_schulz_multiplies(shape, dtype, polar_express):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(shape)
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(x, COEFFS, 5, 1e-7, dtype, polar_express)
+    assert counter.get_total_flops() == 2 * newton_schulz_macs(shape, dtype)
+
+
+def test_the_split_weighs_each_matrix_by_the_form_it_is_orthogonalised_in():
+    """A wide matrix in float32 costs less than its shape says (the Gram form): a split that
+    weighed it as the plain iteration would put all four square matrices on one rank."""
+    shapes = [(1536, 384)] + [(384, 384)] * 4
+    owners = assign_owners(shapes, 2, torch.float32)
+    load = [sum(newton_schulz_macs(s, torch.float32)
+                for s, o in zip(shapes, owners, strict=True) if o == r) for r in range(2)]
+    assert max(load) <= newton_schulz_macs((384, 384), torch.float32) * 3  # 40:45, not 25:60
+    assert owners == [0, 1, 1, 0, 1]
+    assert assign_owners(shapes, 2, torch.bfloat16) == [0, 1, 1, 1, 0]  # plain: 45:45
 
 
 def _three_steps(opt_cls, **kwargs):

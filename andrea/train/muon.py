@@ -123,6 +123,18 @@ def gram_pays(shape: torch.Size | tuple[int, int], dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and max(shape) >= GRAM_MIN_RATIO * min(shape)
 
 
+def newton_schulz_macs(shape: torch.Size | tuple[int, int], dtype: torch.dtype,
+                       steps: int = 5) -> int:
+    """Multiply-adds of newton_schulz's `steps` iterations on a [rows, cols] matrix in `dtype`,
+    in whichever form it takes there (gram_pays): what a matrix costs to orthogonalise."""
+    m, n = sorted(shape[:2])
+    if gram_pays(shape, dtype):
+        # G and Q x; each iteration b A + c A² and (a I + poly) Q, all but the last the next
+        # A = Q G Q, the first none of the Q product.
+        return 2 * m * m * n + (steps + (steps - 1) + 2 * (steps - 1)) * m ** 3
+    return steps * (2 * m * m * n + m ** 3)  # X Xᵀ, b A + c A², poly X
+
+
 def gram_iteration(x: torch.Tensor, schedule: tuple[tuple[float, float, float], ...]
                    ) -> torch.Tensor:
     """The quintic iteration on a wide x [m, n], m <= n, through its Gram matrix G = x xᵀ [m, m].
@@ -254,17 +266,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def assign_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
+def assign_owners(shapes: list[torch.Size], world_size: int,
+                  dtype: torch.dtype = torch.float32, steps: int = 5) -> list[int]:
     """The rank that orthogonalises each matrix: in parameter order, the rank with the least
-    Newton-Schulz work so far (rows x cols x min(rows, cols) per iteration), the lower rank on a
-    tie. A function of the shapes and the world size only: every rank computes the same
-    assignment, nothing of it is checkpointed, and a resume at another size assigns anew."""
+    Newton-Schulz work so far (newton_schulz_macs in `dtype`, which counts the Gram form where
+    it is taken), the lower rank on a tie. A function of the shapes, the dtype and the world
+    size only: every rank computes the same assignment, nothing of it is checkpointed, and a
+    resume at another size assigns anew."""
     load = [0] * world_size
     owners = []
-    for rows, cols in (tuple(s) for s in shapes):
+    for shape in shapes:
         owner = min(range(world_size), key=lambda r: (load[r], r))
         owners.append(owner)
-        load[owner] += rows * cols * min(rows, cols)
+        load[owner] += newton_schulz_macs(shape, dtype, steps)
     return owners
 
 
@@ -309,7 +323,8 @@ class SplitMuon(Float32Muon):
                                       f"{params[0].device_mesh.ndim}-D mesh; only Shard(0) on "
                                       f"a 1-D mesh is split")
         pg = params[0].device_mesh.get_group() if sharded else dist.group.WORLD
-        owners = assign_owners([p.shape for p in params], dist.get_world_size(pg))
+        owners = assign_owners([p.shape for p in params], dist.get_world_size(pg), self.ns_dtype,
+                               len(POLAR_EXPRESS) if self.polar_express else group["ns_steps"])
         exchange = self._exchange_shards if sharded else self._gather_updates
         return exchange(group, params, updates, owners, pg)
 
