@@ -86,13 +86,14 @@ def test_newton_schulz_macs_counts_what_newton_schulz_multiplies(shape, dtype, p
 
 
 def test_the_split_weighs_each_matrix_by_the_form_it_is_orthogonalised_in():
-    """A wide matrix in float32 costs less than its shape says (the Gram form): a split that
-    weighed it as the plain iteration would put all four square matrices on one rank."""
+    """A wide matrix in float32 costs less than its shape says (the Gram form): the former
+    weights (rows x cols x min) put all four square matrices on one rank."""
     shapes = [(1536, 384)] + [(384, 384)] * 4
     owners = assign_owners(shapes, 2, torch.float32)
     load = [sum(newton_schulz_macs(s, torch.float32)
                 for s, o in zip(shapes, owners, strict=True) if o == r) for r in range(2)]
-    assert max(load) <= newton_schulz_macs((384, 384), torch.float32) * 3  # 40:45, not 25:60
+    # in units of 384³: 40:45, where the former weights gave 25:60
+    assert max(load) <= newton_schulz_macs((384, 384), torch.float32) * 3
     assert owners == [0, 1, 1, 0, 1]
     assert assign_owners(shapes, 2, torch.bfloat16) == [0, 1, 1, 1, 0]  # plain: 45:45
 
