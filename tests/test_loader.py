@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from andrea.config import load_config
 from andrea.data import shards
 from andrea.data.loader import (
     Mixture,
@@ -324,3 +325,59 @@ def record_unchanged_draws(root):
 
 def test_draws_and_val_windows_are_those_recorded(tmp_path):
     assert record_unchanged_draws(tmp_path) == UNCHANGED
+
+
+def starts_at(sizes: list[int], offset: int, block: int) -> list[tuple[int, int]]:
+    """(shard, start) of every candidate window at `offset`, numbered in shard order."""
+    return [(k, start) for k, n in enumerate(sizes)
+            for start in range(offset, n - block, block)]
+
+
+def epoch_batch(split, tokens_before, **kw):
+    return batch(split, order="epochs", tokens_before=tokens_before, **kw)
+
+
+def test_epochs_take_every_window_of_a_pass_once_in_a_new_order_each_pass(data_dir):
+    split = TokenSplit(data_dir, "train")  # shards of 1000, 37 and 2500 tokens
+    per_pass = len(starts_at([1000, 37, 2500], T - 1, T))  # the fewest windows of any offset
+    assert per_pass == 217
+    read = []  # (shard, start) of every window, steps of 2 micro-batches of 4 in order
+    for step in range(82):  # 656 windows: three passes and 5 of a fourth
+        for micro in range(2):
+            x, _ = epoch_batch(split, step * 8 * T, step=step, micro_step=micro, accum_steps=2)
+            read += [(row[0] // BASE - 1, row[0] % BASE) for row in x.tolist()]
+    orders = []
+    for k in range(3):
+        seen = read[k * per_pass:(k + 1) * per_pass]
+        offsets = {start % T for _, start in seen}
+        assert len(offsets) == 1  # one offset a pass
+        # Every candidate window of the pass's offset once (the first 217 in shard order).
+        assert sorted(seen) == starts_at([1000, 37, 2500], offsets.pop(), T)[:per_pass]
+        orders.append(seen)
+    assert orders[0] != orders[1] != orders[2]  # a new order each pass
+    assert len({o[0][1] % T for o in orders}) > 1  # and new offsets
+    # Random order reads some windows twice and others not at all over as many windows.
+    drawn = [tuple(row[:1]) for step in range(27)
+             for row in batch(split, step=step, micro_batch_size=8)[0].tolist()]
+    assert len(set(drawn)) < len(drawn)
+
+
+def test_epochs_batches_are_a_function_of_the_position_and_equal_across_processes(data_dir):
+    split, again = TokenSplit(data_dir, "train"), TokenSplit(data_dir, "train")
+    for before in (0, 200 * T, 213 * T):  # 213: this step's 8 windows straddle two passes
+        one = [epoch_batch(split, before, accum_steps=2, micro_step=m)[0] for m in range(2)]
+        two = [epoch_batch(again, before, world_size=2, rank=r)[0] for r in range(2)]
+        assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+        firsts = torch.cat(one)[:, 0].tolist()
+        assert len(set(firsts)) == 8  # the micro-batches share no window
+    assert not torch.equal(epoch_batch(split, 0)[0], epoch_batch(split, 0, seed=8)[0])
+    # The step number does not place the windows; the tokens before it do.
+    assert torch.equal(epoch_batch(split, 4 * T, step=1)[0], epoch_batch(split, 4 * T, step=9)[0])
+
+
+def test_epochs_and_a_mixture_are_refused_in_one_line(tmp_path):
+    cfg = tmp_path / "mix.yaml"
+    cfg.write_text("data:\n  order: epochs\n  sources:\n    - {path: a, weight: 1}\n")
+    with pytest.raises(UserError, match=r"mix\.yaml: data\.order: epochs passes over one data "
+                                        r"dir, and data\.sources is a mixture"):
+        load_config(cfg)

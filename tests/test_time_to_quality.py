@@ -3,8 +3,12 @@ default and changes training only when set; checked against float64 references."
 
 from __future__ import annotations
 
+import json
 import shlex
+import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,9 +16,13 @@ from conftest import REPO, andrea_main, assert_user_error
 from test_train import read_events, tiny
 
 from andrea.config import load_config
+from andrea.data import shards
+from andrea.data.loader import TokenSplit, train_batch
+from andrea.data.shards import MANIFEST
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
+from andrea.train import loop
 from andrea.train.loop import train
 from andrea.train.muon import POLAR_EXPRESS, Float32Muon, newton_schulz
 from andrea.train.optim import build_optimizer
@@ -377,3 +385,67 @@ def test_a_seq_warmup_that_does_not_divide_the_block_is_one_line_at_the_command_
                       "train.seq_warmup_length=100", "--set", "train.seq_warmup_steps=50")
     assert_user_error(proc, "andrea-12m.yaml", "train.seq_warmup_length: 100 does not divide "
                       "model.block_size 256")
+
+
+@pytest.fixture(scope="module")
+def short_data(tmp_path_factory, data_dir) -> Path:
+    """The tiny preset's data with a train split of its first 2,000 tokens: 30 windows of 64 a
+    pass at any offset, so a run of a few steps goes through several passes."""
+    out = tmp_path_factory.mktemp("short") / data_dir.name
+    shutil.copytree(data_dir, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    first = manifest["shards"]["train"][0]
+    tokens = np.array(shards.open_shard(out / first["file"])[:2000])
+    for entry in manifest["shards"]["train"]:
+        (out / entry["file"]).unlink()
+    writer = shards.ShardWriter(out / first["file"], tokens.dtype,
+                                manifest["tokenizer"]["identity"])
+    writer.write(tokens)
+    writer.close()
+    manifest["shards"]["train"] = [{**first, "tokens": 2000, "checksum": writer.checksum}]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return out
+
+
+def read_starts(monkeypatch, data: Path) -> list[int]:
+    """Make every training micro-batch append the start of each of its windows (of 64 tokens)
+    to the list returned, found by their tokens in the train split."""
+    tokens = np.asarray(TokenSplit(data, "train").shards[0]).tolist()
+    where = {tuple(tokens[s:s + 64]): s for s in range(len(tokens) - 64)}
+    assert len(where) == len(tokens) - 64  # each window's tokens name its start
+    starts: list[int] = []
+
+    def recording(*args, **kwargs):
+        x, y = train_batch(*args, **kwargs)
+        starts.extend(where[tuple(row)] for row in x.tolist())
+        return x, y
+
+    monkeypatch.setattr(loop, "train_batch", recording)
+    return starts
+
+
+EPOCHS = (*WARMUP, "train.max_steps=8", "data.order=epochs", "train.global_batch_tokens=1024",
+          "train.batch_warmup_tokens=512", "train.batch_warmup_steps=3")
+
+
+def test_epochs_order_reads_each_window_once_a_pass_through_a_batch_warmup_and_a_resume(
+        tmp_path, short_data, monkeypatch, capsys):
+    # 3 steps of 8 windows, then 5 of 16: 104 windows, three passes of 30 and 14 of a fourth.
+    starts = read_starts(monkeypatch, short_data)
+    whole = train(tiny(tmp_path / "a", short_data, *EPOCHS), progress=False)
+    assert "passes over the 2,000 prepared training tokens, each window once a pass" in (
+        capsys.readouterr().out)
+    assert len(starts) == 104 and whole.tokens == 104 * 64
+    passes = [starts[k * 30:(k + 1) * 30] for k in range(3)]
+    for seen in passes:
+        assert sorted(seen) == list(range(seen[0] % 64, 2000 - 64, 64))[:30]
+    assert passes[0] != passes[1] != passes[2]
+    # The order goes on from where a resume starts, inside the warm-up and after it.
+    for stop in (2, 5):
+        read = len(starts)
+        first = train(tiny(tmp_path / f"b{stop}", short_data, *EPOCHS), progress=False,
+                      stop_after=stop)
+        rest = train(tiny(tmp_path / f"b{stop}", short_data, *EPOCHS),
+                     resume=str(first.run_dir), progress=False)
+        assert starts[read:] == starts[:104]
+        assert {**first.losses, **rest.losses} == whole.losses

@@ -142,6 +142,11 @@ def validate(cfg: Config, origin: str) -> Config:
             f"{origin}: data.tokenizer_file applies to data.tokenizer bpe only, not "
             f"{d.tokenizer}; set data.tokenizer=bpe or data.tokenizer_file=''"
         )
+    if d.order == "epochs" and d.sources:
+        raise UserError(
+            f"{origin}: data.order: epochs passes over one data dir, and data.sources is a "
+            f"mixture (its windows are drawn by weight); set data.order=random or use one source"
+        )
     t = cfg.train
     if t.name and (t.name in (".", "..") or "/" in t.name or "\\" in t.name):
         raise UserError(

@@ -80,6 +80,11 @@ class DataConfig:
     sources: list = key(
         [], "a mixture: a list of {path, weight}, each prepared on its own, each training "
         "window drawn from source i with probability weight_i / sum(weights); empty: source alone")
+    order: str = key(
+        "random", "the training windows' order: random draws each step's afresh (over a run some "
+        "come more often than others); epochs takes every window of the split once a pass, "
+        "in a new order and at a new offset each pass (one data dir, not data.sources)",
+        choices=("random", "epochs"))
 
 
 @dataclass

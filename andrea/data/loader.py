@@ -20,6 +20,16 @@ that many distinct windows among the source's own; window j takes the next one o
 A data dir draws no source choice (every window is its own), so its windows are step 3's draw
 over all its candidates; data.sources draws one per window even when it lists one source (as it
 always has: the same config draws the same batches). All of the above holds for every split.
+
+That is data.order `random`: each step draws afresh, so over a run of P passes a token is read
+about Poisson(P) times (at 3 passes some 5% never, some 8% six times or more). data.order
+`epochs` (a data dir only) instead reads the split pass by pass: pass k has its own generator,
+seeded by (seed, block_size, k), which draws an offset o_k and then one permutation of the
+candidate windows at o_k (the first N of them, N the fewest any offset has, so every pass has as
+many); the run's windows are those permutations one after another, and a step takes the next G * B
+of them, starting at window tokens_before // block_size of the sequence (tokens_before: the tokens
+of the run's earlier steps). So every window of a pass comes once before any comes again, and a
+batch is still a function of (seed, tokens_before, rank, micro_step, sizes).
 """
 
 from __future__ import annotations
@@ -81,6 +91,7 @@ class TokenSplit:
         self.names: list[str] = [self.data_dir.name]
         self.weights: np.ndarray = np.ones(1)
         self.shard_ranges: list[tuple[int, int]] = [(0, len(self.shards))]
+        self.pass_orders: dict[tuple[int, int, int], tuple[int, np.ndarray, np.ndarray]] = {}
 
     def window_counts(self, block_size: int, offset: int) -> np.ndarray:
         """Per shard: how many windows of block_size + 1 start at offset + i * block_size."""
@@ -93,6 +104,21 @@ class TokenSplit:
         local = index - (int(cum[shard - 1]) if shard else 0)
         start = offset + local * block_size
         return self.tokens(shard, start, block_size + 1)
+
+    def pass_order(self, seed: int, block_size: int, k: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """Pass k of data.order epochs: (its offset, cumulative window counts at that offset,
+        the permutation of its windows). The last two passes asked for are kept: a step spans
+        at most a pass boundary, and a permutation holds 8 bytes a window."""
+        key = (seed, block_size, k)
+        if key not in self.pass_orders:
+            rng = np.random.default_rng([seed, block_size, k])
+            offset = int(rng.integers(0, block_size))
+            per_pass = int(self.window_counts(block_size, block_size - 1).sum())
+            cum = np.cumsum(self.window_counts(block_size, offset))
+            for old in list(self.pass_orders)[:-1]:
+                del self.pass_orders[old]
+            self.pass_orders[key] = (offset, cum, rng.permutation(per_pass))
+        return self.pass_orders[key]
 
     def tokens(self, shard: int, start: int, length: int) -> np.ndarray:
         """`length` tokens of a shard from `start`, as int64, every id checked to be one the
@@ -135,6 +161,7 @@ class Mixture(TokenSplit):
         self.shard_ranges = list(zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True))
         self.shard_sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
         self.n_tokens = int(self.shard_sizes.sum())
+        self.pass_orders = {}
 
 
 def open_split(cfg: Config, split: str) -> TokenSplit:
@@ -266,8 +293,11 @@ def train_batch(
     world_size: int,
     micro_batch_size: int,
     block_size: int,
+    order: str = "random",
+    tokens_before: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batch (x, y), int64 [B, T], for (step, rank, micro_step); see the module doc."""
+    """Micro-batch (x, y), int64 [B, T], for (step, rank, micro_step); order "epochs" places the
+    step in the passes by tokens_before, the tokens of the run's earlier steps (module doc)."""
     if not (0 <= rank < world_size and 0 <= micro_step < accum_steps):
         raise ValueError(f"rank {rank}/{world_size}, micro_step {micro_step}/{accum_steps}")
     if split.check is not None and world_size == 1:
@@ -278,13 +308,33 @@ def train_batch(
     for name, part in zip(split.names, split.parts, strict=True):
         what = f" (mixture source {name})" if split.draws_sources else ""
         _check_enough(part, per_step, block_size, what)
-    rng = np.random.default_rng([seed, step])
-    offset = int(rng.integers(0, block_size))
-    cum = np.cumsum(split.window_counts(block_size, offset))
-    chosen = _draw_windows(split, rng, cum, per_step)
+    if order == "epochs":
+        chosen = _pass_windows(split, seed, tokens_before, per_step, block_size)
+    else:
+        rng = np.random.default_rng([seed, step])
+        offset = int(rng.integers(0, block_size))
+        cum = np.cumsum(split.window_counts(block_size, offset))
+        chosen = [(int(i), cum, offset) for i in _draw_windows(split, rng, cum, per_step)]
     g = rank * accum_steps + micro_step
     mine = chosen[g * micro_batch_size : (g + 1) * micro_batch_size]
-    return _stack([split.window(int(i), cum, block_size, offset) for i in mine])
+    return _stack([split.window(i, cum, block_size, offset) for i, cum, offset in mine])
+
+
+def _pass_windows(
+    split: TokenSplit, seed: int, tokens_before: int, per_step: int, block_size: int
+) -> list[tuple[int, np.ndarray, int]]:
+    """data.order epochs: the step's per_step windows, (number, cumulative counts, offset) each,
+    the next ones of the passes' permutations (module doc)."""
+    if split.draws_sources:
+        raise ValueError("data.order epochs reads one data dir, not a mixture")
+    per_pass = int(split.window_counts(block_size, block_size - 1).sum())
+    k, j = divmod(tokens_before // block_size, per_pass)
+    chosen: list[tuple[int, np.ndarray, int]] = []
+    while len(chosen) < per_step:
+        offset, cum, permutation = split.pass_order(seed, block_size, k)
+        chosen += [(int(i), cum, offset) for i in permutation[j : j + per_step - len(chosen)]]
+        k, j = k + 1, 0
+    return chosen
 
 
 def _check_enough(split: TokenSplit, per_step: int, block_size: int, what: str) -> None:

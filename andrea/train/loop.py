@@ -246,6 +246,7 @@ def forward_backward(s: Session, bar: tqdm) -> StepOutcome | None:
             s.train_split, seed=t.seed, step=data_step, micro_step=micro, rank=s.dist.rank,
             accum_steps=accum, world_size=s.dist.world_size,
             micro_batch_size=windows, block_size=length,
+            order=s.cfg.data.order, tokens_before=s.tokens_through(data_step),
         )
         if spike_scale is not None:
             x, y = faults.garble(x, y, s.cfg.model.vocab_size, data_step)

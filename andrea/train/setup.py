@@ -569,6 +569,8 @@ def plan_lines(s: Session) -> list[str]:
                 f"{per_step:,} tokens/step")
     line = (f"plan: {size} = {total:,} tokens = "
             f"{_passes(passes)} passes over the {prepared:,} prepared training tokens")
+    if s.cfg.data.order == "epochs":
+        line += ", each window once a pass (data.order epochs)"
     if len(sources) > 1:
         line += "; per source: " + ", ".join(
             f"{name} {_passes(p)} over {n:,}" for name, p, n in sources)
