@@ -45,6 +45,11 @@ from andrea.train.loop import train
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's text in sync debug mode "warn"
 SHORT, LONG = 3, 8
 MICRO_BATCHES = (1, 8)
+# Every counted run's: no sequence warm-up (both of its keys, as a preset that has one needs),
+# no evaluation, no checkpoint but the final one, a record every step.
+STEP_SETTINGS = ("train.warmup_steps=2", "train.seq_warmup_length=0", "train.seq_warmup_steps=0",
+                 "train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=1",
+                 "train.log_every=1")
 PACKAGE = str(Path(andrea.__file__).resolve().parent)
 
 
@@ -94,9 +99,8 @@ def measure(preset: str, data: Path, device: str, runs: Path,
     def run(name: str, micro: int, steps: int) -> Callable[[], object]:
         return partial(train, load_config(preset, [
             *(extra or []), f"data.dir={data}", f"train.runs_dir={runs}", f"train.name={name}",
-            f"train.device={device}", f"train.max_steps={steps}", "train.warmup_steps=2",
-            "train.seq_warmup_steps=0", f"train.micro_batch_size={micro}", "train.eval_every=0",
-            "train.checkpoint_every=0", "train.keep_last=1", "train.log_every=1",
+            f"train.device={device}", f"train.max_steps={steps}",
+            f"train.micro_batch_size={micro}", *STEP_SETTINGS,
         ]), progress=False)
 
     # The process's first run pays what happens once (CUDA's and cuBLAS's set-up, the kernels'

@@ -314,6 +314,19 @@ def test_train_summary(tmp_path: Path) -> None:
     assert report.train_report(tmp_path / "absent.jsonl", 6)[0] == 1
 
 
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (REPO / "configs").glob("*.yaml")))
+def test_step_syncs_settings_load_on_every_preset(preset: str) -> None:
+    """The counted runs' settings are a valid config on every preset, one with a sequence
+    warm-up too (ANDREA-12M's: setting its steps to 0 alone is refused, and the GPU's first
+    step-syncs part ended there), and they leave every step at the preset's block size."""
+    from andrea.config import load_config
+
+    steps = load_script("gpu_step_syncs")
+    cfg = load_config(preset, list(steps.STEP_SETTINGS))
+    assert (cfg.train.seq_warmup_length, cfg.train.seq_warmup_steps) == (0, 0)
+    assert cfg.train.eval_every == 0 and cfg.train.log_every == 1
+
+
 @pytest.mark.filterwarnings("ignore:called a synchronizing")  # the uncounted warm-up run
 def test_step_syncs_counted_per_step_on_a_cpu_whose_reads_warn(tmp_path, data_dir, monkeypatch):
     """scripts/gpu_step_syncs.py end to end on the CPU, where torch's sync debug mode has nothing
