@@ -50,7 +50,8 @@ class ModelConfig:
         "gelu", "MLP activation: gelu is the exact erf form, gelu_tanh GPT-2's tanh approximation",
         choices=("gelu", "gelu_tanh"))
     attention: str = key(
-        "auto", "attention backend: cuda (andrea's kernel), sdpa (torch), math; auto picks",
+        "auto", "attention backend: sdpa (torch), cuda (andrea's kernels), math (the reference); "
+        "auto: sdpa",
         choices=("auto", "cuda", "sdpa", "math"), resumable=True)
     init_std: float = key(0.02, "standard deviation of the initial weights", check=positive())
 
