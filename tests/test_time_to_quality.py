@@ -449,3 +449,13 @@ def test_epochs_order_reads_each_window_once_a_pass_through_a_batch_warmup_and_a
                      resume=str(first.run_dir), progress=False)
         assert starts[read:] == starts[:104]
         assert {**first.losses, **rest.losses} == whole.losses
+
+
+def test_the_12m_preset_reads_in_epochs_and_a_mixture_on_it_is_told_to_draw():
+    """Round 10 made data.order epochs the 12M preset's; a mixture set on the preset is one
+    line that says what to change, not a traceback."""
+    assert load_config("andrea-12m.yaml").data.order == "epochs"
+    proc = andrea_main("train", "--config", "andrea-12m.yaml",
+                       "--set", "data.sources=[{path: a, weight: 1}, {path: b}]")
+    assert_user_error(proc, "andrea-12m.yaml", "data.order: epochs passes over one data dir",
+                      "set data.order=random or use one source")
