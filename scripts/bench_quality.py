@@ -7,8 +7,9 @@ token budget.
                                     [--variant LABEL:KEY=VALUE,KEY=VALUE ...] [--reuse]
 
 Both runs are `andrea.train.loop.train` with the preset's settings, the same seed and therefore the
-same initial weights and the same data order (batches are a function of seed and step); they
-differ only in train.optimizer. The budget is rounded up to a whole number of optimizer steps
+same initial weights and the same data order (batches are a function of seed and step; with
+data.order epochs, of seed and the tokens before the step); they differ only in
+train.optimizer. The budget is rounded up to a whole number of optimizer steps
 divisible by 10; warm-up is the preset's, capped at a tenth of the steps so a short budget still
 reaches the peak learning rate. Each run checkpoints at every tenth of the budget, and every
 checkpoint is evaluated (andrea.evaluate.evaluate_checkpoint) on the same --eval-tokens tokens
