@@ -98,6 +98,10 @@ class TokenSplit:
         room = self.shard_sizes - offset - (block_size + 1)
         return np.where(room >= 0, room // block_size + 1, 0)
 
+    def fewest_windows(self, block_size: int) -> int:
+        """The fewest windows any offset has (offset block_size - 1 starts latest)."""
+        return int(self.window_counts(block_size, block_size - 1).sum())
+
     def window(self, index: int, cum: np.ndarray, block_size: int, offset: int) -> np.ndarray:
         """Global window number `index` (cum = cumulative window counts) as int64 tokens."""
         shard = int(np.searchsorted(cum, index, side="right"))
@@ -113,7 +117,7 @@ class TokenSplit:
         if key not in self.pass_orders:
             rng = np.random.default_rng([seed, block_size, k])
             offset = int(rng.integers(0, block_size))
-            per_pass = int(self.window_counts(block_size, block_size - 1).sum())
+            per_pass = self.fewest_windows(block_size)
             cum = np.cumsum(self.window_counts(block_size, offset))
             for old in list(self.pass_orders)[:-1]:
                 del self.pass_orders[old]
@@ -327,7 +331,7 @@ def _pass_windows(
     the next ones of the passes' permutations (module doc)."""
     if split.draws_sources:
         raise ValueError("data.order epochs reads one data dir, not a mixture")
-    per_pass = int(split.window_counts(block_size, block_size - 1).sum())
+    per_pass = split.fewest_windows(block_size)
     k, j = divmod(tokens_before // block_size, per_pass)
     chosen: list[tuple[int, np.ndarray, int]] = []
     while len(chosen) < per_step:
@@ -339,7 +343,7 @@ def _pass_windows(
 
 def _check_enough(split: TokenSplit, per_step: int, block_size: int, what: str) -> None:
     # The smallest count over all offsets, so the check does not depend on the step.
-    if int(split.window_counts(block_size, block_size - 1).sum()) < per_step:
+    if split.fewest_windows(block_size) < per_step:
         raise UserError(
             f"{split.data_dir}: the {split.split} split{what} has {split.n_tokens:,} tokens, "
             f"too few for one global batch of {per_step} windows of {block_size + 1} tokens "
