@@ -99,7 +99,11 @@ class TrainConfig:
         "auto", "autocast dtype; fp16 trains with dynamic loss scaling; auto: bf16 on a GPU of "
         "compute capability 8.0+ or a CPU with bf16 units, fp16 on 7.x GPUs and P100, else fp32",
         choices=PRECISIONS)
-    compile: bool = key(False, "torch.compile the model", resumable=True)
+    compile: bool | str = key(
+        "auto", "torch.compile the model (its first steps compile); auto: on one CUDA process, "
+        "not on a CPU and not yet under torchrun",
+        check=Check(lambda x: x == "auto" or isinstance(x, bool), "auto, true or false"),
+        resumable=True)
     micro_batch_size: int | str = key(
         8, "sequences per forward/backward; auto: the largest that divides the per-process "
         "batch and fits the device's memory, resolved once per run and kept on resume",

@@ -8,6 +8,7 @@ reshape/transpose, one causal attention call over all heads, then W_O to mix the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,31 @@ def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def softmax_chunk(
+    logits: torch.Tensor,  # [rows, vocab] in the matmul's dtype
+    targets: torch.Tensor,  # [rows, 1], ignored rows clamped to 0
+    valid: torch.Tensor,  # [rows], 1 for a counted row, 0 for an ignored one
+    count: torch.Tensor,  # the loss's number of counted rows (all chunks)
+    wants_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of ChunkedCrossEntropy between its matmuls: (the chunk's summed negative
+    log-likelihood, d loss / d logits in the logits' dtype or None). The softmax runs in float32
+    (float64 stays float64). Under a compiled model this runs as one compiled graph (its
+    elementwise passes fused), called for every chunk with the same shapes."""
+    softmax_dtype = torch.promote_types(logits.dtype, torch.float32)
+    # One fused, vectorised pass (the cast included): logsumexp, then subtracting and
+    # exponentiating in separate passes took about twice as long on a CPU.
+    log_probs = torch.log_softmax(logits, dim=1, dtype=softmax_dtype)
+    picked = log_probs.gather(1, targets)
+    nll = -(picked.squeeze(1) * valid).sum()
+    if not wants_grad:
+        return nll, None
+    # d loss / d logits = (softmax - one_hot(target)) / count, zero on ignored rows.
+    grad_logits = log_probs.exp_()
+    grad_logits.scatter_add_(1, targets, -torch.ones_like(picked))
+    return nll, grad_logits.mul_((valid / count).unsqueeze(1)).to(logits.dtype)
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits = hidden @ weight.T against targets (-1: ignored), computed
     chunk_rows rows at a time, so only one chunk's logits exist at once.
@@ -137,7 +163,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     scales them by the incoming gradient. That costs the same three matmuls as the plain form
     and keeps nothing of size [rows, vocab]. Same numbers as
     F.cross_entropy(F.linear(hidden, weight).float(), targets): the matmuls run in autocast's
-    dtype, the softmax in float32 (float64 stays float64).
+    dtype, the softmax in float32 (float64 stays float64). `chunk_fn` is softmax_chunk, or its
+    compiled form under a compiled model.
     """
 
     @staticmethod
@@ -147,6 +174,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,  # [vocab, d_model]
         targets: torch.Tensor,  # [N]
         chunk_rows: int,
+        chunk_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = softmax_chunk,
     ) -> torch.Tensor:
         compute = _compute_dtype(hidden.device, weight.dtype)
         softmax_dtype = torch.promote_types(compute, torch.float32)
@@ -162,16 +190,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             h = hidden[rows].to(compute)
-            # One fused, vectorised pass (the cast included): logsumexp, then subtracting and
-            # exponentiating in separate passes took about twice as long on a CPU.
-            log_probs = torch.log_softmax(F.linear(h, w), dim=1, dtype=softmax_dtype)
-            picked = log_probs.gather(1, safe_targets[rows])
-            total -= (picked.squeeze(1) * valid[rows]).sum()
-            if wants_grad:
-                # d loss / d logits = (softmax - one_hot(target)) / count, zero on ignored rows.
-                grad_logits = log_probs.exp_()
-                grad_logits.scatter_add_(1, safe_targets[rows], -torch.ones_like(picked))
-                grad_logits = grad_logits.mul_((valid[rows] / count).unsqueeze(1)).to(compute)
+            nll, grad_logits = chunk_fn(F.linear(h, w), safe_targets[rows], valid[rows], count,
+                                        wants_grad)
+            total += nll
+            if grad_logits is not None:
                 grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)
                 if grad_weight.dtype == compute:  # no rounded [vocab, d_model] temporary
                     grad_weight.addmm_(grad_logits.t(), h)
@@ -184,9 +206,21 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
+
+
+@torch.compiler.disable
+def chunked_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
+    chunk_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+) -> torch.Tensor:
+    """ChunkedCrossEntropy, kept out of a compiled model's graph: its loop over the chunks
+    would be unrolled there (25 chunks a micro-batch of 16 x 1024 at vocab 50,304), a graph of
+    many small matmuls that took minutes to compile; the compiled model runs its chunks through
+    a compiled softmax_chunk instead (Andrea.loss_chunk_fn)."""
+    return ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_rows, chunk_fn)
 
 
 class Andrea(nn.Module):
@@ -203,6 +237,9 @@ class Andrea(nn.Module):
         self.lm_head.weight = self.tok_emb.weight  # tied
         # Rows per chunk of the loss; None computes the full logits first (the plain form).
         self.loss_chunk_rows: int | None = loss_chunk_rows(cfg.vocab_size)
+        # What each chunk of the loss runs between its matmuls (compiled with the model).
+        self.loss_chunk_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = (
+            softmax_chunk)
         # Recompute each block in backward (train.activation_checkpointing: blocks).
         self.checkpoint_blocks = False
         self.reset_parameters()
@@ -282,9 +319,8 @@ class Andrea(nn.Module):
             )
             return None, loss
         hidden = x.reshape(-1, x.size(-1))
-        loss = ChunkedCrossEntropy.apply(
-            hidden, self.lm_head.weight, targets.reshape(-1), self.loss_chunk_rows
-        )
+        loss = chunked_loss(hidden, self.lm_head.weight, targets.reshape(-1),
+                            self.loss_chunk_rows, self.loss_chunk_fn)
         return None, loss
 
     def num_params(self) -> int:

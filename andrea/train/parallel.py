@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from andrea.config import register_choices
+from andrea.train.compiled import compile_model
 from andrea.train.rundir import TrainerState
 from andrea.train.sharding import clip_grad_norm, shard_model
 from andrea.train.torchrun import DistInfo
@@ -44,9 +45,9 @@ class Parallel:
     def shard(self, model: nn.Module, device: torch.device, bf16_params: bool) -> None:
         """Lay the model out over the processes, before the optimizer takes its parameters."""
 
-    def wrap(self, model: nn.Module, compile_model: bool, device: torch.device) -> nn.Module:
+    def wrap(self, model: nn.Module, compiling: bool, device: torch.device) -> nn.Module:
         """The module the steps call: compiled if asked (inside DDP under ddp)."""
-        return torch.compile(model) if compile_model else model
+        return compile_model(model) if compiling else model
 
     def gradient_sync(self, model: nn.Module, train_model: nn.Module,
                       last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -81,11 +82,11 @@ class Parallel:
 class DataParallel(Parallel):
     name: ClassVar[str] = "ddp"
 
-    def wrap(self, model: nn.Module, compile_model: bool, device: torch.device) -> nn.Module:
+    def wrap(self, model: nn.Module, compiling: bool, device: torch.device) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         device_ids = [self.dist.local_rank] if device.type == "cuda" else None
-        return DDP(super().wrap(model, compile_model, device), device_ids=device_ids)
+        return DDP(super().wrap(model, compiling, device), device_ids=device_ids)
 
     def gradient_sync(self, model: nn.Module, train_model: nn.Module,
                       last: bool) -> contextlib.AbstractContextManager[Any]:

@@ -40,6 +40,7 @@ from andrea.train.checkpoint import (
     start_warning,
 )
 from andrea.train.collectives import all_reduce_sum, barrier, from_rank0
+from andrea.train.compiled import choose_compile, compile_line
 from andrea.train.device import choose_precision, device_name, precision_warning
 from andrea.train.flops import MfuMeter, flops_per_token
 from andrea.train.memory import (
@@ -121,7 +122,8 @@ def set_up(
                                                           trainer_state=trainer_state)
     s.accum, batch_line = accumulation_steps(cfg, s.micro_batch, dist.world_size, trainer_state)
     s.warmup_accum = batch_warmup_accumulation(cfg, s.micro_batch, dist.world_size)
-    s.train_model = parallel.wrap(model, cfg.train.compile, device)
+    compiling, compile_why = choose_compile(cfg.train.compile, device, dist)
+    s.train_model = parallel.wrap(model, compiling, device)
     s.checkpoint_nbytes = checkpoint_nbytes(model, optimizer, parallel.sharded, dist.world_size,
                                             device.type)
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
@@ -133,6 +135,7 @@ def set_up(
         start_run_files(s, resume_from, changes, backend)
         signals.metrics_path = run_dir / METRICS
         announce(s, backend, why, changes, trainer_state=trainer_state, resume_from=resume_from,
+                 compile_line=compile_line(compiling, compile_why),
                  micro_batch_line="\n".join(line for line in (micro_batch_line, batch_line)
                                              if line),
                  schedule_lines=schedule_lines)
@@ -491,6 +494,7 @@ def announce(
     *,
     trainer_state: TrainerState | None,
     resume_from: Path | None,
+    compile_line: str,
     micro_batch_line: str,
     schedule_lines: list[str],
 ) -> None:
@@ -501,6 +505,7 @@ def announce(
     if costly:
         s.say(costly)
     s.say(f"attention: {backend} ({why})")
+    s.say(compile_line)
     for key, (old, new) in changes.items():
         s.say(f"resume: {key} {old} -> {new}")
     resharding = (s.parallel.resharding_line(trainer_state) if trainer_state is not None
