@@ -368,11 +368,14 @@ def test_one_tokens_per_s_in_the_bar_the_end_record_and_runs(tmp_path, data_dir,
     records, _ = read_metrics(tmp_path / "s" / "metrics.jsonl")
     end, trains = records[-1], [r for r in records if r["event"] == "train"]
     assert end["event"] == "end" and len(trains) == 4
-    # The definition, from the records alone: each step's tokens over its seconds, summed.
-    seconds = sum(512 / r["tokens_per_s"] for r in trains)
-    assert end["train_tokens"] == 4 * 512 and end["train_seconds"] == trains[-1]["train_seconds"]
+    # The definition, from the records alone: each step's tokens over its seconds, summed,
+    # the first step (the warm-up of the run's one window length) left out and kept apart.
+    seconds = sum(512 / r["tokens_per_s"] for r in trains[1:])
+    assert end["train_tokens"] == 3 * 512 and end["train_seconds"] == trains[-1]["train_seconds"]
     assert end["train_seconds"] == pytest.approx(seconds, rel=1e-3)
-    assert end["tokens_per_s"] == round(4 * 512 / end["train_seconds"], 1)
+    assert end["warmup_steps"] == 1
+    assert end["warmup_seconds"] == pytest.approx(512 / trains[0]["tokens_per_s"], rel=1e-3)
+    assert end["tokens_per_s"] == round(3 * 512 / end["train_seconds"], 1)
     # Evaluations and checkpoints are not in it: the run took longer than its steps.
     assert end["train_seconds"] < end["time"] - records[0]["time"]
     shown = tqdm.format_sizeof(end["tokens_per_s"])

@@ -376,12 +376,16 @@ def log_step(
 ) -> None:
     """The step's train record (every log_every steps) and the bar's state. A record's
     tokens_per_s and mfu are the step's own; the run's figure is train_tokens / train_seconds,
-    the same the bar shows (train.metrics.Throughput)."""
+    the same the bar shows (train.metrics.Throughput), without the warm-up steps."""
     t = s.cfg.train
     step_tokens = s.tokens_at(s.step - 1)
     tok_s = step_tokens / seconds
-    s.throughput.append(tok_s)
-    s.speed.add(step_tokens, seconds)
+    shape = s.windows_at(s.step - 1)
+    warmup = shape not in s.timed_shapes  # this process's first step of this window length
+    s.timed_shapes.add(shape)
+    if not warmup:
+        s.throughput.append(tok_s)
+    s.speed.add(step_tokens, seconds, warmup=warmup)
     step_mfu = s.mfu(tok_s)
     scaling = ({"loss_scale": s.scaling.value, "overflows": s.scaling.overflows}
                if s.scaling.enabled else {})

@@ -111,14 +111,22 @@ class Throughput:
     """The run's tokens/s: the tokens this process's steps trained over the wall time of those
     steps, from the start of a step's first micro-batch to its logging. Evaluation, checkpoints,
     set-up and a rolled-back step's work are left out, so the figure says how fast the model
-    trains, whatever the eval and checkpoint intervals. Counted per `andrea train` process (a
+    trains, whatever the eval and checkpoint intervals. So are warm-up steps, the first step of
+    each window length in a process (a compiled model compiles then; CUDA allocates and tunes
+    then): their count and seconds are kept apart. Counted per `andrea train` process (a
     resumed segment starts again at zero: it may run on other hardware)."""
 
     def __init__(self) -> None:
         self.tokens = 0
         self.seconds = 0.0
+        self.warmup_steps = 0
+        self.warmup_seconds = 0.0
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, *, warmup: bool = False) -> None:
+        if warmup:
+            self.warmup_steps += 1
+            self.warmup_seconds += seconds
+            return
         self.tokens += tokens
         self.seconds += seconds
 
@@ -128,8 +136,11 @@ class Throughput:
         return tokens_per_s(self.tokens, round(self.seconds, 4))
 
     def fields(self) -> dict[str, Any]:
-        """What a train or end record carries to recompute the figure: tokens over seconds."""
-        return {"train_tokens": self.tokens, "train_seconds": round(self.seconds, 4)}
+        """What a train or end record carries to recompute the figure (tokens over seconds),
+        and the warm-up steps left out of it."""
+        return {"train_tokens": self.tokens, "train_seconds": round(self.seconds, 4),
+                "warmup_steps": self.warmup_steps,
+                "warmup_seconds": round(self.warmup_seconds, 4)}
 
 
 def _number(value: Any) -> float | None:

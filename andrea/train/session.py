@@ -99,6 +99,8 @@ class Session:
     losses: dict[int, float] = field(default_factory=dict)
     throughput: list[float] = field(default_factory=list)  # each step's tokens/s
     speed: Throughput = field(default_factory=Throughput)  # the run's one tokens/s
+    # The (windows, length) shapes this process has stepped on: a step of a new one warms up.
+    timed_shapes: set[tuple[int, int]] = field(default_factory=set)
     val_set: list[ValSource] | None = None  # the fixed val windows, made at the first eval
     schedule_anchor: dict[str, Any] | None = None  # the lr schedule re-planned on a resume
     warmup_accum: int = 0  # micro-batches per step during the batch-size warm-up (0: none)
