@@ -18,14 +18,21 @@ import torch.distributed as dist
 from andrea.train.restarts import attempt
 from andrea.train.torchrun import DistInfo, TorchrunEnv, torchrun_env
 
+# Set to 1 under `torchrun --nproc-per-node 1`: a process group of one (DistInfo.group_of_one),
+# so that scripts/gpu_speed.py runs the NCCL path, ddp and fsdp, on a machine with one GPU.
+GROUP_OF_ONE = "ANDREA_PROCESS_GROUP_OF_ONE"
+
 
 def init_distributed(device_type: str, join_timeout: float = 300.0) -> DistInfo:
     """Join the torchrun process group if there are several processes; else a single one.
     A process that cannot meet the others within join_timeout seconds stops with one line."""
     env = torchrun_env()
-    if env.world_size <= 1:
+    group_of_one = env.world_size == 1 and os.environ.get(GROUP_OF_ONE) == "1" and bool(
+        env.master_addr)
+    if env.world_size <= 1 and not group_of_one:
         return DistInfo()
-    info = DistInfo(env.rank, env.local_rank, env.world_size, env.local_world_size)
+    info = DistInfo(env.rank, env.local_rank, env.world_size, env.local_world_size,
+                    group_of_one=group_of_one)
     if device_type == "cuda":
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():

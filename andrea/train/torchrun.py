@@ -55,10 +55,13 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1  # the processes on this machine, which share its memory
+    # A process group of one process (ANDREA_PROCESS_GROUP_OF_ONE=1 under torchrun): the
+    # several-process path (NCCL, DDP, FSDP2) run on one GPU, to check it where only one is.
+    group_of_one: bool = False
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.group_of_one
 
     @property
     def is_main(self) -> bool:
