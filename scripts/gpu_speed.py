@@ -1,0 +1,265 @@
+"""andrea's training step on one GPU, side by side with a plain compiled loop: the one call.
+
+    python scripts/gpu_speed.py OUTDIR            # on the GPU machine, from the repository root
+    python scripts/gpu_speed.py OUTDIR --dry-run  # here, without a GPU: the plumbing, tiny runs
+
+On the GPU machine, through the device tool (.gpu-wheels as for scripts/gpu_check.sh, whose
+header says how to fill it):
+
+    run(command="python3 scripts/gpu_speed.py $OUT", carry=[".gpu-wheels"], timeout_s=390)
+
+Parts, each a process of its own under a budget (cut to what is left of RUN_BUDGET_S), run one
+after the other so that none slows another; the table printed last (and OUTDIR/speed.json):
+
+  reference    scripts/reference_gpt.py: the plain nanoGPT-style loop, compiled (the yardstick)
+  120m-eager   andrea train, ANDREA-120M at 16 x 1024 x 4 micro-batches, train.compile=false
+  120m         the same at the defaults (train.compile auto: compiled), inductor's cache empty
+  120m-warm    the same again, the cache filled by 120m: the second run's compile
+  120m-auto    the preset's own micro-batch choice (auto) at the same 65,536 tokens a step
+  12m-eager    ANDREA-12M's whole preset run (550 steps), train.compile=false
+  12m          the same at the defaults (compiled)
+  12m-graphs   the same compiled with mode reduce-overhead (CUDA graphs), cache from 12m
+  ddp, fsdp    ANDREA-12M for 8 steps under `torchrun --nproc-per-node 1` with a process group
+               of one (ANDREA_PROCESS_GROUP_OF_ONE=1: NCCL), ddp; then fsdp resuming it to 16
+  120m-plain   as 120m-warm, the loss unchunked inside the compiled graph (F.cross_entropy on
+               the whole logits, as the reference): what the chunked loss costs
+
+A run's tokens/s is the median of its steps' own figures after the first four (as the
+reference's), beside the run's figure (warm-up steps left out, docs/metrics.md); the compile is
+the warm-up steps' seconds. `--profile` parts also write the top CUDA kernels of their steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_BUDGET_S = 330  # no part starts or runs past it; the device call's timeout_s is 390
+STEPS_120M = 16
+BATCH_120M = ("train.micro_batch_size=16", "train.global_batch_tokens=65536")
+QUIET = ("train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=1", "train.log_every=1")
+
+# name, budget s, what
+# In the order of what decides most, so that a slow machine leaves out the least.
+PARTS: list[tuple[str, int]] = [
+    ("reference", 60), ("120m", 70), ("120m-eager", 40), ("120m-warm", 40), ("12m", 60),
+    ("12m-eager", 45), ("ddp", 30), ("fsdp", 30), ("120m-auto", 40), ("12m-graphs", 50),
+    ("120m-plain", 60),
+]
+
+
+def andrea_run(args: argparse.Namespace) -> None:
+    """One andrea training in this process (a part's process): its figures to --json."""
+    import torch
+
+    from andrea.config import load_config
+    from andrea.model import transformer
+    from andrea.runs import read_metrics
+    from andrea.train import compiled
+    from andrea.train.loop import train
+
+    if args.mode:
+        compiled.MODE = args.mode
+    if args.plain_loss:  # every model built from here on computes its loss unchunked
+        transformer.loss_chunk_rows = lambda vocab_size: None
+    cfg = load_config(args.preset, args.set)
+    profiler = None
+    if args.profile and torch.cuda.is_available():
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        profiler.__enter__()
+    t0 = time.perf_counter()
+    result = train(cfg, overwrite=True, progress=False, resume=args.resume)
+    wall = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        Path(args.json).with_suffix(".profile.txt").write_text(table)
+    records, _ = read_metrics(result.run_dir / "metrics.jsonl")
+    trains = [r for r in records if r["event"] == "train"]
+    end = next(r for r in reversed(records) if r["event"] == "end")
+    evals = [r for r in records if r["event"] == "eval"]
+    rates = [r["tokens_per_s"] for r in trains][4:] or [r["tokens_per_s"] for r in trains]
+    out = {
+        "state": result.state, "steps": result.steps, "wall_s": round(wall, 1),
+        "median_tokens_per_s": round(statistics.median(rates), 1) if rates else None,
+        "tokens_per_s": end.get("tokens_per_s"), "mfu": end.get("mfu"),
+        "train_seconds": end.get("train_seconds"), "warmup_seconds": end.get("warmup_seconds"),
+        "warmup_steps": end.get("warmup_steps"),
+        "last_loss": trains[-1]["loss"] if trains else None,
+        "val_loss": evals[-1].get("val_loss") if evals else None,
+        "val_bpb": evals[-1].get("val_bpb") if evals else None,
+    }
+    print(json.dumps(out))
+    Path(args.json).write_text(json.dumps(out))
+
+
+def part_command(name: str, work: Path, out: Path, dry: bool) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one part."""
+    py = [sys.executable]
+    me = [*py, str(Path(__file__).resolve()), "--run-andrea"]
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
+    data_120m = f"data.dir={work / 'data-gpt2'}"
+    data_12m = f"data.dir={work / 'data-bpe'}"
+    runs = f"train.runs_dir={work / 'runs'}"
+    big = ["--preset", "andrea-120m", "--set", data_120m, runs,
+           f"train.max_steps={STEPS_120M}", *QUIET, *BATCH_120M]
+    small = ["--preset", "andrea-12m", "--set", data_12m, runs]
+    if dry:  # the plumbing on a CPU: the tiny preset, a few steps
+        big = ["--preset", "andrea-tiny", "--set", f"data.dir={work / 'data-byte'}", runs,
+               "train.max_steps=6", *QUIET, "train.micro_batch_size=2",
+               "train.global_batch_tokens=256"]
+        small = ["--preset", "andrea-tiny", "--set", f"data.dir={work / 'data-byte'}", runs,
+                 "train.max_steps=6", "train.eval_every=3"]
+    j = ["--json", str(out / f"{name}.json")]
+    if name == "reference":
+        return [*py, str(REPO / "scripts" / "reference_gpt.py"), *j,
+                *(["--dry-run"] if dry else [])], env
+    if name == "120m-eager":
+        return [*me, *j, *big, "train.compile=false", "train.name=eager"], env
+    if name == "120m":
+        return [*me, *j, *big, "train.name=compiled"], env
+    if name == "120m-warm":
+        return [*me, *j, "--profile", *big, "train.name=warm"], env
+    if name == "120m-auto":
+        auto = [a for a in big if not a.startswith("train.micro_batch_size")]
+        return [*me, *j, *auto, "train.micro_batch_size=auto", "train.name=auto"], env
+    if name == "120m-plain":
+        return [*me, *j, "--plain-loss", *big, "train.name=plain"], env
+    if name == "12m-eager":
+        return [*me, *j, *small, "train.compile=false", "train.name=s-eager"], env
+    if name == "12m":
+        return [*me, *j, "--profile", *small, "train.name=s-compiled"], env
+    if name == "12m-graphs":
+        return [*me, *j, "--mode", "reduce-overhead", *small, "train.name=s-graphs"], env
+    torchrun = [*py, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone"]
+    env["ANDREA_PROCESS_GROUP_OF_ONE"] = "1"
+    nccl = [a for a in small if a != "train.eval_every=3"]
+    if name == "ddp":
+        return [*torchrun, str(Path(__file__).resolve()), "--run-andrea", *j, *nccl,
+                "train.max_steps=8", "train.parallel=ddp", "train.name=nccl", "train.eval_every=0",
+                "train.checkpoint_every=4"], env
+    if name == "fsdp":
+        return [*torchrun, str(Path(__file__).resolve()), "--run-andrea", *j,
+                "--resume", str(work / "runs" / "nccl"), *nccl, "train.max_steps=16",
+                "train.parallel=fsdp", "train.name=nccl", "train.eval_every=0"], env
+    raise ValueError(name)
+
+
+def install_wheels(work: Path, outdir: Path) -> str:
+    """What the GPU image lacks, from .gpu-wheels (scripts/gpu_check.sh's header), into a
+    folder on PYTHONPATH: gpu_check's own installer. The PYTHONPATH the parts run with."""
+    site = work / "site"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check_report.py"), "deps",
+                           str(REPO / ".gpu-wheels"), str(site), str(work / "tools")],
+                          capture_output=True, text=True, timeout=60)
+    (outdir / "wheels.log").write_text(proc.stdout + proc.stderr)
+    print(f"[setup] wheels: {(proc.stdout.strip().splitlines() or ['?'])[-1]}", flush=True)
+    return os.pathsep.join([str(REPO), str(site), os.environ.get("PYTHONPATH", "")])
+
+
+def run_parts(outdir: Path, dry: bool) -> int:
+    start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="andrea-gpu-speed-"))
+    pythonpath = install_wheels(work, outdir)
+    results: dict[str, Any] = {}
+    rows = []
+    environment = {"python": sys.version.split()[0], "dry_run": dry}
+    try:
+        import torch
+
+        environment.update(torch=torch.__version__, cuda=torch.version.cuda,
+                           gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    except ImportError:
+        pass
+    environment["nvidia_smi"] = subprocess.run(
+        "nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader",
+        shell=True, capture_output=True, text=True).stdout.strip()
+    print(json.dumps(environment), flush=True)
+    for name, budget in PARTS:
+        left = RUN_BUDGET_S - (time.monotonic() - start)
+        limit = int(min(budget, left))
+        if limit < 5:
+            rows.append((name, "not run: the run's budget is spent", None))
+            continue
+        if name == "120m":  # a cold compile: inductor's cache as a new machine has it
+            shutil.rmtree(work / "inductor", ignore_errors=True)
+        command, env = part_command(name, work, outdir, dry)
+        log = outdir / f"{name}.log"
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1",
+                                                "PYTHONPATH": pythonpath},
+                                  stdout=log.open("w"), stderr=subprocess.STDOUT, timeout=limit,
+                                  cwd=REPO)
+            status = "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            status = f"over its {limit} s"
+        took = time.monotonic() - t0
+        figures = outdir / f"{name}.json"
+        results[name] = json.loads(figures.read_text()) if figures.is_file() else None
+        if status != "ok":
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            status += ": " + " | ".join(tail)[-300:]
+        rows.append((name, status, round(took, 1)))
+        print(f"[{name}] {took:.0f} s: {status}", flush=True)
+    (outdir / "speed.json").write_text(json.dumps({"environment": environment, "parts": results,
+                                                   "status": rows}, indent=1))
+    print_table(results, rows)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(status == "ok" for _, status, _ in rows) else 1
+
+
+def print_table(results: dict[str, Any], rows: list[tuple[str, str, float | None]]) -> None:
+    ref = (results.get("reference") or {}).get("median_tokens_per_s")
+    print(f"\n{'part':<11} {'status':<6} {'s':>5} {'tok/s med':>10} {'run tok/s':>10} {'x ref':>6} "
+          f"{'mfu':>6} {'compile':>8} {'train s':>8} {'loss':>7} {'val bpb':>8}")
+    for name, status, took in rows:
+        r = results.get(name) or {}
+        med = r.get("median_tokens_per_s")
+        ratio = f"{med / ref:.3f}" if med and ref else "-"
+        compile_s = r.get("first_step_s", r.get("warmup_seconds"))
+
+        def fmt(v: Any, spec: str) -> str:
+            return format(v, spec) if isinstance(v, int | float) else "-"
+
+        print(f"{name:<11} {status[:6]:<6} {fmt(took, '5.0f')} {fmt(med, '10.0f')} "
+              f"{fmt(r.get('tokens_per_s'), '10.0f')} {ratio:>6} {fmt(r.get('mfu'), '6.3f')} "
+              f"{fmt(compile_s, '8.1f')} {fmt(r.get('train_seconds'), '8.2f')} "
+              f"{fmt(r.get('last_loss'), '7.4f')} {fmt(r.get('val_bpb'), '8.4f')}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outdir", nargs="?")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--run-andrea", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    parser.add_argument("--preset", help=argparse.SUPPRESS)
+    parser.add_argument("--set", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--resume", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plain-loss", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run_andrea:
+        andrea_run(args)
+        return 0
+    if not args.outdir:
+        parser.error("give OUTDIR")
+    outdir = Path(args.outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    return run_parts(outdir.resolve(), args.dry_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
