@@ -23,6 +23,10 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
                of one (ANDREA_PROCESS_GROUP_OF_ONE=1: NCCL), ddp; then fsdp resuming it to 16
   120m-plain   as 120m-warm, the loss unchunked inside the compiled graph (F.cross_entropy on
                the whole logits, as the reference): what the chunked loss costs
+  resume       ANDREA-12M compiled (the default on a GPU): 16 steps straight, and 8 steps then
+               resumed to 16, each a process of its own, the resume after a change of window
+               length (step 5); every step's loss and gradient norm must be the same bit for
+               bit (the exact-resume promise, under compile, on the GPU)
 
 A run's tokens/s is the median of its steps' own figures after the first four (as the
 reference's), beside the run's figure (warm-up steps left out, docs/metrics.md); the compile is
@@ -56,6 +60,10 @@ PARTS: list[tuple[str, int]] = [
     ("12m-eager", 45), ("ddp", 30), ("fsdp", 30), ("120m-auto", 40), ("12m-graphs", 80),
     ("120m-plain", 60),
 ]
+# The exact-resume check runs before the optional parts: it decides whether compiling by
+# default keeps the promise.
+PARTS.insert(PARTS.index(("ddp", 30)), ("resume", 75))
+RESUME_STEPS = 16
 
 
 def andrea_run(args: argparse.Namespace) -> None:
@@ -103,6 +111,39 @@ def andrea_run(args: argparse.Namespace) -> None:
     Path(args.json).write_text(json.dumps(out))
 
 
+def resume_check(args: argparse.Namespace) -> None:
+    """ANDREA-12M (compile at its default) RESUME_STEPS steps straight, and half of them then
+    resumed to the end, each run a process of its own as a user's would be, the resume after
+    the sequence warm-up's change of window length: every step's loss and gradient norm must
+    agree bit for bit. To --json: identical (true/false) and the first step that differs."""
+    from andrea.runs import read_metrics
+
+    quiet = [*args.set, "train.eval_every=0", "train.log_every=1", "train.seq_warmup_length=32",
+             "train.seq_warmup_steps=4"]
+    half = RESUME_STEPS // 2
+    runs = Path(next(a for a in args.set if a.startswith("train.runs_dir=")).split("=", 1)[1])
+    me = [sys.executable, str(Path(__file__).resolve()), "--run-andrea", "--preset", args.preset]
+    for extra, sets in (
+        ([], ["train.name=straight", f"train.max_steps={RESUME_STEPS}"]),
+        ([], ["train.name=split", f"train.max_steps={half}", f"train.checkpoint_every={half}"]),
+        (["--resume", str(runs / "split")], ["train.name=split",
+                                             f"train.max_steps={RESUME_STEPS}"]),
+    ):
+        subprocess.run([*me, *extra, "--json", str(Path(args.json).with_suffix(".run.json")),
+                        "--set", *quiet, *sets], check=True)
+
+    def steps(name: str) -> dict[int, tuple[float, float]]:
+        records, _ = read_metrics(runs / name / "metrics.jsonl")
+        return {r["step"]: (r["loss"], r["grad_norm"]) for r in records if r["event"] == "train"}
+
+    straight, split = steps("straight"), steps("split")
+    differing = [s for s in range(1, RESUME_STEPS + 1) if straight.get(s) != split.get(s)]
+    out = {"identical": not differing, "first_difference": differing[0] if differing else None,
+           "straight": straight.get(RESUME_STEPS), "split": split.get(RESUME_STEPS)}
+    print(json.dumps(out))
+    Path(args.json).write_text(json.dumps(out))
+
+
 def part_command(name: str, work: Path, out: Path, dry: bool) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of one part."""
     py = [sys.executable]
@@ -141,6 +182,8 @@ def part_command(name: str, work: Path, out: Path, dry: bool) -> tuple[list[str]
         return [*me, *j, *small, "train.name=s-compiled"], env
     if name == "12m-graphs":
         return [*me, *j, "--mode", "reduce-overhead", *small, "train.name=s-graphs"], env
+    if name == "resume":
+        return [*py, str(Path(__file__).resolve()), "--resume-check", *j, *small], env
     torchrun = [*py, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone"]
     env["ANDREA_PROCESS_GROUP_OF_ONE"] = "1"
     nccl = [a for a in small if a != "train.eval_every=3"]
@@ -207,6 +250,8 @@ def run_parts(outdir: Path, dry: bool) -> int:
         took = time.monotonic() - t0
         figures = outdir / f"{name}.json"
         results[name] = json.loads(figures.read_text()) if figures.is_file() else None
+        if name == "resume" and status == "ok" and not (results[name] or {}).get("identical"):
+            status = f"FAIL: a resumed step differs: {results[name]}"
         if status != "ok":
             tail = log.read_text(errors="replace").strip().splitlines()[-3:]
             status += ": " + " | ".join(tail)[-300:]
@@ -243,6 +288,7 @@ def main() -> int:
     parser.add_argument("outdir", nargs="?")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--run-andrea", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--resume-check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--set", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -253,6 +299,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.run_andrea:
         andrea_run(args)
+        return 0
+    if args.resume_check:
+        resume_check(args)
         return 0
     if not args.outdir:
         parser.error("give OUTDIR")

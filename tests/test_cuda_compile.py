@@ -84,19 +84,23 @@ def test_op_matches_the_float64_reference_through_autograd(tiny_cuda_model):
         assert_close(name, got.grad, want.grad, 1e-5)
 
 
-def test_a_training_step_breaks_only_at_the_loss(tiny_cuda_model):
-    """The model's one graph ends at the loss, which stays out of it on purpose
-    (transformer.chunked_loss): its loop over chunks, unrolled, took minutes to compile."""
+def test_a_training_step_leaves_only_the_embeddings_and_the_loss_out(tiny_cuda_model):
+    """The model's one graph runs from the embeddings' output to the final norm. The embeddings
+    stay out on purpose (Andrea.embed: inductor's embedding backward adds with atomics, so a
+    compiled step was not repeatable bit for bit, and a resume did not repeat the run), and so
+    does the loss (transformer.chunked_loss: its loop over chunks, unrolled, took minutes to
+    compile)."""
     model, x = tiny_cuda_model
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(x, x)
-    (reason,) = explained.break_reasons
-    assert "torch.compiler.disable" in reason.reason, reason
-    (frame,) = reason.user_stack  # the call of chunked_loss in Andrea.forward
-    assert frame.filename.endswith("transformer.py") and "chunked_loss" in frame.line, frame
+    reasons = explained.break_reasons
+    assert all("torch.compiler.disable" in r.reason for r in reasons), reasons
+    calls = [frame.line for r in reasons for frame in r.user_stack]
+    assert any("chunked_loss(" in call for call in calls), calls
     assert explained.graph_count == 1
     ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes]
     assert any("andrea.causal_attention" in op for op in ops), ops  # in the graph, not around it
+    assert not any("embedding" in op.lower() for op in ops), ops
 
 
 def test_compiled_model_gives_the_eager_result(tiny_cuda_model):
@@ -115,7 +119,8 @@ def test_compiled_model_gives_the_eager_result(tiny_cuda_model):
     _, loss = compile_model(model)(x, x)
     loss.backward()  # the backward op runs inside the compiled backward graph
     assert model.loss_chunk_fn is not softmax_chunk  # the loss's chunks ran compiled too
-    assert sum(counters["graph_break"].values()) == 1, dict(counters["graph_break"])  # the loss
+    # the embeddings and the loss, kept out on purpose
+    assert sum(counters["graph_break"].values()) == 2, dict(counters["graph_break"])
     assert abs(loss.item() - eager_loss.item()) <= 1e-5 * max(1.0, abs(eager_loss.item()))
     for name, p in model.named_parameters():
         assert_close(name, p.grad, eager_grads[name].double(), 1e-5)

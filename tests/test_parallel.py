@@ -606,3 +606,23 @@ def test_fp16_on_two_processes_skips_the_overflow_everywhere_and_keeps_the_scale
         assert math.isclose(two[step], one.losses[step], rel_tol=1e-3), (step, two, one.losses)
     state = read_trainer_state(tmp_path / "two" / "step-000003")[0]
     assert (state.loss_scaling["scale"], state.loss_scaling["overflows"]) == (2.0**15, 1)
+
+
+def test_a_process_group_of_one_runs_the_several_process_path(tmp_path, data_dir):
+    """ANDREA_PROCESS_GROUP_OF_ONE=1 under torchrun with one process: a real process group (the
+    NCCL path on a machine with one GPU; gloo here), so fsdp shards over it and writes shards;
+    without it the one process trains whole, as before."""
+    cfg = tiny(tmp_path, data_dir, "one", "train.parallel=fsdp", "train.max_steps=2",
+               "train.checkpoint_every=2", "train.eval_every=0")
+    path = tmp_path / "one.yaml"
+    path.write_text(cfg.to_yaml())
+    grouped = run_torchrun("train", "-c", str(path), "--no-progress", nproc=1,
+                           env={"ANDREA_PROCESS_GROUP_OF_ONE": "1"})
+    assert grouped.returncode == 0, grouped.stdout[-2000:] + grouped.stderr[-3000:]
+    assert "parallel: fsdp, parameters, gradients and optimizer state sharded over 1 process" \
+        in grouped.stdout
+    assert (tmp_path / "one" / "step-000002" / "shards").is_dir()
+    alone = run_torchrun("train", "-c", str(path), "--no-progress", "--overwrite", nproc=1)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "fsdp with 1 process: nothing to shard" in alone.stdout
+    assert not (tmp_path / "one" / "step-000002" / "shards").exists()

@@ -282,6 +282,16 @@ class Andrea(nn.Module):
                 if proj.bias is not None:
                     nn.init.zeros_(proj.bias)
 
+    @torch.compiler.disable
+    def embed(self, idx: torch.Tensor, start: int) -> torch.Tensor:
+        """Token plus position embeddings of idx [B, T] at positions start.. -> [B, T, d_model].
+        Kept out of a compiled model's graph: inductor's backward of an embedding adds each
+        row's gradients with atomics, in whatever order the threads come, so a compiled step's
+        last bits would differ from run to run and a resume would not repeat it; eager's is
+        deterministic."""
+        pos = torch.arange(start, start + idx.shape[1], device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -299,8 +309,7 @@ class Andrea(nn.Module):
             raise ValueError(
                 f"sequence of {start + t} positions exceeds block_size {self.cfg.block_size}"
             )
-        pos = torch.arange(start, start + t, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # [B, T, d_model]
+        x = self.embed(idx, start)  # [B, T, d_model]
         recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for layer, block in enumerate(self.blocks):
             if recompute:

@@ -59,7 +59,12 @@ def compile_model(model: nn.Module) -> nn.Module:
     inductor_cache()
     if isinstance(model, Andrea) and model.loss_chunk_fn is softmax_chunk:
         model.loss_chunk_fn = torch.compile(softmax_chunk, dynamic=False, mode=MODE)
-    return torch.compile(model, mode=MODE)
+    # Static shapes: each window length (a sequence warm-up's, the run's, evaluation's) gets a
+    # graph of its own, the same whatever came before. With dynamo's default the second length
+    # a process sees turns the graph dynamic for every later one, so which kernels a step runs
+    # would depend on the process's history (a resumed process starts without it). Both
+    # resumed bit for bit on a CPU (docs/log.md, 2026-12-04); static makes it hold by design.
+    return torch.compile(model, mode=MODE, dynamic=False)
 
 
 def compile_line(compiling: bool, why: str) -> str:

@@ -112,8 +112,9 @@ class FullyShardedParallel(Parallel):
         return clip_grad_norm(list(model.parameters()), max_norm)  # over every rank's shards
 
     def lines(self) -> list[str]:
+        n = self.dist.world_size
         return [f"parallel: {self.name}, parameters, gradients and optimizer state sharded over "
-                f"{self.dist.world_size} processes"]
+                f"{n} process{'es' if n != 1 else ''}"]
 
 
 MODES: dict[str, type[Parallel]] = {mode.name: mode for mode in (DataParallel,

@@ -1,0 +1,53 @@
+"""scripts/gpu_speed.py and scripts/reference_gpt.py, the GPU speed call, checked on the CPU:
+every part's settings load (so a misspelt key is found here, not on the GPU), the reference is
+ANDREA-120M's model, and train.compile's auto decides as documented."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_script
+
+from andrea.config import load_config
+from andrea.model.params import count_params
+from andrea.train.compiled import choose_compile
+from andrea.train.torchrun import DistInfo
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_every_part_loads_its_config(tmp_path: Path, dry: bool) -> None:
+    speed = load_script("gpu_speed")
+    for name, _budget in speed.PARTS:
+        command, env = speed.part_command(name, tmp_path, tmp_path, dry)
+        if name == "reference":
+            assert command[-1] == "--dry-run" if dry else command[-2] == "--json"
+            continue
+        preset = command[command.index("--preset") + 1]
+        sets = command[command.index("--set") + 1:]
+        cfg = load_config(preset, sets)  # a bad key or value is a UserError here
+        assert cfg.train.runs_dir == str(tmp_path / "runs"), name
+        if name in ("ddp", "fsdp"):
+            assert env["ANDREA_PROCESS_GROUP_OF_ONE"] == "1"
+            assert cfg.train.parallel == name
+
+
+def test_the_reference_is_andrea_120m() -> None:
+    """The yardstick trains the same model: ANDREA-120M's exact parameter count."""
+    reference = load_script("reference_gpt")
+    with torch.device("meta"):
+        model = reference.GPT()
+    cfg = load_config("andrea-120m").model
+    assert sum(p.numel() for p in model.parameters()) == count_params(cfg).total == 124_373_760
+
+
+def test_compile_auto_is_one_cuda_process_only() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    one, two = DistInfo(), DistInfo(0, 0, 2, 2)
+    assert choose_compile("auto", cuda, one)[0] is True
+    assert choose_compile("auto", cpu, one) == (False, "auto: not on cpu")
+    assert choose_compile("auto", cuda, two)[0] is False
+    assert choose_compile("auto", cuda, DistInfo(group_of_one=True))[0] is False
+    for setting in (True, False):  # an explicit choice is obeyed anywhere
+        assert choose_compile(setting, cpu, two)[0] is setting
