@@ -71,6 +71,6 @@ def compile_line(compiling: bool, why: str) -> str:
     """The plan's line: what is compiled, and what that costs before the first step."""
     if not compiling:
         return f"compile: off ({why})"
-    return (f"compile: torch.compile ({why}); the first step of each window length compiles: "
-            f"about half a minute on a first run, seconds once inductor's cache "
-            f"({inductor_cache()}) has it")
+    return (f"compile: torch.compile ({why}); the first step of each window length compiles "
+            f"first, for up to a minute or two on a first run; inductor's cache "
+            f"({inductor_cache()}) keeps it for the next")
