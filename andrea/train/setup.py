@@ -29,7 +29,13 @@ from andrea.data.loader import (
     open_split,
     source_passes,
 )
-from andrea.data.prepare import check_vocab, data_dir_for, ensure_prepared, prepare_from_config
+from andrea.data.prepare import (
+    check_vocab,
+    data_dir_for,
+    ensure_prepared,
+    prepare_from_config,
+    run_sources,
+)
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text, free_bytes
 from andrea.model.attention import resolve_backend
@@ -74,7 +80,7 @@ from andrea.train.rundir import (
     recover_overwrite,
     set_aside,
 )
-from andrea.train.runlock import lock_run
+from andrea.train.runlock import lock_run, read_data
 from andrea.train.scaling import loss_scaling_for
 from andrea.train.schedule import replan
 from andrea.train.session import Session, TrainResult
@@ -103,7 +109,7 @@ def set_up(
         return nothing_to_do(run_dir, resume_from, run.trainer_state.step, t.max_steps, dist)
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
-    train_split, val_split = prepare_data(cfg, dist, resume_from)
+    train_split, val_split = prepare_data(cfg, dist, run_dir, resume_from)
     precision = choose_precision(t.precision, device)
     backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
     dtype = precision.dtype
@@ -235,16 +241,18 @@ def nothing_to_do(
 
 
 def prepare_data(
-    cfg: Config, dist: DistInfo, resume_from: Path | None = None
+    cfg: Config, dist: DistInfo, run_dir: Path, resume_from: Path | None = None
 ) -> tuple[TokenSplit, TokenSplit]:
     """The train and val splits: rank 0 prepares the shards if they are missing, the others
     wait for it. A resume whose data folder is not here takes them from rank 0's
-    `resume_data`."""
+    `resume_data`. Every rank then holds the data folders it reads until the training ends
+    (runlock.read_data): a prepare that would rewrite them is refused meanwhile."""
     if resume_from is not None:
         cfg = from_rank0(lambda: resume_data(cfg, resume_from), dist)
     elif dist.is_main:
         ensure_prepared(cfg)
     barrier(dist)
+    read_data([folder for _, folder, _ in run_sources(cfg)], run_dir)
     train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
     check_in_background(train_split, val_split)  # their checksums, not waited for here
     check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
