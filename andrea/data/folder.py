@@ -211,21 +211,30 @@ def _readers(fd: int) -> list[dict[str, Any]]:
     return found[::-1]
 
 
-def _readers_refusal(out: Path, readers: list[dict[str, Any]]) -> UserError:
+def _readers_refusal(out: Path, readers: list[dict[str, Any]]) -> str:
     """The one line of a prepare that would rewrite a folder trainings read."""
     if not readers:  # its reader is between taking the lock and naming itself
-        return UserError(f"{out}: an andrea train is starting to read this data folder; "
-                         "rewriting it would change the shards under it: wait for it to end, "
-                         "or prepare into another folder (--out / data.dir)")
+        return (f"{out}: an andrea train is starting to read this data folder; rewriting it "
+                "would change the shards under it: wait for it to end, or prepare into another "
+                "folder (--out / data.dir)")
     first = readers[0]
     since = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(first.get("since", 0))))
     more = f" and {len(readers) - 1} more" if len(readers) > 1 else ""
-    return UserError(
+    return (
         f"{out}: {first.get('reader', 'an andrea train')} reads this data folder (pid "
         f"{first['pid']} on host {first['host']}, since {since}){more}; rewriting it would "
         f"change the shards under it: wait for it to end or stop it (kill {first['pid']}), or "
         f"prepare into another folder (--out / data.dir)"
     )
+
+
+class FolderInUse(UserError):
+    """A prepare would take the folder's lock while trainings read the folder. `waited`:
+    whether it first waited for another prepare (which may have made what it asks for)."""
+
+    def __init__(self, message: str, waited: bool) -> None:
+        super().__init__(message)
+        self.waited = waited
 
 
 class FolderLock:
@@ -265,7 +274,7 @@ class FolderLock:
 
     def _take(self, fd: int, say: Callable[[str], None]) -> None:
         """flock `fd` exclusively: at once, or after the prepare that holds it (said once);
-        a UserError when trainings hold it shared (they read the folder). A waiting prepare
+        FolderInUse when trainings hold it shared (they read the folder). A waiting prepare
         looks again every WAIT_S, since a training may take the folder before it does."""
         while True:
             try:
@@ -278,7 +287,8 @@ class FolderLock:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     return
                 except BlockingIOError:
-                    raise _readers_refusal(self.out, _readers(fd)) from None
+                    raise FolderInUse(_readers_refusal(self.out, _readers(fd)),
+                                      self.waited) from None
             if not self.waited:
                 holder = os.pread(fd, 32, 0).decode("ascii", "replace").split("\n")[0].strip()
                 say(f"{self.out}: another andrea process (pid {holder or '?'}) is preparing "
