@@ -59,6 +59,7 @@ from andrea.model.params import check_stored_shape
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.rundir import CONFIG, TrainerState, read_safetensors_header, step_dir_name
+from andrea.train.runlock import RunLock
 
 EXPORT_FORMAT = "andrea-hf-export/1"
 ANDREA_FILE = "andrea.json"
@@ -435,11 +436,26 @@ def import_hf(
             f"pass --out runs/NAME for another run, or --force to replace it"
         )
     _check_target(run_dir, force)
+    # The run's lock first, as a training takes it: a run a training writes is never replaced.
+    lock = RunLock(run_dir, instead="import into another run with --out runs/NAME").acquire()
+    try:
+        return _import_into(src, run_dir, hf, andrea, list(overrides or []))
+    finally:
+        lock.release()
+
+
+def _import_into(
+    src: Path, run_dir: Path, hf: dict[str, Any], andrea: dict[str, Any] | None,
+    overrides: list[str],
+) -> Path:
+    """import_hf's work, holding the run's lock: the config and weights read and checked, the
+    run assembled in a temporary folder beside `run_dir`, then put in its place; the
+    checkpoint folder."""
     identity, tokenizer_json = detect_tokenizer(src, andrea)
     # The run's own copy of a BPE tokenizer.json prepares its fine-tuning data (same identity).
     run_tokenizer = str((run_dir / BPE_FILE).resolve()) if tokenizer_json is not None else ""
     cfg = import_config(src, hf, andrea, identity, run_dir.name, str(run_dir.parent),
-                        list(overrides or []), run_tokenizer)
+                        overrides, run_tokenizer)
     from andrea.data.prepare import check_vocab
 
     n_ids = KINDS[cfg.data.tokenizer].fixed_vocab

@@ -484,6 +484,103 @@ def two_writers(b: Bench) -> Row:
                "naming_its_holder")
 
 
+def files_of(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` with its bytes, by its path inside it."""
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*"))
+            if f.is_file()}
+
+
+def held_run(b: Bench, name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """A training of runs/NAME held mid-run by slow checkpoint writes (8 s each), once its
+    first checkpoint (step 4) is in place."""
+    proc = b.start(*b.train_args(name, *extra), fault="checkpoint-delay@8")
+    collect(proc.stdout), collect(proc.stderr)  # drained, so that it never blocks on a pipe
+    run = b.runs / name
+    wait_until(lambda: (run / "latest").exists(), proc)
+    return proc, run
+
+
+def import_force_live(b: Bench) -> Row:
+    """`andrea import --force` of an export over a run another `andrea train` is writing:
+    refused; the training goes on as if alone."""
+    ref = b.reference()
+    hf = b.work / "hf-ref1"
+    check(b.andrea("export", "--checkpoint", str(ref.relative_to(b.work)), "--out", hf.name,
+                   "--force"), "the export to import")
+    proc, run = held_run(b, "importlive")
+    began = time.time()
+    r = b.andrea("import", hf.name, "--out", str(run.relative_to(b.work)), "--force")
+    did = f"exit {r.returncode} in {time.time() - began:.1f} s; {said(r.stderr)}"
+    proc.wait(timeout=300)
+    after = same_run(run, ref) if proc.returncode == 0 else f"the run: exit {proc.returncode}"
+    return Row("`andrea import --force` over a live run", did, "0", after,
+               "test_runlock.py::test_import_force_on_a_live_run_is_refused_and_the_run_keeps_"
+               "its_history")
+
+
+def lock_removed(b: Bench) -> Row:
+    """A live training's lock file deleted while it writes step 8's checkpoint: it stops
+    before `latest` moves, in one line; `--resume` continues from step 4."""
+    ref, name = b.reference(), "lockgone"
+    proc = b.start(*b.train_args(name), fault="checkpoint-delay@3")
+    err, run = collect(proc.stderr), b.runs / name
+    wait_until(lambda: any(run.glob("step-000008.partial-*/model.safetensors")), proc)
+    (run / ".andrea-train.lock").unlink()
+    proc.wait(timeout=120)
+    time.sleep(0.2)  # the reader thread's last lines
+    done, kept = max(steps_of(run)), latest_step(run)
+    did = f"exit {proc.returncode}; {said(''.join(err))}"
+    return Row("a live training's lock file deleted (during step 8's checkpoint)", did,
+               str(done - kept), resumed(b, name, ref),
+               "test_runlock.py::test_a_training_whose_lock_file_goes_stops_at_its_next_step_"
+               "writing_nothing_more")
+
+
+def prepare_force_live(b: Bench) -> Row:
+    """`andrea prepare --force` of the data folder a live training reads: refused; the shards
+    and the training untouched."""
+    ref, data = b.reference(), b.work / "data-read"
+    shutil.rmtree(data, ignore_errors=True)
+    shutil.copytree(b.data, data)
+    proc, run = held_run(b, "prepread", "--set", f"data.dir={data.name}")
+    began = time.time()
+    r = b.andrea("prepare", "-c", "andrea-tiny", "-o", data.name, "--force")
+    did = f"exit {r.returncode} in {time.time() - began:.1f} s; {said(r.stderr)}"
+    proc.wait(timeout=300)
+    after = (f"shards {same_shards(data, b.data)}; the run "
+             + (same_run(run, ref) if proc.returncode == 0 else f"exit {proc.returncode}"))
+    return Row("`andrea prepare --force` of a folder a live training reads", did, "0", after,
+               "test_runlock.py::test_prepare_force_on_a_folder_a_live_training_reads_is_"
+               "refused_naming_it")
+
+
+def overwrite_refused(b: Bench) -> Row:
+    """The issue's case: `--overwrite --set model.block_size=9000` of a finished run on a
+    folder of 46,035 train tokens: refused at set-up, the old run as it was."""
+    name = "overwrite"
+    sets = ("--set", "data.source=in/a.txt", "--set", "data.dir=data-short")
+    check(b.andrea(*b.train_args(name, *sets, "--stop-after", str(EVERY))), "the old run")
+    before = files_of(b.runs / name)
+    r = b.andrea(*b.train_args(name, *sets, "--set", "model.block_size=9000", "--set",
+                               "train.global_batch_tokens=0"))
+    after = files_of(b.runs / name) if (b.runs / name).exists() else {}
+    kept = ("the old run intact, every file" if after == before else
+            f"the old run lost: {len(before)} files before, {len(after)} after")
+    return Row("`--overwrite` of a run with `model.block_size=9000` on 46,035 tokens",
+               f"exit {r.returncode}; {said(r.stderr)}", "0", kept,
+               "test_train.py::test_an_overwrite_refused_by_the_data_size_keeps_the_old_run")
+
+
+def lr_inf(b: Bench) -> Row:
+    """`--set train.lr=inf`: refused at load; nothing runs or is written."""
+    name = "lrinf"
+    r = b.andrea(*b.train_args(name, "--set", "train.lr=inf"))
+    wrote = (b.runs / name).exists()
+    return Row("`--set train.lr=inf`", f"exit {r.returncode}; {said(r.stderr)}", "0",
+               "the run folder written" if wrote else "nothing written",
+               "test_config.py::test_every_float_key_refuses_a_number_that_is_not_finite")
+
+
 # ----------------------------------------------------------------------------- the matrix
 
 # ----------------------------------------------------------------------------- data rows
@@ -579,6 +676,11 @@ ROWS: dict[str, Callable[[Bench], Row]] = {
     "moved": run_folder_moved,
     "transit": checkpoint_damaged_in_transit,
     "writers": two_writers,
+    "importlive": import_force_live,
+    "lockgone": lock_removed,
+    "prepread": prepare_force_live,
+    "overwrite": overwrite_refused,
+    "lrinf": lr_inf,
 }
 
 

@@ -109,6 +109,38 @@ def test_override_errors_through_the_cli():
         load_config("andrea-12m", ["train.lr"])
 
 
+FLOAT_KEYS = [spec.dotted for spec in key_specs() if spec.type is float]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", ".inf", ".nan", "1e999"])
+@pytest.mark.parametrize("dotted", FLOAT_KEYS)
+def test_every_float_key_refuses_a_number_that_is_not_finite(dotted, value):
+    """inf passed `positive()` (train.lr=inf trained 2 steps, then a non-finite loss, exit 1),
+    and nan passed a key without a check: now every float key is finite at load."""
+    with pytest.raises(UserError) as raised:
+        load_config("andrea-tiny", [f"{dotted}={value}"])
+    assert str(raised.value) == (f"--set {dotted}={value}: {dotted}: must be a finite number, "
+                                 f"got {value.lstrip('.')}")  # YAML's .inf is inf
+
+
+def test_a_number_out_of_range_is_one_line_before_anything_runs(tmp_path):
+    proc = andrea_main("train", "-c", "andrea-tiny", "--set", "train.lr=inf", "--no-progress",
+                       "--set", f"train.runs_dir={tmp_path / 'runs'}")
+    assert_user_error(proc, "--set train.lr=inf: train.lr: must be a finite number, got inf")
+    assert proc.stdout == "" and not (tmp_path / "runs").exists()
+    path = write(tmp_path, "train:\n  eps: .nan\n")  # in a file, as YAML writes it
+    assert_user_error(andrea_main("config", "show", "-c", str(path)),
+                      f"{path}: train.eps: must be a finite number, got nan")
+    # data.sources' weights are numbers of a config too.
+    with pytest.raises(UserError, match=r"data.sources\[0\].weight: must be a finite number"):
+        load_config("andrea-tiny", ["data.sources=[{path: a.txt, weight: .inf}]"])
+    # Integers: numpy's generators take no negative seed, and nothing takes more than 64 bits.
+    with pytest.raises(UserError, match=r"train.seed: must be a non-negative integer, got -1"):
+        load_config("andrea-tiny", ["train.seed=-1"])
+    with pytest.raises(UserError, match=r"train.max_steps: 1" + "0" * 20 + " is out of range"):
+        load_config("andrea-tiny", ["train.max_steps=1" + "0" * 20])
+
+
 def test_unknown_keys_suggest_only_close_matches_else_list_the_section():
     def err(key: str) -> str:
         with pytest.raises(UserError) as raised:

@@ -18,6 +18,7 @@ from conftest import andrea_main, assert_user_error, make_checkpoint, python_com
 
 from andrea.config import load_config
 from andrea.data import prepare
+from andrea.data.folder import LOCK
 from andrea.data.shards import open_shard, read_manifest
 
 LINE = "Line {j} of {name}: the quick brown fox jumps over the lazy dog.\n"
@@ -35,8 +36,10 @@ def write_corpus(root: Path, lines: int = 800) -> Path:
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file of the folder, as it is, but the lock file: each training that reads the
+    folder names itself there (andrea/data/folder.py)."""
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes())
-            for p in sorted(folder.iterdir())}
+            for p in sorted(folder.iterdir()) if p.name != LOCK}
 
 
 def tokens(folder: Path, split: str) -> np.ndarray:

@@ -16,12 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import andrea_main, assert_user_error, python_command, run_andrea
+from conftest import andrea_main, assert_user_error, make_checkpoint, python_command, run_andrea
 from test_parallel import launch_nodes
 
 from andrea.cli import main
+from andrea.hf import export_hf
 from andrea.train import runlock
-from andrea.train.rundir import METRICS, RUN_LOCK
+from andrea.train.rundir import CONFIG, METRICS, RUN_LOCK, read_latest, step_dirs, step_of_dir
 from andrea.train.runlock import Holder, RunLock, is_stale
 
 HOST = socket.gethostname()
@@ -118,6 +119,127 @@ def test_the_same_new_run_started_twice_at_once_trains_once(tmp_path, data_dir):
         said = [stop(proc) for proc in both]
     assert trains.returncode == 143, said
     assert [e["event"] for e in events(run_dir)].count("start") == 1, said
+
+
+def assert_whole_history(run_dir: Path, config: str) -> None:
+    """The run as its one training wrote it: its config, one start, every step from 1, an end,
+    `latest` one of its checkpoints."""
+    written = events(run_dir)
+    assert [e["event"] for e in written].count("start") == 1 and written[-1]["event"] == "end"
+    steps = [e["step"] for e in written if e["event"] == "train"]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5
+    assert (run_dir / CONFIG).read_text() == config
+    latest = read_latest(run_dir)
+    assert latest is not None and step_of_dir(latest) >= 5 and latest in step_dirs(run_dir)
+
+
+def test_import_force_on_a_live_run_is_refused_and_the_run_keeps_its_history(tmp_path,
+                                                                             data_dir):
+    """The issue's case: `andrea import --force` deleted a live run's checkpoints, metrics,
+    config and lock, and the training went on writing into the imported folder. It now takes
+    the run's lock first, as a training does."""
+    hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "hf")
+    cfg = tiny_config(tmp_path, data_dir, "max_steps: 1000000", "checkpoint_every: 5")
+    run_dir = tmp_path / "runs" / "r"
+    first = start_training(cfg)
+    try:
+        wait_for(run_dir / "latest", first)
+        config = (run_dir / CONFIG).read_text()
+        holder = json.loads((run_dir / RUN_LOCK).read_text())
+        refused = andrea_main("import", str(hf), "--out", str(run_dir), "--force")
+        assert_user_error(refused, f"{run_dir}: another andrea train is writing this run (pid "
+                                   f"{holder['pid']} on host {HOST}, since ",
+                          f"stop it (kill {holder['pid']}), or import into another run with "
+                          f"--out runs/NAME")
+        assert first.poll() is None  # trains on, alone
+    finally:
+        out, err = stop(first)
+    assert first.returncode == 143, err[-3000:]
+    assert_whole_history(run_dir, config)
+    assert not (run_dir / RUN_LOCK).exists()
+    # Once the training has ended, the same command replaces the run.
+    imported = andrea_main("import", str(hf), "--out", str(run_dir), "--force")
+    assert imported.returncode == 0, imported.stderr
+    assert [d.name for d in step_dirs(run_dir)] == ["step-000000"]
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_training_whose_lock_file_goes_stops_at_its_next_step_writing_nothing_more(
+        tmp_path, data_dir, how):
+    """Deleting a live training's lock file (what taking over a lost node's run does) let a
+    second writer in while the first wrote on, its heartbeat into the deleted file. The first
+    now sees at its next step that the file is not the one it holds, and stops in one line
+    before it writes that step: no record, no end event, no checkpoint, `latest` untouched."""
+    cfg = tiny_config(tmp_path, data_dir, "max_steps: 1000000", "checkpoint_every: 5")
+    run_dir = tmp_path / "runs" / "r"
+    first = start_training(cfg)
+    try:
+        wait_for(run_dir / "latest", first)
+        lock = run_dir / RUN_LOCK
+        if how == "removed":
+            lock.unlink()
+        else:  # another holder's record, put in place as its own file
+            other = Holder(4242, "node-7", time.time(), time.time()).encode()
+            (run_dir / "new.lock").write_bytes(other)
+            os.replace(run_dir / "new.lock", lock)
+        deadline = time.monotonic() + 60  # old code: trains a million steps
+        while first.poll() is None:
+            assert time.monotonic() < deadline, "the training did not notice"
+            time.sleep(0.05)
+    finally:
+        out, err = stop(first)
+    line = assert_user_error(subprocess.CompletedProcess([], first.returncode, out, err),
+                             f"{run_dir}: its lock file {lock} was removed or replaced while "
+                             f"this training held it", "writing nothing more there",
+                             f"andrea train --resume {run_dir}")
+    stopped_at = int(line.split("stopped at step ")[1].split(",")[0])
+    written = events(run_dir)
+    assert "end" not in [e["event"] for e in written]
+    assert max(e["step"] for e in written if e["event"] == "train") < stopped_at
+    latest = read_latest(run_dir)
+    assert latest is not None and step_of_dir(latest) < stopped_at
+    assert step_of_dir(step_dirs(run_dir)[-1]) == step_of_dir(latest)
+    assert not list(run_dir.glob("*.partial-*"))
+    if how == "replaced":  # the new holder's file, left as it was
+        assert lock.read_bytes() == other
+        return
+    assert not lock.exists()  # never written again (the heartbeat stops too)
+    resumed = andrea_main("train", "-c", str(cfg), "--resume", "auto", "--stop-after", "1",
+                          "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {latest}" in resumed.stdout
+
+
+def test_prepare_force_on_a_folder_a_live_training_reads_is_refused_naming_it(tmp_path):
+    """A training holds each data folder it reads (a shared lock on its prepare lock): a
+    prepare that would rewrite the shards under it is refused, naming the training; once it
+    has ended the same command runs."""
+    text, data = tmp_path / "short.txt", tmp_path / "short-byte"
+    text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n"
+                            for i in range(3000)))
+    cfg = tiny_config(tmp_path, data, "max_steps: 1000000", "checkpoint_every: 0")
+    cfg.write_text(cfg.read_text().replace("source: shakespeare", f"source: {text}"))
+    run_dir = tmp_path / "runs" / "r"
+    first = start_training(cfg)  # prepares the folder, then reads it
+    prepare = ("prepare", "-c", str(cfg), "--force")
+    try:
+        wait_for(run_dir / METRICS, first)  # set up: it holds the folder
+        shards = {p.name: p.read_bytes() for p in data.glob("*.bin")}
+        refused = andrea_main(*prepare)
+        assert_user_error(refused, f"{data}: andrea train of {run_dir} reads this data folder "
+                                   f"(pid {first.pid} on host {HOST}, since ",
+                          f"stop it (kill {first.pid}), or prepare into another folder")
+        assert first.poll() is None
+        assert {p.name: p.read_bytes() for p in data.glob("*.bin")} == shards
+    finally:
+        stop(first)
+    assert first.returncode == 143
+    assert andrea_main(*prepare).returncode == 0
+    # In one process (andrea.cli.main twice), the hold ends with the training's held_during.
+    with runlock.held_during():
+        runlock.read_data([data], run_dir)
+        assert_user_error(andrea_main(*prepare), f"(pid {os.getpid()} on host {HOST}, since ")
+    assert andrea_main(*prepare).returncode == 0
 
 
 def test_a_holder_killed_with_sigkill_never_blocks(tmp_path, data_dir):

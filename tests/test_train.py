@@ -282,6 +282,80 @@ def test_overwrite_replaces_a_run_only_once_the_new_one_can_start(tmp_path, data
     assert len(read_events(run_dir, "start")) == 1
 
 
+def run_files(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run folder by its path inside it, with its bytes."""
+    return {str(f.relative_to(run_dir)): f.read_bytes() for f in sorted(run_dir.rglob("*"))
+            if f.is_file()}
+
+
+def test_an_overwrite_refused_by_the_data_size_keeps_the_old_run(tmp_path):
+    """The issue's case: a data folder of 74,603 tokens, --overwrite with block_size 9000.
+    The check of the data's size against one step's windows ran at the first batch, after the
+    old run was deleted; now at set-up, before the run folder is touched."""
+    text = tmp_path / "short.txt"
+    text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n"
+                            for i in range(1500)))
+    data = tmp_path / "short-byte"
+    sets = [f"data.source={text}", f"data.dir={data}", f"train.runs_dir={tmp_path / 'runs'}",
+            "train.name=edge4", "train.max_steps=2", "train.eval_every=0"]
+    run_dir = train(load_config("andrea-tiny", sets), progress=False).run_dir
+    before = run_files(run_dir)
+    refused = andrea_main("train", "-c", "andrea-tiny", *[a for x in sets for a in ("--set", x)],
+                          "--overwrite", "--set", "model.block_size=9000", "--no-progress")
+    assert_user_error(refused, f"{data}: the train split has 74,603 tokens, too few for one "
+                               f"global batch of 8 windows of 9001 tokens")
+    assert "deleting" not in refused.stdout, refused.stdout
+    assert run_files(run_dir) == before  # checkpoint, latest, metrics, config: untouched
+
+
+def test_an_overwrite_whose_start_fails_puts_the_old_run_back(tmp_path, data_dir, monkeypatch,
+                                                              capsys):
+    """The old run is set aside, not deleted, until the new run's start files are written and
+    its plan said; anything that stops the start (here the plan's lines) puts it back."""
+    from andrea.train import setup
+
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
+    run_dir = train(cfg, progress=False).run_dir
+    before = run_files(run_dir)
+
+    def fail(*args, **kwargs):
+        raise UserError("the start failed")
+
+    monkeypatch.setattr(setup, "announce", fail)
+    with pytest.raises(UserError, match="the start failed"):
+        train(tiny(tmp_path, data_dir, "train.max_steps=1"), overwrite=True, progress=False)
+    said = capsys.readouterr().out
+    assert f"--overwrite: this run did not start; the run in {run_dir} is back as it was" in said
+    assert run_files(run_dir) == before  # its own config and metrics, not the new run's
+
+
+def test_an_overwrite_killed_during_its_start_is_put_back_by_the_next_training(tmp_path,
+                                                                               data_dir):
+    """A process killed between setting the old run aside and deleting it (a kill -9, its node
+    lost) leaves it in runs/NAME/.andrea-overwritten: the next training of the run, holding its
+    lock, puts it back, and --resume continues it."""
+    from andrea.train.rundir import OVERWRITTEN, set_aside
+
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=2", "train.checkpoint_every=1")
+    run_dir = train(cfg, progress=False).run_dir
+    before = run_files(run_dir)
+    set_aside(run_dir)  # what the killed --overwrite had done, then its new start files:
+    (run_dir / "config.yaml").write_text("the killed run's config\n")
+    (run_dir / "metrics.jsonl").write_text('{"event": "start", "step": 0}\n')
+    assert not (run_dir / "latest").exists()
+    resumed = andrea_main("train", "--resume", "auto", "-c", str(write_config(tmp_path, cfg)),
+                          "--set", "train.max_steps=3", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.startswith(f"{run_dir}: an --overwrite stopped during its set-up"), \
+        resumed.stdout
+    assert "resuming from" in resumed.stdout and not (run_dir / OVERWRITTEN).exists()
+    after = run_files(run_dir)
+    assert all(after[name] == blob for name, blob in before.items()
+               if name.startswith("step-"))
+    assert after["metrics.jsonl"].startswith(before["metrics.jsonl"])
+    assert [c.name for c in step_dirs(run_dir)][-1] == "step-000003"
+
+
 def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
     result = train(cfg, progress=False)

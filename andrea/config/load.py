@@ -8,6 +8,7 @@ andrea/config/sections.py; this module applies the declarations.
 from __future__ import annotations
 
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -23,6 +24,7 @@ from andrea.resources import configs_dir
 # A suggestion must be a likely typo (max_step -> max_steps: 0.94); at 0.5, 'nope' became
 # 'compile' (0.55) and 'steps' 'eps' (0.75), which mislead more than they help.
 SUGGEST_CUTOFF = 0.8
+INT64 = 2**63  # an integer key's values lie in [-INT64, INT64)
 
 
 def _suggest(
@@ -52,6 +54,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                     pass
             raise UserError(f"{where}: expected {type_name(tp)}, got {value!r}")
         (tp,) = options
+    given = value
     if tp is float and isinstance(value, str):
         # YAML 1.1 reads 3e-4 (no dot) as a string; accept anything Python reads as a number.
         try:
@@ -66,6 +69,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     )
     if not ok:
         raise UserError(f"{where}: expected {type_name(tp)}, got {value!r}")
+    if tp is float and not math.isfinite(value):
+        # inf passes `x > 0`, and no run trains on an infinite or nan lr, eps or weight decay.
+        raise UserError(f"{where}: must be a finite number, got {given}")
+    if tp is int and not -INT64 <= value < INT64:
+        # Beyond 64 bits numpy and torch overflow (a seed, a step count, a token count).
+        raise UserError(f"{where}: {value} is out of range: at most {INT64 - 1:,}")
     return float(value) if tp is float else value
 
 
@@ -82,7 +91,7 @@ def _sources(value: Any, where: str) -> list[dict[str, Any]]:
             )
         path = _coerce(entry["path"], str, f"{at}.path")
         weight = _coerce(entry.get("weight", 1.0), float, f"{at}.weight")
-        if not weight > 0 or weight == float("inf"):
+        if not weight > 0:
             raise UserError(f"{at}.weight: must be a number > 0, got {entry.get('weight')!r}")
         out.append({"path": path, "weight": weight})
     return out

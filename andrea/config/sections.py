@@ -92,7 +92,8 @@ class DataConfig:
 class TrainConfig:
     name: str = key("", "run name (runs_dir/name); empty: the config file's stem", location=True)
     runs_dir: str = key("runs", "folder that holds the run folders", location=True)
-    seed: int = key(1337, "seed of the initial weights, the data order and dropout")
+    seed: int = key(1337, "seed of the initial weights, the data order and dropout",
+                    check=non_negative("a non-negative integer"))
     device: str = key("auto", "auto: cuda when there is a GPU, else cpu",
                       choices=("auto", "cpu", "cuda"), resumable=True)
     precision: str = key(

@@ -5,7 +5,9 @@ but for the lock file). Anything else there is the user's: a prepare into a non-
 is not andrea's is refused, and clean-up removes only what andrea can tell it wrote: the files the
 folder's manifest and progress record list (shards, the BPE's tokenizer.json), shard files with
 andrea's header, and andrea's own temporary names. One prepare at a time holds the folder's lock
-(`fcntl.flock` on LOCK); a second waits for it and then finds the result.
+(`fcntl.flock` on LOCK); a second waits for it and then finds the result. A training holds the
+same lock shared while it reads the folder (`FolderLock.share`, any number at once): a prepare
+that would rewrite the folder is refused meanwhile, in one line naming the training.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import fcntl
 import json
 import os
 import re
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,10 @@ from andrea.data.tokenizer import BPE_FILE, KINDS
 from andrea.errors import UserError
 
 PROGRESS = "progress.json"  # an unfinished prepare's complete shards and where to go on
-LOCK = ".andrea-prepare.lock"  # flock'ed by the prepare writing the folder; holds its pid
+LOCK = ".andrea-prepare.lock"  # flock'ed by the prepare writing the folder, which writes its
+#                                pid first; shared by the trainings reading it, each adding a
+#                                JSON line that names it
+WAIT_S = 0.1  # how often a prepare waiting for another looks again (a training may come first)
 # Temporary names, unique per process: a shard being written, a decompressed text file, and
 # fileio's atomic writes of the manifest, progress record and tokenizer.
 TEMP_NAME = re.compile(
@@ -176,9 +183,64 @@ def remove_empty(dirs: list[Path]) -> None:
             return
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _readers(fd: int) -> list[dict[str, Any]]:
+    """The trainings a lock file names as reading the folder, newest first, those that may
+    still: of another host, or of this one and alive. The lines of readers since gone stay
+    until the next prepare empties the file."""
+    here = socket.gethostname()
+    found = []
+    for line in os.pread(fd, 1 << 16, 0).decode("utf-8", "replace").splitlines():
+        try:
+            record = json.loads(line)
+            pid, host = int(record["pid"]), str(record["host"])
+        except (ValueError, TypeError, KeyError):
+            continue  # the pid line of the last prepare
+        if host != here or pid_alive(pid):
+            found.append(record)
+    return found[::-1]
+
+
+def _readers_refusal(out: Path, readers: list[dict[str, Any]]) -> str:
+    """The one line of a prepare that would rewrite a folder trainings read."""
+    if not readers:  # its reader is between taking the lock and naming itself
+        return (f"{out}: an andrea train is starting to read this data folder; rewriting it "
+                "would change the shards under it: wait for it to end, or prepare into another "
+                "folder (--out / data.dir)")
+    first = readers[0]
+    since = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(first.get("since", 0))))
+    more = f" and {len(readers) - 1} more" if len(readers) > 1 else ""
+    return (
+        f"{out}: {first.get('reader', 'an andrea train')} reads this data folder (pid "
+        f"{first['pid']} on host {first['host']}, since {since}){more}; rewriting it would "
+        f"change the shards under it: wait for it to end or stop it (kill {first['pid']}), or "
+        f"prepare into another folder (--out / data.dir)"
+    )
+
+
+class FolderInUse(UserError):
+    """A prepare would take the folder's lock while trainings read the folder. `waited`:
+    whether it first waited for another prepare (which may have made what it asks for)."""
+
+    def __init__(self, message: str, waited: bool) -> None:
+        super().__init__(message)
+        self.waited = waited
+
+
 class FolderLock:
     """The exclusive right to write `out`: flock on out/LOCK, taken by `acquire`, released on
-    close. `created`: the folders made to hold it, which a failed prepare removes again."""
+    close. `created`: the folders made to hold it, which a failed prepare removes again. Or,
+    taken by `share`, the right to read it, which any number of processes hold at once."""
 
     def __init__(self, out: Path) -> None:
         self.out, self.path = out, out / LOCK
@@ -197,25 +259,65 @@ class FolderLock:
                 raise UserError(f"{self.out}: cannot write the data folder: {exc.strerror}") \
                     from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if not self.waited:
-                    holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
-                    say(f"{self.out}: another andrea process (pid {holder}) is preparing this "
-                        "folder; waiting for it to finish")
-                self.waited = True
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                self._take(fd, say)
+            except UserError:
+                os.close(fd)
+                raise
             # A failed prepare removes the folder it created, lock file included: lock anew.
-            try:
-                held, now = os.fstat(fd), os.stat(self.path)
-                if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
-                    break
-            except FileNotFoundError:
-                pass
+            if same_file(fd, self.path):
+                break
             os.close(fd)
         self._fd = fd
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return self
+
+    def _take(self, fd: int, say: Callable[[str], None]) -> None:
+        """flock `fd` exclusively: at once, or after the prepare that holds it (said once);
+        FolderInUse when trainings hold it shared (they read the folder). A waiting prepare
+        looks again every WAIT_S, since a training may take the folder before it does."""
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            if _shared_only(self.path):
+                try:  # unless the holder let go just now
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    raise FolderInUse(_readers_refusal(self.out, _readers(fd)),
+                                      self.waited) from None
+            if not self.waited:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").split("\n")[0].strip()
+                say(f"{self.out}: another andrea process (pid {holder or '?'}) is preparing "
+                    "this folder; waiting for it to finish")
+            self.waited = True
+            time.sleep(WAIT_S)
+
+    def share(self, reader: str) -> FolderLock | None:
+        """Hold the prepared folder for reading (`reader`: who, for a prepare's refusal), with
+        any other readers, until `release`; waits for a prepare under way. None where the lock
+        cannot be taken (a read-only folder, no flock on its filesystem): then nobody can
+        prepare over it either, or nothing can tell."""
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            except OSError:
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            except OSError:
+                os.close(fd)
+                return None
+            if same_file(fd, self.path):
+                break
+            os.close(fd)  # a failed prepare removed the folder's lock file meanwhile
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                  "reader": reader}
+        os.write(fd, (json.dumps(record) + "\n").encode())  # one O_APPEND write: never split
+        self._fd = fd
         return self
 
     def release(self, remove_created: bool = False) -> None:
@@ -229,3 +331,28 @@ class FolderLock:
         self._fd = None
         if remove_created:
             remove_empty(self.created)
+
+
+def same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        held, now = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _shared_only(path: Path) -> bool:
+    """Whether the lock at `path`, which an exclusive flock just failed to take, is held
+    shared (by readers) rather than exclusively (by a prepare): a shared flock can be had."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the probe's flock

@@ -309,9 +309,7 @@ def train_batch(
         # steps, so they stop together where they all wait for it (wait_checked).
         split.check.raise_if_damaged()
     per_step = accum_steps * world_size * micro_batch_size
-    for name, part in zip(split.names, split.parts, strict=True):
-        what = f" (mixture source {name})" if split.draws_sources else ""
-        _check_enough(part, per_step, block_size, what)
+    check_enough(split, per_step, block_size)
     if order == "epochs":
         chosen = _pass_windows(split, seed, tokens_before, per_step, block_size)
     else:
@@ -339,6 +337,15 @@ def _pass_windows(
         chosen += [(int(i), cum, offset) for i in permutation[j : j + per_step - len(chosen)]]
         k, j = k + 1, 0
     return chosen
+
+
+def check_enough(split: TokenSplit, per_step: int, block_size: int) -> None:
+    """Refuse a split (each source of a mixture) with fewer windows of block_size + 1 tokens
+    than one step takes (per_step, over every rank and micro-batch): train calls it at set-up,
+    before it touches the run folder, and each batch again."""
+    for name, part in zip(split.names, split.parts, strict=True):
+        what = f" (mixture source {name})" if split.draws_sources else ""
+        _check_enough(part, per_step, block_size, what)
 
 
 def _check_enough(split: TokenSplit, per_step: int, block_size: int, what: str) -> None:

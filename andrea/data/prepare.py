@@ -38,6 +38,7 @@ from andrea.data.documents import (  # noqa: F401  (re-exported: the package's d
 from andrea.data.encode import auto_workers
 from andrea.data.folder import (
     PROGRESS,
+    FolderInUse,
     FolderLock,
     check_owned,
     clear,
@@ -169,7 +170,16 @@ def _prepare_locked(
     shards (`write(resume point)`, `estimate` bytes in all) and the manifest. Stopped
     short by anything (Ctrl-C, SIGTERM, a full disk, bad input), the complete shards stay, and
     the folder with them (`_stopped`)."""
-    lock = FolderLock(out).acquire(say=lambda line: print(line, flush=True))
+    try:
+        lock = FolderLock(out).acquire(say=lambda line: print(line, flush=True))
+    except FolderInUse as in_use:
+        # Trainings read the folder: refused if this would rewrite it, not if it is what this
+        # asks for (a sweep's second training, which waited for the first's prepare).
+        if force or not is_current(out, settings):
+            raise
+        if in_use.waited or verbose:
+            print(f"{out}: prepared by the other process meanwhile; using it", flush=True)
+        return
     failed = True
     try:
         if not force and is_current(out, settings):  # another process prepared it meanwhile

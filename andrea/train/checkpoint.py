@@ -82,6 +82,7 @@ from andrea.train.rundir import (
     verify_file,
     write_checksums,
 )
+from andrea.train.runlock import RunLost, check_held
 from andrea.train.session import Session
 from andrea.train.sharding import full_tensor, shard_like
 from andrea.train.spike import SpikeGuard
@@ -372,6 +373,11 @@ def save_checkpoint(
         for shard in sorted((partial / SHARDS_DIR).iterdir()):
             sums[f"{SHARDS_DIR}/{shard.name}"] = file_sha256(shard)
     write_checksums(partial, sums)
+    try:
+        check_held(step)  # `latest` is moved by the run's holder only
+    except RunLost:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     final = publish(partial, run_dir, step)
     prune_checkpoints(run_dir, keep_last)
     return final

@@ -36,7 +36,7 @@ from andrea.train.process_group import init_distributed, shutdown
 from andrea.train.progress import RunBar, plan_note_for
 from andrea.train.restarts import lost_peer_line
 from andrea.train.rundir import step_dirs, step_of_dir
-from andrea.train.runlock import held_during
+from andrea.train.runlock import RunLost, check_held, held_during
 from andrea.train.scaling import MIN_SCALE
 from andrea.train.schedule import multiplier
 from andrea.train.session import Session, TrainResult
@@ -119,6 +119,7 @@ def run_training(
                         roll_back(s)
                         bar.n = s.tokens_through(s.step)  # the bar goes back with the run
                         continue
+                    check_held(s.step)  # the run still ours before the step writes to it
                     log_step(s, bar, lr=lr, loss=loss, grad_norm=grad_norm,
                              seconds=time.perf_counter() - t0)
                     maybe_evaluate(s, bar)
@@ -162,6 +163,8 @@ def failures_recorded(s: Session) -> Iterator[None]:
     try:
         yield
     except (NonFiniteError, DiskFull):  # the loop's own stops: it records their end
+        raise
+    except RunLost:  # the run is no longer this training's: nothing more is written there
         raise
     except torch.cuda.OutOfMemoryError:
         s.log.write("end", step=s.step, tokens=s.tokens_seen, state="failed", signal=None,

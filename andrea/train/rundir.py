@@ -13,6 +13,8 @@ and reads the tensors.
     runs/NAME/.andrea-train.lock   while a training writes the run: its lock, who holds it
                                    (andrea/train/runlock.py); removed at its end (a killed
                                    training's is stale)
+    runs/NAME/.andrea-overwritten/ during an --overwrite's set-up: the old run, set aside;
+                                   removed once the new run has started, put back if it does not
 
 Checkpoints are safetensors and JSON only (no pickle). Each `step-NNNNNN/` holds:
 
@@ -69,6 +71,7 @@ RNG_FILE = "rng.safetensors"
 SHARDS_DIR = "shards"
 SHARD_INDEX = "index.json"
 CHECKSUMS = "checksums.json"  # each other file's sha256 as written
+OVERWRITTEN = ".andrea-overwritten"  # the old run an --overwrite set aside (set_aside)
 STEP_DIR = re.compile(r"step-(\d+)")
 FORMAT = "andrea-checkpoint/1"  # the safetensors files' and the shard index's "format"
 CHECKSUMS_FORMAT = "andrea-checksums/1"
@@ -125,6 +128,64 @@ def describe_run(run_dir: Path) -> str:
     newest = f", the newest at step {step_of_dir(steps[-1])}" if steps else ""
     return (f"{len(steps)} checkpoint{'s' if len(steps) != 1 else ''}{newest}, "
             f"{size_text(size)} on disk")
+
+
+# ----------------------------------------------------------------------------- --overwrite
+
+# What --overwrite replaces besides the checkpoints: the files a new run writes again. Other
+# files (wandb_run_id, a tensorboard folder) were never removed by --overwrite and stay.
+REPLACED = (LATEST, METRICS, CONFIG)
+
+
+def set_aside(run_dir: Path) -> Path:
+    """--overwrite: move the old run's checkpoints, `latest`, metrics and config into
+    run_dir/OVERWRITTEN (renames, nothing copied or deleted yet); the folder. `discard` deletes
+    it once the new run has started, `put_back` restores it if it does not."""
+    aside = run_dir / OVERWRITTEN
+    aside.mkdir()
+    for old in [*(run_dir / name for name in REPLACED), *step_dirs(run_dir)]:
+        if old.exists():
+            old.rename(aside / old.name)
+    fsync_dir(run_dir)
+    return aside
+
+
+def put_back(run_dir: Path) -> bool:
+    """The old run set aside back in place, over what the new run wrote meanwhile (its config
+    and metrics: it never gets as far as a checkpoint); whether there was one. A set-aside
+    stopped half-way (a kill) leaves the rest in place: only names the folder holds are
+    replaced."""
+    aside = run_dir / OVERWRITTEN
+    if not aside.is_dir():
+        return False
+    for old in sorted(aside.iterdir()):
+        new = run_dir / old.name
+        if new.is_dir() and not new.is_symlink():
+            shutil.rmtree(new)
+        elif new.exists() or new.is_symlink():
+            new.unlink()
+        old.rename(new)
+    aside.rmdir()
+    fsync_dir(run_dir)
+    return True
+
+
+def discard(run_dir: Path) -> None:
+    """Delete the old run set aside: the new run has started. Renamed first, so that a kill
+    half-way through the deletion never leaves half a run to put back."""
+    aside = run_dir / OVERWRITTEN
+    if aside.is_dir():
+        doomed = run_dir / f"{OVERWRITTEN}.deleting"
+        aside.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def recover_overwrite(run_dir: Path) -> bool:
+    """For the run's new holder: an --overwrite whose process ended during set-up (killed, its
+    host lost) left the old run set aside: put back (the new run never trained a step), or, if
+    it was being deleted, the deletion finished. Whether a run was put back."""
+    shutil.rmtree(run_dir / f"{OVERWRITTEN}.deleting", ignore_errors=True)
+    return put_back(run_dir)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:

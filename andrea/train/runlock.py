@@ -12,6 +12,13 @@ one file, runs/NAME/.andrea-train.lock (rundir.RUN_LOCK):
   between hosts (some network filesystems) or the host is lost, the record names it, and the
   line says how to take the run over (delete the lock file). A record of this host whose
   process is gone is stale; one of an earlier attempt of the same torchrun job is a restart's.
+
+Every verb that replaces a run folder takes the same lock first (`andrea import --force`,
+andrea/hf.py), so a live run is never replaced under its training. The holder checks at every
+step that its lock file is still the run's (`check_held`: two stats): one removed or replaced
+(by hand, to take the run over) stops the training in one line before it writes anything more
+there. A training also holds each data folder it reads (`read_data`: a shared
+data.folder.FolderLock), so that a prepare which would rewrite one is refused meanwhile.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from andrea.data.folder import missing_dirs, remove_empty
+from andrea.data.folder import FolderLock, missing_dirs, pid_alive, remove_empty, same_file
 from andrea.errors import UserError
 from andrea.train.restarts import attempt
 from andrea.train.rundir import RUN_LOCK
@@ -73,16 +80,6 @@ def this_process() -> Holder:
     return Holder(os.getpid(), socket.gethostname(), now, now, job, attempt().number)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def is_stale(holder: Holder | None, me: Holder, flocked: bool) -> bool:
     """Whether the recorded holder no longer writes the run, so that `me` may take it: no
     record; a record of this host where the flock was free (the kernel drops it with the
@@ -104,26 +101,35 @@ def age_text(seconds: float) -> str:
     return f"{seconds / 86400:.0f} days"
 
 
-def refusal(run_dir: Path, lock: Path, holder: Holder | None, me: Holder) -> UserError:
-    """The one line of a second `andrea train` on a run folder in use."""
+TRAIN_ANOTHER = "train another run with --set train.name=..."
+
+
+def refusal(
+    run_dir: Path, lock: Path, holder: Holder | None, me: Holder, instead: str = TRAIN_ANOTHER
+) -> UserError:
+    """The one line of a second `andrea train` (or another verb that would write the run:
+    `instead` says what it may do instead) on a run folder in use."""
     if holder is None:  # its holder is between taking the lock and writing its record
         return UserError(
             f"{run_dir}: another andrea train is starting on this run (it holds {lock}); wait "
-            f"for it to end, or train another run with --set train.name=..."
+            f"for it to end, or {instead}"
         )
     if holder.host == me.host:
         return UserError(
             f"{run_dir}: another andrea train is writing this run ({holder.who()}); wait for it "
-            f"to end or stop it (kill {holder.pid}), or train another run with "
-            f"--set train.name=..."
+            f"to end or stop it (kill {holder.pid}), or {instead}"
         )
     silent = age_text(time.time() - holder.alive)
     return UserError(
         f"{run_dir}: another andrea train is writing this run ({holder.who()}, last alive "
-        f"{silent} ago by that host's clock); wait for it to end, or train another run with "
-        f"--set train.name=...; if that training is gone (its node lost), take the run over: "
-        f"rm {lock}, then run this again"
+        f"{silent} ago by that host's clock); wait for it to end, or {instead}; if that "
+        f"training is gone (its node lost), take the run over: rm {lock}, then run this again"
     )
+
+
+class RunLost(UserError):
+    """The run's lock file is no longer the one this training holds: another process may own
+    the run now, and this one writes nothing more there."""
 
 
 class RunLock:
@@ -131,8 +137,9 @@ class RunLock:
     `created`: the folders made to hold it, removed again on release when nothing else was
     written there (a run refused during set-up leaves nothing behind)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, instead: str = TRAIN_ANOTHER) -> None:
         self.run_dir, self.path = run_dir, run_dir / RUN_LOCK
+        self.instead = instead  # what the refusal suggests instead of this verb
         self.created: list[Path] = []
         self.holder: Holder | None = None
         self._fd: int | None = None
@@ -157,7 +164,7 @@ class RunLock:
                 holder = read_holder(fd, wait=0.5)
                 os.close(fd)
                 self.release()
-                raise refusal(self.run_dir, self.path, holder, me) from None
+                raise refusal(self.run_dir, self.path, holder, me, self.instead) from None
             except OSError:  # no flock on this filesystem: the record alone decides
                 flocked = False
             if same_file(fd, self.path):
@@ -170,7 +177,7 @@ class RunLock:
         if not is_stale(holder, me, flocked):
             os.close(fd)
             self.release()
-            raise refusal(self.run_dir, self.path, holder, me)
+            raise refusal(self.run_dir, self.path, holder, me, self.instead)
         self._fd, self.holder = fd, me
         os.ftruncate(fd, 0)
         os.pwrite(fd, me.encode(), 0)
@@ -180,11 +187,16 @@ class RunLock:
         self._beat.start()
         return self
 
+    def held(self) -> bool:
+        """Whether the run's lock file is still the one this lock holds (not removed or
+        replaced since): two stats, cheap enough for every step."""
+        return self._fd is not None and same_file(self._fd, self.path)
+
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             fd, holder = self._fd, self.holder
-            if fd is None or holder is None:
-                return
+            if fd is None or holder is None or not self.held():
+                return  # a lock file removed or replaced: the record is no one's to refresh
             self.holder = replace(holder, alive=time.time())
             with contextlib.suppress(OSError):
                 os.pwrite(fd, self.holder.encode(), 0)
@@ -205,15 +217,6 @@ class RunLock:
         self.created = []
 
 
-def same_file(fd: int, path: Path) -> bool:
-    """Whether `path` still names the file open as `fd`."""
-    try:
-        held, now = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
-
-
 def read_holder(fd: int, wait: float = 0.0) -> Holder | None:
     """The record in the open lock file; a holder that has just taken the lock may not have
     written it yet: up to `wait` seconds for it."""
@@ -225,7 +228,8 @@ def read_holder(fd: int, wait: float = 0.0) -> Holder | None:
         time.sleep(0.02)
 
 
-_held: list[RunLock] = []  # the locks taken inside the innermost `held_during`
+# The locks taken inside the innermost `held_during`: run locks, and data folders read.
+_held: list[RunLock | FolderLock] = []
 
 
 def lock_run(run_dir: Path) -> RunLock:
@@ -234,6 +238,31 @@ def lock_run(run_dir: Path) -> RunLock:
     lock = RunLock(run_dir).acquire()
     _held.append(lock)
     return lock
+
+
+def check_held(step: int) -> None:
+    """Raise RunLost when a run lock this process holds no longer names its run folder's lock
+    file (deleted by hand to take the run over, or the folder replaced): another process may
+    write the run now, so this one must write nothing more there, not even its end record or a
+    checkpoint. Called by the training at every step, and before a checkpoint moves `latest`."""
+    for lock in _held:
+        if isinstance(lock, RunLock) and not lock.held():
+            raise RunLost(
+                f"{lock.run_dir}: its lock file {lock.path} was removed or replaced while this "
+                f"training held it, so another process may write the run now; stopped at step "
+                f"{step}, writing nothing more there; once no other training writes the run, "
+                f"continue it with: andrea train --resume {lock.run_dir}"
+            )
+
+
+def read_data(folders: list[Path], run_dir: Path) -> None:
+    """Hold each data folder `folders` (those the training in `run_dir` reads) until the
+    enclosing `held_during` ends: a prepare that would rewrite one (`--force`, changed inputs)
+    is refused meanwhile, naming this training (data.folder.FolderLock.share)."""
+    for folder in dict.fromkeys(folders):
+        lock = FolderLock(folder).share(f"andrea train of {run_dir}")
+        if lock is not None:
+            _held.append(lock)
 
 
 @contextlib.contextmanager

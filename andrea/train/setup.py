@@ -8,11 +8,12 @@ function below.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import secrets
-import shutil
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,19 @@ import torch
 from andrea.config import Config, load_config
 from andrea.data.loader import (
     TokenSplit,
+    check_enough,
     check_in_background,
     mixture_report,
     open_split,
     source_passes,
 )
-from andrea.data.prepare import check_vocab, data_dir_for, ensure_prepared, prepare_from_config
+from andrea.data.prepare import (
+    check_vocab,
+    data_dir_for,
+    ensure_prepared,
+    prepare_from_config,
+    run_sources,
+)
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text, free_bytes
 from andrea.model.attention import resolve_backend
@@ -61,23 +69,26 @@ from andrea.train.resume import (
 )
 from andrea.train.rundir import (
     CONFIG,
-    LATEST,
     METRICS,
     TrainerState,
     clean_partials,
     describe_run,
+    discard,
     has_shards,
+    put_back,
     read_latest,
     read_state,
-    step_dirs,
+    recover_overwrite,
+    set_aside,
 )
-from andrea.train.runlock import lock_run
+from andrea.train.runlock import lock_run, read_data
 from andrea.train.scaling import loss_scaling_for
 from andrea.train.schedule import replan
 from andrea.train.session import Session, TrainResult
 from andrea.train.signals import SignalWatch
 from andrea.train.spike import SpikeGuard
 from andrea.train.torchrun import DistInfo
+from andrea.train.validation import val_sources
 
 
 def set_up(
@@ -99,7 +110,7 @@ def set_up(
         return nothing_to_do(run_dir, resume_from, run.trainer_state.step, t.max_steps, dist)
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
-    train_split, val_split = prepare_data(cfg, dist, resume_from)
+    train_split, val_split = prepare_data(cfg, dist, run_dir, resume_from)
     precision = choose_precision(t.precision, device)
     backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
     dtype = precision.dtype
@@ -128,17 +139,17 @@ def set_up(
                                             device.type)
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
     schedule_lines = plan_schedule(s, trainer_state, changes)
+    check_data_fits(s)
     check_room_at_start(s, replace)
     if dist.is_main:
-        if replace:
-            clear_run(run_dir)
-        start_run_files(s, resume_from, changes, backend)
-        signals.metrics_path = run_dir / METRICS
-        announce(s, backend, why, changes, trainer_state=trainer_state, resume_from=resume_from,
-                 compile_line=compile_line(compiling, compile_why),
-                 micro_batch_line="\n".join(line for line in (micro_batch_line, batch_line)
-                                             if line),
-                 schedule_lines=schedule_lines)
+        with replacing(run_dir, replace, signals):
+            start_run_files(s, resume_from, changes, backend)
+            signals.metrics_path = run_dir / METRICS
+            announce(s, backend, why, changes, trainer_state=trainer_state,
+                     resume_from=resume_from, compile_line=compile_line(compiling, compile_why),
+                     micro_batch_line="\n".join(line for line in (micro_batch_line, batch_line)
+                                                 if line),
+                     schedule_lines=schedule_lines)
     return s
 
 
@@ -232,16 +243,18 @@ def nothing_to_do(
 
 
 def prepare_data(
-    cfg: Config, dist: DistInfo, resume_from: Path | None = None
+    cfg: Config, dist: DistInfo, run_dir: Path, resume_from: Path | None = None
 ) -> tuple[TokenSplit, TokenSplit]:
     """The train and val splits: rank 0 prepares the shards if they are missing, the others
     wait for it. A resume whose data folder is not here takes them from rank 0's
-    `resume_data`."""
+    `resume_data`. Every rank then holds the data folders it reads until the training ends
+    (runlock.read_data): a prepare that would rewrite them is refused meanwhile."""
     if resume_from is not None:
         cfg = from_rank0(lambda: resume_data(cfg, resume_from), dist)
     elif dist.is_main:
         ensure_prepared(cfg)
     barrier(dist)
+    read_data([folder for _, folder, _ in run_sources(cfg)], run_dir)
     train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
     check_in_background(train_split, val_split)  # their checksums, not waited for here
     check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
@@ -298,6 +311,9 @@ def open_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -
         if resume is not None and resume != "auto":  # a run named by its path
             folder = find_run_to_resume(resume, cfg) or run_dir
         lock_run(folder)
+        if recover_overwrite(folder):
+            print(f"{folder}: an --overwrite stopped during its set-up (its process ended) had "
+                  f"set the old run aside; it is back as it was", flush=True)
     if resume is not None:
         found = find_run_to_resume(resume, cfg)
         if found is not None:
@@ -332,15 +348,40 @@ def say_restart(checkpoint: Path | None, run_dir: Path) -> bool:
     return bool(restart)
 
 
-def clear_run(run_dir: Path) -> None:
-    """--overwrite: remove the old run's checkpoints and metrics, saying first what they were.
-    Called only once every set-up check has passed, so a bad config or missing data never costs
-    the old run."""
+@contextlib.contextmanager
+def replacing(run_dir: Path, replace: bool, signals: SignalWatch) -> Iterator[None]:
+    """--overwrite (`replace`): the new run's start files are written with the old run set
+    aside, which is deleted once they are, or put back when anything stops the start (a
+    missing package for train.wandb, a full disk, a signal). Entered only once every set-up
+    check has passed (check_data_fits, check_room_at_start), so a bad config or missing data
+    never moves the old run."""
+    if not replace:
+        yield
+        return
     print(f"--overwrite: deleting the run in {run_dir} ({describe_run(run_dir)})", flush=True)
-    for old in step_dirs(run_dir):
-        shutil.rmtree(old)
-    for stale in (METRICS, LATEST):
-        (run_dir / stale).unlink(missing_ok=True)
+    set_aside(run_dir)
+    try:
+        yield
+    except BaseException:
+        signals.metrics_path = None  # the old run's again: a stop records nothing in it
+        put_back(run_dir)
+        print(f"--overwrite: this run did not start; the run in {run_dir} is back as it was",
+              flush=True)
+        raise
+    discard(run_dir)
+
+
+def check_data_fits(s: Session) -> None:
+    """The checks the first batch and the first evaluation would make, made before the run
+    folder is touched: every step's windows fit the train split (each size a batch-size or
+    sequence-length warm-up gives them), and the val set exists and has its tokenizer."""
+    t = s.cfg.train
+    for step in sorted({s.step, s.batch_warmup_steps, s.seq_warmup_steps}):
+        if s.step <= step < t.max_steps:
+            windows, length = s.windows_at(step)
+            check_enough(s.train_split, windows * s.accum_at(step) * s.dist.world_size, length)
+    if t.eval_every:
+        s.val_set = val_sources(s.val_split, s.cfg.model.block_size, t.eval_tokens or None)
 
 
 def resolve_micro_batch(
