@@ -28,6 +28,7 @@ import shlex
 import shutil
 import tempfile
 import warnings
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -96,6 +97,11 @@ FIXED_BYTES = 16_384
 HEADER_BYTES_PER_TENSOR = 128
 
 
+# trainer_state.json's keys that a Session attribute holds as they are: {key: attribute}.
+SESSION_HELD = {key.name: key.metadata["session"] for key in fields(TrainerState)
+                if key.metadata["session"] is not None}
+
+
 class DiskFull(Exception):
     """A checkpoint did not fit (or its write failed): the run stops with this one line."""
 
@@ -106,7 +112,8 @@ class TrainingState:
     spike guard): the weights, the optimizer state, every rank's generator states, fp16's loss
     scaling, the spike guard's state (which keeps the data position past skipped windows) and
     the run's counters and records, trainer_state.json's `TrainerState` (`record` one way,
-    `restore` the other: the one place each way)."""
+    `restore` the other: the one place each way; the keys a Session attribute holds as they
+    are, SESSION_HELD, are copied from TrainerState's declaration)."""
 
     def __init__(self, s: Session) -> None:
         self.s = s
@@ -115,12 +122,11 @@ class TrainingState:
         """What the checkpoint of the session's last completed step records besides tensors."""
         s = self.s
         return TrainerState(
-            step=s.step, tokens=s.tokens_seen, data_position=s.guard.data_step(s.step),
-            best_val_loss=s.best_val, best_val_step=s.best_step, skipped_steps=s.skipped,
-            world_size=s.dist.world_size, seed=s.cfg.train.seed, preset=s.preset,
-            micro_batch_size=s.micro_batch, parallel=s.parallel.name,
-            tokens_per_step=s.tokens_per_step, device=device_name(s.device),
-            max_steps=s.cfg.train.max_steps, schedule_anchor=s.schedule_anchor,
+            **{key: getattr(s, held) for key, held in SESSION_HELD.items()},
+            data_position=s.guard.data_step(s.step), world_size=s.dist.world_size,
+            seed=s.cfg.train.seed, preset=s.preset, micro_batch_size=s.micro_batch,
+            parallel=s.parallel.name, tokens_per_step=s.tokens_per_step,
+            device=device_name(s.device), max_steps=s.cfg.train.max_steps,
             spike_guard=s.guard.state_dict(), loss_scaling=s.scaling.state_dict(),
         )
 
@@ -189,14 +195,13 @@ class TrainingState:
         has them)."""
         self._load(checkpoint, sharded, record)
         s = self.s
+        for key, held in SESSION_HELD.items():
+            setattr(s, held, getattr(record, key))
         if record.preset is not None:
             s.preset = record.preset
-        s.step, s.tokens_seen, s.skipped = record.step, record.tokens, record.skipped_steps
-        s.best_val, s.best_step = record.best_val_loss, record.best_val_step
         s.checkpoint, s.checkpoint_step = checkpoint, record.step
         s.guard = SpikeGuard(s.cfg.train, record.spike_guard)
         s.scaling.load_state_dict(record.loss_scaling)
-        s.schedule_anchor = record.schedule_anchor
 
     def roll_back(self, checkpoint: Path) -> None:
         """The spike guard's rollback to `checkpoint`, which every rank sees: its weights,
