@@ -154,13 +154,13 @@ def test_a_resumed_session_records_what_its_checkpoint_recorded(tmp_path, data_d
     import torch
 
     from andrea.config import load_config
-    from andrea.train.checkpoint import TrainingState
     from andrea.train.loop import train
     from andrea.train.rundir import read_state
     from andrea.train.runlock import held_during
     from andrea.train.setup import set_up
     from andrea.train.signals import SignalWatch
     from andrea.train.torchrun import DistInfo
+    from andrea.train.training_state import TrainingState
 
     cfg = load_config("andrea-tiny", [
         f"data.dir={data_dir}", f"train.runs_dir={tmp_path / 'runs'}", "train.name=r",
