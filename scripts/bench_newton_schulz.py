@@ -28,7 +28,7 @@ from andrea.model.transformer import Andrea
 from andrea.resources import cpu_name
 from andrea.train import muon
 
-QUINTIC = (3.4445, -4.7750, 2.0315)
+QUINTIC = muon.NewtonSchulzSchedule.quintic((3.4445, -4.7750, 2.0315), 5)
 
 
 def spread_matrix(rows: int, cols: int, decades: float, seed: int) -> torch.Tensor:
@@ -40,9 +40,9 @@ def spread_matrix(rows: int, cols: int, decades: float, seed: int) -> torch.Tens
     return (u * 10 ** (-decades * torch.arange(m, dtype=torch.float64) / m)) @ v.T
 
 
-def time_ms(fn, *args) -> float:
+def time_ms(fn, *args, **kwargs) -> float:
     t0 = time.perf_counter()
-    fn(*args)
+    fn(*args, **kwargs)
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -63,15 +63,15 @@ def main() -> None:
     for i, ((rows, cols), n) in enumerate(counts.items()):
         g64 = spread_matrix(rows, cols, 4, seed=i)
         g32 = g64.float()
-        ref = muon.newton_schulz(g64, QUINTIC, 5, 1e-7, torch.float64)
+        ref = muon.newton_schulz(g64, QUINTIC, eps=1e-7, dtype=torch.float64)
         times: dict[str, list[float]] = {form: [] for form in forms}
         for _ in range(args.rounds + 1):  # the first round warms up and is dropped
             for form, gram in forms.items():
-                times[form].append(time_ms(muon.newton_schulz, g32, QUINTIC, 5, 1e-7,
-                                           torch.float32, False, gram))
+                times[form].append(time_ms(muon.newton_schulz, g32, QUINTIC, eps=1e-7,
+                                           dtype=torch.float32, gram=gram))
         row = []
         for form, gram in forms.items():
-            out = muon.newton_schulz(g32, QUINTIC, 5, 1e-7, torch.float32, False, gram)
+            out = muon.newton_schulz(g32, QUINTIC, eps=1e-7, dtype=torch.float32, gram=gram)
             error = float((out.double() - ref).norm() / ref.norm())
             ms = statistics.median(times[form][1:])
             total[form] += n * ms

@@ -77,6 +77,18 @@ def test_an_earlier_releases_trainer_state_means_what_it_did():
     assert later.recorded_micro_batch(1, "cuda") is None
 
 
+def test_a_trainer_state_of_a_step_alone_reads_each_absent_key_as_declared():
+    """The oldest reading: every key but the step absent, each read as what its absence
+    meant before TrainerState's fields declared it (data_position: the step)."""
+    state = TrainerState.from_dict({"step": 5, "unknown": 1})
+    assert state == TrainerState(step=5, tokens=0, data_position=5, world_size=1, seed=0)
+    assert list(state.to_dict()) == [
+        "step", "tokens", "data_position", "best_val_loss", "best_val_step", "skipped_steps",
+        "world_size", "seed", "preset", "micro_batch_size", "parallel", "tokens_per_step",
+        "device", "max_steps", "schedule_anchor", "spike_guard"]  # loss_scaling: fp16's only
+    assert list(TrainerState(step=1, loss_scaling={"scale": 2.0}).to_dict())[-1] == "loss_scaling"
+
+
 def test_an_imports_trainer_state_keeps_its_keys():
     state = TrainerState(step=0, seed=7, preset="imported", imported_from="/x",
                          imported_sha256="ab")
@@ -142,13 +154,13 @@ def test_a_resumed_session_records_what_its_checkpoint_recorded(tmp_path, data_d
     import torch
 
     from andrea.config import load_config
-    from andrea.train.checkpoint import TrainingState
     from andrea.train.loop import train
     from andrea.train.rundir import read_state
     from andrea.train.runlock import held_during
     from andrea.train.setup import set_up
     from andrea.train.signals import SignalWatch
     from andrea.train.torchrun import DistInfo
+    from andrea.train.training_state import TrainingState
 
     cfg = load_config("andrea-tiny", [
         f"data.dir={data_dir}", f"train.runs_dir={tmp_path / 'runs'}", "train.name=r",

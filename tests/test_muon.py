@@ -19,21 +19,29 @@ from andrea.errors import UserError
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.loop import train
-from andrea.train.muon import Float32Muon, assign_owners, newton_schulz, newton_schulz_macs
+from andrea.train.muon import (
+    POLAR_EXPRESS,
+    Float32Muon,
+    NewtonSchulzSchedule,
+    assign_owners,
+    newton_schulz,
+    newton_schulz_macs,
+)
 from andrea.train.optim import CombinedOptimizer, build_optimizer, make_empty_state
 from andrea.train.rundir import OPTIMIZER_FILE
 
 torch_ns = pytest.importorskip("torch.optim._muon")._zeropower_via_newtonschulz
 COEFFS = (3.4445, -4.7750, 2.0315)
+QUINTIC = NewtonSchulzSchedule.quintic(COEFFS, 5)
 
 
 @pytest.mark.parametrize("shape", [(48, 16), (16, 48), (32, 32)])
 def test_newton_schulz_is_torchs_in_bf16_and_close_in_fp32(shape):
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     theirs = torch_ns(g, COEFFS, 5, 1e-7)
-    assert torch.equal(newton_schulz(g, COEFFS, 5, 1e-7, torch.bfloat16), theirs)
-    ours32 = newton_schulz(g, COEFFS, 5, 1e-7, torch.float32)
-    ours64 = newton_schulz(g.double(), COEFFS, 5, 1e-7, torch.float64)
+    assert torch.equal(newton_schulz(g, QUINTIC, eps=1e-7, dtype=torch.bfloat16), theirs)
+    ours32 = newton_schulz(g, QUINTIC, eps=1e-7, dtype=torch.float32)
+    ours64 = newton_schulz(g.double(), QUINTIC, eps=1e-7, dtype=torch.float64)
     # bf16 has an 8-bit mantissa (relative step 2^-8) and the entries are O(1/sqrt(n)).
     assert (ours32.double() - theirs.double()).abs().max() < 0.05
     assert (ours32.double() - ours64).abs().max() < 1e-5  # fp32 is the float64 result
@@ -46,16 +54,17 @@ def test_newton_schulz_is_torchs_in_bf16_and_close_in_fp32(shape):
 @pytest.mark.parametrize("polar_express", [False, True])
 def test_gram_iteration_is_the_plain_iteration(shape, polar_express):
     g = load_script("bench_newton_schulz").spread_matrix(*shape, decades=8, seed=0)
-    plain64 = newton_schulz(g, COEFFS, 5, 1e-7, torch.float64, polar_express)
+    schedule = POLAR_EXPRESS if polar_express else QUINTIC
+    plain64 = newton_schulz(g, schedule, eps=1e-7, dtype=torch.float64)
     # The same arithmetic: in float64 the two forms agree to rounding.
-    gram64 = newton_schulz(g, COEFFS, 5, 1e-7, torch.float64, polar_express, gram=True)
+    gram64 = newton_schulz(g, schedule, eps=1e-7, dtype=torch.float64, gram=True)
     assert (gram64 - plain64).norm() / plain64.norm() < 1e-10
     # float32 picks the Gram form at these shapes (long side >= 2x the short one) ...
-    ours32 = newton_schulz(g.float(), COEFFS, 5, 1e-7, torch.float32, polar_express)
-    assert torch.equal(ours32, newton_schulz(g.float(), COEFFS, 5, 1e-7, torch.float32,
-                                             polar_express, gram=True))
-    assert not torch.equal(ours32, newton_schulz(g.float(), COEFFS, 5, 1e-7, torch.float32,
-                                                 polar_express, gram=False))
+    ours32 = newton_schulz(g.float(), schedule, eps=1e-7, dtype=torch.float32)
+    assert torch.equal(ours32, newton_schulz(g.float(), schedule, eps=1e-7, dtype=torch.float32,
+                                             gram=True))
+    assert not torch.equal(ours32, newton_schulz(g.float(), schedule, eps=1e-7,
+                                                 dtype=torch.float32, gram=False))
     # ... and follows float64 over 8 decades of singular values: measured 6e-5 to 3e-4 with the
     # quintic, up to 2.5e-3 with Polar Express, whose first step multiplies the smallest ones by
     # 8 (the plain float32 iteration: 1e-5; bfloat16, torch's own choice: about 0.1).
@@ -66,10 +75,11 @@ def test_gram_iteration_is_the_plain_iteration(shape, polar_express):
 def test_square_matrices_and_bf16_keep_the_plain_iteration():
     spread_matrix = load_script("bench_newton_schulz").spread_matrix
     square = spread_matrix(96, 96, decades=4, seed=0).float()
-    assert torch.equal(newton_schulz(square, COEFFS, 5, 1e-7, torch.float32),
-                       newton_schulz(square, COEFFS, 5, 1e-7, torch.float32, gram=False))
+    assert torch.equal(newton_schulz(square, QUINTIC, eps=1e-7, dtype=torch.float32),
+                       newton_schulz(square, QUINTIC, eps=1e-7, dtype=torch.float32,
+                                     gram=False))
     wide = spread_matrix(32, 96, decades=4, seed=0).float()
-    assert torch.equal(newton_schulz(wide, COEFFS, 5, 1e-7, torch.bfloat16),
+    assert torch.equal(newton_schulz(wide, QUINTIC, eps=1e-7, dtype=torch.bfloat16),
                        torch_ns(wide, COEFFS, 5, 1e-7))
 
 
@@ -81,7 +91,7 @@ def test_newton_schulz_macs_counts_what_newton_schulz_multiplies(shape, dtype, p
 
     x = torch.randn(shape)
     with FlopCounterMode(display=False) as counter:
-        newton_schulz(x, COEFFS, 5, 1e-7, dtype, polar_express)
+        newton_schulz(x, POLAR_EXPRESS if polar_express else QUINTIC, eps=1e-7, dtype=dtype)
     assert counter.get_total_flops() == 2 * newton_schulz_macs(shape, dtype)
 
 
@@ -207,7 +217,7 @@ cfg = load_config("andrea-tiny", ["train.optimizer=muon", "train.muon_ns_precisi
                                   "model.n_head=3", "model.head_dim=5", "model.d_model=15"])
 calls = []
 real_ns = muon.newton_schulz
-muon.newton_schulz = lambda g, *args: calls.append(tuple(g.shape)) or real_ns(g, *args)
+muon.newton_schulz = lambda g, *a, **kw: calls.append(tuple(g.shape)) or real_ns(g, *a, **kw)
 STEPS = 3
 
 

@@ -24,14 +24,14 @@ from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
 from andrea.train import loop
 from andrea.train.loop import train
-from andrea.train.muon import POLAR_EXPRESS, Float32Muon, newton_schulz
+from andrea.train.muon import POLAR_EXPRESS, Float32Muon, NewtonSchulzSchedule, newton_schulz
 from andrea.train.optim import build_optimizer
 from andrea.train.parallel import parallel_for
 from andrea.train.rundir import OPTIMIZER_FILE
 from andrea.train.setup import build_model
 from andrea.train.torchrun import DistInfo
 
-QUINTIC = (3.4445, -4.7750, 2.0315)
+QUINTIC = NewtonSchulzSchedule.quintic((3.4445, -4.7750, 2.0315), 5)
 
 
 def _polar(g: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,8 @@ def _polar(g: torch.Tensor) -> torch.Tensor:
 def test_polar_express_is_closer_to_the_polar_factor_than_the_quintic(shape):
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     exact = _polar(g)
-    quintic = newton_schulz(g, QUINTIC, 5, 1e-7, torch.float64)
-    polar = newton_schulz(g, QUINTIC, 5, 1e-7, torch.float64, polar_express=True)
+    quintic = newton_schulz(g, QUINTIC, eps=1e-7, dtype=torch.float64)
+    polar = newton_schulz(g, POLAR_EXPRESS, eps=1e-7, dtype=torch.float64)
     error = {name: float((x - exact).norm() / exact.norm())
              for name, x in (("quintic", quintic), ("polar", polar))}
     assert error["polar"] < 0.75 * error["quintic"], error
@@ -53,13 +53,13 @@ def test_polar_express_is_closer_to_the_polar_factor_than_the_quintic(shape):
     assert s.max() < 1.2 and (s > 0.8).double().mean() > 0.95
     # Its own iteration, step by step in float64: the five (a, b, c), the 1.02 margin.
     x = (g.T if g.size(0) > g.size(1) else g) / (g.norm() * 1.02)
-    for a, b, c in POLAR_EXPRESS:
+    for a, b, c in POLAR_EXPRESS.coefficients:
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
     x = x.T if g.size(0) > g.size(1) else x
     assert (polar - x).abs().max() < 1e-12
     # bf16 follows the float64 iteration to bf16's rounding.
-    bf16 = newton_schulz(g.float(), QUINTIC, 5, 1e-7, torch.bfloat16, polar_express=True)
+    bf16 = newton_schulz(g.float(), POLAR_EXPRESS, eps=1e-7, dtype=torch.bfloat16)
     assert (bf16.double() - polar).abs().max() < 0.05
 
 
@@ -123,7 +123,7 @@ def _normuon_reference(weights, grads, lr, wd, momentum, beta2):
             g = g.double()
             buf.mul_(momentum).add_(g, alpha=1 - momentum)
             u = g + momentum * (buf - g)  # Nesterov: lerp(grad, buf, momentum)
-            o = newton_schulz(u, QUINTIC, 5, 1e-7, torch.float64)
+            o = newton_schulz(u, QUINTIC, eps=1e-7, dtype=torch.float64)
             v.mul_(beta2).add_((o * o).mean(dim=1, keepdim=True), alpha=1 - beta2)
             scaled = o / v.sqrt()
             scaled = scaled * o.norm() / scaled.norm()
@@ -187,7 +187,7 @@ def test_cautious_weight_decay_decays_only_where_the_update_agrees():
                       weight_decay=0.5, momentum=0.0, nesterov=False)
     p.grad = grad.clone()
     opt.step()
-    update = newton_schulz(grad, QUINTIC, 5, 1e-7, torch.float64)  # momentum 0: the gradient
+    update = newton_schulz(grad, QUINTIC, eps=1e-7, dtype=torch.float64)  # momentum 0: the gradient
     agree = (start * update > 0).double()
     ref = start - 0.1 * 0.5 * start * agree - 0.1 * max(1, 16 / 8) ** 0.5 * update
     assert (p.detach() - ref).abs().max() < 1e-12

@@ -641,8 +641,8 @@ def test_ranks_a_checkpoint_has_no_generator_state_for_get_their_own_seed(monkey
     """A run resumed on more processes: the checkpoint holds rank 0's generator states only.
     Ranks 1 and 2 each get a fresh seed of their own (seed + rank), not one shared state; and
     on a GPU after a CPU run the CUDA generator is seeded too, per rank."""
-    from andrea.train.checkpoint import restore_rng_states, seed_for_rank
     from andrea.train.torchrun import DistInfo
+    from andrea.train.training_state import restore_rng_states, seed_for_rank
 
     torch.manual_seed(123)
     saved = {"cpu.rank0": torch.get_rng_state()}

@@ -8,8 +8,10 @@
 - one step's numbers: device (device and precision), scaling (fp16's loss scaling), optim and
   muon (the optimizers), schedule (the learning rate), memory (the automatic micro-batch),
   spike (the loss-spike guard), validation (the val loss), flops (MFU);
-- checkpoints: checkpoint (what a checkpoint holds as one object, TrainingState; its tensors;
-  room on disk), rundir (the run folder and checkpoint format, no torch), resume;
+- checkpoints: training_state (what a checkpoint holds of a session as one object,
+  TrainingState, with every rank's generator states), checkpoint (its files' tensors, their
+  size), checkpoint_room (room on disk for them), rundir (the run folder and checkpoint format,
+  no torch), resume;
 - several processes: parallel (one process, ddp or fsdp), torchrun (its environment, the
   ranks), restarts (torchrun's restarts, a lost rank), process_group, collectives, sharding
   (FSDP2);

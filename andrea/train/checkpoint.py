@@ -1,66 +1,31 @@
-"""A training's checkpoints, with torch: `TrainingState`, everything a checkpoint holds of a
-session gathered in one object that writes and restores itself; the files' tensors written and
-read (safetensors, and under fsdp each rank's shards through torch.distributed.checkpoint); a
-checkpoint's size, and room for it on the run folder's disk. The folder's layout, names,
-`latest`, partial folders and checksums record are andrea/train/rundir.py's.
-
-`TrainingState.save` and `restore` are collectives: every rank calls them. Rank 0 reads a whole
-checkpoint and sends it to the others (so under ddp the run folder may be on node 0 alone);
-under a sharded mode every rank writes and reads its own shards.
-
-Room: a checkpoint's size is estimated from the byte counts of the weights and the optimizer
-state (`checkpoint_nbytes`, once a session: `Session.checkpoint_nbytes`). At start, a disk that
-cannot hold even one checkpoint stops the run before its first step, with a command that trains
-on another disk (`check_room_at_start`); one that cannot hold the checkpoints the run will keep
-at once is a warning (`start_warning`); before each checkpoint, too little room for one stops
-the run before anything is written, and a write that fails anyway (ENOSPC above all) stops it
-the same way once the partial folder is removed (`TrainingState.save`): one line, exit code 2,
-`latest` and the older checkpoints untouched, every rank stopping together.
+"""A checkpoint's files, with torch: the tensors written and read (safetensors, and under fsdp
+each rank's shards through torch.distributed.checkpoint), `save_checkpoint` assembling a step
+folder, and the size of one checkpoint on disk (`checkpoint_nbytes`). The folder's layout,
+names, `latest`, partial folders and checksums record are andrea/train/rundir.py's; what a
+session writes into them and restores from them is andrea/train/training_state.py's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import shlex
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from andrea import faults
-from andrea.config import Config, config_from_dict, load_config
-from andrea.data.loader import TokenSplit
-from andrea.data.tokenizer import kind_of
+from andrea.config import Config, config_from_dict
 from andrea.errors import UserError
-from andrea.fileio import (
-    DISK_FULL_ERRNOS,
-    atomic_write_bytes,
-    atomic_write_text,
-    free_bytes,
-    size_text,
-)
+from andrea.fileio import atomic_write_bytes, atomic_write_text
 from andrea.model.params import check_stored_shape
-from andrea.resources import configs_dir
-from andrea.train.collectives import (
-    all_gather_bytes,
-    all_reduce_sum,
-    barrier,
-    broadcast_tensors,
-    from_rank0,
-)
-from andrea.train.device import device_name
 from andrea.train.optim import make_empty_state, state_size
 from andrea.train.parallel import bare_name
 from andrea.train.rundir import (
-    CONFIG,
     FORMAT,
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -70,23 +35,17 @@ from andrea.train.rundir import (
     TRAINER_STATE,
     TrainerState,
     file_sha256,
-    has_shards,
     partial_dir,
     prune_checkpoints,
     publish,
-    read_latest,
     read_safetensors_header,
     read_state,
     step_dir_name,
-    step_dirs,
     verify_file,
     write_checksums,
 )
 from andrea.train.runlock import RunLost, check_held
-from andrea.train.session import Session
 from andrea.train.sharding import full_tensor, shard_like
-from andrea.train.spike import SpikeGuard
-from andrea.train.torchrun import DistInfo
 
 OPTIMIZER_PREFIX = "optimizer."  # the optimizer's keys among the shards' tensors
 # The LM head is tied to the token embedding: stored once, re-tied on load.
@@ -95,158 +54,6 @@ TIED_KEYS = {"lm_head.weight": "tok_emb.weight"}
 # trainer_state.json, then each tensor's entry in a safetensors header.
 FIXED_BYTES = 16_384
 HEADER_BYTES_PER_TENSOR = 128
-
-
-class DiskFull(Exception):
-    """A checkpoint did not fit (or its write failed): the run stops with this one line."""
-
-
-class TrainingState:
-    """Everything a checkpoint holds of a training session, gathered from the session in one
-    object that writes (`save`) and restores itself (`restore` on resume, `roll_back` for the
-    spike guard): the weights, the optimizer state, every rank's generator states, fp16's loss
-    scaling, the spike guard's state (which keeps the data position past skipped windows) and
-    the run's counters and records, trainer_state.json's `TrainerState` (`record` one way,
-    `restore` the other: the one place each way)."""
-
-    def __init__(self, s: Session) -> None:
-        self.s = s
-
-    def record(self) -> TrainerState:
-        """What the checkpoint of the session's last completed step records besides tensors."""
-        s = self.s
-        return TrainerState(
-            step=s.step, tokens=s.tokens_seen, data_position=s.guard.data_step(s.step),
-            best_val_loss=s.best_val, best_val_step=s.best_step, skipped_steps=s.skipped,
-            world_size=s.dist.world_size, seed=s.cfg.train.seed, preset=s.preset,
-            micro_batch_size=s.micro_batch, parallel=s.parallel.name,
-            tokens_per_step=s.tokens_per_step, device=device_name(s.device),
-            max_steps=s.cfg.train.max_steps, schedule_anchor=s.schedule_anchor,
-            spike_guard=s.guard.state_dict(), loss_scaling=s.scaling.state_dict(),
-        )
-
-    def save(self, rng: dict[str, torch.Tensor]) -> Path:
-        """Checkpoint the session's last completed step, with this rank's generator states `rng`
-        (as local_rng_states took them), the tokenizer's files (TokenizerKind.checkpoint_files)
-        and `record()`, once rank 0's disk has room for it by the estimate; returns the
-        checkpoint folder, on every rank. Every rank calls it (it gathers); rank 0 writes, and
-        under a sharded mode every rank first writes its shards into rank 0's folder.
-
-        DiskFull on every rank, with nothing left behind, when the disk has no room or a write
-        fails on any rank (a full disk): raised once every rank is past its writes and rank 0
-        has removed the partial folder, so `latest` and the older checkpoints are as they were."""
-        s = self.s
-        free = from_rank0(lambda: free_bytes(s.run_dir), s.dist)
-        if free < s.checkpoint_nbytes:
-            raise DiskFull(full_message(s, free, None))
-        failure: OSError | None = None
-        try:
-            written = self._write(rng)
-        except OSError as exc:
-            failure = exc
-        failed = torch.tensor([0.0 if failure is None else 1.0])
-        if all_reduce_sum(failed, s.dist).item() == 0:  # every rank gets here: none waits alone
-            return written
-
-        def clean_up() -> tuple[str, bool]:
-            shutil.rmtree(partial_dir(s.run_dir, s.step, os.getpid()), ignore_errors=True)
-            return describe_failure(failure)
-
-        cause, full = from_rank0(clean_up, s.dist)
-        raise DiskFull(full_message(s, free, cause, full))
-
-    def _write(self, rng: dict[str, torch.Tensor]) -> Path:
-        s, dist = self.s, self.s.dist
-        all_rng = all_rng_states(rng, dist)
-        partial, optimizer_tensors = None, {}
-        if s.parallel.sharded:
-            # The weights are also gathered whole (for eval, generate, export), kept by rank 0.
-            pid = torch.tensor([os.getpid()], dtype=torch.int64).view(torch.uint8)
-            writer = int(all_gather_bytes(pid, dist)[0].view(torch.int64).item())
-            partial = partial_dir(s.run_dir, s.step, writer)
-            if dist.is_main and partial.exists():
-                shutil.rmtree(partial)
-            barrier(dist)
-            shards = sharded_state(s.model, s.optimizer, s.param_names)
-            write_shards(partial / SHARDS_DIR, shards, dist.rank)
-            model_tensors = model_state(s.model, dist.is_main)
-        elif dist.is_main:
-            model_tensors = model_state(s.model)
-            optimizer_tensors = optimizer_state(s.optimizer, s.param_names)
-        if not dist.is_main:
-            return s.run_dir / step_dir_name(s.step)
-        identity = s.train_split.tokenizer_identity
-        return save_checkpoint(
-            s.run_dir, self.record(), s.cfg, identity, model=model_tensors,
-            optimizer=optimizer_tensors, rng=all_rng, keep_last=s.cfg.train.keep_last,
-            partial=partial,
-            files=kind_of(identity).checkpoint_files(identity, s.train_split.data_dir),
-        )
-
-    def restore(self, checkpoint: Path, *, record: TrainerState, sharded: bool) -> None:
-        """Resume from `checkpoint`: its weights, optimizer state and generator states, then
-        the counters, records, spike guard and loss scaling of its trainer state `record` (as
-        set-up's rank 0 read it, with whether it holds shards, to decide the run: every rank
-        has them)."""
-        self._load(checkpoint, sharded, record)
-        s = self.s
-        if record.preset is not None:
-            s.preset = record.preset
-        s.step, s.tokens_seen, s.skipped = record.step, record.tokens, record.skipped_steps
-        s.best_val, s.best_step = record.best_val_loss, record.best_val_step
-        s.checkpoint, s.checkpoint_step = checkpoint, record.step
-        s.guard = SpikeGuard(s.cfg.train, record.spike_guard)
-        s.scaling.load_state_dict(record.loss_scaling)
-        s.schedule_anchor = record.schedule_anchor
-
-    def roll_back(self, checkpoint: Path) -> None:
-        """The spike guard's rollback to `checkpoint`, which every rank sees: its weights,
-        optimizer and generator states, its step and tokens; the losses after it are forgotten.
-        The spike guard, the loss scaling and the best val loss stay as they are: the guard
-        goes on past the offending data (SpikeGuard.rolled_back)."""
-        s = self.s
-        record = self._load(checkpoint, has_shards(checkpoint))
-        s.step, s.tokens_seen = record.step, record.tokens
-        s.checkpoint_step = s.step
-        s.losses = {k: v for k, v in s.losses.items() if k <= s.step}
-
-    def start_fresh(self) -> None:
-        """A new run's generators: each rank seeded its own way (seed_for_rank)."""
-        torch.manual_seed(seed_for_rank(self.s.cfg.train.seed, self.s.dist.rank))
-
-    def _load(
-        self, ckpt: Path, sharded: bool, record: TrainerState | None = None
-    ) -> TrainerState:
-        """Load weights, optimizer state and generator states; returns the trainer state
-        (`record` when the caller has it already). A whole checkpoint is read by rank 0 alone
-        and sent to the others; a sharded one (fsdp) is read by every rank through its shards
-        (set-up has checked that every rank sees it). Either fits the model as it is laid out
-        now."""
-        s, dist = self.s, self.s.dist
-        model, optimizer, names = s.model, s.optimizer, s.param_names
-        if sharded:
-            check_tokenizer(ckpt, read_model_checkpoint(ckpt, tensors=False)[2], s.train_split)
-            read_shards(ckpt, model, optimizer, names)
-            if record is None:
-                record = read_state(ckpt)
-            rng = read_safetensors(ckpt / RNG_FILE)[0]
-        else:
-            read: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optimizer": {}, "rng": {}}
-            known = record
-
-            def read_whole() -> TrainerState:
-                read["model"], meta = read_model_checkpoint(ckpt)[::2]
-                check_tokenizer(ckpt, meta, s.train_split)
-                read["optimizer"] = read_safetensors(ckpt / OPTIMIZER_FILE)[0]
-                read["rng"] = read_safetensors(ckpt / RNG_FILE)[0]
-                return known if known is not None else read_state(ckpt)
-
-            record = from_rank0(read_whole, dist)
-            weights, moments, rng = (broadcast_tensors(read[k], dist) for k in read)
-            load_weights(model, weights, ckpt / MODEL_FILE)
-            apply_optimizer_state(optimizer, names, moments, ckpt)
-        restore_rng_states(rng, s.device, dist, seed_for_rank(record.seed, dist.rank))
-        return record
 
 
 # ----------------------------------------------------------------------------- tensors written
@@ -554,61 +361,9 @@ def read_trainer_state(ckpt: Path) -> tuple[TrainerState, dict[str, torch.Tensor
     return read_state(ckpt), read_safetensors(ckpt / RNG_FILE)[0]
 
 
-def check_tokenizer(checkpoint: Path, meta: dict[str, str], train_split: TokenSplit) -> None:
-    """A checkpoint resumed on data of another tokenizer is refused in one line."""
-    if meta.get("tokenizer") != train_split.tokenizer_identity:
-        raise UserError(
-            f"{checkpoint}: trained with tokenizer {meta.get('tokenizer')}, but the data in "
-            f"{train_split.data_dir} uses {train_split.tokenizer_identity}"
-        )
 
 
-# ----------------------------------------------------------------------------- generators
-
-
-def seed_for_rank(seed: int, rank: int) -> int:
-    """The generator seed of `rank` in a run seeded `seed`: dropout differs per rank,
-    deterministically."""
-    return seed + rank
-
-
-def local_rng_states(device: torch.device) -> dict[str, torch.Tensor]:
-    """This rank's generator states now, by kind (cpu, cuda)."""
-    states = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def all_rng_states(local: dict[str, torch.Tensor], dist: DistInfo) -> dict[str, torch.Tensor]:
-    """Every rank's generator states, keyed '<kind>.rank<r>' (a collective)."""
-    out = {}
-    for kind, state in local.items():
-        for rank, gathered in enumerate(all_gather_bytes(state, dist)):
-            out[f"{kind}.rank{rank}"] = gathered
-    return out
-
-
-def restore_rng_states(
-    rng: dict[str, torch.Tensor], device: torch.device, dist: DistInfo, fresh_seed: int
-) -> None:
-    """This rank's generator states from the checkpoint; a rank the checkpoint has no state for
-    (a run resumed with more processes than it had, or on a GPU after a CPU) is seeded anew
-    with `fresh_seed`, its own, rather than keeping the state every such rank shares."""
-    cpu = rng.get(f"cpu.rank{dist.rank}")
-    if cpu is not None:
-        torch.set_rng_state(cpu)
-    else:
-        torch.manual_seed(fresh_seed)  # seeds every CUDA device too
-    if device.type == "cuda":
-        cuda = rng.get(f"cuda.rank{dist.rank}")
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        else:
-            torch.cuda.manual_seed(fresh_seed)
-
-
-# ----------------------------------------------------------------------------- size and room
+# ----------------------------------------------------------------------------- size
 
 
 def checkpoint_nbytes(
@@ -629,136 +384,3 @@ def checkpoint_nbytes(
         total += weight_bytes + world_size * FIXED_BYTES
         tensors += len(weights) + n_state
     return total + tensors * HEADER_BYTES_PER_TENSOR
-
-
-def checkpoints_ahead(step: int, max_steps: int, every: int) -> int:
-    """How many checkpoints a run at `step` still writes on its way to max_steps."""
-    periodic = (max_steps // every - step // every) if every else 0
-    return periodic + (0 if every and max_steps % every == 0 else 1)
-
-
-def peak_checkpoints(s: Session) -> tuple[int, int]:
-    """(the run's checkpoints on disk now, the most it holds at once: its existing ones, up to
-    train.keep_last, and the one being written)."""
-    t = s.cfg.train
-    existing = len(step_dirs(s.run_dir))
-    ahead = checkpoints_ahead(s.step, t.max_steps, t.checkpoint_every)
-    return existing, max(existing + 1, min(t.keep_last + 1, existing + ahead))
-
-
-def start_warning(s: Session, free: int) -> str | None:
-    """The warning line when the disk cannot hold the checkpoints the run keeps at once (its
-    existing ones, up to train.keep_last, and the one being written), or None."""
-    t, per = s.cfg.train, s.checkpoint_nbytes
-    existing, peak = peak_checkpoints(s)
-    needed = (peak - existing) * per
-    if free >= needed:
-        return None
-    held = f"{peak} at once, {size_text(per)} each" + (
-        f": train.keep_last {t.keep_last} and the one being written"
-        if peak == t.keep_last + 1 else "")
-    return (f"warning: {s.run_dir}: {size_text(free)} free on its disk, but the checkpoints need "
-            f"about {size_text(needed)} more ({held}); the run will stop cleanly at the first "
-            f"checkpoint that does not fit: free space, lower train.keep_last, or set "
-            f"train.runs_dir to a disk with room")
-
-
-def check_room_at_start(s: Session, replaced: bool) -> None:
-    """Every rank, before the first step: a UserError when the run folder's disk (as rank 0
-    sees it) cannot hold even one checkpoint, rather than training up to the first one to stop
-    there. replaced: the run folder is an --overwrite's, whose files make room as they go."""
-
-    def measure() -> None:
-        free = free_bytes(s.run_dir)
-        if replaced and s.run_dir.is_dir():
-            free += sum(f.stat().st_size for f in s.run_dir.rglob("*") if f.is_file())
-        if free < s.checkpoint_nbytes:
-            raise UserError(no_room_message(s, free))
-
-    from_rank0(measure, s.dist)
-
-
-def no_room_message(s: Session, free: int) -> str:
-    """The one line of a run whose disk cannot hold one checkpoint: the size, the room, where,
-    and the command that trains on a disk with room for every checkpoint the run keeps."""
-    existing, peak = peak_checkpoints(s)
-    needed = (peak - existing) * s.checkpoint_nbytes
-    head = (f"{s.run_dir}: a checkpoint of this run needs about "
-            f"{size_text(s.checkpoint_nbytes)}, its disk has {size_text(free)} free; nothing "
-            f"was trained or written")
-    folder = folder_with_room(needed, s.run_dir)
-    dest = str(folder) if folder else "DIR"
-    where = ("" if folder else
-             f"; DIR: a folder on a disk with about {size_text(needed)} free")
-    if s.checkpoint is not None:  # a resume: the run folder moves with its checkpoints
-        moved = Path(dest) / s.run_dir.name
-        return (f"{head}; move the run to a disk with room and continue there: "
-                f"{shlex.join(['mv', str(s.run_dir), dest])} && "
-                f"{shlex.join(['andrea', 'train', '--resume', str(moved)])}{where}")
-    return (f"{head}; train on a disk with room: "
-            f"{shlex.join(train_command(s.cfg, {'train.runs_dir': dest}))}{where}")
-
-
-def folder_with_room(needed: int, run_dir: Path) -> Path | None:
-    """A runs folder on another disk with `needed` bytes free: under the home directory, else
-    the temporary one; None when neither has the room."""
-    for folder in (Path.home() / "andrea-runs", Path(tempfile.gettempdir()) / "andrea-runs"):
-        if folder.resolve() != run_dir.parent.resolve() and free_bytes(folder) >= needed:
-            return folder
-    return None
-
-
-def train_command(cfg: Config, changed: dict[str, str]) -> list[str]:
-    """`andrea train` that trains cfg, as argv: its config file (a preset by name) and a --set
-    for each key it differs from it by, then for each of `changed`'s {dotted key: value}."""
-    base = load_config(None if cfg.source == "<defaults>" else cfg.source)
-    sets = {f"{section}.{key}": value
-            for section, keys in cfg.to_dict().items()
-            for key, value in keys.items() if value != base.to_dict()[section][key]}
-    sets.update(changed)
-    source = Path(cfg.source)
-    name = source.stem if source.parent.resolve() == configs_dir().resolve() else cfg.source
-    argv = ["andrea", "train"] + ([] if cfg.source == "<defaults>" else ["--config", name])
-    for key, value in sets.items():
-        argv += ["--set", f"{key}={_yaml_value(value) if key not in changed else value}"]
-    return argv
-
-
-def _yaml_value(value: object) -> str:
-    """value as --set reads it back (a YAML scalar or flow list)."""
-    if value == "":
-        return ""
-    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf)
-    return text.removesuffix("\n...\n").strip()
-
-
-def full_message(s: Session, free: int, cause: str | None, full: bool = True) -> str:
-    """The one line of a checkpoint that was not written. cause: why the write failed, None
-    when the free-space check stopped it before writing anything."""
-    folder, per = s.run_dir / step_dir_name(s.step), size_text(s.checkpoint_nbytes)
-    if cause is None:
-        what = (f"{folder} was not written: a checkpoint needs about {per}, the disk has "
-                f"{size_text(free)} free")
-    else:
-        what = (f"writing {folder} failed ({cause}; it needs about {per}, {size_text(free)} was "
-                f"free); its partial folder is removed")
-    latest = read_latest(s.run_dir)
-    if latest is None:
-        how = (f"no checkpoint was written before it; free space there, or set train.runs_dir "
-               f"to a disk with room, then start over: andrea train --config "
-               f"{s.run_dir / CONFIG}")
-    else:
-        how = (f"latest is still {latest}; free space there, or move {s.run_dir} to a disk with "
-               f"room, then continue: andrea train --resume {s.run_dir} (its new path if moved)")
-    head = "disk full" if full else "checkpoint write failed"
-    return f"{head} at step {s.step}: {what}; {how}"
-
-
-def describe_failure(exc: OSError | None) -> tuple[str, bool]:
-    """(what failed, in a few words; whether the disk was full) for a failed write: rank 0's
-    OSError, or None when only another rank's write failed."""
-    if exc is None:
-        return "a write failed on another rank", False
-    where = f": {exc.filename}" if exc.filename else ""
-    return f"{exc.strerror or exc}{where}", exc.errno in DISK_FULL_ERRNOS
-

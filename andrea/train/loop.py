@@ -26,7 +26,7 @@ from andrea import faults
 from andrea.config import Config
 from andrea.data.loader import train_batch, wait_checked
 from andrea.errors import UserError
-from andrea.train.checkpoint import DiskFull, TrainingState, local_rng_states
+from andrea.train.checkpoint_room import DiskFull
 from andrea.train.collectives import all_reduce_sum, barrier
 from andrea.train.device import pick_device
 from andrea.train.flops import format_mfu
@@ -44,6 +44,7 @@ from andrea.train.setup import set_up
 from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
 from andrea.train.spike import APPLY, ROLLBACK, SKIP, same_on_every_rank
 from andrea.train.torchrun import DistInfo
+from andrea.train.training_state import TrainingState, local_rng_states
 from andrea.train.validation import score_val, val_sources
 
 

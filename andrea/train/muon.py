@@ -23,6 +23,7 @@ train.optimizer: muon drives Muon and AdamW as one optimizer (optim.CombinedOpti
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,48 +64,67 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[tuple[s
     return matrices, rest
 
 
+@dataclass(frozen=True)
+class NewtonSchulzSchedule:
+    """The iterations newton_schulz runs: each one's quintic (a, b, c), in order, and the
+    margin the Frobenius norm is multiplied by before the matrix is scaled by it (None: the
+    norm as it is)."""
+
+    coefficients: tuple[tuple[float, float, float], ...]
+    norm_margin: float | None = None
+
+    @classmethod
+    def quintic(cls, coefficients: tuple[float, float, float], steps: int
+                ) -> NewtonSchulzSchedule:
+        """`steps` iterations of one quintic: torch.optim.Muon's ns_coefficients, ns_steps."""
+        return cls((coefficients,) * steps)
+
+    @property
+    def steps(self) -> int:
+        return len(self.coefficients)
+
+
 # The Polar Express paper's (arXiv:2505.16932) minimax-optimal odd quintic for each of 5
 # iterations: the early ones push small singular values up hard, the late ones settle them at 1.
-POLAR_EXPRESS = (
+# Its polynomials are tuned for singular values in (0, 1]: a margin on the normalisation keeps
+# bf16's rounding of the Frobenius norm from putting the largest a little above 1.
+POLAR_EXPRESS = NewtonSchulzSchedule((
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
     (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
-# Its polynomials are tuned for singular values in (0, 1]: a margin on the normalisation keeps
-# bf16's rounding of the Frobenius norm from putting the largest a little above 1.
-POLAR_EXPRESS_MARGIN = 1.02
+), norm_margin=1.02)
 
 
-def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                  eps: float, dtype: torch.dtype, polar_express: bool = False,
-                  gram: bool | None = None) -> torch.Tensor:
-    """Approximate U Vᵀ of grad = U S Vᵀ by `steps` quintic iterations in `dtype`.
+def newton_schulz(grad: torch.Tensor, schedule: NewtonSchulzSchedule, *, eps: float,
+                  dtype: torch.dtype, gram: bool | None = None) -> torch.Tensor:
+    """Approximate U Vᵀ of grad = U S Vᵀ by the schedule's quintic iterations in `dtype`.
 
     The iteration is torch.optim._muon._zeropower_via_newtonschulz's (which fixes dtype to
-    bfloat16): transpose a tall matrix, scale to Frobenius norm 1, iterate
-    X <- a X + (b A + c A²) X with A = X Xᵀ. polar_express: each iteration its own (a, b, c)
-    from POLAR_EXPRESS (`coefficients` and `steps` are unused), the norm taken with its margin.
+    bfloat16): transpose a tall matrix, scale to Frobenius norm 1 (the norm taken with the
+    schedule's margin, if any), iterate X <- a X + (b A + c A²) X with A = X Xᵀ, each time with
+    the schedule's next (a, b, c): one quintic `steps` times (NewtonSchulzSchedule.quintic),
+    or POLAR_EXPRESS.
 
     gram: the same iteration in the [m, m] Gram space of the wide [m, n] matrix (`gram_iteration`),
     cheaper when n >= GRAM_MIN_RATIO * m. None picks it for float32 at such shapes; bfloat16 keeps
     torch's operations in torch's order (and so its bits), float64 the plain iteration a reference
     wants.
     """
-    schedule = POLAR_EXPRESS if polar_express else (coefficients,) * steps
     x = grad.to(dtype, copy=True)  # never the caller's tensor: it is scaled in place
     tall = grad.size(0) > grad.size(1)
     if tall:
         x = x.T
-    norm = x.norm() * POLAR_EXPRESS_MARGIN if polar_express else x.norm()
+    margin = schedule.norm_margin
+    norm = x.norm() if margin is None else x.norm() * margin
     x.div_(norm.clamp(min=eps))  # spectral norm <= Frobenius norm = 1
     if gram is None:
         gram = gram_pays(grad.shape, dtype)
-    if gram and schedule:
+    if gram and schedule.steps:
         x = gram_iteration(x, schedule)
     else:
-        for a, b, c in schedule:
+        for a, b, c in schedule.coefficients:
             a_mat = x @ x.T
             poly = torch.addmm(a_mat, a_mat, a_mat, beta=b, alpha=c)
             x = torch.addmm(x, poly, x, beta=a)
@@ -135,8 +155,7 @@ def newton_schulz_macs(shape: torch.Size | tuple[int, int], dtype: torch.dtype,
     return steps * (2 * m * m * n + m ** 3)  # X Xᵀ, b A + c A², poly X
 
 
-def gram_iteration(x: torch.Tensor, schedule: tuple[tuple[float, float, float], ...]
-                   ) -> torch.Tensor:
+def gram_iteration(x: torch.Tensor, schedule: NewtonSchulzSchedule) -> torch.Tensor:
     """The quintic iteration on a wide x [m, n], m <= n, through its Gram matrix G = x xᵀ [m, m].
 
     Every iterate is Q x with Q a polynomial in G, so all of them commute with G and
@@ -148,14 +167,14 @@ def gram_iteration(x: torch.Tensor, schedule: tuple[tuple[float, float, float], 
     """
     g = x @ x.T  # [m, m]; the first A
     a_mat, q = g, None
-    for i, (a, b, c) in enumerate(schedule):
+    for i, (a, b, c) in enumerate(schedule.coefficients):
         poly = torch.addmm(a_mat, a_mat, a_mat, beta=b, alpha=c)  # b A + c A²
         if q is None:
             q = poly
             q.diagonal().add_(a)  # a I + poly
         else:
             q = torch.addmm(q, poly, q, beta=a)  # (a I + poly) Q
-        if i + 1 < len(schedule):
+        if i + 1 < schedule.steps:
             a_mat = q @ g @ q  # the next iterate's X Xᵀ
     return q @ x
 
@@ -237,9 +256,14 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
             updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
         return params, updates
 
+    def _schedule(self, group: dict[str, Any]) -> NewtonSchulzSchedule:
+        if self.polar_express:
+            return POLAR_EXPRESS
+        return NewtonSchulzSchedule.quintic(group["ns_coefficients"], group["ns_steps"])
+
     def _newton_schulz(self, group: dict[str, Any], update: torch.Tensor) -> torch.Tensor:
-        return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                             self.ns_dtype, self.polar_express)
+        return newton_schulz(update, self._schedule(group), eps=group["eps"],
+                             dtype=self.ns_dtype)
 
     def _orthogonalise(self, group: dict[str, Any], params: list[torch.Tensor],
                        updates: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -324,7 +348,7 @@ class SplitMuon(Float32Muon):
                                       f"a 1-D mesh is split")
         pg = params[0].device_mesh.get_group() if sharded else dist.group.WORLD
         owners = assign_owners([p.shape for p in params], dist.get_world_size(pg), self.ns_dtype,
-                               len(POLAR_EXPRESS) if self.polar_express else group["ns_steps"])
+                               self._schedule(group).steps)
         exchange = self._exchange_shards if sharded else self._gather_updates
         return exchange(group, params, updates, owners, pg)
 

@@ -52,7 +52,7 @@ import os
 import re
 import shutil
 import struct
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -376,77 +376,88 @@ def verify_file(path: Path, blob: bytes | None = None) -> None:
 
 # ----------------------------------------------------------------------------- trainer_state.json
 
-# The keys every trainer_state.json has; a trained run's later ones follow in to_dict.
-_FIRST_KEYS = ("step", "tokens", "data_position", "best_val_loss", "best_val_step",
-               "skipped_steps", "world_size", "seed", "preset")
+# Which trainer_state.json writes a key (`_key`'s `written`): every one, a trained run's, or an
+# imported run's (`andrea import`: where its weights came from, instead of the training keys
+# it has not used yet).
+EVERY, TRAINED, IMPORTED = "every", "trained", "imported"
+
+
+def _key(
+    default: Any = MISSING, *, written: str = EVERY, absent: str | None = None,
+    session: str | None = None, omitted_while_none: bool = False,
+) -> Any:
+    """A TrainerState field: one key of trainer_state.json. default: what a file without the
+    key (an older checkpoint's) reads it as, unless `absent` names the earlier key whose value
+    it then reads as; written: which files write it (EVERY, TRAINED, IMPORTED);
+    omitted_while_none: left out of the file while None; session: the Session attribute that
+    holds it while a run trains, which TrainingState records and restores as it is."""
+    return field(default=default, metadata={
+        "written": written, "absent": absent, "session": session,
+        "omitted_while_none": omitted_while_none})
 
 
 @dataclass
 class TrainerState:
     """What trainer_state.json records: the run's counters and the records a resume decides by.
+    The fields are the file's keys in its order, each declared once (`_key`) with what a file
+    without it means; `from_dict` and `to_dict` follow them."""
 
-    A key an older checkpoint lacks reads as what its absence means (`from_dict`, the one place
-    that knows): no micro_batch_size, nothing recorded to reuse; no parallel, None, which
-    train.parallel.mode_before_recorded reads as the one mode there was; no tokens_per_step or
-    device, one micro-batch per process and the device the run resumes on; no max_steps,
-    schedule_anchor or spike_guard, the run's config's max_steps, the plain schedule and a fresh
-    guard; no loss_scaling (or null: bf16 and fp32), a fresh scale. An imported run (`andrea
-    import`) records where its weights came from instead of the training fields it has not
-    used yet."""
-
-    step: int
-    tokens: int = 0
-    data_position: int = 0  # the data step the next step draws from, past skipped windows
-    best_val_loss: float | None = None
-    best_val_step: int | None = None
-    skipped_steps: int = 0
-    world_size: int = 1
-    seed: int = 0
-    preset: str | None = None
-    micro_batch_size: int | None = None  # None: the checkpoint predates its record
-    parallel: str | None = None  # Parallel.name of the mode that wrote it; None: not recorded
-    tokens_per_step: int | None = None  # None: one micro-batch per process (older runs)
-    device: str | None = None  # None: taken to be the device the run resumes on
-    max_steps: int | None = None  # the max_steps planned for; None: the run's config's
-    schedule_anchor: dict[str, Any] | None = None  # the lr schedule as re-planned on a resume
-    spike_guard: dict[str, Any] | None = None  # SpikeGuard.state_dict(); None: a fresh guard
-    loss_scaling: dict[str, Any] | None = None  # fp16's scaler state; None: none or a fresh one
-    imported_from: str | None = None  # an imported run: the folder its weights came from
-    imported_sha256: str | None = None  # and the digest of its weights file
+    step: int = _key(session="step")
+    tokens: int = _key(0, session="tokens_seen")
+    # The data step the next step draws from, past skipped windows; older runs skipped none.
+    data_position: int = _key(0, absent="step")
+    best_val_loss: float | None = _key(None, session="best_val")
+    best_val_step: int | None = _key(None, session="best_step")
+    skipped_steps: int = _key(0, session="skipped")
+    world_size: int = _key(1)
+    seed: int = _key(0)
+    preset: str | None = _key(None)
+    # The micro-batch `auto` chose; None: the checkpoint predates its record, none to reuse.
+    micro_batch_size: int | None = _key(None, written=TRAINED)
+    # Parallel.name of the mode that wrote it; None: not recorded, which
+    # train.parallel.mode_before_recorded reads as the one mode there was.
+    parallel: str | None = _key(None, written=TRAINED)
+    # None: one micro-batch per process (older runs).
+    tokens_per_step: int | None = _key(None, written=TRAINED)
+    # None: taken to be the device the run resumes on.
+    device: str | None = _key(None, written=TRAINED)
+    # The max_steps planned for; None: the run's config's.
+    max_steps: int | None = _key(None, written=TRAINED)
+    # The lr schedule as re-planned on a resume; None: the plain schedule.
+    schedule_anchor: dict[str, Any] | None = _key(None, written=TRAINED, session="schedule_anchor")
+    # SpikeGuard.state_dict(); None: a fresh guard.
+    spike_guard: dict[str, Any] | None = _key(None, written=TRAINED)
+    # fp16's scaler state; None (or null: bf16 and fp32), a fresh scale. Left out while None,
+    # so that other runs' files stay byte for byte as they were before it.
+    loss_scaling: dict[str, Any] | None = _key(None, written=TRAINED, omitted_while_none=True)
+    # An imported run's: the folder its weights came from, and the digest of its weights file.
+    imported_from: str | None = _key(None, written=IMPORTED)
+    imported_sha256: str | None = _key(None, written=IMPORTED)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TrainerState:
         """Any trainer_state.json andrea has written (a KeyError without a step: not one)."""
-        return cls(
-            step=raw["step"], tokens=raw.get("tokens", 0),
-            data_position=raw.get("data_position", raw["step"]),
-            best_val_loss=raw.get("best_val_loss"), best_val_step=raw.get("best_val_step"),
-            skipped_steps=raw.get("skipped_steps", 0), world_size=raw.get("world_size", 1),
-            seed=raw.get("seed", 0), preset=raw.get("preset"),
-            micro_batch_size=raw.get("micro_batch_size"),
-            parallel=raw.get("parallel"),
-            tokens_per_step=raw.get("tokens_per_step"), device=raw.get("device"),
-            max_steps=raw.get("max_steps"), schedule_anchor=raw.get("schedule_anchor"),
-            spike_guard=raw.get("spike_guard"), loss_scaling=raw.get("loss_scaling"),
-            imported_from=raw.get("imported_from"),
-            imported_sha256=raw.get("imported_sha256"),
-        )
+        values = {}
+        for key in fields(cls):
+            if key.name in raw or key.default is MISSING:
+                values[key.name] = raw[key.name]
+            elif key.metadata["absent"] is not None:
+                values[key.name] = values[key.metadata["absent"]]
+            else:
+                values[key.name] = key.default
+        return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        """trainer_state.json's content, its keys in their order: a trained run's sixteen keys
-        (and loss_scaling under fp16 only, so that other runs' files stay byte for byte as
-        without it), or an import's first keys and its source."""
-        out = {key: getattr(self, key) for key in _FIRST_KEYS}
-        if self.imported_from is not None:
-            return {**out, "imported_from": self.imported_from,
-                    "imported_sha256": self.imported_sha256}
-        return {
-            **out, "micro_batch_size": self.micro_batch_size, "parallel": self.parallel,
-            "tokens_per_step": self.tokens_per_step, "device": self.device,
-            "max_steps": self.max_steps, "schedule_anchor": self.schedule_anchor,
-            "spike_guard": self.spike_guard,
-            **({} if self.loss_scaling is None else {"loss_scaling": self.loss_scaling}),
-        }
+        """trainer_state.json's content, its keys in their order: a trained run's, or an
+        import's."""
+        kind = TRAINED if self.imported_from is None else IMPORTED
+        out = {}
+        for key in fields(self):
+            value = getattr(self, key.name)
+            if key.metadata["written"] in (EVERY, kind) and not (
+                    value is None and key.metadata["omitted_while_none"]):
+                out[key.name] = value
+        return out
 
     def to_json(self) -> bytes:
         """trainer_state.json's bytes."""

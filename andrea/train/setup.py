@@ -41,12 +41,8 @@ from andrea.fileio import atomic_write_text, free_bytes
 from andrea.model.attention import resolve_backend
 from andrea.model.transformer import Andrea
 from andrea.train import rundata
-from andrea.train.checkpoint import (
-    TrainingState,
-    check_room_at_start,
-    checkpoint_nbytes,
-    start_warning,
-)
+from andrea.train.checkpoint import checkpoint_nbytes
+from andrea.train.checkpoint_room import check_room_at_start, start_warning
 from andrea.train.collectives import all_reduce_sum, barrier, from_rank0
 from andrea.train.compiled import choose_compile, compile_line
 from andrea.train.device import choose_precision, device_name, precision_warning
@@ -88,6 +84,7 @@ from andrea.train.session import Session, TrainResult
 from andrea.train.signals import SignalWatch
 from andrea.train.spike import SpikeGuard
 from andrea.train.torchrun import DistInfo
+from andrea.train.training_state import TrainingState
 from andrea.train.validation import val_sources
 
 
