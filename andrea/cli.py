@@ -144,14 +144,23 @@ PrecisionOpt = Annotated[
 ]
 
 
+def _config_registries() -> None:
+    """Import the registries whose names a config is checked against wherever it is loaded
+    (model.attention's backends)."""
+    from andrea.model import attention  # noqa: F401
+
+
 def _registries() -> None:
-    """Import the registries whose names train.optimizer and train.parallel allow."""
+    """Import every registry whose names a config key allows: the ones above, and
+    train.optimizer's and train.parallel's."""
+    _config_registries()
     from andrea.train import optim, parallel  # noqa: F401
 
 
 def _load(config: str, overrides: list[str] | None):
     from andrea.config import load_config, registered_keys
 
+    _config_registries()
     cfg = load_config(config, overrides or [])
     if cfg.given & registered_keys():  # checked again with the registries (they import torch)
         _registries()
@@ -323,6 +332,7 @@ def prepare_cmd(
                   tokenizer_file, text_field)
         typer.echo(verify_command(verify, alone=all(o in (None, False, []) for o in others)))
         return
+    _config_registries()
     prepare_command(
         config, set_, input=input, tokenizer=tokenizer, out=out, vocab_size=vocab_size,
         force=force, errors=errors, workers=workers, tokenizer_file=tokenizer_file,

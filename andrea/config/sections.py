@@ -52,7 +52,7 @@ class ModelConfig:
     attention: str = key(
         "auto", "attention backend: sdpa (torch), cuda (andrea's kernels), math (the reference); "
         "auto: sdpa",
-        choices=("auto", "cuda", "sdpa", "math"), resumable=True)
+        choices=Registered("model.attention"), resumable=True)  # model.attention.BACKENDS
     init_std: float = key(0.02, "standard deviation of the initial weights", check=positive())
 
 
