@@ -146,7 +146,8 @@ PrecisionOpt = Annotated[
 
 def _config_registries() -> None:
     """Import the registries whose names a config is checked against wherever it is loaded
-    (model.attention's backends)."""
+    (model.attention's backends, data.order's orders)."""
+    from andrea.data import loader  # noqa: F401
     from andrea.model import attention  # noqa: F401
 
 
@@ -456,6 +457,7 @@ def generate_cmd(
     """Sample text from a checkpoint, streamed to stdout."""
     from andrea.generate import generate_command
 
+    _config_registries()  # the checkpoint's config is checked as it is read
     generate_command(
         checkpoint, prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, num_samples=num_samples,
@@ -552,6 +554,7 @@ def bench_cmd(
     """Time attention (fwd, bwd, fwd+bwd per backend) and training steps; a table at the end."""
     from andrea.bench import format_table, run_bench
 
+    _config_registries()
     result = run_bench(
         device=device, backends=backend, dtypes=dtype, shapes=shape, batch=batch,
         repeats=repeats, warmup=warmup, preset=preset, train_steps=train_steps,

@@ -85,7 +85,7 @@ class DataConfig:
         "random", "the training windows' order: random draws each step's afresh (over a run some "
         "come more often than others); epochs takes every window of the split once a pass, "
         "in a new order and at a new offset each pass (one data dir, not data.sources)",
-        choices=("random", "epochs"))
+        choices=Registered("data.order"))  # data.loader.ORDERS
 
 
 @dataclass
