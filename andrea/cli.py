@@ -146,8 +146,8 @@ PrecisionOpt = Annotated[
 
 def _config_registries() -> None:
     """Import the registries whose names a config is checked against wherever it is loaded
-    (model.attention's backends, data.order's orders)."""
-    from andrea.data import loader  # noqa: F401
+    (model.attention's backends, data.order's orders, data.tokenizer's kinds)."""
+    from andrea.data import loader, tokenizer  # noqa: F401
     from andrea.model import attention  # noqa: F401
 
 

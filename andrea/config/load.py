@@ -127,7 +127,8 @@ def _check_declared(cfg: Config, origin: str) -> None:
 
 def _check_chosen(cfg: Config, origin: str) -> None:
     """What each registered value chosen asks of the rest of the config, key by key: its
-    `check_config(cfg, origin)` where it has one (data.order epochs refuses data.sources)."""
+    `check_config(cfg, origin)` where it has one (data.tokenizer gpt2 refuses
+    data.tokenizer_file, data.order epochs data.sources)."""
     for spec in key_specs():
         if isinstance(spec.rule.options, Registered):
             chosen = registered(spec.rule.options.dotted, _value(cfg, spec))
@@ -147,12 +148,6 @@ def validate(cfg: Config, origin: str) -> Config:
             f"{m.n_head} * {m.head_dim} = {derived}; drop d_model or make them agree"
         )
     m.d_model = derived
-    d = cfg.data
-    if d.tokenizer_file and d.tokenizer != "bpe":
-        raise UserError(
-            f"{origin}: data.tokenizer_file applies to data.tokenizer bpe only, not "
-            f"{d.tokenizer}; set data.tokenizer=bpe or data.tokenizer_file=''"
-        )
     _check_chosen(cfg, origin)
     t = cfg.train
     if t.name and (t.name in (".", "..") or "/" in t.name or "\\" in t.name):

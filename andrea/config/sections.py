@@ -61,7 +61,7 @@ class DataConfig:
     source: str = key(
         "shakespeare", "the text: shakespeare (the embedded corpus), or a file, directory or glob")
     tokenizer: str = key("bpe", "gpt2 (tiktoken's), bpe (trained on the source), or byte",
-                         choices=("gpt2", "bpe", "byte"))
+                         choices=Registered("data.tokenizer"))  # data.tokenizer.KINDS
     dir: str = key(
         "", "where the shards go; empty: data/<source>-<tokenizer>[-<vocab>] under the working "
         "directory (data/<source>-bpe-tok<hash> with tokenizer_file)", resumable=True)
