@@ -37,7 +37,8 @@ from typing import Any, Protocol
 import torch
 
 from andrea.errors import UserError
-from andrea.model.attention import attention, cuda_unavailable_reason
+from andrea.model.attention import BACKENDS as ATTENTION
+from andrea.model.attention import cuda_unavailable_reason, sdpa_attention
 from andrea.resources import cpu_name
 from andrea.train.flops import MfuMeter, attention_flops, flops_per_token, format_mfu, no_mfu_reason
 
@@ -47,9 +48,13 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "andrea-12m": (8, 12, 256, 32),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-# cuda_naive: the one-block-per-(batch, head) baseline kernels, the reference of the goal
-# "cuda at least 10x cuda_naive" (the "cuda vs naive" column).
-BACKENDS = ("cuda", "cuda_naive", "sdpa", "sdpa_flash", "math")
+# Bench's variants of a model.attention backend, timed after it. cuda_naive: the
+# one-block-per-(batch, head) baseline kernels, the reference of the goal "cuda at least 10x
+# cuda_naive" (the "cuda vs naive" column); sdpa_flash: SDPA held to its flash kernel.
+VARIANTS = {"cuda": ("cuda_naive",), "sdpa": ("sdpa_flash",)}
+# model.attention's backends that run (auto resolves to one of them), each with its variants.
+BACKENDS = tuple(name for backend in ATTENTION.values() if not backend.picks_another
+                 for name in (backend.name, *VARIANTS.get(backend.name, ())))
 MODES = ("fwd", "bwd", "fwd_bwd")
 
 
@@ -185,14 +190,14 @@ def _attention_fn(backend: str) -> Callable[..., torch.Tensor]:
 
         def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return attention(q, k, v, "sdpa")
+                return sdpa_attention(q, k, v)
 
         return flash
     if backend == "cuda_naive":
         from andrea.cuda.attention import cuda_attention
 
         return lambda q, k, v: cuda_attention(q, k, v, naive=True)
-    return lambda q, k, v: attention(q, k, v, backend)
+    return ATTENTION[backend].run
 
 
 def bench_attention(

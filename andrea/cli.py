@@ -144,14 +144,24 @@ PrecisionOpt = Annotated[
 ]
 
 
+def _config_registries() -> None:
+    """Import the registries whose names a config is checked against wherever it is loaded
+    (model.attention's backends, data.order's orders, data.tokenizer's kinds)."""
+    from andrea.data import loader, tokenizer  # noqa: F401
+    from andrea.model import attention  # noqa: F401
+
+
 def _registries() -> None:
-    """Import the registries whose names train.optimizer and train.parallel allow."""
+    """Import every registry whose names a config key allows: the ones above, and
+    train.optimizer's and train.parallel's."""
+    _config_registries()
     from andrea.train import optim, parallel  # noqa: F401
 
 
 def _load(config: str, overrides: list[str] | None):
     from andrea.config import load_config, registered_keys
 
+    _config_registries()
     cfg = load_config(config, overrides or [])
     if cfg.given & registered_keys():  # checked again with the registries (they import torch)
         _registries()
@@ -323,6 +333,7 @@ def prepare_cmd(
                   tokenizer_file, text_field)
         typer.echo(verify_command(verify, alone=all(o in (None, False, []) for o in others)))
         return
+    _config_registries()
     prepare_command(
         config, set_, input=input, tokenizer=tokenizer, out=out, vocab_size=vocab_size,
         force=force, errors=errors, workers=workers, tokenizer_file=tokenizer_file,
@@ -446,6 +457,7 @@ def generate_cmd(
     """Sample text from a checkpoint, streamed to stdout."""
     from andrea.generate import generate_command
 
+    _config_registries()  # the checkpoint's config is checked as it is read
     generate_command(
         checkpoint, prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, num_samples=num_samples,
@@ -542,6 +554,7 @@ def bench_cmd(
     """Time attention (fwd, bwd, fwd+bwd per backend) and training steps; a table at the end."""
     from andrea.bench import format_table, run_bench
 
+    _config_registries()
     result = run_bench(
         device=device, backends=backend, dtypes=dtype, shapes=shape, batch=batch,
         repeats=repeats, warmup=warmup, preset=preset, train_steps=train_steps,

@@ -179,7 +179,7 @@ def test_model_trains_through_the_function_like_sdpa(emu, monkeypatch) -> None:
 def test_cache_prefill_through_the_cuda_backend_matches_sdpa(emu, monkeypatch) -> None:
     """A prefill's k/v are the first T positions of a longer [B, H, max_len, D] cache: strided
     views, which the "cuda" backend must accept (generate on a GPU runs exactly this)."""
-    from andrea.model.attention import attention
+    from andrea.model.attention import BACKENDS
 
     monkeypatch.setattr(ca, "default_launcher", lambda device: emu)
     q, k, v, _ = (x.detach() for x in inputs((1, 2, 9, 32), torch.float32, seed=7))
@@ -187,7 +187,7 @@ def test_cache_prefill_through_the_cuda_backend_matches_sdpa(emu, monkeypatch) -
     cache_k[:, :, :9], cache_v[:, :, :9] = k, v
     kv, vv = cache_k[:, :, :9], cache_v[:, :, :9]
     assert not kv.is_contiguous()
-    got = attention(q, kv, vv, "cuda")
+    got = BACKENDS["cuda"].run(q, kv, vv)
     assert_close("o", got, sdpa_attention(q, k, v).double(), 1e-5)
 
 

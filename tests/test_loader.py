@@ -381,3 +381,33 @@ def test_epochs_and_a_mixture_are_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match=r"mix\.yaml: data\.order: epochs passes over one data "
                                         r"dir, and data\.sources is a mixture"):
         load_config(cfg)
+
+
+def test_a_data_order_is_one_entry_in_its_registry(data_dir, monkeypatch):
+    """A throwaway order added to data.loader.ORDERS alone: data.order allows it (validation,
+    the key's listing), validation asks it what it refuses, and train_batch takes its windows;
+    the mixture refusal is epochs' own."""
+    from andrea.config import key_spec
+    from andrea.data import loader
+
+    class FirstWindows(loader.WindowOrder):
+        name = "first"
+
+        def windows(self, split, seed, step, tokens_before, per_step, block_size):
+            cum = np.cumsum(split.window_counts(block_size, 0))
+            return [(i, cum, 0) for i in range(per_step)]
+
+        def check_config(self, cfg, origin):
+            if cfg.train.seed != 7:
+                raise UserError(f"{origin}: data.order: first wants train.seed 7")
+
+    monkeypatch.setitem(loader.ORDERS, "first", FirstWindows())
+    assert key_spec("data.order").allowed == "random, epochs, first"
+    assert load_config("andrea-tiny", ["data.order=first", "train.seed=7"]).data.order == "first"
+    with pytest.raises(UserError, match=r"\(with --set overrides\): data\.order: first wants"):
+        load_config("andrea-tiny", ["data.order=first"])
+    x, _ = batch(TokenSplit(data_dir, "train"), order="first")
+    assert x[:, 0].tolist() == [BASE + i * T for i in range(4)]
+    sources = "data.sources=[{path: a}, {path: b}]"
+    with pytest.raises(UserError, match=r"data\.order: epochs passes over one data dir"):
+        loader.ORDERS["epochs"].check_config(load_config("andrea-tiny", [sources]), "here")

@@ -115,3 +115,29 @@ def test_init_follows_gpt2():
     assert abs(std - 0.02) < 0.002
     residual = model.blocks[0].attn.out.weight.std().item()
     assert abs(residual - 0.02 / math.sqrt(2 * cfg.n_layer)) < 0.001
+
+
+def test_an_attention_backend_is_one_entry_in_its_registry(monkeypatch):
+    """A throwaway backend added to model.attention.BACKENDS alone: model.attention allows it
+    (validation and the key's listing), it resolves to itself, and a model built with it runs
+    it, looked up once when the model is built, not by name on every forward."""
+    from andrea.config import key_spec
+    from andrea.model import attention
+
+    calls = []
+
+    def counted(q, k, v, dropout_p=0.0):
+        calls.append(q.shape)
+        return math_attention(q, k, v, dropout_p)
+
+    monkeypatch.setitem(attention.BACKENDS, "counted",
+                        attention.AttentionBackend("counted", counted))
+    cfg = load_config("andrea-tiny", ["model.attention=counted"]).model
+    assert key_spec("model.attention").allowed == "auto, cuda, sdpa, math, counted"
+    assert attention.resolve_backend("counted", cfg.head_dim, torch.device("cpu")) == (
+        "counted", "model.attention")
+    model = Andrea(cfg, attention_backend="counted").double()
+    monkeypatch.delitem(attention.BACKENDS, "counted")
+    model(torch.randint(0, 256, (2, 7)))
+    assert calls == [(2, cfg.n_head, 7, cfg.head_dim)] * cfg.n_layer
+    assert model.attention_backend == "counted"

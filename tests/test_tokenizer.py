@@ -108,3 +108,20 @@ def test_bpe_reload_and_missing(tmp_path, bpe):
 def test_bpe_vocab_too_small(tmp_path):
     with pytest.raises(UserError, match="vocab size 100 is too small"):
         train_bpe(iter(["abc"]), 100, Path(tmp_path) / "t.json")
+
+
+def test_a_tokenizer_kind_is_one_entry_in_its_registry(monkeypatch):
+    """A throwaway kind added to data.tokenizer.KINDS alone: data.tokenizer allows it
+    (validation, the key's listing); with a file of its own it takes data.tokenizer_file, and
+    the refusal of one for a kind without a file names the kinds that have one."""
+    from andrea.config import key_spec, load_config
+    from andrea.data import tokenizer
+
+    monkeypatch.setitem(tokenizer.KINDS, "unigram",
+                        tokenizer.TokenizerKind("unigram", None, 0.3, file="unigram.json"))
+    assert key_spec("data.tokenizer").allowed == "gpt2, bpe, byte, unigram"
+    given = load_config("andrea-tiny", ["data.tokenizer=unigram", "data.tokenizer_file=u.json"])
+    assert given.data.tokenizer_file == "u.json"
+    with pytest.raises(UserError, match=r"data\.tokenizer_file applies to data\.tokenizer bpe, "
+                                        r"unigram only, not byte; set data\.tokenizer=bpe or"):
+        load_config("andrea-tiny", ["data.tokenizer=byte", "data.tokenizer_file=u.json"])

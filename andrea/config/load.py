@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from andrea.config.declare import KeySpec, section_keys, type_name
+from andrea.config.declare import KeySpec, Registered, registered, section_keys, type_name
 from andrea.config.sections import SECTIONS, Config, key_specs
 from andrea.errors import UserError
 from andrea.resources import configs_dir
@@ -134,6 +134,18 @@ def _check_declared(cfg: Config, origin: str) -> None:
             raise UserError(f"{origin}: {spec.dotted}: must be {check.must_be}, got {value!r}")
 
 
+def _check_chosen(cfg: Config, origin: str) -> None:
+    """What each registered value chosen asks of the rest of the config, key by key: its
+    `check_config(cfg, origin)` where it has one (data.tokenizer gpt2 refuses
+    data.tokenizer_file, data.order epochs data.sources)."""
+    for spec in key_specs():
+        if isinstance(spec.rule.options, Registered):
+            chosen = registered(spec.rule.options.dotted, _value(cfg, spec))
+            check = getattr(chosen, "check_config", None)
+            if check is not None:
+                check(cfg, origin)
+
+
 def validate(cfg: Config, origin: str) -> Config:
     """Check values beyond their types and fill in derived fields. Returns cfg."""
     _check_declared(cfg, origin)
@@ -145,17 +157,7 @@ def validate(cfg: Config, origin: str) -> Config:
             f"{m.n_head} * {m.head_dim} = {derived}; drop d_model or make them agree"
         )
     m.d_model = derived
-    d = cfg.data
-    if d.tokenizer_file and d.tokenizer != "bpe":
-        raise UserError(
-            f"{origin}: data.tokenizer_file applies to data.tokenizer bpe only, not "
-            f"{d.tokenizer}; set data.tokenizer=bpe or data.tokenizer_file=''"
-        )
-    if d.order == "epochs" and d.sources:
-        raise UserError(
-            f"{origin}: data.order: epochs passes over one data dir, and data.sources is a "
-            f"mixture (its windows are drawn by weight); set data.order=random or use one source"
-        )
+    _check_chosen(cfg, origin)
     t = cfg.train
     if t.name and (t.name in (".", "..") or "/" in t.name or "\\" in t.name):
         raise UserError(

@@ -52,7 +52,7 @@ class ModelConfig:
     attention: str = key(
         "auto", "attention backend: sdpa (torch), cuda (andrea's kernels), math (the reference); "
         "auto: sdpa",
-        choices=("auto", "cuda", "sdpa", "math"), resumable=True)
+        choices=Registered("model.attention"), resumable=True)  # model.attention.BACKENDS
     init_std: float = key(0.02, "standard deviation of the initial weights", check=positive())
 
 
@@ -61,7 +61,7 @@ class DataConfig:
     source: str = key(
         "shakespeare", "the text: shakespeare (the embedded corpus), or a file, directory or glob")
     tokenizer: str = key("bpe", "gpt2 (tiktoken's), bpe (trained on the source), or byte",
-                         choices=("gpt2", "bpe", "byte"))
+                         choices=Registered("data.tokenizer"))  # data.tokenizer.KINDS
     dir: str = key(
         "", "where the shards go; empty: data/<source>-<tokenizer>[-<vocab>] under the working "
         "directory (data/<source>-bpe-tok<hash> with tokenizer_file)", resumable=True)
@@ -85,7 +85,7 @@ class DataConfig:
         "random", "the training windows' order: random draws each step's afresh (over a run some "
         "come more often than others); epochs takes every window of the split once a pass, "
         "in a new order and at a new offset each pass (one data dir, not data.sources)",
-        choices=("random", "epochs"))
+        choices=Registered("data.order"))  # data.loader.ORDERS
 
 
 @dataclass

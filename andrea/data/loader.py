@@ -37,11 +37,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
+from andrea.config import register_choices
 from andrea.data import shards
 from andrea.data.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
 from andrea.data.shards import read_manifest
@@ -300,8 +301,9 @@ def train_batch(
     order: str = "random",
     tokens_before: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batch (x, y), int64 [B, T], for (step, rank, micro_step); order "epochs" places the
-    step in the passes by tokens_before, the tokens of the run's earlier steps (module doc)."""
+    """Micro-batch (x, y), int64 [B, T], for (step, rank, micro_step), its windows chosen by the
+    data.order `order` (ORDERS); epochs places the step in the passes by tokens_before, the
+    tokens of the run's earlier steps (module doc)."""
     if not (0 <= rank < world_size and 0 <= micro_step < accum_steps):
         raise ValueError(f"rank {rank}/{world_size}, micro_step {micro_step}/{accum_steps}")
     if split.check is not None and world_size == 1:
@@ -310,33 +312,74 @@ def train_batch(
         split.check.raise_if_damaged()
     per_step = accum_steps * world_size * micro_batch_size
     check_enough(split, per_step, block_size)
-    if order == "epochs":
-        chosen = _pass_windows(split, seed, tokens_before, per_step, block_size)
-    else:
-        rng = np.random.default_rng([seed, step])
-        offset = int(rng.integers(0, block_size))
-        cum = np.cumsum(split.window_counts(block_size, offset))
-        chosen = [(int(i), cum, offset) for i in _draw_windows(split, rng, cum, per_step)]
+    chosen = ORDERS[order].windows(split, seed, step, tokens_before, per_step, block_size)
     g = rank * accum_steps + micro_step
     mine = chosen[g * micro_batch_size : (g + 1) * micro_batch_size]
     return _stack([split.window(i, cum, block_size, offset) for i, cum, offset in mine])
 
 
-def _pass_windows(
-    split: TokenSplit, seed: int, tokens_before: int, per_step: int, block_size: int
-) -> list[tuple[int, np.ndarray, int]]:
-    """data.order epochs: the step's per_step windows, (number, cumulative counts, offset) each,
-    the next ones of the passes' permutations (module doc)."""
-    if split.draws_sources:
-        raise ValueError("data.order epochs reads one data dir, not a mixture")
-    per_pass = split.fewest_windows(block_size)
-    k, j = divmod(tokens_before // block_size, per_pass)
-    chosen: list[tuple[int, np.ndarray, int]] = []
-    while len(chosen) < per_step:
-        offset, cum, permutation = split.pass_order(seed, block_size, k)
-        chosen += [(int(i), cum, offset) for i in permutation[j : j + per_step - len(chosen)]]
-        k, j = k + 1, 0
-    return chosen
+# A step's windows: (number, cumulative window counts, offset) each.
+Windows = list[tuple[int, np.ndarray, int]]
+
+
+class WindowOrder:
+    """One value of data.order: which windows each step takes, and what it asks of the config."""
+
+    name: ClassVar[str]
+    plan_note: ClassVar[str] = ""  # what the plan line adds about the order
+
+    def windows(self, split: TokenSplit, seed: int, step: int, tokens_before: int,
+                per_step: int, block_size: int) -> Windows:
+        """The step's per_step windows."""
+        raise NotImplementedError
+
+    def check_config(self, cfg: Config, origin: str) -> None:
+        """Refuse a config this order cannot read (validation calls it)."""
+
+
+class RandomOrder(WindowOrder):
+    """data.order random: each step draws its windows afresh (module doc)."""
+
+    name: ClassVar[str] = "random"
+
+    def windows(self, split: TokenSplit, seed: int, step: int, tokens_before: int,
+                per_step: int, block_size: int) -> Windows:
+        rng = np.random.default_rng([seed, step])
+        offset = int(rng.integers(0, block_size))
+        cum = np.cumsum(split.window_counts(block_size, offset))
+        return [(int(i), cum, offset) for i in _draw_windows(split, rng, cum, per_step)]
+
+
+class EpochOrder(WindowOrder):
+    """data.order epochs: every window of one data dir once a pass, pass by pass, placed by
+    tokens_before, the tokens of the run's earlier steps (module doc)."""
+
+    name: ClassVar[str] = "epochs"
+    plan_note: ClassVar[str] = ", each window once a pass (data.order epochs)"
+
+    def windows(self, split: TokenSplit, seed: int, step: int, tokens_before: int,
+                per_step: int, block_size: int) -> Windows:
+        # The next per_step windows of the passes' permutations.
+        per_pass = split.fewest_windows(block_size)
+        k, j = divmod(tokens_before // block_size, per_pass)
+        chosen: Windows = []
+        while len(chosen) < per_step:
+            offset, cum, permutation = split.pass_order(seed, block_size, k)
+            chosen += [(int(i), cum, offset) for i in permutation[j : j + per_step - len(chosen)]]
+            k, j = k + 1, 0
+        return chosen
+
+    def check_config(self, cfg: Config, origin: str) -> None:
+        if cfg.data.sources:  # the one refusal of a mixture: its windows are drawn by weight
+            raise UserError(
+                f"{origin}: data.order: epochs passes over one data dir, and data.sources is a "
+                f"mixture (its windows are drawn by weight); set data.order=random or use one "
+                f"source"
+            )
+
+
+ORDERS: dict[str, WindowOrder] = {order.name: order for order in (RandomOrder(), EpochOrder())}
+register_choices("data.order", ORDERS)  # its names are the key's allowed values
 
 
 def check_enough(split: TokenSplit, per_step: int, block_size: int) -> None:

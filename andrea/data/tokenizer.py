@@ -16,12 +16,16 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from andrea.config import register_choices
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
+
+if TYPE_CHECKING:
+    from andrea.config import Config
 
 EOT_TEXT = "<|endoftext|>"
 BPE_FILE = "tokenizer.json"  # the trained BPE, saved beside the shards
@@ -321,6 +325,17 @@ class TokenizerKind:
             return None
         return ckpt / self.file
 
+    def check_config(self, cfg: Config, origin: str) -> None:
+        """A given tokenizer.json (data.tokenizer_file) only for a kind that has such a file
+        (validation calls it)."""
+        if cfg.data.tokenizer_file and self.file is None:
+            with_file = [kind.name for kind in KINDS.values() if kind.file is not None]
+            raise UserError(
+                f"{origin}: data.tokenizer_file applies to data.tokenizer "
+                f"{', '.join(with_file)} only, not {self.name}; set "
+                f"data.tokenizer={with_file[0]} or data.tokenizer_file=''"
+            )
+
     def hf_files(self, tok: Tokenizer) -> dict[str, Path]:
         """The files an export holds for tokenizer `tok` of this kind, by name: GPT-2's own
         vocab.json and merges.txt, a BPE's tokenizer.json byte for byte, none for byte."""
@@ -335,6 +350,7 @@ GPT2 = TokenizerKind(
 BPE = TokenizerKind("bpe", None, 0.33, file=BPE_FILE, hf_class="PreTrainedTokenizerFast")
 BYTE = TokenizerKind("byte", ByteTokenizer.vocab_size, 1.0, build=ByteTokenizer)
 KINDS = {kind.name: kind for kind in (GPT2, BPE, BYTE)}
+register_choices("data.tokenizer", KINDS)  # its names are the key's allowed values
 
 
 def kind_of(identity: str) -> TokenizerKind | None:

@@ -1,13 +1,17 @@
-"""Causal attention over all heads at once, behind one function.
+"""Causal attention over all heads at once: model.attention's backends, one object each.
 
-The model calls `attention(q, k, v, backend)` with q, k, v of shape [B, n_head, T, head_dim] and
-never knows which implementation runs. Backends:
+`BACKENDS` holds model.attention's values (its allowed values are this registry's names,
+`register_choices`). A model resolves its backend once (`resolve`: `auto` to the one that runs
+here, `cuda` refused where its kernels cannot run) and calls that backend's `run(q, k, v,
+dropout_p)` with q, k, v of shape [B, n_head, T, head_dim], never knowing which implementation
+runs:
 
 - "sdpa": torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient / math,
   whichever PyTorch picks for the device).
 - "math": the explicit formula softmax(q kᵀ / √head_dim + mask) v with the softmax in float32
   (float64 when the inputs are float64). The reference the others are checked against.
 - "cuda": the project's own kernels (kernels/microgpt_cuda.cu) through CuPy; see cuda_attention.py.
+- "auto": none of its own; which one runs here is `AutoAttention.resolve`'s (one place).
 
 With a key/value cache the queries are the last Tq of Tk positions, so the causal mask is aligned
 to the bottom-right: query i may see keys 0 .. Tk - Tq + i.
@@ -16,11 +20,15 @@ to the bottom-right: query i may see keys 0 .. Tk - Tq + i.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "cuda", "sdpa", "math")
+from andrea.config import register_choices
+from andrea.errors import UserError
 
 
 def math_attention(
@@ -53,25 +61,19 @@ def sdpa_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, dropout_p: float = 0.0
+def cuda_or_sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
 ) -> torch.Tensor:
-    """Causal attention with the named backend ("sdpa", "math" or "cuda"); [B, H, T, D] in/out."""
-    if backend == "sdpa":
-        return sdpa_attention(q, k, v, dropout_p)
-    if backend == "math":
-        return math_attention(q, k, v, dropout_p)
-    if backend == "cuda":
-        from andrea.cuda.attention import cuda_attention
+    """The "cuda" backend: andrea's kernels where they apply, else PyTorch's attention."""
+    from andrea.cuda.attention import cuda_attention
 
-        if q.shape[-2] != k.shape[-2] or dropout_p > 0.0:
-            # The kernels cover full causal self-attention without dropout; cached decoding
-            # and attention dropout take the PyTorch path.
-            return sdpa_attention(q, k, v, dropout_p)
-        # A prefill's k and v are views of the first T positions of a longer cache: the kernels
-        # read row-major tensors. Training tensors are contiguous already (no copy).
-        return cuda_attention(q, k.contiguous(), v.contiguous())
-    raise ValueError(f"unknown attention backend {backend!r}; expected sdpa, math or cuda")
+    if q.shape[-2] != k.shape[-2] or dropout_p > 0.0:
+        # The kernels cover full causal self-attention without dropout; cached decoding
+        # and attention dropout take the PyTorch path.
+        return sdpa_attention(q, k, v, dropout_p)
+    # A prefill's k and v are views of the first T positions of a longer cache: the kernels
+    # read row-major tensors. Training tensors are contiguous already (no copy).
+    return cuda_attention(q, k.contiguous(), v.contiguous())
 
 
 def cuda_unavailable_reason(head_dim: int, device: torch.device) -> str | None:
@@ -110,20 +112,55 @@ def cuda_unavailable_reason(head_dim: int, device: torch.device) -> str | None:
     return arch_problem(device_arch(device), nvrtc_major)
 
 
-def resolve_backend(requested: str, head_dim: int, device: torch.device) -> tuple[str, str]:
-    """model.attention -> (backend to run, why). 'auto' is SDPA: on the one GPU the kernels have
-    run on (an H200) PyTorch's attention took a quarter of their time (docs/model.md), so they
-    run only when asked for."""
-    if requested in ("sdpa", "math"):
-        return requested, "model.attention"
-    if requested == "auto":
-        if device.type != "cuda":
-            return "sdpa", "auto: no GPU"
-        return "sdpa", ("auto: PyTorch's attention, faster than andrea's CUDA kernels where "
-                        "measured; model.attention=cuda runs them")
-    problem = cuda_unavailable_reason(head_dim, device)
-    if problem is not None:
-        from andrea.errors import UserError
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One value of model.attention: the function it runs, [B, H, T, D] in and out."""
 
-        raise UserError(f"model.attention: cuda cannot run: {problem}")
-    return "cuda", "model.attention"
+    name: str
+    run: Callable[..., torch.Tensor]
+    # Runs none of its own: `resolve` picks one of the others (auto).
+    picks_another: ClassVar[bool] = False
+
+    def resolve(self, head_dim: int, device: torch.device) -> tuple[AttentionBackend, str]:
+        """The backend that runs for this value on `device`, and why."""
+        return self, "model.attention"
+
+
+class CudaBackend(AttentionBackend):
+    def resolve(self, head_dim: int, device: torch.device) -> tuple[AttentionBackend, str]:
+        problem = cuda_unavailable_reason(head_dim, device)
+        if problem is not None:
+            raise UserError(f"model.attention: cuda cannot run: {problem}")
+        return self, "model.attention"
+
+
+def _unresolved(*args: object, **kwargs: object) -> torch.Tensor:
+    raise ValueError("unknown attention backend 'auto'; expected sdpa, math or cuda")
+
+
+class AutoAttention(AttentionBackend):
+    """`auto` is SDPA: on the one GPU the kernels have run on (an H200) PyTorch's attention took
+    a quarter of their time (docs/model.md), so they run only when asked for."""
+
+    picks_another: ClassVar[bool] = True
+
+    def resolve(self, head_dim: int, device: torch.device) -> tuple[AttentionBackend, str]:
+        if device.type != "cuda":
+            return BACKENDS["sdpa"], "auto: no GPU"
+        return BACKENDS["sdpa"], ("auto: PyTorch's attention, faster than andrea's CUDA kernels "
+                                  "where measured; model.attention=cuda runs them")
+
+
+BACKENDS: dict[str, AttentionBackend] = {backend.name: backend for backend in (
+    AutoAttention("auto", _unresolved),
+    CudaBackend("cuda", cuda_or_sdpa_attention),
+    AttentionBackend("sdpa", sdpa_attention),
+    AttentionBackend("math", math_attention),
+)}
+register_choices("model.attention", BACKENDS)  # its names are the key's allowed values
+
+
+def resolve_backend(requested: str, head_dim: int, device: torch.device) -> tuple[str, str]:
+    """model.attention -> (the name of the backend to run, why)."""
+    backend, why = BACKENDS[requested].resolve(head_dim, device)
+    return backend.name, why

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from andrea.config import ModelConfig
-from andrea.model.attention import attention
+from andrea.model.attention import BACKENDS, AttentionBackend
 
 # Rows of the LM head's output the loss holds at a time: about 32M logits (128 MiB in float32),
 # so the full [B*T, vocab] matrix (3.3 GB for 16 x 1024 x 50,304) never exists.
@@ -57,6 +57,18 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.backend = backend
 
+    @property
+    def backend(self) -> str:
+        """The attention backend's name (model.attention's value, resolved)."""
+        return self.attend.name
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        # Looked up once here, not by name on every forward.
+        if name not in BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; expected sdpa, math or cuda")
+        self.attend: AttentionBackend = BACKENDS[name]
+
     def per_head_weights(self) -> dict[str, list[torch.Tensor]]:
         """W_Q^h, W_K^h, W_V^h for every head h, each [d_model, head_dim]: views, not copies."""
         w = self.qkv.weight.t()  # [d_model, 3*d_model]: columns q heads | k heads | v heads
@@ -91,7 +103,7 @@ class CausalSelfAttention(nn.Module):
             cache.values[layer][:, :, start:end] = v
             k, v = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
         dropout = self.dropout if self.training else 0.0
-        y = attention(q, k, v, self.backend, dropout)  # [B, n_head, T, head_dim]
+        y = self.attend.run(q, k, v, dropout)  # [B, n_head, T, head_dim]
         return self.out(self.merge_heads(y))  # heads mix only here
 
 

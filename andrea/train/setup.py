@@ -22,6 +22,7 @@ import torch
 
 from andrea.config import Config, load_config
 from andrea.data.loader import (
+    ORDERS,
     TokenSplit,
     check_enough,
     check_in_background,
@@ -612,8 +613,7 @@ def plan_lines(s: Session) -> list[str]:
                 f"{per_step:,} tokens/step")
     line = (f"plan: {size} = {total:,} tokens = "
             f"{_passes(passes)} passes over the {prepared:,} prepared training tokens")
-    if s.cfg.data.order == "epochs":
-        line += ", each window once a pass (data.order epochs)"
+    line += ORDERS[s.cfg.data.order].plan_note
     if len(sources) > 1:
         line += "; per source: " + ", ".join(
             f"{name} {_passes(p)} over {n:,}" for name, p, n in sources)
