@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from andrea.cuda.launch import (
+    STATIC_SHARED_LIMIT,
     Launch,
     attention_launches,
     check_dtype,
@@ -108,8 +109,11 @@ class CupyLauncher:
                 values.append(np.float32(a))  # and `float`
         with cupy.cuda.Device(self.device.index):
             fn = self._function(launch.name)
+            dynamic = launch.dynamic_shared_bytes
+            if dynamic > STATIC_SHARED_LIMIT and fn.max_dynamic_shared_size_bytes < dynamic:
+                fn.max_dynamic_shared_size_bytes = dynamic  # the opt-in beyond 48 KiB
             with self._stream(torch.cuda.current_stream(self.device).cuda_stream):
-                fn(launch.grid, launch.block, tuple(values), shared_mem=0)
+                fn(launch.grid, launch.block, tuple(values), shared_mem=dynamic)
 
     def _stream(self, handle: int) -> Any:
         """PyTorch's stream `handle` (a cudaStream_t) as a CuPy stream, one object per handle.
