@@ -314,24 +314,21 @@ def production_pipe_config(kernel: str, dtype: str, head_dim: int, stages: int =
 
 
 def pipe_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig]:
-    """Every candidate of a kernel for (dtype, head_dim), the production tile first (at 1 and 2
-    stages), then W in {4, 8} x N in {32, 64, 128} x stages in {1, 2, 3}, where the block's
-    registers can hold the N-wide score fragments (N <= 64 in the backward, whose dS and dP are
-    both live) and its shared memory fits sm_90's 227 KiB."""
+    """Every candidate of a kernel for (dtype, head_dim): the production tile first (at 1 and 2
+    stages), then W in {2, 4, 8} x N in {32, 64, 128} x stages in {1, 2, 3} (dK/dV: 1 and, where
+    a pass keeps 32 columns or more, 2 column passes), where the N-wide score fragments fit the
+    registers (forward N <= 128; backward, whose S and dP are both live, N <= 4096 / D) and the
+    shared memory fits sm_90's 227 KiB per block."""
     found = [production_pipe_config(kernel, dtype, head_dim, s) for s in (1, 2)]
-    max_rows = 128 if kernel == "fwd" else 64
-    if head_dim == 128:
-        max_rows //= 2
-    for warps in (4, 8):
-        for rows in (32, 64, 128):
+    max_rows = (128 if head_dim <= 64 else 64) if kernel == "fwd" else 4096 // head_dim
+    for warps in (4, 8, 2):
+        for rows in (64, 32, 128):
             for stages in (1, 2, 3):
-                if rows > max_rows:
-                    continue
-                passes = 2 if kernel == "bwd_dkdv" and rows == 64 and head_dim >= 64 else 1
-                cfg = PipeConfig(warps, rows, stages, 0, passes)
-                if cfg not in found and pipe_shared_bytes(kernel, dtype, head_dim, cfg) <= \
-                        DYNAMIC_SHARED_LIMIT["sm_90"]:
-                    found.append(cfg)
+                for passes in (1, 2) if kernel == "bwd_dkdv" and rows >= 64 else (1,):
+                    cfg = PipeConfig(warps, rows, stages, 0, passes)
+                    if rows <= max_rows and cfg not in found and pipe_shared_bytes(
+                            kernel, dtype, head_dim, cfg) <= DYNAMIC_SHARED_LIMIT["sm_90"]:
+                        found.append(cfg)
     return found
 
 
