@@ -83,13 +83,14 @@ def shape_key(shape: tuple) -> str:
 
 
 # ------------------------------------------------------------------------------ candidates
-def candidate_list(shapes: list[tuple]) -> list[tuple[str, str, int, Any]]:
+def candidate_list(shapes: list[tuple], limit: int | None = None) -> list[tuple]:
     """(kernel, dtype, head_dim, PipeConfig) for every (dtype, head_dim) of shapes, in build
-    order: tier by tier (production tile, its 2-stage twin, then the rest), shape by shape."""
+    order: tier by tier (production tile, its 2-stage twin, then the rest), shape by shape;
+    the first `limit` of each kernel's list when given."""
     from andrea.cuda.launch import pipe_candidates
 
     combos = list(dict.fromkeys((s[0], s[4]) for s in shapes))
-    per = {(dt, d, k): pipe_candidates(k, dt, d) for dt, d in combos for k in KERNELS}
+    per = {(dt, d, k): pipe_candidates(k, dt, d)[:limit] for dt, d in combos for k in KERNELS}
     out = []
     depth = max(len(v) for v in per.values())
     for i in range(depth):
@@ -101,13 +102,13 @@ def candidate_list(shapes: list[tuple]) -> list[tuple[str, str, int, Any]]:
 
 
 # --------------------------------------------------------------------------------- dry run
-def dry_run(out_dir: Path) -> int:
+def dry_run(out_dir: Path, limit: int | None = None) -> int:
     import torch
 
     from andrea.cuda import emulator as emu_mod
 
     combos = list(dict.fromkeys((s[0], s[4]) for s in SHAPES[:2]))
-    cands = [c for c in candidate_list(SHAPES[:2]) if (c[1], c[2]) in combos]
+    cands = candidate_list(SHAPES[:2], limit)
     log(f"dry run (no GPU): {len(cands)} candidate kernels through the CPU emulator")
     emu = emu_mod.Emulator(pipes=tuple(cands))
     log("emulator built")
@@ -623,11 +624,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path, help="folder for tune.json")
     parser.add_argument("--budget", type=float, default=BUDGET_S,
                         help=f"seconds for the whole run (default {BUDGET_S:.0f})")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the emulator's check even where a GPU is visible")
+    parser.add_argument("--dry-limit", type=int, default=None,
+                        help="dry run: only the first N candidates of each kernel")
     args = parser.parse_args(argv)
     BUDGET_S = args.budget
     import torch
 
-    gpu = torch.cuda.is_available()
+    gpu = torch.cuda.is_available() and not args.dry_run
     if gpu:
         try:
             import cupy  # noqa: F401
@@ -635,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"CUDA is visible but CuPy is not importable ({exc}): dry run instead")
             gpu = False
     if not gpu:
-        return dry_run(args.out_dir)
+        return dry_run(args.out_dir, args.dry_limit)
     return gpu_run(args.out_dir, torch.device("cuda", torch.cuda.current_device()))
 
 

@@ -112,9 +112,12 @@ def build_library(kernel_text: str | None = None, defines: tuple[str, ...] = (),
 
 
 def build_sanitizer_program(
-    sanitizer: str, dtype: str = "bfloat16", head_dim: int = 32, kernel_text: str | None = None
+    sanitizer: str, dtype: str = "bfloat16", head_dim: int = 32, kernel_text: str | None = None,
+    pipe: PipeConfig | None = None,
 ) -> Path:
-    """A standalone program that runs forward + backward once (see emu_sanitize_main.cpp)."""
+    """A standalone program that runs forward + backward once (see emu_sanitize_main.cpp):
+    the production kernels, or with `pipe` the pipelined candidates of that config (no
+    launch-bounds promise, which the emulator ignores anyway)."""
     ctype = ELEMENT_TYPES[dtype][0]
     flags = [
         *SANITIZER_FLAGS[sanitizer],
@@ -122,6 +125,10 @@ def build_sanitizer_program(
         f"-DANDREA_SAN_D={head_dim}",
     ]
     stem = f"emu-{sanitizer}-{dtype}-{head_dim}"
+    if pipe is not None:
+        flags += [f"-DANDREA_SAN_PIPE_W={pipe.warps}", f"-DANDREA_SAN_PIPE_N={pipe.rows}",
+                  f"-DANDREA_SAN_PIPE_S={pipe.stages}", f"-DANDREA_SAN_PIPE_P={pipe.passes}"]
+        stem += f"-pipe-{pipe.warps}-{pipe.rows}-{pipe.stages}-{pipe.passes}"
     return _build("emu_sanitize_main.cpp", flags, kernel_text, stem)
 
 
