@@ -59,6 +59,7 @@ KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
 CHECK_SHAPE = (2, 3, 333)  # B, H, T: odd, not a multiple of any tile
 TOL = {"bfloat16": 1e-2, "float16": 2.0**-9, "float32": 1e-5}
 SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn")
+CANDIDATE_LIMIT: int | None = None  # the first N of each kernel's candidates (tests)
 
 
 def elapsed() -> float:
@@ -230,29 +231,27 @@ def spill_bytes(ptxas_log: str) -> int:
     return sum(int(a) + int(b) for a, b in found)
 
 
-class CandidateLauncher:
-    """andrea's CupyLauncher, whose functions come from the candidates built here."""
+def make_launcher(device) -> Any:
+    """andrea's CupyLauncher (PyTorch's stream, dynamic shared memory, the production kernels
+    compiled as the runtime does) whose candidate functions come from build_all."""
+    from andrea.cuda.attention import CupyLauncher
 
-    def __init__(self, device) -> None:
-        from andrea.cuda.attention import CupyLauncher
+    class CandidateLauncher(CupyLauncher):
+        def __init__(self, device) -> None:
+            super().__init__(device)
+            self.extra: dict[str, Any] = {}
 
-        class _Launcher(CupyLauncher):
-            extra: dict[str, Any] = {}
+        def add(self, name: str, fn: Any) -> None:
+            self.extra[name] = fn
 
-            def _function(self, name: str) -> Any:
-                fn = self.extra.get(name)
-                return fn if fn is not None else super()._function(name)
+        def _function(self, name: str) -> Any:
+            fn = self.extra.get(name)
+            return fn if fn is not None else super()._function(name)
 
-        self.inner = _Launcher(device)
-
-    def add(self, name: str, fn: Any) -> None:
-        self.inner.extra[name] = fn
-
-    def launch(self, launch, *args) -> None:
-        self.inner.launch(launch, *args)
+    return CandidateLauncher(device)
 
 
-def build_all(cands, arch: str, launcher: CandidateLauncher, tmp: Path) -> dict[str, dict]:
+def build_all(cands, arch: str, launcher: Any, tmp: Path) -> dict[str, dict]:
     """Compiles the candidates in threads until the compile share of the budget is spent."""
     import cupy
 
@@ -282,7 +281,7 @@ def build_all(cands, arch: str, launcher: CandidateLauncher, tmp: Path) -> dict[
         else:
             t0 = time.monotonic()
             try:
-                with cupy.cuda.Device(launcher.inner.device.index):
+                with cupy.cuda.Device(launcher.device.index):
                     if nvrtc is not None:
                         cubin, lowered, text = nvrtc.compile(source, name,
                                                              runtime_nvrtc_options(arch))
@@ -577,12 +576,12 @@ def gpu_run(out_dir: Path, device) -> int:
     from andrea.cuda.attention import device_arch
 
     arch = device_arch(device)
-    launcher = CandidateLauncher(device)
+    launcher = make_launcher(device)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "arch": arch,
                               "torch": torch.__version__, "budget_s": BUDGET_S, "shapes": []}
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "tune.json"
-    cands = candidate_list(SHAPES)
+    cands = candidate_list(SHAPES, CANDIDATE_LIMIT)
     with tempfile.TemporaryDirectory() as tmp:
         info = build_all(cands, arch, launcher, Path(tmp))
         report["candidates"] = jsonable(info)
