@@ -473,65 +473,59 @@ def time_shape(shape, info, launcher, device) -> dict:
             res["sdpa"][backend] = {"error": str(exc)[:300]}
     log(f"{shape_key(shape)}: SDPA timed")
 
-    def run(launch, kernel):
-        out_o, out_lse = (o2, lse2) if kernel == "fwd" else (o, lse)
-        args = kernel_args(kernel, q, k, v, dout, out_o, out_lse, delta, grads, t, scale)
-        return lambda _: launcher.launch(launch, *args)
-
-    prod_ms = {}
-    for kernel in (*KERNELS, "bwd_preprocess"):
+    def bound(launch, kernel):
+        """The kernel's launch with its arguments, converted once (what a timing loop calls)."""
         if kernel == "bwd_preprocess":
-            args = (o, dout, delta, b * h * t)
-            pre = prod[kernel]
-            prod_ms[kernel] = timed_ms(lambda _, a=args, p=pre: launcher.launch(p, *a))
-        else:
-            prod_ms[kernel] = timed_ms(run(prod[kernel], kernel))
-    res["production"] = {"kernels_ms": prod_ms}
-
-    best: dict[str, tuple[float, Any]] = {}
-    for row in info.values():
-        if row["status"] != "ok" or (row["dtype"], row["head_dim"]) != (dtype, d):
-            continue
-        if left() < 25:
-            res["cut_short"] = True
-            break
-        launch = pipe_launch(row["kernel"], b, h, t, d, dtype, row["cfg"])
-        try:
-            ms = timed_ms(run(launch, row["kernel"]))
-        except Exception as exc:
-            row.setdefault("timing_errors", []).append(str(exc)[:200])
-            continue
-        res["candidates"].append({"kernel": row["kernel"], "config": row["config"], "ms": ms,
-                                  "registers": row.get("registers"),
-                                  "smem": launch.dynamic_shared_bytes})
-        if row["kernel"] not in best or ms < best[row["kernel"]][0]:
-            best[row["kernel"]] = (ms, launch)
-    log(f"{shape_key(shape)}: {len(res['candidates'])} candidate kernels timed")
+            return launcher.bound(prod["bwd_preprocess"], o, dout, delta, b * h * t)
+        out_o, out_lse = (o2, lse2) if kernel == "fwd" else (o, lse)
+        return launcher.bound(launch, *kernel_args(kernel, q, k, v, dout, out_o, out_lse, delta,
+                                                   grads, t, scale))
 
     def sequence(launches: dict[str, Any], kernels: tuple[str, ...]):
+        calls = [bound(launches.get(kernel), kernel) for kernel in kernels]
+
         def go(_):
-            for kernel in kernels:
-                if kernel == "bwd_preprocess":
-                    launcher.launch(prod["bwd_preprocess"], o, dout, delta, b * h * t)
-                else:
-                    launcher.launch(launches[kernel],
-                                    *kernel_args(kernel, q, k, v, dout, o2 if kernel == "fwd"
-                                                 else o, lse2 if kernel == "fwd" else lse, delta,
-                                                 grads, t, scale))
+            for call in calls:
+                call()
         return go
 
     bwd_kernels = ("bwd_preprocess", "bwd_dq", "bwd_dkdv")
-    res["production"].update(fwd=timed_ms(sequence(prod, ("fwd",))),
-                             bwd=timed_ms(sequence(prod, bwd_kernels)),
-                             fb=timed_ms(sequence(prod, ("fwd", *bwd_kernels))))
-    if len(best) == 3:
-        chosen = {kernel: best[kernel][1] for kernel in KERNELS}
-        res["best"] = {
-            "configs": {kernel: chosen[kernel].name for kernel in KERNELS},
-            "fwd": timed_ms(sequence(chosen, ("fwd",))),
-            "bwd": timed_ms(sequence(chosen, bwd_kernels)),
-            "fb": timed_ms(sequence(chosen, ("fwd", *bwd_kernels))),
-        }
+    best: dict[str, tuple[float, Any]] = {}
+    # CuPy's device and stream (PyTorch's current one, where the timer's events go) set once:
+    # a timed call is then the kernel launch alone.
+    with launcher.context():
+        res["production"] = {"kernels_ms": {
+            kernel: timed_ms(sequence(prod, (kernel,))) for kernel in (*KERNELS, "bwd_preprocess")
+        }}
+        for row in info.values():
+            if row["status"] != "ok" or (row["dtype"], row["head_dim"]) != (dtype, d):
+                continue
+            if left() < 25:
+                res["cut_short"] = True
+                break
+            launch = pipe_launch(row["kernel"], b, h, t, d, dtype, row["cfg"])
+            try:
+                ms = timed_ms(sequence({row["kernel"]: launch}, (row["kernel"],)))
+            except Exception as exc:
+                row.setdefault("timing_errors", []).append(str(exc)[:200])
+                continue
+            res["candidates"].append({"kernel": row["kernel"], "config": row["config"], "ms": ms,
+                                      "registers": row.get("registers"),
+                                      "smem": launch.dynamic_shared_bytes})
+            if row["kernel"] not in best or ms < best[row["kernel"]][0]:
+                best[row["kernel"]] = (ms, launch)
+        log(f"{shape_key(shape)}: {len(res['candidates'])} candidate kernels timed")
+        res["production"].update(fwd=timed_ms(sequence(prod, ("fwd",))),
+                                 bwd=timed_ms(sequence(prod, bwd_kernels)),
+                                 fb=timed_ms(sequence(prod, ("fwd", *bwd_kernels))))
+        if len(best) == 3:
+            chosen = {kernel: best[kernel][1] for kernel in KERNELS}
+            res["best"] = {
+                "configs": {kernel: chosen[kernel].name for kernel in KERNELS},
+                "fwd": timed_ms(sequence(chosen, ("fwd",))),
+                "bwd": timed_ms(sequence(chosen, bwd_kernels)),
+                "fb": timed_ms(sequence(chosen, ("fwd", *bwd_kernels))),
+            }
     return res
 
 
