@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Build, check and time every pipelined attention candidate against PyTorch's SDPA (issue 53).
 
-On the GPU machine, from the checkout (no install; about 330 s at most, budgeted inside):
+On the GPU machine, from the checkout (no install; at most 330 s, budgeted inside; about 100-150 s
+expected on an H200 with 16 cores):
 
     PYTHONPATH=$PWD python3 scripts/gpu_tune_attention.py $OUT/tune
 
@@ -16,13 +17,15 @@ On the GPU machine, from the checkout (no install; about 330 s at most, budgeted
    The backward candidates take the production forward's O and lse.
 3. Time (CUDA events around back-to-back calls, andrea.bench.time_per_call) at each shape:
    every passing candidate kernel alone; SDPA default, flash, efficient and cuDNN forward,
-   backward (autograd, forward prepared) and forward + backward; the production kernels; and
-   the best candidate per kernel together (forward, preprocess + dQ + dK/dV, and all four).
-4. Prints a table per shape last and writes everything to OUT/tune.json (written again after
+   backward (autograd, forward prepared) and forward + backward; the production kernels the
+   same way through andrea's custom op (what training runs) and as bare launches; and the best
+   candidate per kernel together (forward, preprocess + dQ + dK/dV, and all four).
+4. Prints a table per shape last and writes everything to OUT_DIR/tune.json (written again after
    each shape, so a run cut short keeps what it measured).
 
-Table columns: fwd / bwd / f+b: milliseconds per call (bwd: ours = preprocess + dQ + dK/dV
-kernels; SDPA's = autograd backward); TFLOP/s: the f+b causal FLOPs 3.5 * 2*B*H*T^2*D over f+b
+Table columns: fwd / bwd / f+b: milliseconds per call (rows "sdpa ..." and "(autograd)": through
+autograd; "ours production" and "ours best candidates": the kernels launched back to back, bwd
+= preprocess + dQ + dK/dV); TFLOP/s: the f+b causal FLOPs 3.5 * 2*B*H*T^2*D over f+b
 time; fwd x, bwd x, f+b x: SDPA default's time over this row's (above 1: faster than SDPA).
 
 Without a GPU (or CuPy) it is a dry run: nothing is compiled for a GPU; the candidates of the
@@ -397,35 +400,40 @@ def timed_ms(fn, prepare=None) -> float:
     return time_per_call(timer, repeats=3, warmup=2, timed=fn, prepare=prepare).ms
 
 
-def sdpa_times(q, k, v, dout, backend: str) -> dict:
+def autograd_times(attend, q, k, v, dout) -> dict:
+    """Forward (no grad), backward (autograd, forward prepared) and both, of attend(q, k, v)."""
     import torch
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+    def fwd(_):
+        with torch.no_grad():
+            attend(q, k, v)
+
+    def forward_graph():
+        return attend(*leaves)
+
+    def bwd(out):
+        torch.autograd.grad(out, leaves, dout)
+
+    def fb(_):
+        bwd(forward_graph())
+
+    return {"fwd": timed_ms(fwd), "bwd": timed_ms(bwd, forward_graph), "fb": timed_ms(fb)}
+
+
+def sdpa_attend(backend: str):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
               "cudnn": SDPBackend.CUDNN_ATTENTION}.get(backend)
 
-    def ctx():
-        return sdpa_kernel(chosen) if chosen is not None else _null()
+    def attend(q, k, v):
+        with sdpa_kernel(chosen) if chosen is not None else _null():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-
-    def fwd(_):
-        with torch.no_grad(), ctx():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    def forward_graph():
-        with ctx():
-            return F.scaled_dot_product_attention(*leaves, is_causal=True)
-
-    def bwd(out):
-        with ctx():
-            torch.autograd.grad(out, leaves, dout)
-
-    def fb(_):
-        bwd(forward_graph())
-
-    return {"fwd": timed_ms(fwd), "bwd": timed_ms(bwd, forward_graph), "fb": timed_ms(fb)}
+    return attend
 
 
 class _null:
@@ -448,7 +456,7 @@ def kernel_args(kernel, q, k, v, dout, o, lse, delta, grads, t, scale):
 def time_shape(shape, info, launcher, device) -> dict:
     import torch
 
-    from andrea.cuda.attention import attention_forward
+    from andrea.cuda.attention import attention_forward, cuda_attention
     from andrea.cuda.launch import attention_launches, pipe_launch
 
     dtype, b, h, t, d = shape
@@ -468,10 +476,16 @@ def time_shape(shape, info, launcher, device) -> dict:
         if left() < 20:
             break
         try:
-            res["sdpa"][backend] = sdpa_times(q, k, v, dout, backend)
+            res["sdpa"][backend] = autograd_times(sdpa_attend(backend), q, k, v, dout)
         except Exception as exc:
             res["sdpa"][backend] = {"error": str(exc)[:300]}
-    log(f"{shape_key(shape)}: SDPA timed")
+    # The production kernels as training runs them: the custom op, through autograd.
+    try:
+        res["production_autograd"] = autograd_times(
+            lambda q_, k_, v_: cuda_attention(q_, k_, v_, scale, launcher), q, k, v, dout)
+    except Exception as exc:
+        res["production_autograd"] = {"error": str(exc)[:300]}
+    log(f"{shape_key(shape)}: SDPA and the custom op timed")
 
     def bound(launch, kernel):
         """The kernel's launch with its arguments, converted once (what a timing loop calls)."""
@@ -533,19 +547,21 @@ def time_shape(shape, info, launcher, device) -> dict:
 def table(res: dict) -> str:
     base = res["sdpa"].get("default", {})
     rows = [(f"sdpa {name}", r) for name, r in res["sdpa"].items()]
+    rows.append(("ours production (autograd)", res.get("production_autograd", {})))
     rows.append(("ours production", res.get("production", {})))
     if res.get("best"):
         rows.append(("ours best candidates", res["best"]))
-    out = [f"== {res['shape']}  (f+b {res['flops_fb'] / 1e9:.1f} GFLOP)",
-           f"{'backend':24s} {'fwd ms':>8s} {'bwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
+    out = [f"== {res['shape']}  (f+b {res['flops_fb'] / 1e9:.1f} GFLOP; sdpa and (autograd) rows "
+           "through autograd, the others the kernels back to back)",
+           f"{'backend':27s} {'fwd ms':>8s} {'bwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
            f"{'fwd x':>6s} {'bwd x':>6s} {'f+b x':>6s}"]
     for name, r in rows:
         if "error" in r or "fb" not in r:
-            out.append(f"{name:24s} {r.get('error', 'not timed')[:60]}")
+            out.append(f"{name:27s} {r.get('error', 'not timed')[:60]}")
             continue
         ratio = [f"{base[m] / r[m]:6.2f}" if m in base else "     -"
                  for m in ("fwd", "bwd", "fb")]
-        out.append(f"{name:24s} {r['fwd']:8.3f} {r['bwd']:8.3f} {r['fb']:8.3f} "
+        out.append(f"{name:27s} {r['fwd']:8.3f} {r['bwd']:8.3f} {r['fb']:8.3f} "
                    f"{res['flops_fb'] / r['fb'] / 1e9:8.1f} {' '.join(ratio)}")
     if res.get("best"):
         for kernel, name in res["best"]["configs"].items():

@@ -130,7 +130,7 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert set(shape["best"]["configs"]) == set(tune.KERNELS)
     for part in ("fwd", "bwd", "fb"):
         assert shape["production"][part] > 0 and shape["best"][part] > 0
-        assert shape["sdpa"]["default"][part] > 0
+        assert shape["sdpa"]["default"][part] > 0 and shape["production_autograd"][part] > 0
     assert "error" in shape["sdpa"]["cudnn"]  # no cuDNN attention on a CPU: said, not fatal
     text = capsys.readouterr().out
     assert "ours best candidates" in text and "f+b x" in text
