@@ -506,6 +506,25 @@ __device__ __forceinline__ void warp_gemm_rs(float (&acc)[NT][4], const float (&
   }
 }
 
+// warp_gemm_ss's tensor-core path with B_NMAJOR and the A fragments already in registers
+// (af[kk] = ldmatrix_x4 of A's columns 16kk..16kk+15): the same MMAs in the same order, so the
+// same bits; the pipelined forward loads its Q fragments once instead of once per K tile.
+template <typename T_, int K, int NT>
+__device__ __forceinline__ void warp_gemm_as(float (&acc)[NT][4], const u32 (&af)[K / 16][4],
+                                             const T_* b, int ldb) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) {
+      u32 bf[4];
+      ldmatrix_x4<false>(bf, b + (j * 16 + lane % 8 + (lane / 16) * 8) * ldb + kk * 16 +
+                                 ((lane / 8) % 2) * 8);
+      mma_m16n8k16(acc[2 * j], af[kk], bf[0], bf[1], T_{});
+      mma_m16n8k16(acc[2 * j + 1], af[kk], bf[2], bf[3], T_{});
+    }
+}
+
 // ---------------------------------------------------------------------------- tile movement
 // Cooperative copy of ROWS rows (from row0) of a [seq_len, D] slice into shared memory with row
 // stride LD, 16 bytes per step; rows at or past seq_len are zero-filled.
@@ -942,8 +961,9 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DKDV>::W,
 // arithmetic is the kernels above's for the same N (W and STAGES change only who owns a row and
 // when a tile arrives), so with N equal they give the same bits. Launch: as the kernel above,
 // with M = 16*W, 32*W threads and PipeSmem::bytes of dynamic shared memory
-// (andrea.cuda.launch.pipe_launches). Candidates for scripts/gpu_tune_attention.py; the
-// production path launches the kernels above.
+// (andrea.cuda.launch.pipe_launch). The forward keeps its warp's Q fragments in registers on
+// tensor cores (loaded once, not once per K tile). Candidates for
+// scripts/gpu_tune_attention.py; the production path launches the kernels above.
 template <typename T_, int D, int W, int N, int STAGES, int MINB>
 __global__ void __launch_bounds__(32 * W, MINB)
     attn_fwd_pipe(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
@@ -975,6 +995,8 @@ __global__ void __launch_bounds__(32 * W, MINB)
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   float m_run[2] = {-inf_f(), -inf_f()}, l_run[2] = {0.0f, 0.0f};
+  constexpr bool MMA = UsesMma<T_>::value;
+  u32 qf[MMA ? D / 16 : 1][4];  // this warp's Q rows as A fragments, once Q has landed
 
   for (int it = 0; it < n_tiles; ++it) {
     const int n0 = it * N;
@@ -1002,7 +1024,15 @@ __global__ void __launch_bounds__(32 * W, MINB)
     float s[N / 8][4];
 #pragma unroll
     for (int j = 0; j < N / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-    warp_gemm_ss<T_, D, N / 8, true>(s, qs + warp * 16 * LD, LD, ks, LD);
+    if constexpr (MMA) {
+      if (it == 0)  // Q came with tile 0's group; the barrier above made it visible
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+          ldmatrix_x4<false>(qf[kk], qs + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+      warp_gemm_as<T_, D, N / 8>(s, qf, ks, LD);
+    } else {
+      warp_gemm_ss<T_, D, N / 8, true>(s, qs + warp * 16 * LD, LD, ks, LD);
+    }
 
     const bool masked = n0 + N - 1 > q0 || n0 + N > seq_len;
     float mx[2] = {-inf_f(), -inf_f()};
