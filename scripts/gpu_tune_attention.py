@@ -580,6 +580,21 @@ def jsonable(info: dict) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in ("fn", "cfg")} for row in info.values()]
 
 
+def summary(report: dict, info: dict, out: Path) -> str:
+    lines = [""]
+    for res in report["shapes"]:
+        if "candidates" in res:
+            lines.append(table(res))
+        else:
+            lines.append(f"== {res['shape']}: {res.get('skipped') or res.get('error', '')[-500:]}")
+    statuses: dict[str, int] = {}
+    for row in list(info.values()):
+        key = row["status"].split(" (")[0].split(":")[0]
+        statuses[key] = statuses.get(key, 0) + 1
+    lines.append(f"candidates: {statuses}; elapsed {elapsed():.0f} s; JSON: {out}")
+    return "\n".join(lines)
+
+
 def gpu_run(out_dir: Path, device) -> int:
     import torch
 
@@ -592,8 +607,20 @@ def gpu_run(out_dir: Path, device) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "tune.json"
     cands = candidate_list(SHAPES, CANDIDATE_LIMIT)
+    info: dict[str, dict] = {}
+
+    def watchdog() -> None:
+        # A kernel that never returns (or a device that hangs) would leave the device call with
+        # nothing printed: past the budget, print what was measured and leave at once.
+        print(f"\n[watchdog] {elapsed():.0f} s, past the budget: stopping\n"
+              + summary(report, info, out), flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(BUDGET_S + 10 - elapsed(), watchdog)
+    timer.daemon = True
+    timer.start()
     with tempfile.TemporaryDirectory() as tmp:
-        info = build_all(cands, arch, launcher, Path(tmp))
+        info.update(build_all(cands, arch, launcher, Path(tmp)))
         report["candidates"] = jsonable(info)
         out.write_text(json.dumps(report, indent=1, default=str))
         check_all(info, launcher, device)
@@ -606,24 +633,16 @@ def gpu_run(out_dir: Path, device) -> int:
                 continue
             try:
                 report["shapes"].append(time_shape(shape, info, launcher, device))
+                print(table(report["shapes"][-1]), flush=True)  # as soon as it is measured
             except Exception:
                 report["shapes"].append({"shape": shape_key(shape),
                                          "error": traceback.format_exc()[-2000:]})
                 log(f"{shape_key(shape)}: failed\n{traceback.format_exc()[-2000:]}")
             out.write_text(json.dumps(report, indent=1, default=str))
+    timer.cancel()
     report["elapsed_s"] = round(elapsed(), 1)
     out.write_text(json.dumps(report, indent=1, default=str))
-    print()
-    for res in report["shapes"]:
-        if "candidates" in res:
-            print(table(res))
-        else:
-            print(f"== {res['shape']}: {res.get('skipped') or res.get('error', '')[-500:]}")
-    statuses: dict[str, int] = {}
-    for row in info.values():
-        key = row["status"].split(" (")[0].split(":")[0]
-        statuses[key] = statuses.get(key, 0) + 1
-    print(f"candidates: {statuses}; elapsed {elapsed():.0f} s; JSON: {out}")
+    print(summary(report, info, out))
     return 0
 
 
