@@ -17,6 +17,7 @@ import background
 import pytest
 
 from andrea.cuda import emulator as kernel_emulator
+from andrea.cuda.launch import PipeConfig
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
@@ -29,6 +30,18 @@ BH, SEQ_LEN = 1, 17  # T not a multiple of any tile: the bounds checks matter
 BARRIER = "__syncthreads();  // barrier:fwd-loaded (K/V tile visible to every warp)"
 # The bounds check of the tile loader: without it, rows past T are read from past the tensors.
 BOUNDS = "if (row0 + r < seq_len)  // bounds: rows past the sequence read as zeros"
+
+
+# The pipelined candidates (attn_*_pipe): a 2-stage cp.async pipeline of 32-row tiles in
+# blocks of 32 rows, at a T where the stages are reused (each block's dynamic shared memory is
+# an exactly sized heap buffer). Their one barrier per tile, and their async loader's bounds
+# check.
+PIPE = PipeConfig(2, 32, 2)
+PIPE_SEQ_LEN = 77
+PIPE_BARRIER = ("__syncthreads();  // barrier:fwd-pipe (everyone's have; everyone is done with "
+                "tile it-1)")
+PIPE_BOUNDS = "const bool in = row0 + r < seq_len;  // bounds: rows past the sequence land as zeros"
+PIPE_CLEAN = "test_pipelined_candidates_are_clean_under_sanitizer"
 
 
 def broken(original: str, replace: str, by: str) -> str:
@@ -44,9 +57,25 @@ def no_bounds_check() -> str:
     return broken(kernel_emulator.kernel_source(), BOUNDS, "if (true)")
 
 
+def no_pipe_barrier() -> str:
+    return broken(kernel_emulator.kernel_source(), PIPE_BARRIER, "/* barrier removed */")
+
+
+def no_pipe_bounds_check() -> str:
+    return broken(kernel_emulator.kernel_source(), PIPE_BOUNDS, "const bool in = true;")
+
+
 # Each program is built on a low-priority thread from the session's start (tests/background.py).
 # build name: (sanitizer, the kernel file's text (None: the file as it is), the test that runs it)
+# A name with "-pipe" builds the pipelined candidates' program (PIPE).
 PROGRAMS = {
+    "sanitizer-thread-pipe": ("thread", None, PIPE_CLEAN),
+    "sanitizer-address-pipe": ("address", None, PIPE_CLEAN),
+    "sanitizer-thread-pipe-no-barrier": ("thread", no_pipe_barrier,
+                                         "test_thread_sanitizer_catches_a_removed_pipe_barrier"),
+    "sanitizer-address-pipe-no-bounds-check": (
+        "address", no_pipe_bounds_check,
+        "test_address_sanitizer_catches_a_removed_async_bounds_check"),
     "sanitizer-thread": ("thread", None, "test_kernels_are_clean_under_sanitizer"),
     "sanitizer-address": ("address", None, "test_kernels_are_clean_under_sanitizer"),
     "sanitizer-thread-no-barrier": ("thread", no_barrier,
@@ -56,19 +85,21 @@ PROGRAMS = {
 }
 
 
-def build(sanitizer: str, kernel_text: Callable[[], str] | None) -> Path:
+def build(sanitizer: str, kernel_text: Callable[[], str] | None, pipe: bool) -> Path:
     text = kernel_text() if kernel_text else None
-    return kernel_emulator.build_sanitizer_program(sanitizer, "bfloat16", 32, text)
+    return kernel_emulator.build_sanitizer_program(sanitizer, "bfloat16", 32, text,
+                                                   PIPE if pipe else None)
 
 
 if shutil.which("g++"):
     for _name, (_sanitizer, _text, _test) in PROGRAMS.items():
-        background.declare(_name, functools.partial(build, _sanitizer, _text),
+        background.declare(_name, functools.partial(build, _sanitizer, _text, "-pipe" in _name),
                            wanted_by=[f"test_kernel_sanitizers.py::{_test}"])
 
 
 def run(program: str):
-    return kernel_emulator.run_sanitizer_program(background.result(program), BH, SEQ_LEN)
+    seq_len = PIPE_SEQ_LEN if "-pipe" in program else SEQ_LEN
+    return kernel_emulator.run_sanitizer_program(background.result(program), BH, seq_len)
 
 
 @pytest.mark.parametrize("sanitizer", ["thread", "address"])
@@ -91,3 +122,28 @@ def test_address_sanitizer_catches_a_removed_bounds_check() -> None:
     assert proc.returncode != 0
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
     assert "load_tile" in proc.stderr
+
+
+@pytest.mark.parametrize("sanitizer", ["thread", "address"])
+def test_pipelined_candidates_are_clean_under_sanitizer(sanitizer: str) -> None:
+    proc = run(f"sanitizer-{sanitizer}-pipe")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "Sanitizer" not in proc.stderr, proc.stderr[-6000:]
+    assert proc.stdout.startswith("checksum ")
+
+
+def test_thread_sanitizer_catches_a_removed_pipe_barrier() -> None:
+    """Without the barrier a thread's cp.async into the stage of tile it-1 races the other
+    warps still reading it (the emulated copy writes its destination at issue and at the
+    wait)."""
+    proc = run("sanitizer-thread-pipe-no-barrier")
+    assert proc.returncode != 0
+    assert "WARNING: ThreadSanitizer: data race" in proc.stderr, proc.stderr[-3000:]
+    assert "attn_fwd_pipe" in proc.stderr
+
+
+def test_address_sanitizer_catches_a_removed_async_bounds_check() -> None:
+    proc = run("sanitizer-address-pipe-no-bounds-check")
+    assert proc.returncode != 0
+    assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
+    assert "load_tile_async" in proc.stderr

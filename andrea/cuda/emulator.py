@@ -26,8 +26,11 @@ from andrea.cuda.launch import (
     ELEMENT_TYPES,
     KERNEL_FILE,
     Launch,
+    PipeConfig,
     attention_launches,
     kernel_source,
+    pipe_emulator_entries,
+    pipe_launch,
 )
 from andrea.resources import kernels_dir
 
@@ -55,7 +58,8 @@ def _compiler() -> str:
     return cxx
 
 
-def _build(main: str, flags: list[str], kernel_text: str | None, stem: str) -> Path:
+def _build(main: str, flags: list[str], kernel_text: str | None, stem: str,
+           extra_texts: dict[str, str] | None = None) -> Path:
     """Compiles kernels/cpu/<main> with the kernel file (or kernel_text) into the cache.
 
     Keyed by a hash of compiler, flags and every source text; built under a temporary name and
@@ -64,6 +68,7 @@ def _build(main: str, flags: list[str], kernel_text: str | None, stem: str) -> P
     cxx = _compiler()
     texts = {name: (kernels_dir() / "cpu" / name).read_text() for name in CPU_FILES}
     texts[KERNEL_FILE] = kernel_source() if kernel_text is None else kernel_text
+    texts.update(extra_texts or {})
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     for part in [version, *flags, main, *(f"{n}\0{t}" for n, t in sorted(texts.items()))]:
@@ -90,14 +95,29 @@ HALF_ARCH_DEFINES = {
 }
 
 
-def build_library(kernel_text: str | None = None, defines: tuple[str, ...] = ()) -> Path:
-    return _build("emu_entry.cpp", [*LIBRARY_FLAGS, *defines], kernel_text, "libandrea_emu.so")
+# A pipelined candidate for the emulator: (kernel, dtype, head_dim, PipeConfig).
+PipeCandidate = tuple[str, str, int, PipeConfig]
+
+
+def build_library(kernel_text: str | None = None, defines: tuple[str, ...] = (),
+                  pipes: tuple[PipeCandidate, ...] = ()) -> Path:
+    """The emulator library; with `pipes`, those pipelined candidates and the preprocess
+    kernels instead of the production table (ANDREA_EMU_PIPE_ONLY)."""
+    extra = {}
+    if pipes:
+        defines = (*defines, "-DANDREA_EMU_PIPE", "-DANDREA_EMU_PIPE_ONLY")
+        extra["emu_pipe_entries.inc"] = pipe_emulator_entries(list(pipes))
+    return _build("emu_entry.cpp", [*LIBRARY_FLAGS, *defines], kernel_text, "libandrea_emu.so",
+                  extra)
 
 
 def build_sanitizer_program(
-    sanitizer: str, dtype: str = "bfloat16", head_dim: int = 32, kernel_text: str | None = None
+    sanitizer: str, dtype: str = "bfloat16", head_dim: int = 32, kernel_text: str | None = None,
+    pipe: PipeConfig | None = None,
 ) -> Path:
-    """A standalone program that runs forward + backward once (see emu_sanitize_main.cpp)."""
+    """A standalone program that runs forward + backward once (see emu_sanitize_main.cpp):
+    the production kernels, or with `pipe` the pipelined candidates of that config (no
+    launch-bounds promise, which the emulator ignores anyway)."""
     ctype = ELEMENT_TYPES[dtype][0]
     flags = [
         *SANITIZER_FLAGS[sanitizer],
@@ -105,6 +125,10 @@ def build_sanitizer_program(
         f"-DANDREA_SAN_D={head_dim}",
     ]
     stem = f"emu-{sanitizer}-{dtype}-{head_dim}"
+    if pipe is not None:
+        flags += [f"-DANDREA_SAN_PIPE_W={pipe.warps}", f"-DANDREA_SAN_PIPE_N={pipe.rows}",
+                  f"-DANDREA_SAN_PIPE_S={pipe.stages}", f"-DANDREA_SAN_PIPE_P={pipe.passes}"]
+        stem += f"-pipe-{pipe.warps}-{pipe.rows}-{pipe.stages}-{pipe.passes}"
     return _build("emu_sanitize_main.cpp", flags, kernel_text, stem)
 
 
@@ -128,12 +152,13 @@ class Emulator:
     """The emulated kernels as a library: launch(Launch, *args) like cuLaunchKernel."""
 
     def __init__(self, kernel_text: str | None = None, mode: str = "fibers",
-                 defines: tuple[str, ...] = ()) -> None:
-        self.path = build_library(kernel_text, defines)
+                 defines: tuple[str, ...] = (), pipes: tuple[PipeCandidate, ...] = ()) -> None:
+        self.path = build_library(kernel_text, defines, pipes)
         self.lib = ctypes.CDLL(str(self.path))
         self.lib.andrea_emu_kernel_name.restype = ctypes.c_char_p
         self.lib.andrea_emu_launch.argtypes = [ctypes.c_char_p, *[ctypes.c_uint] * 6,
-                                               ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+                                               ctypes.c_int, ctypes.c_long,
+                                               ctypes.POINTER(ctypes.c_void_p)]
         self.mode = mode
 
     def to_half(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +182,8 @@ class Emulator:
         return [self.lib.andrea_emu_kernel_name(i).decode() for i in range(n)]
 
     def kernel_info(self, name: str) -> tuple[int, int, int]:
-        """(warps, streamed tile rows, static shared bytes) as the .cu file defines them."""
+        """(warps, streamed tile rows, shared bytes) as the .cu file defines them: static, or a
+        pipelined candidate's dynamic."""
         w, n, smem = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         if self.lib.andrea_emu_kernel_info(name.encode(), *map(ctypes.byref, (w, n, smem))):
             raise KeyError(name)
@@ -179,7 +205,8 @@ class Emulator:
                 values.append(ctypes.c_float(a))
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         rc = self.lib.andrea_emu_launch(
-            launch.name.encode(), *launch.grid, *launch.block, MODES[mode or self.mode], params
+            launch.name.encode(), *launch.grid, *launch.block, MODES[mode or self.mode],
+            launch.dynamic_shared_bytes, params
         )
         if rc != 0:
             raise KeyError(f"the emulated library has no kernel {launch.name!r}")
@@ -260,3 +287,26 @@ def attention_backward(
     emu.launch(launches["bwd_dq"], q, k, v, dout, lse, delta, dq, t, scale, mode=mode)
     emu.launch(launches["bwd_dkdv"], q, k, v, dout, lse, delta, dk, dv, t, scale, mode=mode)
     return dq, dk, dv
+
+
+def pipe_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+    configs: dict[str, PipeConfig], emulator: Emulator, scale: float | None = None,
+    mode: str | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Forward and backward through pipelined candidates (`configs`: kernel -> PipeConfig for
+    "fwd", "bwd_dq", "bwd_dkdv"; emulator built with them): o, lse, dq, dk, dv, all outputs
+    NaN-poisoned before their launch."""
+    b, h, t, d, dtype = _shape(q)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    launches = {kernel: pipe_launch(kernel, b, h, t, d, dtype, cfg)
+                for kernel, cfg in configs.items()}
+    preprocess = attention_launches(b, h, t, d, dtype)["bwd_preprocess"]
+    o, lse = _poisoned(q), _poisoned(q, torch.float32, (b, h, t))
+    emulator.launch(launches["fwd"], q, k, v, o, lse, t, scale, mode=mode)
+    delta = _poisoned(q, torch.float32, (b, h, t))
+    dq, dk, dv = _poisoned(q), _poisoned(q), _poisoned(q)
+    emulator.launch(preprocess, o, dout, delta, b * h * t, mode=mode)
+    emulator.launch(launches["bwd_dq"], q, k, v, dout, lse, delta, dq, t, scale, mode=mode)
+    emulator.launch(launches["bwd_dkdv"], q, k, v, dout, lse, delta, dk, dv, t, scale, mode=mode)
+    return o, lse, dq, dk, dv

@@ -198,7 +198,8 @@ class Launch:
     name: str  # NVRTC name expression
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    shared_bytes: int  # static; dynamic shared memory is always 0
+    shared_bytes: int  # static, or for a pipelined candidate its dynamic shared memory
+    dynamic_shared_bytes: int = 0  # what the launch passes as dynamic shared memory
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -261,3 +262,120 @@ def naive_attention_launches(
     }
     launches["bwd_preprocess"] = regular["bwd_preprocess"]
     return {k: launches[k] for k in ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")}
+
+
+# ----------------------------------------------------------------------- pipelined candidates
+# attn_fwd_pipe, attn_bwd_dq_pipe, attn_bwd_dkdv_pipe in the .cu file: the tile shape, the
+# cp.async pipeline depth and the __launch_bounds__ promise as template parameters, dynamic
+# shared memory. scripts/gpu_tune_attention.py builds, checks and times them; the production
+# path launches the kernels of TILES. The candidates are generated here from TILES, so the
+# table has one home.
+PIPE_TEMPLATES = {
+    "fwd": "attn_fwd_pipe",
+    "bwd_dq": "attn_bwd_dq_pipe",
+    "bwd_dkdv": "attn_bwd_dkdv_pipe",
+}
+DYNAMIC_SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
+                        "sm_90": 227 * 1024}  # per block, with the opt-in attribute
+
+
+@dataclass(frozen=True, order=True)
+class PipeConfig:
+    """One candidate: W warps (a block owns 16*W rows), N streamed rows per tile, STAGES-deep
+    cp.async pipeline (1: synchronous, as the production kernels), MINB blocks per SM promised
+    to ptxas (0: none), PASSES column passes of a streamed tile in dK/dV."""
+
+    warps: int
+    rows: int
+    stages: int
+    min_blocks: int = 0
+    passes: int = 1
+
+    def label(self) -> str:
+        extra = f" minb{self.min_blocks}" if self.min_blocks else ""
+        extra += f" p{self.passes}" if self.passes > 1 else ""
+        return f"W{self.warps} N{self.rows} S{self.stages}{extra}"
+
+
+# The production kernels' __launch_bounds__ promises (MinBlocks in the .cu file) and dK/dV
+# passes (DkdvPasses), for the candidate that repeats a production tile; others make none.
+PRODUCTION_MIN_BLOCKS = {("bfloat16", 64, "dq"): 3, ("bfloat16", 64, "dkdv"): 3,
+                         ("float16", 64, "dq"): 3, ("float16", 64, "dkdv"): 3,
+                         ("float16", 32, "dq"): 4, ("float32", 32, "fwd"): 8}
+PRODUCTION_PASSES = {("bfloat16", 64): 2, ("float16", 64): 2}
+
+
+def production_pipe_config(kernel: str, dtype: str, head_dim: int, stages: int = 1) -> PipeConfig:
+    """The candidate with the production kernel's tile (TILES), promise and passes."""
+    kind = kernel.removeprefix("bwd_")
+    warps, rows = TILES[(dtype, head_dim)][kind]
+    return PipeConfig(warps, rows, stages, PRODUCTION_MIN_BLOCKS.get((dtype, head_dim, kind), 0),
+                      PRODUCTION_PASSES.get((dtype, head_dim), 1) if kind == "dkdv" else 1)
+
+
+def pipe_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig]:
+    """Every candidate of a kernel for (dtype, head_dim): the production tile first (at 1 and 2
+    stages), then W in {2, 4, 8} x N in {32, 64, 128} x stages in {1, 2, 3} (dK/dV: 1 and, where
+    a pass keeps 32 columns or more, 2 column passes), where the N-wide score fragments fit the
+    registers (forward N <= 128; backward, whose S and dP are both live, N <= 4096 / D) and the
+    shared memory fits sm_90's 227 KiB per block."""
+    found = [production_pipe_config(kernel, dtype, head_dim, s) for s in (1, 2)]
+    max_rows = (128 if head_dim <= 64 else 64) if kernel == "fwd" else 4096 // head_dim
+    for warps in (4, 8, 2):
+        for rows in (64, 32, 128):
+            for stages in (1, 2, 3):
+                for passes in (1, 2) if kernel == "bwd_dkdv" and rows >= 64 else (1,):
+                    cfg = PipeConfig(warps, rows, stages, 0, passes)
+                    if rows <= max_rows and cfg not in found and pipe_shared_bytes(
+                            kernel, dtype, head_dim, cfg) <= DYNAMIC_SHARED_LIMIT["sm_90"]:
+                        found.append(cfg)
+    return found
+
+
+def pipe_name_expression(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -> str:
+    """e.g. 'attn_fwd_pipe<bf16_t, 64, 4, 64, 2, 0>' (dK/dV: passes last)."""
+    args = [ELEMENT_TYPES[dtype][0], head_dim, cfg.warps, cfg.rows, cfg.stages, cfg.min_blocks]
+    if kernel == "bwd_dkdv":
+        args.append(cfg.passes)
+    return f"{PIPE_TEMPLATES[kernel]}<{', '.join(str(a) for a in args)}>"
+
+
+def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -> int:
+    """Dynamic shared memory of a candidate (PipeSmem<...>::bytes in the .cu file)."""
+    kind = kernel.removeprefix("bwd_")
+    elem = ELEMENT_TYPES[dtype][1]
+    m, ld = 16 * cfg.warps, head_dim + 16 // elem
+    a_tiles = 1 if kind == "fwd" else 2
+    stat_floats = {"fwd": 0, "dq": 2 * m, "dkdv": cfg.stages * 2 * cfg.rows}[kind]
+    scratch = cfg.warps * 16 * (cfg.rows + 4) if dtype == "float32" else 0
+    return (a_tiles * m + cfg.stages * 2 * cfg.rows) * ld * elem + 4 * (stat_floats + scratch)
+
+
+def pipe_launch(kernel: str, batch: int, n_head: int, seq_len: int, head_dim: int, dtype: str,
+                cfg: PipeConfig) -> Launch:
+    """The launch of candidate `cfg` of kernel "fwd", "bwd_dq" or "bwd_dkdv" (the backward's
+    "bwd_preprocess" is the production one, from attention_launches)."""
+    regular = attention_launches(batch, n_head, seq_len, head_dim, dtype)  # validates
+    smem = pipe_shared_bytes(kernel, dtype, head_dim, cfg)
+    return Launch(
+        name=pipe_name_expression(kernel, dtype, head_dim, cfg),
+        grid=(_ceil_div(seq_len, 16 * cfg.warps), regular[kernel].grid[1], 1),
+        block=(32 * cfg.warps, 1, 1),
+        shared_bytes=smem,
+        dynamic_shared_bytes=smem,
+    )
+
+
+def pipe_emulator_entries(names: list[tuple[str, str, int, PipeConfig]]) -> str:
+    """The emulator's table rows (kernels/cpu/emu_entry.cpp's ANDREA_PIPE) for candidates given
+    as (kernel, dtype, head_dim, cfg): C++ instantiates only what it is told."""
+    kinds = {"fwd": "KIND_FWD", "bwd_dq": "KIND_DQ", "bwd_dkdv": "KIND_DKDV"}
+    rows = []
+    for kernel, dtype, head_dim, cfg in names:
+        extra = f"{cfg.min_blocks}" + (f", {cfg.passes}" if kernel == "bwd_dkdv" else "")
+        rows.append(
+            f'ANDREA_PIPE("{pipe_name_expression(kernel, dtype, head_dim, cfg)}", '
+            f"{PIPE_TEMPLATES[kernel]}, {kinds[kernel]}, {ELEMENT_TYPES[dtype][0]}, {head_dim}, "
+            f"{cfg.warps}, {cfg.rows}, {cfg.stages}, {extra}),"
+        )
+    return "\n".join(rows) + "\n"

@@ -10,8 +10,15 @@
 //    Slots are double-buffered, so one barrier per collective is enough: a lane can only
 //    overwrite a buffer after the next collective's barrier, which every lane reaches only
 //    after it has read the previous contents.
+//  - dynamic shared memory (the kernel file's ANDREA_DYNAMIC_SHARED) is one heap buffer of
+//    exactly the launch's size, filled with 0xff bytes (NaN in every element type) at the start
+//    of every block, as a GPU's is undefined;
+//  - cp.async (cp_async, cp_async_commit, cp_async_wait): a copy is read at issue but lands in
+//    shared memory only at the wait_group that completes its group, and its destination reads
+//    as 0xff bytes until then, so a missing wait (or a missing barrier before a buffer is
+//    reused) gives NaNs here as it gives stale data on a GPU.
 // Not emulated: memory ordering between threads without barriers (fibers are sequentially
-// consistent), warp divergence (collectives need all 32 lanes), dynamic shared memory.
+// consistent), warp divergence (collectives need all 32 lanes).
 #pragma once
 
 #include <pthread.h>
@@ -23,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -69,6 +77,12 @@ struct WarpState {
 
 struct Launch;
 
+struct AsyncCopy {  // one cp.async in flight: the bytes read at issue and where they land
+  void* dst;
+  int bytes;
+  unsigned char data[16];
+};
+
 struct Thread {
   dim3 tid, bid;
   int linear = 0;
@@ -76,6 +90,8 @@ struct Thread {
   bool done = false;
   Launch* launch = nullptr;
   ucontext_t ctx;
+  std::vector<AsyncCopy> uncommitted;            // cp.async issued since the last commit
+  std::deque<std::vector<AsyncCopy>> committed;  // groups in commit order, oldest first
 };
 
 struct Launch {
@@ -86,6 +102,9 @@ struct Launch {
   std::vector<WarpState> warps;
   void (*body)(void*) = nullptr;
   void* body_arg = nullptr;
+  // dynamic shared memory: exactly the launch's bytes (AddressSanitizer sees an overrun)
+  std::unique_ptr<unsigned char[]> dynamic_shared;
+  size_t dynamic_bytes = 0;
   // fibers
   Barrier block_bar;
   ucontext_t main_ctx;
@@ -171,6 +190,7 @@ inline void run_fibers(Launch& L) {
     for (unsigned by = 0; by < L.grid.y; ++by)
       for (unsigned bx = 0; bx < L.grid.x; ++bx) {
         L.block_bar = Barrier{0, 0, L.nthreads};
+        if (L.dynamic_bytes) std::memset(L.dynamic_shared.get(), 0xff, L.dynamic_bytes);
         for (size_t w = 0; w < L.warps.size(); ++w) {
           const int lanes = std::min(kWarp, L.nthreads - (int)w * kWarp);
           L.warps[w].fbar = Barrier{0, 0, lanes};
@@ -180,6 +200,8 @@ inline void run_fibers(Launch& L) {
           t.bid = dim3(bx, by, bz);
           t.done = false;
           t.parity = 0;
+          t.uncommitted.clear();
+          t.committed.clear();
           if (getcontext(&t.ctx) != 0) die("getcontext failed");
           t.ctx.uc_stack.ss_sp = &L.stacks[(size_t)i * kStack];
           t.ctx.uc_stack.ss_size = kStack;
@@ -215,6 +237,12 @@ inline void run_threads(Launch& L) {
           for (unsigned bx = 0; bx < L.grid.x; ++bx) {
             t.bid = dim3(bx, by, bz);
             t.parity = 0;
+            t.uncommitted.clear();
+            t.committed.clear();
+            if (L.dynamic_bytes) {  // thread 0 refills the block's; the others wait for it
+              if (i == 0) std::memset(L.dynamic_shared.get(), 0xff, L.dynamic_bytes);
+              pthread_barrier_wait(&L.tblock_bar);
+            }
             L.body(L.body_arg);
             // blocks run one at a time: no thread starts the next block before all finished
             pthread_barrier_wait(&L.tblock_bar);
@@ -258,7 +286,40 @@ inline void warp_allgather(const void* mine, void* all, size_t bytes) {
   for (int i = 0; i < kWarp; ++i) std::memcpy((char*)all + i * bytes, w.slot[p][i], bytes);
 }
 
-template <typename F> void launch(dim3 grid, dim3 block, Mode mode, F&& kernel_call) {
+// The calling thread's dynamic shared memory (its block's).
+inline unsigned char* dynamic_shared() { return cur->launch->dynamic_shared.get(); }
+
+// cp.async of `bytes` (4 or 16): src_bytes of them read from src now, the rest zeros (PTX's
+// src-size zero fill); they land at dst only when a cp_async_wait completes the group.
+inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+  if (bytes != 4 && bytes != 8 && bytes != 16) die("cp.async copies 4, 8 or 16 bytes");
+  if (src_bytes < 0 || src_bytes > bytes) die("cp.async src-size out of range");
+  if ((uintptr_t)dst % bytes || (src_bytes && (uintptr_t)src % bytes))
+    die("cp.async: misaligned address");
+  AsyncCopy c{dst, bytes, {}};
+  std::memcpy(c.data, src, src_bytes);
+  std::memset(c.data + src_bytes, 0, bytes - src_bytes);
+  std::memset(dst, 0xff, bytes);  // in flight: what a reader sees is undefined
+  cur->uncommitted.push_back(c);
+}
+
+inline void cp_async_commit() {
+  Thread& me = *cur;
+  me.committed.push_back(std::move(me.uncommitted));
+  me.uncommitted.clear();
+}
+
+// Waits until at most `pending` committed groups are still in flight: the older ones land.
+inline void cp_async_wait(int pending) {
+  Thread& me = *cur;
+  while ((int)me.committed.size() > pending) {
+    for (const AsyncCopy& c : me.committed.front()) std::memcpy(c.dst, c.data, c.bytes);
+    me.committed.pop_front();
+  }
+}
+
+template <typename F>
+void launch(dim3 grid, dim3 block, Mode mode, F&& kernel_call, size_t dynamic_bytes = 0) {
   Launch L;
   L.mode = mode;
   L.grid = grid;
@@ -267,6 +328,8 @@ template <typename F> void launch(dim3 grid, dim3 block, Mode mode, F&& kernel_c
   if (L.nthreads <= 0 || L.nthreads > 1024) die("block size must be 1..1024 threads");
   if (L.nthreads % kWarp != 0) die("block size must be a multiple of 32 (whole warps)");
   L.threads.resize(L.nthreads);
+  L.dynamic_bytes = dynamic_bytes;
+  if (dynamic_bytes) L.dynamic_shared.reset(new unsigned char[dynamic_bytes]);
   L.warps = std::vector<WarpState>((L.nthreads + kWarp - 1) / kWarp);
   for (int i = 0; i < L.nthreads; ++i) {
     Thread& t = L.threads[i];

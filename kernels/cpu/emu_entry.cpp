@@ -16,42 +16,67 @@ void call_with(void (*f)(A...), void** args, std::index_sequence<I...>) {
   f(*static_cast<std::remove_reference_t<A>*>(args[I])...);
 }
 
-template <class... A> void run(void (*f)(A...), dim3 grid, dim3 block, int mode, void** args) {
-  andrea_emu::launch(grid, block, (andrea_emu::Mode)mode,
-                     [&] { call_with(f, args, std::index_sequence_for<A...>{}); });
+template <class... A>
+void run(void (*f)(A...), dim3 grid, dim3 block, int mode, size_t dynamic_bytes, void** args) {
+  andrea_emu::launch(
+      grid, block, (andrea_emu::Mode)mode,
+      [&] { call_with(f, args, std::index_sequence_for<A...>{}); }, dynamic_bytes);
 }
 
 struct Entry {
   const char* name;
-  void (*launch)(dim3, dim3, int, void**);
+  void (*launch)(dim3, dim3, int, size_t, void**);
   int warps, tile_n, shared_bytes;
 };
 
 #define ANDREA_KIND(KERNEL, K, TYPE, TN, D)                                                   \
   Entry{#KERNEL "<" TN ", " #D ">",                                                            \
-        [](dim3 g, dim3 b, int m, void** a) { run(&KERNEL<TYPE, D>, g, b, m, a); },            \
+        [](dim3 g, dim3 b, int m, size_t s, void** a) {                                        \
+          run(&KERNEL<TYPE, D>, g, b, m, s, a);                                                \
+        },                                                                                     \
         TileCfg<TYPE, D, K>::W, TileCfg<TYPE, D, K>::N, (int)sizeof(Smem<TYPE, D, K>)}
 #define ANDREA_TILED(TYPE, TN, D)                                                             \
   ANDREA_KIND(attn_fwd, KIND_FWD, TYPE, TN, D), ANDREA_KIND(attn_bwd_dq, KIND_DQ, TYPE, TN, D), \
-      ANDREA_KIND(attn_bwd_dkdv, KIND_DKDV, TYPE, TN, D),                                      \
-      Entry{"attn_bwd_preprocess<" TN ", " #D ">",                                             \
-            [](dim3 g, dim3 b, int m, void** a) {                                              \
-              run(&attn_bwd_preprocess<TYPE, D>, g, b, m, a);                                  \
-            },                                                                                 \
-            4, 0, 0}
+      ANDREA_KIND(attn_bwd_dkdv, KIND_DKDV, TYPE, TN, D), ANDREA_PREPROCESS(TYPE, TN, D)
 #define ANDREA_ENTRIES(TYPE, TN, D)                                                           \
   ANDREA_TILED(TYPE, TN, D), ANDREA_NAIVE(attn_fwd_naive, TYPE, TN, D),                        \
       ANDREA_NAIVE(attn_bwd_dq_naive, TYPE, TN, D), ANDREA_NAIVE(attn_bwd_dkdv_naive, TYPE, TN, D)
 // The naive baseline kernels: ANDREA_NAIVE_THREADS threads, no tiles, no shared memory.
 #define ANDREA_NAIVE(KERNEL, TYPE, TN, D)                                                     \
   Entry{#KERNEL "<" TN ", " #D ">",                                                            \
-        [](dim3 g, dim3 b, int m, void** a) { run(&KERNEL<TYPE, D>, g, b, m, a); },            \
+        [](dim3 g, dim3 b, int m, size_t s, void** a) {                                        \
+          run(&KERNEL<TYPE, D>, g, b, m, s, a);                                                \
+        },                                                                                     \
         ANDREA_NAIVE_THREADS / 32, 0, 0}
+
+// A pipelined candidate (attn_*_pipe): NAME is andrea.cuda.launch's name expression, KIND the
+// PipeSmem kind, the rest the template arguments; shared_bytes is its dynamic shared memory.
+#define ANDREA_PIPE(NAME, KERNEL, KIND, TYPE, D, W, N, STAGES, ...)                            \
+  Entry{NAME,                                                                                  \
+        [](dim3 g, dim3 b, int m, size_t s, void** a) {                                        \
+          run(&KERNEL<TYPE, D, W, N, STAGES, __VA_ARGS__>, g, b, m, s, a);                     \
+        },                                                                                     \
+        W, N, PipeSmem<TYPE, D, KIND, W, N, STAGES>::bytes}
 
 // ANDREA_EMU_HALF_ONLY: the tiled fp16 kernels alone, for the builds of another arch's fp16 path
 // (-DANDREA_HALF_ARCH=750 or 700; the naive kernels have no per-arch path), a sixth of the code.
+#define ANDREA_PREPROCESS(TYPE, TN, D)                                                        \
+  Entry{"attn_bwd_preprocess<" TN ", " #D ">",                                                 \
+        [](dim3 g, dim3 b, int m, size_t s, void** a) {                                        \
+          run(&attn_bwd_preprocess<TYPE, D>, g, b, m, s, a);                                   \
+        },                                                                                     \
+        4, 0, 0}
+
+// ANDREA_EMU_PIPE_ONLY: the candidates (emu_pipe_entries.inc) and the preprocess kernels their
+// backward uses, no other production kernel: a candidate library builds in a fraction of the time.
 const Entry kEntries[] = {
-#if defined(ANDREA_EMU_HALF_ONLY)
+#if defined(ANDREA_EMU_PIPE_ONLY)
+    ANDREA_PREPROCESS(float, "float", 32),   ANDREA_PREPROCESS(float, "float", 64),
+    ANDREA_PREPROCESS(float, "float", 128),  ANDREA_PREPROCESS(bf16_t, "bf16_t", 32),
+    ANDREA_PREPROCESS(bf16_t, "bf16_t", 64), ANDREA_PREPROCESS(bf16_t, "bf16_t", 128),
+    ANDREA_PREPROCESS(half_t, "half_t", 32), ANDREA_PREPROCESS(half_t, "half_t", 64),
+    ANDREA_PREPROCESS(half_t, "half_t", 128),
+#elif defined(ANDREA_EMU_HALF_ONLY)
     ANDREA_TILED(half_t, "half_t", 32), ANDREA_TILED(half_t, "half_t", 64),
     ANDREA_TILED(half_t, "half_t", 128),
 #else
@@ -60,6 +85,10 @@ const Entry kEntries[] = {
     ANDREA_ENTRIES(bf16_t, "bf16_t", 64), ANDREA_ENTRIES(bf16_t, "bf16_t", 128),
     ANDREA_ENTRIES(half_t, "half_t", 32), ANDREA_ENTRIES(half_t, "half_t", 64),
     ANDREA_ENTRIES(half_t, "half_t", 128),
+#endif
+#if defined(ANDREA_EMU_PIPE)
+// Written by andrea/cuda/emulator.py from the candidates asked for (andrea.cuda.launch).
+#include "emu_pipe_entries.inc"
 #endif
 };
 
@@ -85,7 +114,7 @@ int andrea_emu_kernel_count() { return (int)(sizeof(kEntries) / sizeof(kEntries[
 
 const char* andrea_emu_kernel_name(int i) { return kEntries[i].name; }
 
-// Tile config and static shared memory of a kernel, as the .cu file defines them.
+// Tile config and shared memory of a kernel (static; a candidate's dynamic), as the .cu has them.
 int andrea_emu_kernel_info(const char* name, int* warps, int* tile_n, int* shared_bytes) {
   const Entry* e = find(name);
   if (!e) return -1;
@@ -96,11 +125,12 @@ int andrea_emu_kernel_info(const char* name, int* warps, int* tile_n, int* share
 }
 
 // mode 0: fibers, 1: OS threads. Returns -1 for an unknown kernel name.
+// dynamic_bytes: the launch's dynamic shared memory (0 for the kernels with static only).
 int andrea_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                      unsigned by, unsigned bz, int mode, void** args) {
+                      unsigned by, unsigned bz, int mode, long dynamic_bytes, void** args) {
   const Entry* e = find(name);
   if (!e) return -1;
-  e->launch(dim3(gx, gy, gz), dim3(bx, by, bz), mode, args);
+  e->launch(dim3(gx, gy, gz), dim3(bx, by, bz), mode, (size_t)dynamic_bytes, args);
   return 0;
 }
 }

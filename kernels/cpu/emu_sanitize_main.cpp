@@ -2,6 +2,8 @@
 // (-fsanitize=thread / address): every buffer is its own exactly sized heap allocation, so an
 // out-of-bounds access lands in a redzone, and the block's threads are OS threads, which
 // ThreadSanitizer tracks. Runs forward + backward once for ANDREA_SAN_TYPE / ANDREA_SAN_D.
+// With ANDREA_SAN_PIPE_W (and _N, _S, _P) it runs the pipelined candidates attn_*_pipe of that
+// W, N, STAGES (dK/dV PASSES) instead, each block's dynamic shared memory its exact size.
 // Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
 #include "cuda_emulator.h"
 #include "microgpt_cuda.cu"
@@ -50,6 +52,26 @@ int main(int argc, char** argv) {
   float *lse = new float[rows], *delta = new float[rows];
   const float scale = 1.0f / std::sqrt((float)D);
 
+#if defined(ANDREA_SAN_PIPE_W)
+  constexpr int W = ANDREA_SAN_PIPE_W, N = ANDREA_SAN_PIPE_N, S = ANDREA_SAN_PIPE_S;
+  const dim3 pgrid((seq_len + 16 * W - 1) / (16 * W), bh), pblock(32 * W);
+  andrea_emu::launch(
+      pgrid, pblock, mode, [&] { attn_fwd_pipe<T_, D, W, N, S, 0>(q, k, v, o, lse, seq_len, scale); },
+      PipeSmem<T_, D, KIND_FWD, W, N, S>::bytes);
+  andrea_emu::launch(dim3((unsigned)((rows + 127) / 128)), dim3(128), mode,
+                     [&] { attn_bwd_preprocess<T_, D>(o, dout, delta, (int)rows); });
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] { attn_bwd_dq_pipe<T_, D, W, N, S, 0>(q, k, v, dout, lse, delta, dq, seq_len, scale); },
+      PipeSmem<T_, D, KIND_DQ, W, N, S>::bytes);
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] {
+        attn_bwd_dkdv_pipe<T_, D, W, N, S, 0, ANDREA_SAN_PIPE_P>(q, k, v, dout, lse, delta, dk,
+                                                                  dv, seq_len, scale);
+      },
+      PipeSmem<T_, D, KIND_DKDV, W, N, S>::bytes);
+#else
   andrea_emu::launch(grid_of<T_, D, KIND_FWD>(bh, seq_len), block_of<T_, D, KIND_FWD>(), mode,
                      [&] { attn_fwd<T_, D>(q, k, v, o, lse, seq_len, scale); });
   andrea_emu::launch(dim3((unsigned)((rows + 127) / 128)), dim3(128), mode,
@@ -60,6 +82,7 @@ int main(int argc, char** argv) {
                      [&] {
                        attn_bwd_dkdv<T_, D>(q, k, v, dout, lse, delta, dk, dv, seq_len, scale);
                      });
+#endif
   double checksum = 0.0;
   for (size_t i = 0; i < n; ++i)
     checksum += to_float(o[i]) + to_float(dq[i]) + to_float(dk[i]) + to_float(dv[i]);

@@ -1,0 +1,676 @@
+#!/usr/bin/env python3
+"""Build, check and time every pipelined attention candidate against PyTorch's SDPA (issue 53).
+
+On the GPU machine, from the checkout (no install; at most 330 s, budgeted inside; about 100-150 s
+expected on an H200 with 16 cores):
+
+    PYTHONPATH=$PWD python3 scripts/gpu_tune_attention.py $OUT/tune
+
+1. Candidates: andrea.cuda.launch.pipe_candidates (generated from the production TILES) for
+   every (dtype, head_dim) of SHAPES, ordered so that each shape's production tile and its
+   2-stage twin come first. Each is compiled alone by NVRTC (libnvrtc through ctypes, which lets
+   go of the GIL: one thread per core; CuPy's own compile is the fallback) with the options the
+   runtime uses, and pruned when ptxas spills or it does not load. Compiling stops at
+   COMPILE_SHARE of the budget; what is not built by then is listed as skipped.
+2. Check: each candidate kernel on fresh random inputs of an odd shape (B 2, H 3, T 333),
+   outputs NaN-poisoned, against float64 (bf16 1e-2, fp16 2^-9 of max(|ref|, 1); lse 1e-4).
+   The backward candidates take the production forward's O and lse.
+3. Time (CUDA events around back-to-back calls, andrea.bench.time_per_call) at each shape:
+   every passing candidate kernel alone; SDPA default, flash, efficient and cuDNN forward,
+   backward (autograd, forward prepared) and forward + backward; the production kernels the
+   same way through andrea's custom op (what training runs) and as bare launches; and the best
+   candidate per kernel together (forward, preprocess + dQ + dK/dV, and all four).
+4. Prints a table per shape last and writes everything to OUT_DIR/tune.json (written again after
+   each shape, so a run cut short keeps what it measured).
+
+Table columns: fwd / bwd / f+b: milliseconds per call (rows "sdpa ..." and "(autograd)": through
+autograd; "ours production" and "ours best candidates": the kernels launched back to back, bwd
+= preprocess + dQ + dK/dV); TFLOP/s: the f+b causal FLOPs 3.5 * 2*B*H*T^2*D over f+b
+time; fwd x, bwd x, f+b x: SDPA default's time over this row's (above 1: faster than SDPA).
+
+Without a GPU (or CuPy) it is a dry run: nothing is compiled for a GPU; the candidates of the
+first two shapes' (dtype, head_dim) run through the CPU emulator at one tiny shape against
+float64, and it exits 0 when they all pass (1 when one fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+START = time.monotonic()
+BUDGET_S = 330.0
+COMPILE_SHARE = 0.40  # of the budget, counted from the start
+RESERVE_S = 15.0  # kept back for the summary and the last JSON
+
+# (dtype, B, H, T, D): ANDREA-120M's head shape, ANDREA-12M's batch, 120M in fp16.
+SHAPES = [("bfloat16", 8, 12, 1024, 64), ("bfloat16", 32, 12, 256, 32),
+          ("float16", 8, 12, 1024, 64)]
+KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
+CHECK_SHAPE = (2, 3, 333)  # B, H, T: odd, not a multiple of any tile
+TOL = {"bfloat16": 1e-2, "float16": 2.0**-9, "float32": 1e-5}
+SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn")
+CANDIDATE_LIMIT: int | None = None  # the first N of each kernel's candidates (tests)
+
+
+def elapsed() -> float:
+    return time.monotonic() - START
+
+
+def left() -> float:
+    return BUDGET_S - RESERVE_S - elapsed()
+
+
+def log(msg: str) -> None:
+    print(f"[{elapsed():6.1f}s] {msg}", flush=True)
+
+
+def flops_fb(b: int, h: int, t: int, d: int) -> float:
+    return 3.5 * 2 * b * h * t * t * d
+
+
+def shape_key(shape: tuple) -> str:
+    dtype, b, h, t, d = shape
+    return f"{dtype} B{b} H{h} T{t} D{d}"
+
+
+# ------------------------------------------------------------------------------ candidates
+def candidate_list(shapes: list[tuple], limit: int | None = None) -> list[tuple]:
+    """(kernel, dtype, head_dim, PipeConfig) for every (dtype, head_dim) of shapes, in build
+    order: tier by tier (production tile, its 2-stage twin, then the rest), shape by shape;
+    the first `limit` of each kernel's list when given."""
+    from andrea.cuda.launch import pipe_candidates
+
+    combos = list(dict.fromkeys((s[0], s[4]) for s in shapes))
+    per = {(dt, d, k): pipe_candidates(k, dt, d)[:limit] for dt, d in combos for k in KERNELS}
+    out = []
+    depth = max(len(v) for v in per.values())
+    for i in range(depth):
+        for dt, d in combos:
+            for k in KERNELS:
+                if i < len(per[dt, d, k]):
+                    out.append((k, dt, d, per[dt, d, k][i]))
+    return out
+
+
+# --------------------------------------------------------------------------------- dry run
+def dry_run(out_dir: Path, limit: int | None = None) -> int:
+    import torch
+
+    from andrea.cuda import emulator as emu_mod
+
+    combos = list(dict.fromkeys((s[0], s[4]) for s in SHAPES[:2]))
+    cands = candidate_list(SHAPES[:2], limit)
+    log(f"dry run (no GPU): {len(cands)} candidate kernels through the CPU emulator")
+    emu = emu_mod.Emulator(pipes=tuple(cands))
+    log("emulator built")
+    b, h, t = 1, 2, 37
+    results, failed = [], 0
+    for dtype, d in combos:
+        tdt = getattr(torch, dtype)
+        gen = torch.Generator().manual_seed(d)
+        q, k, v, dout = (torch.randn(b, h, t, d, generator=gen).to(tdt) for _ in range(4))
+        ref = emu_mod.float64_reference(q, k, v, dout, d**-0.5)
+        prod_o, prod_lse = emu_mod.attention_forward(q, k, v)
+        for kernel, cdt, cd, cfg in cands:
+            if (cdt, cd) != (dtype, d):
+                continue
+            errs = check_on_emulator(emu, emu_mod, kernel, cfg, q, k, v, dout, prod_o, prod_lse,
+                                     ref)
+            ok = all(e <= (1e-4 if n == "lse" else TOL[dtype]) for n, e in errs.items())
+            failed += not ok
+            results.append({"kernel": kernel, "dtype": dtype, "head_dim": d, "config": cfg.label(),
+                            "errors": errs, "ok": ok})
+            print(f"  {dtype:9s} D{d:<3d} {kernel:8s} {cfg.label():18s} "
+                  + " ".join(f"{n} {e:.1e}" for n, e in errs.items()) + ("" if ok else "  FAIL"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tune.json").write_text(json.dumps({"dry_run": True, "results": results},
+                                                  indent=1))
+    log(f"RESULT: dry run, {len(results)} candidate kernels, {failed} failed")
+    return 1 if failed else 0
+
+
+def check_on_emulator(emu, emu_mod, kernel, cfg, q, k, v, dout, prod_o, prod_lse, ref):
+    import torch
+
+    from andrea.cuda.launch import attention_launches, pipe_launch
+
+    b, h, t, d = q.shape
+    dtype = str(q.dtype).removeprefix("torch.")
+    scale = d**-0.5
+    launch = pipe_launch(kernel, b, h, t, d, dtype, cfg)
+    ro, rlse, rdq, rdk, rdv = ref
+    nan = float("nan")
+    if kernel == "fwd":
+        o, lse = torch.full_like(q, nan), torch.full((b, h, t), nan)
+        emu.launch(launch, q, k, v, o, lse, t, scale)
+        return {"o": emu_mod.max_error(o, ro), "lse": emu_mod.max_error(lse, rlse)}
+    delta = torch.full((b, h, t), nan)
+    emu.launch(attention_launches(b, h, t, d, dtype)["bwd_preprocess"], prod_o, dout, delta,
+               b * h * t)
+    if kernel == "bwd_dq":
+        dq = torch.full_like(q, nan)
+        emu.launch(launch, q, k, v, dout, prod_lse, delta, dq, t, scale)
+        return {"dq": emu_mod.max_error(dq, rdq)}
+    dk, dv = torch.full_like(q, nan), torch.full_like(q, nan)
+    emu.launch(launch, q, k, v, dout, prod_lse, delta, dk, dv, t, scale)
+    return {"dk": emu_mod.max_error(dk, rdk), "dv": emu_mod.max_error(dv, rdv)}
+
+
+# ------------------------------------------------------------------------------- compiling
+def find_libnvrtc() -> Path | None:
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for found in sorted(Path(root).glob("*/lib/libnvrtc.so*")):
+            if ".alt." not in found.name and "builtins" not in found.name:
+                return found
+    return None
+
+
+class Nvrtc:
+    """libnvrtc through ctypes (nvrtcCompileProgram runs without the GIL): one name
+    expression per program, cubin and ptxas's verbose log back."""
+
+    def __init__(self, path: Path) -> None:
+        for builtins in path.parent.glob("libnvrtc-builtins.so*"):
+            if ".alt." not in builtins.name:
+                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+                break
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def _ok(self, rc: int, what: str, prog=None) -> None:
+        if rc:
+            raise RuntimeError(f"{what}: {self.lib.nvrtcGetErrorString(rc).decode()}\n"
+                               f"{self._log(prog) if prog is not None else ''}")
+
+    def _log(self, prog) -> str:
+        size = ctypes.c_size_t()
+        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        self.lib.nvrtcGetProgramLog(prog, buf)
+        return buf.value.decode(errors="replace")
+
+    def compile(self, source: str, name: str, options: list[str]) -> tuple[bytes, str, str]:
+        lib = self.lib
+        prog = ctypes.c_void_p()
+        self._ok(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
+                                        b"microgpt_cuda.cu", 0, None, None), "create")
+        try:
+            self._ok(lib.nvrtcAddNameExpression(prog, name.encode()), name, prog)
+            opts = [o.encode() for o in [*options, "--ptxas-options=-v"]]
+            argv = (ctypes.c_char_p * len(opts))(*opts)
+            self._ok(lib.nvrtcCompileProgram(prog, len(opts), argv), f"compile {name}", prog)
+            text = self._log(prog)
+            size = ctypes.c_size_t()
+            self._ok(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size", prog)
+            cubin = ctypes.create_string_buffer(size.value)
+            self._ok(lib.nvrtcGetCUBIN(prog, cubin), "cubin", prog)
+            lowered = ctypes.c_char_p()
+            self._ok(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)), name,
+                     prog)
+            return cubin.raw, lowered.value.decode(), text
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def spill_bytes(ptxas_log: str) -> int:
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
+    return sum(int(a) + int(b) for a, b in found)
+
+
+def make_launcher(device) -> Any:
+    """andrea's CupyLauncher (PyTorch's stream, dynamic shared memory, the production kernels
+    compiled as the runtime does) whose candidate functions come from build_all."""
+    from andrea.cuda.attention import CupyLauncher
+
+    class CandidateLauncher(CupyLauncher):
+        def __init__(self, device) -> None:
+            super().__init__(device)
+            self.extra: dict[str, Any] = {}
+
+        def add(self, name: str, fn: Any) -> None:
+            self.extra[name] = fn
+
+        def _function(self, name: str) -> Any:
+            fn = self.extra.get(name)
+            return fn if fn is not None else super()._function(name)
+
+    return CandidateLauncher(device)
+
+
+def build_all(cands, arch: str, launcher: Any, tmp: Path) -> dict[str, dict]:
+    """Compiles the candidates in threads until the compile share of the budget is spent."""
+    import cupy
+
+    from andrea.cuda.launch import (
+        kernel_source,
+        nvrtc_options,
+        pipe_name_expression,
+        runtime_nvrtc_options,
+    )
+
+    source = kernel_source()
+    lib = find_libnvrtc()
+    nvrtc = Nvrtc(lib) if lib else None
+    log(f"compiling {len(cands)} candidate kernels for {arch} with "
+        f"{'libnvrtc ' + str(lib) if nvrtc else 'CuPy (no libnvrtc wheel found)'}")
+    stop_at = BUDGET_S * COMPILE_SHARE
+    info: dict[str, dict] = {}
+    lock = threading.Lock()
+
+    def one(c) -> None:
+        kernel, dtype, d, cfg = c
+        name = pipe_name_expression(kernel, dtype, d, cfg)
+        row = {"kernel": kernel, "dtype": dtype, "head_dim": d, "config": cfg.label(),
+               "cfg": cfg, "name": name}
+        if elapsed() > stop_at:
+            row["status"] = "skipped (compile budget spent)"
+        else:
+            t0 = time.monotonic()
+            try:
+                with cupy.cuda.Device(launcher.device.index):
+                    if nvrtc is not None:
+                        cubin, lowered, text = nvrtc.compile(source, name,
+                                                             runtime_nvrtc_options(arch))
+                        path = tmp / f"{abs(hash(name))}.cubin"
+                        path.write_bytes(cubin)
+                        fn = cupy.RawModule(path=str(path)).get_function(lowered)
+                        row["spill_bytes"] = spill_bytes(text)
+                    else:
+                        module = cupy.RawModule(code=source, options=tuple(nvrtc_options(arch)),
+                                                backend="nvrtc", name_expressions=[name])
+                        fn = module.get_function(name)
+                    row["registers"] = fn.num_regs
+                    row["local_bytes"] = fn.local_size_bytes
+                row["compile_s"] = round(time.monotonic() - t0, 2)
+                if row.get("spill_bytes", 0) or row["local_bytes"]:
+                    row["status"] = "pruned (spills / local memory)"
+                else:
+                    row["status"] = "built"
+                    row["fn"] = fn
+            except Exception as exc:  # a candidate that fails to build is recorded, not fatal
+                row["status"] = f"build failed: {str(exc)[:300]}"
+        with lock:
+            info[name] = row
+
+    workers = max(2, min(32, os.cpu_count() or 2))
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, cands))
+    for name, row in info.items():
+        if row["status"] == "built":
+            launcher.add(name, row["fn"])
+    built = sum(r["status"] == "built" for r in info.values())
+    log(f"built {built} of {len(cands)} ({len(cands) - built} pruned, failed or skipped)")
+    return info
+
+
+# --------------------------------------------------------------------------------- checking
+def reference_cpu(q, k, v, dout, scale):
+    from andrea.cuda.emulator import float64_reference
+
+    return float64_reference(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), scale)
+
+
+def max_err(got, want) -> float:
+    from andrea.cuda.emulator import max_error
+
+    return max_error(got.detach().cpu(), want)
+
+
+def check_all(info: dict, launcher, device) -> None:
+    """Each built candidate on fresh random inputs of CHECK_SHAPE, poisoned outputs."""
+    import torch
+
+    from andrea.cuda.attention import attention_forward
+    from andrea.cuda.launch import attention_launches, pipe_launch
+
+    b, h, t = CHECK_SHAPE
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for row in info.values():
+        if row["status"] == "built":
+            groups.setdefault((row["dtype"], row["head_dim"]), []).append(row)
+    for (dtype, d), rows in groups.items():
+        if left() < 60:
+            for row in rows:
+                row["status"] = "unchecked (out of time)"
+            continue
+        tdt = getattr(torch, dtype)
+        q, k, v, dout = (torch.randn(b, h, t, d, device=device).to(tdt) for _ in range(4))
+        scale = d**-0.5
+        ref = reference_cpu(q, k, v, dout, scale)
+        po, plse = attention_forward(q, k, v, scale, launcher)
+        delta = torch.full((b, h, t), math.nan, device=device)
+        launcher.launch(attention_launches(b, h, t, d, dtype)["bwd_preprocess"], po, dout, delta,
+                        b * h * t)
+        for row in rows:
+            kernel, cfg = row["kernel"], row["cfg"]
+            launch = pipe_launch(kernel, b, h, t, d, dtype, cfg)
+            try:
+                if kernel == "fwd":
+                    o = torch.full_like(q, math.nan)
+                    lse = torch.full((b, h, t), math.nan, device=device)
+                    launcher.launch(launch, q, k, v, o, lse, t, scale)
+                    errs = {"o": max_err(o, ref[0]), "lse": max_err(lse, ref[1])}
+                elif kernel == "bwd_dq":
+                    dq = torch.full_like(q, math.nan)
+                    launcher.launch(launch, q, k, v, dout, plse, delta, dq, t, scale)
+                    errs = {"dq": max_err(dq, ref[2])}
+                else:
+                    dk, dv = torch.full_like(q, math.nan), torch.full_like(q, math.nan)
+                    launcher.launch(launch, q, k, v, dout, plse, delta, dk, dv, t, scale)
+                    errs = {"dk": max_err(dk, ref[3]), "dv": max_err(dv, ref[4])}
+                torch.cuda.synchronize(device)
+            except Exception as exc:
+                row["status"] = f"launch failed: {str(exc)[:300]}"
+                continue
+            row["errors"] = errs
+            ok = all(e <= (1e-4 if n == "lse" else TOL[dtype]) for n, e in errs.items())
+            if not ok:
+                row["status"] = "wrong (" + ", ".join(f"{n} {e:.2g}" for n, e in errs.items()) + ")"
+    for row in info.values():
+        if row["status"] == "built":
+            row["status"] = "ok"
+    log(f"checked: {sum(r['status'] == 'ok' for r in info.values())} ok")
+
+
+# ---------------------------------------------------------------------------------- timing
+def timed_ms(fn, prepare=None) -> float:
+    import torch
+
+    from andrea.bench import CudaTimer, time_per_call
+
+    del torch
+    timer = CudaTimer()
+    return time_per_call(timer, repeats=3, warmup=2, timed=fn, prepare=prepare).ms
+
+
+def autograd_times(attend, q, k, v, dout) -> dict:
+    """Forward (no grad), backward (autograd, forward prepared) and both, of attend(q, k, v)."""
+    import torch
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+    def fwd(_):
+        with torch.no_grad():
+            attend(q, k, v)
+
+    def forward_graph():
+        return attend(*leaves)
+
+    def bwd(out):
+        torch.autograd.grad(out, leaves, dout)
+
+    def fb(_):
+        bwd(forward_graph())
+
+    return {"fwd": timed_ms(fwd), "bwd": timed_ms(bwd, forward_graph), "fb": timed_ms(fb)}
+
+
+def sdpa_attend(backend: str):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "cudnn": SDPBackend.CUDNN_ATTENTION}.get(backend)
+
+    def attend(q, k, v):
+        with sdpa_kernel(chosen) if chosen is not None else _null():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return attend
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def kernel_args(kernel, q, k, v, dout, o, lse, delta, grads, t, scale):
+    dq, dk, dv = grads
+    if kernel == "fwd":
+        return (q, k, v, o, lse, t, scale)
+    if kernel == "bwd_dq":
+        return (q, k, v, dout, lse, delta, dq, t, scale)
+    return (q, k, v, dout, lse, delta, dk, dv, t, scale)
+
+
+def time_shape(shape, info, launcher, device) -> dict:
+    import torch
+
+    from andrea.cuda.attention import attention_forward, cuda_attention
+    from andrea.cuda.launch import attention_launches, pipe_launch
+
+    dtype, b, h, t, d = shape
+    tdt = getattr(torch, dtype)
+    scale = d**-0.5
+    q, k, v, dout = (torch.randn(b, h, t, d, device=device).to(tdt) for _ in range(4))
+    o, lse = attention_forward(q, k, v, scale, launcher)
+    prod = attention_launches(b, h, t, d, dtype)
+    delta = torch.empty((b, h, t), device=device)
+    launcher.launch(prod["bwd_preprocess"], o, dout, delta, b * h * t)
+    grads = tuple(torch.empty_like(q) for _ in range(3))
+    o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
+    res: dict[str, Any] = {"shape": shape_key(shape), "flops_fb": flops_fb(b, h, t, d),
+                           "sdpa": {}, "candidates": [], "production": {}, "best": {}}
+
+    for backend in SDPA_BACKENDS:
+        if left() < 20:
+            break
+        try:
+            res["sdpa"][backend] = autograd_times(sdpa_attend(backend), q, k, v, dout)
+        except Exception as exc:
+            res["sdpa"][backend] = {"error": str(exc)[:300]}
+    # The production kernels as training runs them: the custom op, through autograd.
+    try:
+        res["production_autograd"] = autograd_times(
+            lambda q_, k_, v_: cuda_attention(q_, k_, v_, scale, launcher), q, k, v, dout)
+    except Exception as exc:
+        res["production_autograd"] = {"error": str(exc)[:300]}
+    log(f"{shape_key(shape)}: SDPA and the custom op timed")
+
+    def bound(launch, kernel):
+        """The kernel's launch with its arguments, converted once (what a timing loop calls)."""
+        if kernel == "bwd_preprocess":
+            return launcher.bound(prod["bwd_preprocess"], o, dout, delta, b * h * t)
+        out_o, out_lse = (o2, lse2) if kernel == "fwd" else (o, lse)
+        return launcher.bound(launch, *kernel_args(kernel, q, k, v, dout, out_o, out_lse, delta,
+                                                   grads, t, scale))
+
+    def sequence(launches: dict[str, Any], kernels: tuple[str, ...]):
+        calls = [bound(launches.get(kernel), kernel) for kernel in kernels]
+
+        def go(_):
+            for call in calls:
+                call()
+        return go
+
+    bwd_kernels = ("bwd_preprocess", "bwd_dq", "bwd_dkdv")
+    best: dict[str, tuple[float, Any]] = {}
+    # CuPy's device and stream (PyTorch's current one, where the timer's events go) set once:
+    # a timed call is then the kernel launch alone.
+    with launcher.context():
+        res["production"] = {"kernels_ms": {
+            kernel: timed_ms(sequence(prod, (kernel,))) for kernel in (*KERNELS, "bwd_preprocess")
+        }}
+        for row in info.values():
+            if row["status"] != "ok" or (row["dtype"], row["head_dim"]) != (dtype, d):
+                continue
+            if left() < 25:
+                res["cut_short"] = True
+                break
+            launch = pipe_launch(row["kernel"], b, h, t, d, dtype, row["cfg"])
+            try:
+                ms = timed_ms(sequence({row["kernel"]: launch}, (row["kernel"],)))
+            except Exception as exc:
+                row.setdefault("timing_errors", []).append(str(exc)[:200])
+                continue
+            res["candidates"].append({"kernel": row["kernel"], "config": row["config"], "ms": ms,
+                                      "registers": row.get("registers"),
+                                      "smem": launch.dynamic_shared_bytes})
+            if row["kernel"] not in best or ms < best[row["kernel"]][0]:
+                best[row["kernel"]] = (ms, launch)
+        log(f"{shape_key(shape)}: {len(res['candidates'])} candidate kernels timed")
+        res["production"].update(fwd=timed_ms(sequence(prod, ("fwd",))),
+                                 bwd=timed_ms(sequence(prod, bwd_kernels)),
+                                 fb=timed_ms(sequence(prod, ("fwd", *bwd_kernels))))
+        if len(best) == 3:
+            chosen = {kernel: best[kernel][1] for kernel in KERNELS}
+            res["best"] = {
+                "configs": {kernel: chosen[kernel].name for kernel in KERNELS},
+                "fwd": timed_ms(sequence(chosen, ("fwd",))),
+                "bwd": timed_ms(sequence(chosen, bwd_kernels)),
+                "fb": timed_ms(sequence(chosen, ("fwd", *bwd_kernels))),
+            }
+    return res
+
+
+# ---------------------------------------------------------------------------------- report
+def table(res: dict) -> str:
+    base = res["sdpa"].get("default", {})
+    rows = [(f"sdpa {name}", r) for name, r in res["sdpa"].items()]
+    rows.append(("ours production (autograd)", res.get("production_autograd", {})))
+    rows.append(("ours production", res.get("production", {})))
+    if res.get("best"):
+        rows.append(("ours best candidates", res["best"]))
+    out = [f"== {res['shape']}  (f+b {res['flops_fb'] / 1e9:.1f} GFLOP; sdpa and (autograd) rows "
+           "through autograd, the others the kernels back to back)",
+           f"{'backend':27s} {'fwd ms':>8s} {'bwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
+           f"{'fwd x':>6s} {'bwd x':>6s} {'f+b x':>6s}"]
+    for name, r in rows:
+        if "error" in r or "fb" not in r:
+            out.append(f"{name:27s} {r.get('error', 'not timed')[:60]}")
+            continue
+        ratio = [f"{base[m] / r[m]:6.2f}" if m in base else "     -"
+                 for m in ("fwd", "bwd", "fb")]
+        out.append(f"{name:27s} {r['fwd']:8.3f} {r['bwd']:8.3f} {r['fb']:8.3f} "
+                   f"{res['flops_fb'] / r['fb'] / 1e9:8.1f} {' '.join(ratio)}")
+    if res.get("best"):
+        for kernel, name in res["best"]["configs"].items():
+            out.append(f"  best {kernel}: {name}")
+    for kernel in KERNELS:
+        ranked = sorted((c for c in res["candidates"] if c["kernel"] == kernel),
+                        key=lambda c: c["ms"])[:3]
+        prod_ms = res.get("production", {}).get("kernels_ms", {}).get(kernel)
+        out.append(f"  {kernel:8s} production {prod_ms:.3f} ms; top: " + "; ".join(
+            f"{c['config']} {c['ms']:.3f} ({c['registers']} regs)" for c in ranked)
+            if prod_ms is not None else f"  {kernel}: not timed")
+    return "\n".join(out)
+
+
+def jsonable(info: dict) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in ("fn", "cfg")} for row in info.values()]
+
+
+def summary(report: dict, info: dict, out: Path) -> str:
+    lines = [""]
+    for res in report["shapes"]:
+        if "candidates" in res:
+            lines.append(table(res))
+        else:
+            lines.append(f"== {res['shape']}: {res.get('skipped') or res.get('error', '')[-500:]}")
+    statuses: dict[str, int] = {}
+    for row in list(info.values()):
+        key = row["status"].split(" (")[0].split(":")[0]
+        statuses[key] = statuses.get(key, 0) + 1
+    lines.append(f"candidates: {statuses}; elapsed {elapsed():.0f} s; JSON: {out}")
+    return "\n".join(lines)
+
+
+def gpu_run(out_dir: Path, device) -> int:
+    import torch
+
+    from andrea.cuda.attention import device_arch
+
+    arch = device_arch(device)
+    launcher = make_launcher(device)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "arch": arch,
+                              "torch": torch.__version__, "budget_s": BUDGET_S, "shapes": []}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / "tune.json"
+    cands = candidate_list(SHAPES, CANDIDATE_LIMIT)
+    info: dict[str, dict] = {}
+
+    def watchdog() -> None:
+        # A kernel that never returns (or a device that hangs) would leave the device call with
+        # nothing printed: past the budget, print what was measured and leave at once.
+        print(f"\n[watchdog] {elapsed():.0f} s, past the budget: stopping\n"
+              + summary(report, info, out), flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(BUDGET_S + 10 - elapsed(), watchdog)
+    timer.daemon = True
+    timer.start()
+    with tempfile.TemporaryDirectory() as tmp:
+        info.update(build_all(cands, arch, launcher, Path(tmp)))
+        report["candidates"] = jsonable(info)
+        out.write_text(json.dumps(report, indent=1, default=str))
+        check_all(info, launcher, device)
+        report["candidates"] = jsonable(info)
+        out.write_text(json.dumps(report, indent=1, default=str))
+        for shape in SHAPES:
+            if left() < 40:
+                log(f"{shape_key(shape)}: skipped, out of time")
+                report["shapes"].append({"shape": shape_key(shape), "skipped": "out of time"})
+                continue
+            try:
+                report["shapes"].append(time_shape(shape, info, launcher, device))
+                print(table(report["shapes"][-1]), flush=True)  # as soon as it is measured
+            except Exception:
+                report["shapes"].append({"shape": shape_key(shape),
+                                         "error": traceback.format_exc()[-2000:]})
+                log(f"{shape_key(shape)}: failed\n{traceback.format_exc()[-2000:]}")
+            out.write_text(json.dumps(report, indent=1, default=str))
+    timer.cancel()
+    report["elapsed_s"] = round(elapsed(), 1)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(summary(report, info, out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    global BUDGET_S
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir", type=Path, help="folder for tune.json")
+    parser.add_argument("--budget", type=float, default=BUDGET_S,
+                        help=f"seconds for the whole run (default {BUDGET_S:.0f})")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the emulator's check even where a GPU is visible")
+    parser.add_argument("--dry-limit", type=int, default=None,
+                        help="dry run: only the first N candidates of each kernel")
+    args = parser.parse_args(argv)
+    BUDGET_S = args.budget
+    import torch
+
+    gpu = torch.cuda.is_available() and not args.dry_run
+    if gpu:
+        try:
+            import cupy  # noqa: F401
+        except ImportError as exc:
+            log(f"CUDA is visible but CuPy is not importable ({exc}): dry run instead")
+            gpu = False
+    if not gpu:
+        return dry_run(args.out_dir, args.dry_limit)
+    return gpu_run(args.out_dir, torch.device("cuda", torch.cuda.current_device()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""scripts/gpu_tune_attention.py's GPU path without a GPU: a stand-in CuPy whose kernels run on
+the CPU emulator, torch.cuda's few calls stubbed, wall-clock timers. What the one GPU run would
+do (build, prune, check against float64, time the candidates, the production kernels and SDPA,
+pick the best per kernel, table and JSON) runs here with everything but the device; a
+candidate that computes wrong results is flagged and never timed. NVRTC's own build of a
+candidate (libnvrtc through ctypes) is checked where the wheel is installed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from andrea import bench
+from andrea.cuda import emulator as kernel_emulator
+from andrea.cuda import launch as kernel_launch
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
+)
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "gpu_tune_attention.py"
+SHAPE = ("bfloat16", 1, 2, 40, 32)
+LIMIT = 2  # candidates per kernel: the production tile at 1 and 2 stages
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_tune_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_cupy(candidates: kernel_emulator.Emulator, launches: list) -> object:
+    """CuPy as the script and CupyLauncher use it; each kernel call runs on the emulator."""
+    production = kernel_emulator.default_emulator()
+
+    class Kernel:
+        num_regs = 96
+        local_size_bytes = 0
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.max_dynamic_shared_size_bytes = 48 * 1024
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            launches.append((self.name, shared_mem, self.max_dynamic_shared_size_bytes))
+            lib = candidates if "_pipe<" in self.name else production
+            values = []
+            for a in args:
+                kind = type(a).__name__
+                values.append(ctypes.c_void_p(int(a)) if kind == "uint64" else
+                              ctypes.c_int(int(a)) if kind == "int32" else ctypes.c_float(a))
+            params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+            rc = lib.lib.andrea_emu_launch(self.name.encode(), *grid, *block, 0, shared_mem,
+                                           params)
+            assert rc == 0, self.name
+
+    class RawModule:
+        def __init__(self, code=None, options=(), backend="nvrtc", name_expressions=(),
+                     path=None):
+            assert path is None and code == kernel_launch.kernel_source()
+
+        def compile(self):
+            pass
+
+        def get_function(self, name):
+            return Kernel(name)
+
+    class Ctx:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    fake = type(sys)("cupy")
+    fake.RawModule = RawModule
+    fake.cuda = type(sys)("cupy.cuda")
+    fake.cuda.Device = lambda index=None: Ctx()
+    fake.cuda.Stream = type("Stream", (), {"from_external": classmethod(lambda cls, obj: Ctx())})
+    return fake
+
+
+@pytest.fixture
+def gpu_world(monkeypatch, tmp_path):
+    tune = load_script()
+    monkeypatch.setattr(tune, "SHAPES", [SHAPE])
+    monkeypatch.setattr(tune, "CHECK_SHAPE", (1, 2, 45))
+    monkeypatch.setattr(tune, "CANDIDATE_LIMIT", LIMIT)
+    monkeypatch.setattr(tune, "find_libnvrtc", lambda: None)  # CuPy's compile path
+    cands = tune.candidate_list([SHAPE], LIMIT)
+    emu = kernel_emulator.Emulator(pipes=tuple(cands))
+    launches: list = []
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(emu, launches))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stand-in")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
+        "S", (), {"cuda_stream": 7})())
+    monkeypatch.setattr(bench, "CudaTimer", bench.WallTimer)
+    monkeypatch.setattr(kernel_launch, "_MODULES", {})
+    make = tune.make_launcher
+
+    def cpu_launcher(device):
+        launcher = make(device)
+        launcher.device_type = "cpu"  # the tensors live on the CPU here
+        return launcher
+
+    monkeypatch.setattr(tune, "make_launcher", cpu_launcher)
+    return tune, tmp_path, launches, cands
+
+
+def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
+    tune, out, launches, cands = gpu_world
+    assert tune.gpu_run(out, torch.device("cpu")) == 0
+    report = json.loads((out / "tune.json").read_text())
+    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 6
+    assert all(row["status"] == "ok" for row in report["candidates"]), report["candidates"]
+    (shape,) = report["shapes"]
+    assert shape["shape"] == "bfloat16 B1 H2 T40 D32"
+    assert {c["kernel"] for c in shape["candidates"]} == set(tune.KERNELS)
+    assert set(shape["best"]["configs"]) == set(tune.KERNELS)
+    for part in ("fwd", "bwd", "fb"):
+        assert shape["production"][part] > 0 and shape["best"][part] > 0
+        assert shape["sdpa"]["default"][part] > 0 and shape["production_autograd"][part] > 0
+    assert "error" in shape["sdpa"]["cudnn"]  # no cuDNN attention on a CPU: said, not fatal
+    text = capsys.readouterr().out
+    assert "ours best candidates" in text and "f+b x" in text
+    # candidates ran with their dynamic shared memory; the production kernels with none
+    assert any("_pipe<" in name and shared > 0 for name, shared, _ in launches)
+    assert all(shared == 0 for name, shared, _ in launches if "_pipe<" not in name)
+
+
+def test_a_wrong_candidate_is_flagged_and_not_timed(gpu_world) -> None:
+    tune, out, _, _ = gpu_world
+    tune.TOL = {**tune.TOL, "bfloat16": 1e-9}  # nothing in bf16 is that close to float64
+    assert tune.gpu_run(out, torch.device("cpu")) == 0
+    report = json.loads((out / "tune.json").read_text())
+    assert all(row["status"].startswith("wrong") for row in report["candidates"])
+    assert report["shapes"][0]["candidates"] == [] and not report["shapes"][0]["best"]
+
+
+def test_large_dynamic_shared_memory_is_opted_into(monkeypatch) -> None:
+    """CupyLauncher raises a function's max dynamic shared memory before a launch past 48 KiB
+    and passes the launch's bytes (the candidate then runs correctly on the emulator)."""
+    from andrea.cuda import attention as ca
+
+    cfg = kernel_launch.PipeConfig(8, 64, 2)
+    launches: list = []
+    emu = kernel_emulator.Emulator(pipes=(("fwd", "float32", 32, cfg),))
+    cupy = fake_cupy(emu, launches)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
+        "S", (), {"cuda_stream": 7})())
+    launcher = ca.CupyLauncher(torch.device("cuda", 0))
+    monkeypatch.setattr(launcher, "_function", lambda name: cupy.RawModule(
+        code=kernel_launch.kernel_source()).get_function(name))
+    launch = kernel_launch.pipe_launch("fwd", 1, 1, 20, 32, "float32", cfg)
+    assert launch.dynamic_shared_bytes > 48 * 1024
+    q, k, v = (torch.randn(1, 1, 20, 32, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    o, lse = torch.full_like(q, float("nan")), torch.full((1, 1, 20), float("nan"))
+    launcher.launch(launch, q, k, v, o, lse, 20, 0.2)
+    (name, shared, limit), = launches
+    assert name == launch.name and shared == limit == launch.dynamic_shared_bytes
+    ro, rlse, *_ = kernel_emulator.float64_reference(q, k, v, torch.zeros_like(q), 0.2)
+    assert kernel_emulator.max_error(o, ro) < 1e-5 and kernel_emulator.max_error(lse, rlse) < 1e-5
+
+
+@pytest.mark.skipif(load_script().find_libnvrtc() is None,
+                    reason="the nvidia-cuda-nvrtc wheel is not installed")
+def test_nvrtc_builds_a_candidate_with_registers_and_no_spill() -> None:
+    tune = load_script()
+    nvrtc = tune.Nvrtc(tune.find_libnvrtc())
+    cfg = kernel_launch.PipeConfig(4, 64, 2)
+    name = kernel_launch.pipe_name_expression("fwd", "bfloat16", 32, cfg)
+    cubin, lowered, log = nvrtc.compile(kernel_launch.kernel_source(), name,
+                                        kernel_launch.runtime_nvrtc_options("sm_90"))
+    assert cubin[:4] == b"\x7fELF" and lowered.startswith("_Z13attn_fwd_pipe")
+    assert "registers" in log and tune.spill_bytes(log) == 0
+    assert tune.spill_bytes("8 bytes spill stores, 4 bytes spill loads") == 12

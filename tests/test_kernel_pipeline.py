@@ -1,0 +1,177 @@
+"""The pipelined candidate kernels (attn_fwd_pipe, attn_bwd_dq_pipe, attn_bwd_dkdv_pipe) on the
+CPU emulator: each against float64 on NaN-poisoned outputs, bit for bit against the production
+kernels where their streamed tile is the same, dynamic shared memory past 48 KiB, the launch
+table against the .cu file, and the emulated cp.async catching a missing wait_group.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import shutil
+from pathlib import Path
+
+import background
+import pytest
+import torch
+
+from andrea.cuda import emulator as kernel_emulator
+from andrea.cuda import launch as kernel_launch
+from andrea.cuda.launch import PipeConfig
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
+)
+
+KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2.0**-9}
+# (dtype, head_dim, config): the production tile synchronous and pipelined, deeper pipelines,
+# other block sizes, N = 128 in the backward, and fp32 with 107 KiB of dynamic shared memory.
+CONFIGS = [
+    ("bfloat16", 32, PipeConfig(4, 64, 1)),
+    ("bfloat16", 32, PipeConfig(4, 64, 2)),
+    ("bfloat16", 32, PipeConfig(8, 32, 3)),
+    ("bfloat16", 32, PipeConfig(2, 128, 2)),
+    ("float16", 64, PipeConfig(4, 64, 2, 3, 2)),
+    ("float16", 64, PipeConfig(8, 32, 3)),
+    ("float32", 32, PipeConfig(8, 64, 2)),
+]
+PIPES = tuple((kernel, dtype, d, cfg) for dtype, d, cfg in CONFIGS for kernel in KERNELS)
+SHAPES = [(1, (2, 3)), (17, (1, 2)), (129, (1, 2))]  # T, (B, H)
+
+# The wait that lands tile it's K/V before the barrier of the forward's 2+-stage pipeline.
+WAIT = "cp_async_wait<STAGES - 2>();  // this thread's copies of tile it have landed\n"
+NO_WAIT_CONFIG = ("bfloat16", 32, PipeConfig(4, 32, 2))
+
+
+def no_wait_kernel() -> str:
+    text = kernel_emulator.kernel_source()
+    assert text.count(WAIT) == 1
+    return text.replace(WAIT, "")
+
+
+def no_wait_pipes() -> tuple:
+    dtype, d, cfg = NO_WAIT_CONFIG
+    return tuple((kernel, dtype, d, cfg) for kernel in KERNELS)
+
+
+if shutil.which("g++"):
+    background.declare("emulator-pipe", functools.partial(kernel_emulator.build_library,
+                                                          pipes=PIPES),
+                       wanted_by=["test_kernel_pipeline.py"])
+    background.declare(
+        "emulator-pipe-no-wait",
+        lambda: kernel_emulator.build_library(no_wait_kernel(), pipes=no_wait_pipes()),
+        wanted_by=["test_kernel_pipeline.py::test_a_missing_cp_async_wait_is_caught"])
+
+
+@pytest.fixture(scope="module")
+def emulator() -> kernel_emulator.Emulator:
+    background.result("emulator-pipe")
+    return kernel_emulator.Emulator(pipes=PIPES)
+
+
+def random_inputs(b, h, t, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, t, d, generator=gen).to(dtype) for _ in range(4)]
+
+
+def configs_of(cfg: PipeConfig) -> dict[str, PipeConfig]:
+    return dict.fromkeys(KERNELS, cfg)
+
+
+@pytest.mark.parametrize("dtype,head_dim,cfg", CONFIGS, ids=lambda x: str(x))
+@pytest.mark.parametrize("seq_len,bh", SHAPES, ids=lambda x: str(x))
+def test_candidates_match_float64(emulator, dtype, head_dim, cfg, seq_len, bh) -> None:
+    b, h = bh
+    tdt = getattr(torch, dtype)
+    q, k, v, dout = random_inputs(b, h, seq_len, head_dim, tdt, seed=seq_len + head_dim)
+    scale = 0.8 / math.sqrt(head_dim)  # not the default: the kernels must use the argument
+    got = kernel_emulator.pipe_attention(q, k, v, dout, configs_of(cfg), emulator, scale)
+    want = kernel_emulator.float64_reference(q, k, v, dout, scale)
+    for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        assert not torch.isnan(g).any(), f"{name}: elements left unwritten (NaN poison)"
+        err = kernel_emulator.max_error(g, w)
+        tol = 1e-5 if name == "lse" else TOL[tdt]
+        assert err <= tol, f"{cfg.label()} {name}: max error {err:.3g} > {tol:.3g}"
+
+
+SAME_ROWS = [c for c in CONFIGS if c[2].rows == kernel_launch.TILES[c[0], c[1]]["fwd"][1]]
+
+
+@pytest.mark.parametrize("dtype,head_dim,cfg", SAME_ROWS, ids=lambda x: str(x))
+def test_candidates_with_the_production_rows_give_its_bits(emulator, dtype, head_dim,
+                                                           cfg) -> None:
+    """Per output row the arithmetic depends on N only: W and the pipeline change who owns a
+    row and when a tile arrives, so with production's N every output is bit for bit the same."""
+    for kernel in KERNELS:
+        assert kernel_launch.TILES[dtype, head_dim][kernel.removeprefix("bwd_")][1] == cfg.rows
+    tdt = getattr(torch, dtype)
+    q, k, v, dout = random_inputs(2, 2, 150, head_dim, tdt, seed=11)
+    got = kernel_emulator.pipe_attention(q, k, v, dout, configs_of(cfg), emulator)
+    o, lse = kernel_emulator.attention_forward(q, k, v)
+    want = (o, lse, *kernel_emulator.attention_backward(q, k, v, o, lse, dout))
+    for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        assert torch.equal(g, w), f"{cfg.label()} {name} differs from the production kernel"
+
+
+def test_fibers_and_threads_agree_bit_for_bit(emulator) -> None:
+    dtype, d, cfg = CONFIGS[2]
+    q, k, v, dout = random_inputs(1, 2, 70, d, getattr(torch, dtype), seed=5)
+    runs = [kernel_emulator.pipe_attention(q, k, v, dout, configs_of(cfg), emulator, mode=mode)
+            for mode in ("fibers", "threads")]
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_launch_table_matches_the_kernel_file(emulator) -> None:
+    for kernel, dtype, d, cfg in PIPES:
+        name = kernel_launch.pipe_name_expression(kernel, dtype, d, cfg)
+        smem = kernel_launch.pipe_shared_bytes(kernel, dtype, d, cfg)
+        assert emulator.kernel_info(name) == (cfg.warps, cfg.rows, smem), name
+        launch = kernel_launch.pipe_launch(kernel, 8, 12, 1000, d, dtype, cfg)
+        assert launch.name == name and launch.dynamic_shared_bytes == smem
+        assert launch.grid == (math.ceil(1000 / (16 * cfg.warps)), 96, 1)
+        assert launch.block == (32 * cfg.warps, 1, 1)
+    # the fp32 candidate's blocks need the opt-in beyond 48 KiB on a GPU
+    assert kernel_launch.pipe_shared_bytes("bwd_dq", "float32", 32, CONFIGS[-1][2]) > 48 * 1024
+
+
+@pytest.mark.parametrize("dtype,head_dim", list(kernel_launch.TILES))
+def test_candidate_lists_start_with_the_production_tile(dtype, head_dim) -> None:
+    for kernel in KERNELS:
+        found = kernel_launch.pipe_candidates(kernel, dtype, head_dim)
+        prod = kernel_launch.production_pipe_config(kernel, dtype, head_dim)
+        w, n = kernel_launch.TILES[dtype, head_dim][kernel.removeprefix("bwd_")]
+        assert found[0] == prod and (prod.warps, prod.rows, prod.stages) == (w, n, 1)
+        assert found[1] == kernel_launch.production_pipe_config(kernel, dtype, head_dim, 2)
+        assert len(set(found)) == len(found)
+        for cfg in found[2:]:
+            assert cfg.rows % 16 == 0 and (cfg.rows // cfg.passes) % 16 == 0
+            assert kernel_launch.pipe_shared_bytes(kernel, dtype, head_dim, cfg) <= 227 * 1024
+
+
+def test_a_missing_cp_async_wait_is_caught() -> None:
+    """The emulated cp.async lands its bytes only at the wait_group that completes its group
+    (and its destination reads as NaN until then): a forward without its wait reads NaN where a
+    GPU would read stale or half-written tiles."""
+    background.result("emulator-pipe-no-wait")
+    broken = kernel_emulator.Emulator(no_wait_kernel(), pipes=no_wait_pipes())
+    dtype, d, cfg = NO_WAIT_CONFIG
+    q, k, v, dout = random_inputs(1, 1, 70, d, getattr(torch, dtype), seed=2)
+    o, lse, *_ = kernel_emulator.pipe_attention(q, k, v, dout, configs_of(cfg), broken)
+    assert torch.isnan(o).any() and torch.isnan(lse).any()
+
+
+def test_tune_script_dry_run_checks_candidates_on_the_emulator(tmp_path: Path) -> None:
+    """scripts/gpu_tune_attention.py without a GPU: the emulator, one tiny shape, exit 0."""
+    path = Path(__file__).parents[1] / "scripts" / "gpu_tune_attention.py"
+    spec = importlib.util.spec_from_file_location("gpu_tune_attention", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    assert tune.main([str(tmp_path), "--dry-run", "--dry-limit", "1"]) == 0
+    results = json.loads((tmp_path / "tune.json").read_text())["results"]
+    assert results and all(r["ok"] for r in results)
+    assert {r["kernel"] for r in results} == set(KERNELS)
