@@ -121,7 +121,8 @@ def test_train_refuses_a_folder_prepared_with_another_tokenizer(tmp_path):
     r = andrea_main("train", "-c", "andrea-tiny", "--set", "data.source=in", "--set",
                     "data.dir=data/x", "--set", "train.runs_dir=runs", cwd=tmp_path)
     assert_user_error(r, "data/x: holds data prepared with tokenizer gpt2", "asks for tokenizer "
-                      "byte", "another data folder", "andrea prepare ... --force")
+                      "byte", "another data folder", "`andrea prepare --input in --tokenizer byte "
+                      "--out data/x --force`")
     assert snapshot(tmp_path / "data/x") == before
     r = andrea_main("prepare", "-c", "andrea-tiny", "--set", "data.source=in", "-o", "data/x",
                     cwd=tmp_path)

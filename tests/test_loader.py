@@ -138,7 +138,8 @@ def test_sample_distinct():
 
 
 def test_missing_manifest_and_damaged_shard(data_dir, tmp_path_factory):
-    with pytest.raises(UserError, match="run `andrea prepare`"):
+    with pytest.raises(UserError, match=r"\(manifest.json missing\); prepare text into it: "
+                                        r"andrea prepare --input PATH --out "):
         TokenSplit(tmp_path_factory.mktemp("empty"), "train")
     shard = data_dir / "train_000001.bin"
     shard.write_bytes(shard.read_bytes()[:-4])

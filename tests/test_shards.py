@@ -61,7 +61,7 @@ def test_corruption_is_a_one_line_error_naming_the_file(tmp_path, damage, messag
 def test_wrong_tokenizer_identity(tmp_path):
     path = tmp_path / "s.bin"
     write(path, np.arange(10), 257, identity="byte:v1")
-    with pytest.raises(UserError, match="made with tokenizer byte:v1, expected gpt2"):
+    with pytest.raises(UserError, match="made with tokenizer byte:v1, manifest.json says gpt2"):
         shards.open_shard(path, "gpt2:196139668be63f3b")
 
 

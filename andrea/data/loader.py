@@ -44,7 +44,7 @@ import torch
 
 from andrea.data import shards
 from andrea.data.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
-from andrea.data.shards import read_manifest
+from andrea.data.shards import MANIFEST, DamagedFolder, DamagedShard, read_manifest
 from andrea.data.tokenizer import load_tokenizer
 from andrea.data.verify import BackgroundCheck, range_problem, remedy
 from andrea.errors import UserError
@@ -80,10 +80,8 @@ class TokenSplit:
         for entry in self.entries:
             tokens = shards.open_shard(self.data_dir / entry["file"], self.tokenizer_identity)
             if len(tokens) != entry["tokens"]:
-                raise UserError(
-                    f"{self.data_dir / entry['file']}: {len(tokens)} tokens, manifest says "
-                    f"{entry['tokens']}; re-run `andrea prepare --force`"
-                )
+                raise DamagedShard(self.data_dir / entry["file"], f"{len(tokens):,} tokens, "
+                                   f"{MANIFEST} says {entry['tokens']}")
             self.shards.append(tokens)
         self.shard_sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
         self.n_tokens: int = int(self.shard_sizes.sum())
@@ -409,8 +407,7 @@ def token_byte_lengths(split: TokenSplit) -> np.ndarray:
     bits per byte; the tokenizer is the one the shards name (a BPE from the data dir)."""
     tok = load_tokenizer(split.tokenizer_identity.split(":", 1)[0], split.data_dir)
     if tok.identity != split.tokenizer_identity:
-        raise UserError(
-            f"{split.data_dir}: shards tokenized with {split.tokenizer_identity}, but its "
-            f"tokenizer is {tok.identity}; re-run `andrea prepare --force`"
-        )
+        raise DamagedFolder(split.data_dir, f"shards tokenized with "
+                            f"{split.tokenizer_identity}, but its tokenizer is {tok.identity}",
+                            split.data_dir)
     return tok.token_byte_lengths()

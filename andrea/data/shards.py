@@ -70,12 +70,24 @@ def pack_header(count: int, itemsize: int, identity: str) -> bytes:
     return fixed + ident.ljust(HEADER_BYTES - len(fixed), b"\0")
 
 
-class DamagedShard(UserError):
-    """A shard file that is not what prepare wrote: `what` is wrong with `path`."""
+class DamagedFolder(UserError):
+    """A prepared folder that is not as prepare left it: `what` is wrong with `path` (the
+    folder's manifest, or one of its shards). Its message ends with how to prepare the folder
+    again, built from what the folder records (data.request.prepare_again)."""
 
-    def __init__(self, path: Path, what: str, remedy: str = "re-run `andrea prepare --force`"):
-        super().__init__(f"{path}: {what}; {remedy}")
-        self.path, self.what = path, what
+    def __init__(self, path: Path, what: str, folder: Path | None = None) -> None:
+        super().__init__(path, what)
+        self.path, self.what = Path(path), what
+        self.folder = Path(folder) if folder is not None else self.path.parent
+
+    def __str__(self) -> str:
+        from andrea.data.request import prepare_again  # it reads manifests through here
+
+        return f"{self.path}: {self.what}; {prepare_again(self.folder)}"
+
+
+class DamagedShard(DamagedFolder):
+    """A shard file that is not what prepare wrote: `what` is wrong with `path`."""
 
 
 def crc32_text(value: int) -> str:
@@ -128,10 +140,8 @@ def open_shard(path: Path, identity: str | None = None) -> np.memmap | np.ndarra
     """The shard's tokens as a read-only memmap, after checking the header (and identity)."""
     info = read_header(path)
     if identity is not None and info.identity != identity:
-        raise UserError(
-            f"{path}: shard was made with tokenizer {info.identity}, expected {identity}; "
-            "re-run `andrea prepare --force`"
-        )
+        raise DamagedShard(path, f"made with tokenizer {info.identity}, {MANIFEST} says "
+                                 f"{identity}")
     if info.count == 0:  # np.memmap refuses empty maps
         return np.zeros(0, dtype=info.dtype)
     return np.memmap(path, dtype=info.dtype, mode="r", offset=HEADER_BYTES, shape=(info.count,))
@@ -179,17 +189,14 @@ class ShardWriter:
 def read_manifest(data_dir: Path) -> dict[str, Any]:
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
-        raise UserError(
-            f"{data_dir}: no prepared data here ({MANIFEST} missing); run `andrea prepare`"
-        )
+        raise DamagedFolder(data_dir, f"no prepared data here ({MANIFEST} missing)", data_dir)
     try:
         manifest = json.loads(path.read_text("utf-8"))
         if not isinstance(manifest, dict):
             raise ValueError(f"a JSON {type(manifest).__name__}, not an object")
     except (OSError, ValueError) as exc:
-        raise UserError(
-            f"{path}: unreadable manifest ({exc}); re-run `andrea prepare --force`"
-        ) from None
+        raise DamagedFolder(path, f"unreadable manifest ({exc})") from None
     if manifest.get("manifest_version") != MANIFEST_VERSION:
-        raise UserError(f"{path}: manifest version differs; re-run `andrea prepare --force`")
+        raise DamagedFolder(path, f"manifest version {manifest.get('manifest_version')}, this "
+                                  f"andrea reads {MANIFEST_VERSION}")
     return manifest
