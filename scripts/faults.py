@@ -544,6 +544,14 @@ def cut_short(shard: Path) -> None:
     os.truncate(shard, shard.stat().st_size - 8192)
 
 
+def rewrite_in_place(shard: Path) -> None:
+    """Other text at the same size: 4,096 bytes of the shard's tokens rewritten in place (ids
+    still in range), the file's size and inode unchanged."""
+    with open(shard, "r+b") as f:
+        f.seek(256 + 2 * 200_000)
+        f.write(b"a\0" * 2048)
+
+
 def pasted(b: Bench, line: str, cwd: Path | None = None) -> str:
     """Run each `command` of an andrea line as the user would paste it (`rm`, `andrea ...`)
     in `cwd` (the work folder); what failed, or "" when all ran."""
@@ -558,6 +566,38 @@ def pasted(b: Bench, line: str, cwd: Path | None = None) -> str:
             if r.returncode != 0:
                 return f"`{command}` failed: {said(r.stderr)}"
     return ""
+
+
+def changed_under_run(b: Bench, name: str, label: str, change: Callable[[Path], None],
+                      test: str) -> Row:
+    """A train shard of the run's own data folder changed once step 5 is logged (the run held
+    at step 8's checkpoint, so it is still training); the user then follows the lines: resume
+    as the stop says, and where a resume names a damaged shard, run what it says and resume
+    again. The run is compared with the uninterrupted one."""
+    ref = b.reference()
+    data = b.work / f"data-{name}"
+    shutil.rmtree(data, ignore_errors=True)
+    shutil.copytree(b.data, data)
+    proc = b.start(*b.train_args(name, "--set", f"data.dir={data.name}"),
+                   fault="checkpoint-delay@2")
+    err, run = collect(proc.stderr), b.runs / name
+    collect(proc.stdout)
+    wait_until(lambda: (run / "metrics.jsonl").exists() and max(steps_of(run), default=0) >= 5,
+               proc)
+    change(data / "train_000000.bin")
+    proc.wait(timeout=300)
+    time.sleep(0.2)  # the reader thread's last lines
+    done, kept = max(steps_of(run)), latest_step(run)
+    did = f"exit {proc.returncode}; {said(''.join(err))}"
+    args = ["train", "--resume", str(run.relative_to(b.work)), "--no-progress"]
+    for _ in range(2):  # the resume, and once more after a damaged shard's commands
+        r = b.andrea(*args)
+        if r.returncode == 0:
+            return Row(label, did, str(done - kept), same_run(run, ref), test)
+        failed = pasted(b, said(r.stderr))
+        if failed:
+            break
+    return Row(label, did, str(done - kept), f"resume failed: {failed or said(r.stderr)}", test)
 
 
 def eval_val_cut_short(b: Bench, given: bool) -> Row:
@@ -650,6 +690,14 @@ ROWS: dict[str, Callable[[Bench], Row]] = {
     "moved": run_folder_moved,
     "transit": checkpoint_damaged_in_transit,
     "writers": two_writers,
+    "shardcut": lambda b: changed_under_run(
+        b, "shardcut", "a train shard cut short (8,192 bytes) while the training reads it",
+        cut_short, "test_shard_damage.py::test_a_shard_cut_short_under_a_running_training_is_one_"
+        "line_with_a_checkpoint"),
+    "shardrewrite": lambda b: changed_under_run(
+        b, "shardrewrite", "a train shard rewritten in place (same size) while the training "
+        "reads it", rewrite_in_place,
+        "test_shard_damage.py::test_a_stop_for_a_changed_shard_resumes_as_the_uninterrupted_run"),
     "evalcut": lambda b: eval_val_cut_short(b, given=False),
     "evalgiven": lambda b: eval_val_cut_short(b, given=True),
 }

@@ -44,7 +44,7 @@ import torch
 
 from andrea.data import shards
 from andrea.data.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
-from andrea.data.shards import MANIFEST, DamagedFolder, DamagedShard, read_manifest
+from andrea.data.shards import MANIFEST, DamagedFolder, DamagedShard, ShardFile, read_manifest
 from andrea.data.tokenizer import load_tokenizer
 from andrea.data.verify import BackgroundCheck, range_problem, remedy
 from andrea.errors import UserError
@@ -58,7 +58,8 @@ SHARE_STEPS = 20_000
 
 
 class TokenSplit:
-    """One split ("train" | "val") of a prepared data dir: all its shards as np.memmap. It is
+    """One split ("train" | "val") of a prepared data dir: all its shards, each a ShardFile
+    (read with os.pread: a shard changed under the run is named, never a SIGBUS). It is
     a mixture of one source: `parts`, `names`, `weights` and `shard_ranges` describe its
     sources as a Mixture's do (itself, named by its folder, weight 1, every shard), and
     `draws_sources` is False: a window's source is not drawn, nor is a share reported."""
@@ -73,15 +74,16 @@ class TokenSplit:
         self.tokenizer_identity: str = manifest["tokenizer"]["identity"]
         self.vocab_size: int = manifest["tokenizer"]["vocab_size"]
         self.eot_id: int = manifest["tokenizer"]["eot_id"]
-        self.shards: list[np.ndarray] = []
+        self.shards: list[ShardFile] = []
         self.entries: list[dict] = manifest["shards"][split]  # file, tokens, checksum
         self.paths: list[Path] = [self.data_dir / e["file"] for e in self.entries]
         self.check: BackgroundCheck | None = None  # the checksums, once check_in_background
-        for entry in self.entries:
-            tokens = shards.open_shard(self.data_dir / entry["file"], self.tokenizer_identity)
+        self.read_since_check: set[int] = set()  # the shards check_unchanged looks at next
+        for path, entry in zip(self.paths, self.entries, strict=True):
+            tokens = shards.open_shard(path, self.tokenizer_identity, split)
             if len(tokens) != entry["tokens"]:
-                raise DamagedShard(self.data_dir / entry["file"], f"{len(tokens):,} tokens, "
-                                   f"{MANIFEST} says {entry['tokens']}")
+                raise DamagedShard(path, f"{len(tokens):,} tokens, {MANIFEST} says "
+                                         f"{entry['tokens']}")
             self.shards.append(tokens)
         self.shard_sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
         self.n_tokens: int = int(self.shard_sizes.sum())
@@ -125,12 +127,22 @@ class TokenSplit:
     def tokens(self, shard: int, start: int, length: int) -> np.ndarray:
         """`length` tokens of a shard from `start`, as int64, every id checked to be one the
         tokenizer has (on the host: an id out of range must never reach the embedding)."""
-        window = np.asarray(self.shards[shard][start : start + length], dtype=np.int64)
+        window = self.shards[shard].read(start, length).astype(np.int64)
+        self.read_since_check.add(shard)
         problem = range_problem(window, self.vocab_size, start)
         if problem is not None:
             path = self.paths[shard]
             raise UserError(f"{path}: {problem}; {remedy(path)}")
         return window
+
+    def check_unchanged(self) -> None:
+        """A ShardChanged when a shard read since the last check is no longer the file this
+        split opened (cut short, replaced, deleted, or its size or modification time moved):
+        one os.stat per shard a batch read. Called once a batch is read, so a batch is only
+        ever used when its shards were unchanged after it was read."""
+        for shard in sorted(self.read_since_check):
+            self.shards[shard].check_unchanged()
+        self.read_since_check.clear()
 
 
 class Mixture(TokenSplit):
@@ -159,6 +171,7 @@ class Mixture(TokenSplit):
         self.entries = [entry for part in splits for entry in part.entries]
         self.paths = [path for part in splits for path in part.paths]
         self.check = None
+        self.read_since_check = set()
         ends = np.cumsum([len(part.shards) for part in splits])
         self.shard_ranges = list(zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True))
         self.shard_sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
@@ -319,7 +332,9 @@ def train_batch(
         chosen = [(int(i), cum, offset) for i in _draw_windows(split, rng, cum, per_step)]
     g = rank * accum_steps + micro_step
     mine = chosen[g * micro_batch_size : (g + 1) * micro_batch_size]
-    return _stack([split.window(i, cum, block_size, offset) for i, cum, offset in mine])
+    batch = _stack([split.window(i, cum, block_size, offset) for i, cum, offset in mine])
+    split.check_unchanged()
+    return batch
 
 
 def _pass_windows(
@@ -399,6 +414,7 @@ def window_batches(
         group.append(split.tokens(shard, start, n + 1))
     if group:
         batches.append(_stack(group))
+    split.check_unchanged()
     return batches
 
 
