@@ -200,9 +200,12 @@ class FolderLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 if not self.waited:
-                    holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
-                    say(f"{self.out}: another andrea process (pid {holder}) is preparing this "
-                        "folder; waiting for it to finish")
+                    # Empty while the holder is between its lock and its pid's write.
+                    pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                    holder = f"another andrea process (pid {pid})" if pid.isdigit() else \
+                        "another andrea process"
+                    say(f"{self.out}: {holder} is preparing this folder; waiting for it to "
+                        "finish")
                 self.waited = True
                 fcntl.flock(fd, fcntl.LOCK_EX)
             # A failed prepare removes the folder it created, lock file included: lock anew.
@@ -214,8 +217,9 @@ class FolderLock:
                 pass
             os.close(fd)
         self._fd = fd
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        pid = f"{os.getpid()}\n".encode()
+        os.pwrite(fd, pid, 0)  # then cut to it: the file is never empty in between
+        os.ftruncate(fd, len(pid))
         return self
 
     def release(self, remove_created: bool = False) -> None:

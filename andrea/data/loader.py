@@ -356,12 +356,14 @@ def _pass_windows(
 
 def _check_enough(split: TokenSplit, per_step: int, block_size: int, what: str) -> None:
     # The smallest count over all offsets, so the check does not depend on the step.
+    # A shard of n tokens holds (n - 2T) // T + 1 windows at the latest offset, T - 1.
     if split.fewest_windows(block_size) < per_step:
         raise UserError(
             f"{split.data_dir}: the {split.split} split{what} has {split.n_tokens:,} tokens, "
-            f"too few for one global batch of {per_step} windows of {block_size + 1} tokens "
-            f"(needs about {per_step * block_size + 2 * block_size:,} in a single shard); add "
-            "data or lower the batch size or block_size"
+            f"too few for one global batch of {per_step:,} windows of {block_size:,} tokens "
+            f"(block_size; each reads one more, its last target), which needs at least "
+            f"{(per_step + 1) * block_size:,} tokens in one shard; add data or lower the batch "
+            "size or block_size"
         )
 
 
