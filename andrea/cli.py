@@ -91,7 +91,47 @@ REGISTRY_WORDS: dict[str, Callable[[], str]] = {
 }
 
 
-class RegistryHelp(TyperCommand):
+def _argument_name(param: Any, usage: bool = False) -> str:
+    """An argument as the help writes it: its metavar (or name), `...` when it repeats; in the
+    usage line in brackets when optional ([FILE]...)."""
+    name = param.metavar or (param.name or "").upper()
+    if usage and not param.required:
+        name = f"[{name}]"
+    return f"{name}..." if param.nargs != 1 else name
+
+
+class PlainHelp(TyperCommand):
+    """Help in the plain convention: an argument is NAME in the usage line when required,
+    [NAME] when not, NAME... when it repeats, and its entry under Arguments names no Python
+    type. (Typer writes {NAME} for a required one, [[NAME]...]... around a metavar that has
+    brackets, and `NAME <list[str]>`.)"""
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                pieces.append(_argument_name(param, usage=True))
+            else:
+                pieces.extend(param.get_usage_pieces(ctx))
+        return pieces
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        args, opts = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append((_argument_name(param), record[1]))
+            else:
+                opts.append(record)
+        for title, rows in (("Arguments", args), ("Options", opts)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+class RegistryHelp(PlainHelp):
     """A command whose options' help names a registry's values: each `{placeholder}` of
     REGISTRY_WORDS is filled in from the registry as the help is formatted."""
 
@@ -171,8 +211,8 @@ def _load(config: str, overrides: list[str] | None):
 
 @config_app.command("show")
 def config_show(config: ConfigOpt, set_: SetOpt = None) -> None:
-    """Print the resolved config (file + overrides + derived values) as YAML, and (a YAML
-    comment) the precision it trains in on this machine."""
+    """Print the resolved config as YAML. The file, its overrides and the derived values, and
+    (a YAML comment) the precision it trains in on this machine."""
     from andrea.train.device import precision_note
 
     cfg = _load(config, set_)
@@ -199,7 +239,8 @@ def config_keys(
 
 @app.command("count-params")
 def count_params_cmd(config: ConfigOpt, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
-    """Count parameters by group (built on the meta device; checked against the formula)."""
+    """Count a config's parameters by group. Built on the meta device and checked against the
+    formula."""
     from andrea.model.params import count_params, format_counts
 
     counts = count_params(_load(config, set_).model)
@@ -245,29 +286,31 @@ def train_cmd(
     raise typer.Exit(result.exit_code)
 
 
-@app.command("runs")
+@app.command("runs", cls=PlainHelp)
 def runs_cmd(
-    root: Annotated[str, typer.Argument(metavar="[DIR]",
+    root: Annotated[str, typer.Argument(metavar="DIR",
                                         help="Folder of run directories.")] = "runs",
     as_json: JsonOpt = False,
 ) -> None:
-    """List runs: steps, tokens, best val loss, speed, state, latest checkpoint."""
+    """List runs: steps, losses, speed, state, checkpoint. One row per run: steps, tokens, best
+    val loss, last train loss, precision, speed, state and latest checkpoint."""
     from andrea.runs import format_json, format_table, list_runs
 
     runs = list_runs(root)
     typer.echo(format_json(runs) if as_json else format_table(runs))
 
 
-@app.command("plot")
+@app.command("plot", cls=PlainHelp)
 def plot_cmd(
-    runs: Annotated[list[str], typer.Argument(metavar="RUN...",
+    runs: Annotated[list[str], typer.Argument(metavar="RUN",
                                               help="Run directories (or names under runs/).")],
     out: Annotated[str, typer.Option("--out", "-o", metavar="FILE",
                                       help="Image file: .png, .svg or .pdf.")],
     x: Annotated[str, typer.Option("--x", metavar="tokens|step",
                                    help="Loss panel x axis: tokens or step.")] = "tokens",
 ) -> None:
-    """Plot loss, learning rate, tokens/s and gradient norm of one or more runs."""
+    """Plot the training curves of one or more runs. Loss, learning rate, tokens/s and
+    gradient norm, a panel each."""
     from andrea.plot import plot_runs
 
     typer.echo(f"wrote {plot_runs(runs, out, x=x)}")
@@ -323,7 +366,7 @@ def prepare_cmd(
                      help="Check a prepared folder's shards (checksums) and exit."),
     ] = None,
 ) -> None:
-    """Tokenize text into shards (the embedded Shakespeare corpus by default)."""
+    """Tokenize text into token shards. The embedded Shakespeare corpus by default."""
     from andrea.data.prepare import prepare_command
 
     if verify is not None:
@@ -353,7 +396,7 @@ CheckpointOpt = Annotated[
 @app.command("eval", cls=RegistryHelp)
 def eval_cmd(
     files: Annotated[
-        list[str] | None, typer.Argument(metavar="[FILE]...",
+        list[str] | None, typer.Argument(metavar="FILE",
                                          help="Task files, one per --task, in order.")
     ] = None,
     checkpoint: Annotated[
@@ -400,8 +443,9 @@ def eval_cmd(
     progress: ProgressOpt = True,
     as_json: JsonOpt = False,
 ) -> None:
-    """Val loss, perplexity and bits per byte (per mixture source) and downstream tasks of
-    one or more checkpoints; one table row per checkpoint."""
+    """Score checkpoints: val loss, bits per byte, tasks. Val loss, perplexity and bits per
+    byte (per mixture source) and downstream tasks of one or more checkpoints; one table row
+    per checkpoint."""
     from andrea.evaluate import EvalSettings, evaluate_checkpoints, format_results, task_pairs
 
     tasks = task_pairs(task, files)
@@ -452,7 +496,12 @@ def generate_cmd(
     ] = True,
     cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Key/value cache.")] = True,
     device: DeviceOpt = "auto",
-    precision: PrecisionOpt = "fp32",
+    precision: Annotated[
+        str, typer.Option("--precision", metavar="fp32|auto|bf16|fp16",
+                          help="fp32 (the default): the weights as trained; auto: bf16 where "
+                               "the hardware has fast bf16, fp16 on older tensor-core GPUs "
+                               "(T4, V100), else fp32; bf16, fp16: half the memory.")
+    ] = "fp32",
 ) -> None:
     """Sample text from a checkpoint, streamed to stdout."""
     from andrea.generate import generate_command
@@ -481,14 +530,15 @@ def export_cmd(
     fmt: FormatOpt = "hf",
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
 ) -> None:
-    """Write a checkpoint as a directory transformers.GPT2LMHeadModel loads."""
+    """Write a checkpoint as a transformers GPT-2 folder. A directory
+    transformers.GPT2LMHeadModel loads."""
     from andrea.hf import export_hf
 
     _check_format(fmt)
     typer.echo(f"wrote {export_hf(checkpoint, out, force)}")
 
 
-@app.command("import")
+@app.command("import", cls=PlainHelp)
 def import_cmd(
     src: Annotated[str, typer.Argument(metavar="SRC", help="A transformers GPT-2 directory.")],
     fmt: FormatOpt = "hf",
@@ -499,8 +549,8 @@ def import_cmd(
     set_: SetOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
 ) -> None:
-    """Make a run (step 0) from a GPT-2 directory: eval/generate it, or fine-tune it with
-    `andrea train --resume RUN`."""
+    """Make a run from a transformers GPT-2 folder. The run holds it as step 0: eval or
+    generate it, or fine-tune it with `andrea train --resume RUN`."""
     from andrea.hf import import_hf
 
     _check_format(fmt)
@@ -551,7 +601,8 @@ def bench_cmd(
     ] = True,
     as_json: JsonOpt = False,
 ) -> None:
-    """Time attention (fwd, bwd, fwd+bwd per backend) and training steps; a table at the end."""
+    """Time attention kernels and training steps. Attention forward, backward and both per
+    backend, then training steps of a preset; a table at the end."""
     from andrea.bench import format_table, run_bench
 
     _config_registries()

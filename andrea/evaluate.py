@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from andrea.config import PRECISIONS
@@ -61,6 +62,9 @@ class EvalResult:
     device: str
     split: str = "val"
     data_dir: str | None = None
+    # The val set: that many target tokens spread over the split (per source), the set a run
+    # with train.eval_tokens = max_tokens scores; None: the whole split.
+    max_tokens: int | None = None
     loss: float | None = None  # mean nats per target token (weighted over the sources)
     perplexity: float | None = None
     bits_per_byte: float | None = None  # None when the targets decode to no bytes
@@ -76,6 +80,13 @@ class EvalResult:
         `andrea runs --json`; json.dumps would write NaN, which strict parsers (jq) refuse."""
         return json.dumps(json_safe(asdict(self)), indent=2)
 
+    def val_set(self) -> str:
+        """The val set in words: the whole split, or the set a train.eval_tokens scores."""
+        if self.max_tokens is None:
+            return f"the whole {self.split} split"
+        return (f"{self.split} split, {self.max_tokens:,} tokens spread over it as "
+                f"train.eval_tokens={self.max_tokens} scores")
+
     def summary(self) -> str:
         """The val line (and one per source of a mixture), then one line per task."""
         if self.loss is None:
@@ -84,7 +95,7 @@ class EvalResult:
             ppl = f"{self.perplexity:.3f}" if self.perplexity is not None else "n/a"
             what = "weighted over the sources: " if len(self.sources) > 1 else ""
             lines = [
-                f"{self.checkpoint} on {self.data_dir} ({self.split}): {what}loss "
+                f"{self.checkpoint} on {self.data_dir} ({self.val_set()}): {what}loss "
                 f"{self.loss:.4f}, perplexity {ppl}, bits/byte {_fmt(self.bits_per_byte)}, "
                 f"{self.tokens:,} tokens ({self.bytes:,} bytes), {self.precision}, {self.device}"
             ]
@@ -175,6 +186,9 @@ def _score_split(
     score = score_val(opened.model, sources, batch_size=settings.batch_size, device=dev,
                       dtype=dtype, progress=settings.progress)
     result.data_dir = str(sources[0].split.data_dir if len(sources) == 1 else split.data_dir)
+    whole = all(sum(n for _, _, n in s.windows) == int(np.maximum(s.split.shard_sizes - 1, 0).sum())
+                for s in sources)
+    result.max_tokens = None if whole else settings.max_tokens
     listed = len(sources) > 1 or settings.source is not None
     for key, value in val_figures(score, listed).items():
         setattr(result, key, value)
@@ -207,7 +221,11 @@ def checkpoints_to_evaluate(
     or with --all-steps every step folder of each run, oldest first."""
     if not all_steps:
         return [find_checkpoint(c, runs_dir) for c in (checkpoints or [None])]
-    runs = [Path(c) for c in checkpoints] if checkpoints else [most_recent_run(runs_dir).parent]
+    if checkpoints:
+        runs = [Path(c) for c in checkpoints]
+    else:
+        runs = [most_recent_run(runs_dir).parent]
+        notice(f"run: {runs[0]} (the most recent run under {runs_dir}/)")
     found: list[Path] = []
     for run in runs:
         steps = [p for p in step_dirs(run) if (p / MODEL_FILE).is_file()]
@@ -242,9 +260,7 @@ def evaluate_checkpoints(
     if limit is not None and limit < 1:
         raise UserError(f"--limit: must be a positive integer, got {limit}")
     settings.tasks = [read_task(kind, path, limit) for kind, path in tasks]
-    ckpts = checkpoints_to_evaluate(checkpoints, all_steps, runs_dir)
-    if not checkpoints and not all_steps:
-        notice(f"checkpoint: {ckpts[0]} (the most recent run under {runs_dir}/)")
+    ckpts = checkpoints_to_evaluate(checkpoints, all_steps, runs_dir)  # names the one it picks
     return [evaluate_one(ckpt, settings) for ckpt in ckpts]
 
 
@@ -290,8 +306,11 @@ def format_table(results: list[EvalResult]) -> str:
         row += [_task_cell(t) for t in r.tasks]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                     for row in rows)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    if results[0].loss is not None:
+        lines.append(f"VAL LOSS: on {results[0].data_dir}, {results[0].val_set()}")
+    return "\n".join(lines)
 
 
 def _task_header(task: dict[str, Any]) -> str:

@@ -65,6 +65,9 @@ class RunSummary:
     tokens: int | None = None
     best_val_loss: float | None = None
     best_val_step: int | None = None
+    # train.eval_tokens: the val set the run's val losses are on, that many target tokens
+    # spread over the val split (per source); 0: the whole split.
+    eval_tokens: int | None = None
     # The latest evaluation: val loss (a mixture's: weighted over its sources), bits per byte,
     # and for a mixture each source's val loss.
     last_val_loss: float | None = None
@@ -318,6 +321,7 @@ def _read_shape(run: Path, summary: RunSummary) -> None:
     summary.shape = _shape(config.get("model"))
     train = config.get("train") if isinstance(config.get("train"), dict) else {}
     summary.max_steps = _int(train.get("max_steps"))
+    summary.eval_tokens = _int(train.get("eval_tokens"))
     precision = train.get("precision")
     summary.precision = precision if isinstance(precision, str) else None
     if summary.shape is None:
@@ -499,9 +503,28 @@ def format_table(runs: list[RunSummary]) -> str:
         if r.overflows:
             notes.append(f"  {r.name}: fp16 overflow steps skipped: {r.overflows} (metrics.jsonl)")
         notes.extend(f"  {r.name}: ! {p}" for p in r.problems)
-    if notes:
-        lines += ["", "notes:", *notes]
+    legend = val_set_legend(runs)
+    if notes or legend:
+        lines += ["", "notes:", *notes, *([f"  {legend}"] if legend else [])]
     return "\n".join(lines)
+
+
+def val_set_legend(runs: list[RunSummary]) -> str | None:
+    """What BEST VAL is measured on: each run's own val set (train.eval_tokens), which `andrea
+    eval` scores only when told to; None when no run has a val loss."""
+    sets: dict[str, list[str]] = {}
+    for r in runs:
+        if r.best_val_loss is not None:
+            words = ("the whole val split" if r.eval_tokens == 0 else
+                     f"{r.eval_tokens:,} tokens spread over the val split"
+                     if r.eval_tokens is not None else "an unrecorded set")
+            sets.setdefault(words, []).append(r.name)
+    if not sets:
+        return None
+    each = "; ".join(f"{words} ({', '.join(names)})" for words, names in sets.items())
+    return (f"BEST VAL is each run's own val set, train.eval_tokens: {each}; `andrea eval "
+            "--max-tokens N` scores that set (N: its tokens), `andrea eval` without it the whole "
+            "val split")
 
 
 def format_json(runs: list[RunSummary]) -> str:

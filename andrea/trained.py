@@ -28,7 +28,8 @@ import torch
 
 from andrea.config import Config
 from andrea.data.loader import TokenSplit, open_split
-from andrea.data.prepare import data_dir_for, prepare_from_config
+from andrea.data.prepare import data_dir_for, prepare_from_config, source_words
+from andrea.data.shards import DamagedFolder
 from andrea.data.tokenizer import BpeTokenizer, Tokenizer, kind_of
 from andrea.errors import UserError
 from andrea.model.attention import resolve_backend
@@ -238,23 +239,39 @@ def prepare_run_data(ckpt: Path, cfg: Config, needs: str) -> Config:
                               command=rundata.prepare_command(own, ckpt, target),
                               otherwise=", or pass --data DIR (shards prepared with its tokenizer)")
     note = "" if named == target else " (andrea writes a checkpoint's data only under ./data)"
-    try:
-        # prepare announces on stdout, as train's log; here stdout is the result.
-        with contextlib.redirect_stdout(sys.stderr):
-            prepare_from_config(own, verbose=False,
-                                announce=rundata.prepare_line(own, ckpt, named, target, note))
-    except UserError as exc:
-        raise UserError(
-            f"{ckpt}: cannot prepare the run's data in {target} from its config ({exc}); "
-            f"pass --data DIR (shards prepared with the checkpoint's tokenizer)"
-        ) from None
+    _prepare(ckpt, own, rundata.prepare_line(own, ckpt, named, target, note))
     return own
 
 
+def _prepare(ckpt: Path, cfg: Config, announce: str) -> None:
+    """Prepare cfg's data (its folders under ./data), saying so on stderr: `announce` for a
+    folder prepared for the first time, the reason for one prepared again."""
+    try:
+        # prepare announces on stdout, as train's log; here stdout is the result.
+        with contextlib.redirect_stdout(sys.stderr):
+            prepare_from_config(cfg, verbose=False, announce=announce)
+    except UserError as exc:
+        raise UserError(
+            f"{ckpt}: cannot prepare the run's data in {data_dir_for(cfg)} from its config "
+            f"({exc}); pass --data DIR (shards prepared with the checkpoint's tokenizer)"
+        ) from None
+
+
 def open_data_split(ckpt: Path, cfg: Config, data: str | None, split: str) -> TokenSplit:
-    """--data's split, or the run's (a Mixture for data.sources), prepared first if missing."""
+    """--data's split, or the run's (a Mixture for data.sources), prepared first if missing.
+    The run's folder under ./data, damaged (a shard cut short or missing, its manifest
+    unreadable), is prepared again first, as `andrea train` does, in one line saying why;
+    a folder elsewhere (--data, or the data.dir a checkpoint names) is never written: its
+    error names the command that prepares it again."""
     if data is not None:
         if not Path(data).is_dir():
             raise UserError(f"--data {data}: no such directory")
         return TokenSplit(Path(data), split)
-    return open_split(prepare_run_data(ckpt, cfg, "the val loss"), split)
+    own = prepare_run_data(ckpt, cfg, "the val loss")
+    try:
+        return open_split(own, split)
+    except DamagedFolder:
+        if own.data.dir:  # a folder the checkpoint names: never written by eval
+            raise
+    _prepare(ckpt, own, f"preparing {data_dir_for(own)} from {source_words(own)}")
+    return open_split(own, split)

@@ -20,6 +20,7 @@ import contextlib
 import filecmp
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -632,6 +633,116 @@ def break_manifest(data: Path) -> None:
     (data / "manifest.json").write_bytes(b"\x00garbage")
 
 
+# ----------------------------------------------------------------------------- issue 51 rows
+
+
+def cut_short(shard: Path) -> None:
+    """The issue's cut: the shard's last 8,192 bytes gone, as a copy that stopped short."""
+    os.truncate(shard, shard.stat().st_size - 8192)
+
+
+def rewrite_in_place(shard: Path) -> None:
+    """Other text at the same size: 4,096 bytes of the shard's tokens rewritten in place (ids
+    still in range), the file's size and inode unchanged."""
+    with open(shard, "r+b") as f:
+        f.seek(256 + 2 * 200_000)
+        f.write(b"a\0" * 2048)
+
+
+def pasted(b: Bench, line: str, cwd: Path | None = None) -> str:
+    """Run each `command` of an andrea line as the user would paste it (`rm`, `andrea ...`)
+    in `cwd` (the work folder); what failed, or "" when all ran."""
+    cwd = cwd or b.work
+    for command in re.findall(r"`([^`]+)`", line):
+        argv = shlex.split(command)
+        if argv[0] == "rm":
+            for path in argv[1:]:
+                (cwd / path).unlink()
+        elif argv[0] == "andrea":
+            r = b.andrea(*argv[1:], cwd=cwd)
+            if r.returncode != 0:
+                return f"`{command}` failed: {said(r.stderr)}"
+    return ""
+
+
+def changed_under_run(b: Bench, name: str, label: str, change: Callable[[Path], None],
+                      test: str) -> Row:
+    """A train shard of the run's own data folder changed once step 5 is logged (the run held
+    at step 8's checkpoint, so it is still training); the user then follows the lines: resume
+    as the stop says, and where a resume names a damaged shard, run what it says and resume
+    again. The run is compared with the uninterrupted one."""
+    ref = b.reference()
+    data = b.work / f"data-{name}"
+    shutil.rmtree(data, ignore_errors=True)
+    shutil.copytree(b.data, data)
+    proc = b.start(*b.train_args(name, "--set", f"data.dir={data.name}"),
+                   fault="checkpoint-delay@2")
+    err, run = collect(proc.stderr), b.runs / name
+    collect(proc.stdout)
+    wait_until(lambda: (run / "metrics.jsonl").exists() and max(steps_of(run), default=0) >= 5,
+               proc)
+    change(data / "train_000000.bin")
+    proc.wait(timeout=300)
+    time.sleep(0.2)  # the reader thread's last lines
+    done, kept = max(steps_of(run)), latest_step(run)
+    did = f"exit {proc.returncode}; {said(''.join(err))}"
+    args = ["train", "--resume", str(run.relative_to(b.work)), "--no-progress"]
+    for _ in range(2):  # the resume, and once more after a damaged shard's commands
+        r = b.andrea(*args)
+        if r.returncode == 0:
+            return Row(label, did, str(done - kept), same_run(run, ref), test)
+        failed = pasted(b, said(r.stderr))
+        if failed:
+            break
+    return Row(label, did, str(done - kept), f"resume failed: {failed or said(r.stderr)}", test)
+
+
+def eval_val_cut_short(b: Bench, given: bool) -> Row:
+    """`andrea eval` of a run on its val split cut short: the run's own folder (under ./data,
+    where train prepares it: here a run trained 2 steps in a folder of its own) is prepared
+    again by eval itself; a folder given with --data is named with the command that prepares it
+    again, which is pasted. The val figure is compared with eval's on the intact folder."""
+    home = b.work / "evalhome"
+    own = home / "data" / "shakespeare-byte"
+    if not (home / "runs" / "evalrun" / "latest").exists():
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.copytree(b.data, own)  # what the tiny preset's run prepares: up to date
+        sets = [*SETS[2:], "train.max_steps=2", "train.name=evalrun"]
+        check(b.andrea("train", "-c", "andrea-tiny", *[a for s in sets for a in ("--set", s)],
+                       "--no-progress", cwd=home), "the run to evaluate")
+    data = home / "given" if given else own
+    if given:
+        shutil.rmtree(data, ignore_errors=True)
+        shutil.copytree(b.data, data)
+    args = ["eval", "--checkpoint", "runs/evalrun", "--max-tokens", "4096", "--no-progress",
+            "--precision", "fp32", "--json"] + (["--data", "given"] if given else [])
+    before = b.andrea(*args, cwd=home)
+    check(before, "eval on the intact folder")
+    cut_short(data / "val_000000.bin")
+    r = b.andrea(*args, cwd=home)
+    line, failed = said(r.stderr), ""
+    if given:
+        did = f"exit {r.returncode}; {line}"
+        failed = pasted(b, line, home) if r.returncode == 2 else "no command"
+        r = r if failed else b.andrea(*args, cwd=home)
+    else:
+        did = f"exit {r.returncode}; " + next(
+            (ln for ln in r.stderr.splitlines() if "preparing" in ln), line)
+    loss = json.loads(before.stdout)[0]["loss"]
+    if failed or r.returncode != 0:
+        after = f"failed: {failed or said(r.stderr)}"
+    else:
+        again = json.loads(r.stdout)[0]["loss"]
+        after = "identical val loss" if again == loss else f"val loss {again} against {loss}"
+    if given:
+        return Row("`andrea eval --data DIR` on a val shard cut short, its command pasted", did,
+                   "-", after, "test_printed_commands.py::test_eval_on_a_damaged_data_folder_"
+                   "names_a_command_that_prepares_it")
+    return Row("`andrea eval` on the run's val shard cut short", did, "-", after,
+               "test_printed_commands.py::test_eval_prepares_the_runs_damaged_val_split_again_"
+               "as_train_does")
+
+
 ROWS: dict[str, Callable[[Bench], Row]] = {
     # tests/test_fault_matrix.py::test_kill_9_mid_step_then_resume_equals_the_uninterrupted_run
     "kill9": lambda b: signal_row(
@@ -681,6 +792,16 @@ ROWS: dict[str, Callable[[Bench], Row]] = {
     "prepread": prepare_force_live,
     "overwrite": overwrite_refused,
     "lrinf": lr_inf,
+    "shardcut": lambda b: changed_under_run(
+        b, "shardcut", "a train shard cut short (8,192 bytes) while the training reads it",
+        cut_short, "test_shard_damage.py::test_a_shard_cut_short_under_a_running_training_is_one_"
+        "line_with_a_checkpoint"),
+    "shardrewrite": lambda b: changed_under_run(
+        b, "shardrewrite", "a train shard rewritten in place (same size) while the training "
+        "reads it", rewrite_in_place,
+        "test_shard_damage.py::test_a_stop_for_a_changed_shard_resumes_as_the_uninterrupted_run"),
+    "evalcut": lambda b: eval_val_cut_short(b, given=False),
+    "evalgiven": lambda b: eval_val_cut_short(b, given=True),
 }
 
 

@@ -131,7 +131,7 @@ def test_an_imported_andrea_json_never_names_the_data_folder(tmp_path):
     proc = andrea_main("eval", "--checkpoint", "runs/export", "--max-tokens", "64",
                        "--no-progress", cwd=home)
     assert proc.returncode == 0, proc.stderr
-    assert " on data/shakespeare-byte (val)" in proc.stdout
+    assert " on data/shakespeare-byte (val split, " in proc.stdout
     assert snapshot(precious) == before
 
 

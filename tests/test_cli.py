@@ -168,3 +168,43 @@ def test_a_vocabulary_mismatch_names_the_set_that_fixes_it(capsys, tmp_path):
                             "data.tokenizer=gpt2", "--out", str(tmp_path / "never"))
     assert code == 2 and "--set model.vocab_size=50257" in err, err
     assert not (tmp_path / "never").exists()
+
+
+def test_the_help_has_no_typer_internals_nor_cut_phrases(capsys):
+    """Before: `andrea -h` cut descriptions mid-phrase (`Count parameters by group (built on
+    the meta device;...`), eval/plot/import showed `[[FILE]...]...`, `<list[str]>`, `{SRC}`."""
+    for path, _ in all_commands():
+        code, out, _ = run_main(capsys, *path, "-h")
+        assert code == 0
+        usage = out.splitlines()[0]
+        assert "{" not in usage and "[[" not in usage, (path, usage)
+        assert not re.search(r"<(str|int|float|bool|list\[\w+\])>", out), (path, out)
+        listed = out.split("Commands:\n")[1].splitlines() if "Commands:\n" in out else []
+        for line in filter(None, listed):
+            assert not line.rstrip().endswith("..."), (path, line)
+    usages = {name: run_main(capsys, *name.split(), "-h")[1].splitlines()[0]
+              for name in ("eval", "plot", "import", "runs")}
+    assert usages == {"eval": "Usage: andrea eval [OPTIONS] [FILE]...",
+                      "plot": "Usage: andrea plot [OPTIONS] RUN...",
+                      "import": "Usage: andrea import [OPTIONS] SRC",
+                      "runs": "Usage: andrea runs [OPTIONS] [DIR]"}
+
+
+def test_each_default_is_explained_first(capsys):
+    """Before: generate's --precision explained auto first, its default being fp32."""
+    _, out, _ = run_main(capsys, "generate", "-h")
+    precision = " ".join(out.split("--precision")[1].split())
+    assert precision.startswith("fp32|auto|bf16|fp16 fp32 (the default):"), precision
+    _, out, _ = run_main(capsys, "eval", "-h")
+    assert " ".join(out.split("--precision")[1].split()).startswith("auto|fp32|bf16|fp16 auto:")
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["-h"], []])
+def test_the_cli_starts_without_torch_for_its_version_and_help(tmp_path, argv):
+    """`andrea --version`, `andrea -h` and a bare `andrea` (its help) import neither torch nor
+    numpy. A fresh interpreter: start-up is the point."""
+    code = (f"import sys\nfrom andrea.cli import main\ntry:\n    main({argv!r})\n"
+            "except SystemExit:\n    pass\nprint(sorted({'torch', 'numpy'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout + done.stderr

@@ -103,7 +103,7 @@ def test_missing_file_names_it_and_the_presets(tmp_path):
 def test_override_errors_through_the_cli():
     proc = andrea_main("config", "show", "-c", "andrea-12m", "--set", "model.n_layer=2.5")
     assert_user_error(proc, "--set model.n_layer=2.5", "expected an integer")
-    with pytest.raises(UserError, match="trian.lr.*did you mean 'train'"):
+    with pytest.raises(UserError, match=r"trian.lr.*did you mean 'train.lr'\?"):
         load_config("andrea-12m", ["trian.lr=1"])
     with pytest.raises(UserError, match="SECTION.KEY=VALUE"):
         load_config("andrea-12m", ["train.lr"])
@@ -149,6 +149,11 @@ def test_unknown_keys_suggest_only_close_matches_else_list_the_section():
         return str(raised.value)
 
     assert err("train.max_step").endswith("did you mean 'train.max_steps'?")
+    # A key nested one level too deep: the key its last part names (before: "did you mean
+    # 'train'?", the section it was already in).
+    assert err("train.optimzer.lr").endswith("did you mean 'train.lr'?")
+    assert err("model.attn.n_head").endswith("did you mean 'model.n_head'?")
+    assert err("train.optimizer.betas").endswith("did you mean 'train.optimizer'?")
     for far in ("train.nope", "train.steps"):  # once 'train.compile' and 'train.eps'
         line = err(far)
         assert "did you mean" not in line

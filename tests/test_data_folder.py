@@ -5,12 +5,14 @@ folder lock and ownership rules (docs/data.md, "What prepare locks and refuses")
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ from conftest import andrea_main, assert_user_error, make_checkpoint, python_com
 
 from andrea.config import load_config
 from andrea.data import prepare
-from andrea.data.folder import LOCK
+from andrea.data.folder import LOCK, FolderLock
 from andrea.data.shards import open_shard, read_manifest
 
 LINE = "Line {j} of {name}: the quick brown fox jumps over the lazy dog.\n"
@@ -124,7 +126,8 @@ def test_train_refuses_a_folder_prepared_with_another_tokenizer(tmp_path):
     r = andrea_main("train", "-c", "andrea-tiny", "--set", "data.source=in", "--set",
                     "data.dir=data/x", "--set", "train.runs_dir=runs", cwd=tmp_path)
     assert_user_error(r, "data/x: holds data prepared with tokenizer gpt2", "asks for tokenizer "
-                      "byte", "another data folder", "andrea prepare ... --force")
+                      "byte", "another data folder", "`andrea prepare --input in --tokenizer byte "
+                      "--out data/x --force`")
     assert snapshot(tmp_path / "data/x") == before
     r = andrea_main("prepare", "-c", "andrea-tiny", "--set", "data.source=in", "-o", "data/x",
                     cwd=tmp_path)
@@ -200,7 +203,7 @@ def test_two_evals_of_a_run_without_its_data_take_turns(tmp_path):
     assert first.returncode == 0, err1
     assert second.returncode == 0, err2
     assert "data/in-byte: prepared by the other process meanwhile; using it" in err2
-    assert out1 == out2 and " on data/in-byte (val): loss " in out1
+    assert out1 == out2 and " on data/in-byte (val split, 1,024 tokens spread " in out1
     assert not (tmp_path / "data/x").exists()
 
 
@@ -316,3 +319,27 @@ def test_dotted_text_field_reaches_into_parquet_structs(tmp_path):
     assert texts == sorted(f"record {i}: parquet body" for i in range(300) if i != 5)
     r = andrea_main(*base, "doc.nope", "-o", "nope", cwd=tmp_path)
     assert_user_error(r, "column 'doc' has no field 'nope'")
+
+
+def test_a_holder_that_has_not_written_its_pid_yet_is_named_without_one(tmp_path):
+    """Before: `another andrea process (pid ?) is preparing this folder` when the lock was
+    taken but its pid not yet written (the holder emptied the file, then wrote). Now the line
+    names no pid it does not know, and a holder's file is never empty once it holds the lock."""
+    out = tmp_path / "x"
+    out.mkdir()
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # held, nothing written yet
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    said: list[str] = []
+    lock = FolderLock(out)
+    waiter = threading.Thread(target=lock.acquire, args=(said.append,))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while not said and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert said == [f"{out}: another andrea process is preparing this folder; waiting for it "
+                    "to finish"]
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    waiter.join(30)
+    assert (out / LOCK).read_text() == f"{os.getpid()}\n"
+    lock.release()

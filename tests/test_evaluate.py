@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -173,3 +174,22 @@ def test_json_is_a_list_for_one_checkpoint_and_several_and_strict_json():
     both = strict(format_results([row(1, 2.5), row(2, float("nan"))], as_json=True))
     assert [r["step"] for r in both] == [1, 2]
     assert both[1]["loss"] is None and both[1]["tasks"][0]["acc"] is None
+
+
+def test_eval_names_its_checkpoint_once_and_its_val_set(tmp_path, data_dir):
+    """Before: `checkpoint: ...` twice on stderr, and nothing saying which val set the figure is
+    on (the trainer's train.eval_tokens windows, or the whole split)."""
+    ckpt = make_checkpoint(tmp_path)
+    shutil.copytree(data_dir, tmp_path / "data" / "shakespeare-byte")
+    r = andrea_main("eval", "--max-tokens", "256", "--no-progress", "--precision", "fp32",
+                    cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "checkpoint: runs/r/step-000005 (the most recent run under runs/)\n"
+    assert (f"{ckpt.relative_to(tmp_path)} on data/shakespeare-byte (val split, 256 tokens "
+            "spread over it as train.eval_tokens=256 scores): loss ") in r.stdout
+    whole = EvalResult(checkpoint="c", step=1, precision="float32", device="cpu",
+                       data_dir="d", loss=1.0, perplexity=2.7, bits_per_byte=1.0, tokens=10)
+    assert whole.summary().startswith("c on d (the whole val split): loss 1.0000")
+    budget = andrea_main("eval", "--checkpoint", str(ckpt), "--max-tokens", "10000000",
+                         "--no-progress", "--batch-size", "64", "--json", cwd=tmp_path)
+    assert json.loads(budget.stdout)[0]["max_tokens"] is None  # the budget covers the split

@@ -26,7 +26,8 @@ from PIL import Image  # noqa: E402  (Pillow comes with matplotlib)
 
 NUM = r"[\d,]+"
 EVAL_LINE = re.compile(
-    rf"(?P<ckpt>\S+) on (?P<data>\S+) \(val\): loss (?P<loss>[\d.]+), perplexity (?P<ppl>[\d.]+), "
+    rf"(?P<ckpt>\S+) on (?P<data>\S+) \(val split, {NUM} tokens spread over it as "
+    rf"train.eval_tokens=\d+ scores\): loss (?P<loss>[\d.]+), perplexity (?P<ppl>[\d.]+), "
     rf"bits/byte (?P<bpb>[\d.]+), (?P<tokens>{NUM}) tokens \((?P<bytes>{NUM}) bytes\), "
     rf"(?P<dtype>\w+), cpu"
 )

@@ -101,10 +101,24 @@ def test_accumulation_equals_processes_and_ranks_are_disjoint(data_dir):
         assert len(set(firsts)) == len(firsts) == 16
 
 
-def test_too_small_split_says_how_much_is_needed(data_dir):
+def test_too_small_split_says_how_much_is_needed(data_dir, tmp_path):
+    """The number is the least a shard must hold, (windows + 1) x block_size: before, `needs
+    about 544` (windows + 2 blocks) here, and `windows of 17 tokens` beside block_size 16."""
     split = TokenSplit(data_dir, "val")
-    with pytest.raises(UserError, match=r"the val split has 300 tokens, too few .*needs about 544"):
+    with pytest.raises(UserError, match=r"the val split has 300 tokens, too few for one global "
+                                        r"batch of 32 windows of 16 tokens \(block_size; .*\), "
+                                        r"which needs at least 528 tokens in one shard"):
         batch(split, micro_batch_size=32)
+    for tokens, enough in ((528, True), (527, False)):
+        folder = tmp_path / str(tokens)
+        folder.mkdir()
+        write_prepared(folder, {"train": [100], "val": [tokens]}, {"train": 1, "val": 1},
+                       10 * BASE)
+        if enough:
+            batch(TokenSplit(folder, "val"), micro_batch_size=32)
+        else:
+            with pytest.raises(UserError, match="needs at least 528 tokens"):
+                batch(TokenSplit(folder, "val"), micro_batch_size=32)
 
 
 def test_val_windows_cover_the_split_or_spread_a_budget_over_it(tmp_path):
@@ -138,7 +152,8 @@ def test_sample_distinct():
 
 
 def test_missing_manifest_and_damaged_shard(data_dir, tmp_path_factory):
-    with pytest.raises(UserError, match="run `andrea prepare`"):
+    with pytest.raises(UserError, match=r"\(manifest.json missing\); prepare text into it: "
+                                        r"andrea prepare --input PATH --out "):
         TokenSplit(tmp_path_factory.mktemp("empty"), "train")
     shard = data_dir / "train_000001.bin"
     shard.write_bytes(shard.read_bytes()[:-4])

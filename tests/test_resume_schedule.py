@@ -82,6 +82,7 @@ def test_resuming_a_finished_run_for_longer_keeps_the_lr(tmp_path: Path, data_di
     assert planned == pytest.approx(3e-4)
     assert all(lr[s] == pytest.approx(planned) for s in range(7, 13))
     assert "resume: train.max_steps 6 -> 12: the cosine schedule continues from lr" in out
+    assert out.count("resume: train.max_steps") == 1  # before: a bare `6 -> 12` line too
     # And the re-planned schedule is kept by the next resume (it is in the checkpoint).
     again = train(load_config("andrea-tiny", [*sets, "train.max_steps=14"]),
                   resume=str(first.run_dir), progress=False)

@@ -410,3 +410,22 @@ def test_one_mapping_of_records_to_scalars_for_both_sinks():
                     "overflows_total": 2}) == (3, {"events/overflows_total": 2.0})
     assert scalars({"event": "spike", "step": 4, "spikes_total": 1, "action": "skip"}) == (
         4, {"events/spikes_total": 1.0})
+
+
+def test_the_table_names_the_val_set_best_val_is_on(tmp_path, capsys):
+    """Before: BEST VAL 4.6614 here and 4.6935 from `andrea eval` for the same checkpoint,
+    nothing saying the first is on train.eval_tokens tokens and the second on the whole split."""
+    config = load_config("andrea-tiny", ["train.max_steps=100"]).to_yaml()
+    whole = load_config("andrea-tiny", ["train.max_steps=100", "train.eval_tokens=0"]).to_yaml()
+    write_run(tmp_path, "a", [start_record(), *normal_history(100), end_record(100, "finished")],
+              config=config)
+    write_run(tmp_path, "b", [start_record(), *normal_history(100), end_record(100, "finished")],
+              config=whole)
+    write_run(tmp_path, "c", [start_record(), train_record(10)], config=config)  # no eval yet
+    out = andrea_main("runs", str(tmp_path)).stdout
+    legend = out.splitlines()[-1].strip()
+    assert legend == (
+        "BEST VAL is each run's own val set, train.eval_tokens: 2,048 tokens spread over the val "
+        "split (a); the whole val split (b); `andrea eval --max-tokens N` scores that set (N: "
+        "its tokens), `andrea eval` without it the whole val split")
+    assert json.loads(andrea_main("runs", str(tmp_path), "--json").stdout)[0]["eval_tokens"] == 2048

@@ -6,19 +6,24 @@ and prepared again, never in silence."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import Result, andrea_main, assert_user_error, python_command
 from test_cli import run_main
 from test_prepare import corpus  # noqa: F401  (a fixture)
 
 from andrea.config import load_config
 from andrea.data import documents, encode, loader, prepare, verify
-from andrea.data.shards import HEADER_BYTES, MANIFEST, open_shard
+from andrea.data.shards import HEADER_BYTES, MANIFEST, ShardChanged, open_shard
 from andrea.errors import UserError
 
 # data_dir: the session fixture in conftest.py (the tiny preset's data), copied before damage.
@@ -269,3 +274,167 @@ def test_an_interrupted_prepare_continues_without_first_run_only(corpus, tmp_pat
                            verbose=False, announce=f"preparing {out} {FIRST_RUN}")
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{out}: resuming after 4 complete shards")
+
+
+# ----------------------------------------------------------------------------- changed under a run
+# (issue 51) A shard changed while a training reads it: shards are read with os.pread and each
+# shard a batch read is checked (inode, size, modification time) once the batch is read.
+
+
+def train_events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_shard_cut_short_under_a_running_training_is_one_line_with_a_checkpoint(
+        data_dir, tmp_path):
+    """Before: np.memmap read past the new end and the process died of SIGBUS (the shell's
+    `Bus error`, exit 135), no andrea line, the steps since the last checkpoint lost. Now: one
+    line naming the shard and the command that goes on, exit 2, the last completed step
+    checkpointed; the pasted command prepares the folder again and continues."""
+    data, runs = copy_data(data_dir, tmp_path), tmp_path / "runs"
+    run = runs / "t"
+    argv = train_argv(data, runs, "train.max_steps=100000", "train.checkpoint_every=0",
+                      "train.log_every=1", "train.precision=fp32")
+    proc = subprocess.Popen(python_command("-m", "andrea", *argv), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").exists()
+                   and any(e.get("step", 0) >= 3 for e in train_events(run))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        shard = data / "train_000000.bin"
+        os.truncate(shard, shard.stat().st_size - 8192)  # as the issue's run was cut
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    line = assert_user_error(Result(proc.returncode, out, err), f"{shard}: token shard changed "
+                             "while the training read it (cut short to ")
+    done = max(e["step"] for e in train_events(run) if e["event"] == "train")
+    assert f"stopped after step {done}, checkpoint {run / f'step-{done:06d}'}; " in line
+    assert (run / "latest").read_text().strip() == f"step-{done:06d}"
+    end = train_events(run)[-1]
+    assert (end["event"], end["state"], end["checkpoint"]) == ("end", "stopped",
+                                                                 f"step-{done:06d}")
+    pasted = shlex.split(line.split("continue: ")[1].split(" (it names")[0])
+    assert pasted[:3] == ["andrea", "train", "--resume"]
+    again = andrea_main(*pasted[1:], "--no-progress", "--stop-after", "2", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"{shard}: token shard truncated: " in again.stdout
+    assert (run / "latest").read_text().strip() == f"step-{done + 2:06d}"
+
+
+@pytest.mark.parametrize("change, says", [
+    ("truncate", "cut short to "), ("rewrite", "rewritten in place: its modification time "
+                                               "moved"),
+    ("replace", "replaced by another file"), ("delete", "deleted"), ("grow", "grown to "),
+])
+def test_each_change_of_a_shard_read_is_named_at_the_next_batch(data_dir, tmp_path, change,
+                                                                 says):
+    """The checks a batch makes once read: the shard's inode, size and modification time as
+    when the split opened it. A same-size rewrite is seen by its modification time (one that
+    keeps it is not: a documented limit)."""
+    data = copy_data(data_dir, tmp_path)
+    split = loader.TokenSplit(data, "train")
+    args = dict(seed=0, step=0, micro_step=0, rank=0, accum_steps=1, world_size=1,
+                micro_batch_size=8, block_size=64)
+    loader.train_batch(split, **args)
+    shard = data / "train_000000.bin"
+    blob = shard.read_bytes()
+    if change == "truncate":
+        os.truncate(shard, len(blob) - 8192)
+    elif change == "rewrite":
+        before = shard.stat().st_mtime_ns
+        with open(shard, "r+b") as f:  # the same bytes: only the time says it was written
+            f.write(blob[:4096])
+        os.utime(shard, ns=(before + 1_000_000, before + 1_000_000))  # a coarse clock's tick
+    elif change == "replace":
+        (data / "other.bin").write_bytes(blob)
+        os.replace(data / "other.bin", shard)
+    elif change == "delete":
+        shard.unlink()
+    else:
+        with open(shard, "ab") as f:
+            f.write(b"\0\0")
+    with pytest.raises(ShardChanged, match=re.escape(f"{shard}: token shard changed while "
+                                                     f"andrea read it ({says}")) as caught:
+        loader.train_batch(split, **{**args, "step": 1})
+    assert caught.value.split == "train"
+
+
+def test_a_read_past_a_new_end_is_named_never_a_bus_error(data_dir, tmp_path):
+    """The race a check alone cannot close: the file cut short between the check and the
+    read. os.pread comes back short; np.memmap would have raised SIGBUS."""
+    data = copy_data(data_dir, tmp_path)
+    val = loader.TokenSplit(data, "val")
+    shard = data / "val_000000.bin"
+    os.truncate(shard, HEADER_BYTES + 1000)
+    with pytest.raises(ShardChanged, match=r"val_000000.bin: token shard changed while andrea "
+                                           r"read it \(cut short: a read at byte 1,256 found its "
+                                           r"end\)"):
+        val.tokens(0, 500, 1000)
+    with pytest.raises(ShardChanged, match=r"val_000000.bin: .*\(cut short to 1,256 bytes from "):
+        loader.window_batches(val, [(0, 0, 64)], 8)
+
+
+def test_windows_read_with_pread_are_the_shards_bytes(data_dir):
+    """Batches are what np.memmap read before, bit for bit (an exact resume depends on it)."""
+    split = loader.TokenSplit(data_dir, "train")
+    mapped = np.memmap(data_dir / "train_000000.bin", dtype="<u2", mode="r",
+                       offset=HEADER_BYTES)
+    for start in (0, 1, 12_345, len(mapped) - 65):
+        assert np.array_equal(split.tokens(0, start, 65), np.asarray(mapped[start:start + 65],
+                                                                     dtype=np.int64))
+
+
+@pytest.mark.parametrize("where", ["train", "val"])
+def test_a_stop_for_a_changed_shard_resumes_as_the_uninterrupted_run(
+        data_dir, tmp_path, monkeypatch, where):
+    """A train shard rewritten in place (its bytes the same, its time moved) during step 4's
+    second micro-batch: that step is dropped, step 3 checkpointed with the generator states
+    step 4 began with, so the resume equals the uninterrupted run exactly (dropout draws from
+    them). A val shard changed during step 2's evaluation: step 2 is complete and checkpointed."""
+    from test_train import tiny
+
+    from andrea.train import loop
+
+    sets = ("train.max_steps=6", "train.precision=fp32", "model.dropout=0.1",
+            "train.global_batch_tokens=1024", "train.eval_every=2", "train.eval_tokens=256")
+    whole = loop.train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    data = copy_data(data_dir, tmp_path)
+    cfg = tiny(tmp_path / "b", data, *sets)
+    shard = data / f"{where}_000000.bin"
+
+    def touch() -> None:
+        t = shard.stat().st_mtime_ns + 1_000_000
+        os.utime(shard, ns=(t, t))
+
+    real_batch, real_score = loop.train_batch, loop.score_val
+
+    def batch(*args, **kwargs):
+        if where == "train" and kwargs["step"] == 3 and kwargs["micro_step"] == 1:
+            touch()
+        return real_batch(*args, **kwargs)
+
+    def score(*args, **kwargs):
+        if where == "val" and not score.calls:
+            touch()
+        score.calls += 1
+        return real_score(*args, **kwargs)
+
+    score.calls = 0
+    monkeypatch.setattr(loop, "train_batch", batch)
+    monkeypatch.setattr(loop, "score_val", score)
+    first = loop.train(cfg, progress=False)
+    done = 3 if where == "train" else 2
+    assert (first.exit_code, first.state, first.steps) == (2, "stopped", done)
+    assert first.checkpoint == first.run_dir / f"step-{done:06d}"
+    assert first.message.startswith(f"{shard}: token shard changed while the training read it "
+                                    f"(rewritten in place")
+    monkeypatch.undo()
+    rest = loop.train(cfg, resume=str(first.run_dir), progress=False)
+    assert rest.steps == 6 and {**first.losses, **rest.losses} == whole.losses
+    assert rest.best_val_loss == whole.best_val_loss

@@ -26,8 +26,10 @@ def test_round_trip(tmp_path, vocab_size, itemsize):
     info = shards.read_header(path)
     assert (info.count, info.dtype.itemsize, info.identity) == (1001, itemsize, "gpt2:abc")
     got = shards.open_shard(path, "gpt2:abc")
-    assert isinstance(got, np.memmap)
+    assert isinstance(got, shards.ShardFile) and len(got) == 1001
     np.testing.assert_array_equal(got, tokens)
+    np.testing.assert_array_equal(got[10:20], tokens[10:20])
+    assert got[-1] == tokens[-1] and got.read(995, 100).tolist() == tokens[995:].tolist()
 
 
 def corrupt(path, offset, data):
@@ -61,7 +63,7 @@ def test_corruption_is_a_one_line_error_naming_the_file(tmp_path, damage, messag
 def test_wrong_tokenizer_identity(tmp_path):
     path = tmp_path / "s.bin"
     write(path, np.arange(10), 257, identity="byte:v1")
-    with pytest.raises(UserError, match="made with tokenizer byte:v1, expected gpt2"):
+    with pytest.raises(UserError, match="made with tokenizer byte:v1, manifest.json says gpt2"):
         shards.open_shard(path, "gpt2:196139668be63f3b")
 
 

@@ -162,3 +162,17 @@ def test_a_small_mixture_source_is_counted_and_warned_about_on_its_own(tmp_path)
     assert len(warnings) == 1 and warnings[0].startswith("warning: mixture source small.txt: ")
     records = [json.loads(x) for x in (tmp_path / "runs" / "r" / "metrics.jsonl").open()]
     assert any(r["event"] == "data_mixture" for r in records)
+
+
+def test_the_summary_line_counts_one_step_in_the_singular(tmp_path):
+    """Before: `finished: 1 steps`."""
+    from andrea.train.session import TrainResult
+
+    def line(steps: int) -> str:
+        return TrainResult(run_dir=tmp_path, steps=steps, tokens=512 * steps, seconds=1.0,
+                           state="finished", best_val_loss=None, best_val_step=None,
+                           last_val_loss=None, checkpoint=None).summary_line()
+
+    assert line(1).startswith("finished: 1 step, 512 tokens in 1.0 s;")
+    assert line(2).startswith("finished: 2 steps, 1,024 tokens")
+    assert line(1000).startswith("finished: 1,000 steps, 512,000 tokens")

@@ -39,6 +39,16 @@ def _suggest(
     return f"; {listing}: {', '.join(options)}" if listing else ""
 
 
+def _suggest_key(parts: list[str]) -> str:
+    """'; did you mean X?' for a dotted name that is no SECTION.KEY: a key its last part names
+    in its section (`train.optimzer.lr`: train.lr), else the closest key, else the closest
+    section."""
+    keys = [spec.dotted for spec in key_specs()]
+    if parts[0] in SECTIONS and len(parts) > 2 and f"{parts[0]}.{parts[-1]}" in keys:
+        return f"; did you mean '{parts[0]}.{parts[-1]}'?"
+    return _suggest(".".join(parts), keys) or _suggest(parts[0], SECTIONS)
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the field type `tp`; return it (ints widen to floats)."""
     origin = typing.get_origin(tp)
@@ -222,7 +232,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     if len(parts) != 2 or parts[0] not in SECTIONS:
         raise UserError(
             f"{origin}: '{dotted}' is not SECTION.KEY with SECTION one of {', '.join(SECTIONS)}"
-            f"{_suggest(parts[0], SECTIONS)}"
+            f"{_suggest_key(parts)}"
         )
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""

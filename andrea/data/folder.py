@@ -268,8 +268,9 @@ class FolderLock:
                 break
             os.close(fd)
         self._fd = fd
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        pid = f"{os.getpid()}\n".encode()
+        os.pwrite(fd, pid, 0)  # then cut to it: the file is never empty in between
+        os.ftruncate(fd, len(pid))
         return self
 
     def _take(self, fd: int, say: Callable[[str], None]) -> None:
@@ -290,9 +291,11 @@ class FolderLock:
                     raise FolderInUse(_readers_refusal(self.out, _readers(fd)),
                                       self.waited) from None
             if not self.waited:
-                holder = os.pread(fd, 32, 0).decode("ascii", "replace").split("\n")[0].strip()
-                say(f"{self.out}: another andrea process (pid {holder or '?'}) is preparing "
-                    "this folder; waiting for it to finish")
+                # Empty while the holder is between its lock and its pid's write.
+                pid = os.pread(fd, 32, 0).decode("ascii", "replace").split("\n")[0].strip()
+                holder = (f"another andrea process (pid {pid})" if pid.isdigit()
+                          else "another andrea process")
+                say(f"{self.out}: {holder} is preparing this folder; waiting for it to finish")
             self.waited = True
             time.sleep(WAIT_S)
 

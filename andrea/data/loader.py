@@ -45,7 +45,7 @@ import torch
 from andrea.config import register_choices
 from andrea.data import shards
 from andrea.data.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
-from andrea.data.shards import read_manifest
+from andrea.data.shards import MANIFEST, DamagedFolder, DamagedShard, ShardFile, read_manifest
 from andrea.data.tokenizer import load_tokenizer
 from andrea.data.verify import BackgroundCheck, range_problem, remedy
 from andrea.errors import UserError
@@ -59,7 +59,8 @@ SHARE_STEPS = 20_000
 
 
 class TokenSplit:
-    """One split ("train" | "val") of a prepared data dir: all its shards as np.memmap. It is
+    """One split ("train" | "val") of a prepared data dir: all its shards, each a ShardFile
+    (read with os.pread: a shard changed under the run is named, never a SIGBUS). It is
     a mixture of one source: `parts`, `names`, `weights` and `shard_ranges` describe its
     sources as a Mixture's do (itself, named by its folder, weight 1, every shard), and
     `draws_sources` is False: a window's source is not drawn, nor is a share reported."""
@@ -74,17 +75,16 @@ class TokenSplit:
         self.tokenizer_identity: str = manifest["tokenizer"]["identity"]
         self.vocab_size: int = manifest["tokenizer"]["vocab_size"]
         self.eot_id: int = manifest["tokenizer"]["eot_id"]
-        self.shards: list[np.ndarray] = []
+        self.shards: list[ShardFile] = []
         self.entries: list[dict] = manifest["shards"][split]  # file, tokens, checksum
         self.paths: list[Path] = [self.data_dir / e["file"] for e in self.entries]
         self.check: BackgroundCheck | None = None  # the checksums, once check_in_background
-        for entry in self.entries:
-            tokens = shards.open_shard(self.data_dir / entry["file"], self.tokenizer_identity)
+        self.read_since_check: set[int] = set()  # the shards check_unchanged looks at next
+        for path, entry in zip(self.paths, self.entries, strict=True):
+            tokens = shards.open_shard(path, self.tokenizer_identity, split)
             if len(tokens) != entry["tokens"]:
-                raise UserError(
-                    f"{self.data_dir / entry['file']}: {len(tokens)} tokens, manifest says "
-                    f"{entry['tokens']}; re-run `andrea prepare --force`"
-                )
+                raise DamagedShard(path, f"{len(tokens):,} tokens, {MANIFEST} says "
+                                         f"{entry['tokens']}")
             self.shards.append(tokens)
         self.shard_sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
         self.n_tokens: int = int(self.shard_sizes.sum())
@@ -128,12 +128,22 @@ class TokenSplit:
     def tokens(self, shard: int, start: int, length: int) -> np.ndarray:
         """`length` tokens of a shard from `start`, as int64, every id checked to be one the
         tokenizer has (on the host: an id out of range must never reach the embedding)."""
-        window = np.asarray(self.shards[shard][start : start + length], dtype=np.int64)
+        window = self.shards[shard].read(start, length).astype(np.int64)
+        self.read_since_check.add(shard)
         problem = range_problem(window, self.vocab_size, start)
         if problem is not None:
             path = self.paths[shard]
             raise UserError(f"{path}: {problem}; {remedy(path)}")
         return window
+
+    def check_unchanged(self) -> None:
+        """A ShardChanged when a shard read since the last check is no longer the file this
+        split opened (cut short, replaced, deleted, or its size or modification time moved):
+        one os.stat per shard a batch read. Called once a batch is read, so a batch is only
+        ever used when its shards were unchanged after it was read."""
+        for shard in sorted(self.read_since_check):
+            self.shards[shard].check_unchanged()
+        self.read_since_check.clear()
 
 
 class Mixture(TokenSplit):
@@ -162,6 +172,7 @@ class Mixture(TokenSplit):
         self.entries = [entry for part in splits for entry in part.entries]
         self.paths = [path for part in splits for path in part.paths]
         self.check = None
+        self.read_since_check = set()
         ends = np.cumsum([len(part.shards) for part in splits])
         self.shard_ranges = list(zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True))
         self.shard_sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
@@ -315,7 +326,9 @@ def train_batch(
     chosen = ORDERS[order].windows(split, seed, step, tokens_before, per_step, block_size)
     g = rank * accum_steps + micro_step
     mine = chosen[g * micro_batch_size : (g + 1) * micro_batch_size]
-    return _stack([split.window(i, cum, block_size, offset) for i, cum, offset in mine])
+    batch = _stack([split.window(i, cum, block_size, offset) for i, cum, offset in mine])
+    split.check_unchanged()
+    return batch
 
 
 # A step's windows: (number, cumulative window counts, offset) each.
@@ -393,12 +406,14 @@ def check_enough(split: TokenSplit, per_step: int, block_size: int) -> None:
 
 def _check_enough(split: TokenSplit, per_step: int, block_size: int, what: str) -> None:
     # The smallest count over all offsets, so the check does not depend on the step.
+    # A shard of n tokens holds (n - 2T) // T + 1 windows at the latest offset, T - 1.
     if split.fewest_windows(block_size) < per_step:
         raise UserError(
             f"{split.data_dir}: the {split.split} split{what} has {split.n_tokens:,} tokens, "
-            f"too few for one global batch of {per_step} windows of {block_size + 1} tokens "
-            f"(needs about {per_step * block_size + 2 * block_size:,} in a single shard); add "
-            "data or lower the batch size or block_size"
+            f"too few for one global batch of {per_step:,} windows of {block_size:,} tokens "
+            f"(block_size; each reads one more, its last target), which needs at least "
+            f"{(per_step + 1) * block_size:,} tokens in one shard; add data or lower the batch "
+            "size or block_size"
         )
 
 
@@ -451,6 +466,7 @@ def window_batches(
         group.append(split.tokens(shard, start, n + 1))
     if group:
         batches.append(_stack(group))
+    split.check_unchanged()
     return batches
 
 
@@ -459,8 +475,7 @@ def token_byte_lengths(split: TokenSplit) -> np.ndarray:
     bits per byte; the tokenizer is the one the shards name (a BPE from the data dir)."""
     tok = load_tokenizer(split.tokenizer_identity.split(":", 1)[0], split.data_dir)
     if tok.identity != split.tokenizer_identity:
-        raise UserError(
-            f"{split.data_dir}: shards tokenized with {split.tokenizer_identity}, but its "
-            f"tokenizer is {tok.identity}; re-run `andrea prepare --force`"
-        )
+        raise DamagedFolder(split.data_dir, f"shards tokenized with "
+                            f"{split.tokenizer_identity}, but its tokenizer is {tok.identity}",
+                            split.data_dir)
     return tok.token_byte_lengths()

@@ -132,8 +132,8 @@ def prepare_inputs(
             print(f"{out}: up to date (inputs unchanged; --force redoes it)")
         return out
     check_owned(out)  # before anything is written there, the lock file included
-    if not force:
-        check_same_request(out, settings)  # again under the lock: a prepare may be running
+    if not force:  # and again under the lock: a prepare may be running
+        check_same_request(out, settings, tokenizer_file)
     total = sum(d.size for d in docs)
     write = functools.partial(
         write_shards, out, docs, tokenizer, vocab_size, shard_tokens,
@@ -187,7 +187,7 @@ def _prepare_locked(
                 print(f"{out}: prepared by the other process meanwhile; using it", flush=True)
         else:
             check_owned(out)
-            resume = _start(out, settings, force, blob, verbose, announce)
+            resume = _start(out, settings, force, blob, announce, tokenizer_file)
             done = _written_bytes(out, resume)
             warn_if_short(out, estimate - done, settings["tokenizer_request"]["kind"],
                           resuming=resume is not None)
@@ -214,13 +214,13 @@ def _written_bytes(out: Path, resume: dict[str, Any] | None) -> int:
 
 
 def _start(
-    out: Path, settings: dict[str, Any], force: bool, blob: bytes | None, verbose: bool,
-    announce: str | None,
+    out: Path, settings: dict[str, Any], force: bool, blob: bytes | None, announce: str | None,
+    tokenizer_file: str,
 ) -> dict[str, Any] | None:
     """Under the lock, before the work: refuse another run's data (unless `force`), find the
     resume point, and leave the folder holding only what this prepare continues from."""
     if not force:
-        check_same_request(out, settings)
+        check_same_request(out, settings, tokenizer_file)
     resume = None if force else resume_point(out, settings)
     if resume is not None:  # write_shards says what it continues after
         remove_unlisted(out, {e["file"] for s in SPLITS for e in resume["shards"][s]})

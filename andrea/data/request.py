@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from andrea.data import shards
 from andrea.data.documents import SHAKESPEARE, SPLITS, Input, identity
 from andrea.data.folder import PROGRESS, is_andrea_folder, records
+from andrea.data.inputs import names_anything
 from andrea.data.readers import InputFile
 from andrea.data.shards import MANIFEST, MANIFEST_VERSION, DamagedShard, read_manifest
 from andrea.data.tokenizer import BPE_FILE, KINDS, load_tokenizer
@@ -161,9 +163,10 @@ def _unfinished_problem(out: Path, settings: dict[str, Any]) -> str:
     return "a shard it lists is missing or damaged, or its tokenizer changed"
 
 
-def check_same_request(out: Path, settings: dict[str, Any]) -> None:
+def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str = "") -> None:
     """A folder holding data (complete or not) prepared from another source or with other
-    settings is another run's: never rewritten without --force."""
+    settings is another run's: never rewritten without --force (`tokenizer_file`: the
+    tokenizer.json this request gives, for the command that would)."""
     for record in records(out):
         differ = [k for k in REQUEST_KEYS if _request(record, k) != _request(settings, k)]
         names = {i.get("name") for i in record.get("inputs") or [] if isinstance(i, dict)}
@@ -175,7 +178,7 @@ def check_same_request(out: Path, settings: dict[str, Any]) -> None:
                 f"{out}: holds {what} prepared with {_describe(record, differ)}, but this run "
                 f"asks for {_describe(settings, differ)}; andrea does not overwrite it: use "
                 "another data folder (--out / data.dir), or replace that data by hand with "
-                "`andrea prepare ... --force`"
+                f"`{shlex.join(prepare_argv(settings, out, tokenizer_file) + ['--force'])}`"
             )
 
 
@@ -205,3 +208,75 @@ def _describe(record: dict[str, Any], keys: list[str]) -> str:
         else:
             words.append(f"{key} {value}")
     return ", ".join(words)
+
+
+def prepare_argv(record: dict[str, Any], out: Path, tokenizer_file: str = "") -> list[str]:
+    """`andrea prepare` asking for what `record` (a manifest, a progress record's or a request's
+    settings) records, into `out`: its input, tokenizer, and each setting that differs from the
+    data section's default. A given tokenizer.json is `tokenizer_file`, else the one the record
+    names (`copied_from`) or the folder's copy, whichever still has the recorded content.
+    Raises KeyError or TypeError on a record that lacks what a prepare needs."""
+    from andrea.config import DataConfig
+
+    default, request = DataConfig(), record["tokenizer_request"]
+    kind = request["kind"]
+    argv = ["andrea", "prepare", "--input", str(record["source"]), "--tokenizer", kind]
+    if request.get("file_sha256"):
+        argv += ["--tokenizer-file", tokenizer_file or _tokenizer_file(record, out)]
+    elif KINDS[kind].trained:
+        argv += ["--vocab-size", str(int(request["vocab_size"]))]
+    argv += ["--out", str(out)]
+    if record["errors"] != default.errors:
+        argv += ["--errors", str(record["errors"])]
+    if record.get("text_field", default.text_field) != default.text_field:
+        argv += ["--text-field", str(record["text_field"])]
+    for key, value in (("val_fraction", record["split"]["val_fraction"]),
+                       ("shard_tokens", record["shard_tokens"])):
+        if value != getattr(default, key):
+            argv += ["--set", f"data.{key}={value}"]
+    return argv
+
+
+def _tokenizer_file(record: dict[str, Any], out: Path) -> str:
+    """The tokenizer.json a prepare of `record` was given: where it was copied from, or the
+    folder's copy, whichever still has the content the record's request names."""
+    want = record["tokenizer_request"]["file_sha256"]
+    named = str((record.get("tokenizer") or {}).get("copied_from") or "")
+    for path in filter(None, (named, str(out / BPE_FILE))):
+        try:
+            if hashlib.sha256(Path(path).read_bytes()).hexdigest() == want:
+                return path
+        except OSError:
+            continue
+    return named or str(out / BPE_FILE)
+
+
+def recorded_command(folder: Path) -> str | None:
+    """The command that prepares `folder` again from what it records (prepare_argv), quoted
+    for a shell and in backticks; without --force, so a folder whose shards alone are damaged
+    keeps its tokenizer and an interrupted prepare continues. It runs as printed from where
+    its input is (said when that is not here). None when the folder records nothing readable."""
+    found = records(folder)
+    try:
+        argv = prepare_argv(found[0], folder) if found else None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        argv = None
+    if argv is None:
+        return None
+    source = str(found[0]["source"])
+    where = ""
+    if source != SHAKESPEARE and not names_anything(source):
+        where = f" (from the folder its input {source} is relative to: it is not here)"
+    return f"`{shlex.join(argv)}`{where}"
+
+
+def prepare_again(folder: Path) -> str:
+    """How to prepare `folder` again, as the end of a one-line error: the command it records
+    (recorded_command), or, when it records nothing readable, what to do instead."""
+    command = recorded_command(folder)
+    if command is not None:
+        return f"prepare it again: {command}"
+    if not (folder / MANIFEST).exists():
+        return f"prepare text into it: andrea prepare --input PATH --out {shlex.quote(str(folder))}"
+    return ("its inputs are not recorded anywhere readable: prepare it again with the command "
+            "that made it, adding --force")

@@ -10,9 +10,11 @@
     32      224   tokenizer identity, UTF-8, NUL-padded
     256     ...   the tokens; the file is exactly 256 + count * bytes-per-token long
 
-Written to a temporary name and renamed when complete; read with np.memmap, never loaded whole.
-The manifest records each shard's CHECKSUM of its token bytes (everything after the header),
-computed as they are written (andrea/data/verify.py checks them).
+Written to a temporary name and renamed when complete; read window by window with os.pread
+(`ShardFile`), never loaded whole and never mapped: a mapped file cut short under a reader kills
+it with SIGBUS, where a read just comes back short and is named (`ShardChanged`). The manifest
+records each shard's CHECKSUM of its token bytes (everything after the header), computed as they
+are written (andrea/data/verify.py checks them).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -70,12 +73,47 @@ def pack_header(count: int, itemsize: int, identity: str) -> bytes:
     return fixed + ident.ljust(HEADER_BYTES - len(fixed), b"\0")
 
 
-class DamagedShard(UserError):
+class DamagedFolder(UserError):
+    """A prepared folder that is not as prepare left it: `what` is wrong with `path` (the
+    folder's manifest, or one of its shards). Its message ends with how to prepare the folder
+    again, built from what the folder records (data.request.prepare_again)."""
+
+    def __init__(self, path: Path, what: str, folder: Path | None = None) -> None:
+        super().__init__(path, what)
+        self.path, self.what = Path(path), what
+        self.folder = Path(folder) if folder is not None else self.path.parent
+
+    def __str__(self) -> str:
+        from andrea.data.request import prepare_again  # it reads manifests through here
+
+        return f"{self.path}: {self.what}; {prepare_again(self.folder)}"
+
+
+class DamagedShard(DamagedFolder):
     """A shard file that is not what prepare wrote: `what` is wrong with `path`."""
 
-    def __init__(self, path: Path, what: str, remedy: str = "re-run `andrea prepare --force`"):
-        super().__init__(f"{path}: {what}; {remedy}")
-        self.path, self.what = path, what
+
+class ShardChanged(UserError):
+    """A shard that changed on disk while this process read it (cut short, replaced, deleted or
+    rewritten in place): `what` changed, in words; `split`, the split it belongs to."""
+
+    def __init__(self, path: Path, what: str, split: str) -> None:
+        super().__init__(f"{path}: token shard changed while andrea read it ({what}); once "
+                         f"nothing writes {path.parent}, run the command again")
+        self.path, self.what, self.split = path, what, split
+
+    def training_line(self, step: int, checkpoint: Path | None, run_dir: Path) -> str:
+        """The one line of a training this stopped, its last completed step `step` saved as
+        `checkpoint` (None: no step completed): what changed and the command that goes on."""
+        head = f"{self.path}: token shard changed while the training read it ({self.what})"
+        wait = f"once nothing writes {self.path.parent}"
+        if checkpoint is None:
+            start = shlex.join(["andrea", "train", "--config", str(run_dir / "config.yaml")])
+            return (f"{head}; stopped before a step completed, no checkpoint written; {wait}, "
+                    f"start again: {start}")
+        resume = shlex.join(["andrea", "train", "--resume", str(run_dir)])
+        return (f"{head}; stopped after step {step}, checkpoint {checkpoint}; {wait}, continue: "
+                f"{resume} (it names a damaged shard, or prepares the folder again, first)")
 
 
 def crc32_text(value: int) -> str:
@@ -96,11 +134,16 @@ def read_header(path: Path) -> ShardInfo:
     try:
         with open(path, "rb") as f:
             head = f.read(HEADER_BYTES)
-        size = path.stat().st_size
+            size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         raise DamagedShard(path, "token shard missing") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read token shard: {exc.strerror}") from None
+    return parse_header(path, head, size)
+
+
+def parse_header(path: Path, head: bytes, size: int) -> ShardInfo:
+    """The header `head` of the shard `path`, `size` bytes long, checked (read_header)."""
     if len(head) < HEADER_BYTES:
         raise DamagedShard(path, f"not a token shard (shorter than its {HEADER_BYTES}-byte "
                                  "header)")
@@ -124,17 +167,105 @@ def read_header(path: Path) -> ShardInfo:
     return ShardInfo(path, count, DTYPES[itemsize], identity)
 
 
-def open_shard(path: Path, identity: str | None = None) -> np.memmap | np.ndarray:
-    """The shard's tokens as a read-only memmap, after checking the header (and identity)."""
-    info = read_header(path)
-    if identity is not None and info.identity != identity:
-        raise UserError(
-            f"{path}: shard was made with tokenizer {info.identity}, expected {identity}; "
-            "re-run `andrea prepare --force`"
-        )
-    if info.count == 0:  # np.memmap refuses empty maps
-        return np.zeros(0, dtype=info.dtype)
-    return np.memmap(path, dtype=info.dtype, mode="r", offset=HEADER_BYTES, shape=(info.count,))
+def open_shard(path: Path, identity: str | None = None, split: str = "") -> ShardFile:
+    """The shard's tokens (a ShardFile), after checking the header (and identity)."""
+    shard = ShardFile(path, split)
+    if identity is not None and shard.identity != identity:
+        shard.close()
+        raise DamagedShard(path, f"made with tokenizer {shard.identity}, {MANIFEST} says "
+                                 f"{identity}")
+    return shard
+
+
+# What says a file is still the one a reader opened: its inode, size and modification time.
+FileState = tuple[int, int, int]
+
+
+def file_state(st: os.stat_result) -> FileState:
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class ShardFile:
+    """One shard's tokens, read with os.pread on the descriptor opened with it (as np.memmap
+    held one), checked (`check_unchanged`) against what the file was when opened. A read that
+    comes back short (the file cut short meanwhile) is a ShardChanged, never a SIGBUS; so is a
+    file replaced, deleted, or rewritten in place (its size or modification time moved). A
+    rewrite that keeps the modification time is not seen (by this check: the training's
+    checksums may still find it). `len()`, an index or a slice (`shard[a:b]`, read at once) and
+    np.asarray (the whole shard) read it as an array would."""
+
+    def __init__(self, path: Path, split: str = "") -> None:
+        self.path, self.split = Path(path), split
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise DamagedShard(self.path, "token shard missing") from None
+        except OSError as exc:
+            raise UserError(f"{path}: cannot read token shard: {exc.strerror}") from None
+        try:
+            st = os.fstat(self._fd)
+            info = parse_header(self.path, os.pread(self._fd, HEADER_BYTES, 0), st.st_size)
+        except BaseException:
+            self.close()
+            raise
+        self.opened: FileState = file_state(st)
+        self.count, self.dtype, self.identity = info.count, info.dtype, info.identity
+
+    def __len__(self) -> int:
+        return self.count
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the shard (fewer past its end), in its dtype."""
+        start, stop = min(max(start, 0), self.count), min(max(start + length, 0), self.count)
+        want = (stop - start) * self.dtype.itemsize
+        offset = HEADER_BYTES + start * self.dtype.itemsize
+        blob = b""
+        while len(blob) < want:  # a regular file reads whole unless it ends first
+            chunk = os.pread(self._fd, want - len(blob), offset + len(blob))  # type: ignore[arg-type]
+            if not chunk:
+                self.changed(f"cut short: a read at byte {offset + len(blob):,} found its end")
+            blob += chunk
+        return np.frombuffer(blob, dtype=self.dtype)
+
+    def check_unchanged(self) -> None:
+        """Raise ShardChanged when the file at the shard's path is no longer the one opened."""
+        try:
+            now = file_state(os.stat(self.path))
+        except FileNotFoundError:
+            self.changed("deleted")
+        if now == self.opened:
+            return
+        ino, size, mtime = self.opened
+        if now[0] != ino:
+            self.changed("replaced by another file")
+        if now[1] != size:
+            self.changed(f"{'cut short' if now[1] < size else 'grown'} to {now[1]:,} bytes from "
+                         f"{size:,}")
+        self.changed("rewritten in place: its modification time moved")
+
+    def changed(self, what: str) -> NoReturn:
+        raise ShardChanged(self.path, what, self.split)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.count)
+            return self.read(start, max(0, stop - start))[::step]
+        if not -self.count <= index < self.count:
+            raise IndexError(f"token {index} of a shard of {self.count}")
+        return self.read(index % self.count, 1)[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        tokens = self.read(0, self.count)
+        return tokens if dtype is None else tokens.astype(dtype)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class ShardWriter:
@@ -179,17 +310,14 @@ class ShardWriter:
 def read_manifest(data_dir: Path) -> dict[str, Any]:
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
-        raise UserError(
-            f"{data_dir}: no prepared data here ({MANIFEST} missing); run `andrea prepare`"
-        )
+        raise DamagedFolder(data_dir, f"no prepared data here ({MANIFEST} missing)", data_dir)
     try:
         manifest = json.loads(path.read_text("utf-8"))
         if not isinstance(manifest, dict):
             raise ValueError(f"a JSON {type(manifest).__name__}, not an object")
     except (OSError, ValueError) as exc:
-        raise UserError(
-            f"{path}: unreadable manifest ({exc}); re-run `andrea prepare --force`"
-        ) from None
+        raise DamagedFolder(path, f"unreadable manifest ({exc})") from None
     if manifest.get("manifest_version") != MANIFEST_VERSION:
-        raise UserError(f"{path}: manifest version differs; re-run `andrea prepare --force`")
+        raise DamagedFolder(path, f"manifest version {manifest.get('manifest_version')}, this "
+                                  f"andrea reads {MANIFEST_VERSION}")
     return manifest

@@ -10,6 +10,7 @@ the embedding even before a shard's checksum is known.
 
 from __future__ import annotations
 
+import shlex
 import threading
 import time
 import zlib
@@ -18,11 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from andrea.data.request import prepare_argv, recorded_command
 from andrea.data.shards import (
     CHECKSUM,
     HEADER_BYTES,
     MANIFEST,
     SPLITS,
+    DamagedFolder,
     DamagedShard,
     crc32_text,
     open_shard,
@@ -37,9 +40,16 @@ READ_BYTES = 8 << 20  # a shard is hashed in reads of this size (zlib and reads 
 
 def remedy(path: Path) -> str:
     """How to go on from a damaged shard: a folder with a shard missing is prepared anew, from
-    the same inputs, by whatever prepares it next (data.prepare.stale_line)."""
-    return (f"delete it (`rm {path}`) and run again: andrea prepares {path.parent} anew from "
-            "the same inputs, keeping its tokenizer (a training continues with --resume)")
+    the same inputs, keeping its tokenizer, by whatever prepares it next (request.stale): the
+    command it records, or a training run again."""
+    return (f"delete it (`rm {shlex.quote(str(path))}`) and prepare {path.parent} again from "
+            f"the same inputs, keeping its tokenizer: {again(path.parent)} (a training's own "
+            "command, run again, does the same; --resume continues it)")
+
+
+def again(folder: Path) -> str:
+    """The command that prepares `folder` again (request.recorded_command), or words for it."""
+    return recorded_command(folder) or "the command that prepared it"
 
 
 def token_crc32(path: Path) -> str:
@@ -115,8 +125,7 @@ def verify_folder(data_dir: Path) -> str:
         entries = [e for s in SPLITS for e in manifest["shards"][s]]
         paths = [data_dir / Path(e["file"]).name for e in entries]
     except (KeyError, TypeError) as exc:
-        raise UserError(f"{data_dir / MANIFEST}: unreadable manifest (no {exc}); re-run "
-                        "`andrea prepare --force`") from None
+        raise DamagedFolder(data_dir / MANIFEST, f"unreadable manifest (no {exc})") from None
     damaged = []
     for path, entry in zip(paths, entries, strict=True):
         problem = shard_problem(path, entry, identity, vocab_size)
@@ -126,15 +135,25 @@ def verify_folder(data_dir: Path) -> str:
     if damaged:
         raise UserError(
             f"{data_dir}: {len(damaged)} of {len(entries)} shards damaged; delete them "
-            f"(`rm {' '.join(str(p) for p in damaged[:3])}{' ...' if len(damaged) > 3 else ''}`"
-            ") and run again the command that prepared it: andrea prepares the folder anew "
-            "from the same inputs, keeping its tokenizer")
+            f"(`{shlex.join(['rm', *map(str, damaged)])}`) and prepare the folder again from "
+            f"the same inputs, keeping its tokenizer: {again(data_dir)}")
     size = sum(p.stat().st_size for p in paths)
     how = (f"{CHECKSUM} checksums match" if all("checksum" in e for e in entries) else
            "no checksums recorded (prepared before they were): headers, sizes and ids "
-           "checked; `andrea prepare --force` records them")
+           f"checked; {record_checksums(data_dir, manifest)} records them")
     return (f"{data_dir}: {len(entries)} shards ({size_text(size)}) intact, {how} "
             f"({time.perf_counter() - t0:.1f} s)")
+
+
+def record_checksums(data_dir: Path, manifest: dict[str, Any]) -> str:
+    """The command that prepares an old folder again, recording checksums: its own with
+    --force (which, for a trained BPE, trains it again)."""
+    try:
+        argv = prepare_argv(manifest, data_dir) + ["--force"]
+        trained = manifest["tokenizer_request"].get("vocab_size") is not None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "preparing it again with --force"
+    return f"`{shlex.join(argv)}`" + (" (with a BPE trained again)" if trained else "")
 
 
 def verify_command(data_dir: str, alone: bool = True) -> str:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from andrea import faults
 from andrea.config import Config
 from andrea.data.loader import train_batch, wait_checked
+from andrea.data.shards import ShardChanged
 from andrea.errors import UserError
 from andrea.train.checkpoint_room import DiskFull
 from andrea.train.collectives import all_reduce_sum, barrier
@@ -137,6 +138,8 @@ def run_training(
                         break
         except (NonFiniteError, DiskFull) as exc:
             state, exit_code, message = stopped_outcome(s, exc)
+        except ShardChanged as exc:
+            state, exit_code, message = shard_changed_outcome(s, exc, rng_before_step)
         finally:
             bar.close()
         if signals.received is not None and exit_code == 0 and s.step < t.max_steps:
@@ -164,6 +167,12 @@ def failures_recorded(s: Session) -> Iterator[None]:
     try:
         yield
     except (NonFiniteError, DiskFull):  # the loop's own stops: it records their end
+        raise
+    except ShardChanged as exc:
+        if not s.dist.enabled:  # one process checkpoints and records it (shard_changed_outcome)
+            raise
+        s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None, state="stopped",
+                    message=str(exc))
         raise
     except RunLost:  # the run is no longer this training's: nothing more is written there
         raise
@@ -478,6 +487,24 @@ def stopped_outcome(s: Session, exc: NonFiniteError | DiskFull) -> tuple[str, in
     message = (f"{exc}; nothing was written over the last good checkpoint ({s.checkpoint})"
                if s.checkpoint else f"{exc}; no checkpoint had been written yet")
     return "nonfinite", 1, message
+
+
+def shard_changed_outcome(
+    s: Session, exc: ShardChanged, rng_before_step: dict[str, torch.Tensor]
+) -> tuple[str, int, str]:
+    """(state, exit code, message) of a run stopped by a shard that changed under it, after
+    checkpointing its last completed step: a train shard is read inside a step, which is
+    dropped as a signal drops it (checkpointed with the generator states it began with), a val
+    shard in an evaluation after its step. Under torchrun the other ranks are inside the step:
+    this rank stops with the data layer's line and they as for a lost rank."""
+    if s.dist.enabled:
+        raise exc
+    s.optimizer.zero_grad(set_to_none=True)
+    try:
+        save_checkpoint(s, rng_before_step if exc.split == "train" else local_rng_states(s.device))
+    except UserError as damaged:  # the checksums found a shard damaged: no checkpoint from it
+        return "stopped", UserError.exit_code, str(damaged)
+    return "stopped", UserError.exit_code, exc.training_line(s.step, s.checkpoint, s.run_dir)
 
 
 def interrupted_outcome(s: Session) -> tuple[str, int, str]:

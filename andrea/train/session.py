@@ -64,7 +64,8 @@ class TrainResult:
         )
         where = f"checkpoint {self.checkpoint}" if self.checkpoint else "no checkpoint"
         return (
-            f"{self.state}: {self.steps} steps, {self.tokens:,} tokens in "
+            f"{self.state}: {self.steps:,} step{'' if self.steps == 1 else 's'}, "
+            f"{self.tokens:,} tokens in "
             f"{self.seconds:.1f} s; {best}; {where}"
         )
 

@@ -546,7 +546,8 @@ def announce(
     s.say(f"attention: {backend} ({why})")
     s.say(compile_line)
     for key, (old, new) in changes.items():
-        s.say(f"resume: {key} {old} -> {new}")
+        if not any(line.startswith(f"resume: {key} ") for line in schedule_lines):
+            s.say(f"resume: {key} {old} -> {new}")  # else the schedule's line says it
     resharding = (s.parallel.resharding_line(trainer_state) if trainer_state is not None
                   else None)
     for line in s.parallel.lines() + ([resharding] if resharding else []) + schedule_lines:
