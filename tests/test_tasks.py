@@ -237,9 +237,10 @@ def test_several_checkpoints_in_one_table(tmp_path, trained_tiny):
               "--task", "hellaswag", hs)
     proc = andrea_main("eval", "--checkpoint", str(run), "--all-steps", *common)
     assert proc.returncode == 0, proc.stderr
-    header, *rows = proc.stdout.splitlines()
+    header, *rows, val_set = proc.stdout.splitlines()
     assert header.split()[:4] == ["CHECKPOINT", "STEP", "VAL", "LOSS"]
     assert "hellaswag (hs.jsonl) ACC / NORM" in header
+    assert val_set.startswith("VAL LOSS: on ")  # which val set the column is
     assert [r.split()[:2] for r in rows] == [[str(run / "step-000020"), "20"],
                                              [str(run / "step-000040"), "40"]]
     settings = EvalSettings(max_tokens=256, precision="fp32", progress=False)

@@ -303,7 +303,7 @@ def test_an_overwrite_refused_by_the_data_size_keeps_the_old_run(tmp_path):
     refused = andrea_main("train", "-c", "andrea-tiny", *[a for x in sets for a in ("--set", x)],
                           "--overwrite", "--set", "model.block_size=9000", "--no-progress")
     assert_user_error(refused, f"{data}: the train split has 74,603 tokens, too few for one "
-                               f"global batch of 8 windows of 9001 tokens")
+                               f"global batch of 8 windows of 9,000 tokens")
     assert "deleting" not in refused.stdout, refused.stdout
     assert run_files(run_dir) == before  # checkpoint, latest, metrics, config: untouched
 

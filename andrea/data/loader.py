@@ -43,7 +43,10 @@ import numpy as np
 import torch
 
 from andrea.config import register_choices
-from andrea.data import shards
+from andrea.data import (
+    request,  # noqa: F401  (shards' prepare_again: a damaged folder's message)
+    shards,
+)
 from andrea.data.prepare import SPLITS, check_one_tokenizer, data_dir_for, source_dirs
 from andrea.data.shards import MANIFEST, DamagedFolder, DamagedShard, ShardFile, read_manifest
 from andrea.data.tokenizer import load_tokenizer

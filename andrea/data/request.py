@@ -280,3 +280,6 @@ def prepare_again(folder: Path) -> str:
         return f"prepare text into it: andrea prepare --input PATH --out {shlex.quote(str(folder))}"
     return ("its inputs are not recorded anywhere readable: prepare it again with the command "
             "that made it, adding --force")
+
+
+shards.prepare_again = prepare_again  # DamagedFolder's messages end with it

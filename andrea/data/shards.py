@@ -25,6 +25,7 @@ import re
 import shlex
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -84,9 +85,17 @@ class DamagedFolder(UserError):
         self.folder = Path(folder) if folder is not None else self.path.parent
 
     def __str__(self) -> str:
-        from andrea.data.request import prepare_again  # it reads manifests through here
-
         return f"{self.path}: {self.what}; {prepare_again(self.folder)}"
+
+
+def _prepare_again_unknown(folder: Path) -> str:
+    return f"prepare {folder} again with the command that made it, adding --force"
+
+
+# How to prepare a folder again, the end of DamagedFolder's message: data.request's
+# prepare_again, which sets itself here when imported (it reads manifests through this module,
+# so this module may not import it; data.loader imports it for every reader of shards).
+prepare_again: Callable[[Path], str] = _prepare_again_unknown
 
 
 class DamagedShard(DamagedFolder):
