@@ -80,7 +80,7 @@ class DamagedFolder(UserError):
     again, built from what the folder records (data.request.prepare_again)."""
 
     def __init__(self, path: Path, what: str, folder: Path | None = None) -> None:
-        super().__init__(path, what)
+        super().__init__(path, what, folder)  # all three: it pickles (a worker's error)
         self.path, self.what = Path(path), what
         self.folder = Path(folder) if folder is not None else self.path.parent
 
@@ -107,9 +107,12 @@ class ShardChanged(UserError):
     rewritten in place): `what` changed, in words; `split`, the split it belongs to."""
 
     def __init__(self, path: Path, what: str, split: str) -> None:
-        super().__init__(f"{path}: token shard changed while andrea read it ({what}); once "
-                         f"nothing writes {path.parent}, run the command again")
-        self.path, self.what, self.split = path, what, split
+        super().__init__(path, what, split)  # all three: it pickles
+        self.path, self.what, self.split = Path(path), what, split
+
+    def __str__(self) -> str:
+        return (f"{self.path}: token shard changed while andrea read it ({self.what}); once "
+                f"nothing writes {self.path.parent}, run the command again")
 
     def training_line(self, step: int, checkpoint: Path | None, run_dir: Path) -> str:
         """The one line of a training this stopped, its last completed step `step` saved as
