@@ -470,10 +470,7 @@ def two_writers(b: Bench) -> Row:
     """`--resume auto` on a run another `andrea train` is writing (held mid-run by a slow
     checkpoint write): refused; the first run goes on as if alone."""
     ref, name = b.reference(), "writers"
-    proc = b.start(*b.train_args(name), fault="checkpoint-delay@8")
-    collect(proc.stdout), collect(proc.stderr)  # drained, so that it never blocks on a pipe
-    run = b.runs / name
-    wait_until(lambda: (run / "latest").exists(), proc)
+    proc, run = held_run(b, name)
     second = [a for a in b.train_args(name) if a != "--overwrite"] + ["--resume", "auto"]
     began = time.time()
     r = b.andrea(*second)
