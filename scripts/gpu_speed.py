@@ -12,21 +12,27 @@ Parts, each a process of its own under a budget (cut to what is left of RUN_BUDG
 after the other so that none slows another; the table printed last (and OUTDIR/speed.json):
 
   reference    scripts/reference_gpt.py: the plain nanoGPT-style loop, compiled (the yardstick)
-  120m-eager   andrea train, ANDREA-120M at 16 x 1024 x 4 micro-batches, train.compile=false
-  120m         the same at the defaults (train.compile auto: compiled), inductor's cache empty
+  120m         andrea train, ANDREA-120M at 16 x 1024 x 4 micro-batches at the defaults
+               (train.compile auto: compiled), inductor's cache empty
   120m-warm    the same again, the cache filled by 120m: the second run's compile
-  120m-auto    the preset's own micro-batch choice (auto) at the same 65,536 tokens a step
-  12m-eager    ANDREA-12M's whole preset run (550 steps), train.compile=false
-  12m          the same at the defaults (compiled)
-  12m-graphs   the same compiled with mode reduce-overhead (CUDA graphs), cache from 12m
-  ddp, fsdp    ANDREA-12M for 8 steps under `torchrun --nproc-per-node 1` with a process group
-               of one (ANDREA_PROCESS_GROUP_OF_ONE=1: NCCL), ddp; then fsdp resuming it to 16
-  120m-plain   as 120m-warm, the loss unchunked inside the compiled graph (F.cross_entropy on
-               the whole logits, as the reference): what the chunked loss costs
+  12m          ANDREA-12M's whole preset run (550 steps) at the defaults (compiled)
   resume       ANDREA-12M compiled (the default on a GPU): 16 steps straight, and 8 steps then
                resumed to 16, each a process of its own, the resume after a change of window
                length (step 5); every step's loss and gradient norm must be the same bit for
                bit (the exact-resume promise, under compile, on the GPU)
+  120m-eager   as 120m with train.compile=false
+  12m-eager    as 12m with train.compile=false
+  ddp, fsdp    ANDREA-12M for 8 steps under `torchrun --nproc-per-node 1` with a process group
+               of one (ANDREA_PROCESS_GROUP_OF_ONE=1: NCCL), ddp; then fsdp resuming it to 16
+  12m-graphs   as 12m compiled with mode reduce-overhead (CUDA graphs), cache from 12m
+  120m-auto    the preset's own micro-batch choice (auto) at the same 65,536 tokens a step
+  120m-plain   as 120m-warm, the loss unchunked inside the compiled graph (F.cross_entropy on
+               the whole logits, as the reference): what the chunked loss costs
+
+In that order, what decides most first, so that a slow machine or a smaller `--budget` (seconds
+past which no part starts or runs; RUN_BUDGET_S by default) leaves out the least. With the
+kernel tuner in the same device call, for example: `--budget 318`, then
+`scripts/gpu_tune_attention.py --budget 208`, in one call of 585 s.
 
 A run's tokens/s is the median of its steps' own figures after the first four (as the
 reference's), beside the run's figure (warm-up steps left out, docs/metrics.md); the compile is
@@ -53,16 +59,14 @@ STEPS_120M = 16
 BATCH_120M = ("train.micro_batch_size=16", "train.global_batch_tokens=65536")
 QUIET = ("train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=1", "train.log_every=1")
 
-# name, budget s, what
-# In the order of what decides most, so that a slow machine leaves out the least.
-PARTS: list[tuple[str, int]] = [
-    ("reference", 60), ("120m", 80), ("120m-eager", 40), ("120m-warm", 40), ("12m", 90),
-    ("12m-eager", 45), ("ddp", 30), ("fsdp", 30), ("120m-auto", 40), ("12m-graphs", 80),
-    ("120m-plain", 60),
-]
-# The exact-resume check runs before the optional parts: it decides whether compiling by
+# name, budget s; in the order of the docstring's list.
+# The exact-resume check comes right after the first 12M run: it decides whether compiling by
 # default keeps the promise.
-PARTS.insert(PARTS.index(("ddp", 30)), ("resume", 75))
+PARTS: list[tuple[str, int]] = [
+    ("reference", 60), ("120m", 80), ("120m-warm", 40), ("12m", 90), ("resume", 75),
+    ("120m-eager", 40), ("12m-eager", 45), ("ddp", 30), ("fsdp", 30), ("12m-graphs", 80),
+    ("120m-auto", 40), ("120m-plain", 60),
+]
 RESUME_STEPS = 16
 
 
@@ -210,7 +214,7 @@ def install_wheels(work: Path, outdir: Path) -> str:
     return os.pathsep.join([str(REPO), str(site), os.environ.get("PYTHONPATH", "")])
 
 
-def run_parts(outdir: Path, dry: bool) -> int:
+def run_parts(outdir: Path, dry: bool, run_budget: float = RUN_BUDGET_S) -> int:
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="andrea-gpu-speed-"))
     pythonpath = install_wheels(work, outdir)
@@ -229,7 +233,7 @@ def run_parts(outdir: Path, dry: bool) -> int:
         shell=True, capture_output=True, text=True).stdout.strip()
     print(json.dumps(environment), flush=True)
     for name, budget in PARTS:
-        left = RUN_BUDGET_S - (time.monotonic() - start)
+        left = run_budget - (time.monotonic() - start)
         limit = int(min(budget, left))
         if limit < 5:
             rows.append((name, "not run: the run's budget is spent", None))
@@ -287,6 +291,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outdir", nargs="?")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--budget", type=float, default=RUN_BUDGET_S,
+                        help=f"seconds past which no part starts or runs (default {RUN_BUDGET_S})")
     parser.add_argument("--run-andrea", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--resume-check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
@@ -307,7 +313,7 @@ def main() -> int:
         parser.error("give OUTDIR")
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    return run_parts(outdir.resolve(), args.dry_run)
+    return run_parts(outdir.resolve(), args.dry_run, args.budget)
 
 
 if __name__ == "__main__":
