@@ -110,8 +110,8 @@ def set_up(
     check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist, run_dir, resume_from)
     precision = choose_precision(t.precision, device)
-    backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
     dtype = precision.dtype
+    backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device, dtype)
     model, optimizer, names = build_model(cfg, device, parallel, dtype, backend)
     s = Session(
         cfg=cfg, device=device, dtype=dtype, run_dir=run_dir, model=model, optimizer=optimizer,
