@@ -218,3 +218,10 @@ def resolve_backend(
     backend, why = BACKENDS[requested].resolve(head_dim, device, dtype)
     return backend.name, why
 
+
+def recorded_backend_problem(name: str, head_dim: int, device: torch.device) -> str | None:
+    """Why the backend a checkpoint recorded as having run (`name`) cannot run here, or None."""
+    backend = BACKENDS.get(name)
+    if backend is None or backend.picks_another:
+        return f"{name} is not a backend of this andrea"
+    return backend.unavailable(head_dim, device)
