@@ -160,7 +160,7 @@ def evaluate_one(ckpt: Path, settings: EvalSettings) -> EvalResult:
 
     dev = pick_device(settings.device)
     dtype = pick_dtype(settings.precision, dev)
-    opened = open_trained(ckpt, dev)
+    opened = open_trained(ckpt, dev, dtype=dtype)
     result = EvalResult(checkpoint=str(ckpt), step=step_of_dir(ckpt), split=settings.split,
                         precision=str(dtype).removeprefix("torch."), device=str(dev))
     if settings.val:

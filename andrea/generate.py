@@ -231,8 +231,9 @@ def generate_command(
         raise UserError("give --prompt TEXT or --prompt-ids IDS, not both")
     ckpt = find_checkpoint(checkpoint, use="andrea generate --checkpoint {}")
     dev = pick_device(device)
-    opened = open_trained(ckpt, dev, prepare_missing=True)
-    model = opened.model.to(pick_dtype(precision, dev))  # bf16: bf16 weights and cache
+    dtype = pick_dtype(precision, dev)
+    opened = open_trained(ckpt, dev, prepare_missing=True, dtype=dtype)
+    model = opened.model.to(dtype)  # bf16: bf16 weights and cache
     tok, block_size = opened.tokenizer, opened.cfg.model.block_size
     n_valid = min(tok.vocab_size, opened.cfg.model.vocab_size)
     ids = _prompt_tokens(tok, prompt, prompt_ids, n_valid, block_size)

@@ -107,14 +107,16 @@ def latest_problem(run: Path, name: str | None) -> str | None:
 
 
 def load_model(
-    ckpt: Path, device: torch.device | str = "cpu"
+    ckpt: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[Andrea, Config, dict[str, str]]:
-    """The checkpoint's model in eval mode on `device` (float32 weights), config, metadata."""
+    """The checkpoint's model in eval mode on `device` (float32 weights), config, metadata;
+    `dtype`: what it will compute in (autocast, or weights cast), which `auto` picks its
+    attention by."""
     tensors, cfg, metadata = ckpt_io.read_model_checkpoint(ckpt)
     device = torch.device(device)
     # The CUDA kernels only where there is a GPU: a GPU-trained checkpoint still runs on a CPU.
     requested = cfg.model.attention if device.type == "cuda" else "auto"
-    backend, _ = resolve_backend(requested, cfg.model.head_dim, device)
+    backend, _ = resolve_backend(requested, cfg.model.head_dim, device, dtype)
     model = Andrea(cfg.model, attention_backend=backend)
     ckpt_io.load_weights(model, tensors, ckpt / MODEL_FILE)
     return model.to(device).eval(), cfg, metadata
@@ -196,11 +198,13 @@ class TrainedModel:
 
 
 def open_trained(
-    ckpt: Path, device: torch.device | str = "cpu", prepare_missing: bool = False
+    ckpt: Path, device: torch.device | str = "cpu", prepare_missing: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> TrainedModel:
-    """The model of a checkpoint folder (see find_checkpoint) on `device`, and its tokenizer
-    (found, or with `prepare_missing` made from the run's config: tokenizer_for_checkpoint)."""
-    model, cfg, metadata = load_model(ckpt, device)
+    """The model of a checkpoint folder (see find_checkpoint) on `device`, to compute in
+    `dtype` (load_model), and its tokenizer (found, or with `prepare_missing` made from the
+    run's config: tokenizer_for_checkpoint)."""
+    model, cfg, metadata = load_model(ckpt, device, dtype)
     tok = tokenizer_for_checkpoint(ckpt, cfg, metadata, prepare_missing=prepare_missing)
     return TrainedModel(ckpt, model, cfg, metadata, tok)
 

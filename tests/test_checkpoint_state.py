@@ -82,10 +82,13 @@ def test_a_trainer_state_of_a_step_alone_reads_each_absent_key_as_declared():
     meant before TrainerState's fields declared it (data_position: the step)."""
     state = TrainerState.from_dict({"step": 5, "unknown": 1})
     assert state == TrainerState(step=5, tokens=0, data_position=5, world_size=1, seed=0)
-    assert list(state.to_dict()) == [
+    assert list(state.to_dict()) == [  # attention once recorded; loss_scaling: fp16's only
         "step", "tokens", "data_position", "best_val_loss", "best_val_step", "skipped_steps",
         "world_size", "seed", "preset", "micro_batch_size", "parallel", "tokens_per_step",
-        "device", "max_steps", "schedule_anchor", "spike_guard"]  # loss_scaling: fp16's only
+        "device", "max_steps", "schedule_anchor", "spike_guard"]
+    assert state.attention is None  # not recorded: model.attention resolves afresh
+    recorded = list(TrainerState(step=1, attention="sdpa").to_dict())
+    assert recorded[recorded.index("device") + 1] == "attention"
     assert list(TrainerState(step=1, loss_scaling={"scale": 2.0}).to_dict())[-1] == "loss_scaling"
 
 
@@ -126,10 +129,16 @@ def test_a_checkpoint_written_before_resumes_with_the_same_losses(tmp_path, data
     train, val = OLD_LOSSES[name]
     assert events(run_dir, "train", 3) == pytest.approx(train, rel=RTOL)
     assert events(run_dir, "eval", 3) == pytest.approx(val, rel=RTOL)
+    # Written before the attention backend was recorded: model.attention resolves as it did.
+    assert "attention: sdpa (auto: no GPU)" in proc.stdout
+    assert "resume: attention" not in proc.stdout
     # The checkpoint it writes has today's keys in today's order, whatever it resumed from.
     end = run_dir / step_dir_name(max(train))
     written = json.loads(state_text(end))
-    assert list(written) == list(json.loads(state_text(FIXTURES / "adamw" / "step-000003")))
+    keys = list(json.loads(state_text(FIXTURES / "adamw" / "step-000003")))
+    assert list(written) == [*keys[:keys.index("device") + 1], "attention",
+                             *keys[keys.index("device") + 1:]]
+    assert written["attention"] == "sdpa"
     assert (written["step"], written["tokens"], written["max_steps"]) == (
         max(train), max(train) * 512, max(train))
     assert (written["schedule_anchor"] is None) == (name != "longer")

@@ -22,6 +22,10 @@ from andrea.cuda import attention as ca
 from andrea.cuda import launch as kernel_launch
 from andrea.errors import UserError
 from andrea.model.attention import (
+    AUTO_TABLE,
+    BACKENDS,
+    CudaBackend,
+    Measured,
     cuda_unavailable_reason,
     math_attention,
     resolve_backend,
@@ -313,32 +317,72 @@ def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch, c
 # --- backend choice ------------------------------------------------------------------------
 
 
-def test_auto_picks_sdpa_and_says_why() -> None:
-    """SDPA on a GPU too, where the kernels could run: an H200 ran it in a quarter of their time
-    (docs/model.md); the kernels run when asked for."""
-    assert resolve_backend("auto", 64, torch.device("cpu")) == ("sdpa", "auto: no GPU")
-    backend, why = resolve_backend("auto", 64, torch.device("cuda"))
-    assert backend == "sdpa" and "faster than andrea's CUDA kernels" in why
-    assert "model.attention=cuda" in why
-    assert resolve_backend("math", 72, torch.device("cpu")) == ("math", "model.attention")
+def on_gpu(monkeypatch, capability: tuple[int, int]) -> torch.device:
+    """A CUDA device of that compute capability, as far as backend choice asks (no GPU needed:
+    nothing runs on it)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    return torch.device("cuda")
+
+
+def test_auto_follows_the_measured_table(monkeypatch) -> None:
+    """On a GPU `auto` runs what AUTO_TABLE says for its architecture, dtype and head_dim, with
+    the measurement as its reason; today every entry (an H200's) says SDPA."""
+    h200 = on_gpu(monkeypatch, (9, 0))
+    assert resolve_backend("auto", 64, h200, torch.bfloat16) == (
+        "sdpa", "auto: sm_90 bfloat16 head_dim 64: andrea's kernels at 0.26x SDPA, "
+                "measured 2026-12-04")
+    assert resolve_backend("auto", 32, h200, torch.float32) == (
+        "sdpa", "auto: sm_90 float32 head_dim 32: andrea's kernels at 0.29x SDPA, "
+                "measured 2026-12-04")
+    # An entry that says cuda runs the kernels where they can run, else SDPA with both reasons.
+    monkeypatch.setitem(AUTO_TABLE, ("sm_90", "float16", 64), Measured("cuda", 1.25, "2027-01-01"))
+    monkeypatch.setattr(CudaBackend, "unavailable", lambda self, head_dim, device: None)
+    assert resolve_backend("auto", 64, h200, torch.float16) == (
+        "cuda", "auto: sm_90 float16 head_dim 64: andrea's kernels at 1.25x SDPA, "
+                "measured 2027-01-01")
+    monkeypatch.setattr(CudaBackend, "unavailable", lambda self, head_dim, device: "no CuPy")
+    backend, why = resolve_backend("auto", 64, h200, torch.float16)
+    assert backend == "sdpa" and why.endswith("at 1.25x SDPA, measured 2027-01-01; cuda cannot "
+                                              "run here: no CuPy")
+
+
+def test_auto_runs_sdpa_where_nothing_was_measured(monkeypatch) -> None:
+    assert resolve_backend("auto", 64, torch.device("cpu"), torch.bfloat16) == (
+        "sdpa", "auto: no GPU")
+    h200 = on_gpu(monkeypatch, (9, 0))
+    assert resolve_backend("auto", 128, h200, torch.bfloat16) == (
+        "sdpa", "auto: sm_90 bfloat16 head_dim 128: not measured on this GPU")
+    a100 = on_gpu(monkeypatch, (8, 0))
+    assert resolve_backend("auto", 64, a100, torch.bfloat16) == (
+        "sdpa", "auto: sm_80 bfloat16 head_dim 64: not measured on this GPU")
+    assert resolve_backend("math", 72, torch.device("cpu"), torch.float32) == (
+        "math", "model.attention")
+
+
+def test_every_auto_table_entry_is_a_backend_that_runs_itself() -> None:
+    dtypes = {str(d).removeprefix("torch.") for d in TOL}
+    for (arch, dtype, head_dim), entry in AUTO_TABLE.items():
+        assert entry.backend in BACKENDS and not BACKENDS[entry.backend].picks_another, entry
+        assert arch.startswith("sm_") and dtype in dtypes and head_dim > 0
+        assert entry.kernels_vs_sdpa > 0 and len(entry.date) == len("2026-12-04")
 
 
 def test_cuda_on_cpu_is_a_user_error_saying_no_gpu() -> None:
     with pytest.raises(UserError, match="model.attention: cuda cannot run: no GPU"):
-        resolve_backend("cuda", 64, torch.device("cpu"))
+        resolve_backend("cuda", 64, torch.device("cpu"), torch.float32)
 
 
 def test_unsupported_head_dim_is_named() -> None:
     # device type "cuda" needs no real GPU here: the head_dim check comes before CuPy's.
     with pytest.raises(UserError, match=r"head_dim 72 has no specialised CUDA kernel"):
-        resolve_backend("cuda", 72, torch.device("cuda"))
+        resolve_backend("cuda", 72, torch.device("cuda"), torch.bfloat16)
     assert "head_dim 72" in cuda_unavailable_reason(72, torch.device("cuda"))
 
 
 def test_missing_cupy_says_how_to_install(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
     with pytest.raises(UserError) as info:
-        resolve_backend("cuda", 64, torch.device("cuda"))
+        resolve_backend("cuda", 64, torch.device("cuda"), torch.bfloat16)
     assert "pip install -e '.[cuda]'" in str(info.value) and "cupy-cuda12x" in str(info.value)
     assert "CuPy is not installed" in cuda_unavailable_reason(64, torch.device("cuda"))
 

@@ -1,6 +1,6 @@
 """The docs a user follows: every link, heading link and repository path they name exists, README
 shows its first command early, docs/training.md stays a reference, and docs/model.md's parameter
-table is the closed form of each preset."""
+table is the closed form of each preset and its table of `auto`'s attention is AUTO_TABLE."""
 
 from __future__ import annotations
 
@@ -97,6 +97,16 @@ def test_model_doc_parameter_table_is_the_closed_form():
         model = load_config(name).model
         assert int(attention.replace(",", "")) == model.n_layer * 4 * model.d_model**2, name
         assert int(total.replace(",", "")) == closed_form_total(model), name
+
+
+def test_model_doc_auto_table_is_auto_table():
+    from andrea.model.attention import AUTO_TABLE
+
+    rows = re.findall(r"^\| (sm_\d+) \| (\w+) \| (\d+) \| (\w+) \| ([\d.]+)x \|$",
+                      (REPO / "docs" / "model.md").read_text(), re.MULTILINE)
+    assert {(arch, dtype, int(d)): (backend, float(ratio))
+            for arch, dtype, d, backend, ratio in rows} == {
+        key: (entry.backend, entry.kernels_vs_sdpa) for key, entry in AUTO_TABLE.items()}
 
 
 def test_keys_tables_in_the_docs_state_the_declared_defaults():

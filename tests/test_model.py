@@ -134,8 +134,8 @@ def test_an_attention_backend_is_one_entry_in_its_registry(monkeypatch):
                         attention.AttentionBackend("counted", counted))
     cfg = load_config("andrea-tiny", ["model.attention=counted"]).model
     assert key_spec("model.attention").allowed == "auto, cuda, sdpa, math, counted"
-    assert attention.resolve_backend("counted", cfg.head_dim, torch.device("cpu")) == (
-        "counted", "model.attention")
+    assert attention.resolve_backend("counted", cfg.head_dim, torch.device("cpu"),
+                                     torch.float32) == ("counted", "model.attention")
     model = Andrea(cfg, attention_backend="counted").double()
     monkeypatch.delitem(attention.BACKENDS, "counted")
     model(torch.randint(0, 256, (2, 7)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -26,12 +27,15 @@ from andrea.train.loop import train
 from andrea.train.memory import HEADROOM, choose_micro_batch, estimate_peak_bytes
 from andrea.train.optim import build_optimizer
 from andrea.train.rundir import (
+    CHECKSUMS,
     MODEL_FILE,
     OPTIMIZER_FILE,
     TRAINER_STATE,
+    file_sha256,
     resolve_checkpoint,
     step_dirs,
     step_of_dir,
+    write_checksums,
 )
 
 # data_dir: the session fixture in conftest.py (the tiny preset's prepared data).
@@ -500,6 +504,60 @@ def test_micro_batch_auto_is_resolved_recorded_and_reused(tmp_path, data_dir):
                     "--set", "train.global_batch_tokens=0"),
         "train.micro_batch_size: auto needs train.global_batch_tokens of at least",
     )
+
+
+def recorded_attention(ckpt: Path, backend: str | None) -> None:
+    """Rewrite the checkpoint's trainer_state.json as if the run had run `backend` (None: as a
+    checkpoint from before the record), with its checksum, so that it still reads as intact."""
+    raw = json.loads((ckpt / TRAINER_STATE).read_text())
+    raw.pop("attention")
+    if backend is not None:
+        raw["attention"] = backend
+    (ckpt / TRAINER_STATE).write_text(json.dumps(raw, indent=1))
+    sums = json.loads((ckpt / CHECKSUMS).read_text())["files"]
+    write_checksums(ckpt, {**sums, TRAINER_STATE: file_sha256(ckpt / TRAINER_STATE)})
+
+
+def test_the_attention_backend_is_recorded_and_a_resume_never_changes_it_silently(
+    tmp_path, data_dir
+):
+    cfg = tiny(tmp_path, data_dir, "train.max_steps=2", "train.checkpoint_every=1")
+    first = andrea_main("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
+                        "--stop-after", "1")
+    assert first.returncode == 0, first.stderr
+    assert "attention: sdpa (auto: no GPU)" in first.stdout
+    run_dir = Path(cfg.train.runs_dir) / "t"
+    assert json.loads((run_dir / "step-000001" / TRAINER_STATE).read_text())["attention"] == "sdpa"
+
+    def resume(recorded: str | None, *sets: str) -> tuple[str, Path]:
+        copy = tmp_path / "runs" / f"copy-{recorded}-{len(sets)}"
+        shutil.copytree(run_dir, copy)
+        recorded_attention(copy / "step-000001", recorded)
+        proc = andrea_main("train", "--resume", str(copy), "--no-progress",
+                           *(a for s in sets for a in ("--set", s)))
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout, copy
+
+    # A run that ran the kernels, resumed where they cannot run: said, and recorded anew.
+    out, copy = resume("cuda")
+    assert ("resume: attention cuda -> sdpa (cuda cannot run here: no GPU: the CUDA kernels "
+            "need one)") in out
+    assert "attention: sdpa (auto: no GPU)" in out
+    assert json.loads((copy / "step-000002" / TRAINER_STATE).read_text())["attention"] == "sdpa"
+    # auto keeps a recorded backend that runs here, even where a new run would take another.
+    out, copy = resume("math")
+    assert "attention: math (auto: the run's recorded choice; a new run would take sdpa)" in out
+    assert "resume: attention" not in out
+    assert read_events(copy, "start")[-1]["attention"] == "math"
+    assert json.loads((copy / "step-000002" / TRAINER_STATE).read_text())["attention"] == "math"
+    # The user's own model.attention decides, in one line for both the key and the backend.
+    out, _ = resume("math", "model.attention=sdpa")
+    assert "resume: attention math -> sdpa (model.attention auto -> sdpa)" in out
+    assert "resume: model.attention" not in out
+    # A checkpoint from before the record resolves model.attention afresh, as it always did.
+    out, copy = resume(None)
+    assert "attention: sdpa (auto: no GPU)" in out and "resume: attention" not in out
+    assert json.loads((copy / "step-000002" / TRAINER_STATE).read_text())["attention"] == "sdpa"
 
 
 def test_resume_may_change_only_keys_that_keep_the_runs_meaning(tmp_path, data_dir):

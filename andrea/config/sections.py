@@ -51,7 +51,7 @@ class ModelConfig:
         choices=("gelu", "gelu_tanh"))
     attention: str = key(
         "auto", "attention backend: sdpa (torch), cuda (andrea's kernels), math (the reference); "
-        "auto: sdpa",
+        "auto: by the measured table for the GPU, dtype and head_dim, else sdpa",
         choices=Registered("model.attention"), resumable=True)  # model.attention.BACKENDS
     init_std: float = key(0.02, "standard deviation of the initial weights", check=positive())
 

@@ -11,7 +11,8 @@ runs:
 - "math": the explicit formula softmax(q kᵀ / √head_dim + mask) v with the softmax in float32
   (float64 when the inputs are float64). The reference the others are checked against.
 - "cuda": the project's own kernels (kernels/microgpt_cuda.cu) through CuPy; see cuda_attention.py.
-- "auto": none of its own; which one runs here is `AutoAttention.resolve`'s (one place).
+- "auto": none of its own; which one runs here is `AutoAttention.resolve`'s (one place), by
+  the measured table AUTO_TABLE.
 
 With a key/value cache the queries are the last Tq of Tk positions, so the causal mask is aligned
 to the bottom-right: query i may see keys 0 .. Tk - Tq + i.
@@ -121,34 +122,84 @@ class AttentionBackend:
     # Runs none of its own: `resolve` picks one of the others (auto).
     picks_another: ClassVar[bool] = False
 
-    def resolve(self, head_dim: int, device: torch.device) -> tuple[AttentionBackend, str]:
-        """The backend that runs for this value on `device`, and why."""
+    def unavailable(self, head_dim: int, device: torch.device) -> str | None:
+        """Why this backend cannot run here, or None when it can."""
+        return None
+
+    def resolve(
+        self, head_dim: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[AttentionBackend, str]:
+        """The backend that runs for this value on `device` in `dtype`, and why; asked for by
+        name, it runs or is refused in one line."""
+        problem = self.unavailable(head_dim, device)
+        if problem is not None:
+            raise UserError(f"model.attention: {self.name} cannot run: {problem}")
         return self, "model.attention"
 
 
 class CudaBackend(AttentionBackend):
-    def resolve(self, head_dim: int, device: torch.device) -> tuple[AttentionBackend, str]:
-        problem = cuda_unavailable_reason(head_dim, device)
-        if problem is not None:
-            raise UserError(f"model.attention: cuda cannot run: {problem}")
-        return self, "model.attention"
+    def unavailable(self, head_dim: int, device: torch.device) -> str | None:
+        return cuda_unavailable_reason(head_dim, device)
 
 
 def _unresolved(*args: object, **kwargs: object) -> torch.Tensor:
     raise ValueError("unknown attention backend 'auto'; expected sdpa, math or cuda")
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One entry of auto's table: the backend `auto` runs, and the measurement that chose it."""
+
+    backend: str  # a name in BACKENDS that runs itself (not auto)
+    kernels_vs_sdpa: float  # SDPA's forward + backward time over andrea's kernels' (>1: faster)
+    date: str  # of the docs/log.md entry that records the measurement
+
+
+# `auto`'s choice on a GPU by (architecture as andrea.cuda.attention.device_arch names it,
+# dtype, head_dim): measured entries only; anything else runs SDPA, "not measured on this GPU".
+# sm_90 is both the H100's and the H200's; these were measured on an H200 by `andrea bench`
+# (forward + backward, B 8, H 12, T 1024 at head_dim 64 and T 256 at head_dim 32): docs/log.md,
+# 2026-12-04, "the CUDA path on a GPU for the first time".
+#
+# From `scripts/gpu_tune_attention.py OUT` on a GPU: OUT/tune.json's "arch" is the key's first
+# part, each of its "shapes" gives a dtype and head_dim (its "shape": "bfloat16 B8 H12 T1024
+# D64"), and its ratio is sdpa.default.fb / production_autograd.fb (the printed table's "f+b x"
+# of the row "ours production (autograd)": the custom op as training runs it). "cuda" where
+# that is at least 1 at the presets' shapes, "sdpa" below; the date is that of the docs/log.md
+# entry that records the run.
+AUTO_TABLE: dict[tuple[str, str, int], Measured] = {
+    ("sm_90", "bfloat16", 64): Measured("sdpa", 0.26, "2026-12-04"),
+    ("sm_90", "bfloat16", 32): Measured("sdpa", 0.19, "2026-12-04"),
+    ("sm_90", "float16", 32): Measured("sdpa", 0.19, "2026-12-04"),
+    ("sm_90", "float32", 32): Measured("sdpa", 0.29, "2026-12-04"),
+}
+
+
 class AutoAttention(AttentionBackend):
-    """`auto` is SDPA: on the one GPU the kernels have run on (an H200) PyTorch's attention took
-    a quarter of their time (docs/model.md), so they run only when asked for."""
+    """`auto` runs what AUTO_TABLE says for this GPU, dtype and head_dim (SDPA where it says
+    nothing, and on a CPU), so the kernels run by default only where they were measured to win."""
 
     picks_another: ClassVar[bool] = True
 
-    def resolve(self, head_dim: int, device: torch.device) -> tuple[AttentionBackend, str]:
+    def resolve(
+        self, head_dim: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[AttentionBackend, str]:
         if device.type != "cuda":
             return BACKENDS["sdpa"], "auto: no GPU"
-        return BACKENDS["sdpa"], ("auto: PyTorch's attention, faster than andrea's CUDA kernels "
-                                  "where measured; model.attention=cuda runs them")
+        from andrea.cuda.attention import device_arch
+
+        arch, dtype_name = device_arch(device), str(dtype).removeprefix("torch.")
+        where = f"auto: {arch} {dtype_name} head_dim {head_dim}"
+        entry = AUTO_TABLE.get((arch, dtype_name, head_dim))
+        if entry is None:
+            return BACKENDS["sdpa"], f"{where}: not measured on this GPU"
+        why = (f"{where}: andrea's kernels at {entry.kernels_vs_sdpa:.2f}x SDPA, measured "
+               f"{entry.date}")
+        chosen = BACKENDS[entry.backend]
+        problem = chosen.unavailable(head_dim, device)
+        if problem is not None:
+            return BACKENDS["sdpa"], f"{why}; {chosen.name} cannot run here: {problem}"
+        return chosen, why
 
 
 BACKENDS: dict[str, AttentionBackend] = {backend.name: backend for backend in (
@@ -160,7 +211,17 @@ BACKENDS: dict[str, AttentionBackend] = {backend.name: backend for backend in (
 register_choices("model.attention", BACKENDS)  # its names are the key's allowed values
 
 
-def resolve_backend(requested: str, head_dim: int, device: torch.device) -> tuple[str, str]:
-    """model.attention -> (the name of the backend to run, why)."""
-    backend, why = BACKENDS[requested].resolve(head_dim, device)
+def resolve_backend(
+    requested: str, head_dim: int, device: torch.device, dtype: torch.dtype
+) -> tuple[str, str]:
+    """model.attention -> (the name of the backend to run in `dtype` on `device`, why)."""
+    backend, why = BACKENDS[requested].resolve(head_dim, device, dtype)
     return backend.name, why
+
+
+def recorded_backend_problem(name: str, head_dim: int, device: torch.device) -> str | None:
+    """Why the backend a checkpoint recorded as having run (`name`) cannot run here, or None."""
+    backend = BACKENDS.get(name)
+    if backend is None or backend.picks_another:
+        return f"{name} is not a backend of this andrea"
+    return backend.unavailable(head_dim, device)

@@ -421,6 +421,10 @@ class TrainerState:
     tokens_per_step: int | None = _key(None, written=TRAINED)
     # None: taken to be the device the run resumes on.
     device: str | None = _key(None, written=TRAINED)
+    # The attention backend the run ran (a name of model.attention.BACKENDS, never auto); None:
+    # not recorded, model.attention resolves afresh on resume. Left out while None, so that an
+    # older checkpoint's file is written again byte for byte.
+    attention: str | None = _key(None, written=TRAINED, omitted_while_none=True)
     # The max_steps planned for; None: the run's config's.
     max_steps: int | None = _key(None, written=TRAINED)
     # The lr schedule as re-planned on a resume; None: the plain schedule.

@@ -39,7 +39,7 @@ from andrea.data.prepare import (
 )
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text, free_bytes
-from andrea.model.attention import resolve_backend
+from andrea.model.attention import recorded_backend_problem, resolve_backend
 from andrea.model.transformer import Andrea
 from andrea.train import rundata
 from andrea.train.checkpoint import checkpoint_nbytes
@@ -110,8 +110,9 @@ def set_up(
     check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist, run_dir, resume_from)
     precision = choose_precision(t.precision, device)
-    backend, why = resolve_backend(cfg.model.attention, cfg.model.head_dim, device)
     dtype = precision.dtype
+    backend, why, attention_line = resolve_attention(cfg, device, dtype, run.trainer_state,
+                                                     changes)
     model, optimizer, names = build_model(cfg, device, parallel, dtype, backend)
     s = Session(
         cfg=cfg, device=device, dtype=dtype, run_dir=run_dir, model=model, optimizer=optimizer,
@@ -144,7 +145,8 @@ def set_up(
             start_run_files(s, resume_from, changes, backend)
             signals.metrics_path = run_dir / METRICS
             announce(s, backend, why, changes, trainer_state=trainer_state,
-                     resume_from=resume_from, compile_line=compile_line(compiling, compile_why),
+                     resume_from=resume_from, attention_line=attention_line,
+                     compile_line=compile_line(compiling, compile_why),
                      micro_batch_line="\n".join(line for line in (micro_batch_line, batch_line)
                                                  if line),
                      schedule_lines=schedule_lines)
@@ -278,6 +280,37 @@ def resume_data(cfg: Config, checkpoint: Path) -> Config:
     prepare_from_config(own, verbose=False,
                         announce=rundata.prepare_line(own, checkpoint, data, target))
     return own
+
+
+def resolve_attention(
+    cfg: Config,
+    device: torch.device,
+    dtype: torch.dtype,
+    trainer_state: TrainerState | None,
+    changes: dict[str, list[Any]],
+) -> tuple[str, str, str]:
+    """(the attention backend to run, why, a line when a resume changes the backend the run
+    recorded, else ''). model.attention resolves as for a new run (resolve_backend), except
+    that a resumed run whose model.attention stays `auto` keeps the backend it ran where that
+    can run here: a resume never changes it silently (another GPU, a newer auto table). It
+    changes when the recorded one cannot run here or the resume sets model.attention, and the
+    line says so. A checkpoint without the record resolves afresh."""
+    requested, head_dim = cfg.model.attention, cfg.model.head_dim
+    backend, why = resolve_backend(requested, head_dim, device, dtype)
+    recorded = trainer_state.attention if trainer_state is not None else None
+    if recorded is None or recorded == backend:
+        return backend, why, ""
+    if "model.attention" in changes:
+        old, new = changes["model.attention"]
+        cause = f"model.attention {old} -> {new}"
+    elif requested == "auto":
+        problem = recorded_backend_problem(recorded, head_dim, device)
+        if problem is None:
+            return recorded, f"auto: the run's recorded choice; a new run would take {backend}", ""
+        cause = f"{recorded} cannot run here: {problem}"
+    else:
+        cause = f"model.attention: {requested}"
+    return backend, why, f"resume: attention {recorded} -> {backend} ({cause})"
 
 
 def build_model(
@@ -533,6 +566,7 @@ def announce(
     *,
     trainer_state: TrainerState | None,
     resume_from: Path | None,
+    attention_line: str,
     compile_line: str,
     micro_batch_line: str,
     schedule_lines: list[str],
@@ -546,8 +580,12 @@ def announce(
     s.say(f"attention: {backend} ({why})")
     s.say(compile_line)
     for key, (old, new) in changes.items():
+        if key == "model.attention" and attention_line:
+            continue  # the attention line says it, with the backend it changes
         if not any(line.startswith(f"resume: {key} ") for line in schedule_lines):
             s.say(f"resume: {key} {old} -> {new}")  # else the schedule's line says it
+    if attention_line:
+        s.say(attention_line)
     resharding = (s.parallel.resharding_line(trainer_state) if trainer_state is not None
                   else None)
     for line in s.parallel.lines() + ([resharding] if resharding else []) + schedule_lines:

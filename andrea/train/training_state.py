@@ -84,7 +84,8 @@ class TrainingState:
             data_position=s.guard.data_step(s.step), world_size=s.dist.world_size,
             seed=s.cfg.train.seed, preset=s.preset, micro_batch_size=s.micro_batch,
             parallel=s.parallel.name, tokens_per_step=s.tokens_per_step,
-            device=device_name(s.device), max_steps=s.cfg.train.max_steps,
+            device=device_name(s.device), attention=s.model.attention_backend,
+            max_steps=s.cfg.train.max_steps,
             spike_guard=s.guard.state_dict(), loss_scaling=s.scaling.state_dict(),
         )
 
