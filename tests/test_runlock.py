@@ -188,6 +188,9 @@ def test_a_training_whose_lock_file_goes_stops_at_its_next_step_writing_nothing_
             time.sleep(0.05)
     finally:
         out, err = stop(first)
+    # A million steps on a loaded machine can reach the plan's "needs about N days" note.
+    err = "".join(x for x in err.splitlines(keepends=True)
+                  if not x.startswith("note: this plan needs about"))
     line = assert_user_error(subprocess.CompletedProcess([], first.returncode, out, err),
                              f"{run_dir}: its lock file {lock} was removed or replaced while "
                              f"this training held it", "writing nothing more there",
