@@ -437,11 +437,8 @@ def import_hf(
         )
     _check_target(run_dir, force)
     # The run's lock first, as a training takes it: a run a training writes is never replaced.
-    lock = RunLock(run_dir, instead="import into another run with --out runs/NAME").acquire()
-    try:
+    with RunLock(run_dir, instead="import into another run with --out runs/NAME"):
         return _import_into(src, run_dir, hf, andrea, list(overrides or []))
-    finally:
-        lock.release()
 
 
 def _import_into(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import yaml
 
 from andrea.errors import UserError
 from andrea.fileio import json_safe
+from andrea.folder_lock import pid_alive
 from andrea.train.device import DTYPES
 from andrea.train.flops import format_mfu
 from andrea.train.metrics import recorded_median, recorded_speed
@@ -169,18 +169,6 @@ def _int(value: Any) -> int | None:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, but someone else's process
-        return True
-    except (OSError, OverflowError, ValueError):
-        return False
-    return True
 
 
 def _read_config(run: Path, summary: RunSummary) -> dict[str, Any] | None:
@@ -411,7 +399,7 @@ def _read_state(segment: list[dict[str, Any]], started: bool, summary: RunSummar
                 f"started on host {summary.host}; cannot check its process from here"
             )
         else:
-            summary.state = "running" if _pid_alive(summary.pid) else "crashed"
+            summary.state = "running" if pid_alive(summary.pid) else "crashed"
 
 
 def _read_end(end: dict[str, Any], summary: RunSummary) -> None:

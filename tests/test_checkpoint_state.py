@@ -165,7 +165,7 @@ def test_a_resumed_session_records_what_its_checkpoint_recorded(tmp_path, data_d
     from andrea.config import load_config
     from andrea.train.loop import train
     from andrea.train.rundir import read_state
-    from andrea.train.runlock import held_during
+    from andrea.train.runlock import TrainingLocks
     from andrea.train.setup import set_up
     from andrea.train.signals import SignalWatch
     from andrea.train.torchrun import DistInfo
@@ -178,9 +178,9 @@ def test_a_resumed_session_records_what_its_checkpoint_recorded(tmp_path, data_d
     first = train(cfg, progress=False, stop_after=3)
     written = read_state(first.checkpoint)
     assert written.loss_scaling and written.spike_guard["window"] and written.best_val_loss
-    with held_during(), SignalWatch() as signals:
+    with TrainingLocks() as locks, SignalWatch() as signals:
         s = set_up(load_config(first.run_dir / "config.yaml"), torch.device("cpu"), DistInfo(),
-                   signals, resume=str(first.run_dir), overwrite=False)
+                   signals, locks, resume=str(first.run_dir), overwrite=False)
         s.log.close()
     assert TrainingState(s).record() == written
     assert (s.checkpoint, s.checkpoint_step) == (first.checkpoint, 3)

@@ -20,7 +20,7 @@ from conftest import andrea_main, assert_user_error, make_checkpoint, python_com
 
 from andrea.config import load_config
 from andrea.data import prepare
-from andrea.data.folder import LOCK, FolderLock
+from andrea.data.folder import LOCK, DataLock
 from andrea.data.shards import open_shard, read_manifest
 
 LINE = "Line {j} of {name}: the quick brown fox jumps over the lazy dog.\n"
@@ -330,8 +330,8 @@ def test_a_holder_that_has_not_written_its_pid_yet_is_named_without_one(tmp_path
     fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # held, nothing written yet
     fcntl.flock(fd, fcntl.LOCK_EX)
     said: list[str] = []
-    lock = FolderLock(out)
-    waiter = threading.Thread(target=lock.acquire, args=(said.append,))
+    lock = DataLock(out, say=said.append)
+    waiter = threading.Thread(target=lock.acquire)
     waiter.start()
     deadline = time.monotonic() + 30
     while not said and time.monotonic() < deadline:

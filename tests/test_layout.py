@@ -27,6 +27,7 @@ STAGES: dict[str, tuple[int, str]] = {
     "andrea.resources": (0, "helpers"),
     "andrea.config": (0, "helpers"),
     "andrea.faults": (0, "helpers"),
+    "andrea.folder_lock": (0, "helpers"),
     "andrea.data": (1, "data"),
     "andrea.cuda": (1, "cuda"),
     "andrea.model": (2, "model"),

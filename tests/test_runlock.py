@@ -20,10 +20,11 @@ from conftest import andrea_main, assert_user_error, make_checkpoint, python_com
 from test_parallel import launch_nodes
 
 from andrea.cli import main
+from andrea.folder_lock import pid_alive
 from andrea.hf import export_hf
 from andrea.train import runlock
 from andrea.train.rundir import CONFIG, METRICS, RUN_LOCK, read_latest, step_dirs, step_of_dir
-from andrea.train.runlock import Holder, RunLock, is_stale
+from andrea.train.runlock import Holder, RunLock, TrainingLocks, is_stale
 
 HOST = socket.gethostname()
 
@@ -62,10 +63,6 @@ def stop(proc: subprocess.Popen) -> tuple[str, str]:
 
 def events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
-
-
-def pid_alive(pid: int) -> bool:
-    return runlock.pid_alive(pid)
 
 
 def test_a_second_training_on_a_live_run_is_refused_in_seconds_naming_its_holder(
@@ -238,9 +235,9 @@ def test_prepare_force_on_a_folder_a_live_training_reads_is_refused_naming_it(tm
         stop(first)
     assert first.returncode == 143
     assert andrea_main(*prepare).returncode == 0
-    # In one process (andrea.cli.main twice), the hold ends with the training's held_during.
-    with runlock.held_during():
-        runlock.read_data([data], run_dir)
+    # In one process (andrea.cli.main twice), the hold ends with the training's TrainingLocks.
+    with TrainingLocks() as locks:
+        locks.read_data([data], run_dir)
         assert_user_error(andrea_main(*prepare), f"(pid {os.getpid()} on host {HOST}, since ")
     assert andrea_main(*prepare).returncode == 0
 

@@ -5,9 +5,10 @@ but for the lock file). Anything else there is the user's: a prepare into a non-
 is not andrea's is refused, and clean-up removes only what andrea can tell it wrote: the files the
 folder's manifest and progress record list (shards, the BPE's tokenizer.json), shard files with
 andrea's header, and andrea's own temporary names. One prepare at a time holds the folder's lock
-(`fcntl.flock` on LOCK); a second waits for it and then finds the result. A training holds the
-same lock shared while it reads the folder (`FolderLock.share`, any number at once): a prepare
-that would rewrite the folder is refused meanwhile, in one line naming the training.
+(`DataLock`, a folder_lock.FolderLock on LOCK); a second waits for it and then finds the result.
+A training holds the same lock shared while it reads the folder (`DataLock.share`, any number at
+once): a prepare that would rewrite the folder is refused meanwhile, in one line naming the
+training.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 import socket
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from andrea.data import shards
 from andrea.data.shards import MANIFEST, SHARD_NAME, SHARD_TEMP_NAME, SPLITS
 from andrea.data.tokenizer import BPE_FILE, KINDS
 from andrea.errors import UserError
+from andrea.folder_lock import FolderLock, pid_alive, same_file, who
 
 PROGRESS = "progress.json"  # an unfinished prepare's complete shards and where to go on
 LOCK = ".andrea-prepare.lock"  # flock'ed by the prepare writing the folder, which writes its
@@ -164,36 +167,6 @@ def keep_complete(out: Path) -> tuple[int, int, int]:
 # ----------------------------------------------------------------------------- lock
 
 
-def missing_dirs(out: Path) -> list[Path]:
-    """`out` and those of its parents that do not exist yet, deepest first."""
-    missing = []
-    for p in (out, *out.absolute().parents):
-        if p.exists():
-            break
-        missing.append(p)
-    return missing
-
-
-def remove_empty(dirs: list[Path]) -> None:
-    """Remove the folders a failed prepare created, deepest first, if they are empty."""
-    for d in dirs:
-        try:
-            d.rmdir()
-        except OSError:
-            return
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` of this host runs."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def _readers(fd: int) -> list[dict[str, Any]]:
     """The trainings a lock file names as reading the folder, newest first, those that may
     still: of another host, or of this one and alive. The lines of readers since gone stay
@@ -218,13 +191,12 @@ def _readers_refusal(out: Path, readers: list[dict[str, Any]]) -> str:
                 "would change the shards under it: wait for it to end, or prepare into another "
                 "folder (--out / data.dir)")
     first = readers[0]
-    since = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(first.get("since", 0))))
     more = f" and {len(readers) - 1} more" if len(readers) > 1 else ""
     return (
-        f"{out}: {first.get('reader', 'an andrea train')} reads this data folder (pid "
-        f"{first['pid']} on host {first['host']}, since {since}){more}; rewriting it would "
-        f"change the shards under it: wait for it to end or stop it (kill {first['pid']}), or "
-        f"prepare into another folder (--out / data.dir)"
+        f"{out}: {first.get('reader', 'an andrea train')} reads this data folder "
+        f"({who(first['pid'], first['host'], float(first.get('since', 0)))}){more}; rewriting "
+        f"it would change the shards under it: wait for it to end or stop it (kill "
+        f"{first['pid']}), or prepare into another folder (--out / data.dir)"
     )
 
 
@@ -237,69 +209,53 @@ class FolderInUse(UserError):
         self.waited = waited
 
 
-class FolderLock:
-    """The exclusive right to write `out`: flock on out/LOCK, taken by `acquire`, released on
-    close. `created`: the folders made to hold it, which a failed prepare removes again. Or,
-    taken by `share`, the right to read it, which any number of processes hold at once."""
+class DataLock(FolderLock):
+    """The exclusive right to write the data folder `out` (a prepare's): a second prepare
+    waits for the first, after saying so once (`say`), then finds its result. Or, taken by
+    `share`, the right to read it, which any number of processes hold at once."""
 
-    def __init__(self, out: Path) -> None:
-        self.out, self.path = out, out / LOCK
-        self.created: list[Path] = []
+    what = "data folder"
+
+    def __init__(
+        self, out: Path, say: Callable[[str], None] = partial(print, flush=True)
+    ) -> None:
+        super().__init__(out, LOCK)
+        self.say = say
         self.waited = False
-        self._fd: int | None = None
 
-    def acquire(self, say: Callable[[str], None]) -> FolderLock:
-        """Take the lock, waiting (after saying so once) while another process holds it."""
-        while True:
-            self.created += [d for d in missing_dirs(self.out) if d not in self.created]
-            try:
-                self.out.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
-                raise UserError(f"{self.out}: cannot write the data folder: {exc.strerror}") \
-                    from None
-            try:
-                self._take(fd, say)
-            except UserError:
-                os.close(fd)
-                raise
-            # A failed prepare removes the folder it created, lock file included: lock anew.
-            if same_file(fd, self.path):
-                break
-            os.close(fd)
-        self._fd = fd
-        pid = f"{os.getpid()}\n".encode()
-        os.pwrite(fd, pid, 0)  # then cut to it: the file is never empty in between
-        os.ftruncate(fd, len(pid))
-        return self
-
-    def _take(self, fd: int, say: Callable[[str], None]) -> None:
-        """flock `fd` exclusively: at once, or after the prepare that holds it (said once);
-        FolderInUse when trainings hold it shared (they read the folder). A waiting prepare
-        looks again every WAIT_S, since a training may take the folder before it does."""
+    def take(self, fd: int) -> bool:
+        """At once, or after the prepare that holds it (said once); FolderInUse when trainings
+        hold it shared (they read the folder). A waiting prepare looks again every WAIT_S,
+        since a training may take the folder before it does."""
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
+                return True
             except BlockingIOError:
                 pass
             if _shared_only(self.path):
                 try:  # unless the holder let go just now
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return
+                    return True
                 except BlockingIOError:
-                    raise FolderInUse(_readers_refusal(self.out, _readers(fd)),
+                    raise FolderInUse(_readers_refusal(self.folder, _readers(fd)),
                                       self.waited) from None
             if not self.waited:
                 # Empty while the holder is between its lock and its pid's write.
                 pid = os.pread(fd, 32, 0).decode("ascii", "replace").split("\n")[0].strip()
                 holder = (f"another andrea process (pid {pid})" if pid.isdigit()
                           else "another andrea process")
-                say(f"{self.out}: {holder} is preparing this folder; waiting for it to finish")
+                self.say(f"{self.folder}: {holder} is preparing this folder; waiting for it to "
+                         f"finish")
             self.waited = True
             time.sleep(WAIT_S)
 
-    def share(self, reader: str) -> FolderLock | None:
+    def claim(self, fd: int, flocked: bool) -> None:
+        pid = f"{os.getpid()}\n".encode()
+        os.pwrite(fd, pid, 0)  # then cut to it: the file is never empty in between
+        os.ftruncate(fd, len(pid))
+
+    def share(self, reader: str) -> DataLock | None:
         """Hold the prepared folder for reading (`reader`: who, for a prepare's refusal), with
         any other readers, until `release`; waits for a prepare under way. None where the lock
         cannot be taken (a read-only folder, no flock on its filesystem): then nobody can
@@ -325,24 +281,9 @@ class FolderLock:
 
     def release(self, remove_created: bool = False) -> None:
         """Let the next process in; with `remove_created`, first remove the lock file and the
-        folders this prepare created, when empty (a failed prepare leaves nothing behind)."""
-        if self._fd is None:
-            return
-        if remove_created and self.created:
-            self.path.unlink(missing_ok=True)
-        os.close(self._fd)
-        self._fd = None
-        if remove_created:
-            remove_empty(self.created)
-
-
-def same_file(fd: int, path: Path) -> bool:
-    """Whether `path` still names the file open as `fd`."""
-    try:
-        held, now = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+        folders this prepare created, when empty (a failed prepare leaves nothing behind; the
+        lock file of a folder it did not create stays)."""
+        super().release(remove=remove_created and bool(self.created))
 
 
 def _shared_only(path: Path) -> bool:

@@ -38,8 +38,8 @@ from andrea.data.documents import (  # noqa: F401  (re-exported: the package's d
 from andrea.data.encode import auto_workers
 from andrea.data.folder import (
     PROGRESS,
+    DataLock,
     FolderInUse,
-    FolderLock,
     check_owned,
     clear,
     keep_complete,
@@ -171,7 +171,7 @@ def _prepare_locked(
     short by anything (Ctrl-C, SIGTERM, a full disk, bad input), the complete shards stay, and
     the folder with them (`_stopped`)."""
     try:
-        lock = FolderLock(out).acquire(say=lambda line: print(line, flush=True))
+        lock = DataLock(out).acquire()
     except FolderInUse as in_use:
         # Trainings read the folder: refused if this would rewrite it, not if it is what this
         # asks for (a sweep's second training, which waited for the first's prepare).

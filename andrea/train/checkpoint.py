@@ -44,7 +44,7 @@ from andrea.train.rundir import (
     verify_file,
     write_checksums,
 )
-from andrea.train.runlock import RunLost, check_held
+from andrea.train.runlock import RunLock, RunLost
 from andrea.train.sharding import full_tensor, shard_like
 
 OPTIMIZER_PREFIX = "optimizer."  # the optimizer's keys among the shards' tensors
@@ -139,7 +139,7 @@ def save_checkpoint(
     run_dir: Path, state: TrainerState, cfg: Config, tokenizer_identity: str, *,
     model: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor],
     rng: dict[str, torch.Tensor], keep_last: int, partial: Path | None = None,
-    files: dict[str, bytes] | None = None,
+    files: dict[str, bytes] | None = None, lock: RunLock | None = None,
 ) -> Path:
     """Write the checkpoint of step state.step into run_dir: the tensors `model`, `optimizer`
     and `rng` (as model_state, optimizer_state and all_rng_states key them), the trainer state
@@ -147,7 +147,8 @@ def save_checkpoint(
     TokenizerKind.checkpoint_files); then point `latest` at it and prune to keep_last.
     partial: the folder every rank's shards were written into (see rundir.partial_dir); it then
     holds the optimizer state, and `optimizer` is ignored. Every file's sha256 goes into
-    checksums.json, written last."""
+    checksums.json, written last. lock: the training's run lock; RunLost, with nothing
+    published, when it no longer holds the run."""
     step = state.step
     sharded = partial is not None
     if partial is None:
@@ -181,7 +182,8 @@ def save_checkpoint(
             sums[f"{SHARDS_DIR}/{shard.name}"] = file_sha256(shard)
     write_checksums(partial, sums)
     try:
-        check_held(step)  # `latest` is moved by the run's holder only
+        if lock is not None:
+            lock.check(step)  # `latest` is moved by the run's holder only
     except RunLost:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -37,7 +37,7 @@ from andrea.train.process_group import init_distributed, shutdown
 from andrea.train.progress import RunBar, plan_note_for
 from andrea.train.restarts import lost_peer_line
 from andrea.train.rundir import step_dirs, step_of_dir
-from andrea.train.runlock import RunLost, check_held, held_during
+from andrea.train.runlock import RunLost, TrainingLocks
 from andrea.train.scaling import MIN_SCALE
 from andrea.train.schedule import multiplier
 from andrea.train.session import Session, TrainResult
@@ -69,9 +69,9 @@ def train(
     device = pick_device(cfg.train.device)
     dist = init_distributed(device.type, cfg.train.join_timeout)
     try:
-        with held_during():  # the run folder's lock, released however the training ends
+        with TrainingLocks() as locks:  # the run folder's and its data's, however it ends
             result = run_training(
-                cfg, device, dist, resume=resume, overwrite=overwrite, progress=progress,
+                cfg, device, dist, locks, resume=resume, overwrite=overwrite, progress=progress,
                 stop_after=stop_after,
             )
         if result.exit_code and result.state in ("stopped", "nonfinite"):
@@ -88,17 +88,19 @@ def run_training(
     cfg: Config,
     device: torch.device,
     dist: DistInfo,
+    locks: TrainingLocks,
     *,
     resume: str | None,
     overwrite: bool,
     progress: bool,
     stop_after: int | None,
 ) -> TrainResult:
-    """Set up, then per step: forward/backward over the micro-batches, clip, optimizer step,
-    log, evaluate, checkpoint; then record how the run ended."""
+    """Set up (taking the run's and its data's locks into `locks`), then per step:
+    forward/backward over the micro-batches, clip, optimizer step, log, evaluate, checkpoint;
+    then record how the run ended."""
     t = cfg.train
     with SignalWatch() as signals:
-        s = start_session(cfg, device, dist, signals, resume=resume, overwrite=overwrite)
+        s = start_session(cfg, device, dist, signals, locks, resume=resume, overwrite=overwrite)
         if isinstance(s, TrainResult):
             return s  # nothing to do, or a signal during set-up: the run was not touched
         bar = progress_bar(s, progress)
@@ -121,7 +123,7 @@ def run_training(
                         roll_back(s)
                         bar.n = s.tokens_through(s.step)  # the bar goes back with the run
                         continue
-                    check_held(s.step)  # the run still ours before the step writes to it
+                    s.locks.check(s.step)  # the run still ours before the step writes to it
                     log_step(s, bar, lr=lr, loss=loss, grad_norm=grad_norm,
                              seconds=time.perf_counter() - t0)
                     maybe_evaluate(s, bar)
@@ -149,11 +151,11 @@ def run_training(
 
 def start_session(
     cfg: Config, device: torch.device, dist: DistInfo, signals: SignalWatch,
-    *, resume: str | None, overwrite: bool,
+    locks: TrainingLocks, *, resume: str | None, overwrite: bool,
 ) -> Session | TrainResult:
     """set_up; a TrainResult instead when there is nothing to do or a signal came during it."""
     try:
-        s = set_up(cfg, device, dist, signals, resume=resume, overwrite=overwrite)
+        s = set_up(cfg, device, dist, signals, locks, resume=resume, overwrite=overwrite)
     except SetUpInterrupted as stop:
         return set_up_interrupted(cfg, dist, signals, stop.signum, resume is not None)
     signals.setting_up = False

@@ -1,24 +1,23 @@
 """The run folder's lock: one `andrea train` writes a run folder at a time.
 
-Rank 0 takes it (`lock_run`, from setup.open_run) before it decides anything about the run (new,
-resumed, replaced), and `held_during` releases it when `train()` returns or raises; the other
-ranks of its torchrun job share the run through rank 0's decision. The lock is two things in
-one file, runs/NAME/.andrea-train.lock (rundir.RUN_LOCK):
-
-- an `fcntl.flock`, which the kernel drops when its process dies: a holder killed on this host
-  (kill -9) never blocks, and a second process is refused at once;
-- a record of the holder (pid, host, since, last alive: refreshed every HEARTBEAT_S seconds,
-  and its torchrun job and attempt), for a holder on another host: where flock is not shared
-  between hosts (some network filesystems) or the host is lost, the record names it, and the
-  line says how to take the run over (delete the lock file). A record of this host whose
-  process is gone is stale; one of an earlier attempt of the same torchrun job is a restart's.
+Rank 0 takes it (`TrainingLocks.take_run`, from setup.open_run) before it decides anything
+about the run (new, resumed, replaced), and holds it until the training's `TrainingLocks` ends;
+the other ranks of its torchrun job share the run through rank 0's decision. It is a
+folder_lock.FolderLock on runs/NAME/.andrea-train.lock (rundir.RUN_LOCK) that refuses a second
+process at once. Its record of the holder (pid, host, since, last alive: refreshed every
+HEARTBEAT_S seconds, and its torchrun job and attempt) is for a holder on another host: where
+flock is not shared between hosts (some network filesystems) or the host is lost, the record
+names it, and the line says how to take the run over (delete the lock file). A record of this
+host whose process is gone is stale; one of an earlier attempt of the same torchrun job is a
+restart's.
 
 Every verb that replaces a run folder takes the same lock first (`andrea import --force`,
 andrea/hf.py), so a live run is never replaced under its training. The holder checks at every
-step that its lock file is still the run's (`check_held`: two stats): one removed or replaced
-(by hand, to take the run over) stops the training in one line before it writes anything more
-there. A training also holds each data folder it reads (`read_data`: a shared
-data.folder.FolderLock), so that a prepare which would rewrite one is refused meanwhile.
+step that its lock file is still the run's (`RunLock.check`: two stats): one removed or
+replaced (by hand, to take the run over) stops the training in one line before it writes
+anything more there. A training also holds each data folder it reads
+(`TrainingLocks.read_data`: a shared data.folder.DataLock), so that a prepare which would
+rewrite one is refused meanwhile.
 """
 
 from __future__ import annotations
@@ -30,12 +29,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from andrea.data.folder import FolderLock, missing_dirs, pid_alive, remove_empty, same_file
+from andrea.data.folder import DataLock
 from andrea.errors import UserError
+from andrea.folder_lock import FolderLock, pid_alive, same_file, who
 from andrea.train.restarts import attempt
 from andrea.train.rundir import RUN_LOCK
 from andrea.train.torchrun import torchrun_env
@@ -70,8 +69,7 @@ class Holder:
             return None
 
     def who(self) -> str:
-        since = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.since))
-        return f"pid {self.pid} on host {self.host}, since {since}"
+        return who(self.pid, self.host, self.since)
 
 
 def this_process() -> Holder:
@@ -132,89 +130,75 @@ class RunLost(UserError):
     the run now, and this one writes nothing more there."""
 
 
-class RunLock:
-    """The exclusive right to write `run_dir`, taken by `acquire`, given up by `release`.
-    `created`: the folders made to hold it, removed again on release when nothing else was
-    written there (a run refused during set-up leaves nothing behind)."""
+class RunLock(FolderLock):
+    """The exclusive right to write `run_dir`, refused at once while another process holds
+    it (`instead`: what the refusal suggests instead of this verb). Its lock file and the
+    folders made to hold it are removed on release: a run refused during set-up leaves
+    nothing behind."""
+
+    what = "run folder"
 
     def __init__(self, run_dir: Path, instead: str = TRAIN_ANOTHER) -> None:
-        self.run_dir, self.path = run_dir, run_dir / RUN_LOCK
-        self.instead = instead  # what the refusal suggests instead of this verb
-        self.created: list[Path] = []
-        self.holder: Holder | None = None
-        self._fd: int | None = None
+        super().__init__(run_dir, RUN_LOCK)
+        self.instead = instead
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
-    def acquire(self) -> RunLock:
-        """Take the lock now, or raise the one-line refusal naming its holder."""
-        me = this_process()
-        self.created = missing_dirs(self.run_dir)
-        for _ in range(10):  # the file replaced under us: its holder released it just now
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
-                raise UserError(f"{self.run_dir}: cannot write the run folder: "
-                                f"{exc.strerror}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                flocked = True
-            except BlockingIOError:
-                holder = read_holder(fd, wait=0.5)
-                os.close(fd)
-                self.release()
-                raise refusal(self.run_dir, self.path, holder, me, self.instead) from None
-            except OSError:  # no flock on this filesystem: the record alone decides
-                flocked = False
-            if same_file(fd, self.path):
-                break
-            os.close(fd)
-        else:
-            raise UserError(f"{self.path}: the lock file keeps being replaced; is another "
-                            f"andrea train starting on this run? Run this again")
-        holder = read_holder(fd)
+    def take(self, fd: int) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            holder = read_holder(fd, wait=0.5)
+            raise refusal(self.folder, self.path, holder, this_process(), self.instead) from None
+        except OSError:  # no flock on this filesystem: the record alone decides
+            return False
+
+    def claim(self, fd: int, flocked: bool) -> None:
+        """Refused while the record names a holder that may still write the run; else this
+        process's record, kept alive until `release`."""
+        me, holder = this_process(), read_holder(fd)
         if not is_stale(holder, me, flocked):
-            os.close(fd)
-            self.release()
-            raise refusal(self.run_dir, self.path, holder, me, self.instead)
-        self._fd, self.holder = fd, me
+            raise refusal(self.folder, self.path, holder, me, self.instead)
         os.ftruncate(fd, 0)
         os.pwrite(fd, me.encode(), 0)
         self._stop.clear()
-        self._beat = threading.Thread(target=self._heartbeat, name="andrea-run-lock",
-                                      daemon=True)
+        self._beat = threading.Thread(target=self._heartbeat, args=(fd, me),
+                                      name="andrea-run-lock", daemon=True)
         self._beat.start()
-        return self
 
-    def held(self) -> bool:
-        """Whether the run's lock file is still the one this lock holds (not removed or
-        replaced since): two stats, cheap enough for every step."""
-        return self._fd is not None and same_file(self._fd, self.path)
+    def replaced(self, tries: int) -> None:
+        if tries == 10:
+            raise UserError(f"{self.path}: the lock file keeps being replaced; is another "
+                            f"andrea train starting on this run? Run this again")
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, fd: int, record: Holder) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            fd, holder = self._fd, self.holder
-            if fd is None or holder is None or not self.held():
+            if not same_file(fd, self.path):
                 return  # a lock file removed or replaced: the record is no one's to refresh
-            self.holder = replace(holder, alive=time.time())
+            record = replace(record, alive=time.time())
             with contextlib.suppress(OSError):
-                os.pwrite(fd, self.holder.encode(), 0)
+                os.pwrite(fd, record.encode(), 0)
 
-    def release(self) -> None:
-        """Let the next writer in: the lock file removed (if it is still ours: a take-over may
-        have replaced it), then the folders made for it, if nothing else was written there."""
+    def check(self, step: int) -> None:
+        """Raise RunLost when this lock no longer holds the run folder's lock file (deleted by
+        hand to take the run over, or the folder replaced): another process may write the run
+        now, so this one must write nothing more there, not even its end record or a
+        checkpoint."""
+        if not self.held():
+            raise RunLost(
+                f"{self.folder}: its lock file {self.path} was removed or replaced while this "
+                f"training held it, so another process may write the run now; stopped at step "
+                f"{step}, writing nothing more there; once no other training writes the run, "
+                f"continue it with: andrea train --resume {self.folder}"
+            )
+
+    def release(self, remove: bool = True) -> None:
         if self._beat is not None:
             self._stop.set()
             self._beat.join()
             self._beat = None
-        if self._fd is not None:
-            if same_file(self._fd, self.path):
-                self.path.unlink(missing_ok=True)
-            os.close(self._fd)
-            self._fd = None
-        remove_empty(self.created)
-        self.created = []
+        super().release(remove)
 
 
 def read_holder(fd: int, wait: float = 0.0) -> Holder | None:
@@ -228,50 +212,27 @@ def read_holder(fd: int, wait: float = 0.0) -> Holder | None:
         time.sleep(0.02)
 
 
-# The locks taken inside the innermost `held_during`: run locks, and data folders read.
-_held: list[RunLock | FolderLock] = []
+class TrainingLocks(contextlib.ExitStack):
+    """What one training holds until its `with` ends, however it ends: its run folder's lock
+    (rank 0's: `run`) and each data folder it reads. Two trainings one after the other in one
+    process (andrea.cli.main twice) each take the run in turn."""
 
+    run: RunLock | None = None
 
-def lock_run(run_dir: Path) -> RunLock:
-    """Take `run_dir`'s lock for this process until the enclosing `held_during` ends (the
-    process's end, outside one)."""
-    lock = RunLock(run_dir).acquire()
-    _held.append(lock)
-    return lock
+    def take_run(self, run_dir: Path) -> None:
+        self.run = self.enter_context(RunLock(run_dir))
 
+    def read_data(self, folders: list[Path], run_dir: Path) -> None:
+        """Hold each data folder `folders` (those the training in `run_dir` reads): a prepare
+        that would rewrite one (`--force`, changed inputs) is refused meanwhile, naming this
+        training (data.folder.DataLock.share)."""
+        for folder in dict.fromkeys(folders):
+            lock = DataLock(folder).share(f"andrea train of {run_dir}")
+            if lock is not None:
+                self.callback(lock.release)
 
-def check_held(step: int) -> None:
-    """Raise RunLost when a run lock this process holds no longer names its run folder's lock
-    file (deleted by hand to take the run over, or the folder replaced): another process may
-    write the run now, so this one must write nothing more there, not even its end record or a
-    checkpoint. Called by the training at every step, and before a checkpoint moves `latest`."""
-    for lock in _held:
-        if isinstance(lock, RunLock) and not lock.held():
-            raise RunLost(
-                f"{lock.run_dir}: its lock file {lock.path} was removed or replaced while this "
-                f"training held it, so another process may write the run now; stopped at step "
-                f"{step}, writing nothing more there; once no other training writes the run, "
-                f"continue it with: andrea train --resume {lock.run_dir}"
-            )
-
-
-def read_data(folders: list[Path], run_dir: Path) -> None:
-    """Hold each data folder `folders` (those the training in `run_dir` reads) until the
-    enclosing `held_during` ends: a prepare that would rewrite one (`--force`, changed inputs)
-    is refused meanwhile, naming this training (data.folder.FolderLock.share)."""
-    for folder in dict.fromkeys(folders):
-        lock = FolderLock(folder).share(f"andrea train of {run_dir}")
-        if lock is not None:
-            _held.append(lock)
-
-
-@contextlib.contextmanager
-def held_during() -> Iterator[None]:
-    """The run locks taken inside are released when it ends, however it ends: two trainings
-    one after the other in one process (andrea.cli.main twice) each take the run in turn."""
-    outer = len(_held)
-    try:
-        yield
-    finally:
-        while len(_held) > outer:
-            _held.pop().release()
+    def check(self, step: int) -> None:
+        """RunLock.check, where this process holds the run (rank 0). Called by the training at
+        every step, and before a checkpoint moves `latest`."""
+        if self.run is not None:
+            self.run.check(step)

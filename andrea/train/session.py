@@ -19,6 +19,7 @@ from andrea.model.transformer import Andrea
 from andrea.train.flops import MfuMeter
 from andrea.train.metrics import MetricsLog, Throughput
 from andrea.train.parallel import Parallel
+from andrea.train.runlock import TrainingLocks
 from andrea.train.scaling import LossScaling
 from andrea.train.signals import SignalWatch
 from andrea.train.spike import SpikeGuard
@@ -85,6 +86,7 @@ class Session:
     val_split: TokenSplit
     log: MetricsLog
     signals: SignalWatch
+    locks: TrainingLocks  # the run folder's lock (rank 0) and the data folders' it reads
     mfu: MfuMeter
     preset: str
     guard: SpikeGuard

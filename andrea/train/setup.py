@@ -78,7 +78,7 @@ from andrea.train.rundir import (
     recover_overwrite,
     set_aside,
 )
-from andrea.train.runlock import lock_run, read_data
+from andrea.train.runlock import TrainingLocks
 from andrea.train.scaling import loss_scaling_for
 from andrea.train.schedule import replan
 from andrea.train.session import Session, TrainResult
@@ -94,6 +94,7 @@ def set_up(
     device: torch.device,
     dist: DistInfo,
     signals: SignalWatch,
+    locks: TrainingLocks,
     *,
     resume: str | None,
     overwrite: bool,
@@ -102,13 +103,13 @@ def set_up(
     micro-batch; write the run's config and start record; print the plan. A TrainResult
     instead when a resumed run is already at max_steps."""
     t = cfg.train
-    run = decide_run(cfg, dist, resume, overwrite)
+    run = decide_run(cfg, dist, locks, resume, overwrite)
     run_dir, resume_from, changes, replace = run.run_dir, run.resume_from, run.changes, run.replace
     if resume_from is not None and run.trainer_state.step >= t.max_steps:
         return nothing_to_do(run_dir, resume_from, run.trainer_state.step, t.max_steps, dist)
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
-    train_split, val_split = prepare_data(cfg, dist, run_dir, resume_from)
+    train_split, val_split = prepare_data(cfg, dist, locks, run_dir, resume_from)
     precision = choose_precision(t.precision, device)
     dtype = precision.dtype
     backend, why, attention_line = resolve_attention(cfg, device, dtype, run.trainer_state,
@@ -117,7 +118,7 @@ def set_up(
     s = Session(
         cfg=cfg, device=device, dtype=dtype, run_dir=run_dir, model=model, optimizer=optimizer,
         param_names=names, train_split=train_split, val_split=val_split, log=MetricsLog(None),
-        signals=signals,
+        signals=signals, locks=locks,
         mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, model.num_params()),
                      devices=dist.world_size),
         preset=Path(cfg.source).stem, parallel=parallel, guard=SpikeGuard(t),
@@ -166,13 +167,15 @@ class RunDecision:
     sharded: bool  # whether the checkpoint holds fsdp shards (every rank reads its own)
 
 
-def decide_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -> RunDecision:
+def decide_run(
+    cfg: Config, dist: DistInfo, locks: TrainingLocks, resume: str | None, overwrite: bool
+) -> RunDecision:
     """Rank 0 decides whether this is a new, replaced or resumed run, and from which
     checkpoint; every rank takes that decision before any step. So ranks that cannot see rank 0's
     run folder (node-local storage) resume the same run at the same step instead of starting
     another, and rank 0's one-line error on a bad resume stops every rank."""
 
-    run = from_rank0(lambda: open_run(cfg, dist, resume, overwrite), dist)
+    run = from_rank0(lambda: open_run(cfg, dist, locks, resume, overwrite), dist)
     cfg.train.name = run.name
     return run
 
@@ -243,18 +246,19 @@ def nothing_to_do(
 
 
 def prepare_data(
-    cfg: Config, dist: DistInfo, run_dir: Path, resume_from: Path | None = None
+    cfg: Config, dist: DistInfo, locks: TrainingLocks, run_dir: Path,
+    resume_from: Path | None = None,
 ) -> tuple[TokenSplit, TokenSplit]:
     """The train and val splits: rank 0 prepares the shards if they are missing, the others
     wait for it. A resume whose data folder is not here takes them from rank 0's
     `resume_data`. Every rank then holds the data folders it reads until the training ends
-    (runlock.read_data): a prepare that would rewrite them is refused meanwhile."""
+    (`locks`): a prepare that would rewrite them is refused meanwhile."""
     if resume_from is not None:
         cfg = from_rank0(lambda: resume_data(cfg, resume_from), dist)
     elif dist.is_main:
         ensure_prepared(cfg)
     barrier(dist)
-    read_data([folder for _, folder, _ in run_sources(cfg)], run_dir)
+    locks.read_data([folder for _, folder, _ in run_sources(cfg)], run_dir)
     train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
     check_in_background(train_split, val_split)  # their checksums, not waited for here
     check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
@@ -331,7 +335,9 @@ def build_model(
     return model, optimizer, names
 
 
-def open_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -> RunDecision:
+def open_run(
+    cfg: Config, dist: DistInfo, locks: TrainingLocks, resume: str | None, overwrite: bool
+) -> RunDecision:
     """Rank 0's decision: a resumed run (its checkpoint's trainer state read here, once), a new
     one, or an old one to replace (--overwrite). It takes the run folder's lock first, so that
     a second training on a run in use is refused before it decides anything about it."""
@@ -341,7 +347,7 @@ def open_run(cfg: Config, dist: DistInfo, resume: str | None, overwrite: bool) -
         folder = run_dir
         if resume is not None and resume != "auto":  # a run named by its path
             folder = find_run_to_resume(resume, cfg) or run_dir
-        lock_run(folder)
+        locks.take_run(folder)
         if recover_overwrite(folder):
             print(f"{folder}: an --overwrite stopped during its set-up (its process ended) had "
                   f"set the old run aside; it is back as it was", flush=True)

@@ -143,7 +143,7 @@ class TrainingState:
         return save_checkpoint(
             s.run_dir, self.record(), s.cfg, identity, model=model_tensors,
             optimizer=optimizer_tensors, rng=all_rng, keep_last=s.cfg.train.keep_last,
-            partial=partial,
+            partial=partial, lock=s.locks.run,
             files=kind_of(identity).checkpoint_files(identity, s.train_split.data_dir),
         )
 
