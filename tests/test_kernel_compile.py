@@ -1,4 +1,4 @@
-"""Compile gates for kernels/microgpt_cuda.cu (no GPU needed).
+"""Compile gates for kernels/microgpt_cuda.cu and the parts it includes (no GPU needed).
 
 NVRTC (what runs): what NVRTC really gets at run time (andrea.cuda.launch.runtime_nvrtc_options:
 the backend's options plus those CuPy appends, -ftz=true among them) and the name expressions,
@@ -167,7 +167,7 @@ def _nvrtc_build(arch: str) -> dict:
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     prog = ctypes.c_void_p()
-    source = KERNEL.read_bytes()
+    source = kernel_launch.kernel_source().encode()  # what the runtime gives NVRTC
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"microgpt_cuda.cu", 0,
                                        None, None), "nvrtcCreateProgram")
     options = kernel_launch.runtime_nvrtc_options(arch)

@@ -9,6 +9,7 @@ it. Importable without a GPU and without CuPy. The tile table mirrors `TileCfg` 
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from andrea.errors import UserError
 from andrea.resources import kernels_dir
 
-KERNEL_FILE = "microgpt_cuda.cu"  # in kernels_dir()
+KERNEL_FILE = "microgpt_cuda.cu"  # in kernels_dir(); the parts it includes beside it
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 128)
 
 # torch dtype name -> (C++ element type in the .cu file, bytes per element)
@@ -58,9 +59,21 @@ NAIVE_TEMPLATES = {
 NAIVE_THREADS = 128  # ANDREA_NAIVE_THREADS in the .cu file
 
 
-def kernel_source() -> str:
-    """The text of kernels/microgpt_cuda.cu, as NVRTC and the CPU emulator compile it."""
-    return (kernels_dir() / KERNEL_FILE).read_text()
+_INCLUDE = re.compile(r'^#include "([\w.]+)"\n', re.M)
+
+
+def kernel_source(name: str = KERNEL_FILE) -> str:
+    """kernels/microgpt_cuda.cu with the parts it #includes (kernels/attn_*.cuh) written in
+    place, #line directives keeping their names and lines in diagnostics: the one text NVRTC and
+    the CPU emulator compile. NVRTC gets no include path, so the modules' cache keys (this
+    process's and CuPy's on disk, both of the source text) cover every part."""
+    text = (kernels_dir() / name).read_text()
+
+    def expand(m: re.Match) -> str:
+        after = text.count("\n", 0, m.end()) + 1  # the parent's line after the #include
+        return f'#line 1 "{m[1]}"\n{kernel_source(m[1])}#line {after} "{name}"\n'
+
+    return _INCLUDE.sub(expand, text)
 
 
 def nvrtc_options(arch: str) -> list[str]:
@@ -68,8 +81,9 @@ def nvrtc_options(arch: str) -> list[str]:
 
     No --use_fast_math: the fp32 path must stay within ~1e-5 of float64, and exp2f/log2f are
     cheap enough. Compile to cubin (-arch=sm_XX), never ship PTX: a newer NVRTC's PTX may be
-    too new for the driver. Every function in the .cu file is marked __device__ or __global__,
-    so no -default-device; no include path, because the file includes nothing.
+    too new for the driver. Every function in the kernel source is marked __device__ or
+    __global__, so no -default-device; no include path, because kernel_source has its parts
+    written in place.
     """
     return ["--std=c++17", f"-arch={arch}"]
 
@@ -78,7 +92,7 @@ def nvrtc_options(arch: str) -> list[str]:
 # CuPy 13.6 and 14.2 alike): flush-to-zero denormals, its own -arch (the device's, the same as
 # ours), and device as the default execution space. CuPy 14 adds --pch only when
 # CUPY_NVRTC_USE_PCH=1 (precompiled headers: the same cubin, checked with NVRTC 13.0), and both
-# add -I folders of their own headers, which the .cu file never includes. -ftz=true flushes
+# add -I folders of their own headers, which the kernel source never includes. -ftz=true flushes
 # fp32 denormals to zero and changes ptxas's register choices.
 CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
 

@@ -2,7 +2,8 @@
 // its kernels by NVRTC name expression, with kernel parameters passed like cuLaunchKernel's
 // kernelParams (args[i] points at the i-th argument's value). Built by andrea/cuda/emulator.py.
 #include "cuda_emulator.h"
-// The kernel file, unchanged; found through -I (the build copies it, or a modified text, there).
+// The kernel source with its parts written in place (andrea.cuda.launch.kernel_source), or a
+// modified text; found through -I, where the build writes it.
 #include "microgpt_cuda.cu"
 
 #include <cstring>
