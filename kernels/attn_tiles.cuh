@@ -1,7 +1,8 @@
 // attn_tiles.cuh - the production kernels' tile table (attn_fwd, attn_bwd_dq, attn_bwd_dkdv):
 // tile shape, launch-bounds promise, dK/dV passes and the static shared-memory layout. Part of
-// microgpt_cuda.cu, after attn_common.cuh. Its one home is andrea/cuda/launch.py (TILES,
-// PRODUCTION_MIN_BLOCKS, PRODUCTION_PASSES); tests/test_kernel_tiles.py fails when the two differ.
+// microgpt_cuda.cu, after attn_common.cuh. The table's home is andrea/cuda/launch.py (TILES,
+// PRODUCTION_MIN_BLOCKS, PRODUCTION_PASSES): change both, or
+// tests/test_kernel_numerics.py::test_launch_config_matches_the_kernel_file fails.
 
 // W warps per block (block owns M = 16*W rows), N rows per streamed tile. All shared memory is
 // static and stays under the 48 KiB that needs no opt-in.

@@ -36,7 +36,8 @@
 //   attn_fwd_naive<T_, D>, attn_bwd_dq_naive<T_, D>, attn_bwd_dkdv_naive<T_, D>
 //
 // Launch recipe (W = warps of the kernel's tile config, M = 16*W rows owned by a block,
-// N = rows of the streamed tile; values in attn_tiles.cuh and andrea/cuda/launch.py):
+// N = rows of the streamed tile; the values per (type, D, kernel) are TILES in
+// andrea/cuda/launch.py, repeated for the compilers in attn_tiles.cuh):
 //   kernel               grid                          block      dynamic smem
 //   attn_fwd             (ceil(T/M_fwd),  B*H, 1)      32*W_fwd   0  (static, <= 48 KiB)
 //   attn_bwd_preprocess  (ceil(B*H*T/128), 1, 1)       128        0
@@ -46,15 +47,6 @@
 //   every output element is written by exactly one thread, so results are deterministic.
 //   attn_*_naive         (B*H, 1, 1)                   128        0  (one block per (b, h);
 //                        backward: the same attn_bwd_preprocess first, then dq_naive, dkdv_naive)
-//
-//   TileCfg (W, N)     fwd      dq       dkdv
-//   bf16  D=32         (4, 64)  (4, 64)  (4, 64)
-//   bf16  D=64         (4, 64)  (4, 64)  (4, 64)
-//   bf16  D=128        (4, 32)  (4, 16)  (4, 16)
-//   fp16               as bf16 (same element size, same fragments)
-//   fp32  D=32         (4, 32)  (4, 32)  (4, 32)
-//   fp32  D=64         (4, 32)  (2, 32)  (2, 32)
-//   fp32  D=128        (2, 16)  (1, 16)  (1, 16)
 //
 // Design. The grid covers (query tile, batch*head). A block keeps its own tile (queries; keys
 // in dkdv) in shared memory, each warp owning 16 of its rows, and streams the other operand

@@ -182,13 +182,14 @@ class Emulator:
         n = self.lib.andrea_emu_kernel_count()
         return [self.lib.andrea_emu_kernel_name(i).decode() for i in range(n)]
 
-    def kernel_info(self, name: str) -> tuple[int, int, int]:
-        """(warps, streamed tile rows, shared bytes) as the .cu file defines them: static, or a
-        pipelined candidate's dynamic."""
-        w, n, smem = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        if self.lib.andrea_emu_kernel_info(name.encode(), *map(ctypes.byref, (w, n, smem))):
+    def kernel_info(self, name: str) -> tuple[int, int, int, int, int]:
+        """(warps, streamed tile rows, shared bytes, launch-bounds min blocks, dK/dV passes) as
+        the kernel source defines them: shared bytes static, or a pipelined candidate's
+        dynamic; min blocks as on sm_80+ (the emulator builds ANDREA_HALF_PATH 800)."""
+        values = [ctypes.c_int() for _ in range(5)]
+        if self.lib.andrea_emu_kernel_info(name.encode(), *map(ctypes.byref, values)):
             raise KeyError(name)
-        return w.value, n.value, smem.value
+        return tuple(v.value for v in values)
 
     def launch(self, launch: Launch, *args: torch.Tensor | int | float,
                mode: str | None = None) -> None:

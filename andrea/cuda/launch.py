@@ -2,8 +2,7 @@
 
 The single source of truth on the Python side for tile sizes, grid, block, shared memory, the
 supported head dims and the NVRTC options; the CUDA runtime loader and the CPU emulator both use
-it. Importable without a GPU and without CuPy. The tile table mirrors `TileCfg` in the .cu file
-(tests/test_kernel_numerics.py checks the two agree).
+it. Importable without a GPU and without CuPy. TILES is the home of the production tile table.
 """
 
 from __future__ import annotations
@@ -25,6 +24,10 @@ ELEMENT_TYPES: dict[str, tuple[str, int]] = {
     "float32": ("float", 4), "bfloat16": ("bf16_t", 2), "float16": ("half_t", 2),
 }
 
+# The production kernels' tile table, its one home: kernels/attn_tiles.cuh repeats it for the
+# compilers (TileCfg, MinBlocks, DkdvPasses), and tests/test_kernel_numerics.py fails when the
+# two differ; the pipelined candidates start from it. It changes only from the measurements of
+# scripts/gpu_tune_attention.py (kernels/README.md, "Tuning for a GPU").
 # (dtype, head_dim) -> kernel -> (warps W, streamed tile rows N); a block owns M = 16*W rows.
 TILES: dict[tuple[str, int], dict[str, tuple[int, int]]] = {
     ("bfloat16", 32): {"fwd": (4, 64), "dq": (4, 64), "dkdv": (4, 64)},
@@ -38,6 +41,13 @@ TILES: dict[tuple[str, int], dict[str, tuple[int, int]]] = {
     ("float32", 64): {"fwd": (4, 32), "dq": (2, 32), "dkdv": (2, 32)},
     ("float32", 128): {"fwd": (2, 16), "dq": (1, 16), "dkdv": (1, 16)},
 }
+# The same kernels' __launch_bounds__ promises on sm_80+ (min blocks an SM; absent: none) and
+# dK/dV's column passes (absent: 1). kernels/attn_tiles.cuh says why each is there.
+PRODUCTION_MIN_BLOCKS: dict[tuple[str, int, str], int] = {
+    ("bfloat16", 64, "dq"): 3, ("bfloat16", 64, "dkdv"): 3, ("float16", 64, "dq"): 3,
+    ("float16", 64, "dkdv"): 3, ("float16", 32, "dq"): 4, ("float32", 32, "fwd"): 8,
+}
+PRODUCTION_PASSES: dict[tuple[str, int], int] = {("bfloat16", 64): 2, ("float16", 64): 2}
 
 PREPROCESS_THREADS = 128
 MAX_GRID_Y = 65535  # batch * n_head rides on grid.y
@@ -309,14 +319,6 @@ class PipeConfig:
         extra = f" minb{self.min_blocks}" if self.min_blocks else ""
         extra += f" p{self.passes}" if self.passes > 1 else ""
         return f"W{self.warps} N{self.rows} S{self.stages}{extra}"
-
-
-# The production kernels' __launch_bounds__ promises (MinBlocks in the .cu file) and dK/dV
-# passes (DkdvPasses), for the candidate that repeats a production tile; others make none.
-PRODUCTION_MIN_BLOCKS = {("bfloat16", 64, "dq"): 3, ("bfloat16", 64, "dkdv"): 3,
-                         ("float16", 64, "dq"): 3, ("float16", 64, "dkdv"): 3,
-                         ("float16", 32, "dq"): 4, ("float32", 32, "fwd"): 8}
-PRODUCTION_PASSES = {("bfloat16", 64): 2, ("float16", 64): 2}
 
 
 def production_pipe_config(kernel: str, dtype: str, head_dim: int, stages: int = 1) -> PipeConfig:
