@@ -2,8 +2,8 @@
 // Part of microgpt_cuda.cu, after attn_common.cuh (its backward takes delta from
 // attn_backward.cuh's attn_bwd_preprocess).
 
-// The reference point of the speed goal ("at least 10x a naive one-block-per-(batch, head)
-// kernel"), not used for training: one block per (batch, head), its threads loop over rows,
+// A speed reference for the tiled kernels (andrea bench's cuda_naive), not used for training:
+// one block per (batch, head), its threads loop over rows,
 // operands read straight from global memory, float FMAs, no tensor cores, no shared memory.
 // Numerically the same algorithm (float32 online softmax; backward recomputes P from the lse,
 // delta from attn_bwd_preprocess); one thread writes each output row, so no atomics.
