@@ -36,7 +36,6 @@ float64, and it exits 0 when they all pass (1 when one fails).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import os
@@ -49,6 +48,8 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from andrea.cuda.nvrtc import Nvrtc, find_libnvrtc
 
 START = time.monotonic()
 BUDGET_S = 330.0
@@ -170,65 +171,6 @@ def check_on_emulator(emu, emu_mod, kernel, cfg, q, k, v, dout, prod_o, prod_lse
 
 
 # ------------------------------------------------------------------------------- compiling
-def find_libnvrtc() -> Path | None:
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in nvidia.__path__:
-        for found in sorted(Path(root).glob("*/lib/libnvrtc.so*")):
-            if ".alt." not in found.name and "builtins" not in found.name:
-                return found
-    return None
-
-
-class Nvrtc:
-    """libnvrtc through ctypes (nvrtcCompileProgram runs without the GIL): one name
-    expression per program, cubin and ptxas's verbose log back."""
-
-    def __init__(self, path: Path) -> None:
-        for builtins in path.parent.glob("libnvrtc-builtins.so*"):
-            if ".alt." not in builtins.name:
-                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
-                break
-        self.lib = ctypes.CDLL(str(path))
-        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-
-    def _ok(self, rc: int, what: str, prog=None) -> None:
-        if rc:
-            raise RuntimeError(f"{what}: {self.lib.nvrtcGetErrorString(rc).decode()}\n"
-                               f"{self._log(prog) if prog is not None else ''}")
-
-    def _log(self, prog) -> str:
-        size = ctypes.c_size_t()
-        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        buf = ctypes.create_string_buffer(size.value)
-        self.lib.nvrtcGetProgramLog(prog, buf)
-        return buf.value.decode(errors="replace")
-
-    def compile(self, source: str, name: str, options: list[str]) -> tuple[bytes, str, str]:
-        lib = self.lib
-        prog = ctypes.c_void_p()
-        self._ok(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
-                                        b"microgpt_cuda.cu", 0, None, None), "create")
-        try:
-            self._ok(lib.nvrtcAddNameExpression(prog, name.encode()), name, prog)
-            opts = [o.encode() for o in [*options, "--ptxas-options=-v"]]
-            argv = (ctypes.c_char_p * len(opts))(*opts)
-            self._ok(lib.nvrtcCompileProgram(prog, len(opts), argv), f"compile {name}", prog)
-            text = self._log(prog)
-            size = ctypes.c_size_t()
-            self._ok(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size", prog)
-            cubin = ctypes.create_string_buffer(size.value)
-            self._ok(lib.nvrtcGetCUBIN(prog, cubin), "cubin", prog)
-            lowered = ctypes.c_char_p()
-            self._ok(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)), name,
-                     prog)
-            return cubin.raw, lowered.value.decode(), text
-        finally:
-            lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
 def spill_bytes(ptxas_log: str) -> int:
     found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
     return sum(int(a) + int(b) for a, b in found)
@@ -286,12 +228,11 @@ def build_all(cands, arch: str, launcher: Any, tmp: Path) -> dict[str, dict]:
             try:
                 with cupy.cuda.Device(launcher.device.index):
                     if nvrtc is not None:
-                        cubin, lowered, text = nvrtc.compile(source, name,
-                                                             runtime_nvrtc_options(arch))
+                        build = nvrtc.compile(source, [name], runtime_nvrtc_options(arch))
                         path = tmp / f"{abs(hash(name))}.cubin"
-                        path.write_bytes(cubin)
-                        fn = cupy.RawModule(path=str(path)).get_function(lowered)
-                        row["spill_bytes"] = spill_bytes(text)
+                        path.write_bytes(build.cubin)
+                        fn = cupy.RawModule(path=str(path)).get_function(build.lowered[name])
+                        row["spill_bytes"] = spill_bytes(build.log)
                     else:
                         module = cupy.RawModule(code=source, options=tuple(nvrtc_options(arch)),
                                                 backend="nvrtc", name_expressions=[name])

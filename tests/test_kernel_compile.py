@@ -1,4 +1,4 @@
-"""Compile gates for kernels/microgpt_cuda.cu (no GPU needed).
+"""Compile gates for kernels/microgpt_cuda.cu and the parts it includes (no GPU needed).
 
 NVRTC (what runs): what NVRTC really gets at run time (andrea.cuda.launch.runtime_nvrtc_options:
 the backend's options plus those CuPy appends, -ftz=true among them) and the name expressions,
@@ -17,7 +17,6 @@ scripts/ptxas_resources.sh sets to print the ptxas resource table per arch.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import re
@@ -30,6 +29,7 @@ import background
 import pytest
 
 from andrea.cuda import launch as kernel_launch
+from andrea.cuda.nvrtc import Nvrtc, find_libnvrtc
 from andrea.resources import kernels_dir
 
 KERNEL = kernels_dir() / "microgpt_cuda.cu"
@@ -108,32 +108,6 @@ def test_nvcc_builds_without_spills(arch: str, defines: tuple[str, ...], what: s
         print(f"  {fn:72s} {regs:>3s} registers, {smem or 0:>5} bytes smem, 0 spills")
 
 
-def _libnvrtc() -> Path | None:
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in nvidia.__path__:
-        for found in sorted(Path(root).glob("cu*/lib/libnvrtc.so.*")):
-            if ".alt." not in found.name:
-                return found
-    return None
-
-
-def _check(lib: ctypes.CDLL, rc: int, what: str, prog: ctypes.c_void_p | None = None) -> None:
-    if rc == 0:
-        return
-    log = ""
-    if prog is not None:
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        buf = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, buf)
-        log = buf.value.decode(errors="replace")
-    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-    pytest.fail(f"{what}: {lib.nvrtcGetErrorString(rc).decode()}\n{log}")
-
-
 def _spills_by_function(log: str) -> dict[str, tuple[str, str, str]]:
     """ptxas's verbose log -> {function: (registers, spill store bytes, spill load bytes)}."""
     found: dict[str, list[str]] = {}
@@ -158,60 +132,27 @@ def _nvrtc_build(arch: str) -> dict:
     """NVRTC's build of every name expression for ARCH with the runtime's options: its log, the
     cubin's size and the lowered names. ctypes lets go of the GIL in nvrtcCompileProgram, so
     builds in threads use every core."""
-    path = _libnvrtc()
-    # libnvrtc dlopens its builtins library by name; load it first from the same directory.
-    for builtins in path.parent.glob("libnvrtc-builtins.so.*"):
-        if ".alt." not in builtins.name:
-            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
-    lib = ctypes.CDLL(str(path))
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    _check(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-    prog = ctypes.c_void_p()
-    source = KERNEL.read_bytes()
-    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"microgpt_cuda.cu", 0,
-                                       None, None), "nvrtcCreateProgram")
+    nvrtc = Nvrtc(find_libnvrtc())
     options = kernel_launch.runtime_nvrtc_options(arch)
     assert options[:2] == kernel_launch.nvrtc_options(arch) and "-ftz=true" in options
-    try:
-        names = kernel_launch.all_name_expressions()
-        for name in names:
-            _check(lib, lib.nvrtcAddNameExpression(prog, name.encode()), name, prog)
-        opts = [o.encode() for o in [*options, "--ptxas-options=-v"]]
-        argv = (ctypes.c_char_p * len(opts))(*opts)
-        _check(lib, lib.nvrtcCompileProgram(prog, len(opts), argv), "compile", prog)
-        log_size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(log_size))
-        log_buf = ctypes.create_string_buffer(log_size.value)
-        lib.nvrtcGetProgramLog(prog, log_buf)
-        log = log_buf.value.decode(errors="replace")
-        size = ctypes.c_size_t()
-        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size", prog)
-        cubin = ctypes.create_string_buffer(size.value)
-        _check(lib, lib.nvrtcGetCUBIN(prog, cubin), "cubin", prog)
-        assert cubin.raw[:4] == b"\x7fELF"  # a real device binary, not PTX
-        lowered_names = []
-        for name in names:
-            lowered = ctypes.c_char_p()
-            _check(lib, lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)),
-                   name, prog)
-            assert lowered.value and lowered.value.startswith(b"_Z")
-            assert lowered.value in cubin.raw, name
-            lowered_names.append(lowered.value.decode())
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return {"log": log, "options": options, "lowered": lowered_names, "size": size.value,
-            "version": f"{major.value}.{minor.value}", "count": len(names)}
+    names = kernel_launch.all_name_expressions()
+    build = nvrtc.compile(kernel_launch.kernel_source(), names, options)  # what the runtime gets
+    assert build.cubin[:4] == b"\x7fELF"  # a real device binary, not PTX
+    for name, symbol in build.lowered.items():
+        assert symbol.startswith("_Z") and symbol.encode() in build.cubin, name
+    return {"log": build.log, "options": options, "lowered": list(build.lowered.values()),
+            "size": len(build.cubin), "version": nvrtc.version(), "count": len(names)}
 
 
 # On a low-priority thread from the session's start (tests/background.py): ctypes lets go of the
 # GIL in nvrtcCompileProgram, so the two threads use both cores.
-for _arch in NVRTC_ARCHS if _libnvrtc() is not None else ():
+for _arch in NVRTC_ARCHS if find_libnvrtc() is not None else ():
     background.declare(
         f"nvrtc-{_arch}", functools.partial(_nvrtc_build, _arch),
         wanted_by=["test_kernel_compile.py::test_nvrtc_compiles_with_runtime_options_without_spills"])
 
 
-@pytest.mark.skipif(_libnvrtc() is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
+@pytest.mark.skipif(find_libnvrtc() is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvrtc_compiles_with_runtime_options_without_spills(arch: str) -> None:
     if arch not in NVRTC_ARCHS:

@@ -129,6 +129,8 @@ def test_fibers_and_threads_agree_bit_for_bit(emulator) -> None:
 
 
 def test_launch_config_matches_the_kernel_file(emulator) -> None:
+    """TILES, PRODUCTION_MIN_BLOCKS and PRODUCTION_PASSES (the table's home) against what the
+    compiler makes of kernels/attn_tiles.cuh: a change to one and not the other fails here."""
     names = emulator.kernel_names()
     assert sorted(names) == sorted(kernel_launch.all_name_expressions())
     for (dtype, d), kinds in kernel_launch.TILES.items():
@@ -136,8 +138,12 @@ def test_launch_config_matches_the_kernel_file(emulator) -> None:
             kernel = kind if kind == "fwd" else f"bwd_{kind}"
             name = kernel_launch.name_expression(kernel, dtype, d)
             smem = kernel_launch.static_shared_bytes(kernel, dtype, d)
-            assert emulator.kernel_info(name) == (warps, n, smem), name
+            min_blocks = kernel_launch.PRODUCTION_MIN_BLOCKS.get((dtype, d, kind), 0)
+            passes = kernel_launch.PRODUCTION_PASSES.get((dtype, d), 1) if kind == "dkdv" else 1
+            assert emulator.kernel_info(name) == (warps, n, smem, min_blocks, passes), name
             assert smem <= kernel_launch.STATIC_SHARED_LIMIT
+    assert set(kernel_launch.PRODUCTION_PASSES) <= set(kernel_launch.TILES)
+    assert {k[:2] for k in kernel_launch.PRODUCTION_MIN_BLOCKS} <= set(kernel_launch.TILES)
     launches = kernel_launch.attention_launches(8, 12, 1024, 64, "bfloat16")
     assert launches["fwd"].grid == (16, 96, 1) and launches["fwd"].block == (128, 1, 1)
     assert launches["bwd_preprocess"].grid == (768, 1, 1)
@@ -183,7 +189,8 @@ def test_naive_launches_are_one_block_per_batch_head(emulator) -> None:
         launch = launches[kernel]
         assert launch.grid == (96, 1, 1) and launch.block == (kernel_launch.NAIVE_THREADS, 1, 1)
         assert launch.name.endswith("_naive<bf16_t, 64>")
-        assert emulator.kernel_info(launch.name) == (kernel_launch.NAIVE_THREADS // 32, 0, 0)
+        assert emulator.kernel_info(launch.name) == (kernel_launch.NAIVE_THREADS // 32, 0, 0,
+                                                     0, 1)
     regular = kernel_launch.attention_launches(8, 12, 1024, 64, "bfloat16")
     assert launches["bwd_preprocess"] == regular["bwd_preprocess"]
 

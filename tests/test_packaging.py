@@ -9,6 +9,8 @@ import zipfile
 
 from conftest import REPO, andrea_main
 
+from andrea.cuda.launch import kernel_source
+
 
 def test_wheel_ships_configs_and_kernels_and_runs_elsewhere(tmp_path):
     dist = tmp_path / "dist"
@@ -21,7 +23,9 @@ def test_wheel_ships_configs_and_kernels_and_runs_elsewhere(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for preset in ("andrea-12m.yaml", "andrea-120m.yaml"):
         assert f"andrea/configs/{preset}" in names
-    assert "andrea/kernels/microgpt_cuda.cu" in names
+    kernels = {f"andrea/kernels/{p.relative_to(REPO / 'kernels').as_posix()}"
+               for p in (REPO / "kernels").rglob("*") if p.is_file()}
+    assert "andrea/kernels/microgpt_cuda.cu" in kernels and kernels <= set(names)  # its parts too
     # Every module of the package, subpackages included: a .gitignore pattern once kept
     # andrea/data/ out of the wheel (hatchling leaves out what git ignores).
     modules = {p.relative_to(REPO).as_posix() for p in (REPO / "andrea").rglob("*.py")}
@@ -39,11 +43,13 @@ def test_wheel_ships_configs_and_kernels_and_runs_elsewhere(tmp_path):
     env = {"PYTHONPATH": str(target), "PATH": f"{target / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     where = subprocess.run(
         [sys.executable, "-c", "import andrea, andrea.resources as r; "
-         "print(andrea.__file__); print(r.configs_dir())"],
+         "from andrea.cuda.launch import kernel_source; "
+         "print(andrea.__file__); print(r.configs_dir()); print(len(kernel_source()))"],
         cwd=elsewhere, env={**os.environ, **env}, capture_output=True, text=True, check=True,
     ).stdout.split()
     assert where[0].startswith(str(target)), where  # the installed copy, not the checkout
     assert where[1] == str(target / "andrea" / "configs")
+    assert int(where[2]) == len(kernel_source())  # the installed parts, written in place
     proc = subprocess.run(
         [str(target / "bin" / "andrea"), "count-params", "--config", "andrea-12m.yaml"],
         cwd=elsewhere, env={**os.environ, **env}, capture_output=True, text=True,

@@ -1,8 +1,9 @@
 """Run kernels/microgpt_cuda.cu on the CPU through the CUDA execution-model emulator.
 
-The unchanged .cu file is compiled by g++ against kernels/cpu/cuda_emulator.h into a shared
-library (kernels/cpu/emu_entry.cpp), built once and cached by a hash of the sources and flags,
-then launched on torch CPU tensors with the grid, block and arguments the GPU path uses
+The unchanged kernel source (andrea.cuda.launch.kernel_source: microgpt_cuda.cu with its parts
+written in place, as NVRTC gets it) is compiled by g++ against kernels/cpu/cuda_emulator.h into
+a shared library (kernels/cpu/emu_entry.cpp), built once and cached by a hash of the sources and
+flags, then launched on torch CPU tensors with the grid, block and arguments the GPU path uses
 (andrea.cuda.launch). Sanitizer builds (ThreadSanitizer, AddressSanitizer) are standalone
 programs (kernels/cpu/emu_sanitize_main.cpp). Every build accepts a modified kernel text, so
 tests can check that a deliberately broken copy is caught.
@@ -60,7 +61,7 @@ def _compiler() -> str:
 
 def _build(main: str, flags: list[str], kernel_text: str | None, stem: str,
            extra_texts: dict[str, str] | None = None) -> Path:
-    """Compiles kernels/cpu/<main> with the kernel file (or kernel_text) into the cache.
+    """Compiles kernels/cpu/<main> with the kernel source (or kernel_text) into the cache.
 
     Keyed by a hash of compiler, flags and every source text; built under a temporary name and
     renamed, so concurrent builds and interrupted builds never leave a broken file behind.
@@ -181,13 +182,14 @@ class Emulator:
         n = self.lib.andrea_emu_kernel_count()
         return [self.lib.andrea_emu_kernel_name(i).decode() for i in range(n)]
 
-    def kernel_info(self, name: str) -> tuple[int, int, int]:
-        """(warps, streamed tile rows, shared bytes) as the .cu file defines them: static, or a
-        pipelined candidate's dynamic."""
-        w, n, smem = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        if self.lib.andrea_emu_kernel_info(name.encode(), *map(ctypes.byref, (w, n, smem))):
+    def kernel_info(self, name: str) -> tuple[int, int, int, int, int]:
+        """(warps, streamed tile rows, shared bytes, launch-bounds min blocks, dK/dV passes) as
+        the kernel source defines them: shared bytes static, or a pipelined candidate's
+        dynamic; min blocks as on sm_80+ (the emulator builds ANDREA_HALF_PATH 800)."""
+        values = [ctypes.c_int() for _ in range(5)]
+        if self.lib.andrea_emu_kernel_info(name.encode(), *map(ctypes.byref, values)):
             raise KeyError(name)
-        return w.value, n.value, smem.value
+        return tuple(v.value for v in values)
 
     def launch(self, launch: Launch, *args: torch.Tensor | int | float,
                mode: str | None = None) -> None:

@@ -2,13 +2,13 @@
 
 The single source of truth on the Python side for tile sizes, grid, block, shared memory, the
 supported head dims and the NVRTC options; the CUDA runtime loader and the CPU emulator both use
-it. Importable without a GPU and without CuPy. The tile table mirrors `TileCfg` in the .cu file
-(tests/test_kernel_numerics.py checks the two agree).
+it. Importable without a GPU and without CuPy. TILES is the home of the production tile table.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +16,7 @@ from typing import Any
 from andrea.errors import UserError
 from andrea.resources import kernels_dir
 
-KERNEL_FILE = "microgpt_cuda.cu"  # in kernels_dir()
+KERNEL_FILE = "microgpt_cuda.cu"  # in kernels_dir(); the parts it includes beside it
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 128)
 
 # torch dtype name -> (C++ element type in the .cu file, bytes per element)
@@ -24,6 +24,10 @@ ELEMENT_TYPES: dict[str, tuple[str, int]] = {
     "float32": ("float", 4), "bfloat16": ("bf16_t", 2), "float16": ("half_t", 2),
 }
 
+# The production kernels' tile table, its one home: kernels/attn_tiles.cuh repeats it for the
+# compilers (TileCfg, MinBlocks, DkdvPasses), and tests/test_kernel_numerics.py fails when the
+# two differ; the pipelined candidates start from it. It changes only from the measurements of
+# scripts/gpu_tune_attention.py (kernels/README.md, "Tuning for a GPU").
 # (dtype, head_dim) -> kernel -> (warps W, streamed tile rows N); a block owns M = 16*W rows.
 TILES: dict[tuple[str, int], dict[str, tuple[int, int]]] = {
     ("bfloat16", 32): {"fwd": (4, 64), "dq": (4, 64), "dkdv": (4, 64)},
@@ -37,6 +41,13 @@ TILES: dict[tuple[str, int], dict[str, tuple[int, int]]] = {
     ("float32", 64): {"fwd": (4, 32), "dq": (2, 32), "dkdv": (2, 32)},
     ("float32", 128): {"fwd": (2, 16), "dq": (1, 16), "dkdv": (1, 16)},
 }
+# The same kernels' __launch_bounds__ promises on sm_80+ (min blocks an SM; absent: none) and
+# dK/dV's column passes (absent: 1). kernels/attn_tiles.cuh says why each is there.
+PRODUCTION_MIN_BLOCKS: dict[tuple[str, int, str], int] = {
+    ("bfloat16", 64, "dq"): 3, ("bfloat16", 64, "dkdv"): 3, ("float16", 64, "dq"): 3,
+    ("float16", 64, "dkdv"): 3, ("float16", 32, "dq"): 4, ("float32", 32, "fwd"): 8,
+}
+PRODUCTION_PASSES: dict[tuple[str, int], int] = {("bfloat16", 64): 2, ("float16", 64): 2}
 
 PREPROCESS_THREADS = 128
 MAX_GRID_Y = 65535  # batch * n_head rides on grid.y
@@ -58,9 +69,21 @@ NAIVE_TEMPLATES = {
 NAIVE_THREADS = 128  # ANDREA_NAIVE_THREADS in the .cu file
 
 
-def kernel_source() -> str:
-    """The text of kernels/microgpt_cuda.cu, as NVRTC and the CPU emulator compile it."""
-    return (kernels_dir() / KERNEL_FILE).read_text()
+_INCLUDE = re.compile(r'^#include "([\w.]+)"\n', re.M)
+
+
+def kernel_source(name: str = KERNEL_FILE) -> str:
+    """kernels/microgpt_cuda.cu with the parts it #includes (kernels/attn_*.cuh) written in
+    place, #line directives keeping their names and lines in diagnostics: the one text NVRTC and
+    the CPU emulator compile. NVRTC gets no include path, so the modules' cache keys (this
+    process's and CuPy's on disk, both of the source text) cover every part."""
+    text = (kernels_dir() / name).read_text()
+
+    def expand(m: re.Match) -> str:
+        after = text.count("\n", 0, m.end()) + 1  # the parent's line after the #include
+        return f'#line 1 "{m[1]}"\n{kernel_source(m[1])}#line {after} "{name}"\n'
+
+    return _INCLUDE.sub(expand, text)
 
 
 def nvrtc_options(arch: str) -> list[str]:
@@ -68,8 +91,9 @@ def nvrtc_options(arch: str) -> list[str]:
 
     No --use_fast_math: the fp32 path must stay within ~1e-5 of float64, and exp2f/log2f are
     cheap enough. Compile to cubin (-arch=sm_XX), never ship PTX: a newer NVRTC's PTX may be
-    too new for the driver. Every function in the .cu file is marked __device__ or __global__,
-    so no -default-device; no include path, because the file includes nothing.
+    too new for the driver. Every function in the kernel source is marked __device__ or
+    __global__, so no -default-device; no include path, because kernel_source has its parts
+    written in place.
     """
     return ["--std=c++17", f"-arch={arch}"]
 
@@ -78,7 +102,7 @@ def nvrtc_options(arch: str) -> list[str]:
 # CuPy 13.6 and 14.2 alike): flush-to-zero denormals, its own -arch (the device's, the same as
 # ours), and device as the default execution space. CuPy 14 adds --pch only when
 # CUPY_NVRTC_USE_PCH=1 (precompiled headers: the same cubin, checked with NVRTC 13.0), and both
-# add -I folders of their own headers, which the .cu file never includes. -ftz=true flushes
+# add -I folders of their own headers, which the kernel source never includes. -ftz=true flushes
 # fp32 denormals to zero and changes ptxas's register choices.
 CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
 
@@ -295,14 +319,6 @@ class PipeConfig:
         extra = f" minb{self.min_blocks}" if self.min_blocks else ""
         extra += f" p{self.passes}" if self.passes > 1 else ""
         return f"W{self.warps} N{self.rows} S{self.stages}{extra}"
-
-
-# The production kernels' __launch_bounds__ promises (MinBlocks in the .cu file) and dK/dV
-# passes (DkdvPasses), for the candidate that repeats a production tile; others make none.
-PRODUCTION_MIN_BLOCKS = {("bfloat16", 64, "dq"): 3, ("bfloat16", 64, "dkdv"): 3,
-                         ("float16", 64, "dq"): 3, ("float16", 64, "dkdv"): 3,
-                         ("float16", 32, "dq"): 4, ("float32", 32, "fwd"): 8}
-PRODUCTION_PASSES = {("bfloat16", 64): 2, ("float16", 64): 2}
 
 
 def production_pipe_config(kernel: str, dtype: str, head_dim: int, stages: int = 1) -> PipeConfig:

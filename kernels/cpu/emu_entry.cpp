@@ -2,7 +2,8 @@
 // its kernels by NVRTC name expression, with kernel parameters passed like cuLaunchKernel's
 // kernelParams (args[i] points at the i-th argument's value). Built by andrea/cuda/emulator.py.
 #include "cuda_emulator.h"
-// The kernel file, unchanged; found through -I (the build copies it, or a modified text, there).
+// The kernel source with its parts written in place (andrea.cuda.launch.kernel_source), or a
+// modified text; found through -I, where the build writes it.
 #include "microgpt_cuda.cu"
 
 #include <cstring>
@@ -27,14 +28,21 @@ struct Entry {
   const char* name;
   void (*launch)(dim3, dim3, int, size_t, void**);
   int warps, tile_n, shared_bytes;
+  int min_blocks, passes;  // __launch_bounds__'s promise (0: none), dK/dV's column passes
 };
+
+// A pipelined candidate's promise and passes from its trailing template arguments (MINB, or
+// MINB and PASSES for dK/dV).
+constexpr int min_blocks_of(int min_blocks, int = 1) { return min_blocks; }
+constexpr int passes_of(int, int passes = 1) { return passes; }
 
 #define ANDREA_KIND(KERNEL, K, TYPE, TN, D)                                                   \
   Entry{#KERNEL "<" TN ", " #D ">",                                                            \
         [](dim3 g, dim3 b, int m, size_t s, void** a) {                                        \
           run(&KERNEL<TYPE, D>, g, b, m, s, a);                                                \
         },                                                                                     \
-        TileCfg<TYPE, D, K>::W, TileCfg<TYPE, D, K>::N, (int)sizeof(Smem<TYPE, D, K>)}
+        TileCfg<TYPE, D, K>::W, TileCfg<TYPE, D, K>::N, (int)sizeof(Smem<TYPE, D, K>),         \
+        MinBlocks<TYPE, D, K>::value, K == KIND_DKDV ? DkdvPasses<TYPE, D>::value : 1}
 #define ANDREA_TILED(TYPE, TN, D)                                                             \
   ANDREA_KIND(attn_fwd, KIND_FWD, TYPE, TN, D), ANDREA_KIND(attn_bwd_dq, KIND_DQ, TYPE, TN, D), \
       ANDREA_KIND(attn_bwd_dkdv, KIND_DKDV, TYPE, TN, D), ANDREA_PREPROCESS(TYPE, TN, D)
@@ -47,7 +55,7 @@ struct Entry {
         [](dim3 g, dim3 b, int m, size_t s, void** a) {                                        \
           run(&KERNEL<TYPE, D>, g, b, m, s, a);                                                \
         },                                                                                     \
-        ANDREA_NAIVE_THREADS / 32, 0, 0}
+        ANDREA_NAIVE_THREADS / 32, 0, 0, 0, 1}
 
 // A pipelined candidate (attn_*_pipe): NAME is andrea.cuda.launch's name expression, KIND the
 // PipeSmem kind, the rest the template arguments; shared_bytes is its dynamic shared memory.
@@ -56,7 +64,8 @@ struct Entry {
         [](dim3 g, dim3 b, int m, size_t s, void** a) {                                        \
           run(&KERNEL<TYPE, D, W, N, STAGES, __VA_ARGS__>, g, b, m, s, a);                     \
         },                                                                                     \
-        W, N, PipeSmem<TYPE, D, KIND, W, N, STAGES>::bytes}
+        W, N, PipeSmem<TYPE, D, KIND, W, N, STAGES>::bytes, min_blocks_of(__VA_ARGS__),        \
+        passes_of(__VA_ARGS__)}
 
 // ANDREA_EMU_HALF_ONLY: the tiled fp16 kernels alone, for the builds of another arch's fp16 path
 // (-DANDREA_HALF_ARCH=750 or 700; the naive kernels have no per-arch path), a sixth of the code.
@@ -65,7 +74,7 @@ struct Entry {
         [](dim3 g, dim3 b, int m, size_t s, void** a) {                                        \
           run(&attn_bwd_preprocess<TYPE, D>, g, b, m, s, a);                                   \
         },                                                                                     \
-        4, 0, 0}
+        4, 0, 0, 0, 1}
 
 // ANDREA_EMU_PIPE_ONLY: the candidates (emu_pipe_entries.inc) and the preprocess kernels their
 // backward uses, no other production kernel: a candidate library builds in a fraction of the time.
@@ -114,13 +123,17 @@ int andrea_emu_kernel_count() { return (int)(sizeof(kEntries) / sizeof(kEntries[
 
 const char* andrea_emu_kernel_name(int i) { return kEntries[i].name; }
 
-// Tile config and shared memory of a kernel (static; a candidate's dynamic), as the .cu has them.
-int andrea_emu_kernel_info(const char* name, int* warps, int* tile_n, int* shared_bytes) {
+// Tile config, shared memory (static; a candidate's dynamic), launch-bounds promise and dK/dV
+// passes of a kernel, as the kernel source has them.
+int andrea_emu_kernel_info(const char* name, int* warps, int* tile_n, int* shared_bytes,
+                           int* min_blocks, int* passes) {
   const Entry* e = find(name);
   if (!e) return -1;
   *warps = e->warps;
   *tile_n = e->tile_n;
   *shared_bytes = e->shared_bytes;
+  *min_blocks = e->min_blocks;
+  *passes = e->passes;
   return 0;
 }
 

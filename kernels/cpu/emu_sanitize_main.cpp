@@ -6,7 +6,7 @@
 // W, N, STAGES (dK/dV PASSES) instead, each block's dynamic shared memory its exact size.
 // Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
 #include "cuda_emulator.h"
-#include "microgpt_cuda.cu"
+#include "microgpt_cuda.cu"  // as in emu_entry.cpp: the kernel source, parts written in place
 
 #include <cstdio>
 #include <cstdlib>

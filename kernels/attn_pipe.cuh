@@ -1,0 +1,334 @@
+// attn_pipe.cuh - the pipelined candidates attn_fwd_pipe, attn_bwd_dq_pipe and
+// attn_bwd_dkdv_pipe: the production kernels (attn_forward.cuh, attn_backward.cuh) with the tile
+// shape as template parameters (W warps, N streamed rows), dynamic shared memory (PipeSmem), MINB
+// for __launch_bounds__ and a STAGES-deep cp.async pipeline over the streamed tiles: with
+// STAGES >= 2 tile it+STAGES-1 loads while tile it multiplies, one barrier per tile; STAGES 1
+// is the production kernels' synchronous load between two barriers. Per output row the
+// arithmetic is the production kernels' for the same N (W and STAGES change only who owns a row
+// and when a tile arrives), so with N equal they give the same bits. Launch: as the production
+// kernel, with M = 16*W, 32*W threads and PipeSmem::bytes of dynamic shared memory
+// (andrea.cuda.launch.pipe_launch). The forward keeps its warp's Q fragments in registers on
+// tensor cores (loaded once, not once per K tile). Candidates for
+// scripts/gpu_tune_attention.py; the production path launches the kernels of TILES. Part of
+// microgpt_cuda.cu, after attn_common.cuh; its backward takes delta from attn_backward.cuh's
+// attn_bwd_preprocess.
+
+// Dynamic shared memory of a pipelined kernel (byte offsets; andrea.cuda.launch's
+// pipe_shared_bytes mirrors `bytes`): the owned tile(s) (M x LD each: Q, or Q and dO, or K and
+// V), STAGES pairs of streamed tiles (N x LD each), statistics (dq: the owned rows' lse and
+// delta; dkdv: each stage's streamed rows'), fp32's scratch tiles.
+template <typename T_, int D, int K, int W, int N, int STAGES> struct PipeSmem {
+  static constexpr int M = 16 * W, LD = Ld<T_, D>::value, TILE_N = N * LD;
+  static constexpr int A_TILES = K == KIND_FWD ? 1 : 2;
+  static constexpr int B = A_TILES * M * LD * (int)sizeof(T_);
+  static constexpr int STATS = B + STAGES * 2 * N * LD * (int)sizeof(T_);
+  static constexpr int STAT_FLOATS = K == KIND_FWD ? 0 : (K == KIND_DQ ? 2 * M : STAGES * 2 * N);
+  static constexpr int SCRATCH = STATS + 4 * STAT_FLOATS;
+  static constexpr int bytes = SCRATCH + (IsFloat<T_>::value ? 4 * W * 16 * (N + 4) : 0);
+  static_assert(STAGES >= 1 && N % 16 == 0 && W >= 1, "a pipeline needs a stage, N of 16s");
+};
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_fwd_pipe(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
+                  T_* __restrict__ o, float* __restrict__ lse, int seq_len, float scale) {
+  using L = PipeSmem<T_, D, KIND_FWD, W, N, STAGES>;
+  constexpr int M = L::M, LD = L::LD;
+  ANDREA_DYNAMIC_SHARED(smem);
+  T_* const qs = (T_*)smem;
+  T_* const kv = (T_*)(smem + L::B);  // stage s: K at kv + 2s*TILE_N, V after it
+  float* const scratch = (float*)(smem + L::SCRATCH) + (threadIdx.x / 32) * 16 * (N + 4);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * M;  // heaviest causal tiles first
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const float sl2 = scale * ANDREA_LOG2E;
+  const int row_base = q0 + warp * 16 + g;
+  const int last = imin(q0 + M, seq_len) - 1;
+  const int n_tiles = last / N + 1;
+
+  load_tile_async<T_, D, M>(qs, q + base, q0, seq_len);  // joins the first group
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) {
+      load_tile_async<T_, D, N>(kv + 2 * s * L::TILE_N, k + base, s * N, seq_len);
+      load_tile_async<T_, D, N>(kv + (2 * s + 1) * L::TILE_N, v + base, s * N, seq_len);
+    }
+    cp_async_commit();  // even when empty: group i always holds tile i
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  float m_run[2] = {-inf_f(), -inf_f()}, l_run[2] = {0.0f, 0.0f};
+  constexpr bool MMA = UsesMma<T_>::value;
+  u32 qf[MMA ? D / 16 : 1][4];  // this warp's Q rows as A fragments, once Q has landed
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n0 = it * N;
+    const T_* ks = kv + 2 * (it % STAGES) * L::TILE_N;
+    const T_* vs = ks + L::TILE_N;
+    if constexpr (STAGES == 1) {
+      __syncthreads();  // barrier:fwd-pipe-reuse
+      load_tile_async<T_, D, N>(kv, k + base, n0, seq_len);
+      load_tile_async<T_, D, N>(kv + L::TILE_N, v + base, n0, seq_len);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();  // barrier:fwd-pipe-loaded
+    } else {
+      cp_async_wait<STAGES - 2>();  // this thread's copies of tile it have landed
+      __syncthreads();  // barrier:fwd-pipe (everyone's have; everyone is done with tile it-1)
+      const int nx = it + STAGES - 1;
+      if (nx < n_tiles) {  // into the stage tile it-1 used
+        T_* dst = kv + 2 * (nx % STAGES) * L::TILE_N;
+        load_tile_async<T_, D, N>(dst, k + base, nx * N, seq_len);
+        load_tile_async<T_, D, N>(dst + L::TILE_N, v + base, nx * N, seq_len);
+      }
+      cp_async_commit();
+    }
+
+    float s[N / 8][4];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    if constexpr (MMA) {
+      if (it == 0)  // Q came with tile 0's group; the barrier above made it visible
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+          ldmatrix_x4<false>(qf[kk], qs + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+      warp_gemm_as<T_, D, N / 8>(s, qf, ks, LD);
+    } else {
+      warp_gemm_ss<T_, D, N / 8, true>(s, qs + warp * 16 * LD, LD, ks, LD);
+    }
+
+    const bool masked = n0 + N - 1 > q0 || n0 + N > seq_len;
+    float mx[2] = {-inf_f(), -inf_f()};
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = row_base + (i >= 2 ? 8 : 0), col = n0 + j * 8 + 2 * t + (i & 1);
+        float x = s[j][i] * sl2;
+        if (masked && (col > row || col >= seq_len)) x = -inf_f();
+        s[j][i] = x;
+        mx[i >> 1] = fmaxf(mx[i >> 1], x);
+      }
+    float shift[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m_run[h], quad_max(mx[h]));
+      shift[h] = m_new == -inf_f() ? 0.0f : m_new;
+      const float corr = exp2f(m_run[h] - shift[h]);
+      l_run[h] *= corr;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        acc[j][2 * h] *= corr;
+        acc[j][2 * h + 1] *= corr;
+      }
+      m_run[h] = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float p = exp2f(s[j][i] - shift[i >> 1]);
+        s[j][i] = p;
+        l_run[i >> 1] += p;
+      }
+    warp_gemm_rs<T_, N / 8, D / 8>(acc, s, scratch, vs, LD);
+  }
+  cp_async_wait<0>();  // nothing left in flight when the block ends (only empty groups)
+
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_sum(l_run[h]);
+    inv[h] = 1.0f / l;
+    const int row = row_base + 8 * h;
+    if (t == 0 && row < seq_len)  // bounds: no rows past the sequence
+      lse[(long long)blockIdx.y * seq_len + row] = (m_run[h] + log2f(l)) * ANDREA_LN2;
+  }
+  store_rows<T_, D>(o + base, acc, q0 + warp * 16, seq_len, inv[0], inv[1]);
+}
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dq_pipe(const T_* __restrict__ q, const T_* __restrict__ k,
+                     const T_* __restrict__ v, const T_* __restrict__ dout,
+                     const float* __restrict__ lse, const float* __restrict__ delta,
+                     T_* __restrict__ dq, int seq_len, float scale) {
+  using L = PipeSmem<T_, D, KIND_DQ, W, N, STAGES>;
+  constexpr int M = L::M, LD = L::LD;
+  ANDREA_DYNAMIC_SHARED(smem);
+  T_* const qs = (T_*)smem;
+  T_* const dos = qs + M * LD;
+  T_* const kv = (T_*)(smem + L::B);
+  float* const lse_s = (float*)(smem + L::STATS);
+  float* const delta_s = lse_s + M;
+  float* const scratch = (float*)(smem + L::SCRATCH) + (threadIdx.x / 32) * 16 * (N + 4);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * M;
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const long long sbase = (long long)blockIdx.y * seq_len;
+  const float sl2 = scale * ANDREA_LOG2E;
+  const int rl = warp * 16 + g;
+  const int last = imin(q0 + M, seq_len) - 1;
+  const int n_tiles = last / N + 1;
+
+  load_tile_async<T_, D, M>(qs, q + base, q0, seq_len);
+  load_tile_async<T_, D, M>(dos, dout + base, q0, seq_len);
+  load_stats<M>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);  // seen past a barrier
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) {
+      load_tile_async<T_, D, N>(kv + 2 * s * L::TILE_N, k + base, s * N, seq_len);
+      load_tile_async<T_, D, N>(kv + (2 * s + 1) * L::TILE_N, v + base, s * N, seq_len);
+    }
+    cp_async_commit();
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n0 = it * N;
+    const T_* ks = kv + 2 * (it % STAGES) * L::TILE_N;
+    const T_* vs = ks + L::TILE_N;
+    if constexpr (STAGES == 1) {
+      __syncthreads();  // barrier:dq-pipe-reuse
+      load_tile_async<T_, D, N>(kv, k + base, n0, seq_len);
+      load_tile_async<T_, D, N>(kv + L::TILE_N, v + base, n0, seq_len);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();  // barrier:dq-pipe-loaded
+    } else {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // barrier:dq-pipe
+      const int nx = it + STAGES - 1;
+      if (nx < n_tiles) {
+        T_* dst = kv + 2 * (nx % STAGES) * L::TILE_N;
+        load_tile_async<T_, D, N>(dst, k + base, nx * N, seq_len);
+        load_tile_async<T_, D, N>(dst + L::TILE_N, v + base, nx * N, seq_len);
+      }
+      cp_async_commit();
+    }
+
+    float s[N / 8][4], dp[N / 8][4];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
+    warp_gemm_ss<T_, D, N / 8, true>(s, qs + warp * 16 * LD, LD, ks, LD);
+    warp_gemm_ss<T_, D, N / 8, true>(dp, dos + warp * 16 * LD, LD, vs, LD);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = rl + (i >= 2 ? 8 : 0);
+        const int row = q0 + r, col = n0 + j * 8 + 2 * t + (i & 1);
+        const bool visible = col <= row && col < seq_len;
+        const float p = visible ? exp2f(s[j][i] * sl2 - lse_s[r] * ANDREA_LOG2E) : 0.0f;
+        s[j][i] = p * (dp[j][i] - delta_s[r]);
+      }
+    warp_gemm_rs<T_, N / 8, D / 8>(acc, s, scratch, ks, LD);
+  }
+  cp_async_wait<0>();
+  store_rows<T_, D>(dq + base, acc, q0 + warp * 16, seq_len, scale, scale);
+}
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dkdv_pipe(const T_* __restrict__ q, const T_* __restrict__ k,
+                       const T_* __restrict__ v, const T_* __restrict__ dout,
+                       const float* __restrict__ lse, const float* __restrict__ delta,
+                       T_* __restrict__ dk, T_* __restrict__ dv, int seq_len, float scale) {
+  using L = PipeSmem<T_, D, KIND_DKDV, W, N, STAGES>;
+  constexpr int M = L::M, LD = L::LD, NP = N / PASSES;
+  static_assert(N % PASSES == 0 && NP % 16 == 0, "each pass takes a multiple of 16 columns");
+  ANDREA_DYNAMIC_SHARED(smem);
+  T_* const ks = (T_*)smem;
+  T_* const vs = ks + M * LD;
+  T_* const qd = (T_*)(smem + L::B);  // stage s: Q at qd + 2s*TILE_N, dO after it
+  float* const stats = (float*)(smem + L::STATS);  // stage s: lse at stats + 2sN, delta after
+  float* const scratch = (float*)(smem + L::SCRATCH) + (threadIdx.x / 32) * 16 * (N + 4);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int k0 = blockIdx.x * M;
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const long long sbase = (long long)blockIdx.y * seq_len;
+  const float sl2 = scale * ANDREA_LOG2E;
+  const int first = k0 / N;  // query tiles before it see none of these keys
+  const int n_tiles = (seq_len + N - 1) / N - first;
+
+  load_tile_async<T_, D, M>(ks, k + base, k0, seq_len);
+  load_tile_async<T_, D, M>(vs, v + base, k0, seq_len);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) {
+      const int n0 = (first + s) * N;
+      load_tile_async<T_, D, N>(qd + 2 * s * L::TILE_N, q + base, n0, seq_len);
+      load_tile_async<T_, D, N>(qd + (2 * s + 1) * L::TILE_N, dout + base, n0, seq_len);
+      load_stats_async<N>(stats + 2 * s * N, stats + (2 * s + 1) * N, lse + sbase,
+                          delta + sbase, n0, seq_len);
+    }
+    cp_async_commit();
+  }
+  float dk_acc[D / 8][4], dv_acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk_acc[j][i] = dv_acc[j][i] = 0.0f;
+  const int key_base = k0 + warp * 16 + g;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n0 = (first + it) * N;
+    const int stage = it % STAGES;
+    const T_* qs = qd + 2 * stage * L::TILE_N;
+    const T_* dos = qs + L::TILE_N;
+    const float* lse_s = stats + 2 * stage * N;
+    const float* delta_s = lse_s + N;
+    if constexpr (STAGES == 1) {
+      __syncthreads();  // barrier:dkdv-pipe-reuse
+      load_tile_async<T_, D, N>(qd, q + base, n0, seq_len);
+      load_tile_async<T_, D, N>(qd + L::TILE_N, dout + base, n0, seq_len);
+      load_stats_async<N>(stats, stats + N, lse + sbase, delta + sbase, n0, seq_len);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();  // barrier:dkdv-pipe-loaded
+    } else {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // barrier:dkdv-pipe
+      const int nx = it + STAGES - 1;
+      if (nx < n_tiles) {
+        const int s = nx % STAGES, nn = (first + nx) * N;
+        load_tile_async<T_, D, N>(qd + 2 * s * L::TILE_N, q + base, nn, seq_len);
+        load_tile_async<T_, D, N>(qd + (2 * s + 1) * L::TILE_N, dout + base, nn, seq_len);
+        load_stats_async<N>(stats + 2 * s * N, stats + (2 * s + 1) * N, lse + sbase,
+                            delta + sbase, nn, seq_len);
+      }
+      cp_async_commit();
+    }
+
+    for (int c0 = 0; c0 < N; c0 += NP) {
+      float st[NP / 8][4], dpt[NP / 8][4];
+#pragma unroll
+      for (int j = 0; j < NP / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) st[j][i] = dpt[j][i] = 0.0f;
+      warp_gemm_ss<T_, D, NP / 8, true>(st, ks + warp * 16 * LD, LD, qs + c0 * LD, LD);
+      warp_gemm_ss<T_, D, NP / 8, true>(dpt, vs + warp * 16 * LD, LD, dos + c0 * LD, LD);
+#pragma unroll
+      for (int j = 0; j < NP / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int key = key_base + (i >= 2 ? 8 : 0);
+          const int c = c0 + j * 8 + 2 * t + (i & 1), col = n0 + c;
+          const bool visible = key <= col && col < seq_len;  // masks the zero-filled stats
+          const float p = visible ? exp2f(st[j][i] * sl2 - lse_s[c] * ANDREA_LOG2E) : 0.0f;
+          st[j][i] = p;
+          dpt[j][i] = p * (dpt[j][i] - delta_s[c]);
+        }
+      warp_gemm_rs<T_, NP / 8, D / 8>(dv_acc, st, scratch, dos + c0 * LD, LD);
+      warp_gemm_rs<T_, NP / 8, D / 8>(dk_acc, dpt, scratch, qs + c0 * LD, LD);
+    }
+  }
+  cp_async_wait<0>();
+  store_rows<T_, D>(dk + base, dk_acc, k0 + warp * 16, seq_len, scale, scale);
+  store_rows<T_, D>(dv + base, dv_acc, k0 + warp * 16, seq_len, 1.0f, 1.0f);
+}
