@@ -521,6 +521,24 @@ def jsonable(info: dict) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in ("fn", "cfg")} for row in info.values()]
 
 
+def auto_table_entries(report: dict, date: str) -> list[str]:
+    """`model.attention: auto`'s entries for this GPU (AUTO_TABLE, andrea/model/attention.py),
+    as lines to paste there: per measured (dtype, head_dim), SDPA's forward + backward time over
+    the production kernels' through the custom op (what training runs); "cuda" from 1.0 up."""
+    lines = []
+    for res in report["shapes"]:
+        sdpa = (res.get("sdpa") or {}).get("default") or {}
+        ours = res.get("production_autograd") or {}
+        if not sdpa.get("fb") or not ours.get("fb"):
+            continue
+        dtype, *_, head_dim = res["shape"].split()
+        ratio = sdpa["fb"] / ours["fb"]
+        backend = "cuda" if ratio >= 1.0 else "sdpa"
+        lines.append(f'    ("{report["arch"]}", "{dtype}", {int(head_dim.removeprefix("D"))}): '
+                     f'Measured("{backend}", {ratio:.2f}, "{date}"),  # {res["shape"]}')
+    return lines
+
+
 def summary(report: dict, info: dict, out: Path) -> str:
     lines = [""]
     for res in report["shapes"]:
@@ -528,6 +546,10 @@ def summary(report: dict, info: dict, out: Path) -> str:
             lines.append(table(res))
         else:
             lines.append(f"== {res['shape']}: {res.get('skipped') or res.get('error', '')[-500:]}")
+    entries = auto_table_entries(report, time.strftime("%Y-%m-%d"))
+    if entries:
+        lines += ["AUTO_TABLE entries (andrea/model/attention.py), the production kernels:",
+                  *entries]
     statuses: dict[str, int] = {}
     for row in list(info.values()):
         key = row["status"].split(" (")[0].split(":")[0]

@@ -135,6 +135,11 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert "error" in shape["sdpa"]["cudnn"]  # no cuDNN attention on a CPU: said, not fatal
     text = capsys.readouterr().out
     assert "ours best candidates" in text and "f+b x" in text
+    # auto's table entry, ready to paste: SDPA's f+b time over the custom op's
+    (entry,) = [line for line in text.splitlines() if line.startswith('    ("sm_90"')]
+    ratio = shape["sdpa"]["default"]["fb"] / shape["production_autograd"]["fb"]
+    backend = "cuda" if ratio >= 1 else "sdpa"
+    assert entry.startswith(f'    ("sm_90", "bfloat16", 32): Measured("{backend}", {ratio:.2f}, ')
     # candidates ran with their dynamic shared memory; the production kernels with none
     assert any("_pipe<" in name and shared > 0 for name, shared, _ in launches)
     assert all(shared == 0 for name, shared, _ in launches if "_pipe<" not in name)

@@ -161,12 +161,11 @@ class Measured:
 # (forward + backward, B 8, H 12, T 1024 at head_dim 64 and T 256 at head_dim 32): docs/log.md,
 # 2026-12-04, "the CUDA path on a GPU for the first time".
 #
-# From `scripts/gpu_tune_attention.py OUT` on a GPU: OUT/tune.json's "arch" is the key's first
-# part, each of its "shapes" gives a dtype and head_dim (its "shape": "bfloat16 B8 H12 T1024
-# D64"), and its ratio is sdpa.default.fb / production_autograd.fb (the printed table's "f+b x"
-# of the row "ours production (autograd)": the custom op as training runs it). "cuda" where
-# that is at least 1 at the presets' shapes, "sdpa" below; the date is that of the docs/log.md
-# entry that records the run.
+# From `scripts/gpu_tune_attention.py OUT` on a GPU: it prints these entries last, ready to
+# paste ("AUTO_TABLE entries"): per measured (dtype, head_dim), SDPA's forward + backward time
+# over the production kernels' through the custom op (what training runs; the table's row "ours
+# production (autograd)", OUT/tune.json's sdpa.default.fb / production_autograd.fb), "cuda" from
+# 1.0 up. The date is the run's, that of the docs/log.md entry that records it.
 AUTO_TABLE: dict[tuple[str, str, int], Measured] = {
     ("sm_90", "bfloat16", 64): Measured("sdpa", 0.26, "2026-12-04"),
     ("sm_90", "bfloat16", 32): Measured("sdpa", 0.19, "2026-12-04"),
