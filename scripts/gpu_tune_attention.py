@@ -21,7 +21,8 @@ expected on an H200 with 16 cores):
    same way through andrea's custom op (what training runs) and as bare launches; and the best
    candidate per kernel together (forward, preprocess + dQ + dK/dV, and all four).
 4. Prints a table per shape last and writes everything to OUT_DIR/tune.json (written again after
-   each shape, so a run cut short keeps what it measured).
+   each shape, so a run cut short keeps what it measured), then `model.attention: auto`'s
+   AUTO_TABLE entries for this GPU (andrea/model/attention.py), ready to paste.
 
 Table columns: fwd / bwd / f+b: milliseconds per call (rows "sdpa ..." and "(autograd)": through
 autograd; "ours production" and "ours best candidates": the kernels launched back to back, bwd
