@@ -1,6 +1,7 @@
 """Shared test helpers: the `andrea` command in this process (andrea_main), or in a process of
 its own (run_andrea, python_command, torchrun_command, run_torchrun) where the process is the
-point: signals, kill -9, several processes at once, torchrun."""
+point: signals, kill -9, several processes at once, torchrun; waiting for what such a process
+does (wait_until)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TypeVar
 
 import background
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 
 
 def load_script(name: str) -> ModuleType:
@@ -166,6 +170,33 @@ def assert_user_error(
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
+
+
+def wait_until(
+    condition: Callable[[], T], *, what: str, timeout: float = 60,
+    proc: subprocess.Popen | None = None,
+) -> T:
+    """Polls CONDITION until it returns something true, and returns that: how a test waits for
+    what another process or thread does (a file appears, a line is said), never a fixed sleep.
+    Fails saying WHAT it waited for after TIMEOUT seconds, or as soon as PROC, the process that
+    was to make it true, has ended (with that process's output); PROC is killed on a timeout,
+    so that a failed test leaves no training behind."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ended = proc is not None and proc.poll() is not None  # before: it may end once true
+        value = condition()
+        if value:
+            return value
+        if ended:
+            out, err = proc.communicate()
+            pytest.fail(f"waited for {what}, but the process ended first (exit "
+                        f"{proc.returncode})\nstdout: {out[-3000:]}\nstderr: {err[-3000:]}")
+        if time.monotonic() > deadline:
+            if proc is not None:
+                proc.kill()
+                proc.communicate()
+            pytest.fail(f"waited {timeout:g} s for {what}")
+        time.sleep(0.02)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import andrea_main, assert_user_error, make_checkpoint, python_command, run_andrea
+from conftest import (
+    andrea_main,
+    assert_user_error,
+    make_checkpoint,
+    python_command,
+    run_andrea,
+    wait_until,
+)
 from test_parallel import launch_nodes
 
 from andrea.cli import main
@@ -46,13 +53,6 @@ def start_training(cfg: Path, *args: str) -> subprocess.Popen:
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-
-
 def stop(proc: subprocess.Popen) -> tuple[str, str]:
     """SIGTERM, as a scheduler stops a run: it checkpoints its last step and exits 143."""
     if proc.poll() is None:
@@ -74,7 +74,7 @@ def test_a_second_training_on_a_live_run_is_refused_in_seconds_naming_its_holder
     run_dir = tmp_path / "runs" / "r"
     first = start_training(cfg)
     try:
-        wait_for(run_dir / "latest", first)  # training, with a checkpoint to resume from
+        wait_until((run_dir / "latest").exists, what="a checkpoint", proc=first)  # to resume from
         holder = json.loads((run_dir / RUN_LOCK).read_text())
         assert holder["host"] == HOST and pid_alive(holder["pid"])
         # Old code: the second one trains alongside (a million steps: the timeout ends it).
@@ -104,16 +104,14 @@ def test_the_same_new_run_started_twice_at_once_trains_once(tmp_path, data_dir):
     run_dir = tmp_path / "runs" / "r"
     both = [start_training(cfg), start_training(cfg)]
     try:
-        deadline = time.monotonic() + 60  # old code: both train a million steps
-        while all(p.poll() is None for p in both):
-            assert time.monotonic() < deadline, "neither was refused"
-            time.sleep(0.05)
+        # Old code: both train a million steps.
+        wait_until(lambda: any(p.poll() is not None for p in both), what="one of them refused")
         refused = next(p for p in both if p.poll() is not None)
         trains = next(p for p in both if p is not refused)
         out, err = refused.communicate()
         assert_user_error(subprocess.CompletedProcess([], refused.returncode, out, err),
                           f"{run_dir}: another andrea train is ")
-        wait_for(run_dir / METRICS, trains)
+        wait_until((run_dir / METRICS).exists, what="its start", proc=trains)
         assert trains.poll() is None
     finally:
         said = [stop(proc) for proc in both]
@@ -143,7 +141,7 @@ def test_import_force_on_a_live_run_is_refused_and_the_run_keeps_its_history(tmp
     run_dir = tmp_path / "runs" / "r"
     first = start_training(cfg)
     try:
-        wait_for(run_dir / "latest", first)
+        wait_until((run_dir / "latest").exists, what="a checkpoint", proc=first)
         config = (run_dir / CONFIG).read_text()
         holder = json.loads((run_dir / RUN_LOCK).read_text())
         refused = andrea_main("import", str(hf), "--out", str(run_dir), "--force")
@@ -174,7 +172,7 @@ def test_a_training_whose_lock_file_goes_stops_at_its_next_step_writing_nothing_
     run_dir = tmp_path / "runs" / "r"
     first = start_training(cfg)
     try:
-        wait_for(run_dir / "latest", first)
+        wait_until((run_dir / "latest").exists, what="a checkpoint", proc=first)
         lock = run_dir / RUN_LOCK
         if how == "removed":
             lock.unlink()
@@ -182,10 +180,8 @@ def test_a_training_whose_lock_file_goes_stops_at_its_next_step_writing_nothing_
             other = Holder(4242, "node-7", time.time(), time.time()).encode()
             (run_dir / "new.lock").write_bytes(other)
             os.replace(run_dir / "new.lock", lock)
-        deadline = time.monotonic() + 60  # old code: trains a million steps
-        while first.poll() is None:
-            assert time.monotonic() < deadline, "the training did not notice"
-            time.sleep(0.05)
+        # Old code: trains a million steps.
+        wait_until(lambda: first.poll() is not None, what="the training to notice and stop")
     finally:
         out, err = stop(first)
     line = assert_user_error(subprocess.CompletedProcess([], first.returncode, out, err),
@@ -223,7 +219,7 @@ def test_prepare_force_on_a_folder_a_live_training_reads_is_refused_naming_it(tm
     first = start_training(cfg)  # prepares the folder, then reads it
     prepare = ("prepare", "-c", str(cfg), "--force")
     try:
-        wait_for(run_dir / METRICS, first)  # set up: it holds the folder
+        wait_until((run_dir / METRICS).exists, what="the set-up", proc=first)  # holds the folder
         shards = {p.name: p.read_bytes() for p in data.glob("*.bin")}
         refused = andrea_main(*prepare)
         assert_user_error(refused, f"{data}: andrea train of {run_dir} reads this data folder "
@@ -356,9 +352,9 @@ def test_the_holder_says_it_is_alive_while_it_holds_the_run(tmp_path, monkeypatc
     lock = RunLock(tmp_path / "runs" / "r").acquire()
     try:
         first = Holder.decode(lock.path.read_bytes())
-        time.sleep(0.3)
-        later = Holder.decode(lock.path.read_bytes())
-        assert first is not None and later is not None
+        assert first is not None
+        later = wait_until(lambda: (held := Holder.decode(lock.path.read_bytes())) is not None
+                           and held.alive > first.alive and held, what="a newer heartbeat")
         assert (later.pid, later.host, later.since) == (os.getpid(), HOST, first.since)
         assert later.alive > first.alive
     finally:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Result, andrea_main, assert_user_error, python_command
+from conftest import Result, andrea_main, assert_user_error, python_command, wait_until
 from test_cli import run_main
 from test_prepare import corpus  # noqa: F401  (a fixture)
 
@@ -299,11 +299,9 @@ def test_a_shard_cut_short_under_a_running_training_is_one_line_with_a_checkpoin
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 120
-        while not ((run / "metrics.jsonl").exists()
-                   and any(e.get("step", 0) >= 3 for e in train_events(run))):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
+        wait_until(lambda: (run / "metrics.jsonl").exists()
+                   and any(e.get("step", 0) >= 3 for e in train_events(run)),
+                   what="step 3's record", timeout=120, proc=proc)
         shard = data / "train_000000.bin"
         os.truncate(shard, shard.stat().st_size - 8192)  # as the issue's run was cut
         out, err = proc.communicate(timeout=120)

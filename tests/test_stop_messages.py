@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import andrea_main, assert_user_error, python_command
+from conftest import andrea_main, assert_user_error, python_command, wait_until
 
+from andrea.data.folder import PROGRESS
 from andrea.resources import cpu_name
 from andrea.train.progress import RunBar, format_eta, plan_note_for
 
@@ -55,7 +56,8 @@ def test_sigterm_during_data_preparation_stops_it_within_seconds(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     assert proc.stdout.readline().startswith(f"preparing {data}")  # set-up is under way
-    time.sleep(0.5)
+    # Its progress record: the work on the folder has begun (the BPE's training comes next).
+    wait_until(lambda: (data / PROGRESS).exists(), what=f"{data / PROGRESS}", proc=proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)

@@ -8,12 +8,11 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import andrea_main, assert_user_error, make_checkpoint, python_command
+from conftest import andrea_main, assert_user_error, make_checkpoint, python_command, wait_until
 
 from andrea.config import load_config
 from andrea.data.loader import TokenSplit
@@ -160,24 +159,14 @@ def _start(tmp_path: Path, cfg, *args: str, env: dict | None = None) -> subproce
     )
 
 
-def _wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            raise AssertionError(f"process ended early: {proc.communicate()}")
-        if time.time() > deadline:
-            proc.kill()
-            raise AssertionError("timed out")
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_checkpoints_and_exits(tmp_path, data_dir, sig, code):
     cfg = tiny(tmp_path, data_dir, "train.max_steps=100000")
     run_dir = Path(cfg.train.runs_dir) / "t"
     proc = _start(tmp_path, cfg)
-    _wait_for(lambda: (run_dir / "metrics.jsonl").exists()
-              and '"train"' in (run_dir / "metrics.jsonl").read_text(), proc)
+    wait_until(lambda: (run_dir / "metrics.jsonl").exists()
+               and '"train"' in (run_dir / "metrics.jsonl").read_text(),
+               what="a step's record", timeout=120, proc=proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
@@ -202,12 +191,15 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
     )
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    _wait_for(lambda: any(r["step"] > 2 for r in read_events(first.run_dir, "train")), proc)
+    wait_until(lambda: any(r["step"] > 2 for r in read_events(first.run_dir, "train")),
+               what="step 3's record", timeout=120, proc=proc)
     proc.send_signal(sig)
     # Two signals that arrive before Python runs the handler count as one: wait until the
     # first is seen before sending the second.
-    _wait_for(lambda: any("stopping after this micro-batch" in line for line in stderr), proc)
-    _wait_for(lambda: any(first.run_dir.glob("*.partial-*/model.safetensors")), proc)
+    wait_until(lambda: any("stopping after this micro-batch" in line for line in stderr),
+               what="the first signal's line", timeout=120, proc=proc)
+    wait_until(lambda: any(first.run_dir.glob("*.partial-*/model.safetensors")),
+               what="the checkpoint's write under way", timeout=120, proc=proc)
     proc.send_signal(sig)  # old code: a second SIGTERM was ignored, the checkpoint completed
     proc.wait(timeout=60)
     assert proc.returncode == code
@@ -224,8 +216,10 @@ def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data
     run_dir = Path(cfg.train.runs_dir) / "t"
     # step-000005 is written slowly too; wait for it, then catch step-000010 half written.
     proc = _start(tmp_path, cfg, env={"ANDREA_FAULTS": "checkpoint-delay@2"})
-    _wait_for(lambda: (run_dir / "latest").exists(), proc)
-    _wait_for(lambda: any(run_dir.glob("step-000010.partial-*/model.safetensors")), proc)
+    wait_until(lambda: (run_dir / "latest").exists(), what="step 5's checkpoint", timeout=120,
+               proc=proc)
+    wait_until(lambda: any(run_dir.glob("step-000010.partial-*/model.safetensors")),
+               what="step 10's checkpoint under way", timeout=120, proc=proc)
     proc.kill()
     proc.communicate()
     assert (run_dir / "latest").read_text().strip() == "step-000005"
