@@ -1,7 +1,7 @@
 """Shared test helpers: the `andrea` command in this process (andrea_main), or in a process of
 its own (run_andrea, python_command, torchrun_command, run_torchrun) where the process is the
 point: signals, kill -9, several processes at once, torchrun; waiting for what such a process
-does (wait_until)."""
+does (wait_until); the tiny preset as a run's config (tiny_config, config_file)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import background
 import pytest
+
+if TYPE_CHECKING:
+    from andrea.config import Config
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -197,6 +200,24 @@ def wait_until(
                 proc.communicate()
             pytest.fail(f"waited {timeout:g} s for {what}")
         time.sleep(0.02)
+
+
+def tiny_config(runs: Path, data_dir: Path, *sets: str, name: str = "t") -> Config:
+    """The tiny preset (configs/andrea-tiny.yaml) as a test's run: run NAME under RUNS reading
+    DATA_DIR (the data_dir fixture, or a folder of the test's own), every step logged, no eval
+    and one checkpoint at the end; SETS (--set spellings: "train.max_steps=4") come last."""
+    from andrea.config import load_config
+
+    return load_config("andrea-tiny", [
+        f"data.dir={data_dir}", f"train.runs_dir={runs}", f"train.name={name}",
+        "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0", *sets])
+
+
+def config_file(cfg: Config, folder: Path) -> Path:
+    """CFG as FOLDER/NAME.yaml (NAME: its run's), the file `andrea train -c` reads."""
+    path = folder / f"{cfg.train.name}.yaml"
+    path.write_text(cfg.to_yaml())
+    return path
 
 
 @contextlib.contextmanager

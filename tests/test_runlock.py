@@ -19,9 +19,11 @@ import pytest
 from conftest import (
     andrea_main,
     assert_user_error,
+    config_file,
     make_checkpoint,
     python_command,
     run_andrea,
+    tiny_config,
     wait_until,
 )
 from test_parallel import launch_nodes
@@ -33,17 +35,6 @@ from andrea.train.rundir import CONFIG, METRICS, RUN_LOCK, read_latest, step_dir
 from andrea.train.runlock import Holder, RunLock, is_stale
 
 HOST = socket.gethostname()
-
-
-def tiny_config(tmp_path: Path, data_dir: Path, *lines: str) -> Path:
-    path = tmp_path / "run.yaml"
-    path.write_text(
-        "model: {n_layer: 2, n_head: 4, head_dim: 16, block_size: 64, vocab_size: 320}\n"
-        f"data: {{source: shakespeare, tokenizer: byte, dir: {data_dir}}}\n"
-        f"train: {{runs_dir: {tmp_path / 'runs'}, name: r, micro_batch_size: 8, "
-        f"log_every: 1, eval_every: 0, {', '.join(lines)}}}\n"
-    )
-    return path
 
 
 def start_training(cfg: Path, *args: str) -> subprocess.Popen:
@@ -70,7 +61,8 @@ def pid_alive(pid: int) -> bool:
 
 def test_a_second_training_on_a_live_run_is_refused_in_seconds_naming_its_holder(
         tmp_path, data_dir):
-    cfg = tiny_config(tmp_path, data_dir, "max_steps: 1000000", "checkpoint_every: 5")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1000000",
+                                  "train.checkpoint_every=5", name="r"), tmp_path)
     run_dir = tmp_path / "runs" / "r"
     first = start_training(cfg)
     try:
@@ -100,7 +92,8 @@ def test_a_second_training_on_a_live_run_is_refused_in_seconds_naming_its_holder
 
 
 def test_the_same_new_run_started_twice_at_once_trains_once(tmp_path, data_dir):
-    cfg = tiny_config(tmp_path, data_dir, "max_steps: 1000000", "checkpoint_every: 0")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1000000",
+                                  "train.checkpoint_every=0", name="r"), tmp_path)
     run_dir = tmp_path / "runs" / "r"
     both = [start_training(cfg), start_training(cfg)]
     try:
@@ -137,7 +130,8 @@ def test_import_force_on_a_live_run_is_refused_and_the_run_keeps_its_history(tmp
     config and lock, and the training went on writing into the imported folder. It now takes
     the run's lock first, as a training does."""
     hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "hf")
-    cfg = tiny_config(tmp_path, data_dir, "max_steps: 1000000", "checkpoint_every: 5")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1000000",
+                                  "train.checkpoint_every=5", name="r"), tmp_path)
     run_dir = tmp_path / "runs" / "r"
     first = start_training(cfg)
     try:
@@ -168,7 +162,8 @@ def test_a_training_whose_lock_file_goes_stops_at_its_next_step_writing_nothing_
     second writer in while the first wrote on, its heartbeat into the deleted file. The first
     now sees at its next step that the file is not the one it holds, and stops in one line
     before it writes that step: no record, no end event, no checkpoint, `latest` untouched."""
-    cfg = tiny_config(tmp_path, data_dir, "max_steps: 1000000", "checkpoint_every: 5")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1000000",
+                                  "train.checkpoint_every=5", name="r"), tmp_path)
     run_dir = tmp_path / "runs" / "r"
     first = start_training(cfg)
     try:
@@ -213,8 +208,8 @@ def test_prepare_force_on_a_folder_a_live_training_reads_is_refused_naming_it(tm
     text, data = tmp_path / "short.txt", tmp_path / "short-byte"
     text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n"
                             for i in range(3000)))
-    cfg = tiny_config(tmp_path, data, "max_steps: 1000000", "checkpoint_every: 0")
-    cfg.write_text(cfg.read_text().replace("source: shakespeare", f"source: {text}"))
+    cfg = config_file(tiny_config(tmp_path / "runs", data, "train.max_steps=1000000",
+                                  f"data.source={text}", name="r"), tmp_path)
     run_dir = tmp_path / "runs" / "r"
     first = start_training(cfg)  # prepares the folder, then reads it
     prepare = ("prepare", "-c", str(cfg), "--force")
@@ -239,7 +234,8 @@ def test_prepare_force_on_a_folder_a_live_training_reads_is_refused_naming_it(tm
 
 
 def test_a_holder_killed_with_sigkill_never_blocks(tmp_path, data_dir):
-    cfg = tiny_config(tmp_path, data_dir, "max_steps: 8", "checkpoint_every: 2")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=8",
+                                  "train.checkpoint_every=2", name="r"), tmp_path)
     run_dir = tmp_path / "runs" / "r"
     killed = run_andrea("train", "-c", str(cfg), "--no-progress",
                         env={"ANDREA_FAULTS": "sigkill@5.0"})
@@ -263,7 +259,8 @@ def train_main(capsys, *argv: str) -> tuple[int, str]:
 
 
 def test_a_run_held_on_another_host_is_named_and_can_be_taken_over(tmp_path, data_dir, capsys):
-    cfg = tiny_config(tmp_path, data_dir, "max_steps: 2", "checkpoint_every: 2")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                                  "train.checkpoint_every=2", name="r"), tmp_path)
     run_dir = tmp_path / "runs" / "r"
     assert train_main(capsys, "-c", str(cfg))[0] == 0
     lock = run_dir / RUN_LOCK
@@ -285,7 +282,8 @@ def test_a_run_held_on_another_host_is_named_and_can_be_taken_over(tmp_path, dat
 
 def test_trainings_one_after_another_in_one_process_each_take_the_run(tmp_path, data_dir,
                                                                       capsys):
-    cfg = tiny_config(tmp_path, data_dir, "max_steps: 2", "checkpoint_every: 2")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                                  "train.checkpoint_every=2", name="r"), tmp_path)
     run_dir = tmp_path / "runs" / "r"
     assert train_main(capsys, "-c", str(cfg))[0] == 0
     # Refused after it took the lock (a key that defines the run): released as it raises.
@@ -297,7 +295,8 @@ def test_trainings_one_after_another_in_one_process_each_take_the_run(tmp_path, 
 
 
 def test_a_run_refused_at_set_up_leaves_no_folder(tmp_path, data_dir, capsys):
-    cfg = tiny_config(tmp_path, data_dir, "max_steps: 2", "global_batch_tokens: 100")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                                  "train.global_batch_tokens=100", name="r"), tmp_path)
     code, err = train_main(capsys, "-c", str(cfg))
     assert code == 2 and "global_batch_tokens" in err, err
     assert not (tmp_path / "runs").exists()  # the folders made to hold the lock are gone
@@ -307,7 +306,8 @@ def test_a_second_torchrun_job_is_refused_on_every_rank(tmp_path, data_dir):
     """Only rank 0 takes the lock; its refusal reaches the other rank, which never waits for
     it. Two torchrun "nodes" (one launcher each), so that each rank's own line shows: one
     launcher stops its workers as soon as one fails."""
-    cfg = tiny_config(tmp_path, data_dir, "max_steps: 2", "checkpoint_every: 2")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                                  "train.checkpoint_every=2", name="r"), tmp_path)
     run_dir = tmp_path / "runs" / "r"
     held = RunLock(run_dir).acquire()  # this process trains the run, as far as they know
     try:

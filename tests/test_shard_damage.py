@@ -17,7 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Result, andrea_main, assert_user_error, python_command, wait_until
+from conftest import (
+    Result,
+    andrea_main,
+    assert_user_error,
+    python_command,
+    tiny_config,
+    wait_until,
+)
 from test_cli import run_main
 from test_prepare import corpus  # noqa: F401  (a fixture)
 
@@ -395,15 +402,14 @@ def test_a_stop_for_a_changed_shard_resumes_as_the_uninterrupted_run(
     second micro-batch: that step is dropped, step 3 checkpointed with the generator states
     step 4 began with, so the resume equals the uninterrupted run exactly (dropout draws from
     them). A val shard changed during step 2's evaluation: step 2 is complete and checkpointed."""
-    from test_train import tiny
 
     from andrea.train import loop
 
     sets = ("train.max_steps=6", "train.precision=fp32", "model.dropout=0.1",
             "train.global_batch_tokens=1024", "train.eval_every=2", "train.eval_tokens=256")
-    whole = loop.train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    whole = loop.train(tiny_config(tmp_path / "a" / "runs", data_dir, *sets), progress=False)
     data = copy_data(data_dir, tmp_path)
-    cfg = tiny(tmp_path / "b", data, *sets)
+    cfg = tiny_config(tmp_path / "b" / "runs", data, *sets)
     shard = data / f"{where}_000000.bin"
 
     def touch() -> None:
