@@ -30,6 +30,17 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
+# Under pytest-xdist (-n N), each worker's torch, and every process its tests start, takes its
+# share of the cores instead of all of them. N workers of a thread per core each keep twice as
+# many threads busy as there are cores, and torch's OpenMP waits at every operation for the
+# thread that is off its core: a tiny model's step took 3x to 80x longer (docs/log.md).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(share)  # before torch is imported, here or in a child
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(share)
+
 
 def load_script(name: str) -> ModuleType:
     """scripts/NAME.py as a module, freshly executed (the scripts are not a package)."""
