@@ -1,6 +1,7 @@
 """Shared test helpers: the `andrea` command in this process (andrea_main), or in a process of
 its own (run_andrea, python_command, torchrun_command, run_torchrun) where the process is the
-point: signals, kill -9, several processes at once, torchrun."""
+point: signals, kill -9, several processes at once, torchrun; waiting for what such a process
+does (wait_until); the tiny preset as a run's config (tiny_config, config_file)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,33 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, TypeVar
 
 import background
 import pytest
 
+if TYPE_CHECKING:
+    from andrea.config import Config
+
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
+
+# Under pytest-xdist (-n N), each worker's torch, and every process its tests start, takes its
+# share of the cores instead of all of them. N workers of a thread per core each keep twice as
+# many threads busy as there are cores, and torch's OpenMP waits at every operation for the
+# thread that is off its core: a tiny model's step took 3x to 80x longer (docs/log.md).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(share)  # before torch is imported, here or in a child
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(share)
 
 
 def load_script(name: str) -> ModuleType:
@@ -166,6 +184,51 @@ def assert_user_error(
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
+
+
+def wait_until(
+    condition: Callable[[], T], *, what: str, timeout: float = 60,
+    proc: subprocess.Popen | None = None,
+) -> T:
+    """Polls CONDITION until it returns something true, and returns that: how a test waits for
+    what another process or thread does (a file appears, a line is said), never a fixed sleep.
+    Fails saying WHAT it waited for after TIMEOUT seconds, or as soon as PROC, the process that
+    was to make it true, has ended (with that process's output); PROC is killed on a timeout,
+    so that a failed test leaves no training behind."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ended = proc is not None and proc.poll() is not None  # before: it may end once true
+        value = condition()
+        if value:
+            return value
+        if ended:
+            out, err = proc.communicate()
+            pytest.fail(f"waited for {what}, but the process ended first (exit "
+                        f"{proc.returncode})\nstdout: {out[-3000:]}\nstderr: {err[-3000:]}")
+        if time.monotonic() > deadline:
+            if proc is not None:
+                proc.kill()
+                proc.communicate()
+            pytest.fail(f"waited {timeout:g} s for {what}")
+        time.sleep(0.02)
+
+
+def tiny_config(runs: Path, data_dir: Path, *sets: str, name: str = "t") -> Config:
+    """The tiny preset (configs/andrea-tiny.yaml) as a test's run: run NAME under RUNS reading
+    DATA_DIR (the data_dir fixture, or a folder of the test's own), every step logged, no eval
+    and one checkpoint at the end; SETS (--set spellings: "train.max_steps=4") come last."""
+    from andrea.config import load_config
+
+    return load_config("andrea-tiny", [
+        f"data.dir={data_dir}", f"train.runs_dir={runs}", f"train.name={name}",
+        "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0", *sets])
+
+
+def config_file(cfg: Config, folder: Path) -> Path:
+    """CFG as FOLDER/NAME.yaml (NAME: its run's), the file `andrea train -c` reads."""
+    path = folder / f"{cfg.train.name}.yaml"
+    path.write_text(cfg.to_yaml())
+    return path
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from background import Builds
+from conftest import wait_until
 
 
 def item(spec: str) -> SimpleNamespace:
@@ -58,15 +59,22 @@ def test_threads_run_at_nice_19_and_a_test_takes_over_a_build_no_thread_has_take
 
 
 def test_each_build_runs_once_however_many_ask():
-    builds, calls = Builds(workers=2), []
-    builds.declare("once", lambda: calls.append(1) or time.sleep(0.2) or len(calls),
+    builds, calls, gate = Builds(workers=2), [], threading.Event()
+    builds.declare("once", lambda: calls.append(1) or gate.wait(30) and len(calls),
                    wanted_by=["t.py"])
     builds.start([item("t.py::test")])
-    results = []
-    askers = [threading.Thread(target=lambda: results.append(builds.result("once")))
-              for _ in range(4)]
+    wait_until(lambda: calls, what="the build to start")  # held at the gate until all ask
+    asking, results = [], []
+
+    def ask() -> None:
+        asking.append(1)
+        results.append(builds.result("once"))
+
+    askers = [threading.Thread(target=ask) for _ in range(4)]
     for thread in askers:
         thread.start()
+    wait_until(lambda: len(asking) == 4, what="four askers")
+    gate.set()
     for thread in askers:
         thread.join()
     assert calls == [1] and results == [1] * 4
@@ -85,13 +93,11 @@ def test_what_a_build_raises_is_raised_in_the_test_a_skip_included():
 
 def test_stop_kills_a_process_still_running():
     builds = Builds()
-    code = "import time; print('started', flush=True); time.sleep(60)"
+    code = "import time; print('started', flush=True); time.sleep(60)"  # a build that hangs
     builds.declare("hangs", lambda: builds.run_process([sys.executable, "-c", code]),
                    wanted_by=["t.py"])
     builds.start([item("t.py::test")])
-    deadline = time.monotonic() + 30
-    while not builds._processes and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: builds._processes, what="the build's process")
     began = time.monotonic()
     builds.stop()
     proc = builds.result("hangs")
@@ -107,7 +113,5 @@ def test_a_late_build_starts_after_the_others_and_its_tests_sort_last():
     assert [i.name for i in sorted(items, key=builds.runs_late)] == [
         "test_one", "test_three", "test_two[x]", "test_two[y]"]
     builds.start(items)
-    deadline = time.monotonic() + 30
-    while len(ran) < 2 and time.monotonic() < deadline:  # the thread runs both, asked or not
-        time.sleep(0.01)
+    wait_until(lambda: len(ran) == 2, what="both builds")  # the thread runs both, asked or not
     assert ran == ["quick", "long"]

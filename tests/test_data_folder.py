@@ -12,11 +12,16 @@ import re
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
-from conftest import andrea_main, assert_user_error, make_checkpoint, python_command
+from conftest import (
+    andrea_main,
+    assert_user_error,
+    make_checkpoint,
+    python_command,
+    wait_until,
+)
 
 from andrea.config import load_config
 from andrea.data import prepare
@@ -333,9 +338,7 @@ def test_a_holder_that_has_not_written_its_pid_yet_is_named_without_one(tmp_path
     lock = DataLock(out, say=said.append)
     waiter = threading.Thread(target=lock.acquire)
     waiter.start()
-    deadline = time.monotonic() + 30
-    while not said and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: said, what="the waiter's line")
     assert said == [f"{out}: another andrea process is preparing this folder; waiting for it "
                     "to finish"]
     fcntl.flock(fd, fcntl.LOCK_UN)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_torchrun, small_disk
+from conftest import run_torchrun, small_disk, tiny_config
 from test_cli import run_main
 
 from andrea.config import load_config
@@ -27,13 +27,7 @@ from andrea.train.optim import build_optimizer
 from andrea.train.rundir import OPTIMIZER_FILE, checkpoint_problem
 
 # data_dir: the session fixture in conftest.py. Checkpoints at steps 2, 4 and 6 (~1.5 MB each).
-SETS = ("train.max_steps=6", "train.checkpoint_every=2", "train.log_every=1",
-        "train.eval_every=0", "train.keep_last=3")
-
-
-def tiny(runs: Path, data_dir: Path, *sets: str):
-    return load_config("andrea-tiny", [f"data.dir={data_dir}", f"train.runs_dir={runs}",
-                                       "train.name=t", *SETS, *sets])
+SETS = ("train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=3")
 
 
 def steps_logged(run_dir: Path) -> dict[int, tuple[float, float]]:
@@ -50,14 +44,14 @@ def final_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data_dir) -> tuple[dict, dict, Path]:
-    result = train(tiny(tmp_path_factory.mktemp("whole"), data_dir), progress=False)
+    result = train(tiny_config(tmp_path_factory.mktemp("whole"), data_dir, *SETS), progress=False)
     return steps_logged(result.run_dir), final_tensors(result.checkpoint), result.checkpoint
 
 
 def assert_resumes_as_uninterrupted(run_dir: Path, data_dir: Path, uninterrupted) -> None:
     """Resume `run_dir` (on a disk with room) to the end: every step's loss and grad norm and
     the final weights and optimizer state equal the uninterrupted run's, exactly."""
-    rest = train(tiny(run_dir.parent, data_dir), resume=str(run_dir), progress=False)
+    rest = train(tiny_config(run_dir.parent, data_dir, *SETS), resume=str(run_dir), progress=False)
     assert rest.state == "finished" and rest.steps == 6, rest.message
     logged, tensors, _ = uninterrupted
     assert steps_logged(run_dir) == logged
@@ -83,7 +77,7 @@ def test_the_estimate_is_within_two_percent_of_a_real_checkpoint(uninterrupted):
 
 def test_a_failed_checkpoint_write_stops_cleanly(tmp_path, data_dir, inject_faults):
     inject_faults("disk-full@checkpoint:step-000004")  # ENOSPC after its model file is written
-    cut = train(tiny(tmp_path, data_dir), progress=False)
+    cut = train(tiny_config(tmp_path, data_dir, *SETS), progress=False)
     inject_faults(None)
     run_dir = tmp_path / "t"
     assert (cut.state, cut.exit_code, cut.steps) == ("stopped", 2, 4)
@@ -172,7 +166,7 @@ def test_a_small_disk_warns_at_start_stops_before_writing_and_resumes_elsewhere(
 ):
     """Step 2's checkpoint fits, then less than one checkpoint is free at step 4. The run
     folder moved to a disk with room resumes as if nothing had happened."""
-    result = train(tiny(small_disk_dir / "runs", data_dir), progress=False)
+    result = train(tiny_config(small_disk_dir / "runs", data_dir, *SETS), progress=False)
     out = capsys.readouterr().out
     warned = re.search(r"warning: .* free on its disk, but the checkpoints need about "
                        r"([\d.]+) MiB more \(3 at once, ([\d.]+) MiB each\)", out)
@@ -194,7 +188,7 @@ def test_a_small_disk_warns_at_start_stops_before_writing_and_resumes_elsewhere(
 def test_fsdp_ranks_agree_on_a_failed_checkpoint_and_end_cleanly(tmp_path, data_dir):
     """Rank 0's write fails after every rank wrote its shards of step 4: no rank hangs, each
     ends with exit code 2, and the one line says so; the run folder is as at step 2."""
-    cfg = tiny(tmp_path, data_dir, "train.parallel=fsdp", "train.max_steps=4",
+    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.parallel=fsdp", "train.max_steps=4",
                "train.micro_batch_size=4", "train.global_batch_tokens=512")
     path = tmp_path / "t.yaml"
     path.write_text(cfg.to_yaml())

@@ -8,8 +8,8 @@ import signal
 from pathlib import Path
 
 import torch
-from conftest import run_andrea
-from test_train import read_events, tiny, write_config
+from conftest import config_file, run_andrea, tiny_config
+from test_train import read_events
 
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.loop import train
@@ -26,9 +26,9 @@ def test_kill_9_mid_step_then_resume_equals_the_uninterrupted_run(tmp_path, data
     step-000003 stays the latest; the resume redoes step 4 and ends with the uninterrupted
     run's losses, grad norms and weights, exactly."""
     sets = ("train.max_steps=6", "train.checkpoint_every=3", "train.precision=fp32")
-    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
-    cfg = tiny(tmp_path / "b", data_dir, *sets)
-    r = run_andrea("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
+    whole = train(tiny_config(tmp_path / "a" / "runs", data_dir, *sets), progress=False)
+    cfg = tiny_config(tmp_path / "b" / "runs", data_dir, *sets)
+    r = run_andrea("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress",
                    env={"ANDREA_FAULTS": "sigkill@4.0"})  # threads as this process: same sums
     assert r.returncode == -signal.SIGKILL, r.stderr
     run_dir = Path(cfg.train.runs_dir) / "t"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from andrea import runs
 from andrea.config import load_config
@@ -21,12 +22,6 @@ from andrea.train.scaling import INIT_SCALE, DynamicLossScaling, LossScaling, lo
 from andrea.train.schedule import multiplier
 
 SMALL = ("train.precision=fp16", "train.micro_batch_size=2", "model.dropout=0.1")
-
-
-def tiny(tmp_path, data_dir, *sets: str):
-    base = [f"data.dir={data_dir}", f"train.runs_dir={tmp_path / 'runs'}", "train.name=t",
-            "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0"]
-    return load_config("andrea-tiny", base + list(sets))
 
 
 def events(run_dir, kind: str) -> list[dict]:
@@ -43,7 +38,7 @@ def test_an_overflow_is_one_skipped_step_and_a_resume_keeps_the_scale(
     shows the run's precision."""
     inject_faults("overflow@3")
     sets = (*SMALL, "train.max_steps=5")
-    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    whole = train(tiny_config(tmp_path / "a" / "runs", data_dir, *sets), progress=False)
     warned = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
     assert warned == ["warning: fp16 on a CPU: it ran 3.4 to 6.8 times slower than fp32 on this "
                       "project's CPU (docs/precision.md); set train.precision=auto (fp32 on a "
@@ -55,7 +50,7 @@ def test_an_overflow_is_one_skipped_step_and_a_resume_keeps_the_scale(
     assert [trained[s]["loss_scale"] for s in (2, 3, 5)] == [INIT_SCALE, INIT_SCALE / 2,
                                                              INIT_SCALE / 2]
     assert [trained[s]["overflows"] for s in (2, 3, 5)] == [0, 1, 1]
-    cfg = tiny(tmp_path, data_dir, *sets).train  # the schedule still counted step 3
+    cfg = tiny_config(tmp_path / "runs", data_dir, *sets).train  # the schedule still counted step 3
     assert trained[4]["lr"] == pytest.approx(multiplier(3, cfg, None).lr)
     assert events(whole.run_dir, "end")[0]["overflow_steps"] == 1
     summary = runs.read_run(whole.run_dir)
@@ -64,9 +59,10 @@ def test_an_overflow_is_one_skipped_step_and_a_resume_keeps_the_scale(
     header, row = runs.format_table([summary]).splitlines()[:2]
     assert summary.precision == "fp16" and row[header.index("PRECISION"):].split()[0] == "fp16"
 
-    first = train(tiny(tmp_path / "b", data_dir, *sets), progress=False, stop_after=3)
+    first = train(tiny_config(tmp_path / "b" / "runs", data_dir, *sets), progress=False,
+                  stop_after=3)
     inject_faults(None)  # the resumed segment needs no fault: step 3 is behind it
-    rest = train(tiny(tmp_path / "b", data_dir, *sets), resume=str(first.run_dir),
+    rest = train(tiny_config(tmp_path / "b" / "runs", data_dir, *sets), resume=str(first.run_dir),
                  progress=False)
     assert {**first.losses, **rest.losses} == whole.losses  # exact, every step
     state = ckpt_io.read_trainer_state(rest.checkpoint)[0]

@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import andrea_main, assert_user_error, load_script, torchrun_command
-from test_train import read_events, tiny, write_config
+from conftest import (
+    andrea_main,
+    assert_user_error,
+    config_file,
+    load_script,
+    tiny_config,
+    torchrun_command,
+)
+from test_train import read_events
 
 from andrea.config import load_config
 from andrea.errors import UserError
@@ -135,7 +142,7 @@ def test_float32_muon_follows_torchs_update_rule():
 
 
 def test_muon_takes_the_block_matrices_and_adamw_the_rest(data_dir, tmp_path):
-    cfg = tiny(tmp_path, data_dir, "train.optimizer=muon", "train.muon_lr=0.05")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.optimizer=muon", "train.muon_lr=0.05")
     model = Andrea(cfg.model)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     assert isinstance(opt, CombinedOptimizer) and list(opt.parts) == ["muon", "adamw"]
@@ -153,8 +160,8 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(data_dir, tmp_path):
 
 def test_ns_precision_picks_the_implementation(data_dir, tmp_path):
     for precision, want in (("fp32", Float32Muon), ("bf16", torch.optim.Muon)):
-        cfg = tiny(tmp_path, data_dir, "train.optimizer=muon",
-                   f"train.muon_ns_precision={precision}")
+        cfg = tiny_config(tmp_path / "runs", data_dir, "train.optimizer=muon",
+                          f"train.muon_ns_precision={precision}")
         opt = build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"))
         assert type(opt.parts["muon"]) is want
 
@@ -162,13 +169,14 @@ def test_ns_precision_picks_the_implementation(data_dir, tmp_path):
 def test_exact_resume_bit_for_bit_with_muon(tmp_path, data_dir):
     sets = ("train.max_steps=8", "train.precision=fp32", "train.optimizer=muon",
             "train.global_batch_tokens=1024", "train.warmup_steps=2")
-    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
-    first = train(tiny(tmp_path / "b", data_dir, *sets), progress=False, stop_after=3)
+    whole = train(tiny_config(tmp_path / "a" / "runs", data_dir, *sets), progress=False)
+    first = train(tiny_config(tmp_path / "b" / "runs", data_dir, *sets), progress=False,
+                  stop_after=3)
     assert first.state == "stopped" and first.steps == 3
     fields = ckpt_io.read_safetensors(first.checkpoint / OPTIMIZER_FILE)[0]
     assert "blocks.0.attn.qkv.weight.momentum_buffer" in fields
     assert "tok_emb.weight.exp_avg" in fields and "blocks.0.attn.qkv.weight.exp_avg" not in fields
-    rest = train(tiny(tmp_path / "b", data_dir, *sets), resume=str(first.run_dir),
+    rest = train(tiny_config(tmp_path / "b" / "runs", data_dir, *sets), resume=str(first.run_dir),
                  progress=False)
     assert {**first.losses, **rest.losses} == whole.losses  # exact float equality
     a = ckpt_io.read_model_checkpoint(whole.checkpoint)[0]
@@ -181,15 +189,15 @@ def test_two_processes_with_muon_match_one(tmp_path, data_dir):
     sets = ("train.max_steps=3", "train.precision=fp32", "train.micro_batch_size=4",
             "train.global_batch_tokens=512", "train.optimizer=muon",
             "train.muon_ns_precision=fp32")
-    one = train(tiny(tmp_path / "one", data_dir, *sets), progress=False)
-    cfg2 = tiny(tmp_path / "two", data_dir, *sets)
+    one = train(tiny_config(tmp_path / "one" / "runs", data_dir, *sets), progress=False)
+    cfg2 = tiny_config(tmp_path / "two" / "runs", data_dir, *sets)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.run(
         torchrun_command("--nproc_per_node=2", "--master_addr=127.0.0.1",
                          f"--master_port={port}", entry=["-m", "andrea", "train", "-c",
-                         str(write_config(tmp_path, cfg2)), "--no-progress"]),
+                         str(config_file(cfg2, tmp_path)), "--no-progress"]),
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -288,8 +296,8 @@ def test_two_processes_split_newton_schulz_and_match_one(tmp_path):
 
 
 def test_bad_muon_settings_are_one_line_errors(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
-    path = str(write_config(tmp_path, cfg))
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2")
+    path = str(config_file(cfg, tmp_path))
     for key in ("train.muon_lr", "train.lr"):
         for value in ("0", "-0.01"):
             assert_user_error(
@@ -302,7 +310,7 @@ def test_bad_muon_settings_are_one_line_errors(tmp_path, data_dir):
 
 
 def test_resuming_with_another_optimizer_is_refused(tmp_path, data_dir):
-    result = train(tiny(tmp_path, data_dir, "train.max_steps=2"), progress=False)
+    result = train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2"), progress=False)
     assert_user_error(
         andrea_main("train", "--resume", str(result.run_dir), "--set", "train.optimizer=muon"),
         "cannot change", "train.optimizer (adamw -> muon)",
@@ -310,7 +318,7 @@ def test_resuming_with_another_optimizer_is_refused(tmp_path, data_dir):
 
 
 def test_a_torch_without_muon_is_named(tmp_path, data_dir, monkeypatch):
-    cfg = tiny(tmp_path, data_dir, "train.optimizer=muon")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.optimizer=muon")
     monkeypatch.delattr(torch.optim, "Muon")
     monkeypatch.setattr(torch, "__version__", "2.8.0")
     with pytest.raises(UserError, match=r"muon needs torch >= 2\.9 \(this is 2\.8\.0\)"):

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import andrea_main, assert_user_error, free_port, run_torchrun, torchrun_command
+from conftest import (
+    andrea_main,
+    assert_user_error,
+    config_file,
+    free_port,
+    run_torchrun,
+    tiny_config,
+    torchrun_command,
+)
 from safetensors.torch import load_file
 
 from andrea.config import load_config
@@ -28,14 +36,8 @@ SETS = (f"train.max_steps={STEPS}", "train.precision=fp32", "train.micro_batch_s
         "train.log_every=1", "train.eval_every=10", "train.eval_batches=3")
 
 
-def tiny(tmp_path: Path, data_dir: Path, name: str, *sets: str):
-    return load_config("andrea-tiny", [f"data.dir={data_dir}", f"train.runs_dir={tmp_path}",
-                                       f"train.name={name}", *SETS, *sets])
-
-
 def launch(tmp_path: Path, cfg, *args: str) -> subprocess.CompletedProcess:
-    path = tmp_path / f"{cfg.train.name}.yaml"
-    path.write_text(cfg.to_yaml())
+    path = config_file(cfg, tmp_path)
     proc = run_torchrun("train", "-c", str(path), "--no-progress", *args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
@@ -58,9 +60,9 @@ def rewound(run_dir: Path, to: Path, step: int) -> Path:
 
 
 def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsys):
-    ddp_cfg = tiny(tmp_path, data_dir, "ddp")
+    ddp_cfg = tiny_config(tmp_path, data_dir, *SETS, name="ddp")
     launch(tmp_path, ddp_cfg)
-    fsdp_cfg = tiny(tmp_path, data_dir, "fsdp", "train.parallel=fsdp")
+    fsdp_cfg = tiny_config(tmp_path, data_dir, *SETS, "train.parallel=fsdp", name="fsdp")
     out = launch(tmp_path, fsdp_cfg).stdout
     assert "parallel: fsdp, parameters, gradients and optimizer state sharded over 2" in out
     ddp, fsdp = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")
@@ -107,7 +109,7 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
                       "tok_emb.weight", "[320, 64] in the checkpoint", "[320, 32] in the model")
 
     # 1 process -> fsdp (2), with activation checkpointing: the same gradients, recomputed.
-    one_cfg = tiny(tmp_path, data_dir, "grow", "train.max_steps=10")
+    one_cfg = tiny_config(tmp_path, data_dir, *SETS, "train.max_steps=10", name="grow")
     train(one_cfg, progress=False)
     out = launch(tmp_path, fsdp_cfg, "--resume", str(tmp_path / "grow"), "--set",
                  f"train.max_steps={STEPS}", "--set", "train.parallel=fsdp", "--set",
@@ -192,8 +194,7 @@ def launch_nodes(
 def own_disks(tmp_path: Path, cfg) -> tuple[Path, list[Path]]:
     """The config as a file, and an empty working folder per node (node0, node1): with a
     relative runs_dir each node's runs live on its own "disk"."""
-    path = tmp_path / f"{cfg.train.name}.yaml"
-    path.write_text(cfg.to_yaml())
+    path = config_file(cfg, tmp_path)
     folders = [tmp_path / "node0", tmp_path / "node1"]
     for folder in folders:
         folder.mkdir()
@@ -210,7 +211,7 @@ def one_process(tmp_path_factory, data_dir) -> dict[int, float]:
     """The losses of one process training 6 steps of 2 micro-steps (4 x 64 each): what two
     processes of one micro-step each must give."""
     root = tmp_path_factory.mktemp("one")
-    return train(tiny(root, data_dir, "one", "train.max_steps=6", *NODE_SETS),
+    return train(tiny_config(root, data_dir, *SETS, "train.max_steps=6", *NODE_SETS, name="one"),
                  progress=False).losses
 
 
@@ -218,9 +219,8 @@ def test_two_nodes_match_one_process_and_one_process_resumes(tmp_path, data_dir,
     """Two torchrun launches as two "nodes" (one process each) on 127.0.0.1 train the losses of
     one process taking two micro-steps; only rank 0 speaks; stopped at step 3, the run is
     continued by one process alone, with the same losses."""
-    cfg = tiny(tmp_path, data_dir, "nodes", "train.max_steps=6", *NODE_SETS)
-    path = tmp_path / "nodes.yaml"
-    path.write_text(cfg.to_yaml())
+    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.max_steps=6", *NODE_SETS, name="nodes")
+    path = config_file(cfg, tmp_path)
     outputs = launch_nodes(path, [tmp_path, tmp_path], "--stop-after", "3")
     for code, _, err in outputs:
         assert code == 0, err[-3000:]
@@ -242,8 +242,8 @@ def test_two_nodes_with_their_own_runs_dir_resume_as_one_run(tmp_path, data_dir,
     step 2 (weights, AdamW state, lr, data position), so the losses are those of one process
     trained straight to step 4, and the step-4 checkpoint is written without a hang. Then
     `--resume runs/local` without --config: node 1 takes the run's config from rank 0."""
-    cfg = tiny(tmp_path, data_dir, "local", "train.max_steps=2", "train.checkpoint_every=2",
-               "train.eval_every=0", "train.runs_dir=runs")
+    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.max_steps=2", "train.checkpoint_every=2",
+                      "train.eval_every=0", "train.runs_dir=runs", name="local")
     one = one_process
     path, folders = own_disks(tmp_path, cfg)
     for code, _, err in launch_nodes(path, folders):
@@ -274,8 +274,8 @@ def test_two_nodes_with_their_own_runs_dir_resume_as_one_run(tmp_path, data_dir,
 def test_fsdp_with_a_runs_dir_on_each_node_is_one_error_on_every_node(tmp_path, data_dir):
     """fsdp writes every rank's shards into rank 0's run folder: a folder node 1 cannot see is
     refused before any step, on both nodes, in one line."""
-    cfg = tiny(tmp_path, data_dir, "sharded", "train.parallel=fsdp", "train.max_steps=2",
-               "train.runs_dir=runs")
+    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.parallel=fsdp", "train.max_steps=2",
+                      "train.runs_dir=runs", name="sharded")
     path, folders = own_disks(tmp_path, cfg)
     for code, _, err in launch_nodes(path, folders):
         # andrea's own output is one line, exit code 2; torchrun then adds its failure report.
@@ -287,10 +287,9 @@ def test_fsdp_with_a_runs_dir_on_each_node_is_one_error_on_every_node(tmp_path, 
 
 
 def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "killed", "train.parallel=fsdp", "train.max_steps=4",
-               "train.checkpoint_every=2", "train.eval_every=0")
-    path = tmp_path / "killed.yaml"
-    path.write_text(cfg.to_yaml())
+    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.parallel=fsdp", "train.max_steps=4",
+                      "train.checkpoint_every=2", "train.eval_every=0", name="killed")
+    path = config_file(cfg, tmp_path)
     # Rank 1 dies by SIGKILL with its shards of step 4 on disk, before the checkpoint is whole.
     proc = run_torchrun("train", "-c", str(path), "--no-progress",
                         env={"ANDREA_FAULTS": "kill-rank@1:step-000004"})
@@ -332,7 +331,7 @@ def test_auto_micro_batch_is_chosen_again_on_another_process_count(tmp_path, dat
     hold; the global batch and the data order stay, so the losses are the one process's."""
     sets = ("train.micro_batch_size=auto", "train.global_batch_tokens=1024",
             "train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0")
-    one = train(tiny(tmp_path, data_dir, "auto", *sets), progress=False)
+    one = train(tiny_config(tmp_path, data_dir, *SETS, *sets, name="auto"), progress=False)
     state = json.loads((tmp_path / "auto" / "step-000002" / "trainer_state.json").read_text())
     assert (state["micro_batch_size"], state["world_size"]) == (16, 1)
     again = tmp_path / "again"
@@ -365,8 +364,7 @@ def launch_with_peak(tmp_path: Path, cfg, peak: float) -> None:
     so its MFU is n/a)."""
     script = tmp_path / "patched_andrea.py"
     script.write_text(PATCHED_PEAK.format(peak=peak))
-    path = tmp_path / f"{cfg.train.name}.yaml"
-    path.write_text(cfg.to_yaml())
+    path = config_file(cfg, tmp_path)
     proc = subprocess.run(
         torchrun_command("--nproc_per_node=2", "--master_addr=127.0.0.1",
                          f"--master_port={free_port()}",
@@ -395,8 +393,8 @@ def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path
     512 tokens/step); resumed on one process it keeps 512 (2 micro-batches) and the same
     losses; a micro-batch that cannot keep it says so in one line, and the plan adds up. The
     two processes' MFU is per device (a GPU's peak patched in)."""
-    cfg = tiny(tmp_path, data_dir, "zero", "train.global_batch_tokens=0", "train.max_steps=4",
-               "train.checkpoint_every=2", "train.eval_every=0")
+    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.global_batch_tokens=0", "train.max_steps=4",
+                      "train.checkpoint_every=2", "train.eval_every=0", name="zero")
     launch_with_peak(tmp_path, cfg, 2e11)
     assert_mfu_per_device(tmp_path / "zero", cfg, 2e11)
     two = losses(tmp_path / "zero")
@@ -427,8 +425,8 @@ def test_fsdp_muon_matches_one_process_and_reshards(tmp_path, data_dir, capsys):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     muon = ("train.optimizer=muon", "train.muon_ns_precision=fp32")
-    one = train(tiny(tmp_path, data_dir, "one", *muon), progress=False).losses
-    fsdp_cfg = tiny(tmp_path, data_dir, "fsdp", "train.parallel=fsdp", *muon)
+    one = train(tiny_config(tmp_path, data_dir, *SETS, *muon, name="one"), progress=False).losses
+    fsdp_cfg = tiny_config(tmp_path, data_dir, *SETS, "train.parallel=fsdp", *muon, name="fsdp")
     launch(tmp_path, fsdp_cfg)
     fsdp = losses(tmp_path / "fsdp")
     assert sorted(fsdp) == list(range(1, STEPS + 1))
@@ -470,8 +468,8 @@ def test_batch_and_seq_warmup_on_two_processes_matches_one(tmp_path, data_dir, p
             "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
             "train.batch_warmup_steps=2", f"train.parallel={parallel}",
             "train.seq_warmup_length=16", "train.seq_warmup_steps=3")
-    one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)
-    proc = launch(tmp_path, tiny(tmp_path, data_dir, "two", *sets))
+    one = train(tiny_config(tmp_path, data_dir, *SETS, *sets, name="one"), progress=False)
+    proc = launch(tmp_path, tiny_config(tmp_path, data_dir, *SETS, *sets, name="two"))
     assert "batch warm-up: steps 1-2 take 512 tokens (1 accumulation), then 1,024" in proc.stdout
     assert ("sequence warm-up: steps 1-3 train on windows of 16 tokens (16 x 16 a "
             "micro-batch), then 64") in proc.stdout
@@ -594,10 +592,9 @@ def test_fp16_on_two_processes_skips_the_overflow_everywhere_and_keeps_the_scale
             "train.global_batch_tokens=256", "train.eval_every=0", "train.checkpoint_every=0",
             f"train.parallel={parallel}")
     inject_faults("overflow@2")
-    one = train(tiny(tmp_path, data_dir, "one", *sets), progress=False)
-    cfg = tiny(tmp_path, data_dir, "two", *sets)
-    (tmp_path / "two.yaml").write_text(cfg.to_yaml())
-    proc = run_torchrun("train", "-c", str(tmp_path / "two.yaml"), "--no-progress",
+    one = train(tiny_config(tmp_path, data_dir, *SETS, *sets, name="one"), progress=False)
+    cfg = tiny_config(tmp_path, data_dir, *SETS, *sets, name="two")
+    proc = run_torchrun("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress",
                         env={"ANDREA_FAULTS": "overflow@2"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert [r["step"] for r in records(tmp_path / "two", "overflow")] == [2]
@@ -612,10 +609,9 @@ def test_a_process_group_of_one_runs_the_several_process_path(tmp_path, data_dir
     """ANDREA_PROCESS_GROUP_OF_ONE=1 under torchrun with one process: a real process group (the
     NCCL path on a machine with one GPU; gloo here), so fsdp shards over it and writes shards;
     without it the one process trains whole, as before."""
-    cfg = tiny(tmp_path, data_dir, "one", "train.parallel=fsdp", "train.max_steps=2",
-               "train.checkpoint_every=2", "train.eval_every=0")
-    path = tmp_path / "one.yaml"
-    path.write_text(cfg.to_yaml())
+    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.parallel=fsdp", "train.max_steps=2",
+                      "train.checkpoint_every=2", "train.eval_every=0", name="one")
+    path = config_file(cfg, tmp_path)
     grouped = run_torchrun("train", "-c", str(path), "--no-progress", nproc=1,
                            env={"ANDREA_PROCESS_GROUP_OF_ONE": "1"})
     assert grouped.returncode == 0, grouped.stdout[-2000:] + grouped.stderr[-3000:]

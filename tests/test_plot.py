@@ -61,13 +61,41 @@ def test_png_shows_both_runs(tmp_path):
         assert count_colour(quadrant, BLUE) > 100 and count_colour(quadrant, ORANGE) > 60
 
 
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def read_svg(path) -> ET.Element:
+    """The SVG's tree with its comments: matplotlib draws text as glyph paths and keeps each
+    string as a comment in its group."""
+    return ET.parse(path, ET.XMLParser(target=ET.TreeBuilder(insert_comments=True))).getroot()
+
+
+def loss_x_axis(root: ET.Element) -> tuple[list[str], str]:
+    """The loss panel's (the first axes') x axis: its tick labels and its label."""
+    def text(group: ET.Element) -> str:
+        return next(node.text.strip() for node in group.iter() if node.tag is ET.Comment)
+
+    axis = root.find(f".//{SVG}g[@id='axes_1']/{SVG}g[@id='matplotlib.axis_1']")
+    groups = axis.findall(f"{SVG}g")
+    ticks = [text(g) for g in groups if g.get("id").startswith("xtick_")]
+    (label,) = [text(g) for g in groups if g.get("id").startswith("text_")]
+    return ticks, label
+
+
 def test_svg_and_step_axis(tmp_path):
-    a, _ = two_runs(tmp_path)
-    out = plot_runs([a], tmp_path / "curves.svg", x="step")
-    root = ET.parse(out).getroot()
-    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    a, _ = two_runs(tmp_path)  # train records at steps 10, 20, ..., 100, 512 tokens a step
+    root = read_svg(plot_runs([a], tmp_path / "curves.svg", x="step"))
+    assert root.tag == f"{SVG}svg"
     assert root.get("width") == "936pt" and root.get("height") == "612pt"  # 13 x 8.5 in
-    assert len(root.findall(".//{http://www.w3.org/2000/svg}path")) > 20
+    assert len(root.findall(f".//{SVG}path")) > 20
+    # The loss panel counts steps: ticks across the run's steps 10..100, and named so.
+    ticks, label = loss_x_axis(root)
+    assert label == "optimizer step"
+    steps = [float(t) for t in ticks]
+    assert steps == sorted(steps) and steps[0] <= 20 and 100 <= steps[-1] < 200, ticks
+    # By tokens (the default), the same run's axis runs to 51,200 tokens seen.
+    ticks, label = loss_x_axis(read_svg(plot_runs([a], tmp_path / "tokens.svg")))
+    assert label == "tokens seen" and ticks[-1].endswith(" k"), ticks
 
 
 def test_bad_input(tmp_path, monkeypatch):

@@ -52,7 +52,7 @@ def test_shards_reproduce_the_documents(corpus, tmp_path):
     assert len(manifest["shards"]["train"]) == -(-manifest["tokens"]["train"] // 500)
 
 
-def test_chunks_and_workers_do_not_change_tokens(corpus, tmp_path, monkeypatch):
+def test_chunk_cuts_do_not_change_tokens(corpus, tmp_path, monkeypatch):
     whole = prepare.prepare_inputs(str(corpus), "gpt2", tmp_path / "whole", workers=1)
     monkeypatch.setattr(documents, "CHUNK_BYTES", 64)  # many chunk cuts per document
     small = prepare.prepare_inputs(str(corpus), "gpt2", tmp_path / "small", workers=1)

@@ -11,8 +11,9 @@ import threading
 
 import pytest
 import torch.distributed as dist
-from conftest import andrea_main, free_port, run_torchrun
-from test_parallel import launch_nodes, losses, tiny
+from conftest import andrea_main, free_port, run_torchrun, tiny_config
+from test_parallel import SETS as PARALLEL_SETS
+from test_parallel import launch_nodes, losses
 
 from andrea.errors import UserError
 from andrea.train import process_group, restarts, torchrun
@@ -25,7 +26,8 @@ SETS = ("train.max_steps=6", "train.checkpoint_every=2", "train.eval_every=0")
 def uninterrupted(tmp_path_factory, data_dir) -> dict[int, float]:
     """One process with 2 micro-steps: what 2 processes log, to float rounding."""
     where = tmp_path_factory.mktemp("one")
-    return train(tiny(where, data_dir, "one", *SETS), progress=False).losses
+    return train(tiny_config(where, data_dir, *PARALLEL_SETS, *SETS, name="one"),
+                 progress=False).losses
 
 
 def same_losses(got: dict[int, float], expected: dict[int, float], steps: range) -> None:
@@ -36,7 +38,7 @@ def same_losses(got: dict[int, float], expected: dict[int, float], steps: range)
 def test_a_restarted_worker_continues_the_run_by_itself(tmp_path, data_dir, uninterrupted):
     """--standalone (the launch the report found hanging), rank 1 SIGKILLed once step 4 is
     complete: torchrun restarts both, rank 0 says from where, and the run finishes."""
-    cfg = tiny(tmp_path, data_dir, "job", *SETS)
+    cfg = tiny_config(tmp_path, data_dir, *PARALLEL_SETS, *SETS, name="job")
     path = tmp_path / "job.yaml"
     path.write_text(cfg.to_yaml())
     proc = run_torchrun("train", "-c", str(path), "--no-progress", timeout=240,
@@ -62,7 +64,8 @@ def test_two_nodes_restart_then_a_lost_peer_is_one_line(tmp_path, data_dir, unin
     continue; then, with no restart left, rank 1 dies writing its step-6 shards and the
     survivor's line names the rank, the newest intact checkpoint and how to continue, not the
     transport's message; `andrea runs` notes that line."""
-    cfg = tiny(tmp_path, data_dir, "nodes", *SETS, "train.parallel=fsdp")
+    cfg = tiny_config(tmp_path, data_dir, *PARALLEL_SETS, *SETS, "train.parallel=fsdp",
+                      name="nodes")
     path = tmp_path / "nodes.yaml"
     path.write_text(cfg.to_yaml())
     outputs = launch_nodes(path, [tmp_path, tmp_path], launcher=("--max-restarts=1",),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from andrea.config import load_config
 from andrea.errors import UserError
@@ -65,27 +66,26 @@ def test_a_jump_that_cannot_be_smoothed_is_said():
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resuming_a_finished_run_for_longer_keeps_the_lr(tmp_path: Path, data_dir, optimizer,
                                                           capsys):
-    sets = [f"data.dir={data_dir}", f"train.runs_dir={tmp_path}", "train.name=r",
-            "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
-            "train.warmup_steps=2", f"train.optimizer={optimizer}"]
-    first = train(load_config("andrea-tiny", [*sets, "train.max_steps=6"]), progress=False)
+    def planned_for(steps: int):
+        return tiny_config(tmp_path, data_dir, "train.warmup_steps=2",
+                           f"train.optimizer={optimizer}", f"train.max_steps={steps}")
+
+    first = train(planned_for(6), progress=False)
     capsys.readouterr()
-    more = train(load_config("andrea-tiny", [*sets, "train.max_steps=12"]),
-                 resume=str(first.run_dir), progress=False)
+    more = train(planned_for(12), resume=str(first.run_dir), progress=False)
     out = capsys.readouterr().out
     assert more.steps == 12
     lines = (first.run_dir / "metrics.jsonl").read_text().splitlines()
     lr = {r["step"]: r["lr"] for r in map(json.loads, lines) if r["event"] == "train"}
     # Step 7 runs at the lr the finished plan had next (its end, min_lr), then stays there:
     # the old code went back up to 1.2e-3, with no warm-up and no word.
-    planned = lr_at(6, load_config("andrea-tiny", [*sets, "train.max_steps=6"]).train)
+    planned = lr_at(6, planned_for(6).train)
     assert planned == pytest.approx(3e-4)
     assert all(lr[s] == pytest.approx(planned) for s in range(7, 13))
     assert "resume: train.max_steps 6 -> 12: the cosine schedule continues from lr" in out
     assert out.count("resume: train.max_steps") == 1  # before: a bare `6 -> 12` line too
     # And the re-planned schedule is kept by the next resume (it is in the checkpoint).
-    again = train(load_config("andrea-tiny", [*sets, "train.max_steps=14"]),
-                  resume=str(first.run_dir), progress=False)
+    again = train(planned_for(14), resume=str(first.run_dir), progress=False)
     lines = (first.run_dir / "metrics.jsonl").read_text().splitlines()
     lr = {r["step"]: r["lr"] for r in map(json.loads, lines) if r["event"] == "train"}
     assert again.steps == 14 and lr[13] == pytest.approx(planned)

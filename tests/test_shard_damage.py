@@ -17,7 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Result, andrea_main, assert_user_error, python_command
+from conftest import (
+    Result,
+    andrea_main,
+    assert_user_error,
+    python_command,
+    tiny_config,
+    wait_until,
+)
 from test_cli import run_main
 from test_prepare import corpus  # noqa: F401  (a fixture)
 
@@ -299,11 +306,9 @@ def test_a_shard_cut_short_under_a_running_training_is_one_line_with_a_checkpoin
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 120
-        while not ((run / "metrics.jsonl").exists()
-                   and any(e.get("step", 0) >= 3 for e in train_events(run))):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
+        wait_until(lambda: (run / "metrics.jsonl").exists()
+                   and any(e.get("step", 0) >= 3 for e in train_events(run)),
+                   what="step 3's record", timeout=120, proc=proc)
         shard = data / "train_000000.bin"
         os.truncate(shard, shard.stat().st_size - 8192)  # as the issue's run was cut
         out, err = proc.communicate(timeout=120)
@@ -397,15 +402,14 @@ def test_a_stop_for_a_changed_shard_resumes_as_the_uninterrupted_run(
     second micro-batch: that step is dropped, step 3 checkpointed with the generator states
     step 4 began with, so the resume equals the uninterrupted run exactly (dropout draws from
     them). A val shard changed during step 2's evaluation: step 2 is complete and checkpointed."""
-    from test_train import tiny
 
     from andrea.train import loop
 
     sets = ("train.max_steps=6", "train.precision=fp32", "model.dropout=0.1",
             "train.global_batch_tokens=1024", "train.eval_every=2", "train.eval_tokens=256")
-    whole = loop.train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    whole = loop.train(tiny_config(tmp_path / "a" / "runs", data_dir, *sets), progress=False)
     data = copy_data(data_dir, tmp_path)
-    cfg = tiny(tmp_path / "b", data, *sets)
+    cfg = tiny_config(tmp_path / "b" / "runs", data, *sets)
     shard = data / f"{where}_000000.bin"
 
     def touch() -> None:

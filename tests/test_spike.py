@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import andrea_main, assert_user_error, free_port, run_torchrun, torchrun_command
+from conftest import (
+    andrea_main,
+    assert_user_error,
+    config_file,
+    free_port,
+    run_torchrun,
+    tiny_config,
+    torchrun_command,
+)
 
 from andrea.config import load_config
 from andrea.errors import UserError
@@ -24,13 +32,8 @@ from andrea.train.spike import APPLY, ROLLBACK, SKIP, SpikeGuard
 SPIKE = "spike@21x1000"
 
 
-def tiny(tmp_path: Path, data_dir: Path, name: str, *sets: str):
-    base = [
-        f"data.dir={data_dir}", f"train.runs_dir={tmp_path / 'runs'}", f"train.name={name}",
-        "train.log_every=1", "train.eval_every=40", "train.checkpoint_every=10",
-        "train.max_steps=40", "train.grad_clip=0", "train.spike_window=12",
-    ]
-    return load_config("andrea-tiny", base + list(sets))
+SETS = ("train.eval_every=40", "train.checkpoint_every=10", "train.max_steps=40",
+        "train.grad_clip=0", "train.spike_window=12")
 
 
 def events(run_dir: Path, event: str) -> list[dict]:
@@ -44,14 +47,16 @@ def tail_loss(losses: dict[int, float]) -> float:
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory, data_dir):
-    return train(tiny(tmp_path_factory.mktemp("clean"), data_dir, "clean"), progress=False)
+    return train(tiny_config(tmp_path_factory.mktemp("clean"), data_dir, *SETS), progress=False)
 
 
 def test_a_guarded_run_keeps_the_clean_curve_an_unguarded_one_does_not(
         tmp_path, data_dir, clean, inject_faults):
     inject_faults(SPIKE)
-    bad = train(tiny(tmp_path, data_dir, "bad"), progress=False)
-    guarded = train(tiny(tmp_path, data_dir, "guarded", "train.spike_guard=skip"), progress=False)
+    runs = tmp_path / "runs"
+    bad = train(tiny_config(runs, data_dir, *SETS, name="bad"), progress=False)
+    guarded = train(tiny_config(runs, data_dir, *SETS, "train.spike_guard=skip",
+                                name="guarded"), progress=False)
     # The spike happened in both: the same loss at step 21, far above the clean run's.
     assert bad.losses[21] == guarded.losses[21] > clean.losses[21] + 1.0
     # Afterwards, on the same data: the guarded run stays on the clean curve, the other not.
@@ -80,7 +85,7 @@ def test_rollback_returns_to_the_checkpoint_past_the_bad_data_at_a_cut_lr(
     inject_faults("spike@21-22x1000")
     sets = ("train.spike_guard=rollback", "train.spike_patience=2", "train.spike_lr_factor=0.5",
             "train.spike_lr_steps=5")
-    run = train(tiny(tmp_path, data_dir, "rb", *sets), progress=False)
+    run = train(tiny_config(tmp_path, data_dir, *SETS, *sets), progress=False)
     assert run.state == "finished" and run.steps == 40
     (rollback,) = events(run.run_dir, "rollback")
     assert rollback["step"] == 20 and rollback["from_step"] == 22
@@ -101,13 +106,13 @@ def test_guard_state_survives_resume_bit_for_bit(tmp_path, data_dir, inject_faul
     inject_faults("spike@21-22x1000")
     sets = ("train.spike_guard=rollback", "train.spike_patience=2", "train.eval_every=0",
             "train.max_steps=30")
-    whole = train(tiny(tmp_path / "a", data_dir, "w", *sets), progress=False)
+    whole = train(tiny_config(tmp_path / "a", data_dir, *SETS, *sets), progress=False)
     # Paused at step 18 (window filling), and again right after the rollback.
-    first = train(tiny(tmp_path / "b", data_dir, "w", *sets), progress=False, stop_after=18)
-    second = train(tiny(tmp_path / "b", data_dir, "w", *sets), resume=str(first.run_dir),
-                   progress=False, stop_after=3)  # 19, 20, 21: outlier held, not yet rolled
-    rest = train(tiny(tmp_path / "b", data_dir, "w", *sets), resume=str(first.run_dir),
-                 progress=False)
+    cfg = tiny_config(tmp_path / "b", data_dir, *SETS, *sets)
+    first = train(cfg, progress=False, stop_after=18)
+    second = train(cfg, resume=str(first.run_dir), progress=False,
+                   stop_after=3)  # 19, 20, 21: outlier held, not yet rolled
+    rest = train(cfg, resume=str(first.run_dir), progress=False)
     assert (first.steps, second.steps, rest.steps) == (18, 21, 30)
     assert {**first.losses, **second.losses, **rest.losses} == whole.losses
     a, b = (ckpt_io.read_trainer_state(r.checkpoint)[0].spike_guard for r in (whole, rest))
@@ -123,9 +128,10 @@ def test_the_end_of_a_sequence_warmup_is_not_a_spike_and_the_guard_goes_on(
     # hold two of them back as a spike; now it measures anew there, and once its window is full
     # again (12 steps) it still catches a real spike.
     inject_faults("spike@118x1000")
-    run = train(tiny(tmp_path, data_dir, "seq", "train.spike_guard=skip", "train.eval_every=0",
-                     "train.max_steps=125", "train.grad_clip=1", "train.seq_warmup_length=8",
-                     "train.seq_warmup_steps=100"), progress=False)
+    run = train(tiny_config(tmp_path, data_dir, *SETS, "train.spike_guard=skip",
+                            "train.eval_every=0", "train.max_steps=125", "train.grad_clip=1",
+                            "train.seq_warmup_length=8", "train.seq_warmup_steps=100"),
+                progress=False)
     norms = {e["step"]: e["grad_norm"] for e in events(run.run_dir, "train")}
     assert norms[101] > 2 * max(norms[s] for s in range(89, 101))  # the planned jump
     late = [(e["step"], e["action"]) for e in events(run.run_dir, "spike") if e["step"] > 100]
@@ -201,11 +207,10 @@ def test_two_processes_decide_as_one(tmp_path, data_dir, inject_faults):
             "train.global_batch_tokens=512")
     spike = "spike@12-13x1000"
     inject_faults(spike)
-    cfg = tiny(tmp_path / "one", data_dir, "one", *sets)
+    cfg = tiny_config(tmp_path / "one", data_dir, *SETS, *sets, name="one")
     assert train(cfg, progress=False).state == "finished"
-    cfg2 = tiny(tmp_path / "two", data_dir, "two", *sets)
-    path2 = tmp_path / "two.yaml"
-    path2.write_text(cfg2.to_yaml())
+    cfg2 = tiny_config(tmp_path / "two", data_dir, *SETS, *sets, name="two")
+    path2 = config_file(cfg2, tmp_path)
     two = run_torchrun("train", "-c", str(path2), "--no-progress", env={"ANDREA_FAULTS": spike})
     assert two.returncode == 0, two.stderr[-3000:]
     run1, run2 = Path(cfg.train.runs_dir) / "one", Path(cfg2.train.runs_dir) / "two"

@@ -9,25 +9,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import run_torchrun
-
-from andrea.config import load_config
+from conftest import config_file, run_torchrun, tiny_config
 
 STEPS = 6
 MICRO_TOKENS = 64 * 4  # 4 windows of 64 tokens
 
 
 def config(tmp_path: Path, data_dir: Path, name: str, micro_batches: int, *sets: str) -> str:
-    cfg = load_config("andrea-tiny", [
-        f"data.dir={data_dir}", f"train.runs_dir={tmp_path / 'runs'}", f"train.name={name}",
-        "model.block_size=64", f"train.max_steps={STEPS}", "train.precision=fp32",
-        f"train.micro_batch_size={8 // micro_batches}",
+    cfg = tiny_config(
+        tmp_path / "runs", data_dir, "model.block_size=64", f"train.max_steps={STEPS}",
+        "train.precision=fp32", f"train.micro_batch_size={8 // micro_batches}",
         f"train.global_batch_tokens={2 * 8 * 64}",  # 2 ranks x 8 windows of 64
-        "train.eval_every=0", f"train.checkpoint_every={STEPS}", "train.log_every=1", *sets,
-    ])
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(cfg.to_yaml())
-    return str(path)
+        f"train.checkpoint_every={STEPS}", *sets, name=name)
+    return str(config_file(cfg, tmp_path))
 
 
 def test_a_step_waits_as_often_with_8_micro_batches_as_with_1(tmp_path, data_dir):

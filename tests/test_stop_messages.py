@@ -14,21 +14,18 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import andrea_main, assert_user_error, python_command
+from conftest import (
+    andrea_main,
+    assert_user_error,
+    config_file,
+    python_command,
+    tiny_config,
+    wait_until,
+)
 
+from andrea.data.folder import PROGRESS
 from andrea.resources import cpu_name
 from andrea.train.progress import RunBar, format_eta, plan_note_for
-
-
-def tiny_config(tmp_path: Path, data: str, *lines: str) -> Path:
-    path = tmp_path / "run.yaml"
-    path.write_text(
-        "model: {n_layer: 2, n_head: 4, head_dim: 16, block_size: 64, vocab_size: 320}\n"
-        f"data: {data}\n"
-        f"train: {{runs_dir: {tmp_path / 'runs'}, name: r, micro_batch_size: 8, "
-        f"log_every: 1, eval_every: 0, checkpoint_every: 0{''.join(', ' + x for x in lines)}}}\n"
-    )
-    return path
 
 
 def words_file(path: Path, n_bytes: int, seed: int = 0) -> Path:
@@ -48,14 +45,15 @@ def test_sigterm_during_data_preparation_stops_it_within_seconds(tmp_path):
     # Training a BPE on 6 MB and encoding it takes ~10 s here: long enough to land inside.
     source = words_file(tmp_path / "big.txt", 6_000_000)
     data = tmp_path / "prepared"
-    cfg = tiny_config(tmp_path, f"{{source: {source}, tokenizer: bpe, dir: {data}}}",
-                      "max_steps: 3")
+    cfg = config_file(tiny_config(tmp_path / "runs", data, f"data.source={source}",
+                                  "data.tokenizer=bpe", "train.max_steps=3", name="r"), tmp_path)
     proc = subprocess.Popen(
         python_command("-m", "andrea", "train", "-c", str(cfg), "--no-progress"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     assert proc.stdout.readline().startswith(f"preparing {data}")  # set-up is under way
-    time.sleep(0.5)
+    # Its progress record: the work on the folder has begun (the BPE's training comes next).
+    wait_until(lambda: (data / PROGRESS).exists(), what=f"{data / PROGRESS}", proc=proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
@@ -73,8 +71,8 @@ def test_sigterm_during_data_preparation_stops_it_within_seconds(tmp_path):
 
 def test_a_stop_in_the_last_micro_batch_names_one_step(tmp_path, data_dir):
     # Ctrl-C in the second (last) micro-batch of step 4: step 4 completes and is checkpointed.
-    cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
-                      "max_steps: 50", "global_batch_tokens: 1024")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=50",
+                                  "train.global_batch_tokens=1024", name="r"), tmp_path)
     proc = andrea_main("train", "-c", str(cfg), "--no-progress",
                        env={"ANDREA_FAULTS": "sigint@3.1"})
     assert proc.returncode == 130, proc.stderr
@@ -86,8 +84,8 @@ def test_a_stop_in_the_last_micro_batch_names_one_step(tmp_path, data_dir):
 
 
 def test_resume_of_a_run_without_a_checkpoint_says_what_happened(tmp_path, data_dir):
-    cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
-                      "max_steps: 5", "global_batch_tokens: 2048")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=5",
+                                  "train.global_batch_tokens=2048", name="r"), tmp_path)
     stopped = andrea_main("train", "-c", str(cfg), "--no-progress",
                           env={"ANDREA_FAULTS": "sigint@0.0"})  # before the first step
     assert stopped.returncode == 130, stopped.stderr
@@ -127,8 +125,8 @@ def test_an_eta_of_days_is_said_in_days_and_a_plan_of_days_once_with_what_to_run
     assert [note.after_micro_batch(4_096) for _ in range(3)] == [None, None, None]
     # A real run of a billion steps of the tiny model on this CPU: months, said before step 1
     # ends (the tiny model: no other preset to suggest).
-    cfg = tiny_config(tmp_path, f"{{source: shakespeare, tokenizer: byte, dir: {data_dir}}}",
-                      "max_steps: 1000000000")
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1000000000",
+                                  name="r"), tmp_path)
     proc = andrea_main("train", "-c", str(cfg), "--stop-after", "2", "--set",
                        "train.global_batch_tokens=2048", "--set", "train.micro_batch_size=8")
     assert proc.returncode == 0, proc.stderr
@@ -144,12 +142,13 @@ def test_an_eta_of_days_is_said_in_days_and_a_plan_of_days_once_with_what_to_run
 def test_a_small_mixture_source_is_counted_and_warned_about_on_its_own(tmp_path):
     small = words_file(tmp_path / "small.txt", 40_000, seed=1)
     big = words_file(tmp_path / "big.txt", 800_000, seed=2)
-    cfg = tiny_config(
-        tmp_path,
-        f"{{tokenizer: byte, sources: [{{path: {small.name}, weight: 1}}, "
-        f"{{path: {big.name}, weight: 1}}]}}",
-        "max_steps: 20000",
-    )
+    cfg = tmp_path / "run.yaml"  # sources named relative to the run's folder, no data.dir
+    cfg.write_text(
+        "model: {n_layer: 2, n_head: 4, head_dim: 16, block_size: 64, vocab_size: 320}\n"
+        f"data: {{tokenizer: byte, sources: [{{path: {small.name}, weight: 1}}, "
+        f"{{path: {big.name}, weight: 1}}]}}\n"
+        f"train: {{runs_dir: {tmp_path / 'runs'}, name: r, micro_batch_size: 8, log_every: 1, "
+        "eval_every: 0, checkpoint_every: 0, max_steps: 20000}\n")
     proc = andrea_main("train", "-c", str(cfg), "--no-progress", "--stop-after", "1",
                        cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

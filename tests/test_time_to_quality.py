@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, andrea_main, assert_user_error
-from test_train import read_events, tiny
+from conftest import REPO, andrea_main, assert_user_error, tiny_config
+from test_train import read_events
 
 from andrea.config import load_config
 from andrea.data import shards
@@ -65,21 +65,23 @@ def test_polar_express_is_closer_to_the_polar_factor_than_the_quintic(shape):
 
 def test_polar_express_takes_float32_muon_even_in_bf16(tmp_path, data_dir):
     for precision in ("bf16", "fp32"):
-        cfg = tiny(tmp_path, data_dir, "train.optimizer=muon",
-                   f"train.muon_ns_precision={precision}",
-                   "train.muon_ns_coefficients=polar_express")
+        cfg = tiny_config(tmp_path / "runs", data_dir, "train.optimizer=muon",
+                          f"train.muon_ns_precision={precision}",
+                          "train.muon_ns_coefficients=polar_express")
         opt = build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"))
         assert type(opt.parts["muon"]) is Float32Muon and opt.parts["muon"].polar_express
-    quintic = tiny(tmp_path, data_dir, "train.optimizer=muon", "train.muon_ns_precision=bf16")
+    quintic = tiny_config(tmp_path / "runs", data_dir, "train.optimizer=muon",
+                          "train.muon_ns_precision=bf16")
     built = build_optimizer(Andrea(quintic.model), quintic, torch.device("cpu"))
     assert type(built.parts["muon"]) is torch.optim.Muon
 
 
 def test_zero_init_output_starts_every_block_as_the_identity(tmp_path, data_dir):
     cpu, one = torch.device("cpu"), parallel_for("ddp", DistInfo())
-    plain = build_model(tiny(tmp_path, data_dir), cpu, one, torch.float32, "sdpa")[0]
-    zero = build_model(tiny(tmp_path, data_dir, "train.zero_init_output=true"), cpu, one,
-                       torch.float32, "sdpa")[0]
+    plain = build_model(tiny_config(tmp_path / "runs", data_dir), cpu, one, torch.float32,
+                        "sdpa")[0]
+    zero = build_model(tiny_config(tmp_path / "runs", data_dir, "train.zero_init_output=true"), cpu,
+                       one, torch.float32, "sdpa")[0]
     projections = {f"blocks.{i}.{m}.weight" for i in range(len(zero.blocks))
                    for m in ("attn.out", "mlp.down")}
     for (name, p), q in zip(zero.named_parameters(), plain.parameters(), strict=True):
@@ -101,9 +103,10 @@ def test_zero_init_output_starts_every_block_as_the_identity(tmp_path, data_dir)
 
 def test_both_keys_train_and_differ_from_the_default(tmp_path, data_dir):
     base = ("train.optimizer=muon", "train.max_steps=4", "train.precision=fp32")
-    default = train(tiny(tmp_path, data_dir, *base, "train.name=default"), progress=False)
-    runs = {key: train(tiny(tmp_path, data_dir, *base, f"train.name={key.split('.')[1][:4]}",
-                            key), progress=False)
+    default = train(tiny_config(tmp_path / "runs", data_dir, *base, "train.name=default"),
+                    progress=False)
+    runs = {key: train(tiny_config(tmp_path / "runs", data_dir, *base,
+                                   f"train.name={key.split('.')[1][:4]}", key), progress=False)
             for key in ("train.zero_init_output=true", "train.muon_ns_coefficients=polar_express")}
     for key, result in runs.items():
         assert result.state == "finished"
@@ -159,19 +162,20 @@ def test_normuon_resumes_bit_for_bit(tmp_path, data_dir):
     sets = ("train.max_steps=6", "train.precision=fp32", "train.optimizer=muon",
             "train.global_batch_tokens=1024", "train.warmup_steps=2",
             "train.muon_neuron_beta2=0.95")
-    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
-    first = train(tiny(tmp_path / "b", data_dir, *sets), progress=False, stop_after=3)
+    whole = train(tiny_config(tmp_path / "a" / "runs", data_dir, *sets), progress=False)
+    first = train(tiny_config(tmp_path / "b" / "runs", data_dir, *sets), progress=False,
+                  stop_after=3)
     fields = ckpt_io.read_safetensors(first.checkpoint / OPTIMIZER_FILE)[0]
     rows = fields["blocks.0.attn.qkv.weight.momentum_buffer"].shape[0]
     assert fields["blocks.0.attn.qkv.weight.neuron_second_moment"].shape == (rows, 1)
-    rest = train(tiny(tmp_path / "b", data_dir, *sets), resume=str(first.run_dir),
+    rest = train(tiny_config(tmp_path / "b" / "runs", data_dir, *sets), resume=str(first.run_dir),
                  progress=False)
     assert {**first.losses, **rest.losses} == whole.losses  # exact float equality
 
 
 def test_normuon_under_fsdp_is_refused_in_one_line(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.optimizer=muon", "train.muon_neuron_beta2=0.95",
-               "train.parallel=fsdp")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.optimizer=muon",
+                      "train.muon_neuron_beta2=0.95", "train.parallel=fsdp")
     with pytest.raises(UserError, match=r"^train\.muon_neuron_beta2: 0\.95: NorMuon is not "
                                         r"supported under train\.parallel: fsdp"):
         build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"), world_size=2,
@@ -203,18 +207,19 @@ def plain(tmp_path_factory, data_dir) -> dict[int, object]:
     """WARMUP's run with no warm-up, trained once for the tests that compare with it, by
     train.global_batch_tokens: 0 (one micro-batch of 512 tokens a step) and 1,024."""
     root = tmp_path_factory.mktemp("plain")
-    return {tokens: train(tiny(root, data_dir, *WARMUP, f"train.name=plain-{tokens}",
-                               f"train.global_batch_tokens={tokens}"), progress=False)
+    return {tokens: train(tiny_config(root / "runs", data_dir, *WARMUP,
+                                      f"train.name=plain-{tokens}",
+                                      f"train.global_batch_tokens={tokens}"), progress=False)
             for tokens in (0, 1024)}
 
 
 def test_batch_warmup_takes_the_small_batch_first_then_the_full_one(tmp_path, data_dir, plain):
     # tiny: 8 x 64 = 512 tokens a micro-batch; 3 steps of 1 micro-batch, then 3 of 2.
-    warm = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=warm",
-                      "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
-                      "train.batch_warmup_steps=3"), progress=False)
-    small = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=small",
-                       "train.global_batch_tokens=512"), progress=False)
+    warm = train(tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.name=warm",
+                             "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
+                             "train.batch_warmup_steps=3"), progress=False)
+    small = train(tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.name=small",
+                              "train.global_batch_tokens=512"), progress=False)
     full = plain[1024]
     # The warm-up's steps are the small-batch run's, bit for bit (same windows, same lr)...
     assert [warm.losses[s] for s in (1, 2, 3)] == [small.losses[s] for s in (1, 2, 3)]
@@ -230,11 +235,11 @@ def test_batch_warmup_takes_the_small_batch_first_then_the_full_one(tmp_path, da
 def test_batch_warmup_resumes_bit_for_bit_inside_and_after_it(tmp_path, data_dir):
     sets = (*WARMUP, "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
             "train.batch_warmup_steps=3")
-    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
+    whole = train(tiny_config(tmp_path / "a" / "runs", data_dir, *sets), progress=False)
     for stop in (2, 4):  # a resume inside the warm-up, and one after it
-        first = train(tiny(tmp_path / f"b{stop}", data_dir, *sets), progress=False,
+        first = train(tiny_config(tmp_path / f"b{stop}" / "runs", data_dir, *sets), progress=False,
                       stop_after=stop)
-        rest = train(tiny(tmp_path / f"b{stop}", data_dir, *sets),
+        rest = train(tiny_config(tmp_path / f"b{stop}" / "runs", data_dir, *sets),
                      resume=str(first.run_dir), progress=False)
         assert {**first.losses, **rest.losses} == whole.losses  # exact float equality
         assert rest.tokens == whole.tokens == 4608
@@ -248,7 +253,7 @@ def test_batch_warmup_resumes_bit_for_bit_inside_and_after_it(tmp_path, data_dir
 ])
 def test_batch_warmup_settings_that_cannot_work_are_refused(tmp_path, data_dir, sets, message):
     with pytest.raises(UserError, match=message):
-        tiny(tmp_path, data_dir, "train.global_batch_tokens=1024", *sets)
+        tiny_config(tmp_path / "runs", data_dir, "train.global_batch_tokens=1024", *sets)
 
 
 def test_a_warmup_batch_not_below_the_batch_is_off_and_says_so(tmp_path, data_dir, capsys,
@@ -256,9 +261,9 @@ def test_a_warmup_batch_not_below_the_batch_is_off_and_says_so(tmp_path, data_di
     # A preset's warm-up after --set lowered global_batch_tokens to it: the plain run.
     plain = plain[1024]
     capsys.readouterr()
-    same = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=same",
-                      "train.global_batch_tokens=1024", "train.batch_warmup_tokens=1024",
-                      "train.batch_warmup_steps=3"), progress=False)
+    same = train(tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.name=same",
+                             "train.global_batch_tokens=1024", "train.batch_warmup_tokens=1024",
+                             "train.batch_warmup_steps=3"), progress=False)
     assert "batch warm-up: off (train.batch_warmup_tokens 1,024 is not below " \
            "train.global_batch_tokens 1,024)" in capsys.readouterr().out
     assert same.state == "finished", (same.state, same.message)
@@ -266,16 +271,16 @@ def test_a_warmup_batch_not_below_the_batch_is_off_and_says_so(tmp_path, data_di
 
 
 def test_batch_warmup_not_a_whole_number_of_micro_batches_is_refused(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, *WARMUP, "train.global_batch_tokens=1024",
-               "train.batch_warmup_tokens=768", "train.batch_warmup_steps=3")
+    cfg = tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.global_batch_tokens=1024",
+                      "train.batch_warmup_tokens=768", "train.batch_warmup_steps=3")
     with pytest.raises(UserError, match=r"train\.batch_warmup_tokens: 768 is not a multiple of "
                                         r"micro_batch_size \* block_size \* processes = "
                                         r"8 \* 64 \* 1 = 512"):
         train(cfg, progress=False)
     # Not even whole windows: auto cannot help, so the message names the window instead.
-    cfg = tiny(tmp_path, data_dir, *WARMUP, "train.micro_batch_size=auto",
-               "train.global_batch_tokens=1024", "train.batch_warmup_tokens=600",
-               "train.batch_warmup_steps=3")
+    cfg = tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.micro_batch_size=auto",
+                      "train.global_batch_tokens=1024", "train.batch_warmup_tokens=600",
+                      "train.batch_warmup_steps=3")
     with pytest.raises(UserError, match=r"train\.batch_warmup_tokens: 600 is not a multiple of "
                                         r"block_size \* processes = 64 \* 1 = 64; make it one$"):
         train(cfg, progress=False)
@@ -283,9 +288,9 @@ def test_batch_warmup_not_a_whole_number_of_micro_batches_is_refused(tmp_path, d
 
 def test_batch_warmup_auto_micro_batch_divides_both_batches(tmp_path, data_dir):
     # 24 sequences of 64 a step after the warm-up, 8 during it: auto alone would take 24.
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=3", "train.micro_batch_size=auto",
-               "train.global_batch_tokens=1536", "train.batch_warmup_tokens=512",
-               "train.batch_warmup_steps=2")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=3",
+                      "train.micro_batch_size=auto", "train.global_batch_tokens=1536",
+                      "train.batch_warmup_tokens=512", "train.batch_warmup_steps=2")
     result = train(cfg, progress=False)
     start = read_events(result.run_dir, "start")[0]
     assert 8 % start["micro_batch_size"] == 0 and result.tokens == 512 + 512 + 1536
@@ -316,7 +321,7 @@ def test_seq_warmup_trains_on_short_windows_first_then_the_block(tmp_path, data_
 
     train_batch = loop.train_batch
     monkeypatch.setattr(loop, "train_batch", recording)
-    warm = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=warm", *SEQ_WARMUP),
+    warm = train(tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.name=warm", *SEQ_WARMUP),
                  progress=False)
     assert asked == [(0, (32, 16)), (1, (32, 16)), (2, (32, 16)),
                      (3, (8, 64)), (4, (8, 64)), (5, (8, 64))]
@@ -328,11 +333,12 @@ def test_seq_warmup_trains_on_short_windows_first_then_the_block(tmp_path, data_
 
 
 def test_seq_warmup_resumes_bit_for_bit_inside_and_after_it(tmp_path, data_dir):
-    whole = train(tiny(tmp_path / "a", data_dir, *WARMUP, *SEQ_WARMUP), progress=False)
+    whole = train(tiny_config(tmp_path / "a" / "runs", data_dir, *WARMUP, *SEQ_WARMUP),
+                  progress=False)
     for stop in (2, 4):  # a resume inside the warm-up, and one after it
-        first = train(tiny(tmp_path / f"b{stop}", data_dir, *WARMUP, *SEQ_WARMUP),
+        first = train(tiny_config(tmp_path / f"b{stop}" / "runs", data_dir, *WARMUP, *SEQ_WARMUP),
                       progress=False, stop_after=stop)
-        rest = train(tiny(tmp_path / f"b{stop}", data_dir, *WARMUP, *SEQ_WARMUP),
+        rest = train(tiny_config(tmp_path / f"b{stop}" / "runs", data_dir, *WARMUP, *SEQ_WARMUP),
                      resume=str(first.run_dir), progress=False)
         assert {**first.losses, **rest.losses} == whole.losses  # exact float equality
 
@@ -340,8 +346,9 @@ def test_seq_warmup_resumes_bit_for_bit_inside_and_after_it(tmp_path, data_dir):
 def test_seq_warmup_not_below_the_block_is_off_and_says_so(tmp_path, data_dir, capsys, plain):
     plain = plain[0]
     capsys.readouterr()
-    same = train(tiny(tmp_path, data_dir, *WARMUP, "train.name=same",
-                      "train.seq_warmup_length=64", "train.seq_warmup_steps=3"), progress=False)
+    same = train(tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.name=same",
+                             "train.seq_warmup_length=64", "train.seq_warmup_steps=3"),
+                 progress=False)
     assert "sequence warm-up: off (train.seq_warmup_length 64 is not below " \
            "model.block_size 64)" in capsys.readouterr().out
     assert same.losses == plain.losses
@@ -350,8 +357,8 @@ def test_seq_warmup_not_below_the_block_is_off_and_says_so(tmp_path, data_dir, c
 def test_a_seq_warmup_as_long_as_the_run_is_warned_about(tmp_path, data_dir, capsys):
     # The README's short run of a preset with a long warm-up would otherwise never train (nor
     # be scored after training) on the windows evaluation uses, without a word.
-    train(tiny(tmp_path, data_dir, *WARMUP, "train.seq_warmup_length=16",
-               "train.seq_warmup_steps=6"), progress=False)
+    train(tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.seq_warmup_length=16",
+                      "train.seq_warmup_steps=6"), progress=False)
     assert ("warning: the sequence warm-up covers all 6 steps: no step trains on windows of 64 "
             "tokens") in capsys.readouterr().out
 
@@ -377,7 +384,7 @@ def test_the_readme_main_command_trains_its_last_steps_on_whole_windows():
 ])
 def test_seq_warmup_settings_that_cannot_work_are_refused(tmp_path, data_dir, sets, message):
     with pytest.raises(UserError, match=message):
-        tiny(tmp_path, data_dir, *sets)
+        tiny_config(tmp_path / "runs", data_dir, *sets)
 
 
 def test_a_seq_warmup_that_does_not_divide_the_block_is_one_line_at_the_command_line():
@@ -432,7 +439,7 @@ def test_epochs_order_reads_each_window_once_a_pass_through_a_batch_warmup_and_a
         tmp_path, short_data, monkeypatch, capsys):
     # 3 steps of 8 windows, then 5 of 16: 104 windows, three passes of 30 and 14 of a fourth.
     starts = read_starts(monkeypatch, short_data)
-    whole = train(tiny(tmp_path / "a", short_data, *EPOCHS), progress=False)
+    whole = train(tiny_config(tmp_path / "a" / "runs", short_data, *EPOCHS), progress=False)
     assert "passes over the 2,000 prepared training tokens, each window once a pass" in (
         capsys.readouterr().out)
     assert len(starts) == 104 and whole.tokens == 104 * 64
@@ -443,9 +450,9 @@ def test_epochs_order_reads_each_window_once_a_pass_through_a_batch_warmup_and_a
     # The order goes on from where a resume starts, inside the warm-up and after it.
     for stop in (2, 5):
         read = len(starts)
-        first = train(tiny(tmp_path / f"b{stop}", short_data, *EPOCHS), progress=False,
-                      stop_after=stop)
-        rest = train(tiny(tmp_path / f"b{stop}", short_data, *EPOCHS),
+        first = train(tiny_config(tmp_path / f"b{stop}" / "runs", short_data, *EPOCHS),
+                      progress=False, stop_after=stop)
+        rest = train(tiny_config(tmp_path / f"b{stop}" / "runs", short_data, *EPOCHS),
                      resume=str(first.run_dir), progress=False)
         assert starts[read:] == starts[:104]
         assert {**first.losses, **rest.losses} == whole.losses

@@ -9,12 +9,19 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import andrea_main, assert_user_error, make_checkpoint, python_command
+from conftest import (
+    andrea_main,
+    assert_user_error,
+    config_file,
+    make_checkpoint,
+    python_command,
+    tiny_config,
+    wait_until,
+)
 
 from andrea.config import load_config
 from andrea.data.loader import TokenSplit
@@ -41,28 +48,14 @@ from andrea.train.rundir import (
 # data_dir: the session fixture in conftest.py (the tiny preset's prepared data).
 
 
-def tiny(tmp_path: Path, data_dir: Path, *sets: str):
-    base = [
-        f"data.dir={data_dir}", f"train.runs_dir={tmp_path / 'runs'}", "train.name=t",
-        "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
-    ]
-    return load_config("andrea-tiny", base + list(sets))
-
-
-def write_config(tmp_path: Path, cfg) -> Path:
-    path = tmp_path / "tiny.yaml"
-    path.write_text(cfg.to_yaml())
-    return path
-
-
 def read_events(run_dir: Path, event: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
 def test_loss_falls_within_50_steps(tmp_path, data_dir):
-    result = train(tiny(tmp_path, data_dir, "train.max_steps=50", "train.eval_every=50"),
-                   progress=False)
+    result = train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=50",
+                               "train.eval_every=50"), progress=False)
     first, last = result.losses[1], sum(result.losses[s] for s in range(46, 51)) / 5
     assert last < 0.7 * first, (first, last)
     assert result.best_val_loss is not None and result.best_val_loss < 0.7 * first
@@ -73,10 +66,11 @@ def test_loss_falls_within_50_steps(tmp_path, data_dir):
 def test_exact_resume_bit_for_bit(tmp_path, data_dir, precision):
     sets = ("train.max_steps=12", f"train.precision={precision}", "model.dropout=0.1",
             "train.global_batch_tokens=1024")  # 2 accumulation steps; dropout uses the RNG
-    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
-    first = train(tiny(tmp_path / "b", data_dir, *sets), progress=False, stop_after=5)
+    whole = train(tiny_config(tmp_path / "a" / "runs", data_dir, *sets), progress=False)
+    first = train(tiny_config(tmp_path / "b" / "runs", data_dir, *sets), progress=False,
+                  stop_after=5)
     assert first.state == "stopped" and first.steps == 5
-    rest = train(tiny(tmp_path / "b", data_dir, *sets), resume=str(first.run_dir),
+    rest = train(tiny_config(tmp_path / "b" / "runs", data_dir, *sets), resume=str(first.run_dir),
                  progress=False)
     assert rest.steps == 12
     resumed = {**first.losses, **rest.losses}
@@ -87,7 +81,8 @@ def test_exact_resume_bit_for_bit(tmp_path, data_dir, precision):
 
 
 def test_resume_by_bare_run_name(tmp_path, data_dir):
-    first = train(tiny(tmp_path, data_dir, "train.max_steps=4"), progress=False, stop_after=2)
+    first = train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=4"), progress=False,
+                  stop_after=2)
     proc = andrea_main("train", "--resume", "t", "--no-progress", cwd=tmp_path)  # runs/t
     assert proc.returncode == 0, proc.stderr
     assert "finished: 4 steps" in proc.stdout
@@ -95,7 +90,7 @@ def test_resume_by_bare_run_name(tmp_path, data_dir):
 
 
 def test_weight_decay_only_on_matrices(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "model.bias=true")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "model.bias=true")
     model = Andrea(cfg.model)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
@@ -106,7 +101,7 @@ def test_weight_decay_only_on_matrices(tmp_path, data_dir):
 
 
 def test_checkpoint_round_trip(tmp_path, data_dir):
-    result = train(tiny(tmp_path, data_dir, "train.max_steps=3"), progress=False)
+    result = train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=3"), progress=False)
     tensors, cfg, meta = ckpt_io.read_model_checkpoint(result.checkpoint)
     assert meta["step"] == "3" and meta["tokenizer"] == "byte:v1"
     assert not any("_orig_mod" in k or k.startswith("module.") for k in tensors)
@@ -126,7 +121,7 @@ def test_checkpoint_round_trip(tmp_path, data_dir):
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=4", "train.checkpoint_every=1",
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=4", "train.checkpoint_every=1",
                "train.keep_last=2")
     result = train(cfg, progress=False)
     assert [p.name for p in step_dirs(result.run_dir)] == [
@@ -157,31 +152,21 @@ def test_device_and_precision_names_are_checked():
 
 def _start(tmp_path: Path, cfg, *args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        python_command("-m", "andrea", "train", "-c", str(write_config(tmp_path, cfg)),
+        python_command("-m", "andrea", "train", "-c", str(config_file(cfg, tmp_path)),
                        "--no-progress", *args),
         env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def _wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            raise AssertionError(f"process ended early: {proc.communicate()}")
-        if time.time() > deadline:
-            proc.kill()
-            raise AssertionError("timed out")
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_checkpoints_and_exits(tmp_path, data_dir, sig, code):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=100000")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=100000")
     run_dir = Path(cfg.train.runs_dir) / "t"
     proc = _start(tmp_path, cfg)
-    _wait_for(lambda: (run_dir / "metrics.jsonl").exists()
-              and '"train"' in (run_dir / "metrics.jsonl").read_text(), proc)
+    wait_until(lambda: (run_dir / "metrics.jsonl").exists()
+               and '"train"' in (run_dir / "metrics.jsonl").read_text(),
+               what="a step's record", timeout=120, proc=proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
@@ -194,7 +179,7 @@ def test_signal_checkpoints_and_exits(tmp_path, data_dir, sig, code):
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_dir, sig, code):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=100000")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=100000")
     first = train(cfg, progress=False, stop_after=2)  # the last good checkpoint: step 2
     # Resumed with no periodic checkpoints and every write taking 3 s, the only checkpoint
     # started is the one the first Ctrl-C asks for; the second Ctrl-C lands inside it.
@@ -206,12 +191,15 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
     )
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    _wait_for(lambda: any(r["step"] > 2 for r in read_events(first.run_dir, "train")), proc)
+    wait_until(lambda: any(r["step"] > 2 for r in read_events(first.run_dir, "train")),
+               what="step 3's record", timeout=120, proc=proc)
     proc.send_signal(sig)
     # Two signals that arrive before Python runs the handler count as one: wait until the
     # first is seen before sending the second.
-    _wait_for(lambda: any("stopping after this micro-batch" in line for line in stderr), proc)
-    _wait_for(lambda: any(first.run_dir.glob("*.partial-*/model.safetensors")), proc)
+    wait_until(lambda: any("stopping after this micro-batch" in line for line in stderr),
+               what="the first signal's line", timeout=120, proc=proc)
+    wait_until(lambda: any(first.run_dir.glob("*.partial-*/model.safetensors")),
+               what="the checkpoint's write under way", timeout=120, proc=proc)
     proc.send_signal(sig)  # old code: a second SIGTERM was ignored, the checkpoint completed
     proc.wait(timeout=60)
     assert proc.returncode == code
@@ -224,12 +212,15 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
 
 
 def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=100000", "train.checkpoint_every=5")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=100000",
+                      "train.checkpoint_every=5")
     run_dir = Path(cfg.train.runs_dir) / "t"
     # step-000005 is written slowly too; wait for it, then catch step-000010 half written.
     proc = _start(tmp_path, cfg, env={"ANDREA_FAULTS": "checkpoint-delay@2"})
-    _wait_for(lambda: (run_dir / "latest").exists(), proc)
-    _wait_for(lambda: any(run_dir.glob("step-000010.partial-*/model.safetensors")), proc)
+    wait_until(lambda: (run_dir / "latest").exists(), what="step 5's checkpoint", timeout=120,
+               proc=proc)
+    wait_until(lambda: any(run_dir.glob("step-000010.partial-*/model.safetensors")),
+               what="step 10's checkpoint under way", timeout=120, proc=proc)
     proc.kill()
     proc.communicate()
     assert (run_dir / "latest").read_text().strip() == "step-000005"
@@ -242,8 +233,8 @@ def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data
 
 
 def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=20", "train.checkpoint_every=5")
-    path = write_config(tmp_path, cfg)
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=20", "train.checkpoint_every=5")
+    path = config_file(cfg, tmp_path)
     proc = andrea_main("train", "-c", str(path), "--no-progress",
                        env={"ANDREA_FAULTS": "nan@7"})
     assert proc.returncode == 1
@@ -262,10 +253,10 @@ def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path, data_
 
 
 def test_overwrite_replaces_a_run_only_once_the_new_one_can_start(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2")
     run_dir = train(cfg, progress=False).run_dir
     old_metrics = (run_dir / "metrics.jsonl").read_bytes()
-    path = str(write_config(tmp_path, cfg))
+    path = str(config_file(cfg, tmp_path))
     # The model's vocabulary is too small for the data: found after the run folder is chosen.
     assert_user_error(andrea_main("train", "-c", path, "--overwrite", "--set",
                                   "model.vocab_size=100"), "model.vocab_size")
@@ -318,7 +309,7 @@ def test_an_overwrite_whose_start_fails_puts_the_old_run_back(tmp_path, data_dir
     its plan said; anything that stops the start (here the plan's lines) puts it back."""
     from andrea.train import setup
 
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2")
     run_dir = train(cfg, progress=False).run_dir
     before = run_files(run_dir)
 
@@ -327,7 +318,8 @@ def test_an_overwrite_whose_start_fails_puts_the_old_run_back(tmp_path, data_dir
 
     monkeypatch.setattr(setup, "announce", fail)
     with pytest.raises(UserError, match="the start failed"):
-        train(tiny(tmp_path, data_dir, "train.max_steps=1"), overwrite=True, progress=False)
+        train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1"), overwrite=True,
+              progress=False)
     said = capsys.readouterr().out
     assert f"--overwrite: this run did not start; the run in {run_dir} is back as it was" in said
     assert run_files(run_dir) == before  # its own config and metrics, not the new run's
@@ -340,14 +332,14 @@ def test_an_overwrite_killed_during_its_start_is_put_back_by_the_next_training(t
     lock, puts it back, and --resume continues it."""
     from andrea.train.rundir import OVERWRITTEN, set_aside
 
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=2", "train.checkpoint_every=1")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2", "train.checkpoint_every=1")
     run_dir = train(cfg, progress=False).run_dir
     before = run_files(run_dir)
     set_aside(run_dir)  # what the killed --overwrite had done, then its new start files:
     (run_dir / "config.yaml").write_text("the killed run's config\n")
     (run_dir / "metrics.jsonl").write_text('{"event": "start", "step": 0}\n')
     assert not (run_dir / "latest").exists()
-    resumed = andrea_main("train", "--resume", "auto", "-c", str(write_config(tmp_path, cfg)),
+    resumed = andrea_main("train", "--resume", "auto", "-c", str(config_file(cfg, tmp_path)),
                           "--set", "train.max_steps=3", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.startswith(f"{run_dir}: an --overwrite stopped during its set-up"), \
@@ -361,7 +353,7 @@ def test_an_overwrite_killed_during_its_start_is_put_back_by_the_next_training(t
 
 
 def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2")
     result = train(cfg, progress=False)
     run = str(result.run_dir)
     assert_user_error(andrea_main("train", "--resume", str(tmp_path)), "not a run")
@@ -370,7 +362,7 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
         andrea_main("train", "--resume", run, "--set", "model.n_layer=3"),
         "cannot change", "model.n_layer (2 -> 3)",
     )
-    assert_user_error(andrea_main("train", "-c", str(write_config(tmp_path, cfg))),
+    assert_user_error(andrea_main("train", "-c", str(config_file(cfg, tmp_path))),
                       "already holds a run", "--resume")
 
     stored = load_config(result.run_dir / "config.yaml")
@@ -396,8 +388,8 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
 def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir, inject_faults):
     sets = ("train.max_steps=6", "train.precision=fp32", "model.dropout=0.1",
             "train.global_batch_tokens=2048")  # 4 micro-batches a step; dropout uses the RNG
-    whole = train(tiny(tmp_path / "a", data_dir, *sets), progress=False)
-    cfg = tiny(tmp_path / "b", data_dir, *sets)
+    whole = train(tiny_config(tmp_path / "a" / "runs", data_dir, *sets), progress=False)
+    cfg = tiny_config(tmp_path / "b" / "runs", data_dir, *sets)
     inject_faults("sigint@3.1")  # Ctrl-C in step 4's 2nd micro-batch
     cut = train(cfg, progress=False)
     inject_faults(None)
@@ -415,14 +407,15 @@ def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir, inje
 
 def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path, data_dir, inject_faults):
     inject_faults("sigint@1.0")
-    result = train(tiny(tmp_path, data_dir, "train.max_steps=2"), progress=False)
+    result = train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2"), progress=False)
     assert (result.state, result.exit_code, result.steps) == ("finished", 0, 2)
     assert result.checkpoint.name == "step-000002"
 
 
 def test_interrupt_before_the_first_step_writes_and_mentions_no_checkpoint(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=5", "train.global_batch_tokens=2048")
-    proc = andrea_main("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=5",
+                      "train.global_batch_tokens=2048")
+    proc = andrea_main("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress",
                        env={"ANDREA_FAULTS": "sigint@0.0"})
     assert proc.returncode == 130, proc.stderr
     assert "checkpointing the last completed step" in proc.stderr
@@ -435,12 +428,13 @@ def test_interrupt_before_the_first_step_writes_and_mentions_no_checkpoint(tmp_p
     table = andrea_main("runs", str(run_dir.parent))
     assert table.returncode == 0, table.stderr
     assert "interrupted (SIGINT)" in table.stdout and "crashed" not in table.stdout
-    again = andrea_main("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress")
+    again = andrea_main("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress")
     assert again.returncode == 0, again.stderr  # nothing to resume: a new run starts
 
 
 def test_plan_line_and_progress_in_tokens(tmp_path, data_dir, capsys):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=1000000", "train.global_batch_tokens=1024")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1000000",
+                      "train.global_batch_tokens=1024")
     result = train(cfg, progress=True, stop_after=2)
     assert result.state == "stopped"
     out, err = capsys.readouterr()
@@ -480,9 +474,9 @@ def test_micro_batch_auto_fits_memory_and_keeps_the_global_batch():
 
 
 def test_micro_batch_auto_is_resolved_recorded_and_reused(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.micro_batch_size=auto",
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.micro_batch_size=auto",
                "train.global_batch_tokens=2048", "train.max_steps=3")
-    path = write_config(tmp_path, cfg)
+    path = config_file(cfg, tmp_path)
     proc = andrea_main("train", "-c", str(path), "--no-progress", "--stop-after", "1")
     assert proc.returncode == 0, proc.stderr
     # The tiny model fits at once: all 32 sequences of the step in one micro-batch.
@@ -521,8 +515,9 @@ def recorded_attention(ckpt: Path, backend: str | None) -> None:
 def test_the_attention_backend_is_recorded_and_a_resume_never_changes_it_silently(
     tmp_path, data_dir
 ):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=2", "train.checkpoint_every=1")
-    first = andrea_main("train", "-c", str(write_config(tmp_path, cfg)), "--no-progress",
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                      "train.checkpoint_every=1")
+    first = andrea_main("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress",
                         "--stop-after", "1")
     assert first.returncode == 0, first.stderr
     assert "attention: sdpa (auto: no GPU)" in first.stdout
@@ -561,13 +556,13 @@ def test_the_attention_backend_is_recorded_and_a_resume_never_changes_it_silentl
 
 
 def test_resume_may_change_only_keys_that_keep_the_runs_meaning(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=2")
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2")
     result = train(cfg, progress=False)
     run = str(result.run_dir)
     assert_user_error(andrea_main("train", "--resume", run, "--set", "train.lr=0.01"),
                       "train.lr (0.003 -> 0.01)", "cannot change")
     # --config with --resume must agree with the run on every meaning-carrying key.
-    other = load_config(write_config(tmp_path, cfg), ["train.warmup_steps=3", "model.n_layer=3"])
+    other = load_config(config_file(cfg, tmp_path), ["train.warmup_steps=3", "model.n_layer=3"])
     other_path = tmp_path / "other.yaml"
     other_path.write_text(other.to_yaml())
     assert_user_error(andrea_main("train", "-c", str(other_path), "--resume", run),
@@ -601,7 +596,7 @@ def test_extending_a_run_that_decayed_to_lr_zero_is_refused(tmp_path, data_dir):
     """wsd to min_lr 0 (the 12M preset's schedule) ends at lr 0: a longer max_steps on resume
     would train at lr 0 without a word. It is one line naming the way that works, and that way
     (a checkpoint from before the decay) trains on, holding lr and decaying over the new end."""
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=4", "train.warmup_steps=1",
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=4", "train.warmup_steps=1",
                "train.schedule=wsd", "train.min_lr=0", "train.decay_fraction=0.5",
                "train.checkpoint_every=1", "train.keep_last=5")
     result = train(cfg, progress=False)
@@ -619,8 +614,8 @@ def test_extending_a_run_that_decayed_to_lr_zero_is_refused(tmp_path, data_dir):
 
 
 def test_resume_auto_keeps_the_runs_own_config(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "train.max_steps=2", "train.warmup_steps=3")
-    path = write_config(tmp_path, cfg)
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2", "train.warmup_steps=3")
+    path = config_file(cfg, tmp_path)
     train(cfg, progress=False)
     changed = load_config(path, ["train.warmup_steps=5"])
     path.write_text(changed.to_yaml())  # as if the preset changed since the run began

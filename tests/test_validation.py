@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import andrea_main, run_torchrun
+from conftest import andrea_main, run_torchrun, tiny_config
 
 from andrea.config import load_config
 from andrea.train.loop import train
@@ -32,9 +32,8 @@ def evals(run_dir: Path) -> list[dict]:
 def test_same_val_loss_at_any_micro_batch_and_process_count(tmp_path, data_dir):
     losses = {}
     for micro in (1, 4, 8):
-        cfg = load_config("andrea-tiny", [
-            f"data.dir={data_dir}", f"train.runs_dir={tmp_path}", f"train.name=m{micro}",
-            f"train.micro_batch_size={micro}", *SETS])
+        cfg = tiny_config(tmp_path, data_dir, f"train.micro_batch_size={micro}", *SETS,
+                          name=f"m{micro}")
         result = train(cfg, progress=False)
         (record,) = evals(result.run_dir)
         assert record["val_tokens"] == EVAL_TOKENS and record["val_bpb"] > 0
@@ -104,9 +103,8 @@ def test_a_mixture_is_scored_per_source_with_a_weighted_total(tmp_path):
     a = write_text(tmp_path / "a.txt", 1, "etaoinshrdlu")
     b = write_text(tmp_path / "b.txt", 2, "0123456789{}[]")
     sources = f"data.sources=[{{path: {a}, weight: 3}}, {{path: {b}, weight: 1}}]"
-    cfg = load_config("andrea-tiny", [sources, f"data.dir={tmp_path / 'data'}",
-                                      f"train.runs_dir={tmp_path}", "train.name=mix",
-                                      "train.micro_batch_size=4", *SETS])
+    cfg = tiny_config(tmp_path, tmp_path / "data", sources, "train.micro_batch_size=4", *SETS,
+                      name="mix")
     result = train(cfg, progress=False)
     (record,) = evals(result.run_dir)
     by_source = record["val_sources"]
