@@ -484,17 +484,24 @@ template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// ROWS x COLS elements from (row0, col0) of a row-major matrix with row stride `stride` into
+// shared memory with row stride LDD, through cp.async; rows at or past `rows` land as zeros.
+template <typename T_, int ROWS, int COLS, int LDD>
+__device__ __forceinline__ void load_block_async(T_* dst, const T_* src, int stride, int row0,
+                                                 int col0, int rows) {
+  constexpr int ELEMS = 16 / (int)sizeof(T_), PER_ROW = COLS / ELEMS;
+  for (int i = threadIdx.x; i < ROWS * PER_ROW; i += blockDim.x) {
+    const int r = i / PER_ROW, c = i % PER_ROW;
+    const bool in = row0 + r < rows;  // bounds: rows past the matrix land as zeros
+    cp_async<16>(dst + r * LDD + c * ELEMS,
+                 in ? src + (long long)(row0 + r) * stride + col0 + c * ELEMS : src, in);
+  }
+}
+
 // load_tile through cp.async: rows at or past seq_len land as zeros.
 template <typename T_, int D, int ROWS>
 __device__ __forceinline__ void load_tile_async(T_* dst, const T_* src, int row0, int seq_len) {
-  constexpr int LD = Ld<T_, D>::value, PER_ROW = D * (int)sizeof(T_) / 16;
-  constexpr int ELEMS = 16 / (int)sizeof(T_);
-  for (int i = threadIdx.x; i < ROWS * PER_ROW; i += blockDim.x) {
-    const int r = i / PER_ROW, c = i % PER_ROW;
-    const bool in = row0 + r < seq_len;  // bounds: rows past the sequence land as zeros
-    cp_async<16>(dst + r * LD + c * ELEMS, in ? src + (long long)(row0 + r) * D + c * ELEMS : src,
-                 in);
-  }
+  load_block_async<T_, ROWS, D, Ld<T_, D>::value>(dst, src, D, row0, 0, seq_len);
 }
 
 // load_stats through cp.async; rows past seq_len land as 0 (the callers mask those columns).

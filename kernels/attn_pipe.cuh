@@ -233,14 +233,18 @@ __global__ void __launch_bounds__(32 * W, MINB)
   store_rows<T_, D>(dq + base, acc, q0 + warp * 16, seq_len, scale, scale);
 }
 
-template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>
-__global__ void __launch_bounds__(32 * W, MINB)
-    attn_bwd_dkdv_pipe(const T_* __restrict__ q, const T_* __restrict__ k,
-                       const T_* __restrict__ v, const T_* __restrict__ dout,
-                       const float* __restrict__ lse, const float* __restrict__ delta,
-                       T_* __restrict__ dk, T_* __restrict__ dv, int seq_len, float scale) {
+// The body of attn_bwd_dkdv_pipe and attn_bwd_dkdv_ds: with WRITE_DS it also stores each dS
+// element it computes (unscaled, rounded to T_ as the dK product rounds it) at
+// ds[bh][query][key], row stride ds_stride.
+template <typename T_, int D, int W, int N, int STAGES, int PASSES, bool WRITE_DS>
+__device__ __forceinline__ void dkdv_pipe_body(
+    const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
+    const T_* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+    T_* __restrict__ dk, T_* __restrict__ dv, T_* __restrict__ ds, int ds_stride, int seq_len,
+    float scale) {
   using L = PipeSmem<T_, D, KIND_DKDV, W, N, STAGES>;
   constexpr int M = L::M, LD = L::LD, NP = N / PASSES;
+  static_assert(!WRITE_DS || 128 % M == 0, "the dS row stride must hold the last block's keys");
   static_assert(N % PASSES == 0 && NP % 16 == 0, "each pass takes a multiple of 16 columns");
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const ks = (T_*)smem;
@@ -324,6 +328,20 @@ __global__ void __launch_bounds__(32 * W, MINB)
           st[j][i] = p;
           dpt[j][i] = p * (dpt[j][i] - delta_s[c]);
         }
+      if constexpr (WRITE_DS) {
+        // dS^T's fragment stored as dS: lanes of one t write 8 consecutive keys of a query
+        // row. Keys up to the block's last (< ds_stride, a multiple of 16*W); zeros where
+        // masked.
+        T_* const ds_bh = ds + (long long)blockIdx.y * seq_len * ds_stride;
+#pragma unroll
+        for (int j = 0; j < NP / 8; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int key = key_base + (i >= 2 ? 8 : 0), col = n0 + c0 + j * 8 + 2 * t + (i & 1);
+            if (col < seq_len)  // bounds: dS has a row per query of the sequence
+              ds_bh[(long long)col * ds_stride + key] = from_float<T_>(dpt[j][i]);
+          }
+      }
       warp_gemm_rs<T_, NP / 8, D / 8>(dv_acc, st, scratch, dos + c0 * LD, LD);
       warp_gemm_rs<T_, NP / 8, D / 8>(dk_acc, dpt, scratch, qs + c0 * LD, LD);
     }
@@ -331,4 +349,104 @@ __global__ void __launch_bounds__(32 * W, MINB)
   cp_async_wait<0>();
   store_rows<T_, D>(dk + base, dk_acc, k0 + warp * 16, seq_len, scale, scale);
   store_rows<T_, D>(dv + base, dv_acc, k0 + warp * 16, seq_len, 1.0f, 1.0f);
+}
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dkdv_pipe(const T_* __restrict__ q, const T_* __restrict__ k,
+                       const T_* __restrict__ v, const T_* __restrict__ dout,
+                       const float* __restrict__ lse, const float* __restrict__ delta,
+                       T_* __restrict__ dk, T_* __restrict__ dv, int seq_len, float scale) {
+  dkdv_pipe_body<T_, D, W, N, STAGES, PASSES, false>(q, k, v, dout, lse, delta, dk, dv, nullptr,
+                                                     0, seq_len, scale);
+}
+
+// ------------------------------------------------------------- the backward through dS
+// Five tile products instead of seven, deterministic: attn_bwd_dkdv_ds is attn_bwd_dkdv_pipe
+// that also writes dS = P o (dP - delta) to a [B*H, T, ds_stride] buffer (ds_stride: T rounded
+// up to 128, andrea.cuda.launch.ds_row_stride), and attn_bwd_dq_ds takes dQ = scale * dS K from
+// it, so S and dP are computed once per tile pair instead of once in each kernel. Each element
+// of dS is written by one thread and read after the kernel boundary: no atomics. The price is
+// the buffer (2 bytes a score in bf16, half of it above the diagonal and never touched) and its
+// traffic. dq_ds zeroes the dS entries above the diagonal in shared memory (the buffer there
+// holds whatever was in it), so it needs no cleared buffer.
+template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dkdv_ds(const T_* __restrict__ q, const T_* __restrict__ k,
+                     const T_* __restrict__ v, const T_* __restrict__ dout,
+                     const float* __restrict__ lse, const float* __restrict__ delta,
+                     T_* __restrict__ dk, T_* __restrict__ dv, T_* __restrict__ ds, int seq_len,
+                     int ds_stride, float scale) {
+  dkdv_pipe_body<T_, D, W, N, STAGES, PASSES, true>(q, k, v, dout, lse, delta, dk, dv, ds,
+                                                    ds_stride, seq_len, scale);
+}
+
+// Dynamic shared memory of attn_bwd_dq_ds (andrea.cuda.launch's pipe_shared_bytes mirrors
+// `bytes`): per stage a dS tile (M query rows x N keys, row stride LDS) and a K tile (N x LD).
+template <typename T_, int D, int W, int N, int STAGES> struct DsSmem {
+  static constexpr int M = 16 * W, LD = Ld<T_, D>::value, LDS = N + 16 / (int)sizeof(T_);
+  static constexpr int STAGE = M * LDS + N * LD;  // elements
+  static constexpr int bytes = STAGES * STAGE * (int)sizeof(T_);
+  static_assert(STAGES >= 1 && N % 16 == 0 && 128 % N == 0 && W >= 1,
+                "N of 16s dividing 128, the dS row stride's multiple: a key tile ends in a row");
+};
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dq_ds(const T_* __restrict__ k, const T_* __restrict__ ds, T_* __restrict__ dq,
+                   int seq_len, int ds_stride, float scale) {
+  using L = DsSmem<T_, D, W, N, STAGES>;
+  constexpr int M = L::M, LD = L::LD, LDS = L::LDS;
+  ANDREA_DYNAMIC_SHARED(smem);
+  T_* const tiles = (T_*)smem;  // stage s: dS at tiles + s*STAGE, K after it
+  const int warp = threadIdx.x / 32;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * M;  // heaviest causal tiles first
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const T_* const ds_bh = ds + (long long)blockIdx.y * seq_len * ds_stride;
+  const int last = imin(q0 + M, seq_len) - 1;
+  const int n_tiles = last / N + 1;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) {
+      load_block_async<T_, M, N, LDS>(tiles + s * L::STAGE, ds_bh, ds_stride, q0, s * N, seq_len);
+      load_tile_async<T_, D, N>(tiles + s * L::STAGE + M * LDS, k + base, s * N, seq_len);
+    }
+    cp_async_commit();
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n0 = it * N;
+    T_* const dss = tiles + (it % STAGES) * L::STAGE;
+    const T_* const ks = dss + M * LDS;
+    if constexpr (STAGES == 1) {
+      __syncthreads();  // barrier:dq-ds-reuse
+      load_block_async<T_, M, N, LDS>(tiles, ds_bh, ds_stride, q0, n0, seq_len);
+      load_tile_async<T_, D, N>(tiles + M * LDS, k + base, n0, seq_len);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();  // barrier:dq-ds-loaded
+    } else {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // barrier:dq-ds
+      const int nx = it + STAGES - 1;
+      if (nx < n_tiles) {
+        T_* const dst = tiles + (nx % STAGES) * L::STAGE;
+        load_block_async<T_, M, N, LDS>(dst, ds_bh, ds_stride, q0, nx * N, seq_len);
+        load_tile_async<T_, D, N>(dst + M * LDS, k + base, nx * N, seq_len);
+      }
+      cp_async_commit();
+    }
+    if (n0 + N - 1 > q0) {  // the tile crosses the diagonal: keys after a row's query are no dS
+      for (int i = threadIdx.x; i < M * N; i += blockDim.x)
+        if (n0 + i % N > q0 + i / N) dss[i / N * LDS + i % N] = T_{};
+      __syncthreads();  // barrier:dq-ds-masked
+    }
+    warp_gemm_ss<T_, N, D / 8, false>(acc, dss + warp * 16 * LDS, LDS, ks, LD);
+  }
+  cp_async_wait<0>();
+  store_rows<T_, D>(dq + base, acc, q0 + warp * 16, seq_len, scale, scale);
 }

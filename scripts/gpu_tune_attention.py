@@ -61,6 +61,10 @@ RESERVE_S = 15.0  # kept back for the summary and the last JSON
 SHAPES = [("bfloat16", 8, 12, 1024, 64), ("bfloat16", 32, 12, 256, 32),
           ("float16", 8, 12, 1024, 64)]
 KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
+# The backward through dS (dK/dV writing dS, then dQ = dS K): its candidates, the first
+# DS_LIMIT of each list, so that the compile share still reaches the others' tiers.
+DS_KERNELS = ("bwd_dkdv_ds", "bwd_dq_ds")
+DS_LIMIT = 15
 CHECK_SHAPE = (2, 3, 333)  # B, H, T: odd, not a multiple of any tile
 TOL = {"bfloat16": 1e-2, "float16": 2.0**-9, "float32": 1e-5}
 SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn")
@@ -96,12 +100,14 @@ def candidate_list(shapes: list[tuple], limit: int | None = None) -> list[tuple]
     from andrea.cuda.launch import pipe_candidates
 
     combos = list(dict.fromkeys((s[0], s[4]) for s in shapes))
-    per = {(dt, d, k): pipe_candidates(k, dt, d)[:limit] for dt, d in combos for k in KERNELS}
+    per = {(dt, d, k): pipe_candidates(k, dt, d)[:limit if k in KERNELS else min(limit or DS_LIMIT,
+                                                                                 DS_LIMIT)]
+           for dt, d in combos for k in (*KERNELS, *DS_KERNELS)}
     out = []
     depth = max(len(v) for v in per.values())
     for i in range(depth):
         for dt, d in combos:
-            for k in KERNELS:
+            for k in (*KERNELS, *DS_KERNELS):
                 if i < len(per[dt, d, k]):
                     out.append((k, dt, d, per[dt, d, k][i]))
     return out
@@ -112,6 +118,7 @@ def dry_run(out_dir: Path, limit: int | None = None) -> int:
     import torch
 
     from andrea.cuda import emulator as emu_mod
+    from andrea.cuda.launch import attention_launches
 
     combos = list(dict.fromkeys((s[0], s[4]) for s in SHAPES[:2]))
     cands = candidate_list(SHAPES[:2], limit)
@@ -125,12 +132,16 @@ def dry_run(out_dir: Path, limit: int | None = None) -> int:
         gen = torch.Generator().manual_seed(d)
         q, k, v, dout = (torch.randn(b, h, t, d, generator=gen).to(tdt) for _ in range(4))
         ref = emu_mod.float64_reference(q, k, v, dout, d**-0.5)
+        ds_ref = emu_mod.float64_ds(q, k, v, dout, d**-0.5)
         prod_o, prod_lse = emu_mod.attention_forward(q, k, v)
+        delta = torch.full((b, h, t), math.nan)
+        emu.launch(attention_launches(b, h, t, d, dtype)["bwd_preprocess"], prod_o, dout, delta,
+                   b * h * t)
         for kernel, cdt, cd, cfg in cands:
             if (cdt, cd) != (dtype, d):
                 continue
-            errs = check_on_emulator(emu, emu_mod, kernel, cfg, q, k, v, dout, prod_o, prod_lse,
-                                     ref)
+            errs = check_candidate(emu.launch, kernel, cfg, (q, k, v, dout),
+                                   (prod_o, prod_lse, delta), ref, ds_ref)
             ok = all(e <= (1e-4 if n == "lse" else TOL[dtype]) for n, e in errs.items())
             failed += not ok
             results.append({"kernel": kernel, "dtype": dtype, "head_dim": d, "config": cfg.label(),
@@ -144,31 +155,52 @@ def dry_run(out_dir: Path, limit: int | None = None) -> int:
     return 1 if failed else 0
 
 
-def check_on_emulator(emu, emu_mod, kernel, cfg, q, k, v, dout, prod_o, prod_lse, ref):
+def check_candidate(launch_fn, kernel, cfg, inputs, forward, ref, ds_ref) -> dict[str, float]:
+    """Errors of one candidate against float64 (ref: o, lse, dq, dk, dv; ds_ref: dS), outputs
+    NaN-poisoned; launch_fn is the emulator's or the GPU launcher's launch. The backward
+    candidates take the production forward's O and lse and the preprocess's delta (forward).
+    dK/dV through dS is also checked on the dS it writes at and below the diagonal; dQ from dS
+    gets float64's dS rounded to the element type, NaN above the diagonal and past T."""
     import torch
 
-    from andrea.cuda.launch import attention_launches, pipe_launch
+    from andrea.cuda.emulator import max_error
+    from andrea.cuda.launch import ds_row_stride, pipe_launch
 
+    q, k, v, dout = inputs
+    o, lse, delta = forward
     b, h, t, d = q.shape
     dtype = str(q.dtype).removeprefix("torch.")
     scale = d**-0.5
     launch = pipe_launch(kernel, b, h, t, d, dtype, cfg)
-    ro, rlse, rdq, rdk, rdv = ref
     nan = float("nan")
+
+    def err(got, want) -> float:
+        return max_error(got.detach().cpu(), want)
+
     if kernel == "fwd":
-        o, lse = torch.full_like(q, nan), torch.full((b, h, t), nan)
-        emu.launch(launch, q, k, v, o, lse, t, scale)
-        return {"o": emu_mod.max_error(o, ro), "lse": emu_mod.max_error(lse, rlse)}
-    delta = torch.full((b, h, t), nan)
-    emu.launch(attention_launches(b, h, t, d, dtype)["bwd_preprocess"], prod_o, dout, delta,
-               b * h * t)
+        o2, lse2 = torch.full_like(q, nan), torch.full_like(lse, nan)
+        launch_fn(launch, q, k, v, o2, lse2, t, scale)
+        return {"o": err(o2, ref[0]), "lse": err(lse2, ref[1])}
     if kernel == "bwd_dq":
         dq = torch.full_like(q, nan)
-        emu.launch(launch, q, k, v, dout, prod_lse, delta, dq, t, scale)
-        return {"dq": emu_mod.max_error(dq, rdq)}
-    dk, dv = torch.full_like(q, nan), torch.full_like(q, nan)
-    emu.launch(launch, q, k, v, dout, prod_lse, delta, dk, dv, t, scale)
-    return {"dk": emu_mod.max_error(dk, rdk), "dv": emu_mod.max_error(dv, rdv)}
+        launch_fn(launch, q, k, v, dout, lse, delta, dq, t, scale)
+        return {"dq": err(dq, ref[2])}
+    if kernel == "bwd_dkdv":
+        dk, dv = torch.full_like(q, nan), torch.full_like(q, nan)
+        launch_fn(launch, q, k, v, dout, lse, delta, dk, dv, t, scale)
+        return {"dk": err(dk, ref[3]), "dv": err(dv, ref[4])}
+    stride = ds_row_stride(t)
+    lower = torch.ones(t, t, dtype=torch.bool).tril()
+    ds = torch.full((b * h, t, stride), nan, dtype=q.dtype, device=q.device)
+    if kernel == "bwd_dkdv_ds":
+        dk, dv = torch.full_like(q, nan), torch.full_like(q, nan)
+        launch_fn(launch, q, k, v, dout, lse, delta, dk, dv, ds, t, stride, scale)
+        got_ds = ds[:, :, :t].reshape(b, h, t, t).cpu().masked_fill(~lower, 0.0)
+        return {"dk": err(dk, ref[3]), "dv": err(dv, ref[4]), "ds": err(got_ds, ds_ref)}
+    ds[:, :, :t] = ds_ref.masked_fill(~lower, nan).reshape(b * h, t, t).to(ds)
+    dq = torch.full_like(q, nan)
+    launch_fn(launch, k, ds, dq, t, stride, scale)
+    return {"dq": err(dq, ref[2])}
 
 
 # ------------------------------------------------------------------------------- compiling
@@ -269,18 +301,13 @@ def reference_cpu(q, k, v, dout, scale):
     return float64_reference(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), scale)
 
 
-def max_err(got, want) -> float:
-    from andrea.cuda.emulator import max_error
-
-    return max_error(got.detach().cpu(), want)
-
-
 def check_all(info: dict, launcher, device) -> None:
     """Each built candidate on fresh random inputs of CHECK_SHAPE, poisoned outputs."""
     import torch
 
     from andrea.cuda.attention import attention_forward
-    from andrea.cuda.launch import attention_launches, pipe_launch
+    from andrea.cuda.emulator import float64_ds
+    from andrea.cuda.launch import attention_launches
 
     b, h, t = CHECK_SHAPE
     groups: dict[tuple[str, int], list[dict]] = {}
@@ -296,27 +323,15 @@ def check_all(info: dict, launcher, device) -> None:
         q, k, v, dout = (torch.randn(b, h, t, d, device=device).to(tdt) for _ in range(4))
         scale = d**-0.5
         ref = reference_cpu(q, k, v, dout, scale)
+        ds_ref = float64_ds(*(x.cpu() for x in (q, k, v, dout)), scale)
         po, plse = attention_forward(q, k, v, scale, launcher)
         delta = torch.full((b, h, t), math.nan, device=device)
         launcher.launch(attention_launches(b, h, t, d, dtype)["bwd_preprocess"], po, dout, delta,
                         b * h * t)
         for row in rows:
-            kernel, cfg = row["kernel"], row["cfg"]
-            launch = pipe_launch(kernel, b, h, t, d, dtype, cfg)
             try:
-                if kernel == "fwd":
-                    o = torch.full_like(q, math.nan)
-                    lse = torch.full((b, h, t), math.nan, device=device)
-                    launcher.launch(launch, q, k, v, o, lse, t, scale)
-                    errs = {"o": max_err(o, ref[0]), "lse": max_err(lse, ref[1])}
-                elif kernel == "bwd_dq":
-                    dq = torch.full_like(q, math.nan)
-                    launcher.launch(launch, q, k, v, dout, plse, delta, dq, t, scale)
-                    errs = {"dq": max_err(dq, ref[2])}
-                else:
-                    dk, dv = torch.full_like(q, math.nan), torch.full_like(q, math.nan)
-                    launcher.launch(launch, q, k, v, dout, plse, delta, dk, dv, t, scale)
-                    errs = {"dk": max_err(dk, ref[3]), "dv": max_err(dv, ref[4])}
+                errs = check_candidate(launcher.launch, row["kernel"], row["cfg"],
+                                       (q, k, v, dout), (po, plse, delta), ref, ds_ref)
                 torch.cuda.synchronize(device)
             except Exception as exc:
                 row["status"] = f"launch failed: {str(exc)[:300]}"
@@ -386,20 +401,25 @@ class _null:
         return False
 
 
-def kernel_args(kernel, q, k, v, dout, o, lse, delta, grads, t, scale):
+def kernel_args(kernel, q, k, v, dout, o, lse, delta, grads, ds, t, scale):
+    """A kernel's arguments; ds: the dS buffer [B*H, T, stride] of the backward through dS."""
     dq, dk, dv = grads
     if kernel == "fwd":
         return (q, k, v, o, lse, t, scale)
     if kernel == "bwd_dq":
         return (q, k, v, dout, lse, delta, dq, t, scale)
-    return (q, k, v, dout, lse, delta, dk, dv, t, scale)
+    if kernel == "bwd_dkdv":
+        return (q, k, v, dout, lse, delta, dk, dv, t, scale)
+    if kernel == "bwd_dkdv_ds":
+        return (q, k, v, dout, lse, delta, dk, dv, ds, t, ds.shape[-1], scale)
+    return (k, ds, dq, t, ds.shape[-1], scale)
 
 
 def time_shape(shape, info, launcher, device) -> dict:
     import torch
 
     from andrea.cuda.attention import attention_forward, cuda_attention
-    from andrea.cuda.launch import attention_launches, pipe_launch
+    from andrea.cuda.launch import attention_launches, ds_row_stride, pipe_launch
 
     dtype, b, h, t, d = shape
     tdt = getattr(torch, dtype)
@@ -410,6 +430,7 @@ def time_shape(shape, info, launcher, device) -> dict:
     delta = torch.empty((b, h, t), device=device)
     launcher.launch(prod["bwd_preprocess"], o, dout, delta, b * h * t)
     grads = tuple(torch.empty_like(q) for _ in range(3))
+    ds = torch.zeros((b * h, t, ds_row_stride(t)), dtype=tdt, device=device)
     o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
     res: dict[str, Any] = {"shape": shape_key(shape), "flops_fb": flops_fb(b, h, t, d),
                            "sdpa": {}, "candidates": [], "production": {}, "best": {}}
@@ -435,7 +456,7 @@ def time_shape(shape, info, launcher, device) -> dict:
             return launcher.bound(prod["bwd_preprocess"], o, dout, delta, b * h * t)
         out_o, out_lse = (o2, lse2) if kernel == "fwd" else (o, lse)
         return launcher.bound(launch, *kernel_args(kernel, q, k, v, dout, out_o, out_lse, delta,
-                                                   grads, t, scale))
+                                                   grads, ds, t, scale))
 
     def sequence(launches: dict[str, Any], kernels: tuple[str, ...]):
         calls = [bound(launches.get(kernel), kernel) for kernel in kernels]
@@ -474,13 +495,24 @@ def time_shape(shape, info, launcher, device) -> dict:
         res["production"].update(fwd=timed_ms(sequence(prod, ("fwd",))),
                                  bwd=timed_ms(sequence(prod, bwd_kernels)),
                                  fb=timed_ms(sequence(prod, ("fwd", *bwd_kernels))))
-        if len(best) == 3:
+        if all(kernel in best for kernel in KERNELS):
             chosen = {kernel: best[kernel][1] for kernel in KERNELS}
             res["best"] = {
                 "configs": {kernel: chosen[kernel].name for kernel in KERNELS},
                 "fwd": timed_ms(sequence(chosen, ("fwd",))),
                 "bwd": timed_ms(sequence(chosen, bwd_kernels)),
                 "fb": timed_ms(sequence(chosen, ("fwd", *bwd_kernels))),
+            }
+        if all(kernel in best for kernel in ("fwd", *DS_KERNELS)):
+            # the backward through dS, with the best forward
+            chosen = {kernel: best[kernel][1] for kernel in ("fwd", *DS_KERNELS)}
+            ds_bwd = ("bwd_preprocess", *DS_KERNELS)
+            res["best_ds"] = {
+                "configs": {kernel: chosen[kernel].name for kernel in DS_KERNELS},
+                "fwd": timed_ms(sequence(chosen, ("fwd",))),
+                "bwd": timed_ms(sequence(chosen, ds_bwd)),
+                "fb": timed_ms(sequence(chosen, ("fwd", *ds_bwd))),
+                "ds_buffer_bytes": ds.numel() * ds.element_size(),
             }
     return res
 
@@ -493,6 +525,8 @@ def table(res: dict) -> str:
     rows.append(("ours production", res.get("production", {})))
     if res.get("best"):
         rows.append(("ours best candidates", res["best"]))
+    if res.get("best_ds"):
+        rows.append(("ours best, bwd through dS", res["best_ds"]))
     out = [f"== {res['shape']}  (f+b {res['flops_fb'] / 1e9:.1f} GFLOP; sdpa and (autograd) rows "
            "through autograd, the others the kernels back to back)",
            f"{'backend':27s} {'fwd ms':>8s} {'bwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
@@ -505,16 +539,18 @@ def table(res: dict) -> str:
                  for m in ("fwd", "bwd", "fb")]
         out.append(f"{name:27s} {r['fwd']:8.3f} {r['bwd']:8.3f} {r['fb']:8.3f} "
                    f"{res['flops_fb'] / r['fb'] / 1e9:8.1f} {' '.join(ratio)}")
-    if res.get("best"):
-        for kernel, name in res["best"]["configs"].items():
+    for best in ("best", "best_ds"):
+        for kernel, name in res.get(best, {}).get("configs", {}).items():
             out.append(f"  best {kernel}: {name}")
-    for kernel in KERNELS:
+    if res.get("best_ds"):
+        out.append(f"  dS buffer: {res['best_ds']['ds_buffer_bytes'] / 2**20:.0f} MiB")
+    for kernel in (*KERNELS, *DS_KERNELS):
         ranked = sorted((c for c in res["candidates"] if c["kernel"] == kernel),
                         key=lambda c: c["ms"])[:3]
         prod_ms = res.get("production", {}).get("kernels_ms", {}).get(kernel)
-        out.append(f"  {kernel:8s} production {prod_ms:.3f} ms; top: " + "; ".join(
-            f"{c['config']} {c['ms']:.3f} ({c['registers']} regs)" for c in ranked)
-            if prod_ms is not None else f"  {kernel}: not timed")
+        prod = f"production {prod_ms:.3f} ms; " if prod_ms is not None else ""
+        top = "; ".join(f"{c['config']} {c['ms']:.3f} ({c['registers']} regs)" for c in ranked)
+        out.append(f"  {kernel:11s} {prod}top: {top or 'none timed'}")
     return "\n".join(out)
 
 

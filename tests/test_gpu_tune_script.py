@@ -39,6 +39,10 @@ def load_script():
     return module
 
 
+def is_candidate(name: str) -> bool:
+    return "_pipe<" in name or "_ds<" in name  # attn_*_pipe, attn_bwd_*_ds
+
+
 def fake_cupy(candidates: kernel_emulator.Emulator, launches: list) -> object:
     """CuPy as the script and CupyLauncher use it; each kernel call runs on the emulator."""
     production = kernel_emulator.default_emulator()
@@ -53,7 +57,7 @@ def fake_cupy(candidates: kernel_emulator.Emulator, launches: list) -> object:
 
         def __call__(self, grid, block, args, shared_mem=0):
             launches.append((self.name, shared_mem, self.max_dynamic_shared_size_bytes))
-            lib = candidates if "_pipe<" in self.name else production
+            lib = candidates if is_candidate(self.name) else production
             values = []
             for a in args:
                 kind = type(a).__name__
@@ -123,26 +127,34 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     tune, out, launches, cands = gpu_world
     assert tune.gpu_run(out, torch.device("cpu")) == 0
     report = json.loads((out / "tune.json").read_text())
-    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 6
+    kernels = {*tune.KERNELS, *tune.DS_KERNELS}
+    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 10
     assert all(row["status"] == "ok" for row in report["candidates"]), report["candidates"]
+    # the backward through dS was checked on the dS it writes, not only on dK and dV
+    assert all("ds" in row["errors"] for row in report["candidates"]
+               if row["kernel"] == "bwd_dkdv_ds")
     (shape,) = report["shapes"]
     assert shape["shape"] == "bfloat16 B1 H2 T40 D32"
-    assert {c["kernel"] for c in shape["candidates"]} == set(tune.KERNELS)
+    assert {c["kernel"] for c in shape["candidates"]} == kernels
     assert set(shape["best"]["configs"]) == set(tune.KERNELS)
+    assert set(shape["best_ds"]["configs"]) == set(tune.DS_KERNELS)
+    assert shape["best_ds"]["ds_buffer_bytes"] == 1 * 2 * 40 * 128 * 2  # B*H x T x stride, bf16
     for part in ("fwd", "bwd", "fb"):
         assert shape["production"][part] > 0 and shape["best"][part] > 0
+        assert shape["best_ds"][part] > 0
         assert shape["sdpa"]["default"][part] > 0 and shape["production_autograd"][part] > 0
     assert "error" in shape["sdpa"]["cudnn"]  # no cuDNN attention on a CPU: said, not fatal
     text = capsys.readouterr().out
-    assert "ours best candidates" in text and "f+b x" in text
+    assert "ours best candidates" in text and "ours best, bwd through dS" in text
+    assert "f+b x" in text
     # auto's table entry, ready to paste: SDPA's f+b time over the custom op's
     (entry,) = [line for line in text.splitlines() if line.startswith('    ("sm_90"')]
     ratio = shape["sdpa"]["default"]["fb"] / shape["production_autograd"]["fb"]
     backend = "cuda" if ratio >= 1 else "sdpa"
     assert entry.startswith(f'    ("sm_90", "bfloat16", 32): Measured("{backend}", {ratio:.2f}, ')
     # candidates ran with their dynamic shared memory; the production kernels with none
-    assert any("_pipe<" in name and shared > 0 for name, shared, _ in launches)
-    assert all(shared == 0 for name, shared, _ in launches if "_pipe<" not in name)
+    assert any(is_candidate(name) and shared > 0 for name, shared, _ in launches)
+    assert all(shared == 0 for name, shared, _ in launches if not is_candidate(name))
 
 
 def test_a_wrong_candidate_is_flagged_and_not_timed(gpu_world) -> None:
@@ -152,6 +164,7 @@ def test_a_wrong_candidate_is_flagged_and_not_timed(gpu_world) -> None:
     report = json.loads((out / "tune.json").read_text())
     assert all(row["status"].startswith("wrong") for row in report["candidates"])
     assert report["shapes"][0]["candidates"] == [] and not report["shapes"][0]["best"]
+    assert "best_ds" not in report["shapes"][0]
 
 
 def test_large_dynamic_shared_memory_is_opted_into(monkeypatch) -> None:

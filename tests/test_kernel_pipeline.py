@@ -38,7 +38,22 @@ CONFIGS = [
     ("float16", 64, PipeConfig(8, 32, 3)),
     ("float32", 32, PipeConfig(8, 64, 2)),
 ]
-PIPES = tuple((kernel, dtype, d, cfg) for dtype, d, cfg in CONFIGS for kernel in KERNELS)
+# The backward through dS (attn_bwd_dkdv_ds, attn_bwd_dq_ds), (dtype, head_dim, dK/dV's config,
+# dQ's): the production tile, deeper pipelines, dK/dV in two passes, fp32, 128-row blocks and
+# key tiles (the dS row stride's multiple), and dQ blocks taller than dK/dV's key blocks, so
+# that dQ's tiles cross dS entries that dK/dV never wrote (the buffer's NaN poison there).
+DS_KERNELS = kernel_launch.DS_KERNELS
+DS_CONFIGS = [
+    ("bfloat16", 32, PipeConfig(4, 64, 1), PipeConfig(4, 64, 1)),
+    ("bfloat16", 32, PipeConfig(2, 32, 3), PipeConfig(8, 32, 3)),
+    ("float16", 64, PipeConfig(4, 64, 2, 3, 2), PipeConfig(4, 64, 2)),
+    ("float32", 32, PipeConfig(2, 32, 2), PipeConfig(4, 128, 2)),
+    ("bfloat16", 64, PipeConfig(8, 128, 2), PipeConfig(2, 64, 3)),
+]
+PIPES = tuple(dict.fromkeys(
+    [(kernel, dtype, d, cfg) for dtype, d, cfg in CONFIGS for kernel in KERNELS]
+    + [(kernel, dtype, d, cfg) for dtype, d, dkdv, dq in DS_CONFIGS
+       for kernel, cfg in (("fwd", dkdv), ("bwd_dkdv_ds", dkdv), ("bwd_dq_ds", dq))]))
 SHAPES = [(1, (2, 3)), (17, (1, 2)), (129, (1, 2))]  # T, (B, H)
 
 # The wait that lands tile it's K/V before the barrier of the forward's 2+-stage pipeline.
@@ -78,8 +93,12 @@ def random_inputs(b, h, t, d, dtype, seed):
     return [torch.randn(b, h, t, d, generator=gen).to(dtype) for _ in range(4)]
 
 
-def configs_of(cfg: PipeConfig) -> dict[str, PipeConfig]:
-    return dict.fromkeys(KERNELS, cfg)
+def configs_of(cfg: PipeConfig, kernels: tuple[str, ...] = KERNELS) -> dict[str, PipeConfig]:
+    return dict.fromkeys(kernels, cfg)
+
+
+def ds_configs_of(dkdv: PipeConfig, dq: PipeConfig) -> dict[str, PipeConfig]:
+    return {"fwd": dkdv, "bwd_dkdv_ds": dkdv, "bwd_dq_ds": dq}
 
 
 @pytest.mark.parametrize("dtype,head_dim,cfg", CONFIGS, ids=lambda x: str(x))
@@ -96,6 +115,45 @@ def test_candidates_match_float64(emulator, dtype, head_dim, cfg, seq_len, bh) -
         err = kernel_emulator.max_error(g, w)
         tol = 1e-5 if name == "lse" else TOL[tdt]
         assert err <= tol, f"{cfg.label()} {name}: max error {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("dtype,head_dim,cfg,dq_cfg", DS_CONFIGS, ids=lambda x: str(x))
+@pytest.mark.parametrize("seq_len,bh", SHAPES, ids=lambda x: str(x))
+def test_backward_through_ds_matches_float64(emulator, dtype, head_dim, cfg, dq_cfg, seq_len,
+                                             bh) -> None:
+    """dK/dV writing dS, dQ from it: float64's gradients, with the dS buffer NaN-poisoned, so a
+    dQ that reads an entry dK/dV never wrote (above the diagonal, past T) comes out NaN."""
+    b, h = bh
+    tdt = getattr(torch, dtype)
+    q, k, v, dout = random_inputs(b, h, seq_len, head_dim, tdt, seed=seq_len + 2 * head_dim)
+    scale = 0.7 / math.sqrt(head_dim)
+    got = kernel_emulator.pipe_attention(q, k, v, dout, ds_configs_of(cfg, dq_cfg), emulator,
+                                         scale)
+    want = kernel_emulator.float64_reference(q, k, v, dout, scale)
+    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
+        assert not torch.isnan(g).any(), f"{name}: NaN (unwritten output or unmasked dS)"
+        err = kernel_emulator.max_error(g, w)
+        assert err <= TOL[tdt], f"{cfg.label()} {name}: max error {err:.3g} > {TOL[tdt]:.3g}"
+
+
+DS_SAME_ROWS = [c for c in DS_CONFIGS
+                if c[2].rows == c[3].rows == kernel_launch.TILES[c[0], c[1]]["dq"][1]]
+
+
+@pytest.mark.parametrize("dtype,head_dim,cfg,dq_cfg", DS_SAME_ROWS, ids=lambda x: str(x))
+def test_backward_through_ds_gives_the_production_bits(emulator, dtype, head_dim, cfg,
+                                                       dq_cfg) -> None:
+    """dS rounded to the element type is the operand the production dQ product rounds to, and
+    the products run over the keys in the same order, so with the production N, dQ through dS
+    is bit for bit the production kernel's; so are dK and dV (the dK/dV body is the same)."""
+    assert kernel_launch.TILES[dtype, head_dim]["dkdv"][1] == cfg.rows
+    tdt = getattr(torch, dtype)
+    q, k, v, dout = random_inputs(2, 2, 150, head_dim, tdt, seed=13)
+    o, lse = kernel_emulator.attention_forward(q, k, v)
+    want = kernel_emulator.attention_backward(q, k, v, o, lse, dout)
+    got = kernel_emulator.pipe_attention(q, k, v, dout, ds_configs_of(cfg, dq_cfg), emulator)[2:]
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert torch.equal(g, w), f"{cfg.label()} {name} differs from the production kernel"
 
 
 SAME_ROWS = [c for c in CONFIGS if c[2].rows == kernel_launch.TILES[c[0], c[1]]["fwd"][1]]
@@ -130,7 +188,8 @@ def test_launch_table_matches_the_kernel_file(emulator) -> None:
     for kernel, dtype, d, cfg in PIPES:
         name = kernel_launch.pipe_name_expression(kernel, dtype, d, cfg)
         smem = kernel_launch.pipe_shared_bytes(kernel, dtype, d, cfg)
-        passes = cfg.passes if kernel == "bwd_dkdv" else 1  # only dK/dV's template has them
+        # only dK/dV's templates have passes
+        passes = cfg.passes if kernel in ("bwd_dkdv", "bwd_dkdv_ds") else 1
         assert emulator.kernel_info(name) == (cfg.warps, cfg.rows, smem, cfg.min_blocks,
                                               passes), name
         launch = kernel_launch.pipe_launch(kernel, 8, 12, 1000, d, dtype, cfg)
@@ -155,6 +214,23 @@ def test_candidate_lists_start_with_the_production_tile(dtype, head_dim) -> None
             assert kernel_launch.pipe_shared_bytes(kernel, dtype, head_dim, cfg) <= 227 * 1024
 
 
+@pytest.mark.parametrize("dtype,head_dim", list(kernel_launch.TILES))
+def test_ds_candidates_launch_and_fit(dtype, head_dim) -> None:
+    """The backward through dS: dK/dV's list starts from the production tile; every candidate
+    of both kernels has keys that end inside a dS row, and fits sm_90's shared memory."""
+    dkdv = kernel_launch.pipe_candidates("bwd_dkdv_ds", dtype, head_dim)
+    assert dkdv[0] == kernel_launch.production_pipe_config("bwd_dkdv", dtype, head_dim)
+    for kernel in DS_KERNELS:
+        found = kernel_launch.pipe_candidates(kernel, dtype, head_dim)
+        assert found and len(set(found)) == len(found)
+        for cfg in found:
+            launch = kernel_launch.pipe_launch(kernel, 2, 3, 333, head_dim, dtype, cfg)
+            assert launch.dynamic_shared_bytes <= 227 * 1024
+    assert kernel_launch.ds_row_stride(333) == 384 and kernel_launch.ds_row_stride(256) == 256
+    with pytest.raises(ValueError, match="divide 128"):
+        kernel_launch.pipe_launch("bwd_dq_ds", 2, 3, 333, head_dim, dtype, PipeConfig(4, 48, 2))
+
+
 def test_a_missing_cp_async_wait_is_caught() -> None:
     """The emulated cp.async lands its bytes only at the wait_group that completes its group
     (and its destination reads as NaN until then): a forward without its wait reads NaN where a
@@ -176,4 +252,4 @@ def test_tune_script_dry_run_checks_candidates_on_the_emulator(tmp_path: Path) -
     assert tune.main([str(tmp_path), "--dry-run", "--dry-limit", "1"]) == 0
     results = json.loads((tmp_path / "tune.json").read_text())["results"]
     assert results and all(r["ok"] for r in results)
-    assert {r["kernel"] for r in results} == set(KERNELS)
+    assert {r["kernel"] for r in results} == {*KERNELS, *DS_KERNELS}

@@ -40,7 +40,7 @@ PIPE = PipeConfig(2, 32, 2)
 PIPE_SEQ_LEN = 77
 PIPE_BARRIER = ("__syncthreads();  // barrier:fwd-pipe (everyone's have; everyone is done with "
                 "tile it-1)")
-PIPE_BOUNDS = "const bool in = row0 + r < seq_len;  // bounds: rows past the sequence land as zeros"
+PIPE_BOUNDS = "const bool in = row0 + r < rows;  // bounds: rows past the matrix land as zeros"
 PIPE_CLEAN = "test_pipelined_candidates_are_clean_under_sanitizer"
 
 
@@ -146,4 +146,4 @@ def test_address_sanitizer_catches_a_removed_async_bounds_check() -> None:
     proc = run("sanitizer-address-pipe-no-bounds-check")
     assert proc.returncode != 0
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
-    assert "load_tile_async" in proc.stderr
+    assert "load_block_async" in proc.stderr

@@ -29,6 +29,7 @@ from andrea.cuda.launch import (
     Launch,
     PipeConfig,
     attention_launches,
+    ds_row_stride,
     kernel_source,
     pipe_emulator_entries,
     pipe_launch,
@@ -228,6 +229,19 @@ def float64_reference(
     return o.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
+def float64_ds(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """float64 dS = P o (dP - delta) of causal attention, [B, H, T, T] (zero above the
+    diagonal), unscaled: what the backward through dS keeps between its two kernels."""
+    q, k, v, dout = (x.double() for x in (q, k, v, dout))
+    t = q.shape[2]
+    s = (q @ k.transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf), -1)
+    dp = dout @ v.transpose(-1, -2)
+    return p * (dp - (p * dp).sum(-1, keepdim=True))
+
+
 def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest absolute error relative to max(largest reference value, 1)."""
     err = (got.double() - want).abs().max().item()
@@ -297,8 +311,9 @@ def pipe_attention(
     mode: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Forward and backward through pipelined candidates (`configs`: kernel -> PipeConfig for
-    "fwd", "bwd_dq", "bwd_dkdv"; emulator built with them): o, lse, dq, dk, dv, all outputs
-    NaN-poisoned before their launch."""
+    "fwd" and "bwd_dq", "bwd_dkdv" or the backward through dS, "bwd_dkdv_ds", "bwd_dq_ds";
+    emulator built with them): o, lse, dq, dk, dv, all outputs and the dS buffer NaN-poisoned
+    before their launch."""
     b, h, t, d, dtype = _shape(q)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     launches = {kernel: pipe_launch(kernel, b, h, t, d, dtype, cfg)
@@ -309,6 +324,13 @@ def pipe_attention(
     delta = _poisoned(q, torch.float32, (b, h, t))
     dq, dk, dv = _poisoned(q), _poisoned(q), _poisoned(q)
     emulator.launch(preprocess, o, dout, delta, b * h * t, mode=mode)
+    if "bwd_dq_ds" in configs:  # the backward through dS: dK/dV writing it, then dQ from it
+        stride = ds_row_stride(t)
+        ds = _poisoned(q, shape=(b * h, t, stride))  # what dK/dV leaves unwritten stays NaN
+        emulator.launch(launches["bwd_dkdv_ds"], q, k, v, dout, lse, delta, dk, dv, ds, t, stride,
+                        scale, mode=mode)
+        emulator.launch(launches["bwd_dq_ds"], k, ds, dq, t, stride, scale, mode=mode)
+        return o, lse, dq, dk, dv
     emulator.launch(launches["bwd_dq"], q, k, v, dout, lse, delta, dq, t, scale, mode=mode)
     emulator.launch(launches["bwd_dkdv"], q, k, v, dout, lse, delta, dk, dv, t, scale, mode=mode)
     return o, lse, dq, dk, dv

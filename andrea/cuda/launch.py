@@ -298,7 +298,18 @@ PIPE_TEMPLATES = {
     "fwd": "attn_fwd_pipe",
     "bwd_dq": "attn_bwd_dq_pipe",
     "bwd_dkdv": "attn_bwd_dkdv_pipe",
+    # the backward through dS: dK/dV writing dS, then dQ = scale * dS K (kernels/attn_pipe.cuh)
+    "bwd_dkdv_ds": "attn_bwd_dkdv_ds",
+    "bwd_dq_ds": "attn_bwd_dq_ds",
 }
+DS_KERNELS = ("bwd_dkdv_ds", "bwd_dq_ds")
+DS_STRIDE_MULTIPLE = 128  # the dS buffer's row stride: T rounded up to this (tiles divide it)
+
+
+def ds_row_stride(seq_len: int) -> int:
+    """Row stride of the backward's dS buffer [B*H, T, stride]: every key block's and dQ key
+    tile's columns lie inside a row, and rows start 16-byte aligned."""
+    return _ceil_div(seq_len, DS_STRIDE_MULTIPLE) * DS_STRIDE_MULTIPLE
 DYNAMIC_SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
                         "sm_90": 227 * 1024}  # per block, with the opt-in attribute
 
@@ -335,12 +346,18 @@ def pipe_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig]:
     a pass keeps 32 columns or more, 2 column passes), where the N-wide score fragments fit the
     registers (forward N <= 128; backward, whose S and dP are both live, N <= 4096 / D) and the
     shared memory fits sm_90's 227 KiB per block."""
-    found = [production_pipe_config(kernel, dtype, head_dim, s) for s in (1, 2)]
+    if kernel == "bwd_dq_ds":  # a plain product: only the tile shape and the pipeline matter
+        return [PipeConfig(w, n, s) for w in (4, 8, 2) for n in (64, 128, 32) for s in (2, 3, 1)
+                if pipe_shared_bytes(kernel, dtype, head_dim, PipeConfig(w, n, s))
+                <= DYNAMIC_SHARED_LIMIT["sm_90"]]
+    found = [production_pipe_config(kernel.removesuffix("_ds"), dtype, head_dim, s)
+             for s in (1, 2)]
+    dkdv = kernel in ("bwd_dkdv", "bwd_dkdv_ds")
     max_rows = (128 if head_dim <= 64 else 64) if kernel == "fwd" else 4096 // head_dim
     for warps in (4, 8, 2):
         for rows in (64, 32, 128):
             for stages in (1, 2, 3):
-                for passes in (1, 2) if kernel == "bwd_dkdv" and rows >= 64 else (1,):
+                for passes in (1, 2) if dkdv and rows >= 64 else (1,):
                     cfg = PipeConfig(warps, rows, stages, 0, passes)
                     if rows <= max_rows and cfg not in found and pipe_shared_bytes(
                             kernel, dtype, head_dim, cfg) <= DYNAMIC_SHARED_LIMIT["sm_90"]:
@@ -351,16 +368,19 @@ def pipe_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig]:
 def pipe_name_expression(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -> str:
     """e.g. 'attn_fwd_pipe<bf16_t, 64, 4, 64, 2, 0>' (dK/dV: passes last)."""
     args = [ELEMENT_TYPES[dtype][0], head_dim, cfg.warps, cfg.rows, cfg.stages, cfg.min_blocks]
-    if kernel == "bwd_dkdv":
+    if kernel in ("bwd_dkdv", "bwd_dkdv_ds"):
         args.append(cfg.passes)
     return f"{PIPE_TEMPLATES[kernel]}<{', '.join(str(a) for a in args)}>"
 
 
 def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -> int:
-    """Dynamic shared memory of a candidate (PipeSmem<...>::bytes in the .cu file)."""
-    kind = kernel.removeprefix("bwd_")
+    """Dynamic shared memory of a candidate (PipeSmem<...>::bytes in the .cu file; dQ from dS:
+    DsSmem<...>::bytes)."""
+    kind = kernel.removeprefix("bwd_").removesuffix("_ds") if kernel != "bwd_dq_ds" else "dq_ds"
     elem = ELEMENT_TYPES[dtype][1]
     m, ld = 16 * cfg.warps, head_dim + 16 // elem
+    if kind == "dq_ds":  # per stage an M x N dS tile and an N x D K tile
+        return cfg.stages * (m * (cfg.rows + 16 // elem) + cfg.rows * ld) * elem
     a_tiles = 1 if kind == "fwd" else 2
     stat_floats = {"fwd": 0, "dq": 2 * m, "dkdv": cfg.stages * 2 * cfg.rows}[kind]
     scratch = cfg.warps * 16 * (cfg.rows + 4) if dtype == "float32" else 0
@@ -369,13 +389,17 @@ def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -
 
 def pipe_launch(kernel: str, batch: int, n_head: int, seq_len: int, head_dim: int, dtype: str,
                 cfg: PipeConfig) -> Launch:
-    """The launch of candidate `cfg` of kernel "fwd", "bwd_dq" or "bwd_dkdv" (the backward's
-    "bwd_preprocess" is the production one, from attention_launches)."""
+    """The launch of candidate `cfg` of kernel "fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_ds" or
+    "bwd_dq_ds" (the backward's "bwd_preprocess" is the production one, from
+    attention_launches)."""
     regular = attention_launches(batch, n_head, seq_len, head_dim, dtype)  # validates
+    # dK/dV's key block (16*W keys) and dQ's key tile (N) must end inside a dS row
+    if DS_STRIDE_MULTIPLE % {"bwd_dkdv_ds": 16 * cfg.warps, "bwd_dq_ds": cfg.rows}.get(kernel, 1):
+        raise ValueError(f"{kernel} {cfg.label()}: its keys must divide {DS_STRIDE_MULTIPLE}")
     smem = pipe_shared_bytes(kernel, dtype, head_dim, cfg)
     return Launch(
         name=pipe_name_expression(kernel, dtype, head_dim, cfg),
-        grid=(_ceil_div(seq_len, 16 * cfg.warps), regular[kernel].grid[1], 1),
+        grid=(_ceil_div(seq_len, 16 * cfg.warps), regular["fwd"].grid[1], 1),
         block=(32 * cfg.warps, 1, 1),
         shared_bytes=smem,
         dynamic_shared_bytes=smem,
@@ -385,13 +409,19 @@ def pipe_launch(kernel: str, batch: int, n_head: int, seq_len: int, head_dim: in
 def pipe_emulator_entries(names: list[tuple[str, str, int, PipeConfig]]) -> str:
     """The emulator's table rows (kernels/cpu/emu_entry.cpp's ANDREA_PIPE) for candidates given
     as (kernel, dtype, head_dim, cfg): C++ instantiates only what it is told."""
-    kinds = {"fwd": "KIND_FWD", "bwd_dq": "KIND_DQ", "bwd_dkdv": "KIND_DKDV"}
+    kinds = {"fwd": "KIND_FWD", "bwd_dq": "KIND_DQ", "bwd_dkdv": "KIND_DKDV",
+             "bwd_dkdv_ds": "KIND_DKDV"}
     rows = []
     for kernel, dtype, head_dim, cfg in names:
-        extra = f"{cfg.min_blocks}" + (f", {cfg.passes}" if kernel == "bwd_dkdv" else "")
+        ctype = ELEMENT_TYPES[dtype][0]
+        dkdv = kernel in ("bwd_dkdv", "bwd_dkdv_ds")
+        extra = f"{cfg.min_blocks}" + (f", {cfg.passes}" if dkdv else "")
+        tile = f"{ctype}, {head_dim}, {cfg.warps}, {cfg.rows}, {cfg.stages}"
+        layout = (f"DsSmem<{tile}>" if kernel == "bwd_dq_ds"
+                  else f"PipeSmem<{ctype}, {head_dim}, {kinds[kernel]}, {cfg.warps}, {cfg.rows}, "
+                       f"{cfg.stages}>")
         rows.append(
             f'ANDREA_PIPE("{pipe_name_expression(kernel, dtype, head_dim, cfg)}", '
-            f"{PIPE_TEMPLATES[kernel]}, {kinds[kernel]}, {ELEMENT_TYPES[dtype][0]}, {head_dim}, "
-            f"{cfg.warps}, {cfg.rows}, {cfg.stages}, {extra}),"
+            f"{PIPE_TEMPLATES[kernel]}, ({layout}::bytes), {tile}, {extra}),"
         )
     return "\n".join(rows) + "\n"

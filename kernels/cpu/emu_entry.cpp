@@ -57,15 +57,15 @@ constexpr int passes_of(int, int passes = 1) { return passes; }
         },                                                                                     \
         ANDREA_NAIVE_THREADS / 32, 0, 0, 0, 1}
 
-// A pipelined candidate (attn_*_pipe): NAME is andrea.cuda.launch's name expression, KIND the
-// PipeSmem kind, the rest the template arguments; shared_bytes is its dynamic shared memory.
-#define ANDREA_PIPE(NAME, KERNEL, KIND, TYPE, D, W, N, STAGES, ...)                            \
+// A pipelined candidate (attn_*_pipe, attn_bwd_*_ds): NAME is andrea.cuda.launch's name
+// expression, BYTES its dynamic shared memory (the layout's `bytes`, in parentheses), the rest
+// the template arguments.
+#define ANDREA_PIPE(NAME, KERNEL, BYTES, TYPE, D, W, N, STAGES, ...)                           \
   Entry{NAME,                                                                                  \
         [](dim3 g, dim3 b, int m, size_t s, void** a) {                                        \
           run(&KERNEL<TYPE, D, W, N, STAGES, __VA_ARGS__>, g, b, m, s, a);                     \
         },                                                                                     \
-        W, N, PipeSmem<TYPE, D, KIND, W, N, STAGES>::bytes, min_blocks_of(__VA_ARGS__),        \
-        passes_of(__VA_ARGS__)}
+        W, N, BYTES, min_blocks_of(__VA_ARGS__), passes_of(__VA_ARGS__)}
 
 // ANDREA_EMU_HALF_ONLY: the tiled fp16 kernels alone, for the builds of another arch's fp16 path
 // (-DANDREA_HALF_ARCH=750 or 700; the naive kernels have no per-arch path), a sixth of the code.

@@ -3,7 +3,8 @@
 // out-of-bounds access lands in a redzone, and the block's threads are OS threads, which
 // ThreadSanitizer tracks. Runs forward + backward once for ANDREA_SAN_TYPE / ANDREA_SAN_D.
 // With ANDREA_SAN_PIPE_W (and _N, _S, _P) it runs the pipelined candidates attn_*_pipe of that
-// W, N, STAGES (dK/dV PASSES) instead, each block's dynamic shared memory its exact size.
+// W, N, STAGES (dK/dV PASSES) instead, then the backward through dS (attn_bwd_dkdv_ds,
+// attn_bwd_dq_ds) at the same tiles, each block's dynamic shared memory its exact size.
 // Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
 #include "cuda_emulator.h"
 #include "microgpt_cuda.cu"  // as in emu_entry.cpp: the kernel source, parts written in place
@@ -71,6 +72,30 @@ int main(int argc, char** argv) {
                                                                   dv, seq_len, scale);
       },
       PipeSmem<T_, D, KIND_DKDV, W, N, S>::bytes);
+  // The backward through dS at the same tiles, into buffers of its own; dS is an uninitialised
+  // exactly sized allocation (dQ must zero what dK/dV leaves unwritten). Same N: the same bits.
+  const int stride = (seq_len + 127) / 128 * 128;
+  T_ *ds = new T_[(size_t)bh * seq_len * stride], *dq2 = new T_[n], *dk2 = new T_[n];
+  T_* dv2 = new T_[n];
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] {
+        attn_bwd_dkdv_ds<T_, D, W, N, S, 0, ANDREA_SAN_PIPE_P>(q, k, v, dout, lse, delta, dk2,
+                                                                dv2, ds, seq_len, stride, scale);
+      },
+      PipeSmem<T_, D, KIND_DKDV, W, N, S>::bytes);
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] { attn_bwd_dq_ds<T_, D, W, N, S, 0>(k, ds, dq2, seq_len, stride, scale); },
+      DsSmem<T_, D, W, N, S>::bytes);
+  const bool same = std::memcmp(dq, dq2, n * sizeof(T_)) == 0 &&
+                    std::memcmp(dk, dk2, n * sizeof(T_)) == 0 &&
+                    std::memcmp(dv, dv2, n * sizeof(T_)) == 0;
+  delete[] ds; delete[] dq2; delete[] dk2; delete[] dv2;
+  if (!same) {
+    std::fprintf(stderr, "the backward through dS differs from the pipelined backward\n");
+    return 1;
+  }
 #else
   andrea_emu::launch(grid_of<T_, D, KIND_FWD>(bh, seq_len), block_of<T_, D, KIND_FWD>(), mode,
                      [&] { attn_fwd<T_, D>(q, k, v, o, lse, seq_len, scale); });
