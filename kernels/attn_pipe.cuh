@@ -28,6 +28,38 @@ template <typename T_, int D, int K, int W, int N, int STAGES> struct PipeSmem {
   static_assert(STAGES >= 1 && N % 16 == 0 && W >= 1, "a pipeline needs a stage, N of 16s");
 };
 
+// The pipeline over a kernel's n_tiles streamed tiles, shared by every pipelined kernel.
+// load(stage, tile) issues tile `tile`'s cp.async copies into stage `stage`'s buffers.
+// pipe_prologue issues tiles 0..STAGES-2, one commit group each (empty past the last tile, so
+// group i always holds tile i); pipe_advance, before tile it is used, makes it visible to the
+// whole block and issues tile it+STAGES-1 into the stage tile it-1 used. With STAGES 1 it is the
+// production kernels' synchronous load between two barriers.
+template <int STAGES, typename Load>
+__device__ __forceinline__ void pipe_prologue(int n_tiles, const Load& load) {
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) load(s, s);
+    cp_async_commit();
+  }
+}
+
+template <int STAGES, typename Load>
+__device__ __forceinline__ void pipe_advance(int it, int n_tiles, const Load& load) {
+  if constexpr (STAGES == 1) {
+    __syncthreads();  // barrier:pipe-reuse (every warp is done with tile it-1)
+    load(0, it);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();  // barrier:pipe-loaded
+  } else {
+    cp_async_wait<STAGES - 2>();  // this thread's copies of tile it have landed
+    __syncthreads();  // barrier:pipe (everyone's have; everyone is done with tile it-1)
+    const int nx = it + STAGES - 1;
+    if (nx < n_tiles) load(nx % STAGES, nx);
+    cp_async_commit();
+  }
+}
+
 template <typename T_, int D, int W, int N, int STAGES, int MINB>
 __global__ void __launch_bounds__(32 * W, MINB)
     attn_fwd_pipe(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
@@ -46,15 +78,12 @@ __global__ void __launch_bounds__(32 * W, MINB)
   const int last = imin(q0 + M, seq_len) - 1;
   const int n_tiles = last / N + 1;
 
+  const auto load_kv = [&](int stage, int tile) {
+    load_tile_async<T_, D, N>(kv + 2 * stage * L::TILE_N, k + base, tile * N, seq_len);
+    load_tile_async<T_, D, N>(kv + (2 * stage + 1) * L::TILE_N, v + base, tile * N, seq_len);
+  };
   load_tile_async<T_, D, M>(qs, q + base, q0, seq_len);  // joins the first group
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_tiles) {
-      load_tile_async<T_, D, N>(kv + 2 * s * L::TILE_N, k + base, s * N, seq_len);
-      load_tile_async<T_, D, N>(kv + (2 * s + 1) * L::TILE_N, v + base, s * N, seq_len);
-    }
-    cp_async_commit();  // even when empty: group i always holds tile i
-  }
+  pipe_prologue<STAGES>(n_tiles, load_kv);
   float acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -66,24 +95,7 @@ __global__ void __launch_bounds__(32 * W, MINB)
     const int n0 = it * N;
     const T_* ks = kv + 2 * (it % STAGES) * L::TILE_N;
     const T_* vs = ks + L::TILE_N;
-    if constexpr (STAGES == 1) {
-      __syncthreads();  // barrier:fwd-pipe-reuse
-      load_tile_async<T_, D, N>(kv, k + base, n0, seq_len);
-      load_tile_async<T_, D, N>(kv + L::TILE_N, v + base, n0, seq_len);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();  // barrier:fwd-pipe-loaded
-    } else {
-      cp_async_wait<STAGES - 2>();  // this thread's copies of tile it have landed
-      __syncthreads();  // barrier:fwd-pipe (everyone's have; everyone is done with tile it-1)
-      const int nx = it + STAGES - 1;
-      if (nx < n_tiles) {  // into the stage tile it-1 used
-        T_* dst = kv + 2 * (nx % STAGES) * L::TILE_N;
-        load_tile_async<T_, D, N>(dst, k + base, nx * N, seq_len);
-        load_tile_async<T_, D, N>(dst + L::TILE_N, v + base, nx * N, seq_len);
-      }
-      cp_async_commit();
-    }
+    pipe_advance<STAGES>(it, n_tiles, load_kv);
 
     float s[N / 8][4];
 #pragma unroll
@@ -175,14 +187,11 @@ __global__ void __launch_bounds__(32 * W, MINB)
   load_tile_async<T_, D, M>(qs, q + base, q0, seq_len);
   load_tile_async<T_, D, M>(dos, dout + base, q0, seq_len);
   load_stats<M>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);  // seen past a barrier
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_tiles) {
-      load_tile_async<T_, D, N>(kv + 2 * s * L::TILE_N, k + base, s * N, seq_len);
-      load_tile_async<T_, D, N>(kv + (2 * s + 1) * L::TILE_N, v + base, s * N, seq_len);
-    }
-    cp_async_commit();
-  }
+  const auto load_kv = [&](int stage, int tile) {
+    load_tile_async<T_, D, N>(kv + 2 * stage * L::TILE_N, k + base, tile * N, seq_len);
+    load_tile_async<T_, D, N>(kv + (2 * stage + 1) * L::TILE_N, v + base, tile * N, seq_len);
+  };
+  pipe_prologue<STAGES>(n_tiles, load_kv);
   float acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -191,24 +200,7 @@ __global__ void __launch_bounds__(32 * W, MINB)
     const int n0 = it * N;
     const T_* ks = kv + 2 * (it % STAGES) * L::TILE_N;
     const T_* vs = ks + L::TILE_N;
-    if constexpr (STAGES == 1) {
-      __syncthreads();  // barrier:dq-pipe-reuse
-      load_tile_async<T_, D, N>(kv, k + base, n0, seq_len);
-      load_tile_async<T_, D, N>(kv + L::TILE_N, v + base, n0, seq_len);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();  // barrier:dq-pipe-loaded
-    } else {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();  // barrier:dq-pipe
-      const int nx = it + STAGES - 1;
-      if (nx < n_tiles) {
-        T_* dst = kv + 2 * (nx % STAGES) * L::TILE_N;
-        load_tile_async<T_, D, N>(dst, k + base, nx * N, seq_len);
-        load_tile_async<T_, D, N>(dst + L::TILE_N, v + base, nx * N, seq_len);
-      }
-      cp_async_commit();
-    }
+    pipe_advance<STAGES>(it, n_tiles, load_kv);
 
     float s[N / 8][4], dp[N / 8][4];
 #pragma unroll
@@ -262,17 +254,14 @@ __device__ __forceinline__ void dkdv_pipe_body(
 
   load_tile_async<T_, D, M>(ks, k + base, k0, seq_len);
   load_tile_async<T_, D, M>(vs, v + base, k0, seq_len);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_tiles) {
-      const int n0 = (first + s) * N;
-      load_tile_async<T_, D, N>(qd + 2 * s * L::TILE_N, q + base, n0, seq_len);
-      load_tile_async<T_, D, N>(qd + (2 * s + 1) * L::TILE_N, dout + base, n0, seq_len);
-      load_stats_async<N>(stats + 2 * s * N, stats + (2 * s + 1) * N, lse + sbase,
-                          delta + sbase, n0, seq_len);
-    }
-    cp_async_commit();
-  }
+  const auto load_qdo = [&](int stage, int tile) {
+    const int n0 = (first + tile) * N;
+    load_tile_async<T_, D, N>(qd + 2 * stage * L::TILE_N, q + base, n0, seq_len);
+    load_tile_async<T_, D, N>(qd + (2 * stage + 1) * L::TILE_N, dout + base, n0, seq_len);
+    load_stats_async<N>(stats + 2 * stage * N, stats + (2 * stage + 1) * N, lse + sbase,
+                        delta + sbase, n0, seq_len);
+  };
+  pipe_prologue<STAGES>(n_tiles, load_qdo);
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j)
@@ -287,27 +276,7 @@ __device__ __forceinline__ void dkdv_pipe_body(
     const T_* dos = qs + L::TILE_N;
     const float* lse_s = stats + 2 * stage * N;
     const float* delta_s = lse_s + N;
-    if constexpr (STAGES == 1) {
-      __syncthreads();  // barrier:dkdv-pipe-reuse
-      load_tile_async<T_, D, N>(qd, q + base, n0, seq_len);
-      load_tile_async<T_, D, N>(qd + L::TILE_N, dout + base, n0, seq_len);
-      load_stats_async<N>(stats, stats + N, lse + sbase, delta + sbase, n0, seq_len);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();  // barrier:dkdv-pipe-loaded
-    } else {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();  // barrier:dkdv-pipe
-      const int nx = it + STAGES - 1;
-      if (nx < n_tiles) {
-        const int s = nx % STAGES, nn = (first + nx) * N;
-        load_tile_async<T_, D, N>(qd + 2 * s * L::TILE_N, q + base, nn, seq_len);
-        load_tile_async<T_, D, N>(qd + (2 * s + 1) * L::TILE_N, dout + base, nn, seq_len);
-        load_stats_async<N>(stats + 2 * s * N, stats + (2 * s + 1) * N, lse + sbase,
-                            delta + sbase, nn, seq_len);
-      }
-      cp_async_commit();
-    }
+    pipe_advance<STAGES>(it, n_tiles, load_qdo);
 
     for (int c0 = 0; c0 < N; c0 += NP) {
       float st[NP / 8][4], dpt[NP / 8][4];
@@ -406,14 +375,12 @@ __global__ void __launch_bounds__(32 * W, MINB)
   const int last = imin(q0 + M, seq_len) - 1;
   const int n_tiles = last / N + 1;
 
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_tiles) {
-      load_block_async<T_, M, N, LDS>(tiles + s * L::STAGE, ds_bh, ds_stride, q0, s * N, seq_len);
-      load_tile_async<T_, D, N>(tiles + s * L::STAGE + M * LDS, k + base, s * N, seq_len);
-    }
-    cp_async_commit();
-  }
+  const auto load_ds_k = [&](int stage, int tile) {
+    T_* const dst = tiles + stage * L::STAGE;
+    load_block_async<T_, M, N, LDS>(dst, ds_bh, ds_stride, q0, tile * N, seq_len);
+    load_tile_async<T_, D, N>(dst + M * LDS, k + base, tile * N, seq_len);
+  };
+  pipe_prologue<STAGES>(n_tiles, load_ds_k);
   float acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -422,24 +389,7 @@ __global__ void __launch_bounds__(32 * W, MINB)
     const int n0 = it * N;
     T_* const dss = tiles + (it % STAGES) * L::STAGE;
     const T_* const ks = dss + M * LDS;
-    if constexpr (STAGES == 1) {
-      __syncthreads();  // barrier:dq-ds-reuse
-      load_block_async<T_, M, N, LDS>(tiles, ds_bh, ds_stride, q0, n0, seq_len);
-      load_tile_async<T_, D, N>(tiles + M * LDS, k + base, n0, seq_len);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();  // barrier:dq-ds-loaded
-    } else {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();  // barrier:dq-ds
-      const int nx = it + STAGES - 1;
-      if (nx < n_tiles) {
-        T_* const dst = tiles + (nx % STAGES) * L::STAGE;
-        load_block_async<T_, M, N, LDS>(dst, ds_bh, ds_stride, q0, nx * N, seq_len);
-        load_tile_async<T_, D, N>(dst + M * LDS, k + base, nx * N, seq_len);
-      }
-      cp_async_commit();
-    }
+    pipe_advance<STAGES>(it, n_tiles, load_ds_k);
     if (n0 + N - 1 > q0) {  // the tile crosses the diagonal: keys after a row's query are no dS
       for (int i = threadIdx.x; i < M * N; i += blockDim.x)
         if (n0 + i % N > q0 + i / N) dss[i / N * LDS + i % N] = T_{};

@@ -38,7 +38,7 @@ BOUNDS = "if (row0 + r < seq_len)  // bounds: rows past the sequence read as zer
 # check.
 PIPE = PipeConfig(2, 32, 2)
 PIPE_SEQ_LEN = 77
-PIPE_BARRIER = ("__syncthreads();  // barrier:fwd-pipe (everyone's have; everyone is done with "
+PIPE_BARRIER = ("__syncthreads();  // barrier:pipe (everyone's have; everyone is done with "
                 "tile it-1)")
 PIPE_BOUNDS = "const bool in = row0 + r < rows;  // bounds: rows past the matrix land as zeros"
 PIPE_CLEAN = "test_pipelined_candidates_are_clean_under_sanitizer"
