@@ -40,8 +40,8 @@ CONFIGS = [
 ]
 # The backward through dS (attn_bwd_dkdv_ds, attn_bwd_dq_ds), (dtype, head_dim, dK/dV's config,
 # dQ's): the production tile, deeper pipelines, dK/dV in two passes, fp32, 128-row blocks and
-# key tiles (the dS row stride's multiple), and dQ blocks taller than dK/dV's key blocks, so
-# that dQ's tiles cross dS entries that dK/dV never wrote (the buffer's NaN poison there).
+# key tiles (the dS row stride's multiple), head_dim 128, and dQ blocks taller than dK/dV's key
+# blocks, so that dQ's tiles cross dS entries that dK/dV never wrote (NaN-poisoned there).
 DS_KERNELS = kernel_launch.DS_KERNELS
 DS_CONFIGS = [
     ("bfloat16", 32, PipeConfig(4, 64, 1), PipeConfig(4, 64, 1)),
@@ -49,6 +49,7 @@ DS_CONFIGS = [
     ("float16", 64, PipeConfig(4, 64, 2, 3, 2), PipeConfig(4, 64, 2)),
     ("float32", 32, PipeConfig(2, 32, 2), PipeConfig(4, 128, 2)),
     ("bfloat16", 64, PipeConfig(8, 128, 2), PipeConfig(2, 64, 3)),
+    ("bfloat16", 128, PipeConfig(4, 16, 2), PipeConfig(4, 32, 2)),
 ]
 PIPES = tuple(dict.fromkeys(
     [(kernel, dtype, d, cfg) for dtype, d, cfg in CONFIGS for kernel in KERNELS]
