@@ -47,6 +47,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -467,7 +468,7 @@ def time_shape(shape, info, launcher, device) -> dict:
         return go
 
     bwd_kernels = ("bwd_preprocess", "bwd_dq", "bwd_dkdv")
-    best: dict[str, tuple[float, Any]] = {}
+    best: dict[str, tuple[float, Any, Any]] = {}  # kernel -> (ms, launch, PipeConfig)
     # CuPy's device and stream (PyTorch's current one, where the timer's events go) set once:
     # a timed call is then the kernel launch alone.
     with launcher.context():
@@ -490,7 +491,7 @@ def time_shape(shape, info, launcher, device) -> dict:
                                       "registers": row.get("registers"),
                                       "smem": launch.dynamic_shared_bytes})
             if row["kernel"] not in best or ms < best[row["kernel"]][0]:
-                best[row["kernel"]] = (ms, launch)
+                best[row["kernel"]] = (ms, launch, row["cfg"])
         log(f"{shape_key(shape)}: {len(res['candidates'])} candidate kernels timed")
         res["production"].update(fwd=timed_ms(sequence(prod, ("fwd",))),
                                  bwd=timed_ms(sequence(prod, bwd_kernels)),
@@ -499,6 +500,7 @@ def time_shape(shape, info, launcher, device) -> dict:
             chosen = {kernel: best[kernel][1] for kernel in KERNELS}
             res["best"] = {
                 "configs": {kernel: chosen[kernel].name for kernel in KERNELS},
+                "pipe_configs": {kernel: astuple(best[kernel][2]) for kernel in KERNELS},
                 "fwd": timed_ms(sequence(chosen, ("fwd",))),
                 "bwd": timed_ms(sequence(chosen, bwd_kernels)),
                 "fb": timed_ms(sequence(chosen, ("fwd", *bwd_kernels))),
@@ -509,6 +511,8 @@ def time_shape(shape, info, launcher, device) -> dict:
             ds_bwd = ("bwd_preprocess", *DS_KERNELS)
             res["best_ds"] = {
                 "configs": {kernel: chosen[kernel].name for kernel in DS_KERNELS},
+                "pipe_configs": {kernel: astuple(best[kernel][2])
+                                 for kernel in ("fwd", *DS_KERNELS)},
                 "fwd": timed_ms(sequence(chosen, ("fwd",))),
                 "bwd": timed_ms(sequence(chosen, ds_bwd)),
                 "fb": timed_ms(sequence(chosen, ("fwd", *ds_bwd))),
@@ -576,6 +580,28 @@ def auto_table_entries(report: dict, date: str) -> list[str]:
     return lines
 
 
+def tuned_entries(report: dict) -> list[str]:
+    """andrea.cuda.launch.TUNED's entries for this GPU, as lines to paste there: per measured
+    shape, the best candidates where they beat the production kernels back to back (forward +
+    backward), the backward recomputing S and dP or going through dS, whichever is faster."""
+    lines = []
+    for res in report["shapes"]:
+        prod = (res.get("production") or {}).get("fb")
+        options = [r for r in (res.get("best"), res.get("best_ds")) if r and r.get("fb")]
+        if not prod or not options:
+            continue
+        winner = min(options, key=lambda r: r["fb"])
+        if winner["fb"] >= prod:
+            continue
+        dtype, *_, head_dim = res["shape"].split()
+        configs = ", ".join(f'"{kernel}": PipeConfig{tuple(cfg)}'
+                            for kernel, cfg in winner["pipe_configs"].items())
+        lines.append(f'    ("{report["arch"]}", "{dtype}", {int(head_dim.removeprefix("D"))}): '
+                     f'{{{configs}}},  # {res["shape"]}: f+b {winner["fb"]:.3f} ms, production '
+                     f'{prod:.3f}')
+    return lines
+
+
 def summary(report: dict, info: dict, out: Path) -> str:
     lines = [""]
     for res in report["shapes"]:
@@ -587,6 +613,10 @@ def summary(report: dict, info: dict, out: Path) -> str:
     if entries:
         lines += ["AUTO_TABLE entries (andrea/model/attention.py), the production kernels:",
                   *entries]
+    tuned = tuned_entries(report)
+    if tuned:
+        lines += ["TUNED entries (andrea/cuda/launch.py), the candidates that beat production "
+                  "(then run again: AUTO_TABLE should measure them):", *tuned]
     statuses: dict[str, int] = {}
     for row in list(info.values()):
         key = row["status"].split(" (")[0].split(":")[0]

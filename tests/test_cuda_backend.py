@@ -293,7 +293,7 @@ def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch, c
         "S", (), {"cuda_stream": 0xBEEF})())
     monkeypatch.setattr(kernel_launch, "_MODULES", {})
 
-    launches = ca.attention_launches(2, 3, 40, 64, "bfloat16")
+    launches = kernel_launch.attention_launches(2, 3, 40, 64, "bfloat16")
     q = torch.zeros(2, 3, 40, 64, dtype=torch.bfloat16)
     for launcher in (ca.CupyLauncher(torch.device("cuda", 1)),
                      ca.CupyLauncher(torch.device("cuda", 1))):

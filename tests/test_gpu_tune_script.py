@@ -13,6 +13,7 @@ import importlib.util
 import json
 import shutil
 import sys
+from dataclasses import astuple
 from pathlib import Path
 
 import pytest
@@ -148,7 +149,8 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert "ours best candidates" in text and "ours best, bwd through dS" in text
     assert "f+b x" in text
     # auto's table entry, ready to paste: SDPA's f+b time over the custom op's
-    (entry,) = [line for line in text.splitlines() if line.startswith('    ("sm_90"')]
+    (entry,) = [line for line in text.splitlines()
+                if line.startswith('    ("sm_90"') and "Measured(" in line]
     ratio = shape["sdpa"]["default"]["fb"] / shape["production_autograd"]["fb"]
     backend = "cuda" if ratio >= 1 else "sdpa"
     assert entry.startswith(f'    ("sm_90", "bfloat16", 32): Measured("{backend}", {ratio:.2f}, ')
@@ -207,3 +209,31 @@ def test_nvrtc_builds_a_candidate_with_registers_and_no_spill() -> None:
     assert build.cubin[:4] == b"\x7fELF" and build.lowered[name].startswith("_Z13attn_fwd_pipe")
     assert "registers" in build.log and tune.spill_bytes(build.log) == 0
     assert tune.spill_bytes("8 bytes spill stores, 4 bytes spill loads") == 12
+
+
+def test_tuned_entries_paste_into_tuned_and_pick_the_faster_backward(monkeypatch) -> None:
+    """The TUNED lines the script prints: the faster of the two backward routes where it
+    beats production, none where production is fastest; pasted, they launch those kernels."""
+    tune = load_script()
+    cfg = kernel_launch.PipeConfig
+    fwd, dq, dkdv = cfg(4, 64, 2), cfg(4, 64, 3), cfg(4, 64, 2, 3, 2)
+    shape = {"shape": "bfloat16 B8 H12 T1024 D64", "production": {"fb": 1.0},
+             "best": {"fb": 0.8, "pipe_configs": {"fwd": list(astuple(fwd)),
+                                                  "bwd_dq": list(astuple(dq)),
+                                                  "bwd_dkdv": list(astuple(dkdv))}},
+             "best_ds": {"fb": 0.7, "pipe_configs": {"fwd": list(astuple(fwd)),
+                                                     "bwd_dkdv_ds": list(astuple(dkdv)),
+                                                     "bwd_dq_ds": list(astuple(cfg(8, 128, 2)))}}}
+    slower = {**shape, "shape": "bfloat16 B32 H12 T256 D32", "production": {"fb": 0.5}}
+    (line,) = tune.tuned_entries({"arch": "sm_90", "shapes": [shape, slower]})
+    key, _, value = line.partition(": ")
+    entry = eval(value.split("  #")[0].rstrip(","), {"PipeConfig": cfg})  # noqa: S307
+    assert eval(key.strip()) == ("sm_90", "bfloat16", 64)  # noqa: S307
+    assert entry == {"fwd": fwd, "bwd_dkdv_ds": dkdv, "bwd_dq_ds": cfg(8, 128, 2)}
+    monkeypatch.setitem(kernel_launch.TUNED, ("sm_90", "bfloat16", 64), entry)
+    launches = kernel_launch.tuned_launches(8, 12, 1024, 64, "bfloat16", "sm_90")
+    assert list(launches) == ["fwd", "bwd_preprocess", "bwd_dkdv_ds", "bwd_dq_ds"]
+    assert launches["bwd_dq_ds"].name == "attn_bwd_dq_ds<bf16_t, 64, 8, 128, 2, 0>"
+    shape["best_ds"]["fb"] = 0.9  # now recomputing S and dP wins
+    (line,) = tune.tuned_entries({"arch": "sm_90", "shapes": [shape]})
+    assert '"bwd_dq": PipeConfig(4, 64, 3, 0, 1)' in line and "_ds" not in line

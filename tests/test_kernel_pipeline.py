@@ -157,6 +157,69 @@ def test_backward_through_ds_gives_the_production_bits(emulator, dtype, head_dim
         assert torch.equal(g, w), f"{cfg.label()} {name} differs from the production kernel"
 
 
+TUNED_ARCH = "sm_test"  # an architecture of this test's own, in andrea.cuda.launch.TUNED
+TUNED_ENTRY = {"fwd": PipeConfig(4, 64, 2), "bwd_dkdv_ds": PipeConfig(2, 32, 3),
+               "bwd_dq_ds": PipeConfig(8, 32, 3)}  # bf16 D=32 candidates of PIPES
+
+
+def tuned_attention(emulator, q, k, v, dout, monkeypatch) -> tuple[list[str], tuple]:
+    """cuda_attention through autograd with TUNED naming candidates for TUNED_ARCH: the names it
+    launched, and (o, dq, dk, dv)."""
+    from andrea.cuda import attention as ca
+
+    monkeypatch.setitem(kernel_launch.TUNED, (TUNED_ARCH, "bfloat16", 32), TUNED_ENTRY)
+    ca._launches.cache_clear()  # its entries are of TUNED as it was
+    launcher = ca.EmulatorLauncher(emulator, arch=TUNED_ARCH)
+    names: list[str] = []
+    run = launcher.launch
+    monkeypatch.setattr(launcher, "launch", lambda launch, *a: (names.append(launch.name),
+                                                                 run(launch, *a)))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = ca.cuda_attention(*leaves, launcher=launcher)
+    o.backward(dout)
+    ca._launches.cache_clear()
+    return names, (o.detach(), *(x.grad for x in leaves))
+
+
+def test_tuned_kernels_run_in_place_of_the_production_ones(emulator, monkeypatch) -> None:
+    """A TUNED entry makes the "cuda" backend launch its template instances on that
+    architecture, the backward through dS included, through autograd; float64's gradients."""
+    q, k, v, dout = random_inputs(3, 2, 17, 32, torch.bfloat16, seed=21)
+    names, (o, dq, dk, dv) = tuned_attention(emulator, q, k, v, dout, monkeypatch)
+    expect = {kernel: kernel_launch.pipe_name_expression(kernel, "bfloat16", 32, cfg)
+              for kernel, cfg in TUNED_ENTRY.items()}
+    assert names == [expect["fwd"], "attn_bwd_preprocess<bf16_t, 32>", expect["bwd_dkdv_ds"],
+                     expect["bwd_dq_ds"]]
+    want = kernel_emulator.float64_reference(q, k, v, dout, 32**-0.5)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), (want[0], *want[2:]),
+                          strict=True):
+        assert kernel_emulator.max_error(g, w) <= TOL[torch.bfloat16], name
+    # another architecture keeps the production kernels
+    assert kernel_launch.tuned_launches(3, 2, 17, 32, "bfloat16", "sm_other") == (
+        kernel_launch.attention_launches(3, 2, 17, 32, "bfloat16"))
+
+
+def test_the_backward_through_ds_in_turns_gives_the_same_bits(emulator, monkeypatch) -> None:
+    """A batch whose dS buffer would pass DS_BUFFER_BYTES goes through in turns of fewer
+    sequences (here 2 and 1 of 3, views at aligned offsets): the same bits as in one turn."""
+    from andrea.cuda import attention as ca
+
+    q, k, v, dout = random_inputs(3, 2, 17, 32, torch.bfloat16, seed=22)
+    _, whole = tuned_attention(emulator, q, k, v, dout, monkeypatch)
+    monkeypatch.setattr(ca, "DS_BUFFER_BYTES", 1)
+    names, turns = tuned_attention(emulator, q, k, v, dout, monkeypatch)
+    assert sum("attn_bwd_dq_ds" in n for n in names) == 2
+    for a, b in zip(whole, turns, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_tuned_entry_takes_both_kernels_of_the_backward_through_ds(monkeypatch) -> None:
+    monkeypatch.setitem(kernel_launch.TUNED, (TUNED_ARCH, "bfloat16", 32),
+                        {"bwd_dq_ds": PipeConfig(4, 64, 2)})
+    with pytest.raises(ValueError, match="both of"):
+        kernel_launch.tuned_launches(1, 1, 8, 32, "bfloat16", TUNED_ARCH)
+
+
 SAME_ROWS = [c for c in CONFIGS if c[2].rows == kernel_launch.TILES[c[0], c[1]]["fwd"][1]]
 
 

@@ -9,7 +9,8 @@ Pieces, smallest first:
   kernels on the CPU (andrea.cuda.emulator), so the autograd wiring below is testable without a
   GPU;
 - `attention_forward` / `attention_backward`: the launch sequence of one causal attention,
-  forward (O and the log-sum-exp) and backward (preprocess, dQ, dK/dV);
+  forward (O and the log-sum-exp) and backward (preprocess, dQ, dK/dV; or dK/dV writing dS,
+  then dQ from it, where andrea.cuda.launch.TUNED says so for the launcher's architecture);
 - `causal_attention_op` (torch.ops.andrea.causal_attention), a `torch.library.custom_op` with a
   fake (shape) implementation and an autograd formula that saves q, k, v, O and the log-sum-exp
   for the backward (never the T x T matrix), so torch.compile traces through it without a graph
@@ -31,13 +32,14 @@ import torch
 from andrea.cuda.launch import (
     STATIC_SHARED_LIMIT,
     Launch,
-    attention_launches,
     check_dtype,
     check_head_dim,
     compiled_module,
+    ds_row_stride,
     kernel_source,
     module_names,
     naive_attention_launches,
+    tuned_launches,
 )
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -47,22 +49,27 @@ KernelArg = torch.Tensor | int | float
 
 
 class Launcher(Protocol):
-    """Runs one kernel launch; tensor arguments are passed by pointer, scalars by value."""
+    """Runs one kernel launch; tensor arguments are passed by pointer, scalars by value. arch:
+    the architecture its kernels are tuned for (andrea.cuda.launch.TUNED), None for the
+    production kernels."""
 
     device_type: str
+    arch: str | None
 
     def launch(self, launch: Launch, *args: KernelArg) -> None: ...
 
 
 class EmulatorLauncher:
-    """The kernels on the CPU through the g++-built emulator (slow; for tests)."""
+    """The kernels on the CPU through the g++-built emulator (slow; for tests). arch: the TUNED
+    entries to launch (the emulator must be built with those candidates), None: production."""
 
     device_type = "cpu"
 
-    def __init__(self, emulator: Any = None) -> None:
+    def __init__(self, emulator: Any = None, arch: str | None = None) -> None:
         from andrea.cuda.emulator import default_emulator
 
         self.emulator = emulator or default_emulator()
+        self.arch = arch
 
     def launch(self, launch: Launch, *args: KernelArg) -> None:
         self.emulator.launch(launch, *args)
@@ -187,9 +194,11 @@ def default_launcher(device: torch.device) -> Launcher:
 
 
 @functools.lru_cache(maxsize=64)
-def _launches(b: int, h: int, t: int, d: int, dtype: str, naive: bool = False
-              ) -> dict[str, Launch]:
-    return (naive_attention_launches if naive else attention_launches)(b, h, t, d, dtype)
+def _launches(b: int, h: int, t: int, d: int, dtype: str, naive: bool = False,
+              arch: str | None = None) -> dict[str, Launch]:
+    if naive:
+        return naive_attention_launches(b, h, t, d, dtype)
+    return tuned_launches(b, h, t, d, dtype, arch)
 
 
 def _check_tensor(name: str, x: torch.Tensor, like: torch.Tensor, shape: tuple[int, ...],
@@ -256,7 +265,8 @@ def attention_forward(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o = _new((b, h, t, d), q.dtype, q.device, poison)
     lse = _new((b, h, t), torch.float32, q.device, poison)
-    launcher.launch(_launches(b, h, t, d, dtype, naive)["fwd"], q, k, v, o, lse, t, scale)
+    launches = _launches(b, h, t, d, dtype, naive, getattr(launcher, "arch", None))
+    launcher.launch(launches["fwd"], q, k, v, o, lse, t, scale)
     return o, lse
 
 
@@ -272,13 +282,48 @@ def attention_backward(
     _check_tensor("dout", dout, q, (b, h, t, d), q.dtype, launcher.device_type)
     _check_tensor("lse", lse, q, (b, h, t), torch.float32, launcher.device_type)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    launches = _launches(b, h, t, d, dtype, naive)
+    arch = getattr(launcher, "arch", None)
+    launches = _launches(b, h, t, d, dtype, naive, arch)
     delta = _new((b, h, t), torch.float32, q.device, poison)
     dq, dk, dv = (_new((b, h, t, d), q.dtype, q.device, poison) for _ in range(3))
     launcher.launch(launches["bwd_preprocess"], o, dout, delta, b * h * t)
+    if "bwd_dq_ds" in launches:
+        _backward_through_ds(q, k, v, dout, lse, delta, (dq, dk, dv), scale, launcher, arch,
+                             poison)
+        return dq, dk, dv
     launcher.launch(launches["bwd_dq"], q, k, v, dout, lse, delta, dq, t, scale)
     launcher.launch(launches["bwd_dkdv"], q, k, v, dout, lse, delta, dk, dv, t, scale)
     return dq, dk, dv
+
+
+# The most memory the backward through dS holds for its dS buffer at once: a larger batch goes
+# through in turns of fewer sequences (the kernels see each turn as a batch of its own).
+DS_BUFFER_BYTES = 512 * 2**20
+
+
+def _backward_through_ds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                         lse: torch.Tensor, delta: torch.Tensor,
+                         grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float,
+                         launcher: Launcher, arch: str | None, poison: bool) -> None:
+    """dK/dV writing dS into a [n*H, T, stride] buffer, then dQ = scale * dS K from it, n
+    sequences a turn. A turn's tensors are views at a sequence boundary, so their pointers stay
+    16-byte aligned where n*H*T is a multiple of 4 (the float32 lse and delta rows)."""
+    b, h, t, d = q.shape
+    dtype = DTYPE_NAMES[q.dtype]
+    stride = ds_row_stride(t)
+    per_sequence = h * t * stride * q.element_size()
+    align = 4 // math.gcd(h * t, 4)  # sequences per turn keeping lse/delta views aligned
+    turn = min(b, max(align, DS_BUFFER_BYTES // per_sequence // align * align))
+    ds = _new((turn * h, t, stride), q.dtype, q.device, poison)
+    dq, dk, dv = grads
+    for i in range(0, b, turn):
+        j = min(b, i + turn)
+        launches = _launches(j - i, h, t, d, dtype, False, arch)
+        part = [x[i:j] for x in (q, k, v, dout, lse, delta, dq, dk, dv)]
+        pq, pk, pv, pdout, plse, pdelta, pdq, pdk, pdv = part
+        launcher.launch(launches["bwd_dkdv_ds"], pq, pk, pv, pdout, plse, pdelta, pdk, pdv, ds,
+                        t, stride, scale)
+        launcher.launch(launches["bwd_dq_ds"], pk, ds, pdq, t, stride, scale)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,8 +116,11 @@ def runtime_nvrtc_options(arch: str) -> list[str]:
 def module_names(name: str) -> tuple[str, ...]:
     """The kernel instances compiled together with `name` (a name expression): one module per
     (dtype, head_dim), so a run compiles only what it launches, about a sixth of every instance;
-    the naive baseline (benchmarks only) is a module of its own."""
+    the naive baseline (benchmarks only) is a module of its own, and so is each template
+    instance TUNED names."""
     template, template_args = name[: name.index("<")], name[name.index("<") :]
+    if template in PIPE_TEMPLATES.values():  # a tuned kernel (TUNED): its own module
+        return (name,)
     group = NAIVE_TEMPLATES if template in NAIVE_TEMPLATES.values() else KERNEL_TEMPLATES
     return tuple(f"{t}{template_args}" for t in group.values())
 
@@ -332,6 +335,15 @@ class PipeConfig:
         return f"W{self.warps} N{self.rows} S{self.stages}{extra}"
 
 
+# The tuned kernels, by GPU architecture: (arch, dtype, head_dim) -> kernel -> PipeConfig, the
+# winners of scripts/gpu_tune_attention.py on that architecture (it prints these lines, ready to
+# paste). Where a key is present the "cuda" backend launches those template instances instead
+# of the production kernels of TILES: "fwd", and the backward as "bwd_dq" and "bwd_dkdv", or
+# through dS as "bwd_dkdv_ds" and "bwd_dq_ds"; a kernel not named keeps its production kernel.
+# Another architecture, or one not measured, runs the production kernels. Empty until measured.
+TUNED: dict[tuple[str, str, int], dict[str, PipeConfig]] = {}
+
+
 def production_pipe_config(kernel: str, dtype: str, head_dim: int, stages: int = 1) -> PipeConfig:
     """The candidate with the production kernel's tile (TILES), promise and passes."""
     kind = kernel.removeprefix("bwd_")
@@ -425,3 +437,21 @@ def pipe_emulator_entries(names: list[tuple[str, str, int, PipeConfig]]) -> str:
             f"{PIPE_TEMPLATES[kernel]}, ({layout}::bytes), {tile}, {extra}),"
         )
     return "\n".join(rows) + "\n"
+
+
+def tuned_launches(batch: int, n_head: int, seq_len: int, head_dim: int, dtype: str,
+                   arch: str | None) -> dict[str, Launch]:
+    """attention_launches with the kernels TUNED names for (arch, dtype, head_dim) in place of
+    the production ones (arch None: the production kernels). Keys: "fwd", "bwd_preprocess",
+    then the backward's: "bwd_dq" and "bwd_dkdv", or "bwd_dkdv_ds" and "bwd_dq_ds"."""
+    launches = attention_launches(batch, n_head, seq_len, head_dim, dtype)
+    tuned = TUNED.get((arch, dtype, head_dim), {}) if arch else {}
+    through_ds = [kernel for kernel in DS_KERNELS if kernel in tuned]
+    if through_ds:
+        if len(through_ds) != len(DS_KERNELS) or {"bwd_dq", "bwd_dkdv"} & set(tuned):
+            raise ValueError(f"TUNED[{arch!r}, {dtype!r}, {head_dim}] names {sorted(tuned)}: the "
+                             f"backward through dS is both of {DS_KERNELS} and nothing else")
+        del launches["bwd_dq"], launches["bwd_dkdv"]
+    for kernel, cfg in tuned.items():
+        launches[kernel] = pipe_launch(kernel, batch, n_head, seq_len, head_dim, dtype, cfg)
+    return launches
