@@ -37,6 +37,7 @@ float64, and it exits 0 when they all pass (1 when one fails).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -46,6 +47,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple
 from pathlib import Path
@@ -518,6 +520,12 @@ def time_shape(shape, info, launcher, device) -> dict:
                 "fb": timed_ms(sequence(chosen, ("fwd", *ds_bwd))),
                 "ds_buffer_bytes": ds.numel() * ds.element_size(),
             }
+    winner = tuned_winner(res)
+    if winner is not None and left() > 25:
+        try:
+            res["tuned_autograd"] = tuned_path(shape, winner, launcher, device, (q, k, v, dout))
+        except Exception as exc:
+            res["tuned_autograd"] = {"error": str(exc)[:300]}
     return res
 
 
@@ -526,6 +534,8 @@ def table(res: dict) -> str:
     base = res["sdpa"].get("default", {})
     rows = [(f"sdpa {name}", r) for name, r in res["sdpa"].items()]
     rows.append(("ours production (autograd)", res.get("production_autograd", {})))
+    if res.get("tuned_autograd"):
+        rows.append(("ours tuned (autograd)", res["tuned_autograd"]))
     rows.append(("ours production", res.get("production", {})))
     if res.get("best"):
         rows.append(("ours best candidates", res["best"]))
@@ -565,34 +575,93 @@ def jsonable(info: dict) -> list[dict]:
 def auto_table_entries(report: dict, date: str) -> list[str]:
     """`model.attention: auto`'s entries for this GPU (AUTO_TABLE, andrea/model/attention.py),
     as lines to paste there: per measured (dtype, head_dim), SDPA's forward + backward time over
-    the production kernels' through the custom op (what training runs); "cuda" from 1.0 up."""
+    the production kernels' through the custom op (what training runs); "cuda" from 1.0 up.
+    Where the shape has a TUNED line, the custom op with it in place: paste both."""
     lines = []
     for res in report["shapes"]:
         sdpa = (res.get("sdpa") or {}).get("default") or {}
-        ours = res.get("production_autograd") or {}
+        ours, note = res.get("production_autograd") or {}, ""
+        if (res.get("tuned_autograd") or {}).get("ok"):
+            ours, note = res["tuned_autograd"], ", with its TUNED line"
         if not sdpa.get("fb") or not ours.get("fb"):
             continue
         dtype, *_, head_dim = res["shape"].split()
         ratio = sdpa["fb"] / ours["fb"]
         backend = "cuda" if ratio >= 1.0 else "sdpa"
         lines.append(f'    ("{report["arch"]}", "{dtype}", {int(head_dim.removeprefix("D"))}): '
-                     f'Measured("{backend}", {ratio:.2f}, "{date}"),  # {res["shape"]}')
+                     f'Measured("{backend}", {ratio:.2f}, "{date}"),  # {res["shape"]}{note}')
     return lines
+
+
+def tuned_winner(res: dict) -> dict | None:
+    """A shape's best candidates where they beat the production kernels back to back (forward
+    + backward): res["best"] (the backward recomputing S and dP) or res["best_ds"] (through
+    dS), whichever is faster; None where production is fastest or nothing was timed."""
+    prod = (res.get("production") or {}).get("fb")
+    options = [r for r in (res.get("best"), res.get("best_ds")) if r and r.get("fb")]
+    if not prod or not options:
+        return None
+    winner = min(options, key=lambda r: r["fb"])
+    return winner if winner["fb"] < prod else None
+
+
+@contextlib.contextmanager
+def tuned(arch: str, dtype: str, head_dim: int, pipe_configs: dict) -> Iterator[None]:
+    """andrea.cuda.launch.TUNED with an entry of these configs for the while, as if pasted."""
+    from andrea.cuda import attention as ca
+    from andrea.cuda import launch as kernel_launch
+
+    key = (arch, dtype, head_dim)
+    before = kernel_launch.TUNED.get(key)
+    kernel_launch.TUNED[key] = {kernel: kernel_launch.PipeConfig(*cfg)
+                                for kernel, cfg in pipe_configs.items()}
+    ca._launches.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del kernel_launch.TUNED[key]
+        else:
+            kernel_launch.TUNED[key] = before
+        ca._launches.cache_clear()
+
+
+def tuned_path(shape, winner: dict, launcher, device, inputs) -> dict:
+    """The winner as training would run it: the custom op through autograd with its TUNED
+    entry in place, timed at the shape and checked against float64 at CHECK_SHAPE."""
+    import torch
+
+    from andrea.cuda.attention import cuda_attention
+    from andrea.cuda.emulator import max_error
+
+    dtype, *_, d = shape
+    scale = d**-0.5
+    with tuned(launcher.arch, dtype, d, winner["pipe_configs"]):
+        res = autograd_times(lambda q_, k_, v_: cuda_attention(q_, k_, v_, scale, launcher),
+                             *inputs)
+        b, h, t = CHECK_SHAPE
+        q, k, v, dout = (torch.randn(b, h, t, d, device=device).to(getattr(torch, dtype))
+                         for _ in range(4))
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = cuda_attention(*leaves, scale=scale, launcher=launcher)
+        out.backward(dout)
+    ref = reference_cpu(q, k, v, dout, scale)
+    res["errors"] = {name: max_error(got.detach().cpu(), want) for name, got, want in zip(
+        ("o", "dq", "dk", "dv"), (out, *(x.grad for x in leaves)), (ref[0], *ref[2:]),
+        strict=True)}
+    res["ok"] = all(e <= TOL[dtype] for e in res["errors"].values())
+    return res
 
 
 def tuned_entries(report: dict) -> list[str]:
     """andrea.cuda.launch.TUNED's entries for this GPU, as lines to paste there: per measured
-    shape, the best candidates where they beat the production kernels back to back (forward +
-    backward), the backward recomputing S and dP or going through dS, whichever is faster."""
+    shape, its tuned_winner, where the custom op through it also matched float64."""
     lines = []
     for res in report["shapes"]:
-        prod = (res.get("production") or {}).get("fb")
-        options = [r for r in (res.get("best"), res.get("best_ds")) if r and r.get("fb")]
-        if not prod or not options:
+        winner = tuned_winner(res)
+        if winner is None or not (res.get("tuned_autograd") or {}).get("ok"):
             continue
-        winner = min(options, key=lambda r: r["fb"])
-        if winner["fb"] >= prod:
-            continue
+        prod = res["production"]["fb"]
         dtype, *_, head_dim = res["shape"].split()
         configs = ", ".join(f'"{kernel}": PipeConfig{tuple(cfg)}'
                             for kernel, cfg in winner["pipe_configs"].items())
