@@ -163,9 +163,11 @@ class Measured:
 #
 # From `scripts/gpu_tune_attention.py OUT` on a GPU: it prints these entries last, ready to
 # paste ("AUTO_TABLE entries"): per measured (dtype, head_dim), SDPA's forward + backward time
-# over the production kernels' through the custom op (what training runs; the table's row "ours
-# production (autograd)", OUT/tune.json's sdpa.default.fb / production_autograd.fb), "cuda" from
-# 1.0 up. The date is the run's, that of the docs/log.md entry that records it.
+# over the kernels' through the custom op (what training runs; the table's row "ours production
+# (autograd)", OUT/tune.json's sdpa.default.fb / production_autograd.fb; where the run also
+# printed a TUNED line for andrea/cuda/launch.py, "ours tuned (autograd)", tuned_autograd.fb,
+# and the two lines go in together), "cuda" from 1.0 up. The date is the run's, that of the
+# docs/log.md entry that records it.
 AUTO_TABLE: dict[tuple[str, str, int], Measured] = {
     ("sm_90", "bfloat16", 64): Measured("sdpa", 0.26, "2026-12-04"),
     ("sm_90", "bfloat16", 32): Measured("sdpa", 0.19, "2026-12-04"),
