@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(32 * W, MINB)
 // up to 128, andrea.cuda.launch.ds_row_stride), and attn_bwd_dq_ds takes dQ = scale * dS K from
 // it, so S and dP are computed once per tile pair instead of once in each kernel. Each element
 // of dS is written by one thread and read after the kernel boundary: no atomics. The price is
-// the buffer (2 bytes a score in bf16, half of it above the diagonal and never touched) and its
+// the buffer (2 bytes a score in bf16, most of the half above the diagonal never touched) and its
 // traffic. dq_ds zeroes the dS entries above the diagonal in shared memory (the buffer there
 // holds whatever was in it), so it needs no cleared buffer.
 template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>

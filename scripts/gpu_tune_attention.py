@@ -7,26 +7,32 @@ expected on an H200 with 16 cores):
     PYTHONPATH=$PWD python3 scripts/gpu_tune_attention.py $OUT/tune
 
 1. Candidates: andrea.cuda.launch.pipe_candidates (generated from the production TILES) for
-   every (dtype, head_dim) of SHAPES, ordered so that each shape's production tile and its
-   2-stage twin come first. Each is compiled alone by NVRTC (libnvrtc through ctypes, which lets
+   every (dtype, head_dim) of SHAPES, and the first DS_LIMIT of each kernel of the backward
+   through dS (dK/dV writing dS, dQ from it), ordered so that each shape's production tile and
+   its 2-stage twin come first. Each is compiled alone by NVRTC (libnvrtc through ctypes, which lets
    go of the GIL: one thread per core; CuPy's own compile is the fallback) with the options the
    runtime uses, and pruned when ptxas spills or it does not load. Compiling stops at
    COMPILE_SHARE of the budget; what is not built by then is listed as skipped.
 2. Check: each candidate kernel on fresh random inputs of an odd shape (B 2, H 3, T 333),
    outputs NaN-poisoned, against float64 (bf16 1e-2, fp16 2^-9 of max(|ref|, 1); lse 1e-4).
-   The backward candidates take the production forward's O and lse.
+   The backward candidates take the production forward's O and lse; dK/dV through dS is also
+   checked on the dS it writes, dQ from dS is given float64's dS (NaN above the diagonal).
 3. Time (CUDA events around back-to-back calls, andrea.bench.time_per_call) at each shape:
    every passing candidate kernel alone; SDPA default, flash, efficient and cuDNN forward,
    backward (autograd, forward prepared) and forward + backward; the production kernels the
-   same way through andrea's custom op (what training runs) and as bare launches; and the best
-   candidate per kernel together (forward, preprocess + dQ + dK/dV, and all four).
+   same way through andrea's custom op (what training runs) and as bare launches; the best
+   candidate per kernel together (forward, preprocess + dQ + dK/dV, and all four); the best
+   pair through dS with the best forward; and where those beat production, the faster of the
+   two through the custom op with its TUNED entry in place (andrea.cuda.launch.TUNED), timed
+   and checked against float64.
 4. Prints a table per shape last and writes everything to OUT_DIR/tune.json (written again after
    each shape, so a run cut short keeps what it measured), then `model.attention: auto`'s
-   AUTO_TABLE entries for this GPU (andrea/model/attention.py), ready to paste.
+   AUTO_TABLE entries for this GPU (andrea/model/attention.py) and the TUNED entries
+   (andrea/cuda/launch.py), ready to paste.
 
 Table columns: fwd / bwd / f+b: milliseconds per call (rows "sdpa ..." and "(autograd)": through
-autograd; "ours production" and "ours best candidates": the kernels launched back to back, bwd
-= preprocess + dQ + dK/dV); TFLOP/s: the f+b causal FLOPs 3.5 * 2*B*H*T^2*D over f+b
+autograd; "ours production", "ours best candidates" and "ours best, bwd through dS": the
+kernels launched back to back, bwd = preprocess + dQ + dK/dV, or preprocess + dK/dV + dQ); TFLOP/s: the f+b causal FLOPs 3.5 * 2*B*H*T^2*D over f+b
 time; fwd x, bwd x, f+b x: SDPA default's time over this row's (above 1: faster than SDPA).
 
 Without a GPU (or CuPy) it is a dry run: nothing is compiled for a GPU; the candidates of the

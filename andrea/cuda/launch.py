@@ -313,6 +313,8 @@ def ds_row_stride(seq_len: int) -> int:
     """Row stride of the backward's dS buffer [B*H, T, stride]: every key block's and dQ key
     tile's columns lie inside a row, and rows start 16-byte aligned."""
     return _ceil_div(seq_len, DS_STRIDE_MULTIPLE) * DS_STRIDE_MULTIPLE
+
+
 DYNAMIC_SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
                         "sm_90": 227 * 1024}  # per block, with the opt-in attribute
 
@@ -388,7 +390,7 @@ def pipe_name_expression(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig
 def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -> int:
     """Dynamic shared memory of a candidate (PipeSmem<...>::bytes in the .cu file; dQ from dS:
     DsSmem<...>::bytes)."""
-    kind = kernel.removeprefix("bwd_").removesuffix("_ds") if kernel != "bwd_dq_ds" else "dq_ds"
+    kind = {"bwd_dkdv_ds": "dkdv"}.get(kernel, kernel.removeprefix("bwd_"))
     elem = ELEMENT_TYPES[dtype][1]
     m, ld = 16 * cfg.warps, head_dim + 16 // elem
     if kind == "dq_ds":  # per stage an M x N dS tile and an N x D K tile
