@@ -32,8 +32,9 @@ expected on an H200 with 16 cores):
 
 Table columns: fwd / bwd / f+b: milliseconds per call (rows "sdpa ..." and "(autograd)": through
 autograd; "ours production", "ours best candidates" and "ours best, bwd through dS": the
-kernels launched back to back, bwd = preprocess + dQ + dK/dV, or preprocess + dK/dV + dQ); TFLOP/s: the f+b causal FLOPs 3.5 * 2*B*H*T^2*D over f+b
-time; fwd x, bwd x, f+b x: SDPA default's time over this row's (above 1: faster than SDPA).
+kernels launched back to back, bwd = preprocess + dQ + dK/dV, or preprocess + dK/dV + dQ);
+TFLOP/s: the f+b causal FLOPs 3.5 * 2*B*H*T^2*D over f+b time; fwd x, bwd x, f+b x: SDPA
+default's time over this row's (above 1: faster than SDPA).
 
 Without a GPU (or CuPy) it is a dry run: nothing is compiled for a GPU; the candidates of the
 first two shapes' (dtype, head_dim) run through the CPU emulator at one tiny shape against
