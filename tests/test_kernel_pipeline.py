@@ -94,8 +94,8 @@ def random_inputs(b, h, t, d, dtype, seed):
     return [torch.randn(b, h, t, d, generator=gen).to(dtype) for _ in range(4)]
 
 
-def configs_of(cfg: PipeConfig, kernels: tuple[str, ...] = KERNELS) -> dict[str, PipeConfig]:
-    return dict.fromkeys(kernels, cfg)
+def configs_of(cfg: PipeConfig) -> dict[str, PipeConfig]:
+    return dict.fromkeys(KERNELS, cfg)
 
 
 def ds_configs_of(dkdv: PipeConfig, dq: PipeConfig) -> dict[str, PipeConfig]:
