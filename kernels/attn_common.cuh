@@ -5,6 +5,7 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+typedef unsigned long long u64;
 
 struct bf16_t {
   u16 bits;
@@ -481,6 +482,21 @@ template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 #elif defined(ANDREA_EMULATOR)
   andrea_emu::cp_async_wait(PENDING);
+#endif
+}
+
+// The sm_90a path (attn_hopper.cuh) compiles its PTX only where the target has it; elsewhere
+// its kernels are empty and never launched (andrea.cuda.launch builds them for sm_90a alone).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ANDREA_WGMMA 1
+#endif
+
+// fence.proxy.async.shared::cta (sm_90): this thread's earlier shared-memory writes (generic
+// proxy: stores, landed cp.async) become visible to the async proxy wgmma reads through. The
+// emulator has one proxy: nothing to do there.
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(ANDREA_WGMMA)
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
 

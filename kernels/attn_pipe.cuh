@@ -33,7 +33,9 @@ template <typename T_, int D, int K, int W, int N, int STAGES> struct PipeSmem {
 // pipe_prologue issues tiles 0..STAGES-2, one commit group each (empty past the last tile, so
 // group i always holds tile i); pipe_advance, before tile it is used, makes it visible to the
 // whole block and issues tile it+STAGES-1 into the stage tile it-1 used. With STAGES 1 it is the
-// production kernels' synchronous load between two barriers.
+// production kernels' synchronous load between two barriers. WGMMA_READS: the tiles are read by
+// wgmma (attn_hopper.cuh), which reads shared memory through the async proxy, so each thread
+// fences its landed copies (generic proxy) to it before the barrier.
 template <int STAGES, typename Load>
 __device__ __forceinline__ void pipe_prologue(int n_tiles, const Load& load) {
 #pragma unroll
@@ -43,21 +45,69 @@ __device__ __forceinline__ void pipe_prologue(int n_tiles, const Load& load) {
   }
 }
 
-template <int STAGES, typename Load>
+template <int STAGES, bool WGMMA_READS = false, typename Load>
 __device__ __forceinline__ void pipe_advance(int it, int n_tiles, const Load& load) {
   if constexpr (STAGES == 1) {
     __syncthreads();  // barrier:pipe-reuse (every warp is done with tile it-1)
     load(0, it);
     cp_async_commit();
     cp_async_wait<0>();
+    if constexpr (WGMMA_READS) fence_proxy_async();
     __syncthreads();  // barrier:pipe-loaded
   } else {
     cp_async_wait<STAGES - 2>();  // this thread's copies of tile it have landed
+    if constexpr (WGMMA_READS) fence_proxy_async();
     __syncthreads();  // barrier:pipe (everyone's have; everyone is done with tile it-1)
     const int nx = it + STAGES - 1;
     if (nx < n_tiles) load(nx % STAGES, nx);
     cp_async_commit();
   }
+}
+
+// One streamed tile of the forward's online softmax, for a warp's rows row_base (g) and
+// row_base + 8 (the lanes of a C fragment): the tile's raw scores s (keys n0..n0+N-1) scaled
+// to base 2, masked where `masked` (the causal diagonal or the sequence's end cross the tile),
+// acc and l_run rescaled to the new running max, and P = exp2(s - max) left in s, its row
+// sums added to l_run. The pipelined forward and the Hopper forward share it.
+template <int N, int D>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[N / 8][4], float (&acc)[D / 8][4],
+                                                    float (&m_run)[2], float (&l_run)[2],
+                                                    int row_base, int n0, bool masked,
+                                                    int seq_len, float sl2) {
+  const int t = threadIdx.x & 3;
+  float mx[2] = {-inf_f(), -inf_f()};
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = row_base + (i >= 2 ? 8 : 0), col = n0 + j * 8 + 2 * t + (i & 1);
+      float x = s[j][i] * sl2;
+      if (masked && (col > row || col >= seq_len)) x = -inf_f();
+      s[j][i] = x;
+      mx[i >> 1] = fmaxf(mx[i >> 1], x);
+    }
+  float shift[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m_new = fmaxf(m_run[h], quad_max(mx[h]));
+    shift[h] = m_new == -inf_f() ? 0.0f : m_new;
+    const float corr = exp2f(m_run[h] - shift[h]);
+    l_run[h] *= corr;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      acc[j][2 * h] *= corr;
+      acc[j][2 * h + 1] *= corr;
+    }
+    m_run[h] = m_new;
+  }
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float p = exp2f(s[j][i] - shift[i >> 1]);
+      s[j][i] = p;
+      l_run[i >> 1] += p;
+    }
 }
 
 template <typename T_, int D, int W, int N, int STAGES, int MINB>
@@ -110,40 +160,8 @@ __global__ void __launch_bounds__(32 * W, MINB)
       warp_gemm_ss<T_, D, N / 8, true>(s, qs + warp * 16 * LD, LD, ks, LD);
     }
 
-    const bool masked = n0 + N - 1 > q0 || n0 + N > seq_len;
-    float mx[2] = {-inf_f(), -inf_f()};
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = row_base + (i >= 2 ? 8 : 0), col = n0 + j * 8 + 2 * t + (i & 1);
-        float x = s[j][i] * sl2;
-        if (masked && (col > row || col >= seq_len)) x = -inf_f();
-        s[j][i] = x;
-        mx[i >> 1] = fmaxf(mx[i >> 1], x);
-      }
-    float shift[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m_run[h], quad_max(mx[h]));
-      shift[h] = m_new == -inf_f() ? 0.0f : m_new;
-      const float corr = exp2f(m_run[h] - shift[h]);
-      l_run[h] *= corr;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        acc[j][2 * h] *= corr;
-        acc[j][2 * h + 1] *= corr;
-      }
-      m_run[h] = m_new;
-    }
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float p = exp2f(s[j][i] - shift[i >> 1]);
-        s[j][i] = p;
-        l_run[i >> 1] += p;
-      }
+    online_softmax_tile<N, D>(s, acc, m_run, l_run, row_base, n0,
+                              n0 + N - 1 > q0 || n0 + N > seq_len, seq_len, sl2);
     warp_gemm_rs<T_, N / 8, D / 8>(acc, s, scratch, vs, LD);
   }
   cp_async_wait<0>();  // nothing left in flight when the block ends (only empty groups)

@@ -15,6 +15,7 @@
 //   attn_forward.cuh   attn_fwd
 //   attn_backward.cuh  attn_bwd_preprocess, attn_bwd_dq, attn_bwd_dkdv
 //   attn_pipe.cuh      the pipelined candidates attn_*_pipe and their dynamic shared memory
+//   attn_hopper.cuh    the sm_90a candidate attn_fwd_wgmma (Hopper's warpgroup MMA)
 //   attn_naive.cuh     the naive baseline attn_*_naive
 // nvcc and g++ resolve the #includes themselves; NVRTC gets the text with the parts written in
 // place (andrea.cuda.launch.kernel_source), so a module's cache key, the hash of that text,
@@ -67,6 +68,7 @@
 #include "attn_forward.cuh"
 #include "attn_backward.cuh"
 #include "attn_pipe.cuh"
+#include "attn_hopper.cuh"
 #include "attn_naive.cuh"
 
 // Explicit instantiations for offline builds (the nvcc compile gates): every instance, or with

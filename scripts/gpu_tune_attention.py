@@ -103,16 +103,22 @@ def shape_key(shape: tuple) -> str:
 
 
 # ------------------------------------------------------------------------------ candidates
-def candidate_list(shapes: list[tuple], limit: int | None = None) -> list[tuple]:
+def candidate_list(shapes: list[tuple], limit: int | None = None,
+                   wgmma: bool = True) -> list[tuple]:
     """(kernel, dtype, head_dim, PipeConfig) for every (dtype, head_dim) of shapes, in build
-    order: tier by tier (production tile, its 2-stage twin, then the rest), shape by shape;
-    the first `limit` of each kernel's list when given."""
-    from andrea.cuda.launch import pipe_candidates
+    order: tier by tier (production tile, its 2-stage twin, the sm_90a (wgmma) ones where
+    `wgmma`, then the rest), shape by shape; the first `limit` of each kernel's list when
+    given."""
+    from andrea.cuda.launch import hopper_candidates, pipe_candidates
+
+    def of(k: str, dt: str, d: int) -> list:
+        found = pipe_candidates(k, dt, d)
+        if wgmma:
+            found[2:2] = hopper_candidates(k, dt, d)
+        return found[:limit if k in KERNELS else min(limit or DS_LIMIT, DS_LIMIT)]
 
     combos = list(dict.fromkeys((s[0], s[4]) for s in shapes))
-    per = {(dt, d, k): pipe_candidates(k, dt, d)[:limit if k in KERNELS else min(limit or DS_LIMIT,
-                                                                                 DS_LIMIT)]
-           for dt, d in combos for k in (*KERNELS, *DS_KERNELS)}
+    per = {(dt, d, k): of(k, dt, d) for dt, d in combos for k in (*KERNELS, *DS_KERNELS)}
     out = []
     depth = max(len(v) for v in per.values())
     for i in range(depth):
@@ -245,6 +251,7 @@ def build_all(cands, arch: str, launcher: Any, tmp: Path) -> dict[str, dict]:
 
     from andrea.cuda.launch import (
         kernel_source,
+        module_arch,
         nvrtc_options,
         pipe_name_expression,
         runtime_nvrtc_options,
@@ -270,14 +277,15 @@ def build_all(cands, arch: str, launcher: Any, tmp: Path) -> dict[str, dict]:
             t0 = time.monotonic()
             try:
                 with cupy.cuda.Device(launcher.device.index):
+                    target = module_arch(arch, [name])  # sm_90a for a wgmma kernel
                     if nvrtc is not None:
-                        build = nvrtc.compile(source, [name], runtime_nvrtc_options(arch))
+                        build = nvrtc.compile(source, [name], runtime_nvrtc_options(target, arch))
                         path = tmp / f"{abs(hash(name))}.cubin"
                         path.write_bytes(build.cubin)
                         fn = cupy.RawModule(path=str(path)).get_function(build.lowered[name])
                         row["spill_bytes"] = spill_bytes(build.log)
                     else:
-                        module = cupy.RawModule(code=source, options=tuple(nvrtc_options(arch)),
+                        module = cupy.RawModule(code=source, options=tuple(nvrtc_options(target)),
                                                 backend="nvrtc", name_expressions=[name])
                         fn = module.get_function(name)
                     row["registers"] = fn.num_regs
@@ -663,6 +671,8 @@ def tuned_path(shape, winner: dict, launcher, device, inputs) -> dict:
 def tuned_entries(report: dict) -> list[str]:
     """andrea.cuda.launch.TUNED's entries for this GPU, as lines to paste there: per measured
     shape, its tuned_winner, where the custom op through it also matched float64."""
+    from andrea.cuda.launch import PipeConfig
+
     lines = []
     for res in report["shapes"]:
         winner = tuned_winner(res)
@@ -670,7 +680,7 @@ def tuned_entries(report: dict) -> list[str]:
             continue
         prod = res["production"]["fb"]
         dtype, *_, head_dim = res["shape"].split()
-        configs = ", ".join(f'"{kernel}": PipeConfig{tuple(cfg)}'
+        configs = ", ".join(f'"{kernel}": {PipeConfig(*cfg).code()}'
                             for kernel, cfg in winner["pipe_configs"].items())
         lines.append(f'    ("{report["arch"]}", "{dtype}", {int(head_dim.removeprefix("D"))}): '
                      f'{{{configs}}},  # {res["shape"]}: f+b {winner["fb"]:.3f} ms, production '
@@ -705,6 +715,7 @@ def gpu_run(out_dir: Path, device) -> int:
     import torch
 
     from andrea.cuda.attention import device_arch
+    from andrea.cuda.launch import WGMMA_ARCH
 
     arch = device_arch(device)
     launcher = make_launcher(device)
@@ -712,7 +723,7 @@ def gpu_run(out_dir: Path, device) -> int:
                               "torch": torch.__version__, "budget_s": BUDGET_S, "shapes": []}
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "tune.json"
-    cands = candidate_list(SHAPES, CANDIDATE_LIMIT)
+    cands = candidate_list(SHAPES, CANDIDATE_LIMIT, wgmma=arch in WGMMA_ARCH)
     info: dict[str, dict] = {}
 
     def watchdog() -> None:

@@ -248,7 +248,7 @@ def test_tuned_entries_paste_into_tuned_and_pick_the_faster_backward(monkeypatch
     pasted, they launch those kernels."""
     tune = load_script()
     cfg = kernel_launch.PipeConfig
-    fwd, dq, dkdv = cfg(4, 64, 2), cfg(4, 64, 3), cfg(4, 64, 2, 3, 2)
+    fwd, dq, dkdv = cfg(4, 64, 2, wgmma=True), cfg(4, 64, 3), cfg(4, 64, 2, 3, 2)
     shape = {"shape": "bfloat16 B8 H12 T1024 D64", "production": {"fb": 1.0},
              "best": {"fb": 0.8, "pipe_configs": {"fwd": list(astuple(fwd)),
                                                   "bwd_dq": list(astuple(dq)),
@@ -267,8 +267,10 @@ def test_tuned_entries_paste_into_tuned_and_pick_the_faster_backward(monkeypatch
     launches = kernel_launch.tuned_launches(8, 12, 1024, 64, "bfloat16", "sm_90")
     assert list(launches) == ["fwd", "bwd_preprocess", "bwd_dkdv_ds", "bwd_dq_ds"]
     assert launches["bwd_dq_ds"].name == "attn_bwd_dq_ds<bf16_t, 64, 8, 128, 2, 0>"
+    assert launches["fwd"].name == "attn_fwd_wgmma<bf16_t, 64, 4, 64, 2, 0>"
+    assert '"fwd": PipeConfig(4, 64, 2, wgmma=True)' in line
     shape["best_ds"]["fb"] = 0.9  # now recomputing S and dP wins
     (line,) = tune.tuned_entries({"arch": "sm_90", "shapes": [shape]})
-    assert '"bwd_dq": PipeConfig(4, 64, 3, 0, 1)' in line and "_ds" not in line
+    assert '"bwd_dq": PipeConfig(4, 64, 3)' in line and "_ds" not in line
     shape["tuned_autograd"]["ok"] = False  # the custom op through it missed float64: no line
     assert tune.tuned_entries({"arch": "sm_90", "shapes": [shape]}) == []

@@ -119,7 +119,8 @@ def build_sanitizer_program(
 ) -> Path:
     """A standalone program that runs forward + backward once (see emu_sanitize_main.cpp):
     the production kernels, or with `pipe` the pipelined candidates of that config (no
-    launch-bounds promise, which the emulator ignores anyway)."""
+    launch-bounds promise, which the emulator ignores anyway), and where pipe.wgmma the sm_90a
+    forward beside them."""
     ctype = ELEMENT_TYPES[dtype][0]
     flags = [
         *SANITIZER_FLAGS[sanitizer],
@@ -131,6 +132,9 @@ def build_sanitizer_program(
         flags += [f"-DANDREA_SAN_PIPE_W={pipe.warps}", f"-DANDREA_SAN_PIPE_N={pipe.rows}",
                   f"-DANDREA_SAN_PIPE_S={pipe.stages}", f"-DANDREA_SAN_PIPE_P={pipe.passes}"]
         stem += f"-pipe-{pipe.warps}-{pipe.rows}-{pipe.stages}-{pipe.passes}"
+        if pipe.wgmma:
+            flags.append("-DANDREA_SAN_WGMMA")
+            stem += "-wgmma"
     return _build("emu_sanitize_main.cpp", flags, kernel_text, stem)
 
 

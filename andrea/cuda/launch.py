@@ -107,10 +107,12 @@ def nvrtc_options(arch: str) -> list[str]:
 CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
 
 
-def runtime_nvrtc_options(arch: str) -> list[str]:
-    """What NVRTC really gets when the runtime compiles for `arch`: nvrtc_options as passed,
-    then CuPy's additions (the compile tests build with these)."""
-    return [*nvrtc_options(arch), CUPY_ADDED_OPTIONS[0], f"-arch={arch}", *CUPY_ADDED_OPTIONS[1:]]
+def runtime_nvrtc_options(arch: str, device_arch: str | None = None) -> list[str]:
+    """What NVRTC really gets when the runtime compiles for `arch` on a GPU of `device_arch`
+    (default: arch): nvrtc_options as passed, then CuPy's additions, its -arch the device's
+    (the compile tests build with these)."""
+    return [*nvrtc_options(arch), CUPY_ADDED_OPTIONS[0], f"-arch={device_arch or arch}",
+            *CUPY_ADDED_OPTIONS[1:]]
 
 
 def module_names(name: str) -> tuple[str, ...]:
@@ -119,7 +121,7 @@ def module_names(name: str) -> tuple[str, ...]:
     the naive baseline (benchmarks only) is a module of its own, and so is each template
     instance TUNED names."""
     template, template_args = name[: name.index("<")], name[name.index("<") :]
-    if template in PIPE_TEMPLATES.values():  # a tuned kernel (TUNED): its own module
+    if template in (*PIPE_TEMPLATES.values(), *WGMMA_TEMPLATES.values()):  # TUNED: its own module
         return (name,)
     group = NAIVE_TEMPLATES if template in NAIVE_TEMPLATES.values() else KERNEL_TEMPLATES
     return tuple(f"{t}{template_args}" for t in group.values())
@@ -134,13 +136,15 @@ _MODULES_LOCK = threading.Lock()
 
 
 def compiled_module(source: str, arch: str, names: tuple[str, ...]) -> Any:
-    """A cupy.RawModule of `source` for `arch` (e.g. "sm_90") holding the instances `names`.
+    """A cupy.RawModule of `source` for `arch` (e.g. "sm_90") holding the instances `names`
+    (built for module_arch(arch, names): sm_90a for the wgmma kernels).
 
     Imports CuPy (only here); needs no torch, so a CuPy-only program (the compute-sanitizer
     case of scripts/gpu_check.sh) compiles exactly what the backend compiles.
     """
     import cupy
 
+    arch = module_arch(arch, names)
     options = tuple(nvrtc_options(arch))
     key = (hashlib.sha256(source.encode()).hexdigest(), arch, options, names)
     with _MODULES_LOCK:
@@ -306,6 +310,21 @@ PIPE_TEMPLATES = {
     "bwd_dq_ds": "attn_bwd_dq_ds",
 }
 DS_KERNELS = ("bwd_dkdv_ds", "bwd_dq_ds")
+# The sm_90a candidates (kernels/attn_hopper.cuh): a PipeConfig with wgmma=True names these.
+WGMMA_TEMPLATES = {"fwd": "attn_fwd_wgmma"}
+WGMMA_ARCH = {"sm_90": "sm_90a"}  # the GPU architecture -> the target with wgmma on it
+
+
+def module_arch(arch: str, names: tuple[str, ...] | list[str]) -> str:
+    """The target a module of `names` compiles for on a GPU of `arch`: the arch-specific one
+    (sm_90a) when it holds a wgmma kernel, which exists only there; else `arch` itself. NVRTC
+    builds for sm_90a also when CuPy appends its own -arch=sm_90 after ours."""
+    if not any(name[: name.index("<")] in WGMMA_TEMPLATES.values() for name in names):
+        return arch
+    if arch not in WGMMA_ARCH:
+        raise ValueError(f"{', '.join(names)}: wgmma kernels run only on {', '.join(WGMMA_ARCH)}, "
+                         f"not {arch}")
+    return WGMMA_ARCH[arch]
 DS_STRIDE_MULTIPLE = 128  # the dS buffer's row stride: T rounded up to this (tiles divide it)
 
 
@@ -323,18 +342,28 @@ DYNAMIC_SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1
 class PipeConfig:
     """One candidate: W warps (a block owns 16*W rows), N streamed rows per tile, STAGES-deep
     cp.async pipeline (1: synchronous, as the production kernels), MINB blocks per SM promised
-    to ptxas (0: none), PASSES column passes of a streamed tile in dK/dV."""
+    to ptxas (0: none), PASSES column passes of a streamed tile in dK/dV; WGMMA: the sm_90a
+    kernel (WGMMA_TEMPLATES; W a multiple of 4, a warpgroup per 64 rows) instead of mma.sync."""
 
     warps: int
     rows: int
     stages: int
     min_blocks: int = 0
     passes: int = 1
+    wgmma: bool = False
 
     def label(self) -> str:
         extra = f" minb{self.min_blocks}" if self.min_blocks else ""
         extra += f" p{self.passes}" if self.passes > 1 else ""
+        extra += " wgmma" if self.wgmma else ""
         return f"W{self.warps} N{self.rows} S{self.stages}{extra}"
+
+    def code(self) -> str:
+        """The config as Python, defaults left out: what a TUNED line says."""
+        args = [self.warps, self.rows, self.stages]
+        if self.min_blocks or self.passes != 1:
+            args += [self.min_blocks, self.passes][: 2 if self.passes != 1 else 1]
+        return f"PipeConfig({', '.join(map(str, args))}{', wgmma=True' if self.wgmma else ''})"
 
 
 # The tuned kernels, by GPU architecture: (arch, dtype, head_dim) -> kernel -> PipeConfig, the
@@ -379,20 +408,35 @@ def pipe_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig]:
     return found
 
 
+def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig]:
+    """The sm_90a (wgmma) candidates of a kernel: the forward in bf16 and fp16, a warpgroup or
+    two (W 4, 8), 64 or 128 keys a tile, 2 or 3 stages, where the shared memory fits sm_90's
+    227 KiB a block. None for the other kernels and dtypes."""
+    if kernel not in WGMMA_TEMPLATES or dtype not in ("bfloat16", "float16"):
+        return []
+    return [cfg for warps in (4, 8) for rows in (64, 128) for stages in (2, 3)
+            if pipe_shared_bytes(kernel, dtype, head_dim,
+                                 cfg := PipeConfig(warps, rows, stages, wgmma=True))
+            <= DYNAMIC_SHARED_LIMIT["sm_90"]]
+
+
 def pipe_name_expression(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -> str:
     """e.g. 'attn_fwd_pipe<bf16_t, 64, 4, 64, 2, 0>' (dK/dV: passes last)."""
     args = [ELEMENT_TYPES[dtype][0], head_dim, cfg.warps, cfg.rows, cfg.stages, cfg.min_blocks]
     if kernel in ("bwd_dkdv", "bwd_dkdv_ds"):
         args.append(cfg.passes)
-    return f"{PIPE_TEMPLATES[kernel]}<{', '.join(str(a) for a in args)}>"
+    template = (WGMMA_TEMPLATES if cfg.wgmma else PIPE_TEMPLATES)[kernel]
+    return f"{template}<{', '.join(str(a) for a in args)}>"
 
 
 def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -> int:
     """Dynamic shared memory of a candidate (PipeSmem<...>::bytes in the .cu file; dQ from dS:
-    DsSmem<...>::bytes)."""
+    DsSmem<...>::bytes; wgmma: HopperSmem<...>::bytes)."""
     kind = {"bwd_dkdv_ds": "dkdv"}.get(kernel, kernel.removeprefix("bwd_"))
     elem = ELEMENT_TYPES[dtype][1]
     m, ld = 16 * cfg.warps, head_dim + 16 // elem
+    if cfg.wgmma:  # HopperSmem: Q, then K and V a stage, unpadded core-matrix layout
+        return (m + cfg.stages * 2 * cfg.rows) * head_dim * elem
     if kind == "dq_ds":  # per stage an M x N dS tile and an N x D K tile
         return cfg.stages * (m * (cfg.rows + 16 // elem) + cfg.rows * ld) * elem
     a_tiles = 1 if kind == "fwd" else 2
@@ -410,6 +454,10 @@ def pipe_launch(kernel: str, batch: int, n_head: int, seq_len: int, head_dim: in
     # dK/dV's key block (16*W keys) and dQ's key tile (N) must end inside a dS row
     if DS_STRIDE_MULTIPLE % {"bwd_dkdv_ds": 16 * cfg.warps, "bwd_dq_ds": cfg.rows}.get(kernel, 1):
         raise ValueError(f"{kernel} {cfg.label()}: its keys must divide {DS_STRIDE_MULTIPLE}")
+    if cfg.wgmma and (kernel not in WGMMA_TEMPLATES or dtype == "float32" or cfg.warps % 4
+                      or cfg.rows not in (32, 64, 128)):
+        raise ValueError(f"{kernel} {cfg.label()} {dtype}: wgmma has {', '.join(WGMMA_TEMPLATES)}"
+                         " in bf16 and fp16, whole warpgroups (W a multiple of 4), N 32, 64 or 128")
     smem = pipe_shared_bytes(kernel, dtype, head_dim, cfg)
     return Launch(
         name=pipe_name_expression(kernel, dtype, head_dim, cfg),
@@ -432,12 +480,12 @@ def pipe_emulator_entries(names: list[tuple[str, str, int, PipeConfig]]) -> str:
         extra = f"{cfg.min_blocks}" + (f", {cfg.passes}" if dkdv else "")
         tile = f"{ctype}, {head_dim}, {cfg.warps}, {cfg.rows}, {cfg.stages}"
         layout = (f"DsSmem<{tile}>" if kernel == "bwd_dq_ds"
+                  else f"HopperSmem<{tile}>" if cfg.wgmma
                   else f"PipeSmem<{ctype}, {head_dim}, {kinds[kernel]}, {cfg.warps}, {cfg.rows}, "
                        f"{cfg.stages}>")
-        rows.append(
-            f'ANDREA_PIPE("{pipe_name_expression(kernel, dtype, head_dim, cfg)}", '
-            f"{PIPE_TEMPLATES[kernel]}, ({layout}::bytes), {tile}, {extra}),"
-        )
+        name = pipe_name_expression(kernel, dtype, head_dim, cfg)
+        rows.append(f'ANDREA_PIPE("{name}", {name[: name.index("<")]}, ({layout}::bytes), {tile}, '
+                    f"{extra}),")
     return "\n".join(rows) + "\n"
 
 

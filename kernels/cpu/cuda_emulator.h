@@ -17,8 +17,14 @@
 //    shared memory only at the wait_group that completes its group, and its destination reads
 //    as 0xff bytes until then, so a missing wait (or a missing barrier before a buffer is
 //    reused) gives NaNs here as it gives stale data on a GPU.
+//  - wgmma.mma_async (async_mma_issue, async_mma_commit, async_mma_wait): the kernel file gives
+//    each operation as a function of its accumulator; it runs only at the wait_group that
+//    completes its group, reading shared memory then, and the accumulator registers read as NaN
+//    from the issue until then; operations on one accumulator chain in issue order, as on the
+//    GPU. So a missing wait, or shared memory overwritten before it, shows here too.
 // Not emulated: memory ordering between threads without barriers (fibers are sequentially
-// consistent), warp divergence (collectives need all 32 lanes).
+// consistent), warp divergence (collectives need all 32 lanes), and the proxy and register
+// fences wgmma needs (fence.proxy.async, wgmma.fence): the emulator has one memory proxy.
 #pragma once
 
 #include <pthread.h>
@@ -31,6 +37,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -83,6 +90,20 @@ struct AsyncCopy {  // one cp.async in flight: the bytes read at issue and where
   unsigned char data[16];
 };
 
+// One wgmma in flight: what it does to its accumulator's true value when its group completes.
+struct AsyncMma {
+  float* acc;
+  std::function<void(float*)> run;
+};
+
+// An accumulator with operations in flight: its registers read NaN, its true value is here.
+struct InFlight {
+  float* acc;
+  int n;
+  int pending;
+  std::vector<float> value;
+};
+
 struct Thread {
   dim3 tid, bid;
   int linear = 0;
@@ -92,6 +113,9 @@ struct Thread {
   ucontext_t ctx;
   std::vector<AsyncCopy> uncommitted;            // cp.async issued since the last commit
   std::deque<std::vector<AsyncCopy>> committed;  // groups in commit order, oldest first
+  std::vector<AsyncMma> mma_uncommitted;           // wgmma issued since the last commit
+  std::deque<std::vector<AsyncMma>> mma_committed;
+  std::vector<InFlight> in_flight;
 };
 
 struct Launch {
@@ -202,6 +226,9 @@ inline void run_fibers(Launch& L) {
           t.parity = 0;
           t.uncommitted.clear();
           t.committed.clear();
+          t.mma_uncommitted.clear();
+          t.mma_committed.clear();
+          t.in_flight.clear();
           if (getcontext(&t.ctx) != 0) die("getcontext failed");
           t.ctx.uc_stack.ss_sp = &L.stacks[(size_t)i * kStack];
           t.ctx.uc_stack.ss_size = kStack;
@@ -239,6 +266,9 @@ inline void run_threads(Launch& L) {
             t.parity = 0;
             t.uncommitted.clear();
             t.committed.clear();
+            t.mma_uncommitted.clear();
+            t.mma_committed.clear();
+            t.in_flight.clear();
             if (L.dynamic_bytes) {  // thread 0 refills the block's; the others wait for it
               if (i == 0) std::memset(L.dynamic_shared.get(), 0xff, L.dynamic_bytes);
               pthread_barrier_wait(&L.tblock_bar);
@@ -315,6 +345,68 @@ inline void cp_async_wait(int pending) {
   while ((int)me.committed.size() > pending) {
     for (const AsyncCopy& c : me.committed.front()) std::memcpy(c.dst, c.data, c.bytes);
     me.committed.pop_front();
+  }
+}
+
+// The shared-memory address of p (an offset into the block's dynamic shared memory, the only
+// kind the wgmma kernels use), as cvta.to.shared gives it on a GPU.
+inline unsigned shared_address(const void* p) {
+  const Launch& L = *cur->launch;
+  const unsigned char* base = L.dynamic_shared.get();
+  const unsigned char* at = (const unsigned char*)p;
+  if (at < base || at >= base + L.dynamic_bytes) die("shared_address: not in dynamic shared memory");
+  return (unsigned)(at - base);
+}
+
+// n bytes of shared memory at address addr (an offset as shared_address gives).
+inline const unsigned char* shared_at(unsigned addr, size_t n) {
+  const Launch& L = *cur->launch;
+  if ((size_t)addr + n > L.dynamic_bytes) die("wgmma: descriptor reads past dynamic shared memory");
+  return L.dynamic_shared.get() + addr;
+}
+
+// wgmma.mma_async on this thread's n-float accumulator acc: run(value) does the product on the
+// accumulator's true value when its group completes; until then acc reads NaN.
+inline void async_mma_issue(float* acc, int n, std::function<void(float*)> run) {
+  Thread& me = *cur;
+  InFlight* f = nullptr;
+  for (InFlight& x : me.in_flight)
+    if (x.acc == acc) f = &x;
+  if (f == nullptr) {
+    me.in_flight.push_back(InFlight{acc, n, 0, std::vector<float>(acc, acc + n)});
+    f = &me.in_flight.back();
+    for (int i = 0; i < n; ++i) acc[i] = std::nanf("");
+  } else if (f->n != n) {
+    die("wgmma: one accumulator issued with two sizes");
+  }
+  ++f->pending;
+  me.mma_uncommitted.push_back(AsyncMma{acc, std::move(run)});
+}
+
+inline void async_mma_commit() {
+  Thread& me = *cur;
+  me.mma_committed.push_back(std::move(me.mma_uncommitted));
+  me.mma_uncommitted.clear();
+}
+
+// wgmma.wait_group: at most `pending` groups stay in flight; the older ones complete in order,
+// and an accumulator with nothing left in flight gets its value back.
+inline void async_mma_wait(int pending) {
+  Thread& me = *cur;
+  while ((int)me.mma_committed.size() > pending) {
+    for (AsyncMma& op : me.mma_committed.front()) {
+      for (size_t i = 0; i < me.in_flight.size(); ++i) {
+        InFlight& f = me.in_flight[i];
+        if (f.acc != op.acc) continue;
+        op.run(f.value.data());
+        if (--f.pending == 0) {
+          std::copy(f.value.begin(), f.value.end(), f.acc);
+          me.in_flight.erase(me.in_flight.begin() + i);
+        }
+        break;
+      }
+    }
+    me.mma_committed.pop_front();
   }
 }
 

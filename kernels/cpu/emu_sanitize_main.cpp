@@ -4,7 +4,9 @@
 // ThreadSanitizer tracks. Runs forward + backward once for ANDREA_SAN_TYPE / ANDREA_SAN_D.
 // With ANDREA_SAN_PIPE_W (and _N, _S, _P) it runs the pipelined candidates attn_*_pipe of that
 // W, N, STAGES (dK/dV PASSES) instead, then the backward through dS (attn_bwd_dkdv_ds,
-// attn_bwd_dq_ds) at the same tiles, each block's dynamic shared memory its exact size.
+// attn_bwd_dq_ds) at the same tiles, each block's dynamic shared memory its exact size. With
+// ANDREA_SAN_WGMMA too, the sm_90a forward attn_fwd_wgmma at the same tiles (W a multiple of 4).
+// Each variant must give the pipelined kernels' bits, or the program exits 1.
 // Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
 #include "cuda_emulator.h"
 #include "microgpt_cuda.cu"  // as in emu_entry.cpp: the kernel source, parts written in place
@@ -88,6 +90,21 @@ int main(int argc, char** argv) {
       pgrid, pblock, mode,
       [&] { attn_bwd_dq_ds<T_, D, W, N, S, 0>(k, ds, dq2, seq_len, stride, scale); },
       DsSmem<T_, D, W, N, S>::bytes);
+#if defined(ANDREA_SAN_WGMMA)
+  T_* o2 = new T_[n];
+  float* lse2 = new float[rows];
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] { attn_fwd_wgmma<T_, D, W, N, S, 0>(q, k, v, o2, lse2, seq_len, scale); },
+      HopperSmem<T_, D, W, N, S>::bytes);
+  const bool same_forward = std::memcmp(o, o2, n * sizeof(T_)) == 0 &&
+                            std::memcmp(lse, lse2, rows * sizeof(float)) == 0;
+  delete[] o2; delete[] lse2;
+  if (!same_forward) {
+    std::fprintf(stderr, "the wgmma forward differs from the pipelined forward\n");
+    return 1;
+  }
+#endif
   const bool same = std::memcmp(dq, dq2, n * sizeof(T_)) == 0 &&
                     std::memcmp(dk, dk2, n * sizeof(T_)) == 0 &&
                     std::memcmp(dv, dv2, n * sizeof(T_)) == 0;

@@ -1,0 +1,325 @@
+// attn_hopper.cuh - the sm_90a forward attn_fwd_wgmma: the pipelined forward (attn_fwd_pipe)
+// with its two products on wgmma, Hopper's warpgroup MMA (4 warps, 64 rows, operands read from
+// shared memory by the tensor cores themselves, asynchronously). A warpgroup owns 64 query
+// rows, W/4 of them a block; S = Q K^T reads Q and K from shared memory, O += P V takes P from
+// registers (the C -> A fragment repack of the mma.sync path) and V from shared memory,
+// transposed by the instruction. Tiles sit in shared memory in wgmma's no-swizzle core-matrix
+// layout (cm_offset), loaded by the same cp.async pipeline (pipe_advance with WGMMA_READS).
+// Built only for sm_90a (andrea.cuda.launch.module_arch); elsewhere its bodies are empty. The
+// emulator runs it (cuda_emulator.h's async_mma_*: an operation happens at its wait_group).
+// Part of microgpt_cuda.cu, after attn_pipe.cuh.
+
+// Element offset of (r, c) in a tile of D columns of 16-bit elements in the core-matrix layout:
+// 8 x 8 blocks of 128 contiguous bytes (8 rows of 16 bytes), a row of D/8 blocks per 8 rows.
+// wgmma reads a block as one core matrix; its descriptor's strides say where the next one is.
+template <int D> __device__ __forceinline__ int cm_offset(int r, int c) {
+  return ((r >> 3) * (D / 8) + (c >> 3)) * 64 + (r & 7) * 8 + (c & 7);
+}
+
+// ROWS rows from row0 of a [seq_len, D] slice into the core-matrix layout through cp.async;
+// rows at or past seq_len land as zeros. Eight consecutive threads fill one 128-byte block, so
+// the shared-memory writes do not conflict.
+template <typename T_, int D, int ROWS>
+__device__ __forceinline__ void load_tile_cm_async(T_* dst, const T_* src, int row0,
+                                                   int seq_len) {
+  static_assert(sizeof(T_) == 2 && ROWS % 8 == 0, "16-bit elements, whole core matrices");
+  constexpr int CH = D / 8;  // 16-byte chunks of a row
+  for (int i = threadIdx.x; i < ROWS * CH; i += blockDim.x) {
+    const int r = (i / (8 * CH)) * 8 + (i & 7), c = (i / 8) % CH;
+    const bool in = row0 + r < seq_len;  // bounds: rows past the sequence land as zeros
+    cp_async<16>(dst + cm_offset<D>(r, c * 8), in ? src + (long long)(row0 + r) * D + c * 8 : src,
+                 in);
+  }
+}
+
+// The shared-memory address of p (sm_90: the shared window's; emulator: the offset into the
+// block's dynamic shared memory, which is where wgmma_emulated reads).
+__device__ __forceinline__ u32 shared_address(const void* p) {
+#if defined(ANDREA_EMULATOR)
+  return andrea_emu::shared_address(p);
+#elif defined(__CUDA_ARCH__)
+  u32 addr;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+               : "=r"(addr)
+               : "l"(p));
+  return addr;
+#else
+  return 0;
+#endif
+}
+
+// A wgmma matrix descriptor, no swizzle: start address, LBO (bytes from a core matrix to the
+// next along K) and SBO (to the next along M or N), each stored >> 4 in 14 bits.
+__device__ __forceinline__ u64 wgmma_desc(const void* start, u32 lbo, u32 sbo) {
+  return (u64)((shared_address(start) & 0x3ffffu) >> 4) | ((u64)(lbo >> 4) << 16) |
+         ((u64)(sbo >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_fence() {  // registers written before are seen by wgmma
+#if defined(ANDREA_WGMMA)
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(ANDREA_WGMMA)
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#elif defined(ANDREA_EMULATOR)
+  andrea_emu::async_mma_commit();
+#endif
+}
+
+// Waits until at most PENDING committed groups of this thread's wgmma are still in flight.
+template <int PENDING> __device__ __forceinline__ void wgmma_wait() {
+#if defined(ANDREA_WGMMA)
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+#elif defined(ANDREA_EMULATOR)
+  andrea_emu::async_mma_wait(PENDING);
+#endif
+}
+
+// Keeps the compiler from moving reads or writes of an accumulator across the asynchronous
+// region (the registers belong to the tensor cores from issue to wait).
+template <int R> __device__ __forceinline__ void wgmma_fence_operands(float (&d)[R]) {
+#if defined(ANDREA_WGMMA)
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+#else
+  (void)d;
+#endif
+}
+
+template <int R> __device__ __forceinline__ float (&flat(float (&x)[R][4]))[4 * R] {
+  return *reinterpret_cast<float(*)[4 * R]>(&x[0][0]);
+}
+
+#if defined(ANDREA_EMULATOR)
+// Element (mn, k) of a wgmma operand in shared memory, no swizzle (PTX ISA, "Shared Memory
+// Matrix Layout", canonical layouts): K-major, a core matrix's 8 rows are 8 mn, 16 bytes of k
+// each; MN-major (trans), 8 rows of k, 16 bytes of mn each. LBO steps 8 k, SBO 8 mn.
+template <typename T_> float wgmma_operand(u64 desc, int mn, int k, bool mn_major) {
+  if (desc >> 62) andrea_emu::die("wgmma: only the no-swizzle layout is emulated");
+  const u32 start = (u32)(desc & 0x3fffu) << 4, lbo = (u32)((desc >> 16) & 0x3fffu) << 4;
+  const u32 sbo = (u32)((desc >> 32) & 0x3fffu) << 4;
+  const u32 within = mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2;
+  const u32 at = start + (mn / 8) * sbo + (k / 8) * lbo + within;
+  u16 bits;
+  std::memcpy(&bits, andrea_emu::shared_at(at, 2), 2);
+  return elem16(bits, 0, T_{});
+}
+
+// wgmma.mma_async.m64nNk16 .f32 on this lane's part of the accumulator (warp w of the
+// warpgroup: rows 16w + g and 16w + g + 8, columns 8j + 2t, +1, as mma.sync's C fragments per
+// n8 block j): acc += A (64 x 16) * B (16 x N), products exact in float, summed over k in
+// order. A from shared memory (a_regs null) or the warp's A fragments of all 32 lanes.
+template <typename T_, int N>
+void wgmma_emulated(float* acc, int warp, int lane, u64 adesc, const u32 (*a_regs)[4], u64 bdesc,
+                    bool trans_b, int scale_d) {
+  const int g = lane >> 2, t = lane & 3;
+  for (int j = 0; j < N / 8; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const int r = g + (i >= 2 ? 8 : 0), col = 8 * j + 2 * t + (i & 1);
+      float s = scale_d ? acc[4 * j + i] : 0.0f;
+      for (int k = 0; k < 16; ++k) {
+        const float a = a_regs ? elem16(a_regs[(r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)],
+                                        k & 1, T_{})
+                               : wgmma_operand<T_>(adesc, 16 * warp + r, k, false);
+        s += a * wgmma_operand<T_>(bdesc, col, k, trans_b);
+      }
+      acc[4 * j + i] = s;
+    }
+}
+#endif
+
+// The wgmma instructions this file issues: m64nNk16, f32 accumulators (N/2 a thread), bf16 or
+// f16 operands; SS: A and B from shared memory (both K-major); RS: A from registers, B from
+// shared memory, MN-major where TRANS_B. scale_d 0 overwrites the accumulator.
+#define ANDREA_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define ANDREA_R32                                                                              \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define ANDREA_R64                                                                              \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
+  "%56, %57, %58, %59, %60, %61, %62, %63}"
+#define ANDREA_ACC4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define ANDREA_ACC16(d, i) \
+  ANDREA_ACC4(d, i), ANDREA_ACC4(d, i + 4), ANDREA_ACC4(d, i + 8), ANDREA_ACC4(d, i + 12)
+#define ANDREA_ACC32(d) ANDREA_ACC16(d, 0), ANDREA_ACC16(d, 16)
+#define ANDREA_ACC64(d) ANDREA_ACC32(d), ANDREA_ACC16(d, 32), ANDREA_ACC16(d, 48)
+// SS: operands after the accumulators: a-desc, b-desc, scale-d.
+#define ANDREA_WGMMA_SS(NN, TY, REGS, IA, IB, IS, ...)                                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IS ", 0;\n"                               \
+               "wgmma.mma_async.sync.aligned.m64n" #NN "k16.f32." TY "." TY " " REGS           \
+               ", %" #IA ", %" #IB ", p, 1, 1, 0, 0;\n}\n"                                     \
+               : __VA_ARGS__                                                                   \
+               : "l"(adesc), "l"(bdesc), "r"(scale_d))
+// RS: a0..a3, b-desc, scale-d, imm-trans-b.
+#define ANDREA_WGMMA_RS(NN, TY, REGS, A0, A1, A2, A3, IB, IS, IT, ...)                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IS ", 0;\n"                               \
+               "wgmma.mma_async.sync.aligned.m64n" #NN "k16.f32." TY "." TY " " REGS           \
+               ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #IB ", p, 1, 1, %" #IT ";\n}\n" \
+               : __VA_ARGS__                                                                   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bdesc), "r"(scale_d),         \
+                 "n"(TRANS_B ? 1 : 0))
+
+template <typename T_> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<bf16_t> { static constexpr bool value = true; };
+
+template <typename T_, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 adesc, u64 bdesc, int scale_d) {
+  static_assert(N == 32 || N == 64 || N == 128, "the instances this file issues");
+#if defined(ANDREA_WGMMA)
+  constexpr bool BF16 = IsBf16<T_>::value;
+  if constexpr (BF16 && N == 32) ANDREA_WGMMA_SS(32, "bf16", ANDREA_R16, 16, 17, 18, ANDREA_ACC16(d, 0));
+  if constexpr (BF16 && N == 64) ANDREA_WGMMA_SS(64, "bf16", ANDREA_R32, 32, 33, 34, ANDREA_ACC32(d));
+  if constexpr (BF16 && N == 128) ANDREA_WGMMA_SS(128, "bf16", ANDREA_R64, 64, 65, 66, ANDREA_ACC64(d));
+  if constexpr (!BF16 && N == 32) ANDREA_WGMMA_SS(32, "f16", ANDREA_R16, 16, 17, 18, ANDREA_ACC16(d, 0));
+  if constexpr (!BF16 && N == 64) ANDREA_WGMMA_SS(64, "f16", ANDREA_R32, 32, 33, 34, ANDREA_ACC32(d));
+  if constexpr (!BF16 && N == 128) ANDREA_WGMMA_SS(128, "f16", ANDREA_R64, 64, 65, 66, ANDREA_ACC64(d));
+#elif defined(ANDREA_EMULATOR)
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
+  andrea_emu::async_mma_issue(d, N / 2, [=](float* acc) {
+    wgmma_emulated<T_, N>(acc, warp, lane, adesc, nullptr, bdesc, false, scale_d);
+  });
+#endif
+}
+
+template <typename T_, int N, bool TRANS_B>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 bdesc,
+                                         int scale_d) {
+  static_assert(N == 32 || N == 64 || N == 128, "the instances this file issues");
+#if defined(ANDREA_WGMMA)
+  constexpr bool BF16 = IsBf16<T_>::value;
+  if constexpr (BF16 && N == 32) ANDREA_WGMMA_RS(32, "bf16", ANDREA_R16, 16, 17, 18, 19, 20, 21, 22, ANDREA_ACC16(d, 0));
+  if constexpr (BF16 && N == 64) ANDREA_WGMMA_RS(64, "bf16", ANDREA_R32, 32, 33, 34, 35, 36, 37, 38, ANDREA_ACC32(d));
+  if constexpr (BF16 && N == 128) ANDREA_WGMMA_RS(128, "bf16", ANDREA_R64, 64, 65, 66, 67, 68, 69, 70, ANDREA_ACC64(d));
+  if constexpr (!BF16 && N == 32) ANDREA_WGMMA_RS(32, "f16", ANDREA_R16, 16, 17, 18, 19, 20, 21, 22, ANDREA_ACC16(d, 0));
+  if constexpr (!BF16 && N == 64) ANDREA_WGMMA_RS(64, "f16", ANDREA_R32, 32, 33, 34, 35, 36, 37, 38, ANDREA_ACC32(d));
+  if constexpr (!BF16 && N == 128) ANDREA_WGMMA_RS(128, "f16", ANDREA_R64, 64, 65, 66, 67, 68, 69, 70, ANDREA_ACC64(d));
+#elif defined(ANDREA_EMULATOR)
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
+  u32 mine[4] = {a[0], a[1], a[2], a[3]}, all[32][4];
+  warp_allgather(mine, all);  // the warp's A fragments, as the instruction takes them at issue
+  struct Frags {
+    u32 r[32][4];
+  } frags;
+  std::memcpy(frags.r, all, sizeof(all));
+  andrea_emu::async_mma_issue(d, N / 2, [=](float* acc) {
+    wgmma_emulated<T_, N>(acc, warp, lane, 0, frags.r, bdesc, TRANS_B, scale_d);
+  });
+#endif
+}
+#undef ANDREA_R16
+#undef ANDREA_R32
+#undef ANDREA_R64
+#undef ANDREA_ACC4
+#undef ANDREA_ACC16
+#undef ANDREA_ACC32
+#undef ANDREA_ACC64
+#undef ANDREA_WGMMA_SS
+#undef ANDREA_WGMMA_RS
+
+// Dynamic shared memory of attn_fwd_wgmma (andrea.cuda.launch's pipe_shared_bytes mirrors
+// `bytes`): Q (M x D), then STAGES pairs of K and V tiles (N x D each), all in the core-matrix
+// layout, no padding (a core matrix is 128 contiguous bytes: no bank conflicts to pad away).
+template <typename T_, int D, int W, int N, int STAGES> struct HopperSmem {
+  static constexpr int M = 16 * W, TILE_N = N * D;
+  static constexpr int B = M * D * (int)sizeof(T_);
+  static constexpr int bytes = B + STAGES * 2 * TILE_N * (int)sizeof(T_);
+  static_assert(W % 4 == 0 && STAGES >= 1, "whole warpgroups, a stage");
+};
+
+// The forward on wgmma: W warps (W/4 warpgroups of 64 query rows), N keys a tile, STAGES-deep
+// cp.async pipeline; launched as attn_fwd_pipe with the same (W, N, STAGES).
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_fwd_wgmma(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
+                   T_* __restrict__ o, float* __restrict__ lse, int seq_len, float scale) {
+#if defined(ANDREA_WGMMA) || defined(ANDREA_EMULATOR)
+  static_assert(UsesMma<T_>::value, "wgmma takes bf16 or fp16");
+  using L = HopperSmem<T_, D, W, N, STAGES>;
+  constexpr int M = L::M, ROW8 = D / 8 * 64;  // elements in 8 rows of a tile
+  constexpr u32 CM_BYTES = 128, ROW8_BYTES = ROW8 * 2;
+  ANDREA_DYNAMIC_SHARED(smem);
+  T_* const qs = (T_*)smem;
+  T_* const kv = (T_*)(smem + L::B);  // stage s: K at kv + 2s*TILE_N, V after it
+  const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * M;  // heaviest causal tiles first
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const float sl2 = scale * ANDREA_LOG2E;
+  const int row0 = q0 + group * 64 + warp * 16;  // this warp's first row
+  const int last = imin(q0 + M, seq_len) - 1;
+  const int n_tiles = last / N + 1;
+  const T_* const qg = qs + group * 8 * ROW8;  // this warpgroup's 64 rows
+
+  const auto load_kv = [&](int stage, int tile) {
+    load_tile_cm_async<T_, D, N>(kv + 2 * stage * L::TILE_N, k + base, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N>(kv + (2 * stage + 1) * L::TILE_N, v + base, tile * N, seq_len);
+  };
+  load_tile_cm_async<T_, D, M>(qs, q + base, q0, seq_len);  // joins the first group
+  pipe_prologue<STAGES>(n_tiles, load_kv);
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  float m_run[2] = {-inf_f(), -inf_f()}, l_run[2] = {0.0f, 0.0f};
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n0 = it * N;
+    const T_* ks = kv + 2 * (it % STAGES) * L::TILE_N;
+    const T_* vs = ks + L::TILE_N;
+    pipe_advance<STAGES, true>(it, n_tiles, load_kv);
+
+    // S = Q K^T: D/16 steps of k16, Q (A) and K (B) K-major.
+    float s[N / 8][4];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    wgmma_fence();
+    wgmma_fence_operands(flat(s));
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T_, N>(flat(s), wgmma_desc(qg + kk * 128, CM_BYTES, ROW8_BYTES),
+                      wgmma_desc(ks + kk * 128, CM_BYTES, ROW8_BYTES), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(flat(s));
+
+    online_softmax_tile<N, D>(s, acc, m_run, l_run, row0 + g, n0,
+                              n0 + N - 1 > q0 || n0 + N > seq_len, seq_len, sl2);
+
+    // O += P V: N/16 steps of k16, P's C fragments repacked as A (all before the fence, which
+    // orders register writes before wgmma reads them), V (B) MN-major.
+    u32 pf[N / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+      pf[kk][0] = pack2(s[2 * kk][0], s[2 * kk][1], T_{});
+      pf[kk][1] = pack2(s[2 * kk][2], s[2 * kk][3], T_{});
+      pf[kk][2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], T_{});
+      pf[kk][3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], T_{});
+    }
+    wgmma_fence();
+    wgmma_fence_operands(flat(acc));
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk)
+      wgmma_rs<T_, D, true>(flat(acc), pf[kk], wgmma_desc(vs + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES),
+                            1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(flat(acc));
+  }
+  cp_async_wait<0>();  // nothing left in flight when the block ends (only empty groups)
+
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_sum(l_run[h]);
+    inv[h] = 1.0f / l;
+    const int row = row0 + g + 8 * h;
+    if (t == 0 && row < seq_len)  // bounds: no rows past the sequence
+      lse[(long long)blockIdx.y * seq_len + row] = (m_run[h] + log2f(l)) * ANDREA_LN2;
+  }
+  store_rows<T_, D>(o + base, acc, row0, seq_len, inv[0], inv[1]);
+#endif
+}
