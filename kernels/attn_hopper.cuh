@@ -1,13 +1,18 @@
-// attn_hopper.cuh - the sm_90a forward attn_fwd_wgmma: the pipelined forward (attn_fwd_pipe)
-// with its two products on wgmma, Hopper's warpgroup MMA (4 warps, 64 rows, operands read from
-// shared memory by the tensor cores themselves, asynchronously). A warpgroup owns 64 query
-// rows, W/4 of them a block; S = Q K^T reads Q and K from shared memory, O += P V takes P from
-// registers (the C -> A fragment repack of the mma.sync path) and V from shared memory,
-// transposed by the instruction. Tiles sit in shared memory in wgmma's no-swizzle core-matrix
-// layout (cm_offset), loaded by the same cp.async pipeline (pipe_advance with WGMMA_READS).
-// Built only for sm_90a (andrea.cuda.launch.module_arch); elsewhere its bodies are empty. The
-// emulator runs it (cuda_emulator.h's async_mma_*: an operation happens at its wait_group).
-// Part of microgpt_cuda.cu, after attn_pipe.cuh.
+// attn_hopper.cuh - the sm_90a candidates on wgmma, Hopper's warpgroup MMA (4 warps, 64 rows,
+// operands read from shared memory by the tensor cores themselves, asynchronously):
+//   attn_fwd_wgmma           the pipelined forward (attn_fwd_pipe) with its two products on it
+//   attn_bwd_dkdv_ds_wgmma   dK/dV writing dS (attn_bwd_dkdv_ds), its four products on it
+//   attn_bwd_dq_ds_wgmma     dQ = scale * dS K (attn_bwd_dq_ds) on it
+// A warpgroup owns 64 rows (queries; keys in dK/dV), W/4 of them a block. Products whose A
+// operand was just computed (P, dS) take it from registers (the C -> A fragment repack of the
+// mma.sync path); the others read both operands from shared memory, the streamed tiles
+// transposed by the instruction where needed (MN-major). Tiles sit in shared memory in wgmma's
+// no-swizzle core-matrix layout (cm_offset), loaded by the same cp.async pipeline (pipe_advance
+// with WGMMA_READS). Per output element each sums the same products in the same order as its
+// mma.sync twin, so on the emulator the two give the same bits. Built only for sm_90a
+// (andrea.cuda.launch.module_arch); elsewhere the bodies are empty. The emulator runs them
+// (cuda_emulator.h's async_mma_*: an operation happens at its wait_group). Part of
+// microgpt_cuda.cu, after attn_pipe.cuh.
 
 // Element offset of (r, c) in a tile of D columns of 16-bit elements in the core-matrix layout:
 // 8 x 8 blocks of 128 contiguous bytes (8 rows of 16 bytes), a row of D/8 blocks per 8 rows.
@@ -16,20 +21,28 @@ template <int D> __device__ __forceinline__ int cm_offset(int r, int c) {
   return ((r >> 3) * (D / 8) + (c >> 3)) * 64 + (r & 7) * 8 + (c & 7);
 }
 
-// ROWS rows from row0 of a [seq_len, D] slice into the core-matrix layout through cp.async;
-// rows at or past seq_len land as zeros. Eight consecutive threads fill one 128-byte block, so
-// the shared-memory writes do not conflict.
+// ROWS x COLS elements from (row0, col0) of a row-major matrix with row stride `stride` into the
+// core-matrix layout (a tile of COLS columns) through cp.async; rows at or past `rows` land as
+// zeros. Eight consecutive threads fill one 128-byte block, so the shared-memory writes do not
+// conflict.
+template <typename T_, int ROWS, int COLS>
+__device__ __forceinline__ void load_block_cm_async(T_* dst, const T_* src, int stride, int row0,
+                                                    int col0, int rows) {
+  static_assert(sizeof(T_) == 2 && ROWS % 8 == 0 && COLS % 8 == 0, "whole core matrices");
+  constexpr int CH = COLS / 8;  // 16-byte chunks of a row
+  for (int i = threadIdx.x; i < ROWS * CH; i += blockDim.x) {
+    const int r = (i / (8 * CH)) * 8 + (i & 7), c = (i / 8) % CH;
+    const bool in = row0 + r < rows;  // bounds: zeros land for rows past the matrix
+    cp_async<16>(dst + cm_offset<COLS>(r, c * 8),
+                 in ? src + (long long)(row0 + r) * stride + col0 + c * 8 : src, in);
+  }
+}
+
+// ROWS rows from row0 of a [seq_len, D] slice (rows past seq_len land as zeros).
 template <typename T_, int D, int ROWS>
 __device__ __forceinline__ void load_tile_cm_async(T_* dst, const T_* src, int row0,
                                                    int seq_len) {
-  static_assert(sizeof(T_) == 2 && ROWS % 8 == 0, "16-bit elements, whole core matrices");
-  constexpr int CH = D / 8;  // 16-byte chunks of a row
-  for (int i = threadIdx.x; i < ROWS * CH; i += blockDim.x) {
-    const int r = (i / (8 * CH)) * 8 + (i & 7), c = (i / 8) % CH;
-    const bool in = row0 + r < seq_len;  // bounds: rows past the sequence land as zeros
-    cp_async<16>(dst + cm_offset<D>(r, c * 8), in ? src + (long long)(row0 + r) * D + c * 8 : src,
-                 in);
-  }
+  load_block_cm_async<T_, ROWS, D>(dst, src, D, row0, 0, seq_len);
 }
 
 // The shared-memory address of p (sm_90: the shared window's; emulator: the offset into the
@@ -133,7 +146,7 @@ void wgmma_emulated(float* acc, int warp, int lane, u64 adesc, const u32 (*a_reg
 
 // The wgmma instructions this file issues: m64nNk16, f32 accumulators (N/2 a thread), bf16 or
 // f16 operands; SS: A and B from shared memory (both K-major); RS: A from registers, B from
-// shared memory, MN-major where TRANS_B. scale_d 0 overwrites the accumulator.
+// shared memory; B MN-major where TRANS_B. scale_d 0 overwrites the accumulator.
 #define ANDREA_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define ANDREA_R32                                                                              \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
@@ -148,13 +161,13 @@ void wgmma_emulated(float* acc, int warp, int lane, u64 adesc, const u32 (*a_reg
   ANDREA_ACC4(d, i), ANDREA_ACC4(d, i + 4), ANDREA_ACC4(d, i + 8), ANDREA_ACC4(d, i + 12)
 #define ANDREA_ACC32(d) ANDREA_ACC16(d, 0), ANDREA_ACC16(d, 16)
 #define ANDREA_ACC64(d) ANDREA_ACC32(d), ANDREA_ACC16(d, 32), ANDREA_ACC16(d, 48)
-// SS: operands after the accumulators: a-desc, b-desc, scale-d.
-#define ANDREA_WGMMA_SS(NN, TY, REGS, IA, IB, IS, ...)                                         \
+// SS: operands after the accumulators: a-desc, b-desc, scale-d, imm-trans-b (A K-major).
+#define ANDREA_WGMMA_SS(NN, TY, REGS, IA, IB, IS, IT, ...)                                     \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IS ", 0;\n"                               \
                "wgmma.mma_async.sync.aligned.m64n" #NN "k16.f32." TY "." TY " " REGS           \
-               ", %" #IA ", %" #IB ", p, 1, 1, 0, 0;\n}\n"                                     \
+               ", %" #IA ", %" #IB ", p, 1, 1, 0, %" #IT ";\n}\n"                              \
                : __VA_ARGS__                                                                   \
-               : "l"(adesc), "l"(bdesc), "r"(scale_d))
+               : "l"(adesc), "l"(bdesc), "r"(scale_d), "n"(TRANS_B ? 1 : 0))
 // RS: a0..a3, b-desc, scale-d, imm-trans-b.
 #define ANDREA_WGMMA_RS(NN, TY, REGS, A0, A1, A2, A3, IB, IS, IT, ...)                        \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IS ", 0;\n"                               \
@@ -167,21 +180,21 @@ void wgmma_emulated(float* acc, int warp, int lane, u64 adesc, const u32 (*a_reg
 template <typename T_> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<bf16_t> { static constexpr bool value = true; };
 
-template <typename T_, int N>
+template <typename T_, int N, bool TRANS_B>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 adesc, u64 bdesc, int scale_d) {
   static_assert(N == 32 || N == 64 || N == 128, "the instances this file issues");
 #if defined(ANDREA_WGMMA)
   constexpr bool BF16 = IsBf16<T_>::value;
-  if constexpr (BF16 && N == 32) ANDREA_WGMMA_SS(32, "bf16", ANDREA_R16, 16, 17, 18, ANDREA_ACC16(d, 0));
-  if constexpr (BF16 && N == 64) ANDREA_WGMMA_SS(64, "bf16", ANDREA_R32, 32, 33, 34, ANDREA_ACC32(d));
-  if constexpr (BF16 && N == 128) ANDREA_WGMMA_SS(128, "bf16", ANDREA_R64, 64, 65, 66, ANDREA_ACC64(d));
-  if constexpr (!BF16 && N == 32) ANDREA_WGMMA_SS(32, "f16", ANDREA_R16, 16, 17, 18, ANDREA_ACC16(d, 0));
-  if constexpr (!BF16 && N == 64) ANDREA_WGMMA_SS(64, "f16", ANDREA_R32, 32, 33, 34, ANDREA_ACC32(d));
-  if constexpr (!BF16 && N == 128) ANDREA_WGMMA_SS(128, "f16", ANDREA_R64, 64, 65, 66, ANDREA_ACC64(d));
+  if constexpr (BF16 && N == 32) ANDREA_WGMMA_SS(32, "bf16", ANDREA_R16, 16, 17, 18, 19, ANDREA_ACC16(d, 0));
+  if constexpr (BF16 && N == 64) ANDREA_WGMMA_SS(64, "bf16", ANDREA_R32, 32, 33, 34, 35, ANDREA_ACC32(d));
+  if constexpr (BF16 && N == 128) ANDREA_WGMMA_SS(128, "bf16", ANDREA_R64, 64, 65, 66, 67, ANDREA_ACC64(d));
+  if constexpr (!BF16 && N == 32) ANDREA_WGMMA_SS(32, "f16", ANDREA_R16, 16, 17, 18, 19, ANDREA_ACC16(d, 0));
+  if constexpr (!BF16 && N == 64) ANDREA_WGMMA_SS(64, "f16", ANDREA_R32, 32, 33, 34, 35, ANDREA_ACC32(d));
+  if constexpr (!BF16 && N == 128) ANDREA_WGMMA_SS(128, "f16", ANDREA_R64, 64, 65, 66, 67, ANDREA_ACC64(d));
 #elif defined(ANDREA_EMULATOR)
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
   andrea_emu::async_mma_issue(d, N / 2, [=](float* acc) {
-    wgmma_emulated<T_, N>(acc, warp, lane, adesc, nullptr, bdesc, false, scale_d);
+    wgmma_emulated<T_, N>(acc, warp, lane, adesc, nullptr, bdesc, TRANS_B, scale_d);
   });
 #endif
 }
@@ -221,13 +234,32 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u
 #undef ANDREA_WGMMA_SS
 #undef ANDREA_WGMMA_RS
 
-// Dynamic shared memory of attn_fwd_wgmma (andrea.cuda.launch's pipe_shared_bytes mirrors
-// `bytes`): Q (M x D), then STAGES pairs of K and V tiles (N x D each), all in the core-matrix
-// layout, no padding (a core matrix is 128 contiguous bytes: no bank conflicts to pad away).
-template <typename T_, int D, int W, int N, int STAGES> struct HopperSmem {
-  static constexpr int M = 16 * W, TILE_N = N * D;
-  static constexpr int B = M * D * (int)sizeof(T_);
-  static constexpr int bytes = B + STAGES * 2 * TILE_N * (int)sizeof(T_);
+// P (or dS) of a warp's rows as wgmma's A fragments for k16 steps over the tile's columns: the C
+// fragments of n8 blocks 2kk and 2kk+1 rounded to the element type (warp_gemm_rs's repack).
+template <typename T_, int N>
+__device__ __forceinline__ void repack_a(u32 (&a)[N / 16][4], const float (&c)[N / 8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N / 16; ++kk) {
+    a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1], T_{});
+    a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3], T_{});
+    a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1], T_{});
+    a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3], T_{});
+  }
+}
+
+// Dynamic shared memory of the wgmma kernels (byte offsets; andrea.cuda.launch's
+// pipe_shared_bytes mirrors `bytes`), all tiles in the core-matrix layout, no padding (a core
+// matrix is 128 contiguous bytes: no bank conflicts to pad away). The owned tiles (M x D each:
+// Q; K and V for dK/dV; none for dQ), then STAGES stages of streamed tiles: forward K and V,
+// dK/dV Q and dO (N x D each), dQ a dS tile (M x N) and a K tile (N x D); then dK/dV's per-stage
+// statistics (lse and delta of the stage's N queries).
+template <typename T_, int D, int K, int W, int N, int STAGES> struct HopperSmem {
+  static constexpr int M = 16 * W;
+  static constexpr int A_TILES = K == KIND_FWD ? 1 : (K == KIND_DKDV ? 2 : 0);
+  static constexpr int STAGE = K == KIND_DQ ? M * N + N * D : 2 * N * D;  // elements
+  static constexpr int B = A_TILES * M * D * (int)sizeof(T_);
+  static constexpr int STATS = B + STAGES * STAGE * (int)sizeof(T_);
+  static constexpr int bytes = STATS + (K == KIND_DKDV ? STAGES * 2 * N * 4 : 0);
   static_assert(W % 4 == 0 && STAGES >= 1, "whole warpgroups, a stage");
 };
 
@@ -239,12 +271,12 @@ __global__ void __launch_bounds__(32 * W, MINB)
                    T_* __restrict__ o, float* __restrict__ lse, int seq_len, float scale) {
 #if defined(ANDREA_WGMMA) || defined(ANDREA_EMULATOR)
   static_assert(UsesMma<T_>::value, "wgmma takes bf16 or fp16");
-  using L = HopperSmem<T_, D, W, N, STAGES>;
+  using L = HopperSmem<T_, D, KIND_FWD, W, N, STAGES>;
   constexpr int M = L::M, ROW8 = D / 8 * 64;  // elements in 8 rows of a tile
   constexpr u32 CM_BYTES = 128, ROW8_BYTES = ROW8 * 2;
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const qs = (T_*)smem;
-  T_* const kv = (T_*)(smem + L::B);  // stage s: K at kv + 2s*TILE_N, V after it
+  T_* const kv = (T_*)(smem + L::B);  // stage s: K at kv + s*STAGE, V after it
   const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * M;  // heaviest causal tiles first
@@ -256,8 +288,8 @@ __global__ void __launch_bounds__(32 * W, MINB)
   const T_* const qg = qs + group * 8 * ROW8;  // this warpgroup's 64 rows
 
   const auto load_kv = [&](int stage, int tile) {
-    load_tile_cm_async<T_, D, N>(kv + 2 * stage * L::TILE_N, k + base, tile * N, seq_len);
-    load_tile_cm_async<T_, D, N>(kv + (2 * stage + 1) * L::TILE_N, v + base, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N>(kv + stage * L::STAGE, k + base, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N>(kv + stage * L::STAGE + N * D, v + base, tile * N, seq_len);
   };
   load_tile_cm_async<T_, D, M>(qs, q + base, q0, seq_len);  // joins the first group
   pipe_prologue<STAGES>(n_tiles, load_kv);
@@ -268,8 +300,8 @@ __global__ void __launch_bounds__(32 * W, MINB)
 
   for (int it = 0; it < n_tiles; ++it) {
     const int n0 = it * N;
-    const T_* ks = kv + 2 * (it % STAGES) * L::TILE_N;
-    const T_* vs = ks + L::TILE_N;
+    const T_* ks = kv + (it % STAGES) * L::STAGE;
+    const T_* vs = ks + N * D;
     pipe_advance<STAGES, true>(it, n_tiles, load_kv);
 
     // S = Q K^T: D/16 steps of k16, Q (A) and K (B) K-major.
@@ -280,8 +312,8 @@ __global__ void __launch_bounds__(32 * W, MINB)
     wgmma_fence_operands(flat(s));
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T_, N>(flat(s), wgmma_desc(qg + kk * 128, CM_BYTES, ROW8_BYTES),
-                      wgmma_desc(ks + kk * 128, CM_BYTES, ROW8_BYTES), 1);
+      wgmma_ss<T_, N, false>(flat(s), wgmma_desc(qg + kk * 128, CM_BYTES, ROW8_BYTES),
+                             wgmma_desc(ks + kk * 128, CM_BYTES, ROW8_BYTES), 1);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(flat(s));
@@ -289,22 +321,16 @@ __global__ void __launch_bounds__(32 * W, MINB)
     online_softmax_tile<N, D>(s, acc, m_run, l_run, row0 + g, n0,
                               n0 + N - 1 > q0 || n0 + N > seq_len, seq_len, sl2);
 
-    // O += P V: N/16 steps of k16, P's C fragments repacked as A (all before the fence, which
+    // O += P V: N/16 steps of k16, P repacked as A fragments (all before the fence, which
     // orders register writes before wgmma reads them), V (B) MN-major.
     u32 pf[N / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) {
-      pf[kk][0] = pack2(s[2 * kk][0], s[2 * kk][1], T_{});
-      pf[kk][1] = pack2(s[2 * kk][2], s[2 * kk][3], T_{});
-      pf[kk][2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], T_{});
-      pf[kk][3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], T_{});
-    }
+    repack_a<T_, N>(pf, s);
     wgmma_fence();
     wgmma_fence_operands(flat(acc));
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_rs<T_, D, true>(flat(acc), pf[kk], wgmma_desc(vs + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES),
-                            1);
+      wgmma_rs<T_, D, true>(flat(acc), pf[kk],
+                            wgmma_desc(vs + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES), 1);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(flat(acc));
@@ -321,5 +347,198 @@ __global__ void __launch_bounds__(32 * W, MINB)
       lse[(long long)blockIdx.y * seq_len + row] = (m_run[h] + log2f(l)) * ANDREA_LN2;
   }
   store_rows<T_, D>(o + base, acc, row0, seq_len, inv[0], inv[1]);
+#endif
+}
+
+// dK/dV through dS on wgmma (attn_bwd_dkdv_ds's arithmetic; one pass over a query tile): a
+// warpgroup owns 64 keys, W/4 of them a block, and streams N queries a tile (Q, dO, their lse
+// and delta). Per tile S^T = K Q^T and dP^T = V dO^T (K, V and the tiles from shared memory),
+// P^T and dS^T in registers, dS stored to the buffer, then dV += P^T dO and dK += dS^T Q (P^T
+// and dS^T from registers, dO and Q transposed from shared memory). Launched as
+// attn_bwd_dkdv_ds with the same (W, N, STAGES); PASSES must be 1 (a template argument only so
+// that its name expression reads as the other dK/dV candidates').
+template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dkdv_ds_wgmma(const T_* __restrict__ q, const T_* __restrict__ k,
+                           const T_* __restrict__ v, const T_* __restrict__ dout,
+                           const float* __restrict__ lse, const float* __restrict__ delta,
+                           T_* __restrict__ dk, T_* __restrict__ dv, T_* __restrict__ ds,
+                           int seq_len, int ds_stride, float scale) {
+#if defined(ANDREA_WGMMA) || defined(ANDREA_EMULATOR)
+  static_assert(UsesMma<T_>::value && PASSES == 1, "bf16 or fp16, one pass");
+  using L = HopperSmem<T_, D, KIND_DKDV, W, N, STAGES>;
+  constexpr int M = L::M, ROW8 = D / 8 * 64;
+  constexpr u32 CM_BYTES = 128, ROW8_BYTES = ROW8 * 2;
+  static_assert(128 % M == 0, "the dS row stride must hold the last block's keys");
+  ANDREA_DYNAMIC_SHARED(smem);
+  T_* const ks = (T_*)smem;
+  T_* const vs = ks + M * D;
+  T_* const qd = (T_*)(smem + L::B);  // stage s: Q at qd + s*STAGE, dO after it
+  float* const stats = (float*)(smem + L::STATS);  // stage s: lse at stats + 2sN, delta after
+  const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int k0 = blockIdx.x * M;
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const long long sbase = (long long)blockIdx.y * seq_len;
+  const float sl2 = scale * ANDREA_LOG2E;
+  const int first = k0 / N;  // query tiles before it see none of these keys
+  const int n_tiles = (seq_len + N - 1) / N - first;
+  const int key_base = k0 + group * 64 + warp * 16 + g;
+  const T_* const kg = ks + group * 8 * ROW8;  // this warpgroup's 64 keys
+  const T_* const vg = vs + group * 8 * ROW8;
+
+  load_tile_cm_async<T_, D, M>(ks, k + base, k0, seq_len);
+  load_tile_cm_async<T_, D, M>(vs, v + base, k0, seq_len);
+  const auto load_qdo = [&](int stage, int tile) {
+    const int n0 = (first + tile) * N;
+    load_tile_cm_async<T_, D, N>(qd + stage * L::STAGE, q + base, n0, seq_len);
+    load_tile_cm_async<T_, D, N>(qd + stage * L::STAGE + N * D, dout + base, n0, seq_len);
+    load_stats_async<N>(stats + 2 * stage * N, stats + (2 * stage + 1) * N, lse + sbase,
+                        delta + sbase, n0, seq_len);
+  };
+  pipe_prologue<STAGES>(n_tiles, load_qdo);
+  float dk_acc[D / 8][4], dv_acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk_acc[j][i] = dv_acc[j][i] = 0.0f;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n0 = (first + it) * N;
+    const int stage = it % STAGES;
+    const T_* qs = qd + stage * L::STAGE;
+    const T_* dos = qs + N * D;
+    const float* lse_s = stats + 2 * stage * N;
+    const float* delta_s = lse_s + N;
+    pipe_advance<STAGES, true>(it, n_tiles, load_qdo);
+
+    // S^T = K Q^T and dP^T = V dO^T: D/16 steps each, every operand K-major.
+    float st[N / 8][4], dpt[N / 8][4];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) st[j][i] = dpt[j][i] = 0.0f;
+    wgmma_fence();
+    wgmma_fence_operands(flat(st));
+    wgmma_fence_operands(flat(dpt));
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T_, N, false>(flat(st), wgmma_desc(kg + kk * 128, CM_BYTES, ROW8_BYTES),
+                             wgmma_desc(qs + kk * 128, CM_BYTES, ROW8_BYTES), 1);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T_, N, false>(flat(dpt), wgmma_desc(vg + kk * 128, CM_BYTES, ROW8_BYTES),
+                             wgmma_desc(dos + kk * 128, CM_BYTES, ROW8_BYTES), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(flat(st));
+    wgmma_fence_operands(flat(dpt));
+
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = key_base + (i >= 2 ? 8 : 0);
+        const int c = j * 8 + 2 * t + (i & 1), col = n0 + c;
+        const bool visible = key <= col && col < seq_len;  // masks the zero-filled stats
+        const float p = visible ? exp2f(st[j][i] * sl2 - lse_s[c] * ANDREA_LOG2E) : 0.0f;
+        st[j][i] = p;
+        dpt[j][i] = p * (dpt[j][i] - delta_s[c]);
+      }
+    // dS^T's fragment stored as dS (attn_bwd_dkdv_ds's store), zeros where masked.
+    T_* const ds_bh = ds + (long long)blockIdx.y * seq_len * ds_stride;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = key_base + (i >= 2 ? 8 : 0), col = n0 + j * 8 + 2 * t + (i & 1);
+        if (col < seq_len)  // bounds: dS has a row per query of the sequence
+          ds_bh[(long long)col * ds_stride + key] = from_float<T_>(dpt[j][i]);
+      }
+
+    // dV += P^T dO and dK += dS^T Q: N/16 steps each, dO and Q MN-major.
+    u32 pf[N / 16][4], dsf[N / 16][4];
+    repack_a<T_, N>(pf, st);
+    repack_a<T_, N>(dsf, dpt);
+    wgmma_fence();
+    wgmma_fence_operands(flat(dv_acc));
+    wgmma_fence_operands(flat(dk_acc));
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk)
+      wgmma_rs<T_, D, true>(flat(dv_acc), pf[kk],
+                            wgmma_desc(dos + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES), 1);
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk)
+      wgmma_rs<T_, D, true>(flat(dk_acc), dsf[kk],
+                            wgmma_desc(qs + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(flat(dv_acc));
+    wgmma_fence_operands(flat(dk_acc));
+  }
+  cp_async_wait<0>();
+  store_rows<T_, D>(dk + base, dk_acc, k0 + group * 64 + warp * 16, seq_len, scale, scale);
+  store_rows<T_, D>(dv + base, dv_acc, k0 + group * 64 + warp * 16, seq_len, 1.0f, 1.0f);
+#endif
+}
+
+// dQ = scale * dS K on wgmma (attn_bwd_dq_ds's arithmetic): a warpgroup owns 64 queries, W/4
+// of them a block, and streams N keys a tile (a dS tile of the block's rows and a K tile). Where
+// a tile crosses the diagonal the entries above it are zeroed in shared memory first (the
+// buffer there holds whatever was in it), then fenced to the async proxy. Launched as
+// attn_bwd_dq_ds with the same (W, N, STAGES).
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dq_ds_wgmma(const T_* __restrict__ k, const T_* __restrict__ ds,
+                         T_* __restrict__ dq, int seq_len, int ds_stride, float scale) {
+#if defined(ANDREA_WGMMA) || defined(ANDREA_EMULATOR)
+  static_assert(UsesMma<T_>::value && 128 % N == 0, "bf16 or fp16; N divides 128");
+  using L = HopperSmem<T_, D, KIND_DQ, W, N, STAGES>;
+  constexpr int M = L::M, ROW8_DS = N / 8 * 64, ROW8_K = D / 8 * 64;
+  constexpr u32 CM_BYTES = 128;
+  ANDREA_DYNAMIC_SHARED(smem);
+  T_* const tiles = (T_*)smem;  // stage s: dS at tiles + s*STAGE, K after it
+  const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * M;  // heaviest causal tiles first
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const T_* const ds_bh = ds + (long long)blockIdx.y * seq_len * ds_stride;
+  const int last = imin(q0 + M, seq_len) - 1;
+  const int n_tiles = last / N + 1;
+
+  const auto load_ds_k = [&](int stage, int tile) {
+    T_* const dst = tiles + stage * L::STAGE;
+    load_block_cm_async<T_, M, N>(dst, ds_bh, ds_stride, q0, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N>(dst + M * N, k + base, tile * N, seq_len);
+  };
+  pipe_prologue<STAGES>(n_tiles, load_ds_k);
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n0 = it * N;
+    T_* const dss = tiles + (it % STAGES) * L::STAGE;
+    const T_* const kt = dss + M * N;
+    pipe_advance<STAGES, true>(it, n_tiles, load_ds_k);
+    if (n0 + N - 1 > q0) {  // the tile crosses the diagonal: keys after a row's query are no dS
+      for (int i = threadIdx.x; i < M * N; i += blockDim.x)
+        if (n0 + i % N > q0 + i / N) dss[cm_offset<N>(i / N, i % N)] = T_{};
+      fence_proxy_async();  // the zeros (generic proxy) before wgmma reads them
+      __syncthreads();      // barrier:dq-ds-wgmma-masked
+    }
+    wgmma_fence();
+    wgmma_fence_operands(flat(acc));
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk)
+      wgmma_ss<T_, D, true>(flat(acc),
+                            wgmma_desc(dss + group * 8 * ROW8_DS + kk * 128, CM_BYTES,
+                                       ROW8_DS * 2),
+                            wgmma_desc(kt + kk * 2 * ROW8_K, ROW8_K * 2, CM_BYTES), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(flat(acc));
+  }
+  cp_async_wait<0>();
+  store_rows<T_, D>(dq + base, acc, q0 + group * 64 + warp * 16, seq_len, scale, scale);
 #endif
 }

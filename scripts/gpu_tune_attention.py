@@ -107,15 +107,16 @@ def candidate_list(shapes: list[tuple], limit: int | None = None,
                    wgmma: bool = True) -> list[tuple]:
     """(kernel, dtype, head_dim, PipeConfig) for every (dtype, head_dim) of shapes, in build
     order: tier by tier (production tile, its 2-stage twin, the sm_90a (wgmma) ones where
-    `wgmma`, then the rest), shape by shape; the first `limit` of each kernel's list when
-    given."""
+    `wgmma`, then the rest), shape by shape; the first `limit` of each kernel's lists when
+    given (of the backward through dS's mma.sync ones, at most DS_LIMIT)."""
     from andrea.cuda.launch import hopper_candidates, pipe_candidates
 
     def of(k: str, dt: str, d: int) -> list:
-        found = pipe_candidates(k, dt, d)
+        found = pipe_candidates(k, dt, d)[:limit if k in KERNELS else min(limit or DS_LIMIT,
+                                                                          DS_LIMIT)]
         if wgmma:
-            found[2:2] = hopper_candidates(k, dt, d)
-        return found[:limit if k in KERNELS else min(limit or DS_LIMIT, DS_LIMIT)]
+            found[2:2] = hopper_candidates(k, dt, d)[:limit]
+        return found
 
     combos = list(dict.fromkeys((s[0], s[4]) for s in shapes))
     per = {(dt, d, k): of(k, dt, d) for dt, d in combos for k in (*KERNELS, *DS_KERNELS)}

@@ -41,7 +41,7 @@ def load_script():
 
 
 def is_candidate(name: str) -> bool:
-    return "_pipe<" in name or "_ds<" in name  # attn_*_pipe, attn_bwd_*_ds
+    return any(f"_{kind}<" in name for kind in ("pipe", "ds", "wgmma"))  # attn_*_{kind}
 
 
 def fake_cupy(candidates: kernel_emulator.Emulator, launches: list) -> object:
@@ -129,7 +129,11 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert tune.gpu_run(out, torch.device("cpu")) == 0
     report = json.loads((out / "tune.json").read_text())
     kernels = {*tune.KERNELS, *tune.DS_KERNELS}
-    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 10
+    # on sm_90 the first LIMIT of each kernel's mma.sync and wgmma candidates (wgmma: forward,
+    # dK/dV and dQ through dS)
+    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 10 + 3 * LIMIT
+    assert {row["kernel"] for row in report["candidates"] if "wgmma" in row["config"]} == {
+        "fwd", *tune.DS_KERNELS}
     assert all(row["status"] == "ok" for row in report["candidates"]), report["candidates"]
     # the backward through dS was checked on the dS it writes, not only on dK and dV
     assert all("ds" in row["errors"] for row in report["candidates"]

@@ -1,9 +1,10 @@
-"""The sm_90a forward (attn_fwd_wgmma, kernels/attn_hopper.cuh) without a GPU: on the CPU
-emulator against float64 with NaN-poisoned outputs, bit for bit against the pipelined mma.sync
-forward of the same tiles, a missing wgmma wait and misread descriptor strides caught; its
-launch table and module target; NVRTC's sm_90a build without spills or injected warpgroup
-waits. Whether the descriptors mean on a GPU what the emulator reads them as is for the GPU
-check (scripts/gpu_tune_attention.py checks every candidate against float64 there).
+"""The sm_90a kernels (kernels/attn_hopper.cuh: the forward and the backward through dS on
+wgmma) without a GPU: on the CPU emulator against float64 with NaN-poisoned outputs, bit for bit
+against their pipelined mma.sync twins of the same tiles, through autograd from a TUNED entry,
+a missing wgmma wait and misread descriptor strides caught; their launch table and module
+target; NVRTC's sm_90a build without spills or injected warpgroup waits. Whether the descriptors
+mean on a GPU what the emulator reads them as is for the GPU check
+(scripts/gpu_tune_attention.py checks every candidate against float64 there).
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ HOPPER = [
     ("float16", 64, PipeConfig(4, 128, 2, wgmma=True)),
     ("float16", 128, PipeConfig(4, 64, 3, wgmma=True)),
 ]
+# The backward through dS, (dtype, head_dim, dK/dV's config, dQ's): one and two warpgroups
+# each, dQ streaming 32 to 128 keys, dQ blocks taller than dK/dV's key blocks (dQ's tiles then
+# cross dS entries dK/dV never wrote, NaN-poisoned), every head_dim.
+HOPPER_DS = [
+    ("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True), PipeConfig(4, 64, 2, wgmma=True)),
+    ("bfloat16", 32, PipeConfig(8, 64, 2, wgmma=True), PipeConfig(4, 32, 3, wgmma=True)),
+    ("bfloat16", 128, PipeConfig(4, 64, 3, wgmma=True), PipeConfig(8, 128, 2, wgmma=True)),
+    ("float16", 64, PipeConfig(8, 64, 3, wgmma=True), PipeConfig(4, 128, 2, wgmma=True)),
+]
 SHAPES = [(1, (2, 3)), (17, (1, 2)), (129, (1, 2)), (200, (1, 1))]  # T, (B, H)
 
 
@@ -42,7 +52,17 @@ def twin(cfg: PipeConfig) -> PipeConfig:
     return PipeConfig(cfg.warps, cfg.rows, cfg.stages)
 
 
-PIPES = tuple(("fwd", dtype, d, c) for dtype, d, cfg in HOPPER for c in (cfg, twin(cfg)))
+def ds_configs(dkdv: PipeConfig, dq: PipeConfig, wgmma: bool = True) -> dict[str, PipeConfig]:
+    """pipe_attention's configs: the mma.sync forward, the backward through dS on wgmma (or
+    its twins)."""
+    pick = (lambda c: c) if wgmma else twin
+    return {"fwd": twin(dkdv), "bwd_dkdv_ds": pick(dkdv), "bwd_dq_ds": pick(dq)}
+
+
+PIPES = tuple(dict.fromkeys(
+    [("fwd", dtype, d, c) for dtype, d, cfg in HOPPER for c in (cfg, twin(cfg))]
+    + [(kernel, dtype, d, c) for dtype, d, dkdv, dq in HOPPER_DS for wgmma in (True, False)
+       for kernel, c in ds_configs(dkdv, dq, wgmma).items()]))
 # The wait after S = Q K^T's wgmma group, and the K descriptor's strides (LBO, SBO).
 S_WAIT = "    wgmma_commit();\n    wgmma_wait<0>();\n    wgmma_fence_operands(flat(s));\n"
 K_DESC = "wgmma_desc(ks + kk * 128, CM_BYTES, ROW8_BYTES)"
@@ -126,6 +146,70 @@ def test_wgmma_forward_gives_the_pipelined_forwards_bits(emulator, dtype, head_d
 
 
 @needs_gxx
+@pytest.mark.parametrize("dtype,head_dim,cfg,dq_cfg", HOPPER_DS, ids=lambda x: str(x))
+@pytest.mark.parametrize("seq_len,bh", SHAPES, ids=lambda x: str(x))
+def test_wgmma_backward_through_ds_matches_float64(emulator, dtype, head_dim, cfg, dq_cfg,
+                                                   seq_len, bh) -> None:
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(seq_len * head_dim)
+    q, k, v, dout = (torch.randn(*bh, seq_len, head_dim, generator=gen).to(tdt)
+                     for _ in range(4))
+    scale = 0.7 / math.sqrt(head_dim)
+    got = kernel_emulator.pipe_attention(q, k, v, dout, ds_configs(cfg, dq_cfg), emulator, scale)
+    want = kernel_emulator.float64_reference(q, k, v, dout, scale)
+    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
+        assert not torch.isnan(g).any(), f"{name}: NaN (unwritten output or unmasked dS)"
+        err = kernel_emulator.max_error(g, w)
+        assert err <= TOL[tdt], f"{cfg.label()} {name}: max error {err:.3g} > {TOL[tdt]:.3g}"
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype,head_dim,cfg,dq_cfg", HOPPER_DS, ids=lambda x: str(x))
+def test_wgmma_backward_gives_the_pipelined_bits(emulator, dtype, head_dim, cfg,
+                                                 dq_cfg) -> None:
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, dout = (torch.randn(2, 2, 150, head_dim, generator=gen).to(getattr(torch, dtype))
+                     for _ in range(4))
+    got = kernel_emulator.pipe_attention(q, k, v, dout, ds_configs(cfg, dq_cfg), emulator)
+    want = kernel_emulator.pipe_attention(q, k, v, dout, ds_configs(cfg, dq_cfg, False),
+                                          emulator)
+    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
+        assert torch.equal(g, w), f"{cfg.label()} {name} differs from the mma.sync kernels"
+
+
+TUNED_ARCH = "sm_test"  # an architecture of this test's own, in andrea.cuda.launch.TUNED
+
+
+def test_tuned_wgmma_kernels_train_through_autograd(emulator, monkeypatch) -> None:
+    """A TUNED entry naming the wgmma kernels makes the "cuda" backend launch them (forward and
+    the backward through dS) through autograd, with float64's gradients."""
+    from andrea.cuda import attention as ca
+
+    _, d, dkdv, dq = HOPPER_DS[0]
+    entry = {"fwd": HOPPER[0][2], "bwd_dkdv_ds": dkdv, "bwd_dq_ds": dq}
+    monkeypatch.setitem(kernel_launch.TUNED, (TUNED_ARCH, "bfloat16", d), entry)
+    ca._launches.cache_clear()  # its entries are of TUNED as it was
+    launcher = ca.EmulatorLauncher(emulator, arch=TUNED_ARCH)
+    names: list[str] = []
+    run = launcher.launch
+    monkeypatch.setattr(launcher, "launch", lambda launch, *a: (names.append(launch.name),
+                                                                 run(launch, *a)))
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(2, 2, 70, d, generator=gen).to(torch.bfloat16)
+                     for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = ca.cuda_attention(*leaves, launcher=launcher)
+    o.backward(dout)
+    ca._launches.cache_clear()
+    assert [n[: n.index("<")] for n in names] == [
+        "attn_fwd_wgmma", "attn_bwd_preprocess", "attn_bwd_dkdv_ds_wgmma", "attn_bwd_dq_ds_wgmma"]
+    want = kernel_emulator.float64_reference(q, k, v, dout, d**-0.5)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), (o.detach(), *(x.grad for x in leaves)),
+                          (want[0], *want[2:]), strict=True):
+        assert kernel_emulator.max_error(g, w) <= TOL[torch.bfloat16], name
+
+
+@needs_gxx
 @pytest.mark.parametrize("build", list(BROKEN_BUILDS))
 def test_a_misused_wgmma_is_caught(build: str) -> None:
     """Without the wait after S's group its accumulator reads NaN (the emulated wgmma lands at
@@ -147,12 +231,14 @@ def test_a_misused_wgmma_is_caught(build: str) -> None:
 @needs_gxx
 def test_launch_table_matches_the_kernel_file(emulator) -> None:
     """pipe_shared_bytes against HopperSmem<...>::bytes as the emulated kernel file has them."""
-    for dtype, d, cfg in HOPPER:
-        name = kernel_launch.pipe_name_expression("fwd", dtype, d, cfg)
-        assert name.startswith("attn_fwd_wgmma<")
+    for kernel, dtype, d, cfg in PIPES:
+        if not cfg.wgmma:
+            continue
+        name = kernel_launch.pipe_name_expression(kernel, dtype, d, cfg)
+        assert name.startswith(kernel_launch.WGMMA_TEMPLATES[kernel] + "<")
         warps, rows, shared, _, _ = emulator.kernel_info(name)
         assert (warps, rows) == (cfg.warps, cfg.rows)
-        assert shared == kernel_launch.pipe_shared_bytes("fwd", dtype, d, cfg)
+        assert shared == kernel_launch.pipe_shared_bytes(kernel, dtype, d, cfg)
 
 
 def test_wgmma_kernels_build_for_sm_90a_alone() -> None:
@@ -164,29 +250,34 @@ def test_wgmma_kernels_build_for_sm_90a_alone() -> None:
     assert kernel_launch.module_arch("sm_80", [plain]) == "sm_80"
     with pytest.raises(ValueError, match="only on sm_90"):
         kernel_launch.module_arch("sm_80", names[:1])
-    for dtype, d in [("bfloat16", 64), ("float16", 128), ("float32", 64)]:
-        found = kernel_launch.hopper_candidates("fwd", dtype, d)
-        assert (found == []) == (dtype == "float32")
-        for cfg in found:
-            launch = kernel_launch.pipe_launch("fwd", 2, 3, 333, d, dtype, cfg)
-            assert launch.block == (32 * cfg.warps, 1, 1) and cfg.warps % 4 == 0
-            assert launch.dynamic_shared_bytes <= 227 * 1024
+    for kernel in kernel_launch.WGMMA_TEMPLATES:
+        for dtype, d in [("bfloat16", 64), ("float16", 128), ("float32", 64)]:
+            found = kernel_launch.hopper_candidates(kernel, dtype, d)
+            assert (found == []) == (dtype == "float32")
+            for cfg in found:
+                launch = kernel_launch.pipe_launch(kernel, 2, 3, 333, d, dtype, cfg)
+                assert launch.block == (32 * cfg.warps, 1, 1) and cfg.warps % 4 == 0
+                assert launch.dynamic_shared_bytes <= 227 * 1024
     assert kernel_launch.hopper_candidates("bwd_dq", "bfloat16", 64) == []
     for kernel, dtype, cfg in [("fwd", "float32", PipeConfig(4, 64, 2, wgmma=True)),
                                ("fwd", "bfloat16", PipeConfig(2, 64, 2, wgmma=True)),
-                               ("bwd_dq", "bfloat16", PipeConfig(4, 64, 2, wgmma=True))]:
+                               ("bwd_dq", "bfloat16", PipeConfig(4, 64, 2, wgmma=True)),
+                               ("bwd_dkdv_ds", "bfloat16", PipeConfig(4, 64, 2, 0, 2, True))]:
         with pytest.raises(ValueError, match="wgmma has"):
             kernel_launch.pipe_launch(kernel, 1, 1, 64, 64, dtype, cfg)
 
 
-# The 120M preset's head shape and the widest accumulators (fp16, D 128, two warpgroups, 128
-# keys): what CuPy gives NVRTC on an H100/H200, its own -arch=sm_90 after ours.
-NVRTC_CASES = [("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
-               ("float16", 128, PipeConfig(8, 128, 2, wgmma=True))]
+# The 120M preset's head shape and the most registers (head_dim 128; dK/dV's four
+# accumulators): what CuPy gives NVRTC on an H100/H200, its own -arch=sm_90 after ours.
+NVRTC_CASES = [("fwd", "bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
+               ("fwd", "float16", 128, PipeConfig(8, 128, 2, wgmma=True)),
+               ("bwd_dkdv_ds", "bfloat16", 64, PipeConfig(8, 64, 2, wgmma=True)),
+               ("bwd_dkdv_ds", "float16", 128, PipeConfig(4, 64, 2, wgmma=True)),
+               ("bwd_dq_ds", "bfloat16", 64, PipeConfig(8, 128, 2, wgmma=True))]
 
 
 def _nvrtc_sm90a_build() -> tuple[list[str], str]:
-    names = [kernel_launch.pipe_name_expression("fwd", *case) for case in NVRTC_CASES]
+    names = [kernel_launch.pipe_name_expression(*case) for case in NVRTC_CASES]
     target = kernel_launch.module_arch("sm_90", names)
     options = kernel_launch.runtime_nvrtc_options(target, "sm_90")
     return names, Nvrtc(find_libnvrtc()).compile(kernel_launch.kernel_source(), names, options).log

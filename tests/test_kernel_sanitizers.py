@@ -42,6 +42,8 @@ PIPE_BARRIER = ("__syncthreads();  // barrier:pipe (everyone's have; everyone is
                 "tile it-1)")
 PIPE_BOUNDS = "const bool in = row0 + r < rows;  // bounds: rows past the matrix land as zeros"
 PIPE_CLEAN = "test_pipelined_candidates_are_clean_under_sanitizer"
+# The wgmma kernels' loader into the core-matrix layout, its bounds check.
+CM_BOUNDS = "const bool in = row0 + r < rows;  // bounds: zeros land for rows past the matrix"
 
 
 def broken(original: str, replace: str, by: str) -> str:
@@ -65,6 +67,10 @@ def no_pipe_bounds_check() -> str:
     return broken(kernel_emulator.kernel_source(), PIPE_BOUNDS, "const bool in = true;")
 
 
+def no_cm_bounds_check() -> str:
+    return broken(kernel_emulator.kernel_source(), CM_BOUNDS, "const bool in = true;")
+
+
 # Each program is built on a low-priority thread from the session's start (tests/background.py).
 # build name: (sanitizer, the kernel file's text (None: the file as it is), the test that runs it)
 # A name with "-pipe" builds the pipelined candidates' program (PIPE).
@@ -76,6 +82,9 @@ PROGRAMS = {
     "sanitizer-address-pipe-no-bounds-check": (
         "address", no_pipe_bounds_check,
         "test_address_sanitizer_catches_a_removed_async_bounds_check"),
+    "sanitizer-address-pipe-no-cm-bounds-check": (
+        "address", no_cm_bounds_check,
+        "test_address_sanitizer_catches_a_removed_core_matrix_bounds_check"),
     "sanitizer-thread": ("thread", None, "test_kernels_are_clean_under_sanitizer"),
     "sanitizer-address": ("address", None, "test_kernels_are_clean_under_sanitizer"),
     "sanitizer-thread-no-barrier": ("thread", no_barrier,
@@ -147,3 +156,11 @@ def test_address_sanitizer_catches_a_removed_async_bounds_check() -> None:
     assert proc.returncode != 0
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
     assert "load_block_async" in proc.stderr
+
+
+def test_address_sanitizer_catches_a_removed_core_matrix_bounds_check() -> None:
+    """The wgmma kernels' loader (attn_hopper.cuh) reads past the tensors without its check."""
+    proc = run("sanitizer-address-pipe-no-cm-bounds-check")
+    assert proc.returncode != 0
+    assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
+    assert "load_block_cm_async" in proc.stderr

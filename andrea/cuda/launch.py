@@ -311,7 +311,8 @@ PIPE_TEMPLATES = {
 }
 DS_KERNELS = ("bwd_dkdv_ds", "bwd_dq_ds")
 # The sm_90a candidates (kernels/attn_hopper.cuh): a PipeConfig with wgmma=True names these.
-WGMMA_TEMPLATES = {"fwd": "attn_fwd_wgmma"}
+WGMMA_TEMPLATES = {"fwd": "attn_fwd_wgmma", "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma",
+                   "bwd_dq_ds": "attn_bwd_dq_ds_wgmma"}
 WGMMA_ARCH = {"sm_90": "sm_90a"}  # the GPU architecture -> the target with wgmma on it
 
 
@@ -409,14 +410,18 @@ def pipe_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig]:
 
 
 def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig]:
-    """The sm_90a (wgmma) candidates of a kernel: the forward in bf16 and fp16, a warpgroup or
-    two (W 4, 8), 64 or 128 keys a tile, 2 or 3 stages, where the shared memory fits sm_90's
-    227 KiB a block. None for the other kernels and dtypes."""
+    """The sm_90a (wgmma) candidates of a kernel in bf16 and fp16 (none in fp32, or for the
+    kernels without a wgmma twin): a warpgroup or two (W 4, 8), 64 or 128 streamed rows (dK/dV:
+    64, as S, dP, their A fragments and both accumulators are live at once: at 128 rows ptxas
+    spills at 255 registers from head_dim 32 up), the forward at 2 and 3 stages, the backward
+    through dS at 2, where the shared memory fits sm_90's 227 KiB a block."""
     if kernel not in WGMMA_TEMPLATES or dtype not in ("bfloat16", "float16"):
         return []
-    return [cfg for warps in (4, 8) for rows in (64, 128) for stages in (2, 3)
+    rows = (64,) if kernel == "bwd_dkdv_ds" else (64, 128)
+    stages = (2, 3) if kernel == "fwd" else (2,)
+    return [cfg for warps in (4, 8) for n in rows for depth in stages
             if pipe_shared_bytes(kernel, dtype, head_dim,
-                                 cfg := PipeConfig(warps, rows, stages, wgmma=True))
+                                 cfg := PipeConfig(warps, n, depth, wgmma=True))
             <= DYNAMIC_SHARED_LIMIT["sm_90"]]
 
 
@@ -435,8 +440,11 @@ def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -
     kind = {"bwd_dkdv_ds": "dkdv"}.get(kernel, kernel.removeprefix("bwd_"))
     elem = ELEMENT_TYPES[dtype][1]
     m, ld = 16 * cfg.warps, head_dim + 16 // elem
-    if cfg.wgmma:  # HopperSmem: Q, then K and V a stage, unpadded core-matrix layout
-        return (m + cfg.stages * 2 * cfg.rows) * head_dim * elem
+    if cfg.wgmma:  # HopperSmem: unpadded core-matrix tiles, dK/dV's statistics after them
+        owned = {"fwd": m, "dkdv": 2 * m, "dq_ds": 0}[kind] * head_dim
+        stage = m * cfg.rows + cfg.rows * head_dim if kind == "dq_ds" else 2 * cfg.rows * head_dim
+        stats = cfg.stages * 2 * cfg.rows * 4 if kind == "dkdv" else 0
+        return (owned + cfg.stages * stage) * elem + stats
     if kind == "dq_ds":  # per stage an M x N dS tile and an N x D K tile
         return cfg.stages * (m * (cfg.rows + 16 // elem) + cfg.rows * ld) * elem
     a_tiles = 1 if kind == "fwd" else 2
@@ -455,9 +463,10 @@ def pipe_launch(kernel: str, batch: int, n_head: int, seq_len: int, head_dim: in
     if DS_STRIDE_MULTIPLE % {"bwd_dkdv_ds": 16 * cfg.warps, "bwd_dq_ds": cfg.rows}.get(kernel, 1):
         raise ValueError(f"{kernel} {cfg.label()}: its keys must divide {DS_STRIDE_MULTIPLE}")
     if cfg.wgmma and (kernel not in WGMMA_TEMPLATES or dtype == "float32" or cfg.warps % 4
-                      or cfg.rows not in (32, 64, 128)):
+                      or cfg.rows not in (32, 64, 128) or cfg.passes != 1):
         raise ValueError(f"{kernel} {cfg.label()} {dtype}: wgmma has {', '.join(WGMMA_TEMPLATES)}"
-                         " in bf16 and fp16, whole warpgroups (W a multiple of 4), N 32, 64 or 128")
+                         " in bf16 and fp16, whole warpgroups (W a multiple of 4), N 32, 64 or "
+                         "128, one pass")
     smem = pipe_shared_bytes(kernel, dtype, head_dim, cfg)
     return Launch(
         name=pipe_name_expression(kernel, dtype, head_dim, cfg),
@@ -472,15 +481,16 @@ def pipe_emulator_entries(names: list[tuple[str, str, int, PipeConfig]]) -> str:
     """The emulator's table rows (kernels/cpu/emu_entry.cpp's ANDREA_PIPE) for candidates given
     as (kernel, dtype, head_dim, cfg): C++ instantiates only what it is told."""
     kinds = {"fwd": "KIND_FWD", "bwd_dq": "KIND_DQ", "bwd_dkdv": "KIND_DKDV",
-             "bwd_dkdv_ds": "KIND_DKDV"}
+             "bwd_dkdv_ds": "KIND_DKDV", "bwd_dq_ds": "KIND_DQ"}
     rows = []
     for kernel, dtype, head_dim, cfg in names:
         ctype = ELEMENT_TYPES[dtype][0]
         dkdv = kernel in ("bwd_dkdv", "bwd_dkdv_ds")
         extra = f"{cfg.min_blocks}" + (f", {cfg.passes}" if dkdv else "")
         tile = f"{ctype}, {head_dim}, {cfg.warps}, {cfg.rows}, {cfg.stages}"
-        layout = (f"DsSmem<{tile}>" if kernel == "bwd_dq_ds"
-                  else f"HopperSmem<{tile}>" if cfg.wgmma
+        layout = (f"HopperSmem<{ctype}, {head_dim}, {kinds[kernel]}, {cfg.warps}, {cfg.rows}, "
+                  f"{cfg.stages}>" if cfg.wgmma
+                  else f"DsSmem<{tile}>" if kernel == "bwd_dq_ds"
                   else f"PipeSmem<{ctype}, {head_dim}, {kinds[kernel]}, {cfg.warps}, {cfg.rows}, "
                        f"{cfg.stages}>")
         name = pipe_name_expression(kernel, dtype, head_dim, cfg)

@@ -5,7 +5,8 @@
 // With ANDREA_SAN_PIPE_W (and _N, _S, _P) it runs the pipelined candidates attn_*_pipe of that
 // W, N, STAGES (dK/dV PASSES) instead, then the backward through dS (attn_bwd_dkdv_ds,
 // attn_bwd_dq_ds) at the same tiles, each block's dynamic shared memory its exact size. With
-// ANDREA_SAN_WGMMA too, the sm_90a forward attn_fwd_wgmma at the same tiles (W a multiple of 4).
+// ANDREA_SAN_WGMMA too, the sm_90a kernels (attn_fwd_wgmma, then the backward through dS on
+// wgmma) at the same tiles (W a multiple of 4).
 // Each variant must give the pipelined kernels' bits, or the program exits 1.
 // Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
 #include "cuda_emulator.h"
@@ -96,12 +97,28 @@ int main(int argc, char** argv) {
   andrea_emu::launch(
       pgrid, pblock, mode,
       [&] { attn_fwd_wgmma<T_, D, W, N, S, 0>(q, k, v, o2, lse2, seq_len, scale); },
-      HopperSmem<T_, D, W, N, S>::bytes);
-  const bool same_forward = std::memcmp(o, o2, n * sizeof(T_)) == 0 &&
-                            std::memcmp(lse, lse2, rows * sizeof(float)) == 0;
-  delete[] o2; delete[] lse2;
-  if (!same_forward) {
-    std::fprintf(stderr, "the wgmma forward differs from the pipelined forward\n");
+      HopperSmem<T_, D, KIND_FWD, W, N, S>::bytes);
+  T_* ds3 = new T_[(size_t)bh * seq_len * stride];
+  T_ *dq3 = new T_[n], *dk3 = new T_[n], *dv3 = new T_[n];
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] {
+        attn_bwd_dkdv_ds_wgmma<T_, D, W, N, S, 0, 1>(q, k, v, dout, lse, delta, dk3, dv3, ds3,
+                                                     seq_len, stride, scale);
+      },
+      HopperSmem<T_, D, KIND_DKDV, W, N, S>::bytes);
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] { attn_bwd_dq_ds_wgmma<T_, D, W, N, S, 0>(k, ds3, dq3, seq_len, stride, scale); },
+      HopperSmem<T_, D, KIND_DQ, W, N, S>::bytes);
+  const bool same_wgmma = std::memcmp(o, o2, n * sizeof(T_)) == 0 &&
+                          std::memcmp(lse, lse2, rows * sizeof(float)) == 0 &&
+                          std::memcmp(dq, dq3, n * sizeof(T_)) == 0 &&
+                          std::memcmp(dk, dk3, n * sizeof(T_)) == 0 &&
+                          std::memcmp(dv, dv3, n * sizeof(T_)) == 0;
+  delete[] o2; delete[] lse2; delete[] ds3; delete[] dq3; delete[] dk3; delete[] dv3;
+  if (!same_wgmma) {
+    std::fprintf(stderr, "the wgmma kernels differ from the pipelined ones\n");
     return 1;
   }
 #endif
