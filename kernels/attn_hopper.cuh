@@ -102,6 +102,7 @@ template <int R> __device__ __forceinline__ void wgmma_fence_operands(float (&d)
 #endif
 }
 
+// C fragments [R][4] as the flat list of accumulator registers a wgmma takes (the same order).
 template <int R> __device__ __forceinline__ float (&flat(float (&x)[R][4]))[4 * R] {
   return *reinterpret_cast<float(*)[4 * R]>(&x[0][0]);
 }

@@ -13,8 +13,10 @@ expected on an H200 with 16 cores):
    production tile, its 2-stage twin and then the wgmma ones come first. Each is compiled alone
    by NVRTC (libnvrtc through ctypes, which lets go of the GIL: one thread per core; CuPy's own
    compile is the fallback) with the options the runtime uses, and pruned when ptxas spills or
-   it does not load. Compiling stops at
-   COMPILE_SHARE of the budget; what is not built by then is listed as skipped.
+   it does not load. Compiling stops at COMPILE_SHARE of the budget; what is not built by then
+   is listed as skipped. The wgmma ones first run in a child process (--probe-wgmma, while the
+   others compile), and only those that built and matched float64 there are built here: a
+   kernel fault ends a CUDA context, and would end this run's measurements with it.
 2. Check: each candidate kernel on fresh random inputs of an odd shape (B 2, H 3, T 333),
    outputs NaN-poisoned, against float64 (bf16 1e-2, fp16 2^-9 of max(|ref|, 1); lse 1e-4).
    The backward candidates take the production forward's O and lse; dK/dV through dS is also
@@ -51,6 +53,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -81,6 +84,9 @@ CHECK_SHAPE = (2, 3, 333)  # B, H, T: odd, not a multiple of any tile
 TOL = {"bfloat16": 1e-2, "float16": 2.0**-9, "float32": 1e-5}
 SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn")
 CANDIDATE_LIMIT: int | None = None  # the first N of each kernel's candidates (tests)
+# The wgmma candidates first run in a child process (--probe-wgmma), given this long: a kernel
+# that faults there (a misread descriptor can end a CUDA context) cannot cost this run the rest.
+PROBE_TIMEOUT_S = 60.0
 
 
 def elapsed() -> float:
@@ -714,6 +720,64 @@ def summary(report: dict, info: dict, out: Path) -> str:
     return "\n".join(lines)
 
 
+def probe_candidates() -> list[tuple]:
+    """What --probe-wgmma runs: every wgmma candidate at the first shape's (dtype, head_dim)."""
+    from andrea.cuda.launch import hopper_candidates
+
+    dtype, *_, d = SHAPES[0]
+    return [(kernel, dtype, d, cfg) for kernel in (*KERNELS, *DS_KERNELS)
+            for cfg in hopper_candidates(kernel, dtype, d)]
+
+
+def probe_run(out_dir: Path, device) -> int:
+    """--probe-wgmma: builds and checks probe_candidates() and writes OUT_DIR/probe.json, each
+    with its status; a kernel fault ends this process (the parent reads that as a failure)."""
+    import torch
+
+    from andrea.cuda.attention import device_arch
+
+    launcher = make_launcher(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        info = build_all(probe_candidates(), device_arch(device), launcher, Path(tmp))
+        check_all(info, launcher, device)
+    torch.cuda.synchronize(device)  # a fault that was still pending surfaces here
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"kernel": r["kernel"], "config": astuple(r["cfg"]), "status": r["status"]}
+            for r in info.values()]
+    (out_dir / "probe.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def run_child(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def wgmma_probe(out_dir: Path) -> tuple[set, str]:
+    """Runs --probe-wgmma in a child process: the (kernel, PipeConfig) of the wgmma candidates
+    that built and matched float64 there, and one line on how it went. A child that faults,
+    hangs or fails allows none, and this process's CUDA context is untouched."""
+    from andrea.cuda.launch import PipeConfig
+
+    probe_dir = out_dir / "wgmma-probe"
+    found = probe_dir / "probe.json"
+    found.unlink(missing_ok=True)  # only this child's answer counts
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(probe_dir), "--probe-wgmma",
+           "--budget", str(BUDGET_S)]
+    try:
+        proc = run_child(cmd, PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return set(), f"wgmma probe: no answer in {PROBE_TIMEOUT_S:.0f} s; no wgmma candidate"
+    if proc.returncode != 0 or not found.exists():
+        tail = (proc.stderr or proc.stdout)[-600:].strip()
+        return set(), f"wgmma probe failed (exit {proc.returncode}): {tail}; no wgmma candidate"
+    rows = json.loads(found.read_text())
+    allowed = {(r["kernel"], PipeConfig(*r["config"])) for r in rows if r["status"] == "ok"}
+    wrong = [f"{r['kernel']} {PipeConfig(*r['config']).label()}: {r['status']}"
+             for r in rows if r["status"] != "ok"]
+    return allowed, (f"wgmma probe: {len(allowed)} of {len(rows)} ok"
+                     + ("; " + "; ".join(wrong) if wrong else ""))
+
+
 def gpu_run(out_dir: Path, device) -> int:
     import torch
 
@@ -727,6 +791,10 @@ def gpu_run(out_dir: Path, device) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "tune.json"
     cands = candidate_list(SHAPES, CANDIDATE_LIMIT, wgmma=arch in WGMMA_ARCH)
+    wgmma = [c for c in cands if c[3].wgmma]
+    # The wgmma candidates only where the probe's child process ran them without a fault; it
+    # runs while the others compile here.
+    probe = ThreadPoolExecutor(1).submit(wgmma_probe, out_dir) if wgmma else None
     info: dict[str, dict] = {}
 
     def watchdog() -> None:
@@ -740,7 +808,13 @@ def gpu_run(out_dir: Path, device) -> int:
     timer.daemon = True
     timer.start()
     with tempfile.TemporaryDirectory() as tmp:
-        info.update(build_all(cands, arch, launcher, Path(tmp)))
+        info.update(build_all([c for c in cands if not c[3].wgmma], arch, launcher, Path(tmp)))
+        if probe is not None:
+            allowed, said = probe.result()
+            log(said)
+            report["wgmma_probe"] = said
+            info.update(build_all([c for c in wgmma if (c[0], c[3]) in allowed], arch, launcher,
+                                  Path(tmp)))
         report["candidates"] = jsonable(info)
         out.write_text(json.dumps(report, indent=1, default=str))
         check_all(info, launcher, device)
@@ -776,6 +850,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the emulator's check even where a GPU is visible")
     parser.add_argument("--dry-limit", type=int, default=None,
                         help="dry run: only the first N candidates of each kernel")
+    parser.add_argument("--probe-wgmma", action="store_true",
+                        help="only build and check the wgmma candidates (the child process "
+                             "the GPU run starts), writing OUT_DIR/probe.json")
     args = parser.parse_args(argv)
     BUDGET_S = args.budget
     import torch
@@ -787,9 +864,15 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             log(f"CUDA is visible but CuPy is not importable ({exc}): dry run instead")
             gpu = False
+    if not gpu and args.probe_wgmma:
+        log("--probe-wgmma needs a GPU and CuPy")
+        return 2
     if not gpu:
         return dry_run(args.out_dir, args.dry_limit)
-    return gpu_run(args.out_dir, torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
+    if args.probe_wgmma:
+        return probe_run(args.out_dir, device)
+    return gpu_run(args.out_dir, device)
 
 
 if __name__ == "__main__":

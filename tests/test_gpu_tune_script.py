@@ -12,6 +12,7 @@ import ctypes
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from dataclasses import astuple
 from pathlib import Path
@@ -121,6 +122,16 @@ def gpu_world(monkeypatch, tmp_path):
         return launcher
 
     monkeypatch.setattr(tune, "make_launcher", cpu_launcher)
+    # the wgmma probe's child process runs here in-process (the stand-in CuPy is this
+    # process's), on the wgmma candidates the emulator was built with
+    monkeypatch.setattr(tune, "probe_candidates", lambda: [c for c in cands if c[3].wgmma])
+
+    def child(cmd, timeout):
+        assert cmd[1] == str(SCRIPT.resolve()) and cmd[3] == "--probe-wgmma" and timeout > 0
+        return subprocess.CompletedProcess(cmd, tune.probe_run(Path(cmd[2]),
+                                                               torch.device("cpu")))
+
+    monkeypatch.setattr(tune, "run_child", child)
     return tune, tmp_path, launches, cands
 
 
@@ -134,6 +145,7 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 10 + 3 * LIMIT
     assert {row["kernel"] for row in report["candidates"] if "wgmma" in row["config"]} == {
         "fwd", *tune.DS_KERNELS}
+    assert report["wgmma_probe"] == f"wgmma probe: {3 * LIMIT} of {3 * LIMIT} ok"
     assert all(row["status"] == "ok" for row in report["candidates"]), report["candidates"]
     # the backward through dS was checked on the dS it writes, not only on dK and dV
     assert all("ds" in row["errors"] for row in report["candidates"]
@@ -192,6 +204,40 @@ def test_the_winner_runs_through_the_custom_op(gpu_world, monkeypatch, capsys) -
     (line,) = [line for line in text.splitlines() if "PipeConfig(" in line]
     assert line.startswith('    ("sm_90", "bfloat16", 32): {"fwd": PipeConfig(')
     assert '"bwd_dkdv_ds"' in line and '"bwd_dq_ds"' in line
+
+
+def test_the_wgmma_candidates_run_first_in_a_child_process(gpu_world, monkeypatch) -> None:
+    """A wgmma kernel that faults ends its CUDA context: the probe's child process runs them
+    first, and the run keeps those that matched float64 there, none if the child died, and
+    every mma.sync candidate either way."""
+    tune, out, _, cands = gpu_world
+    run_probe = tune.run_child
+
+    def one_wrong(cmd, timeout):
+        proc = run_probe(cmd, timeout)
+        found = Path(cmd[2]) / "probe.json"
+        rows = json.loads(found.read_text())
+        rows[0]["status"] = "wrong (o 0.5)"
+        found.write_text(json.dumps(rows))
+        return proc
+
+    monkeypatch.setattr(tune, "run_child", one_wrong)
+    assert tune.gpu_run(out, torch.device("cpu")) == 0
+    report = json.loads((out / "tune.json").read_text())
+    first = next(c for c in cands if c[3].wgmma)
+    assert report["wgmma_probe"].startswith(f"wgmma probe: {3 * LIMIT - 1} of {3 * LIMIT} ok; "
+                                            f"{first[0]} {first[3].label()}: wrong (o 0.5)")
+    configs = {(row["kernel"], row["config"]) for row in report["candidates"]}
+    assert (first[0], first[3].label()) not in configs and len(configs) == len(cands) - 1
+
+    monkeypatch.setattr(tune, "run_child", lambda cmd, timeout: subprocess.CompletedProcess(
+        cmd, 1, "", "CUDA error: an illegal instruction was encountered"))
+    assert tune.gpu_run(out, torch.device("cpu")) == 0
+    report = json.loads((out / "tune.json").read_text())
+    assert report["wgmma_probe"].startswith("wgmma probe failed (exit 1): CUDA error: an illegal")
+    assert not any("wgmma" in row["config"] for row in report["candidates"])
+    assert len(report["candidates"]) == sum(not c[3].wgmma for c in cands)
+    assert all(row["status"] == "ok" for row in report["candidates"])
 
 
 def test_a_wrong_candidate_is_flagged_and_not_timed(gpu_world) -> None:

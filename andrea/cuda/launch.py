@@ -310,6 +310,15 @@ PIPE_TEMPLATES = {
     "bwd_dq_ds": "attn_bwd_dq_ds",
 }
 DS_KERNELS = ("bwd_dkdv_ds", "bwd_dq_ds")
+DS_STRIDE_MULTIPLE = 128  # the dS buffer's row stride: T rounded up to this (tiles divide it)
+
+
+def ds_row_stride(seq_len: int) -> int:
+    """Row stride of the backward's dS buffer [B*H, T, stride]: every key block's and dQ key
+    tile's columns lie inside a row, and rows start 16-byte aligned."""
+    return _ceil_div(seq_len, DS_STRIDE_MULTIPLE) * DS_STRIDE_MULTIPLE
+
+
 # The sm_90a candidates (kernels/attn_hopper.cuh): a PipeConfig with wgmma=True names these.
 WGMMA_TEMPLATES = {"fwd": "attn_fwd_wgmma", "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma",
                    "bwd_dq_ds": "attn_bwd_dq_ds_wgmma"}
@@ -326,13 +335,6 @@ def module_arch(arch: str, names: tuple[str, ...] | list[str]) -> str:
         raise ValueError(f"{', '.join(names)}: wgmma kernels run only on {', '.join(WGMMA_ARCH)}, "
                          f"not {arch}")
     return WGMMA_ARCH[arch]
-DS_STRIDE_MULTIPLE = 128  # the dS buffer's row stride: T rounded up to this (tiles divide it)
-
-
-def ds_row_stride(seq_len: int) -> int:
-    """Row stride of the backward's dS buffer [B*H, T, stride]: every key block's and dQ key
-    tile's columns lie inside a row, and rows start 16-byte aligned."""
-    return _ceil_div(seq_len, DS_STRIDE_MULTIPLE) * DS_STRIDE_MULTIPLE
 
 
 DYNAMIC_SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
@@ -362,8 +364,10 @@ class PipeConfig:
     def code(self) -> str:
         """The config as Python, defaults left out: what a TUNED line says."""
         args = [self.warps, self.rows, self.stages]
-        if self.min_blocks or self.passes != 1:
-            args += [self.min_blocks, self.passes][: 2 if self.passes != 1 else 1]
+        if self.passes != 1:
+            args += [self.min_blocks, self.passes]
+        elif self.min_blocks:
+            args.append(self.min_blocks)
         return f"PipeConfig({', '.join(map(str, args))}{', wgmma=True' if self.wgmma else ''})"
 
 
