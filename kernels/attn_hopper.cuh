@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(32 * W, MINB)
   T_* const qd = (T_*)(smem + L::B);  // stage s: Q at qd + s*STAGE, dO after it
   float* const stats = (float*)(smem + L::STATS);  // stage s: lse at stats + 2sN, delta after
   const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2;
   const int k0 = blockIdx.x * M;
   const long long base = (long long)blockIdx.y * seq_len * D;
   const long long sbase = (long long)blockIdx.y * seq_len;
@@ -435,27 +435,9 @@ __global__ void __launch_bounds__(32 * W, MINB)
     wgmma_fence_operands(flat(st));
     wgmma_fence_operands(flat(dpt));
 
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int key = key_base + (i >= 2 ? 8 : 0);
-        const int c = j * 8 + 2 * t + (i & 1), col = n0 + c;
-        const bool visible = key <= col && col < seq_len;  // masks the zero-filled stats
-        const float p = visible ? exp2f(st[j][i] * sl2 - lse_s[c] * ANDREA_LOG2E) : 0.0f;
-        st[j][i] = p;
-        dpt[j][i] = p * (dpt[j][i] - delta_s[c]);
-      }
-    // dS^T's fragment stored as dS (attn_bwd_dkdv_ds's store), zeros where masked.
-    T_* const ds_bh = ds + (long long)blockIdx.y * seq_len * ds_stride;
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int key = key_base + (i >= 2 ? 8 : 0), col = n0 + j * 8 + 2 * t + (i & 1);
-        if (col < seq_len)  // bounds: dS has a row per query of the sequence
-          ds_bh[(long long)col * ds_stride + key] = from_float<T_>(dpt[j][i]);
-      }
+    transposed_p_ds<N>(st, dpt, key_base, n0, 0, seq_len, lse_s, delta_s, sl2);
+    store_ds<T_, N>(ds + (long long)blockIdx.y * seq_len * ds_stride, dpt, key_base, n0,
+                    ds_stride, seq_len);
 
     // dV += P^T dO and dK += dS^T Q: N/16 steps each, dO and Q MN-major.
     u32 pf[N / 16][4], dsf[N / 16][4];

@@ -68,7 +68,8 @@ __device__ __forceinline__ void pipe_advance(int it, int n_tiles, const Load& lo
 // row_base + 8 (the lanes of a C fragment): the tile's raw scores s (keys n0..n0+N-1) scaled
 // to base 2, masked where `masked` (the causal diagonal or the sequence's end cross the tile),
 // acc and l_run rescaled to the new running max, and P = exp2(s - max) left in s, its row
-// sums added to l_run. The pipelined forward and the Hopper forward share it.
+// sums added to l_run. attn_fwd_pipe and attn_fwd_wgmma share it (attn_fwd has the same steps
+// inline, its machine code kept as measured).
 template <int N, int D>
 __device__ __forceinline__ void online_softmax_tile(float (&s)[N / 8][4], float (&acc)[D / 8][4],
                                                     float (&m_run)[2], float (&l_run)[2],
@@ -90,7 +91,7 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[N / 8][4], float 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float m_new = fmaxf(m_run[h], quad_max(mx[h]));
-    shift[h] = m_new == -inf_f() ? 0.0f : m_new;
+    shift[h] = m_new == -inf_f() ? 0.0f : m_new;  // a row with nothing visible yet
     const float corr = exp2f(m_run[h] - shift[h]);
     l_run[h] *= corr;
 #pragma unroll
@@ -243,6 +244,49 @@ __global__ void __launch_bounds__(32 * W, MINB)
   store_rows<T_, D>(dq + base, acc, q0 + warp * 16, seq_len, scale, scale);
 }
 
+// P^T and dS^T = P^T o (dP^T - delta) in place of S^T and dP^T, for a warp's keys key_base (its
+// row g) and key_base + 8 against NP streamed query columns c0.. of the tile of queries from n0
+// (lse_s, delta_s: the tile's statistics by column). Zero where the key comes after the query
+// or the query is past the sequence (whose statistics may be zero-filled). The pipelined dK/dV
+// kernels and attn_bwd_dkdv_ds_wgmma share it (attn_bwd_dkdv has the same steps inline, its
+// machine code kept as measured).
+template <int NP>
+__device__ __forceinline__ void transposed_p_ds(float (&st)[NP / 8][4], float (&dpt)[NP / 8][4],
+                                                int key_base, int n0, int c0, int seq_len,
+                                                const float* lse_s, const float* delta_s,
+                                                float sl2) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < NP / 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = key_base + (i >= 2 ? 8 : 0);
+      const int c = c0 + j * 8 + 2 * t + (i & 1), col = n0 + c;
+      const bool visible = key <= col && col < seq_len;
+      const float p = visible ? exp2f(st[j][i] * sl2 - lse_s[c] * ANDREA_LOG2E) : 0.0f;
+      st[j][i] = p;
+      dpt[j][i] = p * (dpt[j][i] - delta_s[c]);
+    }
+}
+
+// dS^T's fragment (dpt: a warp's keys key_base (g) and key_base + 8 against NP queries from
+// col0) stored as dS into one (batch, head)'s [T, ds_stride] buffer: lanes of one t write 8
+// consecutive keys of a query row. Keys up to the block's last (< ds_stride, a multiple of the
+// block's keys); zeros where masked. The pipelined and the wgmma dK/dV through dS share it.
+template <typename T_, int NP>
+__device__ __forceinline__ void store_ds(T_* ds_bh, const float (&dpt)[NP / 8][4], int key_base,
+                                         int col0, int ds_stride, int seq_len) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < NP / 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = key_base + (i >= 2 ? 8 : 0), col = col0 + j * 8 + 2 * t + (i & 1);
+      if (col < seq_len)  // bounds: dS has a row per query of the sequence
+        ds_bh[(long long)col * ds_stride + key] = from_float<T_>(dpt[j][i]);
+    }
+}
+
 // The body of attn_bwd_dkdv_pipe and attn_bwd_dkdv_ds: with WRITE_DS it also stores each dS
 // element it computes (unscaled, rounded to T_ as the dK product rounds it) at
 // ds[bh][query][key], row stride ds_stride.
@@ -262,7 +306,7 @@ __device__ __forceinline__ void dkdv_pipe_body(
   T_* const qd = (T_*)(smem + L::B);  // stage s: Q at qd + 2s*TILE_N, dO after it
   float* const stats = (float*)(smem + L::STATS);  // stage s: lse at stats + 2sN, delta after
   float* const scratch = (float*)(smem + L::SCRATCH) + (threadIdx.x / 32) * 16 * (N + 4);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2;
   const int k0 = blockIdx.x * M;
   const long long base = (long long)blockIdx.y * seq_len * D;
   const long long sbase = (long long)blockIdx.y * seq_len;
@@ -304,31 +348,10 @@ __device__ __forceinline__ void dkdv_pipe_body(
         for (int i = 0; i < 4; ++i) st[j][i] = dpt[j][i] = 0.0f;
       warp_gemm_ss<T_, D, NP / 8, true>(st, ks + warp * 16 * LD, LD, qs + c0 * LD, LD);
       warp_gemm_ss<T_, D, NP / 8, true>(dpt, vs + warp * 16 * LD, LD, dos + c0 * LD, LD);
-#pragma unroll
-      for (int j = 0; j < NP / 8; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int key = key_base + (i >= 2 ? 8 : 0);
-          const int c = c0 + j * 8 + 2 * t + (i & 1), col = n0 + c;
-          const bool visible = key <= col && col < seq_len;  // masks the zero-filled stats
-          const float p = visible ? exp2f(st[j][i] * sl2 - lse_s[c] * ANDREA_LOG2E) : 0.0f;
-          st[j][i] = p;
-          dpt[j][i] = p * (dpt[j][i] - delta_s[c]);
-        }
-      if constexpr (WRITE_DS) {
-        // dS^T's fragment stored as dS: lanes of one t write 8 consecutive keys of a query
-        // row. Keys up to the block's last (< ds_stride, a multiple of 16*W); zeros where
-        // masked.
-        T_* const ds_bh = ds + (long long)blockIdx.y * seq_len * ds_stride;
-#pragma unroll
-        for (int j = 0; j < NP / 8; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int key = key_base + (i >= 2 ? 8 : 0), col = n0 + c0 + j * 8 + 2 * t + (i & 1);
-            if (col < seq_len)  // bounds: dS has a row per query of the sequence
-              ds_bh[(long long)col * ds_stride + key] = from_float<T_>(dpt[j][i]);
-          }
-      }
+      transposed_p_ds<NP>(st, dpt, key_base, n0, c0, seq_len, lse_s, delta_s, sl2);
+      if constexpr (WRITE_DS)
+        store_ds<T_, NP>(ds + (long long)blockIdx.y * seq_len * ds_stride, dpt, key_base,
+                         n0 + c0, ds_stride, seq_len);
       warp_gemm_rs<T_, NP / 8, D / 8>(dv_acc, st, scratch, dos + c0 * LD, LD);
       warp_gemm_rs<T_, NP / 8, D / 8>(dk_acc, dpt, scratch, qs + c0 * LD, LD);
     }
