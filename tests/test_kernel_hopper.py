@@ -180,6 +180,7 @@ def test_wgmma_backward_gives_the_pipelined_bits(emulator, dtype, head_dim, cfg,
 TUNED_ARCH = "sm_test"  # an architecture of this test's own, in andrea.cuda.launch.TUNED
 
 
+@needs_gxx
 def test_tuned_wgmma_kernels_train_through_autograd(emulator, monkeypatch) -> None:
     """A TUNED entry naming the wgmma kernels makes the "cuda" backend launch them (forward and
     the backward through dS) through autograd, with float64's gradients."""
