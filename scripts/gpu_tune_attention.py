@@ -10,13 +10,14 @@ expected on an H200 with 16 cores):
    every (dtype, head_dim) of SHAPES, and the first DS_LIMIT of each kernel of the backward
    through dS (dK/dV writing dS, dQ from it), and on sm_90 the wgmma candidates of those kernels
    (andrea.cuda.launch.hopper_candidates, built for sm_90a), ordered so that each shape's
-   production tile, its 2-stage twin and then the wgmma ones come first. Each is compiled alone
+   production tile and its 2-stage twin come first. Each is compiled alone
    by NVRTC (libnvrtc through ctypes, which lets go of the GIL: one thread per core; CuPy's own
    compile is the fallback) with the options the runtime uses, and pruned when ptxas spills or
    it does not load. Compiling stops at COMPILE_SHARE of the budget; what is not built by then
    is listed as skipped. The wgmma ones first run in a child process (--probe-wgmma, while the
-   others compile), and only those that built and matched float64 there are built here: a
-   kernel fault ends a CUDA context, and would end this run's measurements with it.
+   others compile), and only those that built and matched float64 there are built here, after
+   the others: a kernel fault ends a CUDA context, and would end this run's measurements with
+   it.
 2. Check: each candidate kernel on fresh random inputs of an odd shape (B 2, H 3, T 333),
    outputs NaN-poisoned, against float64 (bf16 1e-2, fp16 2^-9 of max(|ref|, 1); lse 1e-4).
    The backward candidates take the production forward's O and lse; dK/dV through dS is also
