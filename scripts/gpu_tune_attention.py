@@ -273,10 +273,8 @@ def build_all(cands, arch: str, launcher: Any, tmp: Path) -> dict[str, dict]:
     log(f"compiling {len(cands)} candidate kernels for {arch} with "
         f"{'libnvrtc ' + str(lib) if nvrtc else 'CuPy (no libnvrtc wheel found)'}")
     stop_at = BUDGET_S * COMPILE_SHARE
-    info: dict[str, dict] = {}
-    lock = threading.Lock()
 
-    def one(c) -> None:
+    def one(c) -> dict:
         kernel, dtype, d, cfg = c
         name = pipe_name_expression(kernel, dtype, d, cfg)
         row = {"kernel": kernel, "dtype": dtype, "head_dim": d, "config": cfg.label(),
@@ -308,12 +306,11 @@ def build_all(cands, arch: str, launcher: Any, tmp: Path) -> dict[str, dict]:
                     row["fn"] = fn
             except Exception as exc:  # a candidate that fails to build is recorded, not fatal
                 row["status"] = f"build failed: {str(exc)[:300]}"
-        with lock:
-            info[name] = row
+        return row
 
     workers = max(2, min(32, os.cpu_count() or 2))
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, cands))
+    with ThreadPoolExecutor(workers) as pool:  # map keeps the candidates' order, not the finish
+        info = {row["name"]: row for row in pool.map(one, cands)}
     for name, row in info.items():
         if row["status"] == "built":
             launcher.add(name, row["fn"])
