@@ -25,10 +25,10 @@ expected on an H200 with 16 cores):
 3. Time (CUDA events around back-to-back calls, andrea.bench.time_per_call) at each shape:
    every passing candidate kernel alone; SDPA default, flash, efficient and cuDNN forward,
    backward (autograd, forward prepared) and forward + backward; the production kernels the
-   same way through andrea's custom op (what training runs) and as bare launches; the best
+   same way through `cuda_attention` (what training runs) and as bare launches; the best
    candidate per kernel together (forward, preprocess + dQ + dK/dV, and all four); the best
    pair through dS with the best forward; and where those beat production, the faster of the
-   two through the custom op with its TUNED entry in place (andrea.cuda.launch.TUNED), timed
+   two through `cuda_attention` with its TUNED entry in place (andrea.cuda.launch.TUNED), timed
    and checked against float64.
 4. Prints a table per shape last and writes everything to OUT_DIR/tune.json (written again after
    each shape, so a run cut short keeps what it measured), then `model.attention: auto`'s
@@ -467,13 +467,13 @@ def time_shape(shape, info, launcher, device) -> dict:
             res["sdpa"][backend] = autograd_times(sdpa_attend(backend), q, k, v, dout)
         except Exception as exc:
             res["sdpa"][backend] = {"error": str(exc)[:300]}
-    # The production kernels as training runs them: the custom op, through autograd.
+    # The production kernels as training runs them: cuda_attention, through autograd.
     try:
         res["production_autograd"] = autograd_times(
             lambda q_, k_, v_: cuda_attention(q_, k_, v_, scale, launcher), q, k, v, dout)
     except Exception as exc:
         res["production_autograd"] = {"error": str(exc)[:300]}
-    log(f"{shape_key(shape)}: SDPA and the custom op timed")
+    log(f"{shape_key(shape)}: SDPA and cuda_attention timed")
 
     def bound(launch, kernel):
         """The kernel's launch with its arguments, converted once (what a timing loop calls)."""
@@ -597,8 +597,8 @@ def jsonable(info: dict) -> list[dict]:
 def auto_table_entries(report: dict, date: str) -> list[str]:
     """`model.attention: auto`'s entries for this GPU (AUTO_TABLE, andrea/model/attention.py),
     as lines to paste there: per measured (dtype, head_dim), SDPA's forward + backward time over
-    the production kernels' through the custom op (what training runs); "cuda" from 1.0 up.
-    Where the shape has a TUNED line, the custom op with it in place: paste both."""
+    the production kernels' through cuda_attention (what training runs); "cuda" from 1.0 up.
+    Where the shape has a TUNED line, cuda_attention with it in place: paste both."""
     lines = []
     for res in report["shapes"]:
         sdpa = (res.get("sdpa") or {}).get("default") or {}
@@ -649,7 +649,7 @@ def tuned(arch: str, dtype: str, head_dim: int, pipe_configs: dict) -> Iterator[
 
 
 def tuned_path(shape, winner: dict, launcher, device, inputs) -> dict:
-    """The winner as training would run it: the custom op through autograd with its TUNED
+    """The winner as training would run it: cuda_attention through autograd with its TUNED
     entry in place, timed at the shape and checked against float64 at CHECK_SHAPE."""
     import torch
 
@@ -677,7 +677,7 @@ def tuned_path(shape, winner: dict, launcher, device, inputs) -> dict:
 
 def tuned_entries(report: dict) -> list[str]:
     """andrea.cuda.launch.TUNED's entries for this GPU, as lines to paste there: per measured
-    shape, its tuned_winner, where the custom op through it also matched float64."""
+    shape, its tuned_winner, where cuda_attention through it also matched float64."""
     from andrea.cuda.launch import PipeConfig
 
     lines = []

@@ -157,6 +157,26 @@ def test_function_matches_sdpa_and_strided_upstream_gradient(emu) -> None:
 
 
 @needs_gxx
+def test_eager_path_and_the_compiled_graphs_op_give_the_same_bits(emu) -> None:
+    """Outside torch.compile the model's call skips the custom op's Python dispatch; inside, a
+    compiled graph calls the op. Both must run the same launches: the same O and gradients to the
+    bit, the default scale included (a run that compiles some steps is one run)."""
+    q, k, v, _ = inputs((2, 3, 37, 32), torch.bfloat16, seed=11)
+    dout = torch.randn(2, 37, 3, 32, generator=torch.Generator().manual_seed(2)).to(q.dtype)
+    results = []
+    for via_op in (False, True):
+        qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        if via_op:
+            o, _ = ca.causal_attention_op(qs, ks, vs, 32 ** -0.5, ca._launcher_index(emu), False)
+        else:
+            o = ca.cuda_attention(qs, ks, vs, launcher=emu)
+        o.backward(dout.transpose(1, 2))  # strided, as the head merge's gradient is
+        results.append((o.detach(), qs.grad, ks.grad, vs.grad))
+    for name, eager, op in zip(("o", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.equal(eager, op), name
+
+
+@needs_gxx
 def test_poisoned_outputs_are_all_written(emu) -> None:
     q, k, v, dout = (x.detach() for x in inputs((1, 2, 50, 32), torch.bfloat16, seed=3))
     o, lse = ca.attention_forward(q, k, v, launcher=emu, poison=True)
@@ -312,6 +332,9 @@ def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch, c
     assert int(args[0]) == q.data_ptr() and int(args[5]) == 40 and float(args[6]) == 0.125
     assert len(calls["launches"]) == 4
     assert calls["streams"] == [0xBEEF, 0xBEEF]  # one CuPy stream per launcher, not per launch
+    for wrong in (True, "40", np.int32(40)):  # a bool or str is no kernel scalar; numpy's are
+        with pytest.raises(TypeError, match="unsupported kernel argument"):  # converted by us
+            launcher.launch(launches["fwd"], q, q, q, q, q, wrong, 0.125)
 
 
 # --- backend choice ------------------------------------------------------------------------

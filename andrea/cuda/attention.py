@@ -14,7 +14,9 @@ Pieces, smallest first:
 - `causal_attention_op` (torch.ops.andrea.causal_attention), a `torch.library.custom_op` with a
   fake (shape) implementation and an autograd formula that saves q, k, v, O and the log-sum-exp
   for the backward (never the T x T matrix), so torch.compile traces through it without a graph
-  break; and `cuda_attention(q, k, v)`, which the model calls.
+  break; and `cuda_attention(q, k, v)`, which the model calls: the op under torch.compile, and
+  outside it the same forward and backward as a plain autograd Function (the op's dispatch
+  costs host time that small shapes feel).
 
 Importing this module needs neither CuPy nor a GPU; CuPy is imported when a GPU launcher is made.
 """
@@ -27,6 +29,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from andrea.cuda.launch import (
@@ -81,18 +84,40 @@ def device_arch(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
+# The kernels' scalar types: an int argument is a C `int`, a float one a `float` (bool is
+# neither: type(True) is bool).
+_SCALARS: dict[type, Callable[[Any], Any]] = {int: np.int32, float: np.float32}
+
+
+def kernel_values(args: tuple[KernelArg, ...]) -> tuple[Any, ...]:
+    """Kernel arguments as CuPy passes them: a tensor by its pointer (no copy), a scalar as the
+    kernels' type."""
+    values: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            values.append(np.uint64(a.data_ptr()))
+            continue
+        convert = _SCALARS.get(type(a))
+        if convert is None:
+            raise TypeError(f"unsupported kernel argument {a!r}")
+        values.append(convert(a))
+    return tuple(values)
+
+
 class CupyLauncher:
     """The kernels on one GPU through CuPy, on PyTorch's current stream for that device."""
 
     device_type = "cuda"
 
     def __init__(self, device: torch.device) -> None:
-        import cupy  # noqa: F401  (fail here, with the import error, not at the first launch)
+        import cupy  # fail here, with the import error, not at the first launch
 
         self.device = device
         self.arch = device_arch(device)
         self.source = kernel_source()
+        self._cupy = cupy
         self._functions: dict[str, Any] = {}
+        self._kernels: dict[tuple[str, int], Any] = {}  # (name, dynamic shared bytes) -> kernel
         self._streams: dict[int, Any] = {}  # cudaStream_t -> CuPy stream
 
     def _function(self, name: str) -> Any:
@@ -102,43 +127,42 @@ class CupyLauncher:
             fn = self._functions[name] = module.get_function(name)
         return fn
 
+    def _kernel(self, launch: Launch) -> Any:
+        """The launch's kernel, compiled on first use and opted into its dynamic shared memory
+        beyond 48 KiB; looked up once per launch, so a later launch costs a dict lookup."""
+        key = (launch.name, launch.dynamic_shared_bytes)
+        fn = self._kernels.get(key)
+        if fn is None:
+            with self._cupy.cuda.Device(self.device.index):
+                fn = self._function(launch.name)
+                dynamic = launch.dynamic_shared_bytes
+                if dynamic > STATIC_SHARED_LIMIT and fn.max_dynamic_shared_size_bytes < dynamic:
+                    fn.max_dynamic_shared_size_bytes = dynamic
+            self._kernels[key] = fn
+        return fn
+
     def bound(self, launch: Launch, *args: KernelArg) -> Callable[[], None]:
         """The launch with its arguments converted once: a call launches it on CuPy's current
-        device and stream (launch() sets both; a timing loop sets them once in context())."""
-        import cupy
-        import numpy as np
-
-        values: list[Any] = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                values.append(np.uint64(a.data_ptr()))  # a pointer, no copy
-            elif isinstance(a, bool) or not isinstance(a, int | float):
-                raise TypeError(f"unsupported kernel argument {a!r}")
-            elif isinstance(a, int):
-                values.append(np.int32(a))  # the kernels take `int`
-            else:
-                values.append(np.float32(a))  # and `float`
-        with cupy.cuda.Device(self.device.index):
-            fn = self._function(launch.name)
-            dynamic = launch.dynamic_shared_bytes
-            if dynamic > STATIC_SHARED_LIMIT and fn.max_dynamic_shared_size_bytes < dynamic:
-                fn.max_dynamic_shared_size_bytes = dynamic  # the opt-in beyond 48 KiB
-        return functools.partial(fn, launch.grid, launch.block, tuple(values),
-                                 shared_mem=dynamic)
+        device and stream (a timing loop sets both once in context())."""
+        return functools.partial(self._kernel(launch), launch.grid, launch.block,
+                                 kernel_values(args), shared_mem=launch.dynamic_shared_bytes)
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
         """This launcher's device and PyTorch's current stream there, as CuPy's current ones."""
-        import cupy
-
-        with cupy.cuda.Device(self.device.index):
+        with self._cupy.cuda.Device(self.device.index):
             with self._stream(torch.cuda.current_stream(self.device).cuda_stream):
                 yield
 
     def launch(self, launch: Launch, *args: KernelArg) -> None:
-        call = self.bound(launch, *args)
-        with self.context():
-            call()
+        # bound() and context() in one, without their objects: at the 12M preset's shape a
+        # kernel runs for tens of microseconds, so the host's cost per launch is what decides
+        # whether the GPU waits (scripts/bench_host_overhead.py).
+        fn = self._kernel(launch)
+        values = kernel_values(args)
+        stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
+        with self._cupy.cuda.Device(self.device.index), stream:
+            fn(launch.grid, launch.block, values, shared_mem=launch.dynamic_shared_bytes)
 
     def _stream(self, handle: int) -> Any:
         """PyTorch's stream `handle` (a cudaStream_t) as a CuPy stream, one object per handle.
@@ -388,19 +412,43 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
     ctx.scale, ctx.launcher, ctx.naive = scale, launcher, naive
 
 
-def _backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
-              ) -> tuple[torch.Tensor | None, ...]:
-    q, k, v, o, lse = ctx.saved_tensors
+def _kernel_dout(dout: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     # Upstream gradients are often strided views (the head merge's transpose); the kernels need
     # them row-major in q's dtype. This is the one copy the backward may make. The log-sum-exp is
     # an internal output: nothing downstream differentiates through it.
-    dout = dout.to(q.dtype).contiguous()
-    dq, dk, dv = causal_attention_backward_op(q, k, v, o, lse, dout, ctx.scale, ctx.launcher,
-                                              ctx.naive)
+    return dout.to(q.dtype).contiguous()
+
+
+def _backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
+              ) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = causal_attention_backward_op(q, k, v, o, lse, _kernel_dout(dout, q), ctx.scale,
+                                              ctx.launcher, ctx.naive)
     return dq, dk, dv, None, None, None
 
 
 causal_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The op's forward and backward without the op, for eager mode. custom_op's dispatch runs
+    in Python: about 60 us of host time a forward + backward on a 2-core Xeon, half of SDPA's
+    GPU time at the 12M preset's shape on an H200 (scripts/bench_host_overhead.py). Only
+    torch.compile needs an opaque op."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                launcher: Launcher | None, naive: bool) -> torch.Tensor:
+        o, lse = attention_forward(q, k, v, scale, launcher, naive=naive)
+        _setup_context(ctx, (q, k, v, scale, launcher, naive), (o, lse))
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, o, lse, _kernel_dout(dout, q), ctx.scale,
+                                        ctx.launcher, naive=ctx.naive)
+        return dq, dk, dv, None, None, None
 
 
 def cuda_attention(
@@ -411,10 +459,10 @@ def cuda_attention(
 
     naive: the one-block-per-(batch, head) baseline kernels (the benchmark's cuda_naive).
     """
-    if not torch.compiler.is_compiling():
-        # Refuse bad inputs (and a CPU tensor with no launcher) before autograd records
-        # anything; under torch.compile the op checks them when it runs.
-        check_inputs(q, k, v, (launcher or default_launcher(q.device)).device_type)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, _ = causal_attention_op(q, k, v, scale, _launcher_index(launcher), naive)
-    return o
+    if torch.compiler.is_compiling():
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        o, _ = causal_attention_op(q, k, v, scale, _launcher_index(launcher), naive)
+        return o
+    # attention_forward checks the inputs (and finds the launcher) before autograd records
+    # anything; scale None is 1/sqrt(head_dim) there and in attention_backward alike.
+    return _EagerAttention.apply(q, k, v, scale, launcher, naive)
