@@ -200,6 +200,28 @@ def test_model_trains_through_the_function_like_sdpa(emu, monkeypatch) -> None:
 
 
 @needs_gxx
+def test_activation_checkpointing_recomputes_the_same_attention(emu, monkeypatch) -> None:
+    """train.activation_checkpointing=blocks runs each block's forward again in the backward,
+    the attention's saved tensors with it: the gradients are those of a plain backward, to the
+    bit."""
+    from andrea.config import load_config
+    from andrea.model.transformer import Andrea
+
+    monkeypatch.setattr(ca, "default_launcher", lambda device: emu)
+    cfg = load_config("andrea-tiny", ["model.head_dim=32", "model.block_size=24"]).model
+    torch.manual_seed(0)
+    model = Andrea(cfg, attention_backend="cuda")
+    x = torch.randint(cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for recompute in (False, True):
+        model.zero_grad(set_to_none=True)
+        model.checkpoint_blocks = recompute
+        model(x, x)[1].backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+@needs_gxx
 def test_cache_prefill_through_the_cuda_backend_matches_sdpa(emu, monkeypatch) -> None:
     """A prefill's k/v are the first T positions of a longer [B, H, max_len, D] cache: strided
     views, which the "cuda" backend must accept (generate on a GPU runs exactly this)."""

@@ -169,7 +169,7 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     (entry,) = [line for line in text.splitlines()
                 if line.startswith('    ("sm_90"') and "Measured(" in line]
     # (the custom op with the TUNED line in place where candidates beat production; the wall
-    # timers here decide that, test_the_winner_runs_through_the_custom_op forces it)
+    # timers here decide that, test_the_winner_runs_through_autograd_as_training_would forces it)
     ours = shape.get("tuned_autograd") if (shape.get("tuned_autograd") or {}).get("ok") else (
         shape["production_autograd"])
     ratio = shape["sdpa"]["default"]["fb"] / ours["fb"]
@@ -180,8 +180,9 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert all(shared == 0 for name, shared, _ in launches if not is_candidate(name))
 
 
-def test_the_winner_runs_through_the_custom_op(gpu_world, monkeypatch, capsys) -> None:
-    """Where candidates win, the one GPU call also runs them as training would: the custom op
+def test_the_winner_runs_through_autograd_as_training_would(gpu_world, monkeypatch,
+                                                            capsys) -> None:
+    """Where candidates win, the one GPU call also runs them as training would: cuda_attention
     through autograd with their TUNED entry in place (timed, and checked against float64),
     which the AUTO_TABLE line then measures; TUNED is as it was afterwards."""
     from andrea.cuda import attention as ca
