@@ -102,6 +102,91 @@ def test_newton_schulz_macs_counts_what_newton_schulz_multiplies(shape, dtype, p
     assert counter.get_total_flops() == 2 * newton_schulz_macs(shape, dtype)
 
 
+def _agree(got: torch.Tensor, want: torch.Tensor, bits: bool) -> bool:
+    if bits:
+        return torch.equal(got, want)
+    return bool((got.double() - want.double()).abs().max() <= 1e-5 * want.abs().max())
+
+
+def _stacked_products_give_single_bits(dtype: torch.dtype) -> bool:
+    """Whether this machine's batched matrix products give each matrix its lone product's bits,
+    as they do on the Xeons and EPYCs measured (then a stack must give the same bits)."""
+    gen = torch.Generator().manual_seed(9)
+    a, b = (torch.randn(4, 24, 24, generator=gen).to(dtype) for _ in range(2))
+    return all(torch.equal(torch.baddbmm(a, a, b, beta=0.5)[i], torch.addmm(a[i], a[i], b[i],
+                                                                             beta=0.5))
+               for i in range(4))
+
+
+@pytest.mark.parametrize("shape", [(36, 12), (12, 36), (20, 20)])  # tall, wide, square
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("polar_express", [False, True])
+def test_a_stack_orthogonalises_each_matrix_as_if_alone(shape, dtype, polar_express):
+    """Muon orthogonalises matrices of one shape as one stack (batched products: on a GPU one
+    launch for all of them). Each must come out as it would alone: the norm per matrix (the
+    matrices' scales here span 10^6, so one norm for the stack would be far off), the Gram form
+    where it pays, a tall one transposed."""
+    schedule = POLAR_EXPRESS if polar_express else QUINTIC
+    gen = torch.Generator().manual_seed(sum(shape))
+    mats = [torch.randn(shape, generator=gen) * 10.0 ** e for e in (-3, -1, 0, 1, 3)]
+    alone = [newton_schulz(m, schedule, eps=1e-7, dtype=dtype) for m in mats]
+    stacked = newton_schulz(torch.stack(mats), schedule, eps=1e-7, dtype=dtype)
+    bits = _stacked_products_give_single_bits(dtype)
+    for got, want in zip(stacked.unbind(0), alone, strict=True):
+        assert got.shape == shape and got.dtype == dtype
+        assert _agree(got, want, bits)
+
+
+def _muon_steps(params: list[torch.nn.Parameter], groups_of_one: bool, **kwargs) -> Float32Muon:
+    groups = [{"params": [p]} for p in params] if groups_of_one else [{"params": params}]
+    opt = Float32Muon(groups, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, **kwargs)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("options", [{"neuron_beta2": 0.95}, {"cautious_weight_decay": True},
+                                     {}], ids=["normuon", "cautious", "plain"])
+def test_one_group_of_many_matrices_steps_each_as_if_alone(options):
+    """Three steps of Float32Muon over matrices of three shapes in one group (stacks by shape:
+    the momentum, Newton-Schulz, NorMuon and the update as one launch per shape) against the
+    same matrices each in a group of its own: the same parameters and state."""
+    shapes = [(12, 20), (20, 12), (16, 16), (12, 20), (16, 16), (20, 12), (12, 20)]
+
+    def params() -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(1)
+        return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+    together, alone = params(), params()
+    opt_together = _muon_steps(together, False, **options)
+    opt_alone = _muon_steps(alone, True, **options)
+    bits = _stacked_products_give_single_bits(torch.float32)
+    for a, b in zip(together, alone, strict=True):
+        assert _agree(a.detach(), b.detach(), bits)
+        for key, value in opt_alone.state[b].items():
+            assert _agree(opt_together.state[a][key], value, bits), key
+
+
+def test_muons_launches_grow_with_the_shapes_not_the_matrices():
+    """On a GPU each operator but a view is a kernel launch: a step over 8 matrices of one
+    shape launches about as many as over one (scripts/step_op_counts.py's count), where one per
+    matrix made it 8 times as many."""
+    counts = load_script("step_op_counts")
+
+    def launches(count: int) -> int:
+        opt = _muon_steps([torch.nn.Parameter(torch.randn(24, 16)) for _ in range(count)],
+                          False, neuron_beta2=0.95)
+        with counts.OpCounter() as counter:
+            opt.step()
+        return sum(n for op, n in counter.ops.items() if op not in counts.VIEWS)
+
+    one, eight = launches(1), launches(8)
+    assert eight < 1.5 * one, (one, eight)
+
+
 def test_the_split_weighs_each_matrix_by_the_form_it_is_orthogonalised_in():
     """A wide matrix in float32 costs less than its shape says (the Gram form): the former
     weights (rows x cols x min) put all four square matrices on one rank."""
@@ -225,7 +310,14 @@ cfg = load_config("andrea-tiny", ["train.optimizer=muon", "train.muon_ns_precisi
                                   "model.n_head=3", "model.head_dim=5", "model.d_model=15"])
 calls = []
 real_ns = muon.newton_schulz
-muon.newton_schulz = lambda g, *a, **kw: calls.append(tuple(g.shape)) or real_ns(g, *a, **kw)
+
+
+def counted_ns(g, *a, **kw):  # each matrix orthogonalised, alone or in a stack of one shape
+    calls.extend([tuple(g.shape[-2:])] * (g.shape[0] if g.dim() == 3 else 1))
+    return real_ns(g, *a, **kw)
+
+
+muon.newton_schulz = counted_ns
 STEPS = 3
 
 
@@ -256,7 +348,8 @@ for layout in ("ddp", "fsdp"):
     model, opt = train(layout, 2)
     matrices = opt.parts["muon"].param_groups[0]["params"]
     owners = muon.assign_owners([p.shape for p in matrices], 2)
-    assert calls == [tuple(p.shape) for p, o in zip(matrices, owners) if o == info.rank] * STEPS
+    mine = [tuple(p.shape) for p, o in zip(matrices, owners) if o == info.rank]
+    assert sorted(calls) == sorted(mine * STEPS)
     assert isinstance(opt.parts["muon"].state[matrices[0]]["momentum_buffer"], DTensor) == (
         layout == "fsdp")
     got[layout] = {n: full_tensor(p.detach()) for n, p in model.named_parameters()}

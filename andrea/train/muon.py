@@ -23,6 +23,7 @@ train.optimizer: muon drives Muon and AdamW as one optimizer (optim.CombinedOpti
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,28 +108,85 @@ def newton_schulz(grad: torch.Tensor, schedule: NewtonSchulzSchedule, *, eps: fl
     the schedule's next (a, b, c): one quintic `steps` times (NewtonSchulzSchedule.quintic),
     or POLAR_EXPRESS.
 
+    grad: one matrix [rows, cols], or a stack [n, rows, cols] of matrices of one shape, each
+    orthogonalised on its own through batched products (`newton_schulz_each`): on a GPU one
+    launch a product for the stack instead of one per matrix. On a CPU a stack gives each matrix
+    the bits it gets alone (tests/test_muon.py).
+
     gram: the same iteration in the [m, m] Gram space of the wide [m, n] matrix (`gram_iteration`),
     cheaper when n >= GRAM_MIN_RATIO * m. None picks it for float32 at such shapes; bfloat16 keeps
     torch's operations in torch's order (and so its bits), float64 the plain iteration a reference
     wants.
     """
     x = grad.to(dtype, copy=True)  # never the caller's tensor: it is scaled in place
-    tall = grad.size(0) > grad.size(1)
+    tall = grad.size(-2) > grad.size(-1)
     if tall:
-        x = x.T
+        x = x.mT
     margin = schedule.norm_margin
-    norm = x.norm() if margin is None else x.norm() * margin
+    norm = _frobenius_norm(x)
+    if margin is not None:
+        norm = norm * margin
     x.div_(norm.clamp(min=eps))  # spectral norm <= Frobenius norm = 1
     if gram is None:
-        gram = gram_pays(grad.shape, dtype)
+        gram = gram_pays(grad.shape[-2:], dtype)
     if gram and schedule.steps:
         x = gram_iteration(x, schedule)
     else:
         for a, b, c in schedule.coefficients:
-            a_mat = x @ x.T
-            poly = torch.addmm(a_mat, a_mat, a_mat, beta=b, alpha=c)
-            x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
+            a_mat = x @ x.mT
+            poly = _addmm(a_mat, a_mat, a_mat, beta=b, alpha=c)
+            x = _addmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+def _frobenius_norm(x: torch.Tensor) -> torch.Tensor:
+    """The norm of a matrix, or of each matrix of a stack (shaped [n, 1, 1] to divide it)."""
+    if x.dim() == 2:
+        return x.norm()
+    return torch.stack(torch._foreach_norm(list(x.unbind(0)))).view(-1, 1, 1)
+
+
+def _addmm(input: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float,
+           alpha: float = 1.0) -> torch.Tensor:
+    """beta * input + alpha * (a @ b) in one operation, for matrices or stacks of them."""
+    fused = torch.baddbmm if a.dim() == 3 else torch.addmm
+    return fused(input, a, b, beta=beta, alpha=alpha)
+
+
+def by_stacks(fn: Callable[[torch.Tensor, list[int]], torch.Tensor],
+              tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fn over the tensors, those of one shape (dtype, device) as one stack [n, ...]: fn gets a
+    stack, or a lone tensor as it is, with the indices it holds, and returns results in the
+    same form. The results come back in the tensors' order. A transformer's matrices come in a
+    few shapes, one of each per block: at ANDREA-12M Muon's 24 are 4 stacks, so a GPU step
+    launches each operation 4 times, not 24 (scripts/step_op_counts.py)."""
+    out: list[torch.Tensor] = list(tensors)
+    by_shape: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_shape.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
+    for indices in by_shape.values():
+        if len(indices) == 1:
+            out[indices[0]] = fn(tensors[indices[0]], indices)
+            continue
+        results = fn(_stack([tensors[i] for i in indices]), indices)
+        for i, result in zip(indices, results.unbind(0), strict=True):
+            out[i] = result
+    return out
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack, keeping a transposed matrix transposed within the stack: a reduction then
+    walks each matrix in the order it does alone, and gives its bits."""
+    first = tensors[0]
+    if first.dim() == 2 and first.stride(0) == 1 and first.stride(1) != 1:
+        return torch.stack([t.mT for t in tensors]).mT
+    return torch.stack(tensors)
+
+
+def newton_schulz_each(updates: list[torch.Tensor], schedule: NewtonSchulzSchedule, *,
+                       eps: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    """newton_schulz of every matrix, those of one shape as one stack (by_stacks)."""
+    return by_stacks(lambda x, _: newton_schulz(x, schedule, eps=eps, dtype=dtype), updates)
 
 
 # In multiply-adds, 5 plain iterations on [m, n] cost 5 (2 n/m + 1) m³, the Gram form 17 m³ in
@@ -156,7 +214,8 @@ def newton_schulz_macs(shape: torch.Size | tuple[int, int], dtype: torch.dtype,
 
 
 def gram_iteration(x: torch.Tensor, schedule: NewtonSchulzSchedule) -> torch.Tensor:
-    """The quintic iteration on a wide x [m, n], m <= n, through its Gram matrix G = x xᵀ [m, m].
+    """The quintic iteration on a wide x [m, n], m <= n (or a stack of them), through its Gram
+    matrix G = x xᵀ [m, m].
 
     Every iterate is Q x with Q a polynomial in G, so all of them commute with G and
     X Xᵀ = Q G Q: the loop needs only [m, m] products, and x [m, n] is touched twice (G, then
@@ -165,15 +224,15 @@ def gram_iteration(x: torch.Tensor, schedule: NewtonSchulzSchedule) -> torch.Ten
     of 10⁸ between the largest and smallest singular value (tests/test_muon.py), where the plain
     float32 iteration gives 1e-5 and torch's bfloat16 1e-1.
     """
-    g = x @ x.T  # [m, m]; the first A
+    g = x @ x.mT  # [m, m]; the first A
     a_mat, q = g, None
     for i, (a, b, c) in enumerate(schedule.coefficients):
-        poly = torch.addmm(a_mat, a_mat, a_mat, beta=b, alpha=c)  # b A + c A²
+        poly = _addmm(a_mat, a_mat, a_mat, beta=b, alpha=c)  # b A + c A²
         if q is None:
             q = poly
-            q.diagonal().add_(a)  # a I + poly
+            q.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + poly
         else:
-            q = torch.addmm(q, poly, q, beta=a)  # (a I + poly) Q
+            q = _addmm(q, poly, q, beta=a)  # (a I + poly) Q
         if i + 1 < schedule.steps:
             a_mat = q @ g @ q  # the next iterate's X Xᵀ
     return q @ x
@@ -221,25 +280,37 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
             params, updates = self._momentum_updates(group)
             updates = self._orthogonalise(group, params, updates)
             if self.neuron_beta2 > 0:
-                updates = [self._normalise_neurons(p, u) for p, u in zip(params, updates,
-                                                                           strict=True)]
+                updates = self._normalise_each(params, updates)
             self._apply(group, params, updates)
         return loss
 
-    def _normalise_neurons(self, p: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    def _normalise_each(self, params: list[torch.Tensor],
+                        updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        return by_stacks(lambda u, held: self._normalise_neurons([params[i] for i in held], u),
+                         updates)
+
+    def _normalise_neurons(self, params: list[torch.Tensor], update: torch.Tensor) -> torch.Tensor:
         """NorMuon (arXiv:2510.05491): each output neuron's (row's) orthogonalised update divided
         by the root of a running mean of its squares, then the whole update scaled back to its
         Frobenius norm before, so rows that keep getting large updates get smaller ones and the
-        step's size is Muon's. Whole matrices only (one process, or DDP's gathered updates)."""
-        state = self.state[p]
+        step's size is Muon's. Whole matrices only (one process, or DDP's gathered updates):
+        `update` is params[0]'s, or a stack of those of `params` (by_stacks)."""
         update = update.to(torch.promote_types(update.dtype, torch.float32))
-        moment = state.get("neuron_second_moment")
-        if moment is None:
-            moment = state["neuron_second_moment"] = torch.zeros(
-                update.size(0), 1, dtype=update.dtype, device=update.device)
-        moment.lerp_(update.square().mean(dim=1, keepdim=True), 1 - self.neuron_beta2)
+        moments = []
+        for p in params:
+            state = self.state[p]
+            if "neuron_second_moment" not in state:
+                state["neuron_second_moment"] = torch.zeros(
+                    update.size(-2), 1, dtype=update.dtype, device=update.device)
+            moments.append(state["neuron_second_moment"])
+        mean_square = update.square().mean(dim=-1, keepdim=True)  # [..., rows, 1]
+        if update.dim() == 2:
+            moment = moments[0].lerp_(mean_square, 1 - self.neuron_beta2)
+        else:
+            torch._foreach_lerp_(moments, list(mean_square.unbind(0)), 1 - self.neuron_beta2)
+            moment = torch.stack(moments)
         scaled = update * moment.clamp(min=1e-10).rsqrt()
-        return scaled * (update.norm() / scaled.norm().clamp(min=1e-10))
+        return scaled * (_frobenius_norm(update) / _frobenius_norm(scaled).clamp(min=1e-10))
 
     def _momentum_updates(self, group: dict[str, Any]) -> tuple[list[torch.Tensor],
                                                                  list[torch.Tensor]]:
@@ -248,41 +319,51 @@ class Float32Muon(_muon_base()):  # type: ignore[misc]
         grads: list[torch.Tensor] = []
         buffers: list[torch.Tensor] = []
         self._init_group(group, params, grads, buffers)
-        momentum, updates = group["momentum"], []
-        for grad, buf in zip(grads, buffers, strict=True):
-            # torch's update rule, line for line: momentum as a lerp, Nesterov's look-ahead.
-            grad, buf = local_tensor(grad), local_tensor(buf)
-            buf.lerp_(grad, 1 - momentum)
-            updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
-        return params, updates
+        if not params:
+            return params, []
+        # torch's update rule, each matrix's element-wise arithmetic as there: momentum as a
+        # lerp, Nesterov's look-ahead; as _foreach operators, one launch for all matrices.
+        momentum = group["momentum"]
+        grads, buffers = [local_tensor(g) for g in grads], [local_tensor(b) for b in buffers]
+        torch._foreach_lerp_(buffers, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+        return params, list(updates)
 
     def _schedule(self, group: dict[str, Any]) -> NewtonSchulzSchedule:
         if self.polar_express:
             return POLAR_EXPRESS
         return NewtonSchulzSchedule.quintic(group["ns_coefficients"], group["ns_steps"])
 
-    def _newton_schulz(self, group: dict[str, Any], update: torch.Tensor) -> torch.Tensor:
-        return newton_schulz(update, self._schedule(group), eps=group["eps"],
-                             dtype=self.ns_dtype)
+    def _newton_schulz(self, group: dict[str, Any],
+                       updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        return newton_schulz_each(updates, self._schedule(group), eps=group["eps"],
+                                  dtype=self.ns_dtype)
 
     def _orthogonalise(self, group: dict[str, Any], params: list[torch.Tensor],
                        updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [self._newton_schulz(group, u) for u in updates]
+        return self._newton_schulz(group, updates)
 
     def _apply(self, group: dict[str, Any], params: list[torch.Tensor],
                updates: list[torch.Tensor]) -> None:
         # Decoupled weight decay at the unscaled lr, the update at the shape-scaled lr (the
         # whole matrix's shape: a DTensor's shape is the global one).
         lr, wd = group["lr"], group["weight_decay"]
-        for p, update in zip(params, updates, strict=True):
-            mine = local_tensor(p)
-            if self.cautious_weight_decay:
+        mine = [local_tensor(p) for p in params]
+        if not mine:
+            return
+        if self.cautious_weight_decay:
+            for m, update in zip(mine, updates, strict=True):
                 # Decay only the weights the update moves towards zero anyway (the same sign),
                 # so the decay never fights the gradient (arXiv:2510.12402).
-                mine.sub_(mine * (mine * update > 0), alpha=lr * wd)
-            else:
-                mine.mul_(1 - lr * wd)
-            mine.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+                m.sub_(m * (m * update > 0), alpha=lr * wd)
+        else:
+            torch._foreach_mul_(mine, 1 - lr * wd)
+        by_lr: dict[float, list[int]] = {}  # one launch per shape-scaled lr
+        for i, p in enumerate(params):
+            by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], p.shape), []).append(i)
+        for shape_lr, indices in by_lr.items():
+            torch._foreach_add_([mine[i] for i in indices], [updates[i] for i in indices],
+                                alpha=-shape_lr)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -360,7 +441,7 @@ class SplitMuon(Float32Muon):
         device = updates[0].device
         owned = [[i for i, o in enumerate(owners) if o == r] for r in range(world)]
         sizes = [sum(updates[i].numel() for i in owned[r]) for r in range(world)]
-        mine = [self._newton_schulz(group, updates[i]) for i in owned[rank]]
+        mine = self._newton_schulz(group, [updates[i] for i in owned[rank]])
         send = torch.zeros(max(sizes), dtype=self.ns_dtype, device=device)  # equal lengths
         send[:sizes[rank]] = _flat(mine, self.ns_dtype, device)
         parts = [torch.empty_like(send) for _ in range(world)]
@@ -404,7 +485,8 @@ class SplitMuon(Float32Muon):
             for i in mine:
                 pieces[i].append(recv[offset:offset + numel(i, r)].view(-1, cols[i]))
                 offset += numel(i, r)
-        done = {i: self._newton_schulz(group, torch.cat(pieces[i])) for i in mine}
+        done = dict(zip(mine, self._newton_schulz(group, [torch.cat(pieces[i]) for i in mine]),
+                        strict=True))
 
         # 2. Each rank its rows of every result.
         send = _flat([done[i][slice(*rows[i][r])] for r in range(world) for i in mine],
