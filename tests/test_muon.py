@@ -110,7 +110,7 @@ def _agree(got: torch.Tensor, want: torch.Tensor, bits: bool) -> bool:
 
 def _stacked_products_give_single_bits(dtype: torch.dtype) -> bool:
     """Whether this machine's batched matrix products give each matrix its lone product's bits,
-    as they do on the Xeons and EPYCs measured (then a stack must give the same bits)."""
+    as they do on the Xeon this was written on (then a stack must give the same bits)."""
     gen = torch.Generator().manual_seed(9)
     a, b = (torch.randn(4, 24, 24, generator=gen).to(dtype) for _ in range(2))
     return all(torch.equal(torch.baddbmm(a, a, b, beta=0.5)[i], torch.addmm(a[i], a[i], b[i],
