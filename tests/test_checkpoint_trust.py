@@ -61,11 +61,15 @@ def rewrite_metadata(ckpt: Path, edit) -> None:
 
 def run_limited(*commands: list[str], cwd: Path, memory: int = 2_000_000_000) -> list[Result]:
     """Each of COMMANDS (`andrea ARGS` as a list of ARGS) through andrea.cli.main, one after the
-    other in one process whose address space is capped: a model of 10^6 layers built by mistake
-    fails fast (MemoryError) instead of taking the machine's memory from everyone."""
+    other in one process whose address space is capped at MEMORY bytes beyond what importing
+    torch maps: a model of 10^6 layers built by mistake fails fast (MemoryError) instead of
+    taking the machine's memory from everyone. (A CUDA build of torch maps more than 2 GB of
+    libraries on import, a CPU build far less.)"""
     code = ("import contextlib, io, json, resource, sys\n"
-            f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))\n"
+            "import torch\n"
             "from andrea.cli import main\n"
+            "mapped = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, (mapped + {memory}, mapped + {memory}))\n"
             "results = []\n"
             f"for argv in {[list(c) for c in commands]!r}:\n"
             "    out, err = io.StringIO(), io.StringIO()\n"
