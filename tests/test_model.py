@@ -6,16 +6,17 @@ import math
 
 import pytest
 import torch
+from conftest import load_script
 
 from andrea.config import load_config
 from andrea.model.attention import math_attention, sdpa_attention
 from andrea.model.transformer import Andrea, KVCache
 
 
-def tiny_model(**overrides) -> Andrea:
+def tiny_model(attention: str = "sdpa", **overrides) -> Andrea:
     sets = [f"model.{k}={v}" for k, v in overrides.items()]
     torch.manual_seed(0)
-    return Andrea(load_config("andrea-tiny", sets).model).double()
+    return Andrea(load_config("andrea-tiny", sets).model, attention_backend=attention).double()
 
 
 def test_fused_projection_equals_per_head_matmuls():
@@ -43,18 +44,35 @@ def test_per_head_weights_are_views_not_copies():
     assert attn.qkv.weight[attn.d_model + attn.head_dim + 2, 3] == 123.0
 
 
-def test_split_heads_is_contiguous_per_head_and_merge_inverts_it():
+def test_split_heads_is_a_view_per_head_and_merge_inverts_it():
     attn = tiny_model().blocks[0].attn
     x = torch.randn(3, 7, attn.d_model, dtype=torch.float64)
     heads = attn.split_heads(x)
     assert heads.shape == (3, attn.n_head, 7, attn.head_dim)
+    assert heads.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()  # no copy
     for b in range(3):
         for h in range(attn.n_head):
-            assert heads[b, h].is_contiguous()
             torch.testing.assert_close(
                 heads[b, h], x[b, :, h * attn.head_dim : (h + 1) * attn.head_dim], rtol=0, atol=0
             )
     assert torch.equal(attn.merge_heads(heads), x)
+
+
+def test_sdpa_attention_copies_no_activations():
+    """On a GPU every copy is a launch and a pass over memory. The heads go to SDPA as strided
+    views of the QKV projection; its output keeps the queries' layout, so merging the heads
+    back is a view too. (Copies to make the heads row-major were 3 a layer, and the merge a
+    fourth.)"""
+    counts = load_script("step_op_counts")
+    attn = tiny_model().blocks[0].attn
+    x = torch.randn(2, 9, attn.d_model, dtype=torch.float64)
+    with counts.OpCounter() as counter:
+        y = attn(x)
+    copies = {op: n for op, n in counter.ops.items() if op in ("clone", "contiguous", "copy_")}
+    assert copies == {}, copies
+    q, k, v = attn.qkv(x).split(attn.d_model, dim=2)
+    expected = math_attention(attn.split_heads(q), attn.split_heads(k), attn.split_heads(v))
+    torch.testing.assert_close(y, attn.out(attn.merge_heads(expected)), rtol=1e-12, atol=1e-12)
 
 
 def test_math_reference_equals_the_formula_and_sdpa():

@@ -72,9 +72,9 @@ def cuda_or_sdpa_attention(
         # The kernels cover full causal self-attention without dropout; cached decoding
         # and attention dropout take the PyTorch path.
         return sdpa_attention(q, k, v, dropout_p)
-    # A prefill's k and v are views of the first T positions of a longer cache: the kernels
-    # read row-major tensors. Training tensors are contiguous already (no copy).
-    return cuda_attention(q, k.contiguous(), v.contiguous())
+    # The kernels read row-major [B, n_head, T, head_dim]: the model's heads are strided views
+    # of its QKV projection, and a prefill's k and v views of a longer cache.
+    return cuda_attention(q.contiguous(), k.contiguous(), v.contiguous())
 
 
 def cuda_unavailable_reason(head_dim: int, device: torch.device) -> str | None:

@@ -82,9 +82,10 @@ class CausalSelfAttention(nn.Module):
         return views
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, d_model] -> [B, n_head, T, head_dim], each head's [T, head_dim] contiguous."""
+        """[B, T, d_model] -> [B, n_head, T, head_dim], a view of x: no copy. SDPA reads the
+        strided heads as they are; a backend that wants them row-major copies them itself."""
         b, t, _ = x.shape
-        return x.view(b, t, self.n_head, self.head_dim).transpose(1, 2).contiguous()
+        return x.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
 
     def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
         """[B, n_head, T, head_dim] -> [B, T, n_head * head_dim]: the concatenation of the heads."""
