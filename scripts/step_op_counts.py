@@ -119,12 +119,12 @@ def run_steps(cfg: Config, dtype: torch.dtype, windows: int, rounds: int,
         timed.setdefault(name, []).append(time.perf_counter() - start)
         return out
 
+    def forward():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            return model(x, x)
+
     for round_ in range(rounds):
         last = round_ == rounds - 1  # two uncounted steps first: the optimizer's state exists
-        def forward():
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                return model(x, x)
-
         _, loss = part("forward", forward, last)
         part("backward", loss.backward, last)
         part("clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), last)
