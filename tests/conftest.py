@@ -258,6 +258,14 @@ if shutil.which(os.environ.get("CXX", "g++")):
     background.declare("emulator", _emulator.build_library, wanted_by=EMULATOR_USERS)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    background.share_between_workers(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    background.unshare()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=background.runs_late)  # stable: the rest keep their order
 

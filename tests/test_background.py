@@ -1,6 +1,6 @@
 """tests/background.py: builds start for the selected tests only, in order, once each, at the
 lowest priority; a test gets what its build returned or raised; the session's end kills what
-still runs."""
+still runs; the workers of one pytest-xdist run build each once between them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from background import Builds
+from background import SHARED_VARIABLE, Builds
 from conftest import wait_until
 
 
@@ -115,3 +115,58 @@ def test_a_late_build_starts_after_the_others_and_its_tests_sort_last():
     builds.start(items)
     wait_until(lambda: len(ran) == 2, what="both builds")  # the thread runs both, asked or not
     assert ran == ["quick", "long"]
+
+
+def test_two_workers_of_a_run_build_each_once_and_share_what_it_returned(tmp_path):
+    calls, gate = [], threading.Event()
+
+    def build() -> dict:
+        calls.append(1)
+        gate.wait(30)
+        return {"cubin": "/cache/kernels.cubin", "registers": [90, 188]}
+
+    first, second = (Builds(workers=1, shared=tmp_path) for _ in range(2))
+    for worker in (first, second):
+        worker.declare("nvrtc", build, wanted_by=["t.py"])
+    first.start([item("t.py::test")])
+    wait_until(lambda: calls, what="the first worker's build to start")
+    second.start([item("t.py::test")])  # its thread finds the build taken and gives it back
+    results = []
+    asker = threading.Thread(target=lambda: results.append(second.result("nvrtc")))
+    asker.start()
+    gate.set()
+    asker.join(30)
+    assert calls == [1]
+    assert results == [first.result("nvrtc")] and results[0] is not first.result("nvrtc")
+
+
+@pytest.mark.parametrize("outcome", ["raises", "cut short by the session's end"])
+def test_a_worker_shares_no_failure_and_no_build_cut_short(tmp_path, outcome):
+    first, second = Builds(workers=1, shared=tmp_path), Builds(workers=1, shared=tmp_path)
+    code = "import time; time.sleep(60)"
+    first.declare("emulator", (lambda: 1 / 0) if outcome == "raises" else
+                  lambda: first.run_process([sys.executable, "-c", code]), wanted_by=["t.py"])
+    second.declare("emulator", lambda: "built again", wanted_by=["t.py"])
+    first.start([item("t.py::test")])
+    if outcome == "raises":
+        with pytest.raises(ZeroDivisionError):
+            first.result("emulator")
+    else:
+        wait_until(lambda: first._processes, what="the build's process")
+        first.stop()
+        assert first.result("emulator").returncode == -9
+    assert second.result("emulator") == "built again"
+
+
+def test_the_controller_makes_the_folder_its_workers_find_and_removes_it(monkeypatch):
+    monkeypatch.delenv(SHARED_VARIABLE, raising=False)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    controller, worker = Builds(), Builds()
+    controller.share_between_workers(SimpleNamespace())
+    assert controller.shared.is_dir() and os.environ[SHARED_VARIABLE] == str(controller.shared)
+    worker.share_between_workers(SimpleNamespace(workerinput={}))
+    assert worker.shared == controller.shared and worker.workers == 1  # 2 cores, 2 workers
+    worker.unshare()
+    assert controller.shared.is_dir()  # a worker leaves it to the controller
+    controller.unshare()
+    assert not controller.shared.exists()
