@@ -20,17 +20,20 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
                resumed to 16, each a process of its own, the resume after a change of window
                length (step 5); every step's loss and gradient norm must be the same bit for
                bit (the exact-resume promise, under compile, on the GPU)
-  120m-eager   as 120m with train.compile=false
-  12m-eager    as 12m with train.compile=false
   ddp, fsdp    ANDREA-12M for 8 steps under `torchrun --nproc-per-node 1` with a process group
                of one (ANDREA_PROCESS_GROUP_OF_ONE=1: NCCL), ddp; then fsdp resuming it to 16
-  12m-graphs   as 12m compiled with mode reduce-overhead (CUDA graphs), cache from 12m
   120m-auto    the preset's own micro-batch choice (auto) at the same 65,536 tokens a step
+  12m-graphs   as 12m compiled with mode reduce-overhead (CUDA graphs), cache from 12m
+  120m-eager   as 120m with train.compile=false
+  12m-eager    as 12m with train.compile=false
   120m-plain   as 120m-warm, the loss unchunked inside the compiled graph (F.cross_entropy on
                the whole logits, as the reference): what the chunked loss costs
 
 In that order, what decides most first, so that a slow machine or a smaller `--budget` (seconds
-past which no part starts or runs; RUN_BUDGET_S by default) leaves out the least. With the
+past which no part starts or runs; RUN_BUDGET_S by default) leaves out the least: the issue's
+goals and its NCCL check, then the lever for the 12M step, then the eager baselines (the issue
+has figures for them from 2026-12-04), last a diagnosis. Each budget is its part's most; together
+they are more than the run's, so on a slow machine the last parts are left out. With the
 kernel tuner in the same device call, for example: `--budget 318`, then
 `scripts/gpu_tune_attention.py --budget 208`, in one call of 585 s.
 
@@ -64,8 +67,8 @@ QUIET = ("train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=1", 
 # default keeps the promise.
 PARTS: list[tuple[str, int]] = [
     ("reference", 60), ("120m", 80), ("120m-warm", 40), ("12m", 90), ("resume", 75),
-    ("120m-eager", 40), ("12m-eager", 45), ("ddp", 30), ("fsdp", 30), ("12m-graphs", 80),
-    ("120m-auto", 40), ("120m-plain", 60),
+    ("ddp", 30), ("fsdp", 30), ("120m-auto", 40), ("12m-graphs", 80), ("120m-eager", 40),
+    ("12m-eager", 45), ("120m-plain", 60),
 ]
 RESUME_STEPS = 16
 
