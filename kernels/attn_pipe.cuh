@@ -441,3 +441,118 @@ __global__ void __launch_bounds__(32 * W, MINB)
   cp_async_wait<0>();
   store_rows<T_, D>(dq + base, acc, q0 + warp * 16, seq_len, scale, scale);
 }
+
+// ------------------------------------------------------ a whole head's backward in one block
+// For short sequences, where every backend is far from the chip's rate (the 12M preset's 256
+// positions at head_dim 32): one block per (batch, head) holds Q, dO, K, V, lse and delta of the
+// whole sequence and the T x T dS in shared memory, so the five tile products run in one kernel,
+// with no dS in global memory, no second pass over the inputs and no atomics. Phase 1: each
+// warp takes 16-key blocks (a snake order pairs the heavy first blocks with the light last
+// ones) and streams their query chunks of N columns as dK/dV does (P^T, dS^T, dV += P^T dO,
+// dK += dS^T Q), storing dS. Phase 2, after one barrier: each warp takes 16-query blocks and
+// adds dQ = scale * dS K over the keys up to its diagonal. dS is rounded to the element type as
+// the production dQ product rounds it, and each sum runs in the production kernels' order, so
+// with N the production dK/dV's column pass it gives their bits. Shared memory grows with T
+// (FusedSmem::bytes): in bf16 on sm_90 (227 KiB) up to 256 positions at head_dim 32 and 192 at
+// 64 (andrea.cuda.launch.pipe_shared_bytes; the launch refuses longer ones).
+
+// Dynamic shared memory of attn_bwd_fused for a sequence of seq_len (byte offsets): Q, dO, K, V
+// (rows x LD each), dS (rows x lds), then lse and delta (rows floats each) and fp32's scratch.
+template <typename T_, int D, int W, int N> struct FusedSmem {
+  static constexpr int LD = Ld<T_, D>::value, PAD = 16 / (int)sizeof(T_);
+  static constexpr int SCRATCH_FLOATS = IsFloat<T_>::value ? W * 16 * (N + 4) : 0;
+  static_assert(N % 16 == 0 && W >= 1, "query chunks of 16s");
+  // the sequence padded to whole query chunks, so that every chunk phase 1 reads lies inside
+  __host__ __device__ static constexpr int rows(int seq_len) { return (seq_len + N - 1) / N * N; }
+  __host__ __device__ static constexpr int lds(int seq_len) { return rows(seq_len) + PAD; }
+  __host__ __device__ static constexpr int stats(int seq_len) {
+    return (4 * rows(seq_len) * LD + rows(seq_len) * lds(seq_len)) * (int)sizeof(T_);
+  }
+  __host__ __device__ static constexpr int bytes(int seq_len) {
+    return stats(seq_len) + 4 * (2 * rows(seq_len) + SCRATCH_FLOATS);
+  }
+};
+
+// The i-th 16-row block of a warp when W warps take ceil(T/16) blocks in a snake order: warp w
+// takes w, 2W-1-w, 2W+w, 4W-1-w, ...; increasing in i, so a warp stops at its first one past T.
+template <int W> __device__ __forceinline__ int snake_block(int i, int warp) {
+  return i * W + (i % 2 ? W - 1 - warp : warp);
+}
+
+template <typename T_, int D, int W, int N, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_fused(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
+                   const T_* __restrict__ dout, const float* __restrict__ lse,
+                   const float* __restrict__ delta, T_* __restrict__ dq, T_* __restrict__ dk,
+                   T_* __restrict__ dv, int seq_len, float scale) {
+  using L = FusedSmem<T_, D, W, N>;
+  constexpr int LD = L::LD;
+  const int rows = L::rows(seq_len), lds = L::lds(seq_len);
+  ANDREA_DYNAMIC_SHARED(smem);
+  T_* const qs = (T_*)smem;
+  T_* const dos = qs + rows * LD;
+  T_* const ks = dos + rows * LD;
+  T_* const vs = ks + rows * LD;
+  T_* const dss = vs + rows * LD;  // dS[query][key], row stride lds
+  float* const lse_s = (float*)(smem + L::stats(seq_len));
+  float* const delta_s = lse_s + rows;
+  float* const scratch = delta_s + rows + (threadIdx.x / 32) * 16 * (N + 4);
+  const int warp = threadIdx.x / 32, g = (threadIdx.x & 31) >> 2;
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const long long sbase = (long long)blockIdx.y * seq_len;
+  const float sl2 = scale * ANDREA_LOG2E;
+  const int blocks = (seq_len + 15) / 16;
+
+  for (int r0 = 0; r0 < rows; r0 += N) {  // rows past the sequence land as zeros
+    load_tile_async<T_, D, N>(qs + r0 * LD, q + base, r0, seq_len);
+    load_tile_async<T_, D, N>(dos + r0 * LD, dout + base, r0, seq_len);
+    load_tile_async<T_, D, N>(ks + r0 * LD, k + base, r0, seq_len);
+    load_tile_async<T_, D, N>(vs + r0 * LD, v + base, r0, seq_len);
+    load_stats_async<N>(lse_s + r0, delta_s + r0, lse + sbase, delta + sbase, r0, seq_len);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();  // barrier:fused-loaded
+
+  // Phase 1: dK and dV of a warp's key blocks; dS of every (query, key) at or below the diagonal
+  for (int i = 0;; ++i) {
+    const int kb = snake_block<W>(i, warp);
+    if (kb >= blocks) break;
+    const int k0 = kb * 16;
+    float dk_acc[D / 8][4], dv_acc[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk_acc[j][e] = dv_acc[j][e] = 0.0f;
+    for (int c0 = k0 / N * N; c0 < seq_len; c0 += N) {  // chunks before k0 / N see none
+      float st[N / 8][4], dpt[N / 8][4];
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.0f;
+      warp_gemm_ss<T_, D, N / 8, true>(st, ks + k0 * LD, LD, qs + c0 * LD, LD);
+      warp_gemm_ss<T_, D, N / 8, true>(dpt, vs + k0 * LD, LD, dos + c0 * LD, LD);
+      transposed_p_ds<N>(st, dpt, k0 + g, c0, 0, seq_len, lse_s + c0, delta_s + c0, sl2);
+      store_ds<T_, N>(dss, dpt, k0 + g, c0, lds, rows);  // zeros past the sequence too
+      warp_gemm_rs<T_, N / 8, D / 8>(dv_acc, st, scratch, dos + c0 * LD, LD);
+      warp_gemm_rs<T_, N / 8, D / 8>(dk_acc, dpt, scratch, qs + c0 * LD, LD);
+    }
+    store_rows<T_, D>(dk + base, dk_acc, k0, seq_len, scale, scale);
+    store_rows<T_, D>(dv + base, dv_acc, k0, seq_len, 1.0f, 1.0f);
+  }
+  __syncthreads();  // barrier:fused-ds (every warp's dS is written)
+
+  // Phase 2: dQ of a warp's query blocks, over the keys up to the block's diagonal (dS there
+  // holds zeros above it)
+  for (int i = 0;; ++i) {
+    const int qb = snake_block<W>(i, warp);
+    if (qb >= blocks) break;
+    const int q0 = qb * 16;
+    float acc[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int j0 = 0; j0 <= q0; j0 += 16)
+      warp_gemm_ss<T_, 16, D / 8, false>(acc, dss + q0 * lds + j0, lds, ks + j0 * LD, LD);
+    store_rows<T_, D>(dq + base, acc, q0, seq_len, scale, scale);
+  }
+}

@@ -14,7 +14,8 @@
 //   attn_tiles.cuh     the production kernels' tile table and static shared-memory layout
 //   attn_forward.cuh   attn_fwd
 //   attn_backward.cuh  attn_bwd_preprocess, attn_bwd_dq, attn_bwd_dkdv
-//   attn_pipe.cuh      the pipelined candidates attn_*_pipe and their dynamic shared memory
+//   attn_pipe.cuh      the pipelined candidates attn_*_pipe and their dynamic shared memory,
+//                      the backward through dS, a whole head's backward in one block
 //   attn_hopper.cuh    the sm_90a candidate attn_fwd_wgmma (Hopper's warpgroup MMA)
 //   attn_naive.cuh     the naive baseline attn_*_naive
 // nvcc and g++ resolve the #includes themselves; NVRTC gets the text with the parts written in

@@ -8,7 +8,8 @@ expected on an H200 with 16 cores):
 
 1. Candidates: andrea.cuda.launch.pipe_candidates (generated from the production TILES) for
    every (dtype, head_dim) of SHAPES, and the first DS_LIMIT of each kernel of the backward
-   through dS (dK/dV writing dS, dQ from it), and on sm_90 the wgmma candidates of those kernels
+   through dS (dK/dV writing dS, dQ from it), a whole head's backward in one block ("bwd_fused",
+   where the 12M preset's window fits), and on sm_90 the wgmma candidates of those kernels
    (andrea.cuda.launch.hopper_candidates, built for sm_90a), ordered so that each shape's
    production tile and its 2-stage twin come first. Each is compiled alone
    by NVRTC (libnvrtc through ctypes, which lets go of the GIL: one thread per core; CuPy's own
@@ -21,23 +22,25 @@ expected on an H200 with 16 cores):
 2. Check: each candidate kernel on fresh random inputs of an odd shape (B 2, H 3, T 333),
    outputs NaN-poisoned, against float64 (bf16 1e-2, fp16 2^-9 of max(|ref|, 1); lse 1e-4).
    The backward candidates take the production forward's O and lse; dK/dV through dS is also
-   checked on the dS it writes, dQ from dS is given float64's dS (NaN above the diagonal).
+   checked on the dS it writes, dQ from dS is given float64's dS (NaN above the diagonal); the
+   whole-head backward, whose block holds the sequence, on inputs of FUSED_CHECK_LEN positions.
 3. Time (CUDA events around back-to-back calls, andrea.bench.time_per_call) at each shape:
    every passing candidate kernel alone; SDPA default, flash, efficient and cuDNN forward,
    backward (autograd, forward prepared) and forward + backward; the production kernels the
    same way through `cuda_attention` (what training runs) and as bare launches; the best
    candidate per kernel together (forward, preprocess + dQ + dK/dV, and all four); the best
-   pair through dS with the best forward; and where those beat production, the faster of the
-   two through `cuda_attention` with its TUNED entry in place (andrea.cuda.launch.TUNED), timed
-   and checked against float64.
+   pair through dS with the best forward; the best whole-head backward with it; and where those
+   beat production, the fastest through `cuda_attention` with its TUNED entry in place
+   (andrea.cuda.launch.TUNED), timed and checked against float64.
 4. Prints a table per shape last and writes everything to OUT_DIR/tune.json (written again after
    each shape, so a run cut short keeps what it measured), then `model.attention: auto`'s
    AUTO_TABLE entries for this GPU (andrea/model/attention.py) and the TUNED entries
    (andrea/cuda/launch.py), ready to paste.
 
 Table columns: fwd / bwd / f+b: milliseconds per call (rows "sdpa ..." and "(autograd)": through
-autograd; "ours production", "ours best candidates" and "ours best, bwd through dS": the
-kernels launched back to back, bwd = preprocess + dQ + dK/dV, or preprocess + dK/dV + dQ);
+autograd; "ours production", "ours best candidates", "ours best, bwd through dS" and "ours
+best, whole-head bwd": the kernels launched back to back, bwd = preprocess + dQ + dK/dV, or
+preprocess + dK/dV + dQ, or preprocess + the whole-head backward);
 TFLOP/s: the f+b causal FLOPs 3.5 * 2*B*H*T^2*D over f+b time; fwd x, bwd x, f+b x: SDPA
 default's time over this row's (above 1: faster than SDPA).
 
@@ -81,6 +84,10 @@ KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
 # DS_LIMIT of each list, so that the compile share still reaches the others' tiers.
 DS_KERNELS = ("bwd_dkdv_ds", "bwd_dq_ds")
 DS_LIMIT = 15
+# A whole head's backward in one block (dS in shared memory), for sequences that fit it: its
+# candidates are checked at FUSED_CHECK_LEN positions (odd, within the 12M preset's 256).
+FUSED = "bwd_fused"
+FUSED_CHECK_LEN = 255
 CHECK_SHAPE = (2, 3, 333)  # B, H, T: odd, not a multiple of any tile
 TOL = {"bfloat16": 1e-2, "float16": 2.0**-9, "float32": 1e-5}
 SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn")
@@ -117,23 +124,24 @@ def candidate_list(shapes: list[tuple], limit: int | None = None,
     """(kernel, dtype, head_dim, PipeConfig) for every (dtype, head_dim) of shapes, in build
     order: tier by tier (production tile, its 2-stage twin, the sm_90a (wgmma) ones where
     `wgmma`, then the rest), shape by shape; the first `limit` of each kernel's lists when
-    given (of the backward through dS's mma.sync ones, at most DS_LIMIT)."""
+    given (of the backward through dS's mma.sync ones, at most DS_LIMIT). The whole-head
+    backward's list is empty where the 12M window does not fit (head_dim 64 and 128)."""
     from andrea.cuda.launch import hopper_candidates, pipe_candidates
 
     def of(k: str, dt: str, d: int) -> list:
-        found = pipe_candidates(k, dt, d)[:limit if k in KERNELS else min(limit or DS_LIMIT,
-                                                                          DS_LIMIT)]
+        found = pipe_candidates(k, dt, d)[:limit if k in (*KERNELS, FUSED)
+                                          else min(limit or DS_LIMIT, DS_LIMIT)]
         if wgmma:
             found[2:2] = hopper_candidates(k, dt, d)[:limit]
         return found
 
     combos = list(dict.fromkeys((s[0], s[4]) for s in shapes))
-    per = {(dt, d, k): of(k, dt, d) for dt, d in combos for k in (*KERNELS, *DS_KERNELS)}
+    per = {(dt, d, k): of(k, dt, d) for dt, d in combos for k in (*KERNELS, *DS_KERNELS, FUSED)}
     out = []
     depth = max(len(v) for v in per.values())
     for i in range(depth):
         for dt, d in combos:
-            for k in (*KERNELS, *DS_KERNELS):
+            for k in (*KERNELS, *DS_KERNELS, FUSED):
                 if i < len(per[dt, d, k]):
                     out.append((k, dt, d, per[dt, d, k][i]))
     return out
@@ -215,6 +223,10 @@ def check_candidate(launch_fn, kernel, cfg, inputs, forward, ref, ds_ref) -> dic
         dk, dv = torch.full_like(q, nan), torch.full_like(q, nan)
         launch_fn(launch, q, k, v, dout, lse, delta, dk, dv, t, scale)
         return {"dk": err(dk, ref[3]), "dv": err(dv, ref[4])}
+    if kernel == FUSED:
+        dq, dk, dv = (torch.full_like(q, nan) for _ in range(3))
+        launch_fn(launch, q, k, v, dout, lse, delta, dq, dk, dv, t, scale)
+        return {"dq": err(dq, ref[2]), "dk": err(dk, ref[3]), "dv": err(dv, ref[4])}
     stride = ds_row_stride(t)
     lower = torch.ones(t, t, dtype=torch.bool).tril()
     ds = torch.full((b * h, t, stride), nan, dtype=q.dtype, device=q.device)
@@ -339,13 +351,11 @@ def check_all(info: dict, launcher, device) -> None:
     for row in info.values():
         if row["status"] == "built":
             groups.setdefault((row["dtype"], row["head_dim"]), []).append(row)
-    for (dtype, d), rows in groups.items():
-        if left() < 60:
-            for row in rows:
-                row["status"] = "unchecked (out of time)"
-            continue
-        tdt = getattr(torch, dtype)
-        q, k, v, dout = (torch.randn(b, h, t, d, device=device).to(tdt) for _ in range(4))
+
+    def prepared(dtype: str, d: int, t: int) -> tuple:
+        """Fresh inputs of t positions, float64's results, the production forward and delta."""
+        q, k, v, dout = (torch.randn(b, h, t, d, device=device).to(getattr(torch, dtype))
+                         for _ in range(4))
         scale = d**-0.5
         ref = reference_cpu(q, k, v, dout, scale)
         ds_ref = float64_ds(*(x.cpu() for x in (q, k, v, dout)), scale)
@@ -353,10 +363,21 @@ def check_all(info: dict, launcher, device) -> None:
         delta = torch.full((b, h, t), math.nan, device=device)
         launcher.launch(attention_launches(b, h, t, d, dtype)["bwd_preprocess"], po, dout, delta,
                         b * h * t)
+        return (q, k, v, dout), (po, plse, delta), ref, ds_ref
+
+    for (dtype, d), rows in groups.items():
+        if left() < 60:
+            for row in rows:
+                row["status"] = "unchecked (out of time)"
+            continue
+        by_len: dict[int, tuple] = {}
         for row in rows:
+            length = min(t, FUSED_CHECK_LEN) if row["kernel"] == FUSED else t
             try:
+                if length not in by_len:
+                    by_len[length] = prepared(dtype, d, length)
                 errs = check_candidate(launcher.launch, row["kernel"], row["cfg"],
-                                       (q, k, v, dout), (po, plse, delta), ref, ds_ref)
+                                       *by_len[length])
                 torch.cuda.synchronize(device)
             except Exception as exc:
                 row["status"] = f"launch failed: {str(exc)[:300]}"
@@ -435,6 +456,8 @@ def kernel_args(kernel, q, k, v, dout, o, lse, delta, grads, ds, t, scale):
         return (q, k, v, dout, lse, delta, dq, t, scale)
     if kernel == "bwd_dkdv":
         return (q, k, v, dout, lse, delta, dk, dv, t, scale)
+    if kernel == FUSED:
+        return (q, k, v, dout, lse, delta, dq, dk, dv, t, scale)
     if kernel == "bwd_dkdv_ds":
         return (q, k, v, dout, lse, delta, dk, dv, ds, t, ds.shape[-1], scale)
     return (k, ds, dq, t, ds.shape[-1], scale)
@@ -444,7 +467,12 @@ def time_shape(shape, info, launcher, device) -> dict:
     import torch
 
     from andrea.cuda.attention import attention_forward, cuda_attention
-    from andrea.cuda.launch import attention_launches, ds_row_stride, pipe_launch
+    from andrea.cuda.launch import (
+        DYNAMIC_SHARED_LIMIT,
+        attention_launches,
+        ds_row_stride,
+        pipe_launch,
+    )
 
     dtype, b, h, t, d = shape
     tdt = getattr(torch, dtype)
@@ -505,8 +533,11 @@ def time_shape(shape, info, launcher, device) -> dict:
             if left() < 25:
                 res["cut_short"] = True
                 break
-            launch = pipe_launch(row["kernel"], b, h, t, d, dtype, row["cfg"])
-            try:
+            try:  # a whole-head backward whose block cannot hold this sequence is refused
+                launch = pipe_launch(row["kernel"], b, h, t, d, dtype, row["cfg"])
+                if row["kernel"] == FUSED and launch.dynamic_shared_bytes > (
+                        DYNAMIC_SHARED_LIMIT.get(launcher.arch, 48 * 1024)):
+                    continue
                 ms = timed_ms(sequence({row["kernel"]: launch}, (row["kernel"],)))
             except Exception as exc:
                 row.setdefault("timing_errors", []).append(str(exc)[:200])
@@ -542,6 +573,16 @@ def time_shape(shape, info, launcher, device) -> dict:
                 "fb": timed_ms(sequence(chosen, ("fwd", *ds_bwd))),
                 "ds_buffer_bytes": ds.numel() * ds.element_size(),
             }
+        if all(kernel in best for kernel in ("fwd", FUSED)):
+            # a whole head's backward in one block, with the best forward
+            chosen = {kernel: best[kernel][1] for kernel in ("fwd", FUSED)}
+            res["best_fused"] = {
+                "configs": {FUSED: chosen[FUSED].name},
+                "pipe_configs": {kernel: astuple(best[kernel][2]) for kernel in ("fwd", FUSED)},
+                "fwd": timed_ms(sequence(chosen, ("fwd",))),
+                "bwd": timed_ms(sequence(chosen, ("bwd_preprocess", FUSED))),
+                "fb": timed_ms(sequence(chosen, ("fwd", "bwd_preprocess", FUSED))),
+            }
     winner = tuned_winner(res)
     if winner is not None and left() > 25:
         try:
@@ -563,6 +604,8 @@ def table(res: dict) -> str:
         rows.append(("ours best candidates", res["best"]))
     if res.get("best_ds"):
         rows.append(("ours best, bwd through dS", res["best_ds"]))
+    if res.get("best_fused"):
+        rows.append(("ours best, whole-head bwd", res["best_fused"]))
     out = [f"== {res['shape']}  (f+b {res['flops_fb'] / 1e9:.1f} GFLOP; sdpa and (autograd) rows "
            "through autograd, the others the kernels back to back)",
            f"{'backend':27s} {'fwd ms':>8s} {'bwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
@@ -575,12 +618,12 @@ def table(res: dict) -> str:
                  for m in ("fwd", "bwd", "fb")]
         out.append(f"{name:27s} {r['fwd']:8.3f} {r['bwd']:8.3f} {r['fb']:8.3f} "
                    f"{res['flops_fb'] / r['fb'] / 1e9:8.1f} {' '.join(ratio)}")
-    for best in ("best", "best_ds"):
+    for best in ("best", "best_ds", "best_fused"):
         for kernel, name in res.get(best, {}).get("configs", {}).items():
             out.append(f"  best {kernel}: {name}")
     if res.get("best_ds"):
         out.append(f"  dS buffer: {res['best_ds']['ds_buffer_bytes'] / 2**20:.0f} MiB")
-    for kernel in (*KERNELS, *DS_KERNELS):
+    for kernel in (*KERNELS, *DS_KERNELS, FUSED):
         ranked = sorted((c for c in res["candidates"] if c["kernel"] == kernel),
                         key=lambda c: c["ms"])[:3]
         prod_ms = res.get("production", {}).get("kernels_ms", {}).get(kernel)
@@ -617,10 +660,12 @@ def auto_table_entries(report: dict, date: str) -> list[str]:
 
 def tuned_winner(res: dict) -> dict | None:
     """A shape's best candidates where they beat the production kernels back to back (forward
-    + backward): res["best"] (the backward recomputing S and dP) or res["best_ds"] (through
-    dS), whichever is faster; None where production is fastest or nothing was timed."""
+    + backward): res["best"] (the backward recomputing S and dP), res["best_ds"] (through dS)
+    or res["best_fused"] (a whole head's backward in one block), whichever is fastest; None
+    where production is fastest or nothing was timed."""
     prod = (res.get("production") or {}).get("fb")
-    options = [r for r in (res.get("best"), res.get("best_ds")) if r and r.get("fb")]
+    options = [r for r in (res.get("best"), res.get("best_ds"), res.get("best_fused"))
+               if r and r.get("fb")]
     if not prod or not options:
         return None
     winner = min(options, key=lambda r: r["fb"])
@@ -650,7 +695,8 @@ def tuned(arch: str, dtype: str, head_dim: int, pipe_configs: dict) -> Iterator[
 
 def tuned_path(shape, winner: dict, launcher, device, inputs) -> dict:
     """The winner as training would run it: cuda_attention through autograd with its TUNED
-    entry in place, timed at the shape and checked against float64 at CHECK_SHAPE."""
+    entry in place, timed at the shape and checked against float64 at CHECK_SHAPE (a whole-head
+    backward at FUSED_CHECK_LEN positions, which its block holds)."""
     import torch
 
     from andrea.cuda.attention import cuda_attention
@@ -662,6 +708,8 @@ def tuned_path(shape, winner: dict, launcher, device, inputs) -> dict:
         res = autograd_times(lambda q_, k_, v_: cuda_attention(q_, k_, v_, scale, launcher),
                              *inputs)
         b, h, t = CHECK_SHAPE
+        if FUSED in winner["pipe_configs"]:
+            t = min(t, FUSED_CHECK_LEN)
         q, k, v, dout = (torch.randn(b, h, t, d, device=device).to(getattr(torch, dtype))
                          for _ in range(4))
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]

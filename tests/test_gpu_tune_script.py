@@ -43,7 +43,7 @@ def load_script():
 
 
 def is_candidate(name: str) -> bool:
-    return any(f"_{kind}<" in name for kind in ("pipe", "ds", "wgmma"))  # attn_*_{kind}
+    return any(f"_{kind}<" in name for kind in ("pipe", "ds", "wgmma", "fused"))  # attn_*_{kind}
 
 
 def fake_cupy(candidates: kernel_emulator.Emulator, launches: list) -> object:
@@ -140,10 +140,10 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     tune, out, launches, cands = gpu_world
     assert tune.gpu_run(out, torch.device("cpu")) == 0
     report = json.loads((out / "tune.json").read_text())
-    kernels = {*tune.KERNELS, *tune.DS_KERNELS}
+    kernels = {*tune.KERNELS, *tune.DS_KERNELS, tune.FUSED}
     # on sm_90 the first LIMIT of each kernel's mma.sync and wgmma candidates (wgmma: forward,
-    # dK/dV and dQ through dS)
-    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 10 + 3 * LIMIT
+    # dK/dV and dQ through dS; mma.sync: the whole-head backward too)
+    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 12 + 3 * LIMIT
     assert {row["kernel"] for row in report["candidates"] if "wgmma" in row["config"]} == {
         "fwd", *tune.DS_KERNELS}
     assert report["wgmma_probe"] == f"wgmma probe: {3 * LIMIT} of {3 * LIMIT} ok"
@@ -156,14 +156,16 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert {c["kernel"] for c in shape["candidates"]} == kernels
     assert set(shape["best"]["configs"]) == set(tune.KERNELS)
     assert set(shape["best_ds"]["configs"]) == set(tune.DS_KERNELS)
+    assert set(shape["best_fused"]["configs"]) == {tune.FUSED}
     assert shape["best_ds"]["ds_buffer_bytes"] == 1 * 2 * 40 * 128 * 2  # B*H x T x stride, bf16
     for part in ("fwd", "bwd", "fb"):
         assert shape["production"][part] > 0 and shape["best"][part] > 0
-        assert shape["best_ds"][part] > 0
+        assert shape["best_ds"][part] > 0 and shape["best_fused"][part] > 0
         assert shape["sdpa"]["default"][part] > 0 and shape["production_autograd"][part] > 0
     assert "error" in shape["sdpa"]["cudnn"]  # no cuDNN attention on a CPU: said, not fatal
     text = capsys.readouterr().out
     assert "ours best candidates" in text and "ours best, bwd through dS" in text
+    assert "ours best, whole-head bwd" in text
     assert "f+b x" in text
     # auto's table entry, ready to paste: SDPA's f+b time over the custom op's
     (entry,) = [line for line in text.splitlines()
@@ -258,7 +260,7 @@ def test_a_wrong_candidate_is_flagged_and_not_timed(gpu_world) -> None:
     report = json.loads((out / "tune.json").read_text())
     assert all(row["status"].startswith("wrong") for row in report["candidates"])
     assert report["shapes"][0]["candidates"] == [] and not report["shapes"][0]["best"]
-    assert "best_ds" not in report["shapes"][0]
+    assert "best_ds" not in report["shapes"][0] and "best_fused" not in report["shapes"][0]
 
 
 def test_large_dynamic_shared_memory_is_opted_into(monkeypatch) -> None:
@@ -335,3 +337,19 @@ def test_tuned_entries_paste_into_tuned_and_pick_the_faster_backward(monkeypatch
     assert '"bwd_dq": PipeConfig(4, 64, 3)' in line and "_ds" not in line
     shape["tuned_autograd"]["ok"] = False  # the custom op through it missed float64: no line
     assert tune.tuned_entries({"arch": "sm_90", "shapes": [shape]}) == []
+    # the 12M preset's shape, where a whole head's backward in one block wins: pasted, it runs
+    # at 256 positions, and a longer sequence keeps the production backward
+    fused = {"fb": 0.5, "pipe_configs": {"fwd": list(astuple(cfg(4, 64, 2))),
+                                         "bwd_fused": list(astuple(cfg(8, 64, 1)))}}
+    small = {**slower, "production": {"fb": 1.0}, "best_fused": fused,
+             "tuned_autograd": {"ok": True}}
+    (line,) = tune.tuned_entries({"arch": "sm_90", "shapes": [small]})
+    assert line.startswith('    ("sm_90", "bfloat16", 32): {"fwd": PipeConfig(4, 64, 2), '
+                           '"bwd_fused": PipeConfig(8, 64, 1)}')
+    monkeypatch.setitem(kernel_launch.TUNED, ("sm_90", "bfloat16", 32),
+                        eval(line.partition(": ")[2].split("  #")[0].rstrip(","),  # noqa: S307
+                             {"PipeConfig": cfg}))
+    assert list(kernel_launch.tuned_launches(32, 12, 256, 32, "bfloat16", "sm_90")) == [
+        "fwd", "bwd_preprocess", "bwd_fused"]
+    assert list(kernel_launch.tuned_launches(8, 12, 1024, 32, "bfloat16", "sm_90")) == [
+        "fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv"]

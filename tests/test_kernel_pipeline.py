@@ -1,7 +1,8 @@
-"""The pipelined candidate kernels (attn_fwd_pipe, attn_bwd_dq_pipe, attn_bwd_dkdv_pipe) on the
-CPU emulator: each against float64 on NaN-poisoned outputs, bit for bit against the production
-kernels where their streamed tile is the same, dynamic shared memory past 48 KiB, the launch
-table against the .cu file, and the emulated cp.async catching a missing wait_group.
+"""The pipelined candidate kernels (attn_fwd_pipe, attn_bwd_dq_pipe, attn_bwd_dkdv_pipe), the
+backward through dS and a whole head's backward in one block (attn_bwd_fused) on the CPU
+emulator: each against float64 on NaN-poisoned outputs, bit for bit against the production
+kernels where their arithmetic is the same, dynamic shared memory past 48 KiB, the launch table
+against the .cu file, and the emulated cp.async catching a missing wait_group.
 """
 
 from __future__ import annotations
@@ -51,10 +52,23 @@ DS_CONFIGS = [
     ("bfloat16", 64, PipeConfig(8, 128, 2), PipeConfig(2, 64, 3)),
     ("bfloat16", 128, PipeConfig(4, 16, 2), PipeConfig(4, 32, 2)),
 ]
+# A whole head's backward in one block (attn_bwd_fused), (dtype, head_dim, config): the 12M
+# preset's candidates (W 8 and 16, chunks of 64 and 16), fp16 at 64, fp32, head_dim 128.
+FUSED = kernel_launch.FUSED_KERNEL
+FUSED_CONFIGS = [
+    ("bfloat16", 32, PipeConfig(8, 64, 1)),
+    ("bfloat16", 32, PipeConfig(16, 16, 1)),
+    ("float16", 64, PipeConfig(4, 32, 1)),
+    ("float32", 32, PipeConfig(2, 16, 1)),
+    ("bfloat16", 128, PipeConfig(4, 16, 1)),
+]
 PIPES = tuple(dict.fromkeys(
     [(kernel, dtype, d, cfg) for dtype, d, cfg in CONFIGS for kernel in KERNELS]
     + [(kernel, dtype, d, cfg) for dtype, d, dkdv, dq in DS_CONFIGS
-       for kernel, cfg in (("fwd", dkdv), ("bwd_dkdv_ds", dkdv), ("bwd_dq_ds", dq))]))
+       for kernel, cfg in (("fwd", dkdv), ("bwd_dkdv_ds", dkdv), ("bwd_dq_ds", dq))]
+    + [(kernel, dtype, d, cfg) for dtype, d, cfg in FUSED_CONFIGS
+       for kernel, cfg in (("fwd", kernel_launch.production_pipe_config("fwd", dtype, d)),
+                           (FUSED, cfg))]))
 SHAPES = [(1, (2, 3)), (17, (1, 2)), (129, (1, 2))]  # T, (B, H)
 
 # The wait that lands tile it's K/V before the barrier of the forward's 2+-stage pipeline.
@@ -162,12 +176,13 @@ TUNED_ENTRY = {"fwd": PipeConfig(4, 64, 2), "bwd_dkdv_ds": PipeConfig(2, 32, 3),
                "bwd_dq_ds": PipeConfig(8, 32, 3)}  # bf16 D=32 candidates of PIPES
 
 
-def tuned_attention(emulator, q, k, v, dout, monkeypatch) -> tuple[list[str], tuple]:
-    """cuda_attention through autograd with TUNED naming candidates for TUNED_ARCH: the names it
-    launched, and (o, dq, dk, dv)."""
+def tuned_attention(emulator, q, k, v, dout, monkeypatch,
+                    entry: dict[str, PipeConfig] = TUNED_ENTRY) -> tuple[list[str], tuple]:
+    """cuda_attention through autograd with TUNED naming candidates (`entry`) for TUNED_ARCH:
+    the names it launched, and (o, dq, dk, dv)."""
     from andrea.cuda import attention as ca
 
-    monkeypatch.setitem(kernel_launch.TUNED, (TUNED_ARCH, "bfloat16", 32), TUNED_ENTRY)
+    monkeypatch.setitem(kernel_launch.TUNED, (TUNED_ARCH, "bfloat16", 32), entry)
     ca._launches.cache_clear()  # its entries are of TUNED as it was
     launcher = ca.EmulatorLauncher(emulator, arch=TUNED_ARCH)
     names: list[str] = []
@@ -220,6 +235,86 @@ def test_a_tuned_entry_takes_both_kernels_of_the_backward_through_ds(monkeypatch
         kernel_launch.tuned_launches(1, 1, 8, 32, "bfloat16", TUNED_ARCH)
 
 
+def fused_configs_of(dtype: str, head_dim: int, cfg: PipeConfig) -> dict[str, PipeConfig]:
+    return {"fwd": kernel_launch.production_pipe_config("fwd", dtype, head_dim), FUSED: cfg}
+
+
+@pytest.mark.parametrize("dtype,head_dim,cfg", FUSED_CONFIGS, ids=lambda x: str(x))
+@pytest.mark.parametrize("seq_len,bh", [*SHAPES, (200, (1, 1))], ids=lambda x: str(x))
+def test_whole_head_backward_matches_float64(emulator, dtype, head_dim, cfg, seq_len,
+                                             bh) -> None:
+    """One block per (batch, head), dS in shared memory: float64's gradients with the outputs
+    NaN-poisoned, and the emulated shared memory filled with NaN at each launch, so a dQ that
+    reads a dS entry phase 1 never wrote comes out NaN."""
+    b, h = bh
+    tdt = getattr(torch, dtype)
+    q, k, v, dout = random_inputs(b, h, seq_len, head_dim, tdt, seed=seq_len + 3 * head_dim)
+    scale = 0.9 / math.sqrt(head_dim)
+    if kernel_launch.pipe_shared_bytes(FUSED, dtype, head_dim, cfg, seq_len) > 227 * 1024:
+        with pytest.raises(ValueError, match="more than any GPU's block has"):  # 200 at D 128
+            kernel_emulator.pipe_attention(q, k, v, dout, fused_configs_of(dtype, head_dim, cfg),
+                                           emulator)
+        return
+    got = kernel_emulator.pipe_attention(q, k, v, dout, fused_configs_of(dtype, head_dim, cfg),
+                                         emulator, scale)
+    want = kernel_emulator.float64_reference(q, k, v, dout, scale)
+    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
+        assert not torch.isnan(g).any(), f"{name}: NaN (unwritten output or dS)"
+        err = kernel_emulator.max_error(g, w)
+        assert err <= TOL[tdt], f"{cfg.label()} {name}: max error {err:.3g} > {TOL[tdt]:.3g}"
+
+
+@pytest.mark.parametrize("dtype,head_dim,cfg", FUSED_CONFIGS, ids=lambda x: str(x))
+def test_whole_head_backward_gives_the_production_bits(emulator, dtype, head_dim, cfg) -> None:
+    """Each gradient sums its products in the production kernels' order, 16 at a time, whatever
+    the chunk, and dS is rounded as the production dQ product rounds it: the same bits, at any
+    W and N (the products past the diagonal that production adds are exact zeros)."""
+    tdt = getattr(torch, dtype)
+    q, k, v, dout = random_inputs(2, 2, 150, head_dim, tdt, seed=17)
+    o, lse = kernel_emulator.attention_forward(q, k, v)
+    want = kernel_emulator.attention_backward(q, k, v, o, lse, dout)
+    got = kernel_emulator.pipe_attention(q, k, v, dout, fused_configs_of(dtype, head_dim, cfg),
+                                         emulator)[2:]
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert torch.equal(g, w), f"{cfg.label()} {name} differs from the production kernel"
+
+
+def test_a_tuned_whole_head_backward_runs_where_the_sequence_fits(emulator, monkeypatch) -> None:
+    """A TUNED "bwd_fused" replaces the backward through autograd where the sequence fits the
+    architecture's shared memory (48 KiB for an architecture the table does not know), and a
+    longer sequence takes the backward the entry names beside it."""
+    entry = {"fwd": PipeConfig(4, 64, 2), "bwd_dq": PipeConfig(4, 64, 2),
+             "bwd_dkdv": PipeConfig(4, 64, 2), FUSED: PipeConfig(8, 64, 1)}
+    name = {kernel: kernel_launch.pipe_name_expression(kernel, "bfloat16", 32, cfg)
+            for kernel, cfg in entry.items()}
+    assert name[FUSED] == "attn_bwd_fused<bf16_t, 32, 8, 64, 0>"
+    for seq_len, backward in ((17, [name[FUSED]]), (129, [name["bwd_dq"], name["bwd_dkdv"]])):
+        q, k, v, dout = random_inputs(2, 3, seq_len, 32, torch.bfloat16, seed=seq_len)
+        names, (_, *grads) = tuned_attention(emulator, q, k, v, dout, monkeypatch, entry)
+        assert names[2:] == backward, (seq_len, names)
+        want = kernel_emulator.float64_reference(q, k, v, dout, 32**-0.5)
+        for grad_name, g, w in zip(("dq", "dk", "dv"), grads, want[2:], strict=True):
+            assert kernel_emulator.max_error(g, w) <= TOL[torch.bfloat16], (seq_len, grad_name)
+    bytes_129 = kernel_launch.pipe_shared_bytes(FUSED, "bfloat16", 32, entry[FUSED], 129)
+    assert bytes_129 > 48 * 1024 >= kernel_launch.pipe_shared_bytes(FUSED, "bfloat16", 32,
+                                                                     entry[FUSED], 17)
+
+
+def test_whole_head_backward_candidates_hold_the_12m_window() -> None:
+    """Its candidates: the production dK/dV pass's chunk first, 256 positions within sm_90's
+    227 KiB (bf16 and fp16 at head_dim 32 only); a sequence no GPU's block can hold is refused."""
+    for dtype in ("bfloat16", "float16"):
+        found = kernel_launch.pipe_candidates(FUSED, dtype, 32)
+        assert found[0] == PipeConfig(8, 64, 1) and len(set(found)) == len(found) == 9
+        for cfg in found:
+            launch = kernel_launch.pipe_launch(FUSED, 32, 12, 256, 32, dtype, cfg)
+            assert launch.grid == (1, 384, 1) and launch.block == (32 * cfg.warps, 1, 1)
+            assert launch.dynamic_shared_bytes <= 227 * 1024
+    assert kernel_launch.pipe_candidates(FUSED, "bfloat16", 64) == []
+    with pytest.raises(ValueError, match="more than any GPU's block has"):
+        kernel_launch.pipe_launch(FUSED, 1, 1, 512, 32, "bfloat16", PipeConfig(8, 64, 1))
+
+
 SAME_ROWS = [c for c in CONFIGS if c[2].rows == kernel_launch.TILES[c[0], c[1]]["fwd"][1]]
 
 
@@ -251,6 +346,11 @@ def test_fibers_and_threads_agree_bit_for_bit(emulator) -> None:
 def test_launch_table_matches_the_kernel_file(emulator) -> None:
     for kernel, dtype, d, cfg in PIPES:
         name = kernel_launch.pipe_name_expression(kernel, dtype, d, cfg)
+        if kernel == FUSED:  # its shared memory holds the sequence: the table's is at 256
+            smem = kernel_launch.pipe_shared_bytes(kernel, dtype, d, cfg,
+                                                   kernel_launch.FUSED_MIN_SEQ_LEN)
+            assert emulator.kernel_info(name) == (cfg.warps, cfg.rows, smem, 0, 1), name
+            continue
         smem = kernel_launch.pipe_shared_bytes(kernel, dtype, d, cfg)
         # only dK/dV's templates have passes
         passes = cfg.passes if kernel in ("bwd_dkdv", "bwd_dkdv_ds") else 1
@@ -316,4 +416,4 @@ def test_tune_script_dry_run_checks_candidates_on_the_emulator(tmp_path: Path) -
     assert tune.main([str(tmp_path), "--dry-run", "--dry-limit", "1"]) == 0
     results = json.loads((tmp_path / "tune.json").read_text())["results"]
     assert results and all(r["ok"] for r in results)
-    assert {r["kernel"] for r in results} == {*KERNELS, *DS_KERNELS}
+    assert {r["kernel"] for r in results} == {*KERNELS, *DS_KERNELS, FUSED}

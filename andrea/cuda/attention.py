@@ -311,6 +311,9 @@ def attention_backward(
     delta = _new((b, h, t), torch.float32, q.device, poison)
     dq, dk, dv = (_new((b, h, t, d), q.dtype, q.device, poison) for _ in range(3))
     launcher.launch(launches["bwd_preprocess"], o, dout, delta, b * h * t)
+    if "bwd_fused" in launches:
+        launcher.launch(launches["bwd_fused"], q, k, v, dout, lse, delta, dq, dk, dv, t, scale)
+        return dq, dk, dv
     if "bwd_dq_ds" in launches:
         _backward_through_ds(q, k, v, dout, lse, delta, (dq, dk, dv), scale, launcher, arch,
                              poison)

@@ -315,7 +315,8 @@ def pipe_attention(
     mode: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Forward and backward through pipelined candidates (`configs`: kernel -> PipeConfig for
-    "fwd" and "bwd_dq", "bwd_dkdv" or the backward through dS, "bwd_dkdv_ds", "bwd_dq_ds";
+    "fwd" and "bwd_dq", "bwd_dkdv", or the backward through dS, "bwd_dkdv_ds", "bwd_dq_ds", or
+    a whole head's, "bwd_fused";
     emulator built with them): o, lse, dq, dk, dv, all outputs and the dS buffer NaN-poisoned
     before their launch."""
     b, h, t, d, dtype = _shape(q)
@@ -328,6 +329,10 @@ def pipe_attention(
     delta = _poisoned(q, torch.float32, (b, h, t))
     dq, dk, dv = _poisoned(q), _poisoned(q), _poisoned(q)
     emulator.launch(preprocess, o, dout, delta, b * h * t, mode=mode)
+    if "bwd_fused" in configs:  # a whole head's backward in one block
+        emulator.launch(launches["bwd_fused"], q, k, v, dout, lse, delta, dq, dk, dv, t, scale,
+                        mode=mode)
+        return o, lse, dq, dk, dv
     if "bwd_dq_ds" in configs:  # the backward through dS: dK/dV writing it, then dQ from it
         stride = ds_row_stride(t)
         ds = _poisoned(q, shape=(b * h, t, stride))  # what dK/dV leaves unwritten stays NaN

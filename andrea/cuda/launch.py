@@ -308,8 +308,11 @@ PIPE_TEMPLATES = {
     # the backward through dS: dK/dV writing dS, then dQ = scale * dS K (kernels/attn_pipe.cuh)
     "bwd_dkdv_ds": "attn_bwd_dkdv_ds",
     "bwd_dq_ds": "attn_bwd_dq_ds",
+    # a whole head's backward in one block, dS in shared memory: short sequences only
+    "bwd_fused": "attn_bwd_fused",
 }
 DS_KERNELS = ("bwd_dkdv_ds", "bwd_dq_ds")
+FUSED_KERNEL = "bwd_fused"
 DS_STRIDE_MULTIPLE = 128  # the dS buffer's row stride: T rounded up to this (tiles divide it)
 
 
@@ -376,6 +379,8 @@ class PipeConfig:
 # paste). Where a key is present the "cuda" backend launches those template instances instead
 # of the production kernels of TILES: "fwd", and the backward as "bwd_dq" and "bwd_dkdv", or
 # through dS as "bwd_dkdv_ds" and "bwd_dq_ds"; a kernel not named keeps its production kernel.
+# "bwd_fused" (a whole head's backward in one block) replaces the backward where the sequence
+# fits the block's shared memory, and leaves the longer ones to the others.
 # Another architecture, or one not measured, runs the production kernels. Empty until measured.
 TUNED: dict[tuple[str, str, int], dict[str, PipeConfig]] = {}
 
@@ -388,12 +393,24 @@ def production_pipe_config(kernel: str, dtype: str, head_dim: int, stages: int =
                       PRODUCTION_PASSES.get((dtype, head_dim), 1) if kind == "dkdv" else 1)
 
 
+# The sequence length the whole-head backward's candidates must hold (the 12M preset's windows).
+FUSED_MIN_SEQ_LEN = 256
+
+
 def pipe_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig]:
     """Every candidate of a kernel for (dtype, head_dim): the production tile first (at 1 and 2
     stages), then W in {2, 4, 8} x N in {32, 64, 128} x stages in {1, 2, 3} (dK/dV: 1 and, where
     a pass keeps 32 columns or more, 2 column passes), where the N-wide score fragments fit the
     registers (forward N <= 128; backward, whose S and dP are both live, N <= 4096 / D) and the
-    shared memory fits sm_90's 227 KiB per block."""
+    shared memory fits sm_90's 227 KiB per block. The whole-head backward ("bwd_fused"): W in
+    {8, 4, 16} x query chunks of the production dK/dV pass's N (its bits) and of 64, 32, 16,
+    where FUSED_MIN_SEQ_LEN positions fit sm_90's shared memory (bf16 and fp16 at head_dim 32)."""
+    if kernel == FUSED_KERNEL:
+        prod = production_pipe_config("bwd_dkdv", dtype, head_dim)
+        chunks = dict.fromkeys((prod.rows // prod.passes, 64, 32, 16))
+        return [cfg for n in chunks if n <= 4096 // head_dim for w in (8, 4, 16)
+                if pipe_shared_bytes(kernel, dtype, head_dim, cfg := PipeConfig(w, n, 1),
+                                     FUSED_MIN_SEQ_LEN) <= DYNAMIC_SHARED_LIMIT["sm_90"]]
     if kernel == "bwd_dq_ds":  # a plain product: only the tile shape and the pipeline matter
         return [PipeConfig(w, n, s) for w in (4, 8, 2) for n in (64, 128, 32) for s in (2, 3, 1)
                 if pipe_shared_bytes(kernel, dtype, head_dim, PipeConfig(w, n, s))
@@ -430,20 +447,31 @@ def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig
 
 
 def pipe_name_expression(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -> str:
-    """e.g. 'attn_fwd_pipe<bf16_t, 64, 4, 64, 2, 0>' (dK/dV: passes last)."""
+    """e.g. 'attn_fwd_pipe<bf16_t, 64, 4, 64, 2, 0>' (dK/dV: passes last; the whole-head
+    backward has no stages: 'attn_bwd_fused<bf16_t, 32, 8, 64, 0>')."""
     args = [ELEMENT_TYPES[dtype][0], head_dim, cfg.warps, cfg.rows, cfg.stages, cfg.min_blocks]
+    if kernel == FUSED_KERNEL:
+        del args[4]
     if kernel in ("bwd_dkdv", "bwd_dkdv_ds"):
         args.append(cfg.passes)
     template = (WGMMA_TEMPLATES if cfg.wgmma else PIPE_TEMPLATES)[kernel]
     return f"{template}<{', '.join(str(a) for a in args)}>"
 
 
-def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -> int:
+def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig,
+                      seq_len: int | None = None) -> int:
     """Dynamic shared memory of a candidate (PipeSmem<...>::bytes in the .cu file; dQ from dS:
-    DsSmem<...>::bytes; wgmma: HopperSmem<...>::bytes)."""
+    DsSmem<...>::bytes; wgmma: HopperSmem<...>::bytes; the whole-head backward, which holds
+    the sequence: FusedSmem<...>::bytes(seq_len))."""
     kind = {"bwd_dkdv_ds": "dkdv"}.get(kernel, kernel.removeprefix("bwd_"))
     elem = ELEMENT_TYPES[dtype][1]
     m, ld = 16 * cfg.warps, head_dim + 16 // elem
+    if kernel == FUSED_KERNEL:  # Q, dO, K, V and dS [rows, rows + pad], lse, delta, scratch
+        if seq_len is None:
+            raise ValueError(f"{kernel}: its shared memory holds the sequence: give seq_len")
+        rows = _ceil_div(seq_len, cfg.rows) * cfg.rows
+        scratch = cfg.warps * 16 * (cfg.rows + 4) if dtype == "float32" else 0
+        return (4 * rows * ld + rows * (rows + 16 // elem)) * elem + 4 * (2 * rows + scratch)
     if cfg.wgmma:  # HopperSmem: unpadded core-matrix tiles, dK/dV's statistics after them
         owned = {"fwd": m, "dkdv": 2 * m, "dq_ds": 0}[kind] * head_dim
         stage = m * cfg.rows + cfg.rows * head_dim if kind == "dq_ds" else 2 * cfg.rows * head_dim
@@ -459,9 +487,10 @@ def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig) -
 
 def pipe_launch(kernel: str, batch: int, n_head: int, seq_len: int, head_dim: int, dtype: str,
                 cfg: PipeConfig) -> Launch:
-    """The launch of candidate `cfg` of kernel "fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_ds" or
-    "bwd_dq_ds" (the backward's "bwd_preprocess" is the production one, from
-    attention_launches)."""
+    """The launch of candidate `cfg` of kernel "fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_ds",
+    "bwd_dq_ds" or "bwd_fused" (the backward's "bwd_preprocess" is the production one, from
+    attention_launches). The whole-head backward is a block per (batch, head), its shared memory
+    sized by seq_len."""
     regular = attention_launches(batch, n_head, seq_len, head_dim, dtype)  # validates
     # dK/dV's key block (16*W keys) and dQ's key tile (N) must end inside a dS row
     if DS_STRIDE_MULTIPLE % {"bwd_dkdv_ds": 16 * cfg.warps, "bwd_dq_ds": cfg.rows}.get(kernel, 1):
@@ -471,6 +500,16 @@ def pipe_launch(kernel: str, batch: int, n_head: int, seq_len: int, head_dim: in
         raise ValueError(f"{kernel} {cfg.label()} {dtype}: wgmma has {', '.join(WGMMA_TEMPLATES)}"
                          " in bf16 and fp16, whole warpgroups (W a multiple of 4), N 32, 64 or "
                          "128, one pass")
+    if kernel == FUSED_KERNEL:
+        if cfg.stages != 1 or cfg.passes != 1:
+            raise ValueError(f"{kernel} {cfg.label()}: one stage, one pass")
+        smem = pipe_shared_bytes(kernel, dtype, head_dim, cfg, seq_len)
+        if smem > max(DYNAMIC_SHARED_LIMIT.values()):
+            raise ValueError(f"{kernel} {cfg.label()} {dtype}: {seq_len} positions need "
+                             f"{smem} bytes of shared memory, more than any GPU's block has")
+        return Launch(name=pipe_name_expression(kernel, dtype, head_dim, cfg),
+                      grid=(1, regular["fwd"].grid[1], 1), block=(32 * cfg.warps, 1, 1),
+                      shared_bytes=smem, dynamic_shared_bytes=smem)
     smem = pipe_shared_bytes(kernel, dtype, head_dim, cfg)
     return Launch(
         name=pipe_name_expression(kernel, dtype, head_dim, cfg),
@@ -489,6 +528,11 @@ def pipe_emulator_entries(names: list[tuple[str, str, int, PipeConfig]]) -> str:
     rows = []
     for kernel, dtype, head_dim, cfg in names:
         ctype = ELEMENT_TYPES[dtype][0]
+        if kernel == FUSED_KERNEL:  # its shared memory at FUSED_MIN_SEQ_LEN positions
+            name = pipe_name_expression(kernel, dtype, head_dim, cfg)
+            rows.append(f'ANDREA_FUSED("{name}", {ctype}, {head_dim}, {cfg.warps}, {cfg.rows}, '
+                        f"{cfg.min_blocks}, {FUSED_MIN_SEQ_LEN}),")
+            continue
         dkdv = kernel in ("bwd_dkdv", "bwd_dkdv_ds")
         extra = f"{cfg.min_blocks}" + (f", {cfg.passes}" if dkdv else "")
         tile = f"{ctype}, {head_dim}, {cfg.warps}, {cfg.rows}, {cfg.stages}"
@@ -507,9 +551,12 @@ def tuned_launches(batch: int, n_head: int, seq_len: int, head_dim: int, dtype: 
                    arch: str | None) -> dict[str, Launch]:
     """attention_launches with the kernels TUNED names for (arch, dtype, head_dim) in place of
     the production ones (arch None: the production kernels). Keys: "fwd", "bwd_preprocess",
-    then the backward's: "bwd_dq" and "bwd_dkdv", or "bwd_dkdv_ds" and "bwd_dq_ds"."""
+    then the backward's: "bwd_dq" and "bwd_dkdv", or "bwd_dkdv_ds" and "bwd_dq_ds", or
+    "bwd_fused" alone where the sequence fits the architecture's shared memory (a longer one
+    takes the backward the entry names beside it, or the production one)."""
     launches = attention_launches(batch, n_head, seq_len, head_dim, dtype)
-    tuned = TUNED.get((arch, dtype, head_dim), {}) if arch else {}
+    tuned = dict(TUNED.get((arch, dtype, head_dim), {})) if arch else {}
+    fused = tuned.pop(FUSED_KERNEL, None)
     through_ds = [kernel for kernel in DS_KERNELS if kernel in tuned]
     if through_ds:
         if len(through_ds) != len(DS_KERNELS) or {"bwd_dq", "bwd_dkdv"} & set(tuned):
@@ -518,4 +565,10 @@ def tuned_launches(batch: int, n_head: int, seq_len: int, head_dim: int, dtype: 
         del launches["bwd_dq"], launches["bwd_dkdv"]
     for kernel, cfg in tuned.items():
         launches[kernel] = pipe_launch(kernel, batch, n_head, seq_len, head_dim, dtype, cfg)
+    if fused is not None and pipe_shared_bytes(FUSED_KERNEL, dtype, head_dim, fused, seq_len) <= (
+            DYNAMIC_SHARED_LIMIT.get(arch, 48 * 1024)):
+        for kernel in ("bwd_dq", "bwd_dkdv", *DS_KERNELS):
+            launches.pop(kernel, None)
+        launches[FUSED_KERNEL] = pipe_launch(FUSED_KERNEL, batch, n_head, seq_len, head_dim,
+                                             dtype, fused)
     return launches

@@ -67,6 +67,15 @@ constexpr int passes_of(int, int passes = 1) { return passes; }
         },                                                                                     \
         W, N, BYTES, min_blocks_of(__VA_ARGS__), passes_of(__VA_ARGS__)}
 
+// The whole-head backward (attn_bwd_fused): its shared memory grows with the sequence, so the
+// table's figure is FusedSmem's at SEQ_LEN positions (andrea.cuda.launch.FUSED_MIN_SEQ_LEN).
+#define ANDREA_FUSED(NAME, TYPE, D, W, N, MINB, SEQ_LEN)                                       \
+  Entry{NAME,                                                                                  \
+        [](dim3 g, dim3 b, int m, size_t s, void** a) {                                        \
+          run(&attn_bwd_fused<TYPE, D, W, N, MINB>, g, b, m, s, a);                            \
+        },                                                                                     \
+        W, N, FusedSmem<TYPE, D, W, N>::bytes(SEQ_LEN), MINB, 1}
+
 // ANDREA_EMU_HALF_ONLY: the tiled fp16 kernels alone, for the builds of another arch's fp16 path
 // (-DANDREA_HALF_ARCH=750 or 700; the naive kernels have no per-arch path), a sixth of the code.
 #define ANDREA_PREPROCESS(TYPE, TN, D)                                                        \

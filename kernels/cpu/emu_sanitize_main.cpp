@@ -6,7 +6,8 @@
 // W, N, STAGES (dK/dV PASSES) instead, then the backward through dS (attn_bwd_dkdv_ds,
 // attn_bwd_dq_ds) at the same tiles, each block's dynamic shared memory its exact size. With
 // ANDREA_SAN_WGMMA too, the sm_90a kernels (attn_fwd_wgmma, then the backward through dS on
-// wgmma) at the same tiles (W a multiple of 4).
+// wgmma) at the same tiles (W a multiple of 4); last the whole-head backward (attn_bwd_fused)
+// with W warps and query chunks of N / P.
 // Each variant must give the pipelined kernels' bits, or the program exits 1.
 // Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
 #include "cuda_emulator.h"
@@ -128,6 +129,23 @@ int main(int argc, char** argv) {
   delete[] ds; delete[] dq2; delete[] dk2; delete[] dv2;
   if (!same) {
     std::fprintf(stderr, "the backward through dS differs from the pipelined backward\n");
+    return 1;
+  }
+  // A whole head's backward in one block, its query chunks dK/dV's passes: the same bits.
+  constexpr int NP = N / ANDREA_SAN_PIPE_P;
+  T_ *dq4 = new T_[n], *dk4 = new T_[n], *dv4 = new T_[n];
+  andrea_emu::launch(
+      dim3(1, bh), pblock, mode,
+      [&] {
+        attn_bwd_fused<T_, D, W, NP, 0>(q, k, v, dout, lse, delta, dq4, dk4, dv4, seq_len, scale);
+      },
+      FusedSmem<T_, D, W, NP>::bytes(seq_len));
+  const bool same_fused = std::memcmp(dq, dq4, n * sizeof(T_)) == 0 &&
+                          std::memcmp(dk, dk4, n * sizeof(T_)) == 0 &&
+                          std::memcmp(dv, dv4, n * sizeof(T_)) == 0;
+  delete[] dq4; delete[] dk4; delete[] dv4;
+  if (!same_fused) {
+    std::fprintf(stderr, "the whole-head backward differs from the pipelined backward\n");
     return 1;
   }
 #else
