@@ -28,12 +28,16 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
   12m-eager    as 12m with train.compile=false
   120m-plain   as 120m-warm, the loss unchunked inside the compiled graph (F.cross_entropy on
                the whole logits, as the reference): what the chunked loss costs
+  12m-cuda,    as 12m and 120m with model.attention=cuda: the project's kernels (TUNED's where
+  120m-cuda    it has an entry for this GPU) inside the compiled step, beside SDPA's
 
 In that order, what decides most first, so that a slow machine or a smaller `--budget` (seconds
 past which no part starts or runs; RUN_BUDGET_S by default) leaves out the least: the issue's
 goals and its NCCL check, then the lever for the 12M step, then the eager baselines (the issue
-has figures for them from 2026-12-04), last a diagnosis. Each budget is its part's most; together
-they are more than the run's, so on a slow machine the last parts are left out. With the
+has figures for them from 2026-12-04), then a diagnosis; the cuda parts last, for a call that
+names them (`--parts 12m,12m-cuda,120m,120m-warm,120m-cuda` once TUNED has this GPU's entries:
+issue 53's "train at least as fast with them as with SDPA"). Each budget is its part's most;
+together they are more than the run's, so on a slow machine the last parts are left out. With the
 kernel tuner in the same device call, for example: `--budget 318`, then
 `scripts/gpu_tune_attention.py --budget 208`, in one call of 585 s.
 
@@ -68,7 +72,7 @@ QUIET = ("train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=1", 
 PARTS: list[tuple[str, int]] = [
     ("reference", 60), ("120m", 80), ("120m-warm", 40), ("12m", 90), ("resume", 75),
     ("ddp", 30), ("fsdp", 30), ("120m-auto", 40), ("12m-graphs", 80), ("120m-eager", 40),
-    ("12m-eager", 45), ("120m-plain", 60),
+    ("12m-eager", 45), ("120m-plain", 60), ("12m-cuda", 90), ("120m-cuda", 80),
 ]
 RESUME_STEPS = 16
 
@@ -187,6 +191,12 @@ def part_command(name: str, work: Path, out: Path, dry: bool) -> tuple[list[str]
         return [*me, *j, *small, "train.compile=false", "train.name=s-eager"], env
     if name == "12m":
         return [*me, *j, *small, "train.name=s-compiled"], env
+    # the kernels need a GPU: a dry run checks these parts' plumbing with the default attention
+    cuda = [] if dry else ["model.attention=cuda"]
+    if name == "12m-cuda":
+        return [*me, *j, *small, *cuda, "train.name=s-cuda"], env
+    if name == "120m-cuda":
+        return [*me, *j, *big, *cuda, "train.name=cuda"], env
     if name == "12m-graphs":
         return [*me, *j, "--mode", "reduce-overhead", *small, "train.name=s-graphs"], env
     if name == "resume":
@@ -217,7 +227,9 @@ def install_wheels(work: Path, outdir: Path) -> str:
     return os.pathsep.join([str(REPO), str(site), os.environ.get("PYTHONPATH", "")])
 
 
-def run_parts(outdir: Path, dry: bool, run_budget: float = RUN_BUDGET_S) -> int:
+def run_parts(outdir: Path, dry: bool, run_budget: float = RUN_BUDGET_S,
+              names: list[str] | None = None) -> int:
+    """Runs PARTS (those in `names` only, in PARTS' order, when given) one after the other."""
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="andrea-gpu-speed-"))
     pythonpath = install_wheels(work, outdir)
@@ -236,6 +248,8 @@ def run_parts(outdir: Path, dry: bool, run_budget: float = RUN_BUDGET_S) -> int:
         shell=True, capture_output=True, text=True).stdout.strip()
     print(json.dumps(environment), flush=True)
     for name, budget in PARTS:
+        if names is not None and name not in names:
+            continue
         left = run_budget - (time.monotonic() - start)
         limit = int(min(budget, left))
         if limit < 5:
@@ -296,6 +310,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--budget", type=float, default=RUN_BUDGET_S,
                         help=f"seconds past which no part starts or runs (default {RUN_BUDGET_S})")
+    parser.add_argument("--parts", help="the parts to run, comma-separated (default: all)")
     parser.add_argument("--run-andrea", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--resume-check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
@@ -316,7 +331,12 @@ def main() -> int:
         parser.error("give OUTDIR")
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    return run_parts(outdir.resolve(), args.dry_run, args.budget)
+    names = args.parts.split(",") if args.parts else None
+    unknown = sorted(set(names or ()) - {name for name, _ in PARTS})
+    if unknown:
+        parser.error(f"--parts: no part {', '.join(unknown)}; the parts: "
+                     f"{', '.join(name for name, _ in PARTS)}")
+    return run_parts(outdir.resolve(), args.dry_run, args.budget, names)
 
 
 if __name__ == "__main__":

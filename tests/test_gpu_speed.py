@@ -4,6 +4,8 @@ ANDREA-120M's model, and train.compile's auto decides as documented."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,29 @@ def test_every_part_loads_its_config(tmp_path: Path, dry: bool) -> None:
         if name in ("ddp", "fsdp"):
             assert env["ANDREA_PROCESS_GROUP_OF_ONE"] == "1"
             assert cfg.train.parallel == name
+        assert (cfg.model.attention == "cuda") == (name.endswith("-cuda") and not dry), name
+
+
+def test_a_call_runs_the_parts_it_names_in_their_order(tmp_path: Path, monkeypatch) -> None:
+    """`--parts` runs those parts only, in PARTS' order; a part that does not exist is one line
+    naming it and the parts there are, exit code 2."""
+    speed = load_script("gpu_speed")
+    ran: list[str] = []
+
+    def run(command, **kwargs):
+        if isinstance(command, list):  # a part: its name is its --json file's
+            ran.append(Path(command[command.index("--json") + 1]).stem)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(speed.subprocess, "run", run)
+    monkeypatch.setattr(speed, "install_wheels", lambda work, outdir: "")
+    monkeypatch.setattr(speed, "print_table", lambda results, rows: None)
+    assert speed.run_parts(tmp_path, True, names=["12m-cuda", "12m"]) == 0
+    assert ran == ["12m", "12m-cuda"]
+    monkeypatch.setattr(sys, "argv", ["gpu_speed.py", str(tmp_path), "--parts", "12m,13m"])
+    with pytest.raises(SystemExit) as stop:
+        speed.main()
+    assert stop.value.code == 2
 
 
 def test_the_reference_is_andrea_120m() -> None:
