@@ -3,6 +3,8 @@
 //   attn_fwd_wgmma           the pipelined forward (attn_fwd_pipe) with its two products on it
 //   attn_bwd_dkdv_ds_wgmma   dK/dV writing dS (attn_bwd_dkdv_ds), its four products on it
 //   attn_bwd_dq_ds_wgmma     dQ = scale * dS K (attn_bwd_dq_ds) on it
+//   attn_bwd_dkdv_wgmma      dK/dV (attn_bwd_dkdv_pipe): attn_bwd_dkdv_ds_wgmma without dS
+//   attn_bwd_dq_wgmma        dQ recomputing S and dP (attn_bwd_dq_pipe), its three products
 // A warpgroup owns 64 rows (queries; keys in dK/dV), W/4 of them a block. Products whose A
 // operand was just computed (P, dS) take it from registers (the C -> A fragment repack of the
 // mma.sync path); the others read both operands from shared memory, the streamed tiles
@@ -251,16 +253,18 @@ __device__ __forceinline__ void repack_a(u32 (&a)[N / 16][4], const float (&c)[N
 // Dynamic shared memory of the wgmma kernels (byte offsets; andrea.cuda.launch's
 // pipe_shared_bytes mirrors `bytes`), all tiles in the core-matrix layout, no padding (a core
 // matrix is 128 contiguous bytes: no bank conflicts to pad away). The owned tiles (M x D each:
-// Q; K and V for dK/dV; none for dQ), then STAGES stages of streamed tiles: forward K and V,
-// dK/dV Q and dO (N x D each), dQ a dS tile (M x N) and a K tile (N x D); then dK/dV's per-stage
-// statistics (lse and delta of the stage's N queries).
+// Q; K and V for dK/dV; Q and dO for dQ; none for dQ from dS), then STAGES stages of streamed
+// tiles: forward and dQ K and V, dK/dV Q and dO (N x D each), dQ from dS a dS tile (M x N) and
+// a K tile (N x D); then the statistics: dK/dV's per stage (lse and delta of the stage's N
+// queries), dQ's of its owned rows.
 template <typename T_, int D, int K, int W, int N, int STAGES> struct HopperSmem {
   static constexpr int M = 16 * W;
-  static constexpr int A_TILES = K == KIND_FWD ? 1 : (K == KIND_DKDV ? 2 : 0);
-  static constexpr int STAGE = K == KIND_DQ ? M * N + N * D : 2 * N * D;  // elements
+  static constexpr int A_TILES = K == KIND_FWD ? 1 : (K == KIND_DQ_DS ? 0 : 2);
+  static constexpr int STAGE = K == KIND_DQ_DS ? M * N + N * D : 2 * N * D;  // elements
   static constexpr int B = A_TILES * M * D * (int)sizeof(T_);
   static constexpr int STATS = B + STAGES * STAGE * (int)sizeof(T_);
-  static constexpr int bytes = STATS + (K == KIND_DKDV ? STAGES * 2 * N * 4 : 0);
+  static constexpr int bytes =
+      STATS + (K == KIND_DKDV ? STAGES * 2 * N * 4 : (K == KIND_DQ ? 2 * M * 4 : 0));
   static_assert(W % 4 == 0 && STAGES >= 1, "whole warpgroups, a stage");
 };
 
@@ -351,26 +355,23 @@ __global__ void __launch_bounds__(32 * W, MINB)
 #endif
 }
 
-// dK/dV through dS on wgmma (attn_bwd_dkdv_ds's arithmetic; one pass over a query tile): a
-// warpgroup owns 64 keys, W/4 of them a block, and streams N queries a tile (Q, dO, their lse
-// and delta). Per tile S^T = K Q^T and dP^T = V dO^T (K, V and the tiles from shared memory),
-// P^T and dS^T in registers, dS stored to the buffer, then dV += P^T dO and dK += dS^T Q (P^T
-// and dS^T from registers, dO and Q transposed from shared memory). Launched as
-// attn_bwd_dkdv_ds with the same (W, N, STAGES); PASSES must be 1 (a template argument only so
-// that its name expression reads as the other dK/dV candidates').
-template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>
-__global__ void __launch_bounds__(32 * W, MINB)
-    attn_bwd_dkdv_ds_wgmma(const T_* __restrict__ q, const T_* __restrict__ k,
-                           const T_* __restrict__ v, const T_* __restrict__ dout,
-                           const float* __restrict__ lse, const float* __restrict__ delta,
-                           T_* __restrict__ dk, T_* __restrict__ dv, T_* __restrict__ ds,
-                           int seq_len, int ds_stride, float scale) {
+// dK/dV on wgmma (attn_bwd_dkdv_pipe's arithmetic, one pass over a query tile; with WRITE_DS
+// attn_bwd_dkdv_ds's, dS stored too): a warpgroup owns 64 keys, W/4 of them a block, and
+// streams N queries a tile (Q, dO, their lse and delta). Per tile S^T = K Q^T and dP^T = V dO^T
+// (K, V and the tiles from shared memory), P^T and dS^T in registers, then dV += P^T dO and
+// dK += dS^T Q (P^T and dS^T from registers, dO and Q transposed from shared memory).
+template <typename T_, int D, int W, int N, int STAGES, bool WRITE_DS>
+__device__ __forceinline__ void dkdv_wgmma_body(
+    const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
+    const T_* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+    T_* __restrict__ dk, T_* __restrict__ dv, T_* __restrict__ ds, int seq_len, int ds_stride,
+    float scale) {
 #if defined(ANDREA_WGMMA) || defined(ANDREA_EMULATOR)
-  static_assert(UsesMma<T_>::value && PASSES == 1, "bf16 or fp16, one pass");
+  static_assert(UsesMma<T_>::value, "bf16 or fp16");
   using L = HopperSmem<T_, D, KIND_DKDV, W, N, STAGES>;
   constexpr int M = L::M, ROW8 = D / 8 * 64;
   constexpr u32 CM_BYTES = 128, ROW8_BYTES = ROW8 * 2;
-  static_assert(128 % M == 0, "the dS row stride must hold the last block's keys");
+  static_assert(!WRITE_DS || 128 % M == 0, "the dS row stride must hold the last block's keys");
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const ks = (T_*)smem;
   T_* const vs = ks + M * D;
@@ -436,8 +437,9 @@ __global__ void __launch_bounds__(32 * W, MINB)
     wgmma_fence_operands(flat(dpt));
 
     transposed_p_ds<N>(st, dpt, key_base, n0, 0, seq_len, lse_s, delta_s, sl2);
-    store_ds<T_, N>(ds + (long long)blockIdx.y * seq_len * ds_stride, dpt, key_base, n0,
-                    ds_stride, seq_len);
+    if constexpr (WRITE_DS)
+      store_ds<T_, N>(ds + (long long)blockIdx.y * seq_len * ds_stride, dpt, key_base, n0,
+                      ds_stride, seq_len);
 
     // dV += P^T dO and dK += dS^T Q: N/16 steps each, dO and Q MN-major.
     u32 pf[N / 16][4], dsf[N / 16][4];
@@ -465,6 +467,135 @@ __global__ void __launch_bounds__(32 * W, MINB)
 #endif
 }
 
+// dK/dV through dS: launched as attn_bwd_dkdv_ds with the same (W, N, STAGES); PASSES must be
+// 1 (a template argument only so that its name expression reads as the other dK/dV
+// candidates'), and so below.
+template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dkdv_ds_wgmma(const T_* __restrict__ q, const T_* __restrict__ k,
+                           const T_* __restrict__ v, const T_* __restrict__ dout,
+                           const float* __restrict__ lse, const float* __restrict__ delta,
+                           T_* __restrict__ dk, T_* __restrict__ dv, T_* __restrict__ ds,
+                           int seq_len, int ds_stride, float scale) {
+  static_assert(PASSES == 1, "one pass");
+  dkdv_wgmma_body<T_, D, W, N, STAGES, true>(q, k, v, dout, lse, delta, dk, dv, ds, seq_len,
+                                             ds_stride, scale);
+}
+
+// dK/dV alone (the backward that recomputes S and dP in dQ): launched as attn_bwd_dkdv_pipe.
+template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dkdv_wgmma(const T_* __restrict__ q, const T_* __restrict__ k,
+                        const T_* __restrict__ v, const T_* __restrict__ dout,
+                        const float* __restrict__ lse, const float* __restrict__ delta,
+                        T_* __restrict__ dk, T_* __restrict__ dv, int seq_len, float scale) {
+  static_assert(PASSES == 1, "one pass");
+  dkdv_wgmma_body<T_, D, W, N, STAGES, false>(q, k, v, dout, lse, delta, dk, dv, nullptr,
+                                              seq_len, 0, scale);
+}
+
+// dQ recomputing S and dP on wgmma (attn_bwd_dq_pipe's arithmetic): a warpgroup owns 64
+// queries (Q, dO, their lse and delta), W/4 of them a block, and streams N keys a tile (K, V).
+// Per tile S = Q K^T and dP = dO V^T (shared memory), dS = P o (dP - delta) in registers, then
+// dQ += dS K (dS from registers, K transposed from shared memory, as V in the forward).
+// Launched as attn_bwd_dq_pipe with the same (W, N, STAGES).
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dq_wgmma(const T_* __restrict__ q, const T_* __restrict__ k,
+                      const T_* __restrict__ v, const T_* __restrict__ dout,
+                      const float* __restrict__ lse, const float* __restrict__ delta,
+                      T_* __restrict__ dq, int seq_len, float scale) {
+#if defined(ANDREA_WGMMA) || defined(ANDREA_EMULATOR)
+  static_assert(UsesMma<T_>::value, "wgmma takes bf16 or fp16");
+  using L = HopperSmem<T_, D, KIND_DQ, W, N, STAGES>;
+  constexpr int M = L::M, ROW8 = D / 8 * 64;
+  constexpr u32 CM_BYTES = 128, ROW8_BYTES = ROW8 * 2;
+  ANDREA_DYNAMIC_SHARED(smem);
+  T_* const qs = (T_*)smem;
+  T_* const dos = qs + M * D;
+  T_* const kv = (T_*)(smem + L::B);  // stage s: K at kv + s*STAGE, V after it
+  float* const lse_s = (float*)(smem + L::STATS);
+  float* const delta_s = lse_s + M;
+  const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+  const int t = threadIdx.x & 3;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * M;  // heaviest causal tiles first
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  const long long sbase = (long long)blockIdx.y * seq_len;
+  const float sl2 = scale * ANDREA_LOG2E;
+  const int rl = group * 64 + warp * 16 + ((threadIdx.x & 31) >> 2);  // this lane's first row
+  const int last = imin(q0 + M, seq_len) - 1;
+  const int n_tiles = last / N + 1;
+  const T_* const qg = qs + group * 8 * ROW8;  // this warpgroup's 64 rows
+  const T_* const dog = dos + group * 8 * ROW8;
+
+  load_tile_cm_async<T_, D, M>(qs, q + base, q0, seq_len);  // joins the first group
+  load_tile_cm_async<T_, D, M>(dos, dout + base, q0, seq_len);
+  load_stats<M>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);  // seen past a barrier
+  const auto load_kv = [&](int stage, int tile) {
+    load_tile_cm_async<T_, D, N>(kv + stage * L::STAGE, k + base, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N>(kv + stage * L::STAGE + N * D, v + base, tile * N, seq_len);
+  };
+  pipe_prologue<STAGES>(n_tiles, load_kv);
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n0 = it * N;
+    const T_* kt = kv + (it % STAGES) * L::STAGE;
+    const T_* vt = kt + N * D;
+    pipe_advance<STAGES, true>(it, n_tiles, load_kv);
+
+    // S = Q K^T and dP = dO V^T: D/16 steps each, every operand K-major.
+    float s[N / 8][4], dp[N / 8][4];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
+    wgmma_fence();
+    wgmma_fence_operands(flat(s));
+    wgmma_fence_operands(flat(dp));
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T_, N, false>(flat(s), wgmma_desc(qg + kk * 128, CM_BYTES, ROW8_BYTES),
+                             wgmma_desc(kt + kk * 128, CM_BYTES, ROW8_BYTES), 1);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T_, N, false>(flat(dp), wgmma_desc(dog + kk * 128, CM_BYTES, ROW8_BYTES),
+                             wgmma_desc(vt + kk * 128, CM_BYTES, ROW8_BYTES), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(flat(dp));
+    wgmma_fence_operands(flat(s));
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = rl + (i >= 2 ? 8 : 0);
+        const int row = q0 + r, col = n0 + j * 8 + 2 * t + (i & 1);
+        const bool visible = col <= row && col < seq_len;
+        const float p = visible ? exp2f(s[j][i] * sl2 - lse_s[r] * ANDREA_LOG2E) : 0.0f;
+        s[j][i] = p * (dp[j][i] - delta_s[r]);
+      }
+
+    // dQ += dS K: N/16 steps, dS repacked as A fragments, K (B) MN-major.
+    u32 dsf[N / 16][4];
+    repack_a<T_, N>(dsf, s);
+    wgmma_fence();
+    wgmma_fence_operands(flat(acc));
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk)
+      wgmma_rs<T_, D, true>(flat(acc), dsf[kk],
+                            wgmma_desc(kt + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(flat(acc));
+  }
+  cp_async_wait<0>();
+  store_rows<T_, D>(dq + base, acc, q0 + group * 64 + warp * 16, seq_len, scale, scale);
+#endif
+}
+
 // dQ = scale * dS K on wgmma (attn_bwd_dq_ds's arithmetic): a warpgroup owns 64 queries, W/4
 // of them a block, and streams N keys a tile (a dS tile of the block's rows and a K tile). Where
 // a tile crosses the diagonal the entries above it are zeroed in shared memory first (the
@@ -476,7 +607,7 @@ __global__ void __launch_bounds__(32 * W, MINB)
                          T_* __restrict__ dq, int seq_len, int ds_stride, float scale) {
 #if defined(ANDREA_WGMMA) || defined(ANDREA_EMULATOR)
   static_assert(UsesMma<T_>::value && 128 % N == 0, "bf16 or fp16; N divides 128");
-  using L = HopperSmem<T_, D, KIND_DQ, W, N, STAGES>;
+  using L = HopperSmem<T_, D, KIND_DQ_DS, W, N, STAGES>;
   constexpr int M = L::M, ROW8_DS = N / 8 * 64, ROW8_K = D / 8 * 64;
   constexpr u32 CM_BYTES = 128;
   ANDREA_DYNAMIC_SHARED(smem);

@@ -141,12 +141,12 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert tune.gpu_run(out, torch.device("cpu")) == 0
     report = json.loads((out / "tune.json").read_text())
     kernels = {*tune.KERNELS, *tune.DS_KERNELS, tune.FUSED}
-    # on sm_90 the first LIMIT of each kernel's mma.sync and wgmma candidates (wgmma: forward,
-    # dK/dV and dQ through dS; mma.sync: the whole-head backward too)
-    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 12 + 3 * LIMIT
+    # on sm_90 the first LIMIT of each kernel's mma.sync and wgmma candidates (wgmma: all but
+    # the whole-head backward)
+    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 12 + 5 * LIMIT
     assert {row["kernel"] for row in report["candidates"] if "wgmma" in row["config"]} == {
-        "fwd", *tune.DS_KERNELS}
-    assert report["wgmma_probe"] == f"wgmma probe: {3 * LIMIT} of {3 * LIMIT} ok"
+        *tune.KERNELS, *tune.DS_KERNELS}
+    assert report["wgmma_probe"] == f"wgmma probe: {5 * LIMIT} of {5 * LIMIT} ok"
     assert all(row["status"] == "ok" for row in report["candidates"]), report["candidates"]
     # the backward through dS was checked on the dS it writes, not only on dK and dV
     assert all("ds" in row["errors"] for row in report["candidates"]
@@ -238,7 +238,7 @@ def test_the_wgmma_candidates_run_first_in_a_child_process(gpu_world, monkeypatc
     monkeypatch.setattr(tune, "run_child", one_wrong)
     assert tune.gpu_run(out, torch.device("cpu")) == 0
     report = json.loads((out / "tune.json").read_text())
-    assert report["wgmma_probe"].startswith(f"wgmma probe: {3 * LIMIT - 1} of {3 * LIMIT} ok; "
+    assert report["wgmma_probe"].startswith(f"wgmma probe: {5 * LIMIT - 1} of {5 * LIMIT} ok; "
                                             f"{first[0]} {first[3].label()}: wrong (o 0.5)")
     configs = {(row["kernel"], row["config"]) for row in report["candidates"]}
     assert (first[0], first[3].label()) not in configs and len(configs) == len(cands) - 1

@@ -1,10 +1,10 @@
-"""The sm_90a kernels (kernels/attn_hopper.cuh: the forward and the backward through dS on
-wgmma) without a GPU: on the CPU emulator against float64 with NaN-poisoned outputs, bit for bit
-against their pipelined mma.sync twins of the same tiles, through autograd from a TUNED entry,
-a missing wgmma wait and misread descriptor strides caught; their launch table and module
-target; NVRTC's sm_90a build without spills or injected warpgroup waits. Whether the descriptors
-mean on a GPU what the emulator reads them as is for the GPU check
-(scripts/gpu_tune_attention.py checks every candidate against float64 there).
+"""The sm_90a kernels (kernels/attn_hopper.cuh: the forward, the backward through dS and the
+backward recomputing S and dP, on wgmma) without a GPU: on the CPU emulator against float64 with
+NaN-poisoned outputs, bit for bit against their pipelined mma.sync twins of the same tiles,
+through autograd from a TUNED entry, a missing wgmma wait and misread descriptor strides caught;
+their launch table and module target; NVRTC's sm_90a build without spills or injected warpgroup
+waits. Whether the descriptors mean on a GPU what the emulator reads them as is for the GPU
+check (scripts/gpu_tune_attention.py checks every candidate against float64 there).
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ HOPPER_DS = [
     ("bfloat16", 128, PipeConfig(4, 64, 3, wgmma=True), PipeConfig(8, 128, 2, wgmma=True)),
     ("float16", 64, PipeConfig(8, 64, 3, wgmma=True), PipeConfig(4, 128, 2, wgmma=True)),
 ]
+# The backward that recomputes S and dP in dQ (attn_bwd_dq_wgmma, attn_bwd_dkdv_wgmma),
+# (dtype, head_dim, dK/dV's config, dQ's): one and two warpgroups, dQ streaming 64 and 128 keys,
+# every head_dim.
+HOPPER_RECOMPUTE = [
+    ("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True), PipeConfig(8, 128, 2, wgmma=True)),
+    ("bfloat16", 32, PipeConfig(8, 64, 2, wgmma=True), PipeConfig(4, 64, 2, wgmma=True)),
+    ("float16", 128, PipeConfig(4, 64, 2, wgmma=True), PipeConfig(8, 64, 2, wgmma=True)),
+]
 SHAPES = [(1, (2, 3)), (17, (1, 2)), (129, (1, 2)), (200, (1, 1))]  # T, (B, H)
 
 
@@ -59,10 +67,20 @@ def ds_configs(dkdv: PipeConfig, dq: PipeConfig, wgmma: bool = True) -> dict[str
     return {"fwd": twin(dkdv), "bwd_dkdv_ds": pick(dkdv), "bwd_dq_ds": pick(dq)}
 
 
+def recompute_configs(dkdv: PipeConfig, dq: PipeConfig,
+                      wgmma: bool = True) -> dict[str, PipeConfig]:
+    """pipe_attention's configs: the mma.sync forward, the recomputing backward on wgmma (or
+    its twins)."""
+    pick = (lambda c: c) if wgmma else twin
+    return {"fwd": twin(dkdv), "bwd_dq": pick(dq), "bwd_dkdv": pick(dkdv)}
+
+
 PIPES = tuple(dict.fromkeys(
     [("fwd", dtype, d, c) for dtype, d, cfg in HOPPER for c in (cfg, twin(cfg))]
     + [(kernel, dtype, d, c) for dtype, d, dkdv, dq in HOPPER_DS for wgmma in (True, False)
-       for kernel, c in ds_configs(dkdv, dq, wgmma).items()]))
+       for kernel, c in ds_configs(dkdv, dq, wgmma).items()]
+    + [(kernel, dtype, d, c) for dtype, d, dkdv, dq in HOPPER_RECOMPUTE for wgmma in (True, False)
+       for kernel, c in recompute_configs(dkdv, dq, wgmma).items()]))
 # The wait after S = Q K^T's wgmma group, and the K descriptor's strides (LBO, SBO).
 S_WAIT = "    wgmma_commit();\n    wgmma_wait<0>();\n    wgmma_fence_operands(flat(s));\n"
 K_DESC = "wgmma_desc(ks + kk * 128, CM_BYTES, ROW8_BYTES)"
@@ -177,17 +195,57 @@ def test_wgmma_backward_gives_the_pipelined_bits(emulator, dtype, head_dim, cfg,
         assert torch.equal(g, w), f"{cfg.label()} {name} differs from the mma.sync kernels"
 
 
+@needs_gxx
+@pytest.mark.parametrize("dtype,head_dim,cfg,dq_cfg", HOPPER_RECOMPUTE, ids=lambda x: str(x))
+@pytest.mark.parametrize("seq_len,bh", SHAPES, ids=lambda x: str(x))
+def test_wgmma_recomputing_backward_matches_float64(emulator, dtype, head_dim, cfg, dq_cfg,
+                                                    seq_len, bh) -> None:
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(seq_len * head_dim + 1)
+    q, k, v, dout = (torch.randn(*bh, seq_len, head_dim, generator=gen).to(tdt)
+                     for _ in range(4))
+    scale = 0.7 / math.sqrt(head_dim)
+    got = kernel_emulator.pipe_attention(q, k, v, dout, recompute_configs(cfg, dq_cfg), emulator,
+                                         scale)
+    want = kernel_emulator.float64_reference(q, k, v, dout, scale)
+    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
+        assert not torch.isnan(g).any(), f"{name}: NaN (an unwritten output)"
+        err = kernel_emulator.max_error(g, w)
+        assert err <= TOL[tdt], f"{cfg.label()} {name}: max error {err:.3g} > {TOL[tdt]:.3g}"
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype,head_dim,cfg,dq_cfg", HOPPER_RECOMPUTE, ids=lambda x: str(x))
+def test_wgmma_recomputing_backward_gives_the_pipelined_bits(emulator, dtype, head_dim, cfg,
+                                                             dq_cfg) -> None:
+    gen = torch.Generator().manual_seed(10)
+    q, k, v, dout = (torch.randn(2, 2, 150, head_dim, generator=gen).to(getattr(torch, dtype))
+                     for _ in range(4))
+    got = kernel_emulator.pipe_attention(q, k, v, dout, recompute_configs(cfg, dq_cfg), emulator)
+    want = kernel_emulator.pipe_attention(q, k, v, dout, recompute_configs(cfg, dq_cfg, False),
+                                          emulator)
+    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
+        assert torch.equal(g, w), f"{cfg.label()} {name} differs from the mma.sync kernels"
+
+
 TUNED_ARCH = "sm_test"  # an architecture of this test's own, in andrea.cuda.launch.TUNED
 
 
 @needs_gxx
-def test_tuned_wgmma_kernels_train_through_autograd(emulator, monkeypatch) -> None:
+@pytest.mark.parametrize("route", ["through dS", "recomputing"])
+def test_tuned_wgmma_kernels_train_through_autograd(emulator, monkeypatch, route: str) -> None:
     """A TUNED entry naming the wgmma kernels makes the "cuda" backend launch them (forward and
-    the backward through dS) through autograd, with float64's gradients."""
+    either backward) through autograd, with float64's gradients."""
     from andrea.cuda import attention as ca
 
-    _, d, dkdv, dq = HOPPER_DS[0]
-    entry = {"fwd": HOPPER[0][2], "bwd_dkdv_ds": dkdv, "bwd_dq_ds": dq}
+    if route == "through dS":
+        _, d, dkdv, dq = HOPPER_DS[0]
+        entry = {"fwd": HOPPER[0][2], "bwd_dkdv_ds": dkdv, "bwd_dq_ds": dq}
+        expect = ["attn_bwd_dkdv_ds_wgmma", "attn_bwd_dq_ds_wgmma"]
+    else:
+        _, d, dkdv, dq = HOPPER_RECOMPUTE[0]
+        entry = {"fwd": HOPPER[0][2], "bwd_dq": dq, "bwd_dkdv": dkdv}
+        expect = ["attn_bwd_dq_wgmma", "attn_bwd_dkdv_wgmma"]
     monkeypatch.setitem(kernel_launch.TUNED, (TUNED_ARCH, "bfloat16", d), entry)
     ca._launches.cache_clear()  # its entries are of TUNED as it was
     launcher = ca.EmulatorLauncher(emulator, arch=TUNED_ARCH)
@@ -203,7 +261,7 @@ def test_tuned_wgmma_kernels_train_through_autograd(emulator, monkeypatch) -> No
     o.backward(dout)
     ca._launches.cache_clear()
     assert [n[: n.index("<")] for n in names] == [
-        "attn_fwd_wgmma", "attn_bwd_preprocess", "attn_bwd_dkdv_ds_wgmma", "attn_bwd_dq_ds_wgmma"]
+        "attn_fwd_wgmma", "attn_bwd_preprocess", *expect]
     want = kernel_emulator.float64_reference(q, k, v, dout, d**-0.5)
     for name, g, w in zip(("o", "dq", "dk", "dv"), (o.detach(), *(x.grad for x in leaves)),
                           (want[0], *want[2:]), strict=True):
@@ -259,10 +317,10 @@ def test_wgmma_kernels_build_for_sm_90a_alone() -> None:
                 launch = kernel_launch.pipe_launch(kernel, 2, 3, 333, d, dtype, cfg)
                 assert launch.block == (32 * cfg.warps, 1, 1) and cfg.warps % 4 == 0
                 assert launch.dynamic_shared_bytes <= 227 * 1024
-    assert kernel_launch.hopper_candidates("bwd_dq", "bfloat16", 64) == []
+    assert kernel_launch.hopper_candidates("bwd_fused", "bfloat16", 32) == []
     for kernel, dtype, cfg in [("fwd", "float32", PipeConfig(4, 64, 2, wgmma=True)),
                                ("fwd", "bfloat16", PipeConfig(2, 64, 2, wgmma=True)),
-                               ("bwd_dq", "bfloat16", PipeConfig(4, 64, 2, wgmma=True)),
+                               ("bwd_fused", "bfloat16", PipeConfig(4, 64, 2, wgmma=True)),
                                ("bwd_dkdv_ds", "bfloat16", PipeConfig(4, 64, 2, 0, 2, True))]:
         with pytest.raises(ValueError, match="wgmma has"):
             kernel_launch.pipe_launch(kernel, 1, 1, 64, 64, dtype, cfg)
@@ -274,7 +332,9 @@ NVRTC_CASES = [("fwd", "bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
                ("fwd", "float16", 128, PipeConfig(8, 128, 2, wgmma=True)),
                ("bwd_dkdv_ds", "bfloat16", 64, PipeConfig(8, 64, 2, wgmma=True)),
                ("bwd_dkdv_ds", "float16", 128, PipeConfig(4, 64, 2, wgmma=True)),
-               ("bwd_dq_ds", "bfloat16", 64, PipeConfig(8, 128, 2, wgmma=True))]
+               ("bwd_dq_ds", "bfloat16", 64, PipeConfig(8, 128, 2, wgmma=True)),
+               ("bwd_dq", "bfloat16", 64, PipeConfig(8, 128, 2, wgmma=True)),
+               ("bwd_dkdv", "float16", 128, PipeConfig(4, 64, 2, wgmma=True))]
 
 
 def _nvrtc_sm90a_build() -> tuple[list[str], str]:

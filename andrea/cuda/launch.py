@@ -324,7 +324,8 @@ def ds_row_stride(seq_len: int) -> int:
 
 # The sm_90a candidates (kernels/attn_hopper.cuh): a PipeConfig with wgmma=True names these.
 WGMMA_TEMPLATES = {"fwd": "attn_fwd_wgmma", "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma",
-                   "bwd_dq_ds": "attn_bwd_dq_ds_wgmma"}
+                   "bwd_dq_ds": "attn_bwd_dq_ds_wgmma", "bwd_dkdv": "attn_bwd_dkdv_wgmma",
+                   "bwd_dq": "attn_bwd_dq_wgmma"}
 WGMMA_ARCH = {"sm_90": "sm_90a"}  # the GPU architecture -> the target with wgmma on it
 
 
@@ -435,10 +436,11 @@ def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig
     kernels without a wgmma twin): a warpgroup or two (W 4, 8), 64 or 128 streamed rows (dK/dV:
     64, as S, dP, their A fragments and both accumulators are live at once: at 128 rows ptxas
     spills at 255 registers from head_dim 32 up), the forward at 2 and 3 stages, the backward
-    through dS at 2, where the shared memory fits sm_90's 227 KiB a block."""
+    (through dS, or recomputing S and dP in dQ) at 2, where the shared memory fits sm_90's 227
+    KiB a block."""
     if kernel not in WGMMA_TEMPLATES or dtype not in ("bfloat16", "float16"):
         return []
-    rows = (64,) if kernel == "bwd_dkdv_ds" else (64, 128)
+    rows = (64,) if kernel in ("bwd_dkdv_ds", "bwd_dkdv") else (64, 128)
     stages = (2, 3) if kernel == "fwd" else (2,)
     return [cfg for warps in (4, 8) for n in rows for depth in stages
             if pipe_shared_bytes(kernel, dtype, head_dim,
@@ -472,10 +474,10 @@ def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig,
         rows = _ceil_div(seq_len, cfg.rows) * cfg.rows
         scratch = cfg.warps * 16 * (cfg.rows + 4) if dtype == "float32" else 0
         return (4 * rows * ld + rows * (rows + 16 // elem)) * elem + 4 * (2 * rows + scratch)
-    if cfg.wgmma:  # HopperSmem: unpadded core-matrix tiles, dK/dV's statistics after them
-        owned = {"fwd": m, "dkdv": 2 * m, "dq_ds": 0}[kind] * head_dim
+    if cfg.wgmma:  # HopperSmem: unpadded core-matrix tiles, the statistics after them
+        owned = {"fwd": m, "dkdv": 2 * m, "dq": 2 * m, "dq_ds": 0}[kind] * head_dim
         stage = m * cfg.rows + cfg.rows * head_dim if kind == "dq_ds" else 2 * cfg.rows * head_dim
-        stats = cfg.stages * 2 * cfg.rows * 4 if kind == "dkdv" else 0
+        stats = {"dkdv": cfg.stages * 2 * cfg.rows * 4, "dq": 2 * m * 4}.get(kind, 0)
         return (owned + cfg.stages * stage) * elem + stats
     if kind == "dq_ds":  # per stage an M x N dS tile and an N x D K tile
         return cfg.stages * (m * (cfg.rows + 16 // elem) + cfg.rows * ld) * elem
@@ -524,7 +526,7 @@ def pipe_emulator_entries(names: list[tuple[str, str, int, PipeConfig]]) -> str:
     """The emulator's table rows (kernels/cpu/emu_entry.cpp's ANDREA_PIPE) for candidates given
     as (kernel, dtype, head_dim, cfg): C++ instantiates only what it is told."""
     kinds = {"fwd": "KIND_FWD", "bwd_dq": "KIND_DQ", "bwd_dkdv": "KIND_DKDV",
-             "bwd_dkdv_ds": "KIND_DKDV", "bwd_dq_ds": "KIND_DQ"}
+             "bwd_dkdv_ds": "KIND_DKDV", "bwd_dq_ds": "KIND_DQ_DS"}
     rows = []
     for kernel, dtype, head_dim, cfg in names:
         ctype = ELEMENT_TYPES[dtype][0]

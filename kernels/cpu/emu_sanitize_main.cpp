@@ -5,8 +5,8 @@
 // With ANDREA_SAN_PIPE_W (and _N, _S, _P) it runs the pipelined candidates attn_*_pipe of that
 // W, N, STAGES (dK/dV PASSES) instead, then the backward through dS (attn_bwd_dkdv_ds,
 // attn_bwd_dq_ds) at the same tiles, each block's dynamic shared memory its exact size. With
-// ANDREA_SAN_WGMMA too, the sm_90a kernels (attn_fwd_wgmma, then the backward through dS on
-// wgmma) at the same tiles (W a multiple of 4); last the whole-head backward (attn_bwd_fused)
+// ANDREA_SAN_WGMMA too, the sm_90a kernels (attn_fwd_wgmma, the backward through dS on wgmma,
+// then the one recomputing S and dP) at the same tiles (W a multiple of 4); last the whole-head backward (attn_bwd_fused)
 // with W warps and query chunks of N / P.
 // Each variant must give the pipelined kernels' bits, or the program exits 1.
 // Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
@@ -111,13 +111,30 @@ int main(int argc, char** argv) {
   andrea_emu::launch(
       pgrid, pblock, mode,
       [&] { attn_bwd_dq_ds_wgmma<T_, D, W, N, S, 0>(k, ds3, dq3, seq_len, stride, scale); },
+      HopperSmem<T_, D, KIND_DQ_DS, W, N, S>::bytes);
+  // and the backward that recomputes S and dP in dQ, on wgmma
+  T_ *dq5 = new T_[n], *dk5 = new T_[n], *dv5 = new T_[n];
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] {
+        attn_bwd_dkdv_wgmma<T_, D, W, N, S, 0, 1>(q, k, v, dout, lse, delta, dk5, dv5, seq_len,
+                                                  scale);
+      },
+      HopperSmem<T_, D, KIND_DKDV, W, N, S>::bytes);
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] { attn_bwd_dq_wgmma<T_, D, W, N, S, 0>(q, k, v, dout, lse, delta, dq5, seq_len, scale); },
       HopperSmem<T_, D, KIND_DQ, W, N, S>::bytes);
   const bool same_wgmma = std::memcmp(o, o2, n * sizeof(T_)) == 0 &&
                           std::memcmp(lse, lse2, rows * sizeof(float)) == 0 &&
                           std::memcmp(dq, dq3, n * sizeof(T_)) == 0 &&
                           std::memcmp(dk, dk3, n * sizeof(T_)) == 0 &&
-                          std::memcmp(dv, dv3, n * sizeof(T_)) == 0;
+                          std::memcmp(dv, dv3, n * sizeof(T_)) == 0 &&
+                          std::memcmp(dq, dq5, n * sizeof(T_)) == 0 &&
+                          std::memcmp(dk, dk5, n * sizeof(T_)) == 0 &&
+                          std::memcmp(dv, dv5, n * sizeof(T_)) == 0;
   delete[] o2; delete[] lse2; delete[] ds3; delete[] dq3; delete[] dk3; delete[] dv3;
+  delete[] dq5; delete[] dk5; delete[] dv5;
   if (!same_wgmma) {
     std::fprintf(stderr, "the wgmma kernels differ from the pipelined ones\n");
     return 1;
