@@ -250,6 +250,57 @@ __device__ __forceinline__ void repack_a(u32 (&a)[N / 16][4], const float (&c)[N
   }
 }
 
+// x = A_x B_xᵀ and y = A_y B_yᵀ (S and dP, or Sᵀ and dPᵀ) over D/16 k16 steps, every operand a
+// tile of D columns K-major in shared memory (core-matrix layout; A_x's and A_y's 64 rows this
+// warpgroup's): one commit group, waited for before the accumulators are read.
+template <typename T_, int D, int N>
+__device__ __forceinline__ void wgmma_two_products(float (&x)[N / 8][4], const T_* ax,
+                                                   const T_* bx, float (&y)[N / 8][4],
+                                                   const T_* ay, const T_* by) {
+  constexpr u32 CM_BYTES = 128, ROW8_BYTES = D / 8 * 64 * 2;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[j][i] = y[j][i] = 0.0f;
+  wgmma_fence();
+  wgmma_fence_operands(flat(x));
+  wgmma_fence_operands(flat(y));
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma_ss<T_, N, false>(flat(x), wgmma_desc(ax + kk * 128, CM_BYTES, ROW8_BYTES),
+                           wgmma_desc(bx + kk * 128, CM_BYTES, ROW8_BYTES), 1);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma_ss<T_, N, false>(flat(y), wgmma_desc(ay + kk * 128, CM_BYTES, ROW8_BYTES),
+                           wgmma_desc(by + kk * 128, CM_BYTES, ROW8_BYTES), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operands(flat(x));
+  wgmma_fence_operands(flat(y));
+}
+
+// acc += P B: P's C fragments (a warp's rows of the tile's N columns) repacked as A fragments,
+// all written before the fence (which orders register writes before wgmma reads them); B an
+// N x D tile in shared memory, read MN-major (V in the forward, K in dQ); N/16 k16 steps, one
+// commit group, waited for.
+template <typename T_, int D, int N>
+__device__ __forceinline__ void wgmma_add_rs(float (&acc)[D / 8][4], const float (&p)[N / 8][4],
+                                             const T_* b) {
+  constexpr int ROW8 = D / 8 * 64;
+  constexpr u32 CM_BYTES = 128, ROW8_BYTES = ROW8 * 2;
+  u32 pf[N / 16][4];
+  repack_a<T_, N>(pf, p);
+  wgmma_fence();
+  wgmma_fence_operands(flat(acc));
+#pragma unroll
+  for (int kk = 0; kk < N / 16; ++kk)
+    wgmma_rs<T_, D, true>(flat(acc), pf[kk], wgmma_desc(b + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES),
+                          1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operands(flat(acc));
+}
+
 // Dynamic shared memory of the wgmma kernels (byte offsets; andrea.cuda.launch's
 // pipe_shared_bytes mirrors `bytes`), all tiles in the core-matrix layout, no padding (a core
 // matrix is 128 contiguous bytes: no bank conflicts to pad away). The owned tiles (M x D each:
@@ -326,19 +377,7 @@ __global__ void __launch_bounds__(32 * W, MINB)
     online_softmax_tile<N, D>(s, acc, m_run, l_run, row0 + g, n0,
                               n0 + N - 1 > q0 || n0 + N > seq_len, seq_len, sl2);
 
-    // O += P V: N/16 steps of k16, P repacked as A fragments (all before the fence, which
-    // orders register writes before wgmma reads them), V (B) MN-major.
-    u32 pf[N / 16][4];
-    repack_a<T_, N>(pf, s);
-    wgmma_fence();
-    wgmma_fence_operands(flat(acc));
-#pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_rs<T_, D, true>(flat(acc), pf[kk],
-                            wgmma_desc(vs + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(flat(acc));
+    wgmma_add_rs<T_, D, N>(acc, s, vs);  // O += P V
   }
   cp_async_wait<0>();  // nothing left in flight when the block ends (only empty groups)
 
@@ -414,27 +453,8 @@ __device__ __forceinline__ void dkdv_wgmma_body(
     const float* delta_s = lse_s + N;
     pipe_advance<STAGES, true>(it, n_tiles, load_qdo);
 
-    // S^T = K Q^T and dP^T = V dO^T: D/16 steps each, every operand K-major.
     float st[N / 8][4], dpt[N / 8][4];
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) st[j][i] = dpt[j][i] = 0.0f;
-    wgmma_fence();
-    wgmma_fence_operands(flat(st));
-    wgmma_fence_operands(flat(dpt));
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T_, N, false>(flat(st), wgmma_desc(kg + kk * 128, CM_BYTES, ROW8_BYTES),
-                             wgmma_desc(qs + kk * 128, CM_BYTES, ROW8_BYTES), 1);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T_, N, false>(flat(dpt), wgmma_desc(vg + kk * 128, CM_BYTES, ROW8_BYTES),
-                             wgmma_desc(dos + kk * 128, CM_BYTES, ROW8_BYTES), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(flat(st));
-    wgmma_fence_operands(flat(dpt));
+    wgmma_two_products<T_, D, N>(st, kg, qs, dpt, vg, dos);  // S^T = K Q^T, dP^T = V dO^T
 
     transposed_p_ds<N>(st, dpt, key_base, n0, 0, seq_len, lse_s, delta_s, sl2);
     if constexpr (WRITE_DS)
@@ -509,7 +529,6 @@ __global__ void __launch_bounds__(32 * W, MINB)
   static_assert(UsesMma<T_>::value, "wgmma takes bf16 or fp16");
   using L = HopperSmem<T_, D, KIND_DQ, W, N, STAGES>;
   constexpr int M = L::M, ROW8 = D / 8 * 64;
-  constexpr u32 CM_BYTES = 128, ROW8_BYTES = ROW8 * 2;
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const qs = (T_*)smem;
   T_* const dos = qs + M * D;
@@ -517,7 +536,6 @@ __global__ void __launch_bounds__(32 * W, MINB)
   float* const lse_s = (float*)(smem + L::STATS);
   float* const delta_s = lse_s + M;
   const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
-  const int t = threadIdx.x & 3;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * M;  // heaviest causal tiles first
   const long long base = (long long)blockIdx.y * seq_len * D;
   const long long sbase = (long long)blockIdx.y * seq_len;
@@ -546,50 +564,11 @@ __global__ void __launch_bounds__(32 * W, MINB)
     const T_* vt = kt + N * D;
     pipe_advance<STAGES, true>(it, n_tiles, load_kv);
 
-    // S = Q K^T and dP = dO V^T: D/16 steps each, every operand K-major.
     float s[N / 8][4], dp[N / 8][4];
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
-    wgmma_fence();
-    wgmma_fence_operands(flat(s));
-    wgmma_fence_operands(flat(dp));
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T_, N, false>(flat(s), wgmma_desc(qg + kk * 128, CM_BYTES, ROW8_BYTES),
-                             wgmma_desc(kt + kk * 128, CM_BYTES, ROW8_BYTES), 1);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T_, N, false>(flat(dp), wgmma_desc(dog + kk * 128, CM_BYTES, ROW8_BYTES),
-                             wgmma_desc(vt + kk * 128, CM_BYTES, ROW8_BYTES), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(flat(dp));
-    wgmma_fence_operands(flat(s));
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = rl + (i >= 2 ? 8 : 0);
-        const int row = q0 + r, col = n0 + j * 8 + 2 * t + (i & 1);
-        const bool visible = col <= row && col < seq_len;
-        const float p = visible ? exp2f(s[j][i] * sl2 - lse_s[r] * ANDREA_LOG2E) : 0.0f;
-        s[j][i] = p * (dp[j][i] - delta_s[r]);
-      }
+    wgmma_two_products<T_, D, N>(s, qg, kt, dp, dog, vt);  // S = Q K^T, dP = dO V^T
+    p_ds<N>(s, dp, rl, q0, n0, seq_len, lse_s, delta_s, sl2);
 
-    // dQ += dS K: N/16 steps, dS repacked as A fragments, K (B) MN-major.
-    u32 dsf[N / 16][4];
-    repack_a<T_, N>(dsf, s);
-    wgmma_fence();
-    wgmma_fence_operands(flat(acc));
-#pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_rs<T_, D, true>(flat(acc), dsf[kk],
-                            wgmma_desc(kt + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(flat(acc));
+    wgmma_add_rs<T_, D, N>(acc, s, kt);  // dQ += dS K
   }
   cp_async_wait<0>();
   store_rows<T_, D>(dq + base, acc, q0 + group * 64 + warp * 16, seq_len, scale, scale);

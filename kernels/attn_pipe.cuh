@@ -179,6 +179,28 @@ __global__ void __launch_bounds__(32 * W, MINB)
   store_rows<T_, D>(o + base, acc, q0 + warp * 16, seq_len, inv[0], inv[1]);
 }
 
+// dS = P o (dP - delta) in place of S, for a warp's rows rl (g) and rl + 8 of the block's from
+// q0, against the N keys of the tile from n0 (lse_s, delta_s: the block's statistics by row).
+// Zero where the key comes after the query or past the sequence. The pipelined dQ kernels and
+// attn_bwd_dq_wgmma share it (attn_bwd_dq has the same steps inline, its machine code kept as
+// measured); transposed_p_ds is its twin for dK/dV.
+template <int N>
+__device__ __forceinline__ void p_ds(float (&s)[N / 8][4], const float (&dp)[N / 8][4], int rl,
+                                     int q0, int n0, int seq_len, const float* lse_s,
+                                     const float* delta_s, float sl2) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = rl + (i >= 2 ? 8 : 0);
+      const int row = q0 + r, col = n0 + j * 8 + 2 * t + (i & 1);
+      const bool visible = col <= row && col < seq_len;
+      const float p = visible ? exp2f(s[j][i] * sl2 - lse_s[r] * ANDREA_LOG2E) : 0.0f;
+      s[j][i] = p * (dp[j][i] - delta_s[r]);
+    }
+}
+
 template <typename T_, int D, int W, int N, int STAGES, int MINB>
 __global__ void __launch_bounds__(32 * W, MINB)
     attn_bwd_dq_pipe(const T_* __restrict__ q, const T_* __restrict__ k,
@@ -194,7 +216,7 @@ __global__ void __launch_bounds__(32 * W, MINB)
   float* const lse_s = (float*)(smem + L::STATS);
   float* const delta_s = lse_s + M;
   float* const scratch = (float*)(smem + L::SCRATCH) + (threadIdx.x / 32) * 16 * (N + 4);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x / 32, g = (threadIdx.x & 31) >> 2;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * M;
   const long long base = (long long)blockIdx.y * seq_len * D;
   const long long sbase = (long long)blockIdx.y * seq_len;
@@ -228,16 +250,7 @@ __global__ void __launch_bounds__(32 * W, MINB)
       for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
     warp_gemm_ss<T_, D, N / 8, true>(s, qs + warp * 16 * LD, LD, ks, LD);
     warp_gemm_ss<T_, D, N / 8, true>(dp, dos + warp * 16 * LD, LD, vs, LD);
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = rl + (i >= 2 ? 8 : 0);
-        const int row = q0 + r, col = n0 + j * 8 + 2 * t + (i & 1);
-        const bool visible = col <= row && col < seq_len;
-        const float p = visible ? exp2f(s[j][i] * sl2 - lse_s[r] * ANDREA_LOG2E) : 0.0f;
-        s[j][i] = p * (dp[j][i] - delta_s[r]);
-      }
+    p_ds<N>(s, dp, rl, q0, n0, seq_len, lse_s, delta_s, sl2);
     warp_gemm_rs<T_, N / 8, D / 8>(acc, s, scratch, ks, LD);
   }
   cp_async_wait<0>();

@@ -163,17 +163,29 @@ def test_wgmma_forward_gives_the_pipelined_forwards_bits(emulator, dtype, head_d
         assert torch.equal(g, w), f"{cfg.label()} {name} differs from the mma.sync forward"
 
 
+# Both backward routes on wgmma: (pipe_attention's configs of a route, dtype, head_dim, dK/dV's
+# config, dQ's).
+BACKWARDS = ([(ds_configs, *case) for case in HOPPER_DS]
+             + [(recompute_configs, *case) for case in HOPPER_RECOMPUTE])
+
+
+def case_id(x) -> str:
+    return x.__name__.removesuffix("_configs") if callable(x) else str(x)
+
+
 @needs_gxx
-@pytest.mark.parametrize("dtype,head_dim,cfg,dq_cfg", HOPPER_DS, ids=lambda x: str(x))
+@pytest.mark.parametrize("configs_of,dtype,head_dim,cfg,dq_cfg", BACKWARDS, ids=case_id)
 @pytest.mark.parametrize("seq_len,bh", SHAPES, ids=lambda x: str(x))
-def test_wgmma_backward_through_ds_matches_float64(emulator, dtype, head_dim, cfg, dq_cfg,
-                                                   seq_len, bh) -> None:
+def test_wgmma_backward_matches_float64(emulator, configs_of, dtype, head_dim, cfg, dq_cfg,
+                                        seq_len, bh) -> None:
+    """Through dS (the buffer NaN-poisoned: dQ blocks taller than dK/dV's key blocks cross
+    entries dK/dV never wrote) or recomputing S and dP: float64's gradients."""
     tdt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(seq_len * head_dim)
     q, k, v, dout = (torch.randn(*bh, seq_len, head_dim, generator=gen).to(tdt)
                      for _ in range(4))
     scale = 0.7 / math.sqrt(head_dim)
-    got = kernel_emulator.pipe_attention(q, k, v, dout, ds_configs(cfg, dq_cfg), emulator, scale)
+    got = kernel_emulator.pipe_attention(q, k, v, dout, configs_of(cfg, dq_cfg), emulator, scale)
     want = kernel_emulator.float64_reference(q, k, v, dout, scale)
     for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
         assert not torch.isnan(g).any(), f"{name}: NaN (unwritten output or unmasked dS)"
@@ -182,47 +194,14 @@ def test_wgmma_backward_through_ds_matches_float64(emulator, dtype, head_dim, cf
 
 
 @needs_gxx
-@pytest.mark.parametrize("dtype,head_dim,cfg,dq_cfg", HOPPER_DS, ids=lambda x: str(x))
-def test_wgmma_backward_gives_the_pipelined_bits(emulator, dtype, head_dim, cfg,
+@pytest.mark.parametrize("configs_of,dtype,head_dim,cfg,dq_cfg", BACKWARDS, ids=case_id)
+def test_wgmma_backward_gives_the_pipelined_bits(emulator, configs_of, dtype, head_dim, cfg,
                                                  dq_cfg) -> None:
     gen = torch.Generator().manual_seed(9)
     q, k, v, dout = (torch.randn(2, 2, 150, head_dim, generator=gen).to(getattr(torch, dtype))
                      for _ in range(4))
-    got = kernel_emulator.pipe_attention(q, k, v, dout, ds_configs(cfg, dq_cfg), emulator)
-    want = kernel_emulator.pipe_attention(q, k, v, dout, ds_configs(cfg, dq_cfg, False),
-                                          emulator)
-    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
-        assert torch.equal(g, w), f"{cfg.label()} {name} differs from the mma.sync kernels"
-
-
-@needs_gxx
-@pytest.mark.parametrize("dtype,head_dim,cfg,dq_cfg", HOPPER_RECOMPUTE, ids=lambda x: str(x))
-@pytest.mark.parametrize("seq_len,bh", SHAPES, ids=lambda x: str(x))
-def test_wgmma_recomputing_backward_matches_float64(emulator, dtype, head_dim, cfg, dq_cfg,
-                                                    seq_len, bh) -> None:
-    tdt = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(seq_len * head_dim + 1)
-    q, k, v, dout = (torch.randn(*bh, seq_len, head_dim, generator=gen).to(tdt)
-                     for _ in range(4))
-    scale = 0.7 / math.sqrt(head_dim)
-    got = kernel_emulator.pipe_attention(q, k, v, dout, recompute_configs(cfg, dq_cfg), emulator,
-                                         scale)
-    want = kernel_emulator.float64_reference(q, k, v, dout, scale)
-    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
-        assert not torch.isnan(g).any(), f"{name}: NaN (an unwritten output)"
-        err = kernel_emulator.max_error(g, w)
-        assert err <= TOL[tdt], f"{cfg.label()} {name}: max error {err:.3g} > {TOL[tdt]:.3g}"
-
-
-@needs_gxx
-@pytest.mark.parametrize("dtype,head_dim,cfg,dq_cfg", HOPPER_RECOMPUTE, ids=lambda x: str(x))
-def test_wgmma_recomputing_backward_gives_the_pipelined_bits(emulator, dtype, head_dim, cfg,
-                                                             dq_cfg) -> None:
-    gen = torch.Generator().manual_seed(10)
-    q, k, v, dout = (torch.randn(2, 2, 150, head_dim, generator=gen).to(getattr(torch, dtype))
-                     for _ in range(4))
-    got = kernel_emulator.pipe_attention(q, k, v, dout, recompute_configs(cfg, dq_cfg), emulator)
-    want = kernel_emulator.pipe_attention(q, k, v, dout, recompute_configs(cfg, dq_cfg, False),
+    got = kernel_emulator.pipe_attention(q, k, v, dout, configs_of(cfg, dq_cfg), emulator)
+    want = kernel_emulator.pipe_attention(q, k, v, dout, configs_of(cfg, dq_cfg, False),
                                           emulator)
     for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
         assert torch.equal(g, w), f"{cfg.label()} {name} differs from the mma.sync kernels"
