@@ -16,7 +16,8 @@
 //   attn_backward.cuh  attn_bwd_preprocess, attn_bwd_dq, attn_bwd_dkdv
 //   attn_pipe.cuh      the pipelined candidates attn_*_pipe and their dynamic shared memory,
 //                      the backward through dS, a whole head's backward in one block
-//   attn_hopper.cuh    the sm_90a candidate attn_fwd_wgmma (Hopper's warpgroup MMA)
+//   attn_hopper.cuh    the sm_90a candidates on wgmma (Hopper's warpgroup MMA): the forward and
+//                      both backward routes
 //   attn_naive.cuh     the naive baseline attn_*_naive
 // nvcc and g++ resolve the #includes themselves; NVRTC gets the text with the parts written in
 // place (andrea.cuda.launch.kernel_source), so a module's cache key, the hash of that text,
