@@ -97,6 +97,12 @@ CANDIDATE_LIMIT: int | None = None  # the first N of each kernel's candidates (t
 PROBE_TIMEOUT_S = 60.0
 
 
+def check_length(kernels) -> int:
+    """The sequence length kernels are checked at: CHECK_SHAPE's, or FUSED_CHECK_LEN where the
+    whole-head backward is among them (its block must hold the sequence)."""
+    return min(CHECK_SHAPE[2], FUSED_CHECK_LEN) if FUSED in kernels else CHECK_SHAPE[2]
+
+
 def elapsed() -> float:
     return time.monotonic() - START
 
@@ -339,14 +345,15 @@ def reference_cpu(q, k, v, dout, scale):
 
 
 def check_all(info: dict, launcher, device) -> None:
-    """Each built candidate on fresh random inputs of CHECK_SHAPE, poisoned outputs."""
+    """Each built candidate on fresh random inputs of CHECK_SHAPE (check_length positions),
+    poisoned outputs."""
     import torch
 
     from andrea.cuda.attention import attention_forward
     from andrea.cuda.emulator import float64_ds
     from andrea.cuda.launch import attention_launches
 
-    b, h, t = CHECK_SHAPE
+    b, h, _ = CHECK_SHAPE
     groups: dict[tuple[str, int], list[dict]] = {}
     for row in info.values():
         if row["status"] == "built":
@@ -372,7 +379,7 @@ def check_all(info: dict, launcher, device) -> None:
             continue
         by_len: dict[int, tuple] = {}
         for row in rows:
-            length = min(t, FUSED_CHECK_LEN) if row["kernel"] == FUSED else t
+            length = check_length((row["kernel"],))
             try:
                 if length not in by_len:
                     by_len[length] = prepared(dtype, d, length)
@@ -468,8 +475,8 @@ def time_shape(shape, info, launcher, device) -> dict:
 
     from andrea.cuda.attention import attention_forward, cuda_attention
     from andrea.cuda.launch import (
-        DYNAMIC_SHARED_LIMIT,
         attention_launches,
+        block_shared_limit,
         ds_row_stride,
         pipe_launch,
     )
@@ -535,8 +542,8 @@ def time_shape(shape, info, launcher, device) -> dict:
                 break
             try:  # a whole-head backward whose block cannot hold this sequence is refused
                 launch = pipe_launch(row["kernel"], b, h, t, d, dtype, row["cfg"])
-                if row["kernel"] == FUSED and launch.dynamic_shared_bytes > (
-                        DYNAMIC_SHARED_LIMIT.get(launcher.arch, 48 * 1024)):
+                if (row["kernel"] == FUSED
+                        and launch.dynamic_shared_bytes > block_shared_limit(launcher.arch)):
                     continue
                 ms = timed_ms(sequence({row["kernel"]: launch}, (row["kernel"],)))
             except Exception as exc:
@@ -707,9 +714,8 @@ def tuned_path(shape, winner: dict, launcher, device, inputs) -> dict:
     with tuned(launcher.arch, dtype, d, winner["pipe_configs"]):
         res = autograd_times(lambda q_, k_, v_: cuda_attention(q_, k_, v_, scale, launcher),
                              *inputs)
-        b, h, t = CHECK_SHAPE
-        if FUSED in winner["pipe_configs"]:
-            t = min(t, FUSED_CHECK_LEN)
+        b, h, _ = CHECK_SHAPE
+        t = check_length(winner["pipe_configs"])
         q, k, v, dout = (torch.randn(b, h, t, d, device=device).to(getattr(torch, dtype))
                          for _ in range(4))
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]

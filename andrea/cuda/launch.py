@@ -345,6 +345,12 @@ DYNAMIC_SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1
                         "sm_90": 227 * 1024}  # per block, with the opt-in attribute
 
 
+def block_shared_limit(arch: str | None) -> int:
+    """The shared memory a block may have on `arch`: DYNAMIC_SHARED_LIMIT's, or for an
+    architecture the table does not know the 48 KiB every GPU gives without the opt-in."""
+    return DYNAMIC_SHARED_LIMIT.get(arch or "", STATIC_SHARED_LIMIT)
+
+
 @dataclass(frozen=True, order=True)
 class PipeConfig:
     """One candidate: W warps (a block owns 16*W rows), N streamed rows per tile, STAGES-deep
@@ -567,8 +573,8 @@ def tuned_launches(batch: int, n_head: int, seq_len: int, head_dim: int, dtype: 
         del launches["bwd_dq"], launches["bwd_dkdv"]
     for kernel, cfg in tuned.items():
         launches[kernel] = pipe_launch(kernel, batch, n_head, seq_len, head_dim, dtype, cfg)
-    if fused is not None and pipe_shared_bytes(FUSED_KERNEL, dtype, head_dim, fused, seq_len) <= (
-            DYNAMIC_SHARED_LIMIT.get(arch, 48 * 1024)):
+    if fused is not None and (pipe_shared_bytes(FUSED_KERNEL, dtype, head_dim, fused, seq_len)
+                              <= block_shared_limit(arch)):
         for kernel in ("bwd_dq", "bwd_dkdv", *DS_KERNELS):
             launches.pop(kernel, None)
         launches[FUSED_KERNEL] = pipe_launch(FUSED_KERNEL, batch, n_head, seq_len, head_dim,
