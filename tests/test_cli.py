@@ -6,6 +6,7 @@ process for the exit code and stderr as a shell sees them."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,27 @@ def test_the_cli_starts_without_torch_or_numpy(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path)
     assert done.stdout.splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+def test_scoring_sampling_and_exchange_never_import_the_compiler(tmp_path, trained_tiny):
+    """`andrea eval`, `generate`, `export` and `import` load and run the model without torch's
+    compiler front end (dynamo: 1.4 s of a start, a third of it); a training imports it, through
+    torch's optimizer and train.compile. A fresh interpreter: start-up is the point."""
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    shutil.copytree(trained_tiny.run_dir, run)
+    commands = [["eval", "--checkpoint", str(run), "--max-tokens", "512"],
+                ["generate", "--checkpoint", str(run), "--prompt", "A", "-n", "4"],
+                ["export", "--checkpoint", str(run), "--format", "hf", "--out", str(hf)],
+                ["import", "--format", "hf", str(hf), "--out", str(tmp_path / "imported")]]
+    code = (f"import sys\nfrom andrea.cli import main\nfor argv in {commands!r}:\n"
+            "    try:\n        main(argv)\n    except SystemExit as exc:\n"
+            "        assert not exc.code, (argv, exc.code)\n"
+            "print('torch._dynamo' in sys.modules, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "imported" / "latest").is_file()
+    assert done.stdout.splitlines()[-1] == "False True", done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("argv, fragment", [

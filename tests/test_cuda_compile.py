@@ -23,7 +23,7 @@ from test_cuda_backend import assert_close
 from andrea.config import load_config
 from andrea.cuda import attention as ca
 from andrea.model.transformer import Andrea, softmax_chunk
-from andrea.train.compiled import compile_model
+from andrea.train.compiled import compile_model, keep_outside_the_graph
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None, reason="the kernel emulator and inductor's CPU code need g++"
@@ -88,9 +88,10 @@ def test_a_training_step_leaves_only_the_embeddings_and_the_loss_out(tiny_cuda_m
     """The model's one graph runs from the embeddings' output to the final norm. The embeddings
     stay out on purpose (Andrea.embed: inductor's embedding backward adds with atomics, so a
     compiled step was not repeatable bit for bit, and a resume did not repeat the run), and so
-    does the loss (transformer.chunked_loss: its loop over chunks, unrolled, took minutes to
-    compile)."""
+    does the loss (Andrea.chunked_loss: its loop over chunks, unrolled, took minutes to
+    compile): compile_model keeps them out (compiled.OUTSIDE_THE_GRAPH)."""
     model, x = tiny_cuda_model
+    keep_outside_the_graph(model)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(x, x)
     reasons = explained.break_reasons

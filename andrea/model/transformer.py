@@ -224,18 +224,6 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
 
 
-@torch.compiler.disable
-def chunked_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
-    chunk_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
-) -> torch.Tensor:
-    """ChunkedCrossEntropy, kept out of a compiled model's graph: its loop over the chunks
-    would be unrolled there (25 chunks a micro-batch of 16 x 1024 at vocab 50,304), a graph of
-    many small matmuls that took minutes to compile; the compiled model runs its chunks through
-    a compiled softmax_chunk instead (Andrea.loss_chunk_fn)."""
-    return ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_rows, chunk_fn)
-
-
 class Andrea(nn.Module):
     def __init__(self, cfg: ModelConfig, attention_backend: str = "sdpa") -> None:
         super().__init__()
@@ -295,15 +283,18 @@ class Andrea(nn.Module):
                 if proj.bias is not None:
                     nn.init.zeros_(proj.bias)
 
-    @torch.compiler.disable
     def embed(self, idx: torch.Tensor, start: int) -> torch.Tensor:
         """Token plus position embeddings of idx [B, T] at positions start.. -> [B, T, d_model].
-        Kept out of a compiled model's graph: inductor's backward of an embedding adds each
-        row's gradients with atomics, in whatever order the threads come, so a compiled step's
-        last bits would differ from run to run and a resume would not repeat it; eager's is
-        deterministic."""
+        A compiled model runs it outside its graph (train/compiled.py, OUTSIDE_THE_GRAPH)."""
         pos = torch.arange(start, start + idx.shape[1], device=idx.device)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+    def chunked_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the LM head over hidden [N, d_model] against targets [N], a
+        chunk of rows at a time (ChunkedCrossEntropy). A compiled model runs it outside its graph
+        and its chunks through a compiled loss_chunk_fn (train/compiled.py)."""
+        return ChunkedCrossEntropy.apply(hidden, self.lm_head.weight, targets,
+                                         self.loss_chunk_rows, self.loss_chunk_fn)
 
     def forward(
         self,
@@ -340,10 +331,7 @@ class Andrea(nn.Module):
                 logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
             )
             return None, loss
-        hidden = x.reshape(-1, x.size(-1))
-        loss = chunked_loss(hidden, self.lm_head.weight, targets.reshape(-1),
-                            self.loss_chunk_rows, self.loss_chunk_fn)
-        return None, loss
+        return None, self.chunked_loss(x.reshape(-1, x.size(-1)), targets.reshape(-1))
 
     def num_params(self) -> int:
         """Unique parameters (the tied LM head counted once)."""

@@ -4,9 +4,9 @@
 hand-written compiled loop (docs/log.md, 2026-12-04, the fastest step on one GPU). Not on a
 CPU, where a compile costs minutes of a short run and gains little, and not yet under torchrun,
 where the compiled step has not been measured or resumed on GPUs (`true` asks for it anyway).
-The model's loss stays out of the compiled graph (transformer.chunked_loss); its chunks run
-through a compiled softmax_chunk. Inductor keeps what it compiled under andrea's cache folder,
-so a second run of the same model compiles in seconds.
+The embeddings and the loss stay out of the compiled graph (OUTSIDE_THE_GRAPH); the loss's
+chunks run through a compiled softmax_chunk. Inductor keeps what it compiled under andrea's
+cache folder, so a second run of the same model compiles in seconds.
 """
 
 from __future__ import annotations
@@ -24,6 +24,19 @@ from andrea.train.torchrun import DistInfo
 # this one ("reduce-overhead": CUDA graphs) to measure them.
 MODE = "default"
 INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+
+# The parts of an Andrea a compiled model runs eagerly, and why. Kept out here rather than by
+# decorators in the model file: torch.compiler.disable imports dynamo, 1.4 s of every process's
+# start, which evaluation and sampling never need.
+OUTSIDE_THE_GRAPH = (
+    # Inductor's backward of an embedding adds each row's gradients with atomics, in whatever
+    # order the threads come, so a compiled step's last bits would differ from run to run and a
+    # resume would not repeat it; eager's is deterministic.
+    "embed",
+    # Its loop over the chunks would be unrolled there (25 chunks a micro-batch of 16 x 1024 at
+    # vocab 50,304), a graph of many small matmuls that took minutes to compile.
+    "chunked_loss",
+)
 
 
 def choose_compile(setting: bool | str, device: torch.device, dist: DistInfo) -> tuple[bool, str]:
@@ -54,11 +67,21 @@ def inductor_cache() -> str:
     return os.environ[INDUCTOR_CACHE_VARIABLE]
 
 
+def keep_outside_the_graph(model: Andrea) -> None:
+    """Make a compiled `model` call OUTSIDE_THE_GRAPH's methods eagerly (a graph break each);
+    uncompiled, they run as before."""
+    for name in OUTSIDE_THE_GRAPH:
+        if name not in vars(model):  # once: the instance's own attribute is the wrapped method
+            setattr(model, name, torch.compiler.disable(getattr(model, name)))
+
+
 def compile_model(model: nn.Module) -> nn.Module:
     """The compiled module the steps call; an Andrea's loss chunks run compiled too."""
     inductor_cache()
-    if isinstance(model, Andrea) and model.loss_chunk_fn is softmax_chunk:
-        model.loss_chunk_fn = torch.compile(softmax_chunk, dynamic=False, mode=MODE)
+    if isinstance(model, Andrea):
+        keep_outside_the_graph(model)
+        if model.loss_chunk_fn is softmax_chunk:
+            model.loss_chunk_fn = torch.compile(softmax_chunk, dynamic=False, mode=MODE)
     # Static shapes: each window length (a sequence warm-up's, the run's, evaluation's) gets a
     # graph of its own, the same whatever came before. With dynamo's default the second length
     # a process sees turns the graph dynamic for every later one, so which kernels a step runs
