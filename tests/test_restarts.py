@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -165,3 +166,16 @@ def test_a_process_the_others_never_join_stops_with_one_line(monkeypatch, capfd)
     assert line.startswith("error: rank 1 of 4: the processes did not all join within 0.05 s "
                            "(train.join_timeout)") and "--master-addr HOST" in line
     assert "\n" not in line
+
+
+def test_a_failure_in_a_process_group_of_one_is_not_a_lost_peer(monkeypatch):
+    """Alone in its process group (ANDREA_PROCESS_GROUP_OF_ONE, the NCCL check on one GPU) no
+    peer can be lost: the failure is raised as it is, not hidden behind a lost-peer line (the
+    GPU's first NCCL run said "a process on another node was lost" for its own error)."""
+    monkeypatch.setattr(restarts, "attempt", lambda: restarts.Attempt(0, None))
+    alone = torchrun.DistInfo(group_of_one=True)
+    assert restarts.lost_peer_line(alone, RuntimeError("nccl: bad tensor"), 4, None,
+                                   Path("r")) is None
+    two = torchrun.DistInfo(rank=0, world_size=2)  # the store gone: a peer may be lost
+    assert isinstance(restarts.lost_peer_line(two, RuntimeError("x"), 4, None, Path("r")),
+                      UserError)

@@ -25,8 +25,13 @@ def barrier(info: DistInfo) -> None:
 
 
 def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """`tensor` summed over the ranks, in place, wherever it lives: nccl reduces GPU tensors
+    only, so a host tensor travels to the rank's GPU and back."""
     if info.enabled:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        sent = tensor.to(_comm_device(info))
+        dist.all_reduce(sent, op=dist.ReduceOp.SUM)
+        if sent is not tensor:
+            tensor.copy_(sent)
     return tensor
 
 

@@ -73,7 +73,7 @@ def lost_peer_line(info: DistInfo, exc: BaseException, step: int, checkpoint: Pa
     """What the surviving ranks say when a collective failed because another rank's process
     ended (gloo's or nccl's own message names an address, not a rank, nor how to go on), as
     the exception that ends this process; None for any other failure."""
-    if not (info.enabled and isinstance(exc, RuntimeError)):
+    if not (info.world_size > 1 and isinstance(exc, RuntimeError)):  # alone: no peer to lose
         return None
     lost = lost_ranks(info)
     if lost == []:
