@@ -64,7 +64,7 @@ def build(preset: str, parallel: str, optimizer: str = "adamw"):
     model = Andrea(cfg.model)
     mode.shard(model, device, bf16_params=False)
     optimizer = build_optimizer(model, cfg, device, mode.dist.world_size, sharded=mode.sharded)
-    train_model = mode.wrap(model, False, device)
+    train_model = mode.wrap(model, None, device)
     x = torch.randint(0, cfg.model.vocab_size, (1, 32))
     train_model(x, x)[1].backward()
     optimizer.step()

@@ -15,8 +15,9 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
   120m         andrea train, ANDREA-120M at 16 x 1024 x 4 micro-batches at the defaults
                (train.compile auto: compiled), inductor's cache empty
   120m-warm    the same again, the cache filled by 120m: the second run's compile
-  12m          ANDREA-12M's whole preset run (550 steps) at the defaults (compiled)
-  resume       ANDREA-12M compiled (the default on a GPU): 16 steps straight, and 8 steps then
+  12m          ANDREA-12M's whole preset run (550 steps) at the defaults (compiled, its steps
+               replayed as CUDA graphs: the preset's train.compile_mode reduce-overhead)
+  resume       ANDREA-12M as 12m (compiled, CUDA graphs): 16 steps straight, and 8 steps then
                resumed to 16, each a process of its own, the resume after a change of window
                length (step 5); every step's loss and gradient norm must be the same bit for
                bit (the exact-resume promise, under compile, on the GPU)
@@ -24,7 +25,8 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
                of one (ANDREA_PROCESS_GROUP_OF_ONE=1: NCCL), ddp; then fsdp resuming it to 16
                (NorMuon's per-neuron state off in both: fsdp does not shard it yet)
   120m-auto    the preset's own micro-batch choice (auto) at the same 65,536 tokens a step
-  12m-graphs   as 12m compiled with mode reduce-overhead (CUDA graphs), cache from 12m
+  12m-nographs as 12m with train.compile_mode=default (no CUDA graphs; the preset replays its
+               steps as CUDA graphs), cache from 12m: what the graphs gain
   120m-eager   as 120m with train.compile=false
   12m-eager    as 12m with train.compile=false
   120m-plain   as 120m-warm, the loss unchunked inside the compiled graph (F.cross_entropy on
@@ -72,7 +74,7 @@ QUIET = ("train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=1", 
 # default keeps the promise.
 PARTS: list[tuple[str, int]] = [
     ("reference", 60), ("120m", 80), ("120m-warm", 40), ("12m", 90), ("resume", 95),
-    ("ddp", 30), ("fsdp", 30), ("120m-auto", 45), ("12m-graphs", 80), ("120m-eager", 40),
+    ("ddp", 30), ("fsdp", 30), ("120m-auto", 45), ("12m-nographs", 80), ("120m-eager", 40),
     ("12m-eager", 45), ("120m-plain", 60), ("12m-cuda", 90), ("120m-cuda", 80),
 ]
 RESUME_STEPS = 16
@@ -85,11 +87,8 @@ def andrea_run(args: argparse.Namespace) -> None:
     from andrea.config import load_config
     from andrea.model import transformer
     from andrea.runs import read_metrics
-    from andrea.train import compiled
     from andrea.train.loop import train
 
-    if args.mode:
-        compiled.MODE = args.mode
     if args.plain_loss:  # every model built from here on computes its loss unchunked
         transformer.loss_chunk_rows = lambda vocab_size: None
     cfg = load_config(args.preset, args.set)
@@ -198,8 +197,8 @@ def part_command(name: str, work: Path, out: Path, dry: bool) -> tuple[list[str]
         return [*me, *j, *small, *cuda, "train.name=s-cuda"], env
     if name == "120m-cuda":
         return [*me, *j, *big, *cuda, "train.name=cuda"], env
-    if name == "12m-graphs":
-        return [*me, *j, "--mode", "reduce-overhead", *small, "train.name=s-graphs"], env
+    if name == "12m-nographs":
+        return [*me, *j, *small, "train.compile_mode=default", "train.name=s-nographs"], env
     if name == "resume":
         return [*py, str(Path(__file__).resolve()), "--resume-check", *j, *small], env
     torchrun = [*py, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone"]
@@ -319,7 +318,6 @@ def main() -> int:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--set", nargs="*", default=[], help=argparse.SUPPRESS)
-    parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--resume", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--plain-loss", action="store_true", help=argparse.SUPPRESS)

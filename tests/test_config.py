@@ -202,6 +202,7 @@ def test_resumable_keys_are_the_ones_resume_always_allowed():
         "train.wandb", "train.wandb_project", "train.wandb_name", "train.wandb_entity",
         "train.skip_nonfinite", "train.spike_guard", "train.spike_z", "train.spike_window",
         "train.spike_patience", "train.spike_lr_factor", "train.spike_lr_steps", "train.compile",
+        "train.compile_mode",
         "train.zero_init_output", "train.muon_ns_coefficients",
         "train.muon_cautious_weight_decay", "train.micro_batch_size",
         "train.activation_checkpointing", "train.parallel", "train.device", "model.attention",

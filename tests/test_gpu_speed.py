@@ -70,9 +70,22 @@ def test_the_reference_is_andrea_120m() -> None:
 def test_compile_auto_is_one_cuda_process_only() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     one, two = DistInfo(), DistInfo(0, 0, 2, 2)
-    assert choose_compile("auto", cuda, one)[0] is True
-    assert choose_compile("auto", cpu, one) == (False, "auto: not on cpu")
-    assert choose_compile("auto", cuda, two)[0] is False
-    assert choose_compile("auto", cuda, DistInfo(group_of_one=True))[0] is False
-    for setting in (True, False):  # an explicit choice is obeyed anywhere
-        assert choose_compile(setting, cpu, two)[0] is setting
+    assert choose_compile("auto", "default", cuda, one)[0] == "default"
+    assert choose_compile("auto", "default", cpu, one) == (None, "auto: not on cpu")
+    assert choose_compile("auto", "default", cuda, two)[0] is None
+    assert choose_compile("auto", "default", cuda, DistInfo(group_of_one=True))[0] is None
+    assert choose_compile(True, "default", cpu, two)[0] == "default"  # obeyed anywhere
+    assert choose_compile(False, "reduce-overhead", cuda, one)[0] is None
+
+
+def test_cuda_graphs_are_for_one_process_on_a_gpu() -> None:
+    """reduce-overhead (the 12M preset's) where it was measured, one CUDA process; the default
+    mode elsewhere, saying why, so a CPU run of the preset is what it was."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert choose_compile("auto", "reduce-overhead", cuda, DistInfo()) == (
+        "reduce-overhead", "auto: one CUDA process")
+    mode, why = choose_compile(True, "reduce-overhead", cpu, DistInfo())
+    assert mode == "default" and "CUDA graphs are for one process on a GPU" in why
+    assert choose_compile(True, "reduce-overhead", cuda, DistInfo(0, 0, 2, 2))[0] == "default"
+    assert choose_compile("auto", "reduce-overhead", cpu, DistInfo())[0] is None
+    assert load_config("andrea-12m").train.compile_mode == "reduce-overhead"

@@ -558,7 +558,7 @@ def test_one_process_clips_and_accumulates_as_torch_does():
     assert norm == torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
                                                            twin.parameters(), strict=True))
-    assert alone.wrap(model, False, torch.device("cpu")) is model
+    assert alone.wrap(model, None, torch.device("cpu")) is model
     with alone.gradient_sync(model, model, last=False):
         pass
 

@@ -105,6 +105,10 @@ class TrainConfig:
         "not on a CPU and not yet under torchrun",
         check=Check(lambda x: x == "auto" or isinstance(x, bool), "auto, true or false"),
         resumable=True)
+    compile_mode: str = key(
+        "default", "torch.compile's mode; reduce-overhead also replays each step as CUDA graphs "
+        "(one process on a GPU; elsewhere the default), for a model too small to keep the GPU "
+        "busy between kernel launches", choices=("default", "reduce-overhead"), resumable=True)
     micro_batch_size: int | str = key(
         8, "sequences per forward/backward; auto: the largest that divides the per-process "
         "batch and fits the device's memory, resolved once per run and kept on resume",

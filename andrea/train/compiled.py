@@ -7,6 +7,11 @@ where the compiled step has not been measured or resumed on GPUs (`true` asks fo
 The embeddings and the loss stay out of the compiled graph (OUTSIDE_THE_GRAPH); the loss's
 chunks run through a compiled softmax_chunk. Inductor keeps what it compiled under andrea's
 cache folder, so a second run of the same model compiles in seconds.
+
+train.compile_mode is torch.compile's mode. reduce-overhead also replays each step as CUDA
+graphs, for a model whose step is too short to keep the GPU busy between kernel launches (the
+12M preset sets it: 8.4 s of training become 5.9 s on an H100, with the same loss at every
+step, docs/log.md, 2026-12-06); only on one CUDA process, where it was measured.
 """
 
 from __future__ import annotations
@@ -20,9 +25,6 @@ from andrea.model.transformer import Andrea, softmax_chunk
 from andrea.resources import cache_dir
 from andrea.train.torchrun import DistInfo
 
-# torch.compile's mode for the model. scripts/gpu_speed.py sets other modes side by side with
-# this one ("reduce-overhead": CUDA graphs) to measure them.
-MODE = "default"
 INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 
 # The parts of an Andrea a compiled model runs eagerly, and why. Kept out here rather than by
@@ -39,15 +41,24 @@ OUTSIDE_THE_GRAPH = (
 )
 
 
-def choose_compile(setting: bool | str, device: torch.device, dist: DistInfo) -> tuple[bool, str]:
-    """(compile?, why) for train.compile = true, false or auto."""
-    if setting is True or setting is False:
-        return setting, f"train.compile: {str(setting).lower()}"
-    if device.type != "cuda":
-        return False, f"auto: not on {device.type}"
-    if dist.enabled:
-        return False, "auto: not under torchrun yet; train.compile=true asks for it"
-    return True, "auto: one CUDA process"
+def choose_compile(setting: bool | str, mode: str, device: torch.device,
+                   dist: DistInfo) -> tuple[str | None, str]:
+    """(torch.compile's mode, None for no compile; why) for train.compile = true, false or auto
+    and train.compile_mode. CUDA graphs (reduce-overhead) replay one process's steps on a GPU:
+    elsewhere the mode is the default."""
+    if setting is False:
+        return None, "train.compile: false"
+    why = "train.compile: true"
+    if setting == "auto":
+        if device.type != "cuda":
+            return None, f"auto: not on {device.type}"
+        if dist.enabled:
+            return None, "auto: not under torchrun yet; train.compile=true asks for it"
+        why = "auto: one CUDA process"
+    if mode == "reduce-overhead" and (device.type != "cuda" or dist.enabled):
+        return "default", (f"{why}; train.compile_mode reduce-overhead: CUDA graphs are for one "
+                           f"process on a GPU, so the default mode")
+    return mode, why
 
 
 def inductor_cache() -> str:
@@ -75,25 +86,27 @@ def keep_outside_the_graph(model: Andrea) -> None:
             setattr(model, name, torch.compiler.disable(getattr(model, name)))
 
 
-def compile_model(model: nn.Module) -> nn.Module:
-    """The compiled module the steps call; an Andrea's loss chunks run compiled too."""
+def compile_model(model: nn.Module, mode: str = "default") -> nn.Module:
+    """The compiled module the steps call, in torch.compile's `mode`; an Andrea's loss chunks
+    run compiled too."""
     inductor_cache()
     if isinstance(model, Andrea):
         keep_outside_the_graph(model)
         if model.loss_chunk_fn is softmax_chunk:
-            model.loss_chunk_fn = torch.compile(softmax_chunk, dynamic=False, mode=MODE)
+            model.loss_chunk_fn = torch.compile(softmax_chunk, dynamic=False, mode=mode)
     # Static shapes: each window length (a sequence warm-up's, the run's, evaluation's) gets a
     # graph of its own, the same whatever came before. With dynamo's default the second length
     # a process sees turns the graph dynamic for every later one, so which kernels a step runs
     # would depend on the process's history (a resumed process starts without it). Both
     # resumed bit for bit on a CPU (docs/log.md, 2026-12-04); static makes it hold by design.
-    return torch.compile(model, mode=MODE, dynamic=False)
+    return torch.compile(model, mode=mode, dynamic=False)
 
 
-def compile_line(compiling: bool, why: str) -> str:
+def compile_line(mode: str | None, why: str) -> str:
     """The plan's line: what is compiled, and what that costs before the first step."""
-    if not compiling:
+    if mode is None:
         return f"compile: off ({why})"
-    return (f"compile: torch.compile ({why}); the first step of each window length compiles "
-            f"first, for up to a minute or two on a first run; inductor's cache "
+    graphs = ", its steps replayed as CUDA graphs" if mode == "reduce-overhead" else ""
+    return (f"compile: torch.compile{graphs} ({why}); the first step of each window length "
+            f"compiles first, for up to a minute or two on a first run; inductor's cache "
             f"({inductor_cache()}) keeps it for the next")

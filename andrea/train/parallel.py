@@ -45,9 +45,10 @@ class Parallel:
     def shard(self, model: nn.Module, device: torch.device, bf16_params: bool) -> None:
         """Lay the model out over the processes, before the optimizer takes its parameters."""
 
-    def wrap(self, model: nn.Module, compiling: bool, device: torch.device) -> nn.Module:
-        """The module the steps call: compiled if asked (inside DDP under ddp)."""
-        return compile_model(model) if compiling else model
+    def wrap(self, model: nn.Module, compile_mode: str | None, device: torch.device) -> nn.Module:
+        """The module the steps call: compiled in torch.compile's `compile_mode` if one is given
+        (inside DDP under ddp)."""
+        return model if compile_mode is None else compile_model(model, compile_mode)
 
     def gradient_sync(self, model: nn.Module, train_model: nn.Module,
                       last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -82,11 +83,11 @@ class Parallel:
 class DataParallel(Parallel):
     name: ClassVar[str] = "ddp"
 
-    def wrap(self, model: nn.Module, compiling: bool, device: torch.device) -> nn.Module:
+    def wrap(self, model: nn.Module, compile_mode: str | None, device: torch.device) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         device_ids = [self.dist.local_rank] if device.type == "cuda" else None
-        return DDP(super().wrap(model, compiling, device), device_ids=device_ids)
+        return DDP(super().wrap(model, compile_mode, device), device_ids=device_ids)
 
     def gradient_sync(self, model: nn.Module, train_model: nn.Module,
                       last: bool) -> contextlib.AbstractContextManager[Any]:

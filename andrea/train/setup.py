@@ -133,8 +133,9 @@ def set_up(
                                                           trainer_state=trainer_state)
     s.accum, batch_line = accumulation_steps(cfg, s.micro_batch, dist.world_size, trainer_state)
     s.warmup_accum = batch_warmup_accumulation(cfg, s.micro_batch, dist.world_size)
-    compiling, compile_why = choose_compile(cfg.train.compile, device, dist)
-    s.train_model = parallel.wrap(model, compiling, device)
+    compile_mode, compile_why = choose_compile(cfg.train.compile, cfg.train.compile_mode,
+                                               device, dist)
+    s.train_model = parallel.wrap(model, compile_mode, device)
     s.checkpoint_nbytes = checkpoint_nbytes(model, optimizer, parallel.sharded, dist.world_size,
                                             device.type)
     signals.completed_step, signals.checkpoint = s.step, s.checkpoint
@@ -147,7 +148,7 @@ def set_up(
             signals.metrics_path = run_dir / METRICS
             announce(s, backend, why, changes, trainer_state=trainer_state,
                      resume_from=resume_from, attention_line=attention_line,
-                     compile_line=compile_line(compiling, compile_why),
+                     compile_line=compile_line(compile_mode, compile_why),
                      micro_batch_line="\n".join(line for line in (micro_batch_line, batch_line)
                                                  if line),
                      schedule_lines=schedule_lines)
