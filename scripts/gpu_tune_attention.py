@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -366,7 +367,8 @@ def check_all(info: dict, launcher, device) -> None:
         scale = d**-0.5
         ref = reference_cpu(q, k, v, dout, scale)
         ds_ref = float64_ds(*(x.cpu() for x in (q, k, v, dout)), scale)
-        po, plse = attention_forward(q, k, v, scale, launcher)
+        with tuned(launcher.arch, dtype, d, None):  # the production forward, TUNED's aside
+            po, plse = attention_forward(q, k, v, scale, launcher)
         delta = torch.full((b, h, t), math.nan, device=device)
         launcher.launch(attention_launches(b, h, t, d, dtype)["bwd_preprocess"], po, dout, delta,
                         b * h * t)
@@ -485,7 +487,9 @@ def time_shape(shape, info, launcher, device) -> dict:
     tdt = getattr(torch, dtype)
     scale = d**-0.5
     q, k, v, dout = (torch.randn(b, h, t, d, device=device).to(tdt) for _ in range(4))
-    o, lse = attention_forward(q, k, v, scale, launcher)
+    production = functools.partial(tuned, launcher.arch, dtype, d, None)  # TUNED's entry aside
+    with production():
+        o, lse = attention_forward(q, k, v, scale, launcher)
     prod = attention_launches(b, h, t, d, dtype)
     delta = torch.empty((b, h, t), device=device)
     launcher.launch(prod["bwd_preprocess"], o, dout, delta, b * h * t)
@@ -504,8 +508,9 @@ def time_shape(shape, info, launcher, device) -> dict:
             res["sdpa"][backend] = {"error": str(exc)[:300]}
     # The production kernels as training runs them: cuda_attention, through autograd.
     try:
-        res["production_autograd"] = autograd_times(
-            lambda q_, k_, v_: cuda_attention(q_, k_, v_, scale, launcher), q, k, v, dout)
+        with production():
+            res["production_autograd"] = autograd_times(
+                lambda q_, k_, v_: cuda_attention(q_, k_, v_, scale, launcher), q, k, v, dout)
     except Exception as exc:
         res["production_autograd"] = {"error": str(exc)[:300]}
     log(f"{shape_key(shape)}: SDPA and cuda_attention timed")
@@ -680,21 +685,26 @@ def tuned_winner(res: dict) -> dict | None:
 
 
 @contextlib.contextmanager
-def tuned(arch: str, dtype: str, head_dim: int, pipe_configs: dict) -> Iterator[None]:
-    """andrea.cuda.launch.TUNED with an entry of these configs for the while, as if pasted."""
+def tuned(arch: str, dtype: str, head_dim: int, pipe_configs: dict | None) -> Iterator[None]:
+    """andrea.cuda.launch.TUNED with an entry of these configs for the while, as if pasted;
+    None: with no entry, so that cuda_attention runs the production kernels (TILES), whatever
+    was pasted before."""
     from andrea.cuda import attention as ca
     from andrea.cuda import launch as kernel_launch
 
     key = (arch, dtype, head_dim)
     before = kernel_launch.TUNED.get(key)
-    kernel_launch.TUNED[key] = {kernel: kernel_launch.PipeConfig(*cfg)
-                                for kernel, cfg in pipe_configs.items()}
+    if pipe_configs is None:
+        kernel_launch.TUNED.pop(key, None)
+    else:
+        kernel_launch.TUNED[key] = {kernel: kernel_launch.PipeConfig(*cfg)
+                                    for kernel, cfg in pipe_configs.items()}
     ca._launches.cache_clear()
     try:
         yield
     finally:
         if before is None:
-            del kernel_launch.TUNED[key]
+            kernel_launch.TUNED.pop(key, None)
         else:
             kernel_launch.TUNED[key] = before
         ca._launches.cache_clear()

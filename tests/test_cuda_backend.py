@@ -371,11 +371,11 @@ def on_gpu(monkeypatch, capability: tuple[int, int]) -> torch.device:
 
 def test_auto_follows_the_measured_table(monkeypatch) -> None:
     """On a GPU `auto` runs what AUTO_TABLE says for its architecture, dtype and head_dim, with
-    the measurement as its reason; today every entry (an H200's) says SDPA."""
+    the measurement as its reason; today every entry (an H100's or an H200's) says SDPA."""
     h200 = on_gpu(monkeypatch, (9, 0))
     assert resolve_backend("auto", 64, h200, torch.bfloat16) == (
-        "sdpa", "auto: sm_90 bfloat16 head_dim 64: andrea's kernels at 0.26x SDPA, "
-                "measured 2026-12-04")
+        "sdpa", "auto: sm_90 bfloat16 head_dim 64: andrea's kernels at 0.42x SDPA, "
+                "measured 2026-12-06")
     assert resolve_backend("auto", 32, h200, torch.float32) == (
         "sdpa", "auto: sm_90 float32 head_dim 32: andrea's kernels at 0.29x SDPA, "
                 "measured 2026-12-04")

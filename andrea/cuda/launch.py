@@ -388,8 +388,21 @@ class PipeConfig:
 # through dS as "bwd_dkdv_ds" and "bwd_dq_ds"; a kernel not named keeps its production kernel.
 # "bwd_fused" (a whole head's backward in one block) replaces the backward where the sequence
 # fits the block's shared memory, and leaves the longer ones to the others.
-# Another architecture, or one not measured, runs the production kernels. Empty until measured.
-TUNED: dict[tuple[str, str, int], dict[str, PipeConfig]] = {}
+# Another architecture, or one not measured, runs the production kernels. sm_90's entries were
+# measured on an H100 (docs/log.md, 2026-12-06, the first GPU run of the speed script); each
+# passed its check against float64 there, through autograd too.
+TUNED: dict[tuple[str, str, int], dict[str, PipeConfig]] = {
+    # bfloat16 B8 H12 T1024 D64: f+b 0.432 ms, production 0.650
+    ("sm_90", "bfloat16", 64): {"fwd": PipeConfig(8, 64, 2, wgmma=True),
+                                "bwd_dq": PipeConfig(8, 64, 2, wgmma=True),
+                                "bwd_dkdv": PipeConfig(4, 64, 2, wgmma=True)},
+    # bfloat16 B32 H12 T256 D32: f+b 0.104 ms, production 0.142
+    ("sm_90", "bfloat16", 32): {"fwd": PipeConfig(4, 64, 3), "bwd_fused": PipeConfig(8, 32, 1)},
+    # float16 B8 H12 T1024 D64: f+b 0.783 ms, production 1.069
+    ("sm_90", "float16", 64): {"fwd": PipeConfig(8, 32, 2),
+                               "bwd_dq": PipeConfig(4, 64, 2, wgmma=True),
+                               "bwd_dkdv": PipeConfig(8, 32, 2)},
+}
 
 
 def production_pipe_config(kernel: str, dtype: str, head_dim: int, stages: int = 1) -> PipeConfig:

@@ -157,9 +157,11 @@ class Measured:
 
 # `auto`'s choice on a GPU by (architecture as andrea.cuda.attention.device_arch names it,
 # dtype, head_dim): measured entries only; anything else runs SDPA, "not measured on this GPU".
-# sm_90 is both the H100's and the H200's; these were measured on an H200 by `andrea bench`
-# (forward + backward, B 8, H 12, T 1024 at head_dim 64 and T 256 at head_dim 32): docs/log.md,
-# 2026-12-04, "the CUDA path on a GPU for the first time".
+# sm_90 is both the H100's and the H200's. The float16 and float32 entries at head_dim 32 were
+# measured on an H200 by `andrea bench` (forward + backward, B 8, H 12, T 256): docs/log.md,
+# 2026-12-04, "the CUDA path on a GPU for the first time"; the others on an H100 by
+# scripts/gpu_tune_attention.py with TUNED's lines in place (B 8 x T 1024 at head_dim 64, B 32 x
+# T 256 at 32): docs/log.md, 2026-12-06, "the first GPU run of the speed script".
 #
 # From `scripts/gpu_tune_attention.py OUT` on a GPU: it prints these entries last, ready to
 # paste ("AUTO_TABLE entries"): per measured (dtype, head_dim), SDPA's forward + backward time
@@ -169,8 +171,9 @@ class Measured:
 # and the two lines go in together), "cuda" from 1.0 up. The date is the run's, that of the
 # docs/log.md entry that records it.
 AUTO_TABLE: dict[tuple[str, str, int], Measured] = {
-    ("sm_90", "bfloat16", 64): Measured("sdpa", 0.26, "2026-12-04"),
-    ("sm_90", "bfloat16", 32): Measured("sdpa", 0.19, "2026-12-04"),
+    ("sm_90", "bfloat16", 64): Measured("sdpa", 0.42, "2026-12-06"),
+    ("sm_90", "bfloat16", 32): Measured("sdpa", 0.52, "2026-12-06"),
+    ("sm_90", "float16", 64): Measured("sdpa", 0.26, "2026-12-06"),
     ("sm_90", "float16", 32): Measured("sdpa", 0.19, "2026-12-04"),
     ("sm_90", "float32", 32): Measured("sdpa", 0.29, "2026-12-04"),
 }
