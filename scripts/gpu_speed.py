@@ -14,7 +14,8 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
   reference    scripts/reference_gpt.py: the plain nanoGPT-style loop, compiled (the yardstick)
   120m         andrea train, ANDREA-120M at 16 x 1024 x 4 micro-batches at the defaults
                (train.compile auto: compiled), inductor's cache empty
-  120m-warm    the same again, the cache filled by 120m: the second run's compile
+  120m-warm    the same again, the cache filled by 120m: the second run's compile; the table's
+               last line says whether the two ended at the same loss bit for bit
   12m          ANDREA-12M's whole preset run (550 steps) at the defaults (compiled, its steps
                replayed as CUDA graphs: the preset's train.compile_mode reduce-overhead)
   resume       ANDREA-12M as 12m (compiled, CUDA graphs): 16 steps straight, and 8 steps then
@@ -304,6 +305,19 @@ def print_table(results: dict[str, Any], rows: list[tuple[str, str, float | None
               f"{fmt(r.get('tokens_per_s'), '10.0f')} {ratio:>6} {fmt(r.get('mfu'), '6.3f')} "
               f"{fmt(compile_s, '8.1f')} {fmt(r.get('train_seconds'), '8.2f')} "
               f"{fmt(r.get('last_loss'), '7.4f')} {fmt(r.get('val_bpb'), '8.4f')}")
+    line = repeat_line(results)
+    if line:
+        print(line)
+
+
+def repeat_line(results: dict[str, Any]) -> str | None:
+    """Whether 120m and 120m-warm, the same config and seed in two processes, ended at the same
+    loss bit for bit (what exact resume needs of the 120M step; the resume part checks 12M)."""
+    first, again = ((results.get(n) or {}).get("last_loss") for n in ("120m", "120m-warm"))
+    if first is None or again is None:
+        return None
+    verdict = "the same bits" if first == again else "DIFFER (a step whose bits do not repeat)"
+    return f"120m and 120m-warm, the same run twice: last loss {first!r} and {again!r}: {verdict}"
 
 
 def main() -> int:

@@ -26,12 +26,15 @@ expected on an H200 with 16 cores):
    whole-head backward, whose block holds the sequence, on inputs of FUSED_CHECK_LEN positions.
 3. Time (CUDA events around back-to-back calls, andrea.bench.time_per_call) at each shape:
    every passing candidate kernel alone; SDPA default, flash, efficient and cuDNN forward,
-   backward (autograd, forward prepared) and forward + backward; the production kernels the
+   backward (autograd, forward prepared) and forward + backward, and flash and efficient again
+   under torch.use_deterministic_algorithms ("-det"); the production kernels the
    same way through `cuda_attention` (what training runs) and as bare launches; the best
    candidate per kernel together (forward, preprocess + dQ + dK/dV, and all four); the best
    pair through dS with the best forward; the best whole-head backward with it; and where those
    beat production, the fastest through `cuda_attention` with its TUNED entry in place
-   (andrea.cuda.launch.TUNED), timed and checked against float64.
+   (andrea.cuda.launch.TUNED), timed and checked against float64. Each row through autograd
+   also runs REPEATS times at twice the shape's batch: "same bits" where every output and
+   gradient repeated bit for bit (exact resume needs it), "DIFFER" where not.
 4. Prints a table per shape last and writes everything to OUT_DIR/tune.json (written again after
    each shape, so a run cut short keeps what it measured), then `model.attention: auto`'s
    AUTO_TABLE entries for this GPU (andrea/model/attention.py) and the TUNED entries
@@ -91,7 +94,13 @@ FUSED = "bwd_fused"
 FUSED_CHECK_LEN = 255
 CHECK_SHAPE = (2, 3, 333)  # B, H, T: odd, not a multiple of any tile
 TOL = {"bfloat16": 1e-2, "float16": 2.0**-9, "float32": 1e-5}
-SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn")
+# "-det": the same backend with torch.use_deterministic_algorithms on (warn_only), under which
+# flash's and efficient's backwards take their deterministic paths; cuDNN's has none in torch.
+SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn", "flash-det", "efficient-det")
+# Exact resume needs a backward whose bits repeat: each backend's forward + backward runs this
+# many times at twice the shape's batch (a batch that trains: llm.c saw cuDNN's backward repeat
+# at small batches only), every output compared with the first's bit for bit.
+REPEATS = 4
 CANDIDATE_LIMIT: int | None = None  # the first N of each kernel's candidates (tests)
 # The wgmma candidates first run in a child process (--probe-wgmma), given this long: a kernel
 # that faults there (a misread descriptor can end a CUDA context) cannot cost this run the rest.
@@ -434,12 +443,45 @@ def autograd_times(attend, q, k, v, dout) -> dict:
     return {"fwd": timed_ms(fwd), "bwd": timed_ms(bwd, forward_graph), "fb": timed_ms(fb)}
 
 
+def same_bits(attend, shape, device) -> bool:
+    """Whether REPEATS forward + backward passes of attend at twice the shape's batch give the
+    same output and gradients, bit for bit."""
+    import torch
+
+    dtype, b, h, t, d = shape
+    q, k, v, dout = (torch.randn(2 * b, h, t, d, device=device).to(getattr(torch, dtype))
+                     for _ in range(4))
+    first = None
+    for _ in range(REPEATS):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = attend(*leaves)
+        got = [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+        if first is None:
+            first = got
+        elif not all(torch.equal(x, y) for x, y in zip(first, got, strict=True)):
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool) -> Iterator[None]:
+    import torch
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def sdpa_attend(backend: str):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-              "cudnn": SDPBackend.CUDNN_ATTENTION}.get(backend)
+              "cudnn": SDPBackend.CUDNN_ATTENTION}.get(backend.removesuffix("-det"))
 
     def attend(q, k, v):
         with sdpa_kernel(chosen) if chosen is not None else _null():
@@ -503,14 +545,18 @@ def time_shape(shape, info, launcher, device) -> dict:
         if left() < 20:
             break
         try:
-            res["sdpa"][backend] = autograd_times(sdpa_attend(backend), q, k, v, dout)
+            with deterministic_algorithms(backend.endswith("-det")):
+                attend = sdpa_attend(backend)
+                res["sdpa"][backend] = autograd_times(attend, q, k, v, dout)
+                res["sdpa"][backend]["same_bits"] = same_bits(attend, shape, device)
         except Exception as exc:
             res["sdpa"][backend] = {"error": str(exc)[:300]}
     # The production kernels as training runs them: cuda_attention, through autograd.
     try:
         with production():
-            res["production_autograd"] = autograd_times(
-                lambda q_, k_, v_: cuda_attention(q_, k_, v_, scale, launcher), q, k, v, dout)
+            ours = functools.partial(cuda_attention, scale=scale, launcher=launcher)
+            res["production_autograd"] = autograd_times(ours, q, k, v, dout)
+            res["production_autograd"]["same_bits"] = same_bits(ours, shape, device)
     except Exception as exc:
         res["production_autograd"] = {"error": str(exc)[:300]}
     log(f"{shape_key(shape)}: SDPA and cuda_attention timed")
@@ -621,15 +667,16 @@ def table(res: dict) -> str:
     out = [f"== {res['shape']}  (f+b {res['flops_fb'] / 1e9:.1f} GFLOP; sdpa and (autograd) rows "
            "through autograd, the others the kernels back to back)",
            f"{'backend':27s} {'fwd ms':>8s} {'bwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
-           f"{'fwd x':>6s} {'bwd x':>6s} {'f+b x':>6s}"]
+           f"{'fwd x':>6s} {'bwd x':>6s} {'f+b x':>6s}  repeats"]
     for name, r in rows:
         if "error" in r or "fb" not in r:
             out.append(f"{name:27s} {r.get('error', 'not timed')[:60]}")
             continue
         ratio = [f"{base[m] / r[m]:6.2f}" if m in base else "     -"
                  for m in ("fwd", "bwd", "fb")]
+        bits = {True: "  same bits", False: "  DIFFER", None: ""}[r.get("same_bits")]
         out.append(f"{name:27s} {r['fwd']:8.3f} {r['bwd']:8.3f} {r['fb']:8.3f} "
-                   f"{res['flops_fb'] / r['fb'] / 1e9:8.1f} {' '.join(ratio)}")
+                   f"{res['flops_fb'] / r['fb'] / 1e9:8.1f} {' '.join(ratio)}{bits}")
     for best in ("best", "best_ds", "best_fused"):
         for kernel, name in res.get(best, {}).get("configs", {}).items():
             out.append(f"  best {kernel}: {name}")
@@ -722,8 +769,9 @@ def tuned_path(shape, winner: dict, launcher, device, inputs) -> dict:
     dtype, *_, d = shape
     scale = d**-0.5
     with tuned(launcher.arch, dtype, d, winner["pipe_configs"]):
-        res = autograd_times(lambda q_, k_, v_: cuda_attention(q_, k_, v_, scale, launcher),
-                             *inputs)
+        ours = functools.partial(cuda_attention, scale=scale, launcher=launcher)
+        res = autograd_times(ours, *inputs)
+        res["same_bits"] = same_bits(ours, shape, device)
         b, h, _ = CHECK_SHAPE
         t = check_length(winner["pipe_configs"])
         q, k, v, dout = (torch.randn(b, h, t, d, device=device).to(getattr(torch, dtype))

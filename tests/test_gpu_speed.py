@@ -89,3 +89,15 @@ def test_cuda_graphs_are_for_one_process_on_a_gpu() -> None:
     assert choose_compile(True, "reduce-overhead", cuda, DistInfo(0, 0, 2, 2))[0] == "default"
     assert choose_compile("auto", "reduce-overhead", cpu, DistInfo())[0] is None
     assert load_config("andrea-12m").train.compile_mode == "reduce-overhead"
+
+
+def test_the_table_says_whether_the_same_120m_run_repeated_its_bits() -> None:
+    """120m and 120m-warm train the same config and seed: the H100's ended at 8.971827 and
+    8.971814, a step whose bits do not repeat; the table's last line says so."""
+    speed = load_script("gpu_speed")
+    same = speed.repeat_line({"120m": {"last_loss": 8.5}, "120m-warm": {"last_loss": 8.5}})
+    assert same is not None and same.endswith("the same bits")
+    differ = speed.repeat_line({"120m": {"last_loss": 8.971826553344727},
+                                "120m-warm": {"last_loss": 8.971814155578613}})
+    assert differ is not None and "DIFFER" in differ
+    assert speed.repeat_line({"120m": {"last_loss": 8.5}, "120m-warm": None}) is None

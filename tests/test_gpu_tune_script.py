@@ -167,6 +167,9 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
         assert shape["best_ds"][part] > 0 and shape["best_fused"][part] > 0
         assert shape["sdpa"]["default"][part] > 0 and shape["production_autograd"][part] > 0
     assert "error" in shape["sdpa"]["cudnn"]  # no cuDNN attention on a CPU: said, not fatal
+    # each row through autograd says whether its bits repeat (the CPU's do)
+    assert shape["sdpa"]["default"]["same_bits"] is True
+    assert shape["production_autograd"]["same_bits"] is True
     text = capsys.readouterr().out
     assert "ours best candidates" in text and "ours best, bwd through dS" in text
     assert "ours best, whole-head bwd" in text
@@ -358,3 +361,19 @@ def test_tuned_entries_paste_into_tuned_and_pick_the_faster_backward(monkeypatch
         "fwd", "bwd_preprocess", "bwd_fused"]
     assert list(kernel_launch.tuned_launches(8, 12, 1024, 32, "bfloat16", "sm_90")) == [
         "fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv"]
+
+
+def test_a_backward_whose_bits_do_not_repeat_is_found() -> None:
+    """same_bits compares every output and gradient of the repeats bit for bit: a backward
+    that sums in another order each time (as atomics do) is caught, by one ulp."""
+    tune = load_script()
+    calls = []
+
+    def attend(q, k, v):
+        calls.append(1)
+        out = q * k + v
+        return out + (out.detach() * 2.0**-20 if len(calls) == 3 else 0)
+
+    shape = ("float32", 1, 2, 8, 4)
+    assert tune.same_bits(lambda q, k, v: q * k + v, shape, torch.device("cpu"))
+    assert not tune.same_bits(attend, shape, torch.device("cpu"))
