@@ -16,34 +16,37 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
                (train.compile auto: compiled), inductor's cache empty
   120m-warm    the same again, the cache filled by 120m: the second run's compile; the table's
                last line says whether the two ended at the same loss bit for bit
+  120m-plain   as 120m-warm, the loss unchunked inside the compiled graph (F.cross_entropy on
+               the whole logits, as the reference): what the chunked loss costs
+  120m-fp32acc as 120m-warm, each loss chunk's weight gradient added into float32 inside its
+               matmul (torch.addmm's out_dtype, CUDA only) instead of a bf16 product added
+               after it (the H100's profile: 160 us a chunk, about 10% of the step)
   12m          ANDREA-12M's whole preset run (550 steps) at the defaults (compiled, its steps
                replayed as CUDA graphs: the preset's train.compile_mode reduce-overhead)
   resume       ANDREA-12M as 12m (compiled, CUDA graphs): 16 steps straight, and 8 steps then
                resumed to 16, each a process of its own, the resume after a change of window
                length (step 5); every step's loss and gradient norm must be the same bit for
                bit (the exact-resume promise, under compile, on the GPU)
+  12m-cuda,    as 12m and 120m with model.attention=cuda: the project's kernels (TUNED's where
+  120m-cuda    it has an entry for this GPU) inside the compiled step, beside SDPA's
+  120m-auto    the preset's own micro-batch choice (auto) at the same 65,536 tokens a step
   ddp, fsdp    ANDREA-12M for 8 steps under `torchrun --nproc-per-node 1` with a process group
                of one (ANDREA_PROCESS_GROUP_OF_ONE=1: NCCL), ddp; then fsdp resuming it to 16
                (NorMuon's per-neuron state off in both: fsdp does not shard it yet)
-  120m-auto    the preset's own micro-batch choice (auto) at the same 65,536 tokens a step
   12m-nographs as 12m with train.compile_mode=default (no CUDA graphs; the preset replays its
                steps as CUDA graphs), cache from 12m: what the graphs gain
   120m-eager   as 120m with train.compile=false
   12m-eager    as 12m with train.compile=false
-  120m-plain   as 120m-warm, the loss unchunked inside the compiled graph (F.cross_entropy on
-               the whole logits, as the reference): what the chunked loss costs
-  12m-cuda,    as 12m and 120m with model.attention=cuda: the project's kernels (TUNED's where
-  120m-cuda    it has an entry for this GPU) inside the compiled step, beside SDPA's
 
 In that order, what decides most first, so that a slow machine or a smaller `--budget` (seconds
-past which no part starts or runs; RUN_BUDGET_S by default) leaves out the least: the issue's
-goals and its NCCL check, then the lever for the 12M step, then the eager baselines (the issue
-has figures for them from 2026-12-04), then a diagnosis; the cuda parts last, for a call that
-names them (`--parts 12m,12m-cuda,120m,120m-warm,120m-cuda` once TUNED has this GPU's entries:
-issue 53's "train at least as fast with them as with SDPA"). Each budget is its part's most;
-together they are more than the run's, so on a slow machine the last parts are left out. With the
-kernel tuner in the same device call, for example: `--budget 318`, then
-`scripts/gpu_tune_attention.py --budget 208`, in one call of 585 s.
+past which no part starts or runs; RUN_BUDGET_S by default) leaves out the least. The order
+follows the first GPU run (H100, docs/log.md 2026-12-06): the 120M goal and the two levers its
+profile showed, the 12M preset and its resume under CUDA graphs (its new default), our kernels
+in training (TUNED has sm_90's entries), then what that run measured already (the auto
+micro-batch, NCCL, the 12M step without graphs, the eager baselines). Each budget is its part's
+most; together they are more than the run's, so on a slow machine the last parts are left out.
+With the kernel tuner in the same device call, for example: `--budget 430`, then
+`scripts/gpu_tune_attention.py --budget 120`, in one call of 585 s.
 
 A run's tokens/s is the median of its steps' own figures after the first four (as the
 reference's), beside the run's figure (warm-up steps left out, docs/metrics.md); the compile is
@@ -74,11 +77,19 @@ QUIET = ("train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=1", 
 # The exact-resume check comes right after the first 12M run: it decides whether compiling by
 # default keeps the promise.
 PARTS: list[tuple[str, int]] = [
-    ("reference", 60), ("120m", 80), ("120m-warm", 40), ("12m", 90), ("resume", 95),
-    ("ddp", 30), ("fsdp", 30), ("120m-auto", 45), ("12m-nographs", 80), ("120m-eager", 40),
-    ("12m-eager", 45), ("120m-plain", 60), ("12m-cuda", 90), ("120m-cuda", 80),
+    ("reference", 60), ("120m", 80), ("120m-warm", 40), ("120m-plain", 60), ("120m-fp32acc", 45),
+    ("12m", 90), ("resume", 95), ("12m-cuda", 90), ("120m-cuda", 80), ("120m-auto", 45),
+    ("ddp", 30), ("fsdp", 30), ("12m-nographs", 80), ("120m-eager", 40), ("12m-eager", 45),
 ]
 RESUME_STEPS = 16
+
+
+def add_in_float32(grad_weight: Any, grad_logits: Any, h: Any) -> None:
+    """transformer.add_weight_grad with the product added into float32 inside the matmul
+    (torch.addmm's out_dtype: CUDA only), not rounded to bf16 and added after it."""
+    import torch
+
+    torch.addmm(grad_weight, grad_logits.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)
 
 
 def andrea_run(args: argparse.Namespace) -> None:
@@ -92,6 +103,8 @@ def andrea_run(args: argparse.Namespace) -> None:
 
     if args.plain_loss:  # every model built from here on computes its loss unchunked
         transformer.loss_chunk_rows = lambda vocab_size: None
+    if args.fp32_accumulate:
+        transformer.add_weight_grad = add_in_float32
     cfg = load_config(args.preset, args.set)
     profiler = None
     if args.profile and torch.cuda.is_available():
@@ -188,6 +201,8 @@ def part_command(name: str, work: Path, out: Path, dry: bool) -> tuple[list[str]
         return [*me, *j, *auto, "train.micro_batch_size=auto", "train.name=auto"], env
     if name == "120m-plain":
         return [*me, *j, "--plain-loss", *big, "train.name=plain"], env
+    if name == "120m-fp32acc":  # out_dtype has no CPU kernel: a dry run checks the plumbing
+        return [*me, *j, *([] if dry else ["--fp32-accumulate"]), *big, "train.name=fp32acc"], env
     if name == "12m-eager":
         return [*me, *j, *small, "train.compile=false", "train.name=s-eager"], env
     if name == "12m":
@@ -290,7 +305,7 @@ def run_parts(outdir: Path, dry: bool, run_budget: float = RUN_BUDGET_S,
 
 def print_table(results: dict[str, Any], rows: list[tuple[str, str, float | None]]) -> None:
     ref = (results.get("reference") or {}).get("median_tokens_per_s")
-    print(f"\n{'part':<11} {'status':<6} {'s':>5} {'tok/s med':>10} {'run tok/s':>10} {'x ref':>6} "
+    print(f"\n{'part':<12} {'status':<6} {'s':>5} {'tok/s med':>10} {'run tok/s':>10} {'x ref':>6} "
           f"{'mfu':>6} {'compile':>8} {'train s':>8} {'loss':>7} {'val bpb':>8}")
     for name, status, took in rows:
         r = results.get(name) or {}
@@ -301,7 +316,7 @@ def print_table(results: dict[str, Any], rows: list[tuple[str, str, float | None
         def fmt(v: Any, spec: str) -> str:
             return format(v, spec) if isinstance(v, int | float) else "-"
 
-        print(f"{name:<11} {status[:6]:<6} {fmt(took, '5.0f')} {fmt(med, '10.0f')} "
+        print(f"{name:<12} {status[:6]:<6} {fmt(took, '5.0f')} {fmt(med, '10.0f')} "
               f"{fmt(r.get('tokens_per_s'), '10.0f')} {ratio:>6} {fmt(r.get('mfu'), '6.3f')} "
               f"{fmt(compile_s, '8.1f')} {fmt(r.get('train_seconds'), '8.2f')} "
               f"{fmt(r.get('last_loss'), '7.4f')} {fmt(r.get('val_bpb'), '8.4f')}")
@@ -335,6 +350,7 @@ def main() -> int:
     parser.add_argument("--resume", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--plain-loss", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fp32-accumulate", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_andrea:
         andrea_run(args)

@@ -167,6 +167,17 @@ def softmax_chunk(
     return nll, grad_logits.mul_((valid / count).unsqueeze(1)).to(logits.dtype)
 
 
+def add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor,
+                    h: torch.Tensor) -> None:
+    """grad_weight += grad_logits.T @ h, one chunk's share of the tied embedding's gradient,
+    summed in grad_weight's dtype (float32 under autocast: the chunks' sum is not rounded to
+    bf16 each time)."""
+    if grad_weight.dtype == h.dtype:  # no rounded [vocab, d_model] temporary
+        grad_weight.addmm_(grad_logits.t(), h)
+    else:
+        grad_weight += grad_logits.t() @ h
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits = hidden @ weight.T against targets (-1: ignored), computed
     chunk_rows rows at a time, so only one chunk's logits exist at once.
@@ -208,10 +219,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             total += nll
             if grad_logits is not None:
                 grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)
-                if grad_weight.dtype == compute:  # no rounded [vocab, d_model] temporary
-                    grad_weight.addmm_(grad_logits.t(), h)
-                else:
-                    grad_weight += grad_logits.t() @ h
+                add_weight_grad(grad_weight, grad_logits, h)
         if wants_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total / count
