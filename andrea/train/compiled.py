@@ -1,7 +1,8 @@
 """train.compile: whether a run compiles its model, and how (torch.compile, inductor).
 
-`auto` compiles on one CUDA process: there the compiled step is what makes andrea as fast as a
-hand-written compiled loop (docs/log.md, 2026-12-04, the fastest step on one GPU). Not on a
+`auto` compiles on one CUDA process: there the compiled step brings andrea nearest a
+hand-written compiled loop (on an H200, ANDREA-120M at 0.58 of it eager and 0.84 compiled:
+docs/log.md, 2026-12-04, the fastest step on one GPU; 0.80 on an H100, 2026-12-06). Not on a
 CPU, where a compile costs minutes of a short run and gains little, and not yet under torchrun,
 where the compiled step has not been measured or resumed on GPUs (`true` asks for it anyway).
 The embeddings and the loss stay out of the compiled graph (OUTSIDE_THE_GRAPH); the loss's
