@@ -15,6 +15,12 @@ andrea's own Python (checks, allocations, autograd, argument conversion, context
 launch (its Cython, a few microseconds a launch) nor the GPU's time. With a GPU and CuPy the
 real kernels run (bfloat16), synchronized after each timed batch.
 
+Without a GPU but with CuPy installed, a second table times CuPy's own conversion of one
+forward's kernel arguments (5 pointers, an int, a float) in the two forms andrea has passed them:
+pointers as numpy uint64 scalars and as Python ints. CuPy's kernel function, called with no
+driver, converts every argument and then fails at the launch; the same call without arguments
+(the failure alone) is subtracted.
+
     python scripts/bench_host_overhead.py [--calls 300] [--repeats 7]
 """
 
@@ -36,7 +42,7 @@ def stand_in_cupy() -> None:
     class Kernel:
         max_dynamic_shared_size_bytes = 48 * 1024
 
-        def __call__(self, grid, block, args, shared_mem=0) -> None:
+        def __call__(self, grid, block, args, shared_mem=0, stream=None) -> None:
             pass
 
     class Module:
@@ -58,11 +64,41 @@ def stand_in_cupy() -> None:
     sys.modules["cupy"] = cupy
     stream = type("Stream", (), {"cuda_stream": 7})()
     torch.cuda.current_stream = lambda device=None: stream
+    torch._C._cuda_getCurrentRawStream = lambda index: 7
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
 
     from andrea.cuda import attention
 
     attention.compiled_module = lambda source, arch, names: Module()
+
+
+def cupy_argument_costs(calls: int, repeats: int) -> dict[str, float] | None:
+    """Microseconds CuPy spends converting one forward's arguments, by form (module docstring);
+    None where CuPy is not installed or a GPU is there to launch on."""
+    try:
+        import numpy as np
+        from cupy.cuda import function
+    except Exception:  # noqa: BLE001 - no CuPy, or one that cannot load: nothing to time
+        return None
+    fn = function.Function.__new__(function.Function)  # no module: the launch fails
+    stream = type("Stream", (), {"ptr": 0})()
+
+    def call(args: tuple) -> None:
+        try:
+            fn((1,), (1,), args, 0, stream)
+        except Exception:  # noqa: BLE001 - the launch's failure, after the conversion
+            pass
+
+    pointers = [2**40 + 256 * i for i in range(5)]
+    forms = {
+        "failure alone": lambda: call(()),
+        "numpy uint64": lambda: call((*(np.uint64(p) for p in pointers), np.int32(256),
+                                      np.float32(0.125))),
+        "python int": lambda: call((*pointers, np.int32(256), np.float32(0.125))),
+    }
+    times = {name: median_us(form, calls, repeats, lambda: None) for name, form in forms.items()}
+    return {name: us - times["failure alone"] for name, us in times.items()
+            if name != "failure alone"}
 
 
 def median_us(fn: Callable[[], None], calls: int, repeats: int, sync: Callable[[], None]) -> float:
@@ -86,6 +122,7 @@ def main() -> None:
     args = parser.parse_args()
 
     gpu = torch.cuda.is_available()
+    conversion = None if gpu else cupy_argument_costs(args.calls * 10, args.repeats)
     if not gpu:
         stand_in_cupy()
     from andrea.cuda import attention as ca
@@ -127,6 +164,11 @@ def main() -> None:
         beyond = us - times["bare"]
         ratio = beyond / (times["sdpa"] - times["bare"])
         print(f"{name:12s} {us:8.1f} {beyond:12.1f} {ratio:12.2f}x")
+    if conversion:
+        print("CuPy's conversion of one forward's arguments (5 pointers, an int, a float), "
+              "us a launch:")
+        for name, us in conversion.items():
+            print(f"  pointers as {name:12s} {us:6.2f}")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,33 @@ def test_function_matches_sdpa_and_strided_upstream_gradient(emu) -> None:
 
 
 @needs_gxx
+@pytest.mark.parametrize("via_op", [False, True], ids=["eager", "op"])
+def test_upstream_gradient_at_an_unaligned_offset(emu, via_op) -> None:
+    """The output concatenated after one float: its gradient arrives as a contiguous view 4 bytes
+    into the concatenation's, a pointer the kernels cannot read 16 bytes at a time. The backward
+    copies it rather than refusing the user's graph (it raised a ValueError before), in the eager
+    path and in the op a compiled graph calls."""
+    q, k, v, _ = inputs((1, 2, 24, 32), torch.float32, seed=7)
+    w = torch.randn(1 + q.numel(), generator=torch.Generator().manual_seed(3)).double()
+
+    def loss(fn, q, k, v):
+        flat = torch.cat([q.new_ones(1), fn(q, k, v).reshape(-1)])
+        return (flat.double() * w).sum()
+
+    def ours(q, k, v):
+        if via_op:
+            return ca.causal_attention_op(q, k, v, 32 ** -0.5, ca._launcher_index(emu), False)[0]
+        return ca.cuda_attention(q, k, v, launcher=emu)
+
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    loss(ours, q, k, v).backward()
+    loss(sdpa_attention, qs, ks, vs).backward()
+    for name, got, want in (("dq", q.grad, qs.grad), ("dk", k.grad, ks.grad),
+                            ("dv", v.grad, vs.grad)):
+        assert_close(name, got, want.double(), 1e-5)
+
+
+@needs_gxx
 def test_eager_path_and_the_compiled_graphs_op_give_the_same_bits(emu) -> None:
     """Outside torch.compile the model's call skips the custom op's Python dispatch; inside, a
     compiled graph calls the op. Both must run the same launches: the same O and gradients to the
@@ -277,12 +304,14 @@ def test_cpu_tensors_without_a_launcher_say_they_need_a_gpu(monkeypatch) -> None
         ca.cuda_attention(q, q, q)
 
 
-@pytest.mark.parametrize("cupy_major", [14, 13])
-def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch, cupy_major) -> None:
+@pytest.mark.parametrize(("cupy_major", "raw_stream"), [(14, True), (14, False), (13, True)])
+def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch, cupy_major,
+                                                                  raw_stream) -> None:
     """The CuPy launcher against a stand-in CuPy: options, name expressions, argument types,
     the in-process module cache and the stream (what a GPU run would get, minus the GPU).
     CuPy 14 wraps torch's stream with Stream.from_external (ExternalStream is deprecated there
-    and warns at every launch); CuPy 13, which lacks it, with ExternalStream."""
+    and warns at every launch); CuPy 13, which lacks it, with ExternalStream. The stream is
+    torch's current one on the launcher's device, read as a raw handle where torch has that."""
     import numpy as np
 
     calls: dict[str, list] = {"modules": [], "launches": [], "streams": []}
@@ -306,8 +335,9 @@ def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch, c
             pass
 
         def get_function(self, name):
-            def fn(grid, block, args, shared_mem):
-                calls["launches"].append((name, grid, block, args, shared_mem, list(active)))
+            def fn(grid, block, args, shared_mem, stream):
+                calls["launches"].append((name, grid, block, args, shared_mem, list(active),
+                                          stream.value))
             return fn
 
     fake = type(sys)("cupy")
@@ -331,8 +361,14 @@ def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch, c
     fake.cuda.Stream = Stream if cupy_major >= 14 else type("Stream", (), {})
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
-        "S", (), {"cuda_stream": 0xBEEF})())
+    if raw_stream:  # what torch has on a CUDA build: the handle without a Stream object
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream",
+                            lambda index: {1: 0xBEEF}[index], raising=False)
+        monkeypatch.setattr(torch.cuda, "current_stream", None)
+    else:
+        monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream", raising=False)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
+            "S", (), {"cuda_stream": {1: 0xBEEF}[device.index]})())
     monkeypatch.setattr(kernel_launch, "_MODULES", {})
 
     launches = kernel_launch.attention_launches(2, 3, 40, 64, "bfloat16")
@@ -346,11 +382,11 @@ def test_cupy_launcher_compiles_once_and_launches_on_torch_stream(monkeypatch, c
     assert options == ("--std=c++17", "-arch=sm_90")
     assert names == ("attn_fwd<bf16_t, 64>", "attn_bwd_preprocess<bf16_t, 64>",
                      "attn_bwd_dq<bf16_t, 64>", "attn_bwd_dkdv<bf16_t, 64>")
-    name, grid, block, args, shared, ctx = calls["launches"][0]
+    name, grid, block, args, shared, ctx, stream = calls["launches"][0]
     assert (name, grid, block, shared) == ("attn_fwd<bf16_t, 64>", launches["fwd"].grid,
                                            launches["fwd"].block, 0)
-    assert ctx == [("device", 1), ("stream", 0xBEEF)]
-    assert [type(a) for a in args] == [np.uint64] * 5 + [np.int32, np.float32]
+    assert ctx == [("device", 1)] and stream == ("stream", 0xBEEF)  # handed to the call
+    assert [type(a) for a in args] == [int] * 5 + [np.int32, np.float32]
     assert int(args[0]) == q.data_ptr() and int(args[5]) == 40 and float(args[6]) == 0.125
     assert len(calls["launches"]) == 4
     assert calls["streams"] == [0xBEEF, 0xBEEF]  # one CuPy stream per launcher, not per launch

@@ -58,13 +58,13 @@ def fake_cupy(candidates: kernel_emulator.Emulator, launches: list) -> object:
             self.name = name
             self.max_dynamic_shared_size_bytes = 48 * 1024
 
-        def __call__(self, grid, block, args, shared_mem=0):
+        def __call__(self, grid, block, args, shared_mem=0, stream=None):
             launches.append((self.name, shared_mem, self.max_dynamic_shared_size_bytes))
             lib = candidates if is_candidate(self.name) else production
             values = []
-            for a in args:
+            for a in args:  # CuPy's rules: an int is 64 bits (a pointer here), numpy's as typed
                 kind = type(a).__name__
-                values.append(ctypes.c_void_p(int(a)) if kind == "uint64" else
+                values.append(ctypes.c_void_p(a) if kind == "int" else
                               ctypes.c_int(int(a)) if kind == "int32" else ctypes.c_float(a))
             params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
             rc = lib.lib.andrea_emu_launch(self.name.encode(), *grid, *block, 0, shared_mem,

@@ -90,18 +90,28 @@ _SCALARS: dict[type, Callable[[Any], Any]] = {int: np.int32, float: np.float32}
 
 
 def kernel_values(args: tuple[KernelArg, ...]) -> tuple[Any, ...]:
-    """Kernel arguments as CuPy passes them: a tensor by its pointer (no copy), a scalar as the
-    kernels' type."""
+    """Kernel arguments as CuPy passes them: a tensor by its pointer (no copy) as a Python int,
+    which CuPy passes as a 64-bit integer, a pointer's size, and converts faster than a numpy
+    scalar (scripts/bench_host_overhead.py); a scalar as the kernels' type."""
     values: list[Any] = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            values.append(np.uint64(a.data_ptr()))
+            values.append(a.data_ptr())
             continue
         convert = _SCALARS.get(type(a))
         if convert is None:
             raise TypeError(f"unsupported kernel argument {a!r}")
         values.append(convert(a))
     return tuple(values)
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """PyTorch's current cudaStream_t on the device: the raw handle inductor's own launches read,
+    without the Stream object torch.cuda.current_stream builds at each call."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 class CupyLauncher:
@@ -151,18 +161,20 @@ class CupyLauncher:
     def context(self) -> Iterator[None]:
         """This launcher's device and PyTorch's current stream there, as CuPy's current ones."""
         with self._cupy.cuda.Device(self.device.index):
-            with self._stream(torch.cuda.current_stream(self.device).cuda_stream):
+            with self._stream(current_stream_handle(self.device)):
                 yield
 
     def launch(self, launch: Launch, *args: KernelArg) -> None:
-        # bound() and context() in one, without their objects: at the 12M preset's shape a
-        # kernel runs for tens of microseconds, so the host's cost per launch is what decides
-        # whether the GPU waits (scripts/bench_host_overhead.py).
+        # bound() and context() in one, without their objects, the stream handed to the call
+        # rather than made CuPy's current one: at the 12M preset's shape a kernel runs for tens
+        # of microseconds, so the host's cost per launch is what decides whether the GPU waits
+        # (scripts/bench_host_overhead.py).
         fn = self._kernel(launch)
         values = kernel_values(args)
-        stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
-        with self._cupy.cuda.Device(self.device.index), stream:
-            fn(launch.grid, launch.block, values, shared_mem=launch.dynamic_shared_bytes)
+        stream = self._stream(current_stream_handle(self.device))
+        with self._cupy.cuda.Device(self.device.index):
+            fn(launch.grid, launch.block, values, shared_mem=launch.dynamic_shared_bytes,
+               stream=stream)
 
     def _stream(self, handle: int) -> Any:
         """PyTorch's stream `handle` (a cudaStream_t) as a CuPy stream, one object per handle.
@@ -301,10 +313,20 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal attention backward from the forward's O and lse: (dq, dk, dv); naive as above."""
     launcher = launcher or default_launcher(q.device)
-    b, h, t, d, dtype = check_inputs(q, k, v, launcher.device_type)
+    b, h, t, d, _ = check_inputs(q, k, v, launcher.device_type)
     _check_tensor("o", o, q, (b, h, t, d), q.dtype, launcher.device_type)
     _check_tensor("dout", dout, q, (b, h, t, d), q.dtype, launcher.device_type)
     _check_tensor("lse", lse, q, (b, h, t), torch.float32, launcher.device_type)
+    return _backward_launches(q, k, v, o, lse, dout, scale, launcher, poison, naive)
+
+
+def _backward_launches(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    dout: torch.Tensor, scale: float | None, launcher: Launcher, poison: bool, naive: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_backward past its checks, for tensors already known to fit the kernels."""
+    b, h, t, d = q.shape
+    dtype = DTYPE_NAMES[q.dtype]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     arch = getattr(launcher, "arch", None)
     launches = _launches(b, h, t, d, dtype, naive, arch)
@@ -396,8 +418,8 @@ def causal_attention_backward_op(
     dout: torch.Tensor, scale: float, launcher: int, naive: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by the kernels; see attention_backward."""
-    return attention_backward(q, k, v, o, lse, dout, scale, _launcher_at(launcher, q.device),
-                              naive=naive)
+    return attention_backward(q, k, v, o, lse, _aligned(dout), scale,
+                              _launcher_at(launcher, q.device), naive=naive)
 
 
 @causal_attention_backward_op.register_fake
@@ -420,6 +442,12 @@ def _kernel_dout(dout: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     # them row-major in q's dtype. This is the one copy the backward may make. The log-sum-exp is
     # an internal output: nothing downstream differentiates through it.
     return dout.to(q.dtype).contiguous()
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    # A contiguous gradient can still start at an offset no kernel may read 16 bytes at a time
+    # (the output's gradient inside a concatenation's): a copy starts where the allocator does.
+    return x.clone() if x.data_ptr() % ALIGNMENT else x
 
 
 def _backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
@@ -448,9 +476,14 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # q, k, v were checked by the forward, which made O and the log-sum-exp, and dout has
+        # O's shape (autograd's rule), q's dtype and layout (_kernel_dout) and an aligned start:
+        # nothing is left to check. The host's time here is the 12M preset's eager step's.
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, o, lse, _kernel_dout(dout, q), ctx.scale,
-                                        ctx.launcher, naive=ctx.naive)
+        dout = _aligned(_kernel_dout(dout, q))
+        launcher = ctx.launcher or default_launcher(q.device)
+        dq, dk, dv = _backward_launches(q, k, v, o, lse, dout, ctx.scale, launcher, False,
+                                        ctx.naive)
         return dq, dk, dv, None, None, None
 
 
