@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from andrea.config import load_config
-from andrea.model.transformer import Andrea, ChunkedCrossEntropy
+from andrea.model.transformer import Andrea, ChunkedCrossEntropy, softmax_chunk
 
 
 def tiny_model(*sets: str, dtype: torch.dtype = torch.float32) -> Andrea:
@@ -111,3 +114,36 @@ def test_activation_checkpointing_gives_the_same_gradients():
     assert torch.equal(loss, plain_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, plain[name]), name
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU code needs g++")
+def test_the_compiled_chunk_is_one_pass_with_the_eager_arithmetic(monkeypatch):
+    """Under torch.compile, softmax_chunk writes its gradient pointwise, which inductor fuses
+    with the softmax into one kernel that allocates no float32 [rows, vocab] buffer: the
+    in-place scatter of the eager form made it keep one and read it back (a chunk of 667 x
+    50,304 took 131 ms compiled that way on a 2-core EPYC, 78 ms as one pass). The pointwise
+    form is the eager form's arithmetic: the same bits."""
+    from torch._inductor.utils import run_and_get_code
+
+    rows, vocab = 6, 300
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows, 1), generator=g)
+    valid = torch.ones(rows)
+    valid[2] = 0  # an ignored row
+    count = valid.sum()
+    eager = softmax_chunk(logits, targets, valid, count, True)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        pointwise = softmax_chunk(logits, targets, valid, count, True)
+    assert torch.equal(pointwise[0], eager[0]) and torch.equal(pointwise[1], eager[1])
+
+    torch._dynamo.reset()
+    compiled = torch.compile(softmax_chunk, dynamic=False)
+    (nll, grad), (code,) = run_and_get_code(compiled, logits, targets, valid, count, True)
+    assert code.count("async_compile.cpp_pybinding(") == 1, code  # one kernel
+    buffers = re.findall(r"empty_strided_cpu\(\((\d+), (\d+)\), [^)]*\), torch\.(\w+)\)", code)
+    assert (str(rows), str(vocab), "float32") not in buffers, buffers
+    assert torch.allclose(nll, eager[0], rtol=1e-6)
+    assert torch.allclose(grad.float(), eager[1].float(), rtol=1e-2, atol=1e-7)
+    assert torch.count_nonzero(grad[2]) == 0
