@@ -21,6 +21,8 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
   120m-fp32acc as 120m-warm, each loss chunk's weight gradient added into float32 inside its
                matmul (torch.addmm's out_dtype, CUDA only) instead of a bf16 product added
                after it (the H100's profile: 160 us a chunk, about 10% of the step)
+  120m-chunk4k as 120m-warm, the loss in chunks of 4,096 rows instead of 667 (4 a micro-batch
+               of 16 x 1024, not 25): that weight gradient added 4 times, not 25
   12m          ANDREA-12M's whole preset run (550 steps) at the defaults (compiled, its steps
                replayed as CUDA graphs: the preset's train.compile_mode reduce-overhead)
   resume       ANDREA-12M as 12m (compiled, CUDA graphs): 16 steps straight, and 8 steps then
@@ -41,10 +43,11 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
 In that order, what decides most first, so that a slow machine or a smaller `--budget` (seconds
 past which no part starts or runs; RUN_BUDGET_S by default) leaves out the least. The order
 follows the first GPU run (H100, docs/log.md 2026-12-06): the 120M goal and the two levers its
-profile showed, the 12M preset and its resume under CUDA graphs (its new default), our kernels
-in training (TUNED has sm_90's entries), then what that run measured already (the auto
-micro-batch, NCCL, the 12M step without graphs, the eager baselines). Each budget is its part's
-most; together they are more than the run's, so on a slow machine the last parts are left out.
+profile showed (and the loss in fewer chunks), the 12M preset and its resume under CUDA graphs
+(its new default), our kernels in training (TUNED has sm_90's entries), then what that run
+measured already (the auto micro-batch, NCCL, the 12M step without graphs, the eager baselines).
+Each budget is its part's most; together they are more than the run's, so on a slow machine the
+last parts are left out.
 With the kernel tuner in the same device call, for example: `--budget 430`, then
 `scripts/gpu_tune_attention.py --budget 120`, in one call of 585 s.
 
@@ -78,8 +81,9 @@ QUIET = ("train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=1", 
 # default keeps the promise.
 PARTS: list[tuple[str, int]] = [
     ("reference", 60), ("120m", 80), ("120m-warm", 40), ("120m-plain", 60), ("120m-fp32acc", 45),
-    ("12m", 90), ("resume", 95), ("12m-cuda", 90), ("120m-cuda", 80), ("120m-auto", 45),
-    ("ddp", 30), ("fsdp", 30), ("12m-nographs", 80), ("120m-eager", 40), ("12m-eager", 45),
+    ("120m-chunk4k", 45), ("12m", 90), ("resume", 95), ("12m-cuda", 90), ("120m-cuda", 80),
+    ("120m-auto", 45), ("ddp", 30), ("fsdp", 30), ("12m-nographs", 80), ("120m-eager", 40),
+    ("12m-eager", 45),
 ]
 RESUME_STEPS = 16
 
@@ -105,6 +109,8 @@ def andrea_run(args: argparse.Namespace) -> None:
         transformer.loss_chunk_rows = lambda vocab_size: None
     if args.fp32_accumulate:
         transformer.add_weight_grad = add_in_float32
+    if args.loss_chunk_rows:  # every model built from here on: chunks of this many rows
+        transformer.loss_chunk_rows = lambda vocab_size: args.loss_chunk_rows
     cfg = load_config(args.preset, args.set)
     profiler = None
     if args.profile and torch.cuda.is_available():
@@ -203,6 +209,8 @@ def part_command(name: str, work: Path, out: Path, dry: bool) -> tuple[list[str]
         return [*me, *j, "--plain-loss", *big, "train.name=plain"], env
     if name == "120m-fp32acc":  # out_dtype has no CPU kernel: a dry run checks the plumbing
         return [*me, *j, *([] if dry else ["--fp32-accumulate"]), *big, "train.name=fp32acc"], env
+    if name == "120m-chunk4k":
+        return [*me, *j, "--loss-chunk-rows", "4096", *big, "train.name=chunk4k"], env
     if name == "12m-eager":
         return [*me, *j, *small, "train.compile=false", "train.name=s-eager"], env
     if name == "12m":
@@ -351,6 +359,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--plain-loss", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fp32-accumulate", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--loss-chunk-rows", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_andrea:
         andrea_run(args)
