@@ -11,14 +11,15 @@ expected on an H200 with 16 cores):
    through dS (dK/dV writing dS, dQ from it), a whole head's backward in one block ("bwd_fused",
    where the 12M preset's window fits), and on sm_90 the wgmma candidates of those kernels
    (andrea.cuda.launch.hopper_candidates, built for sm_90a), ordered so that each shape's
-   production tile and its 2-stage twin come first. Each is compiled alone
+   production tile and its 2-stage twin come first, and the architecture's TUNED choices before
+   all (the last tuning's winners). Each is compiled alone
    by NVRTC (libnvrtc through ctypes, which lets go of the GIL: one thread per core; CuPy's own
    compile is the fallback) with the options the runtime uses, and pruned when ptxas spills or
    it does not load. Compiling stops at COMPILE_SHARE of the budget; what is not built by then
    is listed as skipped. The wgmma ones first run in a child process (--probe-wgmma, while the
    others compile), and only those that built and matched float64 there are built here, after
-   the others: a kernel fault ends a CUDA context, and would end this run's measurements with
-   it.
+   the others, in the last WGMMA_COMPILE_SHARE of the compile share, which the others leave
+   them: a kernel fault ends a CUDA context, and would end this run's measurements with it.
 2. Check: each candidate kernel on fresh random inputs of an odd shape (B 2, H 3, T 333),
    outputs NaN-poisoned, against float64 (bf16 1e-2, fp16 2^-9 of max(|ref|, 1); lse 1e-4).
    The backward candidates take the production forward's O and lse; dK/dV through dS is also
@@ -78,6 +79,10 @@ from andrea.cuda.nvrtc import Nvrtc, find_libnvrtc
 START = time.monotonic()
 BUDGET_S = 330.0
 COMPILE_SHARE = 0.40  # of the budget, counted from the start
+# The last part of the compile share kept for the wgmma candidates, built after the others (once
+# the probe has answered): the H100's tuner run (budget 208 s) built 20 of them, the others'
+# compiles having spent the share first.
+WGMMA_COMPILE_SHARE = 1 / 3
 RESERVE_S = 15.0  # kept back for the summary and the last JSON
 
 # (dtype, B, H, T, D): ANDREA-120M's head shape, ANDREA-12M's batch, 120M in fp16.
@@ -283,8 +288,22 @@ def make_launcher(device) -> Any:
     return CandidateLauncher(device)
 
 
-def build_all(cands, arch: str, launcher: Any, tmp: Path) -> dict[str, dict]:
-    """Compiles the candidates in threads until the compile share of the budget is spent."""
+def build_order(cands: list[tuple], arch: str) -> list[tuple]:
+    """cands with the architecture's TUNED choices first (the last tuning's winners, which the
+    rows through autograd run), the others in their order: a short budget still builds them."""
+    from andrea.cuda.launch import TUNED
+
+    def tuned(c: tuple) -> bool:
+        kernel, dtype, d, cfg = c
+        return TUNED.get((arch, dtype, d), {}).get(kernel) == cfg
+
+    return sorted(cands, key=lambda c: not tuned(c))  # stable: the rest keep their order
+
+
+def build_all(cands, arch: str, launcher: Any, tmp: Path,
+              stop_at: float | None = None) -> dict[str, dict]:
+    """Compiles the candidates in threads until `stop_at` seconds from the start (the compile
+    share of the budget by default)."""
     import cupy
 
     from andrea.cuda.launch import (
@@ -300,7 +319,7 @@ def build_all(cands, arch: str, launcher: Any, tmp: Path) -> dict[str, dict]:
     nvrtc = Nvrtc(lib) if lib else None
     log(f"compiling {len(cands)} candidate kernels for {arch} with "
         f"{'libnvrtc ' + str(lib) if nvrtc else 'CuPy (no libnvrtc wheel found)'}")
-    stop_at = BUDGET_S * COMPILE_SHARE
+    stop_at = BUDGET_S * COMPILE_SHARE if stop_at is None else stop_at
 
     def one(c) -> dict:
         kernel, dtype, d, cfg = c
@@ -917,14 +936,17 @@ def gpu_run(out_dir: Path, device) -> int:
     timer = threading.Timer(BUDGET_S + 10 - elapsed(), watchdog)
     timer.daemon = True
     timer.start()
+    compile_end = BUDGET_S * COMPILE_SHARE
     with tempfile.TemporaryDirectory() as tmp:
-        info.update(build_all([c for c in cands if not c[3].wgmma], arch, launcher, Path(tmp)))
+        info.update(build_all(build_order([c for c in cands if not c[3].wgmma], arch), arch,
+                              launcher, Path(tmp),
+                              compile_end * (1 - WGMMA_COMPILE_SHARE) if wgmma else compile_end))
         if probe is not None:
             allowed, said = probe.result()
             log(said)
             report["wgmma_probe"] = said
-            info.update(build_all([c for c in wgmma if (c[0], c[3]) in allowed], arch, launcher,
-                                  Path(tmp)))
+            info.update(build_all(build_order([c for c in wgmma if (c[0], c[3]) in allowed],
+                                              arch), arch, launcher, Path(tmp), compile_end))
         report["candidates"] = jsonable(info)
         out.write_text(json.dumps(report, indent=1, default=str))
         check_all(info, launcher, device)

@@ -261,6 +261,29 @@ def test_the_wgmma_candidates_run_first_in_a_child_process(gpu_world, monkeypatc
     assert all(row["status"] == "ok" for row in report["candidates"])
 
 
+def test_the_tuned_choices_build_first_and_the_wgmma_ones_keep_their_share(gpu_world,
+                                                                            monkeypatch) -> None:
+    """A short budget still builds the last tuning's winners (TUNED's entry for the GPU first in
+    the build order) and leaves the wgmma candidates, built last, their part of the compile
+    share: with the clock past the others' part, the wgmma ones are built and the others not."""
+    tune, out, _, cands = gpu_world
+    mma = [c for c in cands if not c[3].wgmma]
+    last = mma[-1]  # made the tuned forward: it moves to the front, the rest keep their order
+    monkeypatch.setitem(kernel_launch.TUNED, ("sm_90", last[1], last[2]), {last[0]: last[3]})
+    ordered = tune.build_order(mma, "sm_90")
+    assert ordered[0] == last and ordered[1:] == mma[:-1]
+    assert tune.build_order(mma, "sm_80") == mma  # no entry for that GPU: as listed
+
+    monkeypatch.setattr(tune, "BUDGET_S", 1000.0)
+    share = 1000.0 * tune.COMPILE_SHARE
+    monkeypatch.setattr(tune, "elapsed", lambda: share * (1 - tune.WGMMA_COMPILE_SHARE / 2))
+    assert tune.gpu_run(out, torch.device("cpu")) == 0
+    report = json.loads((out / "tune.json").read_text())
+    status = {(row["kernel"], row["config"]): row["status"] for row in report["candidates"]}
+    assert all(status[c[0], c[3].label()] == "ok" for c in cands if c[3].wgmma), status
+    assert all(status[c[0], c[3].label()] == "skipped (compile budget spent)" for c in mma)
+
+
 def test_a_wrong_candidate_is_flagged_and_not_timed(gpu_world) -> None:
     tune, out, _, _ = gpu_world
     tune.TOL = {**tune.TOL, "bfloat16": 1e-9}  # nothing in bf16 is that close to float64
