@@ -8,7 +8,13 @@ D 32), back-to-back calls of a forward and its backward into leaf tensors:
 - sdpa: F.scaled_dot_product_attention(is_causal=True);
 - cuda eager: andrea.cuda.attention.cuda_attention as the model calls it outside torch.compile;
 - cuda op: the same kernels through the torch.library custom op, which is what a compiled graph
-  calls (torch.compile needs an opaque op; eager mode does not).
+  calls (torch.compile needs an opaque op; eager mode does not);
+- floor: a torch.autograd.Function that only allocates what cuda eager allocates (O, the
+  log-sum-exp; dQ, dK, dV) and saves what it saves: what any Python autograd Function around
+  these kernels costs, the part of "cuda eager" that is not andrea's checks and launches.
+
+The rows' timings are interleaved (a timing of each row, then the next round), so a slow
+moment of a shared machine falls on all of them.
 
 Without a GPU the kernels are a stand-in CuPy's no-ops on CPU tensors, so the figures are
 andrea's own Python (checks, allocations, autograd, argument conversion, contexts), not CuPy's
@@ -96,23 +102,28 @@ def cupy_argument_costs(calls: int, repeats: int) -> dict[str, float] | None:
                                       np.float32(0.125))),
         "python int": lambda: call((*pointers, np.int32(256), np.float32(0.125))),
     }
-    times = {name: median_us(form, calls, repeats, lambda: None) for name, form in forms.items()}
+    times = interleaved_medians(forms, calls, repeats, lambda: None)
     return {name: us - times["failure alone"] for name, us in times.items()
             if name != "failure alone"}
 
 
-def median_us(fn: Callable[[], None], calls: int, repeats: int, sync: Callable[[], None]) -> float:
-    for _ in range(20):
-        fn()
-    sync()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def interleaved_medians(fns: dict[str, Callable[[], None]], calls: int, repeats: int,
+                        sync: Callable[[], None]) -> dict[str, float]:
+    """Median microseconds a call of each fn: `repeats` rounds, each timing `calls` calls of
+    every fn in turn (after 20 untimed ones each)."""
+    for fn in fns.values():
+        for _ in range(20):
             fn()
-        sync()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(runs)
+    sync()
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            runs[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(times) for name, times in runs.items()}
 
 
 def main() -> None:
@@ -151,14 +162,30 @@ def main() -> None:
     def cuda_op() -> None:
         ca.causal_attention_op(q, k, v, scale, index, False)[0].sum().backward()
 
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):  # noqa: ANN001, ANN205 - autograd's signature
+            o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, o, lse)
+            return o
+
+        @staticmethod
+        def backward(ctx, dout):  # noqa: ANN001, ANN205
+            q, k, v, _, _ = ctx.saved_tensors
+            dout = dout.contiguous()
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def floor() -> None:
+        Floor.apply(q, k, v).sum().backward()
+
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     where = (f"{torch.cuda.get_device_name()}, real kernels" if gpu
              else "stand-in CuPy, no-op kernels")
     print(f"host cost of a forward + backward, B 1 H 1 T 16 D 32 {str(dtype)[6:]}; "
           f"{cpu_name()}, {torch.get_num_threads()} threads; {where}; torch {torch.__version__}")
-    times = {name: median_us(fn, args.calls, args.repeats, sync)
-             for name, fn in (("bare", bare), ("sdpa", sdpa), ("cuda eager", cuda_eager),
-                              ("cuda op", cuda_op))}
+    times = interleaved_medians({"bare": bare, "sdpa": sdpa, "cuda eager": cuda_eager,
+                                 "cuda op": cuda_op, "floor": floor},
+                                args.calls, args.repeats, sync)
     print(f"{'':12s} {'us/call':>8s} {'beyond bare':>12s} {'against sdpa':>13s}")
     for name, us in times.items():
         beyond = us - times["bare"]
