@@ -110,7 +110,7 @@ def current_stream_handle(device: torch.device) -> int:
     without the Stream object torch.cuda.current_stream builds at each call."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
-        return raw(device.index)
+        return raw(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream
 
 
