@@ -52,6 +52,13 @@ template <> struct MinBlocks<half_t, 64, KIND_DQ> {
 template <> struct MinBlocks<half_t, 32, KIND_DQ> {
   static constexpr int value = ANDREA_HALF_PATH >= 800 ? 4 : 0;
 };
+// bf16 and fp16 D=32 forward on sm_86 and sm_89 (100 KiB of shared memory: 6 blocks) went to
+// 80 registers and spilled 8 bytes once P was packed by one cvt a pair (it needs 81; 77-80 on
+// sm_80 and sm_90); 5 blocks (102 registers) keep it whole everywhere.
+template <> struct MinBlocks<bf16_t, 32, KIND_FWD> { static constexpr int value = 5; };
+template <> struct MinBlocks<half_t, 32, KIND_FWD> {
+  static constexpr int value = ANDREA_HALF_PATH >= 800 ? 5 : 0;
+};
 
 // attn_bwd_dkdv takes a streamed tile's N query columns in this many passes: the score and dP
 // fragments of a pass (2 x N/8 x 4 floats per lane when 1) are live beside both D-wide

@@ -20,8 +20,10 @@ expected on an H200 with 16 cores):
    others compile), and only those that built and matched float64 there are built here, after
    the others, in the last WGMMA_COMPILE_SHARE of the compile share, which the others leave
    them: a kernel fault ends a CUDA context, and would end this run's measurements with it.
-2. Check: each candidate kernel on fresh random inputs of an odd shape (B 2, H 3, T 333),
-   outputs NaN-poisoned, against float64 (bf16 1e-2, fp16 2^-9 of max(|ref|, 1); lse 1e-4).
+2. Check: first pack2's one-cvt form, which every kernel's P and dS go through on sm_80+,
+   against the integer rounding the emulator runs, over all 2^32 float32 patterns
+   (PACK2_CHECK); then each candidate kernel on fresh random inputs of an odd shape (B 2, H 3,
+   T 333), outputs NaN-poisoned, against float64 (bf16 1e-2, fp16 2^-9 of max(|ref|, 1); lse 1e-4).
    The backward candidates take the production forward's O and lse; dK/dV through dS is also
    checked on the dS it writes, dQ from dS is given float64's dS (NaN above the diagonal); the
    whole-head backward, whose block holds the sequence, on inputs of FUSED_CHECK_LEN positions.
@@ -849,6 +851,48 @@ def summary(report: dict, info: dict, out: Path) -> str:
     return "\n".join(lines)
 
 
+# On sm_80+ pack2 (kernels/attn_common.cuh) packs P and dS with one cvt a pair; the emulator and
+# the older architectures round in integer arithmetic. This kernel packs every float32 bit
+# pattern both ways, in either half, and counts where they differ (NaN inputs left out: the
+# cvt's NaN is canonical, any NaN will do).
+PACK2_CHECK = r"""
+extern "C" __global__ void pack2_check(unsigned long long* differ) {
+  const u32 bits = (u32)((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return;
+  const float f = __uint_as_float(bits), g = -f * 0.75f;
+  const u32 b = pack2(f, g, bf16_t{}), h = pack2(g, f, half_t{});
+  if (b != ((u32)bf16_bits(f) | ((u32)bf16_bits(g) << 16))) atomicAdd(differ, 1ull);
+  if (h != ((u32)half_bits(g) | ((u32)half_bits(f) << 16))) atomicAdd(differ + 1, 1ull);
+}
+"""
+
+
+def pack2_source() -> str:
+    """PACK2_CHECK after the kernels' common header, the one text it needs."""
+    from andrea.cuda.launch import kernel_source
+
+    return kernel_source("attn_common.cuh") + PACK2_CHECK
+
+
+def pack2_differences(device) -> dict[str, int]:
+    """Runs PACK2_CHECK over all 2^32 float32 patterns on the GPU, built with the runtime's
+    NVRTC options: how many of them pack2 rounds differently from the integer form, by type."""
+    import cupy
+    import torch
+
+    from andrea.cuda.attention import device_arch
+    from andrea.cuda.launch import nvrtc_options
+
+    with cupy.cuda.Device(device.index):
+        module = cupy.RawModule(code=pack2_source(), options=tuple(nvrtc_options(
+            device_arch(device))))
+        differ = cupy.zeros(2, dtype=cupy.uint64)
+        module.get_function("pack2_check")((1 << 24,), (256,), (differ,))
+        torch.cuda.synchronize(device)
+        bf16, fp16 = (int(x) for x in differ.get())
+    return {"bfloat16": bf16, "float16": fp16}
+
+
 def probe_candidates() -> list[tuple]:
     """What --probe-wgmma runs: every wgmma candidate at the first shape's (dtype, head_dim)."""
     from andrea.cuda.launch import hopper_candidates
@@ -936,6 +980,13 @@ def gpu_run(out_dir: Path, device) -> int:
     timer = threading.Timer(BUDGET_S + 10 - elapsed(), watchdog)
     timer.daemon = True
     timer.start()
+    try:
+        report["pack2_differences"] = pack2_differences(device)
+        log(f"pack2 (cvt) against the integer rounding, all 2^32 floats but NaN: "
+            f"{report['pack2_differences']} differ")
+    except Exception as exc:  # the candidates' own checks against float64 still run
+        report["pack2_differences"] = f"failed: {exc}"
+        log(f"pack2 check failed: {exc}")
     compile_end = BUDGET_S * COMPILE_SHARE
     with tempfile.TemporaryDirectory() as tmp:
         info.update(build_all(build_order([c for c in cands if not c[3].wgmma], arch), arch,

@@ -336,6 +336,34 @@ def test_nvrtc_builds_a_candidate_with_registers_and_no_spill() -> None:
     assert tune.spill_bytes("8 bytes spill stores, 4 bytes spill loads") == 12
 
 
+@pytest.mark.skipif(find_libnvrtc() is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_pack2_packs_a_pair_with_one_cvt_and_its_gpu_check_builds(arch: str, tmp_path) -> None:
+    """Every P and dS tile goes through pack2 before its product: on sm_80+ it is one hardware
+    cvt a pair (the integer rounding cost 5-12 instructions a value, as many issue slots as the
+    products). The PTX says which form was built; the tuner's check of its bits over every
+    float32 (PACK2_CHECK) builds with the runtime's options."""
+    tune = load_script()
+    build = Nvrtc(find_libnvrtc()).compile(tune.pack2_source(), ["pack2_check"],
+                                           kernel_launch.runtime_nvrtc_options(arch))
+    assert build.cubin[:4] == b"\x7fELF" and build.lowered["pack2_check"] == "pack2_check"
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH: the PTX is not read")
+    source = tmp_path / "pack2.cu"
+    source.write_text(tune.pack2_source())
+    ptx = subprocess.run(["nvcc", "-ptx", f"-arch={arch}", "-std=c++17", "-o", "-", str(source)],
+                         capture_output=True, text=True, check=True).stdout
+    assert ptx.count("cvt.rn.bf16x2.f32") == 1 and ptx.count("cvt.rn.f16x2.f32") == 1, ptx
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (and CuPy)")
+def test_gpu_pack2_rounds_every_float_as_the_integer_form() -> None:
+    pytest.importorskip("cupy")
+    tune = load_script()
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert tune.pack2_differences(device) == {"bfloat16": 0, "float16": 0}
+
+
 def test_tuned_entries_paste_into_tuned_and_pick_the_faster_backward(monkeypatch) -> None:
     """The TUNED lines the script prints: the faster of the two backward routes where it
     beats production and ran right through the custom op, none where production is fastest;

@@ -18,6 +18,7 @@ scripts/ptxas_resources.sh sets to print the ptxas resource table per arch.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import re
 import shutil
@@ -168,3 +169,50 @@ def test_nvrtc_compiles_with_runtime_options_without_spills(arch: str) -> None:
     assert not spilled, f"{arch}: spills (registers, store, load bytes) under {options}: {spilled}"
     print(f"NVRTC {build['version']} {arch}: cubin of {build['size']} bytes, "
           f"{build['count']} kernels, no spills")
+
+
+def _load_instruction_mix():
+    path = Path(__file__).parents[1] / "scripts" / "kernel_instruction_mix.py"
+    spec = importlib.util.spec_from_file_location("kernel_instruction_mix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R9], desc[UR30][R10.64], !P0 ;
+        /*0030*/              @!P0 BRA 0x20 ;
+        /*0040*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT ;
+        /*0050*/                   MUFU.EX2 R19, R19 ;
+        /*0060*/                   F2FP.BF16.F32.PACK_AB R4, R5, R4 ;
+        /*0070*/                   IMAD.SHL.U32 R7, R6, 0x2000, RZ ;
+        /*0080*/               @P1 BRA 0x10 ;
+        /*0090*/                   EXIT ;
+        /*00a0*/                   BRA 0xa0;
+"""
+
+
+def test_instruction_mix_counts_the_widest_loop_by_class() -> None:
+    """scripts/kernel_instruction_mix.py's reading of SASS: the main loop is the widest branch
+    back (0x10-0x80 here, the inner copy loop inside it, the closing self-branch left out)."""
+    mix = _load_instruction_mix()
+    instructions = mix.parse(SASS)
+    assert [op for _, op, _ in instructions][:3] == ["MOV", "S2R", "LDGSTS"]
+    loop = mix.classify(mix.main_loop(instructions))
+    assert loop == {"total": 8, "mma": 1, "MUFU": 1, "F2FP": 1, "int": 1, "fp32": 0, "mem": 1,
+                    "other": 3}
+    whole = mix.classify([op for _, op, _ in instructions])
+    assert whole["total"] == 11 and whole["other"] == 6
+
+
+@pytest.mark.skipif(find_libnvrtc() is None or shutil.which("cuobjdump") is None
+                    or shutil.which("nvdisasm") is None,
+                    reason="needs libnvrtc and NVIDIA's cuobjdump and nvdisasm on PATH")
+def test_instruction_mix_of_a_real_kernel(tmp_path) -> None:
+    mix = _load_instruction_mix()
+    name = "attn_fwd_wgmma<bf16_t, 64, 8, 64, 2, 0>"
+    found = mix.instruction_mix(Nvrtc(find_libnvrtc()), name, "sm_90", tmp_path)
+    assert found["loop"]["mma"] == 8 and found["loop"]["F2FP"] == 16  # 2 products x 4 k-steps
+    assert 0 < found["loop"]["total"] < found["kernel"]["total"]

@@ -46,6 +46,7 @@ TILES: dict[tuple[str, int], dict[str, tuple[int, int]]] = {
 PRODUCTION_MIN_BLOCKS: dict[tuple[str, int, str], int] = {
     ("bfloat16", 64, "dq"): 3, ("bfloat16", 64, "dkdv"): 3, ("float16", 64, "dq"): 3,
     ("float16", 64, "dkdv"): 3, ("float16", 32, "dq"): 4, ("float32", 32, "fwd"): 8,
+    ("bfloat16", 32, "fwd"): 5, ("float16", 32, "fwd"): 5,
 }
 PRODUCTION_PASSES: dict[tuple[str, int], int] = {("bfloat16", 64): 2, ("float16", 64): 2}
 
