@@ -77,9 +77,9 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DQ>::W,
   const long long sbase = (long long)blockIdx.y * seq_len;
   const float sl2 = scale * ANDREA_LOG2E;
 
-  load_tile<T_, D, M>(sm.a[0], q + base, q0, seq_len);
-  load_tile<T_, D, M>(sm.a[1], dout + base, q0, seq_len);
-  load_stats<M>(sm.lse, sm.delta, lse + sbase, delta + sbase, q0, seq_len);
+  load_tile<T_, D, M, 32 * S::W>(sm.a[0], q + base, q0, seq_len);
+  load_tile<T_, D, M, 32 * S::W>(sm.a[1], dout + base, q0, seq_len);
+  load_stats<M, 32 * S::W>(sm.lse, sm.delta, lse + sbase, delta + sbase, q0, seq_len);
   float acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DQ>::W,
 
   for (int n0 = 0; n0 <= last; n0 += N) {
     __syncthreads();  // barrier:dq-reuse
-    load_tile<T_, D, N>(sm.b[0], k + base, n0, seq_len);
-    load_tile<T_, D, N>(sm.b[1], v + base, n0, seq_len);
+    load_tile<T_, D, N, 32 * S::W>(sm.b[0], k + base, n0, seq_len);
+    load_tile<T_, D, N, 32 * S::W>(sm.b[1], v + base, n0, seq_len);
     __syncthreads();  // barrier:dq-loaded
 
     float s[N / 8][4], dp[N / 8][4];
@@ -132,8 +132,8 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DKDV>::W,
   const long long sbase = (long long)blockIdx.y * seq_len;
   const float sl2 = scale * ANDREA_LOG2E;
 
-  load_tile<T_, D, M>(sm.a[0], k + base, k0, seq_len);
-  load_tile<T_, D, M>(sm.a[1], v + base, k0, seq_len);
+  load_tile<T_, D, M, 32 * S::W>(sm.a[0], k + base, k0, seq_len);
+  load_tile<T_, D, M, 32 * S::W>(sm.a[1], v + base, k0, seq_len);
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j)
@@ -144,9 +144,9 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_DKDV>::W,
 
   for (int n0 = (k0 / N) * N; n0 < seq_len; n0 += N) {
     __syncthreads();  // barrier:dkdv-reuse
-    load_tile<T_, D, N>(sm.b[0], q + base, n0, seq_len);
-    load_tile<T_, D, N>(sm.b[1], dout + base, n0, seq_len);
-    load_stats<N>(sm.lse, sm.delta, lse + sbase, delta + sbase, n0, seq_len);
+    load_tile<T_, D, N, 32 * S::W>(sm.b[0], q + base, n0, seq_len);
+    load_tile<T_, D, N, 32 * S::W>(sm.b[1], dout + base, n0, seq_len);
+    load_stats<N, 32 * S::W>(sm.lse, sm.delta, lse + sbase, delta + sbase, n0, seq_len);
     __syncthreads();  // barrier:dkdv-loaded
 
     // Transposed scores: rows are this warp's keys, columns the tile's queries, NP query

@@ -414,18 +414,36 @@ __device__ __forceinline__ void warp_gemm_as(float (&acc)[NT][4], const u32 (&af
 }
 
 // ---------------------------------------------------------------------------- tile movement
+// The block's THREADS threads (32 W: every kernel knows its warps when it is compiled) share a
+// copy of CHUNKS 16-byte chunks, chunk i to thread i % THREADS, as a loop of a known count that
+// unrolls: a thread's place is computed once, each copy after it is an offset. With the count
+// known only at run time (blockDim.x) every copy repeated the index arithmetic, about 30
+// instructions, a sixth of a tile's in the pipelined forward. The emulator says so where a
+// kernel runs with another block size.
+template <int THREADS> __device__ __forceinline__ void check_block_threads() {
+#if defined(ANDREA_EMULATOR)
+  if ((int)blockDim.x != THREADS) andrea_emu::die("a tile copy for another block size");
+#endif
+}
+
 // Cooperative copy of ROWS rows (from row0) of a [seq_len, D] slice into shared memory with row
 // stride LD, 16 bytes per step; rows at or past seq_len are zero-filled.
 struct alignas(16) Chunk16 {
   u32 x, y, z, w;
 };
 
-template <typename T_, int D, int ROWS>
+template <typename T_, int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile(T_* dst, const T_* src, int row0, int seq_len) {
   constexpr int LD = Ld<T_, D>::value;
   constexpr int PER_ROW = D * (int)sizeof(T_) / 16;
-  for (int i = threadIdx.x; i < ROWS * PER_ROW; i += blockDim.x) {
-    const int r = i / PER_ROW, c = i % PER_ROW;
+  static_assert(THREADS % PER_ROW == 0, "a thread keeps its column of chunks");
+  constexpr int STEP = THREADS / PER_ROW;  // rows between a thread's chunks
+  check_block_threads<THREADS>();
+  const int r0 = threadIdx.x / PER_ROW, c = threadIdx.x % PER_ROW;
+#pragma unroll
+  for (int i = 0; i < (ROWS + STEP - 1) / STEP; ++i) {
+    const int r = r0 + i * STEP;
+    if (ROWS % STEP != 0 && r >= ROWS) break;
     Chunk16 v = {0u, 0u, 0u, 0u};
     if (row0 + r < seq_len)  // bounds: rows past the sequence read as zeros
       v = ((const Chunk16*)(src + (long long)(row0 + r) * D))[c];
@@ -434,10 +452,14 @@ __device__ __forceinline__ void load_tile(T_* dst, const T_* src, int row0, int 
 }
 
 // Per-row statistics of ROWS rows from row0; rows past seq_len get lse = +inf (so P = 0 there).
-template <int ROWS>
+template <int ROWS, int THREADS>
 __device__ __forceinline__ void load_stats(float* lse_s, float* delta_s, const float* lse,
                                            const float* delta, int row0, int seq_len) {
-  for (int i = threadIdx.x; i < ROWS; i += blockDim.x) {
+  check_block_threads<THREADS>();
+#pragma unroll
+  for (int k = 0; k < (ROWS + THREADS - 1) / THREADS; ++k) {
+    const int i = threadIdx.x + k * THREADS;
+    if (ROWS % THREADS != 0 && i >= ROWS) break;
     const bool in = row0 + i < seq_len;  // bounds: rows past the sequence
     lse_s[i] = in ? lse[row0 + i] : inf_f();
     delta_s[i] = in ? delta[row0 + i] : 0.0f;
@@ -519,29 +541,40 @@ __device__ __forceinline__ void fence_proxy_async() {
 
 // ROWS x COLS elements from (row0, col0) of a row-major matrix with row stride `stride` into
 // shared memory with row stride LDD, through cp.async; rows at or past `rows` land as zeros.
-template <typename T_, int ROWS, int COLS, int LDD>
+template <typename T_, int ROWS, int COLS, int LDD, int THREADS>
 __device__ __forceinline__ void load_block_async(T_* dst, const T_* src, int stride, int row0,
                                                  int col0, int rows) {
   constexpr int ELEMS = 16 / (int)sizeof(T_), PER_ROW = COLS / ELEMS;
-  for (int i = threadIdx.x; i < ROWS * PER_ROW; i += blockDim.x) {
-    const int r = i / PER_ROW, c = i % PER_ROW;
+  static_assert(THREADS % PER_ROW == 0, "a thread keeps its column of chunks");
+  constexpr int STEP = THREADS / PER_ROW;  // rows between a thread's chunks
+  check_block_threads<THREADS>();
+  const int r0 = threadIdx.x / PER_ROW, c = (threadIdx.x % PER_ROW) * ELEMS;
+  T_* const d = dst + r0 * LDD + c;
+  const T_* const s = src + (long long)(row0 + r0) * stride + col0 + c;
+#pragma unroll
+  for (int i = 0; i < (ROWS + STEP - 1) / STEP; ++i) {
+    const int r = r0 + i * STEP;
+    if (ROWS % STEP != 0 && r >= ROWS) break;
     const bool in = row0 + r < rows;  // bounds: rows past the matrix land as zeros
-    cp_async<16>(dst + r * LDD + c * ELEMS,
-                 in ? src + (long long)(row0 + r) * stride + col0 + c * ELEMS : src, in);
+    cp_async<16>(d + i * STEP * LDD, in ? s + (long long)i * STEP * stride : src, in);
   }
 }
 
 // load_tile through cp.async: rows at or past seq_len land as zeros.
-template <typename T_, int D, int ROWS>
+template <typename T_, int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile_async(T_* dst, const T_* src, int row0, int seq_len) {
-  load_block_async<T_, ROWS, D, Ld<T_, D>::value>(dst, src, D, row0, 0, seq_len);
+  load_block_async<T_, ROWS, D, Ld<T_, D>::value, THREADS>(dst, src, D, row0, 0, seq_len);
 }
 
 // load_stats through cp.async; rows past seq_len land as 0 (the callers mask those columns).
-template <int ROWS>
+template <int ROWS, int THREADS>
 __device__ __forceinline__ void load_stats_async(float* lse_s, float* delta_s, const float* lse,
                                                  const float* delta, int row0, int seq_len) {
-  for (int i = threadIdx.x; i < ROWS; i += blockDim.x) {
+  check_block_threads<THREADS>();
+#pragma unroll
+  for (int k = 0; k < (ROWS + THREADS - 1) / THREADS; ++k) {
+    const int i = threadIdx.x + k * THREADS;
+    if (ROWS % THREADS != 0 && i >= ROWS) break;
     const bool in = row0 + i < seq_len;  // bounds: rows past the sequence
     cp_async<4>(lse_s + i, in ? lse + row0 + i : lse, in);
     cp_async<4>(delta_s + i, in ? delta + row0 + i : delta, in);

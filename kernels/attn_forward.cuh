@@ -15,7 +15,7 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_FWD>::W,
   const long long base = (long long)blockIdx.y * seq_len * D;
   const float sl2 = scale * ANDREA_LOG2E;  // scores in base-2 units: exp(x) = exp2(x*log2e)
 
-  load_tile<T_, D, M>(sm.a[0], q + base, q0, seq_len);
+  load_tile<T_, D, M, 32 * S::W>(sm.a[0], q + base, q0, seq_len);
   float acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -25,8 +25,8 @@ __global__ void __launch_bounds__(32 * TileCfg<T_, D, KIND_FWD>::W,
 
   for (int n0 = 0; n0 <= last; n0 += N) {
     __syncthreads();  // barrier:fwd-reuse (every warp is done with the previous K/V tile)
-    load_tile<T_, D, N>(sm.b[0], k + base, n0, seq_len);
-    load_tile<T_, D, N>(sm.b[1], v + base, n0, seq_len);
+    load_tile<T_, D, N, 32 * S::W>(sm.b[0], k + base, n0, seq_len);
+    load_tile<T_, D, N, 32 * S::W>(sm.b[1], v + base, n0, seq_len);
     __syncthreads();  // barrier:fwd-loaded (K/V tile visible to every warp)
 
     float s[N / 8][4];

@@ -26,25 +26,33 @@ template <int D> __device__ __forceinline__ int cm_offset(int r, int c) {
 // ROWS x COLS elements from (row0, col0) of a row-major matrix with row stride `stride` into the
 // core-matrix layout (a tile of COLS columns) through cp.async; rows at or past `rows` land as
 // zeros. Eight consecutive threads fill one 128-byte block, so the shared-memory writes do not
-// conflict.
-template <typename T_, int ROWS, int COLS>
+// conflict. THREADS, the block's, a multiple of COLS: a thread keeps its column of chunks and
+// steps THREADS / (COLS / 8) rows, one core-matrix row of blocks per COLS threads.
+template <typename T_, int ROWS, int COLS, int THREADS>
 __device__ __forceinline__ void load_block_cm_async(T_* dst, const T_* src, int stride, int row0,
                                                     int col0, int rows) {
   static_assert(sizeof(T_) == 2 && ROWS % 8 == 0 && COLS % 8 == 0, "whole core matrices");
   constexpr int CH = COLS / 8;  // 16-byte chunks of a row
-  for (int i = threadIdx.x; i < ROWS * CH; i += blockDim.x) {
-    const int r = (i / (8 * CH)) * 8 + (i & 7), c = (i / 8) % CH;
+  static_assert(THREADS % (8 * CH) == 0, "a thread keeps its column of chunks");
+  constexpr int STEP = THREADS / CH;  // rows between a thread's chunks, a multiple of 8
+  check_block_threads<THREADS>();
+  const int r0 = (threadIdx.x / (8 * CH)) * 8 + (threadIdx.x & 7), c = (threadIdx.x / 8) % CH;
+  T_* const d = dst + cm_offset<COLS>(r0, c * 8);  // STEP rows on: STEP * COLS elements on
+  const T_* const s = src + (long long)(row0 + r0) * stride + col0 + c * 8;
+#pragma unroll
+  for (int i = 0; i < (ROWS + STEP - 1) / STEP; ++i) {
+    const int r = r0 + i * STEP;
+    if (ROWS % STEP != 0 && r >= ROWS) break;
     const bool in = row0 + r < rows;  // bounds: zeros land for rows past the matrix
-    cp_async<16>(dst + cm_offset<COLS>(r, c * 8),
-                 in ? src + (long long)(row0 + r) * stride + col0 + c * 8 : src, in);
+    cp_async<16>(d + i * STEP * COLS, in ? s + (long long)i * STEP * stride : src, in);
   }
 }
 
 // ROWS rows from row0 of a [seq_len, D] slice (rows past seq_len land as zeros).
-template <typename T_, int D, int ROWS>
+template <typename T_, int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile_cm_async(T_* dst, const T_* src, int row0,
                                                    int seq_len) {
-  load_block_cm_async<T_, ROWS, D>(dst, src, D, row0, 0, seq_len);
+  load_block_cm_async<T_, ROWS, D, THREADS>(dst, src, D, row0, 0, seq_len);
 }
 
 // The shared-memory address of p (sm_90: the shared window's; emulator: the offset into the
@@ -344,10 +352,10 @@ __global__ void __launch_bounds__(32 * W, MINB)
   const T_* const qg = qs + group * 8 * ROW8;  // this warpgroup's 64 rows
 
   const auto load_kv = [&](int stage, int tile) {
-    load_tile_cm_async<T_, D, N>(kv + stage * L::STAGE, k + base, tile * N, seq_len);
-    load_tile_cm_async<T_, D, N>(kv + stage * L::STAGE + N * D, v + base, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE, k + base, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base, tile * N, seq_len);
   };
-  load_tile_cm_async<T_, D, M>(qs, q + base, q0, seq_len);  // joins the first group
+  load_tile_cm_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);  // joins the first group
   pipe_prologue<STAGES>(n_tiles, load_kv);
   float acc[D / 8][4];
 #pragma unroll
@@ -428,13 +436,13 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   const T_* const kg = ks + group * 8 * ROW8;  // this warpgroup's 64 keys
   const T_* const vg = vs + group * 8 * ROW8;
 
-  load_tile_cm_async<T_, D, M>(ks, k + base, k0, seq_len);
-  load_tile_cm_async<T_, D, M>(vs, v + base, k0, seq_len);
+  load_tile_cm_async<T_, D, M, 32 * W>(ks, k + base, k0, seq_len);
+  load_tile_cm_async<T_, D, M, 32 * W>(vs, v + base, k0, seq_len);
   const auto load_qdo = [&](int stage, int tile) {
     const int n0 = (first + tile) * N;
-    load_tile_cm_async<T_, D, N>(qd + stage * L::STAGE, q + base, n0, seq_len);
-    load_tile_cm_async<T_, D, N>(qd + stage * L::STAGE + N * D, dout + base, n0, seq_len);
-    load_stats_async<N>(stats + 2 * stage * N, stats + (2 * stage + 1) * N, lse + sbase,
+    load_tile_cm_async<T_, D, N, 32 * W>(qd + stage * L::STAGE, q + base, n0, seq_len);
+    load_tile_cm_async<T_, D, N, 32 * W>(qd + stage * L::STAGE + N * D, dout + base, n0, seq_len);
+    load_stats_async<N, 32 * W>(stats + 2 * stage * N, stats + (2 * stage + 1) * N, lse + sbase,
                         delta + sbase, n0, seq_len);
   };
   pipe_prologue<STAGES>(n_tiles, load_qdo);
@@ -546,12 +554,12 @@ __global__ void __launch_bounds__(32 * W, MINB)
   const T_* const qg = qs + group * 8 * ROW8;  // this warpgroup's 64 rows
   const T_* const dog = dos + group * 8 * ROW8;
 
-  load_tile_cm_async<T_, D, M>(qs, q + base, q0, seq_len);  // joins the first group
-  load_tile_cm_async<T_, D, M>(dos, dout + base, q0, seq_len);
-  load_stats<M>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);  // seen past a barrier
+  load_tile_cm_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);  // joins the first group
+  load_tile_cm_async<T_, D, M, 32 * W>(dos, dout + base, q0, seq_len);
+  load_stats<M, 32 * W>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);  // seen past a barrier
   const auto load_kv = [&](int stage, int tile) {
-    load_tile_cm_async<T_, D, N>(kv + stage * L::STAGE, k + base, tile * N, seq_len);
-    load_tile_cm_async<T_, D, N>(kv + stage * L::STAGE + N * D, v + base, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE, k + base, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base, tile * N, seq_len);
   };
   pipe_prologue<STAGES>(n_tiles, load_kv);
   float acc[D / 8][4];
@@ -600,8 +608,8 @@ __global__ void __launch_bounds__(32 * W, MINB)
 
   const auto load_ds_k = [&](int stage, int tile) {
     T_* const dst = tiles + stage * L::STAGE;
-    load_block_cm_async<T_, M, N>(dst, ds_bh, ds_stride, q0, tile * N, seq_len);
-    load_tile_cm_async<T_, D, N>(dst + M * N, k + base, tile * N, seq_len);
+    load_block_cm_async<T_, M, N, 32 * W>(dst, ds_bh, ds_stride, q0, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N, 32 * W>(dst + M * N, k + base, tile * N, seq_len);
   };
   pipe_prologue<STAGES>(n_tiles, load_ds_k);
   float acc[D / 8][4];

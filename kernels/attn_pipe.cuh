@@ -130,10 +130,10 @@ __global__ void __launch_bounds__(32 * W, MINB)
   const int n_tiles = last / N + 1;
 
   const auto load_kv = [&](int stage, int tile) {
-    load_tile_async<T_, D, N>(kv + 2 * stage * L::TILE_N, k + base, tile * N, seq_len);
-    load_tile_async<T_, D, N>(kv + (2 * stage + 1) * L::TILE_N, v + base, tile * N, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(kv + 2 * stage * L::TILE_N, k + base, tile * N, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(kv + (2 * stage + 1) * L::TILE_N, v + base, tile * N, seq_len);
   };
-  load_tile_async<T_, D, M>(qs, q + base, q0, seq_len);  // joins the first group
+  load_tile_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);  // joins the first group
   pipe_prologue<STAGES>(n_tiles, load_kv);
   float acc[D / 8][4];
 #pragma unroll
@@ -225,12 +225,12 @@ __global__ void __launch_bounds__(32 * W, MINB)
   const int last = imin(q0 + M, seq_len) - 1;
   const int n_tiles = last / N + 1;
 
-  load_tile_async<T_, D, M>(qs, q + base, q0, seq_len);
-  load_tile_async<T_, D, M>(dos, dout + base, q0, seq_len);
-  load_stats<M>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);  // seen past a barrier
+  load_tile_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);
+  load_tile_async<T_, D, M, 32 * W>(dos, dout + base, q0, seq_len);
+  load_stats<M, 32 * W>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);  // seen past a barrier
   const auto load_kv = [&](int stage, int tile) {
-    load_tile_async<T_, D, N>(kv + 2 * stage * L::TILE_N, k + base, tile * N, seq_len);
-    load_tile_async<T_, D, N>(kv + (2 * stage + 1) * L::TILE_N, v + base, tile * N, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(kv + 2 * stage * L::TILE_N, k + base, tile * N, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(kv + (2 * stage + 1) * L::TILE_N, v + base, tile * N, seq_len);
   };
   pipe_prologue<STAGES>(n_tiles, load_kv);
   float acc[D / 8][4];
@@ -327,13 +327,13 @@ __device__ __forceinline__ void dkdv_pipe_body(
   const int first = k0 / N;  // query tiles before it see none of these keys
   const int n_tiles = (seq_len + N - 1) / N - first;
 
-  load_tile_async<T_, D, M>(ks, k + base, k0, seq_len);
-  load_tile_async<T_, D, M>(vs, v + base, k0, seq_len);
+  load_tile_async<T_, D, M, 32 * W>(ks, k + base, k0, seq_len);
+  load_tile_async<T_, D, M, 32 * W>(vs, v + base, k0, seq_len);
   const auto load_qdo = [&](int stage, int tile) {
     const int n0 = (first + tile) * N;
-    load_tile_async<T_, D, N>(qd + 2 * stage * L::TILE_N, q + base, n0, seq_len);
-    load_tile_async<T_, D, N>(qd + (2 * stage + 1) * L::TILE_N, dout + base, n0, seq_len);
-    load_stats_async<N>(stats + 2 * stage * N, stats + (2 * stage + 1) * N, lse + sbase,
+    load_tile_async<T_, D, N, 32 * W>(qd + 2 * stage * L::TILE_N, q + base, n0, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(qd + (2 * stage + 1) * L::TILE_N, dout + base, n0, seq_len);
+    load_stats_async<N, 32 * W>(stats + 2 * stage * N, stats + (2 * stage + 1) * N, lse + sbase,
                         delta + sbase, n0, seq_len);
   };
   pipe_prologue<STAGES>(n_tiles, load_qdo);
@@ -431,8 +431,8 @@ __global__ void __launch_bounds__(32 * W, MINB)
 
   const auto load_ds_k = [&](int stage, int tile) {
     T_* const dst = tiles + stage * L::STAGE;
-    load_block_async<T_, M, N, LDS>(dst, ds_bh, ds_stride, q0, tile * N, seq_len);
-    load_tile_async<T_, D, N>(dst + M * LDS, k + base, tile * N, seq_len);
+    load_block_async<T_, M, N, LDS, 32 * W>(dst, ds_bh, ds_stride, q0, tile * N, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(dst + M * LDS, k + base, tile * N, seq_len);
   };
   pipe_prologue<STAGES>(n_tiles, load_ds_k);
   float acc[D / 8][4];
@@ -517,11 +517,11 @@ __global__ void __launch_bounds__(32 * W, MINB)
   const int blocks = (seq_len + 15) / 16;
 
   for (int r0 = 0; r0 < rows; r0 += N) {  // rows past the sequence land as zeros
-    load_tile_async<T_, D, N>(qs + r0 * LD, q + base, r0, seq_len);
-    load_tile_async<T_, D, N>(dos + r0 * LD, dout + base, r0, seq_len);
-    load_tile_async<T_, D, N>(ks + r0 * LD, k + base, r0, seq_len);
-    load_tile_async<T_, D, N>(vs + r0 * LD, v + base, r0, seq_len);
-    load_stats_async<N>(lse_s + r0, delta_s + r0, lse + sbase, delta + sbase, r0, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(qs + r0 * LD, q + base, r0, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(dos + r0 * LD, dout + base, r0, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(ks + r0 * LD, k + base, r0, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(vs + r0 * LD, v + base, r0, seq_len);
+    load_stats_async<N, 32 * W>(lse_s + r0, delta_s + r0, lse + sbase, delta + sbase, r0, seq_len);
   }
   cp_async_commit();
   cp_async_wait<0>();

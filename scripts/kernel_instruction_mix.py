@@ -3,12 +3,14 @@
 
 Each kernel is built as the runtime builds it (NVRTC, andrea.cuda.launch's options, sm_90a for
 the wgmma ones), disassembled with cuobjdump, and its instructions counted by class, in the
-whole kernel and in its main loop (the widest branch back): the tensor core products, MUFU
-(exp2, the softmax's), F2FP (the packing of P and dS to 16 bits), integer, float32, memory, the
-rest. A kernel whose warps issue far more instructions per tile than the products take cycles
-is bound by issue, not by the tensor cores; these counts show that without a GPU. They are
-static counts, loop bodies once (the loop's inner loops too): compare kernels with the same
-tiles, or one kernel before and after a change (run it from another tree with PYTHONPATH).
+whole kernel and in its main loop (the widest branch back, the K/V or Q/dO tile loop): the
+tensor core products, MUFU (exp2, the softmax's), F2FP (the packing of P and dS to 16 bits),
+integer, float32, memory, the rest. A kernel whose warps issue far more instructions per tile
+than the products take cycles is bound by issue, not by the tensor cores; these counts show that
+without a GPU. They are static counts, each instruction once: "inner" says how many of the main
+loop's sit in loops inside it, which run more than once a tile (where it is 0, the loop's count
+is what a warp issues per tile, less the branch it skips). Compare kernels with the same tiles,
+or one kernel before and after a change (run it from another tree with PYTHONPATH).
 
 Needs NVIDIA's disassembler, from the package index (no GPU, no CUDA install):
 
@@ -69,15 +71,17 @@ def parse(sass: str) -> list[tuple[int, str, int | None]]:
     return found
 
 
-def main_loop(instructions: list[tuple[int, str, int | None]]) -> list[str]:
-    """The opcodes of the widest loop (a branch back to an earlier address): the K/V or Q/dO
-    tile loop, its inner loops' bodies once."""
-    spans = [(addr - target, target, addr) for addr, _, target in instructions
-             if target is not None and target <= addr]
+def main_loop(instructions: list[tuple[int, str, int | None]]) -> tuple[list[str], int]:
+    """The opcodes of the widest loop (a branch back to an earlier address: the K/V or Q/dO
+    tile loop) and how many of them sit in loops inside it, which run more than once a tile."""
+    spans = sorted(((addr - target, target, addr) for addr, _, target in instructions
+                    if target is not None and target <= addr), reverse=True)
     if not spans:
-        return []
-    _, start, end = max(spans)
-    return [op for addr, op, _ in instructions if start <= addr <= end]
+        return [], 0
+    _, start, end = spans[0]
+    inner = [(a, b) for _, a, b in spans[1:] if start <= a and b < end]
+    body = [(addr, op) for addr, op, _ in instructions if start <= addr <= end]
+    return [op for _, op in body], sum(any(a <= addr <= b for a, b in inner) for addr, _ in body)
 
 
 def classify(opcodes: list[str]) -> dict[str, int]:
@@ -99,8 +103,9 @@ def instruction_mix(nvrtc: Nvrtc, name: str, arch: str, folder: Path) -> dict[st
     sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
     instructions = parse(sass)
+    loop, inner = main_loop(instructions)
     return {"kernel": classify([op for _, op, _ in instructions]),
-            "loop": classify(main_loop(instructions))}
+            "loop": {**classify(loop), "inner": inner}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,14 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     names = args.names or default_names(args.arch)
     print(f"NVRTC {nvrtc.version()}, {args.arch}: SASS instructions per kernel (static, loop "
           "bodies once)")
-    header = ["total", "mma", "MUFU", "F2FP", "int", "fp32", "mem", "other"]
+    header = ["total", "mma", "MUFU", "F2FP", "int", "fp32", "mem", "other", "inner"]
     print(f"{'kernel':50s} {'part':5s}" + "".join(f"{h:>6s}" for h in header))
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             mix = instruction_mix(nvrtc, name, args.arch, Path(tmp))
             for part, row in mix.items():
                 print(f"{name if part == 'kernel' else '':50s} {part:5s}"
-                      + "".join(f"{row[h]:6d}" for h in header), flush=True)
+                      + "".join(f"{row[h]:6d}" if h in row else " " * 6 for h in header),
+                      flush=True)
     return 0
 
 

@@ -200,9 +200,10 @@ def test_instruction_mix_counts_the_widest_loop_by_class() -> None:
     mix = _load_instruction_mix()
     instructions = mix.parse(SASS)
     assert [op for _, op, _ in instructions][:3] == ["MOV", "S2R", "LDGSTS"]
-    loop = mix.classify(mix.main_loop(instructions))
+    opcodes, inner = mix.main_loop(instructions)
+    loop = mix.classify(opcodes)
     assert loop == {"total": 8, "mma": 1, "MUFU": 1, "F2FP": 1, "int": 1, "fp32": 0, "mem": 1,
-                    "other": 3}
+                    "other": 3} and inner == 2  # LDGSTS and its branch back
     whole = mix.classify([op for _, op, _ in instructions])
     assert whole["total"] == 11 and whole["other"] == 6
 
@@ -216,3 +217,4 @@ def test_instruction_mix_of_a_real_kernel(tmp_path) -> None:
     found = mix.instruction_mix(Nvrtc(find_libnvrtc()), name, "sm_90", tmp_path)
     assert found["loop"]["mma"] == 8 and found["loop"]["F2FP"] == 16  # 2 products x 4 k-steps
     assert 0 < found["loop"]["total"] < found["kernel"]["total"]
+    assert found["loop"]["inner"] == 0  # every tile copy unrolled
