@@ -61,10 +61,8 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
 #if defined(ANDREA_EMULATOR)
   return andrea_emu::shared_address(p);
 #elif defined(__CUDA_ARCH__)
-  u32 addr;
-  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-               : "=r"(addr)
-               : "l"(p));
+  u32 addr;  // not volatile: a pure function of p, which the compiler may share between uses
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
   return addr;
 #else
   return 0;
@@ -76,6 +74,14 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
 __device__ __forceinline__ u64 wgmma_desc(const void* start, u32 lbo, u32 sbo) {
   return (u64)((shared_address(start) & 0x3ffffu) >> 4) | ((u64)(lbo >> 4) << 16) |
          ((u64)(sbo >> 4) << 32);
+}
+
+// The descriptor of the same layout `bytes` (a multiple of 16) further on: the start address is
+// the low 14 bits, in 16-byte units, and a block's shared memory (at most 227 KiB) never carries
+// it past them. One descriptor per operand and tile, then an add per k-step: built afresh at each
+// step, a descriptor cost a dozen instructions of address arithmetic.
+__device__ __forceinline__ u64 desc_advance(u64 desc, int bytes) {
+  return desc + (u64)(bytes >> 4);
 }
 
 __device__ __forceinline__ void wgmma_fence() {  // registers written before are seen by wgmma
@@ -273,14 +279,14 @@ __device__ __forceinline__ void wgmma_two_products(float (&x)[N / 8][4], const T
   wgmma_fence();
   wgmma_fence_operands(flat(x));
   wgmma_fence_operands(flat(y));
+  const u64 axd = wgmma_desc(ax, CM_BYTES, ROW8_BYTES), bxd = wgmma_desc(bx, CM_BYTES, ROW8_BYTES);
+  const u64 ayd = wgmma_desc(ay, CM_BYTES, ROW8_BYTES), byd = wgmma_desc(by, CM_BYTES, ROW8_BYTES);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)  // a k16 step: two core matrices, 256 bytes, on
+    wgmma_ss<T_, N, false>(flat(x), desc_advance(axd, kk * 256), desc_advance(bxd, kk * 256), 1);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    wgmma_ss<T_, N, false>(flat(x), wgmma_desc(ax + kk * 128, CM_BYTES, ROW8_BYTES),
-                           wgmma_desc(bx + kk * 128, CM_BYTES, ROW8_BYTES), 1);
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    wgmma_ss<T_, N, false>(flat(y), wgmma_desc(ay + kk * 128, CM_BYTES, ROW8_BYTES),
-                           wgmma_desc(by + kk * 128, CM_BYTES, ROW8_BYTES), 1);
+    wgmma_ss<T_, N, false>(flat(y), desc_advance(ayd, kk * 256), desc_advance(byd, kk * 256), 1);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operands(flat(x));
@@ -300,10 +306,10 @@ __device__ __forceinline__ void wgmma_add_rs(float (&acc)[D / 8][4], const float
   repack_a<T_, N>(pf, p);
   wgmma_fence();
   wgmma_fence_operands(flat(acc));
+  const u64 bd = wgmma_desc(b, ROW8_BYTES, CM_BYTES);
 #pragma unroll
-  for (int kk = 0; kk < N / 16; ++kk)
-    wgmma_rs<T_, D, true>(flat(acc), pf[kk], wgmma_desc(b + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES),
-                          1);
+  for (int kk = 0; kk < N / 16; ++kk)  // a k16 step: 16 rows of B, two rows of core matrices
+    wgmma_rs<T_, D, true>(flat(acc), pf[kk], desc_advance(bd, kk * 2 * ROW8_BYTES), 1);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operands(flat(acc));
@@ -353,7 +359,8 @@ __global__ void __launch_bounds__(32 * W, MINB)
 
   const auto load_kv = [&](int stage, int tile) {
     load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE, k + base, tile * N, seq_len);
-    load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base,
+                                         tile * N, seq_len);
   };
   load_tile_cm_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);  // joins the first group
   pipe_prologue<STAGES>(n_tiles, load_kv);
@@ -374,10 +381,11 @@ __global__ void __launch_bounds__(32 * W, MINB)
     for (int j = 0; j < N / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     wgmma_fence();
     wgmma_fence_operands(flat(s));
+    const u64 qd = wgmma_desc(qg, CM_BYTES, ROW8_BYTES);
+    const u64 kd = wgmma_desc(ks, CM_BYTES, ROW8_BYTES);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T_, N, false>(flat(s), wgmma_desc(qg + kk * 128, CM_BYTES, ROW8_BYTES),
-                             wgmma_desc(ks + kk * 128, CM_BYTES, ROW8_BYTES), 1);
+      wgmma_ss<T_, N, false>(flat(s), desc_advance(qd, kk * 256), desc_advance(kd, kk * 256), 1);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(flat(s));
@@ -476,14 +484,14 @@ __device__ __forceinline__ void dkdv_wgmma_body(
     wgmma_fence();
     wgmma_fence_operands(flat(dv_acc));
     wgmma_fence_operands(flat(dk_acc));
+    const u64 dod = wgmma_desc(dos, ROW8_BYTES, CM_BYTES);
+    const u64 qd = wgmma_desc(qs, ROW8_BYTES, CM_BYTES);
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_rs<T_, D, true>(flat(dv_acc), pf[kk],
-                            wgmma_desc(dos + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES), 1);
+      wgmma_rs<T_, D, true>(flat(dv_acc), pf[kk], desc_advance(dod, kk * 2 * ROW8_BYTES), 1);
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_rs<T_, D, true>(flat(dk_acc), dsf[kk],
-                            wgmma_desc(qs + kk * 2 * ROW8, ROW8_BYTES, CM_BYTES), 1);
+      wgmma_rs<T_, D, true>(flat(dk_acc), dsf[kk], desc_advance(qd, kk * 2 * ROW8_BYTES), 1);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(flat(dv_acc));
@@ -556,10 +564,12 @@ __global__ void __launch_bounds__(32 * W, MINB)
 
   load_tile_cm_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);  // joins the first group
   load_tile_cm_async<T_, D, M, 32 * W>(dos, dout + base, q0, seq_len);
-  load_stats<M, 32 * W>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);  // seen past a barrier
+  // seen past a barrier
+  load_stats<M, 32 * W>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);
   const auto load_kv = [&](int stage, int tile) {
     load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE, k + base, tile * N, seq_len);
-    load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base, tile * N, seq_len);
+    load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base,
+                                         tile * N, seq_len);
   };
   pipe_prologue<STAGES>(n_tiles, load_kv);
   float acc[D / 8][4];
@@ -629,12 +639,12 @@ __global__ void __launch_bounds__(32 * W, MINB)
     }
     wgmma_fence();
     wgmma_fence_operands(flat(acc));
+    const u64 dsd = wgmma_desc(dss + group * 8 * ROW8_DS, CM_BYTES, ROW8_DS * 2);
+    const u64 kd = wgmma_desc(kt, ROW8_K * 2, CM_BYTES);
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_ss<T_, D, true>(flat(acc),
-                            wgmma_desc(dss + group * 8 * ROW8_DS + kk * 128, CM_BYTES,
-                                       ROW8_DS * 2),
-                            wgmma_desc(kt + kk * 2 * ROW8_K, ROW8_K * 2, CM_BYTES), 1);
+      wgmma_ss<T_, D, true>(flat(acc), desc_advance(dsd, kk * 256),
+                            desc_advance(kd, kk * 2 * ROW8_K * 2), 1);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(flat(acc));

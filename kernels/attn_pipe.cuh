@@ -131,7 +131,8 @@ __global__ void __launch_bounds__(32 * W, MINB)
 
   const auto load_kv = [&](int stage, int tile) {
     load_tile_async<T_, D, N, 32 * W>(kv + 2 * stage * L::TILE_N, k + base, tile * N, seq_len);
-    load_tile_async<T_, D, N, 32 * W>(kv + (2 * stage + 1) * L::TILE_N, v + base, tile * N, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(kv + (2 * stage + 1) * L::TILE_N, v + base,
+                                      tile * N, seq_len);
   };
   load_tile_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);  // joins the first group
   pipe_prologue<STAGES>(n_tiles, load_kv);
@@ -227,10 +228,12 @@ __global__ void __launch_bounds__(32 * W, MINB)
 
   load_tile_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);
   load_tile_async<T_, D, M, 32 * W>(dos, dout + base, q0, seq_len);
-  load_stats<M, 32 * W>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);  // seen past a barrier
+  // seen past a barrier
+  load_stats<M, 32 * W>(lse_s, delta_s, lse + sbase, delta + sbase, q0, seq_len);
   const auto load_kv = [&](int stage, int tile) {
     load_tile_async<T_, D, N, 32 * W>(kv + 2 * stage * L::TILE_N, k + base, tile * N, seq_len);
-    load_tile_async<T_, D, N, 32 * W>(kv + (2 * stage + 1) * L::TILE_N, v + base, tile * N, seq_len);
+    load_tile_async<T_, D, N, 32 * W>(kv + (2 * stage + 1) * L::TILE_N, v + base,
+                                      tile * N, seq_len);
   };
   pipe_prologue<STAGES>(n_tiles, load_kv);
   float acc[D / 8][4];

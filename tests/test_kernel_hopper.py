@@ -83,7 +83,7 @@ PIPES = tuple(dict.fromkeys(
        for kernel, c in recompute_configs(dkdv, dq, wgmma).items()]))
 # The wait after S = Q K^T's wgmma group, and the K descriptor's strides (LBO, SBO).
 S_WAIT = "    wgmma_commit();\n    wgmma_wait<0>();\n    wgmma_fence_operands(flat(s));\n"
-K_DESC = "wgmma_desc(ks + kk * 128, CM_BYTES, ROW8_BYTES)"
+K_DESC = "wgmma_desc(ks, CM_BYTES, ROW8_BYTES)"
 BROKEN = ("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True))
 
 
@@ -98,7 +98,7 @@ def no_s_wait() -> str:
 
 
 def swapped_k_strides() -> str:
-    return edited(K_DESC, "wgmma_desc(ks + kk * 128, ROW8_BYTES, CM_BYTES)")
+    return edited(K_DESC, "wgmma_desc(ks, ROW8_BYTES, CM_BYTES)")
 
 
 BROKEN_BUILDS = {"emulator-wgmma-no-wait": no_s_wait,
