@@ -186,21 +186,34 @@ __global__ void __launch_bounds__(32 * W, MINB)
 // q0, against the N keys of the tile from n0 (lse_s, delta_s: the block's statistics by row).
 // Zero where the key comes after the query or past the sequence. The pipelined dQ kernels and
 // attn_bwd_dq_wgmma share it (attn_bwd_dq has the same steps inline, its machine code kept as
-// measured); transposed_p_ds is its twin for dK/dV.
+// measured); transposed_p_ds is its twin for dK/dV. A thread's two rows' statistics are read
+// once, and a tile its rows see whole (below the diagonal, inside the sequence) skips the mask:
+// the same arithmetic either way, so the same bits.
 template <int N>
 __device__ __forceinline__ void p_ds(float (&s)[N / 8][4], const float (&dp)[N / 8][4], int rl,
                                      int q0, int n0, int seq_len, const float* lse_s,
                                      const float* delta_s, float sl2) {
   const int t = threadIdx.x & 3;
+  const float lse2[2] = {lse_s[rl] * ANDREA_LOG2E, lse_s[rl + 8] * ANDREA_LOG2E};
+  const float dl[2] = {delta_s[rl], delta_s[rl + 8]};
+  if (n0 + N - 1 <= q0 + rl && n0 + N <= seq_len) {  // every key visible to both rows
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float p = exp2f(s[j][i] * sl2 - lse2[i >> 1]);
+        s[j][i] = p * (dp[j][i] - dl[i >> 1]);
+      }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int r = rl + (i >= 2 ? 8 : 0);
-      const int row = q0 + r, col = n0 + j * 8 + 2 * t + (i & 1);
+      const int row = q0 + rl + (i >= 2 ? 8 : 0), col = n0 + j * 8 + 2 * t + (i & 1);
       const bool visible = col <= row && col < seq_len;
-      const float p = visible ? exp2f(s[j][i] * sl2 - lse_s[r] * ANDREA_LOG2E) : 0.0f;
-      s[j][i] = p * (dp[j][i] - delta_s[r]);
+      const float p = visible ? exp2f(s[j][i] * sl2 - lse2[i >> 1]) : 0.0f;
+      s[j][i] = p * (dp[j][i] - dl[i >> 1]);
     }
 }
 
@@ -267,23 +280,44 @@ __global__ void __launch_bounds__(32 * W, MINB)
 // (lse_s, delta_s: the tile's statistics by column). Zero where the key comes after the query
 // or the query is past the sequence (whose statistics may be zero-filled). The pipelined dK/dV
 // kernels and attn_bwd_dkdv_ds_wgmma share it (attn_bwd_dkdv has the same steps inline, its
-// machine code kept as measured).
+// machine code kept as measured). The statistics of a thread's NP/4 columns are read once (not
+// per key row, behind the mask), and columns its keys see whole skip the mask, as p_ds.
 template <int NP>
 __device__ __forceinline__ void transposed_p_ds(float (&st)[NP / 8][4], float (&dpt)[NP / 8][4],
                                                 int key_base, int n0, int c0, int seq_len,
                                                 const float* lse_s, const float* delta_s,
                                                 float sl2) {
   const int t = threadIdx.x & 3;
+  float lse2[NP / 8][2], dl[NP / 8][2];  // by column: j, and i & 1
+#pragma unroll
+  for (int j = 0; j < NP / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = c0 + j * 8 + 2 * t + e;
+      lse2[j][e] = lse_s[c] * ANDREA_LOG2E;
+      dl[j][e] = delta_s[c];
+    }
+  if (key_base + 8 <= n0 + c0 && n0 + c0 + NP <= seq_len) {  // every query sees both keys
+#pragma unroll
+    for (int j = 0; j < NP / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float p = exp2f(st[j][i] * sl2 - lse2[j][i & 1]);
+        st[j][i] = p;
+        dpt[j][i] = p * (dpt[j][i] - dl[j][i & 1]);
+      }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < NP / 8; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int key = key_base + (i >= 2 ? 8 : 0);
-      const int c = c0 + j * 8 + 2 * t + (i & 1), col = n0 + c;
+      const int col = n0 + c0 + j * 8 + 2 * t + (i & 1);
       const bool visible = key <= col && col < seq_len;
-      const float p = visible ? exp2f(st[j][i] * sl2 - lse_s[c] * ANDREA_LOG2E) : 0.0f;
+      const float p = visible ? exp2f(st[j][i] * sl2 - lse2[j][i & 1]) : 0.0f;
       st[j][i] = p;
-      dpt[j][i] = p * (dpt[j][i] - delta_s[c]);
+      dpt[j][i] = p * (dpt[j][i] - dl[j][i & 1]);
     }
 }
 
