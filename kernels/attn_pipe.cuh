@@ -81,14 +81,22 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[N / 8][4], float 
                                                     int seq_len, float sl2) {
   const int t = threadIdx.x & 3;
   float mx[2] = {-inf_f(), -inf_f()};
+  if (masked) {
+    // Column n0 + 2t + c is hidden from a row past min(row, seq_len - 1): per row one limit on
+    // c, which is a constant of each score's place (j * 8 + (i & 1)), so a score's mask is one
+    // compare with a constant.
+    const int limit[2] = {imin(row_base, seq_len - 1) - n0 - 2 * t,
+                          imin(row_base + 8, seq_len - 1) - n0 - 2 * t};
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (j * 8 + (i & 1) > limit[i >> 1]) s[j][i] = -inf_f();
+  }
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = row_base + (i >= 2 ? 8 : 0), col = n0 + j * 8 + 2 * t + (i & 1);
-      if (masked && (col > row || col >= seq_len)) s[j][i] = -inf_f();
-      mx[i >> 1] = fmaxf(mx[i >> 1], s[j][i]);
-    }
+    for (int i = 0; i < 4; ++i) mx[i >> 1] = fmaxf(mx[i >> 1], s[j][i]);
   float shift[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
