@@ -9,8 +9,11 @@ integer, float32, memory, the rest. A kernel whose warps issue far more instruct
 than the products take cycles is bound by issue, not by the tensor cores; these counts show that
 without a GPU. They are static counts, each instruction once: "inner" says how many of the main
 loop's sit in loops inside it, which run more than once a tile (where it is 0, the loop's count
-is what a warp issues per tile, less the branch it skips). Compare kernels with the same tiles,
-or one kernel before and after a change (run it from another tree with PYTHONPATH).
+is what a warp issues per tile, less the branches it skips); "fewest" and "most" are the
+instructions on the shortest and the longest trip through it, its forward branches taken or not
+(a tile the causal mask crosses takes the longer one, the pipeline's last tiles skip their
+copies). Compare kernels with the same tiles, or one kernel before and after a change (run it
+from another tree with PYTHONPATH).
 
 Needs NVIDIA's disassembler, from the package index (no GPU, no CUDA install):
 
@@ -45,7 +48,7 @@ CLASSES = {
     "fp32": ("FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FCHK"),
     "mem": ("LDS", "STS", "LDSM", "LDG", "STG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "ATOMS", "RED"),
 }
-OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
 def default_names(arch: str = "sm_90") -> list[str]:
@@ -60,28 +63,46 @@ def default_names(arch: str = "sm_90") -> list[str]:
     return names
 
 
-def parse(sass: str) -> list[tuple[int, str, int | None]]:
-    """SASS text -> (address, opcode, branch target or None) per instruction."""
+def parse(sass: str) -> list[tuple[int, str, int | None, bool]]:
+    """SASS text -> (address, opcode, branch target or None, conditional) per instruction."""
     found = []
     for line in sass.splitlines():
         if m := OPCODE.match(line):
-            target = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)", line)
-            found.append((int(line.split("/*")[1].split("*/")[0], 16), m.group(1),
-                          int(target.group(1), 16) if target else None))
+            target = re.search(r"\bBRA\b[^;]*?(0x[0-9a-f]+)", line)
+            conditional = m.group(1) is not None or bool(re.search(r"\bBRA\s+!?P\d", line))
+            found.append((int(line.split("/*")[1].split("*/")[0], 16), m.group(2),
+                          int(target.group(1), 16) if target else None, conditional))
     return found
 
 
-def main_loop(instructions: list[tuple[int, str, int | None]]) -> tuple[list[str], int]:
-    """The opcodes of the widest loop (a branch back to an earlier address: the K/V or Q/dO
-    tile loop) and how many of them sit in loops inside it, which run more than once a tile."""
-    spans = sorted(((addr - target, target, addr) for addr, _, target in instructions
+def main_loop(instructions: list[tuple[int, str, int | None, bool]]) -> dict[str, object]:
+    """The widest loop (a branch back to an earlier address: the K/V or Q/dO tile loop): its
+    opcodes, how many of them sit in loops inside it (which run more than once a tile), and the
+    fewest and the most a warp issues on one trip through it, its forward branches taken or not
+    (inner loops once)."""
+    spans = sorted(((addr - target, target, addr) for addr, _, target, _ in instructions
                     if target is not None and target <= addr), reverse=True)
     if not spans:
-        return [], 0
+        return {"opcodes": [], "inner": 0, "fewest": 0, "most": 0}
     _, start, end = spans[0]
     inner = [(a, b) for _, a, b in spans[1:] if start <= a and b < end]
-    body = [(addr, op) for addr, op, _ in instructions if start <= addr <= end]
-    return [op for _, op in body], sum(any(a <= addr <= b for a, b in inner) for addr, _ in body)
+    body = [x for x in instructions if start <= x[0] <= end]
+    at = {addr: i for i, (addr, *_) in enumerate(body)}
+    fewest, most = [None] * len(body), [None] * len(body)  # issued before instruction i
+    fewest[0] = most[0] = 0
+    for i, (addr, _, target, conditional) in enumerate(body[:-1]):
+        if fewest[i] is None:
+            continue
+        jumps = target is not None and addr < target <= end
+        nexts = ([at[target]] if jumps else []) + ([i + 1] if conditional or not jumps else [])
+        if target is not None and target > end and not conditional:
+            nexts = []  # leaves the loop
+        for j in nexts:
+            fewest[j] = fewest[i] + 1 if fewest[j] is None else min(fewest[j], fewest[i] + 1)
+            most[j] = most[i] + 1 if most[j] is None else max(most[j], most[i] + 1)
+    return {"opcodes": [op for _, op, _, _ in body],
+            "inner": sum(any(a <= addr <= b for a, b in inner) for addr, *_ in body),
+            "fewest": fewest[-1] + 1, "most": most[-1] + 1}
 
 
 def classify(opcodes: list[str]) -> dict[str, int]:
@@ -103,9 +124,10 @@ def instruction_mix(nvrtc: Nvrtc, name: str, arch: str, folder: Path) -> dict[st
     sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
     instructions = parse(sass)
-    loop, inner = main_loop(instructions)
-    return {"kernel": classify([op for _, op, _ in instructions]),
-            "loop": {**classify(loop), "inner": inner}}
+    loop = main_loop(instructions)
+    return {"kernel": classify([op for _, op, _, _ in instructions]),
+            "loop": {**classify(loop["opcodes"]), "inner": loop["inner"],
+                     "fewest": loop["fewest"], "most": loop["most"]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,14 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     names = args.names or default_names(args.arch)
     print(f"NVRTC {nvrtc.version()}, {args.arch}: SASS instructions per kernel (static, loop "
           "bodies once)")
-    header = ["total", "mma", "MUFU", "F2FP", "int", "fp32", "mem", "other", "inner"]
-    print(f"{'kernel':50s} {'part':5s}" + "".join(f"{h:>6s}" for h in header))
+    header = ["total", "mma", "MUFU", "F2FP", "int", "fp32", "mem", "other", "inner", "fewest",
+              "most"]
+    print(f"{'kernel':50s} {'part':5s}" + "".join(f"{h:>7s}" for h in header))
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             mix = instruction_mix(nvrtc, name, args.arch, Path(tmp))
             for part, row in mix.items():
                 print(f"{name if part == 'kernel' else '':50s} {part:5s}"
-                      + "".join(f"{row[h]:6d}" if h in row else " " * 6 for h in header),
+                      + "".join(f"{row[h]:7d}" if h in row else " " * 7 for h in header),
                       flush=True)
     return 0
 

@@ -184,28 +184,31 @@ SASS = """
         /*0010*/                   S2R R0, SR_TID.X ;
         /*0020*/                   LDGSTS.E.BYPASS.128 [R9], desc[UR30][R10.64], !P0 ;
         /*0030*/              @!P0 BRA 0x20 ;
-        /*0040*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT ;
-        /*0050*/                   MUFU.EX2 R19, R19 ;
-        /*0060*/                   F2FP.BF16.F32.PACK_AB R4, R5, R4 ;
-        /*0070*/                   IMAD.SHL.U32 R7, R6, 0x2000, RZ ;
-        /*0080*/               @P1 BRA 0x10 ;
-        /*0090*/                   EXIT ;
-        /*00a0*/                   BRA 0xa0;
+        /*0040*/               @P2 BRA 0x70 ;
+        /*0050*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT ;
+        /*0060*/                   MUFU.EX2 R19, R19 ;
+        /*0070*/                   F2FP.BF16.F32.PACK_AB R4, R5, R4 ;
+        /*0080*/                   IMAD.SHL.U32 R7, R6, 0x2000, RZ ;
+        /*0090*/               @P1 BRA 0x10 ;
+        /*00a0*/                   EXIT ;
+        /*00b0*/                   BRA 0xb0;
 """
 
 
 def test_instruction_mix_counts_the_widest_loop_by_class() -> None:
     """scripts/kernel_instruction_mix.py's reading of SASS: the main loop is the widest branch
-    back (0x10-0x80 here, the inner copy loop inside it, the closing self-branch left out)."""
+    back (0x10-0x90 here, the inner copy loop inside it, the closing self-branch left out); its
+    shortest trip takes the forward branch past the product and the exp2, its longest does not."""
     mix = _load_instruction_mix()
     instructions = mix.parse(SASS)
-    assert [op for _, op, _ in instructions][:3] == ["MOV", "S2R", "LDGSTS"]
-    opcodes, inner = mix.main_loop(instructions)
-    loop = mix.classify(opcodes)
-    assert loop == {"total": 8, "mma": 1, "MUFU": 1, "F2FP": 1, "int": 1, "fp32": 0, "mem": 1,
-                    "other": 3} and inner == 2  # LDGSTS and its branch back
-    whole = mix.classify([op for _, op, _ in instructions])
-    assert whole["total"] == 11 and whole["other"] == 6
+    assert [op for _, op, _, _ in instructions][:3] == ["MOV", "S2R", "LDGSTS"]
+    assert instructions[4] == (0x40, "BRA", 0x70, True) and instructions[-1][3] is False
+    loop = mix.main_loop(instructions)
+    assert mix.classify(loop["opcodes"]) == {"total": 9, "mma": 1, "MUFU": 1, "F2FP": 1,
+                                             "int": 1, "fp32": 0, "mem": 1, "other": 4}
+    assert (loop["inner"], loop["fewest"], loop["most"]) == (2, 7, 9)
+    whole = mix.classify([op for _, op, _, _ in instructions])
+    assert whole["total"] == 12 and whole["other"] == 7
 
 
 @pytest.mark.skipif(find_libnvrtc() is None or shutil.which("cuobjdump") is None
@@ -218,3 +221,4 @@ def test_instruction_mix_of_a_real_kernel(tmp_path) -> None:
     assert found["loop"]["mma"] == 8 and found["loop"]["F2FP"] == 16  # 2 products x 4 k-steps
     assert 0 < found["loop"]["total"] < found["kernel"]["total"]
     assert found["loop"]["inner"] == 0  # every tile copy unrolled
+    assert found["loop"]["fewest"] < found["loop"]["most"] <= found["loop"]["total"]
