@@ -279,14 +279,18 @@ __device__ __forceinline__ void wgmma_two_products(float (&x)[N / 8][4], const T
   wgmma_fence();
   wgmma_fence_operands(flat(x));
   wgmma_fence_operands(flat(y));
-  const u64 axd = wgmma_desc(ax, CM_BYTES, ROW8_BYTES), bxd = wgmma_desc(bx, CM_BYTES, ROW8_BYTES);
-  const u64 ayd = wgmma_desc(ay, CM_BYTES, ROW8_BYTES), byd = wgmma_desc(by, CM_BYTES, ROW8_BYTES);
+  const u64 ax_desc = wgmma_desc(ax, CM_BYTES, ROW8_BYTES);
+  const u64 bx_desc = wgmma_desc(bx, CM_BYTES, ROW8_BYTES);
+  const u64 ay_desc = wgmma_desc(ay, CM_BYTES, ROW8_BYTES);
+  const u64 by_desc = wgmma_desc(by, CM_BYTES, ROW8_BYTES);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)  // a k16 step: two core matrices, 256 bytes, on
-    wgmma_ss<T_, N, false>(flat(x), desc_advance(axd, kk * 256), desc_advance(bxd, kk * 256), 1);
+    wgmma_ss<T_, N, false>(flat(x), desc_advance(ax_desc, kk * 256),
+                           desc_advance(bx_desc, kk * 256), 1);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    wgmma_ss<T_, N, false>(flat(y), desc_advance(ayd, kk * 256), desc_advance(byd, kk * 256), 1);
+    wgmma_ss<T_, N, false>(flat(y), desc_advance(ay_desc, kk * 256),
+                           desc_advance(by_desc, kk * 256), 1);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operands(flat(x));
@@ -306,10 +310,10 @@ __device__ __forceinline__ void wgmma_add_rs(float (&acc)[D / 8][4], const float
   repack_a<T_, N>(pf, p);
   wgmma_fence();
   wgmma_fence_operands(flat(acc));
-  const u64 bd = wgmma_desc(b, ROW8_BYTES, CM_BYTES);
+  const u64 b_desc = wgmma_desc(b, ROW8_BYTES, CM_BYTES);
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk)  // a k16 step: 16 rows of B, two rows of core matrices
-    wgmma_rs<T_, D, true>(flat(acc), pf[kk], desc_advance(bd, kk * 2 * ROW8_BYTES), 1);
+    wgmma_rs<T_, D, true>(flat(acc), pf[kk], desc_advance(b_desc, kk * 2 * ROW8_BYTES), 1);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operands(flat(acc));
@@ -381,11 +385,12 @@ __global__ void __launch_bounds__(32 * W, MINB)
     for (int j = 0; j < N / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     wgmma_fence();
     wgmma_fence_operands(flat(s));
-    const u64 qd = wgmma_desc(qg, CM_BYTES, ROW8_BYTES);
-    const u64 kd = wgmma_desc(ks, CM_BYTES, ROW8_BYTES);
+    const u64 q_desc = wgmma_desc(qg, CM_BYTES, ROW8_BYTES);
+    const u64 k_desc = wgmma_desc(ks, CM_BYTES, ROW8_BYTES);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T_, N, false>(flat(s), desc_advance(qd, kk * 256), desc_advance(kd, kk * 256), 1);
+      wgmma_ss<T_, N, false>(flat(s), desc_advance(q_desc, kk * 256),
+                             desc_advance(k_desc, kk * 256), 1);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(flat(s));
@@ -484,14 +489,14 @@ __device__ __forceinline__ void dkdv_wgmma_body(
     wgmma_fence();
     wgmma_fence_operands(flat(dv_acc));
     wgmma_fence_operands(flat(dk_acc));
-    const u64 dod = wgmma_desc(dos, ROW8_BYTES, CM_BYTES);
-    const u64 qd = wgmma_desc(qs, ROW8_BYTES, CM_BYTES);
+    const u64 do_desc = wgmma_desc(dos, ROW8_BYTES, CM_BYTES);
+    const u64 q_desc = wgmma_desc(qs, ROW8_BYTES, CM_BYTES);
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_rs<T_, D, true>(flat(dv_acc), pf[kk], desc_advance(dod, kk * 2 * ROW8_BYTES), 1);
+      wgmma_rs<T_, D, true>(flat(dv_acc), pf[kk], desc_advance(do_desc, kk * 2 * ROW8_BYTES), 1);
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_rs<T_, D, true>(flat(dk_acc), dsf[kk], desc_advance(qd, kk * 2 * ROW8_BYTES), 1);
+      wgmma_rs<T_, D, true>(flat(dk_acc), dsf[kk], desc_advance(q_desc, kk * 2 * ROW8_BYTES), 1);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(flat(dv_acc));
@@ -639,12 +644,12 @@ __global__ void __launch_bounds__(32 * W, MINB)
     }
     wgmma_fence();
     wgmma_fence_operands(flat(acc));
-    const u64 dsd = wgmma_desc(dss + group * 8 * ROW8_DS, CM_BYTES, ROW8_DS * 2);
-    const u64 kd = wgmma_desc(kt, ROW8_K * 2, CM_BYTES);
+    const u64 ds_desc = wgmma_desc(dss + group * 8 * ROW8_DS, CM_BYTES, ROW8_DS * 2);
+    const u64 k_desc = wgmma_desc(kt, ROW8_K * 2, CM_BYTES);
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_ss<T_, D, true>(flat(acc), desc_advance(dsd, kk * 256),
-                            desc_advance(kd, kk * 2 * ROW8_K * 2), 1);
+      wgmma_ss<T_, D, true>(flat(acc), desc_advance(ds_desc, kk * 256),
+                            desc_advance(k_desc, kk * 2 * ROW8_K * 2), 1);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(flat(acc));
