@@ -485,10 +485,7 @@ template <int BYTES>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool in) {
   static_assert(BYTES == 4 || BYTES == 16, "cp_async copies 4 or 16 bytes");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  u32 addr;
-  asm volatile("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }"
-               : "=r"(addr)
-               : "l"(dst));
+  const u32 addr = (u32)__cvta_generic_to_shared(dst);
   if constexpr (BYTES == 16)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src),
                  "r"(in ? 16 : 0)
