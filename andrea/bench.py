@@ -240,7 +240,7 @@ def bench_train(
     """Median optimizer-step time of `preset` with `backend` on random tokens, at the preset's
     tokens per step on one process."""
     from andrea.config import load_config
-    from andrea.model.transformer import Andrea
+    from andrea.model.transformer import Andrea, loss_chunk_rows
     from andrea.train.device import pick_dtype
     from andrea.train.optim import build_optimizer
     from andrea.train.setup import accumulation_steps, resolve_micro_batch
@@ -249,6 +249,7 @@ def bench_train(
     dtype = pick_dtype(cfg.train.precision, device)
     torch.manual_seed(cfg.train.seed)
     model = Andrea(cfg.model, attention_backend=backend).to(device)
+    model.loss_chunk_rows = loss_chunk_rows(cfg.model.vocab_size, cfg.train.loss_chunk_rows)
     model.train()
     optimizer = build_optimizer(model, cfg, device)
     micro_batch = resolve_micro_batch(cfg, model, dtype, device)[0]

@@ -17,12 +17,14 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
   120m-warm    the same again, the cache filled by 120m: the second run's compile; the table's
                last line says whether the two ended at the same loss bit for bit
   120m-plain   as 120m-warm, the loss unchunked inside the compiled graph (F.cross_entropy on
-               the whole logits, as the reference): what the chunked loss costs
+               the whole logits, as the reference; train.loss_chunk_rows=0): what the chunked
+               loss costs
   120m-fp32acc as 120m-warm, each loss chunk's weight gradient added into float32 inside its
                matmul (torch.addmm's out_dtype, CUDA only) instead of a bf16 product added
                after it (the H100's profile: 160 us a chunk, about 10% of the step)
   120m-chunk4k as 120m-warm, the loss in chunks of 4,096 rows instead of 667 (4 a micro-batch
-               of 16 x 1024, not 25): that weight gradient added 4 times, not 25
+               of 16 x 1024, not 25; train.loss_chunk_rows=4096): that weight gradient added 4
+               times, not 25
   12m          ANDREA-12M's whole preset run (550 steps) at the defaults (compiled, its steps
                replayed as CUDA graphs: the preset's train.compile_mode reduce-overhead)
   resume       ANDREA-12M as 12m (compiled, CUDA graphs): 16 steps straight, and 8 steps then
@@ -105,12 +107,8 @@ def andrea_run(args: argparse.Namespace) -> None:
     from andrea.runs import read_metrics
     from andrea.train.loop import train
 
-    if args.plain_loss:  # every model built from here on computes its loss unchunked
-        transformer.loss_chunk_rows = lambda vocab_size: None
     if args.fp32_accumulate:
         transformer.add_weight_grad = add_in_float32
-    if args.loss_chunk_rows:  # every model built from here on: chunks of this many rows
-        transformer.loss_chunk_rows = lambda vocab_size: args.loss_chunk_rows
     cfg = load_config(args.preset, args.set)
     profiler = None
     if args.profile and torch.cuda.is_available():
@@ -206,11 +204,11 @@ def part_command(name: str, work: Path, out: Path, dry: bool) -> tuple[list[str]
         auto = [a for a in big if not a.startswith("train.micro_batch_size")]
         return [*me, *j, *auto, "train.micro_batch_size=auto", "train.name=auto"], env
     if name == "120m-plain":
-        return [*me, *j, "--plain-loss", *big, "train.name=plain"], env
+        return [*me, *j, *big, "train.loss_chunk_rows=0", "train.name=plain"], env
     if name == "120m-fp32acc":  # out_dtype has no CPU kernel: a dry run checks the plumbing
         return [*me, *j, *([] if dry else ["--fp32-accumulate"]), *big, "train.name=fp32acc"], env
     if name == "120m-chunk4k":
-        return [*me, *j, "--loss-chunk-rows", "4096", *big, "train.name=chunk4k"], env
+        return [*me, *j, *big, "train.loss_chunk_rows=4096", "train.name=chunk4k"], env
     if name == "12m-eager":
         return [*me, *j, *small, "train.compile=false", "train.name=s-eager"], env
     if name == "12m":
@@ -357,9 +355,7 @@ def main() -> int:
     parser.add_argument("--set", nargs="*", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--resume", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--plain-loss", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fp32-accumulate", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--loss-chunk-rows", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_andrea:
         andrea_run(args)

@@ -204,7 +204,7 @@ def test_resumable_keys_are_the_ones_resume_always_allowed():
         "train.spike_patience", "train.spike_lr_factor", "train.spike_lr_steps", "train.compile",
         "train.compile_mode",
         "train.zero_init_output", "train.muon_ns_coefficients",
-        "train.muon_cautious_weight_decay", "train.micro_batch_size",
+        "train.muon_cautious_weight_decay", "train.micro_batch_size", "train.loss_chunk_rows",
         "train.activation_checkpointing", "train.parallel", "train.device", "model.attention",
         "data.dir", "data.workers",
     }

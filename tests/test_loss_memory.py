@@ -8,9 +8,12 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import andrea_main, config_file, tiny_config
 
 from andrea.config import load_config
-from andrea.model.transformer import Andrea, ChunkedCrossEntropy, softmax_chunk
+from andrea.errors import UserError
+from andrea.model.transformer import LOSS_CHUNK_LOGITS, Andrea, ChunkedCrossEntropy, softmax_chunk
+from andrea.train.memory import estimate_peak_bytes
 
 
 def tiny_model(*sets: str, dtype: torch.dtype = torch.float32) -> Andrea:
@@ -147,3 +150,40 @@ def test_the_compiled_chunk_is_one_pass_with_the_eager_arithmetic(monkeypatch):
     assert torch.allclose(nll, eager[0], rtol=1e-6)
     assert torch.allclose(grad.float(), eager[1].float(), rtol=1e-2, atol=1e-7)
     assert torch.count_nonzero(grad[2]) == 0
+
+
+@pytest.mark.parametrize("setting", ["auto", "5", "0"])
+def test_train_loss_chunk_rows_reaches_the_training_loss(tmp_path, data_dir, monkeypatch,
+                                                         setting):
+    """train.loss_chunk_rows is the chunk size of the loss a training computes (auto: from the
+    vocabulary alone; 0: no chunks, the plain form), in its steps and its evaluation."""
+    rows_seen = []
+    chunked = ChunkedCrossEntropy.apply
+    monkeypatch.setattr(ChunkedCrossEntropy, "apply",
+                        lambda *args: rows_seen.append(args[3]) or chunked(*args))
+    cfg = tiny_config(tmp_path / "runs", data_dir, f"train.loss_chunk_rows={setting}",
+                      "train.max_steps=2")
+    proc = andrea_main("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    if setting == "0":
+        assert rows_seen == []
+    else:
+        auto = LOSS_CHUNK_LOGITS // cfg.model.vocab_size
+        assert rows_seen and set(rows_seen) == {auto if setting == "auto" else int(setting)}
+
+
+def test_loss_chunk_rows_is_checked_and_weighed_by_the_memory_estimate():
+    for bad in ("-1", "1.5", "half", "true"):
+        with pytest.raises(UserError, match=r"train\.loss_chunk_rows: (must be auto or an "
+                                            r"integer of 0 or more|expected an integer)"):
+            load_config("andrea-tiny", [f"train.loss_chunk_rows={bad}"])
+    assert load_config("andrea-tiny", ["train.loss_chunk_rows=0"]).train.loss_chunk_rows == 0
+    model = load_config("andrea-120m").model
+    n, tokens = 124_373_760, 16 * 1024
+    auto, plain, big = (estimate_peak_bytes(model, n, 16, torch.bfloat16, False, rows)
+                        for rows in ("auto", None, 4096))
+    # 16 x 1024 x 50,304 logits: about 0.8 G at once, 12 + 2 x 2 bytes each unchunked, and no
+    # float32 gradient of the tied weight of the loss's own.
+    assert plain - auto == (16 * tokens * model.vocab_size - 8 * LOSS_CHUNK_LOGITS
+                            - 4 * model.vocab_size * 768)
+    assert big - auto == 8 * (4096 * model.vocab_size - LOSS_CHUNK_LOGITS)

@@ -114,6 +114,13 @@ class TrainConfig:
         "batch and fits the device's memory, resolved once per run and kept on resume",
         check=Check(lambda x: x == "auto" or (isinstance(x, int) and x > 0),
                     "auto or a positive integer"), resumable=True)
+    loss_chunk_rows: int | str = key(
+        "auto", "rows of the LM head's output the loss computes at a time (the rest never exist "
+        "at once); auto: about 32M logits a chunk (667 rows at vocab 50,304); 0: no chunks, the "
+        "whole [tokens, vocab] logits at once; the chunks order the weight gradient's sums",
+        check=Check(lambda x: x == "auto" or (isinstance(x, int) and not isinstance(x, bool)
+                                              and x >= 0), "auto or an integer of 0 or more"),
+        resumable=True)
     activation_checkpointing: str = key(
         "none", "blocks: recompute each block's activations in backward instead of keeping them",
         choices=("none", "blocks"), resumable=True)

@@ -24,8 +24,12 @@ from andrea.model.attention import BACKENDS, AttentionBackend
 LOSS_CHUNK_LOGITS = 1 << 25
 
 
-def loss_chunk_rows(vocab_size: int) -> int:
-    return max(1, LOSS_CHUNK_LOGITS // vocab_size)
+def loss_chunk_rows(vocab_size: int, setting: int | str = "auto") -> int | None:
+    """Rows per chunk of the loss for train.loss_chunk_rows: auto, about LOSS_CHUNK_LOGITS logits
+    a chunk; 0, None: the whole logits at once (the plain form); n: n rows."""
+    if setting == "auto":
+        return max(1, LOSS_CHUNK_LOGITS // vocab_size)
+    return int(setting) or None
 
 
 @dataclass

@@ -132,9 +132,12 @@ def _cgroup_folders() -> list[tuple[Path, tuple[str, str, str]]]:
 
 
 def estimate_peak_bytes(
-    model: ModelConfig, n_params: int, micro_batch: int, dtype: torch.dtype, checkpointing: bool
+    model: ModelConfig, n_params: int, micro_batch: int, dtype: torch.dtype, checkpointing: bool,
+    loss_chunk_rows: int | str | None = "auto",
 ) -> int:
-    """Estimated peak memory of one process training `model` at `micro_batch` sequences."""
+    """Estimated peak memory of one process training `model` at `micro_batch` sequences, its
+    loss `loss_chunk_rows` rows at a time (auto: train.loss_chunk_rows auto's chunks; None: the
+    whole logits at once)."""
     d, n_layer, tokens = model.d_model or 0, model.n_layer, micro_batch * model.block_size
     element = 2 if dtype in HALF else 4
     fixed = 16 * n_params  # float32 weights, gradients, AdamW exp_avg and exp_avg_sq
@@ -142,7 +145,15 @@ def estimate_peak_bytes(
         fixed += 2 * n_params  # autocast's cached half copies of the weights
     # One chunk of the loss: float32 logits turned softmax in place, the matmul's own output
     # and the gradient in the compute dtype; and the float32 gradient of the tied weight.
-    fixed += 8 * min(tokens * model.vocab_size, LOSS_CHUNK_LOGITS) + 4 * model.vocab_size * d
+    # Unchunked, autograd holds the logits and their gradient in the compute dtype, and a
+    # float32 copy, the saved log-softmax and the float32 gradient, at once.
+    logits = tokens * model.vocab_size
+    if loss_chunk_rows is None:
+        fixed += (12 + 2 * element) * logits
+    else:
+        chunk = (LOSS_CHUNK_LOGITS if loss_chunk_rows == "auto"
+                 else int(loss_chunk_rows) * model.vocab_size)
+        fixed += 8 * min(logits, chunk) + 4 * model.vocab_size * d
     width = ACTIVATION_WIDTHS.get(dtype, ACTIVATION_WIDTHS[torch.float32])
     if checkpointing:
         per_token = (n_layer * CHECKPOINTED_WIDTH + width) * d * element
@@ -160,6 +171,7 @@ def choose_micro_batch(
     checkpointing: bool,
     available: int,
     max_sequences: int | None = None,
+    loss_chunk_rows: int | str | None = "auto",
 ) -> MicroBatchChoice:
     """The largest divisor of sequences_per_rank, at most max_sequences, whose estimate fits
     `available` (with headroom), so the global batch stays exact; 1 if none fits (the choice
@@ -169,7 +181,8 @@ def choose_micro_batch(
         if sequences_per_rank % size:
             continue
         choice = MicroBatchChoice(
-            size, estimate_peak_bytes(model, n_params, size, dtype, checkpointing), available
+            size, estimate_peak_bytes(model, n_params, size, dtype, checkpointing,
+                                      loss_chunk_rows), available
         )
         if choice.fits:
             break

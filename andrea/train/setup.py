@@ -40,7 +40,7 @@ from andrea.data.prepare import (
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text, free_bytes
 from andrea.model.attention import recorded_backend_problem, resolve_backend
-from andrea.model.transformer import Andrea
+from andrea.model.transformer import Andrea, loss_chunk_rows
 from andrea.train import rundata
 from andrea.train.checkpoint import checkpoint_nbytes
 from andrea.train.checkpoint_room import check_room_at_start, start_warning
@@ -326,6 +326,7 @@ def build_model(
     t = cfg.train
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     model = Andrea(cfg.model, attention_backend=backend).to(device)
+    model.loss_chunk_rows = loss_chunk_rows(cfg.model.vocab_size, t.loss_chunk_rows)
     if t.zero_init_output:
         model.zero_output_projections()
     model.checkpoint_blocks = t.activation_checkpointing == "blocks"
@@ -458,6 +459,7 @@ def resolve_micro_batch(
     choice = choose_micro_batch(
         cfg.model, model.num_params(), sequences, dtype,
         checkpointing=t.activation_checkpointing == "blocks",
+        loss_chunk_rows=model.loss_chunk_rows,
         available=available_memory(device, dist.local_world_size), max_sequences=cap,
     )
     # Ranks measure their memory at slightly different moments: all take the smallest choice.
