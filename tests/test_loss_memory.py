@@ -181,9 +181,10 @@ def test_loss_chunk_rows_is_checked_and_weighed_by_the_memory_estimate():
     model = load_config("andrea-120m").model
     n, tokens = 124_373_760, 16 * 1024
     auto, plain, big = (estimate_peak_bytes(model, n, 16, torch.bfloat16, False, rows)
-                        for rows in ("auto", None, 4096))
+                        for rows in ("auto", 0, 4096))
+    auto_chunk = LOSS_CHUNK_LOGITS // model.vocab_size * model.vocab_size  # 667 rows
     # 16 x 1024 x 50,304 logits: about 0.8 G at once, 12 + 2 x 2 bytes each unchunked, and no
     # float32 gradient of the tied weight of the loss's own.
-    assert plain - auto == (16 * tokens * model.vocab_size - 8 * LOSS_CHUNK_LOGITS
+    assert plain - auto == (16 * tokens * model.vocab_size - 8 * auto_chunk
                             - 4 * model.vocab_size * 768)
-    assert big - auto == 8 * (4096 * model.vocab_size - LOSS_CHUNK_LOGITS)
+    assert big - auto == 8 * (4096 * model.vocab_size - auto_chunk)

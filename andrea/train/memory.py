@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from andrea.config import ModelConfig
-from andrea.model.transformer import LOSS_CHUNK_LOGITS
+from andrea.model.transformer import loss_chunk_rows as chunk_rows_for
 
 GIB = 2**30
 # Activation bytes kept per token and layer, in units of d_model elements of the compute dtype
@@ -133,11 +133,11 @@ def _cgroup_folders() -> list[tuple[Path, tuple[str, str, str]]]:
 
 def estimate_peak_bytes(
     model: ModelConfig, n_params: int, micro_batch: int, dtype: torch.dtype, checkpointing: bool,
-    loss_chunk_rows: int | str | None = "auto",
+    loss_chunk_rows: int | str = "auto",
 ) -> int:
     """Estimated peak memory of one process training `model` at `micro_batch` sequences, its
-    loss `loss_chunk_rows` rows at a time (auto: train.loss_chunk_rows auto's chunks; None: the
-    whole logits at once)."""
+    loss in the chunks of train.loss_chunk_rows = `loss_chunk_rows` (0: the whole logits at
+    once)."""
     d, n_layer, tokens = model.d_model or 0, model.n_layer, micro_batch * model.block_size
     element = 2 if dtype in HALF else 4
     fixed = 16 * n_params  # float32 weights, gradients, AdamW exp_avg and exp_avg_sq
@@ -147,13 +147,11 @@ def estimate_peak_bytes(
     # and the gradient in the compute dtype; and the float32 gradient of the tied weight.
     # Unchunked, autograd holds the logits and their gradient in the compute dtype, and a
     # float32 copy, the saved log-softmax and the float32 gradient, at once.
-    logits = tokens * model.vocab_size
-    if loss_chunk_rows is None:
+    logits, rows = tokens * model.vocab_size, chunk_rows_for(model.vocab_size, loss_chunk_rows)
+    if rows is None:
         fixed += (12 + 2 * element) * logits
     else:
-        chunk = (LOSS_CHUNK_LOGITS if loss_chunk_rows == "auto"
-                 else int(loss_chunk_rows) * model.vocab_size)
-        fixed += 8 * min(logits, chunk) + 4 * model.vocab_size * d
+        fixed += 8 * min(logits, rows * model.vocab_size) + 4 * model.vocab_size * d
     width = ACTIVATION_WIDTHS.get(dtype, ACTIVATION_WIDTHS[torch.float32])
     if checkpointing:
         per_token = (n_layer * CHECKPOINTED_WIDTH + width) * d * element
@@ -171,7 +169,7 @@ def choose_micro_batch(
     checkpointing: bool,
     available: int,
     max_sequences: int | None = None,
-    loss_chunk_rows: int | str | None = "auto",
+    loss_chunk_rows: int | str = "auto",
 ) -> MicroBatchChoice:
     """The largest divisor of sequences_per_rank, at most max_sequences, whose estimate fits
     `available` (with headroom), so the global batch stays exact; 1 if none fits (the choice

@@ -459,7 +459,7 @@ def resolve_micro_batch(
     choice = choose_micro_batch(
         cfg.model, model.num_params(), sequences, dtype,
         checkpointing=t.activation_checkpointing == "blocks",
-        loss_chunk_rows=model.loss_chunk_rows,
+        loss_chunk_rows=t.loss_chunk_rows,
         available=available_memory(device, dist.local_world_size), max_sequences=cap,
     )
     # Ranks measure their memory at slightly different moments: all take the smallest choice.
