@@ -5,6 +5,9 @@
 //   attn_bwd_dq_ds_wgmma     dQ = scale * dS K (attn_bwd_dq_ds) on it
 //   attn_bwd_dkdv_wgmma      dK/dV (attn_bwd_dkdv_pipe): attn_bwd_dkdv_ds_wgmma without dS
 //   attn_bwd_dq_wgmma        dQ recomputing S and dP (attn_bwd_dq_pipe), its three products
+//   attn_fwd_wgmma_overlap, attn_bwd_dkdv_wgmma_overlap, attn_bwd_dq_wgmma_overlap
+//                            the three with a tile's last products in flight during the next
+//                            tile's softmax or dS (FlashAttention-3's overlap in a warpgroup)
 // A warpgroup owns 64 rows (queries; keys in dK/dV), W/4 of them a block. Products whose A
 // operand was just computed (P, dS) take it from registers (the C -> A fragment repack of the
 // mma.sync path); the others read both operands from shared memory, the streamed tiles
@@ -108,13 +111,26 @@ template <int PENDING> __device__ __forceinline__ void wgmma_wait() {
 }
 
 // Keeps the compiler from moving reads or writes of an accumulator across the asynchronous
-// region (the registers belong to the tensor cores from issue to wait).
+// region (the registers belong to the tensor cores from issue to wait), or the writes of an
+// operand past the wgmma_fence that must follow them (else ptxas adds a fence of its own where
+// it sees them, and may wait there for every wgmma in flight).
 template <int R> __device__ __forceinline__ void wgmma_fence_operands(float (&d)[R]) {
 #if defined(ANDREA_WGMMA)
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 #else
   (void)d;
+#endif
+}
+
+template <int K> __device__ __forceinline__ void wgmma_fence_operands(u32 (&a)[K][4]) {
+#if defined(ANDREA_WGMMA)
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+#else
+  (void)a;
 #endif
 }
 
@@ -236,7 +252,12 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u
     u32 r[32][4];
   } frags;
   std::memcpy(frags.r, all, sizeof(all));
+  const u32* const regs = a;  // the registers: the GPU reads them until the wait_group
   andrea_emu::async_mma_issue(d, N / 2, [=](float* acc) {
+    for (int i = 0; i < 4; ++i)
+      if (regs[i] != mine[i])
+        andrea_emu::die("wgmma: A fragment registers written before the wait_group that "
+                        "completes their instruction");
     wgmma_emulated<T_, N>(acc, warp, lane, 0, frags.r, bdesc, TRANS_B, scale_d);
   });
 #endif
@@ -264,56 +285,70 @@ __device__ __forceinline__ void repack_a(u32 (&a)[N / 16][4], const float (&c)[N
   }
 }
 
-// x = A_x B_xᵀ and y = A_y B_yᵀ (S and dP, or Sᵀ and dPᵀ) over D/16 k16 steps, every operand a
-// tile of D columns K-major in shared memory (core-matrix layout; A_x's and A_y's 64 rows this
-// warpgroup's): one commit group, waited for before the accumulators are read.
+// x = A Bᵀ over D/16 k16 steps, A (this warpgroup's 64 rows) and B (N rows) tiles of D columns
+// K-major in shared memory (core-matrix layout): the instructions alone, onto x as it is.
 template <typename T_, int D, int N>
-__device__ __forceinline__ void wgmma_two_products(float (&x)[N / 8][4], const T_* ax,
-                                                   const T_* bx, float (&y)[N / 8][4],
-                                                   const T_* ay, const T_* by) {
+__device__ __forceinline__ void issue_ss_steps(float (&x)[N / 8][4], const T_* a, const T_* b) {
   constexpr u32 CM_BYTES = 128, ROW8_BYTES = D / 8 * 64 * 2;
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) x[j][i] = y[j][i] = 0.0f;
-  wgmma_fence();
-  wgmma_fence_operands(flat(x));
-  wgmma_fence_operands(flat(y));
-  const u64 ax_desc = wgmma_desc(ax, CM_BYTES, ROW8_BYTES);
-  const u64 bx_desc = wgmma_desc(bx, CM_BYTES, ROW8_BYTES);
-  const u64 ay_desc = wgmma_desc(ay, CM_BYTES, ROW8_BYTES);
-  const u64 by_desc = wgmma_desc(by, CM_BYTES, ROW8_BYTES);
+  const u64 a_desc = wgmma_desc(a, CM_BYTES, ROW8_BYTES);
+  const u64 b_desc = wgmma_desc(b, CM_BYTES, ROW8_BYTES);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)  // a k16 step: two core matrices, 256 bytes, on
-    wgmma_ss<T_, N, false>(flat(x), desc_advance(ax_desc, kk * 256),
-                           desc_advance(bx_desc, kk * 256), 1);
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    wgmma_ss<T_, N, false>(flat(y), desc_advance(ay_desc, kk * 256),
-                           desc_advance(by_desc, kk * 256), 1);
-  wgmma_commit();
-  wgmma_wait<0>();
-  wgmma_fence_operands(flat(x));
-  wgmma_fence_operands(flat(y));
+    wgmma_ss<T_, N, false>(flat(x), desc_advance(a_desc, kk * 256),
+                           desc_advance(b_desc, kk * 256), 1);
 }
 
-// acc += P B: P's C fragments (a warp's rows of the tile's N columns) repacked as A fragments,
-// all written before the fence (which orders register writes before wgmma reads them); B an
-// N x D tile in shared memory, read MN-major (V in the forward, K in dQ); N/16 k16 steps, one
-// commit group, waited for.
+template <int N> __device__ __forceinline__ void zero_fragments(float (&x)[N / 8][4]) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.0f;
+  wgmma_fence_operands(flat(x));  // written before the fence
+}
+
+// x = A Bᵀ (S), or with y = A_y B_yᵀ beside it (S and dP, or Sᵀ and dPᵀ): issued, not
+// committed. Every accumulator is zeroed before the fence, and before any is issued: the
+// compiler may keep a zero in a register the first product then owns (scale-d 0 on the first
+// step instead of zeros: ptxas waits for every wgmma in flight before the product).
 template <typename T_, int D, int N>
-__device__ __forceinline__ void wgmma_add_rs(float (&acc)[D / 8][4], const float (&p)[N / 8][4],
-                                             const T_* b) {
-  constexpr int ROW8 = D / 8 * 64;
-  constexpr u32 CM_BYTES = 128, ROW8_BYTES = ROW8 * 2;
-  u32 pf[N / 16][4];
-  repack_a<T_, N>(pf, p);
+__device__ __forceinline__ void issue_product(float (&x)[N / 8][4], const T_* a, const T_* b) {
+  zero_fragments<N>(x);
   wgmma_fence();
-  wgmma_fence_operands(flat(acc));
+  issue_ss_steps<T_, D, N>(x, a, b);
+}
+
+template <typename T_, int D, int N>
+__device__ __forceinline__ void issue_two_products(float (&x)[N / 8][4], const T_* ax,
+                                                   const T_* bx, float (&y)[N / 8][4],
+                                                   const T_* ay, const T_* by) {
+  zero_fragments<N>(x);
+  zero_fragments<N>(y);
+  wgmma_fence();
+  issue_ss_steps<T_, D, N>(x, ax, bx);
+  issue_ss_steps<T_, D, N>(y, ay, by);
+}
+
+// acc += A B: A's fragments (P or dS of a warp's rows, repack_a) from registers, all written
+// before the wgmma_fence (which orders register writes before wgmma reads them); B an
+// N x D tile in shared memory read MN-major (V in the forward, K in dQ, dO and Q in dK/dV); N/16
+// k16 steps, issued, not committed. A's registers and acc belong to the tensor cores until the
+// group is waited for.
+template <typename T_, int D, int N>
+__device__ __forceinline__ void issue_add_rs(float (&acc)[D / 8][4], u32 (&a)[N / 16][4],
+                                             const T_* b) {
+  constexpr u32 CM_BYTES = 128, ROW8_BYTES = D / 8 * 64 * 2;
+  wgmma_fence_operands(flat(acc));  // written before the fence: acc's rescale, A's repack
+  wgmma_fence_operands(a);
+  wgmma_fence();
   const u64 b_desc = wgmma_desc(b, ROW8_BYTES, CM_BYTES);
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk)  // a k16 step: 16 rows of B, two rows of core matrices
-    wgmma_rs<T_, D, true>(flat(acc), pf[kk], desc_advance(b_desc, kk * 2 * ROW8_BYTES), 1);
+    wgmma_rs<T_, D, true>(flat(acc), a[kk], desc_advance(b_desc, kk * 2 * ROW8_BYTES), 1);
+}
+
+// issue_add_rs as a group of its own, waited for.
+template <typename T_, int D, int N>
+__device__ __forceinline__ void wgmma_add_rs(float (&acc)[D / 8][4], u32 (&a)[N / 16][4],
+                                             const T_* b) {
+  issue_add_rs<T_, D, N>(acc, a, b);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operands(flat(acc));
@@ -338,16 +373,23 @@ template <typename T_, int D, int K, int W, int N, int STAGES> struct HopperSmem
 };
 
 // The forward on wgmma: W warps (W/4 warpgroups of 64 query rows), N keys a tile, STAGES-deep
-// cp.async pipeline; launched as attn_fwd_pipe with the same (W, N, STAGES).
-template <typename T_, int D, int W, int N, int STAGES, int MINB>
-__global__ void __launch_bounds__(32 * W, MINB)
-    attn_fwd_wgmma(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
-                   T_* __restrict__ o, float* __restrict__ lse, int seq_len, float scale) {
+// cp.async pipeline; launched as attn_fwd_pipe with the same (W, N, STAGES). OVERLAP
+// (attn_fwd_wgmma_overlap; FlashAttention-3's overlap within a warpgroup): tile it's S = Q Kᵀ is
+// issued with tile it-1's O += P V behind it, and tile it's softmax runs while that product is
+// in flight; O's rescale waits for it. O sees the same operations in the same order (rescale,
+// add, rescale, ...), so the same bits as without. Tile it-1's V is read a tile longer: the
+// pipeline's LAG 1, at least 3 stages.
+template <typename T_, int D, int W, int N, int STAGES, bool OVERLAP>
+__device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
+                                               const T_* __restrict__ k,
+                                               const T_* __restrict__ v, T_* __restrict__ o,
+                                               float* __restrict__ lse, int seq_len,
+                                               float scale) {
 #if defined(ANDREA_WGMMA) || defined(ANDREA_EMULATOR)
   static_assert(UsesMma<T_>::value, "wgmma takes bf16 or fp16");
   using L = HopperSmem<T_, D, KIND_FWD, W, N, STAGES>;
   constexpr int M = L::M, ROW8 = D / 8 * 64;  // elements in 8 rows of a tile
-  constexpr u32 CM_BYTES = 128, ROW8_BYTES = ROW8 * 2;
+  constexpr int LAG = OVERLAP ? 1 : 0;  // V of tile it-1 is read during tile it
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const qs = (T_*)smem;
   T_* const kv = (T_*)(smem + L::B);  // stage s: K at kv + s*STAGE, V after it
@@ -366,39 +408,55 @@ __global__ void __launch_bounds__(32 * W, MINB)
     load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base,
                                          tile * N, seq_len);
   };
+  const auto v_of = [&](int tile) { return kv + (tile % STAGES) * L::STAGE + N * D; };
   load_tile_cm_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);  // joins the first group
-  pipe_prologue<STAGES>(n_tiles, load_kv);
+  pipe_prologue<STAGES, LAG>(n_tiles, load_kv);
   float acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   float m_run[2] = {-inf_f(), -inf_f()}, l_run[2] = {0.0f, 0.0f};
-
-  for (int it = 0; it < n_tiles; ++it) {
-    const int n0 = it * N;
-    const T_* ks = kv + (it % STAGES) * L::STAGE;
-    const T_* vs = ks + N * D;
-    pipe_advance<STAGES, true>(it, n_tiles, load_kv);
-
-    // S = Q K^T: D/16 steps of k16, Q (A) and K (B) K-major.
-    float s[N / 8][4];
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-    wgmma_fence();
-    wgmma_fence_operands(flat(s));
-    const u64 q_desc = wgmma_desc(qg, CM_BYTES, ROW8_BYTES);
-    const u64 k_desc = wgmma_desc(ks, CM_BYTES, ROW8_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T_, N, false>(flat(s), desc_advance(q_desc, kk * 256),
-                             desc_advance(k_desc, kk * 256), 1);
+  float s[N / 8][4], corr[2];  // a tile's S, then its P; O's factor for it
+  u32 pf[N / 16][4];            // P as A fragments
+  const auto issue_s = [&](int it) {  // S = Q K^T of tile it, once its stage has landed
+    pipe_advance<STAGES, true, LAG>(it, n_tiles, load_kv);
+    issue_product<T_, D, N>(s, qg, kv + (it % STAGES) * L::STAGE);
     wgmma_commit();
-    wgmma_wait<0>();
+  };
+  const auto softmax = [&](int it) {  // tile it's S has landed: P, the running max and sums
     wgmma_fence_operands(flat(s));
+    const int n0 = it * N;
+    online_softmax_scores<N>(s, m_run, l_run, corr, row0 + g, n0,
+                             n0 + N - 1 > q0 || n0 + N > seq_len, seq_len, sl2);
+  };
 
-    online_softmax_tile<N, D>(s, acc, m_run, l_run, row0 + g, n0,
-                              n0 + N - 1 > q0 || n0 + N > seq_len, seq_len, sl2);
-
-    wgmma_add_rs<T_, D, N>(acc, s, vs);  // O += P V
+  if constexpr (!OVERLAP) {
+    for (int it = 0; it < n_tiles; ++it) {
+      issue_s(it);
+      wgmma_wait<0>();
+      softmax(it);
+      rescale_rows<D>(acc, corr);
+      repack_a<T_, N>(pf, s);
+      wgmma_add_rs<T_, D, N>(acc, pf, v_of(it));  // O += P V
+    }
+  } else {  // tile 0 alone (a wgmma issued on one path only costs a fence ptxas adds), then
+            // each tile's S with tile it-1's O += P V behind it
+    issue_s(0);
+    wgmma_wait<0>();
+    softmax(0);
+    rescale_rows<D>(acc, corr);
+    repack_a<T_, N>(pf, s);
+    for (int it = 1; it < n_tiles; ++it) {
+      issue_s(it);
+      issue_add_rs<T_, D, N>(acc, pf, v_of(it - 1));
+      wgmma_commit();
+      wgmma_wait<1>();  // S's group, the older one
+      softmax(it);
+      wgmma_wait<0>();  // O += P V of tile it-1 has landed; its P fragments are free again
+      wgmma_fence_operands(flat(acc));
+      rescale_rows<D>(acc, corr);
+      repack_a<T_, N>(pf, s);
+    }
+    wgmma_add_rs<T_, D, N>(acc, pf, v_of(n_tiles - 1));  // the last tile's
   }
   cp_async_wait<0>();  // nothing left in flight when the block ends (only empty groups)
 
@@ -415,12 +473,29 @@ __global__ void __launch_bounds__(32 * W, MINB)
 #endif
 }
 
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_fwd_wgmma(const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
+                   T_* __restrict__ o, float* __restrict__ lse, int seq_len, float scale) {
+  fwd_wgmma_body<T_, D, W, N, STAGES, false>(q, k, v, o, lse, seq_len, scale);
+}
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_fwd_wgmma_overlap(const T_* __restrict__ q, const T_* __restrict__ k,
+                           const T_* __restrict__ v, T_* __restrict__ o,
+                           float* __restrict__ lse, int seq_len, float scale) {
+  fwd_wgmma_body<T_, D, W, N, STAGES, true>(q, k, v, o, lse, seq_len, scale);
+}
+
 // dK/dV on wgmma (attn_bwd_dkdv_pipe's arithmetic, one pass over a query tile; with WRITE_DS
 // attn_bwd_dkdv_ds's, dS stored too): a warpgroup owns 64 keys, W/4 of them a block, and
 // streams N queries a tile (Q, dO, their lse and delta). Per tile S^T = K Q^T and dP^T = V dO^T
 // (K, V and the tiles from shared memory), P^T and dS^T in registers, then dV += P^T dO and
-// dK += dS^T Q (P^T and dS^T from registers, dO and Q transposed from shared memory).
-template <typename T_, int D, int W, int N, int STAGES, bool WRITE_DS>
+// dK += dS^T Q (P^T and dS^T from registers, dO and Q transposed from shared memory). OVERLAP
+// (as the forward's): tile it's two products are issued with tile it-1's dV and dK products
+// behind them, and P^T and dS^T are computed while those are in flight; the same bits.
+template <typename T_, int D, int W, int N, int STAGES, bool WRITE_DS, bool OVERLAP>
 __device__ __forceinline__ void dkdv_wgmma_body(
     const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
     const T_* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -430,7 +505,6 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   static_assert(UsesMma<T_>::value, "bf16 or fp16");
   using L = HopperSmem<T_, D, KIND_DKDV, W, N, STAGES>;
   constexpr int M = L::M, ROW8 = D / 8 * 64;
-  constexpr u32 CM_BYTES = 128, ROW8_BYTES = ROW8 * 2;
   static_assert(!WRITE_DS || 128 % M == 0, "the dS row stride must hold the last block's keys");
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const ks = (T_*)smem;
@@ -458,49 +532,71 @@ __device__ __forceinline__ void dkdv_wgmma_body(
     load_stats_async<N, 32 * W>(stats + 2 * stage * N, stats + (2 * stage + 1) * N, lse + sbase,
                         delta + sbase, n0, seq_len);
   };
-  pipe_prologue<STAGES>(n_tiles, load_qdo);
+  const auto qd_of = [&](int tile) { return qd + (tile % STAGES) * L::STAGE; };  // Q, then dO
+  constexpr int LAG = OVERLAP ? 1 : 0;
+  pipe_prologue<STAGES, LAG>(n_tiles, load_qdo);
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) dk_acc[j][i] = dv_acc[j][i] = 0.0f;
-
-  for (int it = 0; it < n_tiles; ++it) {
+  float st[N / 8][4], dpt[N / 8][4];  // a tile's S^T and dP^T, then P^T and dS^T
+  u32 pf[N / 16][4], dsf[N / 16][4];  // P^T and dS^T as A fragments
+  const auto issue_st_dpt = [&](int it) {  // S^T = K Q^T, dP^T = V dO^T of tile it, landed
+    pipe_advance<STAGES, true, LAG>(it, n_tiles, load_qdo);
+    issue_two_products<T_, D, N>(st, kg, qd_of(it), dpt, vg, qd_of(it) + N * D);
+    wgmma_commit();
+  };
+  const auto p_ds_of = [&](int it) {  // tile it's S^T and dP^T have landed: P^T and dS^T
+    wgmma_fence_operands(flat(st));
+    wgmma_fence_operands(flat(dpt));
     const int n0 = (first + it) * N;
-    const int stage = it % STAGES;
-    const T_* qs = qd + stage * L::STAGE;
-    const T_* dos = qs + N * D;
-    const float* lse_s = stats + 2 * stage * N;
-    const float* delta_s = lse_s + N;
-    pipe_advance<STAGES, true>(it, n_tiles, load_qdo);
-
-    float st[N / 8][4], dpt[N / 8][4];
-    wgmma_two_products<T_, D, N>(st, kg, qs, dpt, vg, dos);  // S^T = K Q^T, dP^T = V dO^T
-
-    transposed_p_ds<N>(st, dpt, key_base, n0, 0, seq_len, lse_s, delta_s, sl2);
+    const float* lse_s = stats + 2 * (it % STAGES) * N;
+    transposed_p_ds<N>(st, dpt, key_base, n0, 0, seq_len, lse_s, lse_s + N, sl2);
     if constexpr (WRITE_DS)
       store_ds<T_, N>(ds + (long long)blockIdx.y * seq_len * ds_stride, dpt, key_base, n0,
                       ds_stride, seq_len);
-
-    // dV += P^T dO and dK += dS^T Q: N/16 steps each, dO and Q MN-major.
-    u32 pf[N / 16][4], dsf[N / 16][4];
+  };
+  const auto repack = [&] {
     repack_a<T_, N>(pf, st);
     repack_a<T_, N>(dsf, dpt);
-    wgmma_fence();
-    wgmma_fence_operands(flat(dv_acc));
-    wgmma_fence_operands(flat(dk_acc));
-    const u64 do_desc = wgmma_desc(dos, ROW8_BYTES, CM_BYTES);
-    const u64 q_desc = wgmma_desc(qs, ROW8_BYTES, CM_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_rs<T_, D, true>(flat(dv_acc), pf[kk], desc_advance(do_desc, kk * 2 * ROW8_BYTES), 1);
-#pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk)
-      wgmma_rs<T_, D, true>(flat(dk_acc), dsf[kk], desc_advance(q_desc, kk * 2 * ROW8_BYTES), 1);
+  };
+  // dV += P^T dO and dK += dS^T Q for tile `tile`: N/16 steps each, dO and Q MN-major.
+  const auto issue_dv_dk = [&](int tile) {
+    issue_add_rs<T_, D, N>(dv_acc, pf, qd_of(tile) + N * D);
+    issue_add_rs<T_, D, N>(dk_acc, dsf, qd_of(tile));
     wgmma_commit();
+  };
+  const auto land_dv_dk = [&] {
     wgmma_wait<0>();
     wgmma_fence_operands(flat(dv_acc));
     wgmma_fence_operands(flat(dk_acc));
+  };
+
+  if constexpr (!OVERLAP) {
+    for (int it = 0; it < n_tiles; ++it) {
+      issue_st_dpt(it);
+      wgmma_wait<0>();
+      p_ds_of(it);
+      repack();
+      issue_dv_dk(it);
+      land_dv_dk();
+    }
+  } else {  // as the forward's: tile 0 alone, then tile it-1's dV and dK behind tile it's
+    issue_st_dpt(0);
+    wgmma_wait<0>();
+    p_ds_of(0);
+    repack();
+    for (int it = 1; it < n_tiles; ++it) {
+      issue_st_dpt(it);
+      issue_dv_dk(it - 1);
+      wgmma_wait<1>();
+      p_ds_of(it);
+      land_dv_dk();  // before their fragments are written again
+      repack();
+    }
+    issue_dv_dk(n_tiles - 1);  // the last tile's
+    land_dv_dk();
   }
   cp_async_wait<0>();
   store_rows<T_, D>(dk + base, dk_acc, k0 + group * 64 + warp * 16, seq_len, scale, scale);
@@ -519,8 +615,8 @@ __global__ void __launch_bounds__(32 * W, MINB)
                            T_* __restrict__ dk, T_* __restrict__ dv, T_* __restrict__ ds,
                            int seq_len, int ds_stride, float scale) {
   static_assert(PASSES == 1, "one pass");
-  dkdv_wgmma_body<T_, D, W, N, STAGES, true>(q, k, v, dout, lse, delta, dk, dv, ds, seq_len,
-                                             ds_stride, scale);
+  dkdv_wgmma_body<T_, D, W, N, STAGES, true, false>(q, k, v, dout, lse, delta, dk, dv, ds,
+                                                    seq_len, ds_stride, scale);
 }
 
 // dK/dV alone (the backward that recomputes S and dP in dQ): launched as attn_bwd_dkdv_pipe.
@@ -531,25 +627,41 @@ __global__ void __launch_bounds__(32 * W, MINB)
                         const float* __restrict__ lse, const float* __restrict__ delta,
                         T_* __restrict__ dk, T_* __restrict__ dv, int seq_len, float scale) {
   static_assert(PASSES == 1, "one pass");
-  dkdv_wgmma_body<T_, D, W, N, STAGES, false>(q, k, v, dout, lse, delta, dk, dv, nullptr,
-                                              seq_len, 0, scale);
+  dkdv_wgmma_body<T_, D, W, N, STAGES, false, false>(q, k, v, dout, lse, delta, dk, dv,
+                                                     nullptr, seq_len, 0, scale);
+}
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dkdv_wgmma_overlap(const T_* __restrict__ q, const T_* __restrict__ k,
+                                const T_* __restrict__ v, const T_* __restrict__ dout,
+                                const float* __restrict__ lse, const float* __restrict__ delta,
+                                T_* __restrict__ dk, T_* __restrict__ dv, int seq_len,
+                                float scale) {
+  static_assert(PASSES == 1, "one pass");
+  dkdv_wgmma_body<T_, D, W, N, STAGES, false, true>(q, k, v, dout, lse, delta, dk, dv,
+                                                    nullptr, seq_len, 0, scale);
 }
 
 // dQ recomputing S and dP on wgmma (attn_bwd_dq_pipe's arithmetic): a warpgroup owns 64
 // queries (Q, dO, their lse and delta), W/4 of them a block, and streams N keys a tile (K, V).
 // Per tile S = Q K^T and dP = dO V^T (shared memory), dS = P o (dP - delta) in registers, then
 // dQ += dS K (dS from registers, K transposed from shared memory, as V in the forward).
-// Launched as attn_bwd_dq_pipe with the same (W, N, STAGES).
-template <typename T_, int D, int W, int N, int STAGES, int MINB>
-__global__ void __launch_bounds__(32 * W, MINB)
-    attn_bwd_dq_wgmma(const T_* __restrict__ q, const T_* __restrict__ k,
-                      const T_* __restrict__ v, const T_* __restrict__ dout,
-                      const float* __restrict__ lse, const float* __restrict__ delta,
-                      T_* __restrict__ dq, int seq_len, float scale) {
+// Launched as attn_bwd_dq_pipe with the same (W, N, STAGES). OVERLAP (as the forward's): tile
+// it's S and dP are issued with tile it-1's dQ += dS K behind them, and dS is computed while it
+// is in flight; the same bits.
+template <typename T_, int D, int W, int N, int STAGES, bool OVERLAP>
+__device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_* __restrict__ k,
+                                              const T_* __restrict__ v,
+                                              const T_* __restrict__ dout,
+                                              const float* __restrict__ lse,
+                                              const float* __restrict__ delta,
+                                              T_* __restrict__ dq, int seq_len, float scale) {
 #if defined(ANDREA_WGMMA) || defined(ANDREA_EMULATOR)
   static_assert(UsesMma<T_>::value, "wgmma takes bf16 or fp16");
   using L = HopperSmem<T_, D, KIND_DQ, W, N, STAGES>;
   constexpr int M = L::M, ROW8 = D / 8 * 64;
+  constexpr int LAG = OVERLAP ? 1 : 0;
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const qs = (T_*)smem;
   T_* const dos = qs + M * D;
@@ -576,26 +688,70 @@ __global__ void __launch_bounds__(32 * W, MINB)
     load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base,
                                          tile * N, seq_len);
   };
-  pipe_prologue<STAGES>(n_tiles, load_kv);
+  const auto k_of = [&](int tile) { return kv + (tile % STAGES) * L::STAGE; };  // K, then V
+  pipe_prologue<STAGES, LAG>(n_tiles, load_kv);
   float acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  float s[N / 8][4], dp[N / 8][4];  // a tile's S and dP, then its dS in s
+  u32 dsf[N / 16][4];                // dS as A fragments
+  const auto issue_s_dp = [&](int it) {  // S = Q K^T, dP = dO V^T of tile it, once landed
+    pipe_advance<STAGES, true, LAG>(it, n_tiles, load_kv);
+    issue_two_products<T_, D, N>(s, qg, k_of(it), dp, dog, k_of(it) + N * D);
+    wgmma_commit();
+  };
+  const auto ds = [&](int it) {  // tile it's S and dP have landed: dS, as A fragments
+    wgmma_fence_operands(flat(s));
+    wgmma_fence_operands(flat(dp));
+    p_ds<N>(s, dp, rl, q0, it * N, seq_len, lse_s, delta_s, sl2);
+  };
 
-  for (int it = 0; it < n_tiles; ++it) {
-    const int n0 = it * N;
-    const T_* kt = kv + (it % STAGES) * L::STAGE;
-    const T_* vt = kt + N * D;
-    pipe_advance<STAGES, true>(it, n_tiles, load_kv);
-
-    float s[N / 8][4], dp[N / 8][4];
-    wgmma_two_products<T_, D, N>(s, qg, kt, dp, dog, vt);  // S = Q K^T, dP = dO V^T
-    p_ds<N>(s, dp, rl, q0, n0, seq_len, lse_s, delta_s, sl2);
-
-    wgmma_add_rs<T_, D, N>(acc, s, kt);  // dQ += dS K
+  if constexpr (!OVERLAP) {
+    for (int it = 0; it < n_tiles; ++it) {
+      issue_s_dp(it);
+      wgmma_wait<0>();
+      ds(it);
+      repack_a<T_, N>(dsf, s);
+      wgmma_add_rs<T_, D, N>(acc, dsf, k_of(it));  // dQ += dS K
+    }
+  } else {  // as the forward's: tile 0 alone, then tile it-1's dQ += dS K behind tile it's
+    issue_s_dp(0);
+    wgmma_wait<0>();
+    ds(0);
+    repack_a<T_, N>(dsf, s);
+    for (int it = 1; it < n_tiles; ++it) {
+      issue_s_dp(it);
+      issue_add_rs<T_, D, N>(acc, dsf, k_of(it - 1));
+      wgmma_commit();
+      wgmma_wait<1>();
+      ds(it);
+      wgmma_wait<0>();  // before dS's fragments are written again
+      wgmma_fence_operands(flat(acc));
+      repack_a<T_, N>(dsf, s);
+    }
+    wgmma_add_rs<T_, D, N>(acc, dsf, k_of(n_tiles - 1));  // the last tile's
   }
   cp_async_wait<0>();
   store_rows<T_, D>(dq + base, acc, q0 + group * 64 + warp * 16, seq_len, scale, scale);
 #endif
+}
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dq_wgmma(const T_* __restrict__ q, const T_* __restrict__ k,
+                      const T_* __restrict__ v, const T_* __restrict__ dout,
+                      const float* __restrict__ lse, const float* __restrict__ delta,
+                      T_* __restrict__ dq, int seq_len, float scale) {
+  dq_wgmma_body<T_, D, W, N, STAGES, false>(q, k, v, dout, lse, delta, dq, seq_len, scale);
+}
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dq_wgmma_overlap(const T_* __restrict__ q, const T_* __restrict__ k,
+                              const T_* __restrict__ v, const T_* __restrict__ dout,
+                              const float* __restrict__ lse, const float* __restrict__ delta,
+                              T_* __restrict__ dq, int seq_len, float scale) {
+  dq_wgmma_body<T_, D, W, N, STAGES, true>(q, k, v, dout, lse, delta, dq, seq_len, scale);
 }
 
 // dQ = scale * dS K on wgmma (attn_bwd_dq_ds's arithmetic): a warpgroup owns 64 queries, W/4

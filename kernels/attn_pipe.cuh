@@ -35,17 +35,20 @@ template <typename T_, int D, int K, int W, int N, int STAGES> struct PipeSmem {
 // whole block and issues tile it+STAGES-1 into the stage tile it-1 used. With STAGES 1 it is the
 // production kernels' synchronous load between two barriers. WGMMA_READS: the tiles are read by
 // wgmma (attn_hopper.cuh), which reads shared memory through the async proxy, so each thread
-// fences its landed copies (generic proxy) to it before the barrier.
-template <int STAGES, typename Load>
+// fences its landed copies (generic proxy) to it before the barrier. LAG 1: a tile is still read
+// during the next tile's iteration (the overlapped wgmma kernels' product of the tile before),
+// so the stage refilled is tile it-2's and the pipeline runs STAGES-1 tiles ahead, not STAGES.
+template <int STAGES, int LAG = 0, typename Load>
 __device__ __forceinline__ void pipe_prologue(int n_tiles, const Load& load) {
+  static_assert(LAG == 0 || STAGES >= LAG + 2, "a stage for each tile still read, one ahead");
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  for (int s = 0; s < STAGES - 1 - LAG; ++s) {
     if (s < n_tiles) load(s, s);
     cp_async_commit();
   }
 }
 
-template <int STAGES, bool WGMMA_READS = false, typename Load>
+template <int STAGES, bool WGMMA_READS = false, int LAG = 0, typename Load>
 __device__ __forceinline__ void pipe_advance(int it, int n_tiles, const Load& load) {
   if constexpr (STAGES == 1) {
     __syncthreads();  // barrier:pipe-reuse (every warp is done with tile it-1)
@@ -55,10 +58,10 @@ __device__ __forceinline__ void pipe_advance(int it, int n_tiles, const Load& lo
     if constexpr (WGMMA_READS) fence_proxy_async();
     __syncthreads();  // barrier:pipe-loaded
   } else {
-    cp_async_wait<STAGES - 2>();  // this thread's copies of tile it have landed
+    cp_async_wait<STAGES - 2 - LAG>();  // this thread's copies of tile it have landed
     if constexpr (WGMMA_READS) fence_proxy_async();
-    __syncthreads();  // barrier:pipe (everyone's have; everyone is done with tile it-1)
-    const int nx = it + STAGES - 1;
+    __syncthreads();  // barrier:pipe (everyone's have; everyone is done with tile it-1-LAG)
+    const int nx = it + STAGES - 1 - LAG;
     if (nx < n_tiles) load(nx % STAGES, nx);
     cp_async_commit();
   }
@@ -66,19 +69,20 @@ __device__ __forceinline__ void pipe_advance(int it, int n_tiles, const Load& lo
 
 // One streamed tile of the forward's online softmax, for a warp's rows row_base (g) and
 // row_base + 8 (the lanes of a C fragment): the tile's raw scores s (keys n0..n0+N-1), masked
-// where `masked` (the causal diagonal or the sequence's end cross the tile), acc and l_run
-// rescaled to the new running max of the scores in base 2 (s * sl2), and P = exp2(s * sl2 -
-// max) left in s, its row sums added to l_run. The max is taken of the raw scores and scaled
-// once (rounding is monotonic, so it is the max of the scaled ones), and P's exponent is one
-// fused multiply-add on the GPU instead of a product kept for the max and a difference: 32
-// instructions a tile fewer. The emulator (no contraction) rounds the product and the
-// difference apart, as before. attn_fwd_pipe and attn_fwd_wgmma share it (attn_fwd has the
-// same steps inline, its machine code kept as measured).
-template <int N, int D>
-__device__ __forceinline__ void online_softmax_tile(float (&s)[N / 8][4], float (&acc)[D / 8][4],
-                                                    float (&m_run)[2], float (&l_run)[2],
-                                                    int row_base, int n0, bool masked,
-                                                    int seq_len, float sl2) {
+// where `masked` (the causal diagonal or the sequence's end cross the tile), l_run rescaled to
+// the new running max of the scores in base 2 (s * sl2) and the factor left in corr for the
+// output rows (rescale_rows), and P = exp2(s * sl2 - max) left in s, its row sums added to
+// l_run. The max is taken of the raw scores and scaled once (rounding is monotonic, so it is the
+// max of the scaled ones), and P's exponent is one fused multiply-add on the GPU instead of a
+// product kept for the max and a difference: 32 instructions a tile fewer. The emulator (no
+// contraction) rounds the product and the difference apart, as before. The output rows are
+// rescaled apart so that the overlapped wgmma forward can do it once the product of the tile
+// before, in flight meanwhile, has landed in them; online_softmax_tile does both at once.
+template <int N>
+__device__ __forceinline__ void online_softmax_scores(float (&s)[N / 8][4], float (&m_run)[2],
+                                                      float (&l_run)[2], float (&corr)[2],
+                                                      int row_base, int n0, bool masked,
+                                                      int seq_len, float sl2) {
   const int t = threadIdx.x & 3;
   float mx[2] = {-inf_f(), -inf_f()};
   if (masked) {
@@ -102,13 +106,8 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[N / 8][4], float 
   for (int h = 0; h < 2; ++h) {
     const float m_new = fmaxf(m_run[h], quad_max(mx[h]) * sl2);
     shift[h] = m_new == -inf_f() ? 0.0f : m_new;  // a row with nothing visible yet
-    const float corr = exp2f(m_run[h] - shift[h]);
-    l_run[h] *= corr;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      acc[j][2 * h] *= corr;
-      acc[j][2 * h + 1] *= corr;
-    }
+    corr[h] = exp2f(m_run[h] - shift[h]);
+    l_run[h] *= corr[h];
     m_run[h] = m_new;
   }
 #pragma unroll
@@ -119,6 +118,28 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[N / 8][4], float 
       s[j][i] = p;
       l_run[i >> 1] += p;
     }
+}
+
+// A warp's two rows of the output (C fragments) times their factors.
+template <int D>
+__device__ __forceinline__ void rescale_rows(float (&acc)[D / 8][4], const float (&corr)[2]) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    acc[j][0] *= corr[0];
+    acc[j][1] *= corr[0];
+    acc[j][2] *= corr[1];
+    acc[j][3] *= corr[1];
+  }
+}
+
+template <int N, int D>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[N / 8][4], float (&acc)[D / 8][4],
+                                                    float (&m_run)[2], float (&l_run)[2],
+                                                    int row_base, int n0, bool masked,
+                                                    int seq_len, float sl2) {
+  float corr[2];
+  online_softmax_scores<N>(s, m_run, l_run, corr, row_base, n0, masked, seq_len, sl2);
+  rescale_rows<D>(acc, corr);
 }
 
 template <typename T_, int D, int W, int N, int STAGES, int MINB>

@@ -10,7 +10,8 @@ expected on an H200 with 16 cores):
    every (dtype, head_dim) of SHAPES, and the first DS_LIMIT of each kernel of the backward
    through dS (dK/dV writing dS, dQ from it), a whole head's backward in one block ("bwd_fused",
    where the 12M preset's window fits), and on sm_90 the wgmma candidates of those kernels
-   (andrea.cuda.launch.hopper_candidates, built for sm_90a), ordered so that each shape's
+   (andrea.cuda.launch.hopper_candidates, built for sm_90a; among them the overlapped twins,
+   a tile's last products in flight during the next tile's softmax), ordered so that each shape's
    production tile and its 2-stage twin come first, and the architecture's TUNED choices before
    all (the last tuning's winners). Each is compiled alone
    by NVRTC (libnvrtc through ctypes, which lets go of the GIL: one thread per core; CuPy's own

@@ -43,7 +43,7 @@ def load_script():
 
 
 def is_candidate(name: str) -> bool:
-    return any(f"_{kind}<" in name for kind in ("pipe", "ds", "wgmma", "fused"))  # attn_*_{kind}
+    return any(f"_{kind}<" in name for kind in ("pipe", "ds", "wgmma", "overlap", "fused"))
 
 
 def fake_cupy(candidates: kernel_emulator.Emulator, launches: list) -> object:

@@ -1,7 +1,9 @@
 """The sm_90a kernels (kernels/attn_hopper.cuh: the forward, the backward through dS and the
-backward recomputing S and dP, on wgmma) without a GPU: on the CPU emulator against float64 with
-NaN-poisoned outputs, bit for bit against their pipelined mma.sync twins of the same tiles,
-through autograd from a TUNED entry, a missing wgmma wait and misread descriptor strides caught;
+backward recomputing S and dP, on wgmma, and the overlapped twins of the forward and the
+recomputing backward) without a GPU: on the CPU emulator against float64 with NaN-poisoned
+outputs, bit for bit against their pipelined mma.sync twins of the same tiles, through autograd
+from a TUNED entry, a missing wgmma wait, misread descriptor strides, a stage refilled while an
+overlapped product still reads it and A fragments rewritten while in flight caught;
 their launch table and module target; NVRTC's sm_90a build without spills or injected warpgroup
 waits. Whether the descriptors mean on a GPU what the emulator reads them as is for the GPU
 check (scripts/gpu_tune_attention.py checks every candidate against float64 there).
@@ -12,6 +14,9 @@ from __future__ import annotations
 import functools
 import math
 import shutil
+import signal
+import subprocess
+import sys
 
 import background
 import pytest
@@ -35,6 +40,10 @@ HOPPER = [
     ("bfloat16", 128, PipeConfig(8, 64, 2, wgmma=True)),
     ("float16", 64, PipeConfig(4, 128, 2, wgmma=True)),
     ("float16", 128, PipeConfig(4, 64, 3, wgmma=True)),
+    # overlapped: the softmax of a tile beside the product of the one before (3 and 4 stages)
+    ("bfloat16", 64, PipeConfig(4, 64, 3, wgmma=True, overlap=True)),
+    ("bfloat16", 32, PipeConfig(8, 128, 4, wgmma=True, overlap=True)),
+    ("float16", 128, PipeConfig(8, 64, 3, wgmma=True, overlap=True)),
 ]
 # The backward through dS, (dtype, head_dim, dK/dV's config, dQ's): one and two warpgroups
 # each, dQ streaming 32 to 128 keys, dQ blocks taller than dK/dV's key blocks (dQ's tiles then
@@ -52,8 +61,17 @@ HOPPER_RECOMPUTE = [
     ("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True), PipeConfig(8, 128, 2, wgmma=True)),
     ("bfloat16", 32, PipeConfig(8, 64, 2, wgmma=True), PipeConfig(4, 64, 2, wgmma=True)),
     ("float16", 128, PipeConfig(4, 64, 2, wgmma=True), PipeConfig(8, 64, 2, wgmma=True)),
+    # overlapped, each beside the other's kind: dK/dV and dQ both, then dQ alone
+    ("bfloat16", 64, PipeConfig(4, 64, 3, wgmma=True, overlap=True),
+     PipeConfig(8, 128, 3, wgmma=True, overlap=True)),
+    ("float16", 32, PipeConfig(8, 64, 2, wgmma=True), PipeConfig(4, 64, 3, wgmma=True,
+                                                                  overlap=True)),
 ]
 SHAPES = [(1, (2, 3)), (17, (1, 2)), (129, (1, 2)), (200, (1, 1))]  # T, (B, H)
+# The overlapped kernels of one head_dim, as a TUNED entry would name them.
+OVERLAPPED_FWD = HOPPER[5][2]
+OVERLAPPED_RECOMPUTE = HOPPER_RECOMPUTE[3]
+assert OVERLAPPED_FWD.overlap and HOPPER[5][:2] == OVERLAPPED_RECOMPUTE[:2]
 
 
 def twin(cfg: PipeConfig) -> PipeConfig:
@@ -81,10 +99,18 @@ PIPES = tuple(dict.fromkeys(
        for kernel, c in ds_configs(dkdv, dq, wgmma).items()]
     + [(kernel, dtype, d, c) for dtype, d, dkdv, dq in HOPPER_RECOMPUTE for wgmma in (True, False)
        for kernel, c in recompute_configs(dkdv, dq, wgmma).items()]))
-# The wait after S = Q K^T's wgmma group, and the K descriptor's strides (LBO, SBO).
-S_WAIT = "    wgmma_commit();\n    wgmma_wait<0>();\n    wgmma_fence_operands(flat(s));\n"
-K_DESC = "wgmma_desc(ks, CM_BYTES, ROW8_BYTES)"
+# The wait after S = Q K^T's wgmma group, and the descriptor strides (LBO, SBO) of the B
+# operand of every product from shared memory alone (K in the forward's S).
+S_WAIT = "      issue_s(it);\n      wgmma_wait<0>();\n"
+K_DESC = "wgmma_desc(b, CM_BYTES, ROW8_BYTES)"
 BROKEN = ("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True))
+# The overlapped forward: its pipeline's lag (V of tile it-1 read during tile it), and the wait
+# for O += P V of tile it-1 before P's fragments are rewritten.
+OVERLAP_LAG = "  constexpr int LAG = OVERLAP ? 1 : 0;  // V of tile it-1 is read during tile it"
+PV_WAIT = ("      wgmma_wait<0>();  // O += P V of tile it-1 has landed; its P fragments are free "
+           "again\n      wgmma_fence_operands(flat(acc));\n      rescale_rows<D>(acc, corr);\n")
+BROKEN_OVERLAP = ("bfloat16", 64, PipeConfig(4, 64, 3, wgmma=True, overlap=True))
+BROKEN_OVERLAP_SEQ_LEN = 300  # 5 key tiles: a stage is refilled while the block still runs
 
 
 def edited(replace: str, by: str) -> str:
@@ -98,11 +124,23 @@ def no_s_wait() -> str:
 
 
 def swapped_k_strides() -> str:
-    return edited(K_DESC, "wgmma_desc(ks, ROW8_BYTES, CM_BYTES)")
+    return edited(K_DESC, "wgmma_desc(b, ROW8_BYTES, CM_BYTES)")
+
+
+def overlap_without_lag() -> str:
+    return edited(OVERLAP_LAG, "  constexpr int LAG = 0;")
+
+
+def repack_before_the_wait() -> str:
+    """P's fragments for tile it written while tile it-1's O += P V still reads them."""
+    return edited(PV_WAIT + "      repack_a<T_, N>(pf, s);\n",
+                  "      repack_a<T_, N>(pf, s);\n" + PV_WAIT)
 
 
 BROKEN_BUILDS = {"emulator-wgmma-no-wait": no_s_wait,
                  "emulator-wgmma-swapped-strides": swapped_k_strides}
+BROKEN_OVERLAP_BUILDS = {"emulator-wgmma-overlap-no-lag": overlap_without_lag,
+                         "emulator-wgmma-overlap-early-repack": repack_before_the_wait}
 if shutil.which("g++"):
     background.declare("emulator-wgmma",
                        functools.partial(kernel_emulator.build_library, pipes=PIPES),
@@ -112,6 +150,12 @@ if shutil.which("g++"):
             _name,
             lambda text=_text: kernel_emulator.build_library(text(), pipes=(("fwd", *BROKEN),)),
             wanted_by=["test_kernel_hopper.py::test_a_misused_wgmma_is_caught"])
+    for _name, _text in BROKEN_OVERLAP_BUILDS.items():
+        background.declare(
+            _name,
+            lambda text=_text: kernel_emulator.build_library(text(),
+                                                             pipes=(("fwd", *BROKEN_OVERLAP),)),
+            wanted_by=["test_kernel_hopper.py::test_a_misused_overlap_is_caught"])
 
 
 @pytest.fixture(scope="module")
@@ -211,20 +255,24 @@ TUNED_ARCH = "sm_test"  # an architecture of this test's own, in andrea.cuda.lau
 
 
 @needs_gxx
-@pytest.mark.parametrize("route", ["through dS", "recomputing"])
+@pytest.mark.parametrize("route", ["through dS", "recomputing", "overlapped"])
 def test_tuned_wgmma_kernels_train_through_autograd(emulator, monkeypatch, route: str) -> None:
     """A TUNED entry naming the wgmma kernels makes the "cuda" backend launch them (forward and
-    either backward) through autograd, with float64's gradients."""
+    either backward, or the overlapped twins) through autograd, with float64's gradients."""
     from andrea.cuda import attention as ca
 
     if route == "through dS":
         _, d, dkdv, dq = HOPPER_DS[0]
         entry = {"fwd": HOPPER[0][2], "bwd_dkdv_ds": dkdv, "bwd_dq_ds": dq}
         expect = ["attn_bwd_dkdv_ds_wgmma", "attn_bwd_dq_ds_wgmma"]
-    else:
+    elif route == "recomputing":
         _, d, dkdv, dq = HOPPER_RECOMPUTE[0]
         entry = {"fwd": HOPPER[0][2], "bwd_dq": dq, "bwd_dkdv": dkdv}
         expect = ["attn_bwd_dq_wgmma", "attn_bwd_dkdv_wgmma"]
+    else:
+        (_, d, dkdv, dq), fwd = OVERLAPPED_RECOMPUTE, OVERLAPPED_FWD
+        entry = {"fwd": fwd, "bwd_dq": dq, "bwd_dkdv": dkdv}
+        expect = ["attn_bwd_dq_wgmma_overlap", "attn_bwd_dkdv_wgmma_overlap"]
     monkeypatch.setitem(kernel_launch.TUNED, (TUNED_ARCH, "bfloat16", d), entry)
     ca._launches.cache_clear()  # its entries are of TUNED as it was
     launcher = ca.EmulatorLauncher(emulator, arch=TUNED_ARCH)
@@ -239,8 +287,8 @@ def test_tuned_wgmma_kernels_train_through_autograd(emulator, monkeypatch, route
     o = ca.cuda_attention(*leaves, launcher=launcher)
     o.backward(dout)
     ca._launches.cache_clear()
-    assert [n[: n.index("<")] for n in names] == [
-        "attn_fwd_wgmma", "attn_bwd_preprocess", *expect]
+    forward_kernel = "attn_fwd_wgmma_overlap" if route == "overlapped" else "attn_fwd_wgmma"
+    assert [n[: n.index("<")] for n in names] == [forward_kernel, "attn_bwd_preprocess", *expect]
     want = kernel_emulator.float64_reference(q, k, v, dout, d**-0.5)
     for name, g, w in zip(("o", "dq", "dk", "dv"), (o.detach(), *(x.grad for x in leaves)),
                           (want[0], *want[2:]), strict=True):
@@ -267,13 +315,50 @@ def test_a_misused_wgmma_is_caught(build: str) -> None:
 
 
 @needs_gxx
+@pytest.mark.parametrize("build", list(BROKEN_OVERLAP_BUILDS))
+def test_a_misused_overlap_is_caught(build: str, tmp_path) -> None:
+    """The overlapped forward reads tile it-1's V while tile it's softmax runs: refilling that
+    stage a tile early (no pipeline lag) lands 0xff bytes (NaN) under the product still in
+    flight. Writing P's fragments before its wait stops the emulator, as they are the
+    instruction's registers until then (a race on a GPU): a process of its own, as it aborts."""
+    background.result(build)
+    dtype, d, cfg = BROKEN_OVERLAP
+    t = BROKEN_OVERLAP_SEQ_LEN
+    if build.endswith("no-lag"):
+        broken = kernel_emulator.Emulator(BROKEN_OVERLAP_BUILDS[build](),
+                                          pipes=(("fwd", *BROKEN_OVERLAP),))
+        q, k, v = random_inputs(1, 1, t, d, getattr(torch, dtype), seed=2)
+        o, _ = forward(broken, cfg, q, k, v, d**-0.5)
+        assert torch.isnan(o).any()
+        return
+    (tmp_path / "kernel.cu").write_text(BROKEN_OVERLAP_BUILDS[build]())
+    script = f"""
+import math, pathlib, torch
+from andrea.cuda import emulator as E, launch as L
+from andrea.cuda.launch import PipeConfig
+cfg = {cfg!r}
+em = E.Emulator(pathlib.Path({str(tmp_path / "kernel.cu")!r}).read_text(),
+                pipes=(("fwd", {dtype!r}, {d}, cfg),))
+q, k, v = (torch.randn(1, 1, {t}, {d}).to(torch.{dtype}) for _ in range(3))
+o, lse = torch.empty_like(q), torch.empty(1, 1, {t})
+em.launch(L.pipe_launch("fwd", 1, 1, {t}, {d}, {dtype!r}, cfg), q, k, v, o, lse, {t}, 0.125)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-2000:])
+    assert "A fragment registers written before the wait_group" in done.stderr
+
+
+@needs_gxx
 def test_launch_table_matches_the_kernel_file(emulator) -> None:
     """pipe_shared_bytes against HopperSmem<...>::bytes as the emulated kernel file has them."""
     for kernel, dtype, d, cfg in PIPES:
         if not cfg.wgmma:
             continue
         name = kernel_launch.pipe_name_expression(kernel, dtype, d, cfg)
-        assert name.startswith(kernel_launch.WGMMA_TEMPLATES[kernel] + "<")
+        templates = (kernel_launch.OVERLAP_TEMPLATES if cfg.overlap
+                     else kernel_launch.WGMMA_TEMPLATES)
+        assert name.startswith(templates[kernel] + "<")
         warps, rows, shared, _, _ = emulator.kernel_info(name)
         assert (warps, rows) == (cfg.warps, cfg.rows)
         assert shared == kernel_launch.pipe_shared_bytes(kernel, dtype, d, cfg)
@@ -303,6 +388,18 @@ def test_wgmma_kernels_build_for_sm_90a_alone() -> None:
                                ("bwd_dkdv_ds", "bfloat16", PipeConfig(4, 64, 2, 0, 2, True))]:
         with pytest.raises(ValueError, match="wgmma has"):
             kernel_launch.pipe_launch(kernel, 1, 1, 64, 64, dtype, cfg)
+    # overlapped: a wgmma kernel's twin, of three kernels, with a stage for the lag
+    for kernel, cfg in [("fwd", PipeConfig(4, 64, 2, wgmma=True, overlap=True)),
+                        ("fwd", PipeConfig(4, 64, 3, overlap=True)),
+                        ("bwd_dkdv_ds", PipeConfig(4, 64, 3, wgmma=True, overlap=True))]:
+        with pytest.raises(ValueError, match="overlap is"):
+            kernel_launch.pipe_launch(kernel, 1, 1, 64, 64, "bfloat16", cfg)
+    for kernel in kernel_launch.OVERLAP_TEMPLATES:  # each wgmma candidate's twin, a stage deeper
+        found = kernel_launch.hopper_candidates(kernel, "bfloat16", 64)
+        for cfg in found:
+            twin_cfg = PipeConfig(cfg.warps, cfg.rows, max(cfg.stages + 1, 3), wgmma=True,
+                                  overlap=True)
+            assert cfg.overlap or twin_cfg in found
 
 
 # The 120M preset's head shape and the most registers (head_dim 128; dK/dV's four
@@ -313,7 +410,13 @@ NVRTC_CASES = [("fwd", "bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
                ("bwd_dkdv_ds", "float16", 128, PipeConfig(4, 64, 2, wgmma=True)),
                ("bwd_dq_ds", "bfloat16", 64, PipeConfig(8, 128, 2, wgmma=True)),
                ("bwd_dq", "bfloat16", 64, PipeConfig(8, 128, 2, wgmma=True)),
-               ("bwd_dkdv", "float16", 128, PipeConfig(4, 64, 2, wgmma=True))]
+               ("bwd_dkdv", "float16", 128, PipeConfig(4, 64, 2, wgmma=True)),
+               # overlapped: the tile before's products in flight beside this tile's registers
+               ("fwd", "bfloat16", 64, PipeConfig(8, 64, 3, wgmma=True, overlap=True)),
+               ("fwd", "float16", 128, PipeConfig(4, 128, 3, wgmma=True, overlap=True)),
+               ("bwd_dq", "bfloat16", 64, PipeConfig(8, 128, 3, wgmma=True, overlap=True)),
+               ("bwd_dkdv", "bfloat16", 64, PipeConfig(4, 64, 3, wgmma=True, overlap=True)),
+               ("bwd_dkdv", "float16", 128, PipeConfig(4, 64, 3, wgmma=True, overlap=True))]
 
 
 def _nvrtc_sm90a_build() -> tuple[list[str], str]:
@@ -330,10 +433,11 @@ if find_libnvrtc() is not None:
 
 @pytest.mark.skipif(find_libnvrtc() is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
 def test_nvrtc_builds_wgmma_for_sm_90a() -> None:
-    """Built for sm_90a although CuPy appends -arch=sm_90; no spills, and no warpgroup wait
-    that ptxas injects because a register wgmma reads was written inside the async region."""
+    """Built for sm_90a although CuPy appends -arch=sm_90; no spills, and none of ptxas's
+    wgmma notes (C75xx): a warpgroup wait or fence it injects, or products it serializes,
+    because a register a wgmma reads or writes is touched while it may be in flight."""
     names, log = background.result("nvrtc-sm_90a")
     functions = [line for line in log.splitlines() if "Compiling entry function" in line]
     assert len(functions) == len(names) and all("for 'sm_90a'" in f for f in functions), log
     assert log.count("0 bytes spill stores, 0 bytes spill loads") == len(names), log
-    assert "C7519" not in log and "warning" not in log.lower(), log
+    assert "(C75" not in log and "warning" not in log.lower(), log

@@ -72,7 +72,7 @@ PIPES = tuple(dict.fromkeys(
 SHAPES = [(1, (2, 3)), (17, (1, 2)), (129, (1, 2))]  # T, (B, H)
 
 # The wait that lands tile it's K/V before the barrier of the forward's 2+-stage pipeline.
-WAIT = "cp_async_wait<STAGES - 2>();  // this thread's copies of tile it have landed\n"
+WAIT = "cp_async_wait<STAGES - 2 - LAG>();  // this thread's copies of tile it have landed\n"
 NO_WAIT_CONFIG = ("bfloat16", 32, PipeConfig(4, 32, 2))
 
 

@@ -39,7 +39,7 @@ BOUNDS = "if (row0 + r < seq_len)  // bounds: rows past the sequence read as zer
 PIPE = PipeConfig(4, 32, 2, wgmma=True)
 PIPE_SEQ_LEN = 77
 PIPE_BARRIER = ("__syncthreads();  // barrier:pipe (everyone's have; everyone is done with "
-                "tile it-1)")
+                "tile it-1-LAG)")
 PIPE_BOUNDS = "const bool in = row0 + r < rows;  // bounds: rows past the matrix land as zeros"
 PIPE_CLEAN = "test_pipelined_candidates_are_clean_under_sanitizer"
 # The wgmma kernels' loader into the core-matrix layout, its bounds check.

@@ -122,7 +122,8 @@ def module_names(name: str) -> tuple[str, ...]:
     the naive baseline (benchmarks only) is a module of its own, and so is each template
     instance TUNED names."""
     template, template_args = name[: name.index("<")], name[name.index("<") :]
-    if template in (*PIPE_TEMPLATES.values(), *WGMMA_TEMPLATES.values()):  # TUNED: its own module
+    if template in (*PIPE_TEMPLATES.values(), *WGMMA_TEMPLATES.values(),
+                    *OVERLAP_TEMPLATES.values()):  # TUNED: its own module
         return (name,)
     group = NAIVE_TEMPLATES if template in NAIVE_TEMPLATES.values() else KERNEL_TEMPLATES
     return tuple(f"{t}{template_args}" for t in group.values())
@@ -327,6 +328,12 @@ def ds_row_stride(seq_len: int) -> int:
 WGMMA_TEMPLATES = {"fwd": "attn_fwd_wgmma", "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma",
                    "bwd_dq_ds": "attn_bwd_dq_ds_wgmma", "bwd_dkdv": "attn_bwd_dkdv_wgmma",
                    "bwd_dq": "attn_bwd_dq_wgmma"}
+# Their twins with overlap=True: a tile's last products in flight during the next tile's softmax
+# (forward) or dS (backward), the same bits; a tile stays read one iteration longer, so the
+# pipeline needs OVERLAP_MIN_STAGES.
+OVERLAP_TEMPLATES = {"fwd": "attn_fwd_wgmma_overlap", "bwd_dkdv": "attn_bwd_dkdv_wgmma_overlap",
+                     "bwd_dq": "attn_bwd_dq_wgmma_overlap"}
+OVERLAP_MIN_STAGES = 3
 WGMMA_ARCH = {"sm_90": "sm_90a"}  # the GPU architecture -> the target with wgmma on it
 
 
@@ -334,7 +341,8 @@ def module_arch(arch: str, names: tuple[str, ...] | list[str]) -> str:
     """The target a module of `names` compiles for on a GPU of `arch`: the arch-specific one
     (sm_90a) when it holds a wgmma kernel, which exists only there; else `arch` itself. NVRTC
     builds for sm_90a also when CuPy appends its own -arch=sm_90 after ours."""
-    if not any(name[: name.index("<")] in WGMMA_TEMPLATES.values() for name in names):
+    hopper = (*WGMMA_TEMPLATES.values(), *OVERLAP_TEMPLATES.values())
+    if not any(name[: name.index("<")] in hopper for name in names):
         return arch
     if arch not in WGMMA_ARCH:
         raise ValueError(f"{', '.join(names)}: wgmma kernels run only on {', '.join(WGMMA_ARCH)}, "
@@ -357,7 +365,8 @@ class PipeConfig:
     """One candidate: W warps (a block owns 16*W rows), N streamed rows per tile, STAGES-deep
     cp.async pipeline (1: synchronous, as the production kernels), MINB blocks per SM promised
     to ptxas (0: none), PASSES column passes of a streamed tile in dK/dV; WGMMA: the sm_90a
-    kernel (WGMMA_TEMPLATES; W a multiple of 4, a warpgroup per 64 rows) instead of mma.sync."""
+    kernel (WGMMA_TEMPLATES; W a multiple of 4, a warpgroup per 64 rows) instead of mma.sync;
+    OVERLAP: its twin of OVERLAP_TEMPLATES."""
 
     warps: int
     rows: int
@@ -365,11 +374,13 @@ class PipeConfig:
     min_blocks: int = 0
     passes: int = 1
     wgmma: bool = False
+    overlap: bool = False
 
     def label(self) -> str:
         extra = f" minb{self.min_blocks}" if self.min_blocks else ""
         extra += f" p{self.passes}" if self.passes > 1 else ""
         extra += " wgmma" if self.wgmma else ""
+        extra += " overlap" if self.overlap else ""
         return f"W{self.warps} N{self.rows} S{self.stages}{extra}"
 
     def code(self) -> str:
@@ -379,7 +390,8 @@ class PipeConfig:
             args += [self.min_blocks, self.passes]
         elif self.min_blocks:
             args.append(self.min_blocks)
-        return f"PipeConfig({', '.join(map(str, args))}{', wgmma=True' if self.wgmma else ''})"
+        flags = (", wgmma=True" if self.wgmma else "") + (", overlap=True" if self.overlap else "")
+        return f"PipeConfig({', '.join(map(str, args))}{flags})"
 
 
 # The tuned kernels, by GPU architecture: (arch, dtype, head_dim) -> kernel -> PipeConfig, the
@@ -456,15 +468,22 @@ def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig
     kernels without a wgmma twin): a warpgroup or two (W 4, 8), 64 or 128 streamed rows (dK/dV:
     64, as S, dP, their A fragments and both accumulators are live at once: at 128 rows ptxas
     spills at 255 registers from head_dim 32 up), the forward at 2 and 3 stages, the backward
-    (through dS, or recomputing S and dP in dQ) at 2, where the shared memory fits sm_90's 227
-    KiB a block."""
+    (through dS, or recomputing S and dP in dQ) at 2; after each, where the kernel has one, its
+    overlap twin a stage deeper (the same tiles ahead), where the shared memory fits sm_90's
+    227 KiB a block."""
     if kernel not in WGMMA_TEMPLATES or dtype not in ("bfloat16", "float16"):
         return []
     rows = (64,) if kernel in ("bwd_dkdv_ds", "bwd_dkdv") else (64, 128)
     stages = (2, 3) if kernel == "fwd" else (2,)
-    return [cfg for warps in (4, 8) for n in rows for depth in stages
-            if pipe_shared_bytes(kernel, dtype, head_dim,
-                                 cfg := PipeConfig(warps, n, depth, wgmma=True))
+    found = []
+    for warps in (4, 8):
+        for n in rows:
+            for depth in stages:
+                found.append(PipeConfig(warps, n, depth, wgmma=True))
+                if kernel in OVERLAP_TEMPLATES:
+                    found.append(PipeConfig(warps, n, max(depth + 1, OVERLAP_MIN_STAGES),
+                                            wgmma=True, overlap=True))
+    return [cfg for cfg in found if pipe_shared_bytes(kernel, dtype, head_dim, cfg)
             <= DYNAMIC_SHARED_LIMIT["sm_90"]]
 
 
@@ -476,7 +495,8 @@ def pipe_name_expression(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig
         del args[4]
     if kernel in ("bwd_dkdv", "bwd_dkdv_ds"):
         args.append(cfg.passes)
-    template = (WGMMA_TEMPLATES if cfg.wgmma else PIPE_TEMPLATES)[kernel]
+    template = (OVERLAP_TEMPLATES if cfg.overlap else WGMMA_TEMPLATES if cfg.wgmma
+                else PIPE_TEMPLATES)[kernel]
     return f"{template}<{', '.join(str(a) for a in args)}>"
 
 
@@ -522,6 +542,10 @@ def pipe_launch(kernel: str, batch: int, n_head: int, seq_len: int, head_dim: in
         raise ValueError(f"{kernel} {cfg.label()} {dtype}: wgmma has {', '.join(WGMMA_TEMPLATES)}"
                          " in bf16 and fp16, whole warpgroups (W a multiple of 4), N 32, 64 or "
                          "128, one pass")
+    if cfg.overlap and (not cfg.wgmma or kernel not in OVERLAP_TEMPLATES
+                        or cfg.stages < OVERLAP_MIN_STAGES):
+        raise ValueError(f"{kernel} {cfg.label()}: overlap is a wgmma kernel's twin, of "
+                         f"{', '.join(OVERLAP_TEMPLATES)}, at {OVERLAP_MIN_STAGES} stages or more")
     if kernel == FUSED_KERNEL:
         if cfg.stages != 1 or cfg.passes != 1:
             raise ValueError(f"{kernel} {cfg.label()}: one stage, one pass")
