@@ -102,8 +102,9 @@ FUSED = "bwd_fused"
 FUSED_CHECK_LEN = 255
 CHECK_SHAPE = (2, 3, 333)  # B, H, T: odd, not a multiple of any tile
 TOL = {"bfloat16": 1e-2, "float16": 2.0**-9, "float32": 1e-5}
-# "-det": the same backend with torch.use_deterministic_algorithms on (warn_only), under which
-# flash's and efficient's backwards take their deterministic paths; cuDNN's has none in torch.
+# "-det": the same backend with torch.use_deterministic_algorithms on (not warn_only: with it,
+# flash's and efficient's backwards only warn and keep their non-deterministic paths), under
+# which they take their deterministic ones; cuDNN's has none in torch, which refuses it there.
 SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn", "flash-det", "efficient-det")
 # Exact resume needs a backward whose bits repeat: each backend's forward + backward runs this
 # many times at twice the shape's batch (a batch that trains: llm.c saw cuDNN's backward repeat
@@ -487,15 +488,23 @@ def same_bits(attend, shape, device) -> bool:
 
 @contextlib.contextmanager
 def deterministic_algorithms(on: bool) -> Iterator[None]:
+    """torch.use_deterministic_algorithms(on), strict: an op without a deterministic form
+    raises (that row records the error), and flash's and efficient's backwards take their
+    deterministic paths, which warn_only would not. Memory torch.empty gives is left unfilled
+    (the mode fills it with NaN by default), so the rows time the kernels alone."""
     import torch
+    import torch.utils.deterministic
 
     before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(on, warn_only=True)
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(on)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]
 
 
 def sdpa_attend(backend: str):

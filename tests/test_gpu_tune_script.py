@@ -428,3 +428,24 @@ def test_a_backward_whose_bits_do_not_repeat_is_found() -> None:
     shape = ("float32", 1, 2, 8, 4)
     assert tune.same_bits(lambda q, k, v: q * k + v, shape, torch.device("cpu"))
     assert not tune.same_bits(attend, shape, torch.device("cpu"))
+
+
+def test_the_det_rows_ask_for_the_deterministic_paths_strictly() -> None:
+    """Under warn_only, PyTorch's flash and efficient backwards only warn and keep their
+    non-deterministic paths, so the "-det" rows set the mode strictly (an op without a
+    deterministic form raises instead), leave torch.empty's memory unfilled as training does,
+    and put everything back after."""
+    import torch.utils.deterministic as det
+
+    tune = load_script()
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
+    with tune.deterministic_algorithms(True):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert det.fill_uninitialized_memory is False
+    assert (torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            det.fill_uninitialized_memory) == before
+    with tune.deterministic_algorithms(False):
+        assert not torch.are_deterministic_algorithms_enabled()
