@@ -5,8 +5,9 @@
 //   attn_bwd_dq_ds_wgmma     dQ = scale * dS K (attn_bwd_dq_ds) on it
 //   attn_bwd_dkdv_wgmma      dK/dV (attn_bwd_dkdv_pipe): attn_bwd_dkdv_ds_wgmma without dS
 //   attn_bwd_dq_wgmma        dQ recomputing S and dP (attn_bwd_dq_pipe), its three products
-//   attn_fwd_wgmma_overlap, attn_bwd_dkdv_wgmma_overlap, attn_bwd_dq_wgmma_overlap
-//                            the three with a tile's last products in flight during the next
+//   attn_fwd_wgmma_overlap, attn_bwd_dkdv_ds_wgmma_overlap, attn_bwd_dkdv_wgmma_overlap,
+//   attn_bwd_dq_wgmma_overlap
+//                            four of them with a tile's last products in flight during the next
 //                            tile's softmax or dS (FlashAttention-3's overlap in a warpgroup)
 // A warpgroup owns 64 rows (queries; keys in dK/dV), W/4 of them a block. Products whose A
 // operand was just computed (P, dS) take it from registers (the C -> A fragment repack of the
@@ -617,6 +618,19 @@ __global__ void __launch_bounds__(32 * W, MINB)
   static_assert(PASSES == 1, "one pass");
   dkdv_wgmma_body<T_, D, W, N, STAGES, true, false>(q, k, v, dout, lse, delta, dk, dv, ds,
                                                     seq_len, ds_stride, scale);
+}
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB, int PASSES>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dkdv_ds_wgmma_overlap(const T_* __restrict__ q, const T_* __restrict__ k,
+                                   const T_* __restrict__ v, const T_* __restrict__ dout,
+                                   const float* __restrict__ lse,
+                                   const float* __restrict__ delta, T_* __restrict__ dk,
+                                   T_* __restrict__ dv, T_* __restrict__ ds, int seq_len,
+                                   int ds_stride, float scale) {
+  static_assert(PASSES == 1, "one pass");
+  dkdv_wgmma_body<T_, D, W, N, STAGES, true, true>(q, k, v, dout, lse, delta, dk, dv, ds,
+                                                   seq_len, ds_stride, scale);
 }
 
 // dK/dV alone (the backward that recomputes S and dP in dQ): launched as attn_bwd_dkdv_pipe.

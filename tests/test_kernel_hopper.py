@@ -1,12 +1,12 @@
 """The sm_90a kernels (kernels/attn_hopper.cuh: the forward, the backward through dS and the
-backward recomputing S and dP, on wgmma, and the overlapped twins of the forward and the
-recomputing backward) without a GPU: on the CPU emulator against float64 with NaN-poisoned
-outputs, bit for bit against their pipelined mma.sync twins of the same tiles, through autograd
-from a TUNED entry, a missing wgmma wait, misread descriptor strides, a stage refilled while an
-overlapped product still reads it and A fragments rewritten while in flight caught;
-their launch table and module target; NVRTC's sm_90a build without spills or injected warpgroup
-waits. Whether the descriptors mean on a GPU what the emulator reads them as is for the GPU
-check (scripts/gpu_tune_attention.py checks every candidate against float64 there).
+backward recomputing S and dP, on wgmma, and the overlapped twins of all but dQ from dS)
+without a GPU: on the CPU emulator against float64 with NaN-poisoned outputs, bit for bit
+against their pipelined mma.sync twins of the same tiles, through autograd from a TUNED entry;
+a missing wgmma wait, misread descriptor strides, a stage refilled while an overlapped product
+still reads it and A fragments rewritten while in flight caught; their launch table and module
+target; NVRTC's sm_90a build without spills or ptxas's wgmma notes. Whether the descriptors
+mean on a GPU what the emulator reads them as is for the GPU check
+(scripts/gpu_tune_attention.py checks every candidate against float64 there).
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ HOPPER_DS = [
     ("bfloat16", 32, PipeConfig(8, 64, 2, wgmma=True), PipeConfig(4, 32, 3, wgmma=True)),
     ("bfloat16", 128, PipeConfig(4, 64, 3, wgmma=True), PipeConfig(8, 128, 2, wgmma=True)),
     ("float16", 64, PipeConfig(8, 64, 3, wgmma=True), PipeConfig(4, 128, 2, wgmma=True)),
+    # dK/dV overlapped (dS stored while the tile before's products are in flight)
+    ("bfloat16", 64, PipeConfig(8, 64, 3, wgmma=True, overlap=True),
+     PipeConfig(4, 64, 2, wgmma=True)),
 ]
 # The backward that recomputes S and dP in dQ (attn_bwd_dq_wgmma, attn_bwd_dkdv_wgmma),
 # (dtype, head_dim, dK/dV's config, dQ's): one and two warpgroups, dQ streaming 64 and 128 keys,
@@ -388,10 +391,10 @@ def test_wgmma_kernels_build_for_sm_90a_alone() -> None:
                                ("bwd_dkdv_ds", "bfloat16", PipeConfig(4, 64, 2, 0, 2, True))]:
         with pytest.raises(ValueError, match="wgmma has"):
             kernel_launch.pipe_launch(kernel, 1, 1, 64, 64, dtype, cfg)
-    # overlapped: a wgmma kernel's twin, of three kernels, with a stage for the lag
+    # overlapped: a wgmma kernel's twin, of four kernels, with a stage for the lag
     for kernel, cfg in [("fwd", PipeConfig(4, 64, 2, wgmma=True, overlap=True)),
                         ("fwd", PipeConfig(4, 64, 3, overlap=True)),
-                        ("bwd_dkdv_ds", PipeConfig(4, 64, 3, wgmma=True, overlap=True))]:
+                        ("bwd_dq_ds", PipeConfig(4, 64, 3, wgmma=True, overlap=True))]:
         with pytest.raises(ValueError, match="overlap is"):
             kernel_launch.pipe_launch(kernel, 1, 1, 64, 64, "bfloat16", cfg)
     for kernel in kernel_launch.OVERLAP_TEMPLATES:  # each wgmma candidate's twin, a stage deeper
@@ -416,6 +419,7 @@ NVRTC_CASES = [("fwd", "bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
                ("fwd", "float16", 128, PipeConfig(4, 128, 3, wgmma=True, overlap=True)),
                ("bwd_dq", "bfloat16", 64, PipeConfig(8, 128, 3, wgmma=True, overlap=True)),
                ("bwd_dkdv", "bfloat16", 64, PipeConfig(4, 64, 3, wgmma=True, overlap=True)),
+               ("bwd_dkdv_ds", "bfloat16", 64, PipeConfig(8, 64, 3, wgmma=True, overlap=True)),
                ("bwd_dkdv", "float16", 128, PipeConfig(4, 64, 3, wgmma=True, overlap=True))]
 
 

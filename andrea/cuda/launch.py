@@ -332,7 +332,8 @@ WGMMA_TEMPLATES = {"fwd": "attn_fwd_wgmma", "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgm
 # (forward) or dS (backward), the same bits; a tile stays read one iteration longer, so the
 # pipeline needs OVERLAP_MIN_STAGES.
 OVERLAP_TEMPLATES = {"fwd": "attn_fwd_wgmma_overlap", "bwd_dkdv": "attn_bwd_dkdv_wgmma_overlap",
-                     "bwd_dq": "attn_bwd_dq_wgmma_overlap"}
+                     "bwd_dq": "attn_bwd_dq_wgmma_overlap",
+                     "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma_overlap"}
 OVERLAP_MIN_STAGES = 3
 WGMMA_ARCH = {"sm_90": "sm_90a"}  # the GPU architecture -> the target with wgmma on it
 
@@ -468,9 +469,10 @@ def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig
     kernels without a wgmma twin): a warpgroup or two (W 4, 8), 64 or 128 streamed rows (dK/dV:
     64, as S, dP, their A fragments and both accumulators are live at once: at 128 rows ptxas
     spills at 255 registers from head_dim 32 up), the forward at 2 and 3 stages, the backward
-    (through dS, or recomputing S and dP in dQ) at 2; after each, where the kernel has one, its
-    overlap twin a stage deeper (the same tiles ahead), where the shared memory fits sm_90's
-    227 KiB a block."""
+    (through dS, or recomputing S and dP in dQ) at 2; after each, where the kernel has one (all
+    but dQ from dS, a product alone), its overlap twin a stage deeper (the same tiles ahead;
+    not dK/dV writing dS at head_dim 128, where ptxas spills), where the shared memory fits
+    sm_90's 227 KiB a block."""
     if kernel not in WGMMA_TEMPLATES or dtype not in ("bfloat16", "float16"):
         return []
     rows = (64,) if kernel in ("bwd_dkdv_ds", "bwd_dkdv") else (64, 128)
@@ -480,7 +482,7 @@ def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig
         for n in rows:
             for depth in stages:
                 found.append(PipeConfig(warps, n, depth, wgmma=True))
-                if kernel in OVERLAP_TEMPLATES:
+                if kernel in OVERLAP_TEMPLATES and (kernel != "bwd_dkdv_ds" or head_dim <= 64):
                     found.append(PipeConfig(warps, n, max(depth + 1, OVERLAP_MIN_STAGES),
                                             wgmma=True, overlap=True))
     return [cfg for cfg in found if pipe_shared_bytes(kernel, dtype, head_dim, cfg)
