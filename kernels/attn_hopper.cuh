@@ -59,6 +59,14 @@ __device__ __forceinline__ void load_tile_cm_async(T_* dst, const T_* src, int r
   load_block_cm_async<T_, ROWS, D, THREADS>(dst, src, D, row0, 0, seq_len);
 }
 
+// This thread's warpgroup, as the compiler can tell is the same in every lane of a warp (a
+// shuffle from lane 0): what is computed from it (a warpgroup's tile, its wgmma descriptors)
+// then lives in uniform registers, where the instruction reads descriptors, not in each lane's
+// with a move across for every use.
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0);
+}
+
 // The shared-memory address of p (sm_90: the shared window's; emulator: the offset into the
 // block's dynamic shared memory, which is where wgmma_emulated reads).
 __device__ __forceinline__ u32 shared_address(const void* p) {
@@ -286,13 +294,22 @@ __device__ __forceinline__ void repack_a(u32 (&a)[N / 16][4], const float (&c)[N
   }
 }
 
+// The descriptor of a tile of D columns in the core-matrix layout, read K-major (its rows are
+// M or N: Q, K, V, dO as the first products' operands) or MN-major (its rows are K: V, K, dO, Q
+// as the right operand of a product from registers). Built once for what does not move (a
+// warpgroup's own tile) or once a tile for a stage (desc_advance from stage 0's).
+template <int D> __device__ __forceinline__ u64 kmajor_desc(const void* tile) {
+  return wgmma_desc(tile, 128, D / 8 * 64 * 2);
+}
+
+template <int D> __device__ __forceinline__ u64 mn_major_desc(const void* tile) {
+  return wgmma_desc(tile, D / 8 * 64 * 2, 128);
+}
+
 // x = A Bᵀ over D/16 k16 steps, A (this warpgroup's 64 rows) and B (N rows) tiles of D columns
-// K-major in shared memory (core-matrix layout): the instructions alone, onto x as it is.
+// given by their K-major descriptors: the instructions alone, onto x as it is.
 template <typename T_, int D, int N>
-__device__ __forceinline__ void issue_ss_steps(float (&x)[N / 8][4], const T_* a, const T_* b) {
-  constexpr u32 CM_BYTES = 128, ROW8_BYTES = D / 8 * 64 * 2;
-  const u64 a_desc = wgmma_desc(a, CM_BYTES, ROW8_BYTES);
-  const u64 b_desc = wgmma_desc(b, CM_BYTES, ROW8_BYTES);
+__device__ __forceinline__ void issue_ss_steps(float (&x)[N / 8][4], u64 a_desc, u64 b_desc) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)  // a k16 step: two core matrices, 256 bytes, on
     wgmma_ss<T_, N, false>(flat(x), desc_advance(a_desc, kk * 256),
@@ -308,38 +325,38 @@ template <int N> __device__ __forceinline__ void zero_fragments(float (&x)[N / 8
 // x = A Bᵀ (S), or with y = A_y B_yᵀ beside it (S and dP, or Sᵀ and dPᵀ): issued, not
 // committed. Every accumulator is zeroed before the fence, and before any is issued: the
 // compiler may keep a zero in a register the first product then owns (scale-d 0 on the first
-// step instead of zeros: ptxas waits for every wgmma in flight before the product).
+// step instead of zeros: ptxas waits for every wgmma in flight before the product; with zeros
+// it issues the first step with scale-d 0 itself).
 template <typename T_, int D, int N>
-__device__ __forceinline__ void issue_product(float (&x)[N / 8][4], const T_* a, const T_* b) {
+__device__ __forceinline__ void issue_product(float (&x)[N / 8][4], u64 a_desc, u64 b_desc) {
   zero_fragments<N>(x);
   wgmma_fence();
-  issue_ss_steps<T_, D, N>(x, a, b);
+  issue_ss_steps<T_, D, N>(x, a_desc, b_desc);
 }
 
 template <typename T_, int D, int N>
-__device__ __forceinline__ void issue_two_products(float (&x)[N / 8][4], const T_* ax,
-                                                   const T_* bx, float (&y)[N / 8][4],
-                                                   const T_* ay, const T_* by) {
+__device__ __forceinline__ void issue_two_products(float (&x)[N / 8][4], u64 ax_desc,
+                                                   u64 bx_desc, float (&y)[N / 8][4],
+                                                   u64 ay_desc, u64 by_desc) {
   zero_fragments<N>(x);
   zero_fragments<N>(y);
   wgmma_fence();
-  issue_ss_steps<T_, D, N>(x, ax, bx);
-  issue_ss_steps<T_, D, N>(y, ay, by);
+  issue_ss_steps<T_, D, N>(x, ax_desc, bx_desc);
+  issue_ss_steps<T_, D, N>(y, ay_desc, by_desc);
 }
 
 // acc += A B: A's fragments (P or dS of a warp's rows, repack_a) from registers, all written
 // before the wgmma_fence (which orders register writes before wgmma reads them); B an
-// N x D tile in shared memory read MN-major (V in the forward, K in dQ, dO and Q in dK/dV); N/16
-// k16 steps, issued, not committed. A's registers and acc belong to the tensor cores until the
-// group is waited for.
+// N x D tile in shared memory read MN-major (V in the forward, K in dQ, dO and Q in dK/dV;
+// b_desc: mn_major_desc); N/16 k16 steps, issued, not committed. A's registers and acc belong
+// to the tensor cores until the group is waited for.
 template <typename T_, int D, int N>
 __device__ __forceinline__ void issue_add_rs(float (&acc)[D / 8][4], u32 (&a)[N / 16][4],
-                                             const T_* b) {
-  constexpr u32 CM_BYTES = 128, ROW8_BYTES = D / 8 * 64 * 2;
+                                             u64 b_desc) {
+  constexpr int ROW8_BYTES = D / 8 * 64 * 2;
   wgmma_fence_operands(flat(acc));  // written before the fence: acc's rescale, A's repack
   wgmma_fence_operands(a);
   wgmma_fence();
-  const u64 b_desc = wgmma_desc(b, ROW8_BYTES, CM_BYTES);
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk)  // a k16 step: 16 rows of B, two rows of core matrices
     wgmma_rs<T_, D, true>(flat(acc), a[kk], desc_advance(b_desc, kk * 2 * ROW8_BYTES), 1);
@@ -348,8 +365,8 @@ __device__ __forceinline__ void issue_add_rs(float (&acc)[D / 8][4], u32 (&a)[N 
 // issue_add_rs as a group of its own, waited for.
 template <typename T_, int D, int N>
 __device__ __forceinline__ void wgmma_add_rs(float (&acc)[D / 8][4], u32 (&a)[N / 16][4],
-                                             const T_* b) {
-  issue_add_rs<T_, D, N>(acc, a, b);
+                                             u64 b_desc) {
+  issue_add_rs<T_, D, N>(acc, a, b_desc);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operands(flat(acc));
@@ -394,7 +411,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const qs = (T_*)smem;
   T_* const kv = (T_*)(smem + L::B);  // stage s: K at kv + s*STAGE, V after it
-  const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+  const int group = warpgroup_index(), warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * M;  // heaviest causal tiles first
   const long long base = (long long)blockIdx.y * seq_len * D;
@@ -409,7 +426,12 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
     load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base,
                                          tile * N, seq_len);
   };
-  const auto v_of = [&](int tile) { return kv + (tile % STAGES) * L::STAGE + N * D; };
+  // Descriptors: Q's, and stage 0's K and V, once; a tile's stage is an add on (STAGE elements).
+  const u64 q_desc = kmajor_desc<D>(qg), k_desc = kmajor_desc<D>(kv);
+  const u64 v_desc = mn_major_desc<D>(kv + N * D);
+  const auto at_stage = [&](u64 desc, int tile) {
+    return desc_advance(desc, (tile % STAGES) * L::STAGE * (int)sizeof(T_));
+  };
   load_tile_cm_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);  // joins the first group
   pipe_prologue<STAGES, LAG>(n_tiles, load_kv);
   float acc[D / 8][4];
@@ -420,7 +442,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
   u32 pf[N / 16][4];            // P as A fragments
   const auto issue_s = [&](int it) {  // S = Q K^T of tile it, once its stage has landed
     pipe_advance<STAGES, true, LAG>(it, n_tiles, load_kv);
-    issue_product<T_, D, N>(s, qg, kv + (it % STAGES) * L::STAGE);
+    issue_product<T_, D, N>(s, q_desc, at_stage(k_desc, it));
     wgmma_commit();
   };
   const auto softmax = [&](int it) {  // tile it's S has landed: P, the running max and sums
@@ -437,7 +459,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
       softmax(it);
       rescale_rows<D>(acc, corr);
       repack_a<T_, N>(pf, s);
-      wgmma_add_rs<T_, D, N>(acc, pf, v_of(it));  // O += P V
+      wgmma_add_rs<T_, D, N>(acc, pf, at_stage(v_desc, it));  // O += P V
     }
   } else {  // tile 0 alone (a wgmma issued on one path only costs a fence ptxas adds), then
             // each tile's S with tile it-1's O += P V behind it
@@ -448,7 +470,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
     repack_a<T_, N>(pf, s);
     for (int it = 1; it < n_tiles; ++it) {
       issue_s(it);
-      issue_add_rs<T_, D, N>(acc, pf, v_of(it - 1));
+      issue_add_rs<T_, D, N>(acc, pf, at_stage(v_desc, it - 1));
       wgmma_commit();
       wgmma_wait<1>();  // S's group, the older one
       softmax(it);
@@ -457,7 +479,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
       rescale_rows<D>(acc, corr);
       repack_a<T_, N>(pf, s);
     }
-    wgmma_add_rs<T_, D, N>(acc, pf, v_of(n_tiles - 1));  // the last tile's
+    wgmma_add_rs<T_, D, N>(acc, pf, at_stage(v_desc, n_tiles - 1));  // the last tile's
   }
   cp_async_wait<0>();  // nothing left in flight when the block ends (only empty groups)
 
@@ -512,7 +534,7 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   T_* const vs = ks + M * D;
   T_* const qd = (T_*)(smem + L::B);  // stage s: Q at qd + s*STAGE, dO after it
   float* const stats = (float*)(smem + L::STATS);  // stage s: lse at stats + 2sN, delta after
-  const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+  const int group = warpgroup_index(), warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x & 31, g = lane >> 2;
   const int k0 = blockIdx.x * M;
   const long long base = (long long)blockIdx.y * seq_len * D;
@@ -533,7 +555,14 @@ __device__ __forceinline__ void dkdv_wgmma_body(
     load_stats_async<N, 32 * W>(stats + 2 * stage * N, stats + (2 * stage + 1) * N, lse + sbase,
                         delta + sbase, n0, seq_len);
   };
-  const auto qd_of = [&](int tile) { return qd + (tile % STAGES) * L::STAGE; };  // Q, then dO
+  // Descriptors: this warpgroup's K and V, and stage 0's Q and dO, each way they are read,
+  // once; a tile's stage is an add on (STAGE elements).
+  const u64 k_desc = kmajor_desc<D>(kg), v_desc = kmajor_desc<D>(vg);
+  const u64 q_desc = kmajor_desc<D>(qd), do_desc = kmajor_desc<D>(qd + N * D);
+  const u64 q_mn_desc = mn_major_desc<D>(qd), do_mn_desc = mn_major_desc<D>(qd + N * D);
+  const auto at_stage = [&](u64 desc, int tile) {
+    return desc_advance(desc, (tile % STAGES) * L::STAGE * (int)sizeof(T_));
+  };
   constexpr int LAG = OVERLAP ? 1 : 0;
   pipe_prologue<STAGES, LAG>(n_tiles, load_qdo);
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
@@ -545,7 +574,8 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   u32 pf[N / 16][4], dsf[N / 16][4];  // P^T and dS^T as A fragments
   const auto issue_st_dpt = [&](int it) {  // S^T = K Q^T, dP^T = V dO^T of tile it, landed
     pipe_advance<STAGES, true, LAG>(it, n_tiles, load_qdo);
-    issue_two_products<T_, D, N>(st, kg, qd_of(it), dpt, vg, qd_of(it) + N * D);
+    issue_two_products<T_, D, N>(st, k_desc, at_stage(q_desc, it), dpt, v_desc,
+                                 at_stage(do_desc, it));
     wgmma_commit();
   };
   const auto p_ds_of = [&](int it) {  // tile it's S^T and dP^T have landed: P^T and dS^T
@@ -564,8 +594,8 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   };
   // dV += P^T dO and dK += dS^T Q for tile `tile`: N/16 steps each, dO and Q MN-major.
   const auto issue_dv_dk = [&](int tile) {
-    issue_add_rs<T_, D, N>(dv_acc, pf, qd_of(tile) + N * D);
-    issue_add_rs<T_, D, N>(dk_acc, dsf, qd_of(tile));
+    issue_add_rs<T_, D, N>(dv_acc, pf, at_stage(do_mn_desc, tile));
+    issue_add_rs<T_, D, N>(dk_acc, dsf, at_stage(q_mn_desc, tile));
     wgmma_commit();
   };
   const auto land_dv_dk = [&] {
@@ -682,7 +712,7 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
   T_* const kv = (T_*)(smem + L::B);  // stage s: K at kv + s*STAGE, V after it
   float* const lse_s = (float*)(smem + L::STATS);
   float* const delta_s = lse_s + M;
-  const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+  const int group = warpgroup_index(), warp = (threadIdx.x / 32) % 4;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * M;  // heaviest causal tiles first
   const long long base = (long long)blockIdx.y * seq_len * D;
   const long long sbase = (long long)blockIdx.y * seq_len;
@@ -702,7 +732,14 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
     load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base,
                                          tile * N, seq_len);
   };
-  const auto k_of = [&](int tile) { return kv + (tile % STAGES) * L::STAGE; };  // K, then V
+  // Descriptors: this warpgroup's Q and dO, and stage 0's K (each way it is read) and V, once;
+  // a tile's stage is an add on (STAGE elements).
+  const u64 q_desc = kmajor_desc<D>(qg), do_desc = kmajor_desc<D>(dog);
+  const u64 k_desc = kmajor_desc<D>(kv), v_desc = kmajor_desc<D>(kv + N * D);
+  const u64 k_mn_desc = mn_major_desc<D>(kv);
+  const auto at_stage = [&](u64 desc, int tile) {
+    return desc_advance(desc, (tile % STAGES) * L::STAGE * (int)sizeof(T_));
+  };
   pipe_prologue<STAGES, LAG>(n_tiles, load_kv);
   float acc[D / 8][4];
 #pragma unroll
@@ -711,7 +748,8 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
   u32 dsf[N / 16][4];                // dS as A fragments
   const auto issue_s_dp = [&](int it) {  // S = Q K^T, dP = dO V^T of tile it, once landed
     pipe_advance<STAGES, true, LAG>(it, n_tiles, load_kv);
-    issue_two_products<T_, D, N>(s, qg, k_of(it), dp, dog, k_of(it) + N * D);
+    issue_two_products<T_, D, N>(s, q_desc, at_stage(k_desc, it), dp, do_desc,
+                                 at_stage(v_desc, it));
     wgmma_commit();
   };
   const auto ds = [&](int it) {  // tile it's S and dP have landed: dS, as A fragments
@@ -726,7 +764,7 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
       wgmma_wait<0>();
       ds(it);
       repack_a<T_, N>(dsf, s);
-      wgmma_add_rs<T_, D, N>(acc, dsf, k_of(it));  // dQ += dS K
+      wgmma_add_rs<T_, D, N>(acc, dsf, at_stage(k_mn_desc, it));  // dQ += dS K
     }
   } else {  // as the forward's: tile 0 alone, then tile it-1's dQ += dS K behind tile it's
     issue_s_dp(0);
@@ -735,7 +773,7 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
     repack_a<T_, N>(dsf, s);
     for (int it = 1; it < n_tiles; ++it) {
       issue_s_dp(it);
-      issue_add_rs<T_, D, N>(acc, dsf, k_of(it - 1));
+      issue_add_rs<T_, D, N>(acc, dsf, at_stage(k_mn_desc, it - 1));
       wgmma_commit();
       wgmma_wait<1>();
       ds(it);
@@ -743,7 +781,7 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
       wgmma_fence_operands(flat(acc));
       repack_a<T_, N>(dsf, s);
     }
-    wgmma_add_rs<T_, D, N>(acc, dsf, k_of(n_tiles - 1));  // the last tile's
+    wgmma_add_rs<T_, D, N>(acc, dsf, at_stage(k_mn_desc, n_tiles - 1));  // the last tile's
   }
   cp_async_wait<0>();
   store_rows<T_, D>(dq + base, acc, q0 + group * 64 + warp * 16, seq_len, scale, scale);
@@ -784,7 +822,7 @@ __global__ void __launch_bounds__(32 * W, MINB)
   constexpr u32 CM_BYTES = 128;
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const tiles = (T_*)smem;  // stage s: dS at tiles + s*STAGE, K after it
-  const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+  const int group = warpgroup_index(), warp = (threadIdx.x / 32) % 4;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * M;  // heaviest causal tiles first
   const long long base = (long long)blockIdx.y * seq_len * D;
   const T_* const ds_bh = ds + (long long)blockIdx.y * seq_len * ds_stride;

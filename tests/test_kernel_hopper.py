@@ -102,10 +102,10 @@ PIPES = tuple(dict.fromkeys(
        for kernel, c in ds_configs(dkdv, dq, wgmma).items()]
     + [(kernel, dtype, d, c) for dtype, d, dkdv, dq in HOPPER_RECOMPUTE for wgmma in (True, False)
        for kernel, c in recompute_configs(dkdv, dq, wgmma).items()]))
-# The wait after S = Q K^T's wgmma group, and the descriptor strides (LBO, SBO) of the B
-# operand of every product from shared memory alone (K in the forward's S).
+# The wait after S = Q K^T's wgmma group, and the descriptor strides (LBO, SBO) of every
+# K-major operand (Q and K in the forward's S).
 S_WAIT = "      issue_s(it);\n      wgmma_wait<0>();\n"
-K_DESC = "wgmma_desc(b, CM_BYTES, ROW8_BYTES)"
+K_DESC = "return wgmma_desc(tile, 128, D / 8 * 64 * 2);"
 BROKEN = ("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True))
 # The overlapped forward: its pipeline's lag (V of tile it-1 read during tile it), and the wait
 # for O += P V of tile it-1 before P's fragments are rewritten.
@@ -127,7 +127,7 @@ def no_s_wait() -> str:
 
 
 def swapped_k_strides() -> str:
-    return edited(K_DESC, "wgmma_desc(b, ROW8_BYTES, CM_BYTES)")
+    return edited(K_DESC, "return wgmma_desc(tile, D / 8 * 64 * 2, 128);")
 
 
 def overlap_without_lag() -> str:
@@ -302,8 +302,9 @@ def test_tuned_wgmma_kernels_train_through_autograd(emulator, monkeypatch, route
 @pytest.mark.parametrize("build", list(BROKEN_BUILDS))
 def test_a_misused_wgmma_is_caught(build: str) -> None:
     """Without the wait after S's group its accumulator reads NaN (the emulated wgmma lands at
-    its wait_group, as the registers are undefined until then on a GPU); with K's descriptor
-    strides swapped, the product reads other elements and misses float64."""
+    its wait_group, as the registers are undefined until then on a GPU); with the K-major
+    descriptors' strides swapped (Q's and K's), the product reads other elements and misses
+    float64."""
     background.result(build)
     broken = kernel_emulator.Emulator(BROKEN_BUILDS[build](), pipes=(("fwd", *BROKEN),))
     dtype, d, cfg = BROKEN
@@ -420,7 +421,7 @@ NVRTC_CASES = [("fwd", "bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
                ("bwd_dq", "bfloat16", 64, PipeConfig(8, 128, 3, wgmma=True, overlap=True)),
                ("bwd_dkdv", "bfloat16", 64, PipeConfig(4, 64, 3, wgmma=True, overlap=True)),
                ("bwd_dkdv_ds", "bfloat16", 64, PipeConfig(8, 64, 3, wgmma=True, overlap=True)),
-               ("bwd_dkdv", "float16", 128, PipeConfig(4, 64, 3, wgmma=True, overlap=True))]
+               ("bwd_dkdv", "float16", 64, PipeConfig(8, 64, 3, wgmma=True, overlap=True))]
 
 
 def _nvrtc_sm90a_build() -> tuple[list[str], str]:

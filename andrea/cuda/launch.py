@@ -471,8 +471,8 @@ def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig
     spills at 255 registers from head_dim 32 up), the forward at 2 and 3 stages, the backward
     (through dS, or recomputing S and dP in dQ) at 2; after each, where the kernel has one (all
     but dQ from dS, a product alone), its overlap twin a stage deeper (the same tiles ahead;
-    not dK/dV writing dS at head_dim 128, where ptxas spills), where the shared memory fits
-    sm_90's 227 KiB a block."""
+    the backward's only up to head_dim 64: at 128 ptxas spills some of them), where the shared
+    memory fits sm_90's 227 KiB a block."""
     if kernel not in WGMMA_TEMPLATES or dtype not in ("bfloat16", "float16"):
         return []
     rows = (64,) if kernel in ("bwd_dkdv_ds", "bwd_dkdv") else (64, 128)
@@ -482,7 +482,7 @@ def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig
         for n in rows:
             for depth in stages:
                 found.append(PipeConfig(warps, n, depth, wgmma=True))
-                if kernel in OVERLAP_TEMPLATES and (kernel != "bwd_dkdv_ds" or head_dim <= 64):
+                if kernel in OVERLAP_TEMPLATES and (kernel == "fwd" or head_dim <= 64):
                     found.append(PipeConfig(warps, n, max(depth + 1, OVERLAP_MIN_STAGES),
                                             wgmma=True, overlap=True))
     return [cfg for cfg in found if pipe_shared_bytes(kernel, dtype, head_dim, cfg)
