@@ -20,11 +20,12 @@ after the other so that none slows another; the table printed last (and OUTDIR/s
                the whole logits, as the reference; train.loss_chunk_rows=0): what the chunked
                loss costs
   120m-fp32acc as 120m-warm, each loss chunk's weight gradient added into float32 inside its
-               matmul (torch.addmm's out_dtype, CUDA only) instead of a bf16 product added
-               after it (the H100's profile: 160 us a chunk, about 10% of the step)
+               matmul (torch.addmm's out_dtype, CUDA only) instead of bf16 products added
+               after them, 4 at a time in one pass (transformer.WEIGHT_GRAD_GROUP; the H100's
+               profile, one at a time: 160 us a chunk, about 10% of the step)
   120m-chunk4k as 120m-warm, the loss in chunks of 4,096 rows instead of 667 (4 a micro-batch
-               of 16 x 1024, not 25; train.loss_chunk_rows=4096): that weight gradient added 4
-               times, not 25
+               of 16 x 1024, not 25; train.loss_chunk_rows=4096): that weight gradient's
+               products 4, not 25, added in one pass, not 7
   12m          ANDREA-12M's whole preset run (550 steps) at the defaults (compiled, its steps
                replayed as CUDA graphs: the preset's train.compile_mode reduce-overhead)
   resume       ANDREA-12M as 12m (compiled, CUDA graphs): 16 steps straight, and 8 steps then
@@ -109,6 +110,7 @@ def andrea_run(args: argparse.Namespace) -> None:
 
     if args.fp32_accumulate:
         transformer.add_weight_grad = add_in_float32
+        transformer.WEIGHT_GRAD_GROUP = 1  # every chunk's through it, none grouped
     cfg = load_config(args.preset, args.set)
     profiler = None
     if args.profile and torch.cuda.is_available():

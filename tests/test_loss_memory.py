@@ -12,7 +12,14 @@ from conftest import andrea_main, config_file, tiny_config
 
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.model.transformer import LOSS_CHUNK_LOGITS, Andrea, ChunkedCrossEntropy, softmax_chunk
+from andrea.model.transformer import (
+    LOSS_CHUNK_LOGITS,
+    WEIGHT_GRAD_GROUP,
+    Andrea,
+    ChunkedCrossEntropy,
+    add_in_order,
+    softmax_chunk,
+)
 from andrea.train.memory import estimate_peak_bytes
 
 
@@ -184,7 +191,44 @@ def test_loss_chunk_rows_is_checked_and_weighed_by_the_memory_estimate():
                         for rows in ("auto", 0, 4096))
     auto_chunk = LOSS_CHUNK_LOGITS // model.vocab_size * model.vocab_size  # 667 rows
     # 16 x 1024 x 50,304 logits: about 0.8 G at once, 12 + 2 x 2 bytes each unchunked, and no
-    # float32 gradient of the tied weight of the loss's own.
+    # float32 gradient of the tied weight of the loss's own, nor a group of its bf16 products.
     assert plain - auto == (16 * tokens * model.vocab_size - 8 * auto_chunk
-                            - 4 * model.vocab_size * 768)
+                            - (4 + 2 * WEIGHT_GRAD_GROUP) * model.vocab_size * 768)
     assert big - auto == 8 * (4096 * model.vocab_size - auto_chunk)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU code needs g++")
+def test_the_weight_gradients_products_added_a_group_at_a_time_give_the_same_bits():
+    """Under a compiled model the chunks' bf16 weight-gradient products are added into the
+    float32 sum WEIGHT_GRAD_GROUP at a time by one compiled pass (add_in_order) instead of one
+    pass each: the same loss and gradients, bit for bit, here with 6 chunks (a group, then the
+    2 left), through inductor's fused kernel as a compiled run has it (one kernel a group)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    n, d, vocab = 45, 16, 37  # chunks of 8 rows: 6 chunks, the last of 5
+    hidden, weight = torch.randn(n, d), torch.randn(vocab, d)
+    targets = torch.randint(0, vocab, (n,))
+    torch._dynamo.reset()
+    compiled = torch.compile(add_in_order, dynamic=False)
+    groups, kernels = [], []
+
+    def add_products(total, products):
+        groups.append(len(products))
+        _, codes = run_and_get_code(compiled, total, products)
+        kernels.extend(code.count("async_compile.cpp_pybinding(") for code in codes)
+
+    def run(add):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ChunkedCrossEntropy.apply(h, w, targets, 8, softmax_chunk, add)
+        loss.backward()
+        return loss, h.grad, w.grad
+
+    want = run(None)
+    got = run(add_products)
+    assert groups == [WEIGHT_GRAD_GROUP, 6 - WEIGHT_GRAD_GROUP]
+    assert kernels == [1, 1], kernels  # each group's adds, one pass
+    assert want[2].dtype == torch.float32
+    for name, g, w in zip(("loss", "hidden", "weight"), got, want, strict=True):
+        assert torch.equal(g, w), name

@@ -180,6 +180,20 @@ def softmax_chunk(
     return nll, grad_logits.mul_(scale).to(logits.dtype)
 
 
+# Under a compiled model, the chunks' weight-gradient products (in the compute dtype) are added
+# into the float32 sum this many at a time, in one pass (add_in_order): [vocab, d_model] float32
+# is read and written once a group, not once a chunk, with the same bits. On an H100 the add a
+# chunk took 160 us at 120M's vocabulary, twice its matmul (docs/log.md, 2026-12-06).
+WEIGHT_GRAD_GROUP = 4
+
+
+def add_in_order(total: torch.Tensor, products: list[torch.Tensor]) -> None:
+    """total += each of products, one after the other, in total's dtype: the bits of adding
+    them one at a time. Compiled (train/compiled.py), one pass over total for them all."""
+    for product in products:
+        total += product
+
+
 def add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor,
                     h: torch.Tensor) -> None:
     """grad_weight += grad_logits.T @ h, one chunk's share of the tied embedding's gradient,
@@ -201,7 +215,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     and keeps nothing of size [rows, vocab]. Same numbers as
     F.cross_entropy(F.linear(hidden, weight).float(), targets): the matmuls run in autocast's
     dtype, the softmax in float32 (float64 stays float64). `chunk_fn` is softmax_chunk, or its
-    compiled form under a compiled model.
+    compiled form under a compiled model; with `add_products` (add_in_order compiled), the
+    weight gradient's products in the compute dtype are added WEIGHT_GRAD_GROUP at a time, in
+    chunk order, so with the bits of one at a time.
     """
 
     @staticmethod
@@ -212,6 +228,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,  # [N]
         chunk_rows: int,
         chunk_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = softmax_chunk,
+        add_products: Callable[[torch.Tensor, list[torch.Tensor]], None] | None = None,
     ) -> torch.Tensor:
         compute = _compute_dtype(hidden.device, weight.dtype)
         softmax_dtype = torch.promote_types(compute, torch.float32)
@@ -224,6 +241,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         if wants_grad:
             grad_hidden = torch.empty_like(hidden)
             grad_weight = torch.zeros(weight.shape, dtype=softmax_dtype, device=weight.device)
+        # (a group of 1: each chunk's through add_weight_grad, as without add_products)
+        grouped = add_products is not None and softmax_dtype != compute and WEIGHT_GRAD_GROUP > 1
+        pending: list[torch.Tensor] = []  # the group's products not yet added
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             h = hidden[rows].to(compute)
@@ -232,7 +252,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             total += nll
             if grad_logits is not None:
                 grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)
-                add_weight_grad(grad_weight, grad_logits, h)
+                if not grouped:
+                    add_weight_grad(grad_weight, grad_logits, h)
+                    continue
+                pending.append(grad_logits.t() @ h)
+                if len(pending) == WEIGHT_GRAD_GROUP:
+                    add_products(grad_weight, pending)
+                    pending = []
+        if pending:
+            add_products(grad_weight, pending)
         if wants_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total / count
@@ -240,9 +268,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None]:
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
 
 
 class Andrea(nn.Module):
@@ -262,6 +290,9 @@ class Andrea(nn.Module):
         # What each chunk of the loss runs between its matmuls (compiled with the model).
         self.loss_chunk_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = (
             softmax_chunk)
+        # What adds the chunks' weight-gradient products a group at a time (add_in_order,
+        # compiled with the model); None: each chunk's added as it comes.
+        self.loss_add_products: Callable[[torch.Tensor, list[torch.Tensor]], None] | None = None
         # Recompute each block in backward (train.activation_checkpointing: blocks).
         self.checkpoint_blocks = False
         self.reset_parameters()
@@ -313,9 +344,11 @@ class Andrea(nn.Module):
     def chunked_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the LM head over hidden [N, d_model] against targets [N], a
         chunk of rows at a time (ChunkedCrossEntropy). A compiled model runs it outside its graph
-        and its chunks through a compiled loss_chunk_fn (train/compiled.py)."""
+        and its chunks through a compiled loss_chunk_fn and loss_add_products
+        (train/compiled.py)."""
         return ChunkedCrossEntropy.apply(hidden, self.lm_head.weight, targets,
-                                         self.loss_chunk_rows, self.loss_chunk_fn)
+                                         self.loss_chunk_rows, self.loss_chunk_fn,
+                                         self.loss_add_products)
 
     def forward(
         self,

@@ -6,8 +6,10 @@ docs/log.md, 2026-12-04, the fastest step on one GPU; 0.80 on an H100, 2026-12-0
 CPU, where a compile costs minutes of a short run and gains little, and not yet under torchrun,
 where the compiled step has not been measured or resumed on GPUs (`true` asks for it anyway).
 The embeddings and the loss stay out of the compiled graph (OUTSIDE_THE_GRAPH); the loss's
-chunks run through a compiled softmax_chunk. Inductor keeps what it compiled under andrea's
-cache folder, so a second run of the same model compiles in seconds.
+chunks run through a compiled softmax_chunk, and their weight-gradient products are added into
+the float32 sum a group at a time (add_in_order, compiled: one pass a group, the same bits).
+Inductor keeps what it compiled under andrea's cache folder, so a second run of the same model
+compiles in seconds.
 
 train.compile_mode is torch.compile's mode. reduce-overhead also replays each step as CUDA
 graphs, for a model whose step is too short to keep the GPU busy between kernel launches (the
@@ -22,7 +24,7 @@ import os
 import torch
 import torch.nn as nn
 
-from andrea.model.transformer import Andrea, softmax_chunk
+from andrea.model.transformer import Andrea, add_in_order, softmax_chunk
 from andrea.resources import cache_dir
 from andrea.train.torchrun import DistInfo
 
@@ -89,12 +91,16 @@ def keep_outside_the_graph(model: Andrea) -> None:
 
 def compile_model(model: nn.Module, mode: str = "default") -> nn.Module:
     """The compiled module the steps call, in torch.compile's `mode`; an Andrea's loss chunks
-    run compiled too."""
+    run compiled too, and its weight gradient's products are added a group at a time."""
     inductor_cache()
     if isinstance(model, Andrea):
         keep_outside_the_graph(model)
         if model.loss_chunk_fn is softmax_chunk:
             model.loss_chunk_fn = torch.compile(softmax_chunk, dynamic=False, mode=mode)
+        if model.loss_add_products is None:
+            # The default mode whatever the model's: it changes its input in place, which CUDA
+            # graphs would skip with a message; one launch a group leaves nothing to replay away.
+            model.loss_add_products = torch.compile(add_in_order, dynamic=False)
     # Static shapes: each window length (a sequence warm-up's, the run's, evaluation's) gets a
     # graph of its own, the same whatever came before. With dynamo's default the second length
     # a process sees turns the graph dynamic for every later one, so which kernels a step runs

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from andrea.config import ModelConfig
+from andrea.model.transformer import WEIGHT_GRAD_GROUP
 from andrea.model.transformer import loss_chunk_rows as chunk_rows_for
 
 GIB = 2**30
@@ -144,7 +145,9 @@ def estimate_peak_bytes(
     if dtype in HALF:
         fixed += 2 * n_params  # autocast's cached half copies of the weights
     # One chunk of the loss: float32 logits turned softmax in place, the matmul's own output
-    # and the gradient in the compute dtype; and the float32 gradient of the tied weight.
+    # and the gradient in the compute dtype; and the float32 gradient of the tied weight, with,
+    # in half precision, a group of its products in the compute dtype waiting to be added to it
+    # (a compiled model's; an eager one holds one at a time).
     # Unchunked, autograd holds the logits and their gradient in the compute dtype, and a
     # float32 copy, the saved log-softmax and the float32 gradient, at once.
     logits, rows = tokens * model.vocab_size, chunk_rows_for(model.vocab_size, loss_chunk_rows)
@@ -152,6 +155,8 @@ def estimate_peak_bytes(
         fixed += (12 + 2 * element) * logits
     else:
         fixed += 8 * min(logits, rows * model.vocab_size) + 4 * model.vocab_size * d
+        if dtype in HALF:
+            fixed += element * WEIGHT_GRAD_GROUP * model.vocab_size * d
     width = ACTIVATION_WIDTHS.get(dtype, ACTIVATION_WIDTHS[torch.float32])
     if checkpointing:
         per_token = (n_layer * CHECKPOINTED_WIDTH + width) * d * element
