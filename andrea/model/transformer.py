@@ -259,8 +259,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 if len(pending) == WEIGHT_GRAD_GROUP:
                     add_products(grad_weight, pending)
                     pending = []
-        if pending:
+        if len(pending) > 1:
             add_products(grad_weight, pending)
+        elif pending:  # one alone: as add_weight_grad adds it, no compiled graph for it
+            grad_weight += pending[0]
         if wants_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total / count
