@@ -388,6 +388,10 @@ template <typename T_, int D, int K, int W, int N, int STAGES> struct HopperSmem
   static constexpr int bytes =
       STATS + (K == KIND_DKDV ? STAGES * 2 * N * 4 : (K == KIND_DQ ? 2 * M * 4 : 0));
   static_assert(W % 4 == 0 && STAGES >= 1, "whole warpgroups, a stage");
+  // The descriptor of a streamed tile in its stage, from stage 0's (a stage is STAGE elements on).
+  static __device__ __forceinline__ u64 at_stage(u64 stage0_desc, int tile) {
+    return desc_advance(stage0_desc, (tile % STAGES) * STAGE * (int)sizeof(T_));
+  }
 };
 
 // The forward on wgmma: W warps (W/4 warpgroups of 64 query rows), N keys a tile, STAGES-deep
@@ -426,12 +430,9 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
     load_tile_cm_async<T_, D, N, 32 * W>(kv + stage * L::STAGE + N * D, v + base,
                                          tile * N, seq_len);
   };
-  // Descriptors: Q's, and stage 0's K and V, once; a tile's stage is an add on (STAGE elements).
+  // Descriptors: Q's, and stage 0's K and V, once; a tile's stage is an add on (L::at_stage).
   const u64 q_desc = kmajor_desc<D>(qg), k_desc = kmajor_desc<D>(kv);
   const u64 v_desc = mn_major_desc<D>(kv + N * D);
-  const auto at_stage = [&](u64 desc, int tile) {
-    return desc_advance(desc, (tile % STAGES) * L::STAGE * (int)sizeof(T_));
-  };
   load_tile_cm_async<T_, D, M, 32 * W>(qs, q + base, q0, seq_len);  // joins the first group
   pipe_prologue<STAGES, LAG>(n_tiles, load_kv);
   float acc[D / 8][4];
@@ -442,7 +443,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
   u32 pf[N / 16][4];            // P as A fragments
   const auto issue_s = [&](int it) {  // S = Q K^T of tile it, once its stage has landed
     pipe_advance<STAGES, true, LAG>(it, n_tiles, load_kv);
-    issue_product<T_, D, N>(s, q_desc, at_stage(k_desc, it));
+    issue_product<T_, D, N>(s, q_desc, L::at_stage(k_desc, it));
     wgmma_commit();
   };
   const auto softmax = [&](int it) {  // tile it's S has landed: P, the running max and sums
@@ -459,7 +460,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
       softmax(it);
       rescale_rows<D>(acc, corr);
       repack_a<T_, N>(pf, s);
-      wgmma_add_rs<T_, D, N>(acc, pf, at_stage(v_desc, it));  // O += P V
+      wgmma_add_rs<T_, D, N>(acc, pf, L::at_stage(v_desc, it));  // O += P V
     }
   } else {  // tile 0 alone (a wgmma issued on one path only costs a fence ptxas adds), then
             // each tile's S with tile it-1's O += P V behind it
@@ -470,7 +471,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
     repack_a<T_, N>(pf, s);
     for (int it = 1; it < n_tiles; ++it) {
       issue_s(it);
-      issue_add_rs<T_, D, N>(acc, pf, at_stage(v_desc, it - 1));
+      issue_add_rs<T_, D, N>(acc, pf, L::at_stage(v_desc, it - 1));
       wgmma_commit();
       wgmma_wait<1>();  // S's group, the older one
       softmax(it);
@@ -479,7 +480,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const T_* __restrict__ q,
       rescale_rows<D>(acc, corr);
       repack_a<T_, N>(pf, s);
     }
-    wgmma_add_rs<T_, D, N>(acc, pf, at_stage(v_desc, n_tiles - 1));  // the last tile's
+    wgmma_add_rs<T_, D, N>(acc, pf, L::at_stage(v_desc, n_tiles - 1));  // the last tile's
   }
   cp_async_wait<0>();  // nothing left in flight when the block ends (only empty groups)
 
@@ -556,13 +557,10 @@ __device__ __forceinline__ void dkdv_wgmma_body(
                         delta + sbase, n0, seq_len);
   };
   // Descriptors: this warpgroup's K and V, and stage 0's Q and dO, each way they are read,
-  // once; a tile's stage is an add on (STAGE elements).
+  // once; a tile's stage is an add on (L::at_stage).
   const u64 k_desc = kmajor_desc<D>(kg), v_desc = kmajor_desc<D>(vg);
   const u64 q_desc = kmajor_desc<D>(qd), do_desc = kmajor_desc<D>(qd + N * D);
   const u64 q_mn_desc = mn_major_desc<D>(qd), do_mn_desc = mn_major_desc<D>(qd + N * D);
-  const auto at_stage = [&](u64 desc, int tile) {
-    return desc_advance(desc, (tile % STAGES) * L::STAGE * (int)sizeof(T_));
-  };
   constexpr int LAG = OVERLAP ? 1 : 0;
   pipe_prologue<STAGES, LAG>(n_tiles, load_qdo);
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
@@ -574,8 +572,8 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   u32 pf[N / 16][4], dsf[N / 16][4];  // P^T and dS^T as A fragments
   const auto issue_st_dpt = [&](int it) {  // S^T = K Q^T, dP^T = V dO^T of tile it, landed
     pipe_advance<STAGES, true, LAG>(it, n_tiles, load_qdo);
-    issue_two_products<T_, D, N>(st, k_desc, at_stage(q_desc, it), dpt, v_desc,
-                                 at_stage(do_desc, it));
+    issue_two_products<T_, D, N>(st, k_desc, L::at_stage(q_desc, it), dpt, v_desc,
+                                 L::at_stage(do_desc, it));
     wgmma_commit();
   };
   const auto p_ds_of = [&](int it) {  // tile it's S^T and dP^T have landed: P^T and dS^T
@@ -594,8 +592,8 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   };
   // dV += P^T dO and dK += dS^T Q for tile `tile`: N/16 steps each, dO and Q MN-major.
   const auto issue_dv_dk = [&](int tile) {
-    issue_add_rs<T_, D, N>(dv_acc, pf, at_stage(do_mn_desc, tile));
-    issue_add_rs<T_, D, N>(dk_acc, dsf, at_stage(q_mn_desc, tile));
+    issue_add_rs<T_, D, N>(dv_acc, pf, L::at_stage(do_mn_desc, tile));
+    issue_add_rs<T_, D, N>(dk_acc, dsf, L::at_stage(q_mn_desc, tile));
     wgmma_commit();
   };
   const auto land_dv_dk = [&] {
@@ -733,13 +731,10 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
                                          tile * N, seq_len);
   };
   // Descriptors: this warpgroup's Q and dO, and stage 0's K (each way it is read) and V, once;
-  // a tile's stage is an add on (STAGE elements).
+  // a tile's stage is an add on (L::at_stage).
   const u64 q_desc = kmajor_desc<D>(qg), do_desc = kmajor_desc<D>(dog);
   const u64 k_desc = kmajor_desc<D>(kv), v_desc = kmajor_desc<D>(kv + N * D);
   const u64 k_mn_desc = mn_major_desc<D>(kv);
-  const auto at_stage = [&](u64 desc, int tile) {
-    return desc_advance(desc, (tile % STAGES) * L::STAGE * (int)sizeof(T_));
-  };
   pipe_prologue<STAGES, LAG>(n_tiles, load_kv);
   float acc[D / 8][4];
 #pragma unroll
@@ -748,8 +743,8 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
   u32 dsf[N / 16][4];                // dS as A fragments
   const auto issue_s_dp = [&](int it) {  // S = Q K^T, dP = dO V^T of tile it, once landed
     pipe_advance<STAGES, true, LAG>(it, n_tiles, load_kv);
-    issue_two_products<T_, D, N>(s, q_desc, at_stage(k_desc, it), dp, do_desc,
-                                 at_stage(v_desc, it));
+    issue_two_products<T_, D, N>(s, q_desc, L::at_stage(k_desc, it), dp, do_desc,
+                                 L::at_stage(v_desc, it));
     wgmma_commit();
   };
   const auto ds = [&](int it) {  // tile it's S and dP have landed: dS, as A fragments
@@ -764,7 +759,7 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
       wgmma_wait<0>();
       ds(it);
       repack_a<T_, N>(dsf, s);
-      wgmma_add_rs<T_, D, N>(acc, dsf, at_stage(k_mn_desc, it));  // dQ += dS K
+      wgmma_add_rs<T_, D, N>(acc, dsf, L::at_stage(k_mn_desc, it));  // dQ += dS K
     }
   } else {  // as the forward's: tile 0 alone, then tile it-1's dQ += dS K behind tile it's
     issue_s_dp(0);
@@ -773,7 +768,7 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
     repack_a<T_, N>(dsf, s);
     for (int it = 1; it < n_tiles; ++it) {
       issue_s_dp(it);
-      issue_add_rs<T_, D, N>(acc, dsf, at_stage(k_mn_desc, it - 1));
+      issue_add_rs<T_, D, N>(acc, dsf, L::at_stage(k_mn_desc, it - 1));
       wgmma_commit();
       wgmma_wait<1>();
       ds(it);
@@ -781,7 +776,7 @@ __device__ __forceinline__ void dq_wgmma_body(const T_* __restrict__ q, const T_
       wgmma_fence_operands(flat(acc));
       repack_a<T_, N>(dsf, s);
     }
-    wgmma_add_rs<T_, D, N>(acc, dsf, at_stage(k_mn_desc, n_tiles - 1));  // the last tile's
+    wgmma_add_rs<T_, D, N>(acc, dsf, L::at_stage(k_mn_desc, n_tiles - 1));  // the last tile's
   }
   cp_async_wait<0>();
   store_rows<T_, D>(dq + base, acc, q0 + group * 64 + warp * 16, seq_len, scale, scale);
