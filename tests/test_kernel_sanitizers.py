@@ -32,12 +32,13 @@ BARRIER = "__syncthreads();  // barrier:fwd-loaded (K/V tile visible to every wa
 BOUNDS = "if (row0 + r < seq_len)  // bounds: rows past the sequence read as zeros"
 
 
-# The pipelined candidates (attn_*_pipe), and with them the sm_90a forward (attn_fwd_wgmma):
-# a 2-stage cp.async pipeline of 32-row tiles in blocks of 64 rows (a warpgroup), at a T where
-# the stages are reused (each block's dynamic shared memory is an exactly sized heap buffer).
-# Their one barrier per tile, and their async loader's bounds check.
+# The pipelined candidates (attn_*_pipe), and with them the sm_90a kernels (attn_*_wgmma) and
+# their overlapped twins (3 stages): a 2-stage cp.async pipeline of 32-row tiles in blocks of 64
+# rows (a warpgroup), at a T where every kernel's stages are reused (4 tiles of 32 rows; each
+# block's dynamic shared memory is an exactly sized heap buffer). Their one barrier per tile,
+# and their async loader's bounds check.
 PIPE = PipeConfig(4, 32, 2, wgmma=True)
-PIPE_SEQ_LEN = 77
+PIPE_SEQ_LEN = 100
 PIPE_BARRIER = ("__syncthreads();  // barrier:pipe (everyone's have; everyone is done with "
                 "tile it-1-LAG)")
 PIPE_BOUNDS = "const bool in = row0 + r < rows;  // bounds: rows past the matrix land as zeros"

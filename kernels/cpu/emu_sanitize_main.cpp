@@ -6,8 +6,9 @@
 // W, N, STAGES (dK/dV PASSES) instead, then the backward through dS (attn_bwd_dkdv_ds,
 // attn_bwd_dq_ds) at the same tiles, each block's dynamic shared memory its exact size. With
 // ANDREA_SAN_WGMMA too, the sm_90a kernels (attn_fwd_wgmma, the backward through dS on wgmma,
-// then the one recomputing S and dP) at the same tiles (W a multiple of 4); last the whole-head backward (attn_bwd_fused)
-// with W warps and query chunks of N / P.
+// then the one recomputing S and dP) at the same tiles (W a multiple of 4), then their
+// overlapped twins (*_overlap) with at least 3 stages; last the whole-head backward
+// (attn_bwd_fused) with W warps and query chunks of N / P.
 // Each variant must give the pipelined kernels' bits, or the program exits 1.
 // Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
 #include "cuda_emulator.h"
@@ -133,10 +134,54 @@ int main(int argc, char** argv) {
                           std::memcmp(dq, dq5, n * sizeof(T_)) == 0 &&
                           std::memcmp(dk, dk5, n * sizeof(T_)) == 0 &&
                           std::memcmp(dv, dv5, n * sizeof(T_)) == 0;
+  // The overlapped twins, at least 3 stages (tile it-1's stage is read a tile longer): the
+  // forward, dK/dV through dS (dQ from dS as above), and the recomputing dK/dV and dQ.
+  constexpr int SO = S < 3 ? 3 : S;
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] { attn_fwd_wgmma_overlap<T_, D, W, N, SO, 0>(q, k, v, o2, lse2, seq_len, scale); },
+      HopperSmem<T_, D, KIND_FWD, W, N, SO>::bytes);
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] {
+        attn_bwd_dkdv_ds_wgmma_overlap<T_, D, W, N, SO, 0, 1>(q, k, v, dout, lse, delta, dk3, dv3,
+                                                              ds3, seq_len, stride, scale);
+      },
+      HopperSmem<T_, D, KIND_DKDV, W, N, SO>::bytes);
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] { attn_bwd_dq_ds_wgmma<T_, D, W, N, S, 0>(k, ds3, dq3, seq_len, stride, scale); },
+      HopperSmem<T_, D, KIND_DQ_DS, W, N, S>::bytes);
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] {
+        attn_bwd_dkdv_wgmma_overlap<T_, D, W, N, SO, 0, 1>(q, k, v, dout, lse, delta, dk5, dv5,
+                                                           seq_len, scale);
+      },
+      HopperSmem<T_, D, KIND_DKDV, W, N, SO>::bytes);
+  andrea_emu::launch(
+      pgrid, pblock, mode,
+      [&] {
+        attn_bwd_dq_wgmma_overlap<T_, D, W, N, SO, 0>(q, k, v, dout, lse, delta, dq5, seq_len,
+                                                      scale);
+      },
+      HopperSmem<T_, D, KIND_DQ, W, N, SO>::bytes);
+  const bool same_overlap = std::memcmp(o, o2, n * sizeof(T_)) == 0 &&
+                            std::memcmp(lse, lse2, rows * sizeof(float)) == 0 &&
+                            std::memcmp(dq, dq3, n * sizeof(T_)) == 0 &&
+                            std::memcmp(dk, dk3, n * sizeof(T_)) == 0 &&
+                            std::memcmp(dv, dv3, n * sizeof(T_)) == 0 &&
+                            std::memcmp(dq, dq5, n * sizeof(T_)) == 0 &&
+                            std::memcmp(dk, dk5, n * sizeof(T_)) == 0 &&
+                            std::memcmp(dv, dv5, n * sizeof(T_)) == 0;
   delete[] o2; delete[] lse2; delete[] ds3; delete[] dq3; delete[] dk3; delete[] dv3;
   delete[] dq5; delete[] dk5; delete[] dv5;
   if (!same_wgmma) {
     std::fprintf(stderr, "the wgmma kernels differ from the pipelined ones\n");
+    return 1;
+  }
+  if (!same_overlap) {
+    std::fprintf(stderr, "the overlapped wgmma kernels differ from the pipelined ones\n");
     return 1;
   }
 #endif
