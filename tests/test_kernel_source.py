@@ -1,6 +1,7 @@
 """The kernel source as the compilers get it: kernels/microgpt_cuda.cu with the parts it
 #includes (kernels/attn_*.cuh) written in place by andrea.cuda.launch.kernel_source, so that
-NVRTC needs no include path and an edit to any part reaches every cache key. No GPU, no g++.
+NVRTC needs no include path and an edit to any part reaches every cache key; the emulator's
+build cache. No GPU, no g++.
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
+from andrea.cuda import emulator as kernel_emulator
 from andrea.cuda import launch as kernel_launch
 from andrea.resources import kernels_dir
 
@@ -59,3 +62,27 @@ def test_an_edit_to_a_part_recompiles_the_module(monkeypatch, tmp_path) -> None:
     assert after != before
     kernel_launch.compiled_module(after, "sm_90", names)
     assert compiled == [before, after]
+
+
+def test_two_builders_of_one_emulator_build_compile_it_once(monkeypatch, tmp_path) -> None:
+    """Two processes that want the same emulator build at once (the README's two test workers, a
+    tuner's child process) compile it once: the second waits for the first and takes its file.
+    Each used to run the compiler itself (8 s of CPU for the emulator's library). A stand-in
+    compiler counts the compiles; two threads are two builders, as flock sees them."""
+    compiles = tmp_path / "compiles"
+    fake = tmp_path / "fake-g++"
+    fake.write_text(f"""#!/bin/sh
+[ "$1" = --version ] && {{ echo fake 1.0; exit 0; }}
+echo compile >> {compiles}
+sleep 1
+while [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    with ThreadPoolExecutor(2) as pool:
+        built = list(pool.map(lambda _: kernel_emulator.build_library(), range(2)))
+    assert built[0] == built[1] and built[0].is_file()
+    assert compiles.read_text().splitlines() == ["compile"]
+    assert kernel_emulator.build_library() == built[0]  # cached: no third compile
+    assert compiles.read_text().splitlines() == ["compile"]

@@ -12,6 +12,7 @@ tests can check that a deliberately broken copy is caught.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import math
 import os
@@ -65,7 +66,9 @@ def _build(main: str, flags: list[str], kernel_text: str | None, stem: str,
     """Compiles kernels/cpu/<main> with the kernel source (or kernel_text) into the cache.
 
     Keyed by a hash of compiler, flags and every source text; built under a temporary name and
-    renamed, so concurrent builds and interrupted builds never leave a broken file behind.
+    renamed, so an interrupted build never leaves a broken file behind. A process that wants a
+    build another is compiling (a second test worker, a child process) waits for it under a
+    lock file beside it and takes its result, rather than compiling it again.
     """
     cxx = _compiler()
     texts = {name: (kernels_dir() / "cpu" / name).read_text() for name in CPU_FILES}
@@ -78,15 +81,20 @@ def _build(main: str, flags: list[str], kernel_text: str | None, stem: str,
     out = cache_dir() / f"{stem}-{digest.hexdigest()[:20]}"
     if out.exists():
         return out
-    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".build-") as tmp:
-        for name, text in texts.items():
-            Path(tmp, name).write_text(text)
-        target = Path(tmp, out.name)
-        cmd = [cxx, *BASE_FLAGS, *flags, "-I", tmp, "-o", str(target), str(Path(tmp, main))]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"emulator build failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
-        os.replace(target, out)
+    with open(out.with_name(f".{out.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the kernel drops it if its holder dies
+        if out.exists():  # built by the holder we waited for
+            return out
+        with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".build-") as tmp:
+            for name, text in texts.items():
+                Path(tmp, name).write_text(text)
+            target = Path(tmp, out.name)
+            cmd = [cxx, *BASE_FLAGS, *flags, "-I", tmp, "-o", str(target), str(Path(tmp, main))]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"emulator build failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+            os.replace(target, out)
     return out
 
 
