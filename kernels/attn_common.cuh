@@ -126,7 +126,7 @@ template <> struct UsesMma<half_t> { static constexpr bool value = ANDREA_HALF_P
 
 // The three tiled kernels of a family (forward, dQ, dK/dV): what a tile table or a shared-memory
 // layout is for.
-enum Kind { KIND_FWD = 0, KIND_DQ = 1, KIND_DKDV = 2, KIND_DQ_DS = 3 };
+enum Kind { KIND_FWD = 0, KIND_DQ = 1, KIND_DKDV = 2, KIND_DQ_DS = 3, KIND_DKDV_DQ = 4 };
 
 // Row stride in shared memory: D plus 16 bytes, so the 8 rows an ldmatrix reads fall in
 // different banks, and every row start stays 16-byte aligned.

@@ -166,10 +166,11 @@ template <typename T_> float wgmma_operand(u64 desc, int mn, int k, bool mn_majo
 // wgmma.mma_async.m64nNk16 .f32 on this lane's part of the accumulator (warp w of the
 // warpgroup: rows 16w + g and 16w + g + 8, columns 8j + 2t, +1, as mma.sync's C fragments per
 // n8 block j): acc += A (64 x 16) * B (16 x N), products exact in float, summed over k in
-// order. A from shared memory (a_regs null) or the warp's A fragments of all 32 lanes.
+// order. A from shared memory (a_regs null; MN-major where trans_a) or the warp's A fragments
+// of all 32 lanes.
 template <typename T_, int N>
 void wgmma_emulated(float* acc, int warp, int lane, u64 adesc, const u32 (*a_regs)[4], u64 bdesc,
-                    bool trans_b, int scale_d) {
+                    bool trans_b, int scale_d, bool trans_a = false) {
   const int g = lane >> 2, t = lane & 3;
   for (int j = 0; j < N / 8; ++j)
     for (int i = 0; i < 4; ++i) {
@@ -178,7 +179,7 @@ void wgmma_emulated(float* acc, int warp, int lane, u64 adesc, const u32 (*a_reg
       for (int k = 0; k < 16; ++k) {
         const float a = a_regs ? elem16(a_regs[(r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)],
                                         k & 1, T_{})
-                               : wgmma_operand<T_>(adesc, 16 * warp + r, k, false);
+                               : wgmma_operand<T_>(adesc, 16 * warp + r, k, trans_a);
         s += a * wgmma_operand<T_>(bdesc, col, k, trans_b);
       }
       acc[4 * j + i] = s;
@@ -187,8 +188,9 @@ void wgmma_emulated(float* acc, int warp, int lane, u64 adesc, const u32 (*a_reg
 #endif
 
 // The wgmma instructions this file issues: m64nNk16, f32 accumulators (N/2 a thread), bf16 or
-// f16 operands; SS: A and B from shared memory (both K-major); RS: A from registers, B from
-// shared memory; B MN-major where TRANS_B. scale_d 0 overwrites the accumulator.
+// f16 operands; SS: A and B from shared memory (K-major, or MN-major where TRANS_A); RS: A from
+// registers, B from shared memory; B MN-major where TRANS_B. scale_d 0 overwrites the
+// accumulator.
 #define ANDREA_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define ANDREA_R32                                                                              \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
@@ -203,13 +205,14 @@ void wgmma_emulated(float* acc, int warp, int lane, u64 adesc, const u32 (*a_reg
   ANDREA_ACC4(d, i), ANDREA_ACC4(d, i + 4), ANDREA_ACC4(d, i + 8), ANDREA_ACC4(d, i + 12)
 #define ANDREA_ACC32(d) ANDREA_ACC16(d, 0), ANDREA_ACC16(d, 16)
 #define ANDREA_ACC64(d) ANDREA_ACC32(d), ANDREA_ACC16(d, 32), ANDREA_ACC16(d, 48)
-// SS: operands after the accumulators: a-desc, b-desc, scale-d, imm-trans-b (A K-major).
-#define ANDREA_WGMMA_SS(NN, TY, REGS, IA, IB, IS, IT, ...)                                     \
+// SS: operands after the accumulators: a-desc, b-desc, scale-d, imm-trans-b, imm-trans-a.
+#define ANDREA_WGMMA_SS(NN, TY, REGS, IA, IB, IS, IT, ITA, ...)                                \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IS ", 0;\n"                               \
                "wgmma.mma_async.sync.aligned.m64n" #NN "k16.f32." TY "." TY " " REGS           \
-               ", %" #IA ", %" #IB ", p, 1, 1, 0, %" #IT ";\n}\n"                              \
+               ", %" #IA ", %" #IB ", p, 1, 1, %" #ITA ", %" #IT ";\n}\n"                      \
                : __VA_ARGS__                                                                   \
-               : "l"(adesc), "l"(bdesc), "r"(scale_d), "n"(TRANS_B ? 1 : 0))
+               : "l"(adesc), "l"(bdesc), "r"(scale_d), "n"(TRANS_B ? 1 : 0),                   \
+                 "n"(TRANS_A ? 1 : 0))
 // RS: a0..a3, b-desc, scale-d, imm-trans-b.
 #define ANDREA_WGMMA_RS(NN, TY, REGS, A0, A1, A2, A3, IB, IS, IT, ...)                        \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IS ", 0;\n"                               \
@@ -222,21 +225,21 @@ void wgmma_emulated(float* acc, int warp, int lane, u64 adesc, const u32 (*a_reg
 template <typename T_> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<bf16_t> { static constexpr bool value = true; };
 
-template <typename T_, int N, bool TRANS_B>
+template <typename T_, int N, bool TRANS_B, bool TRANS_A = false>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 adesc, u64 bdesc, int scale_d) {
   static_assert(N == 32 || N == 64 || N == 128, "the instances this file issues");
 #if defined(ANDREA_WGMMA)
   constexpr bool BF16 = IsBf16<T_>::value;
-  if constexpr (BF16 && N == 32) ANDREA_WGMMA_SS(32, "bf16", ANDREA_R16, 16, 17, 18, 19, ANDREA_ACC16(d, 0));
-  if constexpr (BF16 && N == 64) ANDREA_WGMMA_SS(64, "bf16", ANDREA_R32, 32, 33, 34, 35, ANDREA_ACC32(d));
-  if constexpr (BF16 && N == 128) ANDREA_WGMMA_SS(128, "bf16", ANDREA_R64, 64, 65, 66, 67, ANDREA_ACC64(d));
-  if constexpr (!BF16 && N == 32) ANDREA_WGMMA_SS(32, "f16", ANDREA_R16, 16, 17, 18, 19, ANDREA_ACC16(d, 0));
-  if constexpr (!BF16 && N == 64) ANDREA_WGMMA_SS(64, "f16", ANDREA_R32, 32, 33, 34, 35, ANDREA_ACC32(d));
-  if constexpr (!BF16 && N == 128) ANDREA_WGMMA_SS(128, "f16", ANDREA_R64, 64, 65, 66, 67, ANDREA_ACC64(d));
+  if constexpr (BF16 && N == 32) ANDREA_WGMMA_SS(32, "bf16", ANDREA_R16, 16, 17, 18, 19, 20, ANDREA_ACC16(d, 0));
+  if constexpr (BF16 && N == 64) ANDREA_WGMMA_SS(64, "bf16", ANDREA_R32, 32, 33, 34, 35, 36, ANDREA_ACC32(d));
+  if constexpr (BF16 && N == 128) ANDREA_WGMMA_SS(128, "bf16", ANDREA_R64, 64, 65, 66, 67, 68, ANDREA_ACC64(d));
+  if constexpr (!BF16 && N == 32) ANDREA_WGMMA_SS(32, "f16", ANDREA_R16, 16, 17, 18, 19, 20, ANDREA_ACC16(d, 0));
+  if constexpr (!BF16 && N == 64) ANDREA_WGMMA_SS(64, "f16", ANDREA_R32, 32, 33, 34, 35, 36, ANDREA_ACC32(d));
+  if constexpr (!BF16 && N == 128) ANDREA_WGMMA_SS(128, "f16", ANDREA_R64, 64, 65, 66, 67, 68, ANDREA_ACC64(d));
 #elif defined(ANDREA_EMULATOR)
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
   andrea_emu::async_mma_issue(d, N / 2, [=](float* acc) {
-    wgmma_emulated<T_, N>(acc, warp, lane, adesc, nullptr, bdesc, TRANS_B, scale_d);
+    wgmma_emulated<T_, N>(acc, warp, lane, adesc, nullptr, bdesc, TRANS_B, scale_d, TRANS_A);
   });
 #endif
 }
@@ -378,15 +381,16 @@ __device__ __forceinline__ void wgmma_add_rs(float (&acc)[D / 8][4], u32 (&a)[N 
 // Q; K and V for dK/dV; Q and dO for dQ; none for dQ from dS), then STAGES stages of streamed
 // tiles: forward and dQ K and V, dK/dV Q and dO (N x D each), dQ from dS a dS tile (M x N) and
 // a K tile (N x D); then the statistics: dK/dV's per stage (lse and delta of the stage's N
-// queries), dQ's of its owned rows.
+// queries), dQ's of its owned rows; last, dK/dV with dQ's dS tile (M keys x N queries, DS).
 template <typename T_, int D, int K, int W, int N, int STAGES> struct HopperSmem {
   static constexpr int M = 16 * W;
   static constexpr int A_TILES = K == KIND_FWD ? 1 : (K == KIND_DQ_DS ? 0 : 2);
   static constexpr int STAGE = K == KIND_DQ_DS ? M * N + N * D : 2 * N * D;  // elements
   static constexpr int B = A_TILES * M * D * (int)sizeof(T_);
   static constexpr int STATS = B + STAGES * STAGE * (int)sizeof(T_);
-  static constexpr int bytes =
-      STATS + (K == KIND_DKDV ? STAGES * 2 * N * 4 : (K == KIND_DQ ? 2 * M * 4 : 0));
+  static constexpr bool DKDV = K == KIND_DKDV || K == KIND_DKDV_DQ;
+  static constexpr int DS = STATS + (DKDV ? STAGES * 2 * N * 4 : (K == KIND_DQ ? 2 * M * 4 : 0));
+  static constexpr int bytes = DS + (K == KIND_DKDV_DQ ? M * N * (int)sizeof(T_) : 0);
   static_assert(W % 4 == 0 && STAGES >= 1, "whole warpgroups, a stage");
   // The descriptor of a streamed tile in its stage, from stage 0's (a stage is STAGE elements on).
   static __device__ __forceinline__ u64 at_stage(u64 stage0_desc, int tile) {
@@ -512,6 +516,109 @@ __global__ void __launch_bounds__(32 * W, MINB)
   fwd_wgmma_body<T_, D, W, N, STAGES, true>(q, k, v, o, lse, seq_len, scale);
 }
 
+// dS^T's A fragments of a warp (repack_a of its keys row0 + g and + 8, the tile's N queries as
+// k) into an M x N tile of the core-matrix layout, keys as rows: each register is two adjacent
+// queries of one key, a 4-byte store. Read back MN-major as dQ's A operand (queries as M).
+template <typename T_, int N>
+__device__ __forceinline__ void store_ds_fragments(T_* tile, const u32 (&a)[N / 16][4],
+                                                   int row0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < N / 16; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      *(u32*)(tile + cm_offset<N>(row0 + g + 8 * (i & 1), 16 * kk + 8 * (i >> 1) + 2 * t)) =
+          a[kk][i];
+}
+
+// dQ's shares in a fixed order: key block j adds its share of a query tile once key block j-1
+// has added its own, so every run sums them alike (no atomics; exact resume needs the same
+// bits). A counter per (batch*head, query tile) says whose turn it is, zeroed before the
+// launch. A block waits only on blocks of its head with a lower blockIdx.x, which a GPU starts
+// first: one launched after its waiter might never start on a full GPU (a deadlock). So a wait
+// that lasts 2^32 cycles (about 2 s; a turn comes in microseconds) traps: the launch fails
+// with an error instead of hanging. The emulator runs blocks one at a time in launch order, so
+// there a wait stops the program at once.
+__device__ __forceinline__ void wait_turn(const int* count, int turn) {
+#if defined(ANDREA_EMULATOR)
+  if (*count != turn) andrea_emu::die("dQ in order: a block waits for a block not yet run");
+#elif defined(__CUDA_ARCH__)
+  const long long start = clock64();
+  int now;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(now) : "l"(count) : "memory");
+  } while (now != turn && clock64() - start < (1ll << 32));
+  if (now != turn) __trap();
+#endif
+}
+
+__device__ __forceinline__ void pass_turn(int* count, int next) {
+#if defined(ANDREA_EMULATOR)
+  *count = next;
+#elif defined(__CUDA_ARCH__)
+  __threadfence();
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(count), "r"(next) : "memory");
+#endif
+}
+
+// float32 pairs of dq_acc through L2 only (ld/st .cg): another block on this SM may have left
+// an older copy of the line in L1, which is not kept coherent.
+__device__ __forceinline__ void load_pair_l2(const float* p, float& lo, float& hi) {
+#if defined(ANDREA_EMULATOR) || !defined(__CUDA_ARCH__)
+  lo = p[0];
+  hi = p[1];
+#else
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(lo), "=f"(hi) : "l"(p) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void store_pair_l2(float* p, float lo, float hi) {
+#if defined(ANDREA_EMULATOR) || !defined(__CUDA_ARCH__)
+  p[0] = lo;
+  p[1] = hi;
+#else
+  asm volatile("st.global.cg.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(lo), "f"(hi) : "memory");
+#endif
+}
+
+// Key block blockIdx.x's dQ share `part` (a warp's rows of the N queries of tile qt, D columns):
+// the first block (0) writes it to dq_acc, the next ones add it to what is there, and the last
+// (the tile's diagonal block) writes the sum times scale to dq in the element type.
+template <typename T_, int D, int N, int M>
+__device__ __forceinline__ void dq_in_order(const float (&part)[D / 8][4], T_* __restrict__ dq,
+                                            float* __restrict__ dq_acc,
+                                            int* __restrict__ dq_count, int qt, int seq_len,
+                                            float scale) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x / 32;
+  const int j = blockIdx.x, last = imin(qt * N + N - 1, seq_len - 1) / M;
+  int* const count = dq_count + (long long)blockIdx.y * ((seq_len + N - 1) / N) + qt;
+  const long long base = (long long)blockIdx.y * seq_len * D;
+  if (threadIdx.x == 0) wait_turn(count, j);
+  __syncthreads();  // thread 0's acquire, for every thread's reads below
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = qt * N + warp * 16 + g + 8 * h;
+    if (row >= seq_len) continue;  // bounds: no dQ rows past the sequence
+#pragma unroll
+    for (int jj = 0; jj < D / 8; ++jj) {
+      const long long at = base + (long long)row * D + jj * 8 + 2 * t;
+      float lo = part[jj][2 * h], hi = part[jj][2 * h + 1];
+      if (j > 0) {
+        float lo0, hi0;
+        load_pair_l2(dq_acc + at, lo0, hi0);
+        lo = lo0 + lo;
+        hi = hi0 + hi;
+      }
+      if (j == last)
+        store_pair(dq + at, lo * scale, hi * scale);
+      else
+        store_pair_l2(dq_acc + at, lo, hi);
+    }
+  }
+  __syncthreads();  // every thread's writes, before thread 0 passes the turn
+  if (threadIdx.x == 0) pass_turn(count, j + 1);
+}
+
 // dK/dV on wgmma (attn_bwd_dkdv_pipe's arithmetic, one pass over a query tile; with WRITE_DS
 // attn_bwd_dkdv_ds's, dS stored too): a warpgroup owns 64 keys, W/4 of them a block, and
 // streams N queries a tile (Q, dO, their lse and delta). Per tile S^T = K Q^T and dP^T = V dO^T
@@ -519,17 +626,23 @@ __global__ void __launch_bounds__(32 * W, MINB)
 // dK += dS^T Q (P^T and dS^T from registers, dO and Q transposed from shared memory). OVERLAP
 // (as the forward's): tile it's two products are issued with tile it-1's dV and dK products
 // behind them, and P^T and dS^T are computed while those are in flight; the same bits.
-template <typename T_, int D, int W, int N, int STAGES, bool WRITE_DS, bool OVERLAP>
+// DQ (attn_bwd_dkdv_dq_wgmma): dQ too, each query tile's share dS K of these keys added in
+// key-block order (dq_in_order), the query tiles taken from the last down.
+template <typename T_, int D, int W, int N, int STAGES, bool WRITE_DS, bool OVERLAP,
+          bool DQ = false>
 __device__ __forceinline__ void dkdv_wgmma_body(
     const T_* __restrict__ q, const T_* __restrict__ k, const T_* __restrict__ v,
     const T_* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
     T_* __restrict__ dk, T_* __restrict__ dv, T_* __restrict__ ds, int seq_len, int ds_stride,
-    float scale) {
+    float scale, T_* __restrict__ dq = nullptr, float* __restrict__ dq_acc = nullptr,
+    int* __restrict__ dq_count = nullptr) {
 #if defined(ANDREA_WGMMA) || defined(ANDREA_EMULATOR)
   static_assert(UsesMma<T_>::value, "bf16 or fp16");
-  using L = HopperSmem<T_, D, KIND_DKDV, W, N, STAGES>;
+  using L = HopperSmem<T_, D, DQ ? KIND_DKDV_DQ : KIND_DKDV, W, N, STAGES>;
   constexpr int M = L::M, ROW8 = D / 8 * 64;
   static_assert(!WRITE_DS || 128 % M == 0, "the dS row stride must hold the last block's keys");
+  static_assert(!DQ || (W == 4 && N == 64 && !WRITE_DS && !OVERLAP),
+                "dQ in order: one warpgroup, its 64 keys a block and 64 queries a tile");
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const ks = (T_*)smem;
   T_* const vs = ks + M * D;
@@ -543,6 +656,8 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   const float sl2 = scale * ANDREA_LOG2E;
   const int first = k0 / N;  // query tiles before it see none of these keys
   const int n_tiles = (seq_len + N - 1) / N - first;
+  // the query tile of iteration it: upward, or with DQ from the last down
+  const auto query_tile = [&](int it) { return DQ ? first + n_tiles - 1 - it : first + it; };
   const int key_base = k0 + group * 64 + warp * 16 + g;
   const T_* const kg = ks + group * 8 * ROW8;  // this warpgroup's 64 keys
   const T_* const vg = vs + group * 8 * ROW8;
@@ -550,7 +665,7 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   load_tile_cm_async<T_, D, M, 32 * W>(ks, k + base, k0, seq_len);
   load_tile_cm_async<T_, D, M, 32 * W>(vs, v + base, k0, seq_len);
   const auto load_qdo = [&](int stage, int tile) {
-    const int n0 = (first + tile) * N;
+    const int n0 = query_tile(tile) * N;
     load_tile_cm_async<T_, D, N, 32 * W>(qd + stage * L::STAGE, q + base, n0, seq_len);
     load_tile_cm_async<T_, D, N, 32 * W>(qd + stage * L::STAGE + N * D, dout + base, n0, seq_len);
     load_stats_async<N, 32 * W>(stats + 2 * stage * N, stats + (2 * stage + 1) * N, lse + sbase,
@@ -579,7 +694,7 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   const auto p_ds_of = [&](int it) {  // tile it's S^T and dP^T have landed: P^T and dS^T
     wgmma_fence_operands(flat(st));
     wgmma_fence_operands(flat(dpt));
-    const int n0 = (first + it) * N;
+    const int n0 = query_tile(it) * N;
     const float* lse_s = stats + 2 * (it % STAGES) * N;
     transposed_p_ds<N>(st, dpt, key_base, n0, 0, seq_len, lse_s, lse_s + N, sl2);
     if constexpr (WRITE_DS)
@@ -602,7 +717,31 @@ __device__ __forceinline__ void dkdv_wgmma_body(
     wgmma_fence_operands(flat(dk_acc));
   };
 
-  if constexpr (!OVERLAP) {
+  if constexpr (DQ) {
+    T_* const ds_tile = (T_*)(smem + L::DS);  // dS^T: keys as rows, the tile's queries as columns
+    const u64 ds_desc = mn_major_desc<N>(ds_tile), k_mn_desc = mn_major_desc<D>(kg);
+    float dq_part[D / 8][4];  // this tile's dQ share, dS K over these keys
+    for (int it = 0; it < n_tiles; ++it) {
+      issue_st_dpt(it);
+      wgmma_wait<0>();
+      p_ds_of(it);
+      repack();
+      store_ds_fragments<T_, N>(ds_tile, dsf, warp * 16);
+      fence_proxy_async();  // the stores, to the tensor cores' reads
+      __syncthreads();      // every warp's dS^T rows are in
+      issue_dv_dk(it);
+      zero_fragments<D>(dq_part);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < M / 16; ++kk)  // dQ share = dS K: 16 keys a step, both MN-major
+        wgmma_ss<T_, D, true, true>(flat(dq_part), desc_advance(ds_desc, kk * 2 * (N / 8) * 128),
+                                    desc_advance(k_mn_desc, kk * 2 * ROW8 * 2), 1);
+      wgmma_commit();
+      land_dv_dk();
+      wgmma_fence_operands(flat(dq_part));
+      dq_in_order<T_, D, N, M>(dq_part, dq, dq_acc, dq_count, query_tile(it), seq_len, scale);
+    }
+  } else if constexpr (!OVERLAP) {
     for (int it = 0; it < n_tiles; ++it) {
       issue_st_dpt(it);
       wgmma_wait<0>();
@@ -683,6 +822,25 @@ __global__ void __launch_bounds__(32 * W, MINB)
   static_assert(PASSES == 1, "one pass");
   dkdv_wgmma_body<T_, D, W, N, STAGES, false, true>(q, k, v, dout, lse, delta, dk, dv,
                                                     nullptr, seq_len, 0, scale);
+}
+
+// dK, dV and dQ in one pass (FlashAttention-3's deterministic backward, five tile products, one
+// exponent a score): attn_bwd_dkdv_wgmma, and for each query tile also dQ's share dS K of this
+// block's 64 keys (dS^T through shared memory, read back transposed), added into the float32
+// dq_acc [B*H, T, D] in key-block order (dq_in_order; dq_count [B*H, query tiles] zeroed before
+// the launch), the last share writing dq. Taken from the last query tile down, a head's blocks
+// all start at its last tile and add there one after the other, rather than block j starting
+// once block j-1 has done j tiles. W 4, N 64; grid (key blocks, B*H), PASSES 1.
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dkdv_dq_wgmma(const T_* __restrict__ q, const T_* __restrict__ k,
+                           const T_* __restrict__ v, const T_* __restrict__ dout,
+                           const float* __restrict__ lse, const float* __restrict__ delta,
+                           T_* __restrict__ dq, T_* __restrict__ dk, T_* __restrict__ dv,
+                           float* __restrict__ dq_acc, int* __restrict__ dq_count, int seq_len,
+                           float scale) {
+  dkdv_wgmma_body<T_, D, W, N, STAGES, false, false, true>(
+      q, k, v, dout, lse, delta, dk, dv, nullptr, seq_len, 0, scale, dq, dq_acc, dq_count);
 }
 
 // dQ recomputing S and dP on wgmma (attn_bwd_dq_pipe's arithmetic): a warpgroup owns 64

@@ -11,7 +11,8 @@ expected on an H200 with 16 cores):
    through dS (dK/dV writing dS, dQ from it), a whole head's backward in one block ("bwd_fused",
    where the 12M preset's window fits), and on sm_90 the wgmma candidates of those kernels
    (andrea.cuda.launch.hopper_candidates, built for sm_90a; among them the overlapped twins,
-   a tile's last products in flight during the next tile's softmax), ordered so that each shape's
+   a tile's last products in flight during the next tile's softmax, and "bwd_dkdv_dq", dK, dV
+   and dQ in one kernel with dQ's shares added in key-block order), ordered so that each shape's
    production tile and its 2-stage twin come first, and the architecture's TUNED choices before
    all (the last tuning's winners). Each is compiled alone
    by NVRTC (libnvrtc through ctypes, which lets go of the GIL: one thread per core; CuPy's own
@@ -21,6 +22,8 @@ expected on an H200 with 16 cores):
    others compile), and only those that built and matched float64 there are built here, after
    the others, in the last WGMMA_COMPILE_SHARE of the compile share, which the others leave
    them: a kernel fault ends a CUDA context, and would end this run's measurements with it.
+   "bwd_dkdv_dq", whose blocks wait on each other, has a probe child of its own, run after the
+   first: a hang there costs the other wgmma candidates nothing.
 2. Check: first pack2's one-cvt form, which every kernel's P and dS go through on sm_80+,
    against the integer rounding the emulator runs, over all 2^32 float32 patterns
    (PACK2_CHECK); then each candidate kernel on fresh random inputs of an odd shape (B 2, H 3,
@@ -34,7 +37,8 @@ expected on an H200 with 16 cores):
    under torch.use_deterministic_algorithms ("-det"); the production kernels the
    same way through `cuda_attention` (what training runs) and as bare launches; the best
    candidate per kernel together (forward, preprocess + dQ + dK/dV, and all four); the best
-   pair through dS with the best forward; the best whole-head backward with it; and where those
+   pair through dS with the best forward; the best whole-head backward with it; the best
+   backward adding dQ in order with it (its turn counters zeroed in each call); and where those
    beat production, the fastest through `cuda_attention` with its TUNED entry in place
    (andrea.cuda.launch.TUNED), timed and checked against float64. Each row through autograd
    also runs REPEATS times at twice the shape's batch: "same bits" where every output and
@@ -49,7 +53,8 @@ autograd; "ours production", "ours best candidates", "ours best, bwd through dS"
 best, whole-head bwd": the kernels launched back to back, bwd = preprocess + dQ + dK/dV, or
 preprocess + dK/dV + dQ, or preprocess + the whole-head backward);
 TFLOP/s: the f+b causal FLOPs 3.5 * 2*B*H*T^2*D over f+b time; fwd x, bwd x, f+b x: SDPA
-default's time over this row's (above 1: faster than SDPA).
+default's time over this row's (above 1: faster than SDPA). "ours best, bwd dQ in order":
+preprocess + the one kernel.
 
 Without a GPU (or CuPy) it is a dry run: nothing is compiled for a GPU; the candidates of the
 first two shapes' (dtype, head_dim) run through the CPU emulator at one tiny shape against
@@ -100,6 +105,11 @@ DS_LIMIT = 15
 # candidates are checked at FUSED_CHECK_LEN positions (odd, within the 12M preset's 256).
 FUSED = "bwd_fused"
 FUSED_CHECK_LEN = 255
+# dK, dV and dQ in one wgmma kernel, dQ's shares added in key-block order through a float32
+# buffer (andrea.cuda.launch.DQ_IN_ORDER): its blocks wait on each other, so it has a probe
+# child of its own (a hang there costs the other wgmma candidates nothing).
+IN_ORDER = "bwd_dkdv_dq"
+ALL_KERNELS = (*KERNELS, *DS_KERNELS, FUSED, IN_ORDER)
 CHECK_SHAPE = (2, 3, 333)  # B, H, T: odd, not a multiple of any tile
 TOL = {"bfloat16": 1e-2, "float16": 2.0**-9, "float32": 1e-5}
 # "-det": the same backend with torch.use_deterministic_algorithms on (not warn_only: with it,
@@ -161,12 +171,12 @@ def candidate_list(shapes: list[tuple], limit: int | None = None,
         return found
 
     combos = list(dict.fromkeys((s[0], s[4]) for s in shapes))
-    per = {(dt, d, k): of(k, dt, d) for dt, d in combos for k in (*KERNELS, *DS_KERNELS, FUSED)}
+    per = {(dt, d, k): of(k, dt, d) for dt, d in combos for k in ALL_KERNELS}
     out = []
     depth = max(len(v) for v in per.values())
     for i in range(depth):
         for dt, d in combos:
-            for k in (*KERNELS, *DS_KERNELS, FUSED):
+            for k in ALL_KERNELS:
                 if i < len(per[dt, d, k]):
                     out.append((k, dt, d, per[dt, d, k][i]))
     return out
@@ -252,6 +262,12 @@ def check_candidate(launch_fn, kernel, cfg, inputs, forward, ref, ds_ref) -> dic
         dq, dk, dv = (torch.full_like(q, nan) for _ in range(3))
         launch_fn(launch, q, k, v, dout, lse, delta, dq, dk, dv, t, scale)
         return {"dq": err(dq, ref[2]), "dk": err(dk, ref[3]), "dv": err(dv, ref[4])}
+    if kernel == IN_ORDER:  # its float32 dQ buffer poisoned too, its turn counters zeroed
+        dq, dk, dv = (torch.full_like(q, nan) for _ in range(3))
+        acc, count = in_order_buffers(q)
+        acc.fill_(nan)
+        launch_fn(launch, q, k, v, dout, lse, delta, dq, dk, dv, acc, count, t, scale)
+        return {"dq": err(dq, ref[2]), "dk": err(dk, ref[3]), "dv": err(dv, ref[4])}
     stride = ds_row_stride(t)
     lower = torch.ones(t, t, dtype=torch.bool).tril()
     ds = torch.full((b * h, t, stride), nan, dtype=q.dtype, device=q.device)
@@ -264,6 +280,17 @@ def check_candidate(launch_fn, kernel, cfg, inputs, forward, ref, ds_ref) -> dic
     dq = torch.full_like(q, nan)
     launch_fn(launch, k, ds, dq, t, stride, scale)
     return {"dq": err(dq, ref[2])}
+
+
+def in_order_buffers(q) -> tuple[Any, Any]:
+    """IN_ORDER's float32 dQ buffer (uninitialised) and its turn counters (zeros) for q's shape."""
+    import torch
+
+    from andrea.cuda.launch import dq_in_order_buffers
+
+    acc_shape, count_shape = dq_in_order_buffers(*q.shape)
+    return (torch.empty(acc_shape, device=q.device),
+            torch.zeros(count_shape, dtype=torch.int32, device=q.device))
 
 
 # ------------------------------------------------------------------------------- compiling
@@ -529,9 +556,12 @@ class _null:
         return False
 
 
-def kernel_args(kernel, q, k, v, dout, o, lse, delta, grads, ds, t, scale):
-    """A kernel's arguments; ds: the dS buffer [B*H, T, stride] of the backward through dS."""
+def kernel_args(kernel, q, k, v, dout, o, lse, delta, grads, ds, t, scale, in_order=None):
+    """A kernel's arguments; ds: the dS buffer [B*H, T, stride] of the backward through dS;
+    in_order: IN_ORDER's float32 dQ buffer and turn counters."""
     dq, dk, dv = grads
+    if kernel == IN_ORDER:
+        return (q, k, v, dout, lse, delta, dq, dk, dv, *in_order, t, scale)
     if kernel == "fwd":
         return (q, k, v, o, lse, t, scale)
     if kernel == "bwd_dq":
@@ -568,6 +598,7 @@ def time_shape(shape, info, launcher, device) -> dict:
     launcher.launch(prod["bwd_preprocess"], o, dout, delta, b * h * t)
     grads = tuple(torch.empty_like(q) for _ in range(3))
     ds = torch.zeros((b * h, t, ds_row_stride(t)), dtype=tdt, device=device)
+    in_order = in_order_buffers(q)
     o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
     res: dict[str, Any] = {"shape": shape_key(shape), "flops_fb": flops_fb(b, h, t, d),
                            "sdpa": {}, "candidates": [], "production": {}, "best": {}}
@@ -597,8 +628,16 @@ def time_shape(shape, info, launcher, device) -> dict:
         if kernel == "bwd_preprocess":
             return launcher.bound(prod["bwd_preprocess"], o, dout, delta, b * h * t)
         out_o, out_lse = (o2, lse2) if kernel == "fwd" else (o, lse)
-        return launcher.bound(launch, *kernel_args(kernel, q, k, v, dout, out_o, out_lse, delta,
-                                                   grads, ds, t, scale))
+        call = launcher.bound(launch, *kernel_args(kernel, q, k, v, dout, out_o, out_lse, delta,
+                                                   grads, ds, t, scale, in_order))
+        if kernel != IN_ORDER:
+            return call
+        count = in_order[1]
+
+        def zeroed_then_called():  # the turn counters start at zero, as training's do
+            count.zero_()
+            call()
+        return zeroed_then_called
 
     def sequence(launches: dict[str, Any], kernels: tuple[str, ...]):
         calls = [bound(launches.get(kernel), kernel) for kernel in kernels]
@@ -672,6 +711,17 @@ def time_shape(shape, info, launcher, device) -> dict:
                 "bwd": timed_ms(sequence(chosen, ("bwd_preprocess", FUSED))),
                 "fb": timed_ms(sequence(chosen, ("fwd", "bwd_preprocess", FUSED))),
             }
+        if all(kernel in best for kernel in ("fwd", IN_ORDER)):
+            # dQ added in order inside dK/dV, with the best forward (its counters' zeroing in)
+            chosen = {kernel: best[kernel][1] for kernel in ("fwd", IN_ORDER)}
+            res["best_in_order"] = {
+                "configs": {IN_ORDER: chosen[IN_ORDER].name},
+                "pipe_configs": {kernel: astuple(best[kernel][2])
+                                 for kernel in ("fwd", IN_ORDER)},
+                "fwd": timed_ms(sequence(chosen, ("fwd",))),
+                "bwd": timed_ms(sequence(chosen, ("bwd_preprocess", IN_ORDER))),
+                "fb": timed_ms(sequence(chosen, ("fwd", "bwd_preprocess", IN_ORDER))),
+            }
     winner = tuned_winner(res)
     if winner is not None and left() > 25:
         try:
@@ -695,6 +745,8 @@ def table(res: dict) -> str:
         rows.append(("ours best, bwd through dS", res["best_ds"]))
     if res.get("best_fused"):
         rows.append(("ours best, whole-head bwd", res["best_fused"]))
+    if res.get("best_in_order"):
+        rows.append(("ours best, bwd dQ in order", res["best_in_order"]))
     out = [f"== {res['shape']}  (f+b {res['flops_fb'] / 1e9:.1f} GFLOP; sdpa and (autograd) rows "
            "through autograd, the others the kernels back to back)",
            f"{'backend':27s} {'fwd ms':>8s} {'bwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
@@ -708,12 +760,12 @@ def table(res: dict) -> str:
         bits = {True: "  same bits", False: "  DIFFER", None: ""}[r.get("same_bits")]
         out.append(f"{name:27s} {r['fwd']:8.3f} {r['bwd']:8.3f} {r['fb']:8.3f} "
                    f"{res['flops_fb'] / r['fb'] / 1e9:8.1f} {' '.join(ratio)}{bits}")
-    for best in ("best", "best_ds", "best_fused"):
+    for best in ("best", "best_ds", "best_fused", "best_in_order"):
         for kernel, name in res.get(best, {}).get("configs", {}).items():
             out.append(f"  best {kernel}: {name}")
     if res.get("best_ds"):
         out.append(f"  dS buffer: {res['best_ds']['ds_buffer_bytes'] / 2**20:.0f} MiB")
-    for kernel in (*KERNELS, *DS_KERNELS, FUSED):
+    for kernel in ALL_KERNELS:
         ranked = sorted((c for c in res["candidates"] if c["kernel"] == kernel),
                         key=lambda c: c["ms"])[:3]
         prod_ms = res.get("production", {}).get("kernels_ms", {}).get(kernel)
@@ -751,11 +803,12 @@ def auto_table_entries(report: dict, date: str) -> list[str]:
 def tuned_winner(res: dict) -> dict | None:
     """A shape's best candidates where they beat the production kernels back to back (forward
     + backward): res["best"] (the backward recomputing S and dP), res["best_ds"] (through dS)
-    or res["best_fused"] (a whole head's backward in one block), whichever is fastest; None
-    where production is fastest or nothing was timed."""
+    or res["best_fused"] (a whole head's backward in one block) or res["best_in_order"] (dQ
+    added in order inside dK/dV), whichever is fastest; None where production is fastest or
+    nothing was timed."""
     prod = (res.get("production") or {}).get("fb")
-    options = [r for r in (res.get("best"), res.get("best_ds"), res.get("best_fused"))
-               if r and r.get("fb")]
+    options = [r for r in (res.get(key) for key in ("best", "best_ds", "best_fused",
+                                                    "best_in_order")) if r and r.get("fb")]
     if not prod or not options:
         return None
     winner = min(options, key=lambda r: r["fb"])
@@ -903,25 +956,31 @@ def pack2_differences(device) -> dict[str, int]:
     return {"bfloat16": bf16, "float16": fp16}
 
 
-def probe_candidates() -> list[tuple]:
-    """What --probe-wgmma runs: every wgmma candidate at the first shape's (dtype, head_dim)."""
+# The probe children, by what their report line says: the kernels each builds and checks.
+PROBES = {"wgmma_probe": (*KERNELS, *DS_KERNELS), "in_order_probe": (IN_ORDER,)}
+
+
+def probe_candidates(kernels: tuple[str, ...]) -> list[tuple]:
+    """What --probe-wgmma runs: the wgmma candidates of `kernels` at the first shape's (dtype,
+    head_dim)."""
     from andrea.cuda.launch import hopper_candidates
 
     dtype, *_, d = SHAPES[0]
-    return [(kernel, dtype, d, cfg) for kernel in (*KERNELS, *DS_KERNELS)
+    return [(kernel, dtype, d, cfg) for kernel in kernels
             for cfg in hopper_candidates(kernel, dtype, d)]
 
 
-def probe_run(out_dir: Path, device) -> int:
-    """--probe-wgmma: builds and checks probe_candidates() and writes OUT_DIR/probe.json, each
-    with its status; a kernel fault ends this process (the parent reads that as a failure)."""
+def probe_run(out_dir: Path, device, kernels: tuple[str, ...] = PROBES["wgmma_probe"]) -> int:
+    """--probe-wgmma: builds and checks probe_candidates(kernels) and writes OUT_DIR/probe.json,
+    each with its status; a kernel fault ends this process (the parent reads that as a
+    failure)."""
     import torch
 
     from andrea.cuda.attention import device_arch
 
     launcher = make_launcher(device)
     with tempfile.TemporaryDirectory() as tmp:
-        info = build_all(probe_candidates(), device_arch(device), launcher, Path(tmp))
+        info = build_all(probe_candidates(kernels), device_arch(device), launcher, Path(tmp))
         check_all(info, launcher, device)
     torch.cuda.synchronize(device)  # a fault that was still pending surfaces here
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -935,29 +994,31 @@ def run_child(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
-def wgmma_probe(out_dir: Path) -> tuple[set, str]:
-    """Runs --probe-wgmma in a child process: the (kernel, PipeConfig) of the wgmma candidates
-    that built and matched float64 there, and one line on how it went. A child that faults,
-    hangs or fails allows none, and this process's CUDA context is untouched."""
+def wgmma_probe(out_dir: Path, probe: str = "wgmma_probe") -> tuple[set, str]:
+    """Runs --probe-wgmma in a child process on PROBES[probe]'s kernels: the (kernel,
+    PipeConfig) of the wgmma candidates that built and matched float64 there, and one line on
+    how it went. A child that faults, hangs or fails allows none of them, and this process's
+    CUDA context is untouched."""
     from andrea.cuda.launch import PipeConfig
 
-    probe_dir = out_dir / "wgmma-probe"
+    what = probe.replace("_", " ")
+    probe_dir = out_dir / probe.replace("_", "-")
     found = probe_dir / "probe.json"
     found.unlink(missing_ok=True)  # only this child's answer counts
     cmd = [sys.executable, str(Path(__file__).resolve()), str(probe_dir), "--probe-wgmma",
-           "--budget", str(BUDGET_S)]
+           "--budget", str(BUDGET_S), "--probe-kernels", ",".join(PROBES[probe])]
     try:
         proc = run_child(cmd, PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return set(), f"wgmma probe: no answer in {PROBE_TIMEOUT_S:.0f} s; no wgmma candidate"
+        return set(), f"{what}: no answer in {PROBE_TIMEOUT_S:.0f} s; no wgmma candidate"
     if proc.returncode != 0 or not found.exists():
         tail = (proc.stderr or proc.stdout)[-600:].strip()
-        return set(), f"wgmma probe failed (exit {proc.returncode}): {tail}; no wgmma candidate"
+        return set(), f"{what} failed (exit {proc.returncode}): {tail}; no wgmma candidate"
     rows = json.loads(found.read_text())
     allowed = {(r["kernel"], PipeConfig(*r["config"])) for r in rows if r["status"] == "ok"}
     wrong = [f"{r['kernel']} {PipeConfig(*r['config']).label()}: {r['status']}"
              for r in rows if r["status"] != "ok"]
-    return allowed, (f"wgmma probe: {len(allowed)} of {len(rows)} ok"
+    return allowed, (f"{what}: {len(allowed)} of {len(rows)} ok"
                      + ("; " + "; ".join(wrong) if wrong else ""))
 
 
@@ -975,9 +1036,11 @@ def gpu_run(out_dir: Path, device) -> int:
     out = out_dir / "tune.json"
     cands = candidate_list(SHAPES, CANDIDATE_LIMIT, wgmma=arch in WGMMA_ARCH)
     wgmma = [c for c in cands if c[3].wgmma]
-    # The wgmma candidates only where the probe's child process ran them without a fault; it
-    # runs while the others compile here.
-    probe = ThreadPoolExecutor(1).submit(wgmma_probe, out_dir) if wgmma else None
+    # The wgmma candidates only where a probe's child process ran them without a fault; the
+    # probes run one after the other while the others compile here.
+    names = [name for name in PROBES if any(c[0] in PROBES[name] for c in wgmma)]
+    probes = (ThreadPoolExecutor(1).submit(lambda: {name: wgmma_probe(out_dir, name)
+                                                    for name in names}) if names else None)
     info: dict[str, dict] = {}
 
     def watchdog() -> None:
@@ -1002,10 +1065,12 @@ def gpu_run(out_dir: Path, device) -> int:
         info.update(build_all(build_order([c for c in cands if not c[3].wgmma], arch), arch,
                               launcher, Path(tmp),
                               compile_end * (1 - WGMMA_COMPILE_SHARE) if wgmma else compile_end))
-        if probe is not None:
-            allowed, said = probe.result()
-            log(said)
-            report["wgmma_probe"] = said
+        if probes is not None:
+            allowed = set()
+            for name, (found, said) in probes.result().items():
+                log(said)
+                report[name] = said
+                allowed |= found
             info.update(build_all(build_order([c for c in wgmma if (c[0], c[3]) in allowed],
                                               arch), arch, launcher, Path(tmp), compile_end))
         report["candidates"] = jsonable(info)
@@ -1046,6 +1111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-wgmma", action="store_true",
                         help="only build and check the wgmma candidates (the child process "
                              "the GPU run starts), writing OUT_DIR/probe.json")
+    parser.add_argument("--probe-kernels", default=",".join(PROBES["wgmma_probe"]),
+                        help="--probe-wgmma: of these kernels (comma-separated)")
     args = parser.parse_args(argv)
     BUDGET_S = args.budget
     import torch
@@ -1064,7 +1131,7 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(args.out_dir, args.dry_limit)
     device = torch.device("cuda", torch.cuda.current_device())
     if args.probe_wgmma:
-        return probe_run(args.out_dir, device)
+        return probe_run(args.out_dir, device, tuple(args.probe_kernels.split(",")))
     return gpu_run(args.out_dir, device)
 
 

@@ -129,12 +129,14 @@ def gpu_world(monkeypatch, tmp_path):
     monkeypatch.setattr(tune, "make_launcher", cpu_launcher)
     # the wgmma probe's child process runs here in-process (the stand-in CuPy is this
     # process's), on the wgmma candidates the emulator was built with
-    monkeypatch.setattr(tune, "probe_candidates", lambda: [c for c in cands if c[3].wgmma])
+    monkeypatch.setattr(tune, "probe_candidates", lambda kernels: [
+        c for c in cands if c[3].wgmma and c[0] in kernels])
 
     def child(cmd, timeout):
         assert cmd[1] == str(SCRIPT.resolve()) and cmd[3] == "--probe-wgmma" and timeout > 0
-        return subprocess.CompletedProcess(cmd, tune.probe_run(Path(cmd[2]),
-                                                               torch.device("cpu")))
+        assert cmd[6] == "--probe-kernels"
+        return subprocess.CompletedProcess(cmd, tune.probe_run(
+            Path(cmd[2]), torch.device("cpu"), tuple(cmd[7].split(","))))
 
     monkeypatch.setattr(tune, "run_child", child)
     return tune, tmp_path, launches, cands
@@ -144,13 +146,15 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     tune, out, launches, cands = gpu_world
     assert tune.gpu_run(out, torch.device("cpu")) == 0
     report = json.loads((out / "tune.json").read_text())
-    kernels = {*tune.KERNELS, *tune.DS_KERNELS, tune.FUSED}
+    kernels = set(tune.ALL_KERNELS)
     # on sm_90 the first LIMIT of each kernel's mma.sync and wgmma candidates (wgmma: all but
-    # the whole-head backward)
-    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 12 + 5 * LIMIT
+    # the whole-head backward; dQ in order: wgmma only)
+    assert report["arch"] == "sm_90" and len(report["candidates"]) == len(cands) == 12 + 6 * LIMIT
     assert {row["kernel"] for row in report["candidates"] if "wgmma" in row["config"]} == {
-        *tune.KERNELS, *tune.DS_KERNELS}
+        *tune.KERNELS, *tune.DS_KERNELS, tune.IN_ORDER}
+    # the kernels whose blocks wait on each other in a probe child of their own
     assert report["wgmma_probe"] == f"wgmma probe: {5 * LIMIT} of {5 * LIMIT} ok"
+    assert report["in_order_probe"] == f"in order probe: {LIMIT} of {LIMIT} ok"
     assert all(row["status"] == "ok" for row in report["candidates"]), report["candidates"]
     # the backward through dS was checked on the dS it writes, not only on dK and dV
     assert all("ds" in row["errors"] for row in report["candidates"]
@@ -161,10 +165,12 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert set(shape["best"]["configs"]) == set(tune.KERNELS)
     assert set(shape["best_ds"]["configs"]) == set(tune.DS_KERNELS)
     assert set(shape["best_fused"]["configs"]) == {tune.FUSED}
+    assert set(shape["best_in_order"]["configs"]) == {tune.IN_ORDER}
     assert shape["best_ds"]["ds_buffer_bytes"] == 1 * 2 * 40 * 128 * 2  # B*H x T x stride, bf16
     for part in ("fwd", "bwd", "fb"):
         assert shape["production"][part] > 0 and shape["best"][part] > 0
         assert shape["best_ds"][part] > 0 and shape["best_fused"][part] > 0
+        assert shape["best_in_order"][part] > 0
         assert shape["sdpa"]["default"][part] > 0 and shape["production_autograd"][part] > 0
     assert "error" in shape["sdpa"]["cudnn"]  # no cuDNN attention on a CPU: said, not fatal
     # each row through autograd says whether its bits repeat (the CPU's do)
@@ -172,7 +178,7 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert shape["production_autograd"]["same_bits"] is True
     text = capsys.readouterr().out
     assert "ours best candidates" in text and "ours best, bwd through dS" in text
-    assert "ours best, whole-head bwd" in text
+    assert "ours best, whole-head bwd" in text and "ours best, bwd dQ in order" in text
     assert "f+b x" in text
     # auto's table entry, ready to paste: SDPA's f+b time over the custom op's
     (entry,) = [line for line in text.splitlines()
@@ -233,7 +239,8 @@ def test_the_wgmma_candidates_run_first_in_a_child_process(gpu_world, monkeypatc
         found.write_text(json.dumps(rows))
         return proc
 
-    first = next(c for c in cands if c[3].wgmma)
+    first = next(c for c in cands if c[3].wgmma and c[0] != tune.IN_ORDER)
+    first_in_order = next(c for c in cands if c[0] == tune.IN_ORDER)
     # the first candidate's build finishes last: the probe still reports in the candidates' order
     module_arch = kernel_launch.module_arch
 
@@ -248,8 +255,12 @@ def test_the_wgmma_candidates_run_first_in_a_child_process(gpu_world, monkeypatc
     report = json.loads((out / "tune.json").read_text())
     assert report["wgmma_probe"].startswith(f"wgmma probe: {5 * LIMIT - 1} of {5 * LIMIT} ok; "
                                             f"{first[0]} {first[3].label()}: wrong (o 0.5)")
+    assert report["in_order_probe"] == (f"in order probe: {LIMIT - 1} of {LIMIT} ok; "
+                                        f"{tune.IN_ORDER} {first_in_order[3].label()}: wrong "
+                                        "(o 0.5)")
     configs = {(row["kernel"], row["config"]) for row in report["candidates"]}
-    assert (first[0], first[3].label()) not in configs and len(configs) == len(cands) - 1
+    assert (first[0], first[3].label()) not in configs and len(configs) == len(cands) - 2
+    assert (tune.IN_ORDER, first_in_order[3].label()) not in configs
 
     monkeypatch.setattr(tune, "run_child", lambda cmd, timeout: subprocess.CompletedProcess(
         cmd, 1, "", "CUDA error: an illegal instruction was encountered"))

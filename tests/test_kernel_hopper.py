@@ -1,12 +1,13 @@
 """The sm_90a kernels (kernels/attn_hopper.cuh: the forward, the backward through dS and the
-backward recomputing S and dP, on wgmma, and the overlapped twins of all but dQ from dS)
-without a GPU: on the CPU emulator against float64 with NaN-poisoned outputs, bit for bit
-against their pipelined mma.sync twins of the same tiles, through autograd from a TUNED entry;
-a missing wgmma wait, misread descriptor strides, a stage refilled while an overlapped product
-still reads it and A fragments rewritten while in flight caught; their launch table and module
-target; NVRTC's sm_90a build without spills or ptxas's wgmma notes. Whether the descriptors
-mean on a GPU what the emulator reads them as is for the GPU check
-(scripts/gpu_tune_attention.py checks every candidate against float64 there).
+backward recomputing S and dP, on wgmma, the overlapped twins of all but dQ from dS, and the
+backward adding dQ in order inside dK/dV) without a GPU: on the CPU emulator against float64
+with NaN-poisoned outputs, bit for bit against their pipelined mma.sync twins of the same
+tiles, through autograd from a TUNED entry; a missing wgmma wait, misread descriptor strides, a
+stage refilled while an overlapped product still reads it, A fragments rewritten while in
+flight and a turn of dQ's never passed on caught; their launch table and module target; NVRTC's
+sm_90a build without spills or ptxas's wgmma notes. Whether the descriptors mean on a GPU what
+the emulator reads them as is for the GPU check (scripts/gpu_tune_attention.py checks every
+candidate against float64 there).
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ HOPPER_RECOMPUTE = [
     ("float16", 32, PipeConfig(8, 64, 2, wgmma=True), PipeConfig(4, 64, 3, wgmma=True,
                                                                   overlap=True)),
 ]
+# dQ added in order inside dK/dV (attn_bwd_dkdv_dq_wgmma: one warpgroup, 64 queries a tile),
+# (dtype, head_dim, its config): 2 and 3 stages, every head_dim.
+HOPPER_DQ_IN_ORDER = [
+    ("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
+    ("bfloat16", 32, PipeConfig(4, 64, 3, wgmma=True)),
+    ("float16", 128, PipeConfig(4, 64, 2, wgmma=True)),
+    ("float16", 64, PipeConfig(4, 64, 3, wgmma=True)),
+]
 SHAPES = [(1, (2, 3)), (17, (1, 2)), (129, (1, 2)), (200, (1, 1))]  # T, (B, H)
 # The overlapped kernels of one head_dim, as a TUNED entry would name them.
 OVERLAPPED_FWD = HOPPER[5][2]
@@ -96,12 +105,19 @@ def recompute_configs(dkdv: PipeConfig, dq: PipeConfig,
     return {"fwd": twin(dkdv), "bwd_dq": pick(dq), "bwd_dkdv": pick(dkdv)}
 
 
+def in_order_configs(cfg: PipeConfig) -> dict[str, PipeConfig]:
+    """pipe_attention's configs: the mma.sync forward, the backward in one kernel."""
+    return {"fwd": twin(cfg), kernel_launch.DQ_IN_ORDER: cfg}
+
+
 PIPES = tuple(dict.fromkeys(
     [("fwd", dtype, d, c) for dtype, d, cfg in HOPPER for c in (cfg, twin(cfg))]
     + [(kernel, dtype, d, c) for dtype, d, dkdv, dq in HOPPER_DS for wgmma in (True, False)
        for kernel, c in ds_configs(dkdv, dq, wgmma).items()]
     + [(kernel, dtype, d, c) for dtype, d, dkdv, dq in HOPPER_RECOMPUTE for wgmma in (True, False)
-       for kernel, c in recompute_configs(dkdv, dq, wgmma).items()]))
+       for kernel, c in recompute_configs(dkdv, dq, wgmma).items()]
+    + [(kernel, dtype, d, c) for dtype, d, cfg in HOPPER_DQ_IN_ORDER
+       for kernel, c in in_order_configs(cfg).items()]))
 # The wait after S = Q K^T's wgmma group, and the descriptor strides (LBO, SBO) of every
 # K-major operand (Q and K in the forward's S).
 S_WAIT = "      issue_s(it);\n      wgmma_wait<0>();\n"
@@ -142,6 +158,23 @@ def repack_before_the_wait() -> str:
 
 BROKEN_BUILDS = {"emulator-wgmma-no-wait": no_s_wait,
                  "emulator-wgmma-swapped-strides": swapped_k_strides}
+# dQ in order: the turn a block passes on to the next key block. (Not caught here: the barrier
+# between every warp's dS^T stores and dQ's product removed. The fibers run each warp to its
+# next collective in turn, so every warp has stored its rows before any product lands.)
+PASS_TURN = "  if (threadIdx.x == 0) pass_turn(count, j + 1);"
+BROKEN_IN_ORDER = ("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True))
+
+
+def in_order_pipes(case: tuple) -> tuple:
+    dtype, d, cfg = case
+    return tuple((kernel, dtype, d, c) for kernel, c in in_order_configs(cfg).items())
+
+
+def turn_never_passed() -> str:
+    return edited(PASS_TURN, "")
+
+
+BROKEN_IN_ORDER_BUILDS = {"emulator-dq-in-order-no-turn": turn_never_passed}
 BROKEN_OVERLAP_BUILDS = {"emulator-wgmma-overlap-no-lag": overlap_without_lag,
                          "emulator-wgmma-overlap-early-repack": repack_before_the_wait}
 if shutil.which("g++"):
@@ -159,6 +192,12 @@ if shutil.which("g++"):
             lambda text=_text: kernel_emulator.build_library(text(),
                                                              pipes=(("fwd", *BROKEN_OVERLAP),)),
             wanted_by=["test_kernel_hopper.py::test_a_misused_overlap_is_caught"])
+    for _name, _text in BROKEN_IN_ORDER_BUILDS.items():
+        background.declare(
+            _name,
+            lambda text=_text: kernel_emulator.build_library(
+                text(), pipes=in_order_pipes(BROKEN_IN_ORDER)),
+            wanted_by=["test_kernel_hopper.py::test_a_misused_dq_in_order_is_caught"])
 
 
 @pytest.fixture(scope="module")
@@ -254,11 +293,31 @@ def test_wgmma_backward_gives_the_pipelined_bits(emulator, configs_of, dtype, he
         assert torch.equal(g, w), f"{cfg.label()} {name} differs from the mma.sync kernels"
 
 
+@needs_gxx
+@pytest.mark.parametrize("dtype,head_dim,cfg", HOPPER_DQ_IN_ORDER, ids=lambda x: str(x))
+@pytest.mark.parametrize("seq_len,bh", SHAPES, ids=lambda x: str(x))
+def test_dq_in_order_matches_float64(emulator, dtype, head_dim, cfg, seq_len, bh) -> None:
+    """dK, dV and dQ from one kernel, dQ's shares added into a NaN-poisoned float32 buffer one
+    key block after the other (the first writes, the last stores dQ): float64's gradients at a
+    T of one tile, several, and a ragged last one."""
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(seq_len + head_dim)
+    q, k, v, dout = (torch.randn(*bh, seq_len, head_dim, generator=gen).to(tdt)
+                     for _ in range(4))
+    scale = 0.7 / math.sqrt(head_dim)
+    got = kernel_emulator.pipe_attention(q, k, v, dout, in_order_configs(cfg), emulator, scale)
+    want = kernel_emulator.float64_reference(q, k, v, dout, scale)
+    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
+        assert not torch.isnan(g).any(), f"{name}: NaN (unwritten output or buffer)"
+        err = kernel_emulator.max_error(g, w)
+        assert err <= TOL[tdt], f"{cfg.label()} {name}: max error {err:.3g} > {TOL[tdt]:.3g}"
+
+
 TUNED_ARCH = "sm_test"  # an architecture of this test's own, in andrea.cuda.launch.TUNED
 
 
 @needs_gxx
-@pytest.mark.parametrize("route", ["through dS", "recomputing", "overlapped"])
+@pytest.mark.parametrize("route", ["through dS", "recomputing", "overlapped", "dQ in order"])
 def test_tuned_wgmma_kernels_train_through_autograd(emulator, monkeypatch, route: str) -> None:
     """A TUNED entry naming the wgmma kernels makes the "cuda" backend launch them (forward and
     either backward, or the overlapped twins) through autograd, with float64's gradients."""
@@ -272,10 +331,14 @@ def test_tuned_wgmma_kernels_train_through_autograd(emulator, monkeypatch, route
         _, d, dkdv, dq = HOPPER_RECOMPUTE[0]
         entry = {"fwd": HOPPER[0][2], "bwd_dq": dq, "bwd_dkdv": dkdv}
         expect = ["attn_bwd_dq_wgmma", "attn_bwd_dkdv_wgmma"]
-    else:
+    elif route == "overlapped":
         (_, d, dkdv, dq), fwd = OVERLAPPED_RECOMPUTE, OVERLAPPED_FWD
         entry = {"fwd": fwd, "bwd_dq": dq, "bwd_dkdv": dkdv}
         expect = ["attn_bwd_dq_wgmma_overlap", "attn_bwd_dkdv_wgmma_overlap"]
+    else:
+        _, d, cfg = HOPPER_DQ_IN_ORDER[0]
+        entry = {"fwd": HOPPER[0][2], kernel_launch.DQ_IN_ORDER: cfg}
+        expect = ["attn_bwd_dkdv_dq_wgmma"]
     monkeypatch.setitem(kernel_launch.TUNED, (TUNED_ARCH, "bfloat16", d), entry)
     ca._launches.cache_clear()  # its entries are of TUNED as it was
     launcher = ca.EmulatorLauncher(emulator, arch=TUNED_ARCH)
@@ -354,6 +417,32 @@ em.launch(L.pipe_launch("fwd", 1, 1, {t}, {d}, {dtype!r}, cfg), q, k, v, o, lse,
 
 
 @needs_gxx
+@pytest.mark.parametrize("build", list(BROKEN_IN_ORDER_BUILDS))
+def test_a_misused_dq_in_order_is_caught(build: str, tmp_path) -> None:
+    """A block that never passes its turn on stops the next key block's wait (the emulator runs
+    blocks one at a time, so a wait there can never end; a GPU would hang): a process of its
+    own, as it aborts."""
+    background.result(build)
+    dtype, d, cfg = BROKEN_IN_ORDER
+    (tmp_path / "kernel.cu").write_text(BROKEN_IN_ORDER_BUILDS[build]())
+    script = f"""
+import pathlib, torch
+from andrea.cuda import emulator as E
+from andrea.cuda.launch import PipeConfig
+cfg = {cfg!r}
+em = E.Emulator(pathlib.Path({str(tmp_path / "kernel.cu")!r}).read_text(),
+                pipes=(("fwd", {dtype!r}, {d}, PipeConfig(4, 64, 2)),
+                       ("bwd_dkdv_dq", {dtype!r}, {d}, cfg)))
+q, k, v, dout = (torch.randn(1, 1, 150, {d}).to(torch.{dtype}) for _ in range(4))
+E.pipe_attention(q, k, v, dout, {{"fwd": PipeConfig(4, 64, 2), "bwd_dkdv_dq": cfg}}, em)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-2000:])
+    assert "dQ in order: a block waits for a block not yet run" in done.stderr
+
+
+@needs_gxx
 def test_launch_table_matches_the_kernel_file(emulator) -> None:
     """pipe_shared_bytes against HopperSmem<...>::bytes as the emulated kernel file has them."""
     for kernel, dtype, d, cfg in PIPES:
@@ -421,7 +510,10 @@ NVRTC_CASES = [("fwd", "bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
                ("bwd_dq", "bfloat16", 64, PipeConfig(8, 128, 3, wgmma=True, overlap=True)),
                ("bwd_dkdv", "bfloat16", 64, PipeConfig(4, 64, 3, wgmma=True, overlap=True)),
                ("bwd_dkdv_ds", "bfloat16", 64, PipeConfig(8, 64, 3, wgmma=True, overlap=True)),
-               ("bwd_dkdv", "float16", 64, PipeConfig(8, 64, 3, wgmma=True, overlap=True))]
+               ("bwd_dkdv", "float16", 64, PipeConfig(8, 64, 3, wgmma=True, overlap=True)),
+               # dQ in order: a third accumulator, dS^T through shared memory, the turns
+               ("bwd_dkdv_dq", "bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
+               ("bwd_dkdv_dq", "float16", 128, PipeConfig(4, 64, 3, wgmma=True))]
 
 
 def _nvrtc_sm90a_build() -> tuple[list[str], str]:

@@ -33,11 +33,13 @@ import numpy as np
 import torch
 
 from andrea.cuda.launch import (
+    DQ_IN_ORDER,
     STATIC_SHARED_LIMIT,
     Launch,
     check_dtype,
     check_head_dim,
     compiled_module,
+    dq_in_order_buffers,
     ds_row_stride,
     kernel_source,
     module_names,
@@ -335,6 +337,13 @@ def _backward_launches(
     launcher.launch(launches["bwd_preprocess"], o, dout, delta, b * h * t)
     if "bwd_fused" in launches:
         launcher.launch(launches["bwd_fused"], q, k, v, dout, lse, delta, dq, dk, dv, t, scale)
+        return dq, dk, dv
+    if DQ_IN_ORDER in launches:  # dQ's shares added in key-block order through dq_acc
+        acc_shape, count_shape = dq_in_order_buffers(b, h, t, d)
+        dq_acc = _new(acc_shape, torch.float32, q.device, poison)  # written before read
+        count = torch.zeros(count_shape, dtype=torch.int32, device=q.device)
+        launcher.launch(launches[DQ_IN_ORDER], q, k, v, dout, lse, delta, dq, dk, dv, dq_acc,
+                        count, t, scale)
         return dq, dk, dv
     if "bwd_dq_ds" in launches:
         _backward_through_ds(q, k, v, dout, lse, delta, (dq, dk, dv), scale, launcher, arch,

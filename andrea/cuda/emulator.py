@@ -25,11 +25,13 @@ import torch
 
 from andrea import resources
 from andrea.cuda.launch import (
+    DQ_IN_ORDER,
     ELEMENT_TYPES,
     KERNEL_FILE,
     Launch,
     PipeConfig,
     attention_launches,
+    dq_in_order_buffers,
     ds_row_stride,
     kernel_source,
     pipe_emulator_entries,
@@ -324,9 +326,9 @@ def pipe_attention(
 ) -> tuple[torch.Tensor, ...]:
     """Forward and backward through pipelined candidates (`configs`: kernel -> PipeConfig for
     "fwd" and "bwd_dq", "bwd_dkdv", or the backward through dS, "bwd_dkdv_ds", "bwd_dq_ds", or
-    a whole head's, "bwd_fused";
-    emulator built with them): o, lse, dq, dk, dv, all outputs and the dS buffer NaN-poisoned
-    before their launch."""
+    a whole head's, "bwd_fused", or dQ added in order inside dK/dV, "bwd_dkdv_dq";
+    emulator built with them): o, lse, dq, dk, dv, all outputs and the dS and float32 dQ buffers
+    NaN-poisoned before their launch."""
     b, h, t, d, dtype = _shape(q)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     launches = {kernel: pipe_launch(kernel, b, h, t, d, dtype, cfg)
@@ -340,6 +342,13 @@ def pipe_attention(
     if "bwd_fused" in configs:  # a whole head's backward in one block
         emulator.launch(launches["bwd_fused"], q, k, v, dout, lse, delta, dq, dk, dv, t, scale,
                         mode=mode)
+        return o, lse, dq, dk, dv
+    if DQ_IN_ORDER in configs:  # one kernel; dQ's shares added in order through dq_acc
+        acc_shape, count_shape = dq_in_order_buffers(b, h, t, d)
+        dq_acc = _poisoned(q, torch.float32, acc_shape)  # written before read
+        count = torch.zeros(count_shape, dtype=torch.int32)
+        emulator.launch(launches[DQ_IN_ORDER], q, k, v, dout, lse, delta, dq, dk, dv, dq_acc,
+                        count, t, scale, mode=mode)
         return o, lse, dq, dk, dv
     if "bwd_dq_ds" in configs:  # the backward through dS: dK/dV writing it, then dQ from it
         stride = ds_row_stride(t)

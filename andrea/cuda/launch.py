@@ -327,7 +327,21 @@ def ds_row_stride(seq_len: int) -> int:
 # The sm_90a candidates (kernels/attn_hopper.cuh): a PipeConfig with wgmma=True names these.
 WGMMA_TEMPLATES = {"fwd": "attn_fwd_wgmma", "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma",
                    "bwd_dq_ds": "attn_bwd_dq_ds_wgmma", "bwd_dkdv": "attn_bwd_dkdv_wgmma",
-                   "bwd_dq": "attn_bwd_dq_wgmma"}
+                   "bwd_dq": "attn_bwd_dq_wgmma", "bwd_dkdv_dq": "attn_bwd_dkdv_dq_wgmma"}
+# The backward after the preprocess in one kernel: dK, dV and dQ, each query tile's dQ shares
+# added in key-block order through a float32 buffer (dq_in_order_buffers). A warpgroup's 64
+# keys a block, 64 queries a tile.
+DQ_IN_ORDER = "bwd_dkdv_dq"
+DQ_IN_ORDER_ROWS = 64
+
+
+def dq_in_order_buffers(batch: int, n_head: int, seq_len: int,
+                        head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of DQ_IN_ORDER's two buffers: dQ's float32 partial sums [B*H, T, D] (written
+    before read: no clearing) and a turn counter per (batch*head, query tile), int32, zeroed
+    before every launch."""
+    return ((batch * n_head, seq_len, head_dim),
+            (batch * n_head, _ceil_div(seq_len, DQ_IN_ORDER_ROWS)))
 # Their twins with overlap=True: a tile's last products in flight during the next tile's softmax
 # (forward) or dS (backward), the same bits; a tile stays read one iteration longer, so the
 # pipeline needs OVERLAP_MIN_STAGES.
@@ -439,6 +453,8 @@ def pipe_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig]:
     shared memory fits sm_90's 227 KiB per block. The whole-head backward ("bwd_fused"): W in
     {8, 4, 16} x query chunks of the production dK/dV pass's N (its bits) and of 64, 32, 16,
     where FUSED_MIN_SEQ_LEN positions fit sm_90's shared memory (bf16 and fp16 at head_dim 32)."""
+    if kernel == DQ_IN_ORDER:  # a wgmma kernel only (hopper_candidates)
+        return []
     if kernel == FUSED_KERNEL:
         prod = production_pipe_config("bwd_dkdv", dtype, head_dim)
         chunks = dict.fromkeys((prod.rows // prod.passes, 64, 32, 16))
@@ -472,9 +488,12 @@ def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig
     (through dS, or recomputing S and dP in dQ) at 2; after each, where the kernel has one (all
     but dQ from dS, a product alone), its overlap twin a stage deeper (the same tiles ahead;
     the backward's only up to head_dim 64: at 128 ptxas spills some of them), where the shared
-    memory fits sm_90's 227 KiB a block."""
+    memory fits sm_90's 227 KiB a block. DQ_IN_ORDER: its one tile (W 4, N 64) at 2 and 3
+    stages."""
     if kernel not in WGMMA_TEMPLATES or dtype not in ("bfloat16", "float16"):
         return []
+    if kernel == DQ_IN_ORDER:
+        return [PipeConfig(4, DQ_IN_ORDER_ROWS, s, wgmma=True) for s in (2, 3)]
     rows = (64,) if kernel in ("bwd_dkdv_ds", "bwd_dkdv") else (64, 128)
     stages = (2, 3) if kernel == "fwd" else (2,)
     found = []
@@ -507,7 +526,7 @@ def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig,
     """Dynamic shared memory of a candidate (PipeSmem<...>::bytes in the .cu file; dQ from dS:
     DsSmem<...>::bytes; wgmma: HopperSmem<...>::bytes; the whole-head backward, which holds
     the sequence: FusedSmem<...>::bytes(seq_len))."""
-    kind = {"bwd_dkdv_ds": "dkdv"}.get(kernel, kernel.removeprefix("bwd_"))
+    kind = {"bwd_dkdv_ds": "dkdv", DQ_IN_ORDER: "dkdv"}.get(kernel, kernel.removeprefix("bwd_"))
     elem = ELEMENT_TYPES[dtype][1]
     m, ld = 16 * cfg.warps, head_dim + 16 // elem
     if kernel == FUSED_KERNEL:  # Q, dO, K, V and dS [rows, rows + pad], lse, delta, scratch
@@ -520,7 +539,8 @@ def pipe_shared_bytes(kernel: str, dtype: str, head_dim: int, cfg: PipeConfig,
         owned = {"fwd": m, "dkdv": 2 * m, "dq": 2 * m, "dq_ds": 0}[kind] * head_dim
         stage = m * cfg.rows + cfg.rows * head_dim if kind == "dq_ds" else 2 * cfg.rows * head_dim
         stats = {"dkdv": cfg.stages * 2 * cfg.rows * 4, "dq": 2 * m * 4}.get(kind, 0)
-        return (owned + cfg.stages * stage) * elem + stats
+        ds_tile = m * cfg.rows if kernel == DQ_IN_ORDER else 0  # dS^T, for dQ's product
+        return (owned + cfg.stages * stage + ds_tile) * elem + stats
     if kind == "dq_ds":  # per stage an M x N dS tile and an N x D K tile
         return cfg.stages * (m * (cfg.rows + 16 // elem) + cfg.rows * ld) * elem
     a_tiles = 1 if kind == "fwd" else 2
@@ -544,6 +564,10 @@ def pipe_launch(kernel: str, batch: int, n_head: int, seq_len: int, head_dim: in
         raise ValueError(f"{kernel} {cfg.label()} {dtype}: wgmma has {', '.join(WGMMA_TEMPLATES)}"
                          " in bf16 and fp16, whole warpgroups (W a multiple of 4), N 32, 64 or "
                          "128, one pass")
+    if kernel == DQ_IN_ORDER and (not cfg.wgmma or cfg.warps != 4
+                                  or cfg.rows != DQ_IN_ORDER_ROWS):
+        raise ValueError(f"{kernel} {cfg.label()}: a wgmma kernel of one warpgroup (W 4), "
+                         f"N {DQ_IN_ORDER_ROWS}")
     if cfg.overlap and (not cfg.wgmma or kernel not in OVERLAP_TEMPLATES
                         or cfg.stages < OVERLAP_MIN_STAGES):
         raise ValueError(f"{kernel} {cfg.label()}: overlap is a wgmma kernel's twin, of "
@@ -572,7 +596,7 @@ def pipe_emulator_entries(names: list[tuple[str, str, int, PipeConfig]]) -> str:
     """The emulator's table rows (kernels/cpu/emu_entry.cpp's ANDREA_PIPE) for candidates given
     as (kernel, dtype, head_dim, cfg): C++ instantiates only what it is told."""
     kinds = {"fwd": "KIND_FWD", "bwd_dq": "KIND_DQ", "bwd_dkdv": "KIND_DKDV",
-             "bwd_dkdv_ds": "KIND_DKDV", "bwd_dq_ds": "KIND_DQ_DS"}
+             "bwd_dkdv_ds": "KIND_DKDV", "bwd_dq_ds": "KIND_DQ_DS", DQ_IN_ORDER: "KIND_DKDV_DQ"}
     rows = []
     for kernel, dtype, head_dim, cfg in names:
         ctype = ELEMENT_TYPES[dtype][0]
@@ -600,22 +624,29 @@ def tuned_launches(batch: int, n_head: int, seq_len: int, head_dim: int, dtype: 
     """attention_launches with the kernels TUNED names for (arch, dtype, head_dim) in place of
     the production ones (arch None: the production kernels). Keys: "fwd", "bwd_preprocess",
     then the backward's: "bwd_dq" and "bwd_dkdv", or "bwd_dkdv_ds" and "bwd_dq_ds", or
-    "bwd_fused" alone where the sequence fits the architecture's shared memory (a longer one
-    takes the backward the entry names beside it, or the production one)."""
+    "bwd_dkdv_dq" alone (dQ added in order inside dK/dV), or "bwd_fused" alone where the
+    sequence fits the architecture's shared memory (a longer one takes the backward the entry
+    names beside it, or the production one)."""
     launches = attention_launches(batch, n_head, seq_len, head_dim, dtype)
     tuned = dict(TUNED.get((arch, dtype, head_dim), {})) if arch else {}
     fused = tuned.pop(FUSED_KERNEL, None)
     through_ds = [kernel for kernel in DS_KERNELS if kernel in tuned]
+    others = {"bwd_dq", "bwd_dkdv"} & set(tuned)
     if through_ds:
-        if len(through_ds) != len(DS_KERNELS) or {"bwd_dq", "bwd_dkdv"} & set(tuned):
+        if len(through_ds) != len(DS_KERNELS) or others or DQ_IN_ORDER in tuned:
             raise ValueError(f"TUNED[{arch!r}, {dtype!r}, {head_dim}] names {sorted(tuned)}: the "
                              f"backward through dS is both of {DS_KERNELS} and nothing else")
+        del launches["bwd_dq"], launches["bwd_dkdv"]
+    if DQ_IN_ORDER in tuned:
+        if others:
+            raise ValueError(f"TUNED[{arch!r}, {dtype!r}, {head_dim}] names {sorted(tuned)}: "
+                             f"{DQ_IN_ORDER} is the whole backward, with no other")
         del launches["bwd_dq"], launches["bwd_dkdv"]
     for kernel, cfg in tuned.items():
         launches[kernel] = pipe_launch(kernel, batch, n_head, seq_len, head_dim, dtype, cfg)
     if fused is not None and (pipe_shared_bytes(FUSED_KERNEL, dtype, head_dim, fused, seq_len)
                               <= block_shared_limit(arch)):
-        for kernel in ("bwd_dq", "bwd_dkdv", *DS_KERNELS):
+        for kernel in ("bwd_dq", "bwd_dkdv", *DS_KERNELS, DQ_IN_ORDER):
             launches.pop(kernel, None)
         launches[FUSED_KERNEL] = pipe_launch(FUSED_KERNEL, batch, n_head, seq_len, head_dim,
                                              dtype, fused)

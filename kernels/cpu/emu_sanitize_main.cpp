@@ -7,13 +7,16 @@
 // attn_bwd_dq_ds) at the same tiles, each block's dynamic shared memory its exact size. With
 // ANDREA_SAN_WGMMA too, the sm_90a kernels (attn_fwd_wgmma, the backward through dS on wgmma,
 // then the one recomputing S and dP) at the same tiles (W a multiple of 4), then their
-// overlapped twins (*_overlap) with at least 3 stages; last the whole-head backward
-// (attn_bwd_fused) with W warps and query chunks of N / P.
+// overlapped twins (*_overlap) with at least 3 stages, and dQ added in order inside dK/dV
+// (attn_bwd_dkdv_dq_wgmma, W 4, N 64); last the whole-head backward (attn_bwd_fused) with W
+// warps and query chunks of N / P.
 // Each variant must give the pipelined kernels' bits, or the program exits 1.
 // Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
 #include "cuda_emulator.h"
 #include "microgpt_cuda.cu"  // as in emu_entry.cpp: the kernel source, parts written in place
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -183,6 +186,36 @@ int main(int argc, char** argv) {
   if (!same_overlap) {
     std::fprintf(stderr, "the overlapped wgmma kernels differ from the pipelined ones\n");
     return 1;
+  }
+  // dK, dV and dQ in one kernel, dQ added in key-block order (one warpgroup, 64 keys a block,
+  // 64 queries a tile): its float32 buffer and turn counters exactly sized; it sums in another
+  // order than the pipelined backward, so within 2e-2 of it rather than its bits.
+  {
+    const int tiles = (seq_len + 63) / 64;
+    float* acc = new float[n];
+    int* count = new int[(size_t)bh * tiles]();
+    T_ *dq6 = new T_[n], *dk6 = new T_[n], *dv6 = new T_[n];
+    andrea_emu::launch(
+        dim3(tiles, bh), dim3(128), mode,
+        [&] {
+          attn_bwd_dkdv_dq_wgmma<T_, D, 4, 64, 2, 0>(q, k, v, dout, lse, delta, dq6, dk6, dv6,
+                                                     acc, count, seq_len, scale);
+        },
+        HopperSmem<T_, D, KIND_DKDV_DQ, 4, 64, 2>::bytes);
+    double worst = 0.0, top = 1.0;
+    for (size_t i = 0; i < n; ++i) {
+      const T_* mine[3] = {dq6, dk6, dv6};
+      const T_* theirs[3] = {dq, dk, dv};
+      for (int g = 0; g < 3; ++g) {
+        worst = std::max(worst, (double)std::fabs(to_float(mine[g][i]) - to_float(theirs[g][i])));
+        top = std::max(top, (double)std::fabs(to_float(theirs[g][i])));
+      }
+    }
+    delete[] acc; delete[] count; delete[] dq6; delete[] dk6; delete[] dv6;
+    if (!(worst <= 2e-2 * top)) {
+      std::fprintf(stderr, "dQ in order differs from the pipelined backward by %g\n", worst);
+      return 1;
+    }
   }
 #endif
   const bool same = std::memcmp(dq, dq2, n * sizeof(T_)) == 0 &&
