@@ -5,8 +5,9 @@
 //   attn_bwd_dq_ds_wgmma     dQ = scale * dS K (attn_bwd_dq_ds) on it
 //   attn_bwd_dkdv_wgmma      dK/dV (attn_bwd_dkdv_pipe): attn_bwd_dkdv_ds_wgmma without dS
 //   attn_bwd_dq_wgmma        dQ recomputing S and dP (attn_bwd_dq_pipe), its three products
+//   attn_bwd_dkdv_dq_wgmma   dK, dV and dQ in one pass, dQ's shares added in key-block order
 //   attn_fwd_wgmma_overlap, attn_bwd_dkdv_ds_wgmma_overlap, attn_bwd_dkdv_wgmma_overlap,
-//   attn_bwd_dq_wgmma_overlap
+//   attn_bwd_dq_wgmma_overlap, attn_bwd_dkdv_dq_wgmma_overlap
 //                            four of them with a tile's last products in flight during the next
 //                            tile's softmax or dS (FlashAttention-3's overlap in a warpgroup)
 // A warpgroup owns 64 rows (queries; keys in dK/dV), W/4 of them a block. Products whose A
@@ -627,7 +628,9 @@ __device__ __forceinline__ void dq_in_order(const float (&part)[D / 8][4], T_* _
 // (as the forward's): tile it's two products are issued with tile it-1's dV and dK products
 // behind them, and P^T and dS^T are computed while those are in flight; the same bits.
 // DQ (attn_bwd_dkdv_dq_wgmma): dQ too, each query tile's share dS K of these keys added in
-// key-block order (dq_in_order), the query tiles taken from the last down.
+// key-block order (dq_in_order), the query tiles taken from the last down; with OVERLAP
+// (attn_bwd_dkdv_dq_wgmma_overlap) a tile's share is added while the next tile's S^T and dP^T
+// are in flight, its wait for the turn and its trip to L2 behind them; the same bits.
 template <typename T_, int D, int W, int N, int STAGES, bool WRITE_DS, bool OVERLAP,
           bool DQ = false>
 __device__ __forceinline__ void dkdv_wgmma_body(
@@ -641,7 +644,7 @@ __device__ __forceinline__ void dkdv_wgmma_body(
   using L = HopperSmem<T_, D, DQ ? KIND_DKDV_DQ : KIND_DKDV, W, N, STAGES>;
   constexpr int M = L::M, ROW8 = D / 8 * 64;
   static_assert(!WRITE_DS || 128 % M == 0, "the dS row stride must hold the last block's keys");
-  static_assert(!DQ || (W == 4 && N == 64 && !WRITE_DS && !OVERLAP),
+  static_assert(!DQ || (W == 4 && N == 64 && !WRITE_DS),
                 "dQ in order: one warpgroup, its 64 keys a block and 64 queries a tile");
   ANDREA_DYNAMIC_SHARED(smem);
   T_* const ks = (T_*)smem;
@@ -721,8 +724,10 @@ __device__ __forceinline__ void dkdv_wgmma_body(
     T_* const ds_tile = (T_*)(smem + L::DS);  // dS^T: keys as rows, the tile's queries as columns
     const u64 ds_desc = mn_major_desc<N>(ds_tile), k_mn_desc = mn_major_desc<D>(kg);
     float dq_part[D / 8][4];  // this tile's dQ share, dS K over these keys
-    for (int it = 0; it < n_tiles; ++it) {
-      issue_st_dpt(it);
+    const auto add_share = [&](int it) {
+      dq_in_order<T_, D, N, M>(dq_part, dq, dq_acc, dq_count, query_tile(it), seq_len, scale);
+    };
+    const auto finish_tile = [&](int it) {  // tile it's S^T and dP^T issued: the rest of it
       wgmma_wait<0>();
       p_ds_of(it);
       repack();
@@ -739,7 +744,23 @@ __device__ __forceinline__ void dkdv_wgmma_body(
       wgmma_commit();
       land_dv_dk();
       wgmma_fence_operands(flat(dq_part));
-      dq_in_order<T_, D, N, M>(dq_part, dq, dq_acc, dq_count, query_tile(it), seq_len, scale);
+    };
+    if constexpr (!OVERLAP) {
+      for (int it = 0; it < n_tiles; ++it) {
+        issue_st_dpt(it);
+        finish_tile(it);
+        add_share(it);
+      }
+    } else {  // tile 0 alone (the share added under a branch, ptxas serializes every wgmma:
+              // C7518), then the tile before's share while this tile's products run
+      issue_st_dpt(0);
+      finish_tile(0);
+      for (int it = 1; it < n_tiles; ++it) {
+        issue_st_dpt(it);
+        add_share(it - 1);
+        finish_tile(it);
+      }
+      add_share(n_tiles - 1);
     }
   } else if constexpr (!OVERLAP) {
     for (int it = 0; it < n_tiles; ++it) {
@@ -840,6 +861,19 @@ __global__ void __launch_bounds__(32 * W, MINB)
                            float* __restrict__ dq_acc, int* __restrict__ dq_count, int seq_len,
                            float scale) {
   dkdv_wgmma_body<T_, D, W, N, STAGES, false, false, true>(
+      q, k, v, dout, lse, delta, dk, dv, nullptr, seq_len, 0, scale, dq, dq_acc, dq_count);
+}
+
+template <typename T_, int D, int W, int N, int STAGES, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB)
+    attn_bwd_dkdv_dq_wgmma_overlap(const T_* __restrict__ q, const T_* __restrict__ k,
+                                   const T_* __restrict__ v, const T_* __restrict__ dout,
+                                   const float* __restrict__ lse,
+                                   const float* __restrict__ delta, T_* __restrict__ dq,
+                                   T_* __restrict__ dk, T_* __restrict__ dv,
+                                   float* __restrict__ dq_acc, int* __restrict__ dq_count,
+                                   int seq_len, float scale) {
+  dkdv_wgmma_body<T_, D, W, N, STAGES, false, true, true>(
       q, k, v, dout, lse, delta, dk, dv, nullptr, seq_len, 0, scale, dq, dq_acc, dq_count);
 }
 

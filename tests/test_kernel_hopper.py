@@ -72,12 +72,15 @@ HOPPER_RECOMPUTE = [
                                                                   overlap=True)),
 ]
 # dQ added in order inside dK/dV (attn_bwd_dkdv_dq_wgmma: one warpgroup, 64 queries a tile),
-# (dtype, head_dim, its config): 2 and 3 stages, every head_dim.
+# (dtype, head_dim, its config): 2 and 3 stages, every head_dim, and overlapped (a tile's share
+# added while the next tile's first products run).
 HOPPER_DQ_IN_ORDER = [
     ("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
     ("bfloat16", 32, PipeConfig(4, 64, 3, wgmma=True)),
     ("float16", 128, PipeConfig(4, 64, 2, wgmma=True)),
     ("float16", 64, PipeConfig(4, 64, 3, wgmma=True)),
+    ("bfloat16", 64, PipeConfig(4, 64, 3, wgmma=True, overlap=True)),
+    ("float16", 32, PipeConfig(4, 64, 3, wgmma=True, overlap=True)),
 ]
 SHAPES = [(1, (2, 3)), (17, (1, 2)), (129, (1, 2)), (200, (1, 1))]  # T, (B, H)
 # The overlapped kernels of one head_dim, as a TUNED entry would name them.
@@ -117,7 +120,9 @@ PIPES = tuple(dict.fromkeys(
     + [(kernel, dtype, d, c) for dtype, d, dkdv, dq in HOPPER_RECOMPUTE for wgmma in (True, False)
        for kernel, c in recompute_configs(dkdv, dq, wgmma).items()]
     + [(kernel, dtype, d, c) for dtype, d, cfg in HOPPER_DQ_IN_ORDER
-       for kernel, c in in_order_configs(cfg).items()]))
+       for kernel, c in in_order_configs(cfg).items()]
+    + [(kernel_launch.DQ_IN_ORDER, dtype, d, PipeConfig(4, 64, cfg.stages, wgmma=True))
+       for dtype, d, cfg in HOPPER_DQ_IN_ORDER if cfg.overlap]))
 # The wait after S = Q K^T's wgmma group, and the descriptor strides (LBO, SBO) of every
 # K-major operand (Q and K in the forward's S).
 S_WAIT = "      issue_s(it);\n      wgmma_wait<0>();\n"
@@ -311,6 +316,23 @@ def test_dq_in_order_matches_float64(emulator, dtype, head_dim, cfg, seq_len, bh
         assert not torch.isnan(g).any(), f"{name}: NaN (unwritten output or buffer)"
         err = kernel_emulator.max_error(g, w)
         assert err <= TOL[tdt], f"{cfg.label()} {name}: max error {err:.3g} > {TOL[tdt]:.3g}"
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype,head_dim,cfg", [c for c in HOPPER_DQ_IN_ORDER if c[2].overlap],
+                         ids=lambda x: str(x))
+def test_dq_in_order_overlapped_gives_the_plain_kernels_bits(emulator, dtype, head_dim,
+                                                             cfg) -> None:
+    """A tile's share added while the next tile's products run: the same operations in the same
+    order, so the plain in-order kernel's bits."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, dout = (torch.randn(2, 2, 150, head_dim, generator=gen).to(getattr(torch, dtype))
+                     for _ in range(4))
+    plain = PipeConfig(4, 64, cfg.stages, wgmma=True)
+    got = kernel_emulator.pipe_attention(q, k, v, dout, in_order_configs(cfg), emulator)
+    want = kernel_emulator.pipe_attention(q, k, v, dout, in_order_configs(plain), emulator)
+    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
+        assert torch.equal(g, w), f"{cfg.label()} {name} differs from the plain kernel"
 
 
 TUNED_ARCH = "sm_test"  # an architecture of this test's own, in andrea.cuda.launch.TUNED
@@ -513,7 +535,8 @@ NVRTC_CASES = [("fwd", "bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
                ("bwd_dkdv", "float16", 64, PipeConfig(8, 64, 3, wgmma=True, overlap=True)),
                # dQ in order: a third accumulator, dS^T through shared memory, the turns
                ("bwd_dkdv_dq", "bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True)),
-               ("bwd_dkdv_dq", "float16", 128, PipeConfig(4, 64, 3, wgmma=True))]
+               ("bwd_dkdv_dq", "float16", 128, PipeConfig(4, 64, 3, wgmma=True)),
+               ("bwd_dkdv_dq", "bfloat16", 64, PipeConfig(4, 64, 3, wgmma=True, overlap=True))]
 
 
 def _nvrtc_sm90a_build() -> tuple[list[str], str]:

@@ -347,7 +347,9 @@ def dq_in_order_buffers(batch: int, n_head: int, seq_len: int,
 # pipeline needs OVERLAP_MIN_STAGES.
 OVERLAP_TEMPLATES = {"fwd": "attn_fwd_wgmma_overlap", "bwd_dkdv": "attn_bwd_dkdv_wgmma_overlap",
                      "bwd_dq": "attn_bwd_dq_wgmma_overlap",
-                     "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma_overlap"}
+                     "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma_overlap",
+                     # a tile's dQ share added while the next tile's first products run
+                     "bwd_dkdv_dq": "attn_bwd_dkdv_dq_wgmma_overlap"}
 OVERLAP_MIN_STAGES = 3
 WGMMA_ARCH = {"sm_90": "sm_90a"}  # the GPU architecture -> the target with wgmma on it
 
@@ -488,16 +490,13 @@ def hopper_candidates(kernel: str, dtype: str, head_dim: int) -> list[PipeConfig
     (through dS, or recomputing S and dP in dQ) at 2; after each, where the kernel has one (all
     but dQ from dS, a product alone), its overlap twin a stage deeper (the same tiles ahead;
     the backward's only up to head_dim 64: at 128 ptxas spills some of them), where the shared
-    memory fits sm_90's 227 KiB a block. DQ_IN_ORDER: its one tile (W 4, N 64) at 2 and 3
-    stages."""
+    memory fits sm_90's 227 KiB a block. DQ_IN_ORDER has one tile shape: W 4, N 64."""
     if kernel not in WGMMA_TEMPLATES or dtype not in ("bfloat16", "float16"):
         return []
-    if kernel == DQ_IN_ORDER:
-        return [PipeConfig(4, DQ_IN_ORDER_ROWS, s, wgmma=True) for s in (2, 3)]
-    rows = (64,) if kernel in ("bwd_dkdv_ds", "bwd_dkdv") else (64, 128)
+    rows = (64,) if kernel in ("bwd_dkdv_ds", "bwd_dkdv", DQ_IN_ORDER) else (64, 128)
     stages = (2, 3) if kernel == "fwd" else (2,)
     found = []
-    for warps in (4, 8):
+    for warps in (4,) if kernel == DQ_IN_ORDER else (4, 8):
         for n in rows:
             for depth in stages:
                 found.append(PipeConfig(warps, n, depth, wgmma=True))

@@ -8,8 +8,8 @@
 // ANDREA_SAN_WGMMA too, the sm_90a kernels (attn_fwd_wgmma, the backward through dS on wgmma,
 // then the one recomputing S and dP) at the same tiles (W a multiple of 4), then their
 // overlapped twins (*_overlap) with at least 3 stages, and dQ added in order inside dK/dV
-// (attn_bwd_dkdv_dq_wgmma, W 4, N 64); last the whole-head backward (attn_bwd_fused) with W
-// warps and query chunks of N / P.
+// (attn_bwd_dkdv_dq_wgmma and its twin, W 4, N 64); last the whole-head backward
+// (attn_bwd_fused) with W warps and query chunks of N / P.
 // Each variant must give the pipelined kernels' bits, or the program exits 1.
 // Usage: emu_sanitize <batch*heads> <seq_len> [threads|fibers]
 #include "cuda_emulator.h"
@@ -196,6 +196,24 @@ int main(int argc, char** argv) {
                                                      acc, count, seq_len, scale);
         },
         HopperSmem<T_, D, KIND_DKDV_DQ, 4, 64, 2>::bytes);
+    // its overlapped twin (a tile's share added while the next tile's products run): the bits
+    T_ *dq7 = new T_[n], *dk7 = new T_[n], *dv7 = new T_[n];
+    std::fill(count, count + (size_t)bh * tiles, 0);
+    andrea_emu::launch(
+        dim3(tiles, bh), dim3(128), mode,
+        [&] {
+          attn_bwd_dkdv_dq_wgmma_overlap<T_, D, 4, 64, 3, 0>(q, k, v, dout, lse, delta, dq7, dk7,
+                                                             dv7, acc, count, seq_len, scale);
+        },
+        HopperSmem<T_, D, KIND_DKDV_DQ, 4, 64, 3>::bytes);
+    const bool same_twin = std::memcmp(dq6, dq7, n * sizeof(T_)) == 0 &&
+                           std::memcmp(dk6, dk7, n * sizeof(T_)) == 0 &&
+                           std::memcmp(dv6, dv7, n * sizeof(T_)) == 0;
+    delete[] dq7; delete[] dk7; delete[] dv7;
+    if (!same_twin) {
+      std::fprintf(stderr, "dQ in order: the overlapped twin differs from the plain kernel\n");
+      return 1;
+    }
     double worst = 0.0, top = 1.0;
     for (size_t i = 0; i < n; ++i) {
       const T_* mine[3] = {dq6, dk6, dv6};
