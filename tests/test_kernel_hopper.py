@@ -108,9 +108,12 @@ def recompute_configs(dkdv: PipeConfig, dq: PipeConfig,
     return {"fwd": twin(dkdv), "bwd_dq": pick(dq), "bwd_dkdv": pick(dkdv)}
 
 
-def in_order_configs(cfg: PipeConfig) -> dict[str, PipeConfig]:
-    """pipe_attention's configs: the mma.sync forward, the backward in one kernel."""
-    return {"fwd": twin(cfg), kernel_launch.DQ_IN_ORDER: cfg}
+def in_order_configs(cfg: PipeConfig, dq_cfg: None = None,
+                     wgmma: bool = True) -> dict[str, PipeConfig]:
+    """pipe_attention's configs: the mma.sync forward, the backward in one kernel (or, for its
+    overlapped twin, the plain kernel whose bits it must give)."""
+    plain = PipeConfig(cfg.warps, cfg.rows, cfg.stages, wgmma=True)
+    return {"fwd": twin(cfg), kernel_launch.DQ_IN_ORDER: cfg if wgmma else plain}
 
 
 PIPES = tuple(dict.fromkeys(
@@ -121,8 +124,8 @@ PIPES = tuple(dict.fromkeys(
        for kernel, c in recompute_configs(dkdv, dq, wgmma).items()]
     + [(kernel, dtype, d, c) for dtype, d, cfg in HOPPER_DQ_IN_ORDER
        for kernel, c in in_order_configs(cfg).items()]
-    + [(kernel_launch.DQ_IN_ORDER, dtype, d, PipeConfig(4, 64, cfg.stages, wgmma=True))
-       for dtype, d, cfg in HOPPER_DQ_IN_ORDER if cfg.overlap]))
+    + [(kernel, dtype, d, c) for dtype, d, cfg in HOPPER_DQ_IN_ORDER
+       for kernel, c in in_order_configs(cfg, wgmma=False).items()]))
 # The wait after S = Q K^T's wgmma group, and the descriptor strides (LBO, SBO) of every
 # K-major operand (Q and K in the forward's S).
 S_WAIT = "      issue_s(it);\n      wgmma_wait<0>();\n"
@@ -254,10 +257,14 @@ def test_wgmma_forward_gives_the_pipelined_forwards_bits(emulator, dtype, head_d
         assert torch.equal(g, w), f"{cfg.label()} {name} differs from the mma.sync forward"
 
 
-# Both backward routes on wgmma: (pipe_attention's configs of a route, dtype, head_dim, dK/dV's
-# config, dQ's).
+# The backward routes on wgmma: (pipe_attention's configs of a route, dtype, head_dim, dK/dV's
+# config, dQ's; dQ in order has one kernel for both).
 BACKWARDS = ([(ds_configs, *case) for case in HOPPER_DS]
-             + [(recompute_configs, *case) for case in HOPPER_RECOMPUTE])
+             + [(recompute_configs, *case) for case in HOPPER_RECOMPUTE]
+             + [(in_order_configs, *case, None) for case in HOPPER_DQ_IN_ORDER])
+# Each beside the kernels whose bits it must give: the mma.sync kernels of the same tiles, or
+# for dQ in order's overlapped twin the plain kernel (the plain one sums in its own order).
+BITS = [case for case in BACKWARDS if case[0] is not in_order_configs or case[3].overlap]
 
 
 def case_id(x) -> str:
@@ -270,7 +277,8 @@ def case_id(x) -> str:
 def test_wgmma_backward_matches_float64(emulator, configs_of, dtype, head_dim, cfg, dq_cfg,
                                         seq_len, bh) -> None:
     """Through dS (the buffer NaN-poisoned: dQ blocks taller than dK/dV's key blocks cross
-    entries dK/dV never wrote) or recomputing S and dP: float64's gradients."""
+    entries dK/dV never wrote), recomputing S and dP, or dQ's shares added into a NaN-poisoned
+    float32 buffer one key block after the other: float64's gradients."""
     tdt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(seq_len * head_dim)
     q, k, v, dout = (torch.randn(*bh, seq_len, head_dim, generator=gen).to(tdt)
@@ -285,7 +293,7 @@ def test_wgmma_backward_matches_float64(emulator, configs_of, dtype, head_dim, c
 
 
 @needs_gxx
-@pytest.mark.parametrize("configs_of,dtype,head_dim,cfg,dq_cfg", BACKWARDS, ids=case_id)
+@pytest.mark.parametrize("configs_of,dtype,head_dim,cfg,dq_cfg", BITS, ids=case_id)
 def test_wgmma_backward_gives_the_pipelined_bits(emulator, configs_of, dtype, head_dim, cfg,
                                                  dq_cfg) -> None:
     gen = torch.Generator().manual_seed(9)
@@ -295,44 +303,7 @@ def test_wgmma_backward_gives_the_pipelined_bits(emulator, configs_of, dtype, he
     want = kernel_emulator.pipe_attention(q, k, v, dout, configs_of(cfg, dq_cfg, False),
                                           emulator)
     for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
-        assert torch.equal(g, w), f"{cfg.label()} {name} differs from the mma.sync kernels"
-
-
-@needs_gxx
-@pytest.mark.parametrize("dtype,head_dim,cfg", HOPPER_DQ_IN_ORDER, ids=lambda x: str(x))
-@pytest.mark.parametrize("seq_len,bh", SHAPES, ids=lambda x: str(x))
-def test_dq_in_order_matches_float64(emulator, dtype, head_dim, cfg, seq_len, bh) -> None:
-    """dK, dV and dQ from one kernel, dQ's shares added into a NaN-poisoned float32 buffer one
-    key block after the other (the first writes, the last stores dQ): float64's gradients at a
-    T of one tile, several, and a ragged last one."""
-    tdt = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(seq_len + head_dim)
-    q, k, v, dout = (torch.randn(*bh, seq_len, head_dim, generator=gen).to(tdt)
-                     for _ in range(4))
-    scale = 0.7 / math.sqrt(head_dim)
-    got = kernel_emulator.pipe_attention(q, k, v, dout, in_order_configs(cfg), emulator, scale)
-    want = kernel_emulator.float64_reference(q, k, v, dout, scale)
-    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
-        assert not torch.isnan(g).any(), f"{name}: NaN (unwritten output or buffer)"
-        err = kernel_emulator.max_error(g, w)
-        assert err <= TOL[tdt], f"{cfg.label()} {name}: max error {err:.3g} > {TOL[tdt]:.3g}"
-
-
-@needs_gxx
-@pytest.mark.parametrize("dtype,head_dim,cfg", [c for c in HOPPER_DQ_IN_ORDER if c[2].overlap],
-                         ids=lambda x: str(x))
-def test_dq_in_order_overlapped_gives_the_plain_kernels_bits(emulator, dtype, head_dim,
-                                                             cfg) -> None:
-    """A tile's share added while the next tile's products run: the same operations in the same
-    order, so the plain in-order kernel's bits."""
-    gen = torch.Generator().manual_seed(8)
-    q, k, v, dout = (torch.randn(2, 2, 150, head_dim, generator=gen).to(getattr(torch, dtype))
-                     for _ in range(4))
-    plain = PipeConfig(4, 64, cfg.stages, wgmma=True)
-    got = kernel_emulator.pipe_attention(q, k, v, dout, in_order_configs(cfg), emulator)
-    want = kernel_emulator.pipe_attention(q, k, v, dout, in_order_configs(plain), emulator)
-    for name, g, w in list(zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True))[2:]:
-        assert torch.equal(g, w), f"{cfg.label()} {name} differs from the plain kernel"
+        assert torch.equal(g, w), f"{cfg.label()} {name} differs from its twin"
 
 
 TUNED_ARCH = "sm_test"  # an architecture of this test's own, in andrea.cuda.launch.TUNED
