@@ -233,6 +233,17 @@ def test_a_tuned_entry_takes_both_kernels_of_the_backward_through_ds(monkeypatch
                         {"bwd_dq_ds": PipeConfig(4, 64, 2)})
     with pytest.raises(ValueError, match="both of"):
         kernel_launch.tuned_launches(1, 1, 8, 32, "bfloat16", TUNED_ARCH)
+    # dQ added in order inside dK/dV is the whole backward: with another backward kernel, refused
+    in_order = PipeConfig(4, 64, 2, wgmma=True)
+    for other in ("bwd_dq", "bwd_dkdv"):
+        monkeypatch.setitem(kernel_launch.TUNED, (TUNED_ARCH, "bfloat16", 32),
+                            {kernel_launch.DQ_IN_ORDER: in_order, other: PipeConfig(4, 64, 2)})
+        with pytest.raises(ValueError, match="is the whole backward"):
+            kernel_launch.tuned_launches(1, 1, 8, 32, "bfloat16", TUNED_ARCH)
+    monkeypatch.setitem(kernel_launch.TUNED, (TUNED_ARCH, "bfloat16", 32),
+                        {kernel_launch.DQ_IN_ORDER: in_order})
+    assert list(kernel_launch.tuned_launches(1, 1, 8, 32, "bfloat16", TUNED_ARCH)) == [
+        "fwd", "bwd_preprocess", kernel_launch.DQ_IN_ORDER]
 
 
 def fused_configs_of(dtype: str, head_dim: int, cfg: PipeConfig) -> dict[str, PipeConfig]:

@@ -328,9 +328,20 @@ def ds_row_stride(seq_len: int) -> int:
 WGMMA_TEMPLATES = {"fwd": "attn_fwd_wgmma", "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma",
                    "bwd_dq_ds": "attn_bwd_dq_ds_wgmma", "bwd_dkdv": "attn_bwd_dkdv_wgmma",
                    "bwd_dq": "attn_bwd_dq_wgmma", "bwd_dkdv_dq": "attn_bwd_dkdv_dq_wgmma"}
-# The backward after the preprocess in one kernel: dK, dV and dQ, each query tile's dQ shares
-# added in key-block order through a float32 buffer (dq_in_order_buffers). A warpgroup's 64
-# keys a block, 64 queries a tile.
+# Their twins with overlap=True: a tile's last products in flight during the next tile's softmax
+# (forward) or dS (backward), the same bits; a tile stays read one iteration longer, so the
+# pipeline needs OVERLAP_MIN_STAGES.
+OVERLAP_TEMPLATES = {"fwd": "attn_fwd_wgmma_overlap", "bwd_dkdv": "attn_bwd_dkdv_wgmma_overlap",
+                     "bwd_dq": "attn_bwd_dq_wgmma_overlap",
+                     "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma_overlap",
+                     # a tile's dQ share added while the next tile's first products run
+                     "bwd_dkdv_dq": "attn_bwd_dkdv_dq_wgmma_overlap"}
+OVERLAP_MIN_STAGES = 3
+WGMMA_ARCH = {"sm_90": "sm_90a"}  # the GPU architecture -> the target with wgmma on it
+
+# "bwd_dkdv_dq", the backward after the preprocess in one kernel: dK, dV and dQ, each query
+# tile's dQ shares added in key-block order through a float32 buffer (dq_in_order_buffers). A
+# warpgroup's 64 keys a block, 64 queries a tile.
 DQ_IN_ORDER = "bwd_dkdv_dq"
 DQ_IN_ORDER_ROWS = 64
 
@@ -342,16 +353,6 @@ def dq_in_order_buffers(batch: int, n_head: int, seq_len: int,
     before every launch."""
     return ((batch * n_head, seq_len, head_dim),
             (batch * n_head, _ceil_div(seq_len, DQ_IN_ORDER_ROWS)))
-# Their twins with overlap=True: a tile's last products in flight during the next tile's softmax
-# (forward) or dS (backward), the same bits; a tile stays read one iteration longer, so the
-# pipeline needs OVERLAP_MIN_STAGES.
-OVERLAP_TEMPLATES = {"fwd": "attn_fwd_wgmma_overlap", "bwd_dkdv": "attn_bwd_dkdv_wgmma_overlap",
-                     "bwd_dq": "attn_bwd_dq_wgmma_overlap",
-                     "bwd_dkdv_ds": "attn_bwd_dkdv_ds_wgmma_overlap",
-                     # a tile's dQ share added while the next tile's first products run
-                     "bwd_dkdv_dq": "attn_bwd_dkdv_dq_wgmma_overlap"}
-OVERLAP_MIN_STAGES = 3
-WGMMA_ARCH = {"sm_90": "sm_90a"}  # the GPU architecture -> the target with wgmma on it
 
 
 def module_arch(arch: str, names: tuple[str, ...] | list[str]) -> str:
