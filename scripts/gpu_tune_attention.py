@@ -1010,10 +1010,10 @@ def wgmma_probe(out_dir: Path, probe: str = "wgmma_probe") -> tuple[set, str]:
     try:
         proc = run_child(cmd, PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return set(), f"{what}: no answer in {PROBE_TIMEOUT_S:.0f} s; no wgmma candidate"
+        return set(), f"{what}: no answer in {PROBE_TIMEOUT_S:.0f} s; none of its candidates"
     if proc.returncode != 0 or not found.exists():
         tail = (proc.stderr or proc.stdout)[-600:].strip()
-        return set(), f"{what} failed (exit {proc.returncode}): {tail}; no wgmma candidate"
+        return set(), f"{what} failed (exit {proc.returncode}): {tail}; none of its candidates"
     rows = json.loads(found.read_text())
     allowed = {(r["kernel"], PipeConfig(*r["config"])) for r in rows if r["status"] == "ok"}
     wrong = [f"{r['kernel']} {PipeConfig(*r['config']).label()}: {r['status']}"
