@@ -30,7 +30,8 @@ expected on an H200 with 16 cores):
    T 333), outputs NaN-poisoned, against float64 (bf16 1e-2, fp16 2^-9 of max(|ref|, 1); lse 1e-4).
    The backward candidates take the production forward's O and lse; dK/dV through dS is also
    checked on the dS it writes, dQ from dS is given float64's dS (NaN above the diagonal); the
-   whole-head backward, whose block holds the sequence, on inputs of FUSED_CHECK_LEN positions.
+   whole-head backward, whose block holds the sequence, on inputs of FUSED_CHECK_LEN positions;
+   dQ added in order runs twice, and a second run that changes any bit fails it ("repeat").
 3. Time (CUDA events around back-to-back calls, andrea.bench.time_per_call) at each shape:
    every passing candidate kernel alone; SDPA default, flash, efficient and cuDNN forward,
    backward (autograd, forward prepared) and forward + backward, and flash and efficient again
@@ -263,11 +264,19 @@ def check_candidate(launch_fn, kernel, cfg, inputs, forward, ref, ds_ref) -> dic
         launch_fn(launch, q, k, v, dout, lse, delta, dq, dk, dv, t, scale)
         return {"dq": err(dq, ref[2]), "dk": err(dk, ref[3]), "dv": err(dv, ref[4])}
     if kernel == IN_ORDER:  # its float32 dQ buffer poisoned too, its turn counters zeroed
-        dq, dk, dv = (torch.full_like(q, nan) for _ in range(3))
-        acc, count = in_order_buffers(q)
-        acc.fill_(nan)
-        launch_fn(launch, q, k, v, dout, lse, delta, dq, dk, dv, acc, count, t, scale)
-        return {"dq": err(dq, ref[2]), "dk": err(dk, ref[3]), "dv": err(dv, ref[4])}
+        runs = []
+        for _ in range(2):
+            grads = tuple(torch.full_like(q, nan) for _ in range(3))
+            acc, count = in_order_buffers(q)
+            acc.fill_(nan)
+            launch_fn(launch, q, k, v, dout, lse, delta, *grads, acc, count, t, scale)
+            runs.append(grads)
+        (dq, dk, dv), again = runs
+        # Its blocks order dQ's adds among themselves: "repeat", the elements a second run
+        # changes, must be 0 (a race there can still land within float64's tolerance).
+        differ = sum(int((a != b).sum()) for a, b in zip(runs[0], again, strict=True))
+        return {"dq": err(dq, ref[2]), "dk": err(dk, ref[3]), "dv": err(dv, ref[4]),
+                "repeat": float(differ)}
     stride = ds_row_stride(t)
     lower = torch.ones(t, t, dtype=torch.bool).tril()
     ds = torch.full((b * h, t, stride), nan, dtype=q.dtype, device=q.device)

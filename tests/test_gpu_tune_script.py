@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -156,9 +157,12 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert report["wgmma_probe"] == f"wgmma probe: {5 * LIMIT} of {5 * LIMIT} ok"
     assert report["in_order_probe"] == f"in order probe: {LIMIT} of {LIMIT} ok"
     assert all(row["status"] == "ok" for row in report["candidates"]), report["candidates"]
-    # the backward through dS was checked on the dS it writes, not only on dK and dV
+    # the backward through dS was checked on the dS it writes, not only on dK and dV; dQ in
+    # order on its bits repeating in a second run too
     assert all("ds" in row["errors"] for row in report["candidates"]
                if row["kernel"] == "bwd_dkdv_ds")
+    assert all(row["errors"]["repeat"] == 0.0 for row in report["candidates"]
+               if row["kernel"] == tune.IN_ORDER)
     (shape,) = report["shapes"]
     assert shape["shape"] == "bfloat16 B1 H2 T40 D32"
     assert {c["kernel"] for c in shape["candidates"]} == kernels
@@ -460,3 +464,32 @@ def test_the_det_rows_ask_for_the_deterministic_paths_strictly() -> None:
             det.fill_uninitialized_memory) == before
     with tune.deterministic_algorithms(False):
         assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_an_in_order_backward_whose_bits_do_not_repeat_is_wrong() -> None:
+    """dQ in order's blocks order their adds among themselves: a second run that changes an
+    element (a race on a GPU, which can still land within float64's tolerance) fails the check."""
+    tune = load_script()
+    dtype, d, cfg = "bfloat16", 32, kernel_launch.PipeConfig(4, 64, 2, wgmma=True)
+    emu = kernel_emulator.Emulator(pipes=((tune.IN_ORDER, dtype, d, cfg),))
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(1, 2, 70, d, generator=gen).to(torch.bfloat16)
+                     for _ in range(4))
+    ref = kernel_emulator.float64_reference(q, k, v, dout, d**-0.5)
+    o, lse = kernel_emulator.attention_forward(q, k, v)
+    delta = torch.full((1, 2, 70), math.nan)
+    emu.launch(kernel_launch.attention_launches(1, 2, 70, d, dtype)["bwd_preprocess"], o, dout,
+               delta, 140)
+    calls = []
+
+    def second_run_differs(launch, *args):
+        emu.launch(launch, *args)
+        calls.append(1)
+        if len(calls) == 2:
+            args[6].view(-1)[5] += 1  # one element of dQ
+    inputs, forward = (q, k, v, dout), (o, lse, delta)
+    errs = tune.check_candidate(emu.launch, tune.IN_ORDER, cfg, inputs, forward, ref, None)
+    assert errs["repeat"] == 0.0 and max(errs.values()) <= tune.TOL[dtype]
+    errs = tune.check_candidate(second_run_differs, tune.IN_ORDER, cfg, inputs, forward, ref,
+                                None)
+    assert errs["repeat"] == 1.0 and errs["dq"] <= tune.TOL[dtype]  # within tolerance, yet wrong
