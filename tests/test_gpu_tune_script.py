@@ -470,8 +470,9 @@ def test_an_in_order_backward_whose_bits_do_not_repeat_is_wrong() -> None:
     """dQ in order's blocks order their adds among themselves: a second run that changes an
     element (a race on a GPU, which can still land within float64's tolerance) fails the check."""
     tune = load_script()
-    dtype, d, cfg = "bfloat16", 32, kernel_launch.PipeConfig(4, 64, 2, wgmma=True)
-    emu = kernel_emulator.Emulator(pipes=((tune.IN_ORDER, dtype, d, cfg),))
+    cands = tune.candidate_list([SHAPE], LIMIT)  # gpu_world's: its emulator build, cached
+    emu = kernel_emulator.Emulator(pipes=tuple(cands))
+    _, dtype, d, cfg = next(c for c in cands if c[0] == tune.IN_ORDER)
     gen = torch.Generator().manual_seed(1)
     q, k, v, dout = (torch.randn(1, 2, 70, d, generator=gen).to(torch.bfloat16)
                      for _ in range(4))

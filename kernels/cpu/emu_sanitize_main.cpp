@@ -62,6 +62,9 @@ int main(int argc, char** argv) {
   const float scale = 1.0f / std::sqrt((float)D);
 
 #if defined(ANDREA_SAN_PIPE_W)
+  const auto same_bits = [&](const T_* a, const T_* b) {  // n elements, bit for bit
+    return std::memcmp(a, b, n * sizeof(T_)) == 0;
+  };
   constexpr int W = ANDREA_SAN_PIPE_W, N = ANDREA_SAN_PIPE_N, S = ANDREA_SAN_PIPE_S;
   const dim3 pgrid((seq_len + 16 * W - 1) / (16 * W), bh), pblock(32 * W);
   andrea_emu::launch(
@@ -131,11 +134,9 @@ int main(int argc, char** argv) {
       HopperSmem<T_, D, KIND_DQ, W, N, S>::bytes);
   // the forward (o2, lse2) and both backwards (dq3.., dq5..) against the pipelined kernels
   const auto same_as_pipelined = [&] {
-    return std::memcmp(o, o2, n * sizeof(T_)) == 0 &&
-           std::memcmp(lse, lse2, rows * sizeof(float)) == 0 &&
-           std::memcmp(dq, dq3, n * sizeof(T_)) == 0 && std::memcmp(dk, dk3, n * sizeof(T_)) == 0 &&
-           std::memcmp(dv, dv3, n * sizeof(T_)) == 0 && std::memcmp(dq, dq5, n * sizeof(T_)) == 0 &&
-           std::memcmp(dk, dk5, n * sizeof(T_)) == 0 && std::memcmp(dv, dv5, n * sizeof(T_)) == 0;
+    return same_bits(o, o2) && std::memcmp(lse, lse2, rows * sizeof(float)) == 0 &&
+           same_bits(dq, dq3) && same_bits(dk, dk3) && same_bits(dv, dv3) &&
+           same_bits(dq, dq5) && same_bits(dk, dk5) && same_bits(dv, dv5);
   };
   const bool same_wgmma = same_as_pipelined();
   // The overlapped twins, at least 3 stages (tile it-1's stage is read a tile longer): the
@@ -206,9 +207,7 @@ int main(int argc, char** argv) {
                                                              dv7, acc, count, seq_len, scale);
         },
         HopperSmem<T_, D, KIND_DKDV_DQ, 4, 64, 3>::bytes);
-    const bool same_twin = std::memcmp(dq6, dq7, n * sizeof(T_)) == 0 &&
-                           std::memcmp(dk6, dk7, n * sizeof(T_)) == 0 &&
-                           std::memcmp(dv6, dv7, n * sizeof(T_)) == 0;
+    const bool same_twin = same_bits(dq6, dq7) && same_bits(dk6, dk7) && same_bits(dv6, dv7);
     delete[] dq7; delete[] dk7; delete[] dv7;
     if (!same_twin) {
       std::fprintf(stderr, "dQ in order: the overlapped twin differs from the plain kernel\n");
@@ -230,9 +229,7 @@ int main(int argc, char** argv) {
     }
   }
 #endif
-  const bool same = std::memcmp(dq, dq2, n * sizeof(T_)) == 0 &&
-                    std::memcmp(dk, dk2, n * sizeof(T_)) == 0 &&
-                    std::memcmp(dv, dv2, n * sizeof(T_)) == 0;
+  const bool same = same_bits(dq, dq2) && same_bits(dk, dk2) && same_bits(dv, dv2);
   delete[] ds; delete[] dq2; delete[] dk2; delete[] dv2;
   if (!same) {
     std::fprintf(stderr, "the backward through dS differs from the pipelined backward\n");
@@ -247,9 +244,7 @@ int main(int argc, char** argv) {
         attn_bwd_fused<T_, D, W, NP, 0>(q, k, v, dout, lse, delta, dq4, dk4, dv4, seq_len, scale);
       },
       FusedSmem<T_, D, W, NP>::bytes(seq_len));
-  const bool same_fused = std::memcmp(dq, dq4, n * sizeof(T_)) == 0 &&
-                          std::memcmp(dk, dk4, n * sizeof(T_)) == 0 &&
-                          std::memcmp(dv, dv4, n * sizeof(T_)) == 0;
+  const bool same_fused = same_bits(dq, dq4) && same_bits(dk, dk4) && same_bits(dv, dv4);
   delete[] dq4; delete[] dk4; delete[] dv4;
   if (!same_fused) {
     std::fprintf(stderr, "the whole-head backward differs from the pipelined backward\n");
