@@ -51,8 +51,10 @@ profile showed (and the loss in fewer chunks), the 12M preset and its resume und
 measured already (the auto micro-batch, NCCL, the 12M step without graphs, the eager baselines).
 Each budget is its part's most; together they are more than the run's, so on a slow machine the
 last parts are left out.
-With the kernel tuner in the same device call, for example: `--budget 430`, then
-`scripts/gpu_tune_attention.py --budget 120`, in one call of 585 s.
+With the kernel tuner in the same device call, for example: `--budget 400`, then
+`scripts/gpu_tune_attention.py --budget 150 --cubins .tune-cubins`, in one call of 590 s, with
+the tuner's cubins built before on the CPU (`--prebuild sm_90 --cubins .tune-cubins`) and
+carried too (carry=[".gpu-wheels", ".tune-cubins"]): the tuner then compiles nothing there.
 
 A run's tokens/s is the median of its steps' own figures after the first four (as the
 reference's), beside the run's figure (warm-up steps left out, docs/metrics.md); the compile is

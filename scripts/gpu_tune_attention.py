@@ -4,7 +4,12 @@
 On the GPU machine, from the checkout (no install; at most 330 s, budgeted inside; about 100-150 s
 expected on an H200 with 16 cores):
 
-    PYTHONPATH=$PWD python3 scripts/gpu_tune_attention.py $OUT/tune
+    PYTHONPATH=$PWD python3 scripts/gpu_tune_attention.py $OUT/tune [--cubins DIR]
+
+and before it, on any machine with the NVRTC wheel (a CPU is enough; 2 cores take about 2 min),
+the cubins the GPU would otherwise compile in its own time:
+
+    PYTHONPATH=$PWD python3 scripts/gpu_tune_attention.py OUT --prebuild sm_90 --cubins DIR
 
 1. Candidates: andrea.cuda.launch.pipe_candidates (generated from the production TILES) for
    every (dtype, head_dim) of SHAPES, and the first DS_LIMIT of each kernel of the backward
@@ -17,13 +22,15 @@ expected on an H200 with 16 cores):
    all (the last tuning's winners). Each is compiled alone
    by NVRTC (libnvrtc through ctypes, which lets go of the GIL: one thread per core; CuPy's own
    compile is the fallback) with the options the runtime uses, and pruned when ptxas spills or
-   it does not load. Compiling stops at COMPILE_SHARE of the budget; what is not built by then
-   is listed as skipped. The wgmma ones first run in a child process (--probe-wgmma, while the
-   others compile), and only those that built and matched float64 there are built here, after
-   the others, in the last WGMMA_COMPILE_SHARE of the compile share, which the others leave
-   them: a kernel fault ends a CUDA context, and would end this run's measurements with it.
-   "bwd_dkdv_dq", whose blocks wait on each other, has a probe child of its own, run after the
-   first: a hang there costs the other wgmma candidates nothing.
+   it does not load. Its cubin is kept in the --cubins folder (Cubins), and a cubin already
+   there, the same source, options and NVRTC version, is loaded instead of compiled: so a
+   --prebuild folder carried from a CPU leaves the GPU nothing to compile. Compiling stops at
+   COMPILE_SHARE of the budget; what is not built by then is listed as skipped (loading goes
+   on). The wgmma ones are built and run first in child processes (--probe-wgmma, while this
+   one builds and checks the others), and only those that matched float64 there are loaded
+   here, from the cubins the children kept: a kernel fault ends a CUDA context, and would end
+   this run's measurements with it. "bwd_dkdv_dq", whose blocks wait on each other, has a probe
+   child of its own, run after the first: a hang there costs the other wgmma candidates nothing.
 2. Check: first pack2's one-cvt form, which every kernel's P and dS go through on sm_80+,
    against the integer rounding the emulator runs, over all 2^32 float32 patterns
    (PACK2_CHECK); then each candidate kernel on fresh random inputs of an odd shape (B 2, H 3,
@@ -67,13 +74,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -88,10 +95,6 @@ from andrea.cuda.nvrtc import Nvrtc, find_libnvrtc
 START = time.monotonic()
 BUDGET_S = 330.0
 COMPILE_SHARE = 0.40  # of the budget, counted from the start
-# The last part of the compile share kept for the wgmma candidates, built after the others (once
-# the probe has answered): the H100's tuner run (budget 208 s) built 20 of them, the others'
-# compiles having spent the share first.
-WGMMA_COMPILE_SHARE = 1 / 3
 RESERVE_S = 15.0  # kept back for the summary and the last JSON
 
 # (dtype, B, H, T, D): ANDREA-120M's head shape, ANDREA-12M's batch, 120M in fp16.
@@ -308,6 +311,11 @@ def spill_bytes(ptxas_log: str) -> int:
     return sum(int(a) + int(b) for a, b in found)
 
 
+def registers(ptxas_log: str) -> int | None:
+    found = re.findall(r"Used (\d+) registers", ptxas_log)
+    return max(map(int, found)) if found else None
+
+
 def make_launcher(device) -> Any:
     """andrea's CupyLauncher (PyTorch's stream, dynamic shared memory, the production kernels
     compiled as the runtime does) whose candidate functions come from build_all."""
@@ -340,25 +348,73 @@ def build_order(cands: list[tuple], arch: str) -> list[tuple]:
     return sorted(cands, key=lambda c: not tuned(c))  # stable: the rest keep their order
 
 
-def build_all(cands, arch: str, launcher: Any, tmp: Path,
+class Cubins:
+    """NVRTC's cubins in a folder, each under a digest of what it is built from (NVRTC's version,
+    the options, the name expression, the kernel source), beside a JSON of its lowered name and
+    ptxas's log. The GPU run, its probe children and a CPU's --prebuild share one: a cubin
+    found there is loaded, not compiled again. NVRTC needs no GPU, so a CPU can build them all
+    before a short device call (`--prebuild`)."""
+
+    def __init__(self, folder: Path, nvrtc: Nvrtc) -> None:
+        self.folder = folder
+        self.nvrtc = nvrtc
+        self.version = nvrtc.version()
+
+    def _path(self, source: str, options: list[str], name: str) -> Path:
+        key = "\0".join([self.version, " ".join(options), name, source])
+        return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.cubin"
+
+    def find(self, source: str, options: list[str], name: str) -> tuple[Path, dict] | None:
+        path = self._path(source, options, name)
+        meta = path.with_suffix(".json")
+        if path.exists() and meta.exists():
+            return path, json.loads(meta.read_text())
+        return None
+
+    def build(self, source: str, options: list[str], name: str) -> tuple[Path, dict]:
+        """Compiles and keeps it: the cubin and its JSON each land whole (a rename), the JSON
+        last, so a reader finds both or neither."""
+        build = self.nvrtc.compile(source, [name], options)
+        path = self._path(source, options, name)
+        meta = {"name": name, "lowered": build.lowered[name], "nvrtc": self.version,
+                "options": options, "spill_bytes": spill_bytes(build.log),
+                "registers": registers(build.log), "log": build.log[-2000:]}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for target, data in ((path, build.cubin), (path.with_suffix(".json"),
+                                                    json.dumps(meta, indent=1).encode())):
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+        return path, meta
+
+
+def build_options(arch: str, name: str) -> list[str]:
+    """NVRTC's options for the instance `name` on a GPU of `arch`, as the runtime gives them
+    (sm_90a for a wgmma kernel on sm_90)."""
+    from andrea.cuda.launch import module_arch, runtime_nvrtc_options
+
+    return runtime_nvrtc_options(module_arch(arch, [name]), arch)
+
+
+def cubin_folder(out_dir: Path, given: Path | None) -> Path:
+    return given if given is not None else out_dir / "cubins"
+
+
+def build_all(cands, arch: str, launcher: Any, cubins: Path,
               stop_at: float | None = None) -> dict[str, dict]:
-    """Compiles the candidates in threads until `stop_at` seconds from the start (the compile
-    share of the budget by default)."""
+    """Loads or compiles the candidates in threads. A cubin in the `cubins` folder (this run's
+    probe children, an earlier run, a CPU's --prebuild) is loaded whenever; a compile starts
+    only until `stop_at` seconds from the start (the compile share of the budget by default)."""
     import cupy
 
-    from andrea.cuda.launch import (
-        kernel_source,
-        module_arch,
-        nvrtc_options,
-        pipe_name_expression,
-        runtime_nvrtc_options,
-    )
+    from andrea.cuda.launch import kernel_source, module_arch, nvrtc_options, pipe_name_expression
 
     source = kernel_source()
     lib = find_libnvrtc()
-    nvrtc = Nvrtc(lib) if lib else None
-    log(f"compiling {len(cands)} candidate kernels for {arch} with "
-        f"{'libnvrtc ' + str(lib) if nvrtc else 'CuPy (no libnvrtc wheel found)'}")
+    store = Cubins(cubins, Nvrtc(lib)) if lib else None
+    how = (f"libnvrtc {lib}, cubins kept in {cubins}" if store
+           else "CuPy (no libnvrtc wheel found)")
+    log(f"building {len(cands)} candidate kernels for {arch} with {how}")
     stop_at = BUDGET_S * COMPILE_SHARE if stop_at is None else stop_at
 
     def one(c) -> dict:
@@ -366,33 +422,34 @@ def build_all(cands, arch: str, launcher: Any, tmp: Path,
         name = pipe_name_expression(kernel, dtype, d, cfg)
         row = {"kernel": kernel, "dtype": dtype, "head_dim": d, "config": cfg.label(),
                "cfg": cfg, "name": name}
-        if elapsed() > stop_at:
-            row["status"] = "skipped (compile budget spent)"
-        else:
-            t0 = time.monotonic()
-            try:
-                with cupy.cuda.Device(launcher.device.index):
-                    target = module_arch(arch, [name])  # sm_90a for a wgmma kernel
-                    if nvrtc is not None:
-                        build = nvrtc.compile(source, [name], runtime_nvrtc_options(target, arch))
-                        path = tmp / f"{abs(hash(name))}.cubin"
-                        path.write_bytes(build.cubin)
-                        fn = cupy.RawModule(path=str(path)).get_function(build.lowered[name])
-                        row["spill_bytes"] = spill_bytes(build.log)
-                    else:
-                        module = cupy.RawModule(code=source, options=tuple(nvrtc_options(target)),
-                                                backend="nvrtc", name_expressions=[name])
-                        fn = module.get_function(name)
-                    row["registers"] = fn.num_regs
-                    row["local_bytes"] = fn.local_size_bytes
-                row["compile_s"] = round(time.monotonic() - t0, 2)
-                if row.get("spill_bytes", 0) or row["local_bytes"]:
-                    row["status"] = "pruned (spills / local memory)"
+        t0 = time.monotonic()
+        try:
+            options = build_options(arch, name)
+            found = store.find(source, options, name) if store else None
+            if found is None and elapsed() > stop_at:
+                row["status"] = "skipped (compile budget spent)"
+                return row
+            with cupy.cuda.Device(launcher.device.index):
+                if store is not None:
+                    path, meta = found or store.build(source, options, name)
+                    fn = cupy.RawModule(path=str(path)).get_function(meta["lowered"])
+                    row["spill_bytes"] = meta["spill_bytes"]
+                    row["cubin"] = "found" if found else "compiled"
                 else:
-                    row["status"] = "built"
-                    row["fn"] = fn
-            except Exception as exc:  # a candidate that fails to build is recorded, not fatal
-                row["status"] = f"build failed: {str(exc)[:300]}"
+                    target = module_arch(arch, [name])
+                    module = cupy.RawModule(code=source, options=tuple(nvrtc_options(target)),
+                                            backend="nvrtc", name_expressions=[name])
+                    fn = module.get_function(name)
+                row["registers"] = fn.num_regs
+                row["local_bytes"] = fn.local_size_bytes
+            row["compile_s"] = round(time.monotonic() - t0, 2)
+            if row.get("spill_bytes", 0) or row["local_bytes"]:
+                row["status"] = "pruned (spills / local memory)"
+            else:
+                row["status"] = "built"
+                row["fn"] = fn
+        except Exception as exc:  # a candidate that fails to build is recorded, not fatal
+            row["status"] = f"build failed: {str(exc)[:300]}"
         return row
 
     workers = max(2, min(32, os.cpu_count() or 2))
@@ -402,8 +459,56 @@ def build_all(cands, arch: str, launcher: Any, tmp: Path,
         if row["status"] == "built":
             launcher.add(name, row["fn"])
     built = sum(r["status"] == "built" for r in info.values())
-    log(f"built {built} of {len(cands)} ({len(cands) - built} pruned, failed or skipped)")
+    found = sum(r.get("cubin") == "found" for r in info.values())
+    log(f"built {built} of {len(cands)} ({found} from kept cubins; "
+        f"{len(cands) - built} pruned, failed or skipped)")
     return info
+
+
+def prebuild(out_dir: Path, arch: str, cubins: Path) -> int:
+    """--prebuild: every candidate the GPU run would build for `arch`, compiled by this
+    machine's NVRTC into `cubins` (no GPU needed), and OUT_DIR/prebuild.json with each one's
+    registers and spills. Exit 2 without the NVRTC wheel."""
+    from andrea.cuda.launch import WGMMA_ARCH, kernel_source, pipe_name_expression
+
+    lib = find_libnvrtc()
+    if lib is None:
+        log("--prebuild needs NVRTC: pip install nvidia-cuda-nvrtc (the wheel of CUDA 13)")
+        return 2
+    store = Cubins(cubins, Nvrtc(lib))
+    source = kernel_source()
+    cands = candidate_list(SHAPES, CANDIDATE_LIMIT, wgmma=arch in WGMMA_ARCH)
+    log(f"prebuilding {len(cands)} candidate kernels for {arch} with NVRTC {store.version} "
+        f"into {cubins}")
+
+    def one(c) -> dict:
+        kernel, dtype, d, cfg = c
+        name = pipe_name_expression(kernel, dtype, d, cfg)
+        options = build_options(arch, name)
+        row = {"kernel": kernel, "dtype": dtype, "head_dim": d, "config": cfg.label(),
+               "name": name}
+        try:
+            found = store.find(source, options, name)
+            _, meta = found or store.build(source, options, name)
+            row.update(cubin="found" if found else "compiled", registers=meta["registers"],
+                       spill_bytes=meta["spill_bytes"])
+        except Exception as exc:  # recorded; the GPU run compiles it there, or fails it there
+            row["cubin"] = f"build failed: {str(exc)[:300]}"
+        return row
+
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        rows = list(pool.map(one, cands))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "prebuild.json").write_text(json.dumps(
+        {"arch": arch, "nvrtc": store.version, "cubins": str(cubins), "candidates": rows},
+        indent=1))
+    failed = [r for r in rows if r["cubin"] not in ("found", "compiled")]
+    spilling = sum(r.get("spill_bytes", 0) > 0 for r in rows)
+    log(f"RESULT: {len(rows)} candidates for {arch}: "
+        f"{sum(r['cubin'] == 'compiled' for r in rows)} compiled, "
+        f"{sum(r['cubin'] == 'found' for r in rows)} already there, {spilling} spilling "
+        f"(pruned on the GPU), {len(failed)} failed")
+    return 1 if failed else 0
 
 
 # --------------------------------------------------------------------------------- checking
@@ -970,31 +1075,28 @@ PROBES = {"wgmma_probe": (*KERNELS, *DS_KERNELS), "in_order_probe": (IN_ORDER,)}
 
 
 def probe_candidates(kernels: tuple[str, ...]) -> list[tuple]:
-    """What --probe-wgmma runs: the wgmma candidates of `kernels` at the first shape's (dtype,
-    head_dim)."""
-    from andrea.cuda.launch import hopper_candidates
-
-    dtype, *_, d = SHAPES[0]
-    return [(kernel, dtype, d, cfg) for kernel in kernels
-            for cfg in hopper_candidates(kernel, dtype, d)]
+    """What --probe-wgmma runs: the wgmma candidates of `kernels` for every (dtype, head_dim) of
+    SHAPES, the run's whole list of them."""
+    return [c for c in candidate_list(SHAPES, CANDIDATE_LIMIT) if c[3].wgmma and c[0] in kernels]
 
 
-def probe_run(out_dir: Path, device, kernels: tuple[str, ...] = PROBES["wgmma_probe"]) -> int:
-    """--probe-wgmma: builds and checks probe_candidates(kernels) and writes OUT_DIR/probe.json,
-    each with its status; a kernel fault ends this process (the parent reads that as a
-    failure)."""
+def probe_run(out_dir: Path, device, kernels: tuple[str, ...] = PROBES["wgmma_probe"],
+              cubins: Path | None = None) -> int:
+    """--probe-wgmma: builds (into the `cubins` folder the parent loads them from) and checks
+    probe_candidates(kernels), and writes OUT_DIR/probe.json, each with its status; a kernel
+    fault ends this process (the parent reads that as a failure)."""
     import torch
 
     from andrea.cuda.attention import device_arch
 
     launcher = make_launcher(device)
-    with tempfile.TemporaryDirectory() as tmp:
-        info = build_all(probe_candidates(kernels), device_arch(device), launcher, Path(tmp))
-        check_all(info, launcher, device)
+    info = build_all(probe_candidates(kernels), device_arch(device), launcher,
+                     cubin_folder(out_dir, cubins))
+    check_all(info, launcher, device)
     torch.cuda.synchronize(device)  # a fault that was still pending surfaces here
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{"kernel": r["kernel"], "config": astuple(r["cfg"]), "status": r["status"]}
-            for r in info.values()]
+    rows = [{"kernel": r["kernel"], "dtype": r["dtype"], "head_dim": r["head_dim"],
+             "config": astuple(r["cfg"]), "status": r["status"]} for r in info.values()]
     (out_dir / "probe.json").write_text(json.dumps(rows, indent=1))
     return 0
 
@@ -1003,11 +1105,13 @@ def run_child(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
-def wgmma_probe(out_dir: Path, probe: str = "wgmma_probe") -> tuple[set, str]:
-    """Runs --probe-wgmma in a child process on PROBES[probe]'s kernels: the (kernel,
-    PipeConfig) of the wgmma candidates that built and matched float64 there, and one line on
-    how it went. A child that faults, hangs or fails allows none of them, and this process's
-    CUDA context is untouched."""
+def wgmma_probe(out_dir: Path, probe: str = "wgmma_probe",
+                cubins: Path | None = None) -> tuple[set, str]:
+    """Runs --probe-wgmma in a child process on PROBES[probe]'s kernels: the (kernel, dtype,
+    head_dim, PipeConfig) of the wgmma candidates that built and matched float64 there, their
+    cubins kept in the `cubins` folder for this process to load, and one line on how it went.
+    A child that faults, hangs or fails allows none of them, and this process's CUDA context
+    is untouched."""
     from andrea.cuda.launch import PipeConfig
 
     what = probe.replace("_", " ")
@@ -1015,23 +1119,31 @@ def wgmma_probe(out_dir: Path, probe: str = "wgmma_probe") -> tuple[set, str]:
     found = probe_dir / "probe.json"
     found.unlink(missing_ok=True)  # only this child's answer counts
     cmd = [sys.executable, str(Path(__file__).resolve()), str(probe_dir), "--probe-wgmma",
-           "--budget", str(BUDGET_S), "--probe-kernels", ",".join(PROBES[probe])]
+           "--budget", str(BUDGET_S), "--probe-kernels", ",".join(PROBES[probe]),
+           "--cubins", str(cubin_folder(out_dir, cubins))]
+    t0 = time.monotonic()
     try:
         proc = run_child(cmd, PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return set(), f"{what}: no answer in {PROBE_TIMEOUT_S:.0f} s; none of its candidates"
+    took = f"{time.monotonic() - t0:.0f} s"
     if proc.returncode != 0 or not found.exists():
         tail = (proc.stderr or proc.stdout)[-600:].strip()
-        return set(), f"{what} failed (exit {proc.returncode}): {tail}; none of its candidates"
+        return set(), (f"{what} failed (exit {proc.returncode}, {took}): {tail}; none of its "
+                       "candidates")
     rows = json.loads(found.read_text())
-    allowed = {(r["kernel"], PipeConfig(*r["config"])) for r in rows if r["status"] == "ok"}
-    wrong = [f"{r['kernel']} {PipeConfig(*r['config']).label()}: {r['status']}"
-             for r in rows if r["status"] != "ok"]
-    return allowed, (f"{what}: {len(allowed)} of {len(rows)} ok"
+
+    def label(r: dict) -> str:
+        return f"{r['kernel']} {r['dtype']} D{r['head_dim']} {PipeConfig(*r['config']).label()}"
+
+    allowed = {(r["kernel"], r["dtype"], r["head_dim"], PipeConfig(*r["config"]))
+               for r in rows if r["status"] == "ok"}
+    wrong = [f"{label(r)}: {r['status']}" for r in rows if r["status"] != "ok"]
+    return allowed, (f"{what}: {len(allowed)} of {len(rows)} ok in {took}"
                      + ("; " + "; ".join(wrong) if wrong else ""))
 
 
-def gpu_run(out_dir: Path, device) -> int:
+def gpu_run(out_dir: Path, device, cubins: Path | None = None) -> int:
     import torch
 
     from andrea.cuda.attention import device_arch
@@ -1043,12 +1155,13 @@ def gpu_run(out_dir: Path, device) -> int:
                               "torch": torch.__version__, "budget_s": BUDGET_S, "shapes": []}
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "tune.json"
+    folder = cubin_folder(out_dir, cubins)
     cands = candidate_list(SHAPES, CANDIDATE_LIMIT, wgmma=arch in WGMMA_ARCH)
     wgmma = [c for c in cands if c[3].wgmma]
-    # The wgmma candidates only where a probe's child process ran them without a fault; the
-    # probes run one after the other while the others compile here.
+    # The wgmma candidates only where a probe's child process built and ran them without a
+    # fault; the probes run one after the other while this process builds and checks the others.
     names = [name for name in PROBES if any(c[0] in PROBES[name] for c in wgmma)]
-    probes = (ThreadPoolExecutor(1).submit(lambda: {name: wgmma_probe(out_dir, name)
+    probes = (ThreadPoolExecutor(1).submit(lambda: {name: wgmma_probe(out_dir, name, folder)
                                                     for name in names}) if names else None)
     info: dict[str, dict] = {}
 
@@ -1070,36 +1183,35 @@ def gpu_run(out_dir: Path, device) -> int:
         report["pack2_differences"] = f"failed: {exc}"
         log(f"pack2 check failed: {exc}")
     compile_end = BUDGET_S * COMPILE_SHARE
-    with tempfile.TemporaryDirectory() as tmp:
-        info.update(build_all(build_order([c for c in cands if not c[3].wgmma], arch), arch,
-                              launcher, Path(tmp),
-                              compile_end * (1 - WGMMA_COMPILE_SHARE) if wgmma else compile_end))
-        if probes is not None:
-            allowed = set()
-            for name, (found, said) in probes.result().items():
-                log(said)
-                report[name] = said
-                allowed |= found
-            info.update(build_all(build_order([c for c in wgmma if (c[0], c[3]) in allowed],
-                                              arch), arch, launcher, Path(tmp), compile_end))
-        report["candidates"] = jsonable(info)
+    info.update(build_all(build_order([c for c in cands if not c[3].wgmma], arch), arch,
+                          launcher, folder, compile_end))
+    check_all(info, launcher, device)
+    if probes is not None:
+        allowed = set()
+        for name, (found, said) in probes.result().items():
+            log(said)
+            report[name] = said
+            allowed |= found
+        # the probes' cubins: loaded, however late they answered
+        probed = build_all(build_order([c for c in wgmma if c in allowed], arch), arch,
+                           launcher, folder, compile_end)
+        check_all(probed, launcher, device)
+        info.update(probed)
+    report["candidates"] = jsonable(info)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    for shape in SHAPES:
+        if left() < 40:
+            log(f"{shape_key(shape)}: skipped, out of time")
+            report["shapes"].append({"shape": shape_key(shape), "skipped": "out of time"})
+            continue
+        try:
+            report["shapes"].append(time_shape(shape, info, launcher, device))
+            print(table(report["shapes"][-1]), flush=True)  # as soon as it is measured
+        except Exception:
+            report["shapes"].append({"shape": shape_key(shape),
+                                     "error": traceback.format_exc()[-2000:]})
+            log(f"{shape_key(shape)}: failed\n{traceback.format_exc()[-2000:]}")
         out.write_text(json.dumps(report, indent=1, default=str))
-        check_all(info, launcher, device)
-        report["candidates"] = jsonable(info)
-        out.write_text(json.dumps(report, indent=1, default=str))
-        for shape in SHAPES:
-            if left() < 40:
-                log(f"{shape_key(shape)}: skipped, out of time")
-                report["shapes"].append({"shape": shape_key(shape), "skipped": "out of time"})
-                continue
-            try:
-                report["shapes"].append(time_shape(shape, info, launcher, device))
-                print(table(report["shapes"][-1]), flush=True)  # as soon as it is measured
-            except Exception:
-                report["shapes"].append({"shape": shape_key(shape),
-                                         "error": traceback.format_exc()[-2000:]})
-                log(f"{shape_key(shape)}: failed\n{traceback.format_exc()[-2000:]}")
-            out.write_text(json.dumps(report, indent=1, default=str))
     timer.cancel()
     report["elapsed_s"] = round(elapsed(), 1)
     out.write_text(json.dumps(report, indent=1, default=str))
@@ -1122,8 +1234,18 @@ def main(argv: list[str] | None = None) -> int:
                              "the GPU run starts), writing OUT_DIR/probe.json")
     parser.add_argument("--probe-kernels", default=",".join(PROBES["wgmma_probe"]),
                         help="--probe-wgmma: of these kernels (comma-separated)")
+    parser.add_argument("--cubins", type=Path, default=None,
+                        help="NVRTC's cubins: loaded from here where built before, kept here "
+                             "when built (default OUT_DIR/cubins)")
+    parser.add_argument("--prebuild", metavar="ARCH", default=None,
+                        help="only compile every candidate for ARCH (sm_90: the H100 and H200) "
+                             "into --cubins with this machine's NVRTC, no GPU needed, and "
+                             "write OUT_DIR/prebuild.json; then carry the folder to the GPU "
+                             "machine and give it there as --cubins")
     args = parser.parse_args(argv)
     BUDGET_S = args.budget
+    if args.prebuild:
+        return prebuild(args.out_dir, args.prebuild, cubin_folder(args.out_dir, args.cubins))
     import torch
 
     gpu = torch.cuda.is_available() and not args.dry_run
@@ -1140,8 +1262,9 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(args.out_dir, args.dry_limit)
     device = torch.device("cuda", torch.cuda.current_device())
     if args.probe_wgmma:
-        return probe_run(args.out_dir, device, tuple(args.probe_kernels.split(",")))
-    return gpu_run(args.out_dir, device)
+        return probe_run(args.out_dir, device, tuple(args.probe_kernels.split(",")),
+                         args.cubins)
+    return gpu_run(args.out_dir, device, args.cubins)
 
 
 if __name__ == "__main__":

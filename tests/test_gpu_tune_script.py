@@ -12,9 +12,11 @@ import ctypes
 import importlib.util
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import astuple
 from pathlib import Path
@@ -25,7 +27,7 @@ import torch
 from andrea import bench
 from andrea.cuda import emulator as kernel_emulator
 from andrea.cuda import launch as kernel_launch
-from andrea.cuda.nvrtc import Nvrtc, find_libnvrtc
+from andrea.cuda.nvrtc import Build, Nvrtc, find_libnvrtc
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None, reason="the CPU kernel emulator needs g++, which is not on PATH"
@@ -75,12 +77,19 @@ def fake_cupy(candidates: kernel_emulator.Emulator, launches: list) -> object:
     class RawModule:
         def __init__(self, code=None, options=(), backend="nvrtc", name_expressions=(),
                      path=None):
-            assert path is None and code == kernel_launch.kernel_source()
+            if path is None:  # CuPy's own compile
+                assert code == kernel_launch.kernel_source()
+                self.holds = None
+            else:  # a cubin of FakeNvrtc's
+                data = Path(path).read_bytes()
+                assert data.startswith(FakeNvrtc.CUBIN), data[:40]
+                self.holds = data.removeprefix(FakeNvrtc.CUBIN).decode()
 
         def compile(self):
             pass
 
         def get_function(self, name):
+            assert self.holds in (None, name)
             return Kernel(name)
 
     class Ctx:
@@ -98,13 +107,39 @@ def fake_cupy(candidates: kernel_emulator.Emulator, launches: list) -> object:
     return fake
 
 
+class FakeNvrtc:
+    """NVRTC as the script's Cubins use it: a cubin that names its instance (which the stand-in
+    CuPy loads), every compile counted in `compiled`."""
+    CUBIN = b"stand-in cubin of "
+    compiled: list[str] = []
+
+    def __init__(self, path: Path) -> None:
+        pass
+
+    def version(self) -> str:
+        return "13.0"
+
+    def compile(self, source: str, names: list[str], options: list[str]) -> Build:
+        assert source == kernel_launch.kernel_source() and len(names) == 1
+        (name,) = names
+        self.compiled.append(name)
+        return Build(self.CUBIN + name.encode(), {name: name},
+                     "ptxas info    : Used 96 registers, used 1 barriers\n"
+                     "ptxas         .     0 bytes stack frame, 0 bytes spill stores, "
+                     "0 bytes spill loads\n")
+
+
 @pytest.fixture
 def gpu_world(monkeypatch, tmp_path):
+    """The script's GPU path on the CPU: candidates built through a stand-in NVRTC (the kept
+    cubins in OUT/cubins; tune.Nvrtc.compiled lists each compile) and run by a stand-in CuPy on
+    the emulator. (tune, OUT, the launches, the candidates)."""
     tune = load_script()
     monkeypatch.setattr(tune, "SHAPES", [SHAPE])
     monkeypatch.setattr(tune, "CHECK_SHAPE", (1, 2, 45))
     monkeypatch.setattr(tune, "CANDIDATE_LIMIT", LIMIT)
-    monkeypatch.setattr(tune, "find_libnvrtc", lambda: None)  # CuPy's compile path
+    monkeypatch.setattr(tune, "find_libnvrtc", lambda: Path("libnvrtc.so.13"))
+    monkeypatch.setattr(tune, "Nvrtc", type("Nvrtc", (FakeNvrtc,), {"compiled": []}))
     cands = tune.candidate_list([SHAPE], LIMIT)
     emu = kernel_emulator.Emulator(pipes=tuple(cands))
     launches: list = []
@@ -133,11 +168,23 @@ def gpu_world(monkeypatch, tmp_path):
     monkeypatch.setattr(tune, "probe_candidates", lambda kernels: [
         c for c in cands if c[3].wgmma and c[0] in kernels])
 
+    # Here the probe's child is a thread beside the parent, not a process: its checks and the
+    # parent's take turns (the emulator and TUNED are one process's here).
+    in_turn = threading.RLock()
+    check_all = tune.check_all
+
+    def check_all_in_turn(*args):
+        with in_turn:
+            return check_all(*args)
+
+    monkeypatch.setattr(tune, "check_all", check_all_in_turn)
+
     def child(cmd, timeout):
         assert cmd[1] == str(SCRIPT.resolve()) and cmd[3] == "--probe-wgmma" and timeout > 0
-        assert cmd[6] == "--probe-kernels"
-        return subprocess.CompletedProcess(cmd, tune.probe_run(
-            Path(cmd[2]), torch.device("cpu"), tuple(cmd[7].split(","))))
+        assert cmd[6] == "--probe-kernels" and cmd[8] == "--cubins"
+        with in_turn:
+            return subprocess.CompletedProcess(cmd, tune.probe_run(
+                Path(cmd[2]), torch.device("cpu"), tuple(cmd[7].split(",")), Path(cmd[9])))
 
     monkeypatch.setattr(tune, "run_child", child)
     return tune, tmp_path, launches, cands
@@ -154,9 +201,18 @@ def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
     assert {row["kernel"] for row in report["candidates"] if "wgmma" in row["config"]} == {
         *tune.KERNELS, *tune.DS_KERNELS, tune.IN_ORDER}
     # the kernels whose blocks wait on each other in a probe child of their own
-    assert report["wgmma_probe"] == f"wgmma probe: {5 * LIMIT} of {5 * LIMIT} ok"
-    assert report["in_order_probe"] == f"in order probe: {LIMIT} of {LIMIT} ok"
+    assert re.fullmatch(rf"wgmma probe: {5 * LIMIT} of {5 * LIMIT} ok in \d+ s",
+                        report["wgmma_probe"]), report["wgmma_probe"]
+    assert re.fullmatch(rf"in order probe: {LIMIT} of {LIMIT} ok in \d+ s",
+                        report["in_order_probe"]), report["in_order_probe"]
     assert all(row["status"] == "ok" for row in report["candidates"]), report["candidates"]
+    # each candidate compiled once: the wgmma ones by the probe children, whose cubins this
+    # process loaded (kept in OUT/cubins), the others here
+    names = [kernel_launch.pipe_name_expression(*c) for c in cands]
+    assert sorted(tune.Nvrtc.compiled) == sorted(names)
+    assert all(row["cubin"] == ("found" if "wgmma" in row["config"] else "compiled")
+               for row in report["candidates"]), report["candidates"]
+    assert len(list((out / "cubins").glob("*.cubin"))) == len(cands)
     # the backward through dS was checked on the dS it writes, not only on dK and dV; dQ in
     # order on its bits repeating in a second run too
     assert all("ds" in row["errors"] for row in report["candidates"]
@@ -257,11 +313,13 @@ def test_the_wgmma_candidates_run_first_in_a_child_process(gpu_world, monkeypatc
     monkeypatch.setattr(tune, "run_child", one_wrong)
     assert tune.gpu_run(out, torch.device("cpu")) == 0
     report = json.loads((out / "tune.json").read_text())
-    assert report["wgmma_probe"].startswith(f"wgmma probe: {5 * LIMIT - 1} of {5 * LIMIT} ok; "
-                                            f"{first[0]} {first[3].label()}: wrong (o 0.5)")
-    assert report["in_order_probe"] == (f"in order probe: {LIMIT - 1} of {LIMIT} ok; "
-                                        f"{tune.IN_ORDER} {first_in_order[3].label()}: wrong "
-                                        "(o 0.5)")
+    assert re.match(rf"wgmma probe: {5 * LIMIT - 1} of {5 * LIMIT} ok in \d+ s; "
+                    + re.escape(f"{first[0]} bfloat16 D32 {first[3].label()}: wrong (o 0.5)"),
+                    report["wgmma_probe"]), report["wgmma_probe"]
+    assert re.fullmatch(rf"in order probe: {LIMIT - 1} of {LIMIT} ok in \d+ s; "
+                        + re.escape(f"{tune.IN_ORDER} bfloat16 D32 "
+                                    f"{first_in_order[3].label()}: wrong (o 0.5)"),
+                        report["in_order_probe"]), report["in_order_probe"]
     configs = {(row["kernel"], row["config"]) for row in report["candidates"]}
     assert (first[0], first[3].label()) not in configs and len(configs) == len(cands) - 2
     assert (tune.IN_ORDER, first_in_order[3].label()) not in configs
@@ -270,17 +328,19 @@ def test_the_wgmma_candidates_run_first_in_a_child_process(gpu_world, monkeypatc
         cmd, 1, "", "CUDA error: an illegal instruction was encountered"))
     assert tune.gpu_run(out, torch.device("cpu")) == 0
     report = json.loads((out / "tune.json").read_text())
-    assert report["wgmma_probe"].startswith("wgmma probe failed (exit 1): CUDA error: an illegal")
+    assert re.match(r"wgmma probe failed \(exit 1, \d+ s\): CUDA error: an illegal",
+                    report["wgmma_probe"]), report["wgmma_probe"]
     assert not any("wgmma" in row["config"] for row in report["candidates"])
     assert len(report["candidates"]) == sum(not c[3].wgmma for c in cands)
     assert all(row["status"] == "ok" for row in report["candidates"])
 
 
-def test_the_tuned_choices_build_first_and_the_wgmma_ones_keep_their_share(gpu_world,
-                                                                            monkeypatch) -> None:
+def test_the_tuned_choices_build_first_and_kept_cubins_load_past_the_compile_share(
+        gpu_world, monkeypatch) -> None:
     """A short budget still builds the last tuning's winners (TUNED's entry for the GPU first in
-    the build order) and leaves the wgmma candidates, built last, their part of the compile
-    share: with the clock past the others' part, the wgmma ones are built and the others not."""
+    the build order). Past the compile share nothing compiles, but a cubin already kept (by the
+    probe children, an earlier run or a CPU's --prebuild) still loads: a probe child that
+    answers late loses none of its candidates."""
     tune, out, _, cands = gpu_world
     mma = [c for c in cands if not c[3].wgmma]
     last = mma[-1]  # made the tuned forward: it moves to the front, the rest keep their order
@@ -289,18 +349,75 @@ def test_the_tuned_choices_build_first_and_the_wgmma_ones_keep_their_share(gpu_w
     assert ordered[0] == last and ordered[1:] == mma[:-1]
     assert tune.build_order(mma, "sm_80") == mma  # no entry for that GPU: as listed
 
-    monkeypatch.setattr(tune, "BUDGET_S", 1000.0)
-    share = 1000.0 * tune.COMPILE_SHARE
-    monkeypatch.setattr(tune, "elapsed", lambda: share * (1 - tune.WGMMA_COMPILE_SHARE / 2))
-    assert tune.gpu_run(out, torch.device("cpu")) == 0
-    report = json.loads((out / "tune.json").read_text())
-    status = {(row["kernel"], row["config"]): row["status"] for row in report["candidates"]}
-    assert all(status[c[0], c[3].label()] == "ok" for c in cands if c[3].wgmma), status
-    assert all(status[c[0], c[3].label()] == "skipped (compile budget spent)" for c in mma)
+    launcher = tune.make_launcher(torch.device("cpu"))
+    kept = out / "kept"
+    first = tune.build_all(cands, "sm_90", launcher, kept)
+    assert all(r["status"] == "built" and r["cubin"] == "compiled" for r in first.values())
+    assert len(tune.Nvrtc.compiled) == len(cands)
+    # the clock past the compile share: what is kept loads, nothing compiles
+    again = tune.build_all(cands, "sm_90", launcher, kept, stop_at=0.0)
+    assert all(r["status"] == "built" and r["cubin"] == "found" for r in again.values())
+    none = tune.build_all(cands, "sm_90", launcher, out / "empty", stop_at=0.0)
+    assert all(r["status"] == "skipped (compile budget spent)" for r in none.values())
+    assert len(tune.Nvrtc.compiled) == len(cands)
+    # a kept cubin is of one source, options and NVRTC version: another is compiled afresh
+    newer = type("Nvrtc", (tune.Nvrtc,), {"version": lambda self: "13.1"})
+    monkeypatch.setattr(tune, "Nvrtc", newer)
+    again = tune.build_all(cands[:1], "sm_90", launcher, kept, stop_at=0.0)
+    assert [r["status"] for r in again.values()] == ["skipped (compile budget spent)"]
 
 
-def test_a_wrong_candidate_is_flagged_and_not_timed(gpu_world) -> None:
+def test_a_cpu_prebuild_leaves_the_gpu_nothing_to_compile(gpu_world) -> None:
+    """--prebuild ARCH compiles every candidate the GPU run builds there, no GPU needed;
+    that folder given to the GPU run as --cubins, it compiles nothing and runs every
+    candidate."""
+    tune, out, _, cands = gpu_world
+    kept = out / "kept"
+    assert tune.main([str(out / "pre"), "--prebuild", "sm_90", "--cubins", str(kept)]) == 0
+    pre = json.loads((out / "pre" / "prebuild.json").read_text())
+    assert pre["arch"] == "sm_90" and pre["nvrtc"] == "13.0"
+    names = [kernel_launch.pipe_name_expression(*c) for c in cands]
+    assert [r["name"] for r in pre["candidates"]] == names
+    assert all(r["cubin"] == "compiled" and r["registers"] == 96 and r["spill_bytes"] == 0
+               for r in pre["candidates"])
+    assert sorted(tune.Nvrtc.compiled) == sorted(names)
+    assert tune.main([str(out / "pre"), "--prebuild", "sm_90", "--cubins", str(kept)]) == 0
+    assert len(tune.Nvrtc.compiled) == len(names)  # all there already
+    # sm_80 has no wgmma candidates (and sm_80's cubins are others)
+    assert tune.main([str(out / "pre80"), "--prebuild", "sm_80", "--cubins", str(kept)]) == 0
+    pre80 = json.loads((out / "pre80" / "prebuild.json").read_text())
+    assert len(pre80["candidates"]) == sum(not c[3].wgmma for c in cands)
+
+    assert tune.gpu_run(out / "gpu", torch.device("cpu"), kept) == 0
+    assert len(tune.Nvrtc.compiled) == len(names) + len(pre80["candidates"])
+    report = json.loads((out / "gpu" / "tune.json").read_text())
+    assert all(r["status"] == "ok" and r["cubin"] == "found" for r in report["candidates"])
+
+
+@pytest.mark.skipif(find_libnvrtc() is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
+def test_a_prebuild_keeps_nvrtcs_own_cubins_with_their_registers(tmp_path, monkeypatch) -> None:
+    """The real NVRTC: a mma.sync and a wgmma candidate for sm_90 (sm_90a), kept as cubins (ELF)
+    beside their lowered names, registers and spills; a second prebuild finds them."""
+    tune = load_script()
+    two = [c for c in tune.candidate_list([SHAPE], 1) if c[0] == "fwd"]
+    assert [c[3].wgmma for c in two] == [False, True]
+    monkeypatch.setattr(tune, "candidate_list", lambda shapes, limit, wgmma=True: two)
+    kept = tmp_path / "kept"
+    for state in ("compiled", "found"):
+        assert tune.prebuild(tmp_path, "sm_90", kept) == 0
+        rows = json.loads((tmp_path / "prebuild.json").read_text())["candidates"]
+        assert [r["cubin"] for r in rows] == [state, state]
+        assert all(0 < r["registers"] <= 255 and r["spill_bytes"] == 0 for r in rows), rows
+    cubins = sorted(kept.glob("*.cubin"))
+    assert len(cubins) == 2 and all(c.read_bytes()[:4] == b"\x7fELF" for c in cubins)
+    metas = [json.loads(c.with_suffix(".json").read_text()) for c in cubins]
+    assert {m["options"][1] for m in metas} == {"-arch=sm_90", "-arch=sm_90a"}
+    assert all(m["lowered"].startswith("_Z") for m in metas)
+
+
+def test_a_wrong_candidate_is_flagged_and_not_timed(gpu_world, monkeypatch) -> None:
     tune, out, _, _ = gpu_world
+    monkeypatch.setattr(tune, "find_libnvrtc", lambda: None)  # CuPy's compile path, as well
     tune.TOL = {**tune.TOL, "bfloat16": 1e-9}  # nothing in bf16 is that close to float64
     assert tune.gpu_run(out, torch.device("cpu")) == 0
     report = json.loads((out / "tune.json").read_text())
