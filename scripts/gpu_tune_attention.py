@@ -1222,7 +1222,8 @@ def gpu_run(out_dir: Path, device, cubins: Path | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     global BUDGET_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("out_dir", type=Path, help="folder for tune.json")
+    parser.add_argument("out_dir", type=Path,
+                        help="folder for tune.json (prebuild.json with --prebuild)")
     parser.add_argument("--budget", type=float, default=BUDGET_S,
                         help=f"seconds for the whole run (default {BUDGET_S:.0f})")
     parser.add_argument("--dry-run", action="store_true",
