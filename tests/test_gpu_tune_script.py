@@ -163,13 +163,9 @@ def gpu_world(monkeypatch, tmp_path):
         return launcher
 
     monkeypatch.setattr(tune, "make_launcher", cpu_launcher)
-    # the wgmma probe's child process runs here in-process (the stand-in CuPy is this
-    # process's), on the wgmma candidates the emulator was built with
-    monkeypatch.setattr(tune, "probe_candidates", lambda kernels: [
-        c for c in cands if c[3].wgmma and c[0] in kernels])
-
-    # Here the probe's child is a thread beside the parent, not a process: its checks and the
-    # parent's take turns (the emulator and TUNED are one process's here).
+    # Here the probe's child runs in-process (the stand-in CuPy is this process's), in a thread
+    # beside the parent, not a process: its checks and the parent's take turns (the emulator
+    # and TUNED are one process's here).
     in_turn = threading.RLock()
     check_all = tune.check_all
 
@@ -333,6 +329,17 @@ def test_the_wgmma_candidates_run_first_in_a_child_process(gpu_world, monkeypatc
     assert not any("wgmma" in row["config"] for row in report["candidates"])
     assert len(report["candidates"]) == sum(not c[3].wgmma for c in cands)
     assert all(row["status"] == "ok" for row in report["candidates"])
+
+
+def test_the_probes_take_every_shapes_wgmma_candidates() -> None:
+    """The probe children build and check the wgmma candidates of every (dtype, head_dim) the
+    run times, the in-order one apart: the main run only loads what passed there."""
+    tune = load_script()
+    wgmma = [c for c in tune.candidate_list(tune.SHAPES) if c[3].wgmma]
+    probed = [tune.probe_candidates(kernels) for kernels in tune.PROBES.values()]
+    assert sorted(map(str, wgmma)) == sorted(str(c) for cands in probed for c in cands)
+    assert {(c[1], c[2]) for c in probed[0]} == {(s[0], s[4]) for s in tune.SHAPES}
+    assert {c[0] for c in probed[1]} == {tune.IN_ORDER}
 
 
 def test_the_tuned_choices_build_first_and_kept_cubins_load_past_the_compile_share(
