@@ -30,7 +30,7 @@ the cubins the GPU would otherwise compile in its own time:
    one builds and checks the others), and only those that matched float64 there are loaded
    here, from the cubins the children kept: a kernel fault ends a CUDA context, and would end
    this run's measurements with it. "bwd_dkdv_dq", whose blocks wait on each other, has a probe
-   child of its own, run after the first: a hang there costs the other wgmma candidates nothing.
+   child of its own beside the first: a hang there costs the other wgmma candidates nothing.
 2. Check: first pack2's one-cvt form, which every kernel's P and dS go through on sm_80+,
    against the integer rounding the emulator runs, over all 2^32 float32 patterns
    (PACK2_CHECK); then each candidate kernel on fresh random inputs of an odd shape (B 2, H 3,
@@ -1159,10 +1159,11 @@ def gpu_run(out_dir: Path, device, cubins: Path | None = None) -> int:
     cands = candidate_list(SHAPES, CANDIDATE_LIMIT, wgmma=arch in WGMMA_ARCH)
     wgmma = [c for c in cands if c[3].wgmma]
     # The wgmma candidates only where a probe's child process built and ran them without a
-    # fault; the probes run one after the other while this process builds and checks the others.
+    # fault; the probes run side by side (a child's fault or trap ends its own CUDA context
+    # only) while this process builds and checks the others.
     names = [name for name in PROBES if any(c[0] in PROBES[name] for c in wgmma)]
-    probes = (ThreadPoolExecutor(1).submit(lambda: {name: wgmma_probe(out_dir, name, folder)
-                                                    for name in names}) if names else None)
+    pool = ThreadPoolExecutor(max(1, len(names)))
+    probes = {name: pool.submit(wgmma_probe, out_dir, name, folder) for name in names}
     info: dict[str, dict] = {}
 
     def watchdog() -> None:
@@ -1186,12 +1187,14 @@ def gpu_run(out_dir: Path, device, cubins: Path | None = None) -> int:
     info.update(build_all(build_order([c for c in cands if not c[3].wgmma], arch), arch,
                           launcher, folder, compile_end))
     check_all(info, launcher, device)
-    if probes is not None:
+    if probes:
         allowed = set()
-        for name, (found, said) in probes.result().items():
+        for name, probe in probes.items():
+            found, said = probe.result()
             log(said)
             report[name] = said
             allowed |= found
+        pool.shutdown()
         # the probes' cubins: loaded, however late they answered
         probed = build_all(build_order([c for c in wgmma if c in allowed], arch), arch,
                            launcher, folder, compile_end)

@@ -186,8 +186,13 @@ def gpu_world(monkeypatch, tmp_path):
     return tune, tmp_path, launches, cands
 
 
-def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys) -> None:
+def test_gpu_path_builds_checks_times_and_reports(gpu_world, capsys, monkeypatch) -> None:
     tune, out, launches, cands = gpu_world
+    # the two probe children run side by side: each waits here until the other has started
+    both = threading.Barrier(2, timeout=10)
+    child = tune.run_child
+    monkeypatch.setattr(tune, "run_child",
+                        lambda cmd, timeout: (both.wait(), child(cmd, timeout))[1])
     assert tune.gpu_run(out, torch.device("cpu")) == 0
     report = json.loads((out / "tune.json").read_text())
     kernels = set(tune.ALL_KERNELS)
