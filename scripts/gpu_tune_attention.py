@@ -373,7 +373,7 @@ class Cubins:
 
     def build(self, source: str, options: list[str], name: str) -> tuple[Path, dict]:
         """Compiles and keeps it: the cubin and its JSON each land whole (a rename), the JSON
-        last, so a reader finds both or neither."""
+        last, and `find` takes a cubin only once its JSON is there."""
         build = self.nvrtc.compile(source, [name], options)
         path = self._path(source, options, name)
         meta = {"name": name, "lowered": build.lowered[name], "nvrtc": self.version,
@@ -1186,6 +1186,8 @@ def gpu_run(out_dir: Path, device, cubins: Path | None = None) -> int:
     compile_end = BUDGET_S * COMPILE_SHARE
     info.update(build_all(build_order([c for c in cands if not c[3].wgmma], arch), arch,
                           launcher, folder, compile_end))
+    report["candidates"] = jsonable(info)  # written now too: a run cut short keeps the builds
+    out.write_text(json.dumps(report, indent=1, default=str))
     check_all(info, launcher, device)
     if probes:
         allowed = set()
