@@ -471,6 +471,10 @@ def prebuild(out_dir: Path, arch: str, cubins: Path) -> int:
     registers and spills. Exit 2 without the NVRTC wheel."""
     from andrea.cuda.launch import WGMMA_ARCH, kernel_source, pipe_name_expression
 
+    if not re.fullmatch(r"sm_\d{2,3}", arch):
+        log(f"--prebuild {arch}: not a GPU architecture; give it as the GPU reports it, "
+            "for example sm_90 (H100, H200) or sm_80 (A100)")
+        return 2
     lib = find_libnvrtc()
     if lib is None:
         log("--prebuild needs NVRTC: pip install nvidia-cuda-nvrtc (the wheel of CUDA 13)")

@@ -400,6 +400,11 @@ def test_a_cpu_prebuild_leaves_the_gpu_nothing_to_compile(gpu_world) -> None:
     pre80 = json.loads((out / "pre80" / "prebuild.json").read_text())
     assert len(pre80["candidates"]) == sum(not c[3].wgmma for c in cands)
 
+    # an architecture spelled otherwise is refused, nothing built
+    assert tune.main([str(out / "bad"), "--prebuild", "sm_90a", "--cubins", str(kept)]) == 2
+    assert tune.main([str(out / "bad"), "--prebuild", "h100", "--cubins", str(kept)]) == 2
+    assert not (out / "bad").exists()
+
     assert tune.gpu_run(out / "gpu", torch.device("cpu"), kept) == 0
     assert len(tune.Nvrtc.compiled) == len(names) + len(pre80["candidates"])
     report = json.loads((out / "gpu" / "tune.json").read_text())
