@@ -396,6 +396,15 @@ def build_options(arch: str, name: str) -> list[str]:
     return runtime_nvrtc_options(module_arch(arch, [name]), arch)
 
 
+def candidate_row(c: tuple) -> dict:
+    """A candidate (kernel, dtype, head_dim, PipeConfig) as the start of its report row."""
+    from andrea.cuda.launch import pipe_name_expression
+
+    kernel, dtype, d, cfg = c
+    return {"kernel": kernel, "dtype": dtype, "head_dim": d, "config": cfg.label(),
+            "name": pipe_name_expression(kernel, dtype, d, cfg)}
+
+
 def cubin_folder(out_dir: Path, given: Path | None) -> Path:
     return given if given is not None else out_dir / "cubins"
 
@@ -407,7 +416,7 @@ def build_all(cands, arch: str, launcher: Any, cubins: Path,
     only until `stop_at` seconds from the start (the compile share of the budget by default)."""
     import cupy
 
-    from andrea.cuda.launch import kernel_source, module_arch, nvrtc_options, pipe_name_expression
+    from andrea.cuda.launch import kernel_source, module_arch, nvrtc_options
 
     source = kernel_source()
     lib = find_libnvrtc()
@@ -418,10 +427,8 @@ def build_all(cands, arch: str, launcher: Any, cubins: Path,
     stop_at = BUDGET_S * COMPILE_SHARE if stop_at is None else stop_at
 
     def one(c) -> dict:
-        kernel, dtype, d, cfg = c
-        name = pipe_name_expression(kernel, dtype, d, cfg)
-        row = {"kernel": kernel, "dtype": dtype, "head_dim": d, "config": cfg.label(),
-               "cfg": cfg, "name": name}
+        row = {**candidate_row(c), "cfg": c[3]}
+        name = row["name"]
         t0 = time.monotonic()
         try:
             options = build_options(arch, name)
@@ -469,7 +476,7 @@ def prebuild(out_dir: Path, arch: str, cubins: Path) -> int:
     """--prebuild: every candidate the GPU run would build for `arch`, compiled by this
     machine's NVRTC into `cubins` (no GPU needed), and OUT_DIR/prebuild.json with each one's
     registers and spills. Exit 2 without the NVRTC wheel."""
-    from andrea.cuda.launch import WGMMA_ARCH, kernel_source, pipe_name_expression
+    from andrea.cuda.launch import WGMMA_ARCH, kernel_source
 
     if not re.fullmatch(r"sm_\d{2,3}", arch):
         log(f"--prebuild {arch}: not a GPU architecture; give it as the GPU reports it, "
@@ -486,11 +493,9 @@ def prebuild(out_dir: Path, arch: str, cubins: Path) -> int:
         f"into {cubins}")
 
     def one(c) -> dict:
-        kernel, dtype, d, cfg = c
-        name = pipe_name_expression(kernel, dtype, d, cfg)
+        row = candidate_row(c)
+        name = row["name"]
         options = build_options(arch, name)
-        row = {"kernel": kernel, "dtype": dtype, "head_dim": d, "config": cfg.label(),
-               "name": name}
         try:
             found = store.find(source, options, name)
             _, meta = found or store.build(source, options, name)
