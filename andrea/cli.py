@@ -528,7 +528,8 @@ def export_cmd(
     out: Annotated[str, typer.Option("--out", "-o", metavar="DIR", help="Directory to write.")],
     checkpoint: CheckpointOpt = None,
     fmt: FormatOpt = "hf",
-    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an earlier export at --out (never other files).")] = False,
 ) -> None:
     """Write a checkpoint as a transformers GPT-2 folder. A directory
     transformers.GPT2LMHeadModel loads."""
@@ -547,7 +548,8 @@ def import_cmd(
                                      help="Run directory (default runs/<SRC name>).")
     ] = None,
     set_: SetOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace the run at --out (never other files).")] = False,
 ) -> None:
     """Make a run from a transformers GPT-2 folder. The run holds it as step 0: eval or
     generate it, or fine-tune it with `andrea train --resume RUN`."""

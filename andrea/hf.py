@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,15 @@ from andrea.fileio import atomic_write_bytes, atomic_write_text
 from andrea.model.params import check_stored_shape
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
-from andrea.train.rundir import CONFIG, TrainerState, read_safetensors_header, step_dir_name
+from andrea.train.rundir import (
+    CONFIG,
+    TrainerState,
+    describe_run,
+    is_run,
+    read_safetensors_header,
+    step_dir_name,
+    step_dirs,
+)
 from andrea.train.runlock import RunLock
 
 EXPORT_FORMAT = "andrea-hf-export/1"
@@ -189,9 +198,46 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         tmp.rename(out)
 
 
-def _check_target(out: Path, force: bool, flag: str = "--out") -> None:
-    if (out.exists() or out.is_symlink()) and not force:
+def _earlier_export(out: Path) -> str | None:
+    """What an earlier `andrea export` folder at `out` holds, in words; None when `out` is not
+    one (andrea.json of this format is how an export says it is one)."""
+    try:
+        andrea = json.loads((out / ANDREA_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(andrea, dict) or andrea.get("format") != EXPORT_FORMAT:
+        return None
+    return f"the export in {out} (of {andrea.get('source_checkpoint')})"
+
+
+def _earlier_run(out: Path) -> str | None:
+    """What an andrea run folder at `out` holds, in words; None when `out` is not one."""
+    if not (is_run(out) or step_dirs(out)):
+        return None
+    return f"the run in {out} ({describe_run(out)})"
+
+
+def _replacing(out: Path, force: bool, earlier: Callable[[Path], str | None],
+               flag: str = "--out") -> str | None:
+    """What writing `out` will replace, said in a line before it goes; None when nothing is
+    there (or an empty folder). --force replaces only what this command wrote there before
+    (`earlier` describes it): a file, a link or a folder of anything else is never deleted,
+    so a mistyped --out cannot take a user's own folder with it."""
+    if not (out.exists() or out.is_symlink()):
+        return None
+    is_folder = out.is_dir() and not out.is_symlink()
+    if is_folder and not any(out.iterdir()):
+        return None
+    what = earlier(out) if is_folder else None
+    if what is None:
+        held = sorted(p.name for p in out.iterdir())[:3] if is_folder else []
+        kind = (f"a folder holding {', '.join(held)}{', ...' if len(held) == 3 else ''}"
+                if is_folder else "a link" if out.is_symlink() else "a file")
+        raise UserError(f"{flag} {out}: already exists as {kind}, which this command did not "
+                        "write and never replaces; pick another path, or move it away by hand")
+    if not force:
         raise UserError(f"{flag} {out}: already exists; pick another path or pass --force")
+    return f"--force: replacing {what}"
 
 
 def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> Path:
@@ -199,7 +245,7 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
     from andrea.trained import find_checkpoint, tokenizer_for_checkpoint
 
     out = Path(out)
-    _check_target(out, force)
+    replacing = _replacing(out, force, _earlier_export)
     ckpt = find_checkpoint(checkpoint, use=f"andrea export --checkpoint {{}} --out {out}")
     tensors, cfg, metadata = ckpt_io.read_model_checkpoint(ckpt)
     tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
@@ -225,6 +271,8 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
             "config": cfg.to_dict(),
         }
         atomic_write_text(tmp / ANDREA_FILE, json.dumps(andrea, indent=2) + "\n")
+        if replacing:
+            print(replacing, flush=True)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -430,24 +478,24 @@ def import_hf(
             f"{andrea_path}: format {andrea.get('format')!r}, expected {EXPORT_FORMAT!r}"
         )
     run_dir = Path(out) if out is not None else Path("runs") / src.resolve().name
-    if out is None and run_dir.exists() and not force:  # a folder the user never named
+    if out is None and _earlier_run(run_dir) and not force:  # a folder the user never named
         raise UserError(
             f"{run_dir} (the default --out, named after {src.resolve().name}): already exists; "
             f"pass --out runs/NAME for another run, or --force to replace it"
         )
-    _check_target(run_dir, force)
+    replacing = _replacing(run_dir, force, _earlier_run)
     # The run's lock first, as a training takes it: a run a training writes is never replaced.
     with RunLock(run_dir, instead="import into another run with --out runs/NAME"):
-        return _import_into(src, run_dir, hf, andrea, list(overrides or []))
+        return _import_into(src, run_dir, hf, andrea, list(overrides or []), replacing)
 
 
 def _import_into(
     src: Path, run_dir: Path, hf: dict[str, Any], andrea: dict[str, Any] | None,
-    overrides: list[str],
+    overrides: list[str], replacing: str | None,
 ) -> Path:
     """import_hf's work, holding the run's lock: the config and weights read and checked, the
-    run assembled in a temporary folder beside `run_dir`, then put in its place; the
-    checkpoint folder."""
+    run assembled in a temporary folder beside `run_dir`, then put in its place (`replacing`
+    said first); the checkpoint folder."""
     identity, tokenizer_json = detect_tokenizer(src, andrea)
     # The run's own copy of a BPE tokenizer.json prepares its fine-tuning data (same identity).
     run_tokenizer = str((run_dir / BPE_FILE).resolve()) if tokenizer_json is not None else ""
@@ -480,6 +528,8 @@ def _import_into(
         atomic_write_text(tmp / CONFIG, cfg.to_yaml())
         if tokenizer_json is not None:
             shutil.copyfile(tokenizer_json, tmp / BPE_FILE)
+        if replacing:
+            print(replacing, flush=True)
         _replace_dir(tmp, run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

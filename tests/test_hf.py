@@ -131,17 +131,57 @@ def test_bpe_tokenizer_travels(tmp_path):
     assert run_cfg.data.dir == ""  # not the exporter's data dir
 
 
-def test_bad_exports_and_imports(tmp_path):
+def test_force_replaces_only_what_the_command_wrote_and_says_what(tmp_path):
+    """`--force` deleted whatever --out named, silently: a folder of the user's own files, a
+    file (replaced by a folder), a trained run. It now replaces only an earlier export
+    (export) or an andrea run (import), in a line naming it first; anything else is refused
+    with or without --force, and an empty folder needs no --force."""
     ckpt = make_checkpoint(tmp_path)
-    target = tmp_path / "hf"
-    target.mkdir()
-    (target / "keep.txt").write_text("mine")
-    assert_user_error(andrea_main("export", "--checkpoint", str(ckpt), "--format", "hf",
-                                 "--out", str(target)), str(target), "already exists", "--force")
-    assert (target / "keep.txt").read_text() == "mine"
-    export_hf(str(ckpt), target, force=True)
-    assert not (target / "keep.txt").exists() and (target / "model.safetensors").is_file()
 
+    def export(out, *force: str):
+        return andrea_main("export", "--checkpoint", str(ckpt), "--format", "hf", "--out",
+                           str(out), *force)
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine")
+    note = tmp_path / "notes.md"
+    note.write_text("mine")
+    for target in (mine, note):
+        for force in ((), ("--force",)):
+            assert_user_error(export(target, *force), str(target), "already exists",
+                              "keep.txt" if target == mine else "as a file",
+                              "never replaces")
+    assert (mine / "keep.txt").read_text() == "mine" and note.read_text() == "mine"
+    assert_user_error(andrea_main("export", "--checkpoint", str(ckpt), "--format", "hf",
+                                  "--out", str(ckpt.parent), "--force"), "never replaces")
+    assert (ckpt / "model.safetensors").is_file()  # the run exported is not its export
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert export(empty).returncode == 0 and (empty / "model.safetensors").is_file()
+    assert_user_error(export(empty), str(empty), "already exists", "--force")
+    again = export(empty, "--force")
+    assert again.returncode == 0, again.stderr
+    assert f"--force: replacing the export in {empty} (of {ckpt})" in again.stdout
+
+    # import: a run is replaced with --force, saying what it held; other folders never.
+    run = tmp_path / "runs" / "r"
+    for force in ((), ("--force",)):
+        assert_user_error(andrea_main("import", "--format", "hf", str(empty), "--out",
+                                      str(mine), *force), "keep.txt", "never replaces")
+    assert (mine / "keep.txt").read_text() == "mine"
+    assert_user_error(andrea_main("import", "--format", "hf", str(empty), "--out",
+                                  str(empty), "--force"), "never replaces")
+    assert (empty / "andrea.json").is_file()  # an import never replaces its own source
+    imported = andrea_main("import", "--format", "hf", str(empty), "--out", str(run), "--force")
+    assert imported.returncode == 0, imported.stderr
+    assert (f"--force: replacing the run in {run} (1 checkpoint, the newest at step 5, "
+            in imported.stdout)
+    assert [p.name for p in run.glob("step-*")] == ["step-000000"]
+
+
+def test_bad_exports_and_imports(tmp_path):
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps(
@@ -149,7 +189,7 @@ def test_bad_exports_and_imports(tmp_path):
     assert_user_error(andrea_main("import", "--format", "hf", str(llama)),
                       "llama", "LlamaForCausalLM", "not GPT-2")
     with pytest.raises(UserError, match="not a Hugging Face model directory"):
-        import_hf(tmp_path / "runs")
+        import_hf(tmp_path)
     with pytest.raises(UserError, match="the only format"):
         from andrea.cli import _check_format
 
