@@ -32,6 +32,24 @@ def schedule(kind: str, max_steps: int):
         "train.min_lr=0.1", "train.warmup_steps=10", "train.decay_fraction=0.2"]).train
 
 
+def test_a_run_decayed_to_lr_zero_names_the_kept_checkpoints_that_extend_it():
+    """The refusal said "before its decay began (step 49 or earlier) if one is kept" while a
+    kept step-000050, half-way down the decay, extends the run too: it names the run's kept
+    checkpoints whose next step still had an lr, newest first, and none when none is kept."""
+    old = dataclasses.replace(schedule("wsd", 100), min_lr=0.0, decay_fraction=0.5)
+    new = dataclasses.replace(old, max_steps=110)
+    with pytest.raises(UserError) as refused:
+        replan(100, new, 100, None, kept=[25, 50, 99, 100])
+    assert ("resume from an earlier checkpoint (kept here: step-000050, step-000025; one of "
+            "step 49 or earlier holds the peak lr longer") in str(refused.value)
+    assert lr_at(99, old) == 0 < lr_at(50, old) < lr_at(49, old) == old.lr  # 99 is left out
+    with pytest.raises(UserError, match=r"\(this run keeps none now; one of step 49 "):
+        replan(100, new, 100, None, kept=[100])
+    for kept in (50, 25):  # each one named is a resume that trains on
+        anchor, _ = replan(kept, new, 100, None)
+        assert max(lr_at(s, new, anchor) for s in range(kept, 110)) > 0
+
+
 @pytest.mark.parametrize("kind", ["cosine", "wsd", "constant"])
 @pytest.mark.parametrize("at", [5, 60, 90, 100])
 def test_a_longer_or_shorter_run_continues_from_the_lr_it_had(kind, at):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from andrea.config import TrainConfig
@@ -92,26 +93,33 @@ def _decay(step: int, cfg: TrainConfig, start: int, top: float) -> float:
 
 
 def replan(
-    step: int, cfg: TrainConfig, old_max_steps: int, anchor: dict[str, Any] | None
+    step: int, cfg: TrainConfig, old_max_steps: int, anchor: dict[str, Any] | None,
+    kept: Sequence[int] = (),
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """On a resume at `step` (steps done): the anchor to train on with cfg.max_steps, and the
-    lines that say so. Unchanged max_steps or a run still in warm-up: the plan as it was."""
+    lines that say so. Unchanged max_steps or a run still in warm-up: the plan as it was.
+    `kept`: the steps of the run's checkpoints, named when the resume is refused."""
     if old_max_steps == cfg.max_steps or (anchor is None and step < cfg.warmup_steps):
         return anchor, []
     was = dataclasses.replace(cfg, max_steps=old_max_steps)
     planned = _reference_lr(step, was, anchor)
     if planned <= 0 and cfg.max_steps > step:
-        # A run that decayed to min_lr 0 (the wsd preset's way) would train on at lr 0.
-        hint = ""
+        # A run that decayed to min_lr 0 (the wsd preset's way) would train on at lr 0. Any
+        # earlier checkpoint whose next step still had an lr can be extended instead.
+        earlier = [k for k in sorted(kept, reverse=True)
+                   if k < step and _reference_lr(k, was, anchor) > 0][:3]
+        held = (f"kept here: {', '.join(f'step-{k:06d}' for k in earlier)}" if earlier
+                else "this run keeps none now")
         if cfg.schedule == "wsd" and anchor is None:
             # the last checkpoint whose next step still had the peak lr
             stable = old_max_steps - wsd_decay_steps(was) - 1
-            hint = (f"resume from a checkpoint written before its decay began (step {stable} "
-                    "or earlier) if one is kept, or ")
+            held += (f"; one of step {stable} or earlier holds the peak lr longer and decays "
+                     "over the new end")
         raise UserError(
             f"resume: train.max_steps {old_max_steps} -> {cfg.max_steps}: the run had decayed to "
-            f"lr 0 by step {step}, so the steps after it would not train; {hint}start a new run "
-            f"with train.max_steps {cfg.max_steps}")
+            f"lr 0 by step {step}, so the steps after it would not train; resume from an "
+            f"earlier checkpoint ({held}), or start a new run with train.max_steps "
+            f"{cfg.max_steps}")
     new_anchor = {"step": step, "lr": planned}
     lines = [
         f"resume: train.max_steps {old_max_steps} -> {cfg.max_steps}: the {cfg.schedule} "

@@ -77,6 +77,8 @@ from andrea.train.rundir import (
     read_state,
     recover_overwrite,
     set_aside,
+    step_dirs,
+    step_of_dir,
 )
 from andrea.train.runlock import TrainingLocks
 from andrea.train.scaling import loss_scaling_for
@@ -227,7 +229,8 @@ def plan_schedule(
     if state is not None and state.max_steps is not None:
         planned = state.max_steps
     try:
-        s.schedule_anchor, lines = replan(s.step, t, planned, s.schedule_anchor)
+        kept = [step_of_dir(d) or 0 for d in step_dirs(s.run_dir)]
+        s.schedule_anchor, lines = replan(s.step, t, planned, s.schedule_anchor, kept)
     except UserError as exc:  # name the run the resume cannot extend
         raise UserError(f"{s.run_dir}: {exc}") from None
     return lines
@@ -599,6 +602,16 @@ def announce(
                   else None)
     for line in s.parallel.lines() + ([resharding] if resharding else []) + schedule_lines:
         s.say(line)
+    if resume_from is not None:
+        newer = [d.name for d in step_dirs(s.run_dir) if (step_of_dir(d) or 0) > s.step]
+        if newer:  # a resume from an older step of this run: its newer checkpoints are left
+            names = newer[0] if len(newer) == 1 else f"{newer[0]} to {newer[-1]}"
+            one = len(newer) == 1
+            s.say(f"resume: {resume_from.name} is older than this run's {names}, from the "
+                  f"steps this resume trains again: {'it goes' if one else 'they go'} as the run "
+                  f"writes those steps anew or train.keep_last prunes "
+                  f"{'it' if one else 'them'} (copy the run folder first to keep "
+                  f"{'it' if one else 'them'})")
     s.say(
         f"{s.run_dir}: {s.model.num_params():,} parameters, {s.tokens_per_step:,} tokens/step "
         f"({s.micro_batch} x {cfg.model.block_size} x {s.accum} accumulation x "
