@@ -12,7 +12,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes
@@ -21,6 +21,9 @@ from andrea.train.flops import format_mfu
 from andrea.train.metrics import recorded_speed
 from andrea.train.progress import format_speed
 from andrea.train.rundir import CONFIG, METRICS, run_path
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 X_AXES = ("tokens", "step")
@@ -120,21 +123,8 @@ def plot_runs(
     fmt = _output_format(out)
     if out.is_dir():
         raise UserError(f"{out}: is a folder; give a file name such as {out / 'loss.png'}")
-    if x not in X_AXES:
-        raise UserError(f"--x {x}: must be one of {', '.join(X_AXES)}")
-    if not run_dirs:
-        raise UserError("no runs given: andrea plot RUN [RUN ...] --out FILE.png")
-    runs = _runs_to_draw(run_dirs, warn)
+    fig = draw_figure(run_dirs, x, warn)
     plt = _import_pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), layout="constrained")
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    losses, grads = [], []
-    for i, (label, history) in enumerate(runs):
-        run_losses, run_grads = _draw_run(axes.flat, label, history, x, colors[i % len(colors)])
-        losses += run_losses
-        grads += run_grads
-    _label_axes(axes, x, losses, grads)
-    fig.suptitle(f"andrea training curves: {len(runs)} run(s)", fontsize="large")
     image = io.BytesIO()
     try:
         fig.savefig(image, format=fmt, dpi=100)
@@ -146,6 +136,35 @@ def plot_runs(
     except OSError as exc:
         raise UserError(f"{out}: cannot write there: {exc.strerror or exc}") from None
     return out
+
+
+def draw_figure(
+    run_dirs: Sequence[Path | str],
+    x: str = "tokens",
+    warn: Callable[[str], None] = _warn,
+) -> Figure:
+    """The runs' four-panel figure, not yet saved (plot_runs saves it; tests measure it).
+
+    The caller closes it (pyplot keeps every open figure). Errors as in plot_runs.
+    """
+    if x not in X_AXES:
+        raise UserError(f"--x {x}: must be one of {', '.join(X_AXES)}")
+    if not run_dirs:
+        raise UserError("no runs given: andrea plot RUN [RUN ...] --out FILE.png")
+    runs = _runs_to_draw(run_dirs, warn)
+    plt = _import_pyplot()
+    # Constrained layout makes room for the suptitle and for every panel's (multi-line)
+    # title, labels and offset text ("1e-3"), as long as no title is wider than its panel.
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), layout="constrained")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    losses, grads = [], []
+    for i, (label, history) in enumerate(runs):
+        run_losses, run_grads = _draw_run(axes.flat, label, history, x, colors[i % len(colors)])
+        losses += run_losses
+        grads += run_grads
+    _label_axes(axes, x, losses, grads)
+    fig.suptitle(f"andrea training curves: {len(runs)} run(s)", fontsize="large")
+    return fig
 
 
 def _runs_to_draw(
@@ -221,6 +240,29 @@ def _draw_run(
     return losses, gy
 
 
+# What each line style means, under the panel's name. On one line the loss key was wider than
+# its panel: constrained layout cannot make room for that, so it ran off the figure's left
+# edge and over the learning-rate panel's title and its "1e-3" offset text.
+LOSS_KEY = ("solid: train", "dashed + dots: validation", "dotted + markers: a mixture's sources",
+            "x: spike not applied", "dotted line: rollback")
+SPEED_KEY = ("solid: each logged step", "dashed: the run's tokens/s")
+# Characters a title line may hold: a panel is about 5 inches wide at the least (long run
+# names widen the legends and narrow the panels), room for some 70 characters of title.
+TITLE_WIDTH = 55
+
+
+def _keyed_title(name: str, key: Sequence[str]) -> str:
+    """A panel's name over its key, lines broken between the key's items (never inside one,
+    so each reads whole) to fit the panel's width."""
+    lines = [name, key[0]]
+    for item in key[1:]:
+        if len(lines[-1]) + len("; ") + len(item) <= TITLE_WIDTH:
+            lines[-1] += "; " + item
+        else:
+            lines.append(item)
+    return "\n".join(lines)
+
+
 def _label_axes(axes: Any, x: str, losses: list[float], grads: list[float]) -> None:
     """Scales, tick formats, titles, grids and the legend of the four panels."""
     from matplotlib.ticker import EngFormatter, FormatStrFormatter, LogLocator, NullLocator
@@ -237,12 +279,10 @@ def _label_axes(axes: Any, x: str, losses: list[float], grads: list[float]) -> N
         ax_grad.set_yscale("log")
         ax_grad.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # "0.1", not 10⁻¹
     x_label = "tokens seen" if x == "tokens" else "optimizer step"
-    ax_loss.set(title="Loss (solid: train, dashed + dots: validation; dotted + markers: a "
-                      "mixture's sources; x: spike not applied; dotted line: rollback)",
-                xlabel=x_label,
+    ax_loss.set(title=_keyed_title("Loss", LOSS_KEY), xlabel=x_label,
                 ylabel="cross-entropy (nats / token)")
     ax_lr.set(title="Learning rate", xlabel="optimizer step", ylabel="learning rate")
-    ax_speed.set(title="Throughput (solid: each logged step; dashed: the run's tokens/s)",
+    ax_speed.set(title=_keyed_title("Throughput", SPEED_KEY),
                  xlabel="optimizer step", ylabel="tokens / s")
     if ax_speed.get_legend_handles_labels()[0]:
         ax_speed.legend(fontsize="small")

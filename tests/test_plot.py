@@ -11,7 +11,7 @@ from conftest import andrea_main, assert_user_error
 from test_runs import dead_pid, end_record, normal_history, start_record, write_run
 
 from andrea.errors import UserError
-from andrea.plot import plot_runs
+from andrea.plot import draw_figure, plot_runs
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra")
 from PIL import Image  # noqa: E402  (Pillow comes with matplotlib)
@@ -146,3 +146,36 @@ def test_an_imported_run_is_left_out_with_a_note(tmp_path):
     assert_user_error(andrea_main("plot", str(imp), "--out", str(tmp_path / "q.png")),
                       "nothing to plot", "an imported run")
     assert not (tmp_path / "q.png").exists()
+
+
+def test_titles_and_offset_texts_fit_and_do_not_overlap(tmp_path):
+    """The loss panel's key (once one line wider than its panel) stays inside the figure and
+    clear of the learning-rate panel's title and its "1e-3" offset text, with long run names
+    (whose legends narrow the panels) as well."""
+    from matplotlib.pyplot import close
+    from matplotlib.text import Text
+
+    a, b = two_runs(tmp_path)
+    long = write_run(tmp_path, "a-run-name-long-enough-to-make-its-legend-entries-wide" * 2,
+                     [start_record(), *normal_history(100), end_record(100, "finished")])
+    for runs in ([a], [a, b, long]):
+        fig = draw_figure(runs, warn=lambda _: None)
+        try:
+            fig.canvas.draw()
+            renderer = fig.canvas.get_renderer()
+            figure_box = fig.bbox
+            header = [t for t in fig.findobj(Text) if t.get_text() == fig.get_suptitle()]
+            for ax in fig.axes:
+                header += [ax.title, ax.xaxis.get_offset_text(), ax.yaxis.get_offset_text()]
+            boxes = {t.get_text(): t.get_window_extent(renderer)
+                     for t in header if t.get_visible() and t.get_text()}
+            assert "1e\u22123" in boxes  # the learning-rate panel's offset text is drawn
+            for text, box in boxes.items():
+                assert (figure_box.x0 <= box.x0 and box.x1 <= figure_box.x1
+                        and figure_box.y0 <= box.y0 and box.y1 <= figure_box.y1), (text, box)
+            texts = list(boxes)
+            for i, first in enumerate(texts):
+                for second in texts[i + 1:]:
+                    assert not boxes[first].overlaps(boxes[second]), (first, second)
+        finally:
+            close(fig)
