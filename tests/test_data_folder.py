@@ -120,6 +120,24 @@ def take_turns(
     return waiting, first, second, outputs
 
 
+def test_training_on_a_folder_prepare_made_names_what_it_was_prepared_with(tmp_path):
+    """`prepare --input FILE --out X`, then `train --set data.dir=X`: the refusal (the config's
+    source is the embedded corpus) offered only `prepare ... --force` of the corpus, which
+    replaces the user's data. It now names the --set that trains on X as it is, and that
+    command trains."""
+    (tmp_path / "mine.txt").write_text(LINE.format(j=0, name="mine") * 3000)
+    r = andrea_main("prepare", "--input", "mine.txt", "--tokenizer", "byte", "--out", "mydata",
+                    cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    train = ["train", "-c", "andrea-tiny", "--set", "data.dir=mydata", "--set",
+             "train.runs_dir=runs", "--set", "train.max_steps=2", "--no-progress"]
+    line = assert_user_error(andrea_main(*train, cwd=tmp_path), "asks for source shakespeare",
+                             "to use that data as it is, add to the command what it was "
+                             "prepared with (--set data.source=mine.txt); else")
+    assert "(--set data.source=mine.txt)" in line
+    assert andrea_main(*train, "--set", "data.source=mine.txt", cwd=tmp_path).returncode == 0
+
+
 def test_train_refuses_a_folder_prepared_with_another_tokenizer(tmp_path):
     """Case 1: `train --set data.dir=X` where X holds another run's gpt2 data is one line, exit
     2, naming the folder and both tokenizers, and X stays byte for byte (the old code prepared

@@ -182,5 +182,14 @@ def test_a_folder_of_another_request_names_the_command_that_replaces_it(corpus, 
     line = assert_user_error(andrea_main(*argv, cwd=tmp_path), "andrea does not overwrite it")
     (command,) = commands(line)
     assert command == ["andrea", *argv, "--force"]
+    # What it was prepared with, added to a training's command, trains on it as it is.
+    sets = shlex.split(re.search(r"prepared with \(([^)]+)\); else", line).group(1))
+    vocab = next(s for s in sets if s.startswith("model.vocab_size="))
+    assert sets[:2] == ["--set", "data.tokenizer=bpe"]
+    run = andrea_main("train", "-c", "andrea-tiny", "--set", f"data.source={corpus}", *sets,
+                      "--set", "data.dir=bpe", "--set", "train.max_steps=1", "--set",
+                      "train.runs_dir=runs", "--no-progress", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert vocab and (tmp_path / "runs" / "andrea-tiny" / "latest").is_file()
     paste(command, tmp_path)
     assert json.loads((tmp_path / "bpe" / MANIFEST).read_text())["tokenizer"]["kind"] == "byte"

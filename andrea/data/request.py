@@ -174,12 +174,34 @@ def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str 
             differ.insert(0, "source")
         if differ:
             what = "data" if "tokenizer" in record else "an unfinished prepare"
+            use = _sets_for(record, differ, out) if what == "data" else ""
             raise UserError(
                 f"{out}: holds {what} prepared with {_describe(record, differ)}, but this run "
-                f"asks for {_describe(settings, differ)}; andrea does not overwrite it: use "
-                "another data folder (--out / data.dir), or replace that data by hand with "
-                f"`{shlex.join(prepare_argv(settings, out, tokenizer_file) + ['--force'])}`"
+                f"asks for {_describe(settings, differ)}; andrea does not overwrite it: "
+                + (f"to use that data as it is, add to the command what it was prepared "
+                   f"with ({use}); else " if use else "")
+                + "use another data folder (--out / data.dir), or replace that data by hand "
+                f"with `{shlex.join(prepare_argv(settings, out, tokenizer_file) + ['--force'])}`"
             )
+
+
+def _sets_for(record: dict[str, Any], differ: list[str], out: Path) -> str:
+    """The --set options that ask for what `record` (a manifest) was prepared with, for each
+    setting in `differ`: how to train on a folder a `prepare --input` made."""
+    sets = []
+    for key in differ:
+        if key == "source":
+            sets.append(f"data.source={record.get('source')}")
+        elif key == "tokenizer_request":
+            request = record["tokenizer_request"]
+            sets.append(f"data.tokenizer={request.get('kind')}")
+            if request.get("file_sha256"):
+                sets.append(f"data.tokenizer_file={_tokenizer_file(record, out)}")
+            elif request.get("vocab_size"):
+                sets.append(f"model.vocab_size={request['vocab_size']}")
+        else:
+            sets.append(f"data.{key}={_request(record, key)}")
+    return " ".join(shlex.join(["--set", one]) for one in sets)
 
 
 REQUEST_KEYS = ("tokenizer_request", "val_fraction", "shard_tokens", "errors", "text_field")
