@@ -28,6 +28,7 @@ from andrea.data.loader import TokenSplit
 from andrea.errors import UserError
 from andrea.fileio import size_text
 from andrea.model.transformer import Andrea
+from andrea.runs import read_run
 from andrea.train import checkpoint as ckpt_io
 from andrea.train.device import pick_device, pick_dtype
 from andrea.train.loop import train
@@ -204,7 +205,13 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
     proc.wait(timeout=60)
     assert proc.returncode == code
     assert "step-000002 stays the latest checkpoint" in "".join(stderr)
-    assert read_events(first.run_dir, "end")[-1]["state"] == "interrupted"
+    end = read_events(first.run_dir, "end")[-1]
+    assert end["state"] == "interrupted"
+    # Its tokens with its step: `andrea runs` showed the step reached beside the tokens of the
+    # checkpoint's step (5/550 steps, 4 steps' tokens), the end record having none.
+    summary = read_run(first.run_dir)
+    assert summary.step == end["step"] > 2
+    assert summary.tokens == end["tokens"] == end["step"] * first.tokens // first.steps
     assert resolve_checkpoint(first.run_dir).name == "step-000002"
     ckpt_io.read_model_checkpoint(first.run_dir / "step-000002")  # complete and loadable
     (cut,) = first.run_dir.glob("*.partial-*")  # the interrupted write, never the latest

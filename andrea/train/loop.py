@@ -315,7 +315,7 @@ def optimizer_step(s: Session, loss: float, grad_norm: float) -> str:
     s.optimizer.zero_grad(set_to_none=True)
     s.tokens_seen += s.tokens_at(s.step - 1)
     s.losses[s.step] = loss
-    s.signals.completed_step = s.step
+    s.signals.completed_step, s.signals.completed_tokens = s.step, s.tokens_seen
     return action
 
 
@@ -374,7 +374,7 @@ def roll_back(s: Session) -> None:
     checkpoint, from_step = rollback_checkpoint(s), s.step
     assert checkpoint is not None
     TrainingState(s).roll_back(checkpoint)
-    s.signals.completed_step = s.step
+    s.signals.completed_step, s.signals.completed_tokens = s.step, s.tokens_seen
     s.guard.rolled_back(from_step, s.step)
     t = s.cfg.train
     s.log.write("rollback", step=s.step, tokens=s.tokens_seen, from_step=from_step,

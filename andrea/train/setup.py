@@ -140,7 +140,8 @@ def set_up(
     s.train_model = parallel.wrap(model, compile_mode, device)
     s.checkpoint_nbytes = checkpoint_nbytes(model, optimizer, parallel.sharded, dist.world_size,
                                             device.type)
-    signals.completed_step, signals.checkpoint = s.step, s.checkpoint
+    signals.completed_step, signals.completed_tokens = s.step, s.tokens_seen
+    signals.checkpoint = s.checkpoint
     schedule_lines = plan_schedule(s, trainer_state, changes)
     check_data_fits(s)
     check_room_at_start(s, replace)

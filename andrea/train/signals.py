@@ -36,6 +36,7 @@ class SignalWatch:
         self._previous: dict[int, Any] = {}
         # Kept current by the trainer, so the messages name only what exists.
         self.completed_step = 0
+        self.completed_tokens = 0
         self.checkpoint: Path | None = None
         self.metrics_path: Path | None = None
 
@@ -71,7 +72,8 @@ class SignalWatch:
         if self.metrics_path is None:
             return
         record = {
-            "event": "end", "step": self.completed_step, "state": "interrupted",
+            "event": "end", "step": self.completed_step, "tokens": self.completed_tokens,
+            "state": "interrupted",
             "signal": signal_name, "message": message,
             "checkpoint": self.checkpoint.name if self.checkpoint else None,
             "time": round(time.time(), 3),
