@@ -3,10 +3,13 @@
 Attention: forward, backward and forward+backward of causal attention at fixed shapes, per
 backend and dtype; the median over `repeats` timings after `warmup` untimed calls, timed with
 CUDA events on a GPU (device time) and with perf_counter on the CPU. A timing runs enough calls
-back to back to span TARGET_MS (`time_per_call`), so on a GPU the host's Python and launch cost
+back to back to span TARGET_MS (`time_cases`), so on a GPU the host's Python and launch cost
 overlaps the kernels as in training instead of being counted as GPU time. Backward alone is
 timed after untimed forwards (one per call, all made before the timing starts), so it is the
-backward kernels only.
+backward kernels only. The three modes are timed in rounds (fwd, bwd, fwd_bwd, then again), so
+a change in the machine's load during the run reaches all three medians alike. Dtypes: --dtype's;
+else with --quick the one the training benchmark's preset trains in on this device
+(andrea.train.device.choose_precision: fp32 on a CPU without bf16 units), without it all three.
 
 FLOPs counted (the convention of the FlashAttention papers, with the causal half removed):
 forward = 2 matmuls of 2·B·H·T²·D each, halved by the causal mask = 2·B·H·T²·D;
@@ -96,6 +99,9 @@ class BenchResult:
     attention: list[AttentionRow]
     train: list[TrainRow]
     skipped: list[str]  # "what: why" for every backend or case not run
+    # The header's line on which attention dtypes were timed and why (attention_dtypes);
+    # empty in results written before it was recorded.
+    dtype_note: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -160,28 +166,56 @@ class Timing:
     calls: int  # back-to-back calls per timing
 
 
+@dataclass
+class Case:
+    """What one mode times: timed(prepare()), prepare() untimed (None: no preparation)."""
+
+    timed: Callable[[Any], Any]
+    prepare: Callable[[], Any] | None = None
+
+
 def time_per_call(
     timer: Timer, repeats: int, warmup: int, timed: Callable[[Any], Any],
     prepare: Callable[[], Any] | None = None, target_ms: float = TARGET_MS,
     max_calls: int = MAX_CALLS,
 ) -> Timing:
     """Median milliseconds of one timed(prepare()) call over `repeats` timings after `warmup`
+    untimed calls (time_cases with one case)."""
+    return time_cases(timer, repeats, warmup, {"": Case(timed, prepare)}, target_ms,
+                      max_calls)[""]
+
+
+def time_cases(
+    timer: Timer, repeats: int, warmup: int, cases: dict[str, Case],
+    target_ms: float = TARGET_MS, max_calls: int = MAX_CALLS,
+) -> dict[str, Timing]:
+    """Median milliseconds of one call of each case over `repeats` timings after `warmup`
     untimed calls. A timing runs `calls` calls back to back between timer.start() and
     timer.stop(), enough for target_ms by a one-call estimate after the warm-up; the calls'
-    prepare() results (a forward for a backward) are all made before start(), untimed."""
+    prepare() results (a forward for a backward) are all made before start(), untimed.
 
-    def timing(calls: int) -> float:
-        states = [prepare() if prepare is not None else None for _ in range(calls)]
+    The timings go in rounds, every case once a round: on a shared machine the load changes
+    while a benchmark runs, and cases timed one after another would each see a different
+    stretch of it (a backward alone measured slower than forward + backward)."""
+
+    def timing(case: Case, calls: int) -> float:
+        states = [case.prepare() if case.prepare is not None else None for _ in range(calls)]
         timer.start()
         for state in states:
-            timed(state)
+            case.timed(state)
         return timer.stop() / calls
 
-    for _ in range(warmup):
-        timed(prepare() if prepare is not None else None)
-    estimate = timing(1)
-    calls = max(1, min(max_calls, math.ceil(target_ms / max(estimate, 1e-6))))
-    return Timing(statistics.median(timing(calls) for _ in range(repeats)), calls)
+    calls: dict[str, int] = {}
+    for name, case in cases.items():
+        for _ in range(warmup):
+            case.timed(case.prepare() if case.prepare is not None else None)
+        estimate = timing(case, 1)
+        calls[name] = max(1, min(max_calls, math.ceil(target_ms / max(estimate, 1e-6))))
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, case in cases.items():
+            samples[name].append(timing(case, calls[name]))
+    return {name: Timing(statistics.median(samples[name]), calls[name]) for name in cases}
 
 
 def _attention_fn(backend: str) -> Callable[..., torch.Tensor]:
@@ -221,11 +255,11 @@ def bench_attention(
     timer = timer_for(device)
     # Forward with inputs that require grad, as in training: a backend saves what its backward
     # needs; the graph is dropped right after.
-    timings = {
-        "fwd": time_per_call(timer, repeats, warmup, lambda _: fn(q, k, v)),
-        "bwd": time_per_call(timer, repeats, warmup, grads, prepare=lambda: fn(q, k, v)),
-        "fwd_bwd": time_per_call(timer, repeats, warmup, lambda _: grads(fn(q, k, v))),
-    }
+    timings = time_cases(timer, repeats, warmup, {
+        "fwd": Case(lambda _: fn(q, k, v)),
+        "bwd": Case(grads, prepare=lambda: fn(q, k, v)),
+        "fwd_bwd": Case(lambda _: grads(fn(q, k, v))),
+    })
     row.ms = {m: t.ms for m, t in timings.items()}
     row.calls = {m: t.calls for m, t in timings.items()}
     flops = attention_flops(b, h, t, d)
@@ -288,36 +322,38 @@ def run_bench(
 ) -> BenchResult:
     """Runs the benchmark; `log` gets one line per case as it finishes.
 
-    quick: small enough for a 2-core CPU in about a minute (batch 1, bf16 only, 3 repeats after
-    1 warm-up, training ANDREA-12M at micro-batch 2, one micro-batch a step, for 3 steps).
+    quick: small enough for a 2-core CPU in about a minute (batch 1, only the dtype the preset
+    trains in here, 3 repeats after 1 warm-up, training ANDREA-12M at micro-batch 2, one
+    micro-batch a step, for 3 steps). The median of 3 keeps one timing slowed by other work on
+    the machine out of the figure.
     """
+    from andrea.config import load_config
     from andrea.train.device import pick_device
 
     dev = pick_device(device)
     if quick:
         batch = 1 if batch is None else batch
         repeats, warmup, train_steps, train_warmup = min(repeats, 3), 1, 3, 1
-        dtypes = dtypes or ["bf16"]
         train_overrides = ["train.micro_batch_size=2", "train.global_batch_tokens=0",
                            *(train_overrides or [])]
     _check_options(dev, backends, dtypes, shapes, batch, repeats, warmup)
+    preset = preset or ("andrea-120m" if dev.type == "cuda" and not quick else "andrea-12m")
+    overrides = train_overrides or []
+    cfg = load_config(preset, overrides)
+    dtypes, dtype_note = attention_dtypes(dtypes, quick, preset, cfg.train.precision, dev)
     wanted = backends or [b for b in BACKENDS if b != "sdpa_flash" or dev.type == "cuda"]
     bench = _Bench(dev, log, BenchResult(
         device=str(dev),
         device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
         torch_version=torch.__version__, repeats=repeats, warmup=warmup,
-        attention=[], train=[], skipped=[],
+        attention=[], train=[], skipped=[], dtype_note=dtype_note,
     ))
     for shape_name in shapes or list(SHAPES):
-        for dtype_name in dtypes or list(DTYPES):
+        for dtype_name in dtypes:
             for backend in wanted:
                 bench.attention(shape_name, batch, dtype_name, backend, repeats, warmup)
     if train:
-        from andrea.config import load_config
-
-        preset = preset or ("andrea-120m" if dev.type == "cuda" and not quick else "andrea-12m")
-        overrides = train_overrides or []
-        head_dim = load_config(preset, overrides).model.head_dim
+        head_dim = cfg.model.head_dim
         for backend in [b for b in wanted if b in ("cuda", "sdpa")]:
             if not bench.usable(backend, head_dim, "", f"train {preset}"):
                 continue
@@ -325,6 +361,32 @@ def run_bench(
             bench.result.train.append(row)
             log(f"train {preset} {backend}: {row.tokens_per_s:,.0f} tokens/s")
     return bench.result
+
+
+def attention_dtypes(
+    asked: list[str] | None, quick: bool, preset: str, precision: str, dev: torch.device,
+) -> tuple[list[str], str]:
+    """The attention dtypes to time and the header's line saying which and why: --dtype's when
+    given; else, with --quick, the one the training benchmark's preset computes in on this
+    device (train.precision's own decision, so the attention timed is the one trained), and
+    without --quick every dtype."""
+    from andrea.train.device import choose_precision
+
+    if asked:
+        return asked, f"attention dtype{_s(len(asked))}: {', '.join(asked)} (asked for)"
+    chosen = choose_precision(precision, dev)
+    # choose_precision's reason for auto starts "auto: ", which the key's value says already.
+    why = f"train.precision {precision}: {chosen.why.removeprefix('auto: ')}"
+    if quick:
+        return [chosen.name], (f"attention dtype: {chosen.name}, what {preset} trains in on "
+                               f"this device ({why})")
+    return list(DTYPES), (f"attention dtypes: {', '.join(DTYPES)} (all; {preset} trains in "
+                          f"{chosen.name} on this device: {why})")
+
+
+def _s(count: int) -> str:
+    """The plural ending for `count` of a noun that takes -s."""
+    return "" if count == 1 else "s"
 
 
 def _check_options(
@@ -364,8 +426,9 @@ class _Bench:
     result: BenchResult
 
     def skip(self, case: str, why: str) -> None:
+        # Not logged as it happens: the table (or --json's `skipped`) says it, once; the log is
+        # progress through the cases that take time.
         self.result.skipped.append(f"{case}: {why}")
-        self.log(f"skip {case}: {why}")
 
     def usable(self, backend: str, head_dim: int, dtype_name: str, what: str) -> bool:
         """Whether the backend can run this case here; if not, the case is skipped (said)."""
@@ -398,27 +461,36 @@ class _Bench:
 
 def format_table(result: BenchResult) -> str:
     lines = [f"device: {result.device} ({result.device_name}), torch {result.torch_version}, "
-             f"median of {result.repeats} timings after {result.warmup} warm-up calls; a timing: "
-             f"calls back to back for {TARGET_MS:g} ms (at most {MAX_CALLS})"]
+             f"median of {result.repeats} timing{_s(result.repeats)} after {result.warmup} "
+             f"warm-up call{_s(result.warmup)}; a timing: calls back to back for {TARGET_MS:g} ms "
+             f"(at most {MAX_CALLS})"]
+    if result.dtype_note:
+        lines.append(result.dtype_note)
     if result.attention:
+        f_b = {(r.shape, r.dtype, r.backend): r.ms["fwd_bwd"] for r in result.attention}
+        # How many times faster cuda's fwd+bwd is than the naive kernels' (goal: >= 10x): a
+        # column only where some row has it (none without a GPU).
+        speedups = {}
+        for r in result.attention:
+            naive = f_b.get((r.shape, r.dtype, "cuda_naive"))
+            if naive and r.backend == "cuda":
+                speedups[id(r)] = f"{naive / r.ms['fwd_bwd']:.1f}x"
+        naive_head = f" {'cuda vs naive':>13}" if speedups else ""
         lines.append("")
         lines.append(
             f"{'shape':<11} {'B,H,T,D':<15} {'dtype':<5} {'backend':<10} {'fwd ms':>9} "
             f"{'bwd ms':>9} {'f+b ms':>9} {'fwd TF/s':>9} {'bwd TF/s':>9} {'f+b TF/s':>9} "
-            f"{'f+b vs sdpa':>11} {'cuda vs naive':>13}"
+            f"{'f+b vs sdpa':>11}{naive_head}"
         )
-        f_b = {(r.shape, r.dtype, r.backend): r.ms["fwd_bwd"] for r in result.attention}
         for r in result.attention:
             base = f_b.get((r.shape, r.dtype, "sdpa"))
             ratio = f"{base / r.ms['fwd_bwd']:.2f}x" if base else "n/a"
-            # How many times faster cuda's fwd+bwd is than the naive kernels' (goal: >= 10x).
-            naive = f_b.get((r.shape, r.dtype, "cuda_naive"))
-            speedup = f"{naive / r.ms['fwd_bwd']:.1f}x" if naive and r.backend == "cuda" else ""
+            speedup = f" {speedups.get(id(r), ''):>13}" if speedups else ""
             dims = f"{r.batch},{r.n_head},{r.seq_len},{r.head_dim}"
             lines.append(
                 f"{r.shape:<11} {dims:<15} {r.dtype:<5} {r.backend:<10} {r.ms['fwd']:>9.3f} "
                 f"{r.ms['bwd']:>9.3f} {r.ms['fwd_bwd']:>9.3f} {r.tflops['fwd']:>9.3f} "
-                f"{r.tflops['bwd']:>9.3f} {r.tflops['fwd_bwd']:>9.3f} {ratio:>11} {speedup:>13}"
+                f"{r.tflops['bwd']:>9.3f} {r.tflops['fwd_bwd']:>9.3f} {ratio:>11}{speedup}"
                 .rstrip()
             )
     if result.train:
@@ -440,6 +512,12 @@ def format_table(result: BenchResult) -> str:
         if why:
             lines.append(why)
     if result.skipped:
+        # One line per reason: the cases it skipped, then why (the reason is often the same
+        # for every shape and dtype, e.g. no GPU for the cuda backends).
+        cases: dict[str, list[str]] = {}
+        for skipped in result.skipped:
+            case, _, why = skipped.partition(": ")
+            cases.setdefault(why, []).append(case)
         lines.append("")
-        lines.extend(f"skipped: {s}" for s in result.skipped)
+        lines.extend(f"skipped: {', '.join(names)}: {why}" for why, names in cases.items())
     return "\n".join(lines)

@@ -563,7 +563,8 @@ def import_cmd(
 @app.command("bench", cls=RegistryHelp)
 def bench_cmd(
     quick: Annotated[
-        bool, typer.Option("--quick", help="Small sizes, bf16 only: about a minute on a CPU.")
+        bool, typer.Option("--quick", help="Small sizes, only the dtype training uses here: "
+                                           "under a minute on a CPU.")
     ] = False,
     device: DeviceOpt = "auto",
     backend: Annotated[

@@ -10,6 +10,7 @@ the host's enqueue time as device time; back-to-back calls hide it behind the ke
 from __future__ import annotations
 
 import pytest
+import torch
 
 from andrea import bench
 
@@ -117,3 +118,69 @@ def test_wall_timer_counts_the_calls_and_not_their_preparation(monkeypatch) -> N
     slow = bench.time_per_call(bench.WallTimer(), repeats=1, warmup=0,
                                timed=lambda _: clock.__setitem__(0, clock[0] + 0.5))
     assert (slow.calls, slow.ms) == (1, pytest.approx(500.0))  # one call already spans 20 ms
+
+
+class FakeClock:
+    """perf_counter for bench_attention on the CPU: a fake attention advances it by its cost
+    times the machine's load, which falls as the run goes on (another job finishing)."""
+
+    FWD_MS, BWD_MS = 10.0, 25.0
+
+    def __init__(self) -> None:
+        self.s = 100.0
+        self.start = self.s
+
+    def load(self) -> float:
+        return max(1.0, 4.0 - (self.s - self.start) / 0.3)  # 4x at first, 1x after ~1 s
+
+    def spend(self, ms: float) -> None:
+        self.s += ms * self.load() * 1e-3
+
+
+def fake_attention(clock: FakeClock, log: list[str]):
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):  # type: ignore[override]
+            clock.spend(clock.FWD_MS)
+            log.append("F")
+            return q + k + v
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            clock.spend(clock.BWD_MS)
+            log.append("B")
+            return grad, grad, grad
+
+    return lambda q, k, v: Attention.apply(q, k, v)
+
+
+class LoggedWallTimer(bench.WallTimer):
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def start(self) -> None:
+        self.log.append("[")
+        super().start()
+
+    def stop(self) -> float:
+        self.log.append("]")
+        return super().stop()
+
+
+def test_attention_modes_are_timed_in_rounds_under_the_same_load(monkeypatch) -> None:
+    """Each round times fwd, bwd and fwd_bwd once, so a load that changes during the run
+    reaches the three medians alike; timed one mode after another, the later modes ran on a
+    quieter machine and backward alone came out slower than forward + backward."""
+    clock, log = FakeClock(), []
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock.s)
+    monkeypatch.setattr(bench, "_attention_fn", lambda backend: fake_attention(clock, log))
+    monkeypatch.setattr(bench, "timer_for", lambda device: LoggedWallTimer(log))
+    repeats = 3
+    row = bench.bench_attention("tiny", (1, 1, 4, 2), "sdpa", "fp32", torch.device("cpu"),
+                                repeats=repeats, warmup=1)
+    # What ran between each timer.start() and stop(): forwards only, backwards only (their
+    # forwards prepared before the start), or both.
+    inside = [t.split("]")[0] for t in "".join(log).split("[")[1:]]
+    modes = [{"F": "fwd", "B": "bwd", "FB": "fwd_bwd"}["".join(dict.fromkeys(t))] for t in inside]
+    assert modes[-3 * repeats:] == ["fwd", "bwd", "fwd_bwd"] * repeats
+    assert row.ms["bwd"] < row.ms["fwd_bwd"]  # one after another: 56.8 ms against 43.8

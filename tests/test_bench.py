@@ -1,0 +1,111 @@
+"""`andrea bench`'s choices and output (andrea/bench.py), run in-process at a tiny shape: which
+dtype it times, and what its table says. Nothing here depends on how fast anything runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from andrea import bench
+from andrea.bench import AttentionRow, BenchResult, format_table, run_bench
+from andrea.config import load_config
+from andrea.train import device as train_device
+
+TINY = (1, 1, 8, 4)  # B, H, T, D: microseconds a call, so a run takes well under a second
+
+
+@pytest.fixture
+def tiny_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "SHAPES", {"tiny": TINY})
+
+
+def quick(log: list[str] | None = None, **kwargs: object) -> BenchResult:
+    """`andrea bench --quick --device cpu --no-train` at the tiny shape, in-process."""
+    sink = log if log is not None else []
+    return run_bench(device="cpu", quick=True, train=False, log=sink.append,
+                     **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bf16_units", [False, True])
+def test_quick_times_the_dtype_training_computes_in_here(
+    tiny_shape: None, monkeypatch: pytest.MonkeyPatch, bf16_units: bool,
+) -> None:
+    """--quick's attention dtype is train.precision's choice for the preset on this device
+    (andrea.train.device.choose_precision): fp32 on a CPU without bf16 units, bf16 with them."""
+    monkeypatch.setattr(train_device, "cpu_has_bf16", lambda: bf16_units)
+    cfg = load_config("andrea-12m", [])  # --quick's preset on a CPU
+    chosen = train_device.choose_precision(cfg.train.precision, torch.device("cpu"))
+    assert chosen.name == ("bf16" if bf16_units else "fp32")
+    result = quick(backends=["math"])
+    assert {r.dtype for r in result.attention} == {chosen.name}
+    header = format_table(result).splitlines()[:2]
+    assert any(f"attention dtype: {chosen.name}" in line and chosen.why in line
+               for line in header)
+
+
+def test_an_explicit_dtype_is_obeyed_and_said(tiny_shape: None) -> None:
+    result = quick(backends=["math"], dtypes=["bf16", "fp32"])
+    assert [r.dtype for r in result.attention] == ["bf16", "fp32"]
+    assert "attention dtypes: bf16, fp32 (asked for)" in format_table(result)
+
+
+def test_the_attention_dtype_follows_the_training_benchmarks_precision(tiny_shape: None) -> None:
+    """One decision: a --set train.precision=... for the training benchmark sets it too."""
+    result = quick(backends=["math"], train_overrides=["train.precision=fp16"])
+    assert [r.dtype for r in result.attention] == ["fp16"]
+    assert "train.precision fp16: asked for" in result.dtype_note
+
+
+def result_with(rows: list[AttentionRow], warmup: int = 3, repeats: int = 10,
+                skipped: list[str] | None = None) -> BenchResult:
+    return BenchResult(device="cpu", device_name="test CPU", torch_version="2", repeats=repeats,
+                       warmup=warmup, attention=rows, train=[], skipped=skipped or [])
+
+
+def row(backend: str, fwd_bwd: float) -> AttentionRow:
+    ms = {"fwd": 1.0, "bwd": 2.0, "fwd_bwd": fwd_bwd}
+    return AttentionRow("tiny", backend, "fp32", *TINY, ms=ms, tflops=dict.fromkeys(ms, 1.0),
+                        calls=dict.fromkeys(ms, 1))
+
+
+def test_the_header_counts_in_the_singular_and_the_plural() -> None:
+    assert "median of 3 timings after 1 warm-up call;" in format_table(result_with([], 1, 3))
+    assert "median of 1 timing after 2 warm-up calls;" in format_table(result_with([], 2, 1))
+    assert "after 0 warm-up calls;" in format_table(result_with([], 0, 3))
+
+
+def test_the_cuda_vs_naive_column_is_shown_only_with_values() -> None:
+    cpu = format_table(result_with([row("sdpa", 4.0), row("math", 8.0)])).splitlines()
+    head = next(line for line in cpu if line.startswith("shape "))
+    assert "cuda vs naive" not in head
+    assert head.split()[-3:] == ["f+b", "vs", "sdpa"]  # the last column: nothing after it
+    gpu = format_table(result_with([row("sdpa", 4.0), row("cuda", 2.0), row("cuda_naive", 20.0)]))
+    lines = gpu.splitlines()
+    assert next(line for line in lines if line.startswith("shape ")).endswith("cuda vs naive")
+    cuda = next(line for line in lines if line.split()[3:4] == ["cuda"])
+    assert cuda.split()[-2:] == ["2.00x", "10.0x"]
+
+
+def test_each_skip_and_its_reason_is_printed_once(tiny_shape: None) -> None:
+    """A skip is said once: in the table (and --json's `skipped`), not also in the progress
+    log; a reason shared by several cases is written once, with the cases."""
+    log: list[str] = []
+    result = quick(log, backends=None)
+    why = "no GPU: the CUDA kernels need one"
+    assert result.skipped == [f"attention tiny fp32 {b}: {why}" for b in ("cuda", "cuda_naive")]
+    table = format_table(result)
+    printed = "\n".join([*log, table])
+    assert printed.count(why) == 1
+    for case in ("attention tiny fp32 cuda", "attention tiny fp32 cuda_naive"):
+        assert printed.count(case + ",") + printed.count(case + ":") == 1
+    assert "skipped: attention tiny fp32 cuda, attention tiny fp32 cuda_naive: " + why in table
+
+
+def test_json_written_before_the_dtype_note_still_loads() -> None:
+    result = result_with([row("sdpa", 4.0)])
+    assert BenchResult.from_json(result.to_json()) == result
+    old = json.loads(result.to_json())
+    old.pop("dtype_note", None)
+    assert BenchResult.from_json(json.dumps(old)).attention == result.attention
