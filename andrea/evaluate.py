@@ -292,15 +292,17 @@ def format_results(results: list[EvalResult], as_json: bool = False) -> str:
 
 
 def format_table(results: list[EvalResult]) -> str:
-    """One row per checkpoint: step, val loss and bits per byte, each source's loss, each
-    task's acc (and acc_norm)."""
-    header = ["CHECKPOINT", "STEP", "VAL LOSS", "BITS/BYTE"]
+    """One row per checkpoint: step, val loss, perplexity and bits per byte, each source's
+    loss, each task's acc (and acc_norm)."""
+    header = ["CHECKPOINT", "STEP", "VAL LOSS", "PERPLEXITY", "BITS/BYTE"]
     names = [s["name"] for s in results[0].sources] if results[0].sources else []
     header += [f"{n.rstrip('/').rsplit('/', 1)[-1]} LOSS" for n in names]
     header += [_task_header(t) for t in results[0].tasks]
     rows = [header]
     for r in results:
-        row = [r.checkpoint, "-" if r.step is None else str(r.step), _fmt(r.loss),
+        ppl = "n/a" if r.perplexity is None or not math.isfinite(r.perplexity) else (
+            f"{r.perplexity:.3f}")  # as one checkpoint's line gives it
+        row = [r.checkpoint, "-" if r.step is None else str(r.step), _fmt(r.loss), ppl,
                _fmt(r.bits_per_byte)]
         row += [_fmt(s["loss"]) for s in r.sources]
         row += [_task_cell(t) for t in r.tasks]

@@ -238,7 +238,7 @@ def test_several_checkpoints_in_one_table(tmp_path, trained_tiny):
     proc = andrea_main("eval", "--checkpoint", str(run), "--all-steps", *common)
     assert proc.returncode == 0, proc.stderr
     header, *rows, val_set = proc.stdout.splitlines()
-    assert header.split()[:4] == ["CHECKPOINT", "STEP", "VAL", "LOSS"]
+    assert header.split()[:6] == ["CHECKPOINT", "STEP", "VAL", "LOSS", "PERPLEXITY", "BITS/BYTE"]
     assert "hellaswag (hs.jsonl) ACC / NORM" in header
     assert val_set.startswith("VAL LOSS: on ")  # which val set the column is
     assert [r.split()[:2] for r in rows] == [[str(run / "step-000020"), "20"],
@@ -246,8 +246,8 @@ def test_several_checkpoints_in_one_table(tmp_path, trained_tiny):
     settings = EvalSettings(max_tokens=256, precision="fp32", progress=False)
     for row, step in zip(rows, ("step-000020", "step-000040"), strict=True):
         (one,) = evaluate_checkpoints([str(run / step)], settings, tasks=[("hellaswag", hs)])
-        assert row.split()[2:6] == [f"{one.loss:.4f}", f"{one.bits_per_byte:.4f}",
-                                    f"{one.tasks[0]['acc']:.4f}", "/"]
+        assert row.split()[2:7] == [f"{one.loss:.4f}", f"{one.perplexity:.3f}",
+                                    f"{one.bits_per_byte:.4f}", f"{one.tasks[0]['acc']:.4f}", "/"]
     both = json.loads(andrea_main("eval", "--checkpoint", str(run / "step-000020"),
                                   "--checkpoint", str(run), "--json", *common).stdout)
     assert [r["step"] for r in both] == [20, 40]
