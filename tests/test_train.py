@@ -488,6 +488,10 @@ def test_micro_batch_auto_is_resolved_recorded_and_reused(tmp_path, data_dir):
     assert proc.returncode == 0, proc.stderr
     # The tiny model fits at once: all 32 sequences of the step in one micro-batch.
     assert "micro-batch: auto -> 32 x 64 (1 accumulation step), estimated" in proc.stdout
+    # Said before the line that uses it (it came after that line and the warm-up's own sizes).
+    said = proc.stdout.splitlines()
+    choice = next(i for i, line in enumerate(said) if line.startswith("micro-batch: auto"))
+    assert "tokens/step (32 x 64 x 1 accumulation" in said[choice + 1]
     run_dir = Path(cfg.train.runs_dir) / "t"
     assert read_events(run_dir, "start")[0]["micro_batch_size"] == 32
     assert load_config(run_dir / "config.yaml").train.micro_batch_size == "auto"

@@ -613,6 +613,8 @@ def announce(
                   f"writes those steps anew or train.keep_last prunes "
                   f"{'it' if one else 'them'} (copy the run folder first to keep "
                   f"{'it' if one else 'them'})")
+    if micro_batch_line:  # before the line that uses it, and the warm-ups that depart from it
+        s.say(micro_batch_line)
     s.say(
         f"{s.run_dir}: {s.model.num_params():,} parameters, {s.tokens_per_step:,} tokens/step "
         f"({s.micro_batch} x {cfg.model.block_size} x {s.accum} accumulation x "
@@ -646,8 +648,6 @@ def announce(
     if mixture is not None:
         s.say(mixture[0])
         s.log.write("data_mixture", **mixture[1])
-    if micro_batch_line:
-        s.say(micro_batch_line)
     room = start_warning(s, free_bytes(s.run_dir))  # the disk's room for the checkpoints
     for line in plan_lines(s) + ([room] if room else []):
         s.say(line)
