@@ -43,14 +43,16 @@ from andrea.errors import UserError
 from andrea.model.attention import BACKENDS as ATTENTION
 from andrea.model.attention import cuda_unavailable_reason, sdpa_attention
 from andrea.resources import cpu_name
-from andrea.train.flops import MfuMeter, attention_flops, flops_per_token, format_mfu, no_mfu_reason
+from andrea.train.device import DTYPES as TORCH_DTYPES
+from andrea.train.flops import MfuMeter, attention_flops, flops_per_token, no_mfu_reason
+from andrea.train.metrics import format_mfu
 
 # name -> (B, n_head, T, head_dim)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
     "gpt2": (8, 12, 1024, 64),  # GPT-2 small / ANDREA-120M attention
     "andrea-12m": (8, 12, 256, 32),
 }
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPES = {name: TORCH_DTYPES[name] for name in ("bf16", "fp32", "fp16")}  # the tables' order
 # Bench's variants of a model.attention backend, timed after it. cuda_naive: the
 # one-block-per-(batch, head) baseline kernels, the reference of the goal "cuda at least 10x
 # cuda_naive" (the "cuda vs naive" column); sdpa_flash: SDPA held to its flash kernel.

@@ -17,9 +17,7 @@ from typing import TYPE_CHECKING, Any
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes
 from andrea.runs import current_history, read_metrics, read_run, val_sources
-from andrea.train.flops import format_mfu
-from andrea.train.metrics import recorded_speed
-from andrea.train.progress import format_speed
+from andrea.train.metrics import format_mfu, format_speed, recorded_speed
 from andrea.train.rundir import CONFIG, METRICS, run_path
 
 if TYPE_CHECKING:

@@ -19,13 +19,11 @@ from typing import Any
 
 import yaml
 
+from andrea.config import PRECISION_DTYPES
 from andrea.errors import UserError
 from andrea.fileio import json_safe
 from andrea.folder_lock import pid_alive
-from andrea.train.device import DTYPES
-from andrea.train.flops import format_mfu
-from andrea.train.metrics import recorded_median, recorded_speed
-from andrea.train.progress import format_speed
+from andrea.train.metrics import format_mfu, format_speed, recorded_median, recorded_speed
 from andrea.train.rundir import (
     CONFIG,
     LATEST,
@@ -33,10 +31,10 @@ from andrea.train.rundir import (
     TRAINER_STATE,
     TrainerState,
     is_run,
+    latest_problem,
     newest_intact,
     step_dirs,
 )
-from andrea.trained import latest_problem
 
 # Every state a run can be in; the first five come from the trainer's "end" event. "imported":
 # made by `andrea import` (a checkpoint at step 0, no metrics), not trained yet. "damaged": its
@@ -351,9 +349,8 @@ def _read_starts(records: list[dict[str, Any]], starts: list[int], summary: RunS
     summary.max_steps = _int(last.get("max_steps")) or summary.max_steps
     summary.n_params = _int(last.get("n_params"))
     recorded = last.get("precision")
-    summary.precision = next((name for name, dtype in DTYPES.items()
-                              if str(dtype).removeprefix("torch.") == recorded),
-                             summary.precision)
+    summary.precision = next((name for name, dtype in PRECISION_DTYPES.items()
+                              if dtype == recorded), summary.precision)
     summary.pid = _int(last.get("pid"))
     summary.host = last.get("host") if isinstance(last.get("host"), str) else None
 

@@ -2,8 +2,8 @@
 
 - which checkpoint: `find_checkpoint` (a run means its latest, a step folder itself, none the
   run under ./runs written last: `most_recent_run`); a damaged one is refused naming the run's
-  newest intact checkpoint (train.rundir.resolve_checkpoint); `latest_problem` is the same
-  verdict as `andrea runs` reports it, without raising;
+  newest intact checkpoint (train.rundir.resolve_checkpoint; `andrea runs` gives the same
+  verdict without raising, train.rundir.latest_problem);
 - the model and its tokenizer: `load_model`, `tokenizer_for_checkpoint` (a BPE's
   tokenizer.json is in the checkpoint: it opens from any directory, with no data folder),
   both at once: `open_trained`; each file checked against the checkpoint's checksums;
@@ -39,7 +39,6 @@ from andrea.train import rundata
 from andrea.train.rundir import (
     LATEST,
     MODEL_FILE,
-    checkpoint_problem,
     read_latest,
     resolve_checkpoint,
     verify_file,
@@ -89,18 +88,6 @@ def find_checkpoint(
         notice(f"checkpoint: {ckpt} (the most recent run under {runs_dir}/)")
         return ckpt
     return resolve_checkpoint(checkpoint, use=use)
-
-
-def latest_problem(run: Path, name: str | None) -> str | None:
-    """Why the checkpoint a run's `latest` names (`name`; None: no `latest` file) cannot be
-    opened, or None when it can: what `find_checkpoint` would refuse, as `andrea runs` says
-    it."""
-    if name is None:
-        return f"no {LATEST} file naming the newest checkpoint"
-    if not (run / name).is_dir():
-        return f"{LATEST} points to {name}, which does not exist"
-    damage = checkpoint_problem(run / name)
-    return None if damage is None else f"{LATEST} points to {name}, whose {damage}"
 
 
 # ----------------------------------------------------------------------------- model, tokenizer

@@ -5,6 +5,7 @@ process for the exit code and stderr as a shell sees them."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -125,6 +126,22 @@ def test_scoring_sampling_and_exchange_never_import_the_compiler(tmp_path, train
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "imported" / "latest").is_file()
     assert done.stdout.splitlines()[-1] == "False True", done.stdout + done.stderr
+
+
+def test_listing_runs_never_imports_torch(tmp_path, trained_tiny):
+    """`andrea runs` reads JSON and YAML; it imported torch for a dtype table and two number
+    formats (2.9 s a listing, 0.4 s without). A fresh interpreter: start-up is the point."""
+    shutil.copytree(trained_tiny.run_dir, tmp_path / "runs" / "t")
+    code = ("import sys\nfrom andrea.cli import main\ntry:\n    main(['runs', '--json'])\n"
+            "except SystemExit as exc:\n    assert not exc.code, exc.code\n"
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    *listing, imported = done.stdout.splitlines()
+    (run,) = json.loads("\n".join(listing))
+    assert (run["name"], run["precision"], run["state"]) == ("t", "fp32", "finished")
+    assert imported == "False"
 
 
 @pytest.mark.parametrize("argv, fragment", [

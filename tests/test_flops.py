@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from andrea.train.flops import CPU_NO_MFU, MfuMeter, format_mfu, mfu, no_mfu_reason, peak_flops
+from andrea.train.flops import CPU_NO_MFU, MfuMeter, mfu, no_mfu_reason, peak_flops
+from andrea.train.metrics import format_mfu
 
 
 def test_mfu_is_na_where_the_peak_is_unknown():

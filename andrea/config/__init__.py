@@ -15,6 +15,7 @@ from andrea.config.load import (
     validate,
 )
 from andrea.config.sections import (
+    PRECISION_DTYPES,
     PRECISIONS,
     SECTIONS,
     Config,
@@ -27,8 +28,8 @@ from andrea.config.sections import (
 )
 
 __all__ = [
-    "PRECISIONS", "SECTIONS", "Config", "DataConfig", "KeySpec", "ModelConfig", "Registered",
-    "TrainConfig", "register_choices",
+    "PRECISION_DTYPES", "PRECISIONS", "SECTIONS", "Config", "DataConfig", "KeySpec",
+    "ModelConfig", "Registered", "TrainConfig", "register_choices",
     "config_from_dict", "from_dict", "key_spec", "key_specs", "load_config", "parse_override",
     "registered_keys", "resolve_path", "validate",
 ]

@@ -28,6 +28,9 @@ from andrea.config.declare import (
 
 # train.precision; eval and generate take the same as --precision.
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+# The torch dtype each precision computes in, by name: records (metrics.jsonl's "precision")
+# are read with these where torch is not imported (andrea runs).
+PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # train.muon_ns_precision: no fp16, whose range the Newton-Schulz iterations would not keep.
 NS_PRECISIONS = ("auto", "bf16", "fp32")
 

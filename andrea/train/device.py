@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from andrea.config import PRECISION_DTYPES
 from andrea.errors import UserError
 
 
@@ -38,7 +39,7 @@ def cpu_has_bf16() -> bool:
 # and TX2 sm_62): fp16 pays there. Consumer Pascal (sm_61: GTX 10xx, P4, P40) does fp16 at 1/64
 # of fp32 and Maxwell (sm_50, sm_52) has no fp16 arithmetic: fp32.
 FAST_FP16_BEFORE_VOLTA = ((5, 3), (6, 0), (6, 2))
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {name: getattr(torch, dtype) for name, dtype in PRECISION_DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import re
 import torch
 
 from andrea.config import ModelConfig
+from andrea.train.device import DTYPES
 
 # Dense peak FLOP/s by the dtype a run computes in (train.precision), for the GPUs people train
 # on; a GPU is found by its name as torch.cuda.get_device_name() gives it (a key matching as
@@ -47,7 +48,7 @@ GPU_PEAKS: dict[str, dict[str, float]] = {
     "H100": {"fp16": 989 * TERA, "bf16": 989 * TERA, "fp32": 67 * TERA},
     "H200": {"fp16": 989 * TERA, "bf16": 989 * TERA, "fp32": 67 * TERA},
 }
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def gpu_peak(name: str, dtype: torch.dtype) -> float | None:
@@ -129,5 +130,3 @@ def mfu(tokens_per_s: float, flops_token: float, peak: float | None) -> float | 
     return value if value <= 1.0 else None
 
 
-def format_mfu(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"

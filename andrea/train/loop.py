@@ -30,8 +30,7 @@ from andrea.errors import UserError
 from andrea.train.checkpoint_room import DiskFull
 from andrea.train.collectives import all_reduce_sum, barrier
 from andrea.train.device import pick_device
-from andrea.train.flops import format_mfu
-from andrea.train.metrics import median_tokens_per_s
+from andrea.train.metrics import format_mfu, median_tokens_per_s
 from andrea.train.optim import set_learning_rates
 from andrea.train.process_group import init_distributed, shutdown
 from andrea.train.progress import RunBar, plan_note_for

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from tqdm import tqdm
+
 from andrea.config import Config
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text
@@ -181,6 +183,15 @@ def recorded_median(records: list[dict[str, Any]], history: list[dict[str, Any]]
             return _number(rec["median_tokens_per_s"])
     rates = (_number(r.get("tokens_per_s")) for r in history if r.get("event") == "train")
     return median_tokens_per_s([x for x in rates if x is not None])
+
+
+def format_speed(tokens_per_s: float | None) -> str:
+    """A tokens/s figure as the progress bar prints it ('1.11k'), wherever else it is shown."""
+    return "-" if tokens_per_s is None else tqdm.format_sizeof(tokens_per_s)
+
+
+def format_mfu(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
 
 
 # ----------------------------------------------------------------------------- TensorBoard

@@ -25,11 +25,6 @@ def format_eta(seconds: float) -> str:
     return tqdm.format_interval(seconds)
 
 
-def format_speed(tokens_per_s: float | None) -> str:
-    """A tokens/s figure as the bar prints it ('1.11k'), for every other place that shows it."""
-    return "-" if tokens_per_s is None else tqdm.format_sizeof(tokens_per_s)
-
-
 class PlanNote:
     """One line, once the first micro-batches are timed, when the rest of the plan would take
     more than a day at their pace: how long, on what, and what to run instead. The first

@@ -244,6 +244,18 @@ def checkpoint_problem(ckpt: Path, for_resume: bool = False) -> str | None:
     return None
 
 
+def latest_problem(run: Path, name: str | None) -> str | None:
+    """Why the checkpoint a run's `latest` names (`name`; None: no `latest` file) cannot be
+    opened, or None when it can: what `find_checkpoint` would refuse, as `andrea runs` says
+    it."""
+    if name is None:
+        return f"no {LATEST} file naming the newest checkpoint"
+    if not (run / name).is_dir():
+        return f"{LATEST} points to {name}, which does not exist"
+    damage = checkpoint_problem(run / name)
+    return None if damage is None else f"{LATEST} points to {name}, whose {damage}"
+
+
 def newest_intact(run_dir: Path, for_resume: bool = False) -> Path | None:
     """The newest checkpoint folder of the run with no `checkpoint_problem`."""
     for ckpt in reversed(step_dirs(run_dir)):
