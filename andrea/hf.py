@@ -483,7 +483,8 @@ def import_hf(
             f"{run_dir} (the default --out, named after {src.resolve().name}): already exists; "
             f"pass --out runs/NAME for another run, or --force to replace it"
         )
-    replacing = _replacing(run_dir, force, _earlier_run)
+    replacing = _replacing(run_dir, force, _earlier_run,
+                           "--out" if out is not None else "the default --out")
     # The run's lock first, as a training takes it: a run a training writes is never replaced.
     with RunLock(run_dir, instead="import into another run with --out runs/NAME"):
         return _import_into(src, run_dir, hf, andrea, list(overrides or []), replacing)

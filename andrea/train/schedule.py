@@ -20,6 +20,7 @@ from typing import Any
 
 from andrea.config import TrainConfig
 from andrea.errors import UserError
+from andrea.train.rundir import step_dir_name
 
 # A change of the next step's lr on resume beyond this fraction is said in one line.
 JUMP_TOLERANCE = 0.10
@@ -108,7 +109,7 @@ def replan(
         # earlier checkpoint whose next step still had an lr can be extended instead.
         earlier = [k for k in sorted(kept, reverse=True)
                    if k < step and _reference_lr(k, was, anchor) > 0][:3]
-        held = (f"kept here: {', '.join(f'step-{k:06d}' for k in earlier)}" if earlier
+        held = (f"kept here: {', '.join(step_dir_name(k) for k in earlier)}" if earlier
                 else "this run keeps none now")
         if cfg.schedule == "wsd" and anchor is None:
             # the last checkpoint whose next step still had the peak lr
