@@ -139,11 +139,14 @@ def test_every_module_belongs_to_a_stage() -> None:
 
 def test_verbs_open_a_trained_model_through_trained_not_evaluate() -> None:
     """Finding and loading a checkpoint is andrea.trained's: the verbs that open one use it,
-    and only the CLI imports the eval verb."""
+    and only the CLI imports the eval verb. `andrea runs` opens no model: it reads the run's
+    files (train.rundir's checks), without torch (tests/test_cli.py)."""
     graph = imports_of(REPO / "andrea")
     assert {mod for mod, deps in graph.items() if "andrea.evaluate" in deps} == {"andrea.cli"}
-    for verb in ("andrea.evaluate", "andrea.generate", "andrea.hf", "andrea.runs"):
+    for verb in ("andrea.evaluate", "andrea.generate", "andrea.hf"):
         assert "andrea.trained" in graph[verb], verb
+    assert "andrea.trained" not in graph["andrea.runs"]
+    assert "andrea.train.rundir" in graph["andrea.runs"]
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
