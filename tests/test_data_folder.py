@@ -138,6 +138,32 @@ def test_training_on_a_folder_prepare_made_names_what_it_was_prepared_with(tmp_p
     assert andrea_main(*train, "--set", "data.source=mine.txt", cwd=tmp_path).returncode == 0
 
 
+def test_a_glob_inside_a_sources_folder_is_another_source(tmp_path):
+    """`data.source=notes` and `notes/*.jsonl` derive one folder, data/notes-byte, and share
+    files. The second was taken for the first with changed inputs: it prepared the folder again
+    over the first run's data, and `andrea eval` of the first run then scored the second's val
+    split without a word. Now it is another source: refused, the folder as it was."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.txt").write_text(LINE.format(j=0, name="a") * 1500)
+    (notes / "b.jsonl").write_text("".join(
+        json.dumps({"text": LINE.format(j=j, name="b") * 20}) + "\n" for j in range(60)))
+    train = ["train", "-c", "andrea-tiny", "--set", "train.max_steps=2", "--set",
+             "train.runs_dir=runs", "--no-progress"]
+    first = andrea_main(*train, "--set", "data.source=notes", "--set", "train.name=all",
+                        cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = snapshot(tmp_path / "data" / "notes-byte")
+    scored = andrea_main("eval", "--checkpoint", "runs/all", "--json", cwd=tmp_path)
+    r = andrea_main(*train, "--set", "data.source=notes/*.jsonl", "--set", "train.name=jsonl",
+                    cwd=tmp_path)
+    assert_user_error(r, "data/notes-byte: holds data prepared with source notes",
+                      "asks for source notes/*.jsonl", "(--set data.source=notes)")
+    assert snapshot(tmp_path / "data" / "notes-byte") == before
+    again = andrea_main("eval", "--checkpoint", "runs/all", "--json", cwd=tmp_path)
+    assert json.loads(again.stdout)[0]["tokens"] == json.loads(scored.stdout)[0]["tokens"]
+
+
 def test_train_refuses_a_folder_prepared_with_another_tokenizer(tmp_path):
     """Case 1: `train --set data.dir=X` where X holds another run's gpt2 data is one line, exit
     2, naming the folder and both tokenizers, and X stays byte for byte (the old code prepared

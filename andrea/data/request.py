@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,7 +171,10 @@ def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str 
     for record in records(out):
         differ = [k for k in REQUEST_KEYS if _request(record, k) != _request(settings, k)]
         names = {i.get("name") for i in record.get("inputs") or [] if isinstance(i, dict)}
-        if not names & {i["name"] for i in settings["inputs"]}:
+        # Another source: spelled otherwise (`notes` and `notes/*.jsonl` derive one folder and
+        # share files, but are two runs' data), or no input file in common.
+        if (_same_path(record.get("source")) != _same_path(settings.get("source"))
+                or not names & {i["name"] for i in settings["inputs"]}):
             differ.insert(0, "source")
         if differ:
             what = "data" if "tokenizer" in record else "an unfinished prepare"
@@ -183,6 +187,11 @@ def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str 
                 + "use another data folder (--out / data.dir), or replace that data by hand "
                 f"with `{shlex.join(prepare_argv(settings, out, tokenizer_file) + ['--force'])}`"
             )
+
+
+def _same_path(source: Any) -> Any:
+    """A source as compared: `notes`, `notes/` and `./notes` are one."""
+    return os.path.normpath(source) if isinstance(source, str) and source else source
 
 
 def _sets_for(record: dict[str, Any], differ: list[str], out: Path) -> str:
@@ -199,7 +208,7 @@ def _sets_for(record: dict[str, Any], differ: list[str], out: Path) -> str:
                 sets.append(f"data.tokenizer_file={_tokenizer_file(record, out)}")
             elif request.get("vocab_size"):
                 sets.append(f"model.vocab_size={request['vocab_size']}")
-        else:
+        elif _request(record, key) is not None:  # None: a setting that record never used
             sets.append(f"data.{key}={_request(record, key)}")
     return " ".join(shlex.join(["--set", one]) for one in sets)
 
@@ -227,8 +236,8 @@ def _describe(record: dict[str, Any], keys: list[str]) -> str:
                 words.append(f"tokenizer {kind} ({value['vocab_size']} ids)")
             else:
                 words.append(f"tokenizer {kind}")
-        else:
-            words.append(f"{key} {value}")
+        else:  # None: a setting the request does not use (text_field without record files)
+            words.append(f"{key} {'unused' if value is None else value}")
     return ", ".join(words)
 
 
