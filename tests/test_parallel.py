@@ -286,6 +286,19 @@ def test_fsdp_with_a_runs_dir_on_each_node_is_one_error_on_every_node(tmp_path, 
     assert not list((folders[0] / "runs").glob("sharded/step-*"))
 
 
+def test_a_failed_prepare_on_rank_0_is_its_one_line_on_every_rank(tmp_path):
+    """Rank 0 prepares the data while the others wait. A prepare that failed (a missing input)
+    was rank 0's one line, but rank 1 waited at a barrier that broke: a traceback of gloo's
+    "Connection closed by peer". Now every rank stops with rank 0's line."""
+    cfg = load_config("andrea-tiny", [f"train.runs_dir={tmp_path / 'runs'}", "train.name=nodata",
+                                      "train.max_steps=2", f"data.source={tmp_path / 'nope.txt'}"])
+    proc = run_torchrun("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress")
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    ours = proc.stderr[:proc.stderr.index("torch/distributed/elastic")].strip().splitlines()[:-1]
+    assert ours == [f"error: {tmp_path / 'nope.txt'}: no such file or directory"] * 2, ours
+    assert "Traceback" not in proc.stderr[:proc.stderr.index("torch/distributed/elastic")]
+
+
 def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint(tmp_path, data_dir):
     cfg = tiny_config(tmp_path, data_dir, *SETS, "train.parallel=fsdp", "train.max_steps=4",
                       "train.checkpoint_every=2", "train.eval_every=0", name="killed")

@@ -403,9 +403,10 @@ def check_one_tokenizer(identities: dict[str, Path]) -> None:
 def ensure_prepared(cfg: Config) -> Path:
     """The data dir for `cfg`, preparing it first (with one line saying so) if missing or stale.
 
-    In multi-process training call it on rank 0 and let the others wait at a barrier. Separate
-    commands take turns on the folder's lock; a folder holding data prepared with other
-    settings is refused, never rewritten (docs/data.md, "What prepare locks and refuses").
+    In multi-process training call it on rank 0 alone and let the others wait for it and hear
+    its error (train.collectives.from_rank0). Separate commands take turns on the folder's
+    lock; a folder holding data prepared with other settings is refused, never rewritten
+    (docs/data.md, "What prepare locks and refuses").
     """
     announce = f"preparing {data_dir_for(cfg)} from {source_words(cfg)} (first run only)"
     return prepare_from_config(cfg, verbose=False, announce=announce)

@@ -44,7 +44,7 @@ from andrea.model.transformer import Andrea, loss_chunk_rows
 from andrea.train import rundata
 from andrea.train.checkpoint import checkpoint_nbytes
 from andrea.train.checkpoint_room import check_room_at_start, start_warning
-from andrea.train.collectives import all_reduce_sum, barrier, from_rank0
+from andrea.train.collectives import all_reduce_sum, from_rank0
 from andrea.train.compiled import choose_compile, compile_line
 from andrea.train.device import choose_precision, device_name, precision_warning
 from andrea.train.flops import MfuMeter, flops_per_token
@@ -260,9 +260,8 @@ def prepare_data(
     (`locks`): a prepare that would rewrite them is refused meanwhile."""
     if resume_from is not None:
         cfg = from_rank0(lambda: resume_data(cfg, resume_from), dist)
-    elif dist.is_main:
-        ensure_prepared(cfg)
-    barrier(dist)
+    else:  # rank 0 prepares; the others wait, and stop with its one line if it fails
+        from_rank0(lambda: ensure_prepared(cfg), dist)
     locks.read_data([folder for _, folder, _ in run_sources(cfg)], run_dir)
     train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
     check_in_background(train_split, val_split)  # their checksums, not waited for here
