@@ -159,6 +159,16 @@ def test_text_field_and_skipped_records(tmp_path):
     r = andrea_main("prepare", "-i", "x.jsonl", "-t", "byte", "-o", "other", cwd=tmp_path)
     assert_user_error(r, "x.jsonl:1", "field 'text' is missing", "(fields: body)",
                       "--text-field")
+    # Under `andrea train`, which has no --text-field or --errors: the keys it takes.
+    train = ("train", "-c", "andrea-tiny", "--set", "data.source=x.jsonl", "--set",
+             "train.max_steps=1", "--set", "train.runs_dir=runs", "--no-progress")
+    line = assert_user_error(andrea_main(*train, cwd=tmp_path), "x.jsonl:1: field 'text' is "
+                             "missing (fields: body); choose the field with --text-field "
+                             "(data.text_field;", "--errors replace (data.errors=replace)")
+    assert "not a string" not in line
+    fixed = andrea_main(*train, "--set", "data.text_field=body", "--set", "data.errors=replace",
+                        cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
 
 
 def test_input_identity_is_size_mtime_and_sample(mixed, tmp_path, capsys):

@@ -291,18 +291,18 @@ def _record_text(value: Any, where: str, field: str, keys: Any, s: Settings) -> 
         except UnicodeDecodeError as exc:
             raise UserError(
                 f"{where}: invalid UTF-8 in field '{field}' at byte {exc.start}; fix the input "
-                "or pass --errors replace"
+                "or pass --errors replace (data.errors=replace)"
             ) from None
     if isinstance(value, str):
         return value
     if s.errors == "strict":
-        what = ("is missing" if value is MISSING else "is null" if value is None
-                else f"is {type(value).__name__}")
+        what = ("is missing" if value is MISSING else "is null, not a string" if value is None
+                else f"is {type(value).__name__}, not a string")
         has = f" (fields: {', '.join(map(str, keys))})" if keys is not None else ""
         raise UserError(
-            f"{where}: field '{field}' {what}, not a string{has}; choose the field with "
-            "--text-field (a dotted path such as doc.body reaches into objects), or skip such "
-            "records with --errors replace"
+            f"{where}: field '{field}' {what}{has}; choose the field with "
+            "--text-field (data.text_field; a dotted path such as doc.body reaches into objects), "
+            "or skip such records with --errors replace (data.errors=replace)"
         )
     return None
 
@@ -315,14 +315,15 @@ def _record_line(line: bytes, where: str, s: Settings) -> str | None:
     except UnicodeDecodeError as exc:
         raise UserError(
             f"{where}: invalid UTF-8 at byte {exc.start} of the line; fix the input "
-            "or pass --errors replace"
+            "or pass --errors replace (data.errors=replace)"
         ) from None
     except json.JSONDecodeError as exc:
         if s.errors == "replace":
             return None
         raise UserError(
             f"{where}: not a JSON object per line ({exc.msg.removesuffix(' at')} at "
-            f"column {exc.colno}); fix the line, skip such lines with --errors replace, "
+            f"column {exc.colno}); fix the line, skip such lines with --errors replace "
+            "(data.errors=replace), "
             "or name the file .txt to read it as plain text"
         ) from None
     if not isinstance(obj, dict):
@@ -330,7 +331,7 @@ def _record_line(line: bytes, where: str, s: Settings) -> str | None:
             return None
         raise UserError(
             f"{where}: a JSON {type(obj).__name__}, expected an object; fix the line or skip "
-            "such lines with --errors replace"
+            "such lines with --errors replace (data.errors=replace)"
         )
     return _record_text(field_value(obj, s.text_field), where, s.text_field, obj.keys(), s)
 
@@ -370,7 +371,7 @@ def job_documents(job: Job, s: Settings) -> tuple[list[tuple[str, str, bool]], T
             if s.errors == "strict":
                 raise UserError(
                     f"{job.name}: record {job.start + i} holds invalid Unicode (a lone "
-                    "surrogate); fix the input or pass --errors replace"
+                    "surrogate); fix the input or pass --errors replace (data.errors=replace)"
                 ) from None
             blob = text.encode("utf-8", errors=REPLACE)
             text = blob.decode("utf-8")
