@@ -259,6 +259,9 @@ def evaluate_checkpoints(
     settings.check()
     if limit is not None and limit < 1:
         raise UserError(f"--limit: must be a positive integer, got {limit}")
+    if limit is not None and not tasks:  # else it would be ignored without a word
+        raise UserError(f"--limit {limit}: counts the examples of a task; give --task KIND FILE "
+                        "with it, or drop it")
     settings.tasks = [read_task(kind, path, limit) for kind, path in tasks]
     ckpts = checkpoints_to_evaluate(checkpoints, all_steps, runs_dir)  # names the one it picks
     return [evaluate_one(ckpt, settings) for ckpt in ckpts]

@@ -621,9 +621,9 @@ def test_extending_a_run_that_decayed_to_lr_zero_is_refused(tmp_path, data_dir):
     proc = andrea_main("train", "--resume", str(result.run_dir / "step-000001"), "--no-progress",
                        "--set", "train.max_steps=8")
     assert proc.returncode == 0, proc.stderr
-    assert ("resume: step-000001 is older than this run's step-000002 to step-000004, from the "
-            "steps this resume trains again: they go as the run writes those steps anew or "
-            "train.keep_last prunes them (copy the run folder first to keep them)") in proc.stdout
+    assert ("resume: step-000001 is older than this run's step-000002 to step-000004, which "
+            "the steps this resume trains again will replace (or train.keep_last prune); copy "
+            "the run folder first to keep them") in proc.stdout
     lrs = {r["step"]: r["lr"] for r in read_events(result.run_dir, "train")}
     assert lrs[2] == lrs[3] == lrs[4] == cfg.train.lr and 0 < lrs[7] < lrs[5] < cfg.train.lr
 

@@ -279,7 +279,8 @@ def _finish(
             f"{manifest['tokenizer']['identity']} ({manifest['tokenizer']['vocab_size']:,} ids)"
             + (f"; skipped {skipped:,} records without a string '{text_field}' (or not JSON "
                "objects)" if skipped else "")
-            + (f"; replaced {replaced:,} invalid UTF-8 bytes with U+FFFD" if replaced else "")
+            + (f"; replaced {replaced:,} invalid UTF-8 byte{'s' if replaced != 1 else ''} with "
+               "U+FFFD" if replaced else "")
         )
 
 

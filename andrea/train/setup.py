@@ -606,12 +606,9 @@ def announce(
         newer = [d.name for d in step_dirs(s.run_dir) if (step_of_dir(d) or 0) > s.step]
         if newer:  # a resume from an older step of this run: its newer checkpoints are left
             names = newer[0] if len(newer) == 1 else f"{newer[0]} to {newer[-1]}"
-            one = len(newer) == 1
-            s.say(f"resume: {resume_from.name} is older than this run's {names}, from the "
-                  f"steps this resume trains again: {'it goes' if one else 'they go'} as the run "
-                  f"writes those steps anew or train.keep_last prunes "
-                  f"{'it' if one else 'them'} (copy the run folder first to keep "
-                  f"{'it' if one else 'them'})")
+            s.say(f"resume: {resume_from.name} is older than this run's {names}, which the "
+                  f"steps this resume trains again will replace (or train.keep_last prune); "
+                  f"copy the run folder first to keep {'it' if len(newer) == 1 else 'them'}")
     if micro_batch_line:  # before the line that uses it, and the warm-ups that depart from it
         s.say(micro_batch_line)
     s.say(
@@ -662,7 +659,7 @@ def plan_lines(s: Session) -> list[str]:
     prepared = s.train_split.n_tokens
     passes = total / prepared if prepared else math.inf
     sources = source_passes(s.train_split, total)
-    size = f"{steps:,} steps x {per_step:,} tokens/step"
+    size = f"{steps:,} step{'s' if steps != 1 else ''} x {per_step:,} tokens/step"
     if s.step < s.batch_warmup_steps:
         warm = min(s.batch_warmup_steps, steps) - s.step
         size = (f"{warm:,} steps x {s.tokens_at(0):,} + {steps - s.step - warm:,} steps x "
