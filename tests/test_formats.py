@@ -253,7 +253,8 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path):
         (["-i", "broken.jsonl"], ["broken.jsonl:4: not a JSON object per line (Unterminated "
                                     "string starting at column 10)"]),
         (["-i", "latin1.jsonl", "--errors", "strict"], ["latin1.jsonl:2: invalid UTF-8"]),
-        (["-i", "blob.bin"], ["blob.bin: looks binary"]),
+        (["-i", "blob.bin"], ["blob.bin: looks binary", "text, JSON Lines, CSV, Parquet or "
+                                                         "Arrow files"]),
         (["-i", "empty"], ["empty: directory has no input files"]),
         (["-i", "nothing/*.jsonl"], ["nothing/*.jsonl: the pattern matches no files"]),
     ]

@@ -246,7 +246,9 @@ def test_cli_bad_input(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"good line\n" * 3 + b"caf\xe9\n" + b"more\n" * 20)
     cases = [
         (["--input", "missing.txt", "-t", "byte"], "missing.txt: no such file or directory"),
-        (["--input", "empty.txt", "-t", "byte"], "empty.txt: input is empty"),
+        (["--input", "empty.txt", "-t", "byte"], "empty.txt: input is empty (1 file(s), 0 "
+                                                 "bytes); give a file, folder or glob that "
+                                                 "holds text"),
         (["--input", "nothing", "-t", "byte"], "nothing: directory has no input files"),
         (["--input", "*.nope", "-t", "byte"], "matches no files"),
         (["--input", "bad.txt", "-t", "byte"], "bad.txt: invalid UTF-8 at byte offset 33"),

@@ -81,7 +81,8 @@ def documents(
         say(f"{source}: skipping {', '.join(map(str, skipped[:3]))}{more}: prepared data or "
             "the output folder, not input")
     if sum(f.size for f in files) == 0:
-        raise UserError(f"{source}: input is empty ({len(files)} file(s), 0 bytes)")
+        raise UserError(f"{source}: input is empty ({len(files)} file(s), 0 bytes); give a "
+                        "file, folder or glob that holds text")
     return files
 
 
@@ -209,8 +210,8 @@ def _text_jobs(doc: Document, val_fraction: float, skip: int, file_bytes: int) -
         head = f.read(8192)
         if b"\0" in head:
             raise UserError(
-                f"{doc.name}: looks binary (NUL bytes), not text; give text, JSON Lines or "
-                "Parquet files"
+                f"{doc.name}: looks binary (NUL bytes), not text; give text, JSON Lines, CSV, "
+                "Parquet or Arrow files (docs/data.md, \"Input formats\")"
             )
         cut = val_start(f, doc.size, val_fraction)
         for split, (a, b) in zip(SPLITS, ((0, cut), (cut, doc.size)), strict=True):
