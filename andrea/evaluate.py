@@ -109,8 +109,8 @@ class EvalResult:
         return "\n".join(lines)
 
 
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{x:.4f}"
+def _fmt(x: float | None, digits: int = 4) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
 def val_figures(score: ValScore, list_sources: bool) -> dict[str, Any]:
@@ -303,10 +303,8 @@ def format_table(results: list[EvalResult]) -> str:
     header += [_task_header(t) for t in results[0].tasks]
     rows = [header]
     for r in results:
-        ppl = "n/a" if r.perplexity is None or not math.isfinite(r.perplexity) else (
-            f"{r.perplexity:.3f}")  # as one checkpoint's line gives it
-        row = [r.checkpoint, "-" if r.step is None else str(r.step), _fmt(r.loss), ppl,
-               _fmt(r.bits_per_byte)]
+        row = [r.checkpoint, "-" if r.step is None else str(r.step), _fmt(r.loss),
+               _fmt(r.perplexity, 3), _fmt(r.bits_per_byte)]  # 3 digits: as one line gives it
         row += [_fmt(s["loss"]) for s in r.sources]
         row += [_task_cell(t) for t in r.tasks]
         rows.append(row)
