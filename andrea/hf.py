@@ -218,11 +218,13 @@ def _earlier_run(out: Path) -> str | None:
 
 
 def _replacing(out: Path, force: bool, earlier: Callable[[Path], str | None],
-               flag: str = "--out") -> str | None:
+               said: str = "", instead: str = "pick another path") -> str | None:
     """What writing `out` will replace, said in a line before it goes; None when nothing is
     there (or an empty folder). --force replaces only what this command wrote there before
     (`earlier` describes it): a file, a link or a folder of anything else is never deleted,
-    so a mistyped --out cannot take a user's own folder with it."""
+    so a mistyped --out cannot take a user's own folder with it. `said`: how the refusal names
+    `out` (its --out by default); `instead`: the way out it offers besides --force."""
+    said = said or f"--out {out}"
     if not (out.exists() or out.is_symlink()):
         return None
     is_folder = out.is_dir() and not out.is_symlink()
@@ -233,10 +235,10 @@ def _replacing(out: Path, force: bool, earlier: Callable[[Path], str | None],
         held = sorted(p.name for p in out.iterdir())[:3] if is_folder else []
         kind = (f"a folder holding {', '.join(held)}{', ...' if len(held) == 3 else ''}"
                 if is_folder else "a link" if out.is_symlink() else "a file")
-        raise UserError(f"{flag} {out}: already exists as {kind}, which this command did not "
-                        "write and never replaces; pick another path, or move it away by hand")
+        raise UserError(f"{said}: already exists as {kind}, which this command did not write "
+                        f"and never replaces; {instead}, or move it away by hand")
     if not force:
-        raise UserError(f"{flag} {out}: already exists; pick another path or pass --force")
+        raise UserError(f"{said}: already exists; {instead}, or pass --force to replace it")
     return f"--force: replacing {what}"
 
 
@@ -478,13 +480,11 @@ def import_hf(
             f"{andrea_path}: format {andrea.get('format')!r}, expected {EXPORT_FORMAT!r}"
         )
     run_dir = Path(out) if out is not None else Path("runs") / src.resolve().name
-    if out is None and _earlier_run(run_dir) and not force:  # a folder the user never named
-        raise UserError(
-            f"{run_dir} (the default --out, named after {src.resolve().name}): already exists; "
-            f"pass --out runs/NAME for another run, or --force to replace it"
-        )
-    replacing = _replacing(run_dir, force, _earlier_run,
-                           "--out" if out is not None else "the default --out")
+    # A folder the user never named is said to be the default, as the way out.
+    said = "" if out is not None else (
+        f"{run_dir} (the default --out, named after {src.resolve().name})")
+    replacing = _replacing(run_dir, force, _earlier_run, said,
+                           "pass --out runs/NAME for another run")
     # The run's lock first, as a training takes it: a run a training writes is never replaced.
     with RunLock(run_dir, instead="import into another run with --out runs/NAME"):
         return _import_into(src, run_dir, hf, andrea, list(overrides or []), replacing)
