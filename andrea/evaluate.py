@@ -61,17 +61,17 @@ class EvalResult:
     precision: str
     device: str
     split: str = "val"
-    data_dir: str | None = None
-    # The val set: that many target tokens spread over the split (per source), the set a run
-    # with train.eval_tokens = max_tokens scores; None: the whole split.
+    data_dir: str | None = None  # the one prepared folder; a mixture's are in `sources`
+    # The val set: that many target tokens spread over the split (each source's, for a
+    # mixture), the set a run with train.eval_tokens = max_tokens scores; None: the whole split.
     max_tokens: int | None = None
     loss: float | None = None  # mean nats per target token (weighted over the sources)
     perplexity: float | None = None
     bits_per_byte: float | None = None  # None when the targets decode to no bytes
     tokens: int = 0  # target tokens evaluated
     bytes: int = 0
-    # A mixture's sources (or the one --source names): name, weight, loss, bits_per_byte,
-    # tokens, bytes.
+    # A mixture's sources (or the one --source names): name, data_dir, weight, loss,
+    # bits_per_byte, tokens, bytes.
     sources: list[dict[str, Any]] = field(default_factory=list)
     tasks: list[dict[str, Any]] = field(default_factory=list)  # tasks.TaskResult.as_dict()
 
@@ -81,11 +81,20 @@ class EvalResult:
         return json.dumps(json_safe(asdict(self)), indent=2)
 
     def val_set(self) -> str:
-        """The val set in words: the whole split, or the set a train.eval_tokens scores."""
+        """The val set in words: the whole split, or the set a train.eval_tokens scores (that
+        many tokens of each source of a mixture)."""
+        each = len(self.sources) > 1
         if self.max_tokens is None:
-            return f"the whole {self.split} split"
-        return (f"{self.split} split, {self.max_tokens:,} tokens spread over it as "
-                f"train.eval_tokens={self.max_tokens} scores")
+            return f"the whole {self.split} split" + (" of each source" if each else "")
+        return (f"{self.split} split, {self.max_tokens:,} tokens spread over "
+                f"{'each source' if each else 'it'} as train.eval_tokens={self.max_tokens} "
+                "scores")
+
+    def data_words(self) -> str:
+        """Where the val set is: the prepared folder, or a mixture's folders."""
+        if self.data_dir is not None or not self.sources:
+            return str(self.data_dir)
+        return f"{len(self.sources)} sources ({', '.join(s['data_dir'] for s in self.sources)})"
 
     def summary(self) -> str:
         """The val line (and one per source of a mixture), then one line per task."""
@@ -95,7 +104,7 @@ class EvalResult:
             ppl = f"{self.perplexity:.3f}" if self.perplexity is not None else "n/a"
             what = "weighted over the sources: " if len(self.sources) > 1 else ""
             lines = [
-                f"{self.checkpoint} on {self.data_dir} ({self.val_set()}): {what}loss "
+                f"{self.checkpoint} on {self.data_words()} ({self.val_set()}): {what}loss "
                 f"{self.loss:.4f}, perplexity {ppl}, bits/byte {_fmt(self.bits_per_byte)}, "
                 f"{self.tokens:,} tokens ({self.bytes:,} bytes), {self.precision}, {self.device}"
             ]
@@ -185,13 +194,15 @@ def _score_split(
     sources = val_sources(split, cfg.model.block_size, settings.max_tokens, settings.source)
     score = score_val(opened.model, sources, batch_size=settings.batch_size, device=dev,
                       dtype=dtype, progress=settings.progress)
-    result.data_dir = str(sources[0].split.data_dir if len(sources) == 1 else split.data_dir)
+    result.data_dir = str(sources[0].split.data_dir) if len(sources) == 1 else None
     whole = all(sum(n for _, _, n in s.windows) == int(np.maximum(s.split.shard_sizes - 1, 0).sum())
                 for s in sources)
     result.max_tokens = None if whole else settings.max_tokens
     listed = len(sources) > 1 or settings.source is not None
     for key, value in val_figures(score, listed).items():
         setattr(result, key, value)
+    for entry, source in zip(result.sources, sources, strict=False):
+        entry["data_dir"] = str(source.split.data_dir)
 
 
 def _score_tasks(
@@ -312,7 +323,7 @@ def format_table(results: list[EvalResult]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]
     if results[0].loss is not None:
-        lines.append(f"VAL LOSS: on {results[0].data_dir}, {results[0].val_set()}")
+        lines.append(f"VAL LOSS: on {results[0].data_words()}, {results[0].val_set()}")
     return "\n".join(lines)
 
 

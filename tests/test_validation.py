@@ -125,8 +125,15 @@ def test_a_mixture_is_scored_per_source_with_a_weighted_total(tmp_path):
     for s in got["sources"]:
         assert s["loss"] == pytest.approx(by_source[s["name"]]["loss"], rel=1e-6)
         assert s["bits_per_byte"] == pytest.approx(by_source[s["name"]]["bpb"], rel=1e-6)
+    # Each source's folder is named, and --max-tokens is each source's budget, as
+    # train.eval_tokens is: the line says so beside twice as many tokens.
+    folders = [Path(s["data_dir"]) for s in got["sources"]]
+    assert got["data_dir"] is None and [f.parent for f in folders] == [tmp_path / "data"] * 2
+    assert folders[0] != folders[1] and got["tokens"] == 2 * EVAL_TOKENS
     table = andrea_main(*args).stdout.splitlines()
     assert "weighted over the sources" in table[0] and len(table) == 3
+    assert f" on 2 sources ({folders[0]}, {folders[1]}) (val split, {EVAL_TOKENS:,} tokens " \
+        "spread over each source as" in table[0]
     assert table[2].startswith(f"  {b} (weight 0.250): loss {lb:.4f}")
     (only,) = json.loads(andrea_main(*args, "--source", "b.txt", "--json").stdout)
     assert [s["name"] for s in only["sources"]] == [str(b)]
