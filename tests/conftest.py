@@ -173,6 +173,12 @@ def run_torchrun(
     )
 
 
+def without_notes(stderr: str) -> str:
+    """A long training's stderr without its `note: ` lines: the plan's time (progress.PlanNote),
+    said when a plan is long for the machine's pace, which a loaded machine can make it."""
+    return "".join(line for line in stderr.splitlines(True) if not line.startswith("note: "))
+
+
 def assert_user_error(
     proc: Result | subprocess.CompletedProcess, *fragments: str
 ) -> str:

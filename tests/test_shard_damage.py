@@ -24,6 +24,7 @@ from conftest import (
     python_command,
     tiny_config,
     wait_until,
+    without_notes,
 )
 from test_cli import run_main
 from test_prepare import corpus  # noqa: F401  (a fixture)
@@ -316,8 +317,9 @@ def test_a_shard_cut_short_under_a_running_training_is_one_line_with_a_checkpoin
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    line = assert_user_error(Result(proc.returncode, out, err), f"{shard}: token shard changed "
-                             "while the training read it (cut short to ")
+    line = assert_user_error(Result(proc.returncode, out, without_notes(err)),
+                             f"{shard}: token shard changed while the training read it (cut "
+                             "short to ")
     done = max(e["step"] for e in train_events(run) if e["event"] == "train")
     assert f"stopped after step {done}, checkpoint {run / f'step-{done:06d}'}; " in line
     assert (run / "latest").read_text().strip() == f"step-{done:06d}"

@@ -101,7 +101,7 @@ def test_resume_of_a_run_without_a_checkpoint_says_what_happened(tmp_path, data_
 
 
 def test_an_eta_of_days_is_said_in_days_and_a_plan_of_days_once_with_what_to_run(
-        tmp_path, data_dir):
+        tmp_path, data_dir, monkeypatch):
     assert format_eta(3 * 3600 + 62) == "3:01:02"
     assert format_eta(13317 * 3600 + 40 * 60 + 36) == "555 days"
     bar = RunBar(total=10**12, unit="tok", unit_scale=True, disable=True)
@@ -110,19 +110,34 @@ def test_an_eta_of_days_is_said_in_days_and_a_plan_of_days_once_with_what_to_run
     # The pace of the micro-batches after the first: 4,096 tokens in 2 s each, 2,048 tokens/s.
     clock = iter([100.0, 102.0, 104.0, 106.0, 108.0])
     cpu, n_120m = torch.device("cpu"), 124_000_000
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     note = plan_note_for(2_048 * 86_400 * 1_246 + 3 * 4_096, cpu, 1, n_120m)
     note.clock = lambda: next(clock)
     said = [note.after_micro_batch(4_096) for _ in range(5)]
     assert said[:2] == [None, None] and said[3:] == [None, None], said  # said once, at the 3rd
     assert said[2] == (
         f"note: this plan needs about 1,246 days on this machine ({cpu_name()}, "
-        f"{torch.get_num_threads()} threads, 2,048 tokens/s); on a CPU train andrea-12m, as the "
+        f"2 threads, 2,048 tokens/s); on a CPU train andrea-12m, as the "
         f"README does: andrea train --config andrea-12m.yaml; or lower train.max_steps for a "
         f"trial of this plan")
     clock = iter([0.0, 1.0, 2.0])  # a day's plan at 4,096 tokens/s: nothing to say
     note = plan_note_for(4_096 * 86_400, cpu, 1, n_120m)
     note.clock = lambda: next(clock)
     assert [note.after_micro_batch(4_096) for _ in range(3)] == [None, None, None]
+    # Without the bar (--no-progress) nothing else is printed until the first val loss: an
+    # hour's plan is said, as its hour; ten seconds' is not, nor an hour's beside a bar.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # "1 thread", not "1 threads"
+    for quiet, left, expected in [(True, 3_600, "1:00:00"), (True, 10, None),
+                                  (False, 3_600, None)]:
+        note = plan_note_for(2_048 * left + 3 * 4_096, cpu, 1, n_120m, quiet=quiet)
+        note.clock = iter([0.0, 2.0, 4.0]).__next__
+        said = [note.after_micro_batch(4_096) for _ in range(3)]
+        assert said[:2] == [None, None]
+        assert said[2] == (expected and (
+            f"note: the rest of this plan needs about {expected} on this machine ({cpu_name()}, "
+            "1 thread, 2,048 tokens/s); without the bar "
+            "(--no-progress), the next line on progress is the first val loss or the end"))
+    monkeypatch.undo()  # the runs below count their own threads
     # A real run of a billion steps of the tiny model on this CPU: months, said before step 1
     # ends (the tiny model: no other preset to suggest).
     cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1000000000",
@@ -137,6 +152,16 @@ def test_an_eta_of_days_is_said_in_days_and_a_plan_of_days_once_with_what_to_run
         lines[0]), proc.stderr
     assert re.search(r"<[\d,]+ days,", proc.stderr), proc.stderr
     assert not re.search(r"\d{3,}:\d\d:\d\d", proc.stderr), proc.stderr
+    # 70,000 steps of 2,048 tokens, without the bar: 2 hours at this CPU's 20,000 tokens/s, so
+    # between ten minutes and a day on a CPU 12 times faster or slower.
+    proc = andrea_main("train", "-c", str(cfg), "--stop-after", "2", "--no-progress", "--set",
+                       "train.max_steps=70000", "--set", "train.global_batch_tokens=2048",
+                       "--set", "train.micro_batch_size=8", "--set", "train.name=quiet")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "plan needs" in line]
+    assert len(lines) == 1 and re.search(
+        r"^note: the rest of this plan needs about (\d+:)?\d+:\d\d on this machine \(.+\); "
+        r"without the bar \(--no-progress\)", lines[0]), proc.stderr
 
 
 def test_a_small_mixture_source_is_counted_and_warned_about_on_its_own(tmp_path):

@@ -204,7 +204,7 @@ def progress_bar(s: Session, enabled: bool) -> RunBar:
                  unit="tok", unit_scale=True, dynamic_ncols=True, file=sys.stderr)
     if s.dist.is_main:  # a plan of days said once, with or without the bar
         bar.plan_note = plan_note_for(total - done, s.device, s.dist.world_size,
-                                      s.model.num_params())
+                                      s.model.num_params(), quiet=not enabled)
     return bar
 
 

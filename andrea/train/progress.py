@@ -29,13 +29,18 @@ class PlanNote:
     """One line, once the first micro-batches are timed, when the rest of the plan would take
     more than a day at their pace: how long, on what, and what to run instead. The first
     micro-batch (allocations, a compile) is left out; the next TIMED set the pace, so a plan of
-    years is told within a few micro-batches, not after steps that may take hours each."""
+    years is told within a few micro-batches, not after steps that may take hours each.
+    `quiet` (no bar, --no-progress): a plan of QUIET_PLAN or more is said too, since nothing
+    else is printed until the first val loss or the end, an hour away for one step of
+    andrea-120m on a CPU."""
 
     TIMED = 2
+    QUIET_PLAN = 600.0  # seconds
 
-    def __init__(self, tokens_left: int, machine: str, instead: str,
+    def __init__(self, tokens_left: int, machine: str, instead: str, quiet: bool = False,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.tokens_left, self.machine, self.instead = tokens_left, machine, instead
+        self.quiet = quiet
         self.clock = clock
         self.start: float | None = None
         self.timed = 0
@@ -56,11 +61,17 @@ class PlanNote:
             return None
         self.said = True
         rate = self.tokens / (now - self.start)
-        days = self.tokens_left / rate / DAY
-        if days <= 1:
-            return None
-        return (f"note: this plan needs about {days:,.{0 if days >= 10 else 1}f} days on this "
-                f"machine ({self.machine}, {rate:,.0f} tokens/s); {self.instead}")
+        seconds = self.tokens_left / rate
+        days = seconds / DAY
+        if days > 1:
+            return (f"note: this plan needs about {days:,.{0 if days >= 10 else 1}f} days on "
+                    f"this machine ({self.machine}, {rate:,.0f} tokens/s); {self.instead}")
+        if self.quiet and seconds >= self.QUIET_PLAN:
+            return (f"note: the rest of this plan needs about {format_eta(seconds)} on this "
+                    f"machine ({self.machine}, {rate:,.0f} tokens/s); without the bar "
+                    "(--no-progress), the next line on progress is the first val loss or the "
+                    "end")
+        return None
 
 
 # andrea-12m's parameters: the preset the README trains on a CPU, in minutes.
@@ -68,11 +79,13 @@ CPU_PRESET, CPU_PRESET_PARAMS = "andrea-12m", 12_292_992
 
 
 def plan_note_for(tokens_left: int, device: torch.device, world_size: int,
-                  n_params: int) -> PlanNote:
+                  n_params: int, quiet: bool = False) -> PlanNote:
     """The PlanNote of a run on `device` x world_size: the machine named as a benchmark names
-    it, and what to run instead there (a model larger than andrea-12m on a CPU: that preset)."""
+    it, and what to run instead there (a model larger than andrea-12m on a CPU: that preset);
+    `quiet`: the run shows no bar."""
     if device.type == "cpu":
-        machine = f"{cpu_name()}, {torch.get_num_threads()} threads"
+        threads = torch.get_num_threads()
+        machine = f"{cpu_name()}, {threads} thread{'s' if threads > 1 else ''}"
         if world_size > 1:
             machine = f"{world_size} processes on {machine}"
         instead = (f"on a CPU train {CPU_PRESET}, as the README does: andrea train --config "
@@ -83,7 +96,7 @@ def plan_note_for(tokens_left: int, device: torch.device, world_size: int,
         machine = f"{world_size} x {device_name(device)}"
         instead = ("lower train.max_steps or train.global_batch_tokens, or add GPUs (torchrun "
                    "--nproc_per_node, --nnodes)")
-    return PlanNote(tokens_left, machine, instead)
+    return PlanNote(tokens_left, machine, instead, quiet)
 
 
 class RunBar(tqdm):
