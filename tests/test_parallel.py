@@ -81,7 +81,7 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
     out = launch(tmp_path, fsdp_cfg, "--resume", str(mixed), "--set",
                  "train.parallel=fsdp").stdout
     assert "resume: train.parallel ddp -> fsdp" in out
-    assert "resharding the checkpoint written by 2 processes (ddp) for 2 (fsdp)" in out
+    assert "resharding the checkpoint written by 2 processes (ddp) for 2 processes (fsdp)" in out
     for step, loss in losses(mixed).items():
         assert math.isclose(loss, ddp[step], rel_tol=1e-4), (step, loss, ddp[step])
 
@@ -91,7 +91,7 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
     result = train(load_config(alone / "config.yaml"), resume=str(alone), progress=False)
     out = capsys.readouterr().out
     assert "parallel: fsdp with 1 process: nothing to shard" in out
-    assert "resharding the checkpoint written by 2 processes (fsdp) for 1 (none)" in out
+    assert "resharding the checkpoint written by 2 processes (fsdp) for 1 process\n" in out
     assert result.steps == STEPS
     for step in range(11, STEPS + 1):
         assert math.isclose(result.losses[step], fsdp[step], rel_tol=1e-4), step
@@ -114,7 +114,7 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
     out = launch(tmp_path, fsdp_cfg, "--resume", str(tmp_path / "grow"), "--set",
                  f"train.max_steps={STEPS}", "--set", "train.parallel=fsdp", "--set",
                  "train.activation_checkpointing=blocks").stdout
-    assert "resharding the checkpoint written by 1 process (none) for 2 (fsdp)" in out
+    assert "resharding the checkpoint written by 1 process for 2 processes (fsdp)" in out
     assert "train.activation_checkpointing none -> blocks" in out
     for step, loss in losses(tmp_path / "grow").items():
         assert math.isclose(loss, ddp[step], rel_tol=1e-4), (step, loss, ddp[step])
@@ -461,12 +461,12 @@ def test_fsdp_muon_matches_one_process_and_reshards(tmp_path, data_dir, capsys):
     alone = rewound(tmp_path / "fsdp", tmp_path / "alone", 10)
     capsys.readouterr()
     train(load_config(alone / "config.yaml"), resume=str(alone), progress=False)
-    assert "written by 2 processes (fsdp) for 1 (none)" in capsys.readouterr().out
+    assert "written by 2 processes (fsdp) for 1 process\n" in capsys.readouterr().out
     continues(alone)
     # 1 process -> fsdp (2), from whole tensors.
     grow = rewound(tmp_path / "one", tmp_path / "grow", 10)
     out = launch(tmp_path, fsdp_cfg, "--resume", str(grow), "--set", "train.parallel=fsdp").stdout
-    assert "written by 1 process (none) for 2 (fsdp)" in out
+    assert "written by 1 process for 2 processes (fsdp)" in out
     continues(grow)
 
 
@@ -537,7 +537,7 @@ def test_the_mode_is_decided_once_from_the_config_and_the_processes():
         "parallel: fsdp, parameters, gradients and optimizer state sharded over 2 processes"]
 
 
-def test_the_resharding_line_names_what_wrote_the_checkpoint():
+def test_the_layout_change_line_names_what_wrote_the_checkpoint_and_what_happens_to_it():
     from andrea.train.parallel import parallel_for
     from andrea.train.rundir import TrainerState
     from andrea.train.torchrun import DistInfo
@@ -547,14 +547,20 @@ def test_the_resharding_line_names_what_wrote_the_checkpoint():
 
     one, two = DistInfo(), DistInfo(0, 0, 2, 2)
     # Checkpoints from before the mode was recorded: ddp on several processes, else none.
-    assert parallel_for("ddp", two).resharding_line(written(world_size=2)) is None
-    assert parallel_for("fsdp", one).resharding_line(written()) is None
-    assert parallel_for("fsdp", two).resharding_line(written(world_size=2)) == (
-        "resume: resharding the checkpoint written by 2 processes (ddp) for 2 (fsdp)")
-    assert parallel_for("fsdp", two).resharding_line(written(world_size=1)) == (
-        "resume: resharding the checkpoint written by 1 process (none) for 2 (fsdp)")
-    assert parallel_for("ddp", one).resharding_line(written(world_size=2, parallel="fsdp")) == (
-        "resume: resharding the checkpoint written by 2 processes (fsdp) for 1 (none)")
+    assert parallel_for("ddp", two).layout_change_line(written(world_size=2)) is None
+    assert parallel_for("fsdp", one).layout_change_line(written()) is None
+    assert parallel_for("fsdp", two).layout_change_line(written(world_size=2)) == (
+        "resume: resharding the checkpoint written by 2 processes (ddp) for 2 processes (fsdp)")
+    assert parallel_for("fsdp", two).layout_change_line(written(world_size=1)) == (
+        "resume: resharding the checkpoint written by 1 process for 2 processes (fsdp)")
+    assert parallel_for("ddp", one).layout_change_line(written(world_size=2, parallel="fsdp")) == (
+        "resume: resharding the checkpoint written by 2 processes (fsdp) for 1 process")
+    # Whole weights on both sides: nothing is resharded, and the line does not say it is.
+    assert parallel_for("ddp", one).layout_change_line(written(world_size=2, parallel="ddp")) == (
+        "resume: the checkpoint written by 2 processes (ddp) goes on with 1 process")
+    four = DistInfo(0, 0, 4, 4)
+    assert parallel_for("ddp", four).layout_change_line(written(world_size=2, parallel="ddp")) == (
+        "resume: the checkpoint written by 2 processes (ddp) goes on with 4 processes (ddp)")
 
 
 def test_one_process_clips_and_accumulates_as_torch_does():

@@ -67,16 +67,22 @@ class Parallel:
                     f"whole"]
         return []
 
-    def resharding_line(self, trainer_state: TrainerState) -> str | None:
+    def layout_change_line(self, trainer_state: TrainerState) -> str | None:
         """The plan line when a resumed checkpoint was written by another number of processes
         or in another mode, else None."""
         was_world = trainer_state.world_size
         was = trainer_state.parallel or mode_before_recorded(was_world)
         if (was_world, was) == (self.dist.world_size, self.name):
             return None
-        return (f"resume: resharding the checkpoint written by {was_world} "
-                f"process{'es' if was_world > 1 else ''} ({was}) for "
-                f"{self.dist.world_size} ({self.name})")
+        before, now = processes(was_world, was), processes(self.dist.world_size, self.name)
+        if MODES.get(was, Parallel).sharded or self.sharded:
+            return f"resume: resharding the checkpoint written by {before} for {now}"
+        return f"resume: the checkpoint written by {before} goes on with {now}"  # whole weights
+
+
+def processes(world_size: int, mode: str) -> str:
+    """'1 process', '2 processes (fsdp)': a layout as the resume line names it."""
+    return "1 process" if world_size == 1 else f"{world_size} processes ({mode})"
 
 
 @dataclass

@@ -598,9 +598,9 @@ def announce(
             s.say(f"resume: {key} {old} -> {new}")  # else the schedule's line says it
     if attention_line:
         s.say(attention_line)
-    resharding = (s.parallel.resharding_line(trainer_state) if trainer_state is not None
-                  else None)
-    for line in s.parallel.lines() + ([resharding] if resharding else []) + schedule_lines:
+    layout_change = (s.parallel.layout_change_line(trainer_state) if trainer_state is not None
+                     else None)
+    for line in s.parallel.lines() + ([layout_change] if layout_change else []) + schedule_lines:
         s.say(line)
     if resume_from is not None:
         newer = [d.name for d in step_dirs(s.run_dir) if (step_of_dir(d) or 0) > s.step]
