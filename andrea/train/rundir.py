@@ -33,10 +33,11 @@ Checkpoints are safetensors and JSON only (no pickle). Each `step-NNNNNN/` holds
 
 With `train.parallel: fsdp` the weights and optimizer state (AdamW's, Muon's) are written by every
 rank at once, each its own shards, through torch.distributed.checkpoint's Hugging Face writer:
-`shards/shard-0000R-model-00001-of-00001.safetensors` (each tensor's slice with its offsets in the
-metadata) and `shards/index.json` (the files and their sizes); `optimizer.safetensors` is then not
-written. A resume reads the shards at any number of processes, in either mode (DCP reshards);
-`model.safetensors` stays whole for eval, generate and export.
+`shards/shard-NNNNN-model-00001-of-00001.safetensors`, NNNNN the rank + 1 in five digits (each
+tensor's slice with its offsets in the metadata) and `shards/index.json` (the files and their
+sizes); `optimizer.safetensors` is then not written. A resume reads the shards at any number of
+processes, in either mode (DCP reshards); `model.safetensors` stays whole for eval, generate and
+export.
 
 A checkpoint is assembled in `step-NNNNNN.partial-<pid>/` (each file flushed and fsynced; with
 shards, after every rank has finished its files), the folder is renamed into place (`publish`),
