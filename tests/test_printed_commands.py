@@ -157,6 +157,21 @@ def test_the_training_line_for_a_damaged_shard_names_commands_that_run(data_dir,
     assert "intact" in verify.verify_folder(data)
 
 
+def test_verify_on_a_folder_of_text_names_the_command_that_prepares_it(corpus, tmp_path):  # noqa: F811
+    """Before: `prepare text into it: andrea prepare --input PATH --out in`, which is refused,
+    the folder holding the user's files. Now the command that prepares that text elsewhere;
+    pasted, it writes a folder that verifies, and leaves the text as it was."""
+    before = {p: p.read_bytes() for p in corpus.rglob("*") if p.is_file()}
+    line = assert_user_error(andrea_main("prepare", "--verify", "in", cwd=tmp_path),
+                             "in: no prepared data here", "it holds a.txt, ")
+    (command,) = commands(line)
+    out = paste(command, tmp_path).stdout
+    written = re.search(r"data/in-[\w-]+", out)
+    assert written, out
+    assert "intact" in verify.verify_folder(tmp_path / written.group())
+    assert {p: p.read_bytes() for p in corpus.rglob("*") if p.is_file()} == before
+
+
 def test_a_folder_without_checksums_names_the_command_that_records_them(data_dir, tmp_path):
     data = tmp_path / "shards"
     shutil.copytree(data_dir, data)

@@ -96,17 +96,25 @@ def check_owned(out: Path) -> None:
     """Refuse a folder andrea may not write: a file, or a non-empty folder that is not andrea's."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: not a folder; the data folder (--out / data.dir) must be one")
-    if not out.is_dir() or is_andrea_folder(out):
-        return
-    foreign = sorted(p.name for p in out.iterdir() if p.name != LOCK)
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3
-                                          else "")
+    shown = foreign_files(out)
+    if shown:
         raise UserError(
             f"{out}: the folder holds files andrea did not write ({shown}) and no {MANIFEST}; "
             "andrea prepares only into an empty folder or one it prepared: choose another data "
             "folder (--out / data.dir)"
         )
+
+
+def foreign_files(folder: Path) -> str | None:
+    """The files of a folder that is not andrea's, in words ('a.txt, b.txt, c.txt and 2
+    more'); None for a folder that is andrea's, empty, or missing."""
+    if not folder.is_dir() or is_andrea_folder(folder):
+        return None
+    foreign = sorted(p.name for p in folder.iterdir() if p.name != LOCK)
+    if not foreign:
+        return None
+    return ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3
+                                     else "")
 
 
 def owned_files(out: Path) -> set[str]:

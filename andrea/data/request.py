@@ -16,7 +16,7 @@ from typing import Any
 
 from andrea.data import shards
 from andrea.data.documents import SHAKESPEARE, SPLITS, Input, identity
-from andrea.data.folder import PROGRESS, is_andrea_folder, records
+from andrea.data.folder import PROGRESS, foreign_files, is_andrea_folder, records
 from andrea.data.inputs import names_anything
 from andrea.data.readers import InputFile
 from andrea.data.shards import MANIFEST, MANIFEST_VERSION, DamagedShard, read_manifest
@@ -308,6 +308,10 @@ def prepare_again(folder: Path) -> str:
     if command is not None:
         return f"prepare it again: {command}"
     if not (folder / MANIFEST).exists():
+        held = foreign_files(folder)
+        if held:  # the user's own files, which prepare never writes among
+            return (f"it holds {held}; if that is the text to prepare: `andrea prepare --input "
+                    f"{shlex.quote(str(folder))}` (it names the folder under data/ it writes)")
         return f"prepare text into it: andrea prepare --input PATH --out {shlex.quote(str(folder))}"
     return ("its inputs are not recorded anywhere readable: prepare it again with the command "
             "that made it, adding --force")
