@@ -233,6 +233,19 @@ def test_bad_tokenizer_file(corpus, tmp_path):
         f"with {EOT_TEXT} as its last id"
     ]
     assert not (tmp_path / "out").exists() and not (tmp_path / "data").exists()
+    # A file beside another tokenizer or a vocab size: the one option that conflicts is named;
+    # --tokenizer bpe (the file's kind) is not a conflict.
+    for given, said in [(["-t", "byte"], "--tokenizer byte: --tokenizer-file ok.json is a BPE "
+                                         "tokenizer; drop --tokenizer (or give --tokenizer bpe)"),
+                        (["--vocab-size", "300"], "--vocab-size 300: the tokenizer file ok.json "
+                                                  "gives the vocab size; drop --vocab-size")]:
+        r = run_cli("--input", str(corpus), "--tokenizer-file", "ok.json", *given, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: {said}"]
+    r = run_cli("--input", str(corpus), "--tokenizer-file", "ok.json", "-t", "bpe", "--out",
+                "given", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "given" / "tokenizer.json").read_bytes() == (
+        tmp_path / "ok.json").read_bytes()
 
 
 def run_cli(*args, cwd):

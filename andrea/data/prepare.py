@@ -462,10 +462,12 @@ def prepare_command(
         tokenizer_file=tokenizer_file, text_field=text_field))
     kind, tokenizer_file = d.tokenizer, d.tokenizer_file or None
     if tokenizer_file is not None:
-        if kind not in KINDS or KINDS[kind].file is None or vocab_size is not None:
-            raise UserError(
-                "--tokenizer-file gives the BPE and its vocab size; drop --tokenizer/--vocab-size"
-            )
+        if vocab_size is not None:
+            raise UserError(f"--vocab-size {vocab_size}: the tokenizer file {tokenizer_file} "
+                            "gives the vocab size; drop --vocab-size")
+        if kind not in KINDS or KINDS[kind].file is None:
+            raise UserError(f"--tokenizer {kind}: --tokenizer-file {tokenizer_file} is a BPE "
+                            "tokenizer; drop --tokenizer (or give --tokenizer bpe)")
     elif kind in KINDS and KINDS[kind].trained and vocab_size is None:
         vocab_size = 4096
     if not (kind in KINDS and KINDS[kind].trained) and vocab_size is not None:
