@@ -9,6 +9,8 @@ import io
 import json
 import os
 import random
+import re
+import shlex
 import signal
 import subprocess
 
@@ -274,12 +276,23 @@ def test_mixture_errors_through_the_command(tmp_path):
     r = andrea_main("prepare", "-c", "andrea-tiny", "--set", weight0.replace("0}", "-2}"),
                     cwd=tmp_path)
     assert_user_error(r, "data.sources[1].weight", "got -2")
-    # A BPE trained per source: two tokenizers, which one mixture cannot use.
+    # A BPE trained per source: two tokenizers, which one mixture cannot use. Refused before
+    # anything is prepared (it was refused after preparing both), naming the commands that
+    # share one BPE; pasted, the mixture prepares.
     both = "data.sources=[{path: a.jsonl, weight: 1}, {path: b.jsonl, weight: 2}]"
-    r = andrea_main("prepare", "-c", "andrea-tiny", "--set", both, "--set", "data.tokenizer=bpe",
-                    cwd=tmp_path)
-    assert_user_error(r, "data.sources: data/a-bpe-320 was prepared with tokenizer bpe:",
-                      "but data/b-bpe-320 with bpe:", "one tokenizer")
+    argv = ["prepare", "-c", "andrea-tiny", "--set", both, "--set", "data.tokenizer=bpe"]
+    line = assert_user_error(andrea_main(*argv, cwd=tmp_path), "data.sources: 2 sources with "
+                             "data.tokenizer bpe would each train a BPE of their own")
+    assert not (tmp_path / "data").exists()
+    first, extra = [shlex.split(c) for c in re.findall(r"`([^`]+)`", line)]
+    assert first[:2] == ["andrea", "prepare"] and extra[0] == "--set"
+    assert andrea_main(*first[1:], cwd=tmp_path).returncode == 0
+    r = andrea_main(*argv, *extra, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    shared = (tmp_path / "data" / "a-bpe-320" / "tokenizer.json").read_bytes()
+    prepared = sorted(p for p in (tmp_path / "data").glob("*-bpe-tok*"))
+    assert [p.name[:2] for p in prepared] == ["a-", "b-"]
+    assert all((p / "tokenizer.json").read_bytes() == shared for p in prepared)
     r = andrea_main("prepare", "-c", "andrea-tiny", "--set", both, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "data" / "a-byte" / "manifest.json").is_file()

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -372,8 +373,21 @@ def prepare_from_config(
         given = read_tokenizer_file(d.tokenizer_file)[1]
         where = f"data.tokenizer_file {d.tokenizer_file}"
         check_vocab(given.vocab_size, cfg.model.vocab_size, where)
+    sources = run_sources(cfg)
+    if kind.trained and not d.tokenizer_file and len(sources) > 1:
+        first, folder, _ = sources[0]  # where the config would prepare it: a BPE to share
+        argv = ["andrea", "prepare", "--input", first, "--tokenizer", d.tokenizer,
+                "--vocab-size", str(cfg.model.vocab_size), "--out", str(folder)]
+        default = type(d)()  # the data section's defaults, which the command need not give
+        argv += ["--errors", d.errors] if d.errors != default.errors else []
+        argv += ["--text-field", d.text_field] if d.text_field != default.text_field else []
+        raise UserError(
+            f"{cfg.source}: data.sources: {len(sources)} sources with data.tokenizer "
+            f"{d.tokenizer} would each train a BPE of their own, and a mixture needs one; "
+            f"train it on one source, `{shlex.join(argv)}`, then add `--set "
+            f"data.tokenizer_file={folder / str(kind.file)}` to this command")
     identities: dict[str, Path] = {}
-    for source, target, _ in run_sources(cfg):
+    for source, target, _ in sources:
         out = prepare_inputs(
             source, d.tokenizer, target,
             vocab_size=cfg.model.vocab_size if kind.trained else None,
