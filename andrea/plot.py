@@ -177,12 +177,25 @@ def _runs_to_draw(
         history = _history_to_draw(path, notes)
         if history is not None:
             # The state in the legend says why a curve stops early.
-            runs.append((f"{path.resolve().name} ({read_run(path).state})", history))
+            runs.append((f"{_legend_name(path.resolve().name)} ({read_run(path).state})",
+                         history))
     if not runs:
         raise UserError("nothing to plot: " + "; ".join(notes))
     for note in notes:
         warn(note)
     return runs
+
+
+# Characters of a run's name in a legend: a longer one is cut in its middle, keeping its start
+# and end (where names differ: a prefix, a date or seed), so the legend stays inside its panel.
+LEGEND_NAME = 30
+
+
+def _legend_name(name: str) -> str:
+    if len(name) <= LEGEND_NAME:
+        return name
+    keep = LEGEND_NAME - 1
+    return f"{name[:keep - keep // 2]}\u2026{name[len(name) - keep // 2:]}"
 
 
 def _history_to_draw(path: Path, notes: list[str]) -> list[dict[str, Any]] | None:

@@ -177,5 +177,11 @@ def test_titles_and_offset_texts_fit_and_do_not_overlap(tmp_path):
             for i, first in enumerate(texts):
                 for second in texts[i + 1:]:
                     assert not boxes[first].overlaps(boxes[second]), (first, second)
+            # Each legend inside its panel: a long run name is shortened in the middle.
+            for ax in fig.axes:
+                if ax.get_legend() is not None:
+                    legend, panel = ax.get_legend().get_window_extent(renderer), ax.bbox
+                    assert panel.x0 <= legend.x0 and legend.x1 <= panel.x1, (ax.get_title(),
+                                                                             legend, panel)
         finally:
             close(fig)
