@@ -130,6 +130,27 @@ def test_keep_last_prunes_old_checkpoints(tmp_path, data_dir):
     assert len(read_events(result.run_dir, "checkpoint")) == 4
 
 
+def test_keep_last_after_a_resume_from_an_older_step_keeps_the_checkpoint_resumed_from(
+        tmp_path, data_dir):
+    """Before: a resume from step 4 of a run keeping 4, 6 and 8 deleted step 4 at its first
+    checkpoint (5) and kept the steps it had gone back from, and then each checkpoint of the
+    new line deleted the one before. Now keep_last counts the line up to `latest`; the steps
+    past it stay until the resume writes its way back to them."""
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=8",
+                      "train.checkpoint_every=2", "train.keep_last=3", "train.eval_every=0")
+    run = train(cfg, progress=False).run_dir
+    assert [p.name for p in step_dirs(run)] == ["step-000004", "step-000006", "step-000008"]
+    for resume, kept in [(run / "step-000004", [4, 5, 6, 8]), (run, [4, 5, 6, 8]),
+                         (run, [5, 6, 7, 8])]:
+        proc = andrea_main("train", "--resume", str(resume), "--stop-after", "1", "--no-progress")
+        assert proc.returncode == 0, proc.stderr
+        assert [step_of_dir(p) for p in step_dirs(run)] == kept, proc.stdout
+    proc = andrea_main("train", "--resume", str(run), "--no-progress")  # writes 8 again
+    assert proc.returncode == 0, proc.stderr
+    assert [step_of_dir(p) for p in step_dirs(run)] == [6, 7, 8]
+    assert (run / "latest").read_text().strip() == "step-000008"
+
+
 def test_compiled_model_state_has_plain_keys():
     model = Andrea(load_config("andrea-tiny").model)
     compiled = torch.compile(model)  # wrapping is lazy: nothing compiles until it is called
@@ -622,8 +643,8 @@ def test_extending_a_run_that_decayed_to_lr_zero_is_refused(tmp_path, data_dir):
                        "--set", "train.max_steps=8")
     assert proc.returncode == 0, proc.stderr
     assert ("resume: step-000001 is older than this run's step-000002 to step-000004, which "
-            "the steps this resume trains again will replace (or train.keep_last prune); copy "
-            "the run folder first to keep them") in proc.stdout
+            "stay until this resume trains past them, each then replaced or pruned "
+            "(train.keep_last); copy the run folder first to keep them") in proc.stdout
     lrs = {r["step"]: r["lr"] for r in read_events(result.run_dir, "train")}
     assert lrs[2] == lrs[3] == lrs[4] == cfg.train.lr and 0 < lrs[7] < lrs[5] < cfg.train.lr
 

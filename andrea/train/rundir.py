@@ -304,9 +304,14 @@ def publish(partial: Path, run_dir: Path, step: int) -> Path:
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Remove all but the newest keep_last checkpoints (never the one `latest` names)."""
+    """Remove all but the newest keep_last checkpoints up to the one `latest` names (never it).
+    Those past it are left: a resume from an older step writes its way back to them, replacing
+    each as it writes that step again, and pruning them sooner would keep them in place of the
+    checkpoint it resumed from."""
     latest = read_latest(run_dir)
-    for old in step_dirs(run_dir)[:-keep_last]:
+    upto = step_of_dir(latest) if latest is not None else None
+    line = [d for d in step_dirs(run_dir) if upto is None or (step_of_dir(d) or 0) <= upto]
+    for old in line[:-keep_last]:
         if latest is None or old.resolve() != latest.resolve():
             shutil.rmtree(old, ignore_errors=True)
 

@@ -606,9 +606,10 @@ def announce(
         newer = [d.name for d in step_dirs(s.run_dir) if (step_of_dir(d) or 0) > s.step]
         if newer:  # a resume from an older step of this run: its newer checkpoints are left
             names = newer[0] if len(newer) == 1 else f"{newer[0]} to {newer[-1]}"
-            s.say(f"resume: {resume_from.name} is older than this run's {names}, which the "
-                  f"steps this resume trains again will replace (or train.keep_last prune); "
-                  f"copy the run folder first to keep {'it' if len(newer) == 1 else 'them'}")
+            them = "it" if len(newer) == 1 else "them"
+            s.say(f"resume: {resume_from.name} is older than this run's {names}, which stay "
+                  f"until this resume trains past {them}, each then replaced or pruned "
+                  f"(train.keep_last); copy the run folder first to keep {them}")
     if micro_batch_line:  # before the line that uses it, and the warm-ups that depart from it
         s.say(micro_batch_line)
     s.say(
