@@ -309,21 +309,29 @@ def format_table(results: list[EvalResult]) -> str:
     """One row per checkpoint: step, val loss, perplexity and bits per byte, each source's
     loss, each task's acc (and acc_norm)."""
     header = ["CHECKPOINT", "STEP", "VAL LOSS", "PERPLEXITY", "BITS/BYTE"]
-    names = [s["name"] for s in results[0].sources] if results[0].sources else []
+    # Every source any checkpoint was scored on, in order: checkpoints of runs on other data
+    # (a mixture beside a single folder) each fill the columns of their own sources.
+    names = list(dict.fromkeys(s["name"] for r in results for s in r.sources))
     header += [f"{n.rstrip('/').rsplit('/', 1)[-1]} LOSS" for n in names]
     header += [_task_header(t) for t in results[0].tasks]
     rows = [header]
     for r in results:
         row = [r.checkpoint, "-" if r.step is None else str(r.step), _fmt(r.loss),
                _fmt(r.perplexity, 3), _fmt(r.bits_per_byte)]  # 3 digits: as one line gives it
-        row += [_fmt(s["loss"]) for s in r.sources]
+        losses = {s["name"]: s["loss"] for s in r.sources}
+        row += [_fmt(losses[n]) if n in losses else "-" for n in names]
         row += [_task_cell(t) for t in r.tasks]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]
-    if results[0].loss is not None:
-        lines.append(f"VAL LOSS: on {results[0].data_words()}, {results[0].val_set()}")
+    scored = [r for r in results if r.loss is not None]
+    sets = list(dict.fromkeys(f"on {r.data_words()}, {r.val_set()}" for r in scored))
+    if len(sets) == 1:
+        lines.append(f"VAL LOSS: {sets[0]}")
+    else:  # runs on other data: each row's val set
+        lines += [f"VAL LOSS of {r.checkpoint}: on {r.data_words()}, {r.val_set()}"
+                  for r in scored]
     return "\n".join(lines)
 
 

@@ -176,6 +176,38 @@ def test_json_is_a_list_for_one_checkpoint_and_several_and_strict_json():
     assert both[1]["loss"] is None and both[1]["tasks"][0]["acc"] is None
 
 
+def test_a_table_of_checkpoints_on_other_data_gives_each_its_sources_and_val_set():
+    """Before: a mixture's row beside a one-folder run's was a traceback (zip() shorter, or an
+    index out of range, by order), after every checkpoint was scored; and the footer named the
+    first row's folder for every row."""
+
+    def source(name: str, loss: float) -> dict:
+        return {"name": name, "weight": 0.5, "loss": loss, "bits_per_byte": 1.0, "tokens": 8,
+                "bytes": 8, "data_dir": f"data/{name}-byte"}
+
+    one = EvalResult("runs/one/step-2", 2, "float32", "cpu", data_dir="data/shakespeare-byte",
+                     max_tokens=8, loss=2.0, perplexity=math.exp(2.0), bits_per_byte=1.0)
+    mix = EvalResult("runs/mix/step-3", 3, "float32", "cpu", max_tokens=8, loss=2.5,
+                     perplexity=math.exp(2.5), bits_per_byte=1.0,
+                     sources=[source("a.txt", 2.25), source("b.txt", 2.75)])
+    for results in ([one, mix], [mix, one]):
+        lines = format_results(results).splitlines()
+        assert lines[0].split()[-4:] == ["a.txt", "LOSS", "b.txt", "LOSS"]
+        rows = {line.split()[0]: line.split()[-2:] for line in lines[1:3]}
+        assert rows == {"runs/one/step-2": ["-", "-"], "runs/mix/step-3": ["2.2500", "2.7500"]}
+        footers = sorted(lines[3:])
+        assert footers == [
+            "VAL LOSS of runs/mix/step-3: on 2 sources (data/a.txt-byte, data/b.txt-byte), val "
+            "split, 8 tokens spread over each source as train.eval_tokens=8 scores",
+            "VAL LOSS of runs/one/step-2: on data/shakespeare-byte, val split, 8 tokens spread "
+            "over it as train.eval_tokens=8 scores"]
+    same = EvalResult("runs/one/step-1", 1, "float32", "cpu", data_dir="data/shakespeare-byte",
+                      max_tokens=8, loss=2.1, perplexity=math.exp(2.1), bits_per_byte=1.0)
+    assert format_results([same, one]).splitlines()[-1] == (
+        "VAL LOSS: on data/shakespeare-byte, val split, 8 tokens spread over it as "
+        "train.eval_tokens=8 scores")
+
+
 def test_eval_names_its_checkpoint_once_and_its_val_set(tmp_path, data_dir):
     """Before: `checkpoint: ...` twice on stderr, and nothing saying which val set the figure is
     on (the trainer's train.eval_tokens windows, or the whole split)."""
