@@ -19,6 +19,7 @@ model's vocab padding) are never drawn.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -32,8 +33,9 @@ from andrea.model.transformer import Andrea, KVCache
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not temperature >= 0:  # also refuses NaN
-        raise UserError(f"--temperature: must be >= 0 (0 is greedy), got {temperature}")
+    if not 0 <= temperature < math.inf:  # also refuses NaN
+        raise UserError(f"--temperature: must be a finite number >= 0 (0 is greedy), got "
+                        f"{temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k: must be a positive integer, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -48,6 +50,8 @@ def check_prompt_ids(ids: Sequence[int], n_valid: int) -> None:
 
 def seeded_generator(seed: int | None) -> torch.Generator:
     """A CPU generator seeded by `seed` (random when None), so a seed repeats on any device."""
+    if seed is not None and not 0 <= seed < 2**63:  # what the generator takes
+        raise UserError(f"--seed: must be an integer from 0 to {2**63 - 1}, got {seed}")
     generator = torch.Generator()
     generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8)) >> 1)
     return generator
@@ -63,7 +67,10 @@ def pick_next(
     """One id from logits [vocab] (already -inf where forbidden)."""
     if temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits.float().cpu() / temperature
+    # Shifted to at most 0 and in float64, a temperature near 0 is near greedy and a large one
+    # near uniform: never 0/0, inf/inf or an overflow, which softmax turns into NaN.
+    logits = logits.double().cpu()
+    logits = (logits - logits.max()) / temperature
     if top_k is not None and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -227,6 +234,7 @@ def generate_command(
 
     out = out or sys.stdout
     _check_options(temperature, top_k, top_p, max_new_tokens, num_samples, precision)
+    generator = seeded_generator(seed)  # a bad --seed refused before the checkpoint is read
     if prompt is not None and prompt_ids is not None:
         raise UserError("give --prompt TEXT or --prompt-ids IDS, not both")
     ckpt = find_checkpoint(checkpoint, use="andrea generate --checkpoint {}")
@@ -237,7 +245,6 @@ def generate_command(
     tok, block_size = opened.tokenizer, opened.cfg.model.block_size
     n_valid = min(tok.vocab_size, opened.cfg.model.vocab_size)
     ids = _prompt_tokens(tok, prompt, prompt_ids, n_valid, block_size)
-    generator = seeded_generator(seed)
     for sample in range(num_samples):
         if sample:
             out.write("\n---\n")

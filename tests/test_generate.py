@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -91,8 +92,23 @@ def test_bad_sampling_arguments(model64):
         list(generate(model64, [1], 3, top_p=0.0))
     with pytest.raises(UserError, match=r"--top-p: must be in \(0, 1\], got 1.5"):
         list(generate(model64, [1], 3, top_p=1.5))
-    with pytest.raises(UserError, match="--temperature: must be >= 0"):
-        list(generate(model64, [1], 3, temperature=-0.5))
+    for bad in (-0.5, math.inf, math.nan):
+        with pytest.raises(UserError, match="--temperature: must be a finite number >= 0"):
+            list(generate(model64, [1], 3, temperature=bad))
+    for bad in (-1, 2**63):
+        with pytest.raises(UserError, match=f"--seed: must be an integer from 0 to "
+                                            f"{2**63 - 1}, got {bad}"):
+            list(generate(model64, [1], 3, seed=bad))
+
+
+def test_extreme_temperatures_sample_near_greedy_and_near_uniform(model64):
+    """Before: a temperature of 1e-45 or 1e39 was a traceback (softmax of inf/inf, NaN)."""
+    greedy = list(generate(model64, [1, 2, 3], 20, temperature=0))
+    for cold in (1e-45, 1e-320):
+        assert list(generate(model64, [1, 2, 3], 20, temperature=cold, seed=4)) == greedy
+    hot = list(generate(model64, [1, 2, 3], 300, temperature=1e39, top_k=None, seed=4,
+                        n_valid=257))
+    assert len(set(hot)) > 150  # 300 draws near uniform over 257 ids: some 180 distinct
 
 
 def test_stream_holds_back_split_characters():
