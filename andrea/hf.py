@@ -169,11 +169,13 @@ def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: Config) -> dict[str, to
     return out
 
 
-def _write_tokenizer(tok, out: Path, cfg: Config) -> None:
+def _write_tokenizer(tok, out: Path, cfg: Config) -> str | None:
+    """The tokenizer's files in the export; where transformers has none, why, in words."""
     special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
     kind = KINDS[tok.name]
-    if kind.hf_class is None:
-        return  # byte: transformers has no such tokenizer; andrea.json names it
+    if kind.hf_class is None:  # byte: andrea.json names it
+        return (f"transformers has no {tok.name} tokenizer; its ids are the text's UTF-8 bytes, "
+                f"end-of-text {tok.eot_id}")
     for name, path in kind.hf_files(tok).items():
         shutil.copyfile(path, out / name)
     config: dict[str, Any] = {"tokenizer_class": kind.hf_class}
@@ -182,6 +184,7 @@ def _write_tokenizer(tok, out: Path, cfg: Config) -> None:
     config.update(special, model_max_length=cfg.model.block_size)
     atomic_write_text(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
     atomic_write_text(out / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
+    return None
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -254,7 +257,10 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as exc:  # under a file, or a folder that may not be written
+        raise UserError(f"--out {out}: cannot write there: {exc.strerror or exc}") from None
     try:
         hf_tensors = to_hf_tensors(tensors, cfg)
         # transformers reads safetensors only with metadata format "pt".
@@ -264,7 +270,7 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
         atomic_write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         generation = {"bos_token_id": tok.eot_id, "eos_token_id": tok.eot_id}
         atomic_write_text(tmp / "generation_config.json", json.dumps(generation, indent=2) + "\n")
-        _write_tokenizer(tok, tmp, cfg)
+        without = _write_tokenizer(tok, tmp, cfg)
         andrea = {
             "format": EXPORT_FORMAT,
             "tokenizer": metadata["tokenizer"],
@@ -279,6 +285,8 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if without:
+        print(f"note: no tokenizer files in {out}: {without}", flush=True)
     return out
 
 

@@ -156,10 +156,16 @@ def test_force_replaces_only_what_the_command_wrote_and_says_what(tmp_path):
     assert_user_error(andrea_main("export", "--checkpoint", str(ckpt), "--format", "hf",
                                   "--out", str(ckpt.parent), "--force"), "never replaces")
     assert (ckpt / "model.safetensors").is_file()  # the run exported is not its export
+    # A folder that cannot be made: one line, as import says it (it was a traceback).
+    assert_user_error(export(note / "sub"), f"--out {note / 'sub'}: cannot write there")
+    assert note.read_text() == "mine" and not list(tmp_path.glob(".sub.tmp-*"))
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert export(empty).returncode == 0 and (empty / "model.safetensors").is_file()
+    first = export(empty)
+    assert first.returncode == 0 and (empty / "model.safetensors").is_file()
+    assert (f"note: no tokenizer files in {empty}: transformers has no byte tokenizer; its ids "
+            "are the text's UTF-8 bytes, end-of-text 256") in first.stdout  # said, not silent
     assert_user_error(export(empty), str(empty), "already exists", "--force")
     again = export(empty, "--force")
     assert again.returncode == 0, again.stderr
