@@ -265,7 +265,8 @@ def test_tensorboard_disabled_or_missing_returns_none(tmp_path, monkeypatch, cap
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     assert open_tensorboard(tmp_path, enabled=True) is None
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "pip install tensorboard" in err[0]
+    assert len(err) == 1
+    assert "pip install -e '.[tensorboard]' (or pip install tensorboard)" in err[0]
 
 
 def test_tensorboard_writer_maps_records_to_scalars(tmp_path, monkeypatch):

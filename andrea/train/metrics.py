@@ -224,7 +224,7 @@ def open_tensorboard(run_dir: Path, enabled: bool) -> TensorBoardWriter | None:
     except Exception as exc:  # ImportError, or a broken install (protobuf mismatches raise others)
         print(
             f"tensorboard: skipped, the package is not usable ({type(exc).__name__}: {exc}); "
-            "pip install tensorboard to enable it",
+            "pip install -e '.[tensorboard]' (or pip install tensorboard) to enable it",
             file=sys.stderr,
         )
         return None
