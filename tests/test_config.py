@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 import textwrap
 
 import pytest
@@ -107,6 +108,26 @@ def test_override_errors_through_the_cli():
         load_config("andrea-12m", ["trian.lr=1"])
     with pytest.raises(UserError, match="SECTION.KEY=VALUE"):
         load_config("andrea-12m", ["train.lr"])
+
+
+def test_a_text_key_given_a_bare_number_or_yes_says_how_to_quote_it(tmp_path):
+    """Before: `expected a string, got 123` (a run named 123), `got True` for train.wandb=true
+    (no choices named), and `--set train=3` suggested 'train' itself."""
+    proc = andrea_main("config", "show", "-c", "andrea-tiny", "--set", "train.name=123")
+    said = assert_user_error(proc, "train.name: expected a string, got 123, which YAML reads as "
+                             "a number; quote it for text: --set 'train.name=\"123\"'")
+    quoted = shlex.split(said.split("quote it for text: ")[1].split(" (")[0])
+    assert load_config("andrea-tiny", [quoted[1]]).train.name == "123"  # as it says, it works
+    path = write(tmp_path, "train:\n  name: yes\n")
+    assert_user_error(andrea_main("config", "show", "-c", str(path)),
+                      f"{path}: train.name: expected a string, got True, which YAML reads as a "
+                      "boolean", 'name: "true" in a file')
+    assert_user_error(andrea_main("config", "show", "-c", "andrea-tiny", "--set",
+                                  "train.wandb=true"),
+                      "train.wandb: 'true' is not one of off, online, offline")
+    line = assert_user_error(andrea_main("config", "show", "-c", "andrea-tiny", "--set",
+                                         "train=3"), "'train' is not SECTION.KEY")
+    assert "did you mean 'train'?" not in line and "e.g. 'train." in line
 
 
 FLOAT_KEYS = [spec.dotted for spec in key_specs() if spec.type is float]

@@ -46,6 +46,9 @@ def _suggest_key(parts: list[str]) -> str:
     keys = [spec.dotted for spec in key_specs()]
     if parts[0] in SECTIONS and len(parts) > 2 and f"{parts[0]}.{parts[-1]}" in keys:
         return f"; did you mean '{parts[0]}.{parts[-1]}'?"
+    if parts == [parts[0]] and parts[0] in SECTIONS:  # a section alone: name one of its keys
+        first = next(k for k in keys if k.startswith(f"{parts[0]}."))
+        return f"; name one of its keys, e.g. '{first}' (andrea config keys lists them)"
     return _suggest(".".join(parts), keys) or _suggest(parts[0], SECTIONS)
 
 
@@ -118,9 +121,19 @@ def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None
     if (section, key) == ("data", "sources"):
         cfg.data.sources = _sources(value, f"{origin}: data.sources")
         return
-    if value is False and "off" in specs[key].rule.choices:
+    rule = specs[key].rule
+    if value is False and "off" in rule.choices:
         value = "off"  # YAML 1.1 reads a bare `off` as false
-    value = _coerce(value, specs[key].type, f"{origin}: {section}.{key}")
+    where = f"{origin}: {section}.{key}"
+    if specs[key].type is str and isinstance(value, bool | int | float):
+        # YAML read a bare 123, 1e3 or yes as a number or a boolean, not as the text meant.
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        if rule.choices:
+            raise UserError(f"{where}: '{text}' is not one of {', '.join(rule.choices)}")
+        raise UserError(f"{where}: expected a string, got {value!r}, which YAML reads as a "
+                        f"{'boolean' if isinstance(value, bool) else 'number'}; quote it for "
+                        f"text: --set '{section}.{key}=\"{text}\"' ({key}: \"{text}\" in a file)")
+    value = _coerce(value, specs[key].type, where)
     setattr(getattr(cfg, section), key, value)
 
 
