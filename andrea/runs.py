@@ -30,6 +30,7 @@ from andrea.train.rundir import (
     METRICS,
     TRAINER_STATE,
     TrainerState,
+    checkpoint_problem,
     is_run,
     latest_problem,
     newest_intact,
@@ -269,6 +270,13 @@ def _check_checkpoint(run: Path, summary: RunSummary) -> None:
     name = summary.latest_checkpoint if (run / LATEST).is_file() else None
     problem = "" if bad_pointer else latest_problem(run, name)
     if problem is None:
+        resume = checkpoint_problem(run / str(name), for_resume=True)
+        if resume is not None:  # its model opens; `train --resume` refuses it
+            again = newest_intact(run, for_resume=True)
+            summary.problems.append(
+                f"{LATEST} points to {name}, which eval and generate open but a resume cannot "
+                f"({resume}); " + (f"the newest that resumes: {again.name}" if again is not None
+                                   else "no checkpoint of the run resumes"))
         return
     intact = newest_intact(run)
     summary.intact_checkpoint = intact.name if intact is not None else None

@@ -289,15 +289,22 @@ def test_a_damaged_latest_names_the_newest_intact_step_and_the_command(tmp_path,
 
 def test_runs_shows_a_damaged_run(tmp_path, trained_tiny):
     runs = tmp_path / "runs"
-    for name in ("ok", "no-model", "no-latest"):
+    for name in ("ok", "no-model", "no-latest", "no-state"):
         shutil.copytree(trained_tiny.run_dir, runs / name)
     (runs / "no-model" / "step-000040" / "model.safetensors").unlink()
     (runs / "no-latest" / "latest").unlink()
+    (runs / "no-state" / "step-000040" / "trainer_state.json").write_text("{")
     proc = andrea_main("runs", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     states = {line.split()[0]: [w for w in line.split() if w in ("finished", "damaged")]
-              for line in proc.stdout.splitlines()[1:4]}
-    assert states == {"ok": ["finished"], "no-model": ["damaged"], "no-latest": ["damaged"]}
+              for line in proc.stdout.splitlines()[1:5]}
+    assert states == {"ok": ["finished"], "no-model": ["damaged"], "no-latest": ["damaged"],
+                      "no-state": ["finished"]}
+    # A checkpoint whose model opens but that --resume refuses: finished still, but said (it
+    # was listed as any other), naming the checkpoint a resume takes.
+    assert ("no-state: ! latest points to step-000040, which eval and generate open but a "
+            "resume cannot (trainer_state.json is unreadable: ") in proc.stdout
+    assert "the newest that resumes: step-000020" in proc.stdout
     assert ("no-model: ! latest points to step-000040, whose model.safetensors is missing; "
             "newest intact checkpoint: step-000020") in proc.stdout
     assert ("no-latest: ! no latest file naming the newest checkpoint; newest intact "
@@ -305,4 +312,4 @@ def test_runs_shows_a_damaged_run(tmp_path, trained_tiny):
     data = {r["name"]: r for r in json.loads(andrea_main("runs", "--json", cwd=tmp_path).stdout)}
     assert {n: (r["state"], r["intact_checkpoint"]) for n, r in data.items()} == {
         "ok": ("finished", None), "no-model": ("damaged", "step-000020"),
-        "no-latest": ("damaged", "step-000040")}
+        "no-latest": ("damaged", "step-000040"), "no-state": ("finished", None)}
