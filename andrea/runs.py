@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+import shlex
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,6 +306,9 @@ def _read_history(run: Path) -> RunSummary:
     summary.median_tokens_per_s = recorded_median(records, history)
     # The state comes from the current segment: the events after the last start.
     _read_state(records[starts[-1]:] if starts else records, bool(starts), summary)
+    trained_in = records[starts[-1]].get("run_dir") if starts else None
+    if summary.message and isinstance(trained_in, str):
+        summary.message = _relocated(summary.message, trained_in, summary.path)
     return summary
 
 
@@ -420,6 +425,22 @@ def _read_end(end: dict[str, Any], summary: RunSummary) -> None:
         summary.best_val_step = _int(end.get("best_val_step"))
     if summary.latest_checkpoint is None and isinstance(end.get("checkpoint"), str):
         summary.latest_checkpoint = end["checkpoint"]
+
+
+def _relocated(message: str, recorded: str, run: str) -> str:
+    """A recorded message with the run's folder as its start event recorded it (`recorded`)
+    replaced by `run`, where it is now: a copied or moved run's notes name its own checkpoints
+    and commands, not those of the run it was copied from. Only whole paths are replaced: the
+    folder alone or before a `/`, bare or quoted as a shell would quote it."""
+    if recorded == run or Path(recorded).resolve() == Path(run).resolve():
+        return message
+    pairs = [(recorded, run)]
+    if shlex.quote(recorded) != recorded:
+        pairs.insert(0, (shlex.quote(recorded), shlex.quote(run)))
+    for old, new in pairs:
+        whole = r"(?<![^\s(=])" + re.escape(old) + r"(?=[/\s);,]|$)"
+        message = re.sub(whole, lambda _, new=new: new, message)
+    return message
 
 
 def list_runs(root: Path | str = "runs") -> list[RunSummary]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import socket
 import statistics
 import subprocess
@@ -213,6 +215,35 @@ def test_damaged_runs_are_listed_with_the_reason(tmp_path):
     assert d.latest_checkpoint == "step-000900" and d.state == "damaged"
     assert d.problems == ["latest points to step-000900, which does not exist; no intact "
                           "checkpoint"]
+
+
+def test_a_copied_runs_notes_name_its_own_checkpoint_and_command(tmp_path):
+    """Before: a run copied (cp -r, as docs/training.md invites) or moved kept the recorded
+    message of the run it came from, naming that run's checkpoint and --resume command. Only
+    the folder its start event recorded is replaced, and only as a whole path."""
+
+    def note(recorded: str | None, message: str, name: str) -> str | None:
+        start = start_record(pid=dead_pid())
+        if recorded is not None:
+            start["run_dir"] = recorded
+        end = end_record(50, "stopped", checkpoint="step-000050")
+        end["message"] = message
+        write_run(tmp_path / name, "t", [start, *normal_history(50), end], checkpoints=(50,))
+        return list_runs(tmp_path / name)[0].message
+
+    moved = str(tmp_path / "moved" / "t")
+    said = ("token shard changed, first read at step 3; stopped after step 50, checkpoint "
+            "{run}/step-000050; continue: andrea train --resume {quoted} (it names a shard)")
+    for recorded in ("/old/place/runs/t", "/old/my runs/t", "t"):  # "first" keeps its t
+        got = note(recorded, said.format(run=recorded, quoted=shlex.quote(recorded)), "moved")
+        assert got == said.format(run=moved, quoted=shlex.quote(moved)), got
+        shutil.rmtree(tmp_path / "moved")
+    # A run where it trained, or one recorded before start events named their folder: as is.
+    here = str(tmp_path / "here" / "t")
+    assert note(here, said.format(run=here, quoted=here), "here") == said.format(run=here,
+                                                                                 quoted=here)
+    old = said.format(run="/old/t", quoted="/old/t")
+    assert note(None, old, "old") == old
 
 
 def test_list_runs_without_runs_is_a_user_error(tmp_path):

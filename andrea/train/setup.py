@@ -561,7 +561,8 @@ def start_run_files(
         s.say(wandb.line)
     s.log.write(
         "start", step=s.step, max_steps=t.max_steps, pid=os.getpid(),
-        host=socket.gethostname(), resumed_from=str(resume_from) if resume_from else None,
+        host=socket.gethostname(), run_dir=str(s.run_dir),  # where messages name it
+        resumed_from=str(resume_from) if resume_from else None,
         n_params=s.model.num_params(), preset=s.preset, world_size=s.dist.world_size,
         precision=str(s.dtype).removeprefix("torch."), attention=backend,
         micro_batch_size=s.micro_batch, accum_steps=s.accum,
