@@ -21,9 +21,10 @@ def pick_device(requested: str) -> torch.device:
     if kind == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or int(index or 0) >= count:
-            raise UserError(
-                f"device '{requested}': PyTorch sees {count} GPU(s); use cpu or another index"
-            )
+            way = ("use cpu" if count == 0 else
+                   f"use cpu or an index below {count}" if count > 1 else "use cpu or cuda")
+            raise UserError(f"device '{requested}': PyTorch sees {count} GPU"
+                            f"{'' if count == 1 else 's'}; {way}")
     return torch.device(requested)
 
 
