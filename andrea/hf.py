@@ -479,7 +479,8 @@ def import_hf(
     checkpoint folder (see the module doc)."""
     src = Path(src)
     if not src.is_dir():
-        raise UserError(f"{src}: no such directory")
+        what = "not a directory" if src.exists() else "no such directory"
+        raise UserError(f"{src}: {what}; give the folder an export or a GPT-2 model is in")
     hf = read_hf_config(src)
     andrea_path = src / ANDREA_FILE
     andrea = _read_json(andrea_path) if andrea_path.is_file() else None

@@ -196,6 +196,10 @@ def test_bad_exports_and_imports(tmp_path):
                       "llama", "LlamaForCausalLM", "not GPT-2")
     with pytest.raises(UserError, match="not a Hugging Face model directory"):
         import_hf(tmp_path)
+    (tmp_path / "afile").write_text("x")  # a file is named as one, not as missing
+    for given, said in [("afile", "afile: not a directory"), ("nothere", "nothere: no such")]:
+        assert_user_error(andrea_main("import", "--format", "hf", str(tmp_path / given)), said,
+                          "give the folder an export or a GPT-2 model is in")
     with pytest.raises(UserError, match="the only format"):
         from andrea.cli import _check_format
 
