@@ -506,8 +506,9 @@ def format_table(result: BenchResult) -> str:
                 f"{r.accumulation * r.micro_batch_size * r.block_size:>11,} {r.step_ms:>9.1f} "
                 f"{r.tokens_per_s:>11,.0f} {format_mfu(r.mfu):>7}"
             )
-        lines.append("a step: the preset's tokens per step on one process (accum micro-batches, "
-                     "then one optimizer step), full-length windows")
+        lines.append("a step: its tokens/step on one process (accum micro-batches, then one "
+                     "optimizer step; the preset's own batch unless --quick or --set change it), "
+                     "full-length windows")
         missing = [r for r in result.train if r.mfu is None]
         why = (no_mfu_reason(torch.device(result.device), getattr(torch, missing[0].dtype))
                if missing else None)
