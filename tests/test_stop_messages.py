@@ -200,3 +200,17 @@ def test_the_summary_line_counts_one_step_in_the_singular(tmp_path):
     assert line(1).startswith("finished: 1 step, 512 tokens in 1.0 s;")
     assert line(2).startswith("finished: 2 steps, 1,024 tokens")
     assert line(1000).startswith("finished: 1,000 steps, 512,000 tokens")
+
+
+def test_a_resumed_runs_summary_line_says_which_steps_its_seconds_are(tmp_path, data_dir):
+    """Before: `stopped: 300 steps, 153,600 tokens in 1.4 s` after a resume from step 207: the
+    run's totals beside the seconds of the 93 steps this process trained."""
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=5",
+                                  "train.eval_every=0", name="r"), tmp_path)
+    proc = andrea_main("train", "-c", str(cfg), "--stop-after", "3", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^stopped: 3 steps, 1,536 tokens in [\d.]+ s; ", proc.stdout, re.M)
+    proc = andrea_main("train", "--resume", str(tmp_path / "runs" / "r"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^finished: 5 steps, 2,560 tokens, 2 steps of them in [\d.]+ s from "
+                     r"step 3; no evaluation; checkpoint ", proc.stdout, re.M), proc.stdout

@@ -145,7 +145,7 @@ def run_training(
             bar.close()
         if signals.received is not None and exit_code == 0 and s.step < t.max_steps:
             state, exit_code, message = interrupted_outcome(s)
-        return finish(s, state, exit_code, message, time.perf_counter() - t_start)
+        return finish(s, state, exit_code, message, time.perf_counter() - t_start, start_step)
 
 
 def start_session(
@@ -518,7 +518,8 @@ def interrupted_outcome(s: Session) -> tuple[str, int, str]:
     return "interrupted", EXIT_SIGNAL.get(sig, 130), f"stopped by {sig.name} {where}"
 
 
-def finish(s: Session, state: str, exit_code: int, message: str, seconds: float) -> TrainResult:
+def finish(s: Session, state: str, exit_code: int, message: str, seconds: float,
+           start_step: int) -> TrainResult:
     s.log.write(
         "end", step=s.step, tokens=s.tokens_seen, state=state,
         signal=signal.Signals(s.signals.received).name if s.signals.received else None,
@@ -533,6 +534,6 @@ def finish(s: Session, state: str, exit_code: int, message: str, seconds: float)
         run_dir=s.run_dir, steps=s.step, tokens=s.tokens_seen, seconds=seconds, state=state,
         best_val_loss=s.best_val, best_val_step=s.best_step, last_val_loss=s.last_val,
         checkpoint=s.checkpoint, losses=s.losses, exit_code=exit_code, message=message,
-        is_main=s.dist.is_main,
+        is_main=s.dist.is_main, start_step=start_step,
     )
 

@@ -43,6 +43,7 @@ class TrainResult:
     message: str = ""
     is_main: bool = True  # rank 0 (the one process that writes and speaks)
     said: bool = False  # its end lines are printed (`say`)
+    start_step: int = 0  # the step this process began from (a resume's checkpoint)
 
     def say(self) -> None:
         """Rank 0's end of the run, once: a stop's line on stderr (`error: ` unless the user
@@ -64,11 +65,12 @@ class TrainResult:
             else "no evaluation"
         )
         where = f"checkpoint {self.checkpoint}" if self.checkpoint else "no checkpoint"
-        return (
-            f"{self.state}: {self.steps:,} step{'' if self.steps == 1 else 's'}, "
-            f"{self.tokens:,} tokens in "
-            f"{self.seconds:.1f} s; {best}; {where}"
-        )
+        run = f"{self.steps:,} step{'' if self.steps == 1 else 's'}, {self.tokens:,} tokens"
+        if self.start_step:  # the run's totals; the seconds are this process's steps'
+            here = self.steps - self.start_step
+            return (f"{self.state}: {run}, {here:,} step{'' if here == 1 else 's'} of them in "
+                    f"{self.seconds:.1f} s from step {self.start_step:,}; {best}; {where}")
+        return f"{self.state}: {run} in {self.seconds:.1f} s; {best}; {where}"
 
 
 @dataclass
