@@ -81,6 +81,12 @@ def test_config_show_prints_resolved_yaml():
         ),
         ("train:\n  schedule: cosin\n", ["train.schedule", "did you mean 'cosine'"]),
         ("model:\n  n_head: 4\n   head_dim: 8\n", ["YAML syntax error", "line 3"]),
+        # A key given twice: PyYAML kept the last silently (a second `train:` dropped the
+        # first's keys).
+        ("train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", ["line 3", "'lr' is given twice (also at "
+                                                  "line 2); keep one"]),
+        ("train:\n  lr: 1.0e-3\nmodel: {}\ntrain:\n  max_steps: 3\n",
+         ["line 4", "'train' is given twice (also at line 1)"]),
         ("train:\n  name: ../elsewhere\n", ["train.name", "'../elsewhere'", "not a folder name"]),
         ("train:\n  name: ..\n", ["train.name", "not a folder name"]),
     ],
@@ -108,6 +114,19 @@ def test_override_errors_through_the_cli():
         load_config("andrea-12m", ["trian.lr=1"])
     with pytest.raises(UserError, match="SECTION.KEY=VALUE"):
         load_config("andrea-12m", ["train.lr"])
+
+
+def test_a_key_twice_is_refused_but_a_merge_key_is_not(tmp_path):
+    """Duplicates are found on YAML's nodes, before a merge key (`<<: *anchor`) is expanded: a
+    merge that then overrides a key is no duplicate, and loads as it did."""
+    path = write(tmp_path, "data:\n  sources:\n    - &s {path: a.txt, weight: 2}\n"
+                           "    - {<<: *s, path: b.txt}\n")
+    assert load_config(str(path)).data.sources == [{"path": "a.txt", "weight": 2.0},
+                                                   {"path": "b.txt", "weight": 2.0}]
+    with pytest.raises(UserError) as raised:
+        load_config("andrea-tiny", ["data.sources=[{path: a.txt, path: b.txt}]"])
+    assert str(raised.value) == ("--set data.sources=[{path: a.txt, path: b.txt}]: line 1: "
+                                 "'path' is given twice (also at line 1); keep one")
 
 
 def test_a_text_key_given_a_bare_number_or_yes_says_how_to_quote_it(tmp_path):

@@ -251,6 +251,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise UserError(f"{origin}: value is not valid YAML: {exc}") from None
+    if raw.strip():
+        check_unique_keys(raw, origin)
     return parts[0], parts[1], value
 
 
@@ -275,6 +277,35 @@ def from_dict(data: Any, origin: str) -> Config:
     return cfg
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *anchor`, which merges rather than repeats
+
+
+def check_unique_keys(text: str, origin: str) -> None:
+    """A key given twice in one mapping of YAML `text` is an error naming both lines: PyYAML
+    keeps the last silently, so a second `train:` section dropped every key of the first.
+    Checked on the composed nodes (before any merge key is expanded); call it on text that
+    parses."""
+    nodes, visited = [yaml.compose(text, Loader=yaml.SafeLoader)], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            nodes += node.value
+        elif isinstance(node, yaml.MappingNode):
+            lines: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                nodes += [key, value]
+                if not isinstance(key, yaml.ScalarNode) or key.tag == MERGE_TAG:
+                    continue
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in lines:
+                    raise UserError(f"{origin}: line {line}: '{key.value}' is given twice "
+                                    f"(also at line {lines[key.tag, key.value]}); keep one")
+                lines[key.tag, key.value] = line
+
+
 def load_config(name: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Load a YAML config (path or bundled preset name), apply `--set` overrides, validate."""
     if name is None:
@@ -296,6 +327,7 @@ def load_config(name: str | Path | None = None, overrides: typing.Sequence[str] 
             raise UserError(f"{path}: YAML syntax error{line}: {problem}") from None
         if data is None:
             raise UserError(_empty_config(path))
+        check_unique_keys(text, origin)
         cfg = from_dict(data, origin)
         if not cfg.train.name:
             cfg.train.name = path.stem

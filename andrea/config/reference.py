@@ -72,8 +72,8 @@ value read as YAML), `andrea config show --config X` prints a config as resolved
 `andrea config keys` prints this list (`--json`: a list with one object per key, `key`,
 `default`, `allowed`, `choices`, `on_resume` and `description`). An unknown key, a value of the
 wrong type, a number that is not finite (`inf`, `nan`) or beyond 64 bits, or a value outside what
-the key allows is a one-line error naming the file and the key; so is an empty file (`{{}}` asks
-for every default).
+the key allows is a one-line error naming the file and the key; so is a key given twice in one
+section (or a section twice) and an empty file (`{{}}` asks for every default).
 
 On resume: a resumed run's config may differ from its own config.yaml (by `--set`, or the
 `--config` given with `--resume auto`) only in the keys marked *may change* (how the run
