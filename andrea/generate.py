@@ -203,8 +203,13 @@ class TextStream:
 
 
 def parse_prompt_ids(text: str) -> list[int]:
+    """Ids split by commas or spaces; an empty place between commas ('72,,101': an id lost?)
+    is refused as a word is."""
+    fields = [field.strip() for field in text.split(",")]
     try:
-        return [int(part) for part in text.replace(",", " ").split()]
+        if text.strip() and not all(fields):
+            raise ValueError
+        return [int(part) for field in fields for part in field.split()]
     except ValueError:
         raise UserError(
             f"--prompt-ids: {text!r} is not a list of integer token ids (e.g. '464,3290')"

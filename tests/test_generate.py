@@ -139,6 +139,11 @@ def test_command_line(tmp_path):
     assert c.stdout == b.stdout  # the same seed; the cache changes nothing within a block
     # The sampling arguments' own errors are generate()'s (test_bad_sampling_arguments).
     assert_user_error(andrea_main(*args, "--prompt-ids", "1,2,999"), "999", "outside the vocab")
+    for hollow in ("72,,101", "72,", ",72"):  # an id lost between commas: it was dropped
+        assert_user_error(andrea_main(*args, "--prompt-ids", hollow),
+                          f"--prompt-ids: '{hollow}' is not a list of integer token ids")
+    spaced = andrea_main(*args, "--prompt-ids", "84 111, 32")  # spaces, commas, or both
+    assert spaced.returncode == 0 and spaced.stdout.startswith("To "), spaced.stderr
 
 
 def test_an_empty_prompt_is_a_new_document_either_way(tmp_path):
