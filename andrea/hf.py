@@ -13,7 +13,8 @@ Export writes (into a temporary folder renamed into place):
 - the tokenizer: gpt2 -> vocab.json + merges.txt (GPT-2's own files); bpe -> its tokenizer.json
   (byte for byte, so its identity survives); byte -> no tokenizer files (transformers has no
   such tokenizer; andrea.json names it);
-- andrea.json: the full andrea config, tokenizer identity and step, so an import restores them.
+- andrea.json: the full andrea config (its data.dir and data.tokenizer_file, folders of the
+  exporter's machine, left empty), tokenizer identity and step, so an import restores them.
 
 Import makes a run directory `runs/<name>/` (config.yaml, `latest`, step-000000/ with the weights,
 an empty optimizer state and step 0) that `andrea eval`/`generate`/`export` read and that
@@ -271,12 +272,16 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
         generation = {"bos_token_id": tok.eot_id, "eos_token_id": tok.eot_id}
         atomic_write_text(tmp / "generation_config.json", json.dumps(generation, indent=2) + "\n")
         without = _write_tokenizer(tok, tmp, cfg)
+        config = cfg.to_dict()
+        # Folders of this machine, which an import derives anew (the tokenizer is the export's
+        # own file): not written into a folder meant for others.
+        config["data"].update(dir="", tokenizer_file="")
         andrea = {
             "format": EXPORT_FORMAT,
             "tokenizer": metadata["tokenizer"],
             "step": int(metadata.get("step", 0)),
             "source_checkpoint": str(ckpt),
-            "config": cfg.to_dict(),
+            "config": config,
         }
         atomic_write_text(tmp / ANDREA_FILE, json.dumps(andrea, indent=2) + "\n")
         if replacing:

@@ -243,6 +243,13 @@ def test_an_imported_bpe_model_fine_tunes_with_its_tokenizer(tmp_path, monkeypat
     assert read_manifest(data)["tokenizer"]["identity"] == bpe.identity
     assert data != default_data_dir(cfg.data.source, "bpe", cfg.model.vocab_size)
     assert_first_loss_is_the_imported_weights(result, ckpt, cfg, data)
+    # Exported again, the run's config names no folder of this machine (its tokenizer_file was
+    # the import's absolute path), and the export imports as before.
+    again = export_hf(str(run), tmp_path / "hf-again")
+    config = json.loads((again / "andrea.json").read_text())["config"]
+    assert (config["data"]["dir"], config["data"]["tokenizer_file"]) == ("", "")
+    back = import_hf(again, tmp_path / "runs" / "back").parent
+    assert load_config(back / "config.yaml").data.tokenizer_file == str(back / "tokenizer.json")
 
 
 def test_an_import_never_keeps_the_exporters_data_dir(tmp_path, data_dir):
