@@ -621,9 +621,10 @@ def test_no_part_runs_past_the_runs_budget(tmp_path: Path) -> None:
     assert took < 15 + 5 + 20  # racecheck's own 35 s budget would have taken longer
     result = (logdir / "result.txt").read_text()
     # memcheck is cut at the run's budget (setup slower than 10 s, on a loaded machine, leaves
-    # it none at all), and racecheck never starts.
+    # it none at all), and racecheck never starts. Its own 35 s less the seconds the part took
+    # before its sanitizer started: 34 on a loaded machine.
     assert re.search(r"memcheck: (timed out \(rc 124\) before its summary: over the run's "
-                     r"budget of 15 s \(this part had \d+ of its 35 s\)|NOT RUN: the run's "
+                     r"budget of 15 s \(this part had \d+ of its 3[45] s\)|NOT RUN: the run's "
                      r"budget of 15 s is spent)", result), result
     assert "racecheck: NOT RUN: the run's budget of 15 s is spent" in result
 
