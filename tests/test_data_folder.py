@@ -138,6 +138,40 @@ def test_training_on_a_folder_prepare_made_names_what_it_was_prepared_with(tmp_p
     assert andrea_main(*train, "--set", "data.source=mine.txt", cwd=tmp_path).returncode == 0
 
 
+def test_a_mixture_source_on_a_folder_prepared_otherwise_names_its_config_line(tmp_path):
+    """A mixture's source `notes.txt` derives data/notes-byte, which `prepare --input notes/`
+    made: the refusal named `--set data.source=notes/`, which a mixture never reads, so the
+    command it gave was refused again. It now names the mixture's own line; as it says, the
+    folder is used as it is."""
+    (tmp_path / "notes").mkdir()
+    for where in ("notes/a.txt", "notes.txt", "b.txt"):
+        (tmp_path / where).write_text(LINE.format(j=0, name=where) * 1500)
+    r = andrea_main("prepare", "--input", "notes/", "--tokenizer", "byte", "--errors", "replace",
+                    cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    before = snapshot(tmp_path / "data" / "notes-byte")
+    config = tmp_path / "mix.yaml"
+    mixture = "data: {{tokenizer: byte, sources: [{{path: {}, weight: 3}}, {{path: b.txt}}]}}\n"
+    config.write_text(mixture.format("notes.txt"))
+    line = assert_user_error(andrea_main("prepare", "-c", "mix.yaml", cwd=tmp_path),
+                             "to use that data as it is, give what it was prepared with "
+                             "(data.sources[0].path: notes/ in the config; --set "
+                             "data.errors=replace); else")
+    assert "data.source=" not in line
+    config.write_text(mixture.format("notes/"))
+    r = andrea_main("prepare", "-c", "mix.yaml", "--set", "data.errors=replace", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert snapshot(tmp_path / "data" / "notes-byte") == before
+    # `prepare --input` over it: its --set options are for andrea train (prepare refuses
+    # --set data.source beside --input), and the line says so.
+    assert_user_error(andrea_main("prepare", "--input", "b.txt", "--tokenizer", "byte", "--out",
+                                  "data/notes-byte", cwd=tmp_path),
+                      "but this prepare asks for source b.txt", "to train on that data as it is, "
+                      "add to andrea train what it was prepared with (--set data.source=notes/",
+                      "use another data folder")
+    assert snapshot(tmp_path / "data" / "notes-byte") == before
+
+
 def test_a_glob_inside_a_sources_folder_is_another_source(tmp_path):
     """`data.source=notes` and `notes/*.jsonl` derive one folder, data/notes-byte, and share
     files. The second was taken for the first with changed inputs: it prepared the folder again

@@ -105,6 +105,7 @@ def prepare_inputs(
     announce: str | None = None,
     tokenizer_file: str = "",
     text_field: str = "text",
+    source_key: str = "data.source",
 ) -> Path:
     """Tokenize `inputs` ("shakespeare", a file, a directory, a glob or a `datasets` folder)
     into shards in `out`.
@@ -117,8 +118,9 @@ def prepare_inputs(
     from its last complete shard. `announce` is printed just before the work starts.
 
     `out` must be empty or andrea's; one holding data prepared with other settings is refused
-    unless `force`. The work holds the folder's lock: a second prepare of `out` waits for the
-    first, then uses its result when it is what this one asks for.
+    unless `force` (the refusal names `source_key`, the config key that gave `inputs`). The
+    work holds the folder's lock: a second prepare of `out` waits for the first, then uses its
+    result when it is what this one asks for.
     """
     blob, vocab_size = _given_tokenizer(
         tokenizer, errors, val_fraction, shard_tokens, workers, text_field, vocab_size,
@@ -133,15 +135,17 @@ def prepare_inputs(
             print(f"{out}: up to date (inputs unchanged; --force redoes it)")
         return out
     check_owned(out)  # before anything is written there, the lock file included
+    check_request = functools.partial(check_same_request, tokenizer_file=tokenizer_file,
+                                      source_key=source_key)
     if not force:  # and again under the lock: a prepare may be running
-        check_same_request(out, settings, tokenizer_file)
+        check_request(out, settings)
     total = sum(d.size for d in docs)
     write = functools.partial(
         write_shards, out, docs, tokenizer, vocab_size, shard_tokens,
         workers or auto_workers(total), total, Settings(val_fraction, text_field, errors),
         settings, blob)
     _prepare_locked(out, settings, force, blob, verbose, announce, write, tokenizer_file,
-                    text_field, estimate_bytes(docs, tokenizer, vocab_size))
+                    text_field, estimate_bytes(docs, tokenizer, vocab_size), check_request)
     return out
 
 
@@ -166,6 +170,7 @@ def _prepare_locked(
     out: Path, settings: dict[str, Any], force: bool, blob: bytes | None, verbose: bool,
     announce: str | None, write: Callable[[dict[str, Any] | None], dict[str, Any]],
     tokenizer_file: str, text_field: str, estimate: int,
+    check_request: Callable[[Path, dict[str, Any]], None],
 ) -> None:
     """Holding the folder's lock: use what another process prepared meanwhile, or write the
     shards (`write(resume point)`, `estimate` bytes in all) and the manifest. Stopped
@@ -188,7 +193,7 @@ def _prepare_locked(
                 print(f"{out}: prepared by the other process meanwhile; using it", flush=True)
         else:
             check_owned(out)
-            resume = _start(out, settings, force, blob, announce, tokenizer_file)
+            resume = _start(out, settings, force, blob, announce, check_request)
             done = _written_bytes(out, resume)
             warn_if_short(out, estimate - done, settings["tokenizer_request"]["kind"],
                           resuming=resume is not None)
@@ -216,12 +221,13 @@ def _written_bytes(out: Path, resume: dict[str, Any] | None) -> int:
 
 def _start(
     out: Path, settings: dict[str, Any], force: bool, blob: bytes | None, announce: str | None,
-    tokenizer_file: str,
+    check_request: Callable[[Path, dict[str, Any]], None],
 ) -> dict[str, Any] | None:
-    """Under the lock, before the work: refuse another run's data (unless `force`), find the
-    resume point, and leave the folder holding only what this prepare continues from."""
+    """Under the lock, before the work: refuse another run's data (unless `force`, by
+    `check_request`), find the resume point, and leave the folder holding only what this
+    prepare continues from."""
     if not force:
-        check_same_request(out, settings, tokenizer_file)
+        check_request(out, settings)
     resume = None if force else resume_point(out, settings)
     if resume is not None:  # write_shards says what it continues after
         remove_unlisted(out, {e["file"] for s in SPLITS for e in resume["shards"][s]})
@@ -387,7 +393,7 @@ def prepare_from_config(
             f"train it on one source, `{shlex.join(argv)}`, then add `--set "
             f"data.tokenizer_file={folder / str(kind.file)}` to this command")
     identities: dict[str, Path] = {}
-    for source, target, _ in sources:
+    for i, (source, target, _) in enumerate(sources):
         out = prepare_inputs(
             source, d.tokenizer, target,
             vocab_size=cfg.model.vocab_size if kind.trained else None,
@@ -397,6 +403,7 @@ def prepare_from_config(
             else f"preparing {target} from {source} (first run only)",
             tokenizer_file=d.tokenizer_file if kind.file else "",
             text_field=d.text_field,
+            source_key=f"data.sources[{i}].path" if d.sources else "data.source",
         )
         tok = read_manifest(out)["tokenizer"]
         check_vocab(tok["vocab_size"], cfg.model.vocab_size, str(out))
@@ -491,7 +498,7 @@ def prepare_command(
     return prepare_inputs(
         input, kind, target, vocab_size=vocab_size, force=force, errors=d.errors,
         workers=d.workers, val_fraction=d.val_fraction, shard_tokens=d.shard_tokens,
-        tokenizer_file=tokenizer_file or "", text_field=d.text_field,
+        tokenizer_file=tokenizer_file or "", text_field=d.text_field, source_key="--input",
     )
 
 

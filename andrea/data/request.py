@@ -164,10 +164,13 @@ def _unfinished_problem(out: Path, settings: dict[str, Any]) -> str:
     return "a shard it lists is missing or damaged, or its tokenizer changed"
 
 
-def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str = "") -> None:
+def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str = "",
+                       source_key: str = "data.source") -> None:
     """A folder holding data (complete or not) prepared from another source or with other
     settings is another run's: never rewritten without --force (`tokenizer_file`: the
-    tokenizer.json this request gives, for the command that would)."""
+    tokenizer.json this request gives, for the command that would; `source_key`: the config
+    key that names this source, `data.sources[i].path` for a mixture's, `--input` for
+    `prepare --input`'s)."""
     for record in records(out):
         differ = [k for k in REQUEST_KEYS if _request(record, k) != _request(settings, k)]
         names = {i.get("name") for i in record.get("inputs") or [] if isinstance(i, dict)}
@@ -178,12 +181,18 @@ def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str 
             differ.insert(0, "source")
         if differ:
             what = "data" if "tokenizer" in record else "an unfinished prepare"
-            use = _sets_for(record, differ, out) if what == "data" else ""
+            use = _sets_for(record, differ, out, source_key) if what == "data" else ""
+            # A training can use the data as it is: `prepare --input` names its --set options
+            # for andrea train (they are no options of prepare's).
+            how = ("train on that data as it is, add to andrea train" if source_key == "--input"
+                   else "use that data as it is, add to the command"
+                   if source_key == "data.source" or "source" not in differ
+                   else "use that data as it is, give")
             raise UserError(
-                f"{out}: holds {what} prepared with {_describe(record, differ)}, but this run "
-                f"asks for {_describe(settings, differ)}; andrea does not overwrite it: "
-                + (f"to use that data as it is, add to the command what it was prepared "
-                   f"with ({use}); else " if use else "")
+                f"{out}: holds {what} prepared with {_describe(record, differ)}, but this "
+                f"{'prepare' if source_key == '--input' else 'run'} asks for "
+                f"{_describe(settings, differ)}; andrea does not overwrite it: "
+                + (f"to {how} what it was prepared with ({use}); else " if use else "")
                 + "use another data folder (--out / data.dir), or replace that data by hand "
                 f"with `{shlex.join(prepare_argv(settings, out, tokenizer_file) + ['--force'])}`"
             )
@@ -194,12 +203,16 @@ def _same_path(source: Any) -> Any:
     return os.path.normpath(source) if isinstance(source, str) and source else source
 
 
-def _sets_for(record: dict[str, Any], differ: list[str], out: Path) -> str:
+def _sets_for(record: dict[str, Any], differ: list[str], out: Path,
+              source_key: str = "data.source") -> str:
     """The --set options that ask for what `record` (a manifest) was prepared with, for each
-    setting in `differ`: how to train on a folder a `prepare --input` made."""
-    sets = []
+    setting in `differ`: how to train on a folder a `prepare --input` made. A mixture's source
+    (`source_key` data.sources[i].path) is no --set: the config's line is named instead."""
+    sets, edits = [], []
     for key in differ:
-        if key == "source":
+        if key == "source" and source_key not in ("data.source", "--input"):
+            edits.append(f"{source_key}: {record.get('source')} in the config")
+        elif key == "source":
             sets.append(f"data.source={record.get('source')}")
         elif key == "tokenizer_request":
             request = record["tokenizer_request"]
@@ -210,7 +223,8 @@ def _sets_for(record: dict[str, Any], differ: list[str], out: Path) -> str:
                 sets.append(f"model.vocab_size={request['vocab_size']}")
         elif _request(record, key) is not None:  # None: a setting that record never used
             sets.append(f"data.{key}={_request(record, key)}")
-    return " ".join(shlex.join(["--set", one]) for one in sets)
+    return "; ".join(edits + ([" ".join(shlex.join(["--set", one]) for one in sets)]
+                              if sets else []))
 
 
 REQUEST_KEYS = ("tokenizer_request", "val_fraction", "shard_tokens", "errors", "text_field")
