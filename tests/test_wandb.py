@@ -52,7 +52,7 @@ def history(records: list) -> list[dict]:
 def test_offline_run_logs_the_scalars_and_a_resume_continues_it(tmp_path, data_dir, capfd):
     """...and W&B prints nothing to the terminal (its banner, summary and sync hints): andrea
     says one line of it per segment."""
-    pytest.importorskip("wandb", reason="optional: pip install 'andrea[wandb]'")
+    pytest.importorskip("wandb", reason="optional: pip install -e '.[wandb]'")
     cfg = load_config("andrea-tiny", [
         f"data.dir={data_dir}", f"train.runs_dir={tmp_path}", "train.name=w", "train.max_steps=2",
         "train.log_every=1", "train.eval_every=1", "train.wandb=offline",
@@ -97,7 +97,7 @@ def test_wandb_without_the_package_is_a_one_line_error(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # the import fails as if not installed
     cfg = load_config("andrea-tiny", ["train.wandb=online"])
-    with pytest.raises(UserError, match=r"online needs .* pip install 'andrea\[wandb\]'"):
+    with pytest.raises(UserError, match=r"online needs .* pip install -e '.\[wandb\]'"):
         open_wandb(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before anything is written
     assert open_wandb(load_config("andrea-tiny", []), tmp_path / "run") is None  # off

@@ -192,7 +192,7 @@ class TrainConfig:
     tensorboard: bool = key(False, "also write TensorBoard event files", resumable=True)
     wandb: str = key(
         "off", "also log to Weights & Biases: online, or offline (W&B's files under the run "
-        "folder, uploaded later by `wandb sync`); needs pip install 'andrea[wandb]'",
+        "folder, uploaded later by `wandb sync`); needs pip install -e '.[wandb]'",
         choices=("off", "online", "offline"), resumable=True)
     wandb_project: str = key("andrea", "the W&B project", resumable=True)
     wandb_name: str | None = key(None, "the W&B run's name (default: the run's name)",

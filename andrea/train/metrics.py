@@ -245,7 +245,7 @@ def import_wandb(mode: str) -> Any:
     except ImportError:
         raise UserError(
             f"train.wandb: {mode} needs the wandb package, which is not installed: "
-            "pip install 'andrea[wandb]' (or pip install wandb), or set train.wandb=off"
+            "pip install -e '.[wandb]' (or pip install wandb), or set train.wandb=off"
         ) from None
     return wandb
 
