@@ -161,6 +161,14 @@ class EvalSettings:
                             f"{', '.join(PRECISIONS)}")
         if self.split not in SPLITS:
             raise UserError(f"--split: '{self.split}' is not one of {', '.join(SPLITS)}")
+        given = [f"--max-tokens {self.max_tokens}" if self.max_tokens is not None else "",
+                 f"--source {self.source}" if self.source is not None else "",
+                 f"--data {self.data}" if self.data is not None else "",
+                 f"--split {self.split}" if self.split != "val" else ""]
+        if not self.val and any(given):  # else they would be ignored without a word
+            raise UserError(f"{next(g for g in given if g)}: chooses the val set, which this "
+                            "eval skips (--task without --val, or --no-val); add --val to "
+                            "score it too, or drop it")
 
 
 def evaluate_one(ckpt: Path, settings: EvalSettings) -> EvalResult:

@@ -257,3 +257,12 @@ def test_several_checkpoints_in_one_table(tmp_path, trained_tiny):
     # --limit counts task examples: without a task it was ignored without a word.
     assert_user_error(andrea_main("eval", "--checkpoint", str(run), "--limit", "3"),
                       "--limit 3: counts the examples of a task", "--task KIND FILE")
+    # --max-tokens and --source choose the val set, which --task skips without --val: they
+    # were ignored without a word (docs/evaluation.md's own example gave one so).
+    for option in (["--max-tokens", "256"], ["--source", "x"], ["--data", str(tmp_path)],
+                   ["--split", "train"]):
+        assert_user_error(andrea_main("eval", "--checkpoint", str(run), *option, "--task",
+                                      "hellaswag", hs),
+                          f"{' '.join(option)}: chooses the val set, which this eval skips "
+                          "(--task without --val, or --no-val); add --val to score it too, or "
+                          "drop it")
