@@ -315,10 +315,10 @@ def test_train_on_a_mixture_reports_the_realised_share(tmp_path):
     # among the start lines (the plan), before the first step's line
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
     assert share and share[0] < first_step, lines
-    assert "over steps 0-1: a.jsonl " in lines[share[0]] and "(weight 75.0%)" in lines[share[0]]
+    assert "over steps 1-2: a.jsonl " in lines[share[0]] and "(weight 75.0%)" in lines[share[0]]
     records = [json.loads(line) for line in
                (tmp_path / "runs" / "andrea-tiny" / "metrics.jsonl").read_text().splitlines()]
     (mix,) = [rec for rec in records if rec["event"] == "data_mixture"]
-    assert set(mix["share"]) == {"a.jsonl", "b.parquet"} and mix["steps"] == [0, 1]
+    assert set(mix["share"]) == {"a.jsonl", "b.parquet"} and mix["steps"] == [1, 2]
     assert abs(sum(mix["share"].values()) - 1) < 1e-6
     assert mix["weight"] == {"a.jsonl": 0.75, "b.parquet": 0.25}

@@ -246,7 +246,7 @@ def test_mixture_val_reads_every_source_and_report(mixture, tmp_path):
         assert {int(v) // BASE for v in firsts} == {first}
     line, record = mixture_report(mixture, seed=7, start_step=10, max_steps=110, per_step=8,
                                   block_size=T)
-    assert line.startswith("data mixture, realised share of tokens over steps 10-109: a ")
+    assert line.startswith("data mixture, realised share of tokens over steps 11-110: a ")
     assert set(record["share"]) == {"a", "b"} and record["weight"] == {"a": 0.75, "b": 0.25}
     assert abs(sum(record["share"].values()) - 1) < 1e-9
     assert mixture_report(TokenSplit(tmp_path / "a", "train"), seed=7, start_step=0,
@@ -254,7 +254,7 @@ def test_mixture_val_reads_every_source_and_report(mixture, tmp_path):
     # data.sources listing one source still reports its share, as it always has.
     line, _ = mixture_report(Mixture([("x/a", tmp_path / "a", 2.0)], "train"), seed=7,
                              start_step=0, max_steps=10, per_step=8, block_size=T)
-    assert line.endswith("steps 0-9: x/a 100.0% (weight 100.0%)")
+    assert line.endswith("steps 1-10: x/a 100.0% (weight 100.0%)")
 
 
 def test_mixture_refuses_different_tokenizers_and_small_sources(tmp_path):

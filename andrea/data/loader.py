@@ -264,10 +264,11 @@ def mixture_report(
         f"{name} {100 * s:.1f}% (weight {100 * w:.1f}%)"
         for name, s, w in zip(split.names, share, split.weights, strict=True)
     ]
-    line = (f"data mixture, realised share of tokens over steps {steps.start}-"
-            f"{steps.stop - 1}: " + ", ".join(parts))
+    # Steps as training numbers them: the step that draws data index i is step i + 1.
+    first, last = steps.start + 1, steps.stop
+    line = f"data mixture, realised share of tokens over steps {first}-{last}: " + ", ".join(parts)
     record = {
-        "steps": [steps.start, steps.stop - 1],
+        "steps": [first, last],
         "share": {n: round(float(s), 6) for n, s in zip(split.names, share, strict=True)},
         "weight": {n: round(float(w), 6) for n, w in zip(split.names, split.weights, strict=True)},
     }
