@@ -47,7 +47,13 @@ from andrea.data.folder import (
     owned_files,
     remove_unlisted,
 )
-from andrea.data.request import check_same_request, is_current, request_settings, stale
+from andrea.data.request import (
+    check_same_request,
+    is_current,
+    prepare_argv,
+    request_settings,
+    stale,
+)
 from andrea.data.shards import MANIFEST, read_manifest
 from andrea.data.stops import (
     disk_full_error,
@@ -382,11 +388,11 @@ def prepare_from_config(
     sources = run_sources(cfg)
     if kind.trained and not d.tokenizer_file and len(sources) > 1:
         first, folder, _ = sources[0]  # where the config would prepare it: a BPE to share
-        argv = ["andrea", "prepare", "--input", first, "--tokenizer", d.tokenizer,
-                "--vocab-size", str(cfg.model.vocab_size), "--out", str(folder)]
-        default = type(d)()  # the data section's defaults, which the command need not give
-        argv += ["--errors", d.errors] if d.errors != default.errors else []
-        argv += ["--text-field", d.text_field] if d.text_field != default.text_field else []
+        argv = prepare_argv({  # the first source's request, as a command
+            "source": first, "errors": d.errors, "text_field": d.text_field,
+            "tokenizer_request": {"kind": d.tokenizer, "vocab_size": cfg.model.vocab_size},
+            "split": {"val_fraction": d.val_fraction}, "shard_tokens": d.shard_tokens,
+        }, folder)
         raise UserError(
             f"{cfg.source}: data.sources: {len(sources)} sources with data.tokenizer "
             f"{d.tokenizer} would each train a BPE of their own, and a mixture needs one; "
