@@ -186,8 +186,9 @@ def _runs_to_draw(
     return runs
 
 
-# Characters of a run's name in a legend: a longer one is cut in its middle, keeping its start
-# and end (where names differ: a prefix, a date or seed), so the legend stays inside its panel.
+# Characters of a run's or a mixture source's name in a legend: a longer one is cut in its
+# middle, keeping its start and end (where names differ: a prefix, a date or seed, a folder), so
+# the legend stays inside its panel.
 LEGEND_NAME = 30
 
 
@@ -196,6 +197,14 @@ def _legend_name(name: str) -> str:
         return name
     keep = LEGEND_NAME - 1
     return f"{name[:keep - keep // 2]}\u2026{name[len(name) - keep // 2:]}"
+
+
+def _source_names(sources: list[str]) -> dict[str, str]:
+    """{source: its legend name}: a source is named by its path as configured; its last folder
+    names it (as `andrea eval --source` accepts) where that tells the run's sources apart."""
+    last = {s: s.rstrip("/").rsplit("/", 1)[-1] or s for s in sources}
+    short = len(set(last.values())) == len(sources)
+    return {s: _legend_name(last[s] if short else s) for s in sources}
 
 
 def _history_to_draw(path: Path, notes: list[str]) -> list[dict[str, Any]] | None:
@@ -235,10 +244,12 @@ def _draw_run(
     for rx in _series(history, "rollback", x, x)[0]:
         ax_loss.axvline(rx, color=color, ls=":", lw=1.2)
     losses = ty + vy
-    for j, (source, (sx, sy)) in enumerate(_source_series(history, x).items()):
+    sources = _source_series(history, x)
+    names = _source_names(list(sources))
+    for j, (source, (sx, sy)) in enumerate(sources.items()):
         ax_loss.plot(sx, sy, color=color, lw=0.8, ls=":", ms=4,
                      marker=SOURCE_MARKERS[j % len(SOURCE_MARKERS)],
-                     label=f"{label}: val {source}")
+                     label=f"{label}: val {names[source]}")
         losses += sy
     ax_lr.plot(*_series(history, "train", "step", "lr"), color=color, lw=1.4)
     ax_speed.plot(*_series(history, "train", "step", "tokens_per_s"), color=color, lw=1.4)

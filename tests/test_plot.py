@@ -158,7 +158,17 @@ def test_titles_and_offset_texts_fit_and_do_not_overlap(tmp_path):
     a, b = two_runs(tmp_path)
     long = write_run(tmp_path, "a-run-name-long-enough-to-make-its-legend-entries-wide" * 2,
                      [start_record(), *normal_history(100), end_record(100, "finished")])
-    for runs in ([a], [a, b, long]):
+    # A mixture's sources are named by their paths as configured, which can be long too.
+    sources = ("/home/someone/corpora/wikipedia-en-2024-11-01-cleaned-and-deduplicated/",
+               "/home/someone/corpora/the-stack-python-permissive-deduplicated-v2/")
+    history = normal_history(100)
+    for r in history:
+        if r["event"] == "eval":
+            r["val_sources"] = {name: {"loss": r["val_loss"] + i / 10, "tokens": 1000,
+                                       "weight": 0.5} for i, name in enumerate(sources)}
+    mixture = write_run(tmp_path, "mixture", [start_record(), *history,
+                                              end_record(100, "finished")])
+    for runs in ([a], [a, b, long], [a, mixture]):
         fig = draw_figure(runs, warn=lambda _: None)
         try:
             fig.canvas.draw()
@@ -177,7 +187,13 @@ def test_titles_and_offset_texts_fit_and_do_not_overlap(tmp_path):
             for i, first in enumerate(texts):
                 for second in texts[i + 1:]:
                     assert not boxes[first].overlaps(boxes[second]), (first, second)
-            # Each legend inside its panel: a long run name is shortened in the middle.
+            # Each legend inside its panel: a long run or source name is shortened in the
+            # middle, keeping the ends where the names differ.
+            if mixture in runs:
+                labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+                assert [label for label in labels if ": val " in label] == [
+                    "mixture (finished): val wikipedia-en-20\u2026d-deduplicated",
+                    "mixture (finished): val the-stack-pytho\u2026eduplicated-v2"]
             for ax in fig.axes:
                 if ax.get_legend() is not None:
                     legend, panel = ax.get_legend().get_window_extent(renderer), ax.bbox
@@ -185,3 +201,11 @@ def test_titles_and_offset_texts_fit_and_do_not_overlap(tmp_path):
                                                                              legend, panel)
         finally:
             close(fig)
+
+
+def test_a_sources_legend_name_is_its_last_folder_where_that_tells_them_apart():
+    from andrea.plot import _source_names
+
+    assert _source_names(["data/wiki/", "/mnt/code"]) == {"data/wiki/": "wiki", "/mnt/code": "code"}
+    # Two sources in folders of one name keep their paths.
+    assert _source_names(["a/train", "b/train"]) == {"a/train": "a/train", "b/train": "b/train"}

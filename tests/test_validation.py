@@ -151,4 +151,5 @@ def test_a_mixture_is_scored_per_source_with_a_weighted_total(tmp_path):
     from andrea.plot import plot_runs
 
     svg = plot_runs([result.run_dir], tmp_path / "mix.svg").read_text()
-    assert f"mix (finished): val {a}" in svg and f"mix (finished): val {b}" in svg
+    # Each source by its last part, which tells these two apart (andrea/plot.py)
+    assert f"mix (finished): val {a.name}" in svg and f"mix (finished): val {b.name}" in svg
