@@ -101,11 +101,11 @@ class EvalResult:
         if self.loss is None:
             lines = [f"{self.checkpoint}: {self.precision}, {self.device}"]
         else:
-            ppl = f"{self.perplexity:.3f}" if self.perplexity is not None else "n/a"
             what = "weighted over the sources: " if len(self.sources) > 1 else ""
             lines = [
                 f"{self.checkpoint} on {self.data_words()} ({self.val_set()}): {what}loss "
-                f"{self.loss:.4f}, perplexity {ppl}, bits/byte {_fmt(self.bits_per_byte)}, "
+                f"{self.loss:.4f}, perplexity {_fmt(self.perplexity, 3)}, "
+                f"bits/byte {_fmt(self.bits_per_byte)}, "
                 f"{self.tokens:,} tokens ({self.bytes:,} bytes), {self.precision}, {self.device}"
             ]
         if len(self.sources) > 1:
@@ -126,7 +126,7 @@ def val_figures(score: ValScore, list_sources: bool) -> dict[str, Any]:
     """EvalResult's val fields from a ValScore; its sources listed with `list_sources`."""
     loss = score.loss
     return dict(
-        loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf,
+        loss=loss, perplexity=math.inf if loss > 700 else math.exp(loss),  # a NaN loss stays NaN
         bits_per_byte=score.bits_per_byte, tokens=score.tokens, bytes=score.bytes,
         sources=[
             {"name": s.name, "weight": s.weight, "loss": s.loss,

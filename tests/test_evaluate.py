@@ -231,3 +231,16 @@ def test_eval_names_its_checkpoint_once_and_its_val_set(tmp_path, data_dir):
                          "--max-tokens", "10000000", "--no-progress", "--json", cwd=tmp_path)
     assert budget.returncode == 0, budget.stderr
     assert json.loads(budget.stdout)[0]["max_tokens"] is None
+
+
+def test_a_diverged_checkpoints_perplexity_reads_the_same_in_its_line_and_the_table():
+    """Before: its line said `perplexity inf` (a NaN loss's too), the table `n/a`."""
+    from andrea.evaluate import format_table, val_figures
+    from andrea.train.validation import SourceScore, ValScore
+
+    for nats in (8 * 800.0, math.nan):
+        score = ValScore([SourceScore("data/x", 1.0, nats=nats, tokens=8, bytes=8)])
+        row = EvalResult("runs/r/step-1", 1, "float32", "cpu",
+                         **val_figures(score, list_sources=False))
+        assert "perplexity n/a," in row.summary()
+        assert format_table([row]).splitlines()[1].split()[3] == "n/a"
