@@ -50,6 +50,34 @@ def test_path_and_d_model_derivation(tmp_path):
     cfg = load_config(str(path))
     assert cfg.model.d_model == 16
     assert cfg.train.name == "cfg"  # run name defaults to the file's stem
+    # Emptied by --set too, as docs/config.md says; before, the run was train.runs_dir itself.
+    assert load_config(str(path), ["train.name="]).train.name == "cfg"
+    assert load_config("andrea-tiny", ["train.name="]).train.name == "andrea-tiny"
+
+
+def test_an_empty_source_is_refused_not_the_working_directory(tmp_path):
+    """Before: `--set data.source=` prepared and trained on every file in the working
+    directory (runs/ included)."""
+    assert_user_error(andrea_main("config", "show", "-c", "andrea-tiny", "--set", "data.source="),
+                      "data.source: must be shakespeare, or a file, directory or glob, got ''")
+    assert_user_error(andrea_main("prepare", "--input", "", cwd=tmp_path), "--input")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_quoted_value_of_a_key_that_takes_it_bare_says_to_drop_the_quotes(tmp_path):
+    for dotted, typed in (("train.compile", "true"), ("train.micro_batch_size", "8"),
+                          ("train.loss_chunk_rows", "0")):
+        said = assert_user_error(
+            andrea_main("config", "show", "-c", "andrea-tiny", "--set", f'{dotted}="{typed}"'),
+            f"got '{typed}' in quotes, which makes it text; give it without them")
+        bare = said.split("give it without them: --set ")[1].split(" (")[0]
+        load_config("andrea-tiny", [bare])  # as it says, it works
+    path = write(tmp_path, "train:\n  compile: 'false'\n")
+    assert_user_error(andrea_main("config", "show", "-c", str(path)), "(compile: false in a file)")
+    # A number of the wrong kind names what the key takes, not "an integer or a string".
+    assert_user_error(andrea_main("config", "show", "-c", "andrea-tiny", "--set",
+                                  "train.micro_batch_size=8.0"),
+                      "train.micro_batch_size: must be auto or a positive integer, got 8.0")
 
 
 def test_config_show_prints_resolved_yaml():
@@ -140,7 +168,17 @@ def test_a_text_key_given_a_bare_number_or_yes_says_how_to_quote_it(tmp_path):
     path = write(tmp_path, "train:\n  name: yes\n")
     assert_user_error(andrea_main("config", "show", "-c", str(path)),
                       f"{path}: train.name: expected a string, got True, which YAML reads as a "
-                      "boolean", 'name: "true" in a file')
+                      "boolean", 'name: "yes" in a file')
+    # The hint quotes the value as typed: YAML reads yes as true, 1.50 as 1.5, on as true.
+    for typed in ("yes", "1.50", "007"):
+        said = assert_user_error(andrea_main("config", "show", "-c", "andrea-tiny", "--set",
+                                             f"train.name={typed}"),
+                                 f"--set 'train.name=\"{typed}\"'")
+        quoted = shlex.split(said.split("quote it for text: ")[1].split(" (")[0])
+        assert load_config("andrea-tiny", [quoted[1]]).train.name == typed
+    path.write_text("train:\n  wandb: on\n")
+    assert_user_error(andrea_main("config", "show", "-c", str(path)),
+                      "train.wandb: 'on' is not one of off, online, offline")
     assert_user_error(andrea_main("config", "show", "-c", "andrea-tiny", "--set",
                                   "train.wandb=true"),
                       "train.wandb: 'true' is not one of off, online, offline")

@@ -11,12 +11,20 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from andrea.config.declare import KeySpec, Registered, registered, section_keys, type_name
+from andrea.config.declare import (
+    Check,
+    KeySpec,
+    Registered,
+    registered,
+    section_keys,
+    type_name,
+)
 from andrea.config.sections import SECTIONS, Config, key_specs
 from andrea.errors import UserError
 from andrea.resources import configs_dir
@@ -110,7 +118,10 @@ def _sources(value: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+def _apply(cfg: Config, section: str, key: str, value: Any, origin: str,
+           typed: Callable[[], str | None] = lambda: None) -> None:
+    """Set section.key to YAML's `value`; `typed()`: the value as the user typed it (YAML reads
+    `yes` as true, `1.50` as 1.5), for the hint that quotes it, when known."""
     specs = {spec.name: spec for spec in section_keys(section, SECTIONS[section])}
     if key not in specs:
         raise UserError(
@@ -127,13 +138,19 @@ def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None
     where = f"{origin}: {section}.{key}"
     if specs[key].type is str and isinstance(value, bool | int | float):
         # YAML read a bare 123, 1e3 or yes as a number or a boolean, not as the text meant.
-        text = str(value).lower() if isinstance(value, bool) else str(value)
+        text = typed() or (str(value).lower() if isinstance(value, bool) else str(value))
         if rule.choices:
             raise UserError(f"{where}: '{text}' is not one of {', '.join(rule.choices)}")
         raise UserError(f"{where}: expected a string, got {value!r}, which YAML reads as a "
                         f"{'boolean' if isinstance(value, bool) else 'number'}; quote it for "
                         f"text: --set '{section}.{key}=\"{text}\"' ({key}: \"{text}\" in a file)")
-    value = _coerce(value, specs[key].type, where)
+    try:
+        value = _coerce(value, specs[key].type, where)
+    except UserError:
+        if rule.check is None or typing.get_origin(specs[key].type) is None:
+            raise
+        # "expected an integer or a string" would invite text that the key then refuses.
+        raise UserError(f"{where}: must be {rule.check.must_be}, got {value!r}") from None
     setattr(getattr(cfg, section), key, value)
 
 
@@ -154,7 +171,24 @@ def _check_declared(cfg: Config, origin: str) -> None:
     for spec in specs:
         check, value = spec.rule.check, _value(cfg, spec)
         if check is not None and value is not None and not check.holds(value):
-            raise UserError(f"{origin}: {spec.dotted}: must be {check.must_be}, got {value!r}")
+            raise UserError(f"{origin}: {spec.dotted}: must be {check.must_be}, got {value!r}"
+                            f"{_quoted_hint(spec, check, value)}")
+
+
+def _quoted_hint(spec: KeySpec, check: Check, value: Any) -> str:
+    """For text that the key takes unquoted ('true', '8' quoted in YAML): how to give it."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        unquoted = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return ""
+    try:  # a number or a boolean only, which a check written for text may not take
+        fits = isinstance(unquoted, bool | int | float) and check.holds(unquoted)
+    except (AttributeError, TypeError):
+        return ""
+    return (f" in quotes, which makes it text; give it without them: --set {spec.dotted}={value}"
+            f" ({spec.name}: {value} in a file)" if fits else "")
 
 
 def _check_chosen(cfg: Config, origin: str) -> None:
@@ -256,8 +290,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return parts[0], parts[1], value
 
 
-def from_dict(data: Any, origin: str) -> Config:
-    """Build a Config from parsed YAML (no validation of values yet)."""
+def from_dict(data: Any, origin: str, text: str | None = None) -> Config:
+    """Build a Config from parsed YAML (no validation of values yet); `text`: the YAML it was
+    parsed from, when there is one."""
     cfg = Config(source=origin)
     if data is None:
         return cfg
@@ -273,8 +308,20 @@ def from_dict(data: Any, origin: str) -> Config:
         if not isinstance(body, dict):
             raise UserError(f"{origin}: section '{section}' must be a mapping of keys to values")
         for key, value in body.items():
-            _apply(cfg, section, str(key), value, origin)
+            _apply(cfg, section, str(key), value, origin,
+                   lambda s=section, k=key: _scalar_text(text, s, k) if text else None)
     return cfg
+
+
+def _scalar_text(text: str, section: str, key: Any) -> str | None:
+    """The value of `section: {key: ...}` as written in YAML `text`, if it is a plain scalar
+    there (not merged in from an anchor)."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    for node in (section, key):
+        if not isinstance(root, yaml.MappingNode):
+            return None
+        root = next((v for k, v in root.value if k.value == str(node)), None)
+    return root.value if isinstance(root, yaml.ScalarNode) else None
 
 
 MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *anchor`, which merges rather than repeats
@@ -328,12 +375,13 @@ def load_config(name: str | Path | None = None, overrides: typing.Sequence[str] 
         if data is None:
             raise UserError(_empty_config(path))
         check_unique_keys(text, origin)
-        cfg = from_dict(data, origin)
-        if not cfg.train.name:
-            cfg.train.name = path.stem
+        cfg = from_dict(data, origin, text)
     for text in overrides:
         section, key, value = parse_override(text)
-        _apply(cfg, section, key, value, f"--set {text}")
+        _apply(cfg, section, key, value, f"--set {text}",
+               lambda t=text: t.split("=", 1)[1].strip())
+    if not cfg.train.name and name is not None:  # `--set train.name=` too: never runs_dir itself
+        cfg.train.name = path.stem
     return validate(cfg, origin if not overrides else f"{origin} (with --set overrides)")
 
 

@@ -62,7 +62,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = key(
-        "shakespeare", "the text: shakespeare (the embedded corpus), or a file, directory or glob")
+        "shakespeare", "the text: shakespeare (the embedded corpus), or a file, directory or glob",
+        check=Check(lambda s: bool(s.strip()), "shakespeare, or a file, directory or glob"))
     tokenizer: str = key("bpe", "gpt2 (tiktoken's), bpe (trained on the source), or byte",
                          choices=Registered("data.tokenizer"))  # data.tokenizer.KINDS
     dir: str = key(

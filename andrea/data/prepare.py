@@ -482,7 +482,7 @@ def prepare_command(
             cfg.data.tokenizer_file = tokenizer_file
             validate(cfg, f"{cfg.source} (with --tokenizer-file)")
         return prepare_from_config(cfg, force=force)
-    if input is None:
+    if input is None or not input.strip():
         raise UserError("prepare: give --config X (e.g. andrea-12m) or --input FILE|DIR|GLOB")
     d = input_settings(overrides, dict(
         tokenizer=tokenizer, dir=out, errors=errors, workers=workers,
