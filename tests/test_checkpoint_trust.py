@@ -18,7 +18,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import Result, andrea_main, assert_user_error, make_checkpoint, python_command
+from conftest import (
+    Result,
+    andrea_main,
+    assert_user_error,
+    config_file,
+    make_checkpoint,
+    python_command,
+    tiny_config,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -225,6 +233,19 @@ def test_a_config_asking_for_a_million_layers_is_refused_before_allocating(tmp_p
     assert_user_error(imported, f"{export / 'config.json'}",
                       "n_layer 1000000 (the file holds 2 blocks)")
     assert snapshot(tmp_path) == before
+
+
+def test_a_model_too_big_for_memory_is_one_line_naming_its_keys(tmp_path, data_dir):
+    """Before: a traceback ending in DefaultCPUAllocator's "can't allocate memory", exit 1."""
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir), tmp_path)
+    results = run_limited(["train", "-c", str(cfg), "--set", "model.vocab_size=1000000000"],
+                          ["train", "-c", str(cfg), "--set", "model.n_layer=100000"],
+                          cwd=tmp_path, memory=500_000_000)
+    for result, fragment in zip(results, ("64,000,102,720 parameters", "model.n_layer 100000"),
+                                strict=True):
+        assert_user_error(result, fragment, "do not fit in this cpu memory",
+                          "make the model smaller")
+    assert not (tmp_path / "runs" / "t").exists()
 
 
 @pytest.mark.parametrize("entry", ["../model.safetensors", "/etc/passwd"])

@@ -38,8 +38,9 @@ from andrea.data.prepare import (
     run_sources,
 )
 from andrea.errors import UserError
-from andrea.fileio import atomic_write_text, free_bytes
+from andrea.fileio import atomic_write_text, free_bytes, size_text
 from andrea.model.attention import recorded_backend_problem, resolve_backend
+from andrea.model.params import closed_form_total
 from andrea.model.transformer import Andrea, loss_chunk_rows
 from andrea.train import rundata
 from andrea.train.checkpoint import checkpoint_nbytes
@@ -328,7 +329,19 @@ def build_model(
     first (sharded under fsdp), since the optimizer must hold the parameters as they train."""
     t = cfg.train
     torch.manual_seed(t.seed)  # identical initial weights on every rank
-    model = Andrea(cfg.model, attention_backend=backend).to(device)
+    try:
+        model = Andrea(cfg.model, attention_backend=backend).to(device)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if isinstance(exc, RuntimeError) and not (isinstance(exc, torch.OutOfMemoryError)
+                                                  or "can't allocate memory" in str(exc)):
+            raise
+        n = closed_form_total(cfg.model)
+        m = cfg.model
+        raise UserError(
+            f"model: {n:,} parameters ({size_text(4 * n)} of float32 weights alone) do not fit "
+            f"in this {device.type} memory; make the model smaller (model.n_layer {m.n_layer}, "
+            f"model.d_model {m.d_model}, model.vocab_size {m.vocab_size:,}, model.block_size "
+            f"{m.block_size:,})") from None
     model.loss_chunk_rows = loss_chunk_rows(cfg.model.vocab_size, t.loss_chunk_rows)
     if t.zero_init_output:
         model.zero_output_projections()
