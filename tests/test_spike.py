@@ -102,6 +102,24 @@ def test_rollback_returns_to_the_checkpoint_past_the_bad_data_at_a_cut_lr(
     assert (summary.spikes, summary.rollbacks, summary.step) == (2, 1, 40)
 
 
+def test_rollback_without_a_checkpoint_yet_takes_a_lasting_shift_as_skip_does(tmp_path, data_dir):
+    """Before: rollback's patience-th outlier with no checkpoint to go back to was skipped and
+    the window kept, so every later step was an outlier: 27 of 30 steps not applied, a val loss
+    of 5.1 against skip's 3.5, and the run "finished". Now it is skip's lasting shift."""
+    sets = ("train.spike_z=0.001", "train.spike_window=2", "train.max_steps=30",
+            "train.warmup_steps=0", "train.checkpoint_every=0")
+    runs = tmp_path / "runs"
+    skip = train(tiny_config(runs, data_dir, *sets, "train.spike_guard=skip", name="skip"),
+                 progress=False)
+    rollback = train(tiny_config(runs, data_dir, *sets, "train.spike_guard=rollback",
+                                 name="rollback"), progress=False)
+    assert rollback.losses == skip.losses
+    actions = [e["action"] for e in events(runs / "rollback", "spike")]
+    assert "accepted" in actions and "rollback" not in actions
+    assert actions == [e["action"] for e in events(runs / "skip", "spike")]
+    assert len(actions) < 20
+
+
 def test_guard_state_survives_resume_bit_for_bit(tmp_path, data_dir, inject_faults):
     inject_faults("spike@21-22x1000")
     sets = ("train.spike_guard=rollback", "train.spike_patience=2", "train.eval_every=0",
@@ -228,7 +246,8 @@ def test_two_processes_decide_as_one(tmp_path, data_dir, inject_faults):
 
 def test_a_rollback_needs_the_same_checkpoint_on_every_rank(tmp_path):
     """Node-local run folders under ddp: a rank that cannot see the checkpoint makes every rank
-    skip instead (the same decision everywhere), checked with two real gloo processes."""
+    take the streak as a lasting shift instead (the same decision everywhere), checked with
+    real gloo processes."""
     script = tmp_path / "agree.py"
     script.write_text(
         "import os, torch, torch.distributed as dist\n"

@@ -42,7 +42,7 @@ from andrea.train.schedule import multiplier
 from andrea.train.session import Session, TrainResult
 from andrea.train.setup import set_up
 from andrea.train.signals import EXIT_SIGNAL, SetUpInterrupted, SignalWatch
-from andrea.train.spike import APPLY, ROLLBACK, SKIP, same_on_every_rank
+from andrea.train.spike import APPLY, ROLLBACK, same_on_every_rank
 from andrea.train.torchrun import DistInfo
 from andrea.train.training_state import TrainingState, local_rng_states
 from andrea.train.validation import score_val, val_sources
@@ -344,12 +344,12 @@ def guard_step(s: Session, loss: float, grad_norm: float) -> str:
     verdict = s.guard.judge(s.step, loss, grad_norm)
     if verdict.action == ROLLBACK:
         # Every rank must see the same checkpoint to go back to (node-local run folders may
-        # not); else, or with none written yet, the step is skipped everywhere.
+        # not); else, or with none written yet, the streak is a lasting shift everywhere.
         target = rollback_checkpoint(s)
         found = step_of_dir(target) if target is not None else -1
         agreed = same_on_every_rank(found, s.device, all_reduce_sum, s.dist)  # a collective
         if target is None or not agreed:
-            verdict.action = SKIP
+            verdict.action = s.guard.take_as_shift(loss, grad_norm)
     if verdict.outlier:
         s.log.write("spike", step=s.step, tokens=s.tokens_seen + s.tokens_at(s.step - 1), loss=loss,
                     grad_norm=grad_norm, loss_z=round(verdict.loss_z, 3),

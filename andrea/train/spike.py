@@ -109,12 +109,16 @@ class SpikeGuard:
         self.streak = 0
         if self.cfg.spike_guard == ROLLBACK:
             return Verdict(ROLLBACK, loss_z, grad_z, outlier=True)
-        # skip: spike_patience outliers in a row are a lasting shift, not a spike (skipping
-        # cannot undo a state the model is already in): take it as the new level and measure
-        # anew from here
+        return Verdict(self.take_as_shift(loss, grad_norm), loss_z, grad_z, outlier=True)
+
+    def take_as_shift(self, loss: float, grad_norm: float) -> str:
+        """The spike_patience-th outlier in a row under skip, or under rollback with no
+        checkpoint to go back to: a lasting shift, not a spike (skipping cannot undo a state the
+        model is already in, and skipping on would stall the run), taken as the new level,
+        measured anew from here. The step is applied."""
         self.window.clear()
         self.window.append((loss, grad_norm))
-        return Verdict(APPLY, loss_z, grad_z, outlier=True)
+        return APPLY
 
     def restart(self) -> None:
         """Forget the window: the steps from here train on something else by plan, so the old
