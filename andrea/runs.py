@@ -96,6 +96,7 @@ class RunSummary:
     spikes: int = 0
     rollbacks: int = 0
     overflows: int = 0  # fp16: steps skipped, their gradients overflowing the loss scale
+    nonfinite: int = 0  # steps skipped for a non-finite loss or gradient (skip_nonfinite)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -376,8 +377,9 @@ def _read_progress(history: list[dict[str, Any]], summary: RunSummary) -> None:
             summary.step = step if summary.step is None else max(summary.step, step)
         if rec["event"] in ("train", "eval", "end") and tokens is not None:
             summary.tokens = tokens if summary.tokens is None else max(summary.tokens, tokens)
-    summary.spikes, summary.rollbacks, summary.overflows = (
-        sum(r["event"] == kind for r in history) for kind in ("spike", "rollback", "overflow"))
+    summary.spikes, summary.rollbacks, summary.overflows, summary.nonfinite = (
+        sum(r["event"] == kind for r in history)
+        for kind in ("spike", "rollback", "overflow", "skip"))
     trains = [r for r in history if r["event"] == "train"]
     losses = [x for x in (_num(r.get("loss")) for r in trains) if x is not None]
     if losses:
@@ -516,6 +518,10 @@ def format_table(runs: list[RunSummary]) -> str:
                          f"{'s' if r.rollbacks != 1 else ''} (metrics.jsonl: spike, rollback)")
         if r.overflows:
             notes.append(f"  {r.name}: fp16 overflow steps skipped: {r.overflows} (metrics.jsonl)")
+        if r.nonfinite:
+            notes.append(f"  {r.name}: {r.nonfinite} step{'s' if r.nonfinite != 1 else ''} not "
+                         f"applied: a non-finite loss or gradient (train.skip_nonfinite; "
+                         f"metrics.jsonl: skip)")
         notes.extend(f"  {r.name}: ! {p}" for p in r.problems)
     legend = val_set_legend(runs)
     if notes or legend:

@@ -284,6 +284,24 @@ def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path, data_
     assert skip.returncode == 0, skip.stderr
     assert [r["step"] for r in read_events(run_dir, "skip")] == [7]
     assert read_events(run_dir, "end")[-1]["state"] == "finished"
+    # Said at the end and in `andrea runs`: the run is not a clean one.
+    said = "1 of its 20 steps not applied: a non-finite loss or gradient (train.skip_nonfinite)"
+    assert said in skip.stdout.splitlines()[-1]
+    assert "t: 1 step not applied: a non-finite loss" in andrea_main(
+        "runs", str(tmp_path / "runs")).stdout
+
+
+def test_a_run_whose_every_step_is_non_finite_has_no_best_val_loss(tmp_path, data_dir):
+    """Before: `finished: ...; best val loss nan at step 6`, and a NaN first val loss stayed the
+    best whatever came after (nothing compares below NaN)."""
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=6", "train.eval_every=3",
+                      "model.init_std=1e308", "train.skip_nonfinite=true")
+    proc = andrea_main("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.splitlines()[-1]
+    assert "no finite val loss" in last and "best val loss" not in last
+    assert "6 of its 6 steps not applied" in last
+    assert read_events(tmp_path / "runs" / "t", "end")[-1]["best_val_loss"] is None
 
 
 def test_overwrite_replaces_a_run_only_once_the_new_one_can_start(tmp_path, data_dir):

@@ -435,7 +435,8 @@ def maybe_evaluate(s: Session, bar: tqdm) -> None:
     score = score_val(s.train_model, s.val_set, batch_size=s.micro_batch, device=s.device,
                       dtype=s.dtype, dist=s.dist, lockstep=s.parallel.sharded)
     s.last_val = score.loss  # a mixture's: the sources' average by weight
-    if s.best_val is None or s.last_val < s.best_val:
+    # A NaN val loss is never the best (nor, kept first, would any later one beat it).
+    if math.isfinite(s.last_val) and (s.best_val is None or s.last_val < s.best_val):
         s.best_val, s.best_step = s.last_val, s.step
     s.log.write("eval", step=s.step, tokens=s.tokens_seen, **score.record())
     if s.dist.is_main:
@@ -534,6 +535,6 @@ def finish(s: Session, state: str, exit_code: int, message: str, seconds: float,
         run_dir=s.run_dir, steps=s.step, tokens=s.tokens_seen, seconds=seconds, state=state,
         best_val_loss=s.best_val, best_val_step=s.best_step, last_val_loss=s.last_val,
         checkpoint=s.checkpoint, losses=s.losses, exit_code=exit_code, message=message,
-        is_main=s.dist.is_main, start_step=start_step,
+        is_main=s.dist.is_main, start_step=start_step, skipped=s.skipped,
     )
 

@@ -44,6 +44,7 @@ class TrainResult:
     is_main: bool = True  # rank 0 (the one process that writes and speaks)
     said: bool = False  # its end lines are printed (`say`)
     start_step: int = 0  # the step this process began from (a resume's checkpoint)
+    skipped: int = 0  # steps not applied for a non-finite loss or gradient (skip_nonfinite)
 
     def say(self) -> None:
         """Rank 0's end of the run, once: a stop's line on stderr (`error: ` unless the user
@@ -59,12 +60,14 @@ class TrainResult:
         """The run's last line (rank 0's stdout): how it ended, size, best val loss, checkpoint."""
         if self.state == "nothing to do":
             return self.message
-        best = (
-            f"best val loss {self.best_val_loss:.4f} at step {self.best_val_step}"
-            if self.best_val_loss is not None
-            else "no evaluation"
-        )
+        if self.best_val_loss is not None:
+            best = f"best val loss {self.best_val_loss:.4f} at step {self.best_val_step}"
+        else:
+            best = "no evaluation" if self.last_val_loss is None else "no finite val loss"
         where = f"checkpoint {self.checkpoint}" if self.checkpoint else "no checkpoint"
+        if self.skipped:  # a run that applied few of its steps must not read as a clean one
+            where += (f"; {self.skipped:,} of its {self.steps:,} steps not applied: a non-finite "
+                      f"loss or gradient (train.skip_nonfinite)")
         run = f"{self.steps:,} step{'' if self.steps == 1 else 's'}, {self.tokens:,} tokens"
         if self.start_step:  # the run's totals; the seconds are this process's steps'
             here = self.steps - self.start_step
