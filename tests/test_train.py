@@ -377,6 +377,34 @@ def test_an_overwrite_whose_start_fails_puts_the_old_run_back(tmp_path, data_dir
     assert run_files(run_dir) == before  # its own config and metrics, not the new run's
 
 
+def test_a_signal_while_an_overwrite_sets_the_old_run_aside_puts_it_back(tmp_path, data_dir,
+                                                                         monkeypatch, capsys):
+    """Before: set_aside ran outside the try that puts the run back, so a Ctrl-C during its
+    renames left the old run hidden in runs/NAME/.andrea-overwritten (5 of 6 tries of a user's)."""
+    from andrea.train import rundir
+    from andrea.train.signals import SetUpInterrupted
+
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2", "train.checkpoint_every=1")
+    run_dir = train(cfg, progress=False).run_dir
+    before = run_files(run_dir)
+    renames = []
+    rename = Path.rename
+
+    def interrupted_rename(self, target):
+        renames.append(self.name)
+        if len(renames) == 2:  # the signal lands between the second and third rename
+            raise SetUpInterrupted(signal.SIGINT)
+        return rename(self, target)
+
+    monkeypatch.setattr(rundir.Path, "rename", interrupted_rename)
+    stopped = train(cfg, overwrite=True, progress=False)
+    monkeypatch.setattr(rundir.Path, "rename", rename)
+    assert stopped.exit_code == 130 and renames[:2] == ["latest", "metrics.jsonl"]
+    assert (f"--overwrite: this run did not start; the run in {run_dir} is back as it was"
+            in capsys.readouterr().out)
+    assert run_files(run_dir) == before and not (run_dir / rundir.OVERWRITTEN).exists()
+
+
 def test_an_overwrite_killed_during_its_start_is_put_back_by_the_next_training(tmp_path,
                                                                                data_dir):
     """A process killed between setting the old run aside and deleting it (a kill -9, its node
@@ -402,6 +430,19 @@ def test_an_overwrite_killed_during_its_start_is_put_back_by_the_next_training(t
                if name.startswith("step-"))
     assert after["metrics.jsonl"].startswith(before["metrics.jsonl"])
     assert [c.name for c in step_dirs(run_dir)][-1] == "step-000003"
+
+    # Killed before it wrote anything of its own: `--resume RUN` (the docs' first form) and
+    # eval, which said the folder was not a run, find the run set aside.
+    set_aside(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == [OVERWRITTEN]
+    assert_user_error(andrea_main("eval", "--checkpoint", str(run_dir)),
+                      f"left the run in {run_dir / OVERWRITTEN}",
+                      f"andrea train --resume {run_dir}")
+    resumed = andrea_main("train", "--resume", str(run_dir), "--set", "train.max_steps=4",
+                          "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.startswith(f"{run_dir}: an --overwrite stopped during its set-up")
+    assert [c.name for c in step_dirs(run_dir)][-1] == "step-000004"
 
 
 def test_bad_resumes_are_clear_errors(tmp_path, data_dir):

@@ -12,11 +12,13 @@ from andrea.errors import UserError
 from andrea.train.restarts import attempt
 from andrea.train.rundir import (
     CONFIG,
+    OVERWRITTEN,
     is_step_dir,
     newest_intact,
     read_latest,
     resolve_checkpoint,
     run_path,
+    set_aside_run,
     step_dirs,
 )
 from andrea.train.torchrun import torchrun_env
@@ -71,6 +73,11 @@ def config_for_run(config: str | None, overrides: list[str], resume: str | None)
 
 
 def _run_config(resume: str, overrides: list[str]) -> Config:
+    aside = set_aside_run(run_path(resume))
+    if aside is not None and (aside / OVERWRITTEN / CONFIG).is_file():
+        # An --overwrite stopped during its set-up: the run it set aside is the one resumed
+        # (open_run puts it back, holding the run's lock), not the new run's start files.
+        return load_config(aside / OVERWRITTEN / CONFIG, overrides)
     run_dir = find_run_to_resume(resume, None)
     assert run_dir is not None
     return load_config(run_dir / CONFIG, overrides)

@@ -181,6 +181,15 @@ def discard(run_dir: Path) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
+def set_aside_run(path: Path) -> Path | None:
+    """The run folder at `path` (a run, or a step folder of one) whose old run an --overwrite
+    that never started left set aside, or None."""
+    for folder in (path, path.parent):
+        if (folder / OVERWRITTEN).is_dir():
+            return folder
+    return None
+
+
 def recover_overwrite(run_dir: Path) -> bool:
     """For the run's new holder: an --overwrite whose process ended during set-up (killed, its
     host lost) left the old run set aside: put back (the new run never trained a step), or, if
@@ -336,6 +345,11 @@ def resolve_checkpoint(
     else:
         ckpt = read_latest(path)
         if ckpt is None and not step_dirs(path):
+            if (path / OVERWRITTEN).is_dir():
+                raise UserError(
+                    f"{path}: an --overwrite that stopped during its set-up left the run in "
+                    f"{path / OVERWRITTEN}; any training of the run puts it back: "
+                    f"andrea train --resume {path}")
             raise UserError(f"{path}: not a checkpoint (no {MODEL_FILE}) and not a run "
                             f"directory (no '{LATEST}' file)")
         run_dir = path

@@ -77,7 +77,9 @@ from andrea.train.rundir import (
     read_latest,
     read_state,
     recover_overwrite,
+    run_path,
     set_aside,
+    set_aside_run,
     step_dirs,
     step_of_dir,
 )
@@ -364,7 +366,9 @@ def open_run(
     if dist.is_main:
         folder = run_dir
         if resume is not None and resume != "auto":  # a run named by its path
-            folder = find_run_to_resume(resume, cfg) or run_dir
+            # An --overwrite stopped half-way left the run set aside: found once put back.
+            folder = (set_aside_run(run_path(resume, cfg.train.runs_dir))
+                      or find_run_to_resume(resume, cfg) or run_dir)
         locks.take_run(folder)
         if recover_overwrite(folder):
             print(f"{folder}: an --overwrite stopped during its set-up (its process ended) had "
@@ -414,8 +418,8 @@ def replacing(run_dir: Path, replace: bool, signals: SignalWatch) -> Iterator[No
         yield
         return
     print(f"--overwrite: deleting the run in {run_dir} ({describe_run(run_dir)})", flush=True)
-    set_aside(run_dir)
     try:
+        set_aside(run_dir)  # in here: a signal may stop it half-way, and put_back undoes that
         yield
     except BaseException:
         signals.metrics_path = None  # the old run's again: a stop records nothing in it
