@@ -10,6 +10,7 @@ import json
 import re
 import shlex
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,6 +93,21 @@ def test_a_failed_checkpoint_write_stops_cleanly(tmp_path, data_dir, inject_faul
     assert note.startswith("  t: disk full at step 4: ")
 
 
+def test_a_failed_write_not_about_room_does_not_say_to_free_space(tmp_path, data_dir):
+    """A file where the checkpoint's folder goes (ENOTDIR), with gigabytes free. Before: `...;
+    free space there, or move RUN to a disk with room, then continue`."""
+    run_dir = train(tiny_config(tmp_path, data_dir, *SETS, "train.max_steps=2"),
+                    progress=False).run_dir
+    (run_dir / "step-000004").write_text("the user's notes\n")
+    cut = train(tiny_config(tmp_path, data_dir, *SETS, "train.max_steps=4"),
+                resume=str(run_dir), progress=False)
+    assert (cut.state, cut.exit_code) == ("stopped", 2), cut.message
+    assert cut.message.startswith(f"checkpoint write failed at step 4: writing "
+                                  f"{run_dir}/step-000004 failed (Not a directory"), cut.message
+    assert cut.message.endswith(f"latest is still {run_dir}/step-000002; fix that, then "
+                                f"continue: andrea train --resume {run_dir}"), cut.message
+
+
 @contextlib.contextmanager
 def disk_of(disk: Path, kib: int, monkeypatch) -> Iterator[Path]:
     """A folder on a filesystem of `kib` KiB: a real tmpfs where this process may mount one
@@ -159,6 +175,30 @@ def test_the_command_of_a_disk_too_small_trains_elsewhere(tmp_path, data_dir, mo
     assert command[0] == "andrea", err
     code, out, err = run_main(capsys, *command[1:], "--no-progress")
     assert code == 0 and (tmp_path / "home" / "andrea-runs" / "t" / "step-000002").is_dir(), err
+
+
+def test_the_commands_of_a_resume_without_room_move_the_run_and_continue_it(
+        tmp_path, data_dir, monkeypatch, capsys):
+    """A run whose disk filled up: its resume prints `mkdir -p DEST && mv RUN DEST/ && andrea
+    train --resume DEST/NAME`, which, pasted, continues it. Before: `mv RUN DEST` with no DEST
+    yet renamed the run folder to DEST, and the --resume that followed named nothing."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    probe = train(tiny_config(tmp_path / "probe", data_dir, "train.max_steps=2"),
+                  progress=False).run_dir
+    used = sum(f.stat().st_size for f in probe.rglob("*") if f.is_file())
+    runs = tmp_path / "disk" / "runs"
+    with disk_of(tmp_path / "disk", used // 1024 + 100, monkeypatch):
+        train(tiny_config(runs, data_dir, "train.max_steps=2"), progress=False)
+        code, _, err = run_main(capsys, "train", "--resume", str(runs / "t"),
+                                "--set", "train.max_steps=4", "--no-progress")
+        assert code == 2 and "continue there: " in err, err
+        mkdir, mv, resume = err.split("continue there: ")[1].strip().split(" && ")
+        for command in (mkdir, mv):
+            done = subprocess.run(shlex.split(command), capture_output=True, text=True)
+            assert done.returncode == 0, (command, done.stderr)
+    code, out, err = run_main(capsys, *shlex.split(resume)[1:], "--no-progress")
+    moved = tmp_path / "home" / "andrea-runs" / "t"
+    assert code == 0 and (moved / "step-000004").is_dir() and not (runs / "t").exists(), err
 
 
 def test_a_small_disk_warns_at_start_stops_before_writing_and_resumes_elsewhere(

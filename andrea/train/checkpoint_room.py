@@ -19,6 +19,7 @@ import math
 import shlex
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -67,22 +68,24 @@ def start_warning(s: Session, free: int) -> str | None:
             f"train.runs_dir to a disk with room")
 
 
-def check_room_at_start(s: Session, replaced: bool) -> None:
+def check_room_at_start(s: Session, replaced: bool,
+                        changes: dict[str, list[Any]] | None = None) -> None:
     """Every rank, before the first step: a UserError when the run folder's disk (as rank 0
     sees it) cannot hold even one checkpoint, rather than training up to the first one to stop
-    there. replaced: the run folder is an --overwrite's, whose files make room as they go."""
+    there. replaced: the run folder is an --overwrite's, whose files make room as they go;
+    changes: a resume's {key: [old, new]}, which its command carries on."""
 
     def measure() -> None:
         free = free_bytes(s.run_dir)
         if replaced and s.run_dir.is_dir():
             free += sum(f.stat().st_size for f in s.run_dir.rglob("*") if f.is_file())
         if free < s.checkpoint_nbytes:
-            raise UserError(no_room_message(s, free))
+            raise UserError(no_room_message(s, free, changes or {}))
 
     from_rank0(measure, s.dist)
 
 
-def no_room_message(s: Session, free: int) -> str:
+def no_room_message(s: Session, free: int, changes: dict[str, list[Any]]) -> str:
     """The one line of a run whose disk cannot hold one checkpoint: the size, the room, where,
     and the command that trains on a disk with room for every checkpoint the run keeps."""
     existing, peak = peak_checkpoints(s)
@@ -96,9 +99,14 @@ def no_room_message(s: Session, free: int) -> str:
              f"; DIR: a folder on a disk with about {size_text(needed)} free")
     if s.checkpoint is not None:  # a resume: the run folder moves with its checkpoints
         moved = Path(dest) / s.run_dir.name
+        resume_sets = [arg for key, (_, new) in changes.items()
+                       for arg in ("--set", f"{key}={_yaml_value(new)}")]
+        # mkdir first: into a folder that does not exist yet, mv would rename the run to it.
         return (f"{head}; move the run to a disk with room and continue there: "
-                f"{shlex.join(['mv', str(s.run_dir), dest])} && "
-                f"{shlex.join(['andrea', 'train', '--resume', str(moved)])}{where}")
+                f"{shlex.join(['mkdir', '-p', dest])} && "
+                f"{shlex.join(['mv', str(s.run_dir), dest + '/'])} && "
+                f"{shlex.join(['andrea', 'train', '--resume', str(moved), *resume_sets])}"
+                f"{where}")
     return (f"{head}; train on a disk with room: "
             f"{shlex.join(train_command(s.cfg, {'train.runs_dir': dest}))}{where}")
 
@@ -147,13 +155,17 @@ def full_message(s: Session, free: int, cause: str | None, full: bool = True) ->
         what = (f"writing {folder} failed ({cause}; it needs about {per}, {size_text(free)} was "
                 f"free); its partial folder is removed")
     latest = read_latest(s.run_dir)
+    # Only a full disk (or quota) is about room: any other failure is the cause's to fix.
     if latest is None:
-        how = (f"no checkpoint was written before it; free space there, or set train.runs_dir "
-               f"to a disk with room, then start over: andrea train --config "
-               f"{s.run_dir / CONFIG}")
+        fix = "free space there, or set train.runs_dir to a disk with room" if full else \
+            "fix that"
+        how = (f"no checkpoint was written before it; {fix}, then start over: andrea train "
+               f"--config {s.run_dir / CONFIG}")
     else:
-        how = (f"latest is still {latest}; free space there, or move {s.run_dir} to a disk with "
-               f"room, then continue: andrea train --resume {s.run_dir} (its new path if moved)")
+        fix = f"free space there, or move {s.run_dir} to a disk with room" if full else \
+            "fix that"
+        how = (f"latest is still {latest}; {fix}, then continue: andrea train --resume "
+               f"{s.run_dir}{' (its new path if moved)' if full else ''}")
     head = "disk full" if full else "checkpoint write failed"
     return f"{head} at step {s.step}: {what}; {how}"
 

@@ -147,7 +147,7 @@ def set_up(
     signals.checkpoint = s.checkpoint
     schedule_lines = plan_schedule(s, trainer_state, changes)
     check_data_fits(s)
-    check_room_at_start(s, replace)
+    check_room_at_start(s, replace, changes)
     if dist.is_main:
         with replacing(run_dir, replace, signals):
             start_run_files(s, resume_from, changes, backend)
