@@ -508,6 +508,13 @@ def format_table(runs: list[RunSummary]) -> str:
     for r in runs:
         if r.message and r.state not in ("finished", "running"):
             notes.append(f"  {r.name}: {r.message}")
+        if r.state == "crashed":  # no end record: killed, out of memory, its machine lost
+            notes.append(
+                f"  {r.name}: its process ended without a word (killed?); continue it: andrea "
+                f"train --resume {r.path}" if r.latest_checkpoint else
+                f"  {r.name}: its process ended without a word (killed?) before its first "
+                f"checkpoint; nothing to continue; start it over: andrea train --config "
+                f"{Path(r.path) / CONFIG}")
         if r.last_val_sources and r.last_val_loss is not None:
             by_source = ", ".join(f"{n} {_loss(v)}" for n, v in r.last_val_sources.items())
             notes.append(f"  {r.name}: val loss by source at step {r.last_val_step}: "

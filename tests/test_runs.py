@@ -147,6 +147,24 @@ def test_running_and_crashed(tmp_path):
     assert r.state == "unknown" and "other-host-xyz" in r.problems[0]
 
 
+def test_a_crashed_run_says_how_to_go_on_and_one_without_a_checkpoint_is_not_called_no_run(
+        tmp_path):
+    """Before: `andrea runs` gave a crashed run no note (while --resume's refusal pointed to it
+    for how the run stopped), and eval called a run killed before its first checkpoint "not a
+    run directory"."""
+    early = write_run(tmp_path, "early", [start_record(pid=dead_pid()), *normal_history(10)])
+    late = write_run(tmp_path, "late", [start_record(pid=dead_pid()), *normal_history(40)],
+                     checkpoints=(20,))
+    notes = andrea_main("runs", str(tmp_path)).stdout
+    assert (f"  early: its process ended without a word (killed?) before its first checkpoint; "
+            f"nothing to continue; start it over: andrea train --config {early}/config.yaml"
+            in notes), notes
+    assert f"  late: its process ended without a word (killed?); continue it: andrea train " \
+           f"--resume {late}" in notes, notes
+    assert_user_error(andrea_main("eval", "--checkpoint", str(early)),
+                      f"{early}: the run has no checkpoint yet", f"andrea runs {early}")
+
+
 def test_resumed_run_keeps_only_the_current_history(tmp_path):
     # Died (no end) at step 150, resumed from the checkpoint at 100, interrupted at 120.
     records = [

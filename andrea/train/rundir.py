@@ -350,6 +350,10 @@ def resolve_checkpoint(
                     f"{path}: an --overwrite that stopped during its set-up left the run in "
                     f"{path / OVERWRITTEN}; any training of the run puts it back: "
                     f"andrea train --resume {path}")
+            if is_run(path):
+                raise UserError(f"{path}: the run has no checkpoint yet (it stopped before its "
+                                f"first, or has not reached it); andrea runs {path} says how it "
+                                f"stands")
             raise UserError(f"{path}: not a checkpoint (no {MODEL_FILE}) and not a run "
                             f"directory (no '{LATEST}' file)")
         run_dir = path
