@@ -12,6 +12,7 @@ and 5, checkpoint side), all through the real `andrea` command:
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import struct
 import subprocess
@@ -306,6 +307,32 @@ def test_a_damaged_latest_names_the_newest_intact_step_and_the_command(tmp_path,
     assert_user_error(andrea_main("eval", "--checkpoint", "runs/x", cwd=tmp_path),
                       "runs/x: no usable 'latest' file",
                       "andrea eval --checkpoint runs/x/step-000040")
+
+
+def test_the_resume_a_latest_naming_nothing_suggests_puts_it_right_in_a_finished_run(
+        tmp_path, trained_tiny):
+    """A finished run whose `latest` names a folder that is not there: the refusal's command
+    (`--resume` of the newest intact step) had nothing to train and left `latest` as it was,
+    so the run stayed damaged for eval, generate and `andrea runs`."""
+    run = tmp_path / "runs" / "x"
+    shutil.copytree(trained_tiny.run_dir, run)
+    (run / "latest").write_text("step-000999\n")
+    said = assert_user_error(andrea_main("train", "--resume", "runs/x", cwd=tmp_path),
+                             "the folder does not exist")
+    command = shlex.split(said.split(": ")[-1])
+    assert command[:3] == ["andrea", "train", "--resume"]
+    proc = andrea_main(*command[1:], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert ("its 'latest' file, which named 'step-000999' (damaged or missing), now names "
+            "step-000040") in proc.stdout
+    assert (run / "latest").read_text() == "step-000040\n"
+    assert andrea_main("eval", "--checkpoint", "runs/x", "--max-tokens", "64", "--no-progress",
+                       cwd=tmp_path).returncode == 0
+    # A resume of an older intact step than the newest leaves `latest` to the user.
+    (run / "latest").write_text("step-000999\n")
+    assert andrea_main("train", "--resume", "runs/x/step-000020", "--set", "train.max_steps=20",
+                       cwd=tmp_path).returncode == 0
+    assert (run / "latest").read_text() == "step-000999\n"
 
 
 def test_runs_shows_a_damaged_run(tmp_path, trained_tiny):
