@@ -54,6 +54,12 @@ class FolderLock:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:
+                blocker = next((p for p in (self.folder, *self.folder.parents)
+                                if p.exists() and not p.is_dir()), None)
+                if blocker is not None:  # mkdir's "File exists" would not say which, or why
+                    raise UserError(f"{self.folder}: cannot write the {self.what}: {blocker} is "
+                                    f"a file, not a folder; move it away or choose another "
+                                    f"folder") from None
                 raise UserError(f"{self.folder}: cannot write the {self.what}: "
                                 f"{exc.strerror}") from None
             try:

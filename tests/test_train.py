@@ -445,6 +445,19 @@ def test_an_overwrite_killed_during_its_start_is_put_back_by_the_next_training(t
     assert [c.name for c in step_dirs(run_dir)][-1] == "step-000004"
 
 
+def test_a_file_where_the_run_folder_goes_is_named_with_what_to_do(tmp_path, data_dir):
+    """Before: `cannot write the run folder: File exists` and `--resume: no such run
+    directory`, neither naming the file nor what to do."""
+    (tmp_path / "rd").mkdir()
+    (tmp_path / "rd" / "x").write_text("notes\n")
+    path = config_file(tiny_config(tmp_path / "rd", data_dir, name="x"), tmp_path)
+    assert_user_error(andrea_main("train", "-c", str(path), "--no-progress"),
+                      f"{tmp_path / 'rd' / 'x'} is a file, not a folder; move it away")
+    assert_user_error(andrea_main("train", "--resume", str(tmp_path / "rd" / "x")),
+                      "is a file; give a run folder")
+    assert (tmp_path / "rd" / "x").read_text() == "notes\n"
+
+
 def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
     cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2")
     result = train(cfg, progress=False)

@@ -120,6 +120,9 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
     run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
     if is_step_dir(run_dir) and (run_dir.parent / CONFIG).is_file():
         run_dir = run_dir.parent
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--resume {resume}: {run_dir} is a file; give a run folder "
+                        f"(train.runs_dir/train.name, e.g. runs/NAME) or a step folder of one")
     if not run_dir.is_dir():
         elsewhere = ""
         if torchrun_env().world_size > 1:  # a node with its own runs_dir
