@@ -361,3 +361,18 @@ def test_runs_shows_a_damaged_run(tmp_path, trained_tiny):
     assert {n: (r["state"], r["intact_checkpoint"]) for n, r in data.items()} == {
         "ok": ("finished", None), "no-model": ("damaged", "step-000020"),
         "no-latest": ("damaged", "step-000040"), "no-state": ("finished", None)}
+
+
+def test_a_checkpoint_pruned_between_latest_and_its_files_says_so(tmp_path, trained_tiny):
+    """A live training with train.keep_last prunes the checkpoint `latest` named a moment
+    before: once in some 30 reads a user's generate called it "missing; the checkpoint is
+    incomplete", a damaged checkpoint, and it was whole when pruned."""
+    from andrea.errors import UserError
+    from andrea.train.checkpoint import read_model_checkpoint
+    from andrea.train.rundir import resolve_checkpoint
+
+    run = shutil.copytree(trained_tiny.run_dir, tmp_path / "x")
+    ckpt = resolve_checkpoint(run)
+    shutil.rmtree(ckpt)  # what the training's prune did meanwhile
+    with pytest.raises(UserError, match="removed while being read .* run the command again"):
+        read_model_checkpoint(ckpt)

@@ -261,6 +261,10 @@ def read_shards(
 
 def _open(path: Path):
     if not path.is_file():
+        if not path.parent.is_dir():  # there when `latest` was read a moment ago
+            raise UserError(f"{path.parent}: removed while being read (a training still writing "
+                            f"the run prunes its older checkpoints: train.keep_last); run the "
+                            f"command again for the run's newest")
         raise UserError(f"{path}: missing; the checkpoint is incomplete")
     try:
         read_safetensors_header(path)  # a forged header length is refused before safetensors
