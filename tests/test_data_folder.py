@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -136,6 +137,25 @@ def test_training_on_a_folder_prepare_made_names_what_it_was_prepared_with(tmp_p
                              "prepared with (--set data.source=mine.txt); else")
     assert "(--set data.source=mine.txt)" in line
     assert andrea_main(*train, "--set", "data.source=mine.txt", cwd=tmp_path).returncode == 0
+
+
+def test_data_with_no_train_tokens_is_not_offered_as_it_is(tmp_path):
+    """A val_fraction near 1 prepares a folder with an empty train split. Before: the next run
+    at the default val_fraction was told to use that data as it is (`--set
+    data.val_fraction=0.999999`), which, pasted, failed on the empty split again."""
+    (tmp_path / "docs.jsonl").write_text("".join(
+        json.dumps({"text": LINE.format(j=j, name="doc") * 20}) + "\n" for j in range(400)))
+    train = ["train", "-c", "andrea-tiny", "--set", "data.source=docs.jsonl", "--set",
+             "data.tokenizer=byte", "--set", "train.max_steps=2", "--no-progress"]
+    assert_user_error(andrea_main(*train, "--set", "data.val_fraction=0.999999", cwd=tmp_path),
+                      "the train split has 0 tokens",
+                      "hold less out for validation (data.val_fraction, prepared anew)")
+    line = assert_user_error(andrea_main(*train, cwd=tmp_path),
+                             "prepared with val_fraction 0.999999")
+    assert "as it is" not in line
+    command = shlex.split(line.split("replace that data by hand with `")[1].rstrip("`"))
+    assert andrea_main(*command[1:], cwd=tmp_path).returncode == 0
+    assert andrea_main(*train, cwd=tmp_path).returncode == 0
 
 
 def test_a_mixture_source_on_a_folder_prepared_otherwise_names_its_config_line(tmp_path):

@@ -416,8 +416,10 @@ def _check_enough(split: TokenSplit, per_step: int, block_size: int, what: str) 
             f"{split.data_dir}: the {split.split} split{what} has {split.n_tokens:,} tokens, "
             f"too few for one global batch of {per_step:,} windows of {block_size:,} tokens "
             f"(block_size; each reads one more, its last target), which needs at least "
-            f"{(per_step + 1) * block_size:,} tokens in one shard; add data or lower the batch "
-            "size or block_size"
+            f"{(per_step + 1) * block_size:,} tokens in one shard; add data"
+            + (", hold less out for validation (data.val_fraction, prepared anew)"
+               if split.split == "train" else "")
+            + " or lower the batch size or block_size"
         )
 
 

@@ -181,7 +181,10 @@ def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str 
             differ.insert(0, "source")
         if differ:
             what = "data" if "tokenizer" in record else "an unfinished prepare"
-            use = _sets_for(record, differ, out, source_key) if what == "data" else ""
+            tokens = record.get("tokens") if isinstance(record.get("tokens"), dict) else {}
+            # Data with no train tokens (a val_fraction near 1) is nothing to train on as it is.
+            usable = what == "data" and tokens.get("train") != 0
+            use = _sets_for(record, differ, out, source_key) if usable else ""
             # A training can use the data as it is: `prepare --input` names its --set options
             # for andrea train (they are no options of prepare's).
             how = ("train on that data as it is, add to andrea train" if source_key == "--input"
