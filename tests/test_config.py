@@ -64,6 +64,19 @@ def test_an_empty_source_is_refused_not_the_working_directory(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_bpe_vocab_too_small_names_model_vocab_size_before_anything_runs(tmp_path):
+    """Before: `tokenizer bpe: vocab size 100 is too small`, after preparing began, naming
+    neither key."""
+    line = assert_user_error(andrea_main("train", "-c", "andrea-tiny", "--set",
+                                         "data.tokenizer=bpe", "--set", "model.vocab_size=100",
+                                         cwd=tmp_path),
+                             "model.vocab_size: 100 is too small for data.tokenizer bpe",
+                             "at least 258 ids")
+    assert "preparing" not in line and list(tmp_path.iterdir()) == []
+    load_config("andrea-tiny", ["data.tokenizer=bpe", "model.vocab_size=258"])
+    load_config("andrea-tiny", ["data.tokenizer=byte", "model.vocab_size=257"])
+
+
 def test_a_quoted_value_of_a_key_that_takes_it_bare_says_to_drop_the_quotes(tmp_path):
     for dotted, typed in (("train.compile", "true"), ("train.micro_batch_size", "8"),
                           ("train.loss_chunk_rows", "0")):

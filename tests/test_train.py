@@ -163,17 +163,22 @@ def test_compiled_model_state_has_plain_keys():
 def test_device_and_precision_names_are_checked(monkeypatch):
     assert pick_device("cpu") == torch.device("cpu")
     for bad in ("gpu", "cpu:0", "cuda:x"):
-        with pytest.raises(UserError, match=f"device '{bad}'"):
+        with pytest.raises(UserError, match=f"--device {bad}: expected auto"):
             pick_device(bad)
     # The way out fits the GPUs there are ("another index" with none was no way out).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for count, asked, said in [(0, "cuda", "sees 0 GPUs; use cpu"),
-                               (1, "cuda:1", "sees 1 GPU; use cpu or cuda"),
-                               (2, "cuda:2", "sees 2 GPUs; use cpu or an index below 2")]:
+    for count, asked, said in [(0, "cuda", "sees 0 GPUs; use --device cpu"),
+                               (1, "cuda:1", "sees 1 GPU; use --device cpu or cuda"),
+                               (2, "cuda:2", "sees 2 GPUs; use --device cpu or an index below 2")]:
         monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
         with pytest.raises(UserError) as raised:
             pick_device(asked)
-        assert str(raised.value) == f"device '{asked}': PyTorch {said}"
+        assert str(raised.value) == f"--device {asked}: PyTorch {said}"
+    # A training names its config key, in the form --set takes (before: "device 'cuda'").
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(UserError, match="^train.device cuda: PyTorch sees 0 GPUs; use "
+                                        "train.device=cpu$"):
+        pick_device("cuda", "train.device")
     with pytest.raises(UserError, match="precision 'fp8'"):
         pick_dtype("fp8", torch.device("cpu"))
 

@@ -40,6 +40,9 @@ GPT2_PATTERN = (
 )
 
 
+# A byte-level BPE's smallest vocabulary: the 256 bytes, one merge and end-of-text.
+MIN_BPE_VOCAB = 258
+
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
@@ -238,10 +241,10 @@ def train_bpe(texts: Iterator[str], vocab_size: int, path: Path) -> BpeTokenizer
     from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
     from tokenizers import Tokenizer as HfTokenizer
 
-    if vocab_size < 257 + 1:
+    if vocab_size < MIN_BPE_VOCAB:
         raise UserError(
             f"tokenizer bpe: vocab size {vocab_size} is too small; byte-level BPE needs at least "
-            "258 ids (256 bytes, one merge, end-of-text)"
+            f"{MIN_BPE_VOCAB} ids (256 bytes, one merge, end-of-text)"
         )
     tok = HfTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -328,6 +331,12 @@ class TokenizerKind:
     def check_config(self, cfg: Config, origin: str) -> None:
         """A given tokenizer.json (data.tokenizer_file) only for a kind that has such a file
         (validation calls it)."""
+        if self.trained and not cfg.data.tokenizer_file and cfg.model.vocab_size < MIN_BPE_VOCAB:
+            raise UserError(
+                f"{origin}: model.vocab_size: {cfg.model.vocab_size} is too small for data."
+                f"tokenizer {self.name}, a byte-level BPE trained on the source, which needs at "
+                f"least {MIN_BPE_VOCAB} ids (256 bytes, one merge, end-of-text); raise it, or "
+                f"set data.tokenizer=byte")
         if cfg.data.tokenizer_file and self.file is None:
             with_file = [kind.name for kind in KINDS.values() if kind.file is not None]
             raise UserError(

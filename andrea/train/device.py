@@ -11,19 +11,21 @@ from andrea.config import PRECISION_DTYPES
 from andrea.errors import UserError
 
 
-def pick_device(requested: str) -> torch.device:
-    """'auto' (a GPU if PyTorch sees one, else the CPU), 'cpu', 'cuda' or 'cuda:N'."""
+def pick_device(requested: str, key: str = "--device") -> torch.device:
+    """'auto' (a GPU if PyTorch sees one, else the CPU), 'cpu', 'cuda' or 'cuda:N'; `key`: the
+    option or config key that asked for it, for the errors."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     kind, _, index = requested.partition(":")
     if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
-        raise UserError(f"device '{requested}': expected auto, cpu, cuda or cuda:N")
+        raise UserError(f"{key} {requested}: expected auto, cpu, cuda or cuda:N")
     if kind == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or int(index or 0) >= count:
-            way = ("use cpu" if count == 0 else
-                   f"use cpu or an index below {count}" if count > 1 else "use cpu or cuda")
-            raise UserError(f"device '{requested}': PyTorch sees {count} GPU"
+            cpu = f"{key}{'=' if '.' in key else ' '}cpu"  # a config key's --set, an option
+            way = (f"use {cpu}" if count == 0 else
+                   f"use {cpu} or an index below {count}" if count > 1 else f"use {cpu} or cuda")
+            raise UserError(f"{key} {requested}: PyTorch sees {count} GPU"
                             f"{'' if count == 1 else 's'}; {way}")
     return torch.device(requested)
 

@@ -65,7 +65,7 @@ def train(
     stop_after: run at most this many steps now, then checkpoint and stop (state "stopped"),
     e.g. to fit a job's time slot; `--resume` continues on the same schedule.
     """
-    device = pick_device(cfg.train.device)
+    device = pick_device(cfg.train.device, "train.device")
     dist = init_distributed(device.type, cfg.train.join_timeout)
     try:
         with TrainingLocks() as locks:  # the run folder's and its data's, however it ends
