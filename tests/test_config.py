@@ -325,7 +325,8 @@ def test_declared_choices_and_constraints_are_checked():
     with pytest.raises(UserError, match=r"muon_ns_precision: 'fp16' is not one of auto, bf16"):
         load_config("andrea-tiny", ["train.muon_ns_precision=fp16"])
     assert key_spec("train.spike_window").allowed == "an integer of at least 2"
-    assert key_spec("data.text_field").allowed == "a string"
+    assert key_spec("data.dir").allowed == "a string"
+    assert key_spec("data.text_field").allowed == "a field's name"
     assert key_spec("train.micro_batch_size").allowed == "auto or a positive integer"
     with pytest.raises(UserError, match=r"train\.micro_batch_size: must be auto or a positive"):
         load_config("andrea-tiny", ["train.micro_batch_size=0"])

@@ -81,7 +81,8 @@ class DataConfig:
         "strict", "strict: invalid UTF-8 or a record without a string text field stops the "
         "prepare; replace: such bytes become U+FFFD, such records are skipped and counted",
         choices=("strict", "replace"))
-    text_field: str = key("text", "the JSON field / Parquet or Arrow column that holds the text")
+    text_field: str = key("text", "the JSON field / Parquet or Arrow column that holds the text",
+                          check=Check(lambda s: bool(s.strip()), "a field's name"))
     sources: list = key(
         [], "a mixture: a list of {path, weight}, each prepared on its own, each training "
         "window drawn from source i with probability weight_i / sum(weights); empty: source alone")
