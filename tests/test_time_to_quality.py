@@ -277,6 +277,15 @@ def test_batch_warmup_not_a_whole_number_of_micro_batches_is_refused(tmp_path, d
                                         r"micro_batch_size \* block_size \* processes = "
                                         r"8 \* 64 \* 1 = 512"):
         train(cfg, progress=False)
+    # Not even whole windows with a micro-batch of the config's: both multiples at once (before,
+    # the micro-batch's was said only once the count was made whole windows).
+    cfg = tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.global_batch_tokens=1024",
+                      "train.batch_warmup_tokens=100", "train.batch_warmup_steps=3")
+    with pytest.raises(UserError, match=r"100 is not a multiple of block_size \* processes = "
+                                        r"64 \* 1 = 64; make it one, and with "
+                                        r"train.micro_batch_size 8 one of micro_batch_size \* "
+                                        r"block_size \* processes = 512: e.g. 512$"):
+        train(cfg, progress=False)
     # Not even whole windows: auto cannot help, so the message names the window instead.
     cfg = tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.micro_batch_size=auto",
                       "train.global_batch_tokens=1024", "train.batch_warmup_tokens=600",

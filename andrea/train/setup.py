@@ -557,10 +557,16 @@ def batch_warmup_accumulation(cfg: Config, micro_batch: int, world_size: int) ->
         return 0
     sequence_round = cfg.model.block_size * world_size
     if t.batch_warmup_tokens % sequence_round:
+        # With a micro-batch of the config's own, whole sequences are not enough: named at once
+        # (not refused again once made whole); auto's micro-batch divides any whole count.
+        near = max(per_round, round(t.batch_warmup_tokens / per_round) * per_round)
+        fixed = (f", and with train.micro_batch_size {micro_batch} one of micro_batch_size * "
+                 f"block_size * processes = {per_round}: e.g. {near}"
+                 if t.micro_batch_size != "auto" else "")
         raise UserError(
             f"{cfg.source}: train.batch_warmup_tokens: {t.batch_warmup_tokens} is not a "
             f"multiple of block_size * processes = {cfg.model.block_size} * {world_size} = "
-            f"{sequence_round}; make it one"
+            f"{sequence_round}; make it one{fixed}"
         )
     if t.batch_warmup_tokens % per_round:
         raise UserError(
