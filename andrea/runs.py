@@ -30,6 +30,7 @@ from andrea.train.rundir import (
     CONFIG,
     LATEST,
     METRICS,
+    OVERWRITTEN,
     TRAINER_STATE,
     TrainerState,
     checkpoint_problem,
@@ -508,7 +509,12 @@ def format_table(runs: list[RunSummary]) -> str:
     for r in runs:
         if r.message and r.state not in ("finished", "running"):
             notes.append(f"  {r.name}: {r.message}")
-        if r.state == "crashed":  # no end record: killed, out of memory, its machine lost
+        aside = Path(r.path) / OVERWRITTEN
+        if aside.is_dir():  # an --overwrite's start files over the old run it set aside
+            notes.append(f"  {r.name}: an --overwrite that stopped during its set-up left the "
+                         f"old run in {aside}; any training of the run puts it back: andrea "
+                         f"train --resume {r.path}")
+        elif r.state == "crashed":  # no end record: killed, out of memory, its machine lost
             notes.append(
                 f"  {r.name}: its process ended without a word (killed?); continue it: andrea "
                 f"train --resume {r.path}" if r.latest_checkpoint else

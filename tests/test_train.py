@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -22,6 +23,7 @@ from conftest import (
     tiny_config,
     wait_until,
 )
+from test_runs import dead_pid
 
 from andrea.config import load_config
 from andrea.data.loader import TokenSplit
@@ -440,9 +442,20 @@ def test_an_overwrite_killed_during_its_start_is_put_back_by_the_next_training(t
     # eval, which said the folder was not a run, find the run set aside.
     set_aside(run_dir)
     assert sorted(p.name for p in run_dir.iterdir()) == [OVERWRITTEN]
-    assert_user_error(andrea_main("eval", "--checkpoint", str(run_dir)),
-                      f"left the run in {run_dir / OVERWRITTEN}",
-                      f"andrea train --resume {run_dir}")
+    for named in (run_dir, run_dir / "step-000003"):  # the run, or a step folder of it
+        assert_user_error(andrea_main("eval", "--checkpoint", str(named)),
+                          f"left the run in {run_dir / OVERWRITTEN}",
+                          f"andrea train --resume {run_dir}")
+    # Once the killed --overwrite had written its start files, `andrea runs` lists the run: its
+    # note says the same, never "start it over", which would replace the run set aside.
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    (run_dir / "metrics.jsonl").write_text(json.dumps(
+        {"event": "start", "step": 0, "pid": dead_pid(), "host": socket.gethostname()}) + "\n")
+    notes = andrea_main("runs", str(run_dir.parent)).stdout
+    assert (f"an --overwrite that stopped during its set-up left the old run in "
+            f"{run_dir / OVERWRITTEN}; any training of the run puts it back: andrea train "
+            f"--resume {run_dir}") in notes, notes
+    assert "start it over" not in notes
     resumed = andrea_main("train", "--resume", str(run_dir), "--set", "train.max_steps=4",
                           "--no-progress")
     assert resumed.returncode == 0, resumed.stderr

@@ -338,18 +338,19 @@ def resolve_checkpoint(
     one (see checkpoint_problem) is refused in one line that names the newest intact
     checkpoint of the run and the command that uses it: `use` with {} for the folder."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not (path.parent / OVERWRITTEN).is_dir():
         raise UserError(f"{path}: no such checkpoint or run directory")
+    aside = set_aside_run(path)
+    if aside is not None and not (aside / LATEST).is_file():
+        raise UserError(
+            f"{aside}: an --overwrite that stopped during its set-up (or is in it now) left the "
+            f"run in {aside / OVERWRITTEN}; any training of the run puts it back: andrea train "
+            f"--resume {aside}")
     if (path / MODEL_FILE).is_file() or is_step_dir(path):
         run_dir, ckpt, what = path.parent, path, f"{path}: damaged checkpoint"
     else:
         ckpt = read_latest(path)
         if ckpt is None and not step_dirs(path):
-            if (path / OVERWRITTEN).is_dir():
-                raise UserError(
-                    f"{path}: an --overwrite that stopped during its set-up left the run in "
-                    f"{path / OVERWRITTEN}; any training of the run puts it back: "
-                    f"andrea train --resume {path}")
             if is_run(path):
                 raise UserError(f"{path}: the run has no checkpoint yet (it stopped before its "
                                 f"first, or has not reached it); andrea runs {path} says how it "
