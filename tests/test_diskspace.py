@@ -103,9 +103,17 @@ def test_a_failed_write_not_about_room_does_not_say_to_free_space(tmp_path, data
                 resume=str(run_dir), progress=False)
     assert (cut.state, cut.exit_code) == ("stopped", 2), cut.message
     assert cut.message.startswith(f"checkpoint write failed at step 4: writing "
-                                  f"{run_dir}/step-000004 failed (Not a directory"), cut.message
+                                  f"{run_dir}/step-000004 failed (a file, not a checkpoint "
+                                  f"folder, is in the way: {run_dir}/step-000004;"), cut.message
     assert cut.message.endswith(f"latest is still {run_dir}/step-000002; fix that, then "
                                 f"continue: andrea train --resume {run_dir}"), cut.message
+    # The file is the user's: left as it was, under its own name (it was renamed to
+    # step-000004.stale-PID for good, and that name was in the message).
+    assert (run_dir / "step-000004").read_text() == "the user's notes\n"
+    assert not list(run_dir.glob("*.stale-*"))
+    # Another rank's failure has no cause here: the disk is the likely one, and said so.
+    from andrea.train.checkpoint_room import describe_failure
+    assert describe_failure(None) == ("a write failed on another rank", None)
 
 
 @contextlib.contextmanager

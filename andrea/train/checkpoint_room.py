@@ -144,9 +144,10 @@ def _yaml_value(value: object) -> str:
     return text.removesuffix("\n...\n").strip()
 
 
-def full_message(s: Session, free: int, cause: str | None, full: bool = True) -> str:
+def full_message(s: Session, free: int, cause: str | None, full: bool | None = True) -> str:
     """The one line of a checkpoint that was not written. cause: why the write failed, None
-    when the free-space check stopped it before writing anything."""
+    when the free-space check stopped it before writing anything; full: whether the disk was
+    full, None when not known (another rank's write failed, most likely on the same disk)."""
     folder, per = s.run_dir / step_dir_name(s.step), size_text(s.checkpoint_nbytes)
     if cause is None:
         what = (f"{folder} was not written: a checkpoint needs about {per}, the disk has "
@@ -155,26 +156,27 @@ def full_message(s: Session, free: int, cause: str | None, full: bool = True) ->
         what = (f"writing {folder} failed ({cause}; it needs about {per}, {size_text(free)} was "
                 f"free); its partial folder is removed")
     latest = read_latest(s.run_dir)
-    # Only a full disk (or quota) is about room: any other failure is the cause's to fix.
+    # A failure known not to be about room (not ENOSPC, a quota) is the cause's to fix.
+    room = full is not False
     if latest is None:
-        fix = "free space there, or set train.runs_dir to a disk with room" if full else \
+        fix = "free space there, or set train.runs_dir to a disk with room" if room else \
             "fix that"
         how = (f"no checkpoint was written before it; {fix}, then start over: andrea train "
                f"--config {s.run_dir / CONFIG}")
     else:
-        fix = f"free space there, or move {s.run_dir} to a disk with room" if full else \
+        fix = f"free space there, or move {s.run_dir} to a disk with room" if room else \
             "fix that"
         how = (f"latest is still {latest}; {fix}, then continue: andrea train --resume "
-               f"{s.run_dir}{' (its new path if moved)' if full else ''}")
+               f"{s.run_dir}{' (its new path if moved)' if room else ''}")
     head = "disk full" if full else "checkpoint write failed"
     return f"{head} at step {s.step}: {what}; {how}"
 
 
-def describe_failure(exc: OSError | None) -> tuple[str, bool]:
-    """(what failed, in a few words; whether the disk was full) for a failed write: rank 0's
-    OSError, or None when only another rank's write failed."""
+def describe_failure(exc: OSError | None) -> tuple[str, bool | None]:
+    """(what failed, in a few words; whether the disk was full, None when not known) for a
+    failed write: rank 0's OSError, or None when only another rank's write failed."""
     if exc is None:
-        return "a write failed on another rank", False
+        return "a write failed on another rank", None
     where = f": {exc.filename}" if exc.filename else ""
     return f"{exc.strerror or exc}{where}", exc.errno in DISK_FULL_ERRNOS
 

@@ -47,6 +47,7 @@ and only then is `latest` replaced (write, fsync, rename). A crash at any moment
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -302,6 +303,9 @@ def publish(partial: Path, run_dir: Path, step: int) -> Path:
     at it; the checkpoint folder. A folder of the same step (written by an earlier segment of
     this run) is set aside under a .stale- name and removed first."""
     final = run_dir / step_dir_name(step)
+    if (final.exists() or final.is_symlink()) and not final.is_dir():
+        # Not a checkpoint of the run: someone's file, left as it is (and under its name).
+        raise OSError(errno.EEXIST, "a file, not a checkpoint folder, is in the way", str(final))
     if final.exists():
         stale = run_dir / f"{final.name}.stale-{os.getpid()}"
         final.rename(stale)

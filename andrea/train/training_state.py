@@ -112,7 +112,7 @@ class TrainingState:
         if all_reduce_sum(failed, s.dist).item() == 0:  # every rank gets here: none waits alone
             return written
 
-        def clean_up() -> tuple[str, bool]:
+        def clean_up() -> tuple[str, bool | None]:
             shutil.rmtree(partial_dir(s.run_dir, s.step, os.getpid()), ignore_errors=True)
             return describe_failure(failure)
 
