@@ -329,10 +329,18 @@ def test_the_resume_a_latest_naming_nothing_suggests_puts_it_right_in_a_finished
     assert andrea_main("eval", "--checkpoint", "runs/x", "--max-tokens", "64", "--no-progress",
                        cwd=tmp_path).returncode == 0
     # A resume of an older intact step than the newest leaves `latest` to the user.
+    resume_20 = ("train", "--resume", "runs/x/step-000020", "--set", "train.max_steps=20")
     (run / "latest").write_text("step-000999\n")
-    assert andrea_main("train", "--resume", "runs/x/step-000020", "--set", "train.max_steps=20",
-                       cwd=tmp_path).returncode == 0
+    assert andrea_main(*resume_20, cwd=tmp_path).returncode == 0
     assert (run / "latest").read_text() == "step-000999\n"
+    # A newest checkpoint that only a resume refuses (its optimizer state lost): step 20 is the
+    # one a resume takes, and `latest` names step 40, which eval and generate still read ...
+    (run / "step-000040" / "optimizer.safetensors").unlink()
+    assert andrea_main(*resume_20, cwd=tmp_path).returncode == 0
+    assert (run / "latest").read_text() == "step-000040\n"
+    # ... and where it already does, it stays (a review found it moved back to step 20).
+    assert andrea_main(*resume_20, cwd=tmp_path).returncode == 0
+    assert (run / "latest").read_text() == "step-000040\n"
 
 
 def test_runs_shows_a_damaged_run(tmp_path, trained_tiny):

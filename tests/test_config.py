@@ -60,6 +60,9 @@ def test_an_empty_source_is_refused_not_the_working_directory(tmp_path):
     directory (runs/ included)."""
     assert_user_error(andrea_main("config", "show", "-c", "andrea-tiny", "--set", "data.source="),
                       "data.source: must be shakespeare, or a file, directory or glob, got ''")
+    assert_user_error(andrea_main("config", "show", "-c", "andrea-tiny", "--set",
+                                  'data.sources=[{path: "", weight: 1}, {path: a.txt}]'),
+                      "data.sources[0].path: must be a file, directory or glob, got ''")
     assert_user_error(andrea_main("prepare", "--input", "", cwd=tmp_path), "--input")
     assert list(tmp_path.iterdir()) == []
 

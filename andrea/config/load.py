@@ -111,6 +111,8 @@ def _sources(value: Any, where: str) -> list[dict[str, Any]]:
                 f"{at}: expected {{path: FILE|DIR|GLOB, weight: NUMBER}}, got {entry!r}"
             )
         path = _coerce(entry["path"], str, f"{at}.path")
+        if not path.strip():  # as data.source: never the working directory by accident
+            raise UserError(f"{at}.path: must be a file, directory or glob, got ''")
         weight = _coerce(entry.get("weight", 1.0), float, f"{at}.weight")
         if not weight > 0:
             raise UserError(f"{at}.weight: must be a number > 0, got {entry.get('weight')!r}")

@@ -246,18 +246,22 @@ def plan_schedule(
 def nothing_to_do(
     run_dir: Path, checkpoint: Path, done: int, max_steps: int, dist: DistInfo
 ) -> TrainResult:
-    """A resumed run already at max_steps: untouched, but for a damaged `latest` when the
-    resume named the newest intact checkpoint (as the refusal of the damaged one said to): it
-    then names that one, which no later checkpoint would otherwise ever put right."""
+    """A resumed run already at max_steps: untouched, but for a `latest` that eval cannot read
+    when the resume named the newest checkpoint a resume takes (as the refusal of the damaged
+    one said to): it then names the newest eval and generate can read, which no later
+    checkpoint would otherwise ever put right."""
     message = f"run {run_dir} is already at step {done} (max_steps {max_steps}): nothing to do"
     latest = read_latest(run_dir)
-    damaged = latest is None or checkpoint_problem(latest, for_resume=True) is not None
+    # Damaged as eval and generate see it: a newest checkpoint that only a resume refuses (its
+    # optimizer state lost) still serves them, and stays `latest`.
+    damaged = latest is None or checkpoint_problem(latest) is not None
     if dist.is_main and damaged and newest_intact(run_dir, for_resume=True) == checkpoint:
         was = (run_dir / LATEST).read_text(errors="replace").strip() \
             if (run_dir / LATEST).is_file() else ""
-        atomic_write_text(run_dir / LATEST, checkpoint.name + "\n")
+        serves = newest_intact(run_dir) or checkpoint  # the newest eval and generate can read
+        atomic_write_text(run_dir / LATEST, serves.name + "\n")
         message += (f"; its '{LATEST}' file, which named {was!r} (damaged or missing), now names "
-                    f"{checkpoint.name}")
+                    f"{serves.name}")
     return TrainResult(
         run_dir=run_dir, steps=done, tokens=0, seconds=0.0, state="nothing to do",
         best_val_loss=None, best_val_step=None, last_val_loss=None,
