@@ -147,11 +147,12 @@ def test_data_with_no_train_tokens_is_not_offered_as_it_is(tmp_path):
         json.dumps({"text": LINE.format(j=j, name="doc") * 20}) + "\n" for j in range(400)))
     train = ["train", "-c", "andrea-tiny", "--set", "data.source=docs.jsonl", "--set",
              "data.tokenizer=byte", "--set", "train.max_steps=2", "--no-progress"]
-    assert_user_error(andrea_main(*train, "--set", "data.val_fraction=0.999999", cwd=tmp_path),
-                      "the train split has 0 tokens",
+    assert_user_error(andrea_main(*train, "--set", "data.val_fraction=0.999", cwd=tmp_path),
+                      "the train split has ",
                       "hold less out for validation (data.val_fraction, prepared anew)")
+    # (Not only an empty train split: a review found a few hundred train tokens looped too.)
     line = assert_user_error(andrea_main(*train, cwd=tmp_path),
-                             "prepared with val_fraction 0.999999")
+                             "prepared with val_fraction 0.999")
     assert "as it is" not in line
     command = shlex.split(line.split("replace that data by hand with `")[1].rstrip("`"))
     assert andrea_main(*command[1:], cwd=tmp_path).returncode == 0

@@ -179,7 +179,7 @@ def test_device_and_precision_names_are_checked(monkeypatch):
     # A training names its config key, in the form --set takes (before: "device 'cuda'").
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(UserError, match="^train.device cuda: PyTorch sees 0 GPUs; use "
-                                        "train.device=cpu$"):
+                                        "--set train.device=cpu$"):
         pick_device("cuda", "train.device")
     with pytest.raises(UserError, match="precision 'fp8'"):
         pick_dtype("fp8", torch.device("cpu"))

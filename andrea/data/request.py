@@ -182,8 +182,11 @@ def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str 
         if differ:
             what = "data" if "tokenizer" in record else "an unfinished prepare"
             tokens = record.get("tokens") if isinstance(record.get("tokens"), dict) else {}
-            # Data with no train tokens (a val_fraction near 1) is nothing to train on as it is.
-            usable = what == "data" and tokens.get("train") != 0
+            # Data that holds out more for validation than it trains on (a val_fraction near 1:
+            # a few hundred train tokens, or none) is nothing to train on as it is.
+            train, val = tokens.get("train"), tokens.get("val")
+            usable = what == "data" and not (isinstance(train, int) and isinstance(val, int)
+                                             and train < val)
             use = _sets_for(record, differ, out, source_key) if usable else ""
             # A training can use the data as it is: `prepare --input` names its --set options
             # for andrea train (they are no options of prepare's).

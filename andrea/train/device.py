@@ -22,7 +22,7 @@ def pick_device(requested: str, key: str = "--device") -> torch.device:
     if kind == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or int(index or 0) >= count:
-            cpu = f"{key}{'=' if '.' in key else ' '}cpu"  # a config key's --set, an option
+            cpu = f"--set {key}=cpu" if "." in key else f"{key} cpu"  # a config key, an option
             way = (f"use {cpu}" if count == 0 else
                    f"use {cpu} or an index below {count}" if count > 1 else f"use {cpu} or cuda")
             raise UserError(f"{key} {requested}: PyTorch sees {count} GPU"
@@ -125,7 +125,7 @@ def device_name(device: torch.device) -> str:
 def precision_note(precision: str, device: str) -> str:
     """One line for `andrea config show`: what train.precision means on this machine."""
     try:
-        dev = pick_device(device)
+        dev = pick_device(device, "train.device")
     except UserError as exc:
         return f"train.precision: {precision}, decided when training starts ({exc})"
     chosen = choose_precision(precision, dev)
