@@ -201,10 +201,14 @@ def _legend_name(name: str) -> str:
 
 def _source_names(sources: list[str]) -> dict[str, str]:
     """{source: its legend name}: a source is named by its path as configured; its last folder
-    names it (as `andrea eval --source` accepts) where that tells the run's sources apart."""
+    names it (as `andrea eval --source` accepts) where that tells the run's sources apart, and
+    a number before each where the names cut to fit still do not."""
     last = {s: s.rstrip("/").rsplit("/", 1)[-1] or s for s in sources}
     short = len(set(last.values())) == len(sources)
-    return {s: _legend_name(last[s] if short else s) for s in sources}
+    names = {s: _legend_name(last[s] if short else s) for s in sources}
+    if len(set(names.values())) < len(sources):  # still alike once cut: numbered, in order
+        names = {s: f"{j + 1}. {name}" for j, (s, name) in enumerate(names.items())}
+    return names
 
 
 def _history_to_draw(path: Path, notes: list[str]) -> list[dict[str, Any]] | None:

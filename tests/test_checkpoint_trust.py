@@ -244,8 +244,8 @@ def test_a_model_too_big_for_memory_is_one_line_naming_its_keys(tmp_path, data_d
                           cwd=tmp_path, memory=500_000_000)
     for result, fragment in zip(results, ("64,000,102,720 parameters", "model.n_layer 100000"),
                                 strict=True):
-        assert_user_error(result, fragment, "do not fit in this cpu memory",
-                          "make the model smaller")
+        assert_user_error(result, fragment, "do not fit in this machine's memory",
+                          "make the model smaller", "model.head_dim 16")
     assert not (tmp_path / "runs" / "t").exists()
 
 

@@ -209,3 +209,7 @@ def test_a_sources_legend_name_is_its_last_folder_where_that_tells_them_apart():
     assert _source_names(["data/wiki/", "/mnt/code"]) == {"data/wiki/": "wiki", "/mnt/code": "code"}
     # Two sources in folders of one name keep their paths.
     assert _source_names(["a/train", "b/train"]) == {"a/train": "a/train", "b/train": "b/train"}
+    # Alike even once cut to fit: numbered in order.
+    long = [f"/home/user/corpora/web/{v}/data/train-byte" for v in ("v1", "v2")]
+    assert list(_source_names(long).values()) == ["1. /home/user/corp\u2026ata/train-byte",
+                                                  "2. /home/user/corp\u2026ata/train-byte"]

@@ -286,6 +286,11 @@ def test_batch_warmup_not_a_whole_number_of_micro_batches_is_refused(tmp_path, d
                                         r"train.micro_batch_size 8 one of micro_batch_size \* "
                                         r"block_size \* processes = 512: e.g. 512$"):
         train(cfg, progress=False)
+    # The example stays below global_batch_tokens (1,024 would switch the warm-up off).
+    cfg = tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.global_batch_tokens=1024",
+                      "train.batch_warmup_tokens=900", "train.batch_warmup_steps=3")
+    with pytest.raises(UserError, match=r"= 512: e.g. 512$"):
+        train(cfg, progress=False)
     # Not even whole windows: auto cannot help, so the message names the window instead.
     cfg = tiny_config(tmp_path / "runs", data_dir, *WARMUP, "train.micro_batch_size=auto",
                       "train.global_batch_tokens=1024", "train.batch_warmup_tokens=600",

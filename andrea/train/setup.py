@@ -355,11 +355,14 @@ def build_model(
             raise
         n = closed_form_total(cfg.model)
         m = cfg.model
+        # The model is built in the machine's memory first, then moved to the GPU.
+        where = "the GPU's memory" if isinstance(exc, torch.OutOfMemoryError) else \
+            "this machine's memory"
         raise UserError(
             f"model: {n:,} parameters ({size_text(4 * n)} of float32 weights alone) do not fit "
-            f"in this {device.type} memory; make the model smaller (model.n_layer {m.n_layer}, "
-            f"model.d_model {m.d_model}, model.vocab_size {m.vocab_size:,}, model.block_size "
-            f"{m.block_size:,})") from None
+            f"in {where}; make the model smaller (model.n_layer {m.n_layer}, model.n_head "
+            f"{m.n_head}, model.head_dim {m.head_dim}, model.vocab_size {m.vocab_size:,}, "
+            f"model.block_size {m.block_size:,})") from None
     model.loss_chunk_rows = loss_chunk_rows(cfg.model.vocab_size, t.loss_chunk_rows)
     if t.zero_init_output:
         model.zero_output_projections()
@@ -563,10 +566,14 @@ def batch_warmup_accumulation(cfg: Config, micro_batch: int, world_size: int) ->
     if t.batch_warmup_tokens % sequence_round:
         # With a micro-batch of the config's own, whole sequences are not enough: named at once
         # (not refused again once made whole); auto's micro-batch divides any whole count.
-        near = max(per_round, round(t.batch_warmup_tokens / per_round) * per_round)
-        fixed = (f", and with train.micro_batch_size {micro_batch} one of micro_batch_size * "
-                 f"block_size * processes = {per_round}: e.g. {near}"
-                 if t.micro_batch_size != "auto" else "")
+        # A value below global_batch_tokens, else the warm-up would be off.
+        below = (t.global_batch_tokens - 1) // per_round * per_round
+        near = min(below, max(per_round, round(t.batch_warmup_tokens / per_round) * per_round))
+        fixed = "" if t.micro_batch_size == "auto" else (
+            f", and with train.micro_batch_size {micro_batch} one of micro_batch_size * "
+            f"block_size * processes = {per_round}: e.g. {near}" if below > 0 else
+            f"; with train.micro_batch_size {micro_batch} no warm-up batch is below "
+            f"global_batch_tokens {t.global_batch_tokens}: lower train.micro_batch_size")
         raise UserError(
             f"{cfg.source}: train.batch_warmup_tokens: {t.batch_warmup_tokens} is not a "
             f"multiple of block_size * processes = {cfg.model.block_size} * {world_size} = "
