@@ -85,7 +85,7 @@ def _check_arguments(
     if shard_tokens <= 0:
         raise UserError(f"data.shard_tokens: {shard_tokens} must be a positive number of tokens")
     _check_workers(workers)
-    if not text_field:
+    if not text_field.strip():
         raise UserError("--text-field: give the name of the field that holds the text")
 
 
