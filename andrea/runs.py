@@ -455,16 +455,26 @@ def list_runs(root: Path | str = "runs") -> list[RunSummary]:
     if not root.is_dir():
         raise UserError(f"{root}: no such directory (runs live in runs/ unless train.runs_dir "
                         "says otherwise; pass the folder as the argument)")
-    if is_run(root):
+    if is_run(root) or (root / OVERWRITTEN).is_dir():
         dirs = [root]
     else:
-        dirs = sorted(p for p in root.iterdir() if p.is_dir() and is_run(p))
+        dirs = sorted(p for p in root.iterdir()
+                      if p.is_dir() and (is_run(p) or (p / OVERWRITTEN).is_dir()))
     if not dirs:
         raise UserError(f"{root}: no runs here (a run is a folder with {CONFIG} and {METRICS}, "
                         "written by `andrea train`)")
-    runs = [read_run(d) for d in dirs]
+    runs = [read_run(d) if is_run(d) else _set_aside(d) for d in dirs]
     runs.sort(key=lambda r: (r.started is None, r.started or 0.0, r.name))
     return runs
+
+
+def _set_aside(run: Path) -> RunSummary:
+    """A run folder that holds only the old run an --overwrite stopped early set aside (it
+    wrote nothing of its own): that run as it stands, under the folder's name (the notes say
+    how to put it back)."""
+    summary = read_run(run / OVERWRITTEN)
+    summary.name, summary.path = run.name, str(run)
+    return summary
 
 
 def _si(x: float | None, digits: int = 3) -> str:

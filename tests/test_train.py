@@ -442,6 +442,9 @@ def test_an_overwrite_killed_during_its_start_is_put_back_by_the_next_training(t
     # eval, which said the folder was not a run, find the run set aside.
     set_aside(run_dir)
     assert sorted(p.name for p in run_dir.iterdir()) == [OVERWRITTEN]
+    listed = andrea_main("runs", str(run_dir.parent))
+    assert listed.returncode == 0 and listed.stdout.splitlines()[1].startswith("t "), listed
+    assert f"left the old run in {run_dir / OVERWRITTEN}" in listed.stdout
     for named in (run_dir, run_dir / "step-000003"):  # the run, or a step folder of it
         assert_user_error(andrea_main("eval", "--checkpoint", str(named)),
                           f"left the run in {run_dir / OVERWRITTEN}",
