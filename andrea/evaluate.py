@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from andrea.config import PRECISIONS
+from andrea.data.inputs import source_last_part
 from andrea.data.prepare import SPLITS
 from andrea.errors import UserError
 from andrea.fileio import json_safe
@@ -320,7 +321,7 @@ def format_table(results: list[EvalResult]) -> str:
     # Every source any checkpoint was scored on, in order: checkpoints of runs on other data
     # (a mixture beside a single folder) each fill the columns of their own sources.
     names = list(dict.fromkeys(s["name"] for r in results for s in r.sources))
-    header += [f"{n.rstrip('/').rsplit('/', 1)[-1]} LOSS" for n in names]
+    header += [f"{source_last_part(n)} LOSS" for n in names]
     header += [_task_header(t) for t in results[0].tasks]
     rows = [header]
     for r in results:

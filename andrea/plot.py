@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from andrea.data.inputs import source_last_part
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes
 from andrea.runs import current_history, read_metrics, read_run, val_sources
@@ -203,7 +204,7 @@ def _source_names(sources: list[str]) -> dict[str, str]:
     """{source: its legend name}: a source is named by its path as configured; its last folder
     names it (as `andrea eval --source` accepts) where that tells the run's sources apart, and
     a number before each where the names cut to fit still do not."""
-    last = {s: s.rstrip("/").rsplit("/", 1)[-1] or s for s in sources}
+    last = {s: source_last_part(s) or s for s in sources}
     short = len(set(last.values())) == len(sources)
     names = {s: _legend_name(last[s] if short else s) for s in sources}
     if len(set(names.values())) < len(sources):  # still alike once cut: numbered, in order

@@ -146,6 +146,11 @@ def non_negative(must_be: str = "non-negative") -> Check:
     return Check(lambda x: x >= 0, must_be)
 
 
+def not_blank(must_be: str) -> Check:
+    """Text with something in it: an empty path would mean the working directory."""
+    return Check(lambda x: bool(x.strip()), must_be)
+
+
 def fraction(must_be: str = "in [0, 1)") -> Check:
     """A value in [0, 1): a dropout, a momentum, a decay."""
     return Check(lambda x: 0 <= x < 1, must_be)

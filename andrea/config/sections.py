@@ -22,6 +22,7 @@ from andrea.config.declare import (
     fraction,
     key,
     non_negative,
+    not_blank,
     positive,
     section_keys,
 )
@@ -63,7 +64,7 @@ class ModelConfig:
 class DataConfig:
     source: str = key(
         "shakespeare", "the text: shakespeare (the embedded corpus), or a file, directory or glob",
-        check=Check(lambda s: bool(s.strip()), "shakespeare, or a file, directory or glob"))
+        check=not_blank("shakespeare, or a file, directory or glob"))
     tokenizer: str = key("bpe", "gpt2 (tiktoken's), bpe (trained on the source), or byte",
                          choices=Registered("data.tokenizer"))  # data.tokenizer.KINDS
     dir: str = key(
@@ -82,7 +83,7 @@ class DataConfig:
         "prepare; replace: such bytes become U+FFFD, such records are skipped and counted",
         choices=("strict", "replace"))
     text_field: str = key("text", "the JSON field / Parquet or Arrow column that holds the text",
-                          check=Check(lambda s: bool(s.strip()), "a field's name"))
+                          check=not_blank("a field's name"))
     sources: list = key(
         [], "a mixture: a list of {path, weight}, each prepared on its own, each training "
         "window drawn from source i with probability weight_i / sum(weights); empty: source alone")

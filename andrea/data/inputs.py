@@ -21,6 +21,13 @@ DATASETS_DICT = "dataset_dict.json"  # marks a saved DatasetDict (one folder per
 SAMPLE_BYTES = 1 << 20  # the input identity hashes this much at the start, middle and end
 
 
+def source_last_part(source: str) -> str:
+    """A source as configured (a file, folder or glob) by its last part, `data/wiki/` ->
+    `wiki`: what `andrea eval --source` accepts besides the whole path, and what tables and
+    legends show of it."""
+    return source.rstrip("/").rsplit("/", 1)[-1]
+
+
 def file_kind(path: Path) -> tuple[str | None, str]:
     """(kind, compression) from the file name; kind None for a name no reader claims."""
     name = path.name.lower()

@@ -342,9 +342,9 @@ def resolve_checkpoint(
     one (see checkpoint_problem) is refused in one line that names the newest intact
     checkpoint of the run and the command that uses it: `use` with {} for the folder."""
     path = Path(path)
-    if not path.exists() and not (path.parent / OVERWRITTEN).is_dir():
-        raise UserError(f"{path}: no such checkpoint or run directory")
     aside = set_aside_run(path)
+    if not path.exists() and aside is None:
+        raise UserError(f"{path}: no such checkpoint or run directory")
     if aside is not None and not (aside / LATEST).is_file():
         raise UserError(
             f"{aside}: an --overwrite that stopped during its set-up (or is in it now) left the "

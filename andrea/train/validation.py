@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from andrea.data.inputs import source_last_part
 from andrea.data.loader import TokenSplit, token_byte_lengths, val_windows, window_batches
 from andrea.errors import UserError
 from andrea.train.collectives import all_reduce_sum
@@ -104,7 +105,7 @@ def val_sources(
     configured, or the last part of it)."""
     parts = list(zip(split.names, split.weights.tolist(), split.parts, strict=True))
     if only is not None:
-        chosen = [p for p in parts if only in (p[0], p[0].rstrip("/").rsplit("/", 1)[-1])]
+        chosen = [p for p in parts if only in (p[0], source_last_part(p[0]))]
         if not chosen:
             raise UserError(f"--source {only}: no such source; the sources are "
                             f"{', '.join(p[0] for p in parts)}")
