@@ -150,13 +150,15 @@ def softmax_chunk(
     logits: torch.Tensor,  # [rows, vocab] in the matmul's dtype
     targets: torch.Tensor,  # [rows, 1], ignored rows clamped to 0
     valid: torch.Tensor,  # [rows], 1 for a counted row, 0 for an ignored one
-    count: torch.Tensor,  # the loss's number of counted rows (all chunks)
+    count: torch.Tensor,  # what the gradient is divided by: the loss's counted rows
     wants_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk of ChunkedCrossEntropy between its matmuls: (the chunk's summed negative
     log-likelihood, d loss / d logits in the logits' dtype or None). The softmax runs in float32
-    (float64 stays float64). Under a compiled model this runs as one compiled graph (its
-    elementwise passes fused), called for every chunk with the same shapes."""
+    (float64 stays float64). Under fp16, `count` is fp16_grad_divisor's power of two instead
+    (ChunkedCrossEntropy divides by the rest after the matmuls). Under a compiled model this runs
+    as one compiled graph (its elementwise passes fused), called for every chunk with the same
+    shapes."""
     softmax_dtype = torch.promote_types(logits.dtype, torch.float32)
     # One fused, vectorised pass (the cast included): logsumexp, then subtracting and
     # exponentiating in separate passes took about twice as long on a CPU.
@@ -178,6 +180,31 @@ def softmax_chunk(
     grad_logits = log_probs.exp_()
     grad_logits.scatter_add_(1, targets, -torch.ones_like(picked))
     return nll, grad_logits.mul_(scale).to(logits.dtype)
+
+
+# fp16's d loss / d logits: rows times the multiplier (fp16_grad_divisor's inverse) at most this,
+# and rows x the multiplier x |hidden| at most FP16_PRODUCT (half of fp16's largest, 65,504).
+FP16_GRAD_ROWS = 1024
+FP16_PRODUCT = 2.0**15
+
+
+def fp16_grad_divisor(rows: int, hidden: torch.Tensor) -> torch.Tensor:
+    """Under fp16, what ChunkedCrossEntropy divides a chunk's d loss / d logits by before its
+    cast, in place of the count of rows: a power of two, 2^ceil(log2(rows / FP16_GRAD_ROWS)),
+    larger where |hidden| is above 32 (a 0-dim tensor on hidden's device: no host read).
+
+    fp16 ends at 6e-8, and (softmax - one_hot) / count flushes to zero there before the loss
+    scale reaches it (GradScaler scales the loss's gradient in backward, after these matmuls):
+    at 4,096 rows 74% of the entries did, and a whole model's gradient was 6% off float64 against
+    the plain form's 0.05%. Multiplied by about FP16_GRAD_ROWS / rows instead, the gradient is
+    the plain form's to fp16's rounding (256 to 16,384 gave the same errors, docs/log.md). A
+    chunk's weight-gradient product is at most rows x the multiplier x max |hidden| (every row
+    with the same target): held to FP16_PRODUCT, it cannot overflow. The loss scale is not in
+    it, so GradScaler could never cure an overflow there: it would halve the scale every step
+    until the run stopped."""
+    largest = hidden.detach().abs().amax().float().clamp(min=1.0)
+    needed = torch.clamp(rows * largest / FP16_PRODUCT, min=rows / FP16_GRAD_ROWS)
+    return torch.exp2(torch.ceil(torch.log2(needed)))
 
 
 # Under a compiled model, the chunks' weight-gradient products (in the compute dtype) are added
@@ -236,6 +263,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         valid = (targets != -1).to(softmax_dtype)
         safe_targets = targets.clamp(min=0).unsqueeze(1)
         count = valid.sum()
+        # What the gradient is divided by before its cast; under fp16 the rest after the matmuls.
+        divisor = count
+        if compute == torch.float16:
+            divisor = fp16_grad_divisor(min(chunk_rows, hidden.shape[0]), hidden)
         total = torch.zeros((), dtype=softmax_dtype, device=hidden.device)
         wants_grad = any(ctx.needs_input_grad[:2])
         if wants_grad:
@@ -247,8 +278,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             h = hidden[rows].to(compute)
-            nll, grad_logits = chunk_fn(F.linear(h, w), safe_targets[rows], valid[rows], count,
-                                        wants_grad)
+            nll, grad_logits = chunk_fn(F.linear(h, w), safe_targets[rows], valid[rows],
+                                        divisor, wants_grad)
             total += nll
             if grad_logits is not None:
                 grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)
@@ -264,6 +295,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         elif pending:  # one alone: as add_weight_grad adds it, no compiled graph for it
             grad_weight += pending[0]
         if wants_grad:
+            if divisor is not count:  # (hidden is float32 under autocast: rest keeps)
+                rest = divisor / count
+                grad_hidden.mul_(rest)
+                grad_weight.mul_(rest)
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total / count
 
