@@ -166,6 +166,25 @@ def test_a_large_hidden_feature_does_not_overflow_the_fp16_chunked_loss():
         assert got <= 1.05 * base + 1e-4, (chunked, plain)
 
 
+def test_the_loss_computes_no_gradients_without_autograd():
+    """Validation (torch.no_grad) wants the loss alone: the chunked form's gradients, computed in
+    its forward, would cost another two matmuls and a float32 [vocab, d_model] for nothing."""
+    model = tiny_model()
+    x, y = batch(model)
+    asked = []
+
+    def spy(*args):
+        asked.append(args[-1])
+        return softmax_chunk(*args)
+
+    model.loss_chunk_fn = spy
+    with torch.no_grad():
+        loss = model(x, y)[1]
+    assert asked and not any(asked)
+    asked.clear()
+    assert torch.equal(model(x, y)[1], loss) and all(asked)
+
+
 def test_logits_are_returned_without_targets():
     model = tiny_model()
     x, y = batch(model)

@@ -383,7 +383,10 @@ class Andrea(nn.Module):
         chunk of rows at a time (ChunkedCrossEntropy). A compiled model runs it outside its graph
         and its chunks through a compiled loss_chunk_fn and loss_add_products
         (train/compiled.py)."""
-        return ChunkedCrossEntropy.apply(hidden, self.lm_head.weight, targets,
+        weight = self.lm_head.weight
+        if not torch.is_grad_enabled():  # validation: no gradients to compute beside the loss
+            hidden, weight = hidden.detach(), weight.detach()
+        return ChunkedCrossEntropy.apply(hidden, weight, targets,
                                          self.loss_chunk_rows, self.loss_chunk_fn,
                                          self.loss_add_products)
 
