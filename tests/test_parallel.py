@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from conftest import (
     run_torchrun,
     tiny_config,
     torchrun_command,
+    wait_until,
 )
 from safetensors.torch import load_file
 
@@ -641,3 +643,52 @@ def test_a_process_group_of_one_runs_the_several_process_path(tmp_path, data_dir
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert "fsdp with 1 process: nothing to shard" in alone.stdout
     assert not (tmp_path / "one" / "step-000002" / "shards").exists()
+
+
+def worker_pid(agent: int, rank: int) -> int | None:
+    """The pid of torchrun agent AGENT's worker of rank RANK, from /proc, or None."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # ended while being read
+            continue
+        if parent == str(agent) and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker in /proc")
+def test_a_signal_to_one_rank_stops_every_rank_as_interrupted(tmp_path, data_dir):
+    """A scheduler that stops one node sends SIGTERM to its workers alone. Every rank stops after
+    the same step and checkpoints it, and every rank ends the run as stopped by it: rank 0 said
+    "finished" with exit code 0 and an end record of a finished run, so a requeue script that
+    asks node 0 took the job for done."""
+    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.max_steps=100000",
+                      "train.eval_every=0", "train.checkpoint_every=0", name="one")
+    metrics = tmp_path / "one" / "metrics.jsonl"
+    agent = subprocess.Popen(
+        torchrun_command("--nproc_per_node=2", "--master_addr=127.0.0.1",
+                         f"--master_port={free_port()}",
+                         entry=["-m", "andrea", "train", "-c", str(config_file(cfg, tmp_path)),
+                                "--no-progress"]),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: metrics.exists() and '"step": 3,' in metrics.read_text(),
+                   what="step 3", proc=agent, timeout=120)
+        os.kill(worker_pid(agent.pid, 1), signal.SIGTERM)
+        out, err = agent.communicate(timeout=120)
+    finally:
+        agent.kill()
+    end = records(tmp_path / "one", "end")[-1]
+    assert (end["state"], end["signal"]) == ("interrupted", "SIGTERM"), end
+    step = end["step"]
+    assert 3 <= step < 100000
+    assert (f"stopped by SIGTERM (sent to another process of the run) after step {step}; "
+            f"checkpoint {tmp_path / 'one' / f'step-{step:06d}'}") in err, out + err[-3000:]
+    assert f"interrupted: {step} steps, " in out and "finished" not in out, out
+    assert (tmp_path / "one" / "latest").read_text().strip() == f"step-{step:06d}"
+    assert agent.returncode != 0  # both workers exited 143: torchrun reports the failure

@@ -274,21 +274,25 @@ def forward_backward(s: Session, bar: tqdm) -> StepOutcome | None:
         loss_sum += loss.detach()
         bar.update(s.tokens_per_micro_batch)
         faults.after_micro_batch(step, micro)
-    # [mean loss, ranks that drop the step, ranks signalled by now], summed over the ranks.
-    # The flags are filled on the device (new_full): a copy from the host would wait for it.
-    signalled_now = s.signals.received is not None
+    # [mean loss, ranks that drop the step, ranks a Ctrl-C reached by now, ranks another signal
+    # reached by now], summed over the ranks. The flags are filled on the device (new_full): a
+    # copy from the host would wait for it.
+    received = s.signals.received
     reduced = all_reduce_sum(torch.stack([
         (loss_sum / accum).float(), loss_sum.new_full((), float(dropped)),
-        loss_sum.new_full((), float(signalled_now))]), s.dist)
+        loss_sum.new_full((), float(received == signal.SIGINT)),
+        loss_sum.new_full((), float(received not in (None, signal.SIGINT)))]), s.dist)
     clip = t.grad_clip if t.grad_clip > 0 else math.inf
     s.scaling.unscale(s.optimizer)  # the clip, the guard and the optimizer see true gradients
     grad_norm = s.parallel.clip(s.model, clip)
     loss_mean = faults.poison_loss(reduced[0] / s.dist.world_size, step + 1)
-    loss_value, norm_value, dropping, signalled = torch.stack(
-        [loss_mean, grad_norm.float(), reduced[1], reduced[2]]).tolist()  # the step's one read
+    loss_value, norm_value, dropping, interrupted, terminated = torch.stack(
+        [loss_mean, grad_norm.float(), *reduced[1:]]).tolist()  # the step's one read
+    if interrupted + terminated > 0:  # every rank ends as stopped by it, not only the one it hit
+        s.signals.adopt(signal.SIGINT if interrupted > 0 else signal.SIGTERM)
     if dropping > 0:
         return None
-    return StepOutcome(loss_value, norm_value, signalled > 0)
+    return StepOutcome(loss_value, norm_value, interrupted + terminated > 0)
 
 
 def optimizer_step(s: Session, loss: float, grad_norm: float) -> str:
@@ -512,11 +516,15 @@ def shard_changed_outcome(
 def interrupted_outcome(s: Session) -> tuple[str, int, str]:
     """(state, exit code, message) of a run a signal stopped."""
     sig = signal.Signals(s.signals.received or signal.SIGTERM)
+    if s.signals.elsewhere:
+        sig_words = f"{sig.name} (sent to another process of the run)"
+    else:
+        sig_words = sig.name
     if s.step == 0:
         where = "before its first step; no checkpoint was written"
     else:
         where = f"after step {s.step}; checkpoint {s.checkpoint}"
-    return "interrupted", EXIT_SIGNAL.get(sig, 130), f"stopped by {sig.name} {where}"
+    return "interrupted", EXIT_SIGNAL.get(sig, 130), f"stopped by {sig_words} {where}"
 
 
 def finish(s: Session, state: str, exit_code: int, message: str, seconds: float,

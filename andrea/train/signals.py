@@ -32,6 +32,7 @@ class SignalWatch:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.elsewhere = False  # received by another rank of the run, not this process (adopt)
         self.setting_up = True  # the trainer clears it once the run is set up
         self._previous: dict[int, Any] = {}
         # Kept current by the trainer, so the messages name only what exists.
@@ -51,13 +52,15 @@ class SignalWatch:
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
-        if self.received is not None:
+        if self.received is not None and not self.elsewhere:
             where = (f"{self.checkpoint} stays the latest checkpoint" if self.checkpoint
                      else "no checkpoint was written")
             self.record_end(f"second signal ({name}): exited at once; {where}", name)
             os.write(2, f"\nsecond signal ({name}): exiting now; {where}\n".encode())
             os._exit(EXIT_SIGNAL.get(signal.Signals(signum), 130))
-        self.received = signum
+        # After another rank's signal (adopt) this one's own is its first: torchrun's agent
+        # sends each worker the signal it got, not all at the same moment.
+        self.received, self.elsewhere = signum, False
         if self.setting_up:
             os.write(2, f"\n{name}: stopping the set-up\n".encode())
             raise SetUpInterrupted(signum)
@@ -66,6 +69,13 @@ class SignalWatch:
         os.write(2, f"\n{name}: stopping after this micro-batch and checkpointing the last "
                     f"completed step ({'Ctrl-C' if signum == signal.SIGINT else name} again "
                     f"to exit at once)\n".encode())
+
+    def adopt(self, signum: int) -> None:
+        """Under torchrun, a signal another rank received stops this one too (the step's
+        reduction said so): the run ends as stopped by it here as well, not as finished. A
+        signal of this process's own after it is still its first (_handle)."""
+        if self.received is None:
+            self.received, self.elsewhere = signum, True
 
     def record_end(self, message: str, signal_name: str) -> None:
         # One O_APPEND write of a whole line: it cannot split a line the trainer is writing.
