@@ -288,6 +288,50 @@ def test_fsdp_with_a_runs_dir_on_each_node_is_one_error_on_every_node(tmp_path, 
     assert not list((folders[0] / "runs").glob("sharded/step-*"))
 
 
+def andreas_lines(err: str) -> list[str]:
+    """A failed torchrun launch's stderr without torchrun's own failure report after it."""
+    return err[:err.index("torch/distributed/elastic")].strip().splitlines()[:-1]
+
+
+def test_nodes_given_different_configs_are_one_error_on_every_node(tmp_path, data_dir):
+    """Each node reads its own copy of the config: a stale copy on node 1 (another lr) trained
+    each rank with its own lr, silently, the run recording rank 0's; another n_layer was DDP's
+    traceback. Now both nodes stop before any step with one line naming the key."""
+    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.max_steps=2", "train.runs_dir=runs",
+                      name="t")
+    _, folders = own_disks(tmp_path, cfg)
+    (folders[0] / "t.yaml").write_text(cfg.to_yaml())
+    stale = load_config("andrea-tiny", [f"{k}={v}" for k, v in (
+        ("data.dir", data_dir), ("train.runs_dir", "runs"), ("train.name", "t"))] + list(SETS) + [
+        "train.max_steps=2", "train.lr=0.01", "model.n_layer=3",
+        "train.join_timeout=500", "train.tensorboard=true"])  # these two may differ
+    (folders[1] / "t.yaml").write_text(stale.to_yaml())
+    for code, _, err in launch_nodes(Path("t.yaml"), folders):
+        assert code != 0 and "exitcode  : 2" in err, err[-3000:]
+        assert andreas_lines(err) == [
+            "error: rank 1 was given another config than rank 0: model.n_layer 3 where rank 0 "
+            "has 2; train.lr 0.01 where rank 0 has 0.003; give every process of the run the "
+            "same config file and --set options"], err[-3000:]
+    assert not (folders[0] / "runs").exists()
+
+
+def test_data_missing_on_another_node_is_its_one_line_on_every_node(tmp_path, data_dir):
+    """Nodes with their own disks: rank 0 prepares on node 0 alone. A node 1 without its copy
+    stopped with its own line while rank 0 went on into DDP's first collective, a traceback of
+    gloo's "Connection closed by peer". Now every node stops with node 1's line, which says to
+    prepare there."""
+    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.max_steps=2", "train.runs_dir=runs",
+                      "data.dir=data/own", name="t")
+    path, folders = own_disks(tmp_path, cfg)
+    shutil.copytree(data_dir, folders[0] / "data" / "own")
+    for code, _, err in launch_nodes(path, folders):
+        assert code != 0 and "exitcode  : 2" in err, err[-3000:]
+        assert andreas_lines(err) == [
+            f"error: rank 1: data/own: no prepared data on this node; rank 0 prepares only on "
+            f"its own: run andrea prepare --config {path} on this node first (the same config), "
+            f"or put the data folder on storage every node shares"], err[-3000:]
+
+
 def test_a_failed_prepare_on_rank_0_is_its_one_line_on_every_rank(tmp_path):
     """Rank 0 prepares the data while the others wait. A prepare that failed (a missing input)
     was rank 0's one line, but rank 1 waited at a barrier that broke: a traceback of gloo's

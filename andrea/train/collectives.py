@@ -1,7 +1,8 @@
 """What the ranks send each other: sums, gathers, and rank 0's decisions and tensors.
 
-Each does nothing in a single process: `barrier`, `all_reduce_sum`, `all_gather_bytes`;
-`from_rank0` (a decision made on rank 0, its result or its error on every rank) and
+Each does nothing in a single process: `barrier`, `all_reduce_sum`, `all_gather_bytes`,
+`all_gather_objects`; `from_rank0` (a decision made on rank 0, its result or its error on every
+rank), `on_every_rank` (what each rank does itself, any rank's error on every rank) and
 `broadcast_tensors` (rank 0's tensors on every rank).
 """
 
@@ -43,6 +44,41 @@ def all_gather_bytes(data: torch.Tensor, info: DistInfo) -> list[torch.Tensor]:
     parts = [torch.empty_like(local) for _ in range(info.world_size)]
     dist.all_gather(parts, local)
     return [p.cpu() for p in parts]
+
+
+def all_gather_objects(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's (small, picklable) `obj`, in rank order."""
+    if not info.enabled:
+        return [obj]
+    gathered: list[Any] = [None] * info.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def on_every_rank(work: Callable[[], T], info: DistInfo) -> T:
+    """work() run on every rank, its result here. An exception on any rank is raised on every
+    rank (a UserError as one line, `rank N: ` before it), so that no rank goes on alone into a
+    collective the failed one never joins (gloo then fails with a traceback, nccl hangs)."""
+    if not info.enabled:
+        return work()
+    result: T | None = None
+    failure: BaseException | None = None
+    try:
+        result = work()
+        outcome: tuple[str, str] = ("ok", "")
+    except Exception as exc:  # re-raised below, after the others have heard of it
+        failure = exc
+        outcome = ("user" if isinstance(exc, UserError) else "failed", str(exc))
+    outcomes = all_gather_objects(outcome, info)
+    failed = [(rank, kind, text) for rank, (kind, text) in enumerate(outcomes) if kind != "ok"]
+    if not failed:
+        return result  # type: ignore[return-value]
+    rank, kind, text = failed[0]
+    if kind == "user":
+        raise UserError(f"rank {rank}: {text}")
+    if failure is not None:
+        raise failure
+    raise RuntimeError(f"rank {rank} failed: {text}")
 
 
 def _comm_device(info: DistInfo) -> torch.device:

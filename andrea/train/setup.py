@@ -37,6 +37,7 @@ from andrea.data.prepare import (
     prepare_from_config,
     run_sources,
 )
+from andrea.data.shards import MANIFEST
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text, free_bytes, size_text
 from andrea.model.attention import recorded_backend_problem, resolve_backend
@@ -45,7 +46,12 @@ from andrea.model.transformer import Andrea, loss_chunk_rows
 from andrea.train import rundata
 from andrea.train.checkpoint import checkpoint_nbytes
 from andrea.train.checkpoint_room import check_room_at_start, start_warning
-from andrea.train.collectives import all_reduce_sum, from_rank0
+from andrea.train.collectives import (
+    all_gather_objects,
+    all_reduce_sum,
+    from_rank0,
+    on_every_rank,
+)
 from andrea.train.compiled import choose_compile, compile_line
 from andrea.train.device import choose_precision, device_name, precision_warning
 from andrea.train.flops import MfuMeter, flops_per_token
@@ -61,6 +67,7 @@ from andrea.train.parallel import Parallel, parallel_for
 from andrea.train.restarts import attempt
 from andrea.train.resume import (
     check_resume_changes,
+    config_changes,
     find_run_to_resume,
     restart_resume,
     resume_checkpoint,
@@ -185,9 +192,34 @@ def decide_run(
     run folder (node-local storage) resume the same run at the same step instead of starting
     another, and rank 0's one-line error on a bad resume stops every rank."""
 
+    check_same_config(cfg, dist)
     run = from_rank0(lambda: open_run(cfg, dist, locks, resume, overwrite), dist)
     cfg.train.name = run.name
     return run
+
+
+# Keys that may differ between the processes of a run: rank 0 alone writes the metrics a logger
+# sends, and each process waits for the others as long as its own join_timeout says.
+EACH_PROCESS_OWN = ("train.tensorboard", "train.wandb", "train.wandb_project", "train.wandb_name",
+                    "train.wandb_entity", "train.join_timeout")
+
+
+def check_same_config(cfg: Config, dist: DistInfo) -> None:
+    """Every process of a run trains one config. Each node reads its own copy of the file, and
+    a stale copy trained silently: another lr made each rank's weights their own, another
+    n_layer failed in DDP's constructor with a traceback. Where the run lives (train.name,
+    train.runs_dir) may differ: a resume names it; so may EACH_PROCESS_OWN's keys."""
+    configs = all_gather_objects(cfg, dist)
+    for rank, other in enumerate(configs[1:], start=1):
+        changes = {key: values for key, values in config_changes(configs[0], other).items()
+                   if key not in EACH_PROCESS_OWN}
+        if changes:
+            differ = "; ".join(f"{key} {new!r} where rank 0 has {old!r}"
+                               for key, (old, new) in changes.items())
+            raise UserError(
+                f"rank {rank} was given another config than rank 0: {differ}; give every "
+                f"process of the run the same config file and --set options"
+            )
 
 
 def check_shared_storage(
@@ -282,9 +314,23 @@ def prepare_data(
     else:  # rank 0 prepares; the others wait, and stop with its one line if it fails
         from_rank0(lambda: ensure_prepared(cfg), dist)
     locks.read_data([folder for _, folder, _ in run_sources(cfg)], run_dir)
-    train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
+
+    def open_splits() -> tuple[TokenSplit, TokenSplit]:  # on nodes of their own, each its copy
+        missing = [str(folder) for _, folder, _ in run_sources(cfg)
+                   if not (folder / MANIFEST).is_file()]
+        if missing and not dist.is_main:  # rank 0 prepared on its own disk alone
+            raise UserError(
+                f"{', '.join(missing)}: no prepared data on this node; rank 0 prepares only on "
+                f"its own: run andrea prepare --config {cfg.source} on this node first (the "
+                f"same config), or put the data folder on storage every node shares"
+            )
+        train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
+        check_vocab(train_split.vocab_size, cfg.model.vocab_size,
+                    f"{cfg.source}: model.vocab_size")
+        return train_split, val_split
+
+    train_split, val_split = on_every_rank(open_splits, dist)
     check_in_background(train_split, val_split)  # their checksums, not waited for here
-    check_vocab(train_split.vocab_size, cfg.model.vocab_size, f"{cfg.source}: model.vocab_size")
     return train_split, val_split
 
 
