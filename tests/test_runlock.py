@@ -89,6 +89,28 @@ def test_a_second_training_on_a_live_run_is_refused_in_seconds_naming_its_holder
     assert not pid_alive(holder["pid"]) and not (run_dir / RUN_LOCK).exists()
 
 
+def test_resuming_a_live_run_before_its_first_checkpoint_is_refused_as_in_use(
+        tmp_path, data_dir):
+    """`--resume RUN` while the run trains towards its first checkpoint: refused as a run in use,
+    as --resume auto is. It said the run had "stopped before its first checkpoint" and to start
+    it over with --config, which the lock then refused."""
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1000000",
+                                  name="r"), tmp_path)  # checkpoint_every 0: none until it ends
+    run_dir = tmp_path / "runs" / "r"
+    first = start_training(cfg)
+    try:
+        wait_until(lambda: (run_dir / METRICS).exists() and '"train"' in
+                   (run_dir / METRICS).read_text(), what="a step", proc=first)
+        for config in ([], ["-c", str(cfg)]):
+            second = andrea_main("train", *config, "--resume", str(run_dir), "--no-progress",
+                                 "--stop-after", "1")
+            assert_user_error(second, f"{run_dir}: another andrea train is writing this run")
+        assert first.poll() is None
+    finally:
+        out, err = stop(first)
+    assert first.returncode == 143, err[-3000:]
+
+
 def test_the_same_new_run_started_twice_at_once_trains_once(tmp_path, data_dir):
     cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1000000",
                                   "train.checkpoint_every=0", name="r"), tmp_path)

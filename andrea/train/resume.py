@@ -78,9 +78,7 @@ def _run_config(resume: str, overrides: list[str]) -> Config:
         # An --overwrite stopped during its set-up: the run it set aside is the one resumed
         # (open_run puts it back, holding the run's lock), not the new run's start files.
         return load_config(aside / OVERWRITTEN / CONFIG, overrides)
-    run_dir = find_run_to_resume(resume, None)
-    assert run_dir is not None
-    return load_config(run_dir / CONFIG, overrides)
+    return load_config(locate_run(resume, None) / CONFIG, overrides)
 
 
 def _run_config_from_rank0(store: Any, resume: str, overrides: list[str]) -> Config:
@@ -117,6 +115,20 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
             raise UserError("--resume auto needs --config to know the run's name")
         run_dir = Path(cfg.train.runs_dir) / cfg.train.name
         return run_dir if has_checkpoint(run_dir) else None
+    run_dir = locate_run(resume, cfg)
+    if not has_checkpoint(run_dir):
+        raise UserError(
+            f"--resume {resume}: the run was started but stopped before its first checkpoint "
+            f"(andrea runs {run_dir} says how), so there is nothing to continue; start it over "
+            f"with: andrea train --config {run_dir / CONFIG}"
+        )
+    return run_dir
+
+
+def locate_run(resume: str, cfg: Config | None) -> Path:
+    """The run folder `--resume PATH` names (a step folder's run), refused unless it is a run
+    folder. Whether it has a checkpoint to continue is find_run_to_resume's to say, once the
+    run's lock is held: a live run has none yet, and is then refused as in use."""
     run_dir = run_path(resume, cfg.train.runs_dir if cfg is not None else "runs")
     if is_step_dir(run_dir) and (run_dir.parent / CONFIG).is_file():
         run_dir = run_dir.parent
@@ -131,12 +143,6 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
         raise UserError(f"--resume {resume}: no such run directory{elsewhere}")
     if not (run_dir / CONFIG).is_file():
         raise UserError(f"--resume {resume}: {run_dir} is not a run folder (it has no {CONFIG})")
-    if not has_checkpoint(run_dir):
-        raise UserError(
-            f"--resume {resume}: the run was started but stopped before its first checkpoint "
-            f"(andrea runs {run_dir} says how), so there is nothing to continue; start it over "
-            f"with: andrea train --config {run_dir / CONFIG}"
-        )
     return run_dir
 
 

@@ -69,6 +69,7 @@ from andrea.train.resume import (
     check_resume_changes,
     config_changes,
     find_run_to_resume,
+    locate_run,
     restart_resume,
     resume_checkpoint,
 )
@@ -433,7 +434,7 @@ def open_run(
         if resume is not None and resume != "auto":  # a run named by its path
             # An --overwrite stopped half-way left the run set aside: found once put back.
             folder = (set_aside_run(run_path(resume, cfg.train.runs_dir))
-                      or find_run_to_resume(resume, cfg) or run_dir)
+                      or locate_run(resume, cfg))
         locks.take_run(folder)
         if recover_overwrite(folder):
             print(f"{folder}: an --overwrite stopped during its set-up (its process ended) had "
