@@ -110,9 +110,11 @@ def test_a_lost_rank_with_a_restart_left_is_no_error(tmp_path):
                                                                            False)
     assert words([1, 2], 5, ckpt, run, attempt_number=0, max_restarts=0) == (head + manual,
                                                                            False)
+    # Before any checkpoint --resume has nothing to continue (it is refused): the same launch.
     assert words(None, 5, None, run, attempt_number=0, max_restarts=3) == (
         "a process on another node was lost (its process ended, or its node went down) after "
-        f"step 5; no checkpoint was written yet; {manual}", False)
+        "step 5; no checkpoint was written yet; start it again with the same launch (there is "
+        "nothing to resume; torchrun --max-restarts N restarts it by itself)", False)
 
 
 

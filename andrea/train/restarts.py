@@ -100,5 +100,8 @@ def lost_peer_words(lost: list[int] | None, step: int, checkpoint: Path | None, 
     if lost and attempt_number < max_restarts:
         return (f"{head}; torchrun restarts the job (restart {attempt_number + 1} of "
                 f"{max_restarts})"), True
+    if checkpoint is None:
+        return (f"{head}; start it again with the same launch (there is nothing to resume; "
+                f"torchrun --max-restarts N restarts it by itself)"), False
     return (f"{head}; continue with the same launch and --resume {run_dir} (torchrun "
             f"--max-restarts N continues by itself)"), False
