@@ -67,6 +67,42 @@ def test_the_reference_is_andrea_120m() -> None:
     assert sum(p.numel() for p in model.parameters()) == count_params(cfg).total == 124_373_760
 
 
+def test_an_unwritable_cache_folder_compiles_in_torchs_own(tmp_path, monkeypatch) -> None:
+    """A read-only home (some clusters) or a user with none: inductor's cache goes to torch's own
+    folder, and the plan's compile line says why and what to set. It was inductor's traceback
+    from the first compiled call (train.compile is on by default on one GPU)."""
+    from pathlib import Path as PathType
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from andrea.train import compiled
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(compiled, "_cache_unwritable", None)
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "file" / "cache"))  # cannot be made
+    assert compiled.inductor_cache() == default_cache_dir()
+    line = compiled.compile_line("default", "asked for")
+    assert f"inductor's cache ({default_cache_dir()}, torch's own: andrea's could not be " \
+           f"written ([Errno 20] Not a directory: " in line
+    assert "set ANDREA_CACHE_DIR to a writable folder" in line
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.delenv("ANDREA_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home() -> PathType:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(PathType, "home", no_home)
+    assert compiled.inductor_cache() == default_cache_dir()
+
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "ours"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert compiled.inductor_cache() == str(tmp_path / "ours" / "inductor")  # writable: ours
+    assert "torch's own" not in compiled.compile_line("default", "asked for")
+
+
 def test_compile_auto_is_one_cuda_process_only() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     one, two = DistInfo(), DistInfo(0, 0, 2, 2)

@@ -20,6 +20,7 @@ step, docs/log.md, 2026-12-06); only on one CUDA process, where it was measured.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 import torch.nn as nn
@@ -67,8 +68,11 @@ def choose_compile(setting: bool | str, mode: str, device: torch.device,
 def inductor_cache() -> str:
     """Where inductor keeps what it compiled: $TORCHINDUCTOR_CACHE_DIR as the user set it, else
     andrea's cache folder's `inductor`, set here, so that it outlives /tmp and a second run
-    reuses it. (torch sets the variable to its /tmp default when inductor is imported, which
-    andrea's imports do: that value counts as unset.)"""
+    reuses it; torch's own where that folder cannot be written (a read-only home, as on some
+    clusters: inductor's traceback otherwise), said in the plan's compile line. (torch sets the
+    variable to its /tmp default when inductor is imported, which andrea's imports do: that
+    value counts as unset.)"""
+    global _cache_unwritable
     current = os.environ.get(INDUCTOR_CACHE_VARIABLE)
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -76,9 +80,24 @@ def inductor_cache() -> str:
         torch_default = default_cache_dir()
     except ImportError:  # another torch's layout: take only an unset variable
         torch_default = None
-    if current is None or current == torch_default:
-        os.environ[INDUCTOR_CACHE_VARIABLE] = str(cache_dir() / "inductor")
+    if not current or current == torch_default:
+        try:
+            folder = cache_dir() / "inductor"
+            folder.mkdir(parents=True, exist_ok=True)
+            if not os.access(folder, os.W_OK):
+                raise PermissionError(f"{folder}: not writable")
+        except (OSError, RuntimeError) as exc:  # RuntimeError: Path.home() of no home
+            _cache_unwritable = str(exc)
+            os.environ[INDUCTOR_CACHE_VARIABLE] = torch_default or os.path.join(
+                tempfile.gettempdir(), "torchinductor")
+        else:
+            _cache_unwritable = None
+            os.environ[INDUCTOR_CACHE_VARIABLE] = str(folder)
     return os.environ[INDUCTOR_CACHE_VARIABLE]
+
+
+# Why inductor_cache took torch's folder instead of andrea's, for the plan's compile line.
+_cache_unwritable: str | None = None
 
 
 def keep_outside_the_graph(model: Andrea) -> None:
@@ -114,6 +133,10 @@ def compile_line(mode: str | None, why: str) -> str:
     if mode is None:
         return f"compile: off ({why})"
     graphs = ", its steps replayed as CUDA graphs" if mode == "reduce-overhead" else ""
+    cache = inductor_cache()
+    if _cache_unwritable is not None:
+        cache += (f", torch's own: andrea's could not be written ({_cache_unwritable}); set "
+                  f"ANDREA_CACHE_DIR to a writable folder to keep it past /tmp")
     return (f"compile: torch.compile{graphs} ({why}); the first step of each window length "
             f"compiles first, for up to a minute or two on a first run; inductor's cache "
-            f"({inductor_cache()}) keeps it for the next")
+            f"({cache}) keeps it for the next")
