@@ -387,7 +387,7 @@ def prepare_cmd(
 CheckpointOpt = Annotated[
     str | None,
     typer.Option(
-        "--checkpoint", metavar="RUN|STEP_DIR", help="runs/<name> (its latest) or "
+        "--checkpoint", metavar="RUN|STEP_DIR", help="runs/<name> or <name> (its latest) or "
         "runs/<name>/step-N; default: the most recent run under ./runs.",
     ),
 ]
@@ -402,7 +402,7 @@ def eval_cmd(
     checkpoint: Annotated[
         list[str] | None,
         typer.Option("--checkpoint", metavar="RUN|STEP_DIR",
-                     help="runs/<name> (its latest) or runs/<name>/step-N "
+                     help="runs/<name> or <name> (its latest) or runs/<name>/step-N "
                      "(repeatable: one row each); default: the most recent run under ./runs."),
     ] = None,
     all_steps: Annotated[

@@ -44,6 +44,7 @@ from andrea.trained import (
     TrainedModel,
     find_checkpoint,
     most_recent_run,
+    named_run,
     notice,
     open_data_split,
     open_trained,
@@ -242,7 +243,7 @@ def checkpoints_to_evaluate(
     if not all_steps:
         return [find_checkpoint(c, runs_dir) for c in (checkpoints or [None])]
     if checkpoints:
-        runs = [Path(c) for c in checkpoints]
+        runs = [named_run(c, runs_dir) for c in checkpoints]
     else:
         runs = [most_recent_run(runs_dir).parent]
         notice(f"run: {runs[0]} (the most recent run under {runs_dir}/)")

@@ -41,6 +41,7 @@ from andrea.train.rundir import (
     MODEL_FILE,
     read_latest,
     resolve_checkpoint,
+    run_path,
     verify_file,
 )
 
@@ -80,14 +81,22 @@ def find_checkpoint(
     checkpoint: str | Path | None, runs_dir: Path | str = "runs",
     use: str = "andrea eval --checkpoint {}",
 ) -> Path:
-    """A run dir means its latest checkpoint, a step dir itself, None the most recent run.
-    use: the command that takes another checkpoint ({} for it), for the error that refuses a
-    damaged one and names the run's newest intact checkpoint."""
+    """A run dir means its latest checkpoint, a step dir itself, None the most recent run; a
+    bare name that is nothing here, the run of that name under runs_dir (as `andrea runs` lists
+    it and --resume takes it). use: the command that takes another checkpoint ({} for it), for
+    the error that refuses a damaged one and names the run's newest intact checkpoint."""
     if checkpoint is None:
         ckpt = most_recent_run(runs_dir, use)
         notice(f"checkpoint: {ckpt} (the most recent run under {runs_dir}/)")
         return ckpt
-    return resolve_checkpoint(checkpoint, use=use)
+    return resolve_checkpoint(named_run(checkpoint, runs_dir), use=use)
+
+
+def named_run(name: str | Path, runs_dir: str | Path = "runs") -> Path:
+    """`name` as given where it exists (a folder here is never passed over for a run of that
+    name: a copied step folder holds no run's files); else, a bare name, runs_dir/name."""
+    path = Path(name)
+    return path if path.exists() else run_path(name, runs_dir)
 
 
 # ----------------------------------------------------------------------------- model, tokenizer

@@ -116,6 +116,34 @@ def test_most_recent_run_and_json_on_the_command_line(tmp_path, trained_tiny):
     assert out["loss"] == pytest.approx(direct.loss, rel=1e-6)
 
 
+def test_a_run_is_named_as_andrea_runs_lists_it(tmp_path, trained_tiny):
+    """`--checkpoint NAME`: the run of that name under ./runs, as `andrea runs` shows it and
+    `train --resume NAME` takes it. eval, generate and export said "no such checkpoint"."""
+    (tmp_path / "runs").mkdir()
+    os.symlink(trained_tiny.run_dir, tmp_path / "runs" / "mine")
+    proc = andrea_main("eval", "--checkpoint", "mine", "--json", "--no-progress",
+                       "--max-tokens", "128", "--precision", "fp32", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)[0]["checkpoint"] == "runs/mine/step-000040"
+    steps = andrea_main("eval", "--checkpoint", "mine", "--all-steps", "--json",
+                        "--no-progress", "--max-tokens", "64", "--precision", "fp32",
+                        cwd=tmp_path)
+    assert [r["checkpoint"] for r in json.loads(steps.stdout)] == [
+        "runs/mine/step-000020", "runs/mine/step-000040"], steps.stderr
+    generated = andrea_main("generate", "--checkpoint", "mine", "-n", "4", "--seed", "1",
+                            cwd=tmp_path)
+    assert generated.returncode == 0, generated.stderr
+    exported = andrea_main("export", "--checkpoint", "mine", "--out", "hf", cwd=tmp_path)
+    assert exported.returncode == 0 and (tmp_path / "hf" / "config.json").is_file(), \
+        exported.stderr
+    # A folder of that name here is what the name means: a copied step folder holds no run's
+    # files, and was passed over for runs/mine's latest (another model, without a word).
+    shutil.copytree(trained_tiny.run_dir / "step-000020", tmp_path / "mine")
+    here = andrea_main("eval", "--checkpoint", "mine", "--json", "--no-progress",
+                       "--max-tokens", "128", "--precision", "fp32", cwd=tmp_path)
+    assert json.loads(here.stdout)[0]["checkpoint"] == "mine", here.stderr
+
+
 def test_bad_checkpoints_and_data_are_clear_errors(tmp_path):
     assert_user_error(andrea_main("eval", "--checkpoint", str(tmp_path / "nope")),
                       "no such checkpoint")
