@@ -176,8 +176,11 @@ def test_normuon_resumes_bit_for_bit(tmp_path, data_dir):
 def test_normuon_under_fsdp_is_refused_in_one_line(tmp_path, data_dir):
     cfg = tiny_config(tmp_path / "runs", data_dir, "train.optimizer=muon",
                       "train.muon_neuron_beta2=0.95", "train.parallel=fsdp")
+    # The way out a resume can take comes first: it may not change muon_neuron_beta2.
     with pytest.raises(UserError, match=r"^train\.muon_neuron_beta2: 0\.95: NorMuon is not "
-                                        r"supported under train\.parallel: fsdp"):
+                                        r"supported under train\.parallel: fsdp.*; use "
+                                        r"train\.parallel=ddp, or for a new run "
+                                        r"train\.muon_neuron_beta2=0 \(a resume keeps"):
         build_optimizer(Andrea(cfg.model), cfg, torch.device("cpu"), world_size=2,
                         sharded=parallel_for(cfg.train.parallel, DistInfo(0, 0, 2)).sharded)
 

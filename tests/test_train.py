@@ -600,6 +600,44 @@ def test_micro_batch_auto_fits_memory_and_keeps_the_global_batch():
         == small.micro_batch
 
 
+def test_a_step_that_the_processes_cannot_share_says_what_would_split_it():
+    """Resumed on another process count, or started with micro_batch_size auto: the error named
+    a fixed key (a resume may not change global_batch_tokens) or a micro-batch auto had picked,
+    and no way out. It now gives a micro-batch that divides a process's windows where one does,
+    and says where none can."""
+    from andrea.train.setup import accumulation_steps, windows_per_process
+
+    def cfg(tokens: int):
+        return load_config("andrea-tiny", [f"train.global_batch_tokens={tokens}"])  # block 64
+
+    # A 3-process run of 768 tokens a step (micro-batch 4) resumed on 2: 6 windows each.
+    with pytest.raises(UserError) as caught:
+        accumulation_steps(cfg(768), 4, 2)
+    assert str(caught.value).endswith(
+        "is not a multiple of micro_batch_size * block_size * processes = 4 * 64 * 2 = 512; "
+        "each process takes 6 windows a step: give a micro-batch that divides them, e.g. "
+        "--set train.micro_batch_size=3")
+    assert accumulation_steps(cfg(768), 3, 2) == (2, "")  # as the line says
+    # Under a batch warm-up the micro-batch must divide its windows too (384 tokens: 6).
+    warm = load_config("andrea-tiny", ["train.global_batch_tokens=768",
+                                       "train.batch_warmup_tokens=384",
+                                       "train.batch_warmup_steps=2"])
+    with pytest.raises(UserError, match="e.g. --set train.micro_batch_size=3$"):
+        accumulation_steps(warm, 5, 1)
+    for tokens, world, why, other_count in (
+            (1024, 3, "1,024 is 16 windows of 64 tokens, which 3 processes cannot share evenly",
+             ", or train on a number of processes that divides the step's windows"),
+            (128, 4, "128 is less than one 64-token window for each of 4 processes",
+             ", or train on fewer processes"),
+            (1000, 1, "1,000 is not whole 64-token windows", "")):
+        with pytest.raises(UserError) as caught:
+            windows_per_process(cfg(tokens), world)
+        assert str(caught.value).endswith(
+            f"train.global_batch_tokens: {why}; a step's tokens must be a multiple of "
+            f"block_size x processes = {64 * world:,} (a new run){other_count}")
+    assert windows_per_process(cfg(1024), 4) == 4
+
+
 def test_micro_batch_auto_is_resolved_recorded_and_reused(tmp_path, data_dir):
     cfg = tiny_config(tmp_path / "runs", data_dir, "train.micro_batch_size=auto",
                "train.global_batch_tokens=2048", "train.max_steps=3")

@@ -85,7 +85,8 @@ def build_muon_with_adamw(model: Andrea, cfg: Config, device: torch.device, worl
         raise UserError(
             f"train.muon_neuron_beta2: {t.muon_neuron_beta2}: NorMuon is not supported under "
             "train.parallel: fsdp yet (its per-neuron state is not sharded); use "
-            "train.parallel=ddp or train.muon_neuron_beta2=0")
+            "train.parallel=ddp, or for a new run train.muon_neuron_beta2=0 (a resume keeps "
+            "the run's optimizer)")
     matrices, named = split_parameters(model)
     # Before AdamW is built, so a torch without Muon is refused first.
     muon = build_muon(matrices, lr=t.muon_lr, weight_decay=t.muon_weight_decay,

@@ -532,15 +532,15 @@ def resolve_micro_batch(
                           dist)
     if recorded is not None:
         return recorded, f"micro-batch: auto -> {recorded} x {block} (the run's recorded choice)"
-    sequences = full = t.global_batch_tokens // (block * dist.world_size)
-    if batch_warmup_active(cfg):  # the micro-batch must divide the warm-up's batch as well
-        sequences = math.gcd(full, t.batch_warmup_tokens // (block * dist.world_size))
-    if sequences < 1:
+    if t.global_batch_tokens == 0:  # one micro-batch per process: of no size to derive from
         raise UserError(
             f"{cfg.source}: train.micro_batch_size: auto needs train.global_batch_tokens of at "
-            f"least block_size x processes = {block * dist.world_size}; set it, or give "
-            f"micro_batch_size as a number"
+            f"least block_size x processes = {block * dist.world_size} (0 is one micro-batch per "
+            f"process); set it, or give micro_batch_size as a number"
         )
+    sequences = full = windows_per_process(cfg, dist.world_size)
+    if batch_warmup_active(cfg):  # the micro-batch must divide the warm-up's batch as well
+        sequences = math.gcd(full, t.batch_warmup_tokens // (block * dist.world_size))
     cap = max(1, CPU_MICRO_BATCH_TOKENS // block) if device.type == "cpu" else None
     choice = choose_micro_batch(
         cfg.model, model.num_params(), sequences, dtype,
@@ -589,12 +589,43 @@ def accumulation_steps(
             f"divides it keeps it)"
         )
     if target % per_round:
+        windows = windows_per_process(cfg, world_size)
+        shared = windows
+        warmup = cfg.train.batch_warmup_tokens
+        if batch_warmup_active(cfg) and warmup % (cfg.model.block_size * world_size) == 0:
+            shared = math.gcd(windows, warmup // (cfg.model.block_size * world_size))
+        fits = max(m for m in range(1, micro_batch + 1) if shared % m == 0)
         raise UserError(
             f"{cfg.source}: train.global_batch_tokens: {target} is not a "
             f"multiple of micro_batch_size * block_size * processes = "
-            f"{micro_batch} * {cfg.model.block_size} * {world_size} = {per_round}"
+            f"{micro_batch} * {cfg.model.block_size} * {world_size} = {per_round}; each "
+            f"process takes {windows} windows a step: give a micro-batch that divides them, "
+            f"e.g. --set train.micro_batch_size={fits}"
         )
     return target // per_round, ""
+
+
+def windows_per_process(cfg: Config, world_size: int) -> int:
+    """train.global_batch_tokens as whole block_size windows per process and step; a UserError
+    saying what would split it when it does not split evenly, which no micro-batch can fix."""
+    target, block = cfg.train.global_batch_tokens, cfg.model.block_size
+    round_tokens = block * world_size
+    if target % round_tokens == 0 and target > 0:
+        return target // round_tokens
+    processes = "process" if world_size == 1 else "processes"
+    other_count = ", or train on a number of processes that divides the step's windows"
+    if target < round_tokens:
+        why = f"less than one {block}-token window for each of {world_size} {processes}"
+        other_count = ", or train on fewer processes"
+    elif target % block:
+        why, other_count = f"not whole {block}-token windows", ""
+    else:
+        why = (f"{target // block} windows of {block} tokens, which {world_size} {processes} "
+               f"cannot share evenly")
+    raise UserError(
+        f"{cfg.source}: train.global_batch_tokens: {target:,} is {why}; a step's tokens must "
+        f"be a multiple of block_size x processes = {round_tokens:,} (a new run){other_count}"
+    )
 
 
 def batch_warmup_active(cfg: Config) -> bool:
