@@ -445,3 +445,33 @@ def test_a_holder_that_has_not_written_its_pid_yet_is_named_without_one(tmp_path
     waiter.join(30)
     assert (out / LOCK).read_text() == f"{os.getpid()}\n"
     lock.release()
+
+
+UNGUARDED = """
+from andrea.config import load_config
+from andrea.train.loop import train
+
+train(load_config("andrea-tiny", ["data.source=in", "data.dir=data/in", "data.workers=2",
+                                  "train.max_steps=1", "train.eval_every=0"]), progress=False)
+"""
+
+
+def test_a_script_that_calls_train_unguarded_is_told_to_guard_it(tmp_path):
+    """Python's spawn starts each tokenizing worker by importing the user's script: one that
+    calls train() at its top level trained again in every worker, which the run's lock refused,
+    and the pool replaced the worker, forever, with the lock's error each time. The worker now
+    names the cause: the missing `if __name__ == "__main__":`."""
+    write_corpus(tmp_path / "in")
+    (tmp_path / "script.py").write_text(UNGUARDED)
+    proc = subprocess.Popen(python_command(str(tmp_path / "script.py")), cwd=tmp_path,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                            start_new_session=True)
+    try:
+        said, seen = wait_for_line(proc.stderr, r"RuntimeError: andrea's train\(\) was called")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and its workers
+        proc.communicate()
+    assert said is not None, "".join(seen)[-3000:]
+    assert 'call andrea under `if __name__ == "__main__":` in a script' in said
+    assert not any("another andrea train is writing" in line for line in seen), seen

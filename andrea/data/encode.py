@@ -31,6 +31,21 @@ def auto_workers(total_bytes: int) -> int:
 _worker_tokenizer: Any = None
 
 
+def refuse_in_a_starting_worker(call: str) -> None:
+    """A RuntimeError when a worker process andrea started is importing the user's script (as
+    `spawn` starts every process: it runs the script as __mp_main__) and the script calls
+    andrea at its top level, unguarded: each such worker would train or prepare again, fail
+    (the run is locked by its parent) and be replaced, forever. Called at the Python entry
+    points (train, prepare_inputs), so the worker says why before it ends."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            f"{call} was called while a worker process that andrea started imported your script: "
+            f"call andrea under `if __name__ == \"__main__\":` in a script (the workers that "
+            f"tokenize import it, as every process multiprocessing starts does), or set "
+            f"data.workers=1"
+        )
+
+
 def init_worker(kind: str, data_dir: str | None, in_pool: bool = True) -> None:
     global _worker_tokenizer
     if in_pool:

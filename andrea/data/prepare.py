@@ -36,7 +36,7 @@ from andrea.data.documents import (  # noqa: F401  (re-exported: the package's d
     is_val_record,
     val_start,
 )
-from andrea.data.encode import auto_workers
+from andrea.data.encode import auto_workers, refuse_in_a_starting_worker
 from andrea.data.folder import (
     PROGRESS,
     DataLock,
@@ -128,6 +128,7 @@ def prepare_inputs(
     work holds the folder's lock: a second prepare of `out` waits for the first, then uses its
     result when it is what this one asks for.
     """
+    refuse_in_a_starting_worker("andrea's prepare")
     blob, vocab_size = _given_tokenizer(
         tokenizer, errors, val_fraction, shard_tokens, workers, text_field, vocab_size,
         tokenizer_file)

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from andrea import faults
 from andrea.config import Config
+from andrea.data.encode import refuse_in_a_starting_worker
 from andrea.data.loader import train_batch, wait_checked
 from andrea.data.shards import ShardChanged
 from andrea.errors import UserError
@@ -63,8 +64,10 @@ def train(
     """Train per cfg (or continue a run); returns what happened. Callable from Python.
 
     stop_after: run at most this many steps now, then checkpoint and stop (state "stopped"),
-    e.g. to fit a job's time slot; `--resume` continues on the same schedule.
+    e.g. to fit a job's time slot; `--resume` continues on the same schedule. A script that
+    calls it must do so under `if __name__ == "__main__":` (docs/python.md).
     """
+    refuse_in_a_starting_worker("andrea's train()")
     device = pick_device(cfg.train.device, "train.device")
     dist = init_distributed(device.type, cfg.train.join_timeout)
     try:
