@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import (
     andrea_main,
     assert_user_error,
@@ -451,27 +452,71 @@ UNGUARDED = """
 from andrea.config import load_config
 from andrea.train.loop import train
 
-train(load_config("andrea-tiny", ["data.source=in", "data.dir=data/in", "data.workers=2",
-                                  "train.max_steps=1", "train.eval_every=0"]), progress=False)
+cfg = load_config("andrea-tiny", ["data.source=in", "data.dir=data/in", "data.workers=2",
+                                  "train.max_steps=1", "train.eval_every=0"])
+{call}
 """
 
 
-def test_a_script_that_calls_train_unguarded_is_told_to_guard_it(tmp_path):
+# Guards as people write them, each of which keeps the workers from calling train again.
+GUARDS = {
+    "plain": 'if __name__ == "__main__":\n    print(train(cfg, progress=False).state)',
+    "in a try": ('try:\n    if __name__ == "__main__":\n        print(train(cfg, progress=False)'
+                 '.state)\nexcept KeyboardInterrupt:\n    pass'),
+    "an else": ('if __name__ != "__main__":\n    pass\nelse:\n'
+                '    print(train(cfg, progress=False).state)'),
+}
+
+
+@pytest.mark.parametrize("guarded", [False, *GUARDS])
+def test_a_script_that_calls_train_unguarded_is_told_to_guard_it(tmp_path, guarded):
     """Python's spawn starts each tokenizing worker by importing the user's script: one that
-    calls train() at its top level trained again in every worker, which the run's lock refused,
-    and the pool replaced the worker, forever, with the lock's error each time. The worker now
-    names the cause: the missing `if __name__ == "__main__":`."""
+    called train() at its top level trained again in every worker, which the run's lock refused,
+    and the pool replaced the worker, forever, with the lock's error each time. Now the script
+    is refused before any worker starts, naming its line and the missing guard; guarded, it
+    trains with its workers."""
     write_corpus(tmp_path / "in")
-    (tmp_path / "script.py").write_text(UNGUARDED)
-    proc = subprocess.Popen(python_command(str(tmp_path / "script.py")), cwd=tmp_path,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-                            start_new_session=True)
-    try:
-        said, seen = wait_for_line(proc.stderr, r"RuntimeError: andrea's train\(\) was called")
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the script and its workers
-        proc.communicate()
-    assert said is not None, "".join(seen)[-3000:]
-    assert 'call andrea under `if __name__ == "__main__":` in a script' in said
-    assert not any("another andrea train is writing" in line for line in seen), seen
+    call = GUARDS[guarded] if guarded else "print(train(cfg, progress=False).state)"
+    (tmp_path / "script.py").write_text(UNGUARDED.format(call=call))
+    proc = subprocess.run(python_command(str(tmp_path / "script.py")), cwd=tmp_path, text=True,
+                          capture_output=True, timeout=300, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if guarded:
+        assert proc.returncode == 0 and proc.stdout.endswith("finished\n"), proc.stderr[-3000:]
+        return
+    assert proc.returncode == 1 and proc.stdout == "preparing data/in from in (first run only)\n"
+    assert proc.stderr.splitlines()[-1] == (
+        f"andrea.errors.UserError: {tmp_path / 'script.py'}:7: calls andrea outside `if "
+        f"__name__ == \"__main__\":`; the workers that tokenize (data.workers) start by "
+        f"importing the script, which would call it again in each: put the call under that "
+        f"guard, or set data.workers=1"), proc.stderr[-3000:]
+    assert not list((tmp_path / "data" / "in").glob("*.bin"))  # refused before any shard
+
+
+def test_a_package_run_with_dash_m_needs_no_guard(tmp_path):
+    """`python -m pkg`: spawn never imports a `__main__` module again, so an unguarded call in
+    pkg/__main__.py is safe and is not refused (the check refused it at first)."""
+    write_corpus(tmp_path / "in")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "__main__.py").write_text(
+        UNGUARDED.format(call="print(train(cfg, progress=False).state)"))
+    proc = subprocess.run(python_command("-m", "pkg"), cwd=tmp_path, text=True,
+                          capture_output=True, timeout=300, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.endswith("finished\n"), proc.stderr[-3000:]
+
+
+def test_a_worker_that_imports_an_unguarded_script_says_so(monkeypatch):
+    """What the check before the pool cannot see (a call through exec): the worker importing the
+    script raises at andrea's entry points, naming the guard, instead of the run lock's error."""
+    import multiprocessing
+
+    from andrea.data.prepare import prepare_inputs
+    from andrea.train.loop import train
+
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    for call in (lambda: train(load_config("andrea-tiny")),
+                 lambda: prepare_inputs("shakespeare", "byte", Path("unused"))):
+        with pytest.raises(RuntimeError, match='under `if __name__ == "__main__":` in a script'):
+            call()

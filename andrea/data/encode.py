@@ -4,10 +4,12 @@ worker count and memory stays flat)."""
 
 from __future__ import annotations
 
+import ast
 import collections
 import multiprocessing
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import numpy as np
 from andrea.data.documents import SPLITS, Input, Settings, Tally, all_jobs, job_documents
 from andrea.data.readers import Job
 from andrea.data.tokenizer import load_tokenizer
+from andrea.errors import UserError
 
 BPE_TRAIN_MAX_BYTES = 256 << 20  # BPE learns from at most this much of the train split
 PARALLEL_MIN_BYTES = 2 << 20  # below this, automatic `workers` encodes in-process
@@ -29,6 +32,49 @@ def auto_workers(total_bytes: int) -> int:
 
 
 _worker_tokenizer: Any = None
+
+
+def refuse_an_unguarded_script() -> None:
+    """A UserError, before any worker starts, when this process is a Python script that calls
+    andrea from a top-level statement that no `if` on `__name__` encloses. `spawn` starts each
+    worker by importing that script, which would then call andrea again, fail, and be replaced
+    by the pool, forever. Not for the andrea command, `python -m PKG` (a `__main__` module,
+    which spawn never imports again), a notebook or an interpreter's prompt (no file)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if path is None or spec_name == "__main__" or spec_name.endswith(".__main__"):
+        return
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>"
+                                     and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:  # not called while the main script runs its top level
+        return
+    try:
+        tree = ast.parse(Path(path).read_bytes())  # bytes: a coding cookie is honoured
+    except (OSError, SyntaxError, ValueError):
+        return
+    line = frame.f_lineno
+    for statement in tree.body:
+        if statement.lineno <= line <= (statement.end_lineno or statement.lineno):
+            if not _under_a_name_test(statement, line):
+                raise UserError(
+                    f"{path}:{line}: calls andrea outside `if __name__ == \"__main__\":`; "
+                    f"the workers that tokenize (data.workers) start by importing the script, "
+                    f"which would call it again in each: put the call under that guard, or set "
+                    f"data.workers=1"
+                )
+            return
+
+
+def _under_a_name_test(statement: ast.stmt, line: int) -> bool:
+    """Whether an `if` whose test reads `__name__` encloses `line` within `statement` (the
+    guard, however written: `and` more, `!=` with an else, inside a try)."""
+    return any(
+        isinstance(node, ast.If) and node.lineno <= line <= (node.end_lineno or node.lineno)
+        and any(isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(node.test))
+        for node in ast.walk(statement))
 
 
 def refuse_in_a_starting_worker(call: str) -> None:
@@ -89,6 +135,7 @@ def encode_all(
         for job in jobs:
             yield job, None if job.data is None else encode_job((job, settings, dtype))
         return
+    refuse_an_unguarded_script()
     ctx = multiprocessing.get_context("spawn")  # no fork: HF tokenizers' threads dislike it
     with ctx.Pool(workers, init_worker, (kind, str(data_dir))) as pool:
         pending: collections.deque = collections.deque()
