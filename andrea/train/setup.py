@@ -538,9 +538,8 @@ def resolve_micro_batch(
             f"least block_size x processes = {block * dist.world_size} (0 is one micro-batch per "
             f"process); set it, or give micro_batch_size as a number"
         )
-    sequences = full = windows_per_process(cfg, dist.world_size)
-    if batch_warmup_active(cfg):  # the micro-batch must divide the warm-up's batch as well
-        sequences = math.gcd(full, t.batch_warmup_tokens // (block * dist.world_size))
+    full = windows_per_process(cfg, dist.world_size)
+    sequences = micro_batch_windows(cfg, dist.world_size)
     cap = max(1, CPU_MICRO_BATCH_TOKENS // block) if device.type == "cpu" else None
     choice = choose_micro_batch(
         cfg.model, model.num_params(), sequences, dtype,
@@ -590,10 +589,7 @@ def accumulation_steps(
         )
     if target % per_round:
         windows = windows_per_process(cfg, world_size)
-        shared = windows
-        warmup = cfg.train.batch_warmup_tokens
-        if batch_warmup_active(cfg) and warmup % (cfg.model.block_size * world_size) == 0:
-            shared = math.gcd(windows, warmup // (cfg.model.block_size * world_size))
+        shared = micro_batch_windows(cfg, world_size)
         fits = max(m for m in range(1, micro_batch + 1) if shared % m == 0)
         raise UserError(
             f"{cfg.source}: train.global_batch_tokens: {target} is not a "
@@ -603,6 +599,18 @@ def accumulation_steps(
             f"e.g. --set train.micro_batch_size={fits}"
         )
     return target // per_round, ""
+
+
+def micro_batch_windows(cfg: Config, world_size: int) -> int:
+    """The windows a micro-batch must divide: a process's in a step and, under a batch-size
+    warm-up, a process's in a warm-up step as well (when those are whole windows: otherwise
+    batch_warmup_accumulation refuses the warm-up, whatever the micro-batch)."""
+    windows = windows_per_process(cfg, world_size)
+    round_tokens = cfg.model.block_size * world_size
+    warmup = cfg.train.batch_warmup_tokens
+    if batch_warmup_active(cfg) and warmup % round_tokens == 0:
+        return math.gcd(windows, warmup // round_tokens)
+    return windows
 
 
 def windows_per_process(cfg: Config, world_size: int) -> int:
