@@ -79,9 +79,8 @@ def test_an_unwritable_cache_folder_compiles_in_torchs_own(tmp_path, monkeypatch
 
     (tmp_path / "file").write_text("")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setattr(compiled, "_cache_unwritable", None)
     monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "file" / "cache"))  # cannot be made
-    assert compiled.inductor_cache() == default_cache_dir()
+    assert compiled.inductor_cache()[0] == default_cache_dir()
     line = compiled.compile_line("default", "asked for")
     assert f"inductor's cache ({default_cache_dir()}, torch's own: andrea's could not be " \
            f"written ([Errno 20] Not a directory: " in line
@@ -95,11 +94,12 @@ def test_an_unwritable_cache_folder_compiles_in_torchs_own(tmp_path, monkeypatch
         raise RuntimeError("Could not determine home directory.")
 
     monkeypatch.setattr(PathType, "home", no_home)
-    assert compiled.inductor_cache() == default_cache_dir()
+    assert compiled.inductor_cache()[0] == default_cache_dir()
 
     monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "ours"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    assert compiled.inductor_cache() == str(tmp_path / "ours" / "inductor")  # writable: ours
+    # Writable: ours, and no reason given.
+    assert compiled.inductor_cache() == (str(tmp_path / "ours" / "inductor"), None)
     assert "torch's own" not in compiled.compile_line("default", "asked for")
 
 

@@ -65,14 +65,13 @@ def choose_compile(setting: bool | str, mode: str, device: torch.device,
     return mode, why
 
 
-def inductor_cache() -> str:
-    """Where inductor keeps what it compiled: $TORCHINDUCTOR_CACHE_DIR as the user set it, else
-    andrea's cache folder's `inductor`, set here, so that it outlives /tmp and a second run
-    reuses it; torch's own where that folder cannot be written (a read-only home, as on some
-    clusters: inductor's traceback otherwise), said in the plan's compile line. (torch sets the
-    variable to its /tmp default when inductor is imported, which andrea's imports do: that
-    value counts as unset.)"""
-    global _cache_unwritable
+def inductor_cache() -> tuple[str, str | None]:
+    """(where inductor keeps what it compiled, why not in andrea's folder or None):
+    $TORCHINDUCTOR_CACHE_DIR as the user set it, else andrea's cache folder's `inductor`, set
+    here, so that it outlives /tmp and a second run reuses it; torch's own where that folder
+    cannot be written (a read-only home, as on some clusters: inductor's traceback otherwise),
+    said in the plan's compile line. (torch sets the variable to its /tmp default when inductor
+    is imported, which andrea's imports do: that value counts as unset.)"""
     current = os.environ.get(INDUCTOR_CACHE_VARIABLE)
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -80,6 +79,7 @@ def inductor_cache() -> str:
         torch_default = default_cache_dir()
     except ImportError:  # another torch's layout: take only an unset variable
         torch_default = None
+    unwritable = None
     if not current or current == torch_default:
         try:
             folder = cache_dir() / "inductor"
@@ -87,17 +87,12 @@ def inductor_cache() -> str:
             if not os.access(folder, os.W_OK):
                 raise PermissionError(f"{folder}: not writable")
         except (OSError, RuntimeError) as exc:  # RuntimeError: Path.home() of no home
-            _cache_unwritable = str(exc)
+            unwritable = str(exc)
             os.environ[INDUCTOR_CACHE_VARIABLE] = torch_default or os.path.join(
                 tempfile.gettempdir(), "torchinductor")
         else:
-            _cache_unwritable = None
             os.environ[INDUCTOR_CACHE_VARIABLE] = str(folder)
-    return os.environ[INDUCTOR_CACHE_VARIABLE]
-
-
-# Why inductor_cache took torch's folder instead of andrea's, for the plan's compile line.
-_cache_unwritable: str | None = None
+    return os.environ[INDUCTOR_CACHE_VARIABLE], unwritable
 
 
 def keep_outside_the_graph(model: Andrea) -> None:
@@ -133,9 +128,9 @@ def compile_line(mode: str | None, why: str) -> str:
     if mode is None:
         return f"compile: off ({why})"
     graphs = ", its steps replayed as CUDA graphs" if mode == "reduce-overhead" else ""
-    cache = inductor_cache()
-    if _cache_unwritable is not None:
-        cache += (f", torch's own: andrea's could not be written ({_cache_unwritable}); set "
+    cache, unwritable = inductor_cache()
+    if unwritable is not None:
+        cache += (f", torch's own: andrea's could not be written ({unwritable}); set "
                   f"ANDREA_CACHE_DIR to a writable folder to keep it past /tmp")
     return (f"compile: torch.compile{graphs} ({why}); the first step of each window length "
             f"compiles first, for up to a minute or two on a first run; inductor's cache "
