@@ -307,11 +307,11 @@ def bench_train(
     step_ms = time_per_call(timer_for(device), steps, warmup, step).ms
     n_params = model.num_params()
     tok_s = accum * shape[0] * shape[1] / (step_ms * 1e-3)
-    meter = MfuMeter(device, dtype, flops_per_token(cfg.model, n_params))
+    flops_per_s = tok_s * flops_per_token(cfg.model, n_params, shape[1])
     return TrainRow(
         preset=preset, backend=backend, dtype=str(dtype).removeprefix("torch."),
         micro_batch_size=shape[0], block_size=shape[1], n_params=n_params, step_ms=step_ms,
-        tokens_per_s=tok_s, mfu=meter(tok_s), accumulation=accum,
+        tokens_per_s=tok_s, mfu=MfuMeter(device, dtype)(flops_per_s), accumulation=accum,
     )
 
 

@@ -1,9 +1,10 @@
 """Model FLOPs per token and the peak they are measured against (for MFU).
 
-FLOPs per trained token = 6·N + 12·n_layer·d_model·block_size: 6 per parameter for the forward and
+FLOPs per trained token = 6·N + 12·n_layer·d_model·T: 6 per parameter for the forward and
 backward matmuls (N counts the token embedding, which is also the LM head, and leaves out the
-position embedding, a lookup), plus the attention scores and their product with V (PaLM's
-accounting; the causal mask's skipped half is counted, as FlashAttention papers do).
+position embedding, a lookup), plus the attention scores and their product with V over the T
+positions of the token's window (PaLM's accounting; the causal mask's skipped half is counted,
+as FlashAttention papers do). T is block_size, or a sequence-length warm-up's shorter length.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def gpu_peak(name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
+def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int | None = None) -> float:
+    """Model FLOPs of one token trained in windows of `seq_len` tokens (block_size if None)."""
     n = n_params - cfg.block_size * cfg.d_model
-    return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.block_size
+    return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * (seq_len or cfg.block_size)
 
 
 def attention_flops(batch: int, n_head: int, seq_len: int, head_dim: int) -> dict[str, float]:
@@ -107,26 +109,25 @@ def no_mfu_reason(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
 
 class MfuMeter:
     """MFU for one run against the device's peak, looked up once; None where there is none
-    (`why_na` says why). `devices`: how many devices (processes) the tokens/s given to it are
-    shared among; MFU is per device, so 8 GPUs at one GPU's utilisation read as that one's."""
+    (`why_na` says why). `devices`: how many devices (processes) the model FLOP/s given to it
+    are shared among; MFU is per device, so 8 GPUs at one GPU's utilisation read as that one's."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, flops_token: float,
-                 devices: int = 1) -> None:
-        self.device, self.dtype, self.flops_token = device, dtype, flops_token
-        self.devices = devices
+    def __init__(self, device: torch.device, dtype: torch.dtype, devices: int = 1) -> None:
+        self.device, self.dtype, self.devices = device, dtype, devices
         self.peak = peak_flops(device, dtype)
         self.why_na = no_mfu_reason(device, dtype)
 
-    def __call__(self, tokens_per_s: float) -> float | None:
-        return mfu(tokens_per_s / self.devices, self.flops_token, self.peak)
+    def __call__(self, flops_per_s: float) -> float | None:
+        """MFU of `flops_per_s` model FLOP/s (tokens/s x flops_per_token) over all devices."""
+        return mfu(flops_per_s / self.devices, self.peak)
 
 
-def mfu(tokens_per_s: float, flops_token: float, peak: float | None) -> float | None:
-    """Model FLOPs utilisation, or None when the peak is unknown or the figure impossible
-    (above 1: a wrong peak, never printed)."""
-    if peak is None or peak <= 0 or tokens_per_s <= 0:
+def mfu(flops_per_s: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation of one device, or None when the peak is unknown or the figure
+    impossible (above 1: a wrong peak, never printed)."""
+    if peak is None or peak <= 0 or flops_per_s <= 0:
         return None
-    value = tokens_per_s * flops_token / peak
+    value = flops_per_s / peak
     return value if value <= 1.0 else None
 
 

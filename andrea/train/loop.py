@@ -406,8 +406,9 @@ def log_step(
     s.timed_shapes.add(shape)
     if not warmup:
         s.throughput.append(tok_s)
-    s.speed.add(step_tokens, seconds, warmup=warmup)
-    step_mfu = s.mfu(tok_s)
+    step_flops = s.flops_at(s.step - 1)
+    s.speed.add(step_tokens, seconds, flops=step_flops, warmup=warmup)
+    step_mfu = s.mfu(step_flops / seconds)
     scaling = ({"loss_scale": s.scaling.value, "overflows": s.scaling.overflows}
                if s.scaling.enabled else {})
     if s.step % t.log_every == 0 or s.step == t.max_steps:
@@ -427,9 +428,10 @@ def log_step(
 
 
 def run_mfu(s: Session) -> float | None:
-    """The run's MFU: its tokens/s (Throughput) against the device's peak, as recorded."""
-    tok_s = s.speed.tokens_per_s
-    value = s.mfu(tok_s) if tok_s else None
+    """The run's MFU: the model FLOP/s of the steps its tokens/s counts (Throughput) against
+    the device's peak, as recorded."""
+    flops_per_s = s.speed.flops_per_s
+    value = s.mfu(flops_per_s) if flops_per_s else None
     return None if value is None else round(value, 4)
 
 

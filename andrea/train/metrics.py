@@ -116,26 +116,36 @@ class Throughput:
     trains, whatever the eval and checkpoint intervals. So are warm-up steps, the first step of
     each window length in a process (a compiled model compiles then; CUDA allocates and tunes
     then): their count and seconds are kept apart. Counted per `andrea train` process (a
-    resumed segment starts again at zero: it may run on other hardware)."""
+    resumed segment starts again at zero: it may run on other hardware). The model FLOPs of the
+    same steps are summed beside the tokens for the run's MFU: a token of a sequence-length
+    warm-up's shorter window costs fewer."""
 
     def __init__(self) -> None:
         self.tokens = 0
+        self.flops = 0.0
         self.seconds = 0.0
         self.warmup_steps = 0
         self.warmup_seconds = 0.0
 
-    def add(self, tokens: int, seconds: float, *, warmup: bool = False) -> None:
+    def add(self, tokens: int, seconds: float, *, flops: float = 0.0,
+            warmup: bool = False) -> None:
         if warmup:
             self.warmup_steps += 1
             self.warmup_seconds += seconds
             return
         self.tokens += tokens
+        self.flops += flops
         self.seconds += seconds
 
     @property
     def tokens_per_s(self) -> float | None:
         # From the seconds as recorded, so the figure recomputes exactly from a record.
         return tokens_per_s(self.tokens, round(self.seconds, 4))
+
+    @property
+    def flops_per_s(self) -> float | None:
+        seconds = round(self.seconds, 4)
+        return self.flops / seconds if seconds > 0 else None
 
     def fields(self) -> dict[str, Any]:
         """What a train or end record carries to recompute the figure (tokens over seconds),

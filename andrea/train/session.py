@@ -16,7 +16,7 @@ import torch.nn as nn
 from andrea.config import Config
 from andrea.data.loader import TokenSplit
 from andrea.model.transformer import Andrea
-from andrea.train.flops import MfuMeter
+from andrea.train.flops import MfuMeter, flops_per_token
 from andrea.train.metrics import MetricsLog, Throughput
 from andrea.train.parallel import Parallel
 from andrea.train.runlock import TrainingLocks
@@ -93,6 +93,7 @@ class Session:
     signals: SignalWatch
     locks: TrainingLocks  # the run folder's lock (rank 0) and the data folders' it reads
     mfu: MfuMeter
+    n_params: int  # the model's, for its FLOPs per token
     preset: str
     guard: SpikeGuard
     parallel: Parallel  # how the processes share the work
@@ -156,6 +157,11 @@ class Session:
 
     def tokens_at(self, step: int) -> int:
         return self.tokens_per_micro_batch * self.accum_at(step)
+
+    def flops_at(self, step: int) -> float:
+        """Model FLOPs of optimizer step `step` (0-based) over all ranks, at its window length."""
+        return self.tokens_at(step) * flops_per_token(self.cfg.model, self.n_params,
+                                                      self.windows_at(step)[1])
 
     def tokens_through(self, steps: int) -> int:
         """Tokens of steps [0, steps) as this session plans them."""

@@ -54,7 +54,7 @@ from andrea.train.collectives import (
 )
 from andrea.train.compiled import choose_compile, compile_line
 from andrea.train.device import choose_precision, device_name, precision_warning
-from andrea.train.flops import MfuMeter, flops_per_token
+from andrea.train.flops import MfuMeter
 from andrea.train.memory import (
     CPU_MICRO_BATCH_TOKENS,
     GIB,
@@ -135,8 +135,7 @@ def set_up(
         cfg=cfg, device=device, dtype=dtype, run_dir=run_dir, model=model, optimizer=optimizer,
         param_names=names, train_split=train_split, val_split=val_split, log=MetricsLog(None),
         signals=signals, locks=locks,
-        mfu=MfuMeter(device, dtype, flops_per_token(cfg.model, model.num_params()),
-                     devices=dist.world_size),
+        mfu=MfuMeter(device, dtype, devices=dist.world_size), n_params=model.num_params(),
         preset=Path(cfg.source).stem, parallel=parallel, guard=SpikeGuard(t),
         scaling=loss_scaling_for(dtype, device), precision_why=precision.why,
     )
