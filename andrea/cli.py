@@ -154,13 +154,17 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: Annotated[
         bool | None,
         typer.Option("--version", "-V", callback=_print_version, is_eager=True,
                      help="Print andrea's version and exit."),
     ] = None,
 ) -> None:
-    pass
+    from andrea.train.torchrun import refuse_several_processes
+
+    if ctx.invoked_subcommand != "train":
+        refuse_several_processes(ctx.invoked_subcommand or "")
 
 ConfigOpt = Annotated[
     str,

@@ -247,3 +247,33 @@ def test_the_cli_starts_without_torch_for_its_version_and_help(tmp_path, argv):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path)
     assert done.stdout.splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+def test_only_train_runs_under_torchrun_with_several_processes(tmp_path):
+    """Any other verb started by torchrun would run once per process, each writing the same
+    files at once: prepare's shards here. Refused in one line on each rank, nothing written;
+    torchrun with one process is a plain start."""
+    from conftest import andrea_main
+
+    from andrea.train.torchrun import torchrun_env
+
+    text = tmp_path / "in.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 200)
+    prepare = ["prepare", "--input", str(text), "--tokenizer", "byte", "--workers", "1"]
+    try:
+        torchrun_env.cache_clear()
+        proc = andrea_main(*prepare, "--out", str(tmp_path / "two"),
+                           env={"WORLD_SIZE": "2", "RANK": "1"})
+        assert_user_error(proc, "andrea prepare runs as one process", "rank 1 of 2",
+                          "WORLD_SIZE=2", "without torchrun")
+        assert not (tmp_path / "two").exists()
+        torchrun_env.cache_clear()
+        proc = andrea_main("runs", str(tmp_path), env={"WORLD_SIZE": "2"})
+        assert_user_error(proc, "andrea runs runs as one process")
+        torchrun_env.cache_clear()
+        proc = andrea_main(*prepare, "--out", str(tmp_path / "one"),
+                           env={"WORLD_SIZE": "1", "RANK": "0"})
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / "one" / "manifest.json").is_file()
+    finally:
+        torchrun_env.cache_clear()

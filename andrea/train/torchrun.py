@@ -15,6 +15,8 @@ import functools
 import os
 from dataclasses import dataclass
 
+from andrea.errors import UserError
+
 
 @dataclass(frozen=True)
 class TorchrunEnv:
@@ -47,6 +49,18 @@ def torchrun_env() -> TorchrunEnv:
         master_port=int(env.get("MASTER_PORT", "0")),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
+
+
+def refuse_several_processes(verb: str) -> None:
+    """Only `andrea train` shares its work among torchrun's processes: any other verb started
+    by torchrun with several would run once in each, each printing, and writing the same
+    files (an export's folder, an imported run, prepared shards) at the same time."""
+    env = torchrun_env()
+    if env.world_size > 1:
+        raise UserError(
+            f"andrea {verb} runs as one process, and this is rank {env.rank} of "
+            f"{env.world_size} (WORLD_SIZE={env.world_size} in the environment, as torchrun "
+            f"sets it): run it without torchrun; torchrun is for andrea train")
 
 
 @dataclass
