@@ -279,14 +279,16 @@ def train_cmd(
     if resume is not None and overwrite:
         raise UserError(f"--resume {resume} --overwrite: give one; --resume continues the run, "
                         "--overwrite deletes it and starts a new one")
+    from andrea.streams import output_survives_closed_reader
     from andrea.train.loop import train
     from andrea.train.resume import config_for_run  # loop's set-up imports the registries
 
     cfg = config_for_run(config, set_ or [], resume)
-    result = train(
-        cfg, resume=resume, overwrite=overwrite, progress=progress, stop_after=stop_after
-    )
-    result.say()
+    with output_survives_closed_reader():
+        result = train(
+            cfg, resume=resume, overwrite=overwrite, progress=progress, stop_after=stop_after
+        )
+        result.say()
     raise typer.Exit(result.exit_code)
 
 

@@ -214,3 +214,25 @@ def test_a_resumed_runs_summary_line_says_which_steps_its_seconds_are(tmp_path, 
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^finished: 5 steps, 2,560 tokens, 2 steps of them in [\d.]+ s from "
                      r"step 3; no evaluation; checkpoint ", proc.stdout, re.M), proc.stdout
+
+
+def test_a_reader_that_goes_away_ends_the_output_not_the_training(tmp_path, data_dir):
+    """`andrea train ... 2>&1 | head -1`: the pipe's reader leaves after the first line. Every
+    later line (the bar, the evals, the summary) had nowhere to go, and the first one raised
+    BrokenPipeError in the step loop: the run ended "failed" at its first eval, its last steps
+    unsaved. Now the output ends and the training finishes. A real pipe: the process is the
+    point."""
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=12",
+                                  "train.eval_every=4", "train.checkpoint_every=6", name="r"),
+                      tmp_path)
+    proc = subprocess.Popen(python_command("-m", "andrea", "train", "-c", str(cfg)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout.readline()  # the first line, then the reader is gone
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 0
+    records = [json.loads(line)
+               for line in (tmp_path / "runs" / "r" / "metrics.jsonl").read_text().splitlines()]
+    end = records[-1]
+    assert (end["event"], end["state"], end["step"]) == ("end", "finished", 12), end
+    assert [r["step"] for r in records if r["event"] == "eval"] == [4, 8, 12]
+    assert (tmp_path / "runs" / "r" / "latest").read_text().strip() == "step-000012"
