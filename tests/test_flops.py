@@ -65,6 +65,7 @@ def test_mfu_counts_a_sequence_warm_ups_shorter_windows(tmp_path, data_dir, monk
     from andrea.model.transformer import Andrea
     from andrea.runs import read_metrics
     from andrea.train.loop import train
+    from andrea.train.metrics import recorded_speed
 
     peak = 3e11  # MFU readable at 4 decimals from 300 to 300,000 tokens/s
     monkeypatch.setattr(flops, "peak_flops", lambda device, dtype: peak)
@@ -94,3 +95,7 @@ def test_mfu_counts_a_sequence_warm_ups_shorter_windows(tmp_path, data_dir, monk
     assert end["train_tokens"] == sum(tokens[i] for i in timed)
     assert end["mfu"] == pytest.approx(model_flops / end["train_seconds"] / peak, rel=1e-3,
                                        abs=6e-5)
+    # A run without its end record (still going, or killed) reads the last step's train_mfu.
+    assert steps[-1]["train_mfu"] == end["mfu"]
+    records[-1:] = []
+    assert recorded_speed(records)[1] == end["mfu"]

@@ -406,6 +406,58 @@ def test_a_bare_name_is_the_run_not_an_export_folder_of_that_name(tmp_path, monk
     assert run_path("missing") == Path("missing")
 
 
+def test_a_failed_runs_end_record_keeps_its_speed(tmp_path, data_dir, monkeypatch):
+    """A failure's end record carries the segment's speed, best val loss and checkpoint as a
+    finished run's does (docs/metrics.md): it had only the state and the message."""
+    from conftest import tiny_config
+
+    import andrea.train.loop as loop
+
+    real = loop.maybe_evaluate
+
+    def failing_at_step_4(s, bar):
+        if s.step == 4:
+            raise RuntimeError("injected")
+        real(s, bar)
+
+    monkeypatch.setattr(loop, "maybe_evaluate", failing_at_step_4)
+    cfg = tiny_config(tmp_path, data_dir, "train.max_steps=6", "train.checkpoint_every=2",
+                      "train.eval_every=2", name="f")
+    with pytest.raises(RuntimeError, match="injected"):
+        loop.train(cfg, progress=False)
+    records, _ = read_metrics(tmp_path / "f" / "metrics.jsonl")
+    end, trains = records[-1], [r for r in records if r["event"] == "train"]
+    assert (end["event"], end["state"], end["message"]) == ("end", "failed",
+                                                            "RuntimeError: injected")
+    assert end["checkpoint"] == "step-000002" and end["best_val_step"] == 2
+    assert (end["train_tokens"], end["warmup_steps"]) == (3 * TOKENS_PER_STEP, 1)
+    assert end["train_seconds"] == trains[-1]["train_seconds"] > 0
+    assert end["tokens_per_s"] == round(end["train_tokens"] / end["train_seconds"], 1)
+    assert end["median_tokens_per_s"] is not None and "mfu" in end
+    assert read_run(tmp_path / "f").tokens_per_s == end["tokens_per_s"]
+
+
+def test_a_segment_of_its_warm_up_step_alone_has_no_speed(tmp_path, data_dir):
+    """One step is the warm-up step, left out of the figure: its end record says null, and
+    `andrea runs` shows "-", not that step's own rate through the median of logged steps."""
+    from conftest import tiny_config
+
+    from andrea.runs import format_table
+    from andrea.train.loop import train
+
+    assert train(tiny_config(tmp_path, data_dir, "train.max_steps=1", name="one"),
+                 progress=False).state == "finished"
+    records, _ = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    end = records[-1]
+    assert end["tokens_per_s"] is None and end["median_tokens_per_s"] is None
+    assert end["warmup_steps"] == 1 and end["train_tokens"] == 0
+    summary = read_run(tmp_path / "one")
+    assert summary.tokens_per_s is None and summary.median_tokens_per_s is None
+    header, row = format_table([summary]).splitlines()[:2]
+    speed = row[header.index("TOK/S"):header.index("MFU")].strip()
+    assert speed == "-", row
+
+
 def test_one_tokens_per_s_in_the_bar_the_end_record_and_runs(tmp_path, data_dir, capsys):
     """A real run with evaluations and checkpoints: the bar's last rate, the end record, and
     `andrea runs` give one figure, the steps' tokens over the steps' wall time."""

@@ -175,14 +175,12 @@ def failures_recorded(s: Session) -> Iterator[None]:
     except ShardChanged as exc:
         if not s.dist.enabled:  # one process checkpoints and records it (shard_changed_outcome)
             raise
-        s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None, state="stopped",
-                    message=str(exc))
+        write_end(s, "stopped", str(exc))
         raise
     except RunLost:  # the run is no longer this training's: nothing more is written there
         raise
     except torch.cuda.OutOfMemoryError:
-        s.log.write("end", step=s.step, tokens=s.tokens_seen, state="failed", signal=None,
-                    message="out of GPU memory")
+        write_end(s, "failed", "out of GPU memory")
         raise UserError(
             f"out of GPU memory at micro-batch {s.micro_batch} x {s.cfg.model.block_size}: "
             f"set train.micro_batch_size lower (or auto), or "
@@ -192,9 +190,8 @@ def failures_recorded(s: Session) -> Iterator[None]:
         # A user's mistake stops the run; anything else is a failure. Either way, say so: a
         # lost peer as the way on, not the transport's message.
         lost = lost_peer_line(s.dist, exc, s.step, s.checkpoint, s.run_dir)
-        s.log.write("end", step=s.step, tokens=s.tokens_seen, signal=None,
-                    state="stopped" if isinstance(exc, UserError) else "failed",
-                    message=str(lost) if lost else f"{type(exc).__name__}: {exc}")
+        write_end(s, "stopped" if isinstance(exc, UserError) else "failed",
+                  str(lost) if lost else f"{type(exc).__name__}: {exc}")
         if lost is not None:
             raise lost from None
         raise
@@ -415,7 +412,8 @@ def log_step(
         s.log.write(
             "train", step=s.step, tokens=s.tokens_seen, loss=loss, lr=lr,
             grad_norm=grad_norm, tokens_per_s=round(tok_s, 1),
-            mfu=None if step_mfu is None else round(step_mfu, 4), **s.speed.fields(), **scaling,
+            mfu=None if step_mfu is None else round(step_mfu, 4), **s.speed.fields(),
+            train_mfu=run_mfu(s), **scaling,
         )
     run_tok_s = s.speed.tokens_per_s
     bar.set_rate(run_tok_s)
@@ -532,8 +530,9 @@ def interrupted_outcome(s: Session) -> tuple[str, int, str]:
     return "interrupted", EXIT_SIGNAL.get(sig, 130), f"stopped by {sig_words} {where}"
 
 
-def finish(s: Session, state: str, exit_code: int, message: str, seconds: float,
-           start_step: int) -> TrainResult:
+def write_end(s: Session, state: str, message: str) -> None:
+    """The run's end record, whatever ended it: the state, the best val loss, the newest
+    checkpoint and the segment's speed (docs/metrics.md)."""
     s.log.write(
         "end", step=s.step, tokens=s.tokens_seen, state=state,
         signal=signal.Signals(s.signals.received).name if s.signals.received else None,
@@ -543,6 +542,11 @@ def finish(s: Session, state: str, exit_code: int, message: str, seconds: float,
         tokens_per_s=s.speed.tokens_per_s, mfu=run_mfu(s), **s.speed.fields(),
         **({"overflow_steps": s.scaling.overflows} if s.scaling.enabled else {}),
     )
+
+
+def finish(s: Session, state: str, exit_code: int, message: str, seconds: float,
+           start_step: int) -> TrainResult:
+    write_end(s, state, message)
     s.log.close()
     return TrainResult(
         run_dir=s.run_dir, steps=s.step, tokens=s.tokens_seen, seconds=seconds, state=state,

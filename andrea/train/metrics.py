@@ -163,15 +163,16 @@ def _number(value: Any) -> float | None:
 def recorded_speed(records: list[dict[str, Any]]) -> tuple[float | None, float | None]:
     """(tokens/s, MFU) of the run as its metrics.jsonl records give them, for `andrea runs` and
     `andrea plot`: those of the latest segment's end record; a segment still running (or one
-    that failed) from its last train record's train_tokens / train_seconds (its MFU then None).
-    (None, None) for runs written before these fields (their readers fall back to a median)."""
+    killed) from its last train record's train_tokens / train_seconds and train_mfu. (None,
+    None) for runs written before these fields (their readers fall back to a median), and for
+    a segment of warm-up steps only."""
     last_start = max((i for i, r in enumerate(records) if r.get("event") == "start"), default=-1)
     for rec in reversed(records[last_start + 1:]):
-        if rec.get("event") == "end" and _number(rec.get("tokens_per_s")) is not None:
+        if rec.get("event") == "end" and "tokens_per_s" in rec:
             return _number(rec["tokens_per_s"]), _number(rec.get("mfu"))
         tokens, seconds = _number(rec.get("train_tokens")), _number(rec.get("train_seconds"))
         if rec.get("event") == "train" and tokens is not None and seconds is not None:
-            return tokens_per_s(tokens, seconds), None
+            return tokens_per_s(tokens, seconds), _number(rec.get("train_mfu"))
     return None, None
 
 
@@ -189,7 +190,7 @@ def recorded_median(records: list[dict[str, Any]], history: list[dict[str, Any]]
     steps' rates in `history`."""
     last_start = max((i for i, r in enumerate(records) if r.get("event") == "start"), default=-1)
     for rec in reversed(records[last_start + 1:]):
-        if rec.get("event") == "end" and _number(rec.get("median_tokens_per_s")) is not None:
+        if rec.get("event") == "end" and "median_tokens_per_s" in rec:  # None: no timed step
             return _number(rec["median_tokens_per_s"])
     rates = (_number(r.get("tokens_per_s")) for r in history if r.get("event") == "train")
     return median_tokens_per_s([x for x in rates if x is not None])
