@@ -107,17 +107,36 @@ def who(pid: int, host: str, since: float) -> str:
     return f"pid {pid} on host {host}, since {when}"
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` of this host runs."""
+def pid_alive(pid: int, started_by: float | None = None) -> bool:
+    """Whether process `pid` of this host runs; with `started_by` (a time.time()), only one
+    that started by then: a pid the system gave again to a later process (container restarts
+    hand out the same low pids) is not the process recorded."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, but another user's process
-        return True
+        pass
     except (OSError, OverflowError, ValueError):  # no such pid can run
         return False
-    return True
+    if started_by is None:
+        return True
+    started = process_start_time(pid)
+    # /proc's boot time is whole seconds, a process's start in clock ticks: 2 s of slack.
+    return started is None or started <= started_by + 2.0
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process `pid` of this host started (a time.time()), as Linux's /proc says; None
+    where it cannot say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # the stat line's 22nd field, starttime, in clock ticks
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def same_file(fd: int, path: Path) -> bool:

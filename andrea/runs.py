@@ -412,7 +412,8 @@ def _read_state(segment: list[dict[str, Any]], started: bool, summary: RunSummar
                 f"started on host {summary.host}; cannot check its process from here"
             )
         else:
-            summary.state = "running" if pid_alive(summary.pid) else "crashed"
+            since = _num(segment[0].get("time")) if segment else None
+            summary.state = "running" if pid_alive(summary.pid, since) else "crashed"
 
 
 def _read_end(end: dict[str, Any], summary: RunSummary) -> None:

@@ -11,6 +11,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,10 +42,13 @@ def train_record(step: int, loss: float | None = None, **extra) -> dict:
 
 
 def start_record(
-    step: int = 0, max_steps: int = 100, pid: int = 1, host: str | None = None, preset="andrea-tiny"
+    step: int = 0, max_steps: int = 100, pid: int = 1, host: str | None = None,
+    preset: str = "andrea-tiny", at: float | None = None,
 ):
+    """A start event; `at`: its time (a live pid's run started after its process did)."""
     return {
-        "event": "start", "time": 1.7e9 + step, "step": step, "max_steps": max_steps, "pid": pid,
+        "event": "start", "time": 1.7e9 + step if at is None else at, "step": step,
+        "max_steps": max_steps, "pid": pid,
         "host": host or socket.gethostname(), "resumed_from": None if step == 0 else "x",
         "n_params": 1234, "preset": preset,
     }
@@ -136,13 +140,28 @@ def test_ended_runs(tmp_path, state, signal, last):
 
 
 def test_running_and_crashed(tmp_path):
-    alive = write_run(tmp_path, "alive", [start_record(pid=os.getpid()), *normal_history(40)])
+    alive = write_run(tmp_path, "alive", [start_record(pid=os.getpid(), at=time.time()),
+                                          *normal_history(40)])
     dead = write_run(tmp_path, "dead", [start_record(pid=dead_pid()), *normal_history(40)])
     elsewhere = write_run(
-        tmp_path, "elsewhere", [start_record(pid=os.getpid(), host="other-host-xyz")]
+        tmp_path, "elsewhere",
+        [start_record(pid=os.getpid(), host="other-host-xyz", at=time.time())]
     )
     assert read_run(alive).state == "running"
     assert read_run(dead).state == "crashed"
+    # A dead run's pid given again to a later process (container restarts hand out the same low
+    # pids): alive, but not the process that started the run. Read "running" before.
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        reused = write_run(tmp_path, "reused", [start_record(pid=later.pid,
+                                                             at=time.time() - 60),
+                                                *normal_history(40)])
+        assert read_run(reused).state == "crashed"
+        assert read_run(write_run(tmp_path, "its_own", [
+            start_record(pid=later.pid, at=time.time()), *normal_history(40)])).state == "running"
+    finally:
+        later.kill()
+        later.wait()
     r = read_run(elsewhere)
     assert r.state == "unknown" and "other-host-xyz" in r.problems[0]
 
@@ -185,7 +204,7 @@ def test_resumed_run_keeps_only_the_current_history(tmp_path):
     assert r.median_tokens_per_s == pytest.approx(statistics.median(speeds))
     # A resumed run whose new segment has not ended is judged by the new segment's pid.
     records = [start_record(), *normal_history(50), end_record(50, "interrupted", "SIGINT"),
-               start_record(step=50, pid=os.getpid())]
+               start_record(step=50, pid=os.getpid(), at=time.time())]
     assert read_run(write_run(tmp_path, "again", records)).state == "running"
 
 
@@ -275,7 +294,7 @@ def test_runs_cli_table_json_and_errors(tmp_path):
     root = tmp_path / "runs"
     write_run(root, "done", [start_record(), *normal_history(100), end_record(100, "finished")],
               checkpoints=(100,))
-    write_run(root, "live", [start_record(pid=os.getpid()), *normal_history(30)])
+    write_run(root, "live", [start_record(pid=os.getpid(), at=time.time()), *normal_history(30)])
     write_run(root, "cut", [start_record(pid=dead_pid()), *normal_history(20)], tail='{"eve')
     # A NaN loss must come out as valid JSON (null), not the non-standard NaN token.
     write_run(root, "nan", [start_record(), train_record(10, loss=float("nan")),
