@@ -119,9 +119,9 @@ def plot_runs(
     missing and the file appears whole or not at all (temp name, then rename).
     """
     out = Path(out)
-    fmt = _output_format(out)
     if out.is_dir():
         raise UserError(f"{out}: is a folder; give a file name such as {out / 'loss.png'}")
+    fmt = _output_format(out)
     fig = draw_figure(run_dirs, x, warn)
     plt = _import_pyplot()
     image = io.BytesIO()
@@ -241,7 +241,7 @@ def _draw_run(
     ax_loss, ax_lr, ax_speed, ax_grad = axes
     tx, ty = _series(history, "train", x, "loss")
     vx, vy = _series(history, "eval", x, "val_loss")
-    ax_loss.plot(tx, ty, color=color, lw=1.4, label=label)
+    ax_loss.plot(tx, ty, color=color, lw=1.4, label=label, **_lone(tx))
     ax_loss.plot(vx, vy, color=color, lw=1.0, ls="--", marker="o", ms=4)
     # The spike guard: each held-back step a cross at its loss, each rollback a dotted line.
     sx, sy = _series(history, "spike", x, "loss")
@@ -256,15 +256,23 @@ def _draw_run(
                      marker=SOURCE_MARKERS[j % len(SOURCE_MARKERS)],
                      label=f"{label}: val {names[source]}")
         losses += sy
-    ax_lr.plot(*_series(history, "train", "step", "lr"), color=color, lw=1.4)
-    ax_speed.plot(*_series(history, "train", "step", "tokens_per_s"), color=color, lw=1.4)
+    lx, ly = _series(history, "train", "step", "lr")
+    ax_lr.plot(lx, ly, color=color, lw=1.4, **_lone(lx))
+    px, py = _series(history, "train", "step", "tokens_per_s")
+    ax_speed.plot(px, py, color=color, lw=1.4, **_lone(px))
     speed, mfu = recorded_speed(history)  # the run's figure, as the bar and `andrea runs` say
     if speed is not None:
         ax_speed.axhline(speed, color=color, ls="--", lw=1.0,
                          label=f"{label}: {format_speed(speed)} tok/s, MFU {format_mfu(mfu)}")
     gx, gy = _series(history, "train", "step", "grad_norm")
-    ax_grad.plot(gx, gy, color=color, lw=1.0)
+    ax_grad.plot(gx, gy, color=color, lw=1.0, **_lone(gx))
     return losses, gy
+
+
+def _lone(xs: list[float]) -> dict[str, Any]:
+    """A dot for a line of one point (a run of one logged step), which a line alone never
+    draws."""
+    return {"marker": "o", "ms": 4} if len(xs) == 1 else {}
 
 
 # What each line style means, under the panel's name. On one line the loss key was wider than

@@ -102,6 +102,9 @@ def test_bad_input(tmp_path, monkeypatch):
     a, _ = two_runs(tmp_path)
     with pytest.raises(UserError, match="unknown image type '.jpg'"):
         plot_runs([a], tmp_path / "x.jpg")
+    (tmp_path / "pictures").mkdir()  # an existing folder: named as one, not as a file type
+    with pytest.raises(UserError, match="pictures: is a folder; give a file name such as"):
+        plot_runs([a], tmp_path / "pictures")
     with pytest.raises(UserError, match="--x time"):
         plot_runs([a], tmp_path / "x.png", x="time")
     with pytest.raises(UserError, match="no such run"):
@@ -114,6 +117,22 @@ def test_bad_input(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"pip install -e '.\[plot\]'"):
         plot_runs([a], tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_run_of_one_logged_step_shows_its_point_on_every_panel(tmp_path):
+    """A line of one point draws nothing: a run of one logged step (max_steps below twice
+    log_every) had empty panels. Each of its four series now draws a dot."""
+    import matplotlib.pyplot as plt
+    from test_runs import train_record
+
+    one = write_run(tmp_path, "one", [start_record(), train_record(1), end_record(1, "finished")])
+    fig = draw_figure([one], warn=lambda _: None)
+    try:
+        lone = [line for ax in fig.axes for line in ax.get_lines() if len(line.get_xdata()) == 1]
+        assert len(lone) == 4  # train loss, learning rate, tokens/s, gradient norm
+        assert all(line.get_marker() not in ("None", "", None) for line in lone), lone
+    finally:
+        plt.close(fig)
 
 
 def test_plot_cli(tmp_path):
