@@ -44,7 +44,13 @@ from andrea.model.attention import BACKENDS as ATTENTION
 from andrea.model.attention import cuda_unavailable_reason, sdpa_attention
 from andrea.resources import cpu_name
 from andrea.train.device import DTYPES as TORCH_DTYPES
-from andrea.train.flops import MfuMeter, attention_flops, flops_per_token, no_mfu_reason
+from andrea.train.flops import (
+    DTYPE_NAMES,
+    MfuMeter,
+    attention_flops,
+    flops_per_token,
+    no_mfu_reason,
+)
 from andrea.train.metrics import format_mfu
 
 # name -> (B, n_head, T, head_dim)
@@ -309,7 +315,7 @@ def bench_train(
     tok_s = accum * shape[0] * shape[1] / (step_ms * 1e-3)
     flops_per_s = tok_s * flops_per_token(cfg.model, n_params, shape[1])
     return TrainRow(
-        preset=preset, backend=backend, dtype=str(dtype).removeprefix("torch."),
+        preset=preset, backend=backend, dtype=DTYPE_NAMES[dtype],
         micro_batch_size=shape[0], block_size=shape[1], n_params=n_params, step_ms=step_ms,
         tokens_per_s=tok_s, mfu=MfuMeter(device, dtype)(flops_per_s), accumulation=accum,
     )
@@ -408,8 +414,10 @@ def _check_options(
             raise UserError(f"--shape {name}: expected one of {', '.join(SHAPES)}")
     if batch is not None and batch < 1:
         raise UserError(f"--batch {batch}: must be a positive integer")
-    if repeats < 1 or warmup < 0:
-        raise UserError(f"--repeats {repeats} / --warmup {warmup}: need repeats >= 1, warmup >= 0")
+    if repeats < 1:
+        raise UserError(f"--repeats {repeats}: must be 1 or more")
+    if warmup < 0:
+        raise UserError(f"--warmup {warmup}: must be 0 or more")
     for name in ("cuda", "cuda_naive"):
         if backends and name in backends:
             why = cuda_unavailable_reason(64, dev)
@@ -510,7 +518,7 @@ def format_table(result: BenchResult) -> str:
                      "optimizer step; the preset's own batch unless --quick or --set change it), "
                      "full-length windows")
         missing = [r for r in result.train if r.mfu is None]
-        why = (no_mfu_reason(torch.device(result.device), getattr(torch, missing[0].dtype))
+        why = (no_mfu_reason(torch.device(result.device), TORCH_DTYPES[missing[0].dtype])
                if missing else None)
         if why:
             lines.append(why)

@@ -38,7 +38,7 @@ from andrea.data.prepare import SPLITS
 from andrea.errors import UserError
 from andrea.fileio import json_safe
 from andrea.tasks import TaskFile, TaskResult, read_task, run_task
-from andrea.train.rundir import MODEL_FILE, step_dirs, step_of_dir
+from andrea.train.rundir import MODEL_FILE, is_step_dir, step_dirs, step_of_dir
 from andrea.train.validation import ValScore, score_val, val_sources
 from andrea.trained import (
     TrainedModel,
@@ -250,6 +250,9 @@ def checkpoints_to_evaluate(
     found: list[Path] = []
     for run in runs:
         steps = [p for p in step_dirs(run) if (p / MODEL_FILE).is_file()]
+        if not steps and is_step_dir(run):
+            raise UserError(f"--all-steps {run}: a checkpoint's step folder; --all-steps takes "
+                            f"its run's folder: {run.parent}")
         if not steps:
             raise UserError(f"--all-steps {run}: no step-N checkpoint folders in this run; "
                             "give a run directory, e.g. runs/<name>")

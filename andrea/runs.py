@@ -453,6 +453,9 @@ def list_runs(root: Path | str = "runs") -> list[RunSummary]:
     Raises UserError when `root` is missing or holds no runs: nothing to show.
     """
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{root}: a file, not a folder; pass the folder that holds the runs "
+                        "(runs/ unless train.runs_dir says otherwise) or one run's folder")
     if not root.is_dir():
         raise UserError(f"{root}: no such directory (runs live in runs/ unless train.runs_dir "
                         "says otherwise; pass the folder as the argument)")

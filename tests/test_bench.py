@@ -11,6 +11,7 @@ import torch
 from andrea import bench
 from andrea.bench import AttentionRow, BenchResult, format_table, run_bench
 from andrea.config import load_config
+from andrea.errors import UserError
 from andrea.train import device as train_device
 
 TINY = (1, 1, 8, 4)  # B, H, T, D: microseconds a call, so a run takes well under a second
@@ -109,3 +110,19 @@ def test_json_written_before_the_dtype_note_still_loads() -> None:
     old = json.loads(result.to_json())
     old.pop("dtype_note", None)
     assert BenchResult.from_json(json.dumps(old)).attention == result.attention
+
+
+def test_a_bad_count_names_the_option_given(tiny_shape: None) -> None:
+    """--repeats 0 named a --warmup the user never gave ("--repeats 0 / --warmup 1")."""
+    with pytest.raises(UserError, match=r"^--repeats 0: must be 1 or more$"):
+        quick(backends=["math"], repeats=0)
+
+
+def test_a_train_row_spells_its_dtype_as_the_attention_rows_do() -> None:
+    """One spelling in --json: a train row said "float32" beside the attention rows' "fp32"."""
+    row = bench.bench_train("andrea-tiny", "math", torch.device("cpu"), steps=1, warmup=0,
+                            overrides=["train.precision=fp32", "train.global_batch_tokens=512"])
+    assert row.dtype == "fp32" and row.mfu is None
+    assert "MFU is n/a on a CPU" in format_table(BenchResult(
+        device="cpu", device_name="test CPU", torch_version="2", repeats=1, warmup=0,
+        attention=[], train=[row], skipped=[]))

@@ -288,6 +288,9 @@ def test_list_runs_without_runs_is_a_user_error(tmp_path):
         list_runs(tmp_path)
     with pytest.raises(UserError, match="no such directory"):
         list_runs(tmp_path / "missing")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")  # a file: it exists, it is no folder
+    with pytest.raises(UserError, match="metrics.jsonl: a file, not a folder; pass the folder"):
+        list_runs(tmp_path / "metrics.jsonl")
 
 
 def test_runs_cli_table_json_and_errors(tmp_path):

@@ -254,6 +254,10 @@ def test_several_checkpoints_in_one_table(tmp_path, trained_tiny):
     assert both[0]["tokens"] == both[1]["tokens"] == 256  # the same val set for each
     assert_user_error(andrea_main("eval", "--checkpoint", str(tmp_path), "--all-steps"),
                       "--all-steps", "no step-N checkpoint folders")
+    assert_user_error(andrea_main("eval", "--checkpoint", str(run / "step-000020"),
+                                  "--all-steps"),
+                      "a checkpoint's step folder; --all-steps takes its run's folder: "
+                      f"{run}")
     # --limit counts task examples: without a task it was ignored without a word.
     assert_user_error(andrea_main("eval", "--checkpoint", str(run), "--limit", "3"),
                       "--limit 3: counts the examples of a task", "--task KIND FILE")
