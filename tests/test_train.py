@@ -92,15 +92,89 @@ def test_resume_by_bare_run_name(tmp_path, data_dir):
     assert resolve_checkpoint(first.run_dir).name == "step-000004"
 
 
-def test_weight_decay_only_on_matrices(tmp_path, data_dir):
-    cfg = tiny_config(tmp_path / "runs", data_dir, "model.bias=true")
-    model = Andrea(cfg.model)
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
-    decayed = {id(p) for p in opt.param_groups[0]["params"]}
-    for name, p in model.named_parameters():
-        expect = p.dim() == 2 and "emb" not in name
-        assert (id(p) in decayed) == expect, name
-    assert opt.param_groups[1]["weight_decay"] == 0.0
+@pytest.mark.parametrize("decay_embeddings", [False, True])
+def test_weight_decay_only_on_matrices(tmp_path, data_dir, decay_embeddings):
+    """Matrices decay, vectors (norms, biases) never; the embeddings only with
+    train.decay_embeddings. AdamW's groups, and Muon's AdamW part alike."""
+    for optimizer in ("adamw", "muon"):
+        cfg = tiny_config(tmp_path / "runs", data_dir, "model.bias=true",
+                          f"train.optimizer={optimizer}",
+                          f"train.decay_embeddings={str(decay_embeddings).lower()}")
+        model = Andrea(cfg.model)
+        opt = build_optimizer(model, cfg, torch.device("cpu"))
+        groups = [g for g in opt.param_groups if "momentum" not in g]  # AdamW's, not Muon's
+        decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+        adamw = {id(p) for g in groups for p in g["params"]}
+        for name, p in model.named_parameters():
+            if id(p) not in adamw:
+                continue  # a block matrix Muon takes (test_muon.py)
+            expect = p.dim() == 2 and (decay_embeddings or "emb" not in name)
+            assert (id(p) in decayed) == expect, (optimizer, name)
+        assert any("emb" in name for name, p in model.named_parameters() if id(p) in adamw)
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_steps_match_a_float64_loop_written_from_the_recipe(tmp_path, data_dir, monkeypatch,
+                                                            accum):
+    """Three AdamW steps with the clip cutting every step's gradient, against a float64 loop
+    written here: the mean loss of the step's micro-batches (each backward over `accum`), the
+    norm clipped to train.grad_clip, torch's AdamW with the config's betas, eps and decay
+    groups (matrices but not the embeddings), at each step's logged lr, on the batches the
+    trainer drew. AdamW is blind to a gradient's scale, so loss curves alone cannot see a
+    missing clip or a missing 1/accum; the logged norm (before the clip) and the weights can."""
+    from andrea.train import loop, setup
+
+    start, batches = {}, []
+    real_build, real_batch = setup.build_optimizer, loop.train_batch
+
+    def build_recording(model, *args, **kwargs):
+        start.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return real_build(model, *args, **kwargs)
+
+    def batch_recording(split, **kw):
+        x, y = real_batch(split, **kw)
+        batches.append((kw["step"], x.clone(), y.clone()))
+        return x, y
+
+    monkeypatch.setattr(setup, "build_optimizer", build_recording)
+    monkeypatch.setattr(loop, "train_batch", batch_recording)
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=3", "train.precision=fp32",
+                      "train.optimizer=adamw", "train.grad_clip=0.05", "train.micro_batch_size=8",
+                      f"train.global_batch_tokens={accum * 8 * 64}", "train.compile=false")
+    result = train(cfg, progress=False)
+    assert result.state == "finished"
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").open()]
+    logged = [r for r in records if r["event"] == "train"]
+    assert len(logged) == 3 and len(batches) == 3 * accum
+
+    ref = Andrea(cfg.model).double()
+    ref.load_state_dict({k: v.double() for k, v in start.items()})
+    t = cfg.train
+    named = list(ref.named_parameters())
+    decay = [p for n, p in named if p.dim() >= 2 and n not in ("tok_emb.weight", "pos_emb.weight")]
+    rest = [p for n, p in named if not any(p is q for q in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}],
+                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    for step, record in enumerate(logged):
+        opt.zero_grad(set_to_none=True)
+        for s, x, y in batches[step * accum:(step + 1) * accum]:
+            assert s == step
+            (ref(x, y)[1] / accum).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), t.grad_clip)
+        assert norm > 2 * t.grad_clip  # the clip cuts this step
+        assert record["grad_norm"] == pytest.approx(norm.item(), rel=1e-4), step
+        for group in opt.param_groups:
+            group["lr"] = record["lr"]
+        opt.step()
+
+    trained, _, _ = ckpt_io.read_model_checkpoint(result.checkpoint)
+    assert set(trained) == set(start) - {"lm_head.weight"}  # tied to tok_emb.weight
+    now = ref.state_dict()
+    moved = torch.cat([(trained[k].double() - start[k].double()).flatten() for k in trained])
+    expected = torch.cat([(now[k] - start[k].double()).flatten() for k in trained])
+    assert (moved - expected).norm() <= 1e-3 * expected.norm(), (
+        (moved - expected).norm() / expected.norm())
 
 
 def test_checkpoint_round_trip(tmp_path, data_dir):
