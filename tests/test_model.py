@@ -114,14 +114,23 @@ def test_backends_agree_on_the_whole_model():
     torch.testing.assert_close(loss_math.double(), manual, rtol=1e-6, atol=1e-6)
 
 
-def test_kv_cache_matches_the_full_forward():
-    model = tiny_model().eval()
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+def test_kv_cache_matches_the_full_forward(attention):
+    """A prefill, then one token at a time; and a prefill, then a chunk of several tokens at
+    once (queries 5..8 over keys 0..8: the causal mask aligned to the bottom right, which a
+    token at a time never tests)."""
+    model = tiny_model(attention).eval()
     idx = torch.randint(0, 256, (2, 12))
     full, _ = model(idx)
     cache = KVCache.empty(model.cfg, 2, model.cfg.block_size, torch.device("cpu"), torch.float64)
     prefill, _ = model(idx[:, :5], cache=cache)
     steps = [model(idx[:, t : t + 1], cache=cache)[0] for t in range(5, 12)]
     torch.testing.assert_close(torch.cat([prefill, *steps], 1), full, rtol=1e-10, atol=1e-10)
+    cache = KVCache.empty(model.cfg, 2, model.cfg.block_size, torch.device("cpu"), torch.float64)
+    prefill, _ = model(idx[:, :5], cache=cache)
+    chunk, _ = model(idx[:, 5:9], cache=cache)
+    torch.testing.assert_close(torch.cat([prefill, chunk], 1), full[:, :9], rtol=1e-10,
+                               atol=1e-10)
 
 
 def test_init_follows_gpt2():

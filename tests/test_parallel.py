@@ -624,8 +624,17 @@ def test_one_process_clips_and_accumulates_as_torch_does():
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
                                                            twin.parameters(), strict=True))
     assert alone.wrap(model, None, torch.device("cpu")) is model
-    with alone.gradient_sync(model, model, last=False):
-        pass
+    # Two micro-batches' backward under gradient_sync: the gradients add up, as torch's do.
+    model.zero_grad(set_to_none=True)
+    xs = [torch.randn(5, 4, generator=gen, dtype=torch.float64) for _ in range(2)]
+    for i, x in enumerate(xs):
+        with alone.gradient_sync(model, model, last=i == 1):
+            (model(x).square().sum() / 2).backward()
+    weight, bias = model.weight.detach(), model.bias.detach()
+    expected_w = sum((x @ weight.T + bias).T @ x for x in xs)  # d/dW of sum(y²)/2
+    expected_b = sum((x @ weight.T + bias).sum(0) for x in xs)
+    torch.testing.assert_close(model.weight.grad, expected_w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.bias.grad, expected_b, rtol=1e-12, atol=1e-12)
 
 
 def test_no_module_but_the_strategy_names_a_mode():
