@@ -52,7 +52,9 @@ class FolderLock:
             self.created += [d for d in missing_dirs(self.folder) if d not in self.created]
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                # O_NOFOLLOW: a link in its place must not get this lock's record written
+                # into whatever it points to.
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError as exc:
                 blocker = next((p for p in (self.folder, *self.folder.parents)
                                 if p.exists() and not p.is_dir()), None)

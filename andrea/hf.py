@@ -65,6 +65,7 @@ from andrea.train.rundir import (
     TrainerState,
     describe_run,
     is_run,
+    not_a_run,
     read_safetensors_header,
     step_dir_name,
     step_dirs,
@@ -202,22 +203,44 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         tmp.rename(out)
 
 
+def export_entries() -> frozenset[str]:
+    """Every name an export folder holds, whatever its tokenizer (export_hf writes them)."""
+    tokenizer_files = {name for kind in KINDS.values()
+                       for name in ([kind.file] if kind.file else
+                                    kind.hf_vocab() if kind.hf_vocab else [])}
+    return frozenset({WEIGHTS_FILE, "config.json", "generation_config.json", ANDREA_FILE,
+                      "tokenizer_config.json", "special_tokens_map.json", *tokenizer_files})
+
+
+class HoldsUsersFiles(Exception):
+    """What --force would replace is andrea's, but it holds a user's files too (said in
+    words): --force would delete them with it."""
+
+
 def _earlier_export(out: Path) -> str | None:
     """What an earlier `andrea export` folder at `out` holds, in words; None when `out` is not
-    one (andrea.json of this format is how an export says it is one)."""
+    one (andrea.json of this format is how an export says it is one). HoldsUsersFiles when
+    anything was added to it since (a model card, notes)."""
     try:
         andrea = json.loads((out / ANDREA_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(andrea, dict) or andrea.get("format") != EXPORT_FORMAT:
         return None
+    added = sorted(e.name for e in out.iterdir() if e.name not in export_entries())
+    if added:
+        shown = ", ".join(added[:3]) + (", ..." if len(added) > 3 else "")
+        raise HoldsUsersFiles(f"holds an earlier export and {shown}, which no export holds")
     return f"the export in {out} (of {andrea.get('source_checkpoint')})"
 
 
 def _earlier_run(out: Path) -> str | None:
-    """What an andrea run folder at `out` holds, in words; None when `out` is not one."""
+    """What an andrea run folder at `out` holds, in words; None when nothing of a run is
+    there. HoldsUsersFiles when it also holds what a run never does (rundir.not_a_run)."""
     if not (is_run(out) or step_dirs(out)):
         return None
+    if (problem := not_a_run(out)) is not None:
+        raise HoldsUsersFiles(problem)
     return f"the run in {out} ({describe_run(out)})"
 
 
@@ -234,7 +257,11 @@ def _replacing(out: Path, force: bool, earlier: Callable[[Path], str | None],
     is_folder = out.is_dir() and not out.is_symlink()
     if is_folder and not any(out.iterdir()):
         return None
-    what = earlier(out) if is_folder else None
+    try:
+        what = earlier(out) if is_folder else None
+    except HoldsUsersFiles as exc:
+        raise UserError(f"{said}: {exc}; --force replaces only what andrea wrote, never a "
+                        f"user's files: {instead}, or move them away by hand") from None
     if what is None:
         held = sorted(p.name for p in out.iterdir())[:3] if is_folder else []
         kind = (f"a folder holding {', '.join(held)}{', ...' if len(held) == 3 else ''}"

@@ -187,6 +187,51 @@ def test_force_replaces_only_what_the_command_wrote_and_says_what(tmp_path):
     assert [p.name for p in run.glob("step-*")] == ["step-000000"]
 
 
+def test_force_never_takes_a_users_files_in_what_looks_like_a_run_or_an_export(tmp_path):
+    """A folder counted as a run when it held a config.yaml or a metrics.jsonl (or a step-*
+    folder), and as an export when it held andrea.json: `import --force` deleted a project
+    folder with its config.yaml and sources, `export --force` a model card added to an earlier
+    export. Both are now refused, naming the files; an export as written is still replaced."""
+    ckpt = make_checkpoint(tmp_path)
+    export = tmp_path / "export"
+    assert andrea_main("export", "--checkpoint", str(ckpt), "--format", "hf", "--out",
+                       str(export)).returncode == 0
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "config.yaml").write_text("lr: 1\n")
+    (project / "src" / "main.py").write_text("print('mine')\n")
+    thesis = tmp_path / "thesis"
+    thesis.mkdir()
+    (thesis / "metrics.jsonl").write_text("{}\n")
+    (thesis / "thesis.tex").write_text("mine")
+    own_yaml = tmp_path / "own_yaml"
+    own_yaml.mkdir()
+    (own_yaml / "config.yaml").write_text("lr: 1\n")  # nothing else, but not andrea's
+    results = tmp_path / "results"
+    (results / "step-1").mkdir(parents=True)
+    (results / "notes.md").write_text("mine")
+    for folder, named in ((project, "holds src, which no andrea run holds"),
+                          (thesis, "holds thesis.tex, which no andrea run holds"),
+                          (own_yaml, "its config.yaml is not an andrea config"),
+                          (results, "holds notes.md, which no andrea run holds")):
+        before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+        assert_user_error(andrea_main("import", "--format", "hf", str(export), "--out",
+                                      str(folder), "--force"),
+                          f"--out {folder}: {named}", "never a user's files")
+        assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before, folder
+
+    (export / "README.md").write_text("my model card")
+    assert_user_error(andrea_main("export", "--checkpoint", str(ckpt), "--format", "hf",
+                                  "--out", str(export), "--force"),
+                      "holds an earlier export and README.md, which no export holds",
+                      "never a user's files")
+    assert (export / "README.md").read_text() == "my model card"
+    (export / "README.md").unlink()
+    again = andrea_main("export", "--checkpoint", str(ckpt), "--format", "hf", "--out",
+                        str(export), "--force")
+    assert again.returncode == 0 and "--force: replacing the export in" in again.stdout
+
+
 def test_bad_exports_and_imports(tmp_path):
     llama = tmp_path / "llama"
     llama.mkdir()

@@ -410,6 +410,63 @@ def test_overwrite_replaces_a_run_only_once_the_new_one_can_start(tmp_path, data
     assert len(read_events(run_dir, "start")) == 1
 
 
+def test_a_new_run_never_writes_over_checkpoints_without_latest_nor_a_users_folder(tmp_path,
+                                                                                   data_dir):
+    """A run whose `latest` was lost (deleted, or a copy without it) was taken for no run:
+    the same command trained over its checkpoints without --overwrite. A folder of a user's
+    files that holds a config.yaml, a metrics.jsonl or a step-* folder was written into: its
+    config replaced, the metrics appended to, a step-* folder with the user's files pruned.
+    Now the first is "already holds a run" (--resume continues it), the second is refused even
+    with --overwrite; nothing in either changes."""
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                      "train.checkpoint_every=1")
+    run_dir = train(cfg, progress=False).run_dir
+    (run_dir / "latest").unlink()
+    before = run_files(run_dir)
+    path = str(config_file(cfg, tmp_path))
+    assert_user_error(andrea_main("train", "-c", path, "--no-progress"),
+                      f"{run_dir}: already holds a run", f"--resume {run_dir}", "--overwrite")
+    assert run_files(run_dir) == before
+
+    project = tmp_path / "runs" / "project"
+    (project / "step-000001").mkdir(parents=True)
+    (project / "config.yaml").write_text("user: config\n")
+    (project / "metrics.jsonl").write_text('{"mine": 1}\n')
+    (project / "step-000001" / "results.csv").write_text("keep\n")
+    theirs = run_files(project)
+    mine = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                                   "train.checkpoint_every=1", "train.keep_last=1",
+                                   name="project"), tmp_path)
+    for overwrite in ((), ("--overwrite",)):
+        proc = andrea_main("train", "-c", str(mine), "--no-progress", *overwrite)
+        assert_user_error(proc, f"{project}: its metrics.jsonl is not an andrea run's",
+                          "--set train.name=")
+        assert run_files(project) == theirs
+    (project / "notes.md").write_text("mine")
+    assert_user_error(andrea_main("train", "-c", str(mine), "--no-progress"),
+                      "holds notes.md, which no andrea run holds")
+
+
+def test_a_run_folder_with_links_in_place_of_its_files_is_refused(tmp_path, data_dir):
+    """A run folder from elsewhere whose lock file or metrics.jsonl is a symbolic link: a
+    resume wrote the lock's record over the file it pointed to, or appended the run's records
+    to it. Refused in one line naming the links; the files they point to are untouched."""
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2")
+    run_dir = train(cfg, progress=False).run_dir
+    victim = tmp_path / "victim.txt"
+    victim.write_text("important\n")
+    (run_dir / ".andrea-train.lock").symlink_to(victim)
+    assert_user_error(andrea_main("train", "--resume", str(run_dir), "--set",
+                                  "train.max_steps=4"),
+                      f".andrea-train.lock -> {victim}", "outside the run")
+    (run_dir / ".andrea-train.lock").unlink()
+    (run_dir / "metrics.jsonl").unlink()
+    (run_dir / "metrics.jsonl").symlink_to(victim)
+    assert_user_error(andrea_main("train", "--resume", str(run_dir), "--set",
+                                  "train.max_steps=4"), f"metrics.jsonl -> {victim}")
+    assert victim.read_text() == "important\n"
+
+
 def run_files(run_dir: Path) -> dict[str, bytes]:
     """Every file of a run folder by its path inside it, with its bytes."""
     return {str(f.relative_to(run_dir)): f.read_bytes() for f in sorted(run_dir.rglob("*"))
@@ -574,7 +631,7 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
         .replace(f"head_dim: {stored.model.head_dim}", "head_dim: 8")
         .replace(f"d_model: {stored.model.d_model}", "d_model: 32"))
     (shape_dir / "latest").write_text(result.checkpoint.name)
-    os.symlink(result.checkpoint, shape_dir / result.checkpoint.name)
+    shutil.copytree(result.checkpoint, shape_dir / result.checkpoint.name)
     assert_user_error(
         andrea_main("train", "--resume", str(shape_dir), "--set", "train.max_steps=3"),
         "blocks.0.attn.out.weight", "[64, 64] in the checkpoint", "[32, 32] in the model",

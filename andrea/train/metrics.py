@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
 import statistics
 import sys
@@ -85,7 +86,10 @@ class MetricsLog:
     record also goes to every sink, so the loop writes a record once whatever is logging it."""
 
     def __init__(self, path: Path | None, sinks: list[Sink] | None = None) -> None:
-        self.file = open(path, "a", encoding="utf-8") if path is not None else None
+        self.file = None
+        if path is not None:  # never appended through a link (the run's set-up refuses one)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            self.file = os.fdopen(fd, "a", encoding="utf-8")
         self.sinks = list(sinks or [])
 
     def write(self, event: str, **fields: Any) -> None:

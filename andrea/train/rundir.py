@@ -85,6 +85,71 @@ def is_run(path: Path) -> bool:
     return (path / METRICS).exists() or (path / CONFIG).exists()
 
 
+# Every name an andrea run folder holds: what the trainer writes, an imported run's BPE
+# (andrea.data.tokenizer.BPE_FILE), the loggers' folders, and checkpoint folders, whole, being
+# written or being replaced. Anything else in a folder is a user's own.
+RUN_ENTRIES = frozenset({CONFIG, METRICS, LATEST, WANDB_RUN_ID, RUN_LOCK, "tokenizer.json",
+                         OVERWRITTEN, f"{OVERWRITTEN}.deleting", "tensorboard", "wandb"})
+RUN_STEP_ENTRY = re.compile(r"step-\d+(\.(partial|stale)-\d+)?")
+
+
+def not_a_run(folder: Path) -> str | None:
+    """Why `folder`, which exists, is not an andrea run's to write or replace, in words (a
+    user's own files in it, or a config.yaml or metrics.jsonl andrea did not write); None
+    when it holds nothing but a run's own entries. `--overwrite`, `import --force` and a new
+    run's start write into a folder only when this is None: none of them may take a user's
+    files with it."""
+    foreign = sorted(e.name for e in folder.iterdir()
+                     if e.name not in RUN_ENTRIES and not RUN_STEP_ENTRY.fullmatch(e.name))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        return f"holds {shown}, which no andrea run holds"
+    metrics, config = folder / METRICS, folder / CONFIG
+    if metrics.is_file() and not _first_line_is_a_record(metrics):
+        return f"its {METRICS} is not an andrea run's (no record on its first line)"
+    if config.is_file() and not _is_a_config(config):
+        return f"its {CONFIG} is not an andrea config (no model, data or train section)"
+    return None
+
+
+def linked_entries(folder: Path) -> str | None:
+    """The run's own entries that are symbolic links, in words ("metrics.jsonl -> /x"), or
+    None. A run folder from elsewhere may hold them: the trainer appending to its metrics,
+    writing its lock's record or replacing a checkpoint would write through them, outside the
+    run."""
+    links = sorted(e for e in folder.iterdir() if e.is_symlink()
+                   and (e.name in RUN_ENTRIES or RUN_STEP_ENTRY.fullmatch(e.name)))
+    if not links:
+        return None
+    return ", ".join(f"{e.name} -> {os.readlink(e)}" for e in links[:3]) + (
+        ", ..." if len(links) > 3 else "")
+
+
+def _first_line_is_a_record(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            first = f.readline(1 << 16)
+    except OSError:
+        return False
+    if not first.strip():
+        return True  # a run that stopped as it opened the file
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "event" in record
+
+
+def _is_a_config(path: Path) -> bool:
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(loaded, dict) and bool(loaded) and set(loaded) <= {"model", "data", "train"}
+
+
 def run_path(name: str | Path, runs_dir: str | Path = "runs") -> Path:
     """A run given as a path, or as a bare name under runs_dir (when no run has that path:
     `andrea export --out NAME` then `andrea import NAME` leaves ./NAME, an export, beside

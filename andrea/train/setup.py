@@ -83,7 +83,9 @@ from andrea.train.rundir import (
     describe_run,
     discard,
     has_shards,
+    linked_entries,
     newest_intact,
+    not_a_run,
     put_back,
     read_latest,
     read_state,
@@ -434,6 +436,11 @@ def open_run(
             # An --overwrite stopped half-way left the run set aside: found once put back.
             folder = (set_aside_run(run_path(resume, cfg.train.runs_dir))
                       or locate_run(resume, cfg))
+        if folder.is_dir() and (links := linked_entries(folder)) is not None:
+            raise UserError(
+                f"{folder}: holds symbolic links where a run keeps its own files ({links}); "
+                f"training would write through them, outside the run: replace each with the "
+                f"file or folder it points to, or remove it")
         locks.take_run(folder)
         if recover_overwrite(folder):
             print(f"{folder}: an --overwrite stopped during its set-up (its process ended) had "
@@ -451,7 +458,13 @@ def open_run(
                                has_shards(checkpoint))
         if resume == "auto" and dist.is_main and not say_restart(None, run_dir):
             print(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
-    replace = dist.is_main and read_latest(run_dir) is not None
+    if dist.is_main and run_dir.is_dir() and (problem := not_a_run(run_dir)) is not None:
+        raise UserError(
+            f"{run_dir}: {problem}; a run is written only into a new folder, or over an andrea "
+            f"run with --overwrite: move those files away, or pick another name with --set "
+            f"train.name=... (or another train.runs_dir)")
+    # Checkpoints without `latest` (deleted, or a copy without it) are a run all the same.
+    replace = dist.is_main and (read_latest(run_dir) is not None or bool(step_dirs(run_dir)))
     if replace and not overwrite:
         raise UserError(
             f"{run_dir}: already holds a run; continue it with --resume {run_dir} "

@@ -89,7 +89,7 @@ class SignalWatch:
             "time": round(time.time(), 3),
         }
         try:
-            fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND)
+            fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
             try:
                 os.write(fd, (json.dumps(record) + "\n").encode())
             finally:
