@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -335,35 +336,102 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+# GPT2Config's defaults for the keys import reads, where a config.json leaves one out (a
+# dropout excepted: 0, ANDREA's, rather than GPT2Config's 0.1).
+HF_DEFAULTS: dict[str, Any] = {
+    "n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024, "vocab_size": 50257,
+    "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+    "resid_pdrop": 0.0, "initializer_range": 0.02, "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False,
+    "tie_word_embeddings": True,
+}
+HF_WHOLE = ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size")
+HF_FLAGS = ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "add_cross_attention",
+            "tie_word_embeddings")
+
+
+def _shown(value: Any) -> str:
+    """A config.json value as JSON spells it (so "16" reads as the string it is), cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_number(value: Any) -> bool:
+    """A finite JSON number (json.loads reads NaN and Infinity too; a bool is no number)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _hf_types(hf: dict[str, Any]) -> list[str]:
+    """What is wrong with the type or range of each key import reads from config.json, in
+    words naming the key and its value; checked before any of them is computed with (a
+    stranger's n_head of 0 or "12" was a ZeroDivisionError or TypeError traceback)."""
+    problems = []
+    for key in HF_WHOLE:
+        value = hf.get(key, HF_DEFAULTS[key])
+        if not (_is_number(value) and isinstance(value, int) and value >= 1):
+            problems.append(f"{key} {_shown(value)} is not a whole number of at least 1")
+    inner = hf.get("n_inner")
+    if inner is not None and not (_is_number(inner) and isinstance(inner, int)):
+        problems.append(f"n_inner {_shown(inner)} is not a whole number (or null: 4 * n_embd)")
+    act = hf.get("activation_function", HF_DEFAULTS["activation_function"])
+    if not isinstance(act, str) or act not in ACTIVATIONS_IN:
+        problems.append(f"activation_function {_shown(act)} is not one of "
+                        f"{', '.join(ACTIVATIONS_IN)}")
+    eps = hf.get("layer_norm_epsilon", HF_DEFAULTS["layer_norm_epsilon"])
+    if not _is_number(eps):
+        problems.append(f"layer_norm_epsilon {_shown(eps)} is not a number (ANDREA's is {LN_EPS})")
+    dropout = hf.get("resid_pdrop", HF_DEFAULTS["resid_pdrop"])
+    if not (_is_number(dropout) and 0 <= dropout < 1):
+        problems.append(f"resid_pdrop {_shown(dropout)} is not a dropout probability in [0, 1)")
+    std = hf.get("initializer_range", HF_DEFAULTS["initializer_range"])
+    if not (_is_number(std) and std > 0):
+        problems.append(f"initializer_range {_shown(std)} is not a positive number")
+    for key in HF_FLAGS:
+        if not isinstance(hf.get(key, HF_DEFAULTS[key]), bool):
+            problems.append(f"{key} {_shown(hf[key])} is not true or false")
+    return problems
+
+
 def read_hf_config(src: Path) -> dict[str, Any]:
-    """config.json of a GPT-2 model, checked for what ANDREA can represent."""
+    """config.json of a GPT-2 model, checked for what ANDREA can represent, with
+    HF_DEFAULTS for the keys it leaves out: every key import_config reads is there, of the
+    type and in the range it needs."""
     path = src / "config.json"
     if not path.is_file():
         raise UserError(f"{src}: not a Hugging Face model directory (no config.json)")
     hf = _read_json(path)
-    archs = hf.get("architectures") or []
+    archs = hf.get("architectures")
+    if archs is None:
+        archs = []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise UserError(f'{path}: architectures {_shown(archs)} is not a list of model class '
+                        f'names, as ["GPT2LMHeadModel"]; andrea imports only GPT-2-architecture '
+                        f'models')
     if hf.get("model_type") != "gpt2" or any(not a.startswith("GPT2") for a in archs):
         raise UserError(
             f"{path}: model_type {hf.get('model_type')!r} "
             f"({', '.join(archs) or 'no architectures'}) is not GPT-2; andrea imports only "
             "GPT-2-architecture models (GPT2LMHeadModel)"
         )
-    n_embd, n_head = hf.get("n_embd", 768), hf.get("n_head", 12)
-    problems = []
+    problems = _hf_types(hf)
+    if problems:
+        raise UserError(f"{path}: cannot import: {'; '.join(problems)}; write "
+                        f"{'it' if len(problems) == 1 else 'each'} as transformers' GPT2Config "
+                        f"does")
+    hf = {**HF_DEFAULTS, **hf}
+    n_embd, n_head = hf["n_embd"], hf["n_head"]
     if n_embd % n_head:
         problems.append(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
-    if hf.get("n_inner") not in (None, 4 * n_embd):
+    if hf["n_inner"] not in (None, 4 * n_embd):
         problems.append(f"n_inner {hf['n_inner']} is not 4 * n_embd (ANDREA's MLP width)")
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ACTIVATIONS_IN:
-        problems.append(f"activation_function {act!r} is not one of {', '.join(ACTIVATIONS_IN)}")
-    if abs(hf.get("layer_norm_epsilon", 1e-5) - LN_EPS) > 1e-12:
+    if abs(hf["layer_norm_epsilon"] - LN_EPS) > 1e-12:
         problems.append(f"layer_norm_epsilon {hf['layer_norm_epsilon']} is not ANDREA's {LN_EPS}")
-    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
+    if not hf["scale_attn_weights"] or hf["scale_attn_by_inverse_layer_idx"]:
         problems.append("attention scaling other than 1/sqrt(head_dim)")
-    if hf.get("add_cross_attention"):
+    if hf["add_cross_attention"]:
         problems.append("cross-attention layers")
-    if hf.get("tie_word_embeddings", True) is False:
+    if not hf["tie_word_embeddings"]:
         problems.append("an LM head not tied to the token embedding")
     if problems:
         raise UserError(f"{path}: cannot import: {'; '.join(problems)}")
@@ -441,19 +509,20 @@ def import_config(
 ) -> Config:
     """The run's config: andrea.json's (if exported by andrea) or the defaults, with the
     model's shape from config.json and the --set overrides. `tokenizer_file` (bpe): the run's
-    copy of the model's tokenizer.json, which the run's data is then prepared with."""
+    copy of the model's tokenizer.json, which the run's data is then prepared with. `hf`:
+    read_hf_config's (its keys checked, with defaults)."""
     data = json.loads(json.dumps(andrea["config"])) if andrea else {}
     for section in ("model", "data", "train"):
         data.setdefault(section, {})
-    n_embd, n_head = hf.get("n_embd", 768), hf.get("n_head", 12)
+    n_embd, n_head = hf["n_embd"], hf["n_head"]  # read_hf_config's: checked, defaults in
     data["model"].update(
-        n_layer=hf.get("n_layer", 12), n_head=n_head, head_dim=n_embd // n_head, d_model=n_embd,
-        block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
-        activation=ACTIVATIONS_IN[hf.get("activation_function", "gelu_new")],
+        n_layer=hf["n_layer"], n_head=n_head, head_dim=n_embd // n_head, d_model=n_embd,
+        block_size=hf["n_positions"], vocab_size=hf["vocab_size"],
+        activation=ACTIVATIONS_IN[hf["activation_function"]],
     )
     if andrea is None:
-        data["model"].update(dropout=float(hf.get("resid_pdrop", 0.0)),
-                             init_std=float(hf.get("initializer_range", 0.02)))
+        data["model"].update(dropout=float(hf["resid_pdrop"]),
+                             init_std=float(hf["initializer_range"]))
     data["data"]["tokenizer"] = tokenizer.split(":", 1)[0]
     data["data"]["tokenizer_file"] = tokenizer_file
     # andrea.json is untrusted: its data.dir names a folder of the exporter's choosing, which

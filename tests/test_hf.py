@@ -320,3 +320,30 @@ def test_an_import_over_its_default_run_names_the_default(tmp_path):
                              "runs/model (the default --out, named after model): already exists",
                              "--out runs/NAME", "--force")
     assert not line.startswith("error: --out")
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("n_head", 0, "n_head 0 is not a whole number of at least 1"),  # was ZeroDivisionError
+    ("n_embd", "16", 'n_embd "16" is not a whole number'),  # TypeError
+    ("n_layer", True, "n_layer true is not a whole number"),
+    ("n_inner", "64", 'n_inner "64" is not a whole number (or null'),  # "not 4 * n_embd"
+    ("activation_function", ["gelu"], 'activation_function ["gelu"] is not one of gelu'),
+    ("layer_norm_epsilon", "1e-5", 'layer_norm_epsilon "1e-5" is not a number'),
+    ("resid_pdrop", "x", 'resid_pdrop "x" is not a dropout probability in [0, 1)'),
+    ("resid_pdrop", float("nan"), "resid_pdrop NaN is not a dropout probability"),
+    ("initializer_range", -1, "initializer_range -1 is not a positive number"),
+    ("tie_word_embeddings", "false", 'tie_word_embeddings "false" is not true or false'),
+    ("architectures", [1], "architectures [1] is not a list of model class names"),
+    ("architectures", "GPT2LMHeadModel",  # was a list of its characters
+     'architectures "GPT2LMHeadModel" is not a list of model class names'),
+])
+def test_a_config_json_of_odd_types_is_one_line(tmp_path, key, value, says):
+    """A stranger's config.json with a value of another type or out of range was a traceback
+    (ZeroDivisionError, TypeError, ValueError, AttributeError) or a misleading line; now one
+    line naming the file, the key, the value as JSON spells it and what is expected."""
+    hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, key: value}))
+    assert_user_error(andrea_main("import", "--format", "hf", str(hf), "--out", "runs/x",
+                                  cwd=tmp_path), str(hf / "config.json"), says)
+    assert not (tmp_path / "runs" / "x").exists()
