@@ -464,12 +464,13 @@ def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
         raw = safetensors_load(path.read_bytes())
     except (SafetensorError, OSError, ValueError) as exc:
         raise UserError(f"{path}: unreadable safetensors file: {exc}") from None
-    tensors = {}
-    for key, value in raw.items():
-        key = key.removeprefix("transformer.")
-        if key.endswith((".attn.bias", ".attn.masked_bias")) and value.dim() != 1:
-            continue  # old transformers saved the causal mask as a buffer
-        tensors[key] = value
+    kept = {key: value for key, value in raw.items()
+            # old transformers saved the causal mask as a buffer
+            if not (key.endswith((".attn.bias", ".attn.masked_bias")) and value.dim() != 1)}
+    # Before any tensor is compared or converted, named as the file names it: NaN differs
+    # from itself (the lm_head check below), and a model of them would import as if sound.
+    ckpt_io.check_finite(kept, path, "export or save the model again from sound weights")
+    tensors = {key.removeprefix("transformer."): value for key, value in kept.items()}
     head = tensors.pop("lm_head.weight", None)
     wte = tensors.get("wte.weight")
     if head is not None and wte is not None and not torch.equal(head, wte):

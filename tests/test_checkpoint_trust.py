@@ -384,3 +384,37 @@ def test_a_checkpoint_pruned_between_latest_and_its_files_says_so(tmp_path, trai
     shutil.rmtree(ckpt)  # what the training's prune did meanwhile
     with pytest.raises(UserError, match="removed while being read .* run the command again"):
         read_model_checkpoint(ckpt)
+
+
+# ----------------------------------------------------------------------------- weights' values
+
+
+def rewrite_model_file(ckpt: Path, tensors=None, metadata=None) -> None:
+    """Rewrite the checkpoint's model.safetensors, `tensors` and `metadata` (each edits its
+    dict in place) applied, and its sha256 in checksums.json with it: a forged file, which the
+    checksums cannot tell from a sound one."""
+    from andrea.train.rundir import file_sha256
+
+    path = ckpt / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        stored = f.metadata()
+    weights = load_file(str(path))
+    (tensors or (lambda t: None))(weights)
+    (metadata or (lambda m: None))(stored)
+    save_file(weights, str(path), stored)
+    record = json.loads((ckpt / "checksums.json").read_text())
+    record["files"]["model.safetensors"] = file_sha256(path)
+    (ckpt / "checksums.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_where_they_are_loaded(tmp_path, data_dir, value):
+    """Before: generate's traceback `RuntimeError: probability tensor contains either inf,
+    nan`, and eval a NaN loss; now one line naming the tensor and the file."""
+    ckpt = make_checkpoint(tmp_path, f"data.dir={data_dir}")
+    rewrite_model_file(ckpt, tensors=lambda t: t["blocks.1.mlp.up.weight"][3, :2].fill_(value))
+    for args in (("generate", "--checkpoint", str(ckpt), "-n", "4"),
+                 ("eval", "--checkpoint", str(ckpt), "--max-tokens", "64", "--no-progress")):
+        assert_user_error(andrea_main(*args, cwd=tmp_path), str(ckpt / "model.safetensors"),
+                          "tensor 'blocks.1.mlp.up.weight' holds 2 NaN or infinite values",
+                          "use another checkpoint")

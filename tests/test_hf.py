@@ -347,3 +347,18 @@ def test_a_config_json_of_odd_types_is_one_line(tmp_path, key, value, says):
     assert_user_error(andrea_main("import", "--format", "hf", str(hf), "--out", "runs/x",
                                   cwd=tmp_path), str(hf / "config.json"), says)
     assert not (tmp_path / "runs" / "x").exists()
+
+
+def test_an_import_refuses_non_finite_weights(tmp_path):
+    """Before: a GPT-2 with NaN weights imported as if sound (and its generate was a
+    traceback); now one line naming the file's tensor, nothing written."""
+    from safetensors.torch import load_file, save_file
+
+    hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "hf")
+    weights = load_file(str(hf / "model.safetensors"))
+    weights["transformer.h.0.attn.c_attn.weight"][1, 1] = float("nan")
+    save_file(weights, str(hf / "model.safetensors"), {"format": "pt"})
+    assert_user_error(andrea_main("import", "--format", "hf", str(hf), "--out", "runs/x",
+                                  cwd=tmp_path), str(hf / "model.safetensors"),
+                      "tensor 'transformer.h.0.attn.c_attn.weight' holds 1 NaN or infinite value")
+    assert not (tmp_path / "runs").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import warnings
@@ -310,8 +311,30 @@ def read_model_checkpoint(
     return weights, cfg, metadata
 
 
+def check_finite(
+    tensors: dict[str, torch.Tensor], origin: Path | str, instead: str
+) -> None:
+    """Refuse weights holding NaN or infinity, in one line naming the tensor, the file and
+    `instead` (what to use): a model of them samples nothing ('probability tensor contains
+    either inf, nan') and evaluates to NaN. aminmax is one pass that allocates nothing and
+    propagates NaN (documented), an infinity being its min or max: 0.2-0.3 s for GPT-2
+    small's 124M float32 weights on two busy CPU cores, where isfinite(t).all() took 1.4-2 s
+    (beside the 0.5-0.7 s the model file's checksum takes)."""
+    for key, value in tensors.items():
+        if not value.is_floating_point() or value.numel() == 0:
+            continue  # an integer is always finite; aminmax refuses an empty tensor
+        low, high = value.aminmax()
+        if math.isfinite(low.item()) and math.isfinite(high.item()):
+            continue
+        bad = value.numel() - int(torch.isfinite(value).sum())  # the rare path: counted
+        raise UserError(f"{origin}: tensor '{key}' holds {bad:,} NaN or infinite "
+                        f"value{'s' if bad != 1 else ''} (of {value.numel():,}): a diverged or "
+                        f"damaged model; {instead}")
+
+
 def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origin: Path) -> None:
-    """Copy stored tensors into the model, naming any tensor whose name or shape differs."""
+    """Copy stored tensors into the model, naming any tensor whose name or shape differs or
+    whose values are not all finite."""
     current = model.state_dict()
     expected = {k: v for k, v in current.items() if k not in TIED_KEYS}
     missing = sorted(set(expected) - set(tensors))
@@ -327,6 +350,7 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origi
                 f"{origin}: tensor '{key}' has shape {list(value.shape)} in the checkpoint but "
                 f"{list(expected[key].shape)} in the model; the model config differs"
             )
+    check_finite(tensors, origin, "use another checkpoint (an earlier step of the run)")
     whole = {**tensors, **{k: tensors[v] for k, v in TIED_KEYS.items()}}
     model.load_state_dict({k: shard_like(v, current[k]) for k, v in whole.items()})
 
