@@ -467,9 +467,10 @@ def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
     kept = {key: value for key, value in raw.items()
             # old transformers saved the causal mask as a buffer
             if not (key.endswith((".attn.bias", ".attn.masked_bias")) and value.dim() != 1)}
-    # Before any tensor is compared or converted, named as the file names it: NaN differs
-    # from itself (the lm_head check below), and a model of them would import as if sound.
-    ckpt_io.check_finite(kept, path, "export or save the model again from sound weights")
+    # Before any tensor is compared or converted (to float32), named as the file names it:
+    # NaN differs from itself (the lm_head check below), and integers would import as if
+    # they were weights.
+    ckpt_io.check_weights(kept, path, "export or save the model again from sound weights")
     tensors = {key.removeprefix("transformer."): value for key, value in kept.items()}
     head = tensors.pop("lm_head.weight", None)
     wte = tensors.get("wte.weight")

@@ -19,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
     Result,
     andrea_main,
@@ -418,3 +419,22 @@ def test_non_finite_weights_are_refused_where_they_are_loaded(tmp_path, data_dir
         assert_user_error(andrea_main(*args, cwd=tmp_path), str(ckpt / "model.safetensors"),
                           "tensor 'blocks.1.mlp.up.weight' holds 2 NaN or infinite values",
                           "use another checkpoint")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.uint8])
+def test_weights_that_are_not_floating_point_are_refused(tmp_path, dtype):
+    """Before: an integer or bool tensor was converted silently, and generate sampled from a
+    model that was never trained; now one line naming the tensor, its type and the file.
+    Another floating width (bfloat16 here) loads, converted, as before."""
+    ckpt = make_checkpoint(tmp_path)
+    rewrite_model_file(ckpt, tensors=lambda t: t.update(
+        {"ln_f.weight": t["ln_f.weight"].to(dtype), "pos_emb.weight":
+         t["pos_emb.weight"].to(torch.bfloat16)}))
+    kind = str(dtype).removeprefix("torch.")
+    assert_user_error(andrea_main("generate", "--checkpoint", str(ckpt), "-n", "4",
+                                  cwd=tmp_path), str(ckpt / "model.safetensors"),
+                      f"tensor 'ln_f.weight' is {kind}, not floating point")
+    rewrite_model_file(ckpt, tensors=lambda t: t.update(
+        {"ln_f.weight": t["ln_f.weight"].to(torch.float32)}))
+    proc = andrea_main("generate", "--checkpoint", str(ckpt), "-n", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr

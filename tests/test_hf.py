@@ -362,3 +362,17 @@ def test_an_import_refuses_non_finite_weights(tmp_path):
                                   cwd=tmp_path), str(hf / "model.safetensors"),
                       "tensor 'transformer.h.0.attn.c_attn.weight' holds 1 NaN or infinite value")
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_import_refuses_weights_that_are_not_floating_point(tmp_path):
+    """Before: an int64 tensor was converted to float32 and imported as if it were weights."""
+    from safetensors.torch import load_file, save_file
+
+    hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "hf")
+    weights = load_file(str(hf / "model.safetensors"))
+    weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"].to(torch.int64)
+    save_file(weights, str(hf / "model.safetensors"), {"format": "pt"})
+    assert_user_error(andrea_main("import", "--format", "hf", str(hf), "--out", "runs/x",
+                                  cwd=tmp_path), str(hf / "model.safetensors"),
+                      "tensor 'transformer.wpe.weight' is int64, not floating point")
+    assert not (tmp_path / "runs").exists()

@@ -55,6 +55,7 @@ TIED_KEYS = {"lm_head.weight": "tok_emb.weight"}
 # trainer_state.json, then each tensor's entry in a safetensors header.
 FIXED_BYTES = 16_384
 HEADER_BYTES_PER_TENSOR = 128
+AMINMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 # ----------------------------------------------------------------------------- tensors written
@@ -311,19 +312,27 @@ def read_model_checkpoint(
     return weights, cfg, metadata
 
 
-def check_finite(
+def check_weights(
     tensors: dict[str, torch.Tensor], origin: Path | str, instead: str
 ) -> None:
-    """Refuse weights holding NaN or infinity, in one line naming the tensor, the file and
-    `instead` (what to use): a model of them samples nothing ('probability tensor contains
-    either inf, nan') and evaluates to NaN. aminmax is one pass that allocates nothing and
-    propagates NaN (documented), an infinity being its min or max: 0.2-0.3 s for GPT-2
-    small's 124M float32 weights on two busy CPU cores, where isfinite(t).all() took 1.4-2 s
-    (beside the 0.5-0.7 s the model file's checksum takes)."""
+    """Refuse weights that are not floating point or hold NaN or infinity, in one line naming
+    the tensor, the file and `instead` (what to use). An integer or bool tensor would be
+    converted silently into a model that was never trained (a forged or damaged file); one of
+    NaNs samples nothing ('probability tensor contains either inf, nan') and evaluates to
+    NaN. Floating types of another width (float16, bfloat16, float64) are converted as before.
+    aminmax is one pass that allocates nothing and propagates NaN (documented), an infinity
+    being its min or max: 0.2-0.3 s for GPT-2 small's 124M float32 weights on two busy CPU
+    cores, where isfinite(t).all() took 1.4-2 s (beside the 0.5-0.7 s the model file's
+    checksum takes)."""
     for key, value in tensors.items():
-        if not value.is_floating_point() or value.numel() == 0:
-            continue  # an integer is always finite; aminmax refuses an empty tensor
-        low, high = value.aminmax()
+        if not value.is_floating_point():
+            kind = str(value.dtype).removeprefix("torch.")
+            raise UserError(f"{origin}: tensor '{key}' is {kind}, not floating point (float32, "
+                            f"bfloat16, float16 or float64): a damaged or forged model; {instead}")
+        if value.numel() == 0:
+            continue  # aminmax refuses an empty tensor
+        # float8 loads (converted) as before, but has no aminmax on the CPU: a float32 copy.
+        low, high = (value if value.dtype in AMINMAX_DTYPES else value.float()).aminmax()
         if math.isfinite(low.item()) and math.isfinite(high.item()):
             continue
         bad = value.numel() - int(torch.isfinite(value).sum())  # the rare path: counted
@@ -333,8 +342,8 @@ def check_finite(
 
 
 def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origin: Path) -> None:
-    """Copy stored tensors into the model, naming any tensor whose name or shape differs or
-    whose values are not all finite."""
+    """Copy stored tensors into the model, naming any tensor whose name or shape differs,
+    that is not floating point or whose values are not all finite."""
     current = model.state_dict()
     expected = {k: v for k, v in current.items() if k not in TIED_KEYS}
     missing = sorted(set(expected) - set(tensors))
@@ -350,7 +359,7 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origi
                 f"{origin}: tensor '{key}' has shape {list(value.shape)} in the checkpoint but "
                 f"{list(expected[key].shape)} in the model; the model config differs"
             )
-    check_finite(tensors, origin, "use another checkpoint (an earlier step of the run)")
+    check_weights(tensors, origin, "use another checkpoint (an earlier step of the run)")
     whole = {**tensors, **{k: tensors[v] for k, v in TIED_KEYS.items()}}
     model.load_state_dict({k: shard_like(v, current[k]) for k, v in whole.items()})
 
