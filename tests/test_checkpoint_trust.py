@@ -438,3 +438,17 @@ def test_weights_that_are_not_floating_point_are_refused(tmp_path, dtype):
         {"ln_f.weight": t["ln_f.weight"].to(torch.float32)}))
     proc = andrea_main("generate", "--checkpoint", str(ckpt), "-n", "4", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("step", ["abc", "-5", "", "1.5", "²"])
+def test_a_step_in_the_metadata_that_is_no_step_is_refused(tmp_path, step):
+    """Before: export's `ValueError: invalid literal for int()` traceback for "abc", and "-5"
+    exported as step -5; now one line naming the file and the value, where the checkpoint's
+    metadata is read (so generate and eval too)."""
+    ckpt = make_checkpoint(tmp_path)
+    rewrite_model_file(ckpt, metadata=lambda m: m.update(step=step))
+    for args in (("export", "--checkpoint", str(ckpt), "--out", "hf"),
+                 ("generate", "--checkpoint", str(ckpt), "-n", "4")):
+        assert_user_error(andrea_main(*args, cwd=tmp_path), str(ckpt / "model.safetensors"),
+                          f"the step in the metadata is {step!r}, not a whole number")
+    assert not (tmp_path / "hf").exists()

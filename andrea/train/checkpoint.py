@@ -302,6 +302,11 @@ def read_model_checkpoint(
     if metadata.get("format") != FORMAT or "config" not in metadata:
         raise UserError(f"{path}: not an andrea checkpoint (metadata format is "
                         f"{metadata.get('format')!r}, expected {FORMAT!r})")
+    step = metadata.get("step", "0")  # save_checkpoint writes str(step); absent: step 0
+    # isdigit alone takes "²" and other digits int() refuses; an export writes this step.
+    if not (step.isascii() and step.isdigit()):
+        raise UserError(f"{path}: the step in the metadata is {step!r}, not a whole number of "
+                        f"at least 0 (damaged or forged?); use another checkpoint of the run")
     try:
         stored = json.loads(metadata["config"])
     except ValueError:
