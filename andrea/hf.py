@@ -274,11 +274,29 @@ def _replacing(out: Path, force: bool, earlier: Callable[[Path], str | None],
     return f"--force: replacing {what}"
 
 
+def _out_folder(out: Path, said: str, instead: str) -> Path:
+    """The folder to write for `out`: refused in one line when it is the working directory
+    or holds it. Export and import assemble a folder beside `out` (.NAME.tmp-PID) and rename
+    it into place, so `.` or `..` named nothing to write beside (a ValueError traceback), and
+    replacing the working directory would leave the shell in a deleted folder. `said`: how the
+    refusal names `out`; `instead`: the way out it offers."""
+    here, where = Path.cwd().resolve(), out.resolve()
+    if where == here:
+        raise UserError(f"{said}: is the working directory, {where}, which this command cannot "
+                        f"write in place (it writes a new folder and renames it there); "
+                        f"{instead}, or run it from {where.parent} with --out {where.name}")
+    if where in here.parents:
+        raise UserError(f"{said}: holds the working directory; {where} cannot be written in "
+                        f"place (the command writes a new folder and renames it there); "
+                        f"{instead}")
+    return where if out.name in ("", ".", "..") else out  # 'a/..': the folder it names
+
+
 def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> Path:
     """Write a transformers GPT2LMHeadModel directory for the checkpoint; returns the dir."""
     from andrea.trained import find_checkpoint, tokenizer_for_checkpoint
 
-    out = Path(out)
+    out = _out_folder(Path(out), f"--out {out}", "pick another path")
     replacing = _replacing(out, force, _earlier_export)
     ckpt = find_checkpoint(checkpoint, use=f"andrea export --checkpoint {{}} --out {out}")
     tensors, cfg, metadata = ckpt_io.read_model_checkpoint(ckpt)
@@ -595,6 +613,7 @@ def import_hf(
     # A folder the user never named is said to be the default, as the way out.
     said = "" if out is not None else (
         f"{run_dir} (the default --out, named after {src.resolve().name})")
+    run_dir = _out_folder(run_dir, said or f"--out {out}", "pass --out runs/NAME")
     replacing = _replacing(run_dir, force, _earlier_run, said,
                            "pass --out runs/NAME for another run")
     # The run's lock first, as a training takes it: a run a training writes is never replaced.

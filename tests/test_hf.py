@@ -376,3 +376,25 @@ def test_an_import_refuses_weights_that_are_not_floating_point(tmp_path):
                                   cwd=tmp_path), str(hf / "model.safetensors"),
                       "tensor 'transformer.wpe.weight' is int64, not floating point")
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_out_of_dot_or_a_folder_above_is_one_line(tmp_path):
+    """`cd DIR && andrea import ... --out . --force` (or export's) was `ValueError:
+    PosixPath('.') has an empty name`: the folder is assembled beside --out and renamed into
+    place, and '.' has no name to write beside (nor may the working directory be replaced
+    under the shell). Now one line saying so and what to run instead; nothing is written."""
+    hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "hf")
+    run = import_hf(hf, tmp_path / "runs" / "r").parent
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for cwd in (empty, run):
+        for args in (["export", "--checkpoint", str(hf.parent / "src" / "runs" / "r")],
+                     ["import", "--format", "hf", str(hf)]):
+            assert_user_error(andrea_main(*args, "--out", ".", "--force", cwd=cwd),
+                              f"--out .: is the working directory, {cwd}",
+                              f"run it from {cwd.parent} with --out {cwd.name}")
+    assert_user_error(andrea_main("import", str(hf), "--out", "..", cwd=run),
+                      "--out ..: holds the working directory", "--out runs/NAME")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and not list(empty.iterdir())
+    assert [p.name for p in run.glob("step-*")] == ["step-000000"]
