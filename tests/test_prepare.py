@@ -3,13 +3,16 @@ makes re-runs free, and bad input is a one-line error with exit code 2."""
 
 import io
 import json
+import os
+import socket
 
 import numpy as np
 import pytest
-from conftest import andrea_main
+from conftest import andrea_main, assert_user_error
 
 from andrea.config import load_config
 from andrea.data import documents, encode, prepare
+from andrea.data.inputs import input_files
 from andrea.data.shards import open_shard
 from andrea.data.tokenizer import EOT_TEXT, ByteTokenizer, Gpt2Tokenizer, train_bpe
 from andrea.errors import UserError
@@ -281,3 +284,30 @@ def test_cli_bad_input(tmp_path):
     assert r.returncode == 0, r.stderr
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["errors"] == "replace" and manifest["tokens"]["train"] > 0
+
+
+def test_a_folder_takes_regular_files_only(corpus, tmp_path):
+    # A FIFO with a text name beside the corpus: opening it would wait forever for a writer.
+    os.mkfifo(corpus / "sub" / "pipe.txt")
+    root = corpus.resolve()
+    names = sorted(f.path.relative_to(root).as_posix() for f in input_files(str(corpus)))
+    assert names == sorted(DOCS)
+    # So the command prepares the folder (old code blocked here), as a glob always did.
+    r = run_cli("--input", str(corpus), "-t", "byte", "-o", "out", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("--input", f"{corpus}/**/*.txt", "-t", "byte", "-o", "globbed", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_named_input_that_is_no_file_is_named_as_what_it_is(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a socket's path is short when relative (108 bytes at most)
+    os.mkfifo(tmp_path / "fifo.txt")
+    r = run_cli("--input", "fifo.txt", "-t", "byte", cwd=tmp_path)
+    assert_user_error(r, "fifo.txt: not a regular file: a FIFO")
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind("sock.txt")
+        r = run_cli("--input", "sock.txt", "-t", "byte", cwd=tmp_path)
+    assert_user_error(r, "sock.txt: not a regular file: a socket")
+    r = run_cli("--input", "/dev/null", "-t", "byte", cwd=tmp_path)
+    assert_user_error(r, "/dev/null: not a regular file: a device")
+    assert not (tmp_path / "data").exists()

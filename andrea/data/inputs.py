@@ -9,6 +9,7 @@ import glob
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,13 +77,16 @@ def _is_datasets_folder(folder: Path) -> bool:
 
 
 def _walk(root: Path, exclude: Callable[[Path], bool]) -> list[Path]:
-    """Every file of a known format below `root`, hidden ones and excluded folders skipped."""
+    """Every regular file of a known format below `root`, hidden ones and excluded folders
+    skipped. A FIFO, socket or device is skipped without a word, as a glob skips it: opening a
+    FIFO nobody writes to blocks forever, and none of them holds a corpus."""
     found = []
     for here, dirs, names in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".")
                          and not exclude(Path(here) / d))
+        # The name test first, so only files a reader claims cost a stat.
         found += [Path(here) / n for n in names if not n.startswith(".")
-                  and _in_folders(file_kind(Path(n))[0])]
+                  and _in_folders(file_kind(Path(n))[0]) and (Path(here) / n).is_file()]
     return sorted(found)
 
 
@@ -123,6 +127,9 @@ def input_files(spec: str, exclude: Callable[[Path], bool] | None = None) -> lis
         paths = [p for p in matched if not any(excluded(d) for d in _parents_below(p, spec))]
         if not paths:
             raise UserError(f"{spec}: the pattern matches no files; check the path and quoting")
+    elif path.exists():
+        raise UserError(f"{spec}: not a regular file: {_special_kind(path)}; "
+                        "point --input at a file, a folder or a glob of text")
     else:
         raise UserError(f"{spec}: no such file or directory")
     files = []
@@ -136,6 +143,21 @@ def input_files(spec: str, exclude: Callable[[Path], bool] | None = None) -> lis
         files.append(InputFile(p.resolve(), kind or "text", compression, st.st_size,
                                st.st_mtime_ns))
     return files
+
+
+def _special_kind(path: Path) -> str:
+    """What a path that exists but is neither a regular file nor a folder is, in words."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "unreadable"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a file or folder"
 
 
 def names_anything(spec: str) -> bool:
