@@ -145,6 +145,22 @@ def test_config_errors_name_the_file_and_the_key(tmp_path, text, fragments):
         assert fragment in str(raised.value), (fragment, str(raised.value))
 
 
+def test_a_run_name_longer_than_a_folder_name_is_refused_in_one_line(tmp_path):
+    """Before: `andrea train --set train.name=<300 a's>` ended in a traceback, OSError: [Errno
+    36] File name too long, when the run folder was made. The limit is bytes, not characters."""
+    assert load_config("andrea-tiny", ["train.name=" + "a" * 255]).train.name == "a" * 255
+    proc = andrea_main("train", "--config", "andrea-tiny.yaml", "--set", "train.name=" + "a" * 300,
+                       cwd=tmp_path)
+    assert_user_error(proc, "andrea-tiny.yaml (with --set overrides): train.name: 'aaaa",
+                      "is 300 bytes long", "at most 255 bytes", "shorten train.name")
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(UserError, match="is 256 bytes long"):
+        load_config("andrea-tiny", ["train.name=" + "é" * 128])  # 128 characters, 2 bytes each
+    path = write(tmp_path, 'train:\n  name: "\\ud800"\n')  # a lone surrogate: no bytes at all
+    assert_user_error(andrea_main("config", "show", "-c", str(path)),
+                      f"{path}: train.name: '\\ud800' cannot be written as a folder name")
+
+
 def test_missing_file_names_it_and_the_presets(tmp_path):
     missing = tmp_path / "nope.yaml"
     proc = andrea_main("count-params", "--config", str(missing))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -32,6 +34,11 @@ from andrea.resources import configs_dir
 # A suggestion must be a likely typo (max_step -> max_steps: 0.94); at 0.5, 'nope' became
 # 'compile' (0.55) and 'steps' 'eps' (0.75), which mislead more than they help.
 SUGGEST_CUTOFF = 0.8
+# The longest name of one folder (NAME_MAX) on Linux's file systems (ext4, xfs, btrfs, tmpfs),
+# in bytes of the file system's encoding. The run folder is runs_dir/train.name itself: the
+# trainer puts what it adds (step-N.partial-PID, .andrea-overwritten, ...) inside that folder,
+# never beside it under a longer name, so the whole limit is train.name's.
+RUN_NAME_MAX_BYTES = 255
 INT64 = 2**63  # an integer key's values lie in [-INT64, INT64)
 
 
@@ -205,6 +212,24 @@ def _check_chosen(cfg: Config, origin: str) -> None:
                 check(cfg, origin)
 
 
+def _check_name_length(name: str, origin: str) -> None:
+    """train.name as a folder name the file system takes: a longer one failed only when the
+    run folder was made, with a traceback (OSError: File name too long)."""
+    shown = repr(name if len(name) <= 24 else f"{name[:20]}...")
+    try:
+        size = len(os.fsencode(name))
+    except UnicodeEncodeError:  # a lone surrogate, e.g. from a YAML "\ud800" escape
+        raise UserError(
+            f"{origin}: train.name: {shown} cannot be written as a folder name in this file "
+            f"system's encoding ({sys.getfilesystemencoding()}); use other characters"
+        ) from None
+    if size > RUN_NAME_MAX_BYTES:
+        raise UserError(
+            f"{origin}: train.name: {shown} is {size} bytes long; a folder name takes at most "
+            f"{RUN_NAME_MAX_BYTES} bytes, so shorten train.name"
+        )
+
+
 def validate(cfg: Config, origin: str) -> Config:
     """Check values beyond their types and fill in derived fields. Returns cfg."""
     _check_declared(cfg, origin)
@@ -224,6 +249,8 @@ def validate(cfg: Config, origin: str) -> Config:
             f"train.runs_dir/train.name, so set train.runs_dir for the place and train.name "
             f"without '/' for the run"
         )
+    if t.name:
+        _check_name_length(t.name, origin)
     if t.eval_batches is not None:
         if "train.eval_tokens" not in cfg.given:
             micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 8

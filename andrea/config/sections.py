@@ -96,7 +96,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    name: str = key("", "run name (runs_dir/name); empty: the config file's stem", location=True)
+    name: str = key("", "run name (runs_dir/name), a folder name of at most 255 bytes; "
+                    "empty: the config file's stem", location=True)
     runs_dir: str = key("runs", "folder that holds the run folders", location=True)
     seed: int = key(1337, "seed of the initial weights, the data order and dropout",
                     check=non_negative("a non-negative integer"))
