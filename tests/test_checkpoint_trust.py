@@ -12,6 +12,7 @@ and 5, checkpoint side), all through the real `andrea` command:
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import struct
@@ -33,6 +34,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from andrea.config import load_config
+from andrea.fileio import size_text
+from andrea.model.params import closed_form_total
+from andrea.train import memory
 from andrea.train.rundir import checkpoint_problem
 
 # The user's own files in a folder a forged checkpoint names as its data.dir: prepare's old
@@ -248,6 +252,36 @@ def test_a_model_too_big_for_memory_is_one_line_naming_its_keys(tmp_path, data_d
         assert_user_error(result, fragment, "do not fit in this machine's memory",
                           "make the model smaller", "model.head_dim 16")
     assert not (tmp_path / "runs" / "t").exists()
+
+
+def test_a_model_too_big_for_the_machine_is_refused_before_it_is_built(tmp_path, data_dir):
+    """Before: model.n_layer 10^6 did not fail to build, it took memory without end (11 GB
+    after a minute); only an address-space cap (as here) made it fail, after the allocations.
+    Now its size is compared with the machine's memory before anything is allocated."""
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir), tmp_path)
+    n = closed_form_total(load_config(str(cfg), ["model.n_layer=1000000"]).model)
+    [result] = run_limited(["train", "-c", str(cfg), "--set", "model.n_layer=1000000",
+                            "--set", "train.max_steps=1"], cwd=tmp_path, memory=500_000_000)
+    assert_user_error(result, f"model: {n:,} parameters ({size_text(16 * n)} of float32 "
+                      "weights, gradients and AdamW's two moments) do not fit in this "
+                      "machine's memory (", "make the model smaller (model.n_layer 1000000")
+    assert not (tmp_path / "runs" / "t").exists()
+
+
+def test_the_bound_never_refuses_a_model_that_fits(monkeypatch):
+    """The bytes counted are what training certainly holds: on the CPU float32 weights,
+    gradients and the optimizer's state (Muon keeps one buffer where AdamW keeps two), on a GPU
+    or sharded only the float32 weights built on the host first; against RAM and swap."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert memory.host_need(10, cpu, "adamw", sharded=False).needed == 160
+    assert memory.host_need(10, cpu, "muon", sharded=False).needed == 120
+    assert memory.host_need(10, cpu, "adamw", sharded=True).needed == 40
+    assert memory.host_need(10, gpu, "adamw", sharded=False).needed == 40
+    monkeypatch.setattr(memory, "machine_memory", lambda: 160)
+    assert memory.host_need(10, cpu, "adamw", sharded=False).fits
+    assert not memory.host_need(11, cpu, "adamw", sharded=False).fits
+    monkeypatch.undo()
+    assert memory.machine_memory() >= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.parametrize("entry", ["../model.safetensors", "/etc/passwd"])

@@ -39,6 +39,60 @@ HEADROOM = 0.85
 CPU_MICRO_BATCH_TOKENS = 4096
 
 
+# The least a parameter holds in the machine's memory while a CPU trains it, by
+# train.optimizer: float32 weights and gradients (4 + 4 bytes) and the optimizer's state
+# (AdamW: two float32 moments; Muon: one momentum for the block matrices, AdamW's two for the
+# rest, so at least one). An optimizer not named here counts the weights and gradients alone.
+# Lower bounds, since the check that uses them must never refuse a model that fits.
+CPU_TRAINING_BYTES = {"adamw": 16, "muon": 12}
+WEIGHTS_AND_GRADIENTS_BYTES = 8
+# The model is built in float32 in the machine's memory on any device, then moved (or sharded).
+BUILD_BYTES = 4
+
+
+def machine_memory() -> int:
+    """All the memory this machine can give a process, RAM and swap (/proc/meminfo's MemTotal
+    + SwapTotal), or its physical pages where there is no /proc. Deliberately the most it could
+    ever have, not what is free now: a check against it refuses only the impossible."""
+    total = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(("MemTotal:", "SwapTotal:")):
+                total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        total = 0
+    return total or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class HostNeed:
+    """What building and training a model takes of the machine's memory at the least."""
+
+    needed: int  # bytes
+    held: str  # what those bytes are, for a message
+    total: int  # the machine's memory (machine_memory)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.total
+
+
+def host_need(n_params: int, device: torch.device, optimizer: str, sharded: bool) -> HostNeed:
+    """The least memory of this machine `n_params` parameters take, known before a model is
+    built. Building one too big for it does not fail: the allocations grow (10^6 layers: 11 GB
+    after a minute and on) until the machine swaps or its OOM killer steps in. Training on the
+    CPU keeps the weights, gradients and optimizer state there; on a GPU (or sharded, where each
+    process keeps a share after the model is laid out) the float32 weights built there first
+    are all that is certain."""
+    if device.type == "cpu" and not sharded:
+        per = CPU_TRAINING_BYTES.get(optimizer, WEIGHTS_AND_GRADIENTS_BYTES)
+        held = ("float32 weights, gradients and " +
+                ("AdamW's two moments" if optimizer == "adamw" else "the optimizer's state"))
+    else:
+        per, held = BUILD_BYTES, "float32 weights, built in this machine's memory first"
+    return HostNeed(per * n_params, held, machine_memory())
+
+
 @dataclass
 class MicroBatchChoice:
     micro_batch: int

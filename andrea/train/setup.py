@@ -60,6 +60,7 @@ from andrea.train.memory import (
     GIB,
     available_memory,
     choose_micro_batch,
+    host_need,
 )
 from andrea.train.metrics import MetricsLog, open_tensorboard, open_wandb
 from andrea.train.optim import build_optimizer
@@ -394,6 +395,19 @@ def build_model(
     """(model, optimizer, parameter names by id). The model is laid out over the processes
     first (sharded under fsdp), since the optimizer must hold the parameters as they train."""
     t = cfg.train
+    n = closed_form_total(cfg.model)
+
+    def check_room() -> None:
+        # Before anything is allocated: a model far too big (model.n_layer 10^6) does not fail
+        # to build, it takes memory without end while the machine swaps.
+        need = host_need(n, device, t.optimizer, parallel.sharded)
+        if not need.fits:
+            raise UserError(_does_not_fit(
+                cfg, n, f"{size_text(need.needed)} of {need.held}",
+                f"this machine's memory ({size_text(need.total)})"))
+
+    # Every rank hears of one that refuses (nodes differ), rather than wait for it in DDP's set-up.
+    on_every_rank(check_room, parallel.dist)
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     try:
         model = Andrea(cfg.model, attention_backend=backend).to(device)
@@ -401,16 +415,11 @@ def build_model(
         if isinstance(exc, RuntimeError) and not (isinstance(exc, torch.OutOfMemoryError)
                                                   or "can't allocate memory" in str(exc)):
             raise
-        n = closed_form_total(cfg.model)
-        m = cfg.model
         # The model is built in the machine's memory first, then moved to the GPU.
         where = "the GPU's memory" if isinstance(exc, torch.OutOfMemoryError) else \
             "this machine's memory"
-        raise UserError(
-            f"model: {n:,} parameters ({size_text(4 * n)} of float32 weights alone) do not fit "
-            f"in {where}; make the model smaller (model.n_layer {m.n_layer}, model.n_head "
-            f"{m.n_head}, model.head_dim {m.head_dim}, model.vocab_size {m.vocab_size:,}, "
-            f"model.block_size {m.block_size:,})") from None
+        raise UserError(_does_not_fit(cfg, n, f"{size_text(4 * n)} of float32 weights alone",
+                                      where)) from None
     model.loss_chunk_rows = loss_chunk_rows(cfg.model.vocab_size, t.loss_chunk_rows)
     if t.zero_init_output:
         model.zero_output_projections()
@@ -420,6 +429,14 @@ def build_model(
                                 sharded=parallel.sharded)
     names = {id(p): n for n, p in model.named_parameters()}
     return model, optimizer, names
+
+
+def _does_not_fit(cfg: Config, n: int, size: str, where: str) -> str:
+    """The one line for a model that does not fit in `where`, naming the keys that size it."""
+    m = cfg.model
+    return (f"model: {n:,} parameters ({size}) do not fit in {where}; make the model smaller "
+            f"(model.n_layer {m.n_layer}, model.n_head {m.n_head}, model.head_dim {m.head_dim}, "
+            f"model.vocab_size {m.vocab_size:,}, model.block_size {m.block_size:,})")
 
 
 def open_run(
