@@ -284,6 +284,22 @@ def test_the_bound_never_refuses_a_model_that_fits(monkeypatch):
     assert memory.machine_memory() >= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def test_a_resume_checks_the_runs_config_against_the_checkpoint_before_building(tmp_path):
+    """Before: a run whose config.yaml was edited to model.n_layer 10^6 was resumed by building
+    that model (the checkpoint's shapes were compared only once it existed); now the weights
+    file's header is compared with the config first, and nothing is written."""
+    ckpt = make_checkpoint(tmp_path, "train.max_steps=10")
+    config = ckpt.parent / "config.yaml"
+    config.write_text(config.read_text().replace("n_layer: 2", "n_layer: 1000000"))
+    before = snapshot(tmp_path)
+    [result] = run_limited(["train", "--resume", str(ckpt.parent)], cwd=tmp_path,
+                           memory=500_000_000)
+    assert_user_error(result, f"{config}: the config does not describe the stored weights: "
+                      "n_layer 1000000 (the file holds 2 blocks)",
+                      f"{ckpt / 'model.safetensors'} holds another model, so none is built")
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("entry", ["../model.safetensors", "/etc/passwd"])
 def test_a_shard_index_leading_out_of_shards_is_refused(tmp_path, data_dir, entry):
     """A sharded (fsdp) checkpoint's shards/index.json is untrusted: a name with '..' or an

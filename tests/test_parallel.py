@@ -98,7 +98,7 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
     for step in range(11, STEPS + 1):
         assert math.isclose(result.losses[step], fsdp[step], rel_tol=1e-4), step
 
-    # Bad input: a missing shard file is named; a checkpoint of another shape names the tensor.
+    # Bad input: a missing shard file is named; a config of another shape names the tensor.
     bad = rewound(tmp_path / "fsdp", tmp_path / "bad", 10)
     shard = "shard-00002-model-00001-of-00001.safetensors"
     (bad / "step-000010" / "shards" / shard).unlink()
@@ -107,8 +107,10 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
     (shape / "config.yaml").write_text((shape / "config.yaml").read_text()
                                        .replace("head_dim: 16", "head_dim: 8")
                                        .replace("d_model: 64", "d_model: 32"))
+    # Found in the weights file's header before a model is built (resume.check_checkpoint_shape).
     assert_user_error(andrea_main("train", "--resume", str(shape)),
-                      "tok_emb.weight", "[320, 64] in the checkpoint", "[320, 32] in the model")
+                      f"{shape / 'config.yaml'}: the config does not describe the stored weights",
+                      "vocab_size x d_model 320 x 32 (tok_emb.weight is [320, 64])")
 
     # 1 process -> fsdp (2), with activation checkpointing: the same gradients, recomputed.
     one_cfg = tiny_config(tmp_path, data_dir, *SETS, "train.max_steps=10", name="grow")

@@ -632,9 +632,12 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
         .replace(f"d_model: {stored.model.d_model}", "d_model: 32"))
     (shape_dir / "latest").write_text(result.checkpoint.name)
     shutil.copytree(result.checkpoint, shape_dir / result.checkpoint.name)
+    # Found in the weights file's header, before a model is built (check_checkpoint_shape).
     assert_user_error(
         andrea_main("train", "--resume", str(shape_dir), "--set", "train.max_steps=3"),
-        "blocks.0.attn.out.weight", "[64, 64] in the checkpoint", "[32, 32] in the model",
+        f"{shape_dir / 'config.yaml'}: the config does not describe the stored weights",
+        f"vocab_size x d_model {stored.model.vocab_size} x 32 (tok_emb.weight is "
+        f"[{stored.model.vocab_size}, {stored.model.d_model}])",
     )
 
     model_file = result.checkpoint / MODEL_FILE

@@ -54,13 +54,15 @@ def check_stored_shape(
     shapes: Mapping[str, Sequence[int]],
     origin: str,
     names: tuple[str, str, str] = ("tok_emb.weight", "pos_emb.weight", "blocks."),
+    advice: str = "the file is damaged or not one model's, so no model is built from it",
 ) -> None:
     """Refuse a config that does not describe the stored weights, before a model is built.
 
     A checkpoint's or an imported config.json's model section is untrusted: one asking for
     10^6 layers would otherwise allocate them before any tensor is compared. shapes: each
     stored tensor's shape by name (from the file's header); names: the token embedding, the
-    position embedding and the block prefix as the file spells them (GPT-2: wte, wpe, h.).
+    position embedding and the block prefix as the file spells them (GPT-2: wte, wpe, h.);
+    advice: what the message says after the mismatches (why, and what to do).
     """
     tok_name, pos_name, prefix = names
     blocks = {key[len(prefix):].split(".", 1)[0] for key in shapes if key.startswith(prefix)}
@@ -77,8 +79,7 @@ def check_stored_shape(
                      f"{pos or 'missing'})")
     if wrong:
         raise UserError(f"{origin}: the config does not describe the stored weights: "
-                        f"{'; '.join(wrong)}; the file is damaged or not one model's, so no "
-                        "model is built from it")
+                        f"{'; '.join(wrong)}; {advice}")
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:

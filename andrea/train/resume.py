@@ -7,15 +7,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from andrea.config import Config, config_from_dict, key_specs, load_config
+from andrea.config import Config, ModelConfig, config_from_dict, key_specs, load_config
 from andrea.errors import UserError
+from andrea.model.params import check_stored_shape
 from andrea.train.restarts import attempt
 from andrea.train.rundir import (
     CONFIG,
+    MODEL_FILE,
     OVERWRITTEN,
     is_step_dir,
     newest_intact,
     read_latest,
+    read_safetensors_header,
     resolve_checkpoint,
     run_path,
     set_aside_run,
@@ -159,6 +162,26 @@ def resume_checkpoint(resume: str, run_dir: Path) -> Path:
         if intact is None:
             raise
         return intact
+
+
+def check_checkpoint_shape(model: ModelConfig, checkpoint: Path, run_dir: Path) -> None:
+    """The resumed run's model keys against the shapes `checkpoint` stores, read from its
+    weights file's header alone, before any model is built. A resume takes the run's
+    config.yaml as the run's own (check_resume_changes compares --set with it, not with the
+    weights), so a config.yaml edited to model.n_layer 10^6 was built whole, taking memory
+    without end, before load_weights compared a tensor with it."""
+    path = checkpoint / MODEL_FILE
+    try:
+        header = read_safetensors_header(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: not a valid safetensors file (truncated or damaged?): "
+                        f"{exc}") from None
+    shapes = {name: entry["shape"] for name, entry in header.items()
+              if isinstance(entry, dict) and isinstance(entry.get("shape"), list)}
+    check_stored_shape(
+        model, shapes, str(run_dir / CONFIG),
+        advice=(f"{path} holds another model, so none is built; put the model keys of "
+                f"{run_dir / CONFIG} back as the run trained them, or start a new run"))
 
 
 def restart_resume(resume: str | None, overwrite: bool) -> tuple[str | None, bool]:

@@ -67,6 +67,7 @@ from andrea.train.optim import build_optimizer
 from andrea.train.parallel import Parallel, parallel_for
 from andrea.train.restarts import attempt
 from andrea.train.resume import (
+    check_checkpoint_shape,
     check_resume_changes,
     config_changes,
     find_run_to_resume,
@@ -126,6 +127,8 @@ def set_up(
     run_dir, resume_from, changes, replace = run.run_dir, run.resume_from, run.changes, run.replace
     if resume_from is not None and run.trainer_state.step >= t.max_steps:
         return nothing_to_do(run_dir, resume_from, run.trainer_state.step, t.max_steps, dist)
+    if resume_from is not None:  # before the data is prepared or a model is built
+        from_rank0(lambda: check_checkpoint_shape(cfg.model, resume_from, run_dir), dist)
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist, locks, run_dir, resume_from)
