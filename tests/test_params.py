@@ -48,6 +48,32 @@ def test_meta_count_matches_a_real_model_and_biases():
 
 
 
+def test_count_params_builds_one_block_whatever_n_layer(monkeypatch):
+    """Before: every block was built on the meta device, 4 GB and over 5 minutes for
+    model.n_layer 10^6 (what a user checks before training such a model)."""
+    from andrea.model import transformer
+
+    built = []
+    block_init = transformer.Block.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(1)
+        block_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformer.Block, "__init__", counted)
+    for bias in ("false", "true"):
+        cfg = load_config("andrea-tiny", ["model.n_layer=300", f"model.bias={bias}"]).model
+        counts = count_params(cfg)  # checks the total against the closed form itself
+        assert counts.total == closed_form_total(cfg) and counts.n_layer == 300
+        assert counts.norms_total == (2 * 300 + 1) * cfg.d_model * (2 if bias == "true" else 1)
+    assert len(built) == 2
+    proc = andrea_main("count-params", "--config", "andrea-tiny", "--set",
+                       "model.n_layer=1000000", "--json")
+    assert proc.returncode == 0, proc.stderr
+    cfg = load_config("andrea-tiny", ["model.n_layer=1000000"]).model
+    assert json.loads(proc.stdout)["total"] == closed_form_total(cfg) == 49_280_024_640
+
+
 @pytest.mark.parametrize(
     "preset, n_layer, n_head, d_model",
     [("andrea-350m", 24, 16, 1024), ("andrea-770m", 36, 20, 1280), ("andrea-1.5b", 48, 25, 1600)],
