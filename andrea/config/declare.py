@@ -38,6 +38,11 @@ def register_choices(dotted: str, registry: Mapping[str, Any]) -> None:
     _REGISTRIES[dotted] = registry
 
 
+def registry(dotted: str) -> Mapping[str, Any] | None:
+    """Key `dotted`'s registry; None before its module is imported."""
+    return _REGISTRIES.get(dotted)
+
+
 def registered(dotted: str, name: Any) -> Any:
     """The entry `name` of key `dotted`'s registry; None before its module is imported."""
     return _REGISTRIES.get(dotted, {}).get(name)

@@ -213,6 +213,10 @@ BACKENDS: dict[str, AttentionBackend] = {backend.name: backend for backend in (
     AttentionBackend("math", math_attention),
 )}
 register_choices("model.attention", BACKENDS)  # its names are the key's allowed values
+# The backends a checkpoint records as having run (trainer_state.json's attention): never one
+# that picks another.
+register_choices("trainer_state.attention", {name: backend for name, backend in BACKENDS.items()
+                                             if not backend.picks_another})
 
 
 def resolve_backend(

@@ -127,6 +127,9 @@ class FullyShardedParallel(Parallel):
 MODES: dict[str, type[Parallel]] = {mode.name: mode for mode in (DataParallel,
                                                                   FullyShardedParallel)}
 register_choices("train.parallel", MODES)  # its names are the key's allowed values
+# The modes a checkpoint records (trainer_state.json's parallel): one process's too.
+register_choices("trainer_state.parallel", {mode.name: mode for mode in (Parallel,
+                                                                          *MODES.values())})
 
 
 def parallel_for(asked: str, dist: DistInfo) -> Parallel:

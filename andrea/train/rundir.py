@@ -48,16 +48,22 @@ and only then is `latest` replaced (write, fsync, rename). A crash at any moment
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import struct
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from andrea.config.declare import registry
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_text, fsync_dir, size_text
 
@@ -487,18 +493,106 @@ def verify_file(path: Path, blob: bytes | None = None) -> None:
 # it has not used yet).
 EVERY, TRAINED, IMPORTED = "every", "trained", "imported"
 
+# A value's range beyond its type: None when it is in range, else what it must be, in words.
+Valid = Callable[[Any], "str | None"]
+# Counters feed numpy and torch, whose integers are 64-bit.
+INT64_MAX = 2**63 - 1
+
+
+class DamagedState(ValueError):
+    """A trainer_state.json whose content is not one andrea writes: its message names the key
+    and the value."""
+
+
+def _integer(low: int) -> Valid:
+    return lambda x: None if low <= x <= INT64_MAX else f"an integer of {low} or more, below 2^63"
+
+
+COUNT, POSITIVE = _integer(0), _integer(1)
+
+
+def _finite(x: float) -> str | None:
+    return None if math.isfinite(x) else "a finite number"
+
+
+def _name(x: str) -> str | None:
+    good = x.strip() != "" and x.isprintable() and len(x) <= 4096  # PATH_MAX: imported_from
+    return None if good else "a name in printable characters"
+
+
+def _recorded(dotted: str) -> Valid:
+    """A name of the registry `dotted` (andrea.config.register_choices), checked once its module
+    is imported: `andrea runs` reads trainer states without torch, so without the registries."""
+    def valid(x: str) -> str | None:
+        names = registry(dotted)
+        return None if names is None or x in names else f"one of {', '.join(names)}"
+    return valid
+
+
+def _is(value: Any, tp: type) -> bool:
+    """JSON's types as Python reads them: an integer is no bool (bool subclasses int), and a
+    number may be written without a fraction."""
+    if isinstance(value, bool):
+        return tp is bool
+    return isinstance(value, (int, float) if tp is float else tp)
+
+
+def _object(keys: dict[str, tuple[type, Valid | None]], required: bool) -> Valid:
+    """A JSON object of these keys, each of its type and in range (`required`: all of them;
+    else an older writer's subset)."""
+    def valid(x: dict[str, Any]) -> str | None:
+        if not set(x) <= set(keys) or (required and set(x) != set(keys)):
+            return f"an object of {'exactly ' if required else ''}the keys {', '.join(keys)}"
+        for k, v in x.items():
+            tp, check = keys[k]
+            must = _type_word(tp) if not _is(v, tp) else check(v) if check else None
+            if must is not None:
+                return f"an object whose '{k}' is {must}"
+        return None
+    return valid
+
+
+def _window(x: list[Any]) -> str | None:
+    pairs = all(isinstance(p, list) and len(p) == 2 and all(_is(v, float) and math.isfinite(v)
+                                                            for v in p) for p in x)
+    return None if pairs else "a list of [loss, gradient norm] pairs of finite numbers"
+
+
+def _hex(x: str) -> str | None:
+    return None if re.fullmatch(r"[0-9a-f]{1,128}", x) else "a digest in hex digits"
+
+
+# schedule.replan's anchor; SpikeGuard.state_dict() (an older guard wrote fewer keys); fp16's
+# GradScaler.state_dict() with LossScaling's overflow count.
+ANCHOR = _object({"step": (int, COUNT), "lr": (float, lambda x: None if math.isfinite(x)
+                                                and x >= 0 else "a finite number of 0 or more")},
+                 required=True)
+GUARD = _object({"window": (list, _window), "streak": (int, COUNT), "data_offset": (int, COUNT),
+                 "lr_cut_until": (int, COUNT), "spikes": (int, COUNT),
+                 "rollbacks": (int, COUNT)}, required=False)
+_SCALE = (float, lambda x: None if math.isfinite(x) and x > 0 else "a finite positive number")
+SCALER = _object({"scale": _SCALE, "growth_factor": _SCALE, "backoff_factor": _SCALE,
+                  "growth_interval": (int, POSITIVE), "_growth_tracker": (int, COUNT),
+                  "overflows": (int, COUNT)}, required=False)
+
+
+def _type_word(tp: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a JSON object"}.get(typing.get_origin(tp) or tp, str(tp))
+
 
 def _key(
-    default: Any = MISSING, *, written: str = EVERY, absent: str | None = None,
-    session: str | None = None, omitted_while_none: bool = False,
+    default: Any = MISSING, *, valid: Valid | None = None, written: str = EVERY,
+    absent: str | None = None, session: str | None = None, omitted_while_none: bool = False,
 ) -> Any:
-    """A TrainerState field: one key of trainer_state.json. default: what a file without the
-    key (an older checkpoint's) reads it as, unless `absent` names the earlier key whose value
-    it then reads as; written: which files write it (EVERY, TRAINED, IMPORTED);
+    """A TrainerState field: one key of trainer_state.json, of the field's type (None only where
+    the type allows it). default: what a file without the key (an older checkpoint's) reads it
+    as, unless `absent` names the earlier key whose value it then reads as; valid: its range
+    beyond the type; written: which files write it (EVERY, TRAINED, IMPORTED);
     omitted_while_none: left out of the file while None; session: the Session attribute that
     holds it while a run trains, which TrainingState records and restores as it is."""
     return field(default=default, metadata={
-        "written": written, "absent": absent, "session": session,
+        "valid": valid, "written": written, "absent": absent, "session": session,
         "omitted_while_none": omitted_while_none})
 
 
@@ -508,49 +602,57 @@ class TrainerState:
     The fields are the file's keys in its order, each declared once (`_key`) with what a file
     without it means; `from_dict` and `to_dict` follow them."""
 
-    step: int = _key(session="step")
-    tokens: int = _key(0, session="tokens_seen")
+    step: int = _key(valid=COUNT, session="step")
+    tokens: int = _key(0, valid=COUNT, session="tokens_seen")
     # The data step the next step draws from, past skipped windows; older runs skipped none.
-    data_position: int = _key(0, absent="step")
-    best_val_loss: float | None = _key(None, session="best_val")
-    best_val_step: int | None = _key(None, session="best_step")
-    skipped_steps: int = _key(0, session="skipped")
-    world_size: int = _key(1)
-    seed: int = _key(0)
-    preset: str | None = _key(None)
+    data_position: int = _key(0, valid=COUNT, absent="step")
+    best_val_loss: float | None = _key(None, valid=_finite, session="best_val")
+    best_val_step: int | None = _key(None, valid=COUNT, session="best_step")
+    skipped_steps: int = _key(0, valid=COUNT, session="skipped")
+    world_size: int = _key(1, valid=POSITIVE)
+    seed: int = _key(0, valid=COUNT)
+    preset: str | None = _key(None, valid=_name)
     # The micro-batch `auto` chose; None: the checkpoint predates its record, none to reuse.
-    micro_batch_size: int | None = _key(None, written=TRAINED)
+    micro_batch_size: int | None = _key(None, valid=POSITIVE, written=TRAINED)
     # Parallel.name of the mode that wrote it; None: not recorded, which
     # train.parallel.mode_before_recorded reads as the one mode there was.
-    parallel: str | None = _key(None, written=TRAINED)
+    parallel: str | None = _key(None, valid=_recorded("trainer_state.parallel"), written=TRAINED)
     # None: one micro-batch per process (older runs).
-    tokens_per_step: int | None = _key(None, written=TRAINED)
-    # None: taken to be the device the run resumes on.
-    device: str | None = _key(None, written=TRAINED)
+    tokens_per_step: int | None = _key(None, valid=POSITIVE, written=TRAINED)
+    # None: taken to be the device the run resumes on. 'cpu' or the GPU's model, as its driver
+    # names it: no list to check it against.
+    device: str | None = _key(None, valid=_name, written=TRAINED)
     # The attention backend the run ran (a name of model.attention.BACKENDS, never auto); None:
     # not recorded, model.attention resolves afresh on resume. Left out while None, so that an
     # older checkpoint's file is written again byte for byte.
-    attention: str | None = _key(None, written=TRAINED, omitted_while_none=True)
+    attention: str | None = _key(None, valid=_recorded("trainer_state.attention"),
+                                 written=TRAINED, omitted_while_none=True)
     # The max_steps planned for; None: the run's config's.
-    max_steps: int | None = _key(None, written=TRAINED)
+    max_steps: int | None = _key(None, valid=POSITIVE, written=TRAINED)
     # The lr schedule as re-planned on a resume; None: the plain schedule.
-    schedule_anchor: dict[str, Any] | None = _key(None, written=TRAINED, session="schedule_anchor")
+    schedule_anchor: dict[str, Any] | None = _key(None, valid=ANCHOR, written=TRAINED,
+                                                  session="schedule_anchor")
     # SpikeGuard.state_dict(); None: a fresh guard.
-    spike_guard: dict[str, Any] | None = _key(None, written=TRAINED)
+    spike_guard: dict[str, Any] | None = _key(None, valid=GUARD, written=TRAINED)
     # fp16's scaler state; None (or null: bf16 and fp32), a fresh scale. Left out while None,
     # so that other runs' files stay byte for byte as they were before it.
-    loss_scaling: dict[str, Any] | None = _key(None, written=TRAINED, omitted_while_none=True)
+    loss_scaling: dict[str, Any] | None = _key(None, valid=SCALER, written=TRAINED,
+                                               omitted_while_none=True)
     # An imported run's: the folder its weights came from, and the digest of its weights file.
-    imported_from: str | None = _key(None, written=IMPORTED)
-    imported_sha256: str | None = _key(None, written=IMPORTED)
+    imported_from: str | None = _key(None, valid=_name, written=IMPORTED)
+    imported_sha256: str | None = _key(None, valid=_hex, written=IMPORTED)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TrainerState:
-        """Any trainer_state.json andrea has written (a KeyError without a step: not one)."""
+        """Any trainer_state.json andrea has written; DamagedState (a ValueError) naming the key
+        and value for anything else: a checkpoint is untrusted input, and a value of another
+        type or range would fail deep in the run or, worse, be taken."""
+        if not isinstance(raw, dict) or "step" not in raw:
+            raise DamagedState("not a trainer state (no 'step')")
         values = {}
         for key in fields(cls):
-            if key.name in raw or key.default is MISSING:
-                values[key.name] = raw[key.name]
+            if key.name in raw:
+                values[key.name] = _checked(key.name, raw[key.name], key.metadata["valid"])
             elif key.metadata["absent"] is not None:
                 values[key.name] = values[key.metadata["absent"]]
             else:
@@ -592,16 +694,62 @@ class TrainerState:
         return self.micro_batch_size * block_size * self.world_size
 
 
+@functools.cache
+def _declared_types() -> dict[str, tuple[type, bool]]:
+    """Each TrainerState key's type as declared: (the type, whether null is allowed)."""
+    out = {}
+    for name, hint in typing.get_type_hints(TrainerState).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        kinds = [a for a in args if a is not type(None)]
+        out[name] = (typing.get_origin(kinds[0]) or kinds[0], len(kinds) < len(args))
+    return out
+
+
+def _checked(name: str, value: Any, valid: Valid | None) -> Any:
+    tp, nullable = _declared_types()[name]
+    if value is None and nullable:
+        return None
+    must = None
+    if not _is(value, tp):
+        must = _type_word(tp) + (" or null" if nullable else "")
+    elif valid is not None:
+        must = valid(value)
+    if must is not None:
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise DamagedState(f"'{name}' is {shown}, not {must}")
+    return value
+
+
+def another_intact(ckpt: Path) -> Path | None:
+    """The newest checkpoint of ckpt's run other than ckpt that a resume takes: its files
+    sound and its trainer state one andrea writes."""
+    for other in reversed(step_dirs(ckpt.parent)):
+        if other.name == ckpt.name or checkpoint_problem(other, for_resume=True) is not None:
+            continue
+        try:
+            TrainerState.from_dict(json.loads((other / TRAINER_STATE).read_bytes()))
+        except (OSError, ValueError):
+            continue
+        return other
+    return None
+
+
 def read_state(ckpt: Path) -> TrainerState:
-    """The checkpoint's TrainerState (trainer_state.json), checked against its checksum."""
+    """The checkpoint's TrainerState (trainer_state.json), checked against its checksum, and
+    each key against its declaration."""
     path = ckpt / TRAINER_STATE
     try:
         blob = path.read_bytes()
         verify_file(path, blob)
-        state = TrainerState.from_dict(json.loads(blob))
+        raw = json.loads(blob)
     except (OSError, ValueError) as exc:
         raise UserError(f"{path}: unreadable trainer state: {exc}") from None
-    except (KeyError, TypeError, AttributeError):
-        raise UserError(f"{path}: not a trainer state (no step); the checkpoint is damaged: "
-                        f"resume from another") from None
-    return state
+    try:
+        return TrainerState.from_dict(raw)
+    except DamagedState as exc:
+        other = another_intact(ckpt)
+        way = (f"the newest other intact one is {other}: andrea train --resume {other}"
+               if other is not None else "the run has no other intact one")
+        raise UserError(f"{path}: {exc}; the checkpoint is damaged: resume from another step "
+                        f"folder ({way})") from None

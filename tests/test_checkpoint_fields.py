@@ -1,0 +1,83 @@
+"""A checkpoint's trainer state, RNG and optimizer files are untrusted input: a value of another
+type or range, a missing or extra key, is refused in one line naming the file, the key and the
+value, even where its checksum was recomputed to match (an edit, not a damaged copy)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import andrea_main, assert_user_error
+
+import andrea.model.attention  # noqa: F401  (registers the backends a checkpoint may record)
+import andrea.train.parallel  # noqa: F401  (and the modes)
+from andrea.errors import UserError
+from andrea.train.rundir import CHECKSUMS, TRAINER_STATE, TrainerState, read_state
+
+
+def resign(ckpt: Path, name: str) -> None:
+    """checksums.json made to match the file as it is now, as someone editing it would."""
+    sums = json.loads((ckpt / CHECKSUMS).read_text())
+    sums["files"][name] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+    (ckpt / CHECKSUMS).write_text(json.dumps(sums))
+
+
+def edit_state(ckpt: Path, key: str, value: object) -> None:
+    state = json.loads((ckpt / TRAINER_STATE).read_text())
+    state[key] = value
+    (ckpt / TRAINER_STATE).write_text(json.dumps(state))
+    resign(ckpt, TRAINER_STATE)
+
+
+@pytest.fixture
+def state(trained_tiny) -> dict:
+    return json.loads((trained_tiny.checkpoint / TRAINER_STATE).read_text())
+
+
+BAD_VALUES = [
+    ("step", "four"), ("step", None), ("step", -3), ("step", 4.5), ("step", 1e30),
+    ("step", True), ("step", 2**64), ("seed", "x"), ("seed", False), ("best_val_loss", "NaN"),
+    ("best_val_loss", float("inf")), ("schedule_anchor", {"a": 1}),
+    ("schedule_anchor", {"step": 3, "lr": -1}), ("spike_guard", [1, 2]),
+    ("spike_guard", {"window": "x"}), ("spike_guard", {"streak": -1}),
+    ("spike_guard", {"window": [[1.0, "a"]]}), ("tokens_per_step", 0), ("tokens", -1),
+    ("data_position", -100), ("data_position", 1e20), ("world_size", 0),
+    ("micro_batch_size", 0), ("micro_batch_size", "auto"), ("device", ""),
+    ("device", "cpu\n"), ("attention", "garbage"), ("attention", "auto"),
+    ("parallel", "garbage"), ("max_steps", 0), ("loss_scaling", {"scale": 0}),
+    ("loss_scaling", {"evil": 1}), ("preset", 7), ("imported_sha256", "xyz"),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), BAD_VALUES)
+def test_a_trainer_state_value_of_another_type_or_range_is_refused(state, key, value):
+    with pytest.raises(ValueError, match=f"'{key}' is "):
+        TrainerState.from_dict({**state, key: value})
+
+
+def test_the_trainer_states_andrea_writes_read_back_as_written(state, tmp_path):
+    assert TrainerState.from_dict(state).to_dict() == state
+    imported = TrainerState(step=0, seed=3, preset="imported", imported_from=str(tmp_path),
+                            imported_sha256="0" * 64).to_dict()
+    assert TrainerState.from_dict(imported).to_dict() == imported
+    assert TrainerState.from_dict({"step": 7}).data_position == 7  # an older file's
+
+
+def test_a_resume_from_an_edited_trainer_state_names_its_key_and_value(tmp_path, trained_tiny):
+    run = tmp_path / "runs" / "x"
+    shutil.copytree(trained_tiny.run_dir, run)
+    ckpt = run / "step-000040"
+    edit_state(ckpt, "step", "four")
+    for named in ("runs/x", "runs/x/step-000040"):
+        assert_user_error(andrea_main("train", "--resume", named, cwd=tmp_path),
+                          f"{Path(named.removesuffix('/step-000040')) / ckpt.name / TRAINER_STATE}"
+                          ": 'step' is \"four\", not an integer", "the checkpoint is damaged",
+                          "the newest other intact one is runs/x/step-000020: andrea train "
+                          "--resume runs/x/step-000020")
+    # The other one named is one a resume takes: not one whose trainer state is edited too.
+    edit_state(run / "step-000020", "world_size", 0)
+    with pytest.raises(UserError, match=r"'step' is \"four\".*the run has no other intact one"):
+        read_state(ckpt)
