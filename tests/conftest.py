@@ -332,7 +332,7 @@ def make_checkpoint(
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     return ckpt_io.save_checkpoint(
         run_dir, TrainerState(step=step), cfg, tokenizer, model=ckpt_io.model_state(model),
-        optimizer={}, rng={}, keep_last=1,
+        optimizer={}, rng={"cpu.rank0": torch.get_rng_state()}, keep_last=1,
     )
 
 

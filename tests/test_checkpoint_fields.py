@@ -10,7 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import andrea_main, assert_user_error
+from safetensors.torch import load_file, save_file
 
 import andrea.model.attention  # noqa: F401  (registers the backends a checkpoint may record)
 import andrea.train.parallel  # noqa: F401  (and the modes)
@@ -81,3 +83,71 @@ def test_a_resume_from_an_edited_trainer_state_names_its_key_and_value(tmp_path,
     edit_state(run / "step-000020", "world_size", 0)
     with pytest.raises(UserError, match=r"'step' is \"four\".*the run has no other intact one"):
         read_state(ckpt)
+
+
+def _cut(t: dict) -> None:
+    t["cpu.rank0"] = t["cpu.rank0"][:7]
+
+
+def _as_float(t: dict) -> None:
+    t["cpu.rank0"] = t["cpu.rank0"].float()
+
+
+def _renamed(t: dict) -> None:
+    t["generator"] = t.pop("cpu.rank0")
+
+
+def _another_rank(t: dict) -> None:
+    t["cpu.rank1"] = t["cpu.rank0"].clone()
+
+
+def _step_of_five(t: dict) -> None:
+    t["tok_emb.weight.step"] = t["tok_emb.weight.step"].repeat(5)
+
+
+def _one_parameter_gone(t: dict) -> None:
+    for field in ("exp_avg", "exp_avg_sq", "step"):
+        del t[f"tok_emb.weight.{field}"]
+
+
+def _one_field_gone(t: dict) -> None:
+    del t["tok_emb.weight.exp_avg_sq"]
+
+
+def _leftover(t: dict) -> None:
+    t["evil.exp_avg"] = t["tok_emb.weight.exp_avg"].clone()
+
+
+def _int_moments(t: dict) -> None:
+    t["tok_emb.weight.exp_avg"] = t["tok_emb.weight.exp_avg"].to(torch.int32)
+
+
+EDITS = [
+    ("rng.safetensors", _cut, "'cpu.rank0' has dtype uint8 and shape [7], not the "
+     f"{torch.get_rng_state().numel()} bytes"),
+    ("rng.safetensors", _as_float, "'cpu.rank0' has dtype float32"),
+    ("rng.safetensors", _renamed, "no 'cpu.rank0'"),
+    ("rng.safetensors", _another_rank, "'cpu.rank1' is no generator of the 1 process"),
+    ("optimizer.safetensors", _step_of_five, "'tok_emb.weight.step' has dtype float32 and "
+     "shape [5], where the optimizer holds a floating tensor of shape []"),
+    ("optimizer.safetensors", _one_parameter_gone, "'tok_emb.weight"),
+    ("optimizer.safetensors", _one_field_gone, "no 'tok_emb.weight.exp_avg_sq'"),
+    ("optimizer.safetensors", _leftover, "'evil.exp_avg' is no state of this optimizer's"),
+    ("optimizer.safetensors", _int_moments, "'tok_emb.weight.exp_avg' has dtype int32"),
+]
+
+
+@pytest.mark.parametrize(("name", "edit", "said"), EDITS, ids=[e[1].__name__ for e in EDITS])
+def test_an_edited_rng_or_optimizer_file_is_refused_naming_the_key(
+        tmp_path, trained_tiny, name, edit, said):
+    run = tmp_path / "runs" / "x"
+    shutil.copytree(trained_tiny.run_dir, run)
+    path = run / "step-000040" / name
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "andrea-checkpoint/1"})
+    resign(path.parent, name)
+    assert_user_error(andrea_main("train", "--resume", "runs/x", "--set", "train.max_steps=42",
+                                  cwd=tmp_path),
+                      f"runs/x/step-000040/{name}: ", said, "the checkpoint is damaged")
+    assert (run / "latest").read_text().strip() == "step-000040"  # nothing trained

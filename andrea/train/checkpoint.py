@@ -24,7 +24,7 @@ from andrea.config import Config, config_from_dict
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, atomic_write_text
 from andrea.model.params import check_stored_shape
-from andrea.train.optim import make_empty_state, state_size
+from andrea.train.optim import first_step_state, make_empty_state, state_size
 from andrea.train.parallel import bare_name
 from andrea.train.rundir import (
     FORMAT,
@@ -380,24 +380,58 @@ def apply_optimizer_state(
     ckpt: Path,
 ) -> None:
     """Put the stored per-parameter state `tensors` (as optimizer_state keys them, read from
-    checkpoint `ckpt`) into the optimizer, sharded like each parameter."""
+    checkpoint `ckpt`) into the optimizer, sharded like each parameter, once check_optimizer_state
+    has found them to be what this optimizer writes."""
+    fields = check_optimizer_state(optimizer, names, tensors, ckpt / OPTIMIZER_FILE)
     state = optimizer.state_dict()
-    index = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            prefix = names[id(p)] + "."
-            fields = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-            if fields:
-                for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
-                    if k in fields and fields[k].shape != p.shape:
-                        raise UserError(
-                            f"{ckpt / OPTIMIZER_FILE}: '{prefix}{k}' has shape "
-                            f"{list(fields[k].shape)}, the parameter {list(p.shape)}"
-                        )
-                state["state"][index] = {k: shard_like(v, p) if k != "step" else v
-                                         for k, v in fields.items()}
-            index += 1
+    for index, (p, stored) in enumerate(fields):
+        if stored:
+            state["state"][index] = {k: shard_like(v, p) if k != "step" else v
+                                     for k, v in stored.items()}
     optimizer.load_state_dict(state)
+
+
+def check_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict[str, torch.Tensor],
+    path: Path,
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Each parameter in the optimizer's order with its stored fields: exactly the fields its
+    optimizer's first step makes (shape as there, a floating dtype) or none at all, where no
+    parameter of its part has any (a part that never stepped: an import, every step skipped).
+    Anything else (a field missing or left over, another shape or dtype) would be loaded and
+    change how the run trains, or fail deep in the optimizer: refused in one line naming the
+    key."""
+    damaged = "the checkpoint is damaged: resume from another step folder"
+    out, expected = [], set()
+    for part in first_step_state(optimizer):
+        held = []
+        for p, planned in part:
+            keys = {field: f"{names[id(p)]}.{field}" for field in planned}
+            expected.update(keys.values())
+            stored = {field: tensors[key] for field, key in keys.items() if key in tensors}
+            held.append(bool(stored))
+            for field, key in keys.items():
+                if field not in stored:
+                    if stored or any(held):
+                        raise UserError(f"{path}: no '{key}', which the optimizer holds for "
+                                        f"every parameter once it has stepped; {damaged}")
+                    continue
+                value, want = stored[field], planned[field]
+                if tuple(value.shape) != tuple(want.shape) or not value.is_floating_point():
+                    raise UserError(
+                        f"{path}: '{key}' has dtype {str(value.dtype).removeprefix('torch.')} "
+                        f"and shape {list(value.shape)}, where the optimizer holds a floating "
+                        f"tensor of shape {list(want.shape)}; {damaged}")
+            out.append((p, stored))
+        if any(held) and not all(held):
+            p = part[held.index(False)][0]
+            raise UserError(f"{path}: no state for '{names[id(p)]}', which the optimizer holds "
+                            f"for every parameter once it has stepped; {damaged}")
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise UserError(f"{path}: '{extra[0]}' is no state of this optimizer's parameters"
+                        f"{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}; {damaged}")
+    return out
 
 
 def read_trainer_state(ckpt: Path) -> tuple[TrainerState, dict[str, torch.Tensor]]:

@@ -207,18 +207,29 @@ def make_empty_state(optimizer: torch.optim.Optimizer | CombinedOptimizer) -> No
                     opt.state[p] = maker(opt, p, group)
 
 
+def first_step_state(
+    optimizer: torch.optim.Optimizer | CombinedOptimizer,
+) -> list[list[tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
+    """Per part of the optimizer, each parameter with the state its first step makes: each
+    field's shape and dtype, measured on a stand-in on the meta device (nothing is allocated)."""
+    out = []
+    for opt in getattr(optimizer, "optimizers", (optimizer,)):
+        maker = _state_maker(opt)
+        out.append([(p, maker(opt, torch.empty(p.shape, dtype=p.dtype, device="meta"), group))
+                    for group in opt.param_groups for p in group["params"]])
+    return out
+
+
 def state_size(optimizer: torch.optim.Optimizer | CombinedOptimizer) -> tuple[int, int]:
     """(tensors, bytes) of every parameter's state, whole (a sharded tensor counts all its
     shards): the state as it is, or for a parameter without one yet, as its first step will
-    make it (measured on a stand-in on the meta device, so nothing is allocated)."""
+    make it."""
     count = total = 0
-    for opt in getattr(optimizer, "optimizers", (optimizer,)):
-        maker = _state_maker(opt)
-        for group in opt.param_groups:
-            for p in group["params"]:
-                state = opt.state.get(p) or maker(
-                    opt, torch.empty(p.shape, dtype=p.dtype, device="meta"), group)
-                count += len(state)
-                total += sum(v.numel() * v.element_size() if torch.is_tensor(v) else 8
-                             for v in state.values())
+    for part, opt in zip(first_step_state(optimizer),
+                         getattr(optimizer, "optimizers", (optimizer,)), strict=True):
+        for p, planned in part:
+            state = opt.state.get(p) or planned
+            count += len(state)
+            total += sum(v.numel() * v.element_size() if torch.is_tensor(v) else 8
+                         for v in state.values())
     return count, total

@@ -208,7 +208,12 @@ class TrainingState:
             weights, moments, rng = (broadcast_tensors(read[k], dist) for k in read)
             load_weights(model, weights, ckpt / MODEL_FILE)
             apply_optimizer_state(optimizer, names, moments, ckpt)
-        restore_rng_states(rng, s.device, dist, seed_for_rank(record.seed, dist.rank))
+        check_rng_states(rng, ckpt / RNG_FILE, record, s.device)
+        try:
+            restore_rng_states(rng, s.device, dist, seed_for_rank(record.seed, dist.rank))
+        except (RuntimeError, ValueError) as exc:  # bytes of the right size, not a state
+            raise UserError(f"{ckpt / RNG_FILE}: not a generator's state ({exc}); the "
+                            f"checkpoint is damaged: resume from another step folder") from None
         return record
 
 
@@ -245,6 +250,38 @@ def all_rng_states(local: dict[str, torch.Tensor], dist: DistInfo) -> dict[str, 
         for rank, gathered in enumerate(all_gather_bytes(state, dist)):
             out[f"{kind}.rank{rank}"] = gathered
     return out
+
+
+def check_rng_states(
+    rng: dict[str, torch.Tensor], path: Path, record: TrainerState, device: torch.device
+) -> None:
+    """The generator states of checkpoint file `path` are those its writer's ranks had
+    (record.world_size of them, CUDA's too where it ran on a GPU; record.device None: either),
+    each a byte tensor of the size its generator takes; refused in one line naming the key
+    otherwise, rather than failing inside torch or being taken as a fresh seed."""
+    damaged = "the checkpoint is damaged: resume from another step folder"
+    ranks = range(record.world_size)
+    cpu = {f"cpu.rank{r}" for r in ranks}
+    cuda = {f"cuda.rank{r}" for r in ranks}
+    allowed = ([cpu] if record.device == "cpu" else [cpu | cuda] if record.device is not None
+               else [cpu, cpu | cuda])
+    if set(rng) not in allowed:
+        expected = allowed[-1]
+        missing, extra = sorted(expected - set(rng)), sorted(set(rng) - expected)
+        what = (f"no '{missing[0]}'" if missing else f"'{extra[0]}' is no generator of the "
+                f"{record.world_size} process{'es' if record.world_size != 1 else ''} that "
+                f"wrote it")
+        raise UserError(f"{path}: {what}; {damaged}")
+    sizes = {"cpu": torch.get_rng_state().numel()}
+    if device.type == "cuda":
+        sizes["cuda"] = torch.cuda.get_rng_state(device).numel()
+    for key, state in sorted(rng.items()):
+        size = sizes.get(key.partition(".")[0])
+        if state.dtype != torch.uint8 or state.dim() != 1 or size not in (None, state.numel()):
+            bytes_ = f"{size} bytes" if size is not None else "bytes"
+            raise UserError(
+                f"{path}: '{key}' has dtype {str(state.dtype).removeprefix('torch.')} and shape "
+                f"{list(state.shape)}, not the {bytes_} (uint8) of a generator's state; {damaged}")
 
 
 def restore_rng_states(
