@@ -349,32 +349,28 @@ def test_a_config_json_of_odd_types_is_one_line(tmp_path, key, value, says):
     assert not (tmp_path / "runs" / "x").exists()
 
 
-def test_an_import_refuses_non_finite_weights(tmp_path):
-    """Before: a GPT-2 with NaN weights imported as if sound (and its generate was a
-    traceback); now one line naming the file's tensor, nothing written."""
+def _nan_at_1_1(t: torch.Tensor) -> torch.Tensor:
+    t[1, 1] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("name, damage, said", [
+    ("transformer.h.0.attn.c_attn.weight", _nan_at_1_1, "holds 1 NaN or infinite value"),
+    ("transformer.wpe.weight", lambda t: t.to(torch.int64), "is int64, not floating point"),
+])
+def test_an_import_refuses_weights_that_are_no_trained_model(tmp_path, name, damage, said):
+    """Before: a GPT-2 with NaN weights imported as if sound (its generate a traceback), and
+    an int64 tensor was converted to float32 and imported as weights. Now one line naming the
+    file's tensor, nothing written."""
     from safetensors.torch import load_file, save_file
 
     hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "hf")
     weights = load_file(str(hf / "model.safetensors"))
-    weights["transformer.h.0.attn.c_attn.weight"][1, 1] = float("nan")
+    weights[name] = damage(weights[name])
     save_file(weights, str(hf / "model.safetensors"), {"format": "pt"})
     assert_user_error(andrea_main("import", "--format", "hf", str(hf), "--out", "runs/x",
                                   cwd=tmp_path), str(hf / "model.safetensors"),
-                      "tensor 'transformer.h.0.attn.c_attn.weight' holds 1 NaN or infinite value")
-    assert not (tmp_path / "runs").exists()
-
-
-def test_an_import_refuses_weights_that_are_not_floating_point(tmp_path):
-    """Before: an int64 tensor was converted to float32 and imported as if it were weights."""
-    from safetensors.torch import load_file, save_file
-
-    hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "hf")
-    weights = load_file(str(hf / "model.safetensors"))
-    weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"].to(torch.int64)
-    save_file(weights, str(hf / "model.safetensors"), {"format": "pt"})
-    assert_user_error(andrea_main("import", "--format", "hf", str(hf), "--out", "runs/x",
-                                  cwd=tmp_path), str(hf / "model.safetensors"),
-                      "tensor 'transformer.wpe.weight' is int64, not floating point")
+                      f"tensor '{name}' {said}")
     assert not (tmp_path / "runs").exists()
 
 
