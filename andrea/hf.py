@@ -531,8 +531,15 @@ def import_config(
     model's shape from config.json and the --set overrides. `tokenizer_file` (bpe): the run's
     copy of the model's tokenizer.json, which the run's data is then prepared with. `hf`:
     read_hf_config's (its keys checked, with defaults)."""
-    data = json.loads(json.dumps(andrea["config"])) if andrea else {}
-    for section in ("model", "data", "train"):
+    data = json.loads(json.dumps(andrea.get("config"))) if andrea else {}
+    sections = ("model", "data", "train")
+    if not (isinstance(data, dict) and all(isinstance(data.get(s, {}), dict) for s in sections)):
+        raise UserError(
+            f"{src / ANDREA_FILE}: 'config' is not an object of model, data and train sections "
+            f"as andrea export writes it; the file is damaged: export the model again (a model "
+            f"with its tokenizer's files imports from config.json alone, {ANDREA_FILE} moved "
+            f"away)")
+    for section in sections:
         data.setdefault(section, {})
     n_embd, n_head = hf["n_embd"], hf["n_head"]  # read_hf_config's: checked, defaults in
     data["model"].update(

@@ -232,6 +232,24 @@ def test_force_never_takes_a_users_files_in_what_looks_like_a_run_or_an_export(t
     assert again.returncode == 0 and "--force: replacing the export in" in again.stdout
 
 
+@pytest.mark.parametrize("config", [None, 3, {"model": 3}, {"train": ["x"]}])
+def test_an_andrea_json_without_its_config_sections_is_one_line(tmp_path, config):
+    """An andrea.json of the export format whose config is missing or not sections of keys
+    (a stranger's, or a damaged one) was a KeyError or an AttributeError traceback."""
+    hf = export_hf(str(make_checkpoint(tmp_path / "src")), tmp_path / "hf")
+    andrea = json.loads((hf / "andrea.json").read_text())
+    if config is None:
+        del andrea["config"]
+    else:
+        andrea["config"] = config
+    (hf / "andrea.json").write_text(json.dumps(andrea))
+    assert_user_error(andrea_main("import", "--format", "hf", str(hf), "--out", "runs/x",
+                                  cwd=tmp_path),
+                      f"{hf / 'andrea.json'}: 'config' is not an object of model, data and train",
+                      "export the model again")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_bad_exports_and_imports(tmp_path):
     llama = tmp_path / "llama"
     llama.mkdir()
