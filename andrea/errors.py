@@ -1,6 +1,9 @@
 """The one exception type for bad input: the CLI prints it as one line and exits with 2; and
 the end of a process its launcher restarts, said as what it is."""
 
+import json
+from typing import Any
+
 
 class UserError(Exception):
     """Bad input from the user (a file, a key, a value). The message says what to do."""
@@ -13,3 +16,10 @@ class Restarting(Exception):
     restarts left) starts the job again. The CLI prints the message as it is, exit code 1."""
 
     exit_code = 1
+
+
+def quoted(value: Any) -> str:
+    """A value read from a file, in an error line as JSON spells it (so "16" reads as the
+    string it is), cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -56,7 +56,7 @@ from andrea.data.tokenizer import (
     Gpt2Tokenizer,
     gpt2_vocab_files,
 )
-from andrea.errors import UserError
+from andrea.errors import UserError, quoted
 from andrea.fileio import atomic_write_bytes, atomic_write_text
 from andrea.model.params import check_stored_shape
 from andrea.model.transformer import Andrea
@@ -67,9 +67,9 @@ from andrea.train.rundir import (
     describe_run,
     is_run,
     not_a_run,
-    read_safetensors_header,
     step_dir_name,
     step_dirs,
+    stored_shapes,
 )
 from andrea.train.runlock import RunLock
 
@@ -228,7 +228,8 @@ def _earlier_export(out: Path) -> str | None:
         return None
     if not isinstance(andrea, dict) or andrea.get("format") != EXPORT_FORMAT:
         return None
-    added = sorted(e.name for e in out.iterdir() if e.name not in export_entries())
+    written = export_entries()
+    added = sorted(e.name for e in out.iterdir() if e.name not in written)
     if added:
         shown = ", ".join(added[:3]) + (", ..." if len(added) > 3 else "")
         raise HoldsUsersFiles(f"holds an earlier export and {shown}, which no export holds")
@@ -368,12 +369,6 @@ HF_FLAGS = ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "add_cross_
             "tie_word_embeddings")
 
 
-def _shown(value: Any) -> str:
-    """A config.json value as JSON spells it (so "16" reads as the string it is), cut short."""
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _is_number(value: Any) -> bool:
     """A finite JSON number (json.loads reads NaN and Infinity too; a bool is no number)."""
     return (isinstance(value, int | float) and not isinstance(value, bool)
@@ -388,26 +383,26 @@ def _hf_types(hf: dict[str, Any]) -> list[str]:
     for key in HF_WHOLE:
         value = hf.get(key, HF_DEFAULTS[key])
         if not (_is_number(value) and isinstance(value, int) and value >= 1):
-            problems.append(f"{key} {_shown(value)} is not a whole number of at least 1")
+            problems.append(f"{key} {quoted(value)} is not a whole number of at least 1")
     inner = hf.get("n_inner")
     if inner is not None and not (_is_number(inner) and isinstance(inner, int)):
-        problems.append(f"n_inner {_shown(inner)} is not a whole number (or null: 4 * n_embd)")
+        problems.append(f"n_inner {quoted(inner)} is not a whole number (or null: 4 * n_embd)")
     act = hf.get("activation_function", HF_DEFAULTS["activation_function"])
     if not isinstance(act, str) or act not in ACTIVATIONS_IN:
-        problems.append(f"activation_function {_shown(act)} is not one of "
+        problems.append(f"activation_function {quoted(act)} is not one of "
                         f"{', '.join(ACTIVATIONS_IN)}")
     eps = hf.get("layer_norm_epsilon", HF_DEFAULTS["layer_norm_epsilon"])
     if not _is_number(eps):
-        problems.append(f"layer_norm_epsilon {_shown(eps)} is not a number (ANDREA's is {LN_EPS})")
+        problems.append(f"layer_norm_epsilon {quoted(eps)} is not a number (ANDREA's is {LN_EPS})")
     dropout = hf.get("resid_pdrop", HF_DEFAULTS["resid_pdrop"])
     if not (_is_number(dropout) and 0 <= dropout < 1):
-        problems.append(f"resid_pdrop {_shown(dropout)} is not a dropout probability in [0, 1)")
+        problems.append(f"resid_pdrop {quoted(dropout)} is not a dropout probability in [0, 1)")
     std = hf.get("initializer_range", HF_DEFAULTS["initializer_range"])
     if not (_is_number(std) and std > 0):
-        problems.append(f"initializer_range {_shown(std)} is not a positive number")
+        problems.append(f"initializer_range {quoted(std)} is not a positive number")
     for key in HF_FLAGS:
         if not isinstance(hf.get(key, HF_DEFAULTS[key]), bool):
-            problems.append(f"{key} {_shown(hf[key])} is not true or false")
+            problems.append(f"{key} {quoted(hf[key])} is not true or false")
     return problems
 
 
@@ -423,7 +418,7 @@ def read_hf_config(src: Path) -> dict[str, Any]:
     if archs is None:
         archs = []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise UserError(f'{path}: architectures {_shown(archs)} is not a list of model class '
+        raise UserError(f'{path}: architectures {quoted(archs)} is not a list of model class '
                         f'names, as ["GPT2LMHeadModel"]; andrea imports only GPT-2-architecture '
                         f'models')
     if hf.get("model_type") != "gpt2" or any(not a.startswith("GPT2") for a in archs):
@@ -465,12 +460,7 @@ def hf_shapes(src: Path) -> dict[str, list[int]]:
         hint = (f" (found {', '.join(other)}: save it with safe_serialization, unsharded)"
                 if other else "")
         raise UserError(f"{src}: no {WEIGHTS_FILE}{hint}")
-    try:
-        header = read_safetensors_header(path)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: unreadable safetensors file: {exc}") from None
-    return {key.removeprefix("transformer."): list(entry.get("shape", []))
-            for key, entry in header.items() if key != "__metadata__" and isinstance(entry, dict)}
+    return {key.removeprefix("transformer."): shape for key, shape in stored_shapes(path).items()}
 
 
 def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:

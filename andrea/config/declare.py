@@ -132,7 +132,7 @@ def section_keys(section: str, cls: type) -> tuple[KeySpec, ...]:
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-               list: "a list"}
+               list: "a list", dict: "a JSON object"}
 
 
 def type_name(tp: Any) -> str:

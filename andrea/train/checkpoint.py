@@ -412,7 +412,7 @@ def check_optimizer_state(
             held.append(bool(stored))
             for field, key in keys.items():
                 if field not in stored:
-                    if stored or any(held):
+                    if any(held):  # this parameter's, or an earlier one's of its part
                         raise UserError(f"{path}: no '{key}', which the optimizer holds for "
                                         f"every parameter once it has stepped; {damaged}")
                     continue

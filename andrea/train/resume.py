@@ -18,11 +18,11 @@ from andrea.train.rundir import (
     is_step_dir,
     newest_intact,
     read_latest,
-    read_safetensors_header,
     resolve_checkpoint,
     run_path,
     set_aside_run,
     step_dirs,
+    stored_shapes,
 )
 from andrea.train.torchrun import torchrun_env
 
@@ -171,15 +171,8 @@ def check_checkpoint_shape(model: ModelConfig, checkpoint: Path, run_dir: Path) 
     weights), so a config.yaml edited to model.n_layer 10^6 was built whole, taking memory
     without end, before load_weights compared a tensor with it."""
     path = checkpoint / MODEL_FILE
-    try:
-        header = read_safetensors_header(path)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: not a valid safetensors file (truncated or damaged?): "
-                        f"{exc}") from None
-    shapes = {name: entry["shape"] for name, entry in header.items()
-              if isinstance(entry, dict) and isinstance(entry.get("shape"), list)}
     check_stored_shape(
-        model, shapes, str(run_dir / CONFIG),
+        model, stored_shapes(path), str(run_dir / CONFIG),
         advice=(f"{path} holds another model, so none is built; put the model keys of "
                 f"{run_dir / CONFIG} back as the run trained them, or start a new run"))
 

@@ -63,8 +63,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from andrea.config.declare import registry
-from andrea.errors import UserError
+from andrea.config.declare import registry, type_name
+from andrea.errors import UserError, quoted
 from andrea.fileio import atomic_write_text, fsync_dir, size_text
 
 CONFIG = "config.yaml"
@@ -268,6 +268,18 @@ def recover_overwrite(run_dir: Path) -> bool:
     it was being deleted, the deletion finished. Whether a run was put back."""
     shutil.rmtree(run_dir / f"{OVERWRITTEN}.deleting", ignore_errors=True)
     return put_back(run_dir)
+
+
+def stored_shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape in safetensors file `path`, from its header alone (a forged or
+    truncated header refused in one line before anything else is read)."""
+    try:
+        header = read_safetensors_header(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: not a valid safetensors file (truncated or damaged?): "
+                        f"{exc}") from None
+    return {key: list(entry.get("shape", [])) for key, entry in header.items()
+            if key != "__metadata__" and isinstance(entry, dict)}
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
@@ -545,7 +557,7 @@ def _object(keys: dict[str, tuple[type, Valid | None]], required: bool) -> Valid
             return f"an object of {'exactly ' if required else ''}the keys {', '.join(keys)}"
         for k, v in x.items():
             tp, check = keys[k]
-            must = _type_word(tp) if not _is(v, tp) else check(v) if check else None
+            must = type_name(tp) if not _is(v, tp) else check(v) if check else None
             if must is not None:
                 return f"an object whose '{k}' is {must}"
         return None
@@ -575,10 +587,6 @@ SCALER = _object({"scale": _SCALE, "growth_factor": _SCALE, "backoff_factor": _S
                   "growth_interval": (int, POSITIVE), "_growth_tracker": (int, COUNT),
                   "overflows": (int, COUNT)}, required=False)
 
-
-def _type_word(tp: Any) -> str:
-    return {int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "a JSON object"}.get(typing.get_origin(tp) or tp, str(tp))
 
 
 def _key(
@@ -711,13 +719,11 @@ def _checked(name: str, value: Any, valid: Valid | None) -> Any:
         return None
     must = None
     if not _is(value, tp):
-        must = _type_word(tp) + (" or null" if nullable else "")
+        must = type_name(tp) + (" or null" if nullable else "")
     elif valid is not None:
         must = valid(value)
     if must is not None:
-        shown = json.dumps(value)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise DamagedState(f"'{name}' is {shown}, not {must}")
+        raise DamagedState(f"'{name}' is {quoted(value)}, not {must}")
     return value
 
 
