@@ -103,13 +103,17 @@ def test_chunked_loss_under_bf16_autocast_agrees_with_the_full_form():
         assert relative(grad, full_grads[name]) <= 1e-2, name
 
 
-def fp16_errors(loss_of, hidden, weight, targets, scale=2.0**16) -> list[float] | None:
-    """The gradients' relative errors against float64 (hidden and weight), the loss scaled as
+def float64_grads(hidden, weight, targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """d loss / d hidden and d loss / d weight of the plain loss in float64: the reference."""
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    return torch.autograd.grad(F.cross_entropy(h64 @ w64.t(), targets, ignore_index=-1),
+                               (h64, w64))
+
+
+def fp16_errors(loss_of, hidden, weight, want, scale=2.0**16) -> list[float] | None:
+    """The gradients' relative errors against `want` (float64_grads), the loss scaled as
     GradScaler scales it (SCALE: its first) and the gradients divided back; None where they are
     not finite (GradScaler would skip the step and halve the scale)."""
-    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    want = torch.autograd.grad(F.cross_entropy(h64 @ w64.t(), targets, ignore_index=-1),
-                               (h64, w64))
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.float16):
         loss = loss_of(h, w)
@@ -127,22 +131,30 @@ def chunked_loss(targets, rows):
     return lambda h, w: ChunkedCrossEntropy.apply(h, w, targets, rows)
 
 
-# 4,096 rows: chunks of 256, 1,024 and 4,096 take divisors 1/4, 1 and 4; one of 100,000 is
-# the whole batch's, as 4,096 is.
-@pytest.mark.parametrize("chunk_rows", [256, 1024, 4096, 100_000])
-def test_chunked_loss_under_fp16_loses_no_more_than_the_plain_form(chunk_rows):
-    """fp16 with GradScaler (train.precision: fp16): the chunked loss computes d loss / d logits
-    in its forward, before the loss scale is applied in backward. Divided by the count of rows
-    there, most of it flushed to zero in fp16 (8.5e-3 off float64 here, against the plain
-    form's 3.1e-4); it must be the plain form's to fp16's rounding, ignored targets too."""
+@pytest.fixture(scope="module")
+def fp16_batch():
+    """4,096 rows at vocab 8,192, every 7th target ignored; the float64 reference and the plain
+    form's fp16 errors, computed once for every chunk size (fp16 matmuls are slow on a CPU)."""
     g = torch.Generator().manual_seed(0)
     n, d, vocab = 4096, 64, 8192
     hidden = torch.randn(n, d, generator=g)
     weight = torch.randn(vocab, d, generator=g) * 0.16
     targets = torch.randint(0, vocab, (n,), generator=g)
     targets[::7] = -1
-    plain = fp16_errors(plain_loss(targets), hidden, weight, targets)
-    chunked = fp16_errors(chunked_loss(targets, chunk_rows), hidden, weight, targets)
+    want = float64_grads(hidden, weight, targets)
+    return hidden, weight, targets, want, fp16_errors(plain_loss(targets), hidden, weight, want)
+
+
+# 4,096 rows: chunks of 256, 1,024 and 4,096 take divisors 1/4, 1 and 4; one of 100,000 is
+# the whole batch's, as 4,096 is.
+@pytest.mark.parametrize("chunk_rows", [256, 1024, 4096, 100_000])
+def test_chunked_loss_under_fp16_loses_no_more_than_the_plain_form(chunk_rows, fp16_batch):
+    """fp16 with GradScaler (train.precision: fp16): the chunked loss computes d loss / d logits
+    in its forward, before the loss scale is applied in backward. Divided by the count of rows
+    there, most of it flushed to zero in fp16 (8.5e-3 off float64 here, against the plain
+    form's 3.1e-4); it must be the plain form's to fp16's rounding, ignored targets too."""
+    hidden, weight, targets, want, plain = fp16_batch
+    chunked = fp16_errors(chunked_loss(targets, chunk_rows), hidden, weight, want)
     assert max(plain) < 1e-3
     for got, base in zip(chunked, plain, strict=True):
         assert got <= 1.05 * base, (chunked, plain)
@@ -159,8 +171,9 @@ def test_a_large_hidden_feature_does_not_overflow_the_fp16_chunked_loss():
     hidden[:, 0] = 70.0
     weight = torch.randn(vocab, d, generator=g) * 0.02
     targets = torch.zeros(n, dtype=torch.long)
-    plain = fp16_errors(plain_loss(targets), hidden, weight, targets, scale=256.0)
-    chunked = fp16_errors(chunked_loss(targets, 1024), hidden, weight, targets, scale=256.0)
+    want = float64_grads(hidden, weight, targets)
+    plain = fp16_errors(plain_loss(targets), hidden, weight, want, scale=256.0)
+    chunked = fp16_errors(chunked_loss(targets, 1024), hidden, weight, want, scale=256.0)
     assert plain is not None and chunked is not None
     for got, base in zip(chunked, plain, strict=True):
         assert got <= 1.05 * base + 1e-4, (chunked, plain)
