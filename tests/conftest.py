@@ -219,6 +219,18 @@ def wait_until(
         time.sleep(0.02)
 
 
+def fake_cgroup(root: Path, version: int, limit: str, usage: int, cache: int) -> None:
+    """A container's memory control group as the kernel shows it (v2, or v1's memory folder)."""
+    folder = root / "job" if version == 2 else root / "memory"
+    folder.mkdir(parents=True)
+    names = (("memory.max", "memory.current", "inactive_file") if version == 2 else
+             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+    (folder / names[0]).write_text(limit + "\n")
+    (folder / names[1]).write_text(f"{usage}\n")
+    (folder / "memory.stat").write_text(f"anon 1\n{names[2]} {cache}\nfile 2\n")
+    (root / "self-cgroup").write_text("0::/job\n" if version == 2 else "4:memory:/\n")
+
+
 def tiny_config(runs: Path, data_dir: Path, *sets: str, name: str = "t") -> Config:
     """The tiny preset (configs/andrea-tiny.yaml) as a test's run: run NAME under RUNS reading
     DATA_DIR (the data_dir fixture, or a folder of the test's own), every step logged, no eval

@@ -26,6 +26,7 @@ from conftest import (
     andrea_main,
     assert_user_error,
     config_file,
+    fake_cgroup,
     make_checkpoint,
     python_command,
     tiny_config,
@@ -282,6 +283,35 @@ def test_the_bound_never_refuses_a_model_that_fits(monkeypatch):
     assert not memory.host_need(11, cpu, "adamw", sharded=False).fits
     monkeypatch.undo()
     assert memory.machine_memory() >= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_a_model_too_big_for_the_containers_limit_is_refused_naming_it(
+        tmp_path, data_dir, monkeypatch, version):
+    """In a container (`docker run --memory ...`) the kernel kills a process past the limit
+    without a word, however much the machine has: the bound was the machine's RAM and swap
+    alone, so such a model was built and the run killed. Now a container's limit, with the
+    machine's swap, is the bound where it is less, and the line names it."""
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path / "cg")
+    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "cg" / "self-cgroup")
+    meminfo = tmp_path / "meminfo"  # a 64 GiB machine with 16 MiB of swap
+    meminfo.write_text("MemTotal: 67108864 kB\nMemAvailable: 60000000 kB\nSwapTotal: 16384 kB\n")
+    monkeypatch.setattr(memory, "PROC_MEMINFO", meminfo)
+    fake_cgroup(tmp_path / "cg", version, str(48 * 2**20), usage=0, cache=0)  # 48 MiB
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir), tmp_path)
+    n = closed_form_total(load_config(str(cfg), ["model.n_layer=100"]).model)
+    assert 64 * 2**20 < 16 * n < 2**30  # fits the machine, not the container and its swap
+    result = andrea_main("train", "-c", str(cfg), "--set", "model.n_layer=100",
+                         "--set", "train.max_steps=1")
+    assert_user_error(result, f"model: {n:,} parameters ({size_text(16 * n)} of float32 "
+                      "weights, gradients and AdamW's two moments) do not fit in this "
+                      "container's memory limit (cgroup) (64.0 MiB)", "model.n_layer 100")
+    assert not (tmp_path / "runs" / "t").exists()
+    # Without a limit the machine's memory is the bound, as before.
+    limit = tmp_path / "cg" / ("job/memory.max" if version == 2 else
+                               "memory/memory.limit_in_bytes")
+    limit.write_text("max\n" if version == 2 else f"{2**63 - 4096}\n")
+    assert memory.memory_ceiling() == (64 * 2**30 + 16 * 2**20, "this machine's memory")
 
 
 def test_a_resume_checks_the_runs_config_against_the_checkpoint_before_building(tmp_path):

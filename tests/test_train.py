@@ -18,6 +18,7 @@ from conftest import (
     andrea_main,
     assert_user_error,
     config_file,
+    fake_cgroup,
     make_checkpoint,
     python_command,
     tiny_config,
@@ -962,18 +963,6 @@ def test_muon_iterates_in_bf16_only_where_the_gpu_has_bf16_units(monkeypatch, ca
     cfg = load_config("andrea-tiny", ["train.optimizer=muon"])
     optimizer = build_optimizer(Andrea(cfg.model), cfg, cuda)
     assert getattr(optimizer.parts["muon"], "ns_dtype", torch.bfloat16) == want
-
-
-def fake_cgroup(root: Path, version: int, limit: str, usage: int, cache: int) -> None:
-    """A container's memory control group as the kernel shows it (v2, or v1's memory folder)."""
-    folder = root / "job" if version == 2 else root / "memory"
-    folder.mkdir(parents=True)
-    names = (("memory.max", "memory.current", "inactive_file") if version == 2 else
-             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
-    (folder / names[0]).write_text(limit + "\n")
-    (folder / names[1]).write_text(f"{usage}\n")
-    (folder / "memory.stat").write_text(f"anon 1\n{names[2]} {cache}\nfile 2\n")
-    (root / "self-cgroup").write_text("0::/job\n" if version == 2 else "4:memory:/\n")
 
 
 @pytest.mark.parametrize("version", [2, 1])

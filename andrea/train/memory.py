@@ -9,6 +9,7 @@ with the tokens of one micro-batch.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,18 +51,36 @@ WEIGHTS_AND_GRADIENTS_BYTES = 8
 BUILD_BYTES = 4
 
 
+def _meminfo(*keys: str) -> int:
+    """The sum of /proc/meminfo's lines `keys` ("MemTotal:") in bytes; 0 where unreadable."""
+    total = 0
+    try:
+        for line in PROC_MEMINFO.read_text().splitlines():
+            if line.startswith(keys):
+                total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
 def machine_memory() -> int:
     """All the memory this machine can give a process, RAM and swap (/proc/meminfo's MemTotal
     + SwapTotal), or its physical pages where there is no /proc. Deliberately the most it could
     ever have, not what is free now: a check against it refuses only the impossible."""
-    total = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(("MemTotal:", "SwapTotal:")):
-                total += int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        total = 0
+    total = _meminfo("MemTotal:", "SwapTotal:")
     return total or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_ceiling() -> tuple[int, str]:
+    """The most memory this process could ever have, and what sets it, in words: the machine's
+    (machine_memory), or a container's memory limit (its cgroup's) and the machine's swap where
+    that is less. A container's process that goes past its limit is killed by the kernel
+    without a word, however much the machine has."""
+    total, where = machine_memory(), "this machine's memory"
+    limit = cgroup_memory_limit()
+    if limit is not None and limit + _meminfo("SwapTotal:") < total:
+        total, where = limit + _meminfo("SwapTotal:"), "this container's memory limit (cgroup)"
+    return total, where
 
 
 @dataclass
@@ -70,7 +89,8 @@ class HostNeed:
 
     needed: int  # bytes
     held: str  # what those bytes are, for a message
-    total: int  # the machine's memory (machine_memory)
+    total: int  # the most this process could have (memory_ceiling)
+    where: str  # what sets `total`, for a message
 
     @property
     def fits(self) -> bool:
@@ -90,7 +110,7 @@ def host_need(n_params: int, device: torch.device, optimizer: str, sharded: bool
                 ("AdamW's two moments" if optimizer == "adamw" else "the optimizer's state"))
     else:
         per, held = BUILD_BYTES, "float32 weights, built in this machine's memory first"
-    return HostNeed(per * n_params, held, machine_memory())
+    return HostNeed(per * n_params, held, *memory_ceiling())
 
 
 @dataclass
@@ -110,14 +130,8 @@ def available_memory(device: torch.device, processes_here: int = 1) -> int:
     among the `processes_here` processes of this machine."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if available is None:  # no /proc: free pages as the OS counts them
+    available = _meminfo("MemAvailable:")
+    if not available:  # no /proc: free pages as the OS counts them
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     limited = cgroup_memory_left()
     if limited is not None:
@@ -129,6 +143,7 @@ def available_memory(device: torch.device, processes_here: int = 1) -> int:
 # them at a made-up container.
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
+PROC_MEMINFO = Path("/proc/meminfo")
 # cgroup v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages).
 _UNLIMITED = 2**60
 # (limit, usage, memory.stat key of reclaimable page cache): cgroup v2, then v1.
@@ -138,19 +153,22 @@ _CGROUP_FILES = (
 )
 
 
+def cgroup_memory_limit() -> int | None:
+    """The container's memory limit in bytes, or None where no limit is set or none can be
+    read."""
+    return next((limit for _, _, limit in _cgroup_limits()), None)
+
+
 def cgroup_memory_left() -> int | None:
     """Bytes the container's memory limit still allows (limit - usage + the page cache the
-    kernel would reclaim first), or None where no limit is set or none can be read. The
-    process's own control group (from /proc/self/cgroup) is read, else the root one (a
-    container sees its own group there)."""
-    for folder, (limit_name, usage_name, cache_key) in _cgroup_folders():
+    kernel would reclaim first), or None where no limit is set or none can be read."""
+    for folder, (_, usage_name, cache_key), limit in _cgroup_limits():
         try:
-            limit_text = (folder / limit_name).read_text().strip()
             usage = int((folder / usage_name).read_text())
         except (OSError, ValueError):
             continue
-        if not limit_text.isdigit() or int(limit_text) >= _UNLIMITED:
-            return None  # "max" (v2) or the v1 equivalent: no limit here
+        if limit is None:
+            return None
         cache = 0
         try:
             for line in (folder / "memory.stat").read_text().splitlines():
@@ -159,8 +177,21 @@ def cgroup_memory_left() -> int | None:
                     cache = int(value)
         except (OSError, ValueError):
             pass
-        return max(0, int(limit_text) - usage + cache)
+        return max(0, limit - usage + cache)
     return None
+
+
+def _cgroup_limits() -> Iterator[tuple[Path, tuple[str, str, str], int | None]]:
+    """Each control group folder whose memory limit can be read, with its version's file names
+    and the limit in bytes (None: "max" (v2) or v1's equivalent, no limit). The process's own
+    group (from /proc/self/cgroup) comes first, then the root one (a container sees its own
+    group there)."""
+    for folder, names in _cgroup_folders():
+        try:
+            text = (folder / names[0]).read_text().strip()
+        except OSError:
+            continue
+        yield folder, names, int(text) if text.isdigit() and int(text) < _UNLIMITED else None
 
 
 def _cgroup_folders() -> list[tuple[Path, tuple[str, str, str]]]:

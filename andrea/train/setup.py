@@ -407,7 +407,7 @@ def build_model(
         if not need.fits:
             raise UserError(_does_not_fit(
                 cfg, n, f"{size_text(need.needed)} of {need.held}",
-                f"this machine's memory ({size_text(need.total)})"))
+                f"{need.where} ({size_text(need.total)})"))
 
     # Every rank hears of one that refuses (nodes differ), rather than wait for it in DDP's set-up.
     on_every_rank(check_room, parallel.dist)
