@@ -301,6 +301,9 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
     replacing = _replacing(out, force, _earlier_export)
     ckpt = find_checkpoint(checkpoint, use=f"andrea export --checkpoint {{}} --out {out}")
     tensors, cfg, metadata = ckpt_io.read_model_checkpoint(ckpt)
+    # An export is made to be shared: a diverged model is not one to hand on.
+    ckpt_io.check_weights(tensors, ckpt / ckpt_io.MODEL_FILE,
+                          "export another checkpoint (an earlier step of the run)")
     tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     if tmp.exists():

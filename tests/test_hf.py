@@ -392,6 +392,30 @@ def test_an_import_refuses_weights_that_are_no_trained_model(tmp_path, name, dam
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_export_refuses_weights_that_are_no_trained_model(tmp_path):
+    """Before: a checkpoint whose weights hold NaN (a diverged model saved by a script of one's
+    own, its checksums taken from the NaNs) was exported as if sound, to be shared, though eval,
+    generate, resume and import refuse it. Now one line naming the tensor, nothing written."""
+    from andrea.model.transformer import Andrea
+    from andrea.train.rundir import TrainerState
+
+    cfg = load_config("andrea-tiny", [f"train.runs_dir={tmp_path / 'runs'}", "train.name=r"])
+    model = Andrea(cfg.model)
+    with torch.no_grad():
+        model.blocks[0].mlp.up.weight[2, 3] = float("inf")
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "config.yaml").write_text(cfg.to_yaml())
+    ckpt = ckpt_io.save_checkpoint(
+        tmp_path / "runs" / "r", TrainerState(step=5), cfg, "byte:v1",
+        model=ckpt_io.model_state(model), optimizer={}, rng={"cpu.rank0": torch.get_rng_state()},
+        keep_last=1)
+    assert_user_error(andrea_main("export", "--checkpoint", str(ckpt), "--out", "hf",
+                                  cwd=tmp_path), str(ckpt / "model.safetensors"),
+                      "tensor 'blocks.0.mlp.up.weight' holds 1 NaN or infinite value",
+                      "export another checkpoint")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
 def test_an_out_of_dot_or_a_folder_above_is_one_line(tmp_path):
     """`cd DIR && andrea import ... --out . --force` (or export's) was `ValueError:
     PosixPath('.') has an empty name`: the folder is assembled beside --out and renamed into
