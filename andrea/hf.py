@@ -47,6 +47,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_bytes
 
 from andrea.config import Config, config_from_dict, parse_override
+from andrea.config.load import RUN_NAME_MAX_BYTES
 from andrea.data.tokenizer import (
     BPE_FILE,
     EOT_TEXT,
@@ -193,7 +194,7 @@ def _write_tokenizer(tok, out: Path, cfg: Config) -> str | None:
 def _replace_dir(tmp: Path, out: Path) -> None:
     """Move the finished tmp folder to out, replacing what is there only at the last moment."""
     if out.exists() or out.is_symlink():
-        stale = out.with_name(f".{out.name}.stale-{os.getpid()}")
+        stale = _beside(out, "stale")
         out.rename(stale)
         tmp.rename(out)
         if stale.is_dir() and not stale.is_symlink():
@@ -277,7 +278,7 @@ def _replacing(out: Path, force: bool, earlier: Callable[[Path], str | None],
 
 def _out_folder(out: Path, said: str, instead: str) -> Path:
     """The folder to write for `out`: refused in one line when it is the working directory
-    or holds it. Export and import assemble a folder beside `out` (.NAME.tmp-PID) and rename
+    or holds it. Export and import assemble a folder beside `out` (`_beside`) and rename
     it into place, so `.` or `..` named nothing to write beside (a ValueError traceback), and
     replacing the working directory would leave the shell in a deleted folder. `said`: how the
     refusal names `out`; `instead`: the way out it offers."""
@@ -290,7 +291,21 @@ def _out_folder(out: Path, said: str, instead: str) -> Path:
         raise UserError(f"{said}: holds the working directory; {where} cannot be written in "
                         f"place (the command writes a new folder and renames it there); "
                         f"{instead}")
-    return where if out.name in ("", ".", "..") else out  # 'a/..': the folder it names
+    out = where if out.name in ("", ".", "..") else out  # 'a/..': the folder it names
+    if len(os.fsencode(out.name)) > RUN_NAME_MAX_BYTES:
+        raise UserError(f"{said}: its name is {len(os.fsencode(out.name))} bytes long; a folder "
+                        f"name takes at most {RUN_NAME_MAX_BYTES} bytes: {instead}")
+    return out
+
+
+def _beside(out: Path, what: str) -> Path:
+    """A hidden folder beside `out`, named for it, `what` it is ("tmp": the export or import
+    being written, renamed to `out` when whole; "stale": the `out` it replaces, on its way out)
+    and this process: `.NAME.WHAT-PID`, NAME cut to keep it within a folder name's 255 bytes
+    (an `out` of 250 bytes was an OSError traceback)."""
+    suffix = f".{what}-{os.getpid()}"
+    name = os.fsencode(out.name)[:RUN_NAME_MAX_BYTES - 1 - len(suffix)]
+    return out.with_name(f".{os.fsdecode(name)}{suffix}")
 
 
 def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> Path:
@@ -305,7 +320,7 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
     ckpt_io.check_weights(tensors, ckpt / ckpt_io.MODEL_FILE,
                           "export another checkpoint (an earlier step of the run)")
     tok = tokenizer_for_checkpoint(ckpt, cfg, metadata)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = _beside(out, "tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
@@ -644,7 +659,7 @@ def _import_into(
     tensors = from_hf_tensors(read_hf_weights(src), cfg, src)
     ckpt_io.load_weights(Andrea(cfg.model), tensors, src / WEIGHTS_FILE)  # names and shapes
 
-    tmp = run_dir.with_name(f".{run_dir.name}.tmp-{os.getpid()}")
+    tmp = _beside(run_dir, "tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)

@@ -416,6 +416,27 @@ def test_an_export_refuses_weights_that_are_no_trained_model(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
 
 
+def test_an_out_of_the_longest_folder_name_is_written_and_replaced(tmp_path):
+    """A folder name takes 255 bytes. Export and import write beside --out under a longer name
+    (.NAME.tmp-PID, then .NAME.stale-PID for what --force replaces), so an --out of 243 to 255
+    bytes was an OSError traceback; now those names are cut to fit, and an --out above 255
+    bytes is one line."""
+    ckpt = make_checkpoint(tmp_path / "src")
+    name = "é" * 125  # 250 bytes in UTF-8
+    for force in ([], ["--force"]):
+        for args in (["export", "--checkpoint", str(ckpt), "--out", name],
+                     ["import", "--format", "hf", name, "--out", f"runs/{name}"]):
+            result = andrea_main(*args, *force, cwd=tmp_path)
+            assert result.returncode == 0, result.stderr
+    assert (tmp_path / name / "model.safetensors").is_file()
+    assert [p.name for p in (tmp_path / "runs" / name).glob("step-*")] == ["step-000000"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["src", "runs", name])
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [name]
+    for verb in (["export", "--checkpoint", str(ckpt), "--out"], ["import", name, "--out"]):
+        assert_user_error(andrea_main(*verb, name + "ééé", cwd=tmp_path),  # 256 bytes
+                          "its name is 256 bytes long; a folder name takes at most 255 bytes")
+
+
 def test_an_out_of_dot_or_a_folder_above_is_one_line(tmp_path):
     """`cd DIR && andrea import ... --out . --force` (or export's) was `ValueError:
     PosixPath('.') has an empty name`: the folder is assembled beside --out and renamed into
