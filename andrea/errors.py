@@ -23,3 +23,10 @@ def quoted(value: Any) -> str:
     string it is), cut short."""
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def listed(names: "list[str]", shown: int = 3) -> str:
+    """The first `shown` names of a list for an error line, and how many more: 'a, b, c and 4
+    more'."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

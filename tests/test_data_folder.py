@@ -220,6 +220,31 @@ def test_a_glob_inside_a_sources_folder_is_another_source(tmp_path):
     assert json.loads(again.stdout)[0]["tokens"] == json.loads(scored.stdout)[0]["tokens"]
 
 
+def test_a_source_whose_files_were_all_renamed_names_them_and_a_way_that_works(tmp_path):
+    """A folder source whose one file was renamed has no input file in common with its data:
+    refused as another source's, which it may be. The line said it was prepared with `source
+    notes` but the run asks for `source notes`, and offered `--set data.source=notes`, already
+    on the command: pasted, it changed nothing. Now it names the files on each side and offers
+    only what works (the --force command, pasted, prepares the renamed file)."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "draft.txt").write_text(LINE.format(j=0, name="a") * 1500)
+    train = ["train", "-c", "andrea-tiny", "--set", "data.source=notes", "--set",
+             "data.dir=data", "--set", "train.max_steps=2", "--set", "train.runs_dir=runs",
+             "--no-progress"]
+    assert andrea_main(*train, "--set", "train.name=a", cwd=tmp_path).returncode == 0
+    (tmp_path / "notes" / "draft.txt").rename(tmp_path / "notes" / "final.txt")
+    before = snapshot(tmp_path / "data")
+    line = assert_user_error(
+        andrea_main(*train, "--set", "train.name=b", cwd=tmp_path),
+        f"data: holds data prepared with the files {tmp_path / 'notes' / 'draft.txt'}, but this "
+        f"run asks for the files {tmp_path / 'notes' / 'final.txt'}", "another data folder")
+    assert "--set data.source" not in line and snapshot(tmp_path / "data") == before
+    force = shlex.split(line[line.index("`") + 1:line.rindex("`")])
+    assert force[0] == "andrea" and force[-1] == "--force"
+    assert andrea_main(*force[1:], cwd=tmp_path).returncode == 0
+    assert andrea_main(*train, "--set", "train.name=b", cwd=tmp_path).returncode == 0
+
+
 def test_train_refuses_a_folder_prepared_with_another_tokenizer(tmp_path):
     """Case 1: `train --set data.dir=X` where X holds another run's gpt2 data is one line, exit
     2, naming the folder and both tokenizers, and X stays byte for byte (the old code prepared

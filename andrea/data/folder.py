@@ -27,7 +27,7 @@ from typing import Any
 from andrea.data import shards
 from andrea.data.shards import MANIFEST, SHARD_NAME, SHARD_TEMP_NAME, SPLITS
 from andrea.data.tokenizer import BPE_FILE, KINDS
-from andrea.errors import UserError
+from andrea.errors import UserError, listed
 from andrea.folder_lock import FolderLock, pid_alive, same_file, who
 
 PROGRESS = "progress.json"  # an unfinished prepare's complete shards and where to go on
@@ -113,8 +113,7 @@ def foreign_files(folder: Path) -> str | None:
     foreign = sorted(p.name for p in folder.iterdir() if p.name != LOCK)
     if not foreign:
         return None
-    return ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3
-                                     else "")
+    return listed(foreign)
 
 
 def owned_files(out: Path) -> set[str]:

@@ -21,7 +21,7 @@ from andrea.data.inputs import names_anything
 from andrea.data.readers import InputFile
 from andrea.data.shards import MANIFEST, MANIFEST_VERSION, DamagedShard, read_manifest
 from andrea.data.tokenizer import BPE_FILE, KINDS, load_tokenizer
-from andrea.errors import UserError
+from andrea.errors import UserError, listed
 
 SPLIT_RULE = "tail-after-line-break-v1"
 RECORD_SPLIT_RULE = "blake2b-8-of-text-v1"
@@ -175,18 +175,20 @@ def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str 
         differ = [k for k in REQUEST_KEYS if _request(record, k) != _request(settings, k)]
         names = {i.get("name") for i in record.get("inputs") or [] if isinstance(i, dict)}
         # Another source: spelled otherwise (`notes` and `notes/*.jsonl` derive one folder and
-        # share files, but are two runs' data), or no input file in common.
-        if (_same_path(record.get("source")) != _same_path(settings.get("source"))
-                or not names & {i["name"] for i in settings["inputs"]}):
+        # share files, but are two runs' data), or spelled the same with no input file in
+        # common (renamed, or a folder of other files): no --set asks for those files again.
+        if _same_path(record.get("source")) != _same_path(settings.get("source")):
             differ.insert(0, "source")
+        elif not names & {i["name"] for i in settings["inputs"]}:
+            differ.insert(0, "inputs")
         if differ:
             what = "data" if "tokenizer" in record else "an unfinished prepare"
             tokens = record.get("tokens") if isinstance(record.get("tokens"), dict) else {}
             # Data that holds out more for validation than it trains on (a val_fraction near 1:
             # a few hundred train tokens, or none) is nothing to train on as it is.
             train, val = tokens.get("train"), tokens.get("val")
-            usable = what == "data" and not (isinstance(train, int) and isinstance(val, int)
-                                             and train < val)
+            usable = what == "data" and "inputs" not in differ and not (
+                isinstance(train, int) and isinstance(val, int) and train < val)
             use = _sets_for(record, differ, out, source_key) if usable else ""
             # A training can use the data as it is: `prepare --input` names its --set options
             # for andrea train (they are no options of prepare's).
@@ -256,6 +258,9 @@ def _describe(record: dict[str, Any], keys: list[str]) -> str:
                 words.append(f"tokenizer {kind} ({value['vocab_size']} ids)")
             else:
                 words.append(f"tokenizer {kind}")
+        elif key == "inputs":
+            words.append("the files " + listed(
+                [str(i.get("name")) for i in record.get("inputs") or [] if isinstance(i, dict)]))
         else:  # None: a setting the request does not use (text_field without record files)
             words.append(f"{key} {'unused' if value is None else value}")
     return ", ".join(words)
