@@ -311,3 +311,20 @@ def test_a_named_input_that_is_no_file_is_named_as_what_it_is(tmp_path, monkeypa
     r = run_cli("--input", "/dev/null", "-t", "byte", cwd=tmp_path)
     assert_user_error(r, "/dev/null: not a regular file: a device")
     assert not (tmp_path / "data").exists()
+
+
+def test_an_empty_val_split_says_why_and_what_helps(tmp_path):
+    """Before: "the val split came out empty (inputs too small for val fraction 0.1); add text
+    or raise data.val_fraction", for a 1 MB file of one line too, where neither helps (its one
+    line break is its last byte, the tail after it empty), and for records all skipped. Now
+    the line gives the rule, and for skipped records says so."""
+    (tmp_path / "one.txt").write_text("word " * 200_000 + "\n")
+    r = andrea_main("prepare", "--input", "one.txt", "-t", "byte", "-o", "o1", cwd=tmp_path)
+    assert_user_error(r, "o1: the val split came out empty: a text file gives val its text "
+                      "after the first line break at or after 90% of it (a file of one line "
+                      "gives none)", "add text in more lines or records")
+    (tmp_path / "bad.jsonl").write_text('{"title": "no text"}\n' * 20)
+    r = andrea_main("prepare", "--input", "bad.jsonl", "-t", "byte", "--errors", "replace",
+                    "-o", "o2", cwd=tmp_path)
+    assert_user_error(r, "o2: no text came out of the inputs: all 20 records were skipped "
+                      "(data.errors replace)")

@@ -138,10 +138,20 @@ class ShardStream:
         """What the finished shards add to the manifest: tokenizer, shards, counts, tally."""
         counts = {s: sum(e["tokens"] for e in self.written[s]) for s in SPLITS}
         if counts["val"] == 0:
+            skipped = self.tally["skipped_records"]
+            if counts["train"] == 0:
+                raise UserError(
+                    f"{self.out}: no text came out of the inputs"
+                    + (f": all {skipped:,} records were skipped (data.errors replace); fix them"
+                       if skipped else "; give inputs that hold text"))
+            # The rule is docs/data.md's "Train/val split": one whole text gives val its tail
+            # from a line break on, so a file of one line (however long) gives none.
             raise UserError(
-                f"{self.out}: the val split came out empty (inputs too small for val fraction "
-                f"{val_fraction}); add text or raise data.val_fraction"
-            )
+                f"{self.out}: the val split came out empty: a text file gives val its text after "
+                f"the first line break at or after {1 - val_fraction:.0%} of it (a file of one "
+                f"line gives none), a record goes to val by a hash of its text (about "
+                f"{val_fraction:.0%} of them); add text in more lines or records, or raise "
+                f"data.val_fraction" + (f" ({skipped:,} records were skipped)" if skipped else ""))
         tok = self.tok
         return {
             "tokenizer": {
