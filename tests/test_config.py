@@ -399,3 +399,27 @@ def test_an_optimizer_is_one_entry_in_its_registry(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(UserError, match=r"train\.optimizer: 'plain' is not one of adamw, muon"):
         load_config("andrea-tiny", ["train.optimizer=plain"])
+
+
+def test_a_path_starting_with_a_tilde_is_in_the_home_folder(tmp_path, monkeypatch, data_dir):
+    """A shell expands ~ only where a word starts: not in `--set train.runs_dir=~/runs`, and
+    YAML never does. Such a path was taken as it is, a folder named ~ in the working directory
+    (one `rm -rf ~` away from the home folder). Now every path key, a mixture's paths too,
+    starts at the home folder."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    (tmp_path / "mix.yaml").write_text(
+        "data:\n  sources:\n    - {path: ~/a.txt, weight: 1}\n    - {path: b.txt, weight: 2}\n")
+    cfg = load_config(str(tmp_path / "mix.yaml"), [
+        "train.runs_dir=~/runs", "data.dir=~/data", "data.source=~/notes",
+        "data.tokenizer_file=~/tok/tokenizer.json"])
+    assert (cfg.train.runs_dir, cfg.data.dir, cfg.data.source, cfg.data.tokenizer_file) == (
+        f"{home}/runs", f"{home}/data", f"{home}/notes", f"{home}/tok/tokenizer.json")
+    assert [s["path"] for s in cfg.data.sources] == [f"{home}/a.txt", "b.txt"]
+    work = tmp_path / "work"
+    work.mkdir()
+    result = andrea_main("train", "-c", "andrea-tiny", "--set", "train.runs_dir=~/runs",
+                         "--set", f"data.dir={data_dir}", "--set", "train.max_steps=1",
+                         "--set", "train.name=t", "--no-progress", cwd=work)
+    assert result.returncode == 0, result.stderr
+    assert (home / "runs" / "t" / "step-000001").is_dir() and not list(work.iterdir())

@@ -67,6 +67,8 @@ class Rule:
     resumable: bool = False
     # Where the run lives rather than what it is: never compared on resume (--resume names it).
     location: bool = False
+    # A file or folder: a leading ~ is the home folder (config.load.validate expands it).
+    path: bool = False
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -86,9 +88,10 @@ def key(
     check: Check | None = None,
     resumable: bool = False,
     location: bool = False,
+    path: bool = False,
 ) -> Any:
     """A section field: its default and its rule (a list default gets a fresh list per config)."""
-    rule = Rule(description, choices, check, resumable, location)
+    rule = Rule(description, choices, check, resumable, location, path)
     if isinstance(default, list):
         return dataclasses.field(default_factory=list, metadata={_RULE: rule})
     return dataclasses.field(default=default, metadata={_RULE: rule})

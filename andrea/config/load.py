@@ -123,7 +123,8 @@ def _sources(value: Any, where: str) -> list[dict[str, Any]]:
         weight = _coerce(entry.get("weight", 1.0), float, f"{at}.weight")
         if not weight > 0:
             raise UserError(f"{at}.weight: must be a number > 0, got {entry.get('weight')!r}")
-        out.append({"path": path, "weight": weight})
+        # ~ is the home folder, as for the path keys (validate).
+        out.append({"path": os.path.expanduser(path), "weight": weight})
     return out
 
 
@@ -233,6 +234,12 @@ def _check_name_length(name: str, origin: str) -> None:
 def validate(cfg: Config, origin: str) -> Config:
     """Check values beyond their types and fill in derived fields. Returns cfg."""
     _check_declared(cfg, origin)
+    # A shell expands ~ only where a word starts (not in --set KEY=~/x), YAML never: a path
+    # left as ~/runs was a folder named ~ in the working directory.
+    for spec in key_specs():
+        if spec.rule.path:
+            section = getattr(cfg, spec.section)
+            setattr(section, spec.name, os.path.expanduser(getattr(section, spec.name)))
     m = cfg.model
     derived = m.n_head * m.head_dim
     if m.d_model is not None and m.d_model != derived:

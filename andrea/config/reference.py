@@ -82,6 +82,11 @@ other change is refused, except that a run not yet trained (an import, at step 0
 every key outside `model`. The keys marked *names the run* say where the run lives and are not
 compared.
 
+A path (`data.source`, `data.dir`, `data.tokenizer_file`, `data.sources`' paths,
+`train.runs_dir`) that starts with `~` starts at the home folder, in a file and in `--set` alike
+(a shell expands `~` only where a word starts, so not in `--set KEY=~/x`); a relative one is
+relative to the working directory.
+
 Each description is one line; how the keys work together, at length: [model.md](model.md)
 (`model`), [data.md](data.md) (`data`), [training.md](training.md) (`train`).
 """

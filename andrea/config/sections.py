@@ -64,15 +64,15 @@ class ModelConfig:
 class DataConfig:
     source: str = key(
         "shakespeare", "the text: shakespeare (the embedded corpus), or a file, directory or glob",
-        check=not_blank("shakespeare, or a file, directory or glob"))
+        check=not_blank("shakespeare, or a file, directory or glob"), path=True)
     tokenizer: str = key("bpe", "gpt2 (tiktoken's), bpe (trained on the source), or byte",
                          choices=Registered("data.tokenizer"))  # data.tokenizer.KINDS
     dir: str = key(
         "", "where the shards go; empty: data/<source>-<tokenizer>[-<vocab>] under the working "
-        "directory (data/<source>-bpe-tok<hash> with tokenizer_file)", resumable=True)
+        "directory (data/<source>-bpe-tok<hash> with tokenizer_file)", resumable=True, path=True)
     tokenizer_file: str = key(
         "", "for tokenizer bpe: an existing HF tokenizer.json (byte-level BPE, <|endoftext|> "
-        "last) to use as is, e.g. an imported model's; empty: train one")
+        "last) to use as is, e.g. an imported model's; empty: train one", path=True)
     val_fraction: float = key(0.1, "share of the documents held out for validation",
                               check=Check(lambda x: 0 < x < 1, "in (0, 1)"))
     shard_tokens: int = key(50_000_000, "tokens per shard file", check=POSITIVE_INT)
@@ -98,7 +98,7 @@ class DataConfig:
 class TrainConfig:
     name: str = key("", "run name (runs_dir/name), a folder name of at most 255 bytes; "
                     "empty: the config file's stem", location=True)
-    runs_dir: str = key("runs", "folder that holds the run folders", location=True)
+    runs_dir: str = key("runs", "folder that holds the run folders", location=True, path=True)
     seed: int = key(1337, "seed of the initial weights, the data order and dropout",
                     check=non_negative("a non-negative integer"))
     device: str = key("auto", "auto: cuda when there is a GPU, else cpu",
