@@ -11,6 +11,7 @@ and 5, checkpoint side), all through the real `andrea` command:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -465,6 +466,39 @@ def test_a_checkpoint_pruned_between_latest_and_its_files_says_so(tmp_path, trai
     shutil.rmtree(ckpt)  # what the training's prune did meanwhile
     with pytest.raises(UserError, match="removed while being read .* run the command again"):
         read_model_checkpoint(ckpt)
+
+
+def test_a_checkpoint_read_while_it_is_pruned_is_gone_never_half_deleted(
+        tmp_path, trained_tiny, monkeypatch):
+    """The prune deleted a checkpoint folder in place, file by file: `eval --all-steps` reading
+    the run meanwhile found the folder without its model file and called the checkpoint
+    "missing; the checkpoint is incomplete", a damaged one. Now the folder is taken out of the
+    run first (renamed), so a reader finds it gone and says so; a crash while deleting leaves
+    only a .stale- folder, which the next training removes."""
+    from andrea.errors import UserError
+    from andrea.train import rundir
+    from andrea.train.checkpoint import read_model_checkpoint
+
+    run = shutil.copytree(trained_tiny.run_dir, tmp_path / "x")
+    oldest = rundir.step_dirs(run)[0]
+    said: list[str] = []
+    delete = shutil.rmtree
+
+    def reader_mid_deletion(folder, *args, **kwargs):
+        (Path(folder) / "model.safetensors").unlink()  # the deletion half done
+        with pytest.raises(UserError) as exc:
+            read_model_checkpoint(oldest)
+        said.append(str(exc.value))
+        raise OSError("killed while deleting")
+
+    monkeypatch.setattr(rundir.shutil, "rmtree", reader_mid_deletion)
+    with contextlib.suppress(OSError):
+        rundir.prune_checkpoints(run, keep_last=1)
+    monkeypatch.setattr(rundir.shutil, "rmtree", delete)
+    assert len(said) == 1 and "removed while being read" in said[0], said
+    assert not oldest.exists() and [p.name for p in rundir.step_dirs(run)] == ["step-000040"]
+    rundir.clean_partials(run)
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-000040"]
 
 
 # ----------------------------------------------------------------------------- weights' values

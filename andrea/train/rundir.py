@@ -390,9 +390,7 @@ def publish(partial: Path, run_dir: Path, step: int) -> Path:
         # Not a checkpoint of the run: someone's file, left as it is (and under its name).
         raise OSError(errno.EEXIST, "a file, not a checkpoint folder, is in the way", str(final))
     if final.exists():
-        stale = run_dir / f"{final.name}.stale-{os.getpid()}"
-        final.rename(stale)
-        shutil.rmtree(stale)
+        remove_checkpoint(final)
     partial.rename(final)
     fsync_dir(run_dir)
     atomic_write_text(run_dir / LATEST, final.name + "\n")
@@ -409,7 +407,20 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
     line = [d for d in step_dirs(run_dir) if upto is None or (step_of_dir(d) or 0) <= upto]
     for old in line[:-keep_last]:
         if latest is None or old.resolve() != latest.resolve():
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)
+
+
+def remove_checkpoint(step_dir: Path) -> None:
+    """Take a checkpoint folder out of the run at once (renamed under a .stale- name), then
+    delete it: a command reading the run meanwhile (eval --all-steps while it trains) finds the
+    folder gone, never half-deleted, which would read as a damaged checkpoint. A crash while
+    deleting leaves the .stale- folder, which clean_partials removes."""
+    stale = step_dir.with_name(f"{step_dir.name}.stale-{os.getpid()}")
+    try:
+        step_dir.rename(stale)
+    except OSError:
+        return  # gone already, or not ours to remove
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def clean_partials(run_dir: Path) -> None:
