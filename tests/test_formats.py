@@ -146,6 +146,20 @@ def test_csv_gives_the_shards_of_the_same_texts_as_json_lines(tmp_path, monkeypa
     assert not (tmp_path / "data").exists()
 
 
+def test_csv_with_lone_cr_line_ends_reads_its_rows(tmp_path, monkeypatch):
+    """Rows ended by a lone "\r" (old Mac files) are rows, as pyarrow.csv reads them; they were
+    all taken as the header, and the file gave no text without a word."""
+    (tmp_path / "mac.csv").write_bytes(csv_bytes(CSV_DOCS).replace(b"\r\n", b"\r"))
+    (tmp_path / "a.jsonl").write_bytes(jsonl_bytes([d.replace("\r\n", "\r") for d in CSV_DOCS]))
+    monkeypatch.setattr(readers, "READ_BYTES", 300)
+    f = readers.InputFile(tmp_path / "mac.csv", "csv", "", 0, 0)
+    assert len(list(readers.csv_jobs(f, "text", 0))) > 10  # cut in pieces, not read whole
+    mac = prepare.prepare_inputs(str(tmp_path / "mac.csv"), "byte", tmp_path / "mac")
+    lines = prepare.prepare_inputs(str(tmp_path / "a.jsonl"), "byte", tmp_path / "lines")
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(split_tokens(mac, split), split_tokens(lines, split))
+
+
 def test_text_field_and_skipped_records(tmp_path):
     lines = [json.dumps({"body": d}) for d in DOCS[:50]] + ['{"body": 5}', '{"other": "x"}']
     (tmp_path / "x.jsonl").write_text("\n".join(lines) + "\n")

@@ -152,12 +152,26 @@ def record_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
         line += data.count(b"\n")
 
 
+def _csv_line_ends(raw: np.ndarray) -> np.ndarray:
+    """Offsets just past each line break: "\n", "\r\n" or a lone "\r" (old Mac files), the three
+    pyarrow.csv ends a row at. A "\r" that ends the buffer is not one yet: its "\n" may follow
+    in the next block, and a piece cut between the two would start with an empty line."""
+    ends = raw == ord("\n")
+    ends[:-1] |= (raw[:-1] == ord("\r")) & ~ends[1:]
+    return np.flatnonzero(ends) + 1
+
+
+def _csv_lines(data: bytes) -> int:
+    """How many line breaks a piece holds (pieces are never cut inside a "\r\n")."""
+    return data.count(b"\n") + data.count(b"\r") - data.count(b"\r\n")
+
+
 def _csv_row_ends(buf: bytes) -> np.ndarray:
     """Offsets just past each line break outside quotes (an even number of '"' before it:
     RFC 4180 quoting, a quote inside a quoted field doubled)."""
     raw = np.frombuffer(buf, dtype=np.uint8)
-    breaks = np.flatnonzero(raw == ord("\n"))
-    return breaks[np.cumsum(raw == ord('"'))[breaks] % 2 == 0] + 1
+    ends = _csv_line_ends(raw)
+    return ends[np.cumsum(raw == ord('"'))[ends - 1] % 2 == 0]
 
 
 def _csv_last_row_end(buf: bytes) -> int:
@@ -202,14 +216,14 @@ def csv_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
                     f"{f.path}: no column '{field}'; its header has: {', '.join(names)}; "
                     "choose one with --text-field (data.text_field)"
                 )
-            line += data[:head].count(b"\n")
+            line += _csv_lines(data[:head])
             data = data[head:]
         column = _read_csv(f, data, names, field, line).column(0) if data.strip() else None
         rows = len(column) if column is not None else 0
         yield Job("column", f.name, consumed, column if index >= skip and rows else None, row,
                   "after the header")
         row += rows
-        line += data.count(b"\n")
+        line += _csv_lines(data)
 
 
 def _open_parquet(f: InputFile) -> Any:
