@@ -160,6 +160,26 @@ def test_csv_with_lone_cr_line_ends_reads_its_rows(tmp_path, monkeypatch):
         np.testing.assert_array_equal(split_tokens(mac, split), split_tokens(lines, split))
 
 
+@pytest.mark.parametrize("stray", ['12,a 12" pizza', '12,"a 12"" pizza" for two'])
+def test_csv_quote_that_neither_opens_nor_closes_a_field_is_refused(tmp_path, monkeypatch,
+                                                                     stray):
+    """A " inside a field not quoted, or after a quoted field's closing one, is not RFC 4180:
+    it flipped the quote parity that finds where a piece may be cut, so rows with line breaks
+    after it were cut apart (text moved to the id column and lost) without a word. Refused
+    naming its line and byte, whatever the size of the pieces."""
+    rows = [f'{i},"Row {i} first line\nsecond line of row {i}, with comma"' for i in range(200)]
+    blob = "\n".join(["id,text", *rows[:20], stray, *rows[20:]]).encode()
+    (tmp_path / "q.csv").write_bytes(blob)
+    at = blob.index(stray.encode()) + stray.rindex('" ')
+    line = blob[:at].count(b"\n") + 1
+    for read_bytes in (300, readers.READ_BYTES):
+        monkeypatch.setattr(readers, "READ_BYTES", read_bytes)
+        r = andrea_main("prepare", "-i", "q.csv", "-t", "byte", cwd=tmp_path)
+        assert_user_error(r, f'q.csv: a " at line {line} (byte offset {at}) that neither opens '
+                          'nor closes a quoted field', '"" for a " inside one')
+        assert not (tmp_path / "data").exists()
+
+
 def test_text_field_and_skipped_records(tmp_path):
     lines = [json.dumps({"body": d}) for d in DOCS[:50]] + ['{"body": 5}', '{"other": "x"}']
     (tmp_path / "x.jsonl").write_text("\n".join(lines) + "\n")

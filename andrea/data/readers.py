@@ -174,6 +174,28 @@ def _csv_row_ends(buf: bytes) -> np.ndarray:
     return ends[np.cumsum(raw == ord('"'))[ends - 1] % 2 == 0]
 
 
+_CSV_FIX = ("fix the file (a header row, then rows of as many fields, \" around a field with "
+            ", \" or a line break, \"\" for a \" inside one)")
+_FIELD_EDGES = np.frombuffer(b',\n\r"', dtype=np.uint8)
+
+
+def _csv_stray_quote(data: bytes) -> int:
+    """Offset of the first '"' that neither opens nor closes a quoted field (one inside a field
+    not quoted, or text after a closing one), -1 if none. `data` starts at a row's start. Row
+    ends are found by quote parity, which such a quote flips, so a cut after it can fall inside
+    a quoted field; RFC 4180 has no such quote. By parity, an opening quote follows a field's
+    edge (or the closing quote of a doubled \"\"), a closing one comes before one."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    quotes = np.flatnonzero(raw == ord('"'))
+    if not len(quotes):
+        return -1
+    edged = np.concatenate(([ord(",")], raw, [ord(",")]))  # the piece's ends are fields' edges
+    opening, closing = quotes[0::2], quotes[1::2]
+    stray = np.concatenate((opening[~np.isin(edged[opening], _FIELD_EDGES)],
+                            closing[~np.isin(edged[closing + 2], _FIELD_EDGES)]))
+    return int(stray.min()) if len(stray) else -1
+
+
 def _csv_last_row_end(buf: bytes) -> int:
     ends = _csv_row_ends(buf)
     return int(ends[-1]) if len(ends) else 0
@@ -195,9 +217,7 @@ def _read_csv(f: InputFile, data: bytes, names: list[str] | None, field: str, li
     except Exception as exc:  # pyarrow.ArrowInvalid: a row with too few or too many fields
         problem = " ".join(str(exc).split())
         raise UserError(
-            f"{f.path}: not readable CSV in the rows from line {line} on ({problem}); fix the "
-            "file (a header row, then rows of as many fields, \" around a field with , \" or "
-            "a line break, \"\" for a \" inside one)"
+            f"{f.path}: not readable CSV in the rows from line {line} on ({problem}); {_CSV_FIX}"
         ) from None
 
 
@@ -205,8 +225,18 @@ def csv_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
     """A header row naming the columns, then rows cut into jobs of about READ_BYTES at row
     ends (line breaks in quoted fields stay inside their row); each job the text column."""
     names: list[str] | None = None
-    row, line = 1, 1
+    row, line, offset = 1, 1, 0
     for index, (data, consumed) in enumerate(_pieces(f, _csv_last_row_end)):
+        # The parity that cut this piece is right up to its first stray quote: the first one
+        # in the file is in the piece it made wrong, or in a later one cut right.
+        if (stray := _csv_stray_quote(data)) >= 0:
+            decompressed = " once decompressed" if f.compression else ""
+            raise UserError(
+                f"{f.path}: a \" at line {line + _csv_lines(data[:stray])} (byte offset "
+                f"{offset + stray}{decompressed}) that neither opens nor closes a quoted field; "
+                f"{_CSV_FIX}"
+            )
+        offset += len(data)
         if names is None:
             ends = _csv_row_ends(data)
             head = int(ends[0]) if len(ends) else len(data)
