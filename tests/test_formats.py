@@ -279,6 +279,10 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path):
     bad_utf8 = '{"text": "ok"}\n{"text": "caf\xe9"}\n'.encode("latin-1")
     (tmp_path / "latin1.jsonl").write_bytes(bad_utf8)
     (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 40)
+    (tmp_path / "latin1.csv").write_bytes("id,t\xeate,text\n1,a,b\n".encode("latin-1"))
+    (tmp_path / "utf16.csv").write_bytes(csv_bytes(DOCS[:5]).decode().encode("utf-16"))
+    png = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x10\0\0\0\x10\x08\x02"
+    (tmp_path / "image.csv").write_bytes(png + bytes(range(256)) * 4)
     (tmp_path / "empty").mkdir()
     cases = [
         (["-i", "cut.jsonl.gz"], ["cut.jsonl.gz: truncated .gz file"]),
@@ -291,6 +295,10 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path):
         (["-i", "latin1.jsonl", "--errors", "strict"], ["latin1.jsonl:2: invalid UTF-8"]),
         (["-i", "blob.bin"], ["blob.bin: looks binary", "text, JSON Lines, CSV, Parquet or "
                                                          "Arrow files"]),
+        (["-i", "latin1.csv"], ["latin1.csv: invalid UTF-8 at byte offset 4, in its header row; "
+                                "fix the file (CSV is read as UTF-8 text)"]),
+        (["-i", "utf16.csv"], ["utf16.csv: looks binary (NUL bytes), not text"]),
+        (["-i", "image.csv"], ["image.csv: looks binary (NUL bytes), not text"]),
         (["-i", "empty"], ["empty: directory has no input files"]),
         (["-i", "nothing/*.jsonl"], ["nothing/*.jsonl: the pattern matches no files"]),
     ]

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from andrea.data.folder import is_andrea_folder
 from andrea.data.inputs import input_files, input_identity
-from andrea.data.readers import InputFile, Job, iter_blocks
+from andrea.data.readers import InputFile, Job, iter_blocks, refuse_binary
 from andrea.data.shards import SPLITS
 from andrea.errors import UserError
 
@@ -207,12 +207,7 @@ def _text_jobs(doc: Document, val_fraction: float, skip: int, file_bytes: int) -
     part is marked so end-of-text follows it. File bytes are apportioned for the progress bar."""
     index, done = 0, 0
     with doc.open() as f:
-        head = f.read(8192)
-        if b"\0" in head:
-            raise UserError(
-                f"{doc.name}: looks binary (NUL bytes), not text; give text, JSON Lines, CSV, "
-                "Parquet or Arrow files (docs/data.md, \"Input formats\")"
-            )
+        refuse_binary(doc.name, f.read(8192))
         cut = val_start(f, doc.size, val_fraction)
         for split, (a, b) in zip(SPLITS, ((0, cut), (cut, doc.size)), strict=True):
             if a >= b:

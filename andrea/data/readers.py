@@ -110,6 +110,16 @@ def iter_blocks(f: InputFile) -> Iterator[tuple[bytes, int]]:
             )
 
 
+def refuse_binary(name: str, head: bytes) -> None:
+    """A UserError for input whose first 8 KiB hold a NUL byte: no UTF-8 text has one (UTF-16
+    text, an image or an archive does)."""
+    if b"\0" in head[:8192]:
+        raise UserError(
+            f"{name}: looks binary (NUL bytes), not text; give text, JSON Lines, CSV, Parquet or "
+            "Arrow files (docs/data.md, \"Input formats\")"
+        )
+
+
 # ----------------------------------------------------------------------------- jobs
 
 
@@ -227,6 +237,8 @@ def csv_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
     names: list[str] | None = None
     row, line, offset = 1, 1, 0
     for index, (data, consumed) in enumerate(_pieces(f, _csv_last_row_end)):
+        if index == 0:
+            refuse_binary(f.name, data)
         # The parity that cut this piece is right up to its first stray quote: the first one
         # in the file is in the piece it made wrong, or in a later one cut right.
         if (stray := _csv_stray_quote(data)) >= 0:
@@ -240,6 +252,13 @@ def csv_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
         if names is None:
             ends = _csv_row_ends(data)
             head = int(ends[0]) if len(ends) else len(data)
+            try:  # pyarrow's column names would raise it as they are made str
+                data[:head].decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(
+                    f"{f.path}: invalid UTF-8 at byte offset {exc.start}, in its header row; fix "
+                    "the file (CSV is read as UTF-8 text)"
+                ) from None
             names = _read_csv(f, data[:head], None, field, line).column_names
             if field not in names:
                 raise UserError(
