@@ -430,6 +430,22 @@ def test_jsonl_as_datasets_ship_it(tmp_path):
     assert_user_error(r, "l.jsonl:2: a JSON list, expected an object", "--errors replace")
 
 
+def test_lone_surrogates_are_replaced_with_u_fffd(tmp_path):
+    """A JSON \\ud800 escape (a lone surrogate: no UTF-8 for it) under --errors replace is
+    written as U+FFFD, one for each, as the last line and docs/data.md say; it was '?'."""
+    good = [json.dumps({"text": f"record {i}: some text here"}).encode() for i in range(300)]
+    jsonl(tmp_path / "s.jsonl", good + [rb'{"text": "bad \ud800 here"}',
+                                        rb'{"text": "two \udfff\ud800 lone"}'])
+    r = andrea_main("prepare", "-i", "s.jsonl", "-t", "byte", "-o", "out", "--errors", "replace",
+                    cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "replaced 3 invalid UTF-8 bytes with U+FFFD" in r.stdout
+    ids = np.concatenate([tokens(tmp_path / "out", s) for s in ("train", "val")])
+    text = bytes(int(t) for t in ids if t < 256).decode()  # byte tokens; 256 is end-of-text
+    assert "bad \ufffd here" in text and "two \ufffd\ufffd lone" in text
+    assert "?" not in text
+
+
 def test_dotted_text_field_reaches_into_parquet_structs(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

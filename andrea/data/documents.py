@@ -162,12 +162,18 @@ REPLACE = "andrea-replace"  # Python's 'replace' that also counts what it replac
 _replaced = [0]
 
 
-def _count_and_replace(exc: UnicodeError) -> tuple[str, int]:
-    """U+FFFD for each invalid UTF-8 sequence (decoding), '?' for each lone surrogate
-    (encoding), exactly as errors='replace' does; the replaced bytes or characters counted."""
-    if isinstance(exc, UnicodeDecodeError | UnicodeEncodeError):
+def _count_and_replace(exc: UnicodeError) -> tuple[str | bytes, int]:
+    """U+FFFD for each invalid UTF-8 sequence (decoding), as errors='replace' does, and for each
+    lone surrogate (encoding, where errors='replace' writes '?': U+FFFD is what we promise for
+    input that is not Unicode); the replaced bytes or characters counted."""
+    if isinstance(exc, UnicodeDecodeError):
         _replaced[0] += exc.end - exc.start
-        return ("\ufffd" if isinstance(exc, UnicodeDecodeError) else "?", exc.end)
+        return "\ufffd", exc.end
+    if isinstance(exc, UnicodeEncodeError):
+        # A run of surrogates is one error; the UTF-8 encoder takes only ASCII as a str, so
+        # U+FFFD goes as its bytes.
+        _replaced[0] += exc.end - exc.start
+        return "\ufffd".encode() * (exc.end - exc.start), exc.end
     raise exc
 
 
