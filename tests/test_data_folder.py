@@ -446,6 +446,15 @@ def test_lone_surrogates_are_replaced_with_u_fffd(tmp_path):
     assert "?" not in text
 
 
+def test_a_lone_surrogate_under_strict_errors_names_its_line(tmp_path):
+    """The file's line, as every other error of a JSON Lines record names it: it was the
+    record's number among the non-blank lines ("record 2")."""
+    jsonl(tmp_path / "s.jsonl", [b'{"text": "fine"}', b"", b"  ", rb'{"text": "bad \ud800 here"}'])
+    r = andrea_main("prepare", "-i", "s.jsonl", "-t", "byte", "-o", "out", cwd=tmp_path)
+    assert_user_error(r, "s.jsonl:4: field 'text' holds invalid Unicode (a lone surrogate)",
+                      "--errors replace")
+
+
 def test_dotted_text_field_reaches_into_parquet_structs(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

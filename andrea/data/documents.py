@@ -353,17 +353,18 @@ def job_documents(job: Job, s: Settings) -> tuple[list[tuple[str, str, bool]], T
     if job.kind == "text":
         split, chunk, offset, last = job.data
         return [(split, _decode(chunk, offset, job.name, s.errors), last)], Tally(0, _replaced[0])
-    texts: list[str | None] = []
+    texts: list[tuple[str, str | None]] = []  # (where it is, for messages; its text)
     if job.kind == "records":
         for i, line in enumerate(job.data.split(b"\n")):
             if line.strip():
-                texts.append(_record_line(line, f"{job.name}:{job.start + i}", s))
+                where = f"{job.name}:{job.start + i}"
+                texts.append((where, _record_line(line, where, s)))
     else:
         for i, value in enumerate(job.data.to_pylist()):
             where = f"{job.name}: {job.where}, row {job.start + i}"
-            texts.append(_record_text(value, where, s.text_field, None, s))
+            texts.append((where, _record_text(value, where, s.text_field, None, s)))
     out, skipped = [], 0
-    for i, text in enumerate(texts):
+    for where, text in texts:
         if text is None:
             skipped += 1
             continue
@@ -372,8 +373,8 @@ def job_documents(job: Job, s: Settings) -> tuple[list[tuple[str, str, bool]], T
         except UnicodeEncodeError:  # lone surrogates from a JSON \\ud800 escape
             if s.errors == "strict":
                 raise UserError(
-                    f"{job.name}: record {job.start + i} holds invalid Unicode (a lone "
-                    "surrogate); fix the input or pass --errors replace (data.errors=replace)"
+                    f"{where}: field '{s.text_field}' holds invalid Unicode (a lone surrogate); "
+                    "fix the input or pass --errors replace (data.errors=replace)"
                 ) from None
             blob = text.encode("utf-8", errors=REPLACE)
             text = blob.decode("utf-8")
