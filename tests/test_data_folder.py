@@ -5,6 +5,7 @@ folder lock and ownership rules (docs/data.md, "What prepare locks and refuses")
 
 from __future__ import annotations
 
+import codecs
 import fcntl
 import json
 import os
@@ -428,6 +429,22 @@ def test_jsonl_as_datasets_ship_it(tmp_path):
     jsonl(tmp_path / "l.jsonl", [b'{"text": "x"}', b"[1, 2]"])
     r = andrea_main("prepare", "-i", "l.jsonl", "-t", "byte", "-o", "l", cwd=tmp_path)
     assert_user_error(r, "l.jsonl:2: a JSON list, expected an object", "--errors replace")
+
+
+def test_jsonl_that_starts_with_a_bom_reads_its_first_record(tmp_path):
+    """A UTF-8 byte order mark (some Windows editors write one) is skipped, as in a CSV: it
+    failed line 1 with Python's "Unexpected UTF-8 BOM" (or, under --errors replace, lost the
+    first record)."""
+    lines = [json.dumps({"text": f"record {i}: some text here"}).encode() for i in range(300)]
+    jsonl(tmp_path / "plain.jsonl", lines)
+    (tmp_path / "bom.jsonl").write_bytes(codecs.BOM_UTF8 + (tmp_path / "plain.jsonl").read_bytes())
+    outs = [tmp_path / name for name in ("plain", "bom")]
+    for out in outs:
+        r = andrea_main("prepare", "-i", f"{out.name}.jsonl", "-t", "byte", "-o", out.name,
+                        cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(tokens(outs[0], split), tokens(outs[1], split))
 
 
 def test_lone_surrogates_are_replaced_with_u_fffd(tmp_path):

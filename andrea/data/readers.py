@@ -16,6 +16,7 @@ data to a worker process; the main process only reads (and decompresses) bytes.
 
 from __future__ import annotations
 
+import codecs
 import io
 import zlib
 from collections.abc import Callable, Iterator
@@ -158,6 +159,8 @@ def record_jobs(f: InputFile, field: str, skip: int) -> Iterator[Job]:
     worker)."""
     line = 1
     for index, (data, consumed) in enumerate(_pieces(f, lambda buf: buf.rfind(b"\n") + 1)):
+        if index == 0:  # a BOM that some editors write: json refuses it, as pyarrow.csv skips it
+            data = data.removeprefix(codecs.BOM_UTF8)
         yield Job("records", f.name, consumed, data if index >= skip else None, line)
         line += data.count(b"\n")
 
