@@ -180,6 +180,24 @@ def test_csv_quote_that_neither_opens_nor_closes_a_field_is_refused(tmp_path, mo
         assert not (tmp_path / "data").exists()
 
 
+def test_a_dictionary_encoded_text_column_reads_as_its_strings(tmp_path):
+    """A Parquet (or Arrow) column of dictionary<values=string> (a pandas category column) is
+    text; it was refused as 'holds dictionary<values=string, ...>, not strings'."""
+    docs = DOCS[:40] * 3
+    pq.write_table(pa.table({"text": docs}), tmp_path / "plain.parquet", row_group_size=50)
+    pq.write_table(pa.table({"text": pa.array(docs).dictionary_encode()}),
+                   tmp_path / "dict.parquet", row_group_size=50)
+    write_datasets_folder(tmp_path / "ds", pa.array(docs).dictionary_encode())
+    plain = prepare.prepare_inputs(str(tmp_path / "plain.parquet"), "byte", tmp_path / "plain")
+    for name in ("dict.parquet", "ds"):
+        encoded = prepare.prepare_inputs(str(tmp_path / name), "byte", tmp_path / f"out-{name}")
+        for split in ("train", "val"):
+            np.testing.assert_array_equal(split_tokens(encoded, split), split_tokens(plain, split))
+    pq.write_table(pa.table({"text": pa.array([1, 2]).dictionary_encode()}), tmp_path / "n.parquet")
+    r = andrea_main("prepare", "-i", "n.parquet", "-t", "byte", cwd=tmp_path)
+    assert_user_error(r, "n.parquet: column 'text' holds", "not strings")
+
+
 def test_text_field_and_skipped_records(tmp_path):
     lines = [json.dumps({"body": d}) for d in DOCS[:50]] + ['{"body": 5}', '{"other": "x"}']
     (tmp_path / "x.jsonl").write_text("\n".join(lines) + "\n")

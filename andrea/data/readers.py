@@ -307,7 +307,10 @@ def _field_path(f: InputFile, schema: Any, field: str) -> list[str]:
                 f"(it holds {kind}); choose the text with --text-field (data.text_field)"
             )
         kind = kind.field(part).type
-    if str(kind) not in _STRING_TYPES:
+    # A dictionary-encoded column (what a pandas category column is written as) reads as its
+    # values.
+    values = kind.value_type if pa.types.is_dictionary(kind) else kind
+    if str(values) not in _STRING_TYPES:
         raise UserError(
             f"{f.path}: column '{field}' holds {kind}, not strings; choose a text column with "
             "--text-field (data.text_field)"
