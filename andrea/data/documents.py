@@ -23,7 +23,7 @@ from andrea.data.folder import is_andrea_folder
 from andrea.data.inputs import input_files, input_identity
 from andrea.data.readers import InputFile, Job, iter_blocks, refuse_binary
 from andrea.data.shards import SPLITS
-from andrea.errors import UserError
+from andrea.errors import UserError, listed
 
 SHAKESPEARE = "shakespeare"
 CHUNK_BYTES = 1 << 20
@@ -77,9 +77,8 @@ def documents(
 
     files: list[Input] = list(input_files(source, prepared))
     if skipped:
-        more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-        say(f"{source}: skipping {', '.join(map(str, skipped[:3]))}{more}: prepared data or "
-            "the output folder, not input")
+        say(f"{source}: skipping {listed([str(p) for p in skipped])}: prepared data or the "
+            "output folder, not input")
     if sum(f.size for f in files) == 0:
         raise UserError(f"{source}: input is empty ({len(files)} file(s), 0 bytes); give a "
                         "file, folder or glob that holds text")
