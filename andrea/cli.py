@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any
@@ -563,7 +564,8 @@ def import_cmd(
 
     _check_format(fmt)
     ckpt = import_hf(src, out, set_ or [], force)
-    typer.echo(f"wrote {ckpt}; fine-tune with: andrea train --resume {ckpt.parent}")
+    typer.echo(f"wrote {ckpt}; fine-tune with: "
+               f"{shlex.join(['andrea', 'train', '--resume', str(ckpt.parent)])}")
 
 
 @app.command("bench", cls=RegistryHelp)

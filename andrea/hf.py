@@ -36,6 +36,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -314,7 +315,8 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
 
     out = _out_folder(Path(out), f"--out {out}", "pick another path")
     replacing = _replacing(out, force, _earlier_export)
-    ckpt = find_checkpoint(checkpoint, use=f"andrea export --checkpoint {{}} --out {out}")
+    ckpt = find_checkpoint(
+        checkpoint, use=f"andrea export --checkpoint {{}} --out {shlex.quote(str(out))}")
     tensors, cfg, metadata = ckpt_io.read_model_checkpoint(ckpt)
     # An export is made to be shared: a diverged model is not one to hand on.
     ckpt_io.check_weights(tensors, ckpt / ckpt_io.MODEL_FILE,

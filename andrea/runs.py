@@ -526,15 +526,15 @@ def format_table(runs: list[RunSummary]) -> str:
         aside = Path(r.path) / OVERWRITTEN
         if aside.is_dir():  # an --overwrite's start files over the old run it set aside
             notes.append(f"  {r.name}: an --overwrite that stopped during its set-up left the "
-                         f"old run in {aside}; any training of the run puts it back: andrea "
-                         f"train --resume {r.path}")
+                         f"old run in {aside}; any training of the run puts it back: "
+                         f"{shlex.join(['andrea', 'train', '--resume', r.path])}")
         elif r.state == "crashed":  # no end record: killed, out of memory, its machine lost
             notes.append(
-                f"  {r.name}: its process ended without a word (killed?); continue it: andrea "
-                f"train --resume {r.path}" if r.latest_checkpoint else
-                f"  {r.name}: its process ended without a word (killed?) before its first "
-                f"checkpoint; nothing to continue; start it over: andrea train --config "
-                f"{Path(r.path) / CONFIG}")
+                f"  {r.name}: its process ended without a word (killed?); continue it: "
+                f"{shlex.join(['andrea', 'train', '--resume', r.path])}" if r.latest_checkpoint
+                else f"  {r.name}: its process ended without a word (killed?) before its first "
+                f"checkpoint; nothing to continue; start it over: "
+                f"{shlex.join(['andrea', 'train', '--config', str(Path(r.path) / CONFIG)])}")
         if r.last_val_sources and r.last_val_loss is not None:
             by_source = ", ".join(f"{n} {_loss(v)}" for n, v in r.last_val_sources.items())
             notes.append(f"  {r.name}: val loss by source at step {r.last_val_step}: "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,10 +176,12 @@ def tokenizer_for_checkpoint(
     if tok is not None:
         return tok
     searched = ", ".join(str(path.parent) for path in (ckpt / kind.file, *candidates))
+    prepare = shlex.join(["andrea", "prepare", "-c", str(ckpt.parent / "config.yaml"),
+                          "--set", f"data.dir={local_dir}"])
     raise UserError(
         f"{ckpt}: trained with BPE tokenizer {identity}, which is in none of {searched}; "
         f"copy that tokenizer.json into {ckpt}, or prepare the run's data "
-        f"(`andrea prepare -c {ckpt.parent / 'config.yaml'} --set data.dir={local_dir}`)"
+        f"(`{prepare}`)"
     )
 
 

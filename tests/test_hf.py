@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 
 import pytest
@@ -280,6 +281,19 @@ def test_an_import_fine_tunes_with_resume(tmp_path, data_dir):
     result = train(cfg, resume=str(run), progress=False, stop_after=1)
     assert result.steps == 1 and result.checkpoint == run / "step-000001"
     assert_first_loss_is_the_imported_weights(result, ckpt, cfg, data_dir)
+
+
+def test_the_fine_tune_command_of_an_import_quotes_its_folder(tmp_path):
+    """Before: `--out "imp ü/"` printed `fine-tune with: andrea train --resume imp ü`, which a
+    shell splits into two paths. Now the folder is quoted as a shell reads it back."""
+    ckpt = make_checkpoint(tmp_path)
+    export_hf(str(ckpt), tmp_path / "ex ü" / "hf")
+    out = andrea_main("import", "--format", "hf", "ex ü/hf/", "--out", "imp ü/", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    said = out.stdout.strip()
+    assert said.startswith("wrote imp ü/step-000000; fine-tune with: "), said
+    assert shlex.split(said.split("fine-tune with: ")[1]) == ["andrea", "train", "--resume",
+                                                              "imp ü"]
 
 
 def test_an_imported_bpe_model_fine_tunes_with_its_tokenizer(tmp_path, monkeypatch):

@@ -108,6 +108,10 @@ def test_a_lost_rank_with_a_restart_left_is_no_error(tmp_path):
         head + "torchrun restarts the job (restart 2 of 3)", True)
     assert words([1, 2], 5, ckpt, run, attempt_number=3, max_restarts=3) == (head + manual,
                                                                            False)
+    # A run folder with a space is quoted as the shell reads it back.
+    spaced = tmp_path / "my runs" / "r"
+    assert f"--resume '{spaced}' (torchrun" in words([1], 5, ckpt, spaced, attempt_number=1,
+                                                        max_restarts=1)[0]
     assert words([1, 2], 5, ckpt, run, attempt_number=0, max_restarts=0) == (head + manual,
                                                                            False)
     # Before any checkpoint --resume has nothing to continue (it is refused): the same launch.

@@ -184,6 +184,32 @@ def test_a_crashed_run_says_how_to_go_on_and_one_without_a_checkpoint_is_not_cal
                       f"{early}: the run has no checkpoint yet", f"andrea runs {early}")
 
 
+def test_the_commands_of_a_crashed_runs_notes_quote_a_folder_with_a_space(tmp_path):
+    """Before: `andrea runs "my runs"` noted `continue it: andrea train --resume my runs/late`
+    and `start it over: andrea train --config my runs/early/config.yaml`, which a shell splits
+    at the space; eval's refusal of the early run named `andrea runs my runs/early` alike. Now
+    each command's paths are quoted; the run named as the line's subject is not."""
+    root = tmp_path / "my runs"
+    early = write_run(root, "early", [start_record(pid=dead_pid()), *normal_history(10)])
+    late = write_run(root, "late", [start_record(pid=dead_pid()), *normal_history(40)],
+                     checkpoints=(20,))
+    notes = andrea_main("runs", "my runs", cwd=tmp_path).stdout
+    said = {line.split(": ")[0].strip(): line.rsplit(": ", 1)[1]
+            for line in notes.splitlines() if "without a word" in line}
+    assert shlex.split(said["late"]) == ["andrea", "train", "--resume", "my runs/late"], notes
+    assert shlex.split(said["early"])[:3] == ["andrea", "train", "--config"], notes
+    assert "my runs/early/config.yaml" in shlex.split(said["early"]), notes
+    line = assert_user_error(andrea_main("eval", "--checkpoint", str(early)),
+                             f"{early}: the run has no checkpoint yet")
+    assert f"); {shlex.join(['andrea', 'runs', str(early)])} says how it stands" in line, line
+    line = assert_user_error(andrea_main("train", "--resume", "my runs/early", cwd=tmp_path),
+                             "--resume my runs/early: the run was started but stopped")
+    assert shlex.join(["andrea", "runs", "my runs/early"]) in line, line
+    assert line.endswith(": " + shlex.join(["andrea", "train", "--config",
+                                            "my runs/early/config.yaml"])), line
+    assert late.is_dir()
+
+
 def test_resumed_run_keeps_only_the_current_history(tmp_path):
     # Died (no end) at step 150, resumed from the checkpoint at 100, interrupted at 120.
     records = [

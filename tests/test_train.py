@@ -448,6 +448,18 @@ def test_a_new_run_never_writes_over_checkpoints_without_latest_nor_a_users_fold
                       "holds notes.md, which no andrea run holds")
 
 
+def test_a_second_training_into_a_run_folder_with_a_space_quotes_its_resume(tmp_path, data_dir):
+    """Before: `error: my runs/r: already holds a run; continue it with --resume my runs/r`,
+    which a shell splits at the space. Now the folder is quoted in the option, not in the
+    line's subject."""
+    run_dir = make_checkpoint(tmp_path / "my runs", f"data.dir={data_dir}").parent
+    line = assert_user_error(
+        andrea_main("train", "-c", "andrea-tiny", "--no-progress", "--set", f"data.dir={data_dir}",
+                    "--set", f"train.runs_dir={run_dir.parent}", "--set", "train.name=r"),
+        f"error: {run_dir}: already holds a run")
+    assert f"continue it with --resume '{run_dir}' (or --resume auto)" in line, line
+
+
 def test_a_run_folder_with_links_in_place_of_its_files_is_refused(tmp_path, data_dir):
     """A run folder from elsewhere whose lock file or metrics.jsonl is a symbolic link: a
     resume wrote the lock's record over the file it pointed to, or appended the run's records

@@ -161,13 +161,14 @@ def full_message(s: Session, free: int, cause: str | None, full: bool | None = T
     if latest is None:
         fix = "free space there, or set train.runs_dir to a disk with room" if room else \
             "fix that"
-        how = (f"no checkpoint was written before it; {fix}, then start over: andrea train "
-               f"--config {s.run_dir / CONFIG}")
+        how = (f"no checkpoint was written before it; {fix}, then start over: "
+               f"{shlex.join(['andrea', 'train', '--config', str(s.run_dir / CONFIG)])}")
     else:
         fix = f"free space there, or move {s.run_dir} to a disk with room" if room else \
             "fix that"
-        how = (f"latest is still {latest}; {fix}, then continue: andrea train --resume "
-               f"{s.run_dir}{' (its new path if moved)' if room else ''}")
+        how = (f"latest is still {latest}; {fix}, then continue: "
+               f"{shlex.join(['andrea', 'train', '--resume', str(s.run_dir)])}"
+               f"{' (its new path if moved)' if room else ''}")
     head = "disk full" if full else "checkpoint write failed"
     return f"{head} at step {s.step}: {what}; {how}"
 

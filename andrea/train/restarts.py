@@ -8,6 +8,7 @@ torchrun restarts the job, or the command that continues it).
 from __future__ import annotations
 
 import functools
+import shlex
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -103,5 +104,6 @@ def lost_peer_words(lost: list[int] | None, step: int, checkpoint: Path | None, 
     if checkpoint is None:
         return (f"{head}; start it again with the same launch (there is nothing to resume; "
                 f"torchrun --max-restarts N restarts it by itself)"), False
-    return (f"{head}; continue with the same launch and --resume {run_dir} (torchrun "
-            f"--max-restarts N continues by itself)"), False
+    return (f"{head}; continue with the same launch and "
+            f"{shlex.join(['--resume', str(run_dir)])} (torchrun --max-restarts N continues by "
+            f"itself)"), False

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,8 @@ def check_resume_changes(
     if refused:
         raise UserError(
             f"{run_dir}: resuming cannot change {', '.join(refused)}: these keys define the run; "
-            f"leave them as the run has them (--resume {run_dir} alone continues its own "
-            f"config.yaml) or start a new run"
+            f"leave them as the run has them ({shlex.join(['--resume', str(run_dir)])} alone "
+            f"continues its own config.yaml) or start a new run"
         )
     return {k: [a, b] for k, (a, b) in changes.items()}
 
@@ -122,8 +123,9 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
     if not has_checkpoint(run_dir):
         raise UserError(
             f"--resume {resume}: the run was started but stopped before its first checkpoint "
-            f"(andrea runs {run_dir} says how), so there is nothing to continue; start it over "
-            f"with: andrea train --config {run_dir / CONFIG}"
+            f"({shlex.join(['andrea', 'runs', str(run_dir)])} says how), so there is nothing to "
+            f"continue; start it over with: "
+            f"{shlex.join(['andrea', 'train', '--config', str(run_dir / CONFIG)])}"
         )
     return run_dir
 

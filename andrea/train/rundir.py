@@ -54,6 +54,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import struct
 import types
@@ -434,7 +435,8 @@ def resolve_checkpoint(
 ) -> Path:
     """A run directory means its latest checkpoint; a step directory means itself. A damaged
     one (see checkpoint_problem) is refused in one line that names the newest intact
-    checkpoint of the run and the command that uses it: `use` with {} for the folder."""
+    checkpoint of the run and the command that uses it: `use` with {} for the folder (shell-
+    quoted)."""
     path = Path(path)
     aside = set_aside_run(path)
     if not path.exists() and aside is None:
@@ -442,8 +444,8 @@ def resolve_checkpoint(
     if aside is not None and not (aside / LATEST).is_file():
         raise UserError(
             f"{aside}: an --overwrite that stopped during its set-up (or is in it now) left the "
-            f"run in {aside / OVERWRITTEN}; any training of the run puts it back: andrea train "
-            f"--resume {aside}")
+            f"run in {aside / OVERWRITTEN}; any training of the run puts it back: "
+            f"{shlex.join(['andrea', 'train', '--resume', str(aside)])}")
     if (path / MODEL_FILE).is_file() or is_step_dir(path):
         run_dir, ckpt, what = path.parent, path, f"{path}: damaged checkpoint"
     else:
@@ -451,8 +453,8 @@ def resolve_checkpoint(
         if ckpt is None and not step_dirs(path):
             if is_run(path):
                 raise UserError(f"{path}: the run has no checkpoint yet (it stopped before its "
-                                f"first, or has not reached it); andrea runs {path} says how it "
-                                f"stands")
+                                f"first, or has not reached it); "
+                                f"{shlex.join(['andrea', 'runs', str(path)])} says how it stands")
             raise UserError(f"{path}: not a checkpoint (no {MODEL_FILE}) and not a run "
                             f"directory (no '{LATEST}' file)")
         run_dir = path
@@ -462,7 +464,7 @@ def resolve_checkpoint(
     if problem is None:
         return ckpt
     intact = newest_intact(run_dir, for_resume)
-    way_out = (f"the newest intact checkpoint is {intact}: {use.format(intact)}"
+    way_out = (f"the newest intact checkpoint is {intact}: {use.format(shlex.quote(str(intact)))}"
                if intact is not None else "the run has no intact checkpoint")
     reason = f" ({problem})" if ckpt is not None else ""
     raise UserError(f"{what}{reason}; {way_out}")
@@ -766,7 +768,8 @@ def read_state(ckpt: Path) -> TrainerState:
         return TrainerState.from_dict(raw)
     except DamagedState as exc:
         other = another_intact(ckpt)
-        way = (f"the newest other intact one is {other}: andrea train --resume {other}"
+        way = (f"the newest other intact one is {other}: "
+               f"{shlex.join(['andrea', 'train', '--resume', str(other)])}"
                if other is not None else "the run has no other intact one")
         raise UserError(f"{path}: {exc}; the checkpoint is damaged: resume from another step "
                         f"folder ({way})") from None

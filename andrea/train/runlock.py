@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import socket
 import threading
 import time
@@ -190,7 +191,7 @@ class RunLock(FolderLock):
                 f"{self.folder}: its lock file {self.path} was removed or replaced while this "
                 f"training held it, so another process may write the run now; stopped at step "
                 f"{step}, writing nothing more there; once no other training writes the run, "
-                f"continue it with: andrea train --resume {self.folder}"
+                f"continue it with: {shlex.join(['andrea', 'train', '--resume', str(self.folder)])}"
             )
 
     def release(self, remove: bool = True) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import secrets
+import shlex
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -327,8 +328,9 @@ def prepare_data(
         if missing and not dist.is_main:  # rank 0 prepared on its own disk alone
             raise UserError(
                 f"{', '.join(missing)}: no prepared data on this node; rank 0 prepares only on "
-                f"its own: run andrea prepare --config {cfg.source} on this node first (the "
-                f"same config), or put the data folder on storage every node shares"
+                f"its own: run {shlex.join(['andrea', 'prepare', '--config', cfg.source])} on "
+                f"this node first (the same config), or put the data folder on storage every "
+                f"node shares"
             )
         train_split, val_split = open_split(cfg, "train"), open_split(cfg, "val")
         check_vocab(train_split.vocab_size, cfg.model.vocab_size,
@@ -487,9 +489,9 @@ def open_run(
     replace = dist.is_main and (read_latest(run_dir) is not None or bool(step_dirs(run_dir)))
     if replace and not overwrite:
         raise UserError(
-            f"{run_dir}: already holds a run; continue it with --resume {run_dir} "
-            f"(or --resume auto), pick another name with --set train.name=..., "
-            f"or replace it with --overwrite"
+            f"{run_dir}: already holds a run; continue it with "
+            f"{shlex.join(['--resume', str(run_dir)])} (or --resume auto), pick another name "
+            f"with --set train.name=..., or replace it with --overwrite"
         )
     return RunDecision(run_dir, None, {}, replace, cfg.train.name, None, False)
 
