@@ -37,6 +37,7 @@ from andrea.train.rundir import (
     is_run,
     latest_problem,
     newest_intact,
+    start_over_command,
     step_dirs,
 )
 
@@ -534,7 +535,7 @@ def format_table(runs: list[RunSummary]) -> str:
                 f"{shlex.join(['andrea', 'train', '--resume', r.path])}" if r.latest_checkpoint
                 else f"  {r.name}: its process ended without a word (killed?) before its first "
                 f"checkpoint; nothing to continue; start it over: "
-                f"{shlex.join(['andrea', 'train', '--config', str(Path(r.path) / CONFIG)])}")
+                f"{start_over_command(Path(r.path))}")
         if r.last_val_sources and r.last_val_loss is not None:
             by_source = ", ".join(f"{n} {_loss(v)}" for n, v in r.last_val_sources.items())
             notes.append(f"  {r.name}: val loss by source at step {r.last_val_step}: "

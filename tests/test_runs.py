@@ -176,8 +176,8 @@ def test_a_crashed_run_says_how_to_go_on_and_one_without_a_checkpoint_is_not_cal
                      checkpoints=(20,))
     notes = andrea_main("runs", str(tmp_path)).stdout
     assert (f"  early: its process ended without a word (killed?) before its first checkpoint; "
-            f"nothing to continue; start it over: andrea train --config {early}/config.yaml"
-            in notes), notes
+            f"nothing to continue; start it over: andrea train --config {early}/config.yaml "
+            f"--set train.runs_dir={tmp_path} --set train.name=early" in notes), notes
     assert f"  late: its process ended without a word (killed?); continue it: andrea train " \
            f"--resume {late}" in notes, notes
     assert_user_error(andrea_main("eval", "--checkpoint", str(early)),
@@ -205,9 +205,42 @@ def test_the_commands_of_a_crashed_runs_notes_quote_a_folder_with_a_space(tmp_pa
     line = assert_user_error(andrea_main("train", "--resume", "my runs/early", cwd=tmp_path),
                              "--resume my runs/early: the run was started but stopped")
     assert shlex.join(["andrea", "runs", "my runs/early"]) in line, line
-    assert line.endswith(": " + shlex.join(["andrea", "train", "--config",
-                                            "my runs/early/config.yaml"])), line
+    assert "start it over with: " + shlex.join(["andrea", "train", "--config",
+                                                "my runs/early/config.yaml"]) in line, line
     assert late.is_dir()
+
+
+def test_starting_over_a_moved_run_trains_that_run(tmp_path, data_dir):
+    """Before: a run killed before its first checkpoint, moved to archive/, was to be started
+    over with `andrea train --config archive/early2/config.yaml`: its config's runs_dir is
+    relative (runs), so pasted, it trained a new runs/early2 and left archive/early2 crashed.
+    Now the command sets train.runs_dir (and train.name, for a renamed one) to where the run
+    is; pasted, it trains that run, as `andrea runs` and --resume's refusal say alike."""
+    from conftest import tiny_config
+
+    config = tiny_config(Path("runs"), data_dir, "train.max_steps=2", name="early2").to_yaml()
+    write_run(tmp_path / "runs", "early2", [start_record(pid=dead_pid())], config=config)
+    write_run(tmp_path / "runs", "early3", [start_record(pid=dead_pid())], config=config)
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "runs" / "early2").rename(tmp_path / "archive" / "early2")
+    (tmp_path / "runs" / "early3").rename(tmp_path / "archive" / "2024")  # and renamed
+    notes = andrea_main("runs", "archive", cwd=tmp_path).stdout
+    said = {line.split(": ")[0].strip(): line.split("start it over: ")[1]
+            for line in notes.splitlines() if "start it over: " in line}
+    assert said == {
+        "early2": "andrea train --config archive/early2/config.yaml --set "
+                  "train.runs_dir=archive",
+        "2024": "andrea train --config archive/2024/config.yaml --set train.runs_dir=archive "
+                "--set 'train.name=\"2024\"'"}, notes  # a name YAML reads as a number, quoted
+    for name, command in said.items():
+        refused = assert_user_error(andrea_main("train", "--resume", f"archive/{name}",
+                                                cwd=tmp_path), "nothing to continue")
+        assert refused.endswith(f"start it over with: {command}"), refused
+        argv = shlex.split(command)
+        done = andrea_main(*argv[1:], "--no-progress", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert read_run(tmp_path / "archive" / name).state == "finished"
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
 def test_resumed_run_keeps_only_the_current_history(tmp_path):

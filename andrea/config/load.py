@@ -8,6 +8,7 @@ andrea/config/sections.py; this module applies the declarations.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 import sys
@@ -303,6 +304,20 @@ def resolve_path(name: str | Path) -> Path:
                 return candidate
     presets = ", ".join(sorted(p.name for p in configs_dir().glob("*.yaml")))
     raise UserError(f"{name}: no such config file, and no bundled preset by that name ({presets})")
+
+
+def override_value(value: object) -> str:
+    """value as --set reads it back (a YAML scalar or flow list): parse_override's inverse, for
+    the --set of a command we print. Text YAML would read as something else (a folder named
+    `2024` or `true`) is in double quotes, as the refusal of such a --set spells it: inside a
+    shell's single quotes they need no escape."""
+    if value == "":
+        return ""
+    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf, allow_unicode=True)
+    text = text.removesuffix("\n...\n").strip()
+    if isinstance(value, str) and text.startswith("'"):
+        return json.dumps(value, ensure_ascii=False)
+    return text
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

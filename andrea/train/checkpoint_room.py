@@ -15,20 +15,17 @@ checkpoints untouched, every rank stopping together.
 
 from __future__ import annotations
 
-import math
 import shlex
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from andrea.config import Config, load_config
+from andrea.config import Config, load_config, override_value
 from andrea.errors import UserError
 from andrea.fileio import DISK_FULL_ERRNOS, free_bytes, size_text
 from andrea.resources import configs_dir
 from andrea.train.collectives import from_rank0
-from andrea.train.rundir import CONFIG, read_latest, step_dir_name, step_dirs
+from andrea.train.rundir import read_latest, start_over_command, step_dir_name, step_dirs
 from andrea.train.session import Session
 
 
@@ -100,7 +97,7 @@ def no_room_message(s: Session, free: int, changes: dict[str, list[Any]]) -> str
     if s.checkpoint is not None:  # a resume: the run folder moves with its checkpoints
         moved = Path(dest) / s.run_dir.name
         resume_sets = [arg for key, (_, new) in changes.items()
-                       for arg in ("--set", f"{key}={_yaml_value(new)}")]
+                       for arg in ("--set", f"{key}={override_value(new)}")]
         # mkdir first: into a folder that does not exist yet, mv would rename the run to it.
         return (f"{head}; move the run to a disk with room and continue there: "
                 f"{shlex.join(['mkdir', '-p', dest])} && "
@@ -132,16 +129,8 @@ def train_command(cfg: Config, changed: dict[str, str]) -> list[str]:
     name = source.stem if source.parent.resolve() == configs_dir().resolve() else cfg.source
     argv = ["andrea", "train"] + ([] if cfg.source == "<defaults>" else ["--config", name])
     for key, value in sets.items():
-        argv += ["--set", f"{key}={_yaml_value(value) if key not in changed else value}"]
+        argv += ["--set", f"{key}={override_value(value) if key not in changed else value}"]
     return argv
-
-
-def _yaml_value(value: object) -> str:
-    """value as --set reads it back (a YAML scalar or flow list)."""
-    if value == "":
-        return ""
-    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf)
-    return text.removesuffix("\n...\n").strip()
 
 
 def full_message(s: Session, free: int, cause: str | None, full: bool | None = True) -> str:
@@ -162,7 +151,7 @@ def full_message(s: Session, free: int, cause: str | None, full: bool | None = T
         fix = "free space there, or set train.runs_dir to a disk with room" if room else \
             "fix that"
         how = (f"no checkpoint was written before it; {fix}, then start over: "
-               f"{shlex.join(['andrea', 'train', '--config', str(s.run_dir / CONFIG)])}")
+               f"{start_over_command(s.run_dir)}")
     else:
         fix = f"free space there, or move {s.run_dir} to a disk with room" if room else \
             "fix that"

@@ -22,6 +22,7 @@ from andrea.train.rundir import (
     resolve_checkpoint,
     run_path,
     set_aside_run,
+    start_over_command,
     step_dirs,
     stored_shapes,
 )
@@ -125,7 +126,7 @@ def find_run_to_resume(resume: str, cfg: Config | None) -> Path | None:
             f"--resume {resume}: the run was started but stopped before its first checkpoint "
             f"({shlex.join(['andrea', 'runs', str(run_dir)])} says how), so there is nothing to "
             f"continue; start it over with: "
-            f"{shlex.join(['andrea', 'train', '--config', str(run_dir / CONFIG)])}"
+            f"{start_over_command(run_dir)}"
         )
     return run_dir
 

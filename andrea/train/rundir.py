@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from andrea.config.declare import registry, type_name
+from andrea.config.load import override_value
 from andrea.errors import UserError, quoted
 from andrea.fileio import atomic_write_text, fsync_dir, size_text
 
@@ -167,6 +168,30 @@ def run_path(name: str | Path, runs_dir: str | Path = "runs") -> Path:
         if not path.exists() or is_run(under):
             return under
     return path
+
+
+def start_over_command(run_dir: Path) -> str:
+    """The command that starts the run in `run_dir` over (one that stopped before its first
+    checkpoint: train takes the folder without --overwrite), in that folder: its config.yaml,
+    and a --set of train.runs_dir and train.name where that config names another folder from
+    here. A run moved or renamed keeps the config it was started with, whose runs_dir is
+    mostly relative: as it is, the command trained a new run under ./runs and left this one
+    as it was."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load((run_dir / CONFIG).read_text(encoding="utf-8"))
+        train = loaded.get("train") or {}
+        runs_dir, name = Path(train.get("runs_dir", "runs")), train.get("name") or \
+            Path(CONFIG).stem  # an empty name is the config file's stem
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError, TypeError):
+        runs_dir, name = None, None  # train names what is wrong with the file
+    argv = ["andrea", "train", "--config", str(run_dir / CONFIG)]
+    if runs_dir is None or runs_dir.resolve() != run_dir.parent.resolve():
+        argv += ["--set", f"train.runs_dir={override_value(str(run_dir.parent))}"]
+    if name != run_dir.name:
+        argv += ["--set", f"train.name={override_value(run_dir.name)}"]
+    return shlex.join(argv)
 
 
 def step_dir_name(step: int) -> str:
