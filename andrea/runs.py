@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import shlex
 import socket
@@ -292,9 +293,16 @@ def _check_checkpoint(run: Path, summary: RunSummary) -> None:
         summary.state = "damaged"
 
 
+def run_name(run: Path) -> str:
+    """The run's name, its folder's, also where the path names it as `.` or `..` (`andrea runs
+    .` inside the run), whose own name is empty or `..`. Not resolved: a run reached through a
+    link keeps the name the user sees."""
+    return Path(os.path.abspath(run)).name
+
+
 def _read_history(run: Path) -> RunSummary:
     """The summary from config.yaml, `latest` and metrics.jsonl (see read_run)."""
-    summary = RunSummary(name=run.name, path=str(run))
+    summary = RunSummary(name=run_name(run), path=str(run))
     _read_shape(run, summary)
     _latest_checkpoint(run, summary)
     records = _load_metrics(run, summary)
@@ -478,7 +486,7 @@ def _set_aside(run: Path) -> RunSummary:
     wrote nothing of its own): that run as it stands, under the folder's name (the notes say
     how to put it back)."""
     summary = read_run(run / OVERWRITTEN)
-    summary.name, summary.path = run.name, str(run)
+    summary.name, summary.path = run_name(run), str(run)
     return summary
 
 

@@ -392,6 +392,20 @@ def test_runs_cli_table_json_and_errors(tmp_path):
 # --- TensorBoard -----------------------------------------------------------------------------
 
 
+def test_a_run_given_as_dot_from_inside_it_is_named_by_its_folder(tmp_path):
+    """Before: `andrea runs .` inside a run folder showed an empty name: a blank RUN cell, the
+    note `  : ended: ...` and the val-set footer `()`, as Path(".").name is "". Now the run is
+    named by its folder there, and from a folder inside it (`..`)."""
+    run = write_run(tmp_path, "mine", [start_record(), *normal_history(80),
+                                       end_record(87, "interrupted", "SIGTERM")],
+                    checkpoints=(80,))
+    (run / "sub").mkdir()
+    for where, given in ((run, "."), (run / "sub", "..")):
+        out = andrea_main("runs", given, cwd=where).stdout
+        assert out.splitlines()[1].startswith("mine  "), out
+        assert "  mine: ended: interrupted" in out and "(mine);" in out, out
+
+
 def test_tensorboard_disabled_or_missing_returns_none(tmp_path, monkeypatch, capsys):
     assert open_tensorboard(tmp_path, enabled=False) is None
     assert capsys.readouterr().err == ""
