@@ -46,6 +46,17 @@ def atomic_write_text(path: Path, text: str) -> None:
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
+def file_in_the_way(folder: Path) -> str | None:
+    """Why `folder` cannot be made where a file stands in its place or in that of a folder
+    above it (mkdir's "File exists" or "Not a directory" would not say which file, or that it
+    is one), in the words every verb gives it; None when no file does."""
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
+                   None)
+    if blocker is None:
+        return None
+    return f"{blocker} is a file, not a folder; move it away or choose another folder"
+
+
 def is_disk_full(exc: BaseException) -> bool:
     """True for the OSError of a write that found no space (a full disk, an exhausted quota)."""
     return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Self
 
 from andrea.errors import UserError
+from andrea.fileio import file_in_the_way
 
 
 class FolderLock:
@@ -56,14 +57,8 @@ class FolderLock:
                 # into whatever it points to.
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError as exc:
-                blocker = next((p for p in (self.folder, *self.folder.parents)
-                                if p.exists() and not p.is_dir()), None)
-                if blocker is not None:  # mkdir's "File exists" would not say which, or why
-                    raise UserError(f"{self.folder}: cannot write the {self.what}: {blocker} is "
-                                    f"a file, not a folder; move it away or choose another "
-                                    f"folder") from None
-                raise UserError(f"{self.folder}: cannot write the {self.what}: "
-                                f"{exc.strerror}") from None
+                why = file_in_the_way(self.folder) or exc.strerror
+                raise UserError(f"{self.folder}: cannot write the {self.what}: {why}") from None
             try:
                 flocked = self.take(fd)
                 if same_file(fd, self.path):

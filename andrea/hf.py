@@ -59,7 +59,7 @@ from andrea.data.tokenizer import (
     gpt2_vocab_files,
 )
 from andrea.errors import UserError, quoted
-from andrea.fileio import atomic_write_bytes, atomic_write_text
+from andrea.fileio import atomic_write_bytes, atomic_write_text, file_in_the_way
 from andrea.model.params import check_stored_shape
 from andrea.model.transformer import Andrea
 from andrea.train import checkpoint as ckpt_io
@@ -328,7 +328,8 @@ def export_hf(checkpoint: str | None, out: str | Path, force: bool = False) -> P
     try:
         tmp.mkdir(parents=True)
     except OSError as exc:  # under a file, or a folder that may not be written
-        raise UserError(f"--out {out}: cannot write there: {exc.strerror or exc}") from None
+        why = file_in_the_way(tmp.parent) or exc.strerror or exc
+        raise UserError(f"--out {out}: cannot write there: {why}") from None
     try:
         hf_tensors = to_hf_tensors(tensors, cfg)
         # transformers reads safetensors only with metadata format "pt".

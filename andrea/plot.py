@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from andrea.data.inputs import source_last_part
 from andrea.errors import UserError
-from andrea.fileio import atomic_write_bytes
+from andrea.fileio import atomic_write_bytes, file_in_the_way
 from andrea.runs import current_history, read_metrics, read_run, val_sources
 from andrea.train.metrics import format_mfu, format_speed, recorded_speed
 from andrea.train.rundir import CONFIG, METRICS, run_path
@@ -133,7 +133,8 @@ def plot_runs(
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out, image.getvalue())
     except OSError as exc:
-        raise UserError(f"{out}: cannot write there: {exc.strerror or exc}") from None
+        why = file_in_the_way(out.parent) or exc.strerror or exc
+        raise UserError(f"{out}: cannot write there: {why}") from None
     return out
 
 

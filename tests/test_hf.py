@@ -158,7 +158,8 @@ def test_force_replaces_only_what_the_command_wrote_and_says_what(tmp_path):
                                   "--out", str(ckpt.parent), "--force"), "never replaces")
     assert (ckpt / "model.safetensors").is_file()  # the run exported is not its export
     # A folder that cannot be made: one line, as import says it (it was a traceback).
-    assert_user_error(export(note / "sub"), f"--out {note / 'sub'}: cannot write there")
+    assert_user_error(export(note / "sub"), f"--out {note / 'sub'}: cannot write there: {note} "
+                      f"is a file, not a folder; move it away")
     assert note.read_text() == "mine" and not list(tmp_path.glob(".sub.tmp-*"))
 
     empty = tmp_path / "empty"

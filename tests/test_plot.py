@@ -109,10 +109,14 @@ def test_bad_input(tmp_path, monkeypatch):
         plot_runs([a], tmp_path / "x.png", x="time")
     with pytest.raises(UserError, match="no such run"):
         plot_runs([tmp_path / "nope"], tmp_path / "x.png")
+    # A file where a folder goes: said as train says it, not as mkdir's "File exists".
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(UserError, match="cannot write there"):
-        plot_runs([a], blocker / "x.png")
+    for out in (blocker / "x.png", blocker / "sub" / "x.png"):
+        with pytest.raises(UserError) as refused:
+            plot_runs([a], out)
+        assert str(refused.value) == (f"{out}: cannot write there: {blocker} is a file, not a "
+                                      f"folder; move it away or choose another folder")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     with pytest.raises(UserError, match=r"pip install -e '.\[plot\]'"):
         plot_runs([a], tmp_path / "x.png")
