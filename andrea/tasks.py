@@ -207,7 +207,8 @@ def read_task(kind: str, path: str | Path, limit: int | None = None) -> TaskFile
         raise UserError(f"--task {kind}: not one of {', '.join(TASKS)}")
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # utf-8-sig: a byte-order mark (Windows editors write one) is no part of line 1's JSON.
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except FileNotFoundError:
         raise UserError(f"{path}: no such task file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -219,7 +220,12 @@ def read_task(kind: str, path: str | Path, limit: int | None = None) -> TaskFile
         if limit is not None and len(task.examples) >= limit:
             break
         try:
-            parsed = _parse(kind, json.loads(text), number)
+            loaded = json.loads(text)
+            # A \\ud800 escape is valid JSON but no Unicode text: no tokenizer takes it.
+            json.dumps(loaded, ensure_ascii=False).encode("utf-8")
+            parsed = _parse(kind, loaded, number)
+        except UnicodeEncodeError:  # a ValueError too: caught first
+            parsed = "not Unicode text (a lone surrogate)"
         except ValueError:
             parsed = "not JSON"
         if isinstance(parsed, str):

@@ -190,3 +190,22 @@ def test_a_bpe_run_whose_data_is_gone_prepares_it_again(tmp_path):
     assert not (data / "manifest.json").exists()  # tmp_path/data holds only the new folder
     assert (tmp_path / "data/text-bpe-320/tokenizer.json").is_file()
     assert after.stdout == before.stdout and after.stdout.startswith("the cat")
+
+
+def test_a_prompt_or_checkpoint_a_user_gets_wrong_is_one_line(tmp_path):
+    """A prompt in another encoding (a terminal not in UTF-8: Python keeps its bytes as lone
+    surrogates) was a traceback from inside the tokenizer, the model file given as
+    --checkpoint was told it has no model.safetensors, and an export's folder was told it is
+    no andrea checkpoint without a way on. Each is one line that says what to give."""
+    ckpt = make_checkpoint(tmp_path)
+    assert_user_error(andrea_main("generate", "--checkpoint", str(ckpt), "-p", "ab\udcffcd"),
+                      "--prompt: not UTF-8 text (byte 0xff at character 2",
+                      "give UTF-8 text, or the ids with --prompt-ids")
+    model_file = ckpt / "model.safetensors"
+    assert_user_error(andrea_main("generate", "--checkpoint", str(model_file)),
+                      f"{model_file}: a file; give the checkpoint's folder")
+    hf = tmp_path / "hf"
+    assert andrea_main("export", "--checkpoint", str(ckpt), "--out", str(hf)).returncode == 0
+    assert_user_error(andrea_main("generate", "--checkpoint", str(hf)),
+                      "it is a Hugging Face model folder: import it first, andrea import "
+                      f"--format hf {hf}")

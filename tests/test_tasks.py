@@ -270,3 +270,23 @@ def test_several_checkpoints_in_one_table(tmp_path, trained_tiny):
                           f"{' '.join(option)}: chooses the val set, which this eval skips "
                           "(--task without --val, or --no-val); add --val to score it too, or "
                           "drop it")
+
+
+def test_a_task_file_from_windows_or_with_a_lone_surrogate(tmp_path, trained_tiny):
+    """A byte-order mark (Windows editors write one) made line 1 "not JSON"; a record whose
+    JSON holds a \\ud800 escape (valid JSON, no Unicode text) was a traceback from inside the
+    tokenizer after the model had loaded. Now the mark is skipped and such a record is skipped
+    with its reason, as other bad records are."""
+    good = {"context": "To be", "choices": [" or", " zz"], "label": 0}
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(good).encode() + b"\n")
+    (tmp_path / "sur.jsonl").write_text(
+        json.dumps(good) + "\n" + '{"context": "\\ud800 a", "choices": ["x", "y"], "label": 0}\n')
+    proc = andrea_main("eval", "--checkpoint", str(trained_tiny.checkpoint), "--no-progress",
+                       "--task", "choice", str(tmp_path / "bom.jsonl"), "--task", "choice",
+                       str(tmp_path / "sur.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"warning: {tmp_path / 'sur.jsonl'}: 1 record skipped, not Unicode text (a lone "
+        "surrogate) (line 2)"]
+    lines = proc.stdout.splitlines()
+    assert lines[1].endswith("(1 examples)") and lines[2].endswith("(1 examples, 1 skipped)")

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import warnings
 from pathlib import Path
@@ -300,8 +301,12 @@ def read_model_checkpoint(
         metadata = f.metadata() or {}
         shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
     if metadata.get("format") != FORMAT or "config" not in metadata:
+        # An export's folder (or another Hugging Face model's) holds a model.safetensors too.
+        hf = ("; it is a Hugging Face model folder: import it first, "
+              f"{shlex.join(['andrea', 'import', '--format', 'hf', str(ckpt)])}"
+              if (ckpt / "config.json").is_file() else "")
         raise UserError(f"{path}: not an andrea checkpoint (metadata format is "
-                        f"{metadata.get('format')!r}, expected {FORMAT!r})")
+                        f"{metadata.get('format')!r}, expected {FORMAT!r}){hf}")
     step = metadata.get("step", "0")  # save_checkpoint writes str(step); absent: step 0
     # isdigit alone takes "²" and other digits int() refuses; an export writes this step.
     if not (step.isascii() and step.isdigit()):

@@ -480,6 +480,9 @@ def resolve_checkpoint(
                 raise UserError(f"{path}: the run has no checkpoint yet (it stopped before its "
                                 f"first, or has not reached it); "
                                 f"{shlex.join(['andrea', 'runs', str(path)])} says how it stands")
+            if path.is_file():  # the model file itself, most often
+                raise UserError(f"{path}: a file; give the checkpoint's folder (the one that "
+                                f"holds {MODEL_FILE}), or its run's folder for the newest")
             raise UserError(f"{path}: not a checkpoint (no {MODEL_FILE}) and not a run "
                             f"directory (no '{LATEST}' file)")
         run_dir = path
