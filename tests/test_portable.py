@@ -243,6 +243,34 @@ def test_a_resume_without_the_data_or_its_text_says_how_to_prepare_it(capsys, mo
         f"own-bpe-tok{hashlib.sha256(moved.tokenizer).hexdigest()[:8]}"]
 
 
+def test_a_resume_whose_text_is_gone_trains_on_its_data_as_prepared(tmp_path, monkeypatch):
+    """The run's data folder here, its text not (moved, deleted, or named relative to another
+    working directory): a resume stopped at "own.txt: no such file or directory", though eval
+    scored that data. Now it trains on the data as prepared, saying so, and gives the losses of
+    the run that never stopped."""
+    (tmp_path / "own.txt").write_text(own_text())
+    monkeypatch.chdir(tmp_path)
+    train = ("train", "--config", "andrea-tiny", "--no-progress", "--set", "data.source=own.txt",
+             "--set", "data.tokenizer=byte", "--set", "train.max_steps=4", "--set",
+             "train.checkpoint_every=2", "--set", "train.eval_every=0", "--set",
+             "train.precision=fp32", "--set", "train.log_every=1")
+    for name, stop in (("whole", ()), ("half", ("--stop-after", "2"))):
+        code, _, err = quiet_main(*train, "--set", f"train.name={name}", *stop)
+        assert code == 0, err
+    (tmp_path / "own.txt").rename(tmp_path / "moved.txt")
+    code, out, err = quiet_main("train", "--resume", "runs/half", "--no-progress")
+    assert code == 0, err
+    assert out.startswith("note: own.txt, the text the run's data was prepared from, is not "
+                          "here; resuming on data/own-byte as it was prepared\n"), out
+
+    def losses(run: str) -> dict[int, float]:
+        records = map(json.loads, (tmp_path / "runs" / run / "metrics.jsonl").read_text()
+                      .splitlines())
+        return {r["step"]: r["loss"] for r in records if r["event"] == "train"}
+
+    assert losses("half") == losses("whole") and sorted(losses("half")) == [1, 2, 3, 4]
+
+
 def test_a_checkpoint_from_before_without_tokenizer_or_checksums_still_opens(
     capsys, moved, copied
 ):

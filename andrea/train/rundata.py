@@ -51,6 +51,12 @@ def is_prepared(cfg: Config) -> bool:
     return all((d / MANIFEST).is_file() for _, d, _ in run_sources(cfg))
 
 
+def missing_text(cfg: Config) -> list[str]:
+    """The sources of cfg's data whose text is not here (moved, deleted, or a path relative to
+    another working directory)."""
+    return [s for s, _, _ in run_sources(cfg) if s != SHAKESPEARE and not names_anything(s)]
+
+
 def prepare_command(cfg: Config, ckpt: Path, out: Path | None = None) -> str:
     """The command that prepares the run's data with its own tokenizer (from its config.yaml),
     into `out` when given (else where the run's config says)."""
@@ -68,7 +74,7 @@ def stop_without_text(
     """A UserError when the text the run's data is prepared from is not here: what `needs` it
     (e.g. "the val loss"), the data folder, the text, and `command` to run once the text is
     back (`otherwise`: what else the user can do)."""
-    missing = [s for s, _, _ in run_sources(own) if s != SHAKESPEARE and not names_anything(s)]
+    missing = missing_text(own)
     if missing:
         raise UserError(
             f"{ckpt}: {needs} needs the run's data, {data}, which is not here, nor is "

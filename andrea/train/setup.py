@@ -344,12 +344,18 @@ def prepare_data(
 
 def resume_data(cfg: Config, checkpoint: Path) -> Config:
     """Rank 0, resuming from `checkpoint`: the config whose data folders the run trains on,
-    prepared. The run's own folders when they are here (kept current, as for any run); else
+    prepared. The run's own folders when they are here (kept current, as for any run, while
+    the text they were prepared from is here too); else
     those prepared with the tokenizer the checkpoint carries (train/rundata.py), prepared
     first from the run's text with one line that says so, or a one-line error with the
     command that prepares them when that text is not here either."""
     if rundata.is_prepared(cfg):
-        ensure_prepared(cfg)
+        gone = rundata.missing_text(cfg)
+        if not gone:
+            ensure_prepared(cfg)
+        else:  # nothing to keep it current against: the data as prepared, as eval scores it
+            print(f"note: {gone[0]}, the text the run's data was prepared from, is not here; "
+                  f"resuming on {data_dir_for(cfg)} as it was prepared", flush=True)
         return cfg
     own = rundata.own_tokenizer_config(cfg, checkpoint)
     if own is not cfg and rundata.is_prepared(own):
