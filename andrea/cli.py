@@ -478,7 +478,9 @@ def generate_cmd(
     ] = None,
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", metavar="N",
-                          help="Tokens to add after the prompt (fewer if end-of-text stops it).")
+                          help="Tokens to add after the prompt (fewer if end-of-text stops "
+                          "it); past the block size the context slides: with the cache, to "
+                          "the last half block.")
     ] = 200,
     temperature: Annotated[
         float, typer.Option("--temperature", "-t", metavar="T", help="0: greedy.")
