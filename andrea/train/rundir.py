@@ -517,26 +517,49 @@ def verify_file(path: Path, blob: bytes | None = None) -> None:
     """Check a checkpoint's file against the sha256 its checksums.json recorded when it was
     written; `blob`: its bytes, when the caller has read them. A mismatch is a copy damaged on
     its way (a flipped byte keeps a safetensors header valid): refused in one line naming the
-    file and the checkpoint. A checkpoint without the record (written before andrea kept one),
-    or a file it does not list, passes unchecked."""
+    file, the checkpoint and the run's newest other checkpoint whose model file is intact. A
+    checkpoint without the record (written before andrea kept one), or a file it does not
+    list, passes unchecked."""
     ckpt = path.parent.parent if path.parent.name == SHARDS_DIR else path.parent
+    again = f"copy {ckpt} again from where it was written, or use another checkpoint of the run"
+    try:
+        damaged = _checksum_differs(path, ckpt, blob)
+    except ValueError:
+        raise UserError(f"{ckpt / CHECKSUMS}: unreadable (damaged?), so the checkpoint's files "
+                        f"cannot be checked; {again}") from None
+    if damaged:
+        # Hashed only now that one copy is damaged: the others may have come the same way.
+        other = next((o for o in reversed(step_dirs(ckpt.parent)) if o.name != ckpt.name
+                      and checkpoint_problem(o) is None and _model_matches(o)), None)
+        raise UserError(f"{path}: damaged: its sha256 is not the one {ckpt.name}/{CHECKSUMS} "
+                        f"recorded when the checkpoint was written (a copy damaged on its "
+                        f"way?); {again}" + (f" (the newest other intact one is {other})"
+                                              if other is not None else ""))
+
+
+def _model_matches(ckpt: Path) -> bool:
+    """Whether checkpoint `ckpt`'s model file matches its recorded checksum (or has none)."""
+    try:
+        return not _checksum_differs(ckpt / MODEL_FILE, ckpt)
+    except (ValueError, OSError):
+        return False
+
+
+def _checksum_differs(path: Path, ckpt: Path, blob: bytes | None = None) -> bool:
+    """Whether `path`, a file of checkpoint `ckpt`, differs from the sha256 its checksums.json
+    recorded (False where nothing is recorded); ValueError for a record that cannot be read."""
     record = ckpt / CHECKSUMS
     if not record.is_file():
-        return
-    again = f"copy {ckpt} again from where it was written, or use another checkpoint of the run"
+        return False
     try:
         sums = json.loads(record.read_text(encoding="utf-8"))["files"]
         expected = sums.get(path.relative_to(ckpt).as_posix())
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
-        raise UserError(f"{record}: unreadable (damaged?), so the checkpoint's files cannot be "
-                        f"checked; {again}") from None
+        raise ValueError(record) from None
     if expected is None:
-        return
-    actual = hashlib.sha256(blob).hexdigest() if blob is not None else file_sha256(path)
-    if actual != expected:
-        raise UserError(f"{path}: damaged: its sha256 is not the one {ckpt.name}/{CHECKSUMS} "
-                        f"recorded when the checkpoint was written (a copy damaged on its "
-                        f"way?); {again}")
+        return False
+    return (hashlib.sha256(blob).hexdigest() if blob is not None else file_sha256(path)) \
+        != expected
 
 
 # ----------------------------------------------------------------------------- trainer_state.json
