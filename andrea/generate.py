@@ -284,16 +284,16 @@ def _check_options(
         raise UserError(f"--precision: '{precision}' is not one of {', '.join(PRECISIONS)}")
 
 
-def check_utf8(text: str, what: str) -> None:
-    """A UserError for text that is no Unicode: bytes of another encoding, which Python keeps
-    in a command line as lone surrogates (a terminal not in UTF-8), or a JSON \\ud800 escape.
-    No tokenizer takes it (a traceback from inside each)."""
+def _check_prompt_text(prompt: str) -> None:
+    """A UserError for a prompt that is no Unicode: bytes of another encoding, which Python
+    keeps in a command line as lone surrogates (a terminal not in UTF-8). No tokenizer takes
+    it (a traceback from inside each)."""
     try:
-        text.encode("utf-8")
+        prompt.encode("utf-8")
     except UnicodeEncodeError as exc:
-        char = ord(text[exc.start])
+        char = ord(prompt[exc.start])
         byte = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"U+{char:04X}"
-        raise UserError(f"{what}: not UTF-8 text ({byte} at character {exc.start}: a terminal "
+        raise UserError(f"--prompt: not UTF-8 text ({byte} at character {exc.start}: a terminal "
                         f"or file in another encoding?); give UTF-8 text, or the ids with "
                         f"--prompt-ids") from None
 
@@ -304,7 +304,7 @@ def _prompt_tokens(
     """The prompt's ids, checked before the prompt is printed (generate checks them lazily),
     cut to the last block_size (said on stderr)."""
     if prompt_ids is None and prompt:
-        check_utf8(prompt, "--prompt")
+        _check_prompt_text(prompt)
     given = parse_prompt_ids(prompt_ids) if prompt_ids is not None else tok.encode(prompt or "")
     # No prompt, --prompt "" and --prompt-ids "" alike: a new document, which in the shards
     # follows an end-of-text, so the sample is unconditional.

@@ -293,9 +293,9 @@ def _out_folder(out: Path, said: str, instead: str) -> Path:
                         f"place (the command writes a new folder and renames it there); "
                         f"{instead}")
     out = where if out.name in ("", ".", "..") else out  # 'a/..': the folder it names
-    if len(os.fsencode(out.name)) > RUN_NAME_MAX_BYTES:
-        raise UserError(f"{said}: its name is {len(os.fsencode(out.name))} bytes long; a folder "
-                        f"name takes at most {RUN_NAME_MAX_BYTES} bytes: {instead}")
+    if (size := len(os.fsencode(out.name))) > RUN_NAME_MAX_BYTES:
+        raise UserError(f"{said}: its name is {size} bytes long; a folder name takes at most "
+                        f"{RUN_NAME_MAX_BYTES} bytes: {instead}")
     return out
 
 

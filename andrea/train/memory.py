@@ -76,11 +76,11 @@ def memory_ceiling() -> tuple[int, str]:
     (machine_memory), or a container's memory limit (its cgroup's) and the machine's swap where
     that is less. A container's process that goes past its limit is killed by the kernel
     without a word, however much the machine has."""
-    total, where = machine_memory(), "this machine's memory"
-    limit = cgroup_memory_limit()
-    if limit is not None and limit + _meminfo("SwapTotal:") < total:
-        total, where = limit + _meminfo("SwapTotal:"), "this container's memory limit (cgroup)"
-    return total, where
+    machine, limit = machine_memory(), cgroup_memory_limit()
+    contained = limit + _meminfo("SwapTotal:") if limit is not None else None
+    if contained is not None and contained < machine:
+        return contained, "this container's memory limit (cgroup)"
+    return machine, "this machine's memory"
 
 
 @dataclass
