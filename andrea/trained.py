@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from andrea.config import Config
-from andrea.data.loader import TokenSplit, open_split
+from andrea.data.loader import TokenSplit, data_record, open_split
 from andrea.data.prepare import data_dir_for, prepare_from_config, source_words
 from andrea.data.shards import DamagedFolder
 from andrea.data.tokenizer import BpeTokenizer, Tokenizer, kind_of
@@ -41,6 +41,7 @@ from andrea.train.rundir import (
     LATEST,
     MODEL_FILE,
     read_latest,
+    read_state,
     resolve_checkpoint,
     run_path,
     verify_file,
@@ -261,15 +262,34 @@ def _prepare(ckpt: Path, cfg: Config, announce: str) -> None:
 
 
 def open_data_split(ckpt: Path, cfg: Config, data: str | None, split: str) -> TokenSplit:
-    """--data's split, or the run's (a Mixture for data.sources), prepared first if missing.
-    The run's folder under ./data, damaged (a shard cut short or missing, its manifest
-    unreadable), is prepared again first, as `andrea train` does, in one line saying why;
-    a folder elsewhere (--data, or the data.dir a checkpoint names) is never written: its
-    error names the command that prepares it again."""
+    """--data's split, or the run's (a Mixture for data.sources), prepared first if missing,
+    and checked to be the data the checkpoint records (rundata.check_same_data; a note on
+    stderr for the run's folder prepared again since). The run's folder under ./data, damaged
+    (a shard cut short or missing, its manifest unreadable), is prepared again first, as
+    `andrea train` does, in one line saying why; a folder elsewhere (--data, or the data.dir a
+    checkpoint names) is never written: its error names the command that prepares it again."""
     if data is not None:
         if not Path(data).is_dir():
             raise UserError(f"--data {data}: no such directory")
         return TokenSplit(Path(data), split)
+    opened = _open_run_split(ckpt, cfg, split)
+    try:
+        recorded = read_state(ckpt).data
+    except UserError:  # eval opens checkpoints a resume refuses: nothing recorded to compare
+        recorded = None
+
+    def take(folder: str) -> str:
+        return shlex.join(["--data", folder]) + (" (that source alone)" if cfg.data.sources
+                                                 else "")
+
+    note = rundata.check_same_data(ckpt, recorded, data_record(opened), needs="the val loss",
+                                   named=False, take=take)
+    if note:
+        notice(note)
+    return opened
+
+
+def _open_run_split(ckpt: Path, cfg: Config, split: str) -> TokenSplit:
     own = prepare_run_data(ckpt, cfg, "the val loss")
     try:
         return open_split(own, split)

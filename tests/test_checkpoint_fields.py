@@ -51,6 +51,9 @@ BAD_VALUES = [
     ("device", "cpu\n"), ("attention", "garbage"), ("attention", "auto"),
     ("parallel", "garbage"), ("max_steps", 0), ("loss_scaling", {"scale": 0}),
     ("loss_scaling", {"evil": 1}), ("preset", 7), ("imported_sha256", "xyz"),
+    ("data", {"dir": "/d"}), ("data", ["/d"]), ("data", [{"dir": "/d", "train": "ab"}]),
+    ("data", [{"dir": "", "train": "ab", "val": "cd"}]),
+    ("data", [{"dir": "/d", "train": "ab", "val": "xyz"}]),
 ]
 
 

@@ -279,6 +279,59 @@ def test_a_resume_whose_text_is_gone_trains_on_its_data_as_prepared(tmp_path, mo
     assert losses("half") == losses("whole") and sorted(losses("half")) == [1, 2, 3, 4]
 
 
+def test_a_run_opened_from_another_project_never_reads_that_projects_data(
+    tmp_path, monkeypatch
+):
+    """Two projects, each with its own own.txt and the data derived from it (data/own-byte,
+    relative). A resume or eval of project a's run from project b trained on and scored b's
+    data without a word: the same relative names found other data. Now both stop in one line
+    naming both folders, until the command names the data; in the run's own folder, data
+    prepared again from its changed text goes on with a note."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for project, shift in ((a, 0), (b, 5)):
+        project.mkdir()
+        (project / "own.txt").write_text(own_text()[shift:].upper() if shift else own_text())
+    train = ("train", "--config", "andrea-tiny", "--no-progress", "--set", "data.source=own.txt",
+             "--set", "data.tokenizer=byte", "--set", "train.max_steps=4", "--set",
+             "train.checkpoint_every=2", "--set", "train.eval_every=0", "--set",
+             "train.precision=fp32")
+    monkeypatch.chdir(a)
+    code, _, err = quiet_main(*train, "--stop-after", "2")
+    assert code == 0, err
+    run = a / "runs" / "andrea-tiny"
+    ckpt = run / "step-000002"
+    monkeypatch.chdir(b)
+    code, _, err = quiet_main(*train, "--set", "train.max_steps=1")  # b's data, prepared
+    assert code == 0, err
+    ours, theirs = a / "data" / "own-byte", b / "data" / "own-byte"
+    code, _, err = quiet_main("train", "--resume", str(run), "--no-progress")
+    assert code == 2 and last_line(err) == (
+        f"error: {ckpt}: resuming would read other data: the run trained on {ours}, and the "
+        f"data here is {theirs}, which holds other shards (a relative data.dir names a folder "
+        f"under the working directory); run it from the directory the run trained in, or read "
+        f"this data by naming it: --set data.dir={theirs}")
+    assert (run / "latest").read_text().strip() == ckpt.name
+    code, _, err = quiet_main(*EVAL, "--checkpoint", str(run))
+    assert code == 2 and last_line(err).startswith(
+        f"error: {ckpt}: the val loss would read other data: the run trained on {ours}, ")
+    assert last_line(err).endswith(f"read this data by naming it: --data {theirs}")
+    code, _, err = quiet_main(*EVAL, "--checkpoint", str(run), "--data", str(theirs))
+    assert code == 0, err
+    monkeypatch.chdir(a)
+    code, _, err = quiet_main(*EVAL, "--checkpoint", str(run))
+    assert code == 0 and err == "", err
+    with (a / "own.txt").open("a") as f:
+        f.write(own_text()[:500])
+    code, out, err = quiet_main("train", "--resume", str(run), "--no-progress")
+    assert code == 0, err
+    assert f"note: {ours} holds other shards than {ckpt} was trained on (prepared again since, "\
+           f"from its text as it is now)\n" in out, out
+    monkeypatch.chdir(b)
+    code, out, err = quiet_main("train", "--resume", str(run), "--no-progress", "--set",
+                                f"data.dir={theirs}", "--set", "train.max_steps=6")
+    assert code == 0, err
+
+
 def test_a_checkpoint_from_before_without_tokenizer_or_checksums_still_opens(
     capsys, moved, copied
 ):

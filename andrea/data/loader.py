@@ -34,6 +34,8 @@ batch is still a function of (seed, tokens_before, rank, micro_step, sizes).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -188,6 +190,23 @@ def open_split(cfg: Config, split: str) -> TokenSplit:
     if cfg.data.sources:
         return Mixture(source_dirs(cfg), split)
     return TokenSplit(data_dir_for(cfg), split)
+
+
+def data_record(*splits: TokenSplit) -> list[dict[str, str]]:
+    """What a checkpoint records of the data its run reads, a source at a time: the folder
+    (absolute: the derived data.dir, relative, names another folder from another working
+    directory) and, for each of `splits`, a digest of its tokenizer and shards (each one's
+    tokens and checksum: none in an older manifest), which a resume or eval compares with
+    the data it finds (train/rundata.check_same_data)."""
+    record = []
+    for parts in zip(*(split.parts for split in splits), strict=True):
+        entry = {"dir": str(parts[0].data_dir.resolve())}
+        for part in parts:
+            content = [part.tokenizer_identity,
+                       [[e["tokens"], e.get("checksum")] for e in part.entries]]
+            entry[part.split] = hashlib.sha256(json.dumps(content).encode()).hexdigest()[:16]
+        record.append(entry)
+    return record
 
 
 def check_in_background(*splits: TokenSplit) -> BackgroundCheck:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 from andrea.config import Config
@@ -99,3 +100,34 @@ def prepare_line(own: Config, ckpt: Path, data: Path, target: Path, note: str = 
         tokenizer = f"the {d.tokenizer} tokenizer"
     return (f"preparing {target} from {source_words(own)} with {tokenizer}: the run's data, "
             f"{data}, is not here{note}")
+
+
+def check_same_data(
+    ckpt: Path, recorded: list[dict[str, str]] | None, found: list[dict[str, str]], *,
+    needs: str, named: bool, take: Callable[[str], str],
+) -> str:
+    """The data found (loader.data_record) against the data checkpoint `ckpt` records, for
+    what `needs` it ("resuming", "the val loss"). Other shards in another folder stop, in one
+    line that names both and `take(folder)`, the option that reads the data found: a relative
+    data.dir (the derived one is) names another folder from another working directory, where
+    data prepared from another text of the same name would be read without a word. Other
+    shards in the folder the run read are its data kept current (its text changed and was
+    prepared again): a note line, returned; else ''. `named`: the command names its data
+    itself (train's --set data.dir, eval's --data), and reads it unchecked."""
+    if recorded is None or named:
+        return ""
+    changed = []
+    for old, new in zip(recorded, found, strict=False):  # data.sources is the run's own
+        if all(old[split] == digest for split, digest in new.items() if split != "dir"):
+            continue
+        if old["dir"] != new["dir"]:
+            raise UserError(
+                f"{ckpt}: {needs} would read other data: the run trained on {old['dir']}, and "
+                f"the data here is {new['dir']}, which holds other shards (a relative data.dir "
+                f"names a folder under the working directory); run it from the directory the "
+                f"run trained in, or read this data by naming it: {take(new['dir'])}")
+        changed.append(new["dir"])
+    if not changed:
+        return ""
+    return (f"note: {', '.join(changed)} holds other shards than {ckpt} was trained on "
+            f"(prepared again since, from its text as it is now)")

@@ -646,6 +646,21 @@ ANCHOR = _object({"step": (int, COUNT), "lr": (float, lambda x: None if math.isf
 GUARD = _object({"window": (list, _window), "streak": (int, COUNT), "data_offset": (int, COUNT),
                  "lr_cut_until": (int, COUNT), "spikes": (int, COUNT),
                  "rollbacks": (int, COUNT)}, required=False)
+
+def _list_of(item: Valid) -> Valid:
+    """A JSON list of objects, each of which `item` finds in range."""
+    def valid(x: list[Any]) -> str | None:
+        for v in x:
+            must = "an object" if not isinstance(v, dict) else item(v)
+            if must is not None:
+                return f"a list, each entry {must}"
+        return None
+    return valid
+
+
+# loader.data_record's: a source's folder and its splits' digests.
+DATA = _list_of(_object({"dir": (str, _name), "train": (str, _hex), "val": (str, _hex)},
+                        required=True))
 _SCALE = (float, lambda x: None if math.isfinite(x) and x > 0 else "a finite positive number")
 SCALER = _object({"scale": _SCALE, "growth_factor": _SCALE, "backoff_factor": _SCALE,
                   "growth_interval": (int, POSITIVE), "_growth_tracker": (int, COUNT),
@@ -710,6 +725,11 @@ class TrainerState:
     # so that other runs' files stay byte for byte as they were before it.
     loss_scaling: dict[str, Any] | None = _key(None, valid=SCALER, written=TRAINED,
                                                omitted_while_none=True)
+    # The data the run read (loader.data_record), which a resume and eval compare with what
+    # they find; None: not recorded (older runs, an import), nothing to compare. Left out while
+    # None, so that an older checkpoint's file is written again byte for byte.
+    data: list[dict[str, str]] | None = _key(None, valid=DATA, written=TRAINED,
+                                             omitted_while_none=True)
     # An imported run's: the folder its weights came from, and the digest of its weights file.
     imported_from: str | None = _key(None, valid=_name, written=IMPORTED)
     imported_sha256: str | None = _key(None, valid=_hex, written=IMPORTED)

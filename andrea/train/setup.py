@@ -27,6 +27,7 @@ from andrea.data.loader import (
     TokenSplit,
     check_enough,
     check_in_background,
+    data_record,
     mixture_report,
     open_split,
     source_passes,
@@ -133,6 +134,8 @@ def set_up(
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist, locks, run_dir, resume_from)
+    if resume_from is not None:
+        from_rank0(lambda: check_resumed_data(cfg, run, train_split, val_split), dist)
     precision = choose_precision(t.precision, device)
     dtype = precision.dtype
     backend, why, attention_line = resolve_attention(cfg, device, dtype, run.trainer_state,
@@ -340,6 +343,23 @@ def prepare_data(
     train_split, val_split = on_every_rank(open_splits, dist)
     check_in_background(train_split, val_split)  # their checksums, not waited for here
     return train_split, val_split
+
+
+def check_resumed_data(
+    cfg: Config, run: RunDecision, train_split: TokenSplit, val_split: TokenSplit
+) -> None:
+    """Rank 0, resuming: the data about to be read is the data the checkpoint records
+    (rundata.check_same_data), else a UserError, or a note when it is the run's data
+    prepared again."""
+    def take(folder: str) -> str:  # data.dir holds a mixture's folders
+        value = Path(folder).parent if cfg.data.sources else folder
+        return shlex.join(["--set", f"data.dir={value}"])
+
+    note = rundata.check_same_data(
+        run.resume_from, run.trainer_state.data, data_record(train_split, val_split),
+        needs="resuming", named="data.dir" in run.changes, take=take)
+    if note:
+        print(note, flush=True)
 
 
 def resume_data(cfg: Config, checkpoint: Path) -> Config:
