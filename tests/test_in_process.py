@@ -60,3 +60,28 @@ def test_train_then_eval_and_generate_twice_leave_the_process_as_it_was(tmp_path
             result = andrea_main(*command, cwd=tmp_path)
             assert result.returncode == 0, result.stderr
             assert process_state() == before, command
+
+
+def test_train_from_a_thread_other_than_the_main_one(tmp_path: Path, data_dir: Path) -> None:
+    """Only the main thread may install signal handlers: a training started from another (a
+    sweep's worker thread, a web app's callback) runs without them, and leaves them as they
+    were, instead of failing with Python's ValueError."""
+    from conftest import tiny_config
+
+    from andrea.train.loop import train
+
+    before = process_state()["signal handlers"]
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2"),
+                                 progress=False))
+        except BaseException as exc:  # the thread's failure, for the assert
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert [getattr(r, "state", r) for r in outcome] == ["finished"]
+    assert process_state()["signal handlers"] == before

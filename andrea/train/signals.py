@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,11 @@ class SignalWatch:
         self.metrics_path: Path | None = None
 
     def __enter__(self) -> SignalWatch:
+        # Python delivers signals to the main thread alone and lets only it install handlers: a
+        # training started from another thread (a sweep's worker thread, a web app's callback)
+        # runs without the watch, as `andrea prepare` does (stop_on_signals).
+        if threading.current_thread() is not threading.main_thread():
+            return self
         for sig in EXIT_SIGNAL:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
