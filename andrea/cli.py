@@ -277,13 +277,11 @@ def train_cmd(
     ] = None,
 ) -> None:
     """Train a model (also under torchrun for several processes)."""
-    if resume is not None and overwrite:
-        raise UserError(f"--resume {resume} --overwrite: give one; --resume continues the run, "
-                        "--overwrite deletes it and starts a new one")
     from andrea.streams import output_survives_closed_reader
-    from andrea.train.loop import train
+    from andrea.train.loop import check_run_choice, train
     from andrea.train.resume import config_for_run  # loop's set-up imports the registries
 
+    check_run_choice(resume, overwrite)  # before the config is read
     cfg = config_for_run(config, set_ or [], resume)
     with output_survives_closed_reader():
         result = train(

@@ -659,6 +659,17 @@ def test_bad_resumes_are_clear_errors(tmp_path, data_dir):
                       "model.safetensors", "truncated")
 
 
+def test_train_from_python_refuses_resume_with_overwrite_as_the_command_does(tmp_path, data_dir):
+    """resume= with overwrite=True resumed, the overwrite dropped without a word: the command
+    refuses the pair, and from Python it is the same UserError, the run left as it was."""
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2")
+    result = train(cfg, progress=False)
+    before = sorted(p.name for p in result.run_dir.iterdir())
+    with pytest.raises(UserError, match="^--resume auto --overwrite: give one"):
+        train(cfg, resume="auto", overwrite=True, progress=False)
+    assert sorted(p.name for p in result.run_dir.iterdir()) == before
+
+
 def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir, inject_faults):
     sets = ("train.max_steps=6", "train.precision=fp32", "model.dropout=0.1",
             "train.global_batch_tokens=2048")  # 4 micro-batches a step; dropout uses the RNG

@@ -68,6 +68,7 @@ def train(
     calls it must do so under `if __name__ == "__main__":` (docs/python.md).
     """
     refuse_in_a_starting_worker("andrea's train()")
+    check_run_choice(resume, overwrite)
     device = pick_device(cfg.train.device, "train.device")
     dist = init_distributed(device.type, cfg.train.join_timeout)
     try:
@@ -84,6 +85,14 @@ def train(
         return result
     finally:
         shutdown(dist)
+
+
+def check_run_choice(resume: str | None, overwrite: bool) -> None:
+    """--resume continues a run, --overwrite deletes it: both at once is refused (the command
+    says so before it reads any config; train() for a caller from Python)."""
+    if resume is not None and overwrite:
+        raise UserError(f"--resume {resume} --overwrite: give one; --resume continues the run, "
+                        "--overwrite deletes it and starts a new one")
 
 
 def run_training(
