@@ -670,6 +670,16 @@ def test_train_from_python_refuses_resume_with_overwrite_as_the_command_does(tmp
     assert sorted(p.name for p in result.run_dir.iterdir()) == before
 
 
+@pytest.mark.parametrize("stop_after", [0, -1])
+def test_train_from_python_refuses_a_stop_after_below_one(tmp_path, data_dir, stop_after):
+    """stop_after=0 trained a step and said 'paused after 0 steps'; the command's --stop-after
+    takes at least 1, and from Python it is a UserError before anything is written."""
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2")
+    with pytest.raises(UserError, match=f"^--stop-after {stop_after}: expected a number of steps"):
+        train(cfg, progress=False, stop_after=stop_after)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_interrupt_mid_accumulation_resumes_bit_for_bit(tmp_path, data_dir, inject_faults):
     sets = ("train.max_steps=6", "train.precision=fp32", "model.dropout=0.1",
             "train.global_batch_tokens=2048")  # 4 micro-batches a step; dropout uses the RNG

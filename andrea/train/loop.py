@@ -69,6 +69,8 @@ def train(
     """
     refuse_in_a_starting_worker("andrea's train()")
     check_run_choice(resume, overwrite)
+    if stop_after is not None and stop_after < 1:  # the command's --stop-after has min=1
+        raise UserError(f"--stop-after {stop_after}: expected a number of steps, at least 1")
     device = pick_device(cfg.train.device, "train.device")
     dist = init_distributed(device.type, cfg.train.join_timeout)
     try:
