@@ -637,6 +637,9 @@ def _parser_error_line(exc: Exception) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: bad input, ours or the parser's, becomes one line on stderr and exit code 2,
     never a traceback."""
+    # Every call of a typer app sets sys.excepthook to typer's and leaves it there: a hook the
+    # caller's process had (a notebook's, a sweep's crash logger) would be gone after the verb.
+    excepthook = sys.excepthook
     try:
         with faults.installed_from_environment():
             code = app(args=argv, prog_name="andrea", standalone_mode=False)
@@ -655,6 +658,8 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         typer.echo("aborted", err=True)
         sys.exit(1)
+    finally:
+        sys.excepthook = excepthook
     sys.exit(code if isinstance(code, int) else 0)
 
 

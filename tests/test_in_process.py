@@ -85,3 +85,17 @@ def test_train_from_a_thread_other_than_the_main_one(tmp_path: Path, data_dir: P
     worker.join()
     assert [getattr(r, "state", r) for r in outcome] == ["finished"]
     assert process_state()["signal handlers"] == before
+
+
+def test_a_verb_leaves_the_callers_excepthook(monkeypatch) -> None:
+    """typer sets sys.excepthook to its own at every call of the app; main puts the caller's
+    back, so a crash logger (or a notebook's hook) still sees what fails after the verb."""
+    import sys
+
+    def mine(*exc: object) -> None:
+        pass
+
+    monkeypatch.setattr(sys, "excepthook", mine)
+    assert andrea_main("count-params", "--config", "andrea-tiny").returncode == 0
+    assert andrea_main("count-params", "--config", "nope").returncode == 2
+    assert sys.excepthook is mine
