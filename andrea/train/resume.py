@@ -11,6 +11,7 @@ from typing import Any
 from andrea.config import Config, ModelConfig, config_from_dict, key_specs, load_config
 from andrea.errors import UserError
 from andrea.model.params import check_stored_shape
+from andrea.train.checkpoint import read_model_checkpoint
 from andrea.train.restarts import attempt
 from andrea.train.rundir import (
     CONFIG,
@@ -49,12 +50,7 @@ def check_resume_changes(
     A run that has not trained yet (an import: its checkpoint is at step 0) may still change
     its schedule and data, everything but the model the weights fix."""
     changes = config_changes(stored, given)
-    resumable = {spec.dotted for spec in key_specs() if spec.rule.resumable}
-
-    def allowed(key: str) -> bool:
-        return key in resumable or (not trained and not key.startswith("model."))
-
-    refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items() if not allowed(k)]
+    refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items() if not _allowed(k, trained)]
     if refused:
         raise UserError(
             f"{run_dir}: resuming cannot change {', '.join(refused)}: these keys define the run; "
@@ -62,6 +58,30 @@ def check_resume_changes(
             f"continues its own config.yaml) or start a new run"
         )
     return {k: [a, b] for k, (a, b) in changes.items()}
+
+
+def _allowed(key: str, trained: bool) -> bool:
+    """Whether a resume may change `key`: one declared resumable, or any outside `model` while
+    the run has not trained (an import, at step 0)."""
+    resumable = {spec.dotted for spec in key_specs() if spec.rule.resumable}
+    return key in resumable or (not trained and not key.startswith("model."))
+
+
+def check_run_config(stored: Config, checkpoint: Path, run_dir: Path, trained: bool) -> None:
+    """The run's config.yaml against the config `checkpoint` was trained with (its weights'
+    metadata): a key that defines the run, edited in config.yaml between stop and resume, is
+    refused as its --set is. Unchecked, an edited train.lr trained on silently (the schedule
+    jumping to it) and an edited train.optimizer called the optimizer state damaged."""
+    trained_with = read_model_checkpoint(checkpoint, tensors=False)[1]
+    edited = [f"{k} {b} where {checkpoint} was trained with {a}"
+              for k, (a, b) in config_changes(trained_with, stored).items()
+              if not _allowed(k, trained)]
+    if edited:
+        raise UserError(
+            f"{run_dir / CONFIG}: {'; '.join(edited)}: these keys define the run, so a resume "
+            f"cannot change them, by --set or in {CONFIG}; put them back as the run trained "
+            f"them, or start a new run"
+        )
 
 
 def config_for_run(config: str | None, overrides: list[str], resume: str | None) -> Config:

@@ -71,6 +71,7 @@ from andrea.train.restarts import attempt
 from andrea.train.resume import (
     check_checkpoint_shape,
     check_resume_changes,
+    check_run_config,
     config_changes,
     find_run_to_resume,
     locate_run,
@@ -130,7 +131,10 @@ def set_up(
     if resume_from is not None and run.trainer_state.step >= t.max_steps:
         return nothing_to_do(run_dir, resume_from, run.trainer_state.step, t.max_steps, dist)
     if resume_from is not None:  # before the data is prepared or a model is built
-        from_rank0(lambda: check_checkpoint_shape(cfg.model, resume_from, run_dir), dist)
+        trained = run.trainer_state.step > 0
+        from_rank0(lambda: (check_checkpoint_shape(cfg.model, resume_from, run_dir),
+                            check_run_config(load_config(run_dir / CONFIG), resume_from,
+                                             run_dir, trained)), dist)
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist, locks, run_dir, resume_from)
