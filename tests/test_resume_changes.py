@@ -31,3 +31,27 @@ def test_a_fixed_key_edited_in_the_runs_config_yaml_is_refused_as_its_set_is(
         "put them back as the run trained them")
     assert "damaged" not in line
     assert (run / "latest").read_text().strip() == "step-000040"  # nothing written
+
+
+def test_a_resume_pointed_at_another_runs_data_names_no_set_it_would_refuse(
+    tmp_path, trained_tiny
+):
+    """Before: `--resume RUN --set data.dir=DIR`, DIR holding data prepared from another text,
+    was refused with 'to use that data as it is, add to the command what it was prepared with
+    (--set data.source=own.txt)', and that --set is one a resume refuses (data.source defines
+    the run). Now the line gives only what a resume can do: another data.dir, or that folder
+    prepared again."""
+    from andrea.config import load_config
+    from andrea.data.prepare import ensure_prepared
+
+    text = tmp_path / "own.txt"
+    text.write_text("another text to train on, repeated. " * 3000)
+    other = tmp_path / "other-byte"
+    ensure_prepared(load_config("andrea-tiny", [f"data.source={text}", f"data.dir={other}"]))
+    run = tmp_path / "t"
+    shutil.copytree(trained_tiny.run_dir, run)
+    line = assert_user_error(
+        andrea_main("train", "--resume", str(run), "--set", "train.max_steps=41",
+                    "--set", f"data.dir={other}", "--no-progress"),
+        f"{other}: holds data prepared with source {text}", "use another data folder")
+    assert "data.source=" not in line, line

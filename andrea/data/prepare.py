@@ -112,6 +112,7 @@ def prepare_inputs(
     tokenizer_file: str = "",
     text_field: str = "text",
     source_key: str = "data.source",
+    fixed: bool = False,
 ) -> Path:
     """Tokenize `inputs` ("shakespeare", a file, a directory, a glob or a `datasets` folder)
     into shards in `out`.
@@ -124,7 +125,8 @@ def prepare_inputs(
     from its last complete shard. `announce` is printed just before the work starts.
 
     `out` must be empty or andrea's; one holding data prepared with other settings is refused
-    unless `force` (the refusal names `source_key`, the config key that gave `inputs`). The
+    unless `force` (the refusal names `source_key`, the config key that gave `inputs`, and
+    with `fixed`, a resume's, no --set of the data keys it cannot change). The
     work holds the folder's lock: a second prepare of `out` waits for the first, then uses its
     result when it is what this one asks for.
     """
@@ -143,7 +145,7 @@ def prepare_inputs(
         return out
     check_owned(out)  # before anything is written there, the lock file included
     check_request = functools.partial(check_same_request, tokenizer_file=tokenizer_file,
-                                      source_key=source_key)
+                                      source_key=source_key, fixed=fixed)
     if not force:  # and again under the lock: a prepare may be running
         check_request(out, settings)
     total = sum(d.size for d in docs)
@@ -374,10 +376,11 @@ def check_vocab(tokenizer_vocab: int, model_vocab: int, where: str) -> None:
 
 
 def prepare_from_config(
-    cfg: Config, force: bool = False, verbose: bool = True, announce: str | None = None
+    cfg: Config, force: bool = False, verbose: bool = True, announce: str | None = None,
+    fixed: bool = False,
 ) -> Path:
     """Prepare the shards that `cfg.data` describes (BPE vocab = model.vocab_size, unless
-    data.tokenizer_file gives the BPE)."""
+    data.tokenizer_file gives the BPE); `fixed`: for a resume, whose data keys cannot change."""
     d = cfg.data
     kind = KINDS[d.tokenizer]
     if kind.fixed_vocab is not None:
@@ -411,6 +414,7 @@ def prepare_from_config(
             tokenizer_file=d.tokenizer_file if kind.file else "",
             text_field=d.text_field,
             source_key=f"data.sources[{i}].path" if d.sources else "data.source",
+            fixed=fixed,
         )
         tok = read_manifest(out)["tokenizer"]
         check_vocab(tok["vocab_size"], cfg.model.vocab_size, str(out))
@@ -429,16 +433,17 @@ def check_one_tokenizer(identities: dict[str, Path]) -> None:
         )
 
 
-def ensure_prepared(cfg: Config) -> Path:
+def ensure_prepared(cfg: Config, fixed: bool = False) -> Path:
     """The data dir for `cfg`, preparing it first (with one line saying so) if missing or stale.
 
     In multi-process training call it on rank 0 alone and let the others wait for it and hear
     its error (train.collectives.from_rank0). Separate commands take turns on the folder's
     lock; a folder holding data prepared with other settings is refused, never rewritten
-    (docs/data.md, "What prepare locks and refuses").
+    (docs/data.md, "What prepare locks and refuses"); `fixed`: a resume's, which names no
+    --set of the data keys it cannot change.
     """
     announce = f"preparing {data_dir_for(cfg)} from {source_words(cfg)} (first run only)"
-    return prepare_from_config(cfg, verbose=False, announce=announce)
+    return prepare_from_config(cfg, verbose=False, announce=announce, fixed=fixed)
 
 
 def source_words(cfg: Config) -> str:

@@ -165,12 +165,13 @@ def _unfinished_problem(out: Path, settings: dict[str, Any]) -> str:
 
 
 def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str = "",
-                       source_key: str = "data.source") -> None:
+                       source_key: str = "data.source", fixed: bool = False) -> None:
     """A folder holding data (complete or not) prepared from another source or with other
     settings is another run's: never rewritten without --force (`tokenizer_file`: the
     tokenizer.json this request gives, for the command that would; `source_key`: the config
     key that names this source, `data.sources[i].path` for a mixture's, `--input` for
-    `prepare --input`'s)."""
+    `prepare --input`'s; `fixed`: a resume, which cannot --set the keys that would take that
+    data as it is)."""
     for record in records(out):
         differ = [k for k in REQUEST_KEYS if _request(record, k) != _request(settings, k)]
         names = {i.get("name") for i in record.get("inputs") or [] if isinstance(i, dict)}
@@ -187,7 +188,7 @@ def check_same_request(out: Path, settings: dict[str, Any], tokenizer_file: str 
             # Data that holds out more for validation than it trains on (a val_fraction near 1:
             # a few hundred train tokens, or none) is nothing to train on as it is.
             train, val = tokens.get("train"), tokens.get("val")
-            usable = what == "data" and "inputs" not in differ and not (
+            usable = what == "data" and "inputs" not in differ and not fixed and not (
                 isinstance(train, int) and isinstance(val, int) and train < val)
             use = _sets_for(record, differ, out, source_key) if usable else ""
             # A training can use the data as it is: `prepare --input` names its --set options

@@ -376,7 +376,7 @@ def resume_data(cfg: Config, checkpoint: Path) -> Config:
     if rundata.is_prepared(cfg):
         gone = rundata.missing_text(cfg)
         if not gone:
-            ensure_prepared(cfg)
+            ensure_prepared(cfg, fixed=True)  # data.dir may change on resume, data.source not
         else:  # nothing to keep it current against: the data as prepared, as eval scores it
             print(f"note: {gone[0]}, the text the run's data was prepared from, is not here; "
                   f"resuming on {data_dir_for(cfg)} as it was prepared", flush=True)
