@@ -359,9 +359,12 @@ def check_resumed_data(
         value = Path(folder).parent if cfg.data.sources else folder
         return shlex.join(["--set", f"data.dir={value}"])
 
-    note = rundata.check_same_data(
-        run.resume_from, run.trainer_state.data, data_record(train_split, val_split),
-        needs="resuming", named="data.dir" in run.changes, take=take)
+    recorded, found = run.trainer_state.data, data_record(train_split, val_split)
+    note = rundata.check_same_data(run.resume_from, recorded, found, needs="resuming",
+                                   named="data.dir" in run.changes, take=take)
+    if note and any(old["val"] != new["val"] for old, new in zip(recorded, found, strict=False)):
+        # The best val so far, `andrea runs`' and the end line's, is one of the old split's.
+        note += "; its val split too: the val losses from here are not comparable with earlier ones"
     if note:
         print(note, flush=True)
 
