@@ -55,3 +55,22 @@ def test_a_resume_pointed_at_another_runs_data_names_no_set_it_would_refuse(
                     "--set", f"data.dir={other}", "--no-progress"),
         f"{other}: holds data prepared with source {text}", "use another data folder")
     assert "data.source=" not in line, line
+
+
+def test_a_resumed_runs_config_says_where_the_run_is(tmp_path, trained_tiny):
+    """Before: `--resume RUN --set train.runs_dir=X` trained on in RUN (which names the run by
+    its folder) and wrote X into RUN's config.yaml, where a later `--config RUN/config.yaml
+    --resume auto` found no run under X and started a new one there. Now config.yaml keeps
+    the run's own place, and that command continues the run."""
+    run = tmp_path / "t"
+    shutil.copytree(trained_tiny.run_dir, run)
+    done = andrea_main("train", "--resume", str(run), "--set", "train.runs_dir=elsewhere",
+                       "--set", "train.max_steps=42", "--no-progress", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (run / "latest").read_text().strip() == "step-000042"
+    again = andrea_main("train", "--config", str(run / "config.yaml"), "--resume", "auto",
+                        "--set", "train.max_steps=44", "--no-progress", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "starting a new run" not in again.stdout, again.stdout
+    assert (run / "latest").read_text().strip() == "step-000044"
+    assert not (tmp_path / "elsewhere").exists()

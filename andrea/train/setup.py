@@ -509,6 +509,10 @@ def open_run(
             state = read_state(checkpoint)
             changes = check_resume_changes(stored, cfg, found, state.step > 0)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
+            # and says where it is: a runs_dir given to `--resume RUN` (which names the run by
+            # its folder) written there made a later `--config RUN/config.yaml --resume auto`
+            # look for it elsewhere, find none and start a new run.
+            cfg.train.runs_dir = str(found.parent)
             return RunDecision(found, checkpoint, changes, False, cfg.train.name, state,
                                has_shards(checkpoint))
         if resume == "auto" and dist.is_main and not say_restart(None, run_dir):
