@@ -257,6 +257,17 @@ def test_mixture_val_reads_every_source_and_report(mixture, tmp_path):
     assert line.endswith("steps 1-10: x/a 100.0% (weight 100.0%)")
 
 
+def test_mixture_weights_near_the_float_maximum_keep_their_ratio(tmp_path):
+    # 1e308 + 1e308 is inf: the normalised weights were nan, and the first batch a traceback
+    # (numpy's "Probabilities do not sum to 1").
+    a = make_source(tmp_path, "a", [3000], 1)
+    b = make_source(tmp_path, "b", [1500], 10)
+    huge = Mixture([("a", a, 1.5e308), ("b", b, 0.5e308)], "train")
+    np.testing.assert_allclose(huge.weights, [0.75, 0.25])
+    x = batch(huge, micro_batch_size=8)[0]
+    assert len(set(x[:, 0].tolist())) == 8
+
+
 def test_mixture_refuses_different_tokenizers_and_small_sources(tmp_path):
     a = make_source(tmp_path, "a", [3000], 1)
     c = make_source(tmp_path, "c", [3000], 20, ident="other:v1")

@@ -172,6 +172,11 @@ class Mixture(TokenSplit):
         self.parts = splits
         self.names = [name for name, _, _ in parts]
         weights = np.array([w for _, _, w in parts], dtype=np.float64)
+        if weights.max() > np.finfo(np.float64).max / len(weights):
+            # Weights near the float maximum (1e308 each) may add up to inf, and then the shares
+            # are nan. Scaled to the largest first, they keep their ratios. Only then, so every
+            # other mixture draws the batches it always has.
+            weights = weights / weights.max()
         self.weights = weights / weights.sum()
         self.shards = [shard for part in splits for shard in part.shards]
         self.entries = [entry for part in splits for entry in part.entries]
