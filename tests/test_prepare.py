@@ -173,6 +173,24 @@ def test_a_run_reads_its_one_source_or_each_of_data_sources():
     assert prepare.data_dir_for(two).as_posix() == "data/b-byte"
 
 
+def test_sources_that_would_share_a_data_dir_are_refused_with_a_way_out():
+    # One input listed twice: renaming files (the old advice) cannot part it.
+    for twice in ("[{path: a/n.txt, weight: 2}, {path: ./a/n.txt}]",
+                  "[{path: code/, weight: 2}, {path: code}]"):
+        cfg = load_config("andrea-tiny", [f"data.sources={twice}"])
+        with pytest.raises(UserError, match=r"data.sources\[0\] and data.sources\[1\] both "
+                                            r"name .*; list it once, with their weights added "
+                                            r"\(weight: 3\)$"):
+            prepare.run_sources(cfg)
+    # Two inputs: both named, with what names the folder (two globs of one folder: the folder).
+    for two, shared in (("[{path: a/notes.txt}, {path: b/notes.txt}]", "data/notes-byte"),
+                        ("[{path: 'code/*.txt'}, {path: 'code/*.md'}]", "data/code-byte")):
+        cfg = load_config("andrea-tiny", [f"data.sources={two}"])
+        with pytest.raises(UserError, match=rf"data.sources\[0\] and data.sources\[1\] \(.+, "
+                                            rf".+\) would share the data dir {shared}, .*rename"):
+            prepare.run_sources(cfg)
+
+
 def test_given_tokenizer_file_is_used_as_is(corpus, tmp_path, capsys):
     """data.tokenizer_file: the shards use that tokenizer.json byte for byte (same identity as
     the file, so an imported model's data matches it), and a new file redoes the prepare."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
 import shlex
 import sys
@@ -355,12 +356,20 @@ def source_dirs(cfg: Config) -> list[tuple[str, Path, float]]:
         path = entry["path"]
         derived = default_data_dir(path, d.tokenizer, cfg.model.vocab_size, d.tokenizer_file)
         out.append((path, Path(d.dir) / derived.name if d.dir else derived, entry["weight"]))
-    names = [p.as_posix() for _, p, _ in out]
-    twice = next((n for n in names if names.count(n) > 1), None)
-    if twice:
+    first: dict[Path, int] = {}
+    for j, (path, folder, weight) in enumerate(out):
+        i = first.setdefault(folder, j)
+        if i == j:
+            continue
+        where = f"{cfg.source}: data.sources[{i}] and data.sources[{j}]"
+        if os.path.realpath(out[i][0]) == os.path.realpath(path):
+            # Renaming files cannot part one input listed twice (`a`, `./a`, `a/`).
+            raise UserError(f"{where} both name {out[i][0]}; list it once, with their weights "
+                            f"added (weight: {out[i][2] + weight:g})")
         raise UserError(
-            f"{cfg.source}: data.sources: two sources would share the data dir {twice}; "
-            "give their files different names"
+            f"{where} ({out[i][0]}, {path}) would share the data dir {folder}, which is named "
+            f"after a source's file or folder (up to any glob character); rename one of the "
+            f"files, or move one source's files into a folder of another name and give that"
         )
     return out
 
