@@ -99,6 +99,29 @@ def write_text(path: Path, seed: int, alphabet: str) -> Path:
     return path
 
 
+def test_a_source_named_by_a_last_part_two_sources_share_is_refused(tmp_path):
+    # corpus1/*.jsonl and corpus2/*.jsonl both end in *.jsonl: --source '*.jsonl' scored the
+    # first alone, as if it were the one meant.
+    from andrea.data.loader import Mixture
+    from andrea.data.prepare import prepare_inputs
+    from andrea.errors import UserError
+    from andrea.train.validation import val_sources
+
+    parts = []
+    for i, name in enumerate(("c1", "c2")):
+        (tmp_path / name).mkdir()
+        write_text(tmp_path / name / "t.txt", i, "etaoinshrdlu")
+        out = prepare_inputs(str(tmp_path / name / "*.txt"), "byte", tmp_path / f"d{i}",
+                             verbose=False)
+        parts.append((f"{name}/*.txt", out, 1.0))
+    val = Mixture(parts, "val")
+    with pytest.raises(UserError, match=r"^--source \*\.txt: names 2 sources, c1/\*\.txt, "
+                                        r"c2/\*\.txt; give the whole path of one$"):
+        val_sources(val, 16, 64, only="*.txt")
+    (one,) = val_sources(val, 16, 64, only="c2/*.txt")
+    assert one.name == "c2/*.txt" and one.split.data_dir == tmp_path / "d1"
+
+
 def test_a_mixture_is_scored_per_source_with_a_weighted_total(tmp_path):
     a = write_text(tmp_path / "a.txt", 1, "etaoinshrdlu")
     b = write_text(tmp_path / "b.txt", 2, "0123456789{}[]")

@@ -109,6 +109,9 @@ def val_sources(
         if not chosen:
             raise UserError(f"--source {only}: no such source; the sources are "
                             f"{', '.join(p[0] for p in parts)}")
+        if len(chosen) > 1:  # a/*.jsonl and b/*.jsonl end alike: the first was scored alone
+            raise UserError(f"--source {only}: names {len(chosen)} sources, "
+                            f"{', '.join(p[0] for p in chosen)}; give the whole path of one")
         parts = [(chosen[0][0], 1.0, chosen[0][2])]
     out = []
     for name, weight, part in parts:
