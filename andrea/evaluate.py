@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -263,6 +264,11 @@ def checkpoints_to_evaluate(
 def task_pairs(kinds: list[str] | None, files: list[str] | None) -> list[tuple[str, str]]:
     """`--task KIND` (repeatable) paired in order with the FILE arguments; the counts must agree."""
     kinds, files = kinds or [], files or []
+    folder = next((f for f in files if Path(f).is_dir()), None)
+    if not kinds and folder is not None:  # `andrea eval runs/x`: a run, not a task file
+        raise UserError(f"{folder}: eval's arguments are task files (one per --task); to score "
+                        f"a checkpoint, name it with --checkpoint: andrea eval --checkpoint "
+                        f"{shlex.quote(folder)}")
     if len(kinds) != len(files):
         raise UserError(f"--task: {len(kinds)} task(s) but {len(files)} file(s); give one file "
                         "per --task, e.g. andrea eval --task hellaswag hellaswag_val.jsonl")

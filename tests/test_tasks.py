@@ -258,6 +258,10 @@ def test_several_checkpoints_in_one_table(tmp_path, trained_tiny):
                                   "--all-steps"),
                       "a checkpoint's step folder; --all-steps takes its run's folder: "
                       f"{run}")
+    # A run given as eval's argument (where --checkpoint was meant) was counted as a task file:
+    # '0 task(s) but 1 file(s); give one file per --task'.
+    assert_user_error(andrea_main("eval", str(run)), "eval's arguments are task files",
+                      f"andrea eval --checkpoint {run}")
     # --limit counts task examples: without a task it was ignored without a word.
     assert_user_error(andrea_main("eval", "--checkpoint", str(run), "--limit", "3"),
                       "--limit 3: counts the examples of a task", "--task KIND FILE")
