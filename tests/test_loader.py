@@ -407,6 +407,17 @@ def test_epochs_and_a_mixture_are_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match=r"mix\.yaml: data\.order: epochs passes over one data "
                                         r"dir, and data\.sources is a mixture"):
         load_config(cfg)
+    # Its one source was told to "use one source": the line names the keys that do.
+    with pytest.raises(UserError, match=r"set data\.order=random, or read its one source as "
+                                        r"data\.source: --set data\.source=a --set "
+                                        r"'data\.sources=\[\]'$"):
+        load_config(cfg)
+    assert load_config(cfg, ["data.source=a", "data.sources=[]"]).data.order == "epochs"
+    two = tmp_path / "two.yaml"
+    two.write_text("data:\n  order: epochs\n  sources: [{path: a}, {path: b}]\n")
+    with pytest.raises(UserError, match=r"set data\.order=random, or use one source as "
+                                        r"data\.source$"):
+        load_config(two)
 
 
 def test_a_data_order_is_one_entry_in_its_registry(data_dir, monkeypatch):

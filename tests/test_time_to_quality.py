@@ -482,4 +482,4 @@ def test_the_12m_preset_reads_in_epochs_and_a_mixture_on_it_is_told_to_draw():
     proc = andrea_main("train", "--config", "andrea-12m.yaml",
                        "--set", "data.sources=[{path: a, weight: 1}, {path: b}]")
     assert_user_error(proc, "andrea-12m.yaml", "data.order: epochs passes over one data dir",
-                      "set data.order=random or use one source")
+                      "set data.order=random, or use one source as data.source")

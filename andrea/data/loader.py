@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -411,11 +412,16 @@ class EpochOrder(WindowOrder):
         return chosen
 
     def check_config(self, cfg: Config, origin: str) -> None:
-        if cfg.data.sources:  # the one refusal of a mixture: its windows are drawn by weight
+        sources = cfg.data.sources
+        if sources:  # the one refusal of a mixture: its windows are drawn by weight
+            # A list of one is a mixture too, so "use one source" told it nothing: its path as
+            # data.source reads the same folder pass by pass.
+            one = (f", or read its one source as data.source: --set data.source="
+                   f"{shlex.quote(sources[0]['path'])} --set 'data.sources=[]'"
+                   if len(sources) == 1 else ", or use one source as data.source")
             raise UserError(
                 f"{origin}: data.order: epochs passes over one data dir, and data.sources is a "
-                f"mixture (its windows are drawn by weight); set data.order=random or use one "
-                f"source"
+                f"mixture (its windows are drawn by weight); set data.order=random{one}"
             )
 
 
