@@ -13,7 +13,7 @@ import yaml
 from conftest import REPO, andrea_main, assert_user_error
 
 from andrea.config import PRECISIONS, SECTIONS, TrainConfig, key_spec, key_specs, load_config
-from andrea.config.declare import key, section_keys
+from andrea.config.declare import ResumeChange, key, section_keys
 from andrea.config.reference import REGENERATE, default_text, keys_markdown
 from andrea.errors import UserError
 from andrea.train import optim, parallel  # noqa: F401  (their registries: keys' allowed values)
@@ -304,7 +304,7 @@ def test_docs_key_table_is_generated_from_the_declarations():
 
 
 def test_resumable_keys_are_the_ones_resume_always_allowed():
-    resumable = {spec.dotted for spec in key_specs() if spec.rule.resumable}
+    resumable = {spec.dotted for spec in key_specs() if spec.rule.resumable is True}
     assert resumable == {
         "train.max_steps", "train.eval_every", "train.eval_tokens", "train.eval_batches",
         "train.checkpoint_every", "train.keep_last", "train.join_timeout", "train.log_every",
@@ -320,6 +320,8 @@ def test_resumable_keys_are_the_ones_resume_always_allowed():
     }
     located = {spec.dotted for spec in key_specs() if spec.rule.location}
     assert located == {"train.name", "train.runs_dir"}
+    in_part = {spec.dotted for spec in key_specs() if isinstance(spec.rule.resumable, ResumeChange)}
+    assert in_part == {"data.sources"}
 
 
 def test_resume_accepts_declared_changes_and_names_every_refused_key(tmp_path):

@@ -74,3 +74,31 @@ def test_a_resumed_runs_config_says_where_the_run_is(tmp_path, trained_tiny):
     assert "starting a new run" not in again.stdout, again.stdout
     assert (run / "latest").read_text().strip() == "step-000044"
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_mixtures_weights_may_change_on_resume_and_nothing_else_of_it(tmp_path):
+    """A mix shifted late in a run (annealing on the best data): a resume refused any change
+    of data.sources, even of its weights alone. Now the weights may change, in one line, and
+    the windows from then on are drawn by them; another source, or the same ones in another
+    order, is still refused."""
+    for name, letters in (("a.txt", "abcd \n"), ("b.txt", "WXYZ \n")):
+        (tmp_path / name).write_text("".join(letters[(i * 7 + i // 5) % 6] for i in range(30000)))
+    mix = "data.sources=[{path: a.txt, weight: 1}, {path: b.txt, weight: %d}]"
+    train = ("train", "--config", "andrea-tiny", "--no-progress", "--set", "train.max_steps=6",
+             "--set", "train.checkpoint_every=3", "--set", "train.eval_every=0")
+    assert andrea_main(*train, "--set", mix % 1, "--stop-after", "3", cwd=tmp_path).returncode == 0
+    run = tmp_path / "runs" / "andrea-tiny"
+    refused = andrea_main("train", "--resume", str(run), "--no-progress", "--set",
+                          "data.sources=[{path: b.txt, weight: 1}, {path: a.txt, weight: 1}]",
+                          cwd=tmp_path)
+    assert_user_error(refused, "resuming cannot change data.sources")
+    done = andrea_main("train", "--resume", str(run), "--no-progress", "--set", mix % 9,
+                       cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "resume: data.sources [{'path': 'a.txt', 'weight': 1.0}, {'path': 'b.txt', " \
+           "'weight': 1.0}] -> [{'path': 'a.txt', 'weight': 1.0}, {'path': 'b.txt', " \
+           "'weight': 9.0}]" in done.stdout, done.stdout
+    assert "realised share of tokens over steps 4-6: a.txt" in done.stdout
+    share = float(done.stdout.split("b.txt ")[1].split("%")[0])
+    assert share > 70, done.stdout  # 90% by weight, from 50% before
+    assert "weight: 9" in (run / "config.yaml").read_text()

@@ -56,6 +56,15 @@ class Registered:
 
 
 @dataclass(frozen=True)
+class ResumeChange:
+    """A key a resume may change in part: the change from `old` to `new` when `allows(old,
+    new)`, as `says` puts it in the config reference (docs/config.md's "on resume")."""
+
+    allows: Callable[[Any, Any], bool]
+    says: str
+
+
+@dataclass(frozen=True)
 class Rule:
     """What a key's declaration says besides its type and default."""
 
@@ -63,12 +72,19 @@ class Rule:
     options: tuple[str, ...] | Registered = ()
     check: Check | None = None
     # May `--resume` change it? Such keys decide how a run proceeds (how far, how often it
-    # logs, evaluates and checkpoints, how fast it computes), not what it trains.
-    resumable: bool = False
+    # logs, evaluates and checkpoints, how fast it computes), not what it trains; a
+    # ResumeChange, a part of it.
+    resumable: bool | ResumeChange = False
     # Where the run lives rather than what it is: never compared on resume (--resume names it).
     location: bool = False
     # A file or folder: a leading ~ is the home folder (config.load.validate expands it).
     path: bool = False
+
+    def may_change(self, old: Any, new: Any) -> bool:
+        """Whether a resume may change the key's value from `old` to `new`."""
+        if isinstance(self.resumable, ResumeChange):
+            return self.resumable.allows(old, new)
+        return self.resumable
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -86,7 +102,7 @@ def key(
     *,
     choices: tuple[str, ...] | Registered = (),
     check: Check | None = None,
-    resumable: bool = False,
+    resumable: bool | ResumeChange = False,
     location: bool = False,
     path: bool = False,
 ) -> Any:

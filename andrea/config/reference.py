@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from andrea.config.declare import KeySpec
+from andrea.config.declare import KeySpec, ResumeChange
 from andrea.config.sections import SECTIONS, key_specs
 
 REGENERATE = "andrea config keys --markdown > docs/config.md"
@@ -31,6 +31,8 @@ def on_resume(spec: KeySpec) -> str:
     """What `--resume` does with a changed value of the key."""
     if spec.rule.location:
         return "names the run"
+    if isinstance(spec.rule.resumable, ResumeChange):
+        return spec.rule.resumable.says
     return "may change" if spec.rule.resumable else "fixed"
 
 
@@ -77,10 +79,10 @@ section (or a section twice) and an empty file (`{{}}` asks for every default).
 
 On resume: a resumed run's config may differ from its own config.yaml (by `--set`, or the
 `--config` given with `--resume auto`) only in the keys marked *may change* (how the run
-proceeds: how far, how often it logs, evaluates and checkpoints, how fast it computes); any
-other change is refused, except that a run not yet trained (an import, at step 0) may change
-every key outside `model`. The keys marked *names the run* say where the run lives and are not
-compared.
+proceeds: how far, how often it logs, evaluates and checkpoints, how fast it computes), and
+where the column says so in part (`data.sources`: its weights); any other change is refused,
+except that a run not yet trained (an import, at step 0) may change every key outside `model`.
+The keys marked *names the run* say where the run lives and are not compared.
 
 A path (`data.source`, `data.dir`, `data.tokenizer_file`, `data.sources`' paths,
 `train.runs_dir`) that starts with `~` starts at the home folder, in a file and in `--set` alike

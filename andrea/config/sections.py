@@ -19,6 +19,7 @@ from andrea.config.declare import (
     Check,
     KeySpec,
     Registered,
+    ResumeChange,
     fraction,
     key,
     non_negative,
@@ -60,6 +61,12 @@ class ModelConfig:
     init_std: float = key(0.02, "standard deviation of the initial weights", check=positive())
 
 
+def _same_paths(old: list, new: list) -> bool:
+    """data.sources on resume: the same sources in the same order, their weights free to
+    change (a mixture shifted late in a run, as annealing on the best data does)."""
+    return [s["path"] for s in old] == [s["path"] for s in new]
+
+
 @dataclass
 class DataConfig:
     source: str = key(
@@ -86,7 +93,8 @@ class DataConfig:
                           check=not_blank("a field's name"))
     sources: list = key(
         [], "a mixture: a list of {path, weight}, each prepared on its own, each training "
-        "window drawn from source i with probability weight_i / sum(weights); empty: source alone")
+        "window drawn from source i with probability weight_i / sum(weights); empty: source alone",
+        resumable=ResumeChange(_same_paths, "its weights may change"))
     order: str = key(
         "random", "the training windows' order: random draws each step's afresh (over a run some "
         "come more often than others); epochs takes every window of the split once a pass, "

@@ -8,7 +8,14 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from andrea.config import Config, ModelConfig, config_from_dict, key_specs, load_config
+from andrea.config import (
+    Config,
+    ModelConfig,
+    config_from_dict,
+    key_spec,
+    key_specs,
+    load_config,
+)
 from andrea.errors import UserError
 from andrea.model.params import check_stored_shape
 from andrea.train.checkpoint import read_model_checkpoint
@@ -50,7 +57,8 @@ def check_resume_changes(
     A run that has not trained yet (an import: its checkpoint is at step 0) may still change
     its schedule and data, everything but the model the weights fix."""
     changes = config_changes(stored, given)
-    refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items() if not _allowed(k, trained)]
+    refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items()
+               if not _allowed(k, a, b, trained)]
     if refused:
         raise UserError(
             f"{run_dir}: resuming cannot change {', '.join(refused)}: these keys define the run; "
@@ -60,11 +68,12 @@ def check_resume_changes(
     return {k: [a, b] for k, (a, b) in changes.items()}
 
 
-def _allowed(key: str, trained: bool) -> bool:
-    """Whether a resume may change `key`: one declared resumable, or any outside `model` while
-    the run has not trained (an import, at step 0)."""
-    resumable = {spec.dotted for spec in key_specs() if spec.rule.resumable}
-    return key in resumable or (not trained and not key.startswith("model."))
+def _allowed(key: str, old: Any, new: Any, trained: bool) -> bool:
+    """Whether a resume may change `key` from `old` to `new`: as its declaration allows
+    (Rule.may_change), or any key outside `model` while the run has not trained (an import, at
+    step 0)."""
+    return key_spec(key).rule.may_change(old, new) or (
+        not trained and not key.startswith("model."))
 
 
 def check_run_config(stored: Config, checkpoint: Path, run_dir: Path, trained: bool) -> None:
@@ -75,7 +84,7 @@ def check_run_config(stored: Config, checkpoint: Path, run_dir: Path, trained: b
     trained_with = read_model_checkpoint(checkpoint, tensors=False)[1]
     edited = [f"{k} {b} where {checkpoint} was trained with {a}"
               for k, (a, b) in config_changes(trained_with, stored).items()
-              if not _allowed(k, trained)]
+              if not _allowed(k, a, b, trained)]
     if edited:
         raise UserError(
             f"{run_dir / CONFIG}: {'; '.join(edited)}: these keys define the run, so a resume "
