@@ -125,3 +125,23 @@ def test_a_tokenizer_kind_is_one_entry_in_its_registry(monkeypatch):
     with pytest.raises(UserError, match=r"data\.tokenizer_file applies to data\.tokenizer bpe, "
                                         r"unigram only, not byte; set data\.tokenizer=bpe or"):
         load_config("andrea-tiny", ["data.tokenizer=byte", "data.tokenizer_file=u.json"])
+
+
+def test_a_given_bpe_without_every_byte_is_refused(tmp_path):
+    """A byte-level BPE trained without ByteLevel's initial alphabet has no token for the bytes
+    its text lacked: HF drops them from the ids silently, so such a file is refused, naming it."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from andrea.data.tokenizer import read_tokenizer_file
+
+    hf = HfTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(["hello world"] * 20, trainers.BpeTrainer(vocab_size=40))
+    hf.add_special_tokens([AddedToken(EOT_TEXT, special=True)])
+    hf.save(str(tmp_path / "ascii.json"))
+    with pytest.raises(UserError, match=r"ascii.json: has no token for \d+ of the 256 bytes") \
+            as err:
+        read_tokenizer_file(tmp_path / "ascii.json")
+    assert "\n" not in str(err.value)

@@ -408,6 +408,16 @@ def read_tokenizer_file(path: str | Path) -> tuple[bytes, BpeTokenizer]:
         spec.get("pre_tokenizer")
     ):
         raise UserError(f"data.tokenizer_file {path}: not a byte-level BPE; {usable}")
+    # A BPE trained without ByteLevel's initial alphabet lacks the bytes its text never had;
+    # HF then drops those bytes from the ids without a word (there is no byte to fall back on).
+    vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else {}
+    missing = [b for c, b in _gpt2_byte_decoder().items() if c not in vocab]
+    if missing:
+        raise UserError(
+            f"data.tokenizer_file {path}: has no token for {len(missing)} of the 256 bytes "
+            f"(byte 0x{min(missing):02x} ...), which encoding would drop from the text; train it "
+            f"with initial_alphabet=ByteLevel.alphabet(); {usable}"
+        )
     try:
         tok = BpeTokenizer(path)
     except UserError:
