@@ -145,3 +145,24 @@ def test_a_given_bpe_without_every_byte_is_refused(tmp_path):
             as err:
         read_tokenizer_file(tmp_path / "ascii.json")
     assert "\n" not in str(err.value)
+
+
+def test_a_given_bpe_with_a_prefix_space_keeps_the_lines_as_they_are(tmp_path):
+    """encode cuts a text at its line breaks to batch them, which only GPT-2's pre-tokenizer
+    allows: one that adds a prefix space added it to every line, not once to the text."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from andrea.data.tokenizer import read_tokenizer_file
+
+    hf = HfTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(["Hi there\nyou\n"] * 20, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.add_special_tokens([AddedToken(EOT_TEXT, special=True)])
+    hf.save(str(tmp_path / "prefix.json"))
+    _, tok = read_tokenizer_file(tmp_path / "prefix.json")
+    text = "Hi there\nyou\nthere\n"
+    assert tok.encode(text) == hf.encode(text, add_special_tokens=False).ids
+    assert tok.decode(tok.encode(text)) == " " + text  # the tokenizer's one space, no more

@@ -187,6 +187,7 @@ class BpeTokenizer:
 
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as HfTokenizer
+        from tokenizers import pre_tokenizers
 
         try:
             blob = path.read_bytes()
@@ -198,6 +199,14 @@ class BpeTokenizer:
             raise UserError(f"{path}: BPE tokenizer lacks {EOT_TEXT} as its last id; --force it")
         # Text is text: "<|endoftext|>" inside a document is split like any other characters.
         self._tok.encode_special_tokens = True
+        # The line cuts of `encode` keep the ids only under GPT-2's own pre-tokenizer: one that
+        # adds a prefix space would add it to every line, and another regex (or none) may
+        # join a line break to the next word.
+        pre = self._tok.pre_tokenizer
+        self._cut_lines = (
+            self._tok.normalizer is None and isinstance(pre, pre_tokenizers.ByteLevel)
+            and pre.use_regex and not pre.add_prefix_space
+        )
         self.path = path
         self.vocab_size = self._tok.get_vocab_size()
         self.eot_id = eot
@@ -207,7 +216,7 @@ class BpeTokenizer:
         # HF encodes one long string about 2x slower than its lines as a batch. Cutting only
         # at a line break between two non-space characters keeps the pre-tokenizer's
         # boundaries, so the ids equal those of the whole string.
-        pieces = _LINE_CUT.split(text)
+        pieces = _LINE_CUT.split(text) if self._cut_lines else [text]
         if len(pieces) == 1:
             return self._tok.encode(text, add_special_tokens=False).ids
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
