@@ -166,3 +166,27 @@ def test_a_given_bpe_with_a_prefix_space_keeps_the_lines_as_they_are(tmp_path):
     text = "Hi there\nyou\nthere\n"
     assert tok.encode(text) == hf.encode(text, add_special_tokens=False).ids
     assert tok.decode(tok.encode(text)) == " " + text  # the tokenizer's one space, no more
+
+
+def test_a_given_bpe_counts_the_bytes_of_its_added_tokens(tmp_path):
+    """Bits per byte divide by token_byte_lengths: an added token that is text ("hello world",
+    added with add_tokens) stands for its own bytes, not 0."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from andrea.data.tokenizer import read_tokenizer_file
+
+    hf = HfTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator([NON_ASCII] * 5, trainers.BpeTrainer(
+        vocab_size=270, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.add_tokens(["hello wörld"])
+    hf.add_special_tokens([AddedToken("<|im_start|>", special=True),
+                           AddedToken(EOT_TEXT, special=True)])
+    hf.save(str(tmp_path / "added.json"))
+    _, tok = read_tokenizer_file(tmp_path / "added.json")
+    text = f"say hello wörld <|im_start|> {NON_ASCII}"
+    ids = tok.encode(text)
+    assert hf.token_to_id("hello wörld") in ids and tok.decode(ids) == text
+    assert tok.token_byte_lengths()[ids].sum() == len(text.encode("utf-8"))

@@ -232,6 +232,11 @@ class BpeTokenizer:
         lengths = np.zeros(self.vocab_size, dtype=np.int64)
         for token, i in self._tok.get_vocab(with_added_tokens=False).items():
             lengths[i] = sum(1 for c in token if c in to_byte)
+        # A given file's added tokens that are text ("hello world", not "<|im_start|>") are
+        # matched and decoded as they are spelt, not through the byte map.
+        for i, added in self._tok.get_added_tokens_decoder().items():
+            if not added.special:
+                lengths[i] = len(added.content.encode("utf-8"))
         lengths[self.eot_id] = 0
         return lengths
 
