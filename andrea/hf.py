@@ -57,6 +57,7 @@ from andrea.data.tokenizer import (
     ByteTokenizer,
     Gpt2Tokenizer,
     gpt2_vocab_files,
+    read_tokenizer_file,
 )
 from andrea.errors import UserError, quoted
 from andrea.fileio import atomic_write_bytes, atomic_write_text, file_in_the_way
@@ -517,7 +518,9 @@ def detect_tokenizer(src: Path, andrea: dict[str, Any] | None) -> tuple[str, Pat
         if _read_json(vocab) == ours:
             found = (GPT2_IDENTITY, None)
     if found is None and (src / BPE_FILE).is_file():
-        tok = BpeTokenizer(src / BPE_FILE)  # checks that it is usable (end-of-text last)
+        # The checks of data.tokenizer_file, which the run's copy of it becomes: a file that
+        # fine-tuning would refuse is refused here, named as the import's.
+        tok = read_tokenizer_file(src / BPE_FILE, key="")[1]
         found = (tok.identity, src / BPE_FILE)
     said = andrea.get("tokenizer") if andrea else None
     if said == ByteTokenizer.identity:

@@ -330,6 +330,29 @@ def test_an_imported_bpe_model_fine_tunes_with_its_tokenizer(tmp_path, monkeypat
     assert load_config(back / "config.yaml").data.tokenizer_file == str(back / "tokenizer.json")
 
 
+def test_an_import_refuses_a_tokenizer_json_that_fine_tuning_would(tmp_path):
+    """A tokenizer.json that is not a byte-level BPE (here one split at whitespace) is refused
+    by the import, naming the folder's file, not taken and then refused by `train --resume` as
+    the run's own copy (data.tokenizer_file runs/x/step-000000/tokenizer.json)."""
+    from tokenizers import AddedToken, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HfTokenizer
+
+    bpe = train_bpe(iter(["the cat sat on the mat\n"] * 40), 300, tmp_path / "tokenizer.json")
+    ckpt = make_checkpoint(tmp_path, "data.tokenizer=bpe", f"data.dir={tmp_path}",
+                           tokenizer=bpe.identity)
+    hf = export_hf(str(ckpt), tmp_path / "hf")
+    words = HfTokenizer(models.BPE(unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator(["the cat sat on the mat"] * 40,
+                              trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    words.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    words.save(str(hf / "tokenizer.json"))
+    with pytest.raises(UserError, match=r"hf/tokenizer.json: not a byte-level BPE; needs a "
+                                        r"byte-level BPE tokenizer.json"):
+        import_hf(hf, tmp_path / "runs" / "words", [])
+    assert not (tmp_path / "runs" / "words").exists()
+
+
 def test_an_import_never_keeps_the_exporters_data_dir(tmp_path, data_dir):
     """andrea.json is untrusted: its data.dir (a folder of the exporter's choosing, here or
     not) is never the run's data folder, which eval, generate and train would write; the run

@@ -402,38 +402,42 @@ def _is_byte_level(pre: Any) -> bool:
     )
 
 
-def read_tokenizer_file(path: str | Path) -> tuple[bytes, BpeTokenizer]:
-    """An existing HF tokenizer.json (data.tokenizer_file), checked to be a byte-level BPE
-    with end-of-text as its last id: (its bytes, the tokenizer)."""
+def read_tokenizer_file(
+    path: str | Path, key: str = "data.tokenizer_file"
+) -> tuple[bytes, BpeTokenizer]:
+    """An existing HF tokenizer.json (data.tokenizer_file, or `key` that names it: '' for
+    none), checked to be a byte-level BPE with end-of-text as its last id: (its bytes, the
+    tokenizer)."""
     path = Path(path)
+    where = f"{key} {path}" if key else str(path)
     usable = f"needs a byte-level BPE tokenizer.json with {EOT_TEXT} as its last id"
     try:
         blob = path.read_bytes()
     except OSError as exc:
         raise UserError(
-            f"data.tokenizer_file {path}: cannot read it ({exc.strerror}); {usable}"
+            f"{where}: cannot read it ({exc.strerror}); {usable}"
         ) from None
     try:
         spec = json.loads(blob)
     except (UnicodeDecodeError, ValueError):
-        raise UserError(f"data.tokenizer_file {path}: not JSON; {usable}") from None
+        raise UserError(f"{where}: not JSON; {usable}") from None
     model = spec.get("model") if isinstance(spec, dict) else None
     if not isinstance(model, dict) or model.get("type") != "BPE" or not _is_byte_level(
         spec.get("pre_tokenizer")
     ):
-        raise UserError(f"data.tokenizer_file {path}: not a byte-level BPE; {usable}")
+        raise UserError(f"{where}: not a byte-level BPE; {usable}")
     # A BPE trained without ByteLevel's initial alphabet lacks the bytes its text never had;
     # HF then drops those bytes from the ids without a word (there is no byte to fall back on).
     vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else {}
     missing = [b for c, b in _gpt2_byte_decoder().items() if c not in vocab]
     if missing:
         raise UserError(
-            f"data.tokenizer_file {path}: has no token for {len(missing)} of the 256 bytes "
+            f"{where}: has no token for {len(missing)} of the 256 bytes "
             f"(byte 0x{min(missing):02x} ...), which encoding would drop from the text; train it "
             f"with initial_alphabet=ByteLevel.alphabet(); {usable}"
         )
     try:
         tok = BpeTokenizer(path)
     except UserError:
-        raise UserError(f"data.tokenizer_file {path}: unusable tokenizer; {usable}") from None
+        raise UserError(f"{where}: unusable tokenizer; {usable}") from None
     return blob, tok
