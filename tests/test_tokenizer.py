@@ -190,3 +190,18 @@ def test_a_given_bpe_counts_the_bytes_of_its_added_tokens(tmp_path):
     ids = tok.encode(text)
     assert hf.token_to_id("hello wörld") in ids and tok.decode(ids) == text
     assert tok.token_byte_lengths()[ids].sum() == len(text.encode("utf-8"))
+
+
+def test_a_given_bpe_without_a_byte_level_decoder_is_refused(tmp_path, bpe):
+    """A byte-level BPE whose tokenizer.json has no ByteLevel decoder decodes to the byte
+    map's characters ('ĠworldĊ'): generate would print that, so the file is refused."""
+    import json
+
+    from andrea.data.tokenizer import read_tokenizer_file
+
+    spec = json.loads(bpe.path.read_text(encoding="utf-8"))
+    spec["decoder"] = None
+    (tmp_path / "nodecoder.json").write_text(json.dumps(spec), encoding="utf-8")
+    with pytest.raises(UserError, match=r"nodecoder.json: its decoder is not ByteLevel"):
+        read_tokenizer_file(tmp_path / "nodecoder.json")
+    assert read_tokenizer_file(bpe.path)[1].decode(bpe.encode(NON_ASCII)) == NON_ASCII

@@ -392,13 +392,14 @@ def load_tokenizer(kind: str, data_dir: Path | None = None) -> Tokenizer:
 
 
 def _is_byte_level(pre: Any) -> bool:
-    """A ByteLevel pre-tokenizer, alone or inside a Sequence (as newer HF BPEs have it)."""
+    """A ByteLevel pre-tokenizer or decoder, alone or inside a Sequence (as newer HF BPEs have
+    it)."""
     if not isinstance(pre, dict):
         return False
     if pre.get("type") == "ByteLevel":
         return True
     return pre.get("type") == "Sequence" and any(
-        _is_byte_level(p) for p in pre.get("pretokenizers") or []
+        _is_byte_level(p) for p in pre.get("pretokenizers") or pre.get("decoders") or []
     )
 
 
@@ -436,6 +437,11 @@ def read_tokenizer_file(
             f"(byte 0x{min(missing):02x} ...), which encoding would drop from the text; train it "
             f"with initial_alphabet=ByteLevel.alphabet(); {usable}"
         )
+    # Without ByteLevel's decoder, decode spells the byte map's characters ("ĠworldĊ"), so
+    # generate would print that.
+    if not _is_byte_level(spec.get("decoder")):
+        raise UserError(f"{where}: its decoder is not ByteLevel, so decoded text would read "
+                        f"'Ġword' for ' word'; set decoder to ByteLevel; {usable}")
     try:
         tok = BpeTokenizer(path)
     except UserError:
