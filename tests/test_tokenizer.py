@@ -205,3 +205,18 @@ def test_a_given_bpe_without_a_byte_level_decoder_is_refused(tmp_path, bpe):
     with pytest.raises(UserError, match=r"nodecoder.json: its decoder is not ByteLevel"):
         read_tokenizer_file(tmp_path / "nodecoder.json")
     assert read_tokenizer_file(bpe.path)[1].decode(bpe.encode(NON_ASCII)) == NON_ASCII
+
+
+def test_a_given_bpe_with_dropout_is_refused(tmp_path, bpe):
+    """BPE-dropout in a tokenizer.json (model.dropout) skips merges at random on every encode:
+    the same text would make other ids each time, so the file is refused, naming the key."""
+    import json
+
+    from andrea.data.tokenizer import read_tokenizer_file
+
+    spec = json.loads(bpe.path.read_text(encoding="utf-8"))
+    spec["model"]["dropout"] = 0.5
+    (tmp_path / "dropout.json").write_text(json.dumps(spec), encoding="utf-8")
+    with pytest.raises(UserError, match=r"dropout.json: its BPE dropout \(0.5\) makes encoding "
+                                        r"random; set model.dropout to null"):
+        read_tokenizer_file(tmp_path / "dropout.json")

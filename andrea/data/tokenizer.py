@@ -437,6 +437,11 @@ def read_tokenizer_file(
             f"(byte 0x{min(missing):02x} ...), which encoding would drop from the text; train it "
             f"with initial_alphabet=ByteLevel.alphabet(); {usable}"
         )
+    # BPE-dropout skips merges at random as it encodes: a prepare would tokenize the same text
+    # differently each time, and a task's choices differently from the text they score.
+    if model.get("dropout"):
+        raise UserError(f"{where}: its BPE dropout ({model['dropout']}) makes encoding random; "
+                        f"set model.dropout to null in it; {usable}")
     # Without ByteLevel's decoder, decode spells the byte map's characters ("ĠworldĊ"), so
     # generate would print that.
     if not _is_byte_level(spec.get("decoder")):
