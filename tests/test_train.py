@@ -1046,3 +1046,20 @@ def test_ranks_a_checkpoint_has_no_generator_state_for_get_their_own_seed(monkey
         restore_rng_states(saved, torch.device("cuda"), DistInfo(rank, rank, 2),
                            seed_for_rank(5, rank))
     assert seeded == [5, 6] and restored == []  # the CPU run's checkpoint has no CUDA state
+
+
+def test_a_vocab_larger_than_the_tokenizers_ids_is_noted_with_the_size_that_fits(
+    tmp_path, data_dir, capsys
+):
+    """A BPE trained on a small text reaches fewer ids than model.vocab_size: the rows past
+    them (embedding and LM head) trained nothing, without a word. A new run now says how
+    many and the model.vocab_size that fits; the presets' own padding (a byte tokenizer's 257
+    ids in 320 rows) is within one multiple of 64 and says nothing."""
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1", "model.vocab_size=1000")
+    train(cfg, progress=False)
+    assert ("note: the tokenizer has 257 ids and model.vocab_size is 1,000: 743 embedding rows "
+            "(47,552 parameters) no token uses; a new run with --set model.vocab_size=320 trains "
+            "without them\n") in capsys.readouterr().out
+    train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=1", "train.name=padded"),
+          progress=False)
+    assert "no token uses" not in capsys.readouterr().out

@@ -893,6 +893,16 @@ def plan_lines(s: Session) -> list[str]:
         f"lower train.max_steps"
         for name, p, n in sources if len(sources) > 1 and p > 100
     ]
+    # A BPE trained on a small text reaches fewer ids than model.vocab_size asks for, and the
+    # rows past them (of the embedding and the LM head, its largest matmul) train nothing.
+    ids, rows = s.train_split.vocab_size, s.cfg.model.vocab_size
+    fit = -(-ids // 64) * 64  # a multiple of 64, as the presets pad theirs
+    if not s.step and rows > fit:
+        lines.append(
+            f"note: the tokenizer has {ids:,} ids and model.vocab_size is {rows:,}: "
+            f"{rows - ids:,} embedding rows ({(rows - ids) * s.cfg.model.d_model:,} parameters) "
+            f"no token uses; a new run with --set model.vocab_size={fit} trains without them"
+        )
     return lines
 
 
