@@ -56,24 +56,22 @@ def check_resume_changes(
 
     A run that has not trained yet (an import: its checkpoint is at step 0) may still change
     its schedule and data, everything but the model the weights fix."""
-    changes = config_changes(stored, given)
-    refused = [f"{k} ({a} -> {b})" for k, (a, b) in changes.items()
-               if not _allowed(k, a, b, trained)]
+    refused = [f"{k} ({a} -> {b})" for k, (a, b) in _refused(stored, given, trained).items()]
     if refused:
         raise UserError(
             f"{run_dir}: resuming cannot change {', '.join(refused)}: these keys define the run; "
             f"leave them as the run has them ({shlex.join(['--resume', str(run_dir)])} alone "
             f"continues its own config.yaml) or start a new run"
         )
-    return {k: [a, b] for k, (a, b) in changes.items()}
+    return {k: [a, b] for k, (a, b) in config_changes(stored, given).items()}
 
 
-def _allowed(key: str, old: Any, new: Any, trained: bool) -> bool:
-    """Whether a resume may change `key` from `old` to `new`: as its declaration allows
-    (Rule.may_change), or any key outside `model` while the run has not trained (an import, at
-    step 0)."""
-    return key_spec(key).rule.may_change(old, new) or (
-        not trained and not key.startswith("model."))
+def _refused(old: Config, new: Config, trained: bool) -> dict[str, tuple[Any, Any]]:
+    """The changes from `old` to `new` a resume may not make: all but those a key's
+    declaration allows (Rule.may_change), and, while the run has not trained (an import, at
+    step 0), any outside `model`."""
+    return {k: (a, b) for k, (a, b) in config_changes(old, new).items()
+            if not key_spec(k).rule.may_change(a, b) and (trained or k.startswith("model."))}
 
 
 def check_run_config(stored: Config, checkpoint: Path, run_dir: Path, trained: bool) -> None:
@@ -83,8 +81,7 @@ def check_run_config(stored: Config, checkpoint: Path, run_dir: Path, trained: b
     jumping to it) and an edited train.optimizer called the optimizer state damaged."""
     trained_with = read_model_checkpoint(checkpoint, tensors=False)[1]
     edited = [f"{k} {b} where {checkpoint} was trained with {a}"
-              for k, (a, b) in config_changes(trained_with, stored).items()
-              if not _allowed(k, a, b, trained)]
+              for k, (a, b) in _refused(trained_with, stored, trained).items()]
     if edited:
         raise UserError(
             f"{run_dir / CONFIG}: {'; '.join(edited)}: these keys define the run, so a resume "
