@@ -20,7 +20,7 @@ from conftest import andrea_main, assert_user_error
 from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.runs import list_runs, read_metrics, read_run
-from andrea.train.metrics import open_tensorboard
+from andrea.train.metrics import MetricsLog, open_tensorboard
 
 TOKENS_PER_STEP = 512
 
@@ -265,6 +265,30 @@ def test_resumed_run_keeps_only_the_current_history(tmp_path):
     records = [start_record(), *normal_history(50), end_record(50, "interrupted", "SIGINT"),
                start_record(step=50, pid=os.getpid(), at=time.time())]
     assert read_run(write_run(tmp_path, "again", records)).state == "running"
+
+
+def test_a_segment_after_a_line_cut_short_by_a_kill_keeps_its_start(tmp_path):
+    # kill -9 while a record was being written: its line ends mid-way. The resumed segment's
+    # start was appended onto it and lost with it, so the run read as the killed segment
+    # (crashed, its dead pid) while the resumed one trained, and the resume's steps went uncut.
+    records = [start_record(pid=dead_pid()), *normal_history(150)]
+    run = write_run(tmp_path, "killed", records, checkpoints=(100,),
+                    tail='{"event": "train", "step": 160, "lo')
+    log = MetricsLog(run / "metrics.jsonl")
+    log.write("start", **{k: v for k, v in start_record(step=100, pid=os.getpid(),
+                                                         at=time.time()).items()
+                          if k not in ("event", "time")})
+    log.write("train", **{k: v for k, v in train_record(110).items() if k not in ("event", "time")})
+    log.close()
+    r = read_run(run)
+    assert (r.state, r.n_segments, r.pid, r.step) == ("running", 2, os.getpid(), 110)
+    assert r.problems == ["metrics.jsonl: 1 unreadable line(s) skipped"]
+    # A file that ends whole gets no blank line between segments.
+    log = MetricsLog(run / "metrics.jsonl")
+    log.write("end", step=110, state="stopped")
+    log.close()
+    assert "\n\n" not in (run / "metrics.jsonl").read_text()
+    assert read_metrics(run / "metrics.jsonl")[1] == 1
 
 
 def test_read_metrics_counts_unreadable_lines(tmp_path):

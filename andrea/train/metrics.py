@@ -88,8 +88,14 @@ class MetricsLog:
     def __init__(self, path: Path | None, sinks: list[Sink] | None = None) -> None:
         self.file = None
         if path is not None:  # never appended through a link (the run's set-up refuses one)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            size = os.fstat(fd).st_size
             self.file = os.fdopen(fd, "a", encoding="utf-8")
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                # A process killed mid-write left its last line cut short: end it, so that it
+                # stays one unreadable line and this segment's first record (its start, which
+                # tells `andrea runs` the segment and its process) is not glued onto it.
+                self.file.write("\n")
         self.sinks = list(sinks or [])
 
     def write(self, event: str, **fields: Any) -> None:
