@@ -48,6 +48,7 @@ from andrea.train.rundir import (
     step_of_dir,
     write_checksums,
 )
+from andrea.train.signals import SignalWatch
 
 # data_dir: the session fixture in conftest.py (the tiny preset's prepared data).
 
@@ -325,6 +326,36 @@ def test_second_signal_exits_at_once_leaving_the_last_checkpoint(tmp_path, data_
     ckpt_io.read_model_checkpoint(first.run_dir / "step-000002")  # complete and loadable
     (cut,) = first.run_dir.glob("*.partial-*")  # the interrupted write, never the latest
     assert not (cut / TRAINER_STATE).exists() and step_of_dir(cut.with_suffix("")) > 2
+
+
+def test_a_second_signal_while_the_oldest_checkpoint_is_pruned_names_the_new_latest(
+        tmp_path, monkeypatch, capfd):
+    # The checkpoint of step 20 is published (`latest` names it) and the oldest is being
+    # pruned, so the trainer has not heard back: its SignalWatch still holds step 10. A second
+    # Ctrl-C then said "step-000010 stays the latest checkpoint", its end record naming it too.
+    run = tmp_path / "r"
+    for step in (10, 20):
+        (run / f"step-{step:06d}").mkdir(parents=True)
+    (run / "latest").write_text("step-000020\n")
+    (run / "metrics.jsonl").write_text('{"event": "start", "step": 0}\n')
+    watch = SignalWatch()
+    watch.setting_up, watch.received = False, signal.SIGINT  # the first signal, seen
+    watch.metrics_path, watch.checkpoint = run / "metrics.jsonl", run / "step-000010"
+    watch.completed_step = 20
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with pytest.raises(SystemExit) as stop:
+        watch._handle(signal.SIGINT, None)
+    assert stop.value.code == 130
+    assert f"{run / 'step-000020'} stays the latest checkpoint" in capfd.readouterr().err
+    (end,) = read_events(run, "end")
+    assert end["checkpoint"] == "step-000020" and "step-000020 stays" in end["message"]
+    # A process that does not write the run (another rank) names what its trainer saved.
+    watch.metrics_path = None
+    assert watch.latest_checkpoint() == run / "step-000010"
 
 
 def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data_dir):

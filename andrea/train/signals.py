@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from andrea.train.rundir import read_latest
+
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
@@ -59,7 +61,8 @@ class SignalWatch:
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
         if self.received is not None and not self.elsewhere:
-            where = (f"{self.checkpoint} stays the latest checkpoint" if self.checkpoint
+            latest = self.latest_checkpoint()
+            where = (f"{latest} stays the latest checkpoint" if latest
                      else "no checkpoint was written")
             self.record_end(f"second signal ({name}): exited at once; {where}", name)
             os.write(2, f"\nsecond signal ({name}): exiting now; {where}\n".encode())
@@ -83,6 +86,14 @@ class SignalWatch:
         if self.received is None:
             self.received, self.elsewhere = signum, True
 
+    def latest_checkpoint(self) -> Path | None:
+        """The checkpoint the run's `latest` names, where this process writes the run (rank 0),
+        else the last one the trainer saved: a signal can come after a checkpoint was published
+        and before the trainer heard back (while the oldest is pruned), when `checkpoint` still
+        names the one before it."""
+        named = read_latest(self.metrics_path.parent) if self.metrics_path is not None else None
+        return named or self.checkpoint
+
     def record_end(self, message: str, signal_name: str) -> None:
         # One O_APPEND write of a whole line: it cannot split a line the trainer is writing.
         if self.metrics_path is None:
@@ -91,7 +102,7 @@ class SignalWatch:
             "event": "end", "step": self.completed_step, "tokens": self.completed_tokens,
             "state": "interrupted",
             "signal": signal_name, "message": message,
-            "checkpoint": self.checkpoint.name if self.checkpoint else None,
+            "checkpoint": latest.name if (latest := self.latest_checkpoint()) else None,
             "time": round(time.time(), 3),
         }
         try:
