@@ -92,8 +92,14 @@
 # replaces RUN_BUDGET_S.
 set -uo pipefail
 
+USAGE="usage: scripts/gpu_check.sh LOGDIR   (everything goes to LOGDIR)"
+if [ $# -eq 1 ] && { [ "$1" = -h ] || [ "$1" = --help ]; }; then
+    echo "$USAGE"
+    sed -n '2,/^set -uo pipefail$/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+    exit 0
+fi
 if [ $# -ne 1 ]; then
-    echo "usage: scripts/gpu_check.sh LOGDIR   (everything goes to LOGDIR)" >&2
+    echo "$USAGE" >&2
     exit 2
 fi
 mkdir -p "$1" || exit 2

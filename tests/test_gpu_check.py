@@ -115,6 +115,16 @@ def test_usage_without_a_log_folder() -> None:
     assert proc.returncode == 2 and "usage: scripts/gpu_check.sh LOGDIR" in proc.stderr
 
 
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_help_prints_the_usage_and_makes_no_folder(tmp_path: Path, flag: str) -> None:
+    proc = subprocess.run(["bash", str(SCRIPT), flag], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: scripts/gpu_check.sh LOGDIR"), proc.stdout
+    assert "[setup]" not in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_dry_run_without_a_gpu_passes_and_lists_every_skip(tmp_path: Path) -> None:
     proc, logdir = run_script(tmp_path, gpu=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
