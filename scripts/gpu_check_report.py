@@ -262,6 +262,9 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
+    if argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
     cmd, args = argv[0], argv[1:]
     if cmd == "deps":
         status, line = prepare_dependencies(Path(args[0]), Path(args[1]), Path(args[2]))

