@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sys
 
-import cupy
 import numpy as np
 
 from andrea.cuda.launch import (
@@ -27,6 +26,11 @@ from andrea.cuda.launch import (
     kernel_source,
     module_names,
 )
+
+try:
+    import cupy
+except ImportError:  # --help needs no CuPy; main says so when a run does
+    cupy = None
 
 # (dtype, head_dim): the ANDREA-120M case and the other two tile families, and ANDREA-120M in
 # fp16; B*H, T small, T not a multiple of any tile so the masked edges and bounds checks run.
@@ -123,6 +127,12 @@ def resources(arch: str, source: str) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if argv in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    if cupy is None:
+        print("error: no CuPy: pip install -e '.[cuda]' on a GPU machine", file=sys.stderr)
+        return 2
     arch = f"sm_{cupy.cuda.Device().compute_capability}"
     source = kernel_source()
     if argv == ["--resources"]:

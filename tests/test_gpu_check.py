@@ -551,6 +551,17 @@ def run_launch_program(monkeypatch, skip: str = "", argv: tuple[str, ...] = ()) 
 
 
 @needs_gxx
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_sanitizer_program_help_needs_no_cupy(flag: str) -> None:
+    code = ("import runpy, sys; sys.modules['cupy'] = None; "
+            f"sys.argv = ['gpu_check_launch.py', {flag!r}]; "
+            "runpy.run_path('scripts/gpu_check_launch.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert "scripts/gpu_check_launch.py --resources" in proc.stdout
+
+
 def test_sanitizer_program_launches_every_kernel_and_checks_outputs(monkeypatch, capsys) -> None:
     assert run_launch_program(monkeypatch) == 0
     out = capsys.readouterr().out
