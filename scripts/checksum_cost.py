@@ -25,6 +25,9 @@ SIZES = [("12M preset checkpoint (weights + AdamW)", 300 << 20),
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     print(f"CPU: {cpu_name()}")
     with tempfile.TemporaryDirectory(dir=sys.argv[1] if len(sys.argv) > 1 else None) as tmp:
         path = Path(tmp) / "blob.safetensors"
