@@ -85,6 +85,9 @@ def step_seconds(split: loader.TokenSplit, windows: int, block: int, accum: int)
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     print(f"CPU: {cpu_name()}")
     with tempfile.TemporaryDirectory(dir=sys.argv[1] if len(sys.argv) > 1 else None) as tmp:
         data = write_folder(Path(tmp))
