@@ -53,6 +53,9 @@ def compression(source: str, tmp: Path) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     sources = sys.argv[1:] or ["shakespeare"]
     print(f"CPU: {cpu_name()}")
     with tempfile.TemporaryDirectory() as tmp:
