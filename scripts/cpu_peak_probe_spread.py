@@ -33,6 +33,9 @@ def old_probe(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     pause = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
     print(f"CPU: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
