@@ -10,6 +10,7 @@ the tests judge it; "in u" divides by the element type's unit roundoff (bf16 2^-
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -35,6 +36,9 @@ def errors(emu: kernel_emulator.Emulator, dtype: torch.dtype, d: int, t: int,
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     emu = kernel_emulator.default_emulator()
     paths = {arch: kernel_emulator.Emulator(defines=defines)
              for arch, defines in kernel_emulator.HALF_ARCH_DEFINES.items()}
