@@ -6,5 +6,9 @@
 #
 #   scripts/ptxas_resources.sh
 set -euo pipefail
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
+    sed -n '2,/^set -euo pipefail$/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+    exit 0
+fi
 cd "$(dirname "$0")/.."
 ANDREA_COMPILE_ALL=1 exec "${PYTHON:-python}" -m pytest -q -s -p no:cacheprovider tests/test_kernel_compile.py -k nvcc
