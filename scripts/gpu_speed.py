@@ -119,7 +119,7 @@ def andrea_run(args: argparse.Namespace) -> None:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         profiler.__enter__()
     t0 = time.perf_counter()
-    result = train(cfg, overwrite=True, progress=False, resume=args.resume)
+    result = train(cfg, overwrite=args.resume is None, progress=False, resume=args.resume)
     wall = time.perf_counter() - t0
     if profiler is not None:
         profiler.__exit__(None, None, None)

@@ -4,6 +4,8 @@ ANDREA-120M's model, and train.compile's auto decides as documented."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +36,17 @@ def test_every_part_loads_its_config(tmp_path: Path, dry: bool) -> None:
             assert env["ANDREA_PROCESS_GROUP_OF_ONE"] == "1"
             assert cfg.train.parallel == name
         assert (cfg.model.attention == "cuda") == (name.endswith("-cuda") and not dry), name
+
+
+def test_the_resume_part_resumes_in_a_dry_run(tmp_path: Path) -> None:
+    """The resume part (and fsdp's, which resumes ddp's run) pass --resume to --run-andrea,
+    which must not ask train() to overwrite the run as well (it refuses the pair)."""
+    speed = load_script("gpu_speed")
+    command, env = speed.part_command("resume", tmp_path, tmp_path, True)
+    proc = subprocess.run(command, capture_output=True, text=True,
+                          env={**os.environ, **env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "resume.json").read_text())["identical"] is True
 
 
 def test_a_call_runs_the_parts_it_names_in_their_order(tmp_path: Path, monkeypatch) -> None:
