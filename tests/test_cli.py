@@ -97,66 +97,60 @@ def test_the_help_lists_what_the_registries_hold(capsys, monkeypatch):
     assert "--dtype bf16|fp32|fp16|fp8 bf16, fp32, fp16 or fp8 (repeatable" in shown("bench")
 
 
+def modules_after(cwd: Path, commands: list[list[str]], modules: tuple[str, ...]
+                  ) -> tuple[list[str], list[bool]]:
+    """`andrea COMMAND` for each of `commands`, in order, in a fresh interpreter (start-up is
+    the point), each ending with exit code 0: (the lines they printed, whether each of
+    `modules` was imported by then)."""
+    code = (f"import json, sys\nfrom andrea.cli import main\nfor argv in {commands!r}:\n"
+            "    try:\n        main(argv)\n    except SystemExit as exc:\n"
+            "        assert not exc.code, (argv, exc.code)\n"
+            f"print(json.dumps([m in sys.modules for m in {list(modules)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    *printed, loaded = done.stdout.splitlines()
+    return printed, json.loads(loaded)
+
+
 def test_the_cli_starts_without_torch_or_numpy(tmp_path):
     """The help's lists come from registries that import torch and numpy; a start that shows no
-    help (`andrea --version`) imports neither. A fresh interpreter: start-up is the point."""
-    code = ("import sys\nfrom andrea.cli import main\ntry:\n    main(['--version'])\n"
-            "except SystemExit:\n    pass\nprint(sorted({'torch', 'numpy'} & set(sys.modules)))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path)
-    assert done.stdout.splitlines()[-1] == "[]", done.stdout + done.stderr
+    help (`andrea --version`) imports neither."""
+    assert modules_after(tmp_path, [["--version"]], ("torch", "numpy"))[1] == [False, False]
 
 
 def test_scoring_sampling_and_exchange_never_import_the_compiler(tmp_path, trained_tiny):
     """`andrea eval`, `generate`, `export` and `import` load and run the model without torch's
     compiler front end (dynamo: 1.4 s of a start, a third of it); a training imports it, through
-    torch's optimizer and train.compile. A fresh interpreter: start-up is the point."""
+    torch's optimizer and train.compile."""
     run, hf = tmp_path / "run", tmp_path / "hf"
     shutil.copytree(trained_tiny.run_dir, run)
     commands = [["eval", "--checkpoint", str(run), "--max-tokens", "512"],
                 ["generate", "--checkpoint", str(run), "--prompt", "A", "-n", "4"],
                 ["export", "--checkpoint", str(run), "--format", "hf", "--out", str(hf)],
                 ["import", "--format", "hf", str(hf), "--out", str(tmp_path / "imported")]]
-    code = (f"import sys\nfrom andrea.cli import main\nfor argv in {commands!r}:\n"
-            "    try:\n        main(argv)\n    except SystemExit as exc:\n"
-            "        assert not exc.code, (argv, exc.code)\n"
-            "print('torch._dynamo' in sys.modules, 'torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = modules_after(tmp_path, commands, ("torch._dynamo", "torch"))[1]
     assert (tmp_path / "imported" / "latest").is_file()
-    assert done.stdout.splitlines()[-1] == "False True", done.stdout + done.stderr
+    assert loaded == [False, True]
 
 
 def test_listing_runs_never_imports_torch(tmp_path, trained_tiny):
     """`andrea runs` reads JSON and YAML; it imported torch for a dtype table and two number
-    formats (2.9 s a listing, 0.4 s without). A fresh interpreter: start-up is the point."""
+    formats (2.9 s a listing, 0.4 s without)."""
     shutil.copytree(trained_tiny.run_dir, tmp_path / "runs" / "t")
-    code = ("import sys\nfrom andrea.cli import main\ntry:\n    main(['runs', '--json'])\n"
-            "except SystemExit as exc:\n    assert not exc.code, exc.code\n"
-            "print('torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    *listing, imported = done.stdout.splitlines()
+    listing, loaded = modules_after(tmp_path, [["runs", "--json"]], ("torch",))
     (run,) = json.loads("\n".join(listing))
     assert (run["name"], run["precision"], run["state"]) == ("t", "fp32", "finished")
-    assert imported == "False"
+    assert loaded == [False]
 
 
 def test_preparing_an_input_never_imports_torch(tmp_path):
     """`andrea prepare --input` tokenizes text; it imported torch (for the registries a config
     is checked against, which --input loads none of): 238 MB and 3.5 s for a small file, 50 MB
-    and 0.8 s without, and docs/data.md's peak memory per worker. A fresh interpreter: start-up
-    is the point."""
+    and 0.8 s without, and docs/data.md's peak memory per worker."""
     (tmp_path / "a.txt").write_text("some text to prepare, line by line.\n" * 200)
-    code = ("import sys\nfrom andrea.cli import main\ntry:\n    main(['prepare', '-i', 'a.txt', "
-            "'-t', 'byte', '--out', 'out'])\nexcept SystemExit as exc:\n"
-            "    assert not exc.code, exc.code\nprint('torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[-1] == "False", done.stdout
+    command = ["prepare", "-i", "a.txt", "-t", "byte", "--out", "out"]
+    assert modules_after(tmp_path, [command], ("torch",))[1] == [False]
     assert (tmp_path / "out" / "manifest.json").is_file()
 
 
