@@ -404,8 +404,12 @@ def _read_progress(history: list[dict[str, Any]], summary: RunSummary) -> None:
 
 
 def _read_losses(history: list[dict[str, Any]], summary: RunSummary) -> None:
-    """The best finite val loss (and its step) and the latest evaluation."""
+    """The best finite val loss (and its step) and the latest evaluation. The best starts again
+    at a resume onto a new val set (its start's `new_val_set`), as the trainer's does: the
+    losses before it are of another set."""
     for rec in history:
+        if rec["event"] == "start" and rec.get("new_val_set"):
+            summary.best_val_loss = summary.best_val_step = None
         val, step = _num(rec.get("val_loss")), _int(rec.get("step"))
         if rec["event"] == "eval" and val is not None and math.isfinite(val):
             if summary.best_val_loss is None or val < summary.best_val_loss:

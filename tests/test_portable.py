@@ -325,8 +325,10 @@ def test_a_run_opened_from_another_project_never_reads_that_projects_data(
     code, out, err = quiet_main("train", "--resume", str(run), "--no-progress")
     assert code == 0, err
     assert f"note: {ours} holds other shards than {ckpt} was trained on (prepared again since, "\
-           f"from its text as it is now); its val split too: the val losses from here are not "\
-           f"comparable with earlier ones\n" in out, out
+           f"from its text as it is now)\n" in out, out
+    assert f"resume: the val split in {ours} is not the one the run evaluated on: a new val "\
+           f"set, so the val losses after step 2 are not comparable with the earlier ones, and "\
+           f"the best val starts again from them\n" in out, out
     monkeypatch.chdir(b)
     code, out, err = quiet_main("train", "--resume", str(run), "--no-progress", "--set",
                                 f"data.dir={theirs}", "--set", "train.max_steps=6")

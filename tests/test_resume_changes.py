@@ -3,10 +3,28 @@ and those it refuses in one line, however the change is made."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import andrea_main, assert_user_error
+
+from andrea.train.rundir import CHECKSUMS, TRAINER_STATE, file_sha256, write_checksums
+
+
+def recorded_best_val(run: Path, step: int, loss: float) -> None:
+    """Run RUN as if its evaluations had found val loss LOSS at checkpoint STEP, its best: the
+    eval event in metrics.jsonl and the checkpoint's trainer_state.json (with its checksum, so
+    it still reads as intact)."""
+    ckpt = run / f"step-{step:06d}"
+    state = json.loads((ckpt / TRAINER_STATE).read_text())
+    state.update(best_val_loss=loss, best_val_step=step)
+    (ckpt / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+    sums = json.loads((ckpt / CHECKSUMS).read_text())["files"]
+    write_checksums(ckpt, {**sums, TRAINER_STATE: file_sha256(ckpt / TRAINER_STATE)})
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"event": "eval", "step": step, "val_loss": loss}) + "\n")
 
 
 @pytest.mark.parametrize("edit", [("  lr: 0.003\n", "  lr: 0.001\n", "train.lr 0.001"),
@@ -102,3 +120,36 @@ def test_a_mixtures_weights_may_change_on_resume_and_nothing_else_of_it(tmp_path
     share = float(done.stdout.split("b.txt ")[1].split("%")[0])
     assert share > 70, done.stdout  # 90% by weight, from 50% before
     assert "weight: 9" in (run / "config.yaml").read_text()
+
+
+def test_a_resume_onto_another_val_set_starts_the_best_val_again(tmp_path, trained_tiny):
+    """Before: `--resume RUN --set train.eval_tokens=256` (the run evaluated on 2,048) kept the
+    best val of the old set, and the end line, trainer_state.json and `andrea runs` went on
+    comparing the new set's losses with it: a loss of an easier set stayed the best for good.
+    Now one line says the set is new and from which step the losses are not comparable, and
+    the best val is the new set's alone, in the run's records as in `andrea runs`."""
+    from andrea.runs import read_run
+
+    run = tmp_path / "t"
+    shutil.copytree(trained_tiny.run_dir, run)
+    recorded_best_val(run, 40, 0.5)  # lower than any loss this model gives on any set
+    done = andrea_main("train", "--resume", str(run), "--no-progress",
+                       "--set", "train.eval_tokens=256", "--set", "train.eval_every=1",
+                       "--set", "train.max_steps=41")
+    assert done.returncode == 0, done.stderr
+    assert "resume: train.eval_tokens 2048 -> 256: a new val set, so the val losses after step " \
+           "40 are not comparable with the earlier ones, and the best val starts again from " \
+           "them\n" in done.stdout, done.stdout
+    assert "resume: train.eval_tokens 2048 -> 256\n" not in done.stdout  # said once
+    assert " at step 41; checkpoint " in done.stdout, done.stdout  # the end line's best
+    end = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert end["event"] == "end" and end["best_val_step"] == 41, end
+    state = json.loads((run / "step-000041" / TRAINER_STATE).read_text())
+    assert state["best_val_step"] == 41 and state["best_val_loss"] > 0.5, state
+    summary = read_run(run)
+    assert (summary.best_val_step, summary.best_val_loss) == (41, state["best_val_loss"])
+    again = andrea_main("train", "--resume", str(run), "--no-progress",
+                        "--set", "train.max_steps=42")  # the same set: the best is kept
+    assert again.returncode == 0, again.stderr
+    assert "a new val set" not in again.stdout, again.stdout
+    assert read_run(run).best_val_loss <= state["best_val_loss"]

@@ -74,12 +74,17 @@ def _refused(old: Config, new: Config, trained: bool) -> dict[str, tuple[Any, An
             if not key_spec(k).rule.may_change(a, b) and (trained or k.startswith("model."))}
 
 
+def trained_config(checkpoint: Path) -> Config:
+    """The config `checkpoint` was trained with: its weights' metadata (the header alone)."""
+    return read_model_checkpoint(checkpoint, tensors=False)[1]
+
+
 def check_run_config(stored: Config, checkpoint: Path, run_dir: Path, trained: bool) -> None:
     """The run's config.yaml against the config `checkpoint` was trained with (its weights'
     metadata): a key that defines the run, edited in config.yaml between stop and resume, is
     refused as its --set is. Unchecked, an edited train.lr trained on silently (the schedule
     jumping to it) and an edited train.optimizer called the optimizer state damaged."""
-    trained_with = read_model_checkpoint(checkpoint, tensors=False)[1]
+    trained_with = trained_config(checkpoint)
     edited = [f"{k} {b} where {checkpoint} was trained with {a}"
               for k, (a, b) in _refused(trained_with, stored, trained).items()]
     if edited:
@@ -88,6 +93,34 @@ def check_run_config(stored: Config, checkpoint: Path, run_dir: Path, trained: b
             f"cannot change them, by --set or in {CONFIG}; put them back as the run trained "
             f"them, or start a new run"
         )
+
+
+# The keys a resume may change that make the val set another: its windows (train.eval_tokens of
+# them), and a mixture's weights, by which its val loss averages the sources'.
+VAL_SET_KEYS = ("train.eval_tokens", "data.sources")
+
+
+def new_val_set(
+    trained_with: Config, cfg: Config, recorded: list[dict[str, str]] | None,
+    found: list[dict[str, str]],
+) -> list[str]:
+    """Why a resume with `cfg`, reading the data `found` (loader.data_record), evaluates on
+    another val set than the checkpoint trained with `trained_with` and recording the data
+    `recorded` measured its val losses on, and so its best val: each change of VAL_SET_KEYS
+    (from the checkpoint's config, so an edited config.yaml counts as a --set), and a val split
+    with other shards (prepared again, or another folder named); none: the same set."""
+    causes = [f"{key} {old} -> {new}" for key, (old, new) in
+              config_changes(trained_with, cfg).items() if key in VAL_SET_KEYS]
+    for old, new in zip(recorded or [], found, strict=False):  # data.sources is the run's own
+        if old["val"] != new["val"]:
+            causes.append(f"the val split in {new['dir']} is not the one the run evaluated on")
+    return causes
+
+
+def new_val_set_line(causes: list[str], step: int) -> str:
+    """The one line of a resume whose val set is another (new_val_set's causes), from `step`."""
+    return (f"resume: {'; '.join(causes)}: a new val set, so the val losses after step {step} "
+            f"are not comparable with the earlier ones, and the best val starts again from them")
 
 
 def config_for_run(config: str | None, overrides: list[str], resume: str | None) -> Config:

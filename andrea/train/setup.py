@@ -75,8 +75,11 @@ from andrea.train.resume import (
     config_changes,
     find_run_to_resume,
     locate_run,
+    new_val_set,
+    new_val_set_line,
     restart_resume,
     resume_checkpoint,
+    trained_config,
 )
 from andrea.train.rundir import (
     CONFIG,
@@ -138,8 +141,13 @@ def set_up(
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist, locks, run_dir, resume_from)
+    val_causes: list[str] = []  # why a resume evaluates on a new val set: none, the same set
     if resume_from is not None:
         from_rank0(lambda: check_resumed_data(cfg, run, train_split, val_split), dist)
+    if resume_from is not None and run.trainer_state.step > 0:  # an import has no val losses
+        val_causes = from_rank0(lambda: new_val_set(
+            trained_config(resume_from), cfg, run.trainer_state.data,
+            data_record(train_split, val_split)), dist)
     precision = choose_precision(t.precision, device)
     dtype = precision.dtype
     backend, why, attention_line = resolve_attention(cfg, device, dtype, run.trainer_state,
@@ -156,6 +164,8 @@ def set_up(
     trainer_state = run.trainer_state  # the checkpoint's, as every rank has it; None: a new run
     if resume_from is not None:
         TrainingState(s).restore(resume_from, record=trainer_state, sharded=run.sharded)
+        if val_causes:  # the best so far is a loss on the old set: compared with none of the new
+            s.best_val = s.best_step = None
     else:
         TrainingState(s).start_fresh()
     s.micro_batch, micro_batch_line = resolve_micro_batch(cfg, model, dtype, device, dist=dist,
@@ -174,14 +184,15 @@ def set_up(
     check_room_at_start(s, replace, changes)
     if dist.is_main:
         with replacing(run_dir, replace, signals):
-            start_run_files(s, resume_from, changes, backend)
+            start_run_files(s, resume_from, changes, backend, val_causes)
             signals.metrics_path = run_dir / METRICS
             announce(s, backend, why, changes, trainer_state=trainer_state,
                      resume_from=resume_from, attention_line=attention_line,
                      compile_line=compile_line(compile_mode, compile_why),
                      micro_batch_line="\n".join(line for line in (micro_batch_line, batch_line)
                                                  if line),
-                     schedule_lines=schedule_lines)
+                     schedule_lines=schedule_lines,
+                     val_line=new_val_set_line(val_causes, s.step) if val_causes else "")
     return s
 
 
@@ -362,10 +373,7 @@ def check_resumed_data(
     recorded, found = run.trainer_state.data, data_record(train_split, val_split)
     note = rundata.check_same_data(run.resume_from, recorded, found, needs="resuming",
                                    named="data.dir" in run.changes, take=take)
-    if note and any(old["val"] != new["val"] for old, new in zip(recorded, found, strict=False)):
-        # The best val so far, `andrea runs`' and the end line's, is one of the old split's.
-        note += "; its val split too: the val losses from here are not comparable with earlier ones"
-    if note:
+    if note:  # a val split that changed with it is new_val_set's to say
         print(note, flush=True)
 
 
@@ -750,9 +758,11 @@ def batch_warmup_accumulation(cfg: Config, micro_batch: int, world_size: int) ->
 
 
 def start_run_files(
-    s: Session, resume_from: Path | None, changes: dict[str, list[Any]], backend: str
+    s: Session, resume_from: Path | None, changes: dict[str, list[Any]], backend: str,
+    val_causes: list[str],
 ) -> None:
-    """Rank 0: the run folder, its config.yaml (with any resume changes) and the start event."""
+    """Rank 0: the run folder, its config.yaml (with any resume changes) and the start event,
+    which records a new val set's causes (`andrea runs` starts its best val again there)."""
     t = s.cfg.train
     wandb = open_wandb(s.cfg, s.run_dir)  # first: a missing package stops before any write
     s.run_dir.mkdir(parents=True, exist_ok=True)
@@ -771,6 +781,7 @@ def start_run_files(
         micro_batch_size=s.micro_batch, accum_steps=s.accum,
         tokens_per_step=s.tokens_per_step, micro_batch_auto=t.micro_batch_size == "auto",
         activation_checkpointing=t.activation_checkpointing, changed=changes or None,
+        new_val_set=val_causes or None,
     )
 
 
@@ -786,8 +797,10 @@ def announce(
     compile_line: str,
     micro_batch_line: str,
     schedule_lines: list[str],
+    val_line: str,
 ) -> None:
-    """Rank 0: the lines that say what the run will do, before its first step."""
+    """Rank 0: the lines that say what the run will do, before its first step; `val_line`: a
+    resume's new val set (new_val_set_line), else ''."""
     t, dist, cfg = s.cfg.train, s.dist, s.cfg
     s.say(f"precision: {str(s.dtype).removeprefix('torch.')} ({s.precision_why})")
     costly = precision_warning(s.dtype, s.device)
@@ -798,8 +811,12 @@ def announce(
     for key, (old, new) in changes.items():
         if key == "model.attention" and attention_line:
             continue  # the attention line says it, with the backend it changes
-        if not any(line.startswith(f"resume: {key} ") for line in schedule_lines):
-            s.say(f"resume: {key} {old} -> {new}")  # else the schedule's line says it
+        said = any(line.startswith(f"resume: {key} ") for line in schedule_lines) or (
+            f"{key} {old} -> {new}" in val_line)
+        if not said:  # else the schedule's line says it, or the val set's
+            s.say(f"resume: {key} {old} -> {new}")
+    if val_line:
+        s.say(val_line)
     if attention_line:
         s.say(attention_line)
     layout_change = (s.parallel.layout_change_line(trainer_state) if trainer_state is not None
