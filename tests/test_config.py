@@ -324,6 +324,17 @@ def test_resumable_keys_are_the_ones_resume_always_allowed():
     assert in_part == {"data.sources"}
 
 
+def test_an_auto_recorded_as_it_resolved_names_a_trainer_state_key():
+    """A key whose `auto` a resume may pin to what it resolved to names the trainer_state.json
+    key that records it (train.resume reads it there)."""
+    from andrea.train.rundir import TrainerState
+
+    recorded = {spec.dotted: spec.rule.recorded_auto for spec in key_specs()
+                if spec.rule.recorded_auto is not None}
+    assert recorded == {"train.precision": "precision"}
+    assert set(recorded.values()) <= {f.name for f in dataclasses.fields(TrainerState)}
+
+
 def test_resume_accepts_declared_changes_and_names_every_refused_key(tmp_path):
     stored = load_config("andrea-tiny")
     given = load_config("andrea-tiny", ["train.max_steps=7", "train.name=elsewhere",

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import andrea_main, assert_user_error
+from conftest import andrea_main, assert_user_error, config_file, tiny_config
 
 from andrea.train.rundir import CHECKSUMS, TRAINER_STATE, file_sha256, write_checksums
 
@@ -153,3 +153,35 @@ def test_a_resume_onto_another_val_set_starts_the_best_val_again(tmp_path, train
     assert again.returncode == 0, again.stderr
     assert "a new val set" not in again.stdout, again.stdout
     assert read_run(run).best_val_loss <= state["best_val_loss"]
+
+
+def test_a_resume_may_pin_precision_auto_to_what_it_resolved_to_and_to_nothing_else(
+    tmp_path, data_dir
+):
+    """Before: a run of train.precision auto (fp32 on a CPU without bf16 units) resumed with
+    --set train.precision=fp32, the precision it was training in, was refused as a change that
+    defines the run. Now the checkpoint records what auto resolved to (trainer_state.json's
+    `precision`), and a pin to it goes on, by --set as in the config.yaml it then writes; a
+    pin to any other precision is refused as before."""
+    from andrea.train.device import choose_precision, pick_device
+
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                      "train.checkpoint_every=1", "train.precision=auto")
+    first = andrea_main("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress")
+    assert first.returncode == 0, first.stderr
+    run = tmp_path / "runs" / "t"
+    resolved = choose_precision("auto", pick_device("auto")).name  # on this machine
+    other = next(p for p in ("bf16", "fp32") if p != resolved)
+    assert_user_error(
+        andrea_main("train", "--resume", str(run), "--no-progress",
+                    "--set", f"train.precision={other}", "--set", "train.max_steps=3"),
+        f"resuming cannot change train.precision (auto -> {other})")
+    pinned = andrea_main("train", "--resume", str(run), "--no-progress",
+                         "--set", f"train.precision={resolved}", "--set", "train.max_steps=3")
+    assert pinned.returncode == 0, pinned.stderr
+    assert f"resume: train.precision auto -> {resolved}\n" in pinned.stdout, pinned.stdout
+    assert json.loads((run / "step-000002" / TRAINER_STATE).read_text())["precision"] == resolved
+    assert f"precision: {resolved}" in (run / "config.yaml").read_text()
+    # config.yaml pins it now; step-000001 was trained with auto, and resolved it alike.
+    again = andrea_main("train", "--resume", str(run / "step-000001"), "--no-progress")
+    assert again.returncode == 0, again.stderr

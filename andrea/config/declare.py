@@ -79,6 +79,9 @@ class Rule:
     location: bool = False
     # A file or folder: a leading ~ is the home folder (config.load.validate expands it).
     path: bool = False
+    # The trainer_state.json key that records what the key's `auto` resolved to in the run: a
+    # resume may pin the key to that value, which changes nothing the run computes.
+    recorded_auto: str | None = None
 
     def may_change(self, old: Any, new: Any) -> bool:
         """Whether a resume may change the key's value from `old` to `new`."""
@@ -105,9 +108,10 @@ def key(
     resumable: bool | ResumeChange = False,
     location: bool = False,
     path: bool = False,
+    recorded_auto: str | None = None,
 ) -> Any:
     """A section field: its default and its rule (a list default gets a fresh list per config)."""
-    rule = Rule(description, choices, check, resumable, location, path)
+    rule = Rule(description, choices, check, resumable, location, path, recorded_auto)
     if isinstance(default, list):
         return dataclasses.field(default_factory=list, metadata={_RULE: rule})
     return dataclasses.field(default=default, metadata={_RULE: rule})

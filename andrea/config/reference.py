@@ -33,6 +33,8 @@ def on_resume(spec: KeySpec) -> str:
         return "names the run"
     if isinstance(spec.rule.resumable, ResumeChange):
         return spec.rule.resumable.says
+    if spec.rule.recorded_auto is not None and not spec.rule.resumable:
+        return "fixed; auto may be set to what it resolved to"
     return "may change" if spec.rule.resumable else "fixed"
 
 

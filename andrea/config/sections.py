@@ -114,7 +114,7 @@ class TrainConfig:
     precision: str = key(
         "auto", "autocast dtype; fp16 trains with dynamic loss scaling; auto: bf16 on a GPU of "
         "compute capability 8.0+ or a CPU with bf16 units, fp16 on 7.x GPUs and P100, else fp32",
-        choices=PRECISIONS)
+        choices=PRECISIONS, recorded_auto="precision")
     compile: bool | str = key(
         "auto", "torch.compile the model (its first steps compile); auto: on one CUDA process, "
         "not on a CPU and not yet under torchrun",

@@ -54,7 +54,12 @@ class Precision:
 
     @property
     def name(self) -> str:
-        return next(name for name, dtype in DTYPES.items() if dtype == self.dtype)
+        return precision_name(self.dtype)
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """The train.precision that computes in `dtype`: 'fp32' for torch.float32."""
+    return next(name for name, named in DTYPES.items() if named == dtype)
 
 
 def choose_precision(precision: str, device: torch.device) -> Precision:

@@ -24,6 +24,7 @@ from andrea.train.rundir import (
     CONFIG,
     MODEL_FILE,
     OVERWRITTEN,
+    TrainerState,
     is_step_dir,
     newest_intact,
     read_latest,
@@ -50,13 +51,16 @@ def config_changes(stored: Config, given: Config) -> dict[str, tuple[Any, Any]]:
 
 
 def check_resume_changes(
-    stored: Config, given: Config, run_dir: Path, trained: bool
+    stored: Config, given: Config, run_dir: Path, trained: bool,
+    record: TrainerState | None = None,
 ) -> dict[str, list[Any]]:
     """The allowed changes as {key: [old, new]}; a UserError naming every refused key.
 
     A run that has not trained yet (an import: its checkpoint is at step 0) may still change
-    its schedule and data, everything but the model the weights fix."""
-    refused = [f"{k} ({a} -> {b})" for k, (a, b) in _refused(stored, given, trained).items()]
+    its schedule and data, everything but the model the weights fix. `record`: the
+    checkpoint's trainer state, whose resolved `auto`s a key may be pinned to."""
+    refused = [f"{k} ({a} -> {b})"
+               for k, (a, b) in _refused(stored, given, trained, record).items()]
     if refused:
         raise UserError(
             f"{run_dir}: resuming cannot change {', '.join(refused)}: these keys define the run; "
@@ -66,12 +70,26 @@ def check_resume_changes(
     return {k: [a, b] for k, (a, b) in config_changes(stored, given).items()}
 
 
-def _refused(old: Config, new: Config, trained: bool) -> dict[str, tuple[Any, Any]]:
+def _refused(
+    old: Config, new: Config, trained: bool, record: TrainerState | None
+) -> dict[str, tuple[Any, Any]]:
     """The changes from `old` to `new` a resume may not make: all but those a key's
-    declaration allows (Rule.may_change), and, while the run has not trained (an import, at
-    step 0), any outside `model`."""
+    declaration allows (Rule.may_change) and the pins of an `auto` to what it resolved to in
+    the run (`record`: the checkpoint's trainer state), and, while the run has not trained (an
+    import, at step 0), any outside `model`."""
     return {k: (a, b) for k, (a, b) in config_changes(old, new).items()
-            if not key_spec(k).rule.may_change(a, b) and (trained or k.startswith("model."))}
+            if not (key_spec(k).rule.may_change(a, b) or _pins_resolved_auto(k, a, b, record))
+            and (trained or k.startswith("model."))}
+
+
+def _pins_resolved_auto(key: str, old: Any, new: Any, record: TrainerState | None) -> bool:
+    """Whether `key` changes from `auto` to the value it resolved to in the run, as `record`
+    has it (the key's declared `recorded_auto`): a run of train.precision auto that trained in
+    fp32 (a CPU without bf16 units), pinned to fp32, computes on as it did. A pin to anything
+    else is a change like any other."""
+    recorded = key_spec(key).rule.recorded_auto
+    return (old == "auto" and recorded is not None and record is not None
+            and getattr(record, recorded) == new)
 
 
 def trained_config(checkpoint: Path) -> Config:
@@ -79,14 +97,18 @@ def trained_config(checkpoint: Path) -> Config:
     return read_model_checkpoint(checkpoint, tensors=False)[1]
 
 
-def check_run_config(stored: Config, checkpoint: Path, run_dir: Path, trained: bool) -> None:
+def check_run_config(
+    stored: Config, checkpoint: Path, run_dir: Path, trained: bool,
+    record: TrainerState | None = None,
+) -> None:
     """The run's config.yaml against the config `checkpoint` was trained with (its weights'
     metadata): a key that defines the run, edited in config.yaml between stop and resume, is
-    refused as its --set is. Unchecked, an edited train.lr trained on silently (the schedule
-    jumping to it) and an edited train.optimizer called the optimizer state damaged."""
+    refused as its --set is (`record`: the checkpoint's trainer state, as check_resume_changes
+    takes it). Unchecked, an edited train.lr trained on silently (the schedule jumping to it)
+    and an edited train.optimizer called the optimizer state damaged."""
     trained_with = trained_config(checkpoint)
     edited = [f"{k} {b} where {checkpoint} was trained with {a}"
-              for k, (a, b) in _refused(trained_with, stored, trained).items()]
+              for k, (a, b) in _refused(trained_with, stored, trained, record).items()]
     if edited:
         raise UserError(
             f"{run_dir / CONFIG}: {'; '.join(edited)}: these keys define the run, so a resume "

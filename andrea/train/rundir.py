@@ -66,6 +66,7 @@ from typing import Any
 
 from andrea.config.declare import registry, type_name
 from andrea.config.load import override_value
+from andrea.config.sections import PRECISION_DTYPES
 from andrea.errors import UserError, quoted
 from andrea.fileio import atomic_write_text, fsync_dir, size_text
 
@@ -605,6 +606,11 @@ def _recorded(dotted: str) -> Valid:
     return valid
 
 
+def _precision(x: str) -> str | None:
+    """A precision as it resolved: a name of PRECISION_DTYPES (never auto)."""
+    return None if x in PRECISION_DTYPES else f"one of {', '.join(PRECISION_DTYPES)}"
+
+
 def _is(value: Any, tp: type) -> bool:
     """JSON's types as Python reads them: an integer is no bool (bool subclasses int), and a
     number may be written without a fraction."""
@@ -714,6 +720,11 @@ class TrainerState:
     # older checkpoint's file is written again byte for byte.
     attention: str | None = _key(None, valid=_recorded("trainer_state.attention"),
                                  written=TRAINED, omitted_while_none=True)
+    # The precision the run computed in (train.precision as it resolved), to which a resume may
+    # pin an `auto`; None: not recorded (older checkpoints), such a pin refused as any change.
+    # Left out while None, so that an older checkpoint's file is written again byte for byte.
+    precision: str | None = _key(None, valid=_precision, written=TRAINED,
+                                 omitted_while_none=True)
     # The max_steps planned for; None: the run's config's.
     max_steps: int | None = _key(None, valid=POSITIVE, written=TRAINED)
     # The lr schedule as re-planned on a resume; None: the plain schedule.

@@ -137,7 +137,7 @@ def set_up(
         trained = run.trainer_state.step > 0
         from_rank0(lambda: (check_checkpoint_shape(cfg.model, resume_from, run_dir),
                             check_run_config(load_config(run_dir / CONFIG), resume_from,
-                                             run_dir, trained)), dist)
+                                             run_dir, trained, run.trainer_state)), dist)
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist, locks, run_dir, resume_from)
@@ -515,7 +515,7 @@ def open_run(
             checkpoint = resume_checkpoint(resume, found)
             say_restart(checkpoint, found)
             state = read_state(checkpoint)
-            changes = check_resume_changes(stored, cfg, found, state.step > 0)
+            changes = check_resume_changes(stored, cfg, found, state.step > 0, state)
             cfg.train.name = stored.train.name  # the run keeps its name in its config.yaml
             # and says where it is: a runs_dir given to `--resume RUN` (which names the run by
             # its folder) written there made a later `--config RUN/config.yaml --resume auto`
