@@ -38,6 +38,7 @@ from andrea.data.inputs import source_last_part
 from andrea.data.prepare import SPLITS
 from andrea.errors import UserError
 from andrea.fileio import json_safe
+from andrea.runs import left_behind_steps
 from andrea.tasks import TaskFile, TaskResult, read_task, run_task
 from andrea.train.rundir import MODEL_FILE, is_step_dir, step_dirs, step_of_dir
 from andrea.train.validation import ValScore, score_val, val_sources
@@ -240,7 +241,8 @@ def checkpoints_to_evaluate(
     checkpoints: list[str], all_steps: bool, runs_dir: str = "runs"
 ) -> list[Path]:
     """The checkpoint folders: each --checkpoint (a run: its latest; none: the newest run),
-    or with --all-steps every step folder of each run, oldest first."""
+    or with --all-steps every step folder of each run's history as it stands, oldest first
+    (current_steps)."""
     if not all_steps:
         return [find_checkpoint(c, runs_dir) for c in (checkpoints or [None])]
     if checkpoints:
@@ -257,8 +259,29 @@ def checkpoints_to_evaluate(
         if not steps:
             raise UserError(f"--all-steps {run}: no step-N checkpoint folders in this run; "
                             "give a run directory, e.g. runs/<name>")
-        found += steps
+        found += current_steps(run, steps)
     return found
+
+
+def current_steps(run: Path, steps: list[Path]) -> list[Path]:
+    """The step folders of `run` on its history as it stands, the line that led to its latest
+    checkpoint: a curve of val loss over steps is one model's. Those a resume from an older
+    step left behind (left_behind_steps), of a line it threw away, are left out in one line
+    that names them and how to score one, as `andrea runs` and `andrea plot` leave out their
+    records."""
+    left = left_behind_steps(run)
+    kept = [p for p in steps if step_of_dir(p) not in left]
+    if len(kept) == len(steps):
+        return kept
+    behind = [p for p in steps if step_of_dir(p) in left]
+    names, them = ", ".join(p.name for p in behind), "it" if len(behind) == 1 else "one"
+    why = (f"left behind by a resume from an older step, of a line the run threw away (andrea "
+           f"runs and andrea plot leave out its records too); score {them} alone with "
+           f"--checkpoint {shlex.quote(str(behind[0]))}")
+    if not kept:
+        raise UserError(f"--all-steps {run}: its step folders ({names}) are all {why}")
+    notice(f"--all-steps {run}: leaves out {names}, {why}")
+    return kept
 
 
 def task_pairs(kinds: list[str] | None, files: list[str] | None) -> list[tuple[str, str]]:

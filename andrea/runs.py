@@ -168,6 +168,23 @@ def current_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept[::-1]
 
 
+def left_behind_steps(run: Path) -> set[int]:
+    """The steps of the run's checkpoints that a resume from an older step left behind: their
+    `checkpoint` records are of a line the run went back before (current_history drops them)
+    and none since wrote that step again. A step with no record (metrics.jsonl missing or cut
+    short) is not known to be left behind."""
+    try:
+        records, _ = read_metrics(run / METRICS)
+    except OSError:
+        return set()
+    return _checkpoint_steps(records) - _checkpoint_steps(current_history(records))
+
+
+def _checkpoint_steps(records: list[dict[str, Any]]) -> set[int]:
+    return {step for rec in records
+            if rec["event"] == "checkpoint" and (step := _int(rec.get("step"))) is not None}
+
+
 def _num(value: Any) -> float | None:
     """A float from a JSON value, or None if it is not a number (bools are not numbers)."""
     if isinstance(value, int | float) and not isinstance(value, bool):

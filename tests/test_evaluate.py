@@ -144,6 +144,33 @@ def test_a_run_is_named_as_andrea_runs_lists_it(tmp_path, trained_tiny):
     assert json.loads(here.stdout)[0]["checkpoint"] == "mine", here.stderr
 
 
+def test_all_steps_scores_the_runs_history_as_it_stands(tmp_path, trained_tiny):
+    """Before: a run resumed from its step-000020 (its step-000040 left behind until the resume
+    trains past it) was scored by --all-steps as 20, 30, 40, the old line's step 40 in the same
+    column as the new line's, one curve of two models' histories. Now the steps of the line the
+    run threw away are left out, as `andrea runs` and `andrea plot` leave out their records,
+    and one line on stderr names them and how to score one."""
+    run = tmp_path / "t"
+    shutil.copytree(trained_tiny.run_dir, run)
+    resumed = andrea_main("train", "--resume", str(run / "step-000020"), "--no-progress",
+                          "--set", "train.max_steps=30", "--set", "train.checkpoint_every=10")
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(p.name for p in run.glob("step-*")) == [
+        "step-000020", "step-000030", "step-000040"]
+    steps = andrea_main("eval", "--checkpoint", str(run), "--all-steps", "--json",
+                        "--no-progress", "--max-tokens", "64", "--precision", "fp32")
+    assert steps.returncode == 0, steps.stderr
+    assert [r["step"] for r in json.loads(steps.stdout)] == [20, 30]
+    assert steps.stderr == (
+        f"--all-steps {run}: leaves out step-000040, left behind by a resume from an older "
+        f"step, of a line the run threw away (andrea runs and andrea plot leave out its "
+        f"records too); score it alone with --checkpoint {run / 'step-000040'}\n")
+    for current in ("step-000020", "step-000030"):
+        shutil.rmtree(run / current)
+    assert_user_error(andrea_main("eval", "--checkpoint", str(run), "--all-steps"),
+                      f"--all-steps {run}: its step folders (step-000040) are all left behind")
+
+
 def test_bad_checkpoints_and_data_are_clear_errors(tmp_path):
     assert_user_error(andrea_main("eval", "--checkpoint", str(tmp_path / "nope")),
                       "no such checkpoint")
