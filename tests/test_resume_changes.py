@@ -185,3 +185,34 @@ def test_a_resume_may_pin_precision_auto_to_what_it_resolved_to_and_to_nothing_e
     # config.yaml pins it now; step-000001 was trained with auto, and resolved it alike.
     again = andrea_main("train", "--resume", str(run / "step-000001"), "--no-progress")
     assert again.returncode == 0, again.stderr
+
+
+def test_a_resume_whose_auto_precision_resolves_otherwise_here_says_so(tmp_path, data_dir):
+    """Before: a run of train.precision auto trained in bf16 (a CPU with bf16 units, a GPU) and
+    resumed on a machine where auto resolves to fp32 went on in fp32 without a word, its losses
+    from there another precision's. Now one line names both and the pin that keeps the run's;
+    where auto resolves as it recorded, nothing is said."""
+    from andrea.train.device import choose_precision, pick_device
+
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                      "train.checkpoint_every=2", "train.precision=auto")
+    first = andrea_main("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress")
+    assert first.returncode == 0, first.stderr
+    run = tmp_path / "runs" / "t"
+    here = choose_precision("auto", pick_device("auto")).name
+    same = andrea_main("train", "--resume", str(run), "--no-progress", "--set",
+                       "train.max_steps=3")
+    assert same.returncode == 0, same.stderr
+    assert "resume: precision" not in same.stdout, same.stdout
+    other = next(p for p in ("bf16", "fp32") if p != here)
+    ckpt = run / "step-000003"
+    state = json.loads((ckpt / TRAINER_STATE).read_text())
+    state["precision"] = other  # as a machine where auto resolved otherwise recorded it
+    (ckpt / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+    sums = json.loads((ckpt / CHECKSUMS).read_text())["files"]
+    write_checksums(ckpt, {**sums, TRAINER_STATE: file_sha256(ckpt / TRAINER_STATE)})
+    moved = andrea_main("train", "--resume", str(run), "--no-progress", "--set",
+                        "train.max_steps=4")
+    assert moved.returncode == 0, moved.stderr
+    assert (f"resume: precision {other} -> {here} (auto: " in moved.stdout
+            and f"--set train.precision={other} keeps it" in moved.stdout), moved.stdout

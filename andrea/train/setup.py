@@ -55,7 +55,12 @@ from andrea.train.collectives import (
     on_every_rank,
 )
 from andrea.train.compiled import choose_compile, compile_line
-from andrea.train.device import choose_precision, device_name, precision_warning
+from andrea.train.device import (
+    Precision,
+    choose_precision,
+    device_name,
+    precision_warning,
+)
 from andrea.train.flops import MfuMeter
 from andrea.train.memory import (
     CPU_MICRO_BATCH_TOKENS,
@@ -150,6 +155,7 @@ def set_up(
             data_record(train_split, val_split)), dist)
     precision = choose_precision(t.precision, device)
     dtype = precision.dtype
+    precision_line = resumed_precision_line(t.precision, precision, run.trainer_state)
     backend, why, attention_line = resolve_attention(cfg, device, dtype, run.trainer_state,
                                                      changes)
     model, optimizer, names = build_model(cfg, device, parallel, dtype, backend)
@@ -192,7 +198,8 @@ def set_up(
                      micro_batch_line="\n".join(line for line in (micro_batch_line, batch_line)
                                                  if line),
                      schedule_lines=schedule_lines,
-                     val_line=new_val_set_line(val_causes, s.step) if val_causes else "")
+                     val_line=new_val_set_line(val_causes, s.step) if val_causes else "",
+                     precision_line=precision_line)
     return s
 
 
@@ -402,6 +409,20 @@ def resume_data(cfg: Config, checkpoint: Path) -> Config:
     prepare_from_config(own, verbose=False,
                         announce=rundata.prepare_line(own, checkpoint, data, target))
     return own
+
+
+def resumed_precision_line(
+    requested: str, precision: Precision, trainer_state: TrainerState | None
+) -> str:
+    """A line when train.precision `auto` resolves here to another precision than the one the
+    resumed run recorded (a run moved from a CPU with bf16 units, or a GPU, to one without):
+    its losses from here are another precision's, and a pin keeps the run's. Else ''."""
+    recorded = trainer_state.precision if trainer_state is not None else None
+    now = precision.name
+    if requested != "auto" or recorded is None or recorded == now:
+        return ""
+    return (f"resume: precision {recorded} -> {now} ({precision.why}); the run trained in "
+            f"{recorded} until now: --set train.precision={recorded} keeps it")
 
 
 def resolve_attention(
@@ -798,14 +819,18 @@ def announce(
     micro_batch_line: str,
     schedule_lines: list[str],
     val_line: str,
+    precision_line: str,
 ) -> None:
     """Rank 0: the lines that say what the run will do, before its first step; `val_line`: a
-    resume's new val set (new_val_set_line), else ''."""
+    resume's new val set (new_val_set_line), `precision_line`: a resume's other precision
+    (resumed_precision_line), each else ''."""
     t, dist, cfg = s.cfg.train, s.dist, s.cfg
     s.say(f"precision: {str(s.dtype).removeprefix('torch.')} ({s.precision_why})")
     costly = precision_warning(s.dtype, s.device)
     if costly:
         s.say(costly)
+    if precision_line:
+        s.say(precision_line)
     s.say(f"attention: {backend} ({why})")
     s.say(compile_line)
     for key, (old, new) in changes.items():
