@@ -299,10 +299,13 @@ def runs_cmd(
 ) -> None:
     """List runs: steps, losses, speed, state, checkpoint. One row per run: steps, tokens, best
     val loss, last train loss, precision, speed, state and latest checkpoint."""
-    from andrea.runs import format_json, format_table, list_runs
+    from andrea.runs import format_json, format_table, list_runs, no_runs_line
 
     runs = list_runs(root)
-    typer.echo(format_json(runs) if as_json else format_table(runs))
+    if as_json:
+        typer.echo(format_json(runs))  # [] for none: a reader's list, empty
+    else:
+        typer.echo(format_table(runs) if runs else no_runs_line(root))
 
 
 @app.command("plot", cls=PlainHelp)

@@ -19,7 +19,7 @@ from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, file_in_the_way
 from andrea.runs import current_history, read_metrics, read_run, val_sources
 from andrea.train.metrics import format_mfu, format_speed, recorded_speed
-from andrea.train.rundir import CONFIG, METRICS, run_path
+from andrea.train.rundir import CONFIG, METRICS, is_run, run_path
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -38,7 +38,12 @@ def resolve_run(name: str | Path, runs_dir: Path = Path("runs")) -> Path:
     if (path / METRICS).is_file() or (path / CONFIG).is_file():
         return path
     if path.is_dir():
-        raise UserError(f"{path}: no {METRICS} in this folder; is it a run directory?")
+        held = sorted(child.name for child in path.iterdir() if child.is_dir() and is_run(child))
+        if held:  # `andrea plot runs`: the folder `andrea runs` takes, not a run
+            raise UserError(f"{path}: a folder of runs, not one run; name the runs to plot, "
+                            f"e.g. {path / held[0]}")
+        raise UserError(f"{path}: not a run (no {METRICS} or {CONFIG} in it); give a run's "
+                        f"folder, e.g. {runs_dir}/<name>, or a name in {runs_dir}/")
     raise UserError(f"{name}: no such run (give a run folder, e.g. runs/<name>, or a name in "
                     f"{runs_dir}/)")
 

@@ -485,9 +485,11 @@ def _relocated(message: str, recorded: str, run: str) -> str:
 
 
 def list_runs(root: Path | str = "runs") -> list[RunSummary]:
-    """Every run under `root` (or `root` itself if it is one run), oldest start first.
+    """Every run under `root` (or `root` itself if it is one run), oldest start first; none for
+    a folder that holds no run yet (a runs folder before its first training: as `ls` of an
+    empty folder, an answer, not an error).
 
-    Raises UserError when `root` is missing or holds no runs: nothing to show.
+    Raises UserError when `root` is missing or a file: a mistyped path, nothing to list.
     """
     root = Path(root)
     if root.exists() and not root.is_dir():
@@ -501,12 +503,15 @@ def list_runs(root: Path | str = "runs") -> list[RunSummary]:
     else:
         dirs = sorted(p for p in root.iterdir()
                       if p.is_dir() and (is_run(p) or (p / OVERWRITTEN).is_dir()))
-    if not dirs:
-        raise UserError(f"{root}: no runs here (a run is a folder with {CONFIG} and {METRICS}, "
-                        "written by `andrea train`)")
     runs = [read_run(d) if is_run(d) else _set_aside(d) for d in dirs]
     runs.sort(key=lambda r: (r.started is None, r.started or 0.0, r.name))
     return runs
+
+
+def no_runs_line(root: Path | str) -> str:
+    """What `andrea runs` says of a folder that holds no run."""
+    return (f"no runs under {root} (a run is a folder with {CONFIG} and {METRICS}, which "
+            "`andrea train` writes)")
 
 
 def _set_aside(run: Path) -> RunSummary:

@@ -155,6 +155,20 @@ def test_plot_cli(tmp_path):
     assert_user_error(andrea_main("plot", str(a), "--out", str(tmp_path / "q.gif")), "q.gif")
 
 
+def test_plot_of_a_folder_that_is_no_run_says_what_to_give(tmp_path):
+    """Before: an empty folder, or the folder of runs `andrea runs` takes, was refused with
+    "no metrics.jsonl in this folder; is it a run directory?": a question, not what to do."""
+    (tmp_path / "empty").mkdir()
+    out = str(tmp_path / "p.png")
+    assert_user_error(andrea_main("plot", str(tmp_path / "empty"), "--out", out),
+                      f"{tmp_path / 'empty'}: not a run", "give a run's folder, e.g. runs/<name>")
+    two_runs(tmp_path / "runs")
+    assert_user_error(andrea_main("plot", "runs", "--out", out, cwd=tmp_path),
+                      "runs: a folder of runs, not one run; name the runs to plot, e.g. runs/a")
+    assert_user_error(andrea_main("plot", str(tmp_path / "nope"), "--out", out), "no such run")
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_an_imported_run_is_left_out_with_a_note(tmp_path):
     from test_runs import imported_run
 

@@ -387,9 +387,8 @@ def test_a_copied_runs_notes_name_its_own_checkpoint_and_command(tmp_path):
     assert note(None, old, "old") == old
 
 
-def test_list_runs_without_runs_is_a_user_error(tmp_path):
-    with pytest.raises(UserError, match="no runs here"):
-        list_runs(tmp_path)
+def test_list_runs_of_a_missing_folder_is_a_user_error(tmp_path):
+    assert list_runs(tmp_path) == []  # a folder with no run yet: nothing to list, no error
     with pytest.raises(UserError, match="no such directory"):
         list_runs(tmp_path / "missing")
     (tmp_path / "metrics.jsonl").write_text("{}\n")  # a file: it exists, it is no folder
@@ -430,8 +429,24 @@ def test_runs_cli_table_json_and_errors(tmp_path):
     assert data["done"]["tokens"] == 100 * TOKENS_PER_STEP
     assert data["done"]["model"] == "andrea-tiny 2L/4H/d64/ctx64"
 
-    (tmp_path / "empty").mkdir()
-    assert_user_error(andrea_main("runs", str(tmp_path / "empty")), "no runs here")
+
+
+def test_runs_of_a_folder_without_runs_says_so_and_succeeds(tmp_path):
+    """Before: `andrea runs` of an existing runs folder with no run in it yet (a new project,
+    every run deleted) was an error, exit 2, as a mistyped path is; a script listing its runs
+    stopped on it. As `ls` of an empty folder, it is an answer: one line, exit 0, and `[]`
+    with --json. A folder that does not exist stays an error naming it."""
+    empty = tmp_path / "runs"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a run\n")  # a user's own file: still no run
+    proc = andrea_main("runs", str(empty))
+    assert (proc.returncode, proc.stderr) == (0, ""), proc
+    assert proc.stdout == (f"no runs under {empty} (a run is a folder with config.yaml and "
+                           "metrics.jsonl, which `andrea train` writes)\n")
+    proc = andrea_main("runs", "--json", cwd=tmp_path)  # the default folder, ./runs
+    assert (proc.returncode, json.loads(proc.stdout)) == (0, []), proc
+    assert_user_error(andrea_main("runs", str(tmp_path / "missing")),
+                      f"{tmp_path / 'missing'}: no such directory", "pass the folder")
 
 
 # --- TensorBoard -----------------------------------------------------------------------------
