@@ -77,12 +77,13 @@ def test_a_resume_from_an_edited_trainer_state_names_its_key_and_value(tmp_path,
     shutil.copytree(trained_tiny.run_dir, run)
     ckpt = run / "step-000040"
     edit_state(ckpt, "step", "four")
-    for named in ("runs/x", "runs/x/step-000040"):
+    # Refused as any damaged checkpoint is (rundir.checkpoint_problem): before a thing is read.
+    for named, what in (("runs/x", "runs/x: the latest checkpoint, step-000040, is damaged"),
+                        ("runs/x/step-000040", "runs/x/step-000040: damaged checkpoint")):
         assert_user_error(andrea_main("train", "--resume", named, cwd=tmp_path),
-                          f"{Path(named.removesuffix('/step-000040')) / ckpt.name / TRAINER_STATE}"
-                          ": 'step' is \"four\", not an integer", "the checkpoint is damaged",
-                          "the newest other intact one is runs/x/step-000020: andrea train "
-                          "--resume runs/x/step-000020")
+                          f"{what} ({TRAINER_STATE} is damaged: 'step' is \"four\", not an "
+                          f"integer)", "the newest intact checkpoint is runs/x/step-000020: "
+                          "andrea train --resume runs/x/step-000020")
     # The other one named is one a resume takes: not one whose trainer state is edited too.
     edit_state(run / "step-000020", "world_size", 0)
     with pytest.raises(UserError, match=r"'step' is \"four\".*the run has no other intact one"):

@@ -107,7 +107,9 @@ def test_a_trainer_state_without_a_step_is_a_one_line_error(tmp_path):
     with pytest.raises(UserError, match="trainer_state.json: not a trainer state"):
         ckpt_io.read_trainer_state(tmp_path / "r" / "step-000003")
     assert_user_error(andrea_main("train", "--resume", str(tmp_path / "r")),
-                      "trainer_state.json", "resume from another")
+                      "the latest checkpoint, step-000003, is damaged (trainer_state.json is "
+                      "damaged: not a trainer state (no 'step'))",
+                      "the run has no intact checkpoint")
 
 
 def test_step_folder_names_both_ways():

@@ -453,6 +453,62 @@ def test_runs_shows_a_damaged_run(tmp_path, trained_tiny):
         "no-latest": ("damaged", "step-000040"), "no-state": ("finished", None)}
 
 
+def test_a_trainer_state_that_parses_but_is_damaged_is_damaged_to_runs_and_restarts(
+        tmp_path, trained_tiny):
+    """A trainer_state.json that is JSON but not the one written (`{}`, a counter edited: its
+    checksum differs) passed checkpoint_problem, which only parsed it: `andrea runs` showed the
+    run `finished` with no note, and a torchrun restart took that checkpoint as the newest
+    intact one, then failed on it in every restart. Now all of them ask the one test: runs
+    notes it, --resume auto refuses naming the newest intact step, and a restart continues
+    from that step, naming the checkpoint it passed over."""
+    from andrea.train import restarts, torchrun
+
+    runs = tmp_path / "runs"
+    for name in ("empty", "edited"):
+        shutil.copytree(trained_tiny.run_dir, runs / name)
+    (runs / "empty" / "step-000040" / "trainer_state.json").write_text("{}")
+    edited = runs / "edited" / "step-000040" / "trainer_state.json"
+    text = edited.read_text()
+    assert '"tokens": 20480,' in text  # 40 steps of 512 tokens
+    edited.write_text(text.replace('"tokens": 20480,', '"tokens": 20481,'))
+    damage = ("trainer_state.json is damaged: its sha256 is not the one checksums.json recorded "
+              "when it was written (a copy damaged on its way?)")
+
+    proc = andrea_main("runs", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("empty", "edited"):
+        assert (f"{name}: ! latest points to step-000040, which eval and generate open but a "
+                f"resume cannot ({damage}); the newest that resumes: step-000020"
+                ) in proc.stdout, proc.stdout
+    # Without a checksum record (a checkpoint from before them) the content itself is judged.
+    (runs / "empty" / "step-000040" / "checksums.json").unlink()
+    assert checkpoint_problem(runs / "empty" / "step-000040", for_resume=True) == (
+        "trainer_state.json is damaged: not a trainer state (no 'step')")
+
+    auto = ("train", "-c", "runs/edited/config.yaml", "--set", "train.runs_dir=runs",
+            "--set", "train.name=edited", "--resume", "auto", "--no-progress")
+    before = snapshot(tmp_path)
+    assert_user_error(andrea_main(*auto, cwd=tmp_path),
+                      f"runs/edited: the latest checkpoint, step-000040, is damaged "
+                      f"({damage})",
+                      "andrea train --resume runs/edited/step-000020")
+    assert snapshot(tmp_path) == before
+
+    try:  # a worker torchrun restarted: nobody is there to choose, so it takes step 20
+        torchrun.torchrun_env.cache_clear()
+        restarts.attempt.cache_clear()
+        proc = andrea_main(*auto, cwd=tmp_path, env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    finally:
+        torchrun.torchrun_env.cache_clear()
+        restarts.attempt.cache_clear()
+    assert proc.returncode == 0, proc.stderr
+    assert (f"torchrun restart 1: continuing from runs/edited/step-000020, the run's newest "
+            f"intact checkpoint; passed over step-000040, which 'latest' names: "
+            f"{damage}\n") in proc.stdout, proc.stdout
+    assert losses(runs / "edited") == losses(trained_tiny.run_dir)  # 21..40 again, the same
+    assert checkpoint_problem(runs / "edited" / "step-000040", for_resume=True) is None
+
+
 def test_a_checkpoint_pruned_between_latest_and_its_files_says_so(tmp_path, trained_tiny):
     """A live training with train.keep_last prunes the checkpoint `latest` named a moment
     before: once in some 30 reads a user's generate called it "missing; the checkpoint is

@@ -82,12 +82,12 @@ def write_run(
     (run / "metrics.jsonl").write_text(text)
     for step in checkpoints:
         (run / f"step-{step:06d}").mkdir()
-        # The smallest sound safetensors files (no tensors) and JSON: the checkpoint counts as
-        # intact, for a resume too.
+        # The smallest sound safetensors files (no tensors) and trainer state (a step alone):
+        # the checkpoint counts as intact, for a resume too.
         for name in ("model", "optimizer", "rng"):
             (run / f"step-{step:06d}" / f"{name}.safetensors").write_bytes(
                 b"\x02" + bytes(7) + b"{}")
-        (run / f"step-{step:06d}" / "trainer_state.json").write_text("{}")
+        (run / f"step-{step:06d}" / "trainer_state.json").write_text(f'{{"step": {step}}}')
     if checkpoints:
         (run / "latest").write_text(f"step-{max(checkpoints):06d}\n")
     return run

@@ -22,9 +22,11 @@ from andrea.train.checkpoint import read_model_checkpoint
 from andrea.train.restarts import attempt
 from andrea.train.rundir import (
     CONFIG,
+    LATEST,
     MODEL_FILE,
     OVERWRITTEN,
     TrainerState,
+    checkpoint_problem,
     is_step_dir,
     newest_intact,
     read_latest,
@@ -246,6 +248,18 @@ def resume_checkpoint(resume: str, run_dir: Path) -> Path:
         if intact is None:
             raise
         return intact
+
+
+def passed_over(run_dir: Path, checkpoint: Path) -> str | None:
+    """Why a torchrun restart continues from `checkpoint` and not from the one the run's
+    `latest` names, in words (that one's damage, as checkpoint_problem says it); None when
+    `latest` names `checkpoint`."""
+    named = read_latest(run_dir)
+    if named is None:
+        return f"the run's '{LATEST}' file names no checkpoint"
+    problem = None if named == checkpoint else checkpoint_problem(named, for_resume=True)
+    return None if problem is None else f"passed over {named.name}, which '{LATEST}' names: " \
+        f"{problem}"
 
 
 def check_checkpoint_shape(model: ModelConfig, checkpoint: Path, run_dir: Path) -> None:

@@ -343,7 +343,10 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 def checkpoint_problem(ckpt: Path, for_resume: bool = False) -> str | None:
     """What makes checkpoint folder `ckpt` unusable, in a few words, or None if it is intact:
     its model file (for eval, generate, export) and, for_resume, the trainer state, RNG states
-    and optimizer state (or shard index) too. Files and headers only; no tensor is read."""
+    and optimizer state (or shard index) too. Files and headers only; no tensor is read. The
+    one test of "intact" that `andrea runs`, the refusal of a damaged checkpoint and the
+    checkpoint a resume or a torchrun restart picks all ask, so that none of them takes a
+    checkpoint another calls damaged."""
     if not ckpt.is_dir():
         return "the folder does not exist"
     files = [MODEL_FILE]
@@ -358,11 +361,33 @@ def checkpoint_problem(ckpt: Path, for_resume: bool = False) -> str | None:
         try:
             if name.endswith(".safetensors"):
                 read_safetensors_header(path)
+            elif name == TRAINER_STATE:
+                _check_state(path)
             else:
                 json.loads(path.read_text(encoding="utf-8"))
+        except DamagedState as exc:
+            return f"{name} is damaged: {exc}"
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             return f"{name} is unreadable: {exc}"
     return None
+
+
+def _check_state(path: Path) -> None:
+    """Whether trainer_state.json `path` is one a resume reads (read_state): ValueError when
+    it is not JSON; DamagedState when it is not the bytes its checkpoint's checksums.json
+    recorded, or not a trainer state andrea writes. Valid JSON alone is not enough: `{}` or a
+    changed counter parsed, so `andrea runs` called the checkpoint fine and a torchrun restart
+    took it as the newest intact one, then failed on it in every restart."""
+    blob = path.read_bytes()
+    raw = json.loads(blob)
+    try:
+        differs = _checksum_differs(path, path.parent, blob)
+    except ValueError:
+        raise DamagedState(f"{CHECKSUMS} is unreadable, so it cannot be checked") from None
+    if differs:
+        raise DamagedState(f"its sha256 is not the one {CHECKSUMS} recorded when it was written "
+                           "(a copy damaged on its way?)")
+    TrainerState.from_dict(raw)
 
 
 def latest_problem(run: Path, name: str | None) -> str | None:
@@ -823,17 +848,9 @@ def _checked(name: str, value: Any, valid: Valid | None) -> Any:
 
 
 def another_intact(ckpt: Path) -> Path | None:
-    """The newest checkpoint of ckpt's run other than ckpt that a resume takes: its files
-    sound and its trainer state one andrea writes."""
-    for other in reversed(step_dirs(ckpt.parent)):
-        if other.name == ckpt.name or checkpoint_problem(other, for_resume=True) is not None:
-            continue
-        try:
-            TrainerState.from_dict(json.loads((other / TRAINER_STATE).read_bytes()))
-        except (OSError, ValueError):
-            continue
-        return other
-    return None
+    """The newest checkpoint of ckpt's run other than ckpt that a resume takes."""
+    return next((other for other in reversed(step_dirs(ckpt.parent)) if other.name != ckpt.name
+                 and checkpoint_problem(other, for_resume=True) is None), None)
 
 
 def read_state(ckpt: Path) -> TrainerState:

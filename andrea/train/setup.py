@@ -82,6 +82,7 @@ from andrea.train.resume import (
     locate_run,
     new_val_set,
     new_val_set_line,
+    passed_over,
     restart_resume,
     resume_checkpoint,
     trained_config,
@@ -563,14 +564,19 @@ def open_run(
 
 
 def say_restart(checkpoint: Path | None, run_dir: Path) -> bool:
-    """The one line of a worker torchrun restarted (rank 0's: only it decides the run);
-    whether this is one."""
+    """The one line of a worker torchrun restarted (rank 0's: only it decides the run), naming
+    the damaged checkpoint it passed over, if any; whether this is one."""
     restart = attempt().number
-    if restart:
-        print(f"torchrun restart {restart}: continuing from {checkpoint}, the run's newest intact "
-              f"checkpoint" if checkpoint is not None else f"torchrun restart {restart}: no "
-              f"checkpoint under {run_dir} yet, starting the run again", flush=True)
-    return bool(restart)
+    if not restart:
+        return False
+    if checkpoint is None:
+        print(f"torchrun restart {restart}: no checkpoint under {run_dir} yet, starting the run "
+              f"again", flush=True)
+        return True
+    why = passed_over(run_dir, checkpoint)
+    print(f"torchrun restart {restart}: continuing from {checkpoint}, the run's newest intact "
+          f"checkpoint" + (f"; {why}" if why else ""), flush=True)
+    return True
 
 
 @contextlib.contextmanager
