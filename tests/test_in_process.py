@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed
 from conftest import andrea_main
@@ -41,6 +43,12 @@ def process_state() -> dict:
     }
 
 
+def generators() -> tuple:
+    """The process's global random generators' states: torch's, Python's and numpy's."""
+    return (torch.get_rng_state().numpy().tobytes(), random.getstate(),
+            np.random.get_state()[1].tobytes())
+
+
 def test_train_then_eval_and_generate_twice_leave_the_process_as_it_was(tmp_path: Path,
                                                                           data_dir: Path) -> None:
     before = process_state()
@@ -60,6 +68,32 @@ def test_train_then_eval_and_generate_twice_leave_the_process_as_it_was(tmp_path
             result = andrea_main(*command, cwd=tmp_path)
             assert result.returncode == 0, result.stderr
             assert process_state() == before, command
+
+
+def test_train_leaves_the_callers_random_generators_as_they_were(tmp_path: Path,
+                                                                 data_dir: Path) -> None:
+    """Before: train() returned with torch's global generator where the run left it, seeded
+    from train.seed, so a script's own draws after it were the same after every run of a
+    sweep, whatever the script had seeded. Now the caller's states are put back, and the
+    run's losses are what they were: they never depended on the caller's generator."""
+    from conftest import tiny_config
+
+    from andrea.train.loop import train
+
+    losses, after = [], []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        before = generators()
+        result = train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                                   name=f"seed{seed}"), progress=False)
+        assert result.state == "finished"
+        assert generators() == before
+        losses.append(result.losses)
+        after.append(torch.rand(4).tolist())
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+    assert after[0] != after[1]  # each caller's own next draws, not the run's
 
 
 def test_train_from_a_thread_other_than_the_main_one(tmp_path: Path, data_dir: Path) -> None:

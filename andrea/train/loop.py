@@ -74,7 +74,7 @@ def train(
     device = pick_device(cfg.train.device, "train.device")
     dist = init_distributed(device.type, cfg.train.join_timeout)
     try:
-        with TrainingLocks() as locks:  # the run folder's and its data's, however it ends
+        with TrainingLocks() as locks, callers_generators(device):
             result = run_training(
                 cfg, device, dist, locks, resume=resume, overwrite=overwrite, progress=progress,
                 stop_after=stop_after,
@@ -87,6 +87,18 @@ def train(
         return result
     finally:
         shutdown(dist)
+
+
+def callers_generators(device: torch.device) -> contextlib.AbstractContextManager:
+    """The caller's global generators put back as they were when the run ends, however it
+    ends: the run seeds torch's CPU generator and its GPU's (train.seed, a checkpoint's states)
+    and draws from them, and left as the run's, a script's own draws after train() repeated
+    in every run of a sweep. The run's numbers do not change: it seeds them before any draw.
+    Python's `random` and numpy's global generator are never touched (the loader draws from
+    numpy Generators of its own)."""
+    gpus = [] if device.type != "cuda" else [
+        device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.random.fork_rng(devices=gpus, device_type="cuda")
 
 
 def check_run_choice(resume: str | None, overwrite: bool) -> None:
