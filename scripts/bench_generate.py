@@ -4,7 +4,8 @@
 
 For each model and prompt length, greedy-decodes --new-tokens tokens and reports the time to the
 first new token (the prefill, or the first full forward without the cache) and the decode rate
-after it: (new_tokens - 1) / time from the first to the last new token; best of --repeats.
+after it: (new_tokens - 1) / time from the first to the last new token; best of --repeats. The
+first line names the CPU the figures are of.
 Prompt lengths are 16 and 512; a model whose block is too short for 512 + new tokens
 (ANDREA-12M: 256) uses the longest prompt that fits, block_size - new_tokens, and says so.
 """
@@ -19,6 +20,7 @@ import torch
 from andrea.config import load_config
 from andrea.generate import generate
 from andrea.model.transformer import Andrea
+from andrea.resources import cpu_name
 
 
 def run_once(model: Andrea, prompt: list[int], new_tokens: int, use_cache: bool):
@@ -41,8 +43,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
-          f"greedy, {args.new_tokens} new tokens, batch 1, CPU")
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"{args.dtype}, greedy, {args.new_tokens} new tokens, batch 1")
     print(f"{'model':<12} {'prompt':>7} {'cache':>6} {'first token s':>14} {'decode tok/s':>13}")
     for name in args.models:
         cfg = load_config(name, ["model.attention=sdpa"])

@@ -4,11 +4,13 @@ corpus, with 1 and 2 worker processes, through the same chunked pipeline `andrea
     python scripts/bench_tokenize.py [--workers 1 2] [--repeat 2]
 
 BPE training (4,096 ids) is timed once on its own; worker start-up is included in each figure.
+The first line names the CPU the figures are of.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 from andrea.data import documents, encode
 from andrea.data.folder import scratch_name
 from andrea.data.tokenizer import load_tokenizer, train_bpe
+from andrea.resources import cpu_name
 
 SETTINGS = documents.Settings(val_fraction=0.1, text_field="text", errors="strict")
 
@@ -37,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     docs = documents.documents(documents.SHAKESPEARE)
     mb = sum(d.size for d in docs) / 1e6
-    print(f"corpus: {len(docs)} plays, {mb:.2f} MB")
+    print(f"cpu: {cpu_name()}, {os.cpu_count()} cores; corpus: {len(docs)} plays, {mb:.2f} MB")
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         texts = encode.train_texts(docs, SETTINGS, Path(tmp) / scratch_name())

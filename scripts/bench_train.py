@@ -8,6 +8,7 @@ only forward, backward, clip, step; the trainer is `andrea.train.loop.train` (da
 schedule, logging, progress bar, finite checks) with evaluation and periodic checkpoints off.
 Rounds alternate between the two so that a noisy, shared machine slows both alike; the figures
 are medians of the per-step tokens/s after warm-up, and the overhead is 1 - trainer / plain.
+The table's line (and --json's "cpu") names the CPU they are of.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from andrea.config import load_config
 from andrea.data.prepare import ensure_prepared
 from andrea.model.transformer import Andrea
+from andrea.resources import cpu_name
 from andrea.train.loop import train
 from andrea.train.optim import build_optimizer
 
@@ -95,7 +97,7 @@ def main() -> None:
         results[precision] = {"plain": plain, "trainer": trainer}
 
     print(f"\n{args.preset}, micro-batch {cfg.train.micro_batch_size} x {cfg.model.block_size}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"on {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"medians of {args.rounds} x {args.steps} steps after {args.warmup} warm-up")
     print(f"{'precision':<10}{'plain tok/s':>14}{'trainer tok/s':>16}{'overhead':>10}")
     summary = {}
@@ -104,7 +106,7 @@ def main() -> None:
         summary[precision] = {"plain": plain, "trainer": trainer, "overhead": 1 - trainer / plain}
         print(f"{precision:<10}{plain:>14,.0f}{trainer:>16,.0f}{1 - trainer / plain:>10.1%}")
     if args.json:
-        print(json.dumps({"summary": summary, "samples": results}))
+        print(json.dumps({"cpu": cpu_name(), "summary": summary, "samples": results}))
 
 
 if __name__ == "__main__":

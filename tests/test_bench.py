@@ -126,3 +126,59 @@ def test_a_train_row_spells_its_dtype_as_the_attention_rows_do() -> None:
     assert "MFU is n/a on a CPU" in format_table(BenchResult(
         device="cpu", device_name="test CPU", torch_version="2", repeats=1, warmup=0,
         attention=[], train=[row], skipped=[]))
+
+
+
+# ----------------------------------------------------------------------------- the bench scripts
+
+CPU = "Test CPU 9000 @ 1.00GHz"  # what the helper says here, so the line shows it was asked
+
+
+def bench_script(name: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> object:
+    """scripts/NAME.py, to run with ARGV, the CPU helper it imports saying CPU (the caller
+    replaces its slow parts, then calls its main)."""
+    from conftest import load_script
+
+    script = load_script(name)
+    monkeypatch.setattr(script, "cpu_name", lambda: CPU)  # absent: the script names no CPU
+    monkeypatch.setattr("sys.argv", [f"{name}.py", *argv])
+    return script
+
+
+def test_every_bench_script_prints_its_speeds_with_the_cpus_name(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path,
+) -> None:
+    """The project's rule: a speed is printed with the CPU's name (andrea.resources.cpu_name,
+    which `andrea bench` and the other scripts use). bench_generate, bench_train and
+    bench_tokenize printed theirs without it: a figure nobody could place later. Their slow
+    parts (preparing data, training, tokenizing a corpus) are replaced; generate runs at the
+    tiny preset."""
+    from andrea.data import encode
+
+    generate = bench_script("bench_generate", ["--models", "andrea-tiny", "--prompts", "4",
+                                               "--new-tokens", "2", "--repeats", "1"],
+                            monkeypatch)
+    generate.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{CPU}, ") and "andrea-tiny" in out[-1], out
+
+    train = bench_script("bench_train", ["--preset", "andrea-tiny", "--rounds", "1", "--json"],
+                         monkeypatch)
+    monkeypatch.setattr(train, "ensure_prepared", lambda cfg: None)
+    monkeypatch.setattr(train, "plain_loop", lambda *args: [1000.0])
+    monkeypatch.setattr(train, "trainer_loop", lambda *args: [900.0])
+    with monkeypatch.context() as scratch:  # its folder for data and runs, left empty here
+        scratch.setattr(train.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+        train.main()
+    out = capsys.readouterr().out.splitlines()
+    table = next(i for i, line in enumerate(out) if line.startswith("precision"))
+    assert f"on {CPU}, " in out[table - 1] and "10.0%" in out[table + 1], out
+    assert json.loads(out[-1])["cpu"] == CPU
+
+    tokenize = bench_script("bench_tokenize", ["--workers", "1", "--repeat", "1"], monkeypatch)
+    monkeypatch.setattr(encode, "train_texts", lambda *args: iter(()))
+    monkeypatch.setattr(tokenize, "train_bpe", lambda *args: None)
+    monkeypatch.setattr(tokenize, "encode_seconds", lambda *args: (0.5, 1000))
+    tokenize.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"cpu: {CPU}, ") and "MB/s" in out[-1], out
