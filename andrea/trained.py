@@ -115,7 +115,11 @@ def load_model(
     # The CUDA kernels only where there is a GPU: a GPU-trained checkpoint still runs on a CPU.
     requested = cfg.model.attention if device.type == "cuda" else "auto"
     backend, _ = resolve_backend(requested, cfg.model.head_dim, device, dtype)
-    model = Andrea(cfg.model, attention_backend=backend)
+    # The initial values, which the checkpoint's replace every one, drawn from a generator of
+    # their own: from the caller's, they moved its draws. (Built on the meta device instead,
+    # each init imports torch's compiler, 1.3 s: more than a small model's draws take.)
+    with torch.random.fork_rng(devices=[]):
+        model = Andrea(cfg.model, attention_backend=backend)
     ckpt_io.load_weights(model, tensors, ckpt / MODEL_FILE)
     return model.to(device).eval(), cfg, metadata
 

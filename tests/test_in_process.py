@@ -40,6 +40,7 @@ def process_state() -> dict:
         "logging": {logger.name: (logger.level, list(logger.handlers))
                     for logger in loggers if logger.handlers or logger.level},
         "threads": sorted(t.name for t in threading.enumerate()),
+        "random generators": generators(),
     }
 
 

@@ -168,3 +168,24 @@ def test_an_attention_backend_is_one_entry_in_its_registry(monkeypatch):
     model(torch.randint(0, 256, (2, 7)))
     assert calls == [(2, cfg.n_head, 7, cfg.head_dim)] * cfg.n_layer
     assert model.attention_backend == "counted"
+
+
+def test_a_loaded_checkpoint_is_its_weights_tied_and_leaves_the_callers_generator(tmp_path):
+    """trained.load_model draws the model's initial values from a generator of its own (they
+    advanced the caller's), then loads every tensor: the checkpoint's values, the LM head the
+    embedding's one tensor, the caller's generator untouched."""
+    from conftest import make_checkpoint
+
+    from andrea.train.checkpoint import read_model_checkpoint
+    from andrea.trained import load_model
+
+    ckpt = make_checkpoint(tmp_path, seed=3)
+    stored = read_model_checkpoint(ckpt)[0]
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    model, _, _ = load_model(ckpt)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert model.lm_head.weight is model.tok_emb.weight
+    state = model.state_dict()
+    assert stored and all(torch.equal(state[k], v) for k, v in stored.items())
+    assert model.num_params() == sum(v.numel() for v in stored.values())
