@@ -42,6 +42,8 @@ from andrea.train.rundir import (
     publish,
     read_safetensors_header,
     read_state,
+    shard_files,
+    shards_problem,
     step_dir_name,
     verify_file,
     write_checksums,
@@ -199,32 +201,20 @@ def save_checkpoint(
 
 
 def check_shards(ckpt: Path, expected: dict[str, torch.Tensor]) -> None:
-    """Every file the index lists is there at its size, and every tensor has the shape the
-    model (and its optimizer state) has; a UserError naming the file or tensor if not."""
+    """Every file the index lists is there at its size, with a sound header and the sha256
+    checksums.json recorded, and every tensor has the shape the model (and its optimizer
+    state) has; a UserError naming the file or tensor if not."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     folder = ckpt / SHARDS_DIR
-    try:
-        verify_file(folder / SHARD_INDEX)
-        files = json.loads((folder / SHARD_INDEX).read_text())["files"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"{folder / SHARD_INDEX}: unreadable shard index: {exc}") from None
-    if not isinstance(files, dict):
-        raise UserError(f"{folder / SHARD_INDEX}: 'files' is not a mapping of file names to sizes")
-    for name, size in files.items():
-        # Only plain names inside shards/: an index is untrusted, '../x' or '/x' lead out.
-        if Path(name).name != name or name in ("", ".", "..") or not name.endswith(".safetensors"):
-            raise UserError(f"{folder / SHARD_INDEX}: lists {name!r}, which is not a .safetensors "
-                            f"file name inside {SHARDS_DIR}/ (a damaged or forged checkpoint); "
-                            f"resume from another checkpoint")
-        path = folder / name
-        if not path.is_file():
-            raise UserError(f"{path}: missing (listed in {SHARD_INDEX}); the checkpoint's shards "
-                            f"are incomplete: resume from another checkpoint")
-        if path.stat().st_size != size:
-            raise UserError(f"{path}: {path.stat().st_size} bytes, {SHARD_INDEX} says {size} "
-                            f"(truncated or damaged?)")
-        verify_file(path)  # on every rank: each hashes every shard once (docs/faults.md)
+    if (folder / SHARD_INDEX).is_file():
+        verify_file(folder / SHARD_INDEX)  # an index damaged on its way, named as such
+    problem = shards_problem(ckpt)
+    if problem is not None:
+        raise UserError(f"{ckpt}: damaged checkpoint ({problem}); resume from another step "
+                        f"folder")
+    for name in shard_files(ckpt):
+        verify_file(folder / name)  # on every rank: each hashes every shard once (docs/faults.md)
     stored = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
     for key, value in expected.items():
         if key not in stored:

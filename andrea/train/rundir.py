@@ -343,32 +343,81 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 def checkpoint_problem(ckpt: Path, for_resume: bool = False) -> str | None:
     """What makes checkpoint folder `ckpt` unusable, in a few words, or None if it is intact:
     its model file (for eval, generate, export) and, for_resume, the trainer state, RNG states
-    and optimizer state (or shard index) too. Files and headers only; no tensor is read. The
-    one test of "intact" that `andrea runs`, the refusal of a damaged checkpoint and the
-    checkpoint a resume or a torchrun restart picks all ask, so that none of them takes a
-    checkpoint another calls damaged."""
+    and optimizer state (under fsdp its shards: shards_problem) too. Files and headers only; no
+    tensor is read. The one test of "intact" that `andrea runs`, the refusal of a damaged
+    checkpoint and the checkpoint a resume or a torchrun restart picks all ask, so that none of
+    them takes a checkpoint another calls damaged."""
     if not ckpt.is_dir():
         return "the folder does not exist"
     files = [MODEL_FILE]
+    sharded = for_resume and has_shards(ckpt)
     if for_resume:
-        sharded = (ckpt / SHARDS_DIR).is_dir()
-        files += [RNG_FILE, TRAINER_STATE, f"{SHARDS_DIR}/{SHARD_INDEX}" if sharded
-                  else OPTIMIZER_FILE]
+        files += [RNG_FILE, TRAINER_STATE] + ([] if sharded else [OPTIMIZER_FILE])
     for name in files:
-        path = ckpt / name
-        if not path.is_file():
-            return f"{name} is missing"
-        try:
-            if name.endswith(".safetensors"):
-                read_safetensors_header(path)
-            elif name == TRAINER_STATE:
-                _check_state(path)
-            else:
-                json.loads(path.read_text(encoding="utf-8"))
-        except DamagedState as exc:
-            return f"{name} is damaged: {exc}"
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            return f"{name} is unreadable: {exc}"
+        problem = _file_problem(ckpt / name, name)
+        if problem is not None:
+            return problem
+    return shards_problem(ckpt) if sharded else None
+
+
+def _file_problem(path: Path, name: str) -> str | None:
+    """Why checkpoint file `path` (`name` inside its checkpoint) cannot be read, or None: a
+    safetensors file's header against its size, a JSON file's syntax, and the trainer state's
+    checksum and content (_check_state)."""
+    if not path.is_file():
+        return f"{name} is missing"
+    try:
+        if name.endswith(".safetensors"):
+            read_safetensors_header(path)
+        elif name == TRAINER_STATE:
+            _check_state(path)
+        else:
+            json.loads(path.read_text(encoding="utf-8"))
+    except DamagedState as exc:
+        return f"{name} is damaged: {exc}"
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"{name} is unreadable: {exc}"
+    return None
+
+
+def shard_files(ckpt: Path) -> dict[str, int]:
+    """The shard files a sharded checkpoint's shards/index.json lists, each with its size; a
+    ValueError saying what is wrong with the index otherwise. The index is untrusted: only
+    plain .safetensors names inside shards/ ('../x' or '/x' would lead out)."""
+    index = f"{SHARDS_DIR}/{SHARD_INDEX}"
+    try:
+        raw = json.loads((ckpt / index).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{index} is unreadable: {exc}") from None
+    files = raw.get("files") if isinstance(raw, dict) else None
+    if not isinstance(files, dict) or not all(type(size) is int for size in files.values()):
+        raise ValueError(f"{index} is unreadable: no 'files' mapping file names to sizes")
+    for name in files:
+        if Path(name).name != name or name in ("", ".", "..") or not name.endswith(".safetensors"):
+            raise ValueError(f"{index} lists {name!r}, which is not a .safetensors file name "
+                             f"inside {SHARDS_DIR}/: a damaged or forged index")
+    return files
+
+
+def shards_problem(ckpt: Path) -> str | None:
+    """What makes a sharded checkpoint's shards unusable, in a few words naming the file, or
+    None: shards/index.json missing or unreadable (shard_files), a shard it lists missing, of
+    another size than it says, or with a damaged safetensors header. Files and headers only:
+    the shards' checksums and tensors are checkpoint.check_shards'."""
+    if not (ckpt / SHARDS_DIR / SHARD_INDEX).is_file():
+        return f"{SHARDS_DIR}/{SHARD_INDEX} is missing"
+    try:
+        files = shard_files(ckpt)
+    except ValueError as exc:
+        return str(exc)
+    for name, size in files.items():
+        path, shown = ckpt / SHARDS_DIR / name, f"{SHARDS_DIR}/{name}"
+        if path.is_file() and path.stat().st_size != size:
+            return (f"{shown} is {path.stat().st_size:,} bytes, but {SHARD_INDEX} lists it at "
+                    f"{size:,}: truncated or damaged")
+        problem = _file_problem(path, shown)
+        if problem is not None:
+            return problem
     return None
 
 

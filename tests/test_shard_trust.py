@@ -1,0 +1,80 @@
+"""A sharded (fsdp) checkpoint is held to the checks a whole one is held to
+(tests/test_checkpoint_trust.py): a shard cut short, deleted or with a damaged header is a
+damaged checkpoint, named with the run's newest intact one and the command that resumes it.
+One torchrun launch writes the run every test damages a copy of; the resumes run in this
+process (one process reads the shards as DCP reshards them), where the process is not the
+point."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from conftest import andrea_main, assert_user_error, config_file, run_torchrun, tiny_config
+
+from andrea.train.rundir import newest_intact
+
+SHARD = "shards/shard-00002-model-00001-of-00001.safetensors"
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory, data_dir) -> Path:
+    """A 2-process fsdp run of 4 steps with checkpoints at steps 2 and 4. Never change it: copy
+    it first (damaged_copy)."""
+    folder = tmp_path_factory.mktemp("fsdp")
+    cfg = tiny_config(folder / "runs", data_dir, "train.parallel=fsdp", "train.max_steps=4",
+                      "train.checkpoint_every=2", "train.precision=fp32", name="f")
+    proc = run_torchrun("train", "-c", str(config_file(cfg, folder)), "--no-progress")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return folder / "runs" / "f"
+
+
+def damaged_copy(fsdp_run: Path, tmp_path: Path) -> Path:
+    """A copy of the run under tmp_path/runs/f."""
+    run = tmp_path / "runs" / "f"
+    shutil.copytree(fsdp_run, run)
+    return run
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("truncated", f"{SHARD} is 748,"),
+    ("deleted", f"{SHARD} is missing"),
+    ("header", f"{SHARD} is unreadable: header length 1,152,921,504,606,846,976 bytes does not "
+               "fit the file"),
+], ids=["truncated", "deleted", "header"])
+def test_a_damaged_shard_names_the_newest_intact_checkpoint(fsdp_run, tmp_path, damage, says):
+    """Before: a shard cut short or deleted was refused only once the model was built, naming
+    no checkpoint to resume from ('resume from another checkpoint'); one with a damaged header
+    (and no checksums.json to find it) was a SafetensorError traceback; a torchrun restart
+    took it as the newest intact one and `andrea runs` said nothing. Now, as for a damaged
+    optimizer.safetensors: one line naming the newest intact checkpoint and the command that
+    resumes it, which does."""
+    run = damaged_copy(fsdp_run, tmp_path)
+    shard = run / "step-000004" / SHARD
+    if damage == "truncated":
+        os.truncate(shard, shard.stat().st_size - 1000)
+    elif damage == "deleted":
+        shard.unlink()
+    else:  # the file's size kept: a header length far past its end, no checksums to see it
+        with open(shard, "r+b") as f:  # (a checkpoint written before them, or a stranger's)
+            f.write(struct.pack("<Q", 2**60))
+        (run / "step-000004" / "checksums.json").unlink()
+    resume = ("train", "--resume", "runs/f", "--set", "train.max_steps=6")
+    line = assert_user_error(andrea_main(*resume, cwd=tmp_path),
+                             "runs/f: the latest checkpoint, step-000004, is damaged", says,
+                             "the newest intact checkpoint is runs/f/step-000002: "
+                             "andrea train --resume runs/f/step-000002")
+    assert newest_intact(run, for_resume=True) == run / "step-000002"  # a torchrun restart's
+    listed = andrea_main("runs", "runs/f", cwd=tmp_path)
+    assert ("f: ! latest points to step-000004, which eval and generate open but a resume "
+            f"cannot ({says}") in listed.stdout
+    if damage == "deleted":
+        command = shlex.split(line.split(": ")[-1])
+        resumed = andrea_main(*command[1:], "--no-progress", cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr
+        assert "resuming from runs/f/step-000002" in resumed.stdout
+        assert (run / "latest").read_text() == "step-000004\n"
