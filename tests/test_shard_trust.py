@@ -7,6 +7,7 @@ point."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -78,3 +79,45 @@ def test_a_damaged_shard_names_the_newest_intact_checkpoint(fsdp_run, tmp_path, 
         assert resumed.returncode == 0, resumed.stderr
         assert "resuming from runs/f/step-000002" in resumed.stdout
         assert (run / "latest").read_text() == "step-000004\n"
+
+
+def rewrite_header(shard: Path, edit) -> None:
+    """Rewrite a shard's safetensors header with edit(header dict) applied, its tensor bytes
+    kept, as a forged or damaged file has it."""
+    blob = shard.read_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + length:])
+
+
+def no_ln1_offsets(header: dict) -> None:
+    info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+    del info["blocks.0.ln1.weight"]
+    header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda h: h["blocks.0.ln1.weight"].update(shape=[10**6]),
+     f"{SHARD}: not a valid safetensors file (truncated or damaged?): Error while deserializing "
+     "header: invalid shape"),
+    (no_ln1_offsets, "shards: the shards' metadata is damaged or forged "
+                     "(KeyError('blocks.0.ln1.weight'))"),
+], ids=["shape", "offsets"])
+def test_a_forged_shard_header_is_one_line(fsdp_run, tmp_path, edit, says):
+    """A header whose length and offsets fit the file (so the checkpoint is intact as files go)
+    but that safetensors or DCP refuses: a tensor's shape that is not its bytes, a slice
+    without its offsets in DCP's metadata. Before, with no checksums.json to find it (a
+    checkpoint written before them, or a stranger's): a SafetensorError or KeyError traceback."""
+    run = damaged_copy(fsdp_run, tmp_path)
+    ckpt = run / "step-000004"
+    rewrite_header(ckpt / SHARD, edit)
+    index = json.loads((ckpt / "shards/index.json").read_text())
+    index["files"][Path(SHARD).name] = (ckpt / SHARD).stat().st_size
+    (ckpt / "shards/index.json").write_text(json.dumps(index))
+    (ckpt / "checksums.json").unlink()
+    assert_user_error(andrea_main("train", "--resume", "runs/f", "--set", "train.max_steps=6",
+                                  cwd=tmp_path),
+                      says, "the checkpoint is damaged: resume from another step folder")

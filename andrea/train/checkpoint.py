@@ -59,6 +59,7 @@ TIED_KEYS = {"lm_head.weight": "tok_emb.weight"}
 FIXED_BYTES = 16_384
 HEADER_BYTES_PER_TENSOR = 128
 AMINMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+DAMAGED = "the checkpoint is damaged: resume from another step folder"
 
 
 # ----------------------------------------------------------------------------- tensors written
@@ -211,11 +212,19 @@ def check_shards(ckpt: Path, expected: dict[str, torch.Tensor]) -> None:
         verify_file(folder / SHARD_INDEX)  # an index damaged on its way, named as such
     problem = shards_problem(ckpt)
     if problem is not None:
-        raise UserError(f"{ckpt}: damaged checkpoint ({problem}); resume from another step "
-                        f"folder")
+        raise UserError(f"{ckpt}: {problem}; {DAMAGED}")
     for name in shard_files(ckpt):
         verify_file(folder / name)  # on every rank: each hashes every shard once (docs/faults.md)
-    stored = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+        try:
+            with _open(folder / name):  # safetensors' own checks of the header DCP reads
+                pass
+        except UserError as exc:
+            raise UserError(f"{exc}; {DAMAGED}") from None
+    try:  # DCP parses each shard's own metadata (every slice's offsets) unchecked
+        stored = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    except (SafetensorError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise UserError(f"{folder}: the shards' metadata is damaged or forged ({exc!r}); "
+                        f"{DAMAGED}") from None
     for key, value in expected.items():
         if key not in stored:
             raise UserError(f"{folder}: no tensor '{key}' in the shards; the checkpoint is of "
