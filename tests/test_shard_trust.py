@@ -121,3 +121,31 @@ def test_a_forged_shard_header_is_one_line(fsdp_run, tmp_path, edit, says):
     assert_user_error(andrea_main("train", "--resume", "runs/f", "--set", "train.max_steps=6",
                                   cwd=tmp_path),
                       says, "the checkpoint is damaged: resume from another step folder")
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("unlisted", "is damaged (shards/shard-00003-model-00001-of-00001.safetensors is not listed "
+                 "in index.json, yet the shards' reader would load it"),
+    ("unlisted and missing", "shards: the shards hold 10,240 values of tensor 'tok_emb.weight', "
+                             "which has 20,480 (a shard missing"),
+], ids=["unlisted", "unlisted-and-missing"])
+def test_shards_that_do_not_make_the_tensors_whole_are_refused(fsdp_run, tmp_path, damage, says):
+    """torch.distributed.checkpoint reads every .safetensors file in shards/, listed or not, and
+    leaves a slice it finds no bytes for as the model has it. Before, both resumed and trained
+    silently: with step 2's copy of a shard beside step 4's (a copy merged into an older one),
+    or on the fresh weights of the slices of a shard the index no longer lists (a checkpoint
+    without checksums.json: an older or a stranger's)."""
+    run = damaged_copy(fsdp_run, tmp_path)
+    ckpt = run / "step-000004"
+    if damage == "unlisted":
+        shutil.copy(run / "step-000002" / SHARD,
+                    ckpt / "shards/shard-00003-model-00001-of-00001.safetensors")
+    else:
+        first = "shard-00001-model-00001-of-00001.safetensors"
+        (ckpt / "shards" / first).unlink()
+        index = json.loads((ckpt / "shards/index.json").read_text())
+        del index["files"][first]
+        (ckpt / "shards/index.json").write_text(json.dumps(index))
+        (ckpt / "checksums.json").unlink()
+    assert_user_error(andrea_main("train", "--resume", "runs/f", "--set", "train.max_steps=6",
+                                  cwd=tmp_path), says)

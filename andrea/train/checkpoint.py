@@ -234,6 +234,13 @@ def check_shards(ckpt: Path, expected: dict[str, torch.Tensor]) -> None:
                 f"{folder}: tensor '{key}' has shape {list(stored[key].size)} in the checkpoint "
                 f"but {list(value.shape)} in the model; the model config differs"
             )
+        # Slices DCP finds no bytes for are left as they are (the model's fresh weights), and
+        # one held twice is read from either: the slices must add up to the tensor, once.
+        held = sum(math.prod(chunk.sizes) for chunk in stored[key].chunks)
+        if held != value.numel():
+            raise UserError(f"{folder}: the shards hold {held:,} values of tensor '{key}', which "
+                            f"has {value.numel():,} (a shard missing, or one of another "
+                            f"checkpoint); {DAMAGED}")
 
 
 def read_shards(

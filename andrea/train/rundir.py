@@ -403,7 +403,9 @@ def shards_problem(ckpt: Path) -> str | None:
     """What makes a sharded checkpoint's shards unusable, in a few words naming the file, or
     None: shards/index.json missing or unreadable (shard_files), a shard it lists missing, of
     another size than it says, or with a damaged safetensors header. Files and headers only:
-    the shards' checksums and tensors are checkpoint.check_shards'."""
+    the shards' checksums and tensors are checkpoint.check_shards'. A .safetensors file in
+    shards/ that the index does not list is one too: torch.distributed.checkpoint reads every
+    such file in the folder, so a leftover of another copy would be loaded with the shards."""
     if not (ckpt / SHARDS_DIR / SHARD_INDEX).is_file():
         return f"{SHARDS_DIR}/{SHARD_INDEX} is missing"
     try:
@@ -418,6 +420,11 @@ def shards_problem(ckpt: Path) -> str | None:
         problem = _file_problem(path, shown)
         if problem is not None:
             return problem
+    unlisted = sorted(p.name for p in (ckpt / SHARDS_DIR).iterdir()
+                      if p.name.endswith(".safetensors") and p.name not in files)
+    if unlisted:
+        return (f"{SHARDS_DIR}/{unlisted[0]} is not listed in {SHARD_INDEX}, yet the shards' "
+                f"reader would load it: a leftover of another copy?")
     return None
 
 
