@@ -15,9 +15,12 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import andrea_main, assert_user_error, config_file, run_torchrun, tiny_config
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from andrea.train.rundir import newest_intact
+from andrea.train.rundir import file_sha256, newest_intact
 
 SHARD = "shards/shard-00002-model-00001-of-00001.safetensors"
 
@@ -149,3 +152,57 @@ def test_shards_that_do_not_make_the_tensors_whole_are_refused(fsdp_run, tmp_pat
         (ckpt / "checksums.json").unlink()
     assert_user_error(andrea_main("train", "--resume", "runs/f", "--set", "train.max_steps=6",
                                   cwd=tmp_path), says)
+
+
+def rewrite_shard(ckpt: Path, edit) -> None:
+    """Rewrite the checkpoint's second shard with edit(its tensors) applied, its DCP metadata
+    kept, and record its size and sha256 as if written so: damage no checksum can see."""
+    path = ckpt / SHARD
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata)
+    index = json.loads((ckpt / "shards/index.json").read_text())
+    index["files"][path.name] = path.stat().st_size
+    (ckpt / "shards/index.json").write_text(json.dumps(index))
+    record = json.loads((ckpt / "checksums.json").read_text())
+    record["files"]["shards/index.json"] = file_sha256(ckpt / "shards/index.json")
+    record["files"][SHARD] = file_sha256(path)
+    (ckpt / "checksums.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_shards_of_weights_that_are_not_floating_point_are_refused(fsdp_run, tmp_path, dtype):
+    """Before: DCP converted an integer or bool slice into the float weights silently, and the
+    run trained on from a model that was never trained; now the line a whole checkpoint's
+    weights of that type get (check_weights), naming the tensor and the shards."""
+    run = damaged_copy(fsdp_run, tmp_path)
+    rewrite_shard(run / "step-000004", lambda t: t.update(
+        {"ln_f.weight": t["ln_f.weight"].to(dtype)}))
+    kind = str(dtype).removeprefix("torch.")
+    assert_user_error(andrea_main("train", "--resume", "runs/f", "--set", "train.max_steps=6",
+                                  cwd=tmp_path),
+                      f"runs/f/step-000004/shards: tensor 'ln_f.weight' is {kind}, not floating "
+                      "point", "use another checkpoint (an earlier step of the run)")
+
+
+def test_non_finite_weights_in_the_shards_are_every_ranks_one_line(fsdp_run, tmp_path):
+    """Before: loaded, and the first step stopped on a NaN loss (`non-finite loss or gradient
+    norm at step 5`, exit 1) as if the run had diverged; now refused where they are loaded, as
+    a whole checkpoint's are: every rank sees the tensor whole (the check gathers it), so every
+    rank says the same line and none waits for another. One process in this process, then two
+    under torchrun."""
+    run = damaged_copy(fsdp_run, tmp_path)
+    rewrite_shard(run / "step-000004", lambda t: t["blocks.1.mlp.up.weight"][3, :2].fill_(
+        float("nan")))
+    says = ("runs/f/step-000004/shards: tensor 'blocks.1.mlp.up.weight' holds 2 NaN or "
+            "infinite values (of 16,384): a diverged or damaged model; use another checkpoint")
+    assert_user_error(andrea_main("train", "--resume", "runs/f", "--set", "train.max_steps=6",
+                                  cwd=tmp_path), says)
+    proc = run_torchrun("train", "--resume", str(run), "--set", "train.max_steps=6",
+                        "--no-progress")
+    assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    ours = proc.stderr[:proc.stderr.index("torch/distributed/elastic")].strip().splitlines()[:-1]
+    assert [line.startswith("error: ") and says in line for line in ours] == [True, True], ours
+    assert "Traceback" not in proc.stderr[:proc.stderr.index("torch/distributed/elastic")]

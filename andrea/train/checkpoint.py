@@ -60,6 +60,7 @@ FIXED_BYTES = 16_384
 HEADER_BYTES_PER_TENSOR = 128
 AMINMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 DAMAGED = "the checkpoint is damaged: resume from another step folder"
+EARLIER = "use another checkpoint (an earlier step of the run)"
 
 
 # ----------------------------------------------------------------------------- tensors written
@@ -234,6 +235,7 @@ def check_shards(ckpt: Path, expected: dict[str, torch.Tensor]) -> None:
                 f"{folder}: tensor '{key}' has shape {list(stored[key].size)} in the checkpoint "
                 f"but {list(value.shape)} in the model; the model config differs"
             )
+        check_floating(key, stored[key].properties.dtype, folder, EARLIER)
         # Slices DCP finds no bytes for are left as they are (the model's fresh weights), and
         # one held twice is read from either: the slices must add up to the tensor, once.
         held = sum(math.prod(chunk.sizes) for chunk in stored[key].chunks)
@@ -259,6 +261,11 @@ def read_shards(
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)),
                  no_dist=not dist.is_initialized())
+    # NaN or infinity refused as in a whole checkpoint: each weight whole on every rank (a
+    # collective, in the same order everywhere, as a save gathers them), so all refuse alike.
+    for key, value in state.items():
+        if not key.startswith(OPTIMIZER_PREFIX):
+            check_weights({key: full_tensor(value.detach())}, ckpt / SHARDS_DIR, EARLIER)
     with torch.no_grad():  # dcp.load fills the tensors in place, except a 0-dim step count
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -341,10 +348,7 @@ def check_weights(
     cores, where isfinite(t).all() took 1.4-2 s (beside the 0.5-0.7 s the model file's
     checksum takes)."""
     for key, value in tensors.items():
-        if not value.is_floating_point():
-            kind = str(value.dtype).removeprefix("torch.")
-            raise UserError(f"{origin}: tensor '{key}' is {kind}, not floating point (float32, "
-                            f"bfloat16, float16 or float64): a damaged or forged model; {instead}")
+        check_floating(key, value.dtype, origin, instead)
         if value.numel() == 0:
             continue  # aminmax refuses an empty tensor
         # float8 loads (converted) as before, but has no aminmax on the CPU: a float32 copy.
@@ -355,6 +359,15 @@ def check_weights(
         raise UserError(f"{origin}: tensor '{key}' holds {bad:,} NaN or infinite "
                         f"value{'s' if bad != 1 else ''} (of {value.numel():,}): a diverged or "
                         f"damaged model; {instead}")
+
+
+def check_floating(key: str, dtype: torch.dtype, origin: Path | str, instead: str) -> None:
+    """check_weights' refusal of a stored tensor `key` whose dtype is not floating point, also
+    for shards, whose stored dtype only their metadata says (DCP converts as it loads)."""
+    if not dtype.is_floating_point:
+        kind = str(dtype).removeprefix("torch.")
+        raise UserError(f"{origin}: tensor '{key}' is {kind}, not floating point (float32, "
+                        f"bfloat16, float16 or float64): a damaged or forged model; {instead}")
 
 
 def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origin: Path) -> None:
@@ -375,7 +388,7 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], origi
                 f"{origin}: tensor '{key}' has shape {list(value.shape)} in the checkpoint but "
                 f"{list(expected[key].shape)} in the model; the model config differs"
             )
-    check_weights(tensors, origin, "use another checkpoint (an earlier step of the run)")
+    check_weights(tensors, origin, EARLIER)
     whole = {**tensors, **{k: tensors[v] for k, v in TIED_KEYS.items()}}
     model.load_state_dict({k: shard_like(v, current[k]) for k, v in whole.items()})
 
