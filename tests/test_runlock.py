@@ -303,6 +303,39 @@ def test_a_run_held_on_another_host_is_named_and_can_be_taken_over(tmp_path, dat
     assert (run_dir / "latest").read_text().strip() == "step-000004" and not lock.exists()
 
 
+def test_a_run_an_older_andrea_trains_without_a_lock_file_is_refused_naming_it(
+        tmp_path, data_dir, capsys):
+    """An andrea from before the run lock keeps no lock file: upgraded while such a training
+    ran, a resume (or --overwrite) found the flock free and no record, and trained a second
+    writer into the run. The run's metrics.jsonl names the writer: its last segment's start,
+    with no end after it, of a process that still runs."""
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                                  "train.checkpoint_every=2", name="r"), tmp_path)
+    run_dir = tmp_path / "runs" / "r"
+    assert train_main(capsys, "-c", str(cfg))[0] == 0
+    older = subprocess.Popen(["sleep", "300"])  # the older andrea's training, resumed at 2
+    try:
+        start = {"event": "start", "step": 2, "max_steps": 100, "pid": older.pid,
+                 "host": HOST, "time": round(time.time(), 3)}
+        with open(run_dir / METRICS, "a") as f:
+            f.write(json.dumps(start) + "\n" + json.dumps({"event": "train", "step": 3}) + "\n")
+        written = (run_dir / METRICS).read_bytes()
+        for way in (["--resume", str(run_dir)], ["-c", str(cfg), "--overwrite"]):
+            code, err = train_main(capsys, *way, "--set", "train.max_steps=4")
+            assert code == 2 and err.count("\n") == 1, err
+            assert err.startswith(f"error: {run_dir}: another andrea train is writing this run "
+                                  f"(pid {older.pid} on host {HOST}, since "), err
+            assert f"stop it (kill {older.pid})" in err, err
+        assert (run_dir / METRICS).read_bytes() == written
+        assert [d.name for d in step_dirs(run_dir)] == ["step-000002"]
+    finally:
+        older.kill()
+        older.wait()
+    # Once it is gone, its segment is a crashed one: the run resumes.
+    assert train_main(capsys, "--resume", str(run_dir), "--set", "train.max_steps=4")[0] == 0
+    assert (run_dir / "latest").read_text().strip() == "step-000004"
+
+
 def test_trainings_one_after_another_in_one_process_each_take_the_run(tmp_path, data_dir,
                                                                       capsys):
     cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",

@@ -114,6 +114,44 @@ class MetricsLog:
             sink.close()
 
 
+SEGMENT_EDGES = (b'{"event": "start"', b'{"event": "end"')  # how MetricsLog begins them
+TAIL_BYTES = 1 << 16  # read back from the end of metrics.jsonl at a time
+
+
+def open_segment(path: Path) -> dict[str, Any] | None:
+    """The start record of metrics.jsonl's last segment while no end record follows it (a
+    training writes the run now, or was killed); None when the file is missing or its last
+    segment ended. Read backwards, a block at a time, only as far as the segment began: a
+    segment that ended costs one block, however long the run."""
+    try:
+        f = open(path, "rb")
+    except OSError:
+        return None
+    with f:
+        end, head = f.seek(0, os.SEEK_END), b""
+        while end > 0:
+            begin = max(0, end - TAIL_BYTES)
+            f.seek(begin)
+            lines = (f.read(end - begin) + head).split(b"\n")
+            # The block's first line may have begun in the block before: read on with it.
+            head = lines.pop(0) if begin else b""
+            for line in reversed(lines):
+                if line.startswith(SEGMENT_EDGES[1]):
+                    return None
+                if line.startswith(SEGMENT_EDGES[0]):
+                    return _start_record(line)
+            end = begin
+    return None
+
+
+def _start_record(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:  # cut short by a kill mid-write
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def tokens_per_s(tokens: float, seconds: float) -> float | None:
     """The one speed figure (see Throughput), rounded as every record and display gives it."""
     return round(tokens / seconds, 1) if seconds > 0 else None

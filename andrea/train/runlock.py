@@ -36,8 +36,9 @@ from pathlib import Path
 from andrea.data.folder import DataLock
 from andrea.errors import UserError
 from andrea.folder_lock import FolderLock, pid_alive, same_file, who
+from andrea.train.metrics import open_segment
 from andrea.train.restarts import attempt
-from andrea.train.rundir import RUN_LOCK
+from andrea.train.rundir import METRICS, RUN_LOCK
 from andrea.train.torchrun import torchrun_env
 
 HEARTBEAT_S = 30.0  # how often a holder refreshes `alive` in its record
@@ -89,6 +90,22 @@ def is_stale(holder: Holder | None, me: Holder, flocked: bool) -> bool:
     if holder.host == me.host:
         return flocked or not pid_alive(holder.pid)
     return bool(holder.job) and holder.job == me.job and holder.attempt < me.attempt
+
+
+def unlocked_writer(run_dir: Path, me: Holder) -> Holder | None:
+    """A training of this host that writes `run_dir` without its lock: one started by an andrea
+    from before the run lock, which keeps no lock file, so that the free flock and the missing
+    record read as a run no one writes (upgrading andrea while a run trains). Its metrics.jsonl
+    names it: the last segment's start record with no end after it, whose process still runs
+    and ran by then (not a later one given the same pid)."""
+    start = open_segment(run_dir / METRICS)
+    if start is None or start.get("host") != me.host:
+        return None
+    pid, since = start.get("pid"), start.get("time")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid == me.pid \
+            or not isinstance(since, int | float) or not pid_alive(pid, since):
+        return None
+    return Holder(pid, me.host, float(since), float(since))
 
 
 def age_text(seconds: float) -> str:
@@ -161,6 +178,9 @@ class RunLock(FolderLock):
         me, holder = this_process(), read_holder(fd)
         if not is_stale(holder, me, flocked):
             raise refusal(self.folder, self.path, holder, me, self.instead)
+        unlocked = unlocked_writer(self.folder, me) if holder is None else None
+        if unlocked is not None:
+            raise refusal(self.folder, self.path, unlocked, me, self.instead)
         os.ftruncate(fd, 0)
         os.pwrite(fd, me.encode(), 0)
         self._stop.clear()
