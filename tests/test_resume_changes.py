@@ -94,6 +94,28 @@ def test_a_resumed_runs_config_says_where_the_run_is(tmp_path, trained_tiny):
     assert not (tmp_path / "elsewhere").exists()
 
 
+def test_a_run_from_before_the_spike_guard_resumes_without_it(tmp_path, trained_tiny):
+    """A run's config.yaml lists every key of the andrea that wrote it: one written before
+    train.spike_guard (2026-12-01) has none, and its run trained unguarded. Before: a resume
+    read the missing key as today's default, skip, and guarded the rest of the run (outlier
+    steps not applied) without a word. Now a key a run's config.yaml lacks reads as what andrea
+    did before it; a --set still changes it."""
+    run = tmp_path / "t"
+    shutil.copytree(trained_tiny.run_dir, run)
+    config = run / "config.yaml"
+    assert "  spike_guard: 'off'\n" in config.read_text()
+    config.write_text(config.read_text().replace("  spike_guard: 'off'\n", ""))  # as written then
+    done = andrea_main("train", "--resume", str(run), "--set", "train.max_steps=41",
+                       "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "  spike_guard: 'off'\n" in config.read_text()
+    config.write_text(config.read_text().replace("  spike_guard: 'off'\n", ""))
+    done = andrea_main("train", "--resume", str(run), "--set", "train.max_steps=42",
+                       "--set", "train.spike_guard=skip", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "  spike_guard: skip\n" in config.read_text()
+
+
 def test_a_mixtures_weights_may_change_on_resume_and_nothing_else_of_it(tmp_path):
     """A mix shifted late in a run (annealing on the best data): a resume refused any change
     of data.sources, even of its weights alone. Now the weights may change, in one line, and

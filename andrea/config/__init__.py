@@ -10,6 +10,7 @@ from andrea.config.load import (
     config_from_dict,
     from_dict,
     load_config,
+    load_run_config,
     override_value,
     parse_override,
     resolve_path,
@@ -31,6 +32,6 @@ from andrea.config.sections import (
 __all__ = [
     "PRECISION_DTYPES", "PRECISIONS", "SECTIONS", "Config", "DataConfig", "KeySpec",
     "ModelConfig", "Registered", "TrainConfig", "register_choices",
-    "config_from_dict", "from_dict", "key_spec", "key_specs", "load_config", "override_value",
-    "parse_override", "registered_keys", "resolve_path", "validate",
+    "config_from_dict", "from_dict", "key_spec", "key_specs", "load_config", "load_run_config",
+    "override_value", "parse_override", "registered_keys", "resolve_path", "validate",
 ]

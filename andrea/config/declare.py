@@ -64,6 +64,10 @@ class ResumeChange:
     says: str
 
 
+# A key's `before` when andrea did what its default does before the key existed (most keys).
+AS_DEFAULT = object()
+
+
 @dataclass(frozen=True)
 class Rule:
     """What a key's declaration says besides its type and default."""
@@ -82,6 +86,9 @@ class Rule:
     # The trainer_state.json key that records what the key's `auto` resolved to in the run: a
     # resume may pin the key to that value, which changes nothing the run computes.
     recorded_auto: str | None = None
+    # What a run's config.yaml written before the key existed (so without it) reads it as:
+    # what andrea did then, where that is not the default (config.load.load_run_config).
+    before: Any = AS_DEFAULT
 
     def may_change(self, old: Any, new: Any) -> bool:
         """Whether a resume may change the key's value from `old` to `new`."""
@@ -109,9 +116,10 @@ def key(
     location: bool = False,
     path: bool = False,
     recorded_auto: str | None = None,
+    before: Any = AS_DEFAULT,
 ) -> Any:
     """A section field: its default and its rule (a list default gets a fresh list per config)."""
-    rule = Rule(description, choices, check, resumable, location, path, recorded_auto)
+    rule = Rule(description, choices, check, resumable, location, path, recorded_auto, before)
     if isinstance(default, list):
         return dataclasses.field(default_factory=list, metadata={_RULE: rule})
     return dataclasses.field(default=default, metadata={_RULE: rule})

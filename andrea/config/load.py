@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from andrea.config.declare import (
+    AS_DEFAULT,
     Check,
     KeySpec,
     Registered,
@@ -434,6 +435,18 @@ def load_config(name: str | Path | None = None, overrides: typing.Sequence[str] 
     if not cfg.train.name and name is not None:  # `--set train.name=` too: never runs_dir itself
         cfg.train.name = path.stem
     return validate(cfg, origin if not overrides else f"{origin} (with --set overrides)")
+
+
+def load_run_config(path: Path, overrides: typing.Sequence[str] = ()) -> Config:
+    """A run's own config.yaml, which andrea wrote with every key of its version: a key it
+    lacks came after the run, and reads as what andrea did before it (the key's declared
+    `before`) where today's default differs, so that a run of an older andrea resumes as it
+    trained instead of taking up a newer default (the spike guard) without a word."""
+    cfg = load_config(path, overrides)
+    for spec in key_specs():
+        if spec.rule.before is not AS_DEFAULT and spec.dotted not in cfg.given:
+            setattr(getattr(cfg, spec.section), spec.name, spec.rule.before)
+    return cfg
 
 
 def _empty_config(path: Path) -> str:

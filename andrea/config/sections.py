@@ -237,8 +237,9 @@ class TrainConfig:
         "false: GPT-2's N(0, 0.02 / sqrt(2 n_layer))", resumable=True)
     spike_guard: str = key(
         "skip", "loss-spike guard: skip an outlier step; rollback: as skip, and after "
-        "spike_patience outliers in a row back to the last checkpoint with a lower lr",
-        choices=("off", "skip", "rollback"), resumable=True)
+        "spike_patience outliers in a row back to the last checkpoint with a lower lr; a run "
+        "from before the guard (2026-12-01) resumes with off, as it trained",
+        choices=("off", "skip", "rollback"), resumable=True, before="off")
     spike_z: float = key(6.0, "z-score over the last spike_window steps that makes an outlier",
                          check=positive("positive (a z-score, e.g. 6)"), resumable=True)
     spike_window: int = key(50, "steps the spike guard's statistics cover",

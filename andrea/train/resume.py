@@ -15,6 +15,7 @@ from andrea.config import (
     key_spec,
     key_specs,
     load_config,
+    load_run_config,
 )
 from andrea.errors import UserError
 from andrea.model.params import check_stored_shape
@@ -165,8 +166,8 @@ def _run_config(resume: str, overrides: list[str]) -> Config:
     if aside is not None and (aside / OVERWRITTEN / CONFIG).is_file():
         # An --overwrite stopped during its set-up: the run it set aside is the one resumed
         # (open_run puts it back, holding the run's lock), not the new run's start files.
-        return load_config(aside / OVERWRITTEN / CONFIG, overrides)
-    return load_config(locate_run(resume, None) / CONFIG, overrides)
+        return load_run_config(aside / OVERWRITTEN / CONFIG, overrides)
+    return load_run_config(locate_run(resume, None) / CONFIG, overrides)
 
 
 def _run_config_from_rank0(store: Any, resume: str, overrides: list[str]) -> Config:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from andrea.config import Config, load_config
+from andrea.config import Config, load_run_config
 from andrea.data.loader import (
     ORDERS,
     TokenSplit,
@@ -142,7 +142,7 @@ def set_up(
     if resume_from is not None:  # before the data is prepared or a model is built
         trained = run.trainer_state.step > 0
         from_rank0(lambda: (check_checkpoint_shape(cfg.model, resume_from, run_dir),
-                            check_run_config(load_config(run_dir / CONFIG), resume_from,
+                            check_run_config(load_run_config(run_dir / CONFIG), resume_from,
                                              run_dir, trained, run.trainer_state)), dist)
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
@@ -533,7 +533,7 @@ def open_run(
     if resume is not None:
         found = find_run_to_resume(resume, cfg)
         if found is not None:
-            stored = load_config(found / CONFIG)
+            stored = load_run_config(found / CONFIG)
             checkpoint = resume_checkpoint(resume, found)
             say_restart(checkpoint, found)
             state = read_state(checkpoint)
