@@ -116,6 +116,34 @@ def test_a_run_from_before_the_spike_guard_resumes_without_it(tmp_path, trained_
     assert "  spike_guard: skip\n" in config.read_text()
 
 
+def test_a_run_from_before_the_spread_val_set_is_told_its_val_losses_change(
+    tmp_path, trained_tiny
+):
+    """An andrea from before 2026-12-01 scored the val loss on the val split's first
+    train.eval_batches micro-batches, and wrote eval_batches (no eval_tokens) in config.yaml.
+    Resumed now, the same budget is spread over the whole split: another val set, whose losses
+    and best val were mixed with the old ones without a word. Now one line says so, once, and
+    the best val starts again (resume.new_val_set)."""
+    run = tmp_path / "t"
+    shutil.copytree(trained_tiny.run_dir, run)
+    config = run / "config.yaml"
+    text = config.read_text()
+    assert "  eval_tokens: 2048\n  eval_batches: null\n" in text
+    config.write_text(text.replace("  eval_tokens: 2048\n  eval_batches: null\n",
+                                   "  eval_batches: 4\n"))  # as written then
+    done = andrea_main("train", "--resume", str(run), "--set", "train.max_steps=41",
+                       "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert ("resume: the run scored its val loss on the val split's first 2,048 tokens "
+            "(train.eval_batches, an andrea before 2026-12-01), now on 2,048 spread over the "
+            "whole split (train.eval_tokens): a new val set, so the val losses after step 40 "
+            "are not comparable with the earlier ones, and the best val starts again from "
+            "them\n") in done.stdout, done.stdout
+    again = andrea_main("train", "--resume", str(run), "--set", "train.max_steps=42",
+                        "--no-progress")
+    assert again.returncode == 0 and "scored its val loss" not in again.stdout, again.stdout
+
+
 def test_a_mixtures_weights_may_change_on_resume_and_nothing_else_of_it(tmp_path):
     """A mix shifted late in a run (annealing on the best data): a resume refused any change
     of data.sources, even of its weights alone. Now the weights may change, in one line, and

@@ -126,16 +126,24 @@ VAL_SET_KEYS = ("train.eval_tokens", "data.sources")
 
 
 def new_val_set(
-    trained_with: Config, cfg: Config, recorded: list[dict[str, str]] | None,
+    stored: Config, trained_with: Config, cfg: Config, recorded: list[dict[str, str]] | None,
     found: list[dict[str, str]],
 ) -> list[str]:
     """Why a resume with `cfg`, reading the data `found` (loader.data_record), evaluates on
     another val set than the checkpoint trained with `trained_with` and recording the data
     `recorded` measured its val losses on, and so its best val: each change of VAL_SET_KEYS
-    (from the checkpoint's config, so an edited config.yaml counts as a --set), and a val split
-    with other shards (prepared again, or another folder named); none: the same set."""
+    (from the checkpoint's config, so an edited config.yaml counts as a --set), a val split
+    with other shards (prepared again, or another folder named), and a run of an andrea from
+    before 2026-12-01 (its config.yaml, `stored`, gives train.eval_batches and no eval_tokens),
+    which scored the split's first windows where the same budget now spreads over all of it;
+    none: the same set."""
     causes = [f"{key} {old} -> {new}" for key, (old, new) in
               config_changes(trained_with, cfg).items() if key in VAL_SET_KEYS]
+    if "train.eval_batches" in stored.given and "train.eval_tokens" not in stored.given:
+        tokens = stored.train.eval_tokens
+        causes.append(f"the run scored its val loss on the val split's first {tokens:,} tokens "
+                      f"(train.eval_batches, an andrea before 2026-12-01), now on {tokens:,} "
+                      f"spread over the whole split (train.eval_tokens)")
     for old, new in zip(recorded or [], found, strict=False):  # data.sources is the run's own
         if old["val"] != new["val"]:
             causes.append(f"the val split in {new['dir']} is not the one the run evaluated on")

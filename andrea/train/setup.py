@@ -152,7 +152,8 @@ def set_up(
         from_rank0(lambda: check_resumed_data(cfg, run, train_split, val_split), dist)
     if resume_from is not None and run.trainer_state.step > 0:  # an import has no val losses
         val_causes = from_rank0(lambda: new_val_set(
-            trained_config(resume_from), cfg, run.trainer_state.data,
+            load_run_config(run_dir / CONFIG), trained_config(resume_from), cfg,
+            run.trainer_state.data,
             data_record(train_split, val_split)), dist)
     precision = choose_precision(t.precision, device)
     dtype = precision.dtype
