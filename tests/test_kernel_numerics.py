@@ -227,19 +227,31 @@ def test_preprocess_row_sums_match_float64(emulator, dtype, d) -> None:
     assert_close("delta", delta, want, 1e-6)
 
 
-def half_conversion_inputs() -> torch.Tensor:
-    """Floats where fp16 rounding decides: every fp16 value, the exact ties between neighbours
-    (round to even) and a float ulp either side of each, the overflow edge, random floats."""
-    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+def conversion_inputs(dtype: torch.dtype, edge: list[float],
+                      exponents: tuple[int, int]) -> torch.Tensor:
+    """Floats where rounding to the 16-bit `dtype` decides: every finite value, the exact ties
+    between neighbours (round to even) and a float ulp either side of each, the overflow edge
+    (`edge`), random floats of every magnitude (times 2^e, e in `exponents`)."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     finite = values[torch.isfinite(values)].double().unique()  # sorted, -0 folded into 0
     ties = ((finite[1:] + finite[:-1]) / 2).float()  # exact in float32
     near = [ties, torch.nextafter(ties, torch.tensor(math.inf)),
             torch.nextafter(ties, torch.tensor(-math.inf))]
-    edge = torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, 1e30, math.inf, -math.inf,
-                         2.0**-25, 2.0**-25 * 1.0000001, 2.0**-26, 2.0**-14, -0.0, 0.0])
     rand = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 2.0 ** torch.randint(
-        -30, 20, (100_000,), generator=torch.Generator().manual_seed(1))
-    return torch.cat([finite.float(), *near, edge, rand])
+        *exponents, (100_000,), generator=torch.Generator().manual_seed(1))
+    return torch.cat([finite.float(), *near, torch.tensor(edge), rand])
+
+
+def half_conversion_inputs() -> torch.Tensor:
+    return conversion_inputs(torch.float16, [65504.0, 65519.99, 65520.0, 65536.0, 1e30, math.inf,
+                                             -math.inf, 2.0**-25, 2.0**-25 * 1.0000001, 2.0**-26,
+                                             2.0**-14, -0.0, 0.0], (-30, 20))
+
+
+def float_bits(*bits: int) -> torch.Tensor:
+    """float32 values of the given bit patterns."""
+    return torch.tensor([b - 2**32 if b >= 2**31 else b for b in bits],
+                        dtype=torch.int32).view(torch.float32)
 
 
 def test_half_conversions_match_torch_bit_for_bit(emulator) -> None:
@@ -256,6 +268,23 @@ def test_half_conversions_match_torch_bit_for_bit(emulator) -> None:
     is_nan = torch.isnan(want_back)
     assert torch.equal(torch.isnan(back), is_nan) and is_nan.sum() == 2 * 1023
     assert torch.equal(back[~is_nan].view(torch.int32), want_back[~is_nan].view(torch.int32))
+
+
+def test_bf16_conversion_matches_torch_bit_for_bit(emulator) -> None:
+    """The .cu file's float -> bf16 (bf16_bits: from_float<bf16_t>, the dS buffer's stores,
+    and pack2 wherever it is not sm_80+'s cvt.rn.bf16x2, which must give the same bits: P, dS
+    and every output on the emulator) against torch's round to nearest even, on every bf16
+    value, every tie between neighbours and a float ulp either side of it, the overflow edge,
+    subnormals and random floats of every magnitude; a NaN stays NaN whatever its payload. A
+    tie rounded the wrong way moves an element by one ulp, which the float64 comparisons'
+    tolerance does not see."""
+    edge = [*float_bits(0x7F7F8000, 0x7F7F7FFF, 0x00008000, 0x00018000, 0x80008000).tolist(),
+            3.4028234663852886e38, 1e-45, math.inf, -math.inf, -0.0, 0.0]
+    x = conversion_inputs(torch.bfloat16, edge, (-140, 128))
+    got, want = emulator.to_bf16(x), x.to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    nan = float_bits(0x7F800001, 0xFF800001, 0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF)
+    assert torch.isnan(emulator.to_bf16(nan).float()).all()
 
 
 @pytest.fixture(scope="module")

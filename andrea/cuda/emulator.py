@@ -185,6 +185,14 @@ class Emulator:
                                     ctypes.c_void_p(out.data_ptr()), ctypes.c_long(src.numel()))
         return out.view(torch.float16)
 
+    def to_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 -> bfloat16 by the kernel file's own conversion (bf16_bits)."""
+        src = x.detach().to(torch.float32).contiguous()
+        out = torch.empty(src.shape, dtype=torch.int16)
+        self.lib.andrea_emu_to_bf16(ctypes.c_void_p(src.data_ptr()),
+                                    ctypes.c_void_p(out.data_ptr()), ctypes.c_long(src.numel()))
+        return out.view(torch.bfloat16)
+
     def from_half(self, x: torch.Tensor) -> torch.Tensor:
         """float16 -> float32 by the kernel file's own conversion (half_to_float)."""
         src = x.detach().contiguous().view(torch.int16)

@@ -127,6 +127,11 @@ void andrea_emu_to_half(const float* in, unsigned short* out, long n) {
 void andrea_emu_from_half(const unsigned short* in, float* out, long n) {
   for (long i = 0; i < n; ++i) out[i] = half_to_float(in[i]);
 }
+// The kernel file's float -> bf16 (bf16_bits: from_float<bf16_t>, and pack2 off sm_80+) over n
+// values, for the conversion test.
+void andrea_emu_to_bf16(const float* in, unsigned short* out, long n) {
+  for (long i = 0; i < n; ++i) out[i] = bf16_bits(in[i]);
+}
 
 int andrea_emu_kernel_count() { return (int)(sizeof(kEntries) / sizeof(kEntries[0])); }
 
