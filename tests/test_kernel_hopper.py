@@ -168,7 +168,8 @@ BROKEN_BUILDS = {"emulator-wgmma-no-wait": no_s_wait,
                  "emulator-wgmma-swapped-strides": swapped_k_strides}
 # dQ in order: the turn a block passes on to the next key block. (Not caught here: the barrier
 # between every warp's dS^T stores and dQ's product removed. The fibers run each warp to its
-# next collective in turn, so every warp has stored its rows before any product lands.)
+# next collective in turn, so every warp has stored its rows before any product lands; the
+# ThreadSanitizer program of tests/test_kernel_sanitizers.py reports the race.)
 PASS_TURN = "  if (threadIdx.x == 0) pass_turn(count, j + 1);"
 BROKEN_IN_ORDER = ("bfloat16", 64, PipeConfig(4, 64, 2, wgmma=True))
 
