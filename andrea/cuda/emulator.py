@@ -19,7 +19,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -179,19 +181,22 @@ class Emulator:
 
     def to_half(self, x: torch.Tensor) -> torch.Tensor:
         """float32 -> float16 by the kernel file's own conversion (half_bits)."""
-        src = x.detach().to(torch.float32).contiguous()
-        out = torch.empty(src.shape, dtype=torch.int16)
-        self.lib.andrea_emu_to_half(ctypes.c_void_p(src.data_ptr()),
-                                    ctypes.c_void_p(out.data_ptr()), ctypes.c_long(src.numel()))
-        return out.view(torch.float16)
+        return self._to_16_bits(x, self.lib.andrea_emu_to_half, torch.float16)
 
     def to_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """float32 -> bfloat16 by the kernel file's own conversion (bf16_bits)."""
+        return self._to_16_bits(x, self.lib.andrea_emu_to_bf16, torch.bfloat16)
+
+    @staticmethod
+    def _to_16_bits(
+        x: torch.Tensor, convert: Callable[..., Any], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """x as float32 through `convert`, an entry that writes 16-bit patterns, read as dtype."""
         src = x.detach().to(torch.float32).contiguous()
         out = torch.empty(src.shape, dtype=torch.int16)
-        self.lib.andrea_emu_to_bf16(ctypes.c_void_p(src.data_ptr()),
-                                    ctypes.c_void_p(out.data_ptr()), ctypes.c_long(src.numel()))
-        return out.view(torch.bfloat16)
+        convert(ctypes.c_void_p(src.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                ctypes.c_long(src.numel()))
+        return out.view(dtype)
 
     def from_half(self, x: torch.Tensor) -> torch.Tensor:
         """float16 -> float32 by the kernel file's own conversion (half_to_float)."""
