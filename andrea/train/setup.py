@@ -142,8 +142,8 @@ def set_up(
     if resume_from is not None:  # before the data is prepared or a model is built
         trained = run.trainer_state.step > 0
         from_rank0(lambda: (check_checkpoint_shape(cfg.model, resume_from, run_dir),
-                            check_run_config(load_run_config(run_dir / CONFIG), resume_from,
-                                             run_dir, trained, run.trainer_state)), dist)
+                            check_run_config(run.stored, resume_from, run_dir, trained,
+                                             run.trainer_state)), dist)
     parallel = parallel_for(t.parallel, dist)
     check_shared_storage(run, parallel, device, dist)
     train_split, val_split = prepare_data(cfg, dist, locks, run_dir, resume_from)
@@ -152,7 +152,7 @@ def set_up(
         from_rank0(lambda: check_resumed_data(cfg, run, train_split, val_split), dist)
     if resume_from is not None and run.trainer_state.step > 0:  # an import has no val losses
         val_causes = from_rank0(lambda: new_val_set(
-            load_run_config(run_dir / CONFIG), trained_config(resume_from), cfg,
+            run.stored, trained_config(resume_from), cfg,
             run.trainer_state.data,
             data_record(train_split, val_split)), dist)
     precision = choose_precision(t.precision, device)
@@ -216,6 +216,7 @@ class RunDecision:
     name: str  # the run's name (a resumed run keeps its own)
     trainer_state: TrainerState | None  # the checkpoint's, None for a new run
     sharded: bool  # whether the checkpoint holds fsdp shards (every rank reads its own)
+    stored: Config | None  # the run's config.yaml as rank 0 found it, None for a new run
 
 
 def decide_run(
@@ -545,7 +546,7 @@ def open_run(
             # look for it elsewhere, find none and start a new run.
             cfg.train.runs_dir = str(found.parent)
             return RunDecision(found, checkpoint, changes, False, cfg.train.name, state,
-                               has_shards(checkpoint))
+                               has_shards(checkpoint), stored)
         if resume == "auto" and dist.is_main and not say_restart(None, run_dir):
             print(f"--resume auto: no checkpoint under {run_dir}, starting a new run")
     if dist.is_main and run_dir.is_dir() and (problem := not_a_run(run_dir)) is not None:
@@ -561,7 +562,7 @@ def open_run(
             f"{shlex.join(['--resume', str(run_dir)])} (or --resume auto), pick another name "
             f"with --set train.name=..., or replace it with --overwrite"
         )
-    return RunDecision(run_dir, None, {}, replace, cfg.train.name, None, False)
+    return RunDecision(run_dir, None, {}, replace, cfg.train.name, None, False, None)
 
 
 def say_restart(checkpoint: Path | None, run_dir: Path) -> bool:
