@@ -205,6 +205,22 @@ def test_a_resume_onto_another_val_set_starts_the_best_val_again(tmp_path, train
     assert read_run(run).best_val_loss <= state["best_val_loss"]
 
 
+def test_weights_scaled_alike_are_the_same_val_set():
+    """Before: data.sources' weights 1, 1 resumed as 2, 2 (one mixture: the same windows, the
+    same val loss) were called a new val set, and the run's best val started again."""
+    from andrea.config import load_config
+    from andrea.train.resume import new_val_set
+
+    def mix(a: float, b: float):
+        return load_config("andrea-tiny", [
+            f"data.sources=[{{path: a.txt, weight: {a}}}, {{path: b.txt, weight: {b}}}]"])
+
+    assert new_val_set(mix(1, 1), mix(1, 1), mix(2, 2), None, []) == []
+    assert new_val_set(mix(1, 3), mix(1, 3), mix(0.5, 1.5), None, []) == []
+    causes = new_val_set(mix(1, 1), mix(1, 1), mix(1, 9), None, [])
+    assert len(causes) == 1 and causes[0].startswith("data.sources "), causes
+
+
 def test_a_resume_may_pin_precision_auto_to_what_it_resolved_to_and_to_nothing_else(
     tmp_path, data_dir
 ):

@@ -172,13 +172,7 @@ class Mixture(TokenSplit):
         self.eot_id = first.eot_id
         self.parts = splits
         self.names = [name for name, _, _ in parts]
-        weights = np.array([w for _, _, w in parts], dtype=np.float64)
-        if weights.max() > np.finfo(np.float64).max / len(weights):
-            # Weights near the float maximum (1e308 each) may add up to inf, and then the shares
-            # are nan. Scaled to the largest first, they keep their ratios. Only then, so every
-            # other mixture draws the batches it always has.
-            weights = weights / weights.max()
-        self.weights = weights / weights.sum()
+        self.weights = mixture_shares([w for _, _, w in parts])
         self.shards = [shard for part in splits for shard in part.shards]
         self.entries = [entry for part in splits for entry in part.entries]
         self.paths = [path for part in splits for path in part.paths]
@@ -189,6 +183,17 @@ class Mixture(TokenSplit):
         self.shard_sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
         self.n_tokens = int(self.shard_sizes.sum())
         self.pass_orders = {}
+
+
+def mixture_shares(weights: list[float]) -> np.ndarray:
+    """Each source's share of a mixture's windows (and of its val loss): weight / sum."""
+    shares = np.array(weights, dtype=np.float64)
+    if shares.max() > np.finfo(np.float64).max / len(shares):
+        # Weights near the float maximum (1e308 each) may add up to inf, and then the shares
+        # are nan. Scaled to the largest first, they keep their ratios. Only then, so every
+        # other mixture draws the batches it always has.
+        shares = shares / shares.max()
+    return shares / shares.sum()
 
 
 def open_split(cfg: Config, split: str) -> TokenSplit:

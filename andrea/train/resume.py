@@ -17,6 +17,7 @@ from andrea.config import (
     load_config,
     load_run_config,
 )
+from andrea.data.loader import mixture_shares
 from andrea.errors import UserError
 from andrea.model.params import check_stored_shape
 from andrea.train.checkpoint import read_model_checkpoint
@@ -138,7 +139,8 @@ def new_val_set(
     which scored the split's first windows where the same budget now spreads over all of it;
     none: the same set."""
     causes = [f"{key} {old} -> {new}" for key, (old, new) in
-              config_changes(trained_with, cfg).items() if key in VAL_SET_KEYS]
+              config_changes(trained_with, cfg).items()
+              if key in VAL_SET_KEYS and not (key == "data.sources" and same_shares(old, new))]
     if "train.eval_batches" in stored.given and "train.eval_tokens" not in stored.given:
         tokens = stored.train.eval_tokens
         causes.append(f"the run scored its val loss on the val split's first {tokens:,} tokens "
@@ -148,6 +150,13 @@ def new_val_set(
         if old["val"] != new["val"]:
             causes.append(f"the val split in {new['dir']} is not the one the run evaluated on")
     return causes
+
+
+def same_shares(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
+    """Whether two data.sources of the same paths (a resume keeps them) weigh the sources
+    alike: weights 1, 1 and 2, 2 are one mixture, its windows and val loss the same."""
+    return bool((mixture_shares([s["weight"] for s in old])
+                 == mixture_shares([s["weight"] for s in new])).all())
 
 
 def new_val_set_line(causes: list[str], step: int) -> str:
