@@ -5,7 +5,7 @@ import random
 import re
 
 from andrea.data.corpus import play_files, play_text, plays_dir, shakespeare
-from andrea.data.prepare import val_start
+from andrea.data.documents import val_start
 
 # "<br>" stands for Markdown's two-space line break (kept out of the source as trailing spaces).
 MARKDOWN = """# Macbeth

@@ -21,7 +21,7 @@ import pytest
 import zstandard
 from conftest import andrea_main, assert_user_error, python_command
 
-from andrea.data import prepare, readers
+from andrea.data import documents, prepare, readers
 from andrea.data.shards import open_shard, read_header
 from andrea.data.tokenizer import Gpt2Tokenizer
 
@@ -87,7 +87,7 @@ def expected_tokens(docs, split, val_fraction=0.1):
     gpt2 = Gpt2Tokenizer()
     ids = []
     for d in docs:
-        if prepare.is_val_record(d.encode(), val_fraction) == (split == "val"):
+        if documents.is_val_record(d.encode(), val_fraction) == (split == "val"):
             ids += gpt2.encode(d) + [gpt2.eot_id]
     return np.array(ids)
 
@@ -98,7 +98,7 @@ def test_every_format_gives_each_documents_tokens(mixed, tmp_path):
     out = tmp_path / "out"
     for split in ("train", "val"):
         np.testing.assert_array_equal(split_tokens(out, split), expected_tokens(DOCS, split))
-    n_val = sum(prepare.is_val_record(d.encode(), 0.1) for d in DOCS)
+    n_val = sum(documents.is_val_record(d.encode(), 0.1) for d in DOCS)
     assert 10 < n_val < 40  # about 10% of 240 documents, whole documents each
     manifest = prepare.read_manifest(out)
     assert [i["name"].rsplit("/", 1)[1] for i in manifest["inputs"]] == [

@@ -66,7 +66,7 @@ def test_chunk_cuts_do_not_change_tokens(corpus, tmp_path, monkeypatch):
     expected = []
     for name in sorted(DOCS):
         blob = DOCS[name].encode()
-        cut = prepare.val_start(io.BytesIO(blob), len(blob), 0.1)
+        cut = documents.val_start(io.BytesIO(blob), len(blob), 0.1)
         expected += gpt2.encode(blob[:cut].decode()) + [gpt2.eot_id]
     np.testing.assert_array_equal(split_tokens(whole, "train"), expected)
 

@@ -26,16 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from andrea.data.documents import (  # noqa: F401  (re-exported: the package's data API)
+from andrea.data.documents import (
     SHAKESPEARE,
     SPLITS,
-    Input,
     Settings,
-    all_jobs,
     documents,
-    identity,
-    is_val_record,
-    val_start,
 )
 from andrea.data.encode import auto_workers, refuse_in_a_starting_worker
 from andrea.data.folder import (
