@@ -82,15 +82,13 @@ def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Te
 
 
 def optimizer_state(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], keep: bool = True
+    optimizer: torch.optim.Optimizer, names: dict[int, str]
 ) -> dict[str, torch.Tensor]:
     """The per-parameter state (AdamW's, Muon's) keyed by `<param name>.<field>`, gathered
-    whole as model_state is (and with its `keep`)."""
+    whole as model_state is."""
     out = {}
     for key, value in _optimizer_tensors(optimizer, names).items():
-        whole = full_tensor(value)
-        if keep:
-            out[key] = whole.to("cpu").contiguous()
+        out[key] = full_tensor(value).to("cpu").contiguous()
     return out
 
 
