@@ -231,13 +231,12 @@ def generate_command(
     use_cache: bool = True,
     device: str = "auto",
     precision: str = "fp32",
-    out=None,
 ) -> None:
     """What `andrea generate` does: print each sample (prompt + continuation) as it grows."""
     from andrea.train.device import pick_device, pick_dtype
     from andrea.trained import find_checkpoint, open_trained
 
-    out = out or sys.stdout
+    out = sys.stdout
     _check_options(temperature, top_k, top_p, max_new_tokens, num_samples, precision)
     generator = seeded_generator(seed)  # a bad --seed refused before the checkpoint is read
     if prompt is not None and prompt_ids is not None:
