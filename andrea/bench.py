@@ -184,22 +184,20 @@ class Case:
 
 def time_per_call(
     timer: Timer, repeats: int, warmup: int, timed: Callable[[Any], Any],
-    prepare: Callable[[], Any] | None = None, target_ms: float = TARGET_MS,
-    max_calls: int = MAX_CALLS,
+    prepare: Callable[[], Any] | None = None, max_calls: int = MAX_CALLS,
 ) -> Timing:
     """Median milliseconds of one timed(prepare()) call over `repeats` timings after `warmup`
     untimed calls (time_cases with one case)."""
-    return time_cases(timer, repeats, warmup, {"": Case(timed, prepare)}, target_ms,
-                      max_calls)[""]
+    return time_cases(timer, repeats, warmup, {"": Case(timed, prepare)}, max_calls)[""]
 
 
 def time_cases(
     timer: Timer, repeats: int, warmup: int, cases: dict[str, Case],
-    target_ms: float = TARGET_MS, max_calls: int = MAX_CALLS,
+    max_calls: int = MAX_CALLS,
 ) -> dict[str, Timing]:
     """Median milliseconds of one call of each case over `repeats` timings after `warmup`
     untimed calls. A timing runs `calls` calls back to back between timer.start() and
-    timer.stop(), enough for target_ms by a one-call estimate after the warm-up; the calls'
+    timer.stop(), enough for TARGET_MS by a one-call estimate after the warm-up; the calls'
     prepare() results (a forward for a backward) are all made before start(), untimed.
 
     The timings go in rounds, every case once a round: on a shared machine the load changes
@@ -218,7 +216,7 @@ def time_cases(
         for _ in range(warmup):
             case.timed(case.prepare() if case.prepare is not None else None)
         estimate = timing(case, 1)
-        calls[name] = max(1, min(max_calls, math.ceil(target_ms / max(estimate, 1e-6))))
+        calls[name] = max(1, min(max_calls, math.ceil(TARGET_MS / max(estimate, 1e-6))))
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
         for name, case in cases.items():
