@@ -109,13 +109,12 @@ def no_mfu_reason(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
 
 class MfuMeter:
     """MFU for one run against the device's peak, looked up once; None where there is none
-    (`why_na` says why). `devices`: how many devices (processes) the model FLOP/s given to it
+    (no_mfu_reason says why). `devices`: how many devices (processes) the model FLOP/s given to it
     are shared among; MFU is per device, so 8 GPUs at one GPU's utilisation read as that one's."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, devices: int = 1) -> None:
-        self.device, self.dtype, self.devices = device, dtype, devices
+        self.devices = devices
         self.peak = peak_flops(device, dtype)
-        self.why_na = no_mfu_reason(device, dtype)
 
     def __call__(self, flops_per_s: float) -> float | None:
         """MFU of `flops_per_s` model FLOP/s (tokens/s x flops_per_token) over all devices."""
