@@ -173,7 +173,6 @@ class BackgroundCheck:
     def __init__(self, shards: list[tuple[Path, dict[str, Any]]]) -> None:
         self.shards = shards
         self.problem: str | None = None
-        self.checked = 0
         self.seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="andrea-shard-check",
                                         daemon=True)
@@ -186,7 +185,6 @@ class BackgroundCheck:
             if problem is not None:
                 self.problem = f"{path}: {problem}; {remedy(path)}"
                 break
-            self.checked += 1
         self.seconds = time.perf_counter() - t0
 
     @property
