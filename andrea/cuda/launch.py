@@ -231,7 +231,6 @@ class Launch:
     name: str  # NVRTC name expression
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    shared_bytes: int  # static, or for a pipelined candidate its dynamic shared memory
     dynamic_shared_bytes: int = 0  # what the launch passes as dynamic shared memory
 
 
@@ -264,13 +263,11 @@ def attention_launches(
             name=name_expression(kernel, dtype, head_dim),
             grid=(_ceil_div(seq_len, 16 * warps), bh, 1),
             block=(32 * warps, 1, 1),
-            shared_bytes=static_shared_bytes(kernel, dtype, head_dim),
         )
     launches["bwd_preprocess"] = Launch(
         name=name_expression("bwd_preprocess", dtype, head_dim),
         grid=(_ceil_div(bh * seq_len, PREPROCESS_THREADS), 1, 1),
         block=(PREPROCESS_THREADS, 1, 1),
-        shared_bytes=0,
     )
     return {k: launches[k] for k in ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")}
 
@@ -289,7 +286,6 @@ def naive_attention_launches(
             name=name_expression(kernel, dtype, head_dim, naive=True),
             grid=(batch * n_head, 1, 1),
             block=(NAIVE_THREADS, 1, 1),
-            shared_bytes=0,
         )
         for kernel in NAIVE_TEMPLATES
     }
@@ -581,13 +577,12 @@ def pipe_launch(kernel: str, batch: int, n_head: int, seq_len: int, head_dim: in
                              f"{smem} bytes of shared memory, more than any GPU's block has")
         return Launch(name=pipe_name_expression(kernel, dtype, head_dim, cfg),
                       grid=(1, regular["fwd"].grid[1], 1), block=(32 * cfg.warps, 1, 1),
-                      shared_bytes=smem, dynamic_shared_bytes=smem)
+                      dynamic_shared_bytes=smem)
     smem = pipe_shared_bytes(kernel, dtype, head_dim, cfg)
     return Launch(
         name=pipe_name_expression(kernel, dtype, head_dim, cfg),
         grid=(_ceil_div(seq_len, 16 * cfg.warps), regular["fwd"].grid[1], 1),
         block=(32 * cfg.warps, 1, 1),
-        shared_bytes=smem,
         dynamic_shared_bytes=smem,
     )
 
