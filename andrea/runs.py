@@ -26,7 +26,13 @@ from andrea.config import PRECISION_DTYPES
 from andrea.errors import UserError
 from andrea.fileio import json_safe
 from andrea.folder_lock import pid_alive
-from andrea.train.metrics import format_mfu, format_speed, recorded_median, recorded_speed
+from andrea.train.metrics import (
+    format_mfu,
+    format_speed,
+    json_number,
+    recorded_median,
+    recorded_speed,
+)
 from andrea.train.rundir import (
     CONFIG,
     LATEST,
@@ -185,13 +191,6 @@ def _checkpoint_steps(records: list[dict[str, Any]]) -> set[int]:
             if rec["event"] == "checkpoint" and (step := _int(rec.get("step"))) is not None}
 
 
-def _num(value: Any) -> float | None:
-    """A float from a JSON value, or None if it is not a number (bools are not numbers)."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
 def _int(value: Any) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
@@ -270,15 +269,16 @@ def val_sources(record: dict[str, Any]) -> dict[str, float]:
         return {}
     out = {}
     for name, value in sources.items():
-        loss = _num(value.get("loss")) if isinstance(value, dict) else None
+        loss = json_number(value.get("loss")) if isinstance(value, dict) else None
         if loss is not None:
             out[str(name)] = loss
     return out
 
 
 def _last_eval(summary: RunSummary, rec: dict[str, Any]) -> None:
-    summary.last_val_loss, summary.last_val_step = _num(rec.get("val_loss")), _int(rec.get("step"))
-    summary.last_val_bpb = _num(rec.get("val_bpb"))
+    summary.last_val_loss = json_number(rec.get("val_loss"))
+    summary.last_val_step = _int(rec.get("step"))
+    summary.last_val_bpb = json_number(rec.get("val_bpb"))
     summary.last_val_sources = val_sources(rec) or None
 
 
@@ -389,7 +389,7 @@ def _read_starts(records: list[dict[str, Any]], starts: list[int], summary: RunS
         summary.problems.append(f"{METRICS} has no start event")
         return
     first, last = records[starts[0]], records[starts[-1]]
-    summary.started = _num(first.get("time"))
+    summary.started = json_number(first.get("time"))
     # The preset the run was created from: a resumed segment is started from the run's own
     # config.yaml, so its start event may name that file ("config") instead.
     presets = [r.get("preset") for r in (records[i] for i in starts)]
@@ -415,7 +415,7 @@ def _read_progress(history: list[dict[str, Any]], summary: RunSummary) -> None:
         sum(r["event"] == kind for r in history)
         for kind in ("spike", "rollback", "overflow", "skip"))
     trains = [r for r in history if r["event"] == "train"]
-    losses = [x for x in (_num(r.get("loss")) for r in trains) if x is not None]
+    losses = [x for x in (json_number(r.get("loss")) for r in trains) if x is not None]
     if losses:
         summary.last_train_loss = losses[-1]
 
@@ -427,7 +427,7 @@ def _read_losses(history: list[dict[str, Any]], summary: RunSummary) -> None:
     for rec in history:
         if rec["event"] == "start" and rec.get("new_val_set"):
             summary.best_val_loss = summary.best_val_step = None
-        val, step = _num(rec.get("val_loss")), _int(rec.get("step"))
+        val, step = json_number(rec.get("val_loss")), _int(rec.get("step"))
         if rec["event"] == "eval" and val is not None and math.isfinite(val):
             if summary.best_val_loss is None or val < summary.best_val_loss:
                 summary.best_val_loss, summary.best_val_step = val, step
@@ -449,7 +449,7 @@ def _read_state(segment: list[dict[str, Any]], started: bool, summary: RunSummar
                 f"started on host {summary.host}; cannot check its process from here"
             )
         else:
-            since = _num(segment[0].get("time")) if segment else None
+            since = json_number(segment[0].get("time")) if segment else None
             summary.state = "running" if pid_alive(summary.pid, since) else "crashed"
 
 
@@ -461,8 +461,8 @@ def _read_end(end: dict[str, Any], summary: RunSummary) -> None:
         summary.problems.append(f"{METRICS}: end event has an unknown state {state!r}")
     summary.signal = end.get("signal") if isinstance(end.get("signal"), str) else None
     summary.message = end.get("message") if isinstance(end.get("message"), str) else None
-    if summary.best_val_loss is None and _num(end.get("best_val_loss")) is not None:
-        summary.best_val_loss = _num(end.get("best_val_loss"))
+    if summary.best_val_loss is None and json_number(end.get("best_val_loss")) is not None:
+        summary.best_val_loss = json_number(end.get("best_val_loss"))
         summary.best_val_step = _int(end.get("best_val_step"))
     if summary.latest_checkpoint is None and isinstance(end.get("checkpoint"), str):
         summary.latest_checkpoint = end["checkpoint"]

@@ -72,10 +72,10 @@ def scalars(record: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
     if event not in SCALARS:
         names = {k: f"events/{k}" for k in record if k.endswith("_total")}
     out = {name: float(v) for k, name in names.items()
-           if (v := _number(record.get(k))) is not None and math.isfinite(v)}
+           if (v := json_number(record.get(k))) is not None and math.isfinite(v)}
     sources = record.get("val_sources") if event == "eval" else None
     for source, fields in (sources.items() if isinstance(sources, dict) else ()):
-        loss = _number(fields.get("loss")) if isinstance(fields, dict) else None
+        loss = json_number(fields.get("loss")) if isinstance(fields, dict) else None
         if loss is not None and math.isfinite(loss):
             out[f"val/source/{source}/loss"] = loss
     return (step, out) if out else None
@@ -203,7 +203,8 @@ class Throughput:
                 "warmup_seconds": round(self.warmup_seconds, 4)}
 
 
-def _number(value: Any) -> float | None:
+def json_number(value: Any) -> float | None:
+    """A float from a JSON value, or None if it is not a number (bools are not numbers)."""
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     return float(value) if ok else None
 
@@ -217,10 +218,11 @@ def recorded_speed(records: list[dict[str, Any]]) -> tuple[float | None, float |
     last_start = max((i for i, r in enumerate(records) if r.get("event") == "start"), default=-1)
     for rec in reversed(records[last_start + 1:]):
         if rec.get("event") == "end" and "tokens_per_s" in rec:
-            return _number(rec["tokens_per_s"]), _number(rec.get("mfu"))
-        tokens, seconds = _number(rec.get("train_tokens")), _number(rec.get("train_seconds"))
+            return json_number(rec["tokens_per_s"]), json_number(rec.get("mfu"))
+        tokens = json_number(rec.get("train_tokens"))
+        seconds = json_number(rec.get("train_seconds"))
         if rec.get("event") == "train" and tokens is not None and seconds is not None:
-            return tokens_per_s(tokens, seconds), _number(rec.get("train_mfu"))
+            return tokens_per_s(tokens, seconds), json_number(rec.get("train_mfu"))
     return None, None
 
 
@@ -239,8 +241,8 @@ def recorded_median(records: list[dict[str, Any]], history: list[dict[str, Any]]
     last_start = max((i for i, r in enumerate(records) if r.get("event") == "start"), default=-1)
     for rec in reversed(records[last_start + 1:]):
         if rec.get("event") == "end" and "median_tokens_per_s" in rec:  # None: no timed step
-            return _number(rec["median_tokens_per_s"])
-    rates = (_number(r.get("tokens_per_s")) for r in history if r.get("event") == "train")
+            return json_number(rec["median_tokens_per_s"])
+    rates = (json_number(r.get("tokens_per_s")) for r in history if r.get("event") == "train")
     return median_tokens_per_s([x for x in rates if x is not None])
 
 
