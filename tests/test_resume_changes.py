@@ -144,6 +144,28 @@ def test_a_run_from_before_the_spread_val_set_is_told_its_val_losses_change(
     assert again.returncode == 0 and "scored its val loss" not in again.stdout, again.stdout
 
 
+def test_a_resume_spells_changed_values_as_the_user_writes_them(tmp_path, trained_tiny):
+    """Before: a resume's lines printed a changed value as Python does, `resume: train.compile
+    auto -> False`, and a refused one `model.bias (False -> True)`: spellings no config file or
+    --set takes. Now each is the value as YAML writes it (config.value_text), as docs/config.md
+    gives the defaults."""
+    run = tmp_path / "t"
+    shutil.copytree(trained_tiny.run_dir, run)
+    assert_user_error(
+        andrea_main("train", "--resume", str(run), "--no-progress", "--set", "model.bias=true"),
+        "resuming cannot change model.bias (false -> true)")
+    done = andrea_main("train", "--resume", str(run), "--no-progress",
+                       "--set", "train.compile=false", "--set", "train.max_steps=41")
+    assert done.returncode == 0, done.stderr
+    assert "resume: train.compile auto -> false\n" in done.stdout, done.stdout
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("  bias: false\n", "  bias: true\n"))
+    assert_user_error(andrea_main("train", "--resume", str(run), "--no-progress",
+                                  "--set", "train.max_steps=42"),
+                      f"{config}: model.bias true where {run / 'step-000041'} was trained "
+                      f"with false")
+
+
 def test_a_mixtures_weights_may_change_on_resume_and_nothing_else_of_it(tmp_path):
     """A mix shifted late in a run (annealing on the best data): a resume refused any change
     of data.sources, even of its weights alone. Now the weights may change, in one line, and
@@ -163,9 +185,8 @@ def test_a_mixtures_weights_may_change_on_resume_and_nothing_else_of_it(tmp_path
     done = andrea_main("train", "--resume", str(run), "--no-progress", "--set", mix % 9,
                        cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "resume: data.sources [{'path': 'a.txt', 'weight': 1.0}, {'path': 'b.txt', " \
-           "'weight': 1.0}] -> [{'path': 'a.txt', 'weight': 1.0}, {'path': 'b.txt', " \
-           "'weight': 9.0}]" in done.stdout, done.stdout
+    assert "resume: data.sources [{path: a.txt, weight: 1.0}, {path: b.txt, weight: 1.0}] -> " \
+           "[{path: a.txt, weight: 1.0}, {path: b.txt, weight: 9.0}]" in done.stdout, done.stdout
     assert "realised share of tokens over steps 4-6: a.txt" in done.stdout
     share = float(done.stdout.split("b.txt ")[1].split("%")[0])
     assert share > 70, done.stdout  # 90% by weight, from 50% before

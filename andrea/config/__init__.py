@@ -15,6 +15,7 @@ from andrea.config.load import (
     parse_override,
     resolve_path,
     validate,
+    value_text,
 )
 from andrea.config.sections import (
     PRECISION_DTYPES,
@@ -34,4 +35,5 @@ __all__ = [
     "ModelConfig", "Registered", "TrainConfig", "register_choices",
     "config_from_dict", "from_dict", "key_spec", "key_specs", "load_config", "load_run_config",
     "override_value", "parse_override", "registered_keys", "resolve_path", "validate",
+    "value_text",
 ]

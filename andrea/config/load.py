@@ -321,6 +321,22 @@ def override_value(value: object) -> str:
     return text
 
 
+def value_text(value: object) -> str:
+    """value as a YAML config spells it, for a line that shows it (docs/config.md's defaults,
+    a resume's `KEY OLD -> NEW`): `false`, `null`, `''` where Python's str would print False,
+    None or nothing, a list in YAML's flow style. Text stays bare: only a command's --set needs
+    override_value's quotes, and `off` quoted would read as another value than the key's."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if value == "":
+        return "''"
+    if isinstance(value, list | dict):
+        return override_value(value)
+    return str(value)
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     """'train.lr=3e-4' -> ('train', 'lr', 0.0003). Values are parsed as YAML scalars."""
     origin = f"--set {text}"

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from andrea.config.declare import KeySpec, ResumeChange
+from andrea.config.load import value_text
 from andrea.config.sections import SECTIONS, key_specs
 
 REGENERATE = "andrea config keys --markdown > docs/config.md"
@@ -17,14 +18,7 @@ REGENERATE = "andrea config keys --markdown > docs/config.md"
 
 def default_text(spec: KeySpec) -> str:
     """The default as a YAML config spells it."""
-    value = spec.default
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if value == "":
-        return "''"
-    return str(value)
+    return value_text(spec.default)
 
 
 def on_resume(spec: KeySpec) -> str:

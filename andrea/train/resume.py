@@ -16,6 +16,7 @@ from andrea.config import (
     key_specs,
     load_config,
     load_run_config,
+    value_text,
 )
 from andrea.data.loader import mixture_shares
 from andrea.errors import UserError
@@ -54,6 +55,12 @@ def config_changes(stored: Config, given: Config) -> dict[str, tuple[Any, Any]]:
     }
 
 
+def change_text(key: str, old: Any, new: Any) -> str:
+    """One change of a resume as its lines say it, `train.compile false -> auto`: the values
+    as the user writes them (value_text), not as Python prints them (False)."""
+    return f"{key} {value_text(old)} -> {value_text(new)}"
+
+
 def check_resume_changes(
     stored: Config, given: Config, run_dir: Path, trained: bool,
     record: TrainerState | None = None,
@@ -63,7 +70,7 @@ def check_resume_changes(
     A run that has not trained yet (an import: its checkpoint is at step 0) may still change
     its schedule and data, everything but the model the weights fix. `record`: the
     checkpoint's trainer state, whose resolved `auto`s a key may be pinned to."""
-    refused = [f"{k} ({a} -> {b})"
+    refused = [f"{k} ({value_text(a)} -> {value_text(b)})"
                for k, (a, b) in _refused(stored, given, trained, record).items()]
     if refused:
         raise UserError(
@@ -111,7 +118,7 @@ def check_run_config(
     takes it). Unchecked, an edited train.lr trained on silently (the schedule jumping to it)
     and an edited train.optimizer called the optimizer state damaged."""
     trained_with = trained_config(checkpoint)
-    edited = [f"{k} {b} where {checkpoint} was trained with {a}"
+    edited = [f"{k} {value_text(b)} where {checkpoint} was trained with {value_text(a)}"
               for k, (a, b) in _refused(trained_with, stored, trained, record).items()]
     if edited:
         raise UserError(
@@ -138,7 +145,7 @@ def new_val_set(
     before 2026-12-01 (its config.yaml, `stored`, gives train.eval_batches and no eval_tokens),
     which scored the split's first windows where the same budget now spreads over all of it;
     none: the same set."""
-    causes = [f"{key} {old} -> {new}" for key, (old, new) in
+    causes = [change_text(key, old, new) for key, (old, new) in
               config_changes(trained_with, cfg).items()
               if key in VAL_SET_KEYS and not (key == "data.sources" and same_shares(old, new))]
     if "train.eval_batches" in stored.given and "train.eval_tokens" not in stored.given:

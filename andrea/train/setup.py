@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from andrea.config import Config, load_run_config
+from andrea.config import Config, load_run_config, value_text
 from andrea.data.loader import (
     ORDERS,
     TokenSplit,
@@ -74,6 +74,7 @@ from andrea.train.optim import build_optimizer
 from andrea.train.parallel import Parallel, parallel_for
 from andrea.train.restarts import attempt
 from andrea.train.resume import (
+    change_text,
     check_checkpoint_shape,
     check_resume_changes,
     check_run_config,
@@ -249,7 +250,7 @@ def check_same_config(cfg: Config, dist: DistInfo) -> None:
         changes = {key: values for key, values in config_changes(configs[0], other).items()
                    if key not in EACH_PROCESS_OWN}
         if changes:
-            differ = "; ".join(f"{key} {new!r} where rank 0 has {old!r}"
+            differ = "; ".join(f"{key} {value_text(new)} where rank 0 has {value_text(old)}"
                                for key, (old, new) in changes.items())
             raise UserError(
                 f"rank {rank} was given another config than rank 0: {differ}; give every "
@@ -448,7 +449,7 @@ def resolve_attention(
         return backend, why, ""
     if "model.attention" in changes:
         old, new = changes["model.attention"]
-        cause = f"model.attention {old} -> {new}"
+        cause = change_text("model.attention", old, new)
     elif requested == "auto":
         problem = recorded_backend_problem(recorded, head_dim, device)
         if problem is None:
@@ -845,9 +846,9 @@ def announce(
         if key == "model.attention" and attention_line:
             continue  # the attention line says it, with the backend it changes
         said = any(line.startswith(f"resume: {key} ") for line in schedule_lines) or (
-            f"{key} {old} -> {new}" in val_line)
+            change_text(key, old, new) in val_line)
         if not said:  # else the schedule's line says it, or the val set's
-            s.say(f"resume: {key} {old} -> {new}")
+            s.say(f"resume: {change_text(key, old, new)}")
     if val_line:
         s.say(val_line)
     if attention_line:
