@@ -1,5 +1,6 @@
 """The one exception type for bad input: the CLI prints it as one line and exits with 2; and
-the end of a process its launcher restarts, said as what it is."""
+the end of a process its launcher restarts, said as what it is. With them, the words a message
+spells values in (quoted, listed, counted)."""
 
 import json
 from typing import Any
@@ -23,6 +24,13 @@ def quoted(value: Any) -> str:
     string it is), cut short."""
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def counted(count: int, noun: str, nouns: str | None = None) -> str:
+    """`count` of `noun` for a message: '1 step', '40 steps', '1,024 tokens' (`nouns`: a plural
+    that is not noun + 's', 'processes'). A count a message cannot know to be above 1 (steps
+    left, --stop-after, a folder's shards) said '1 steps' as often as not."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
 
 
 def listed(names: "list[str]", shown: int = 3) -> str:

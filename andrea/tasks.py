@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 from andrea.data.tokenizer import Tokenizer
-from andrea.errors import UserError
+from andrea.errors import UserError, counted
 
 # logits [B, T, vocab] of token ids [B, T]: an andrea model or any other (e.g. transformers').
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -344,7 +344,7 @@ class TaskResult:
             else "",
             f", {self.skipped} skipped" if self.skipped else "",
         ])
-        return f"{self.task} {self.file}: {score} ({self.examples:,} examples{extra})"
+        return f"{self.task} {self.file}: {score} ({counted(self.examples, 'example')}{extra})"
 
 
 def run_task(

@@ -75,6 +75,15 @@ def test_wsd_still_holding_just_holds_longer():
         pytest.approx([1.0, 1.0, 0.1])
 
 
+def test_a_resume_with_one_step_left_says_step():
+    """The line said 'over the remaining 1 steps'; a count a message cannot know to be above 1
+    is said by errors.counted, in the singular for 1."""
+    _, lines = replan(99, schedule("cosine", 100), 200, None)
+    assert lines[0].endswith(" at step 99 over the remaining 1 step (docs/training.md)"), lines
+    _, lines = replan(98, schedule("cosine", 100), 200, None)
+    assert lines[0].endswith(" over the remaining 2 steps (docs/training.md)"), lines
+
+
 def test_a_jump_that_cannot_be_smoothed_is_said():
     # wsd still holding at step 99, now to end at 100: the decay has a single step left.
     anchor, lines = replan(99, schedule("wsd", 100), 400, None)

@@ -227,7 +227,7 @@ def test_bad_task_files(tmp_path, trained_tiny):
         f"warning: {tmp_path / 'mixed.jsonl'}: 1 record skipped, continuation longer than "
         "the block of 64 tokens (line 4)",
     ]
-    assert proc.stdout.splitlines()[1].endswith("(1 examples, 3 skipped)")
+    assert proc.stdout.splitlines()[1].endswith("(1 example, 3 skipped)")
 
 
 def test_several_checkpoints_in_one_table(tmp_path, trained_tiny):
@@ -293,4 +293,4 @@ def test_a_task_file_from_windows_or_with_a_lone_surrogate(tmp_path, trained_tin
         f"warning: {tmp_path / 'sur.jsonl'}: 1 record skipped, not Unicode text (a lone "
         "surrogate) (line 2)"]
     lines = proc.stdout.splitlines()
-    assert lines[1].endswith("(1 examples)") and lines[2].endswith("(1 examples, 1 skipped)")
+    assert lines[1].endswith("(1 example)") and lines[2].endswith("(1 example, 1 skipped)")

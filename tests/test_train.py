@@ -701,6 +701,13 @@ def test_train_from_python_refuses_resume_with_overwrite_as_the_command_does(tmp
     assert sorted(p.name for p in result.run_dir.iterdir()) == before
 
 
+def test_a_run_paused_after_one_step_says_step(tmp_path, data_dir):
+    """The last line said 'paused after 1 steps (--stop-after)'."""
+    result = train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2"),
+                   progress=False, stop_after=1)
+    assert result.message.startswith("paused after 1 step (--stop-after); "), result.message
+
+
 @pytest.mark.parametrize("stop_after", [0, -1])
 def test_train_from_python_refuses_a_stop_after_below_one(tmp_path, data_dir, stop_after):
     """stop_after=0 trained a step and said 'paused after 0 steps'; the command's --stop-after

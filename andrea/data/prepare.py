@@ -61,7 +61,7 @@ from andrea.data.stops import (
 )
 from andrea.data.tokenizer import BPE_FILE, KINDS, read_tokenizer_file
 from andrea.data.writer import mark_started, resume_point, write_shards
-from andrea.errors import UserError
+from andrea.errors import UserError, counted
 from andrea.fileio import atomic_write_text, is_disk_full
 
 if TYPE_CHECKING:
@@ -289,8 +289,8 @@ def _finish(
         print(
             f"{out}: {n['train']:,} train + {n['val']:,} val tokens, tokenizer "
             f"{manifest['tokenizer']['identity']} ({manifest['tokenizer']['vocab_size']:,} ids)"
-            + (f"; skipped {skipped:,} records without a string '{text_field}' (or not JSON "
-               "objects)" if skipped else "")
+            + (f"; skipped {counted(skipped, 'record')} without a string '{text_field}' (or not "
+               "JSON objects)" if skipped else "")
             + (f"; replaced {replaced:,} invalid UTF-8 byte{'s' if replaced != 1 else ''} with "
                "U+FFFD" if replaced else "")
         )

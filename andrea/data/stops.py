@@ -22,7 +22,7 @@ from andrea.data.documents import Input
 from andrea.data.readers import InputFile
 from andrea.data.shards import token_dtype
 from andrea.data.tokenizer import KINDS
-from andrea.errors import UserError
+from andrea.errors import UserError, counted
 from andrea.fileio import free_bytes, size_text
 
 # Bytes of text per byte of a compressed input, measured on Shakespeare: gzip -6 2.56, zstd -3
@@ -75,7 +75,7 @@ def rerun_command() -> str:
 def kept_words(out: Path, count: int, tokens: int) -> str:
     if not count:
         return f"{out} had no complete shard yet; nothing is kept"
-    return f"{out} keeps {count} complete shards ({tokens:,} tokens)"
+    return f"{out} keeps {counted(count, 'complete shard')} ({tokens:,} tokens)"
 
 
 def stopped_line(exc: BaseException, out: Path, count: int, tokens: int) -> str:

@@ -32,7 +32,7 @@ from andrea.data.shards import (
     read_header,
     read_manifest,
 )
-from andrea.errors import UserError
+from andrea.errors import UserError, counted
 from andrea.fileio import size_text
 
 READ_BYTES = 8 << 20  # a shard is hashed in reads of this size (zlib and reads free the GIL)
@@ -134,14 +134,14 @@ def verify_folder(data_dir: Path) -> str:
             damaged.append(path)
     if damaged:
         raise UserError(
-            f"{data_dir}: {len(damaged)} of {len(entries)} shards damaged; delete them "
-            f"(`{shlex.join(['rm', *map(str, damaged)])}`) and prepare the folder again from "
+            f"{data_dir}: {len(damaged)} of {counted(len(entries), 'shard')} damaged; delete "
+            f"them (`{shlex.join(['rm', *map(str, damaged)])}`) and prepare the folder again from "
             f"the same inputs, keeping its tokenizer: {again(data_dir)}")
     size = sum(p.stat().st_size for p in paths)
     how = (f"{CHECKSUM} checksums match" if all("checksum" in e for e in entries) else
            "no checksums recorded (prepared before they were): headers, sizes and ids "
            f"checked; {record_checksums(data_dir, manifest)} records them")
-    return (f"{data_dir}: {len(entries)} shards ({size_text(size)}) intact, {how} "
+    return (f"{data_dir}: {counted(len(entries), 'shard')} ({size_text(size)}) intact, {how} "
             f"({time.perf_counter() - t0:.1f} s)")
 
 

@@ -16,7 +16,7 @@ from andrea.data.documents import SPLITS, Input, Settings, all_jobs
 from andrea.data.encode import encode_all, train_texts
 from andrea.data.folder import PROGRESS, scratch_name
 from andrea.data.tokenizer import BPE_FILE, KINDS, BpeTokenizer, load_tokenizer, train_bpe
-from andrea.errors import UserError
+from andrea.errors import UserError, counted
 from andrea.fileio import atomic_write_bytes, atomic_write_text
 
 
@@ -142,7 +142,8 @@ class ShardStream:
             if counts["train"] == 0:
                 raise UserError(
                     f"{self.out}: no text came out of the inputs"
-                    + (f": all {skipped:,} records were skipped (data.errors replace); fix them"
+                    + (f": every record was skipped ({counted(skipped, 'record')}, data.errors "
+                       f"replace); fix them"
                        if skipped else "; give inputs that hold text"))
             # The rule is docs/data.md's "Train/val split": one whole text gives val its tail
             # from a line break on, so a file of one line (however long) gives none.
@@ -151,7 +152,8 @@ class ShardStream:
                 f"the first line break at or after {1 - val_fraction:.0%} of it (a file of one "
                 f"line gives none), a record goes to val by a hash of its text (about "
                 f"{val_fraction:.0%} of them); add text in more lines or records, or raise "
-                f"data.val_fraction" + (f" ({skipped:,} records were skipped)" if skipped else ""))
+                f"data.val_fraction"
+                + (f" ({counted(skipped, 'record')} skipped)" if skipped else ""))
         tok = self.tok
         return {
             "tokenizer": {
@@ -191,8 +193,9 @@ def write_shards(
     drop = dict(resume["drop"]) if resume is not None else {s: 0 for s in SPLITS}
     if resume is not None and any(stream.written.values()):
         n = sum(e["tokens"] for s in SPLITS for e in stream.written[s])
-        print(f"{out}: resuming after {sum(map(len, stream.written.values()))} complete shards "
-              f"({n:,} tokens), from input job {start_job}", flush=True)
+        kept = counted(sum(map(len, stream.written.values())), "complete shard")
+        print(f"{out}: resuming after {kept} ({n:,} tokens), from input job {start_job}",
+              flush=True)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                desc=f"prepare {out.name}", disable=None, smoothing=0.1)
     jobs = all_jobs(docs, settings.val_fraction, settings.text_field, start_job, scratch)

@@ -27,7 +27,7 @@ from andrea.config import Config
 from andrea.data.encode import refuse_in_a_starting_worker
 from andrea.data.loader import train_batch, wait_checked
 from andrea.data.shards import ShardChanged
-from andrea.errors import UserError
+from andrea.errors import UserError, counted
 from andrea.train.checkpoint_room import DiskFull
 from andrea.train.collectives import all_reduce_sum, barrier
 from andrea.train.device import pick_device
@@ -161,7 +161,8 @@ def run_training(
                         break
                     if pausing and s.step < t.max_steps:
                         state = "stopped"
-                        message = f"paused after {stop_after} steps (--stop-after); {s.checkpoint}"
+                        message = (f"paused after {counted(stop_after, 'step')} (--stop-after); "
+                                   f"{s.checkpoint}")
                         break
         except (NonFiniteError, DiskFull) as exc:
             state, exit_code, message = stopped_outcome(s, exc)
@@ -407,8 +408,8 @@ def roll_back(s: Session) -> None:
                 checkpoint=checkpoint.name, data_offset=s.guard.data_offset,
                 lr_factor=t.spike_lr_factor, lr_cut_until=s.guard.lr_cut_until,
                 rollbacks_total=s.guard.rollbacks)
-    s.say(f"spike guard: {t.spike_patience} outliers in a row at step {from_step}: rolled back "
-          f"to {checkpoint.name}, lr x {t.spike_lr_factor} until step "
+    s.say(f"spike guard: {counted(t.spike_patience, 'outlier')} in a row at step {from_step}: "
+          f"rolled back to {checkpoint.name}, lr x {t.spike_lr_factor} until step "
           f"{s.guard.lr_cut_until}, data resumes after step {from_step}'s")
 
 

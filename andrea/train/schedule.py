@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from andrea.config import TrainConfig
-from andrea.errors import UserError
+from andrea.errors import UserError, counted
 from andrea.train.rundir import step_dir_name
 
 # A change of the next step's lr on resume beyond this fraction is said in one line.
@@ -125,7 +125,7 @@ def replan(
     lines = [
         f"resume: train.max_steps {old_max_steps} -> {cfg.max_steps}: the {cfg.schedule} "
         f"schedule continues from lr {planned:.3g} at step {step} over the remaining "
-        f"{max(0, cfg.max_steps - step)} steps (docs/training.md)"
+        f"{counted(max(0, cfg.max_steps - step), 'step')} (docs/training.md)"
     ]
     now = _reference_lr(step, cfg, new_anchor)
     if planned > 0 and abs(now - planned) / planned > JUMP_TOLERANCE:

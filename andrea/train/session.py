@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from andrea.config import Config
 from andrea.data.loader import TokenSplit
+from andrea.errors import counted
 from andrea.model.transformer import Andrea
 from andrea.train.flops import MfuMeter, flops_per_token
 from andrea.train.metrics import MetricsLog, Throughput
@@ -66,12 +67,12 @@ class TrainResult:
             best = "no evaluation" if self.last_val_loss is None else "no finite val loss"
         where = f"checkpoint {self.checkpoint}" if self.checkpoint else "no checkpoint"
         if self.skipped:  # a run that applied few of its steps must not read as a clean one
-            where += (f"; {self.skipped:,} of its {self.steps:,} steps not applied: a non-finite "
-                      f"loss or gradient (train.skip_nonfinite)")
-        run = f"{self.steps:,} step{'' if self.steps == 1 else 's'}, {self.tokens:,} tokens"
+            where += (f"; {self.skipped:,} of its {counted(self.steps, 'step')} not applied: "
+                      f"a non-finite loss or gradient (train.skip_nonfinite)")
+        run = f"{counted(self.steps, 'step')}, {self.tokens:,} tokens"
         if self.start_step:  # the run's totals; the seconds are this process's steps'
             here = self.steps - self.start_step
-            return (f"{self.state}: {run}, {here:,} step{'' if here == 1 else 's'} of them in "
+            return (f"{self.state}: {run}, {counted(here, 'step')} of them in "
                     f"{self.seconds:.1f} s from step {self.start_step:,}; {best}; {where}")
         return f"{self.state}: {run} in {self.seconds:.1f} s; {best}; {where}"
 

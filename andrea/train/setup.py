@@ -40,7 +40,7 @@ from andrea.data.prepare import (
     run_sources,
 )
 from andrea.data.shards import MANIFEST
-from andrea.errors import UserError
+from andrea.errors import UserError, counted
 from andrea.fileio import atomic_write_text, free_bytes, size_text
 from andrea.model.attention import recorded_backend_problem, resolve_backend
 from andrea.model.params import closed_form_total
@@ -693,8 +693,8 @@ def accumulation_steps(
         return 1, (
             f"resume: tokens/step {recorded:,} -> {per_round:,} (global_batch_tokens: 0 is one "
             f"micro-batch per process, and {recorded:,} is not a multiple of {micro_batch} x "
-            f"{cfg.model.block_size} x {world_size} processes; a train.micro_batch_size that "
-            f"divides it keeps it)"
+            f"{cfg.model.block_size} x {counted(world_size, 'process', 'processes')}; a "
+            f"train.micro_batch_size that divides it keeps it)"
         )
     if target % per_round:
         windows = windows_per_process(cfg, world_size)
@@ -915,16 +915,16 @@ def plan_lines(s: Session) -> list[str]:
     prepared = s.train_split.n_tokens
     passes = total / prepared if prepared else math.inf
     sources = source_passes(s.train_split, total)
-    size = f"{steps:,} step{'s' if steps != 1 else ''} x {per_step:,} tokens/step"
+    size = f"{counted(steps, 'step')} x {per_step:,} tokens/step"
     if s.step < s.batch_warmup_steps:
         warm = min(s.batch_warmup_steps, steps) - s.step
-        size = (f"{warm:,} steps x {s.tokens_at(0):,} + {steps - s.step - warm:,} steps x "
-                f"{per_step:,} tokens/step")
+        size = (f"{counted(warm, 'step')} x {s.tokens_at(0):,} + "
+                f"{counted(steps - s.step - warm, 'step')} x {per_step:,} tokens/step")
         if s.step:
-            size = f"{s.tokens_seen:,} tokens in {s.step:,} steps + {size}"
+            size = f"{s.tokens_seen:,} tokens in {counted(s.step, 'step')} + {size}"
     elif s.tokens_seen != s.step * per_step:
-        size = (f"{s.tokens_seen:,} tokens in {s.step:,} steps + {steps - s.step:,} steps x "
-                f"{per_step:,} tokens/step")
+        size = (f"{s.tokens_seen:,} tokens in {counted(s.step, 'step')} + "
+                f"{counted(steps - s.step, 'step')} x {per_step:,} tokens/step")
     line = (f"plan: {size} = {total:,} tokens = "
             f"{_passes(passes)} passes over the {prepared:,} prepared training tokens")
     line += ORDERS[s.cfg.data.order].plan_note
