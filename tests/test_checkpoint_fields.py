@@ -50,6 +50,7 @@ BAD_VALUES = [
     ("micro_batch_size", 0), ("micro_batch_size", "auto"), ("device", ""),
     ("device", "cpu\n"), ("attention", "garbage"), ("attention", "auto"),
     ("parallel", "garbage"), ("precision", "auto"), ("precision", "float32"), ("max_steps", 0),
+    ("muon_ns_precision", "auto"), ("muon_ns_precision", "fp16"),
     ("loss_scaling", {"scale": 0}), ("loss_scaling", {"evil": 1}), ("preset", 7),
     ("imported_sha256", "xyz"),
     ("data", {"dir": "/d"}), ("data", ["/d"]), ("data", [{"dir": "/d", "train": "ab"}]),

@@ -331,7 +331,8 @@ def test_an_auto_recorded_as_it_resolved_names_a_trainer_state_key():
 
     recorded = {spec.dotted: spec.rule.recorded_auto for spec in key_specs()
                 if spec.rule.recorded_auto is not None}
-    assert recorded == {"train.precision": "precision"}
+    assert recorded == {"train.precision": "precision",
+                        "train.muon_ns_precision": "muon_ns_precision"}
     assert set(recorded.values()) <= {f.name for f in dataclasses.fields(TrainerState)}
 
 

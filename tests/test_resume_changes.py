@@ -303,3 +303,56 @@ def test_a_resume_whose_auto_precision_resolves_otherwise_here_says_so(tmp_path,
     assert moved.returncode == 0, moved.stderr
     assert (f"resume: precision {other} -> {here} (auto: " in moved.stdout
             and f"--set train.precision={other} keeps it" in moved.stdout), moved.stdout
+
+
+def test_a_muon_runs_auto_newton_schulz_precision_is_recorded_and_resumed_as_precision_is(
+    tmp_path, data_dir
+):
+    """train.muon_ns_precision auto resolves by the machine (bf16 on a GPU or CPU with bf16
+    units, else fp32), as train.precision's does. Before: the checkpoint recorded nothing of
+    it, so a resume on another machine changed the precision of Muon's iterations without a
+    word, and a pin to the one it ran in was refused as a change that defines the run. Now
+    trainer_state.json records it (muon_ns_precision), a pin to it goes on, and a resume where
+    auto resolves otherwise says so in one line, as a resumed train.precision does."""
+    import torch
+
+    from andrea.model.transformer import Andrea
+    from andrea.train.device import pick_device
+    from andrea.train.optim import build_optimizer
+
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                      "train.checkpoint_every=1", "train.optimizer=muon",
+                      "train.precision=fp32")
+    first = andrea_main("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress")
+    assert first.returncode == 0, first.stderr
+    run = tmp_path / "runs" / "t"
+    muon = build_optimizer(Andrea(cfg.model), cfg, pick_device("auto")).parts["muon"]
+    # torch's own Muon (no ns_dtype) is what bf16 takes: auto's choice on this machine
+    here = {torch.bfloat16: "bf16", torch.float32: "fp32"}[
+        getattr(muon, "ns_dtype", torch.bfloat16)]
+    other = next(p for p in ("bf16", "fp32") if p != here)
+    ckpt = run / "step-000002"
+    state = json.loads((ckpt / TRAINER_STATE).read_text())
+    assert state["muon_ns_precision"] == here, state
+    assert_user_error(
+        andrea_main("train", "--resume", str(run), "--no-progress",
+                    "--set", f"train.muon_ns_precision={other}", "--set", "train.max_steps=3"),
+        f"resuming cannot change train.muon_ns_precision (auto -> {other})")
+    state["muon_ns_precision"] = other  # as a machine where auto resolved otherwise recorded it
+    (ckpt / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+    sums = json.loads((ckpt / CHECKSUMS).read_text())["files"]
+    write_checksums(ckpt, {**sums, TRAINER_STATE: file_sha256(ckpt / TRAINER_STATE)})
+    moved = andrea_main("train", "--resume", str(run), "--no-progress", "--set",
+                        "train.max_steps=3")
+    assert moved.returncode == 0, moved.stderr
+    assert (f"resume: Muon's Newton-Schulz precision {other} -> {here} (auto: " in moved.stdout
+            and f"the run iterated in {other} until now: --set train.muon_ns_precision={other} "
+                "keeps it\n" in moved.stdout), moved.stdout
+    assert "resume: precision" not in moved.stdout  # train.precision was pinned: no line
+    pinned = andrea_main("train", "--resume", str(run), "--no-progress",
+                         "--set", f"train.muon_ns_precision={here}", "--set", "train.max_steps=4")
+    assert pinned.returncode == 0, pinned.stderr
+    assert f"resume: train.muon_ns_precision auto -> {here}\n" in pinned.stdout, pinned.stdout
+    assert "Newton-Schulz precision" not in pinned.stdout, pinned.stdout
+    assert json.loads((run / "step-000004" / TRAINER_STATE).read_text())[
+        "muon_ns_precision"] == here

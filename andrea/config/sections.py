@@ -220,7 +220,7 @@ class TrainConfig:
     muon_momentum: float = key(0.95, "Muon's momentum", check=fraction())
     muon_ns_precision: str = key(
         "auto", "dtype of Muon's Newton-Schulz iterations; auto: bf16 where the device has fast "
-        "bf16 matmuls, else fp32", choices=NS_PRECISIONS)
+        "bf16 matmuls, else fp32", choices=NS_PRECISIONS, recorded_auto="muon_ns_precision")
     muon_ns_coefficients: str = key(
         "quintic", "quintic: torch's fixed (3.4445, -4.775, 2.0315); polar_express: the Polar "
         "Express paper's per-iteration quintics (arXiv:2505.16932); 5 iterations each",

@@ -109,17 +109,22 @@ def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
     return choose_precision(precision, device).dtype
 
 
-def muon_ns_dtype(precision: str, device: torch.device) -> torch.dtype:
+def choose_ns_precision(precision: str, device: torch.device) -> Precision:
     """train.muon_ns_precision: bf16 or fp32 by name; auto: bf16 where the device has fast bf16
     matmuls (a GPU's native bf16 units, not their emulation), else fp32. Never fp16: the
-    iterations' range is not loss-scaled."""
+    iterations' range is not loss-scaled. Like train.precision's auto it differs from machine
+    to machine, so a checkpoint records it (trainer_state.json's muon_ns_precision)."""
     if precision != "auto":
-        return DTYPES[precision]
+        return Precision(DTYPES[precision], "asked for")
     if device.type == "cuda":
         # Without bf16 units (T4, V100) bf16 is emulated in fp32 and slower than fp32 itself.
-        native = torch.cuda.is_bf16_supported(including_emulation=False)
-        return torch.bfloat16 if native else torch.float32
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return Precision(torch.bfloat16, "auto: this GPU has bf16 units")
+        return Precision(torch.float32, "auto: this GPU has no bf16 units (bf16 would be "
+                                        "emulated, slower than fp32)")
+    if cpu_has_bf16():
+        return Precision(torch.bfloat16, "auto: this CPU has bf16 units (AMX or AVX-512 BF16)")
+    return Precision(torch.float32, "auto: this CPU has no bf16 units")
 
 
 def device_name(device: torch.device) -> str:

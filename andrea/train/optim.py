@@ -22,7 +22,7 @@ import torch
 from andrea.config import Config, TrainConfig, register_choices
 from andrea.errors import UserError
 from andrea.model.transformer import Andrea
-from andrea.train.device import muon_ns_dtype
+from andrea.train.device import Precision, choose_ns_precision
 from andrea.train.muon import Float32Muon, build_muon, split_parameters
 from andrea.train.schedule import Multiplier
 
@@ -91,7 +91,8 @@ def build_muon_with_adamw(model: Andrea, cfg: Config, device: torch.device, worl
     # Before AdamW is built, so a torch without Muon is refused first.
     muon = build_muon(matrices, lr=t.muon_lr, weight_decay=t.muon_weight_decay,
                       momentum=t.muon_momentum,
-                      ns_dtype=muon_ns_dtype(t.muon_ns_precision, device), world_size=world_size,
+                      ns_dtype=choose_ns_precision(t.muon_ns_precision, device).dtype,
+                      world_size=world_size,
                       polar_express=t.muon_ns_coefficients == "polar_express",
                       neuron_beta2=t.muon_neuron_beta2,
                       cautious_weight_decay=t.muon_cautious_weight_decay)
@@ -103,6 +104,15 @@ OPTIMIZERS: dict[str, Builder] = {
     "muon": build_muon_with_adamw,
 }
 register_choices("train.optimizer", OPTIMIZERS)  # its names are the key's allowed values
+
+
+def muon_ns_precision(cfg: Config, device: torch.device) -> Precision | None:
+    """The precision of Muon's Newton-Schulz iterations as the run's optimizer takes it on
+    `device` (choose_ns_precision), for the checkpoint's record and a resume's line; None: the
+    optimizer has no Muon."""
+    if OPTIMIZERS[cfg.train.optimizer] is not build_muon_with_adamw:
+        return None
+    return choose_ns_precision(cfg.train.muon_ns_precision, device)
 
 
 class CombinedOptimizer:

@@ -66,7 +66,7 @@ from typing import Any
 
 from andrea.config.declare import registry, type_name
 from andrea.config.load import override_value
-from andrea.config.sections import PRECISION_DTYPES
+from andrea.config.sections import NS_PRECISIONS, PRECISION_DTYPES
 from andrea.errors import UserError, quoted
 from andrea.fileio import atomic_write_text, fsync_dir, size_text
 
@@ -692,6 +692,12 @@ def _precision(x: str) -> str | None:
     return None if x in PRECISION_DTYPES else f"one of {', '.join(PRECISION_DTYPES)}"
 
 
+def _ns_precision(x: str) -> str | None:
+    """Muon's Newton-Schulz precision as it resolved: a name of NS_PRECISIONS but auto."""
+    names = [name for name in NS_PRECISIONS if name != "auto"]
+    return None if x in names else f"one of {', '.join(names)}"
+
+
 def _is(value: Any, tp: type) -> bool:
     """JSON's types as Python reads them: an integer is no bool (bool subclasses int), and a
     number may be written without a fraction."""
@@ -806,6 +812,10 @@ class TrainerState:
     # Left out while None, so that an older checkpoint's file is written again byte for byte.
     precision: str | None = _key(None, valid=_precision, written=TRAINED,
                                  omitted_while_none=True)
+    # Muon's Newton-Schulz precision (train.muon_ns_precision as it resolved), as `precision`
+    # is recorded and for the same resumes; None: no Muon, or not recorded (older checkpoints).
+    muon_ns_precision: str | None = _key(None, valid=_ns_precision, written=TRAINED,
+                                         omitted_while_none=True)
     # The max_steps planned for; None: the run's config's.
     max_steps: int | None = _key(None, valid=POSITIVE, written=TRAINED)
     # The lr schedule as re-planned on a resume; None: the plain schedule.

@@ -116,6 +116,8 @@ class Session:
     warmup_accum: int = 0  # micro-batches per step during the batch-size warm-up (0: none)
     scaling: LossScaling = field(default_factory=LossScaling)  # fp16's loss scaling, or none
     precision_why: str = ""  # why the run computes in its dtype (train.precision auto: the device)
+    # Muon's Newton-Schulz precision as it resolved (optim.muon_ns_precision); None: no Muon.
+    ns_precision: str | None = None
     checkpoint_nbytes: int = 0  # one checkpoint's size on disk, estimated once by the set-up
     # Decided once a resumed checkpoint is restored (auto measures the memory it leaves):
     micro_batch: int = field(init=False)

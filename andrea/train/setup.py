@@ -70,7 +70,7 @@ from andrea.train.memory import (
     host_need,
 )
 from andrea.train.metrics import MetricsLog, open_tensorboard, open_wandb
-from andrea.train.optim import build_optimizer
+from andrea.train.optim import build_optimizer, muon_ns_precision
 from andrea.train.parallel import Parallel, parallel_for
 from andrea.train.restarts import attempt
 from andrea.train.resume import (
@@ -158,7 +158,14 @@ def set_up(
             data_record(train_split, val_split)), dist)
     precision = choose_precision(t.precision, device)
     dtype = precision.dtype
-    precision_line = resumed_precision_line(t.precision, precision, run.trainer_state)
+    ns_precision = muon_ns_precision(cfg, device)
+    state = run.trainer_state  # None: a new run, which has recorded nothing
+    precision_line = "\n".join(line for line in (
+        resumed_precision_line("train.precision", t.precision, precision,
+                               state.precision if state else None, "trained"),
+        resumed_precision_line("train.muon_ns_precision", t.muon_ns_precision, ns_precision,
+                               state.muon_ns_precision if state else None, "iterated"),
+    ) if line)
     backend, why, attention_line = resolve_attention(cfg, device, dtype, run.trainer_state,
                                                      changes)
     model, optimizer, names = build_model(cfg, device, parallel, dtype, backend)
@@ -169,6 +176,7 @@ def set_up(
         mfu=MfuMeter(device, dtype, devices=dist.world_size), n_params=model.num_params(),
         preset=Path(cfg.source).stem, parallel=parallel, guard=SpikeGuard(t),
         scaling=loss_scaling_for(dtype, device), precision_why=precision.why,
+        ns_precision=ns_precision.name if ns_precision is not None else None,
     )
     trainer_state = run.trainer_state  # the checkpoint's, as every rank has it; None: a new run
     if resume_from is not None:
@@ -415,18 +423,25 @@ def resume_data(cfg: Config, checkpoint: Path) -> Config:
     return own
 
 
+# The words of resumed_precision_line for each key whose `auto` is a precision the run records.
+RESOLVED_PRECISIONS = {"train.precision": "precision",
+                       "train.muon_ns_precision": "Muon's Newton-Schulz precision"}
+
+
 def resumed_precision_line(
-    requested: str, precision: Precision, trainer_state: TrainerState | None
+    key: str, requested: str, precision: Precision | None, recorded: str | None, verb: str
 ) -> str:
-    """A line when train.precision `auto` resolves here to another precision than the one the
-    resumed run recorded (a run moved from a CPU with bf16 units, or a GPU, to one without):
-    its losses from here are another precision's, and a pin keeps the run's. Else ''."""
-    recorded = trainer_state.precision if trainer_state is not None else None
-    now = precision.name
-    if requested != "auto" or recorded is None or recorded == now:
+    """A line when `key` (RESOLVED_PRECISIONS), `requested` as `auto`, resolves here to another
+    `precision` than the one the resumed run `recorded` (a run moved from a CPU with bf16
+    units, or a GPU, to one without): its losses from here are another precision's, and a pin
+    keeps the run's; `verb`: what the run did in it. Else '' (`precision` None: nothing to
+    resolve, as Muon's where the optimizer has no Muon)."""
+    if (requested != "auto" or precision is None or recorded is None
+            or recorded == precision.name):
         return ""
-    return (f"resume: precision {recorded} -> {now} ({precision.why}); the run trained in "
-            f"{recorded} until now: --set train.precision={recorded} keeps it")
+    return (f"resume: {RESOLVED_PRECISIONS[key]} {recorded} -> {precision.name} "
+            f"({precision.why}); the run {verb} in {recorded} until now: --set "
+            f"{key}={recorded} keeps it")
 
 
 def resolve_attention(
@@ -831,8 +846,8 @@ def announce(
     precision_line: str,
 ) -> None:
     """Rank 0: the lines that say what the run will do, before its first step; `val_line`: a
-    resume's new val set (new_val_set_line), `precision_line`: a resume's other precision
-    (resumed_precision_line), each else ''."""
+    resume's new val set (new_val_set_line), `precision_line`: a resume's other precisions
+    (resumed_precision_line, a line each), each else ''."""
     t, dist, cfg = s.cfg.train, s.dist, s.cfg
     s.say(f"precision: {str(s.dtype).removeprefix('torch.')} ({s.precision_why})")
     costly = precision_warning(s.dtype, s.device)

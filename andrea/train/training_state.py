@@ -85,7 +85,7 @@ class TrainingState:
             seed=s.cfg.train.seed, preset=s.preset, micro_batch_size=s.micro_batch,
             parallel=s.parallel.name, tokens_per_step=s.tokens_per_step,
             device=device_name(s.device), attention=s.model.attention_backend,
-            precision=precision_name(s.dtype),
+            precision=precision_name(s.dtype), muon_ns_precision=s.ns_precision,
             max_steps=s.cfg.train.max_steps, data=data_record(s.train_split, s.val_split),
             spike_guard=s.guard.state_dict(), loss_scaling=s.scaling.state_dict(),
         )
