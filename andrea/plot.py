@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 from andrea.data.inputs import source_last_part
 from andrea.errors import UserError
 from andrea.fileio import atomic_write_bytes, file_in_the_way
-from andrea.runs import current_history, read_metrics, read_run, val_sources
+from andrea.runs import (
+    current_history,
+    read_metrics,
+    read_run,
+    starts_new_val_set,
+    val_sources,
+)
 from andrea.train.metrics import format_mfu, format_speed, recorded_speed
 from andrea.train.rundir import CONFIG, METRICS, is_run, run_path
 
@@ -76,6 +82,17 @@ def _source_series(records: list[dict[str, Any]], x_key: str) -> dict[str, tuple
                 xs.append(x)
                 ys.append(loss)
     return out
+
+
+def _val_set_parts(history: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The history cut at each resume onto a new val set (runs.starts_new_val_set): the val
+    losses of one part are comparable with each other, not with another part's."""
+    parts: list[list[dict[str, Any]]] = [[]]
+    for rec in history:
+        if starts_new_val_set(rec) and parts[-1]:
+            parts.append([])
+        parts[-1].append(rec)
+    return parts
 
 
 # Markers of a mixture's sources (the weighted total keeps the round one).
@@ -246,22 +263,32 @@ def _draw_run(
     drawn (for the log-scale choice)."""
     ax_loss, ax_lr, ax_speed, ax_grad = axes
     tx, ty = _series(history, "train", x, "loss")
-    vx, vy = _series(history, "eval", x, "val_loss")
     ax_loss.plot(tx, ty, color=color, lw=1.4, label=label, **_lone(tx))
-    ax_loss.plot(vx, vy, color=color, lw=1.0, ls="--", marker="o", ms=4)
+    # A line of its own for each val set: joined across a resume onto a new one, the val
+    # losses read as one curve, though the set they are measured on changed under them.
+    parts = _val_set_parts(history)
+    losses = list(ty)
+    for part in parts:
+        vx, vy = _series(part, "eval", x, "val_loss")
+        if vx:
+            ax_loss.plot(vx, vy, color=color, lw=1.0, ls="--", marker="o", ms=4)
+            losses += vy
     # The spike guard: each held-back step a cross at its loss, each rollback a dotted line.
     sx, sy = _series(history, "spike", x, "loss")
     ax_loss.plot(sx, sy, color=color, ls="none", marker="x", ms=8, mew=2)
     for rx in _series(history, "rollback", x, x)[0]:
         ax_loss.axvline(rx, color=color, ls=":", lw=1.2)
-    losses = ty + vy
-    sources = _source_series(history, x)
-    names = _source_names(list(sources))
-    for j, (source, (sx, sy)) in enumerate(sources.items()):
-        ax_loss.plot(sx, sy, color=color, lw=0.8, ls=":", ms=4,
-                     marker=SOURCE_MARKERS[j % len(SOURCE_MARKERS)],
-                     label=f"{label}: val {names[source]}")
-        losses += sy
+    sources = list(_source_series(history, x))  # each source's marker, over the whole run
+    names = _source_names(sources)
+    labelled: set[str] = set()
+    for part in parts:
+        for source, (sx, sy) in _source_series(part, x).items():
+            j = sources.index(source)
+            ax_loss.plot(sx, sy, color=color, lw=0.8, ls=":", ms=4,
+                         marker=SOURCE_MARKERS[j % len(SOURCE_MARKERS)],
+                         label=None if source in labelled else f"{label}: val {names[source]}")
+            labelled.add(source)
+            losses += sy
     lx, ly = _series(history, "train", "step", "lr")
     ax_lr.plot(lx, ly, color=color, lw=1.4, **_lone(lx))
     px, py = _series(history, "train", "step", "tokens_per_s")
@@ -284,8 +311,9 @@ def _lone(xs: list[float]) -> dict[str, Any]:
 # What each line style means, under the panel's name. On one line the loss key was wider than
 # its panel: constrained layout cannot make room for that, so it ran off the figure's left
 # edge and over the learning-rate panel's title and its "1e-3" offset text.
-LOSS_KEY = ("solid: train", "dashed + dots: validation", "dotted + markers: a mixture's sources",
-            "x: spike not applied", "dotted line: rollback")
+LOSS_KEY = ("solid: train", "dashed + dots: validation (a gap: a new val set)",
+            "dotted + markers: a mixture's sources", "x: spike not applied",
+            "dotted line: rollback")
 SPEED_KEY = ("solid: each logged step", "dashed: the run's tokens/s")
 # Characters a title line may hold: a panel is about 5 inches wide at the least (long run
 # names widen the legends and narrow the panels), room for some 70 characters of title.

@@ -420,12 +420,18 @@ def _read_progress(history: list[dict[str, Any]], summary: RunSummary) -> None:
         summary.last_train_loss = losses[-1]
 
 
+def starts_new_val_set(rec: dict[str, Any]) -> bool:
+    """Whether `rec` is the start of a resume onto a new val set (its `new_val_set`, the causes
+    resume.new_val_set found): the val losses after it are not comparable with those before."""
+    return rec["event"] == "start" and bool(rec.get("new_val_set"))
+
+
 def _read_losses(history: list[dict[str, Any]], summary: RunSummary) -> None:
     """The best finite val loss (and its step) and the latest evaluation. The best starts again
-    at a resume onto a new val set (its start's `new_val_set`), as the trainer's does: the
-    losses before it are of another set."""
+    at a resume onto a new val set (starts_new_val_set), as the trainer's does: the losses
+    before it are of another set."""
     for rec in history:
-        if rec["event"] == "start" and rec.get("new_val_set"):
+        if starts_new_val_set(rec):
             summary.best_val_loss = summary.best_val_step = None
         val, step = json_number(rec.get("val_loss")), _int(rec.get("step"))
         if rec["event"] == "eval" and val is not None and math.isfinite(val):

@@ -139,6 +139,42 @@ def test_a_run_of_one_logged_step_shows_its_point_on_every_panel(tmp_path):
         plt.close(fig)
 
 
+def test_the_val_curve_breaks_at_a_resume_onto_a_new_val_set(tmp_path):
+    """Before: the val losses before and after a resume onto a new val set (its start's
+    new_val_set: train.eval_tokens changed, a mixture reweighted) were joined in one dashed
+    curve, as if comparable. Now each val set has its own, a mixture's sources' likewise (each
+    source once in the legend); a resume onto the same set keeps one curve."""
+    import matplotlib.pyplot as plt
+
+    def val_lines(run):
+        fig = draw_figure([run], x="step", warn=lambda _: None)
+        try:
+            lines = fig.axes[0].get_lines()
+            return ([list(line.get_xdata()) for line in lines if line.get_linestyle() == "--"],
+                    [(list(line.get_xdata()), line.get_label()) for line in lines
+                     if line.get_linestyle() == ":"])
+        finally:
+            plt.close(fig)
+
+    def history(new_val_set):
+        resumed = {**start_record(100, max_steps=200), "new_val_set": new_val_set}
+        records = [start_record(max_steps=200), *normal_history(100), end_record(100, "stopped"),
+                   resumed, *normal_history(200, 100), end_record(200, "finished")]
+        for rec in records:
+            if rec["event"] == "eval":
+                rec["val_sources"] = {"a": {"loss": 3.1}, "b": {"loss": 3.2}}
+        return records
+
+    new = write_run(tmp_path, "new", history(["train.eval_tokens 2048 -> 256"]))
+    dashed, dotted = val_lines(new)
+    assert dashed == [[50, 100], [150, 200]]
+    assert [xs for xs, _ in dotted] == [[50, 100], [50, 100], [150, 200], [150, 200]]
+    assert [label for _, label in dotted][:2] == ["new (finished): val a", "new (finished): val b"]
+    assert not any(label.startswith("new") for _, label in dotted[2:])  # each source named once
+    same = write_run(tmp_path, "same", history(None))
+    assert val_lines(same)[0] == [[50, 100, 150, 200]]
+
+
 def test_plot_cli(tmp_path):
     a, b = two_runs(tmp_path)
     empty = write_run(tmp_path, "empty", [])
