@@ -206,3 +206,27 @@ def test_non_finite_weights_in_the_shards_are_every_ranks_one_line(fsdp_run, tmp
     ours = proc.stderr[:proc.stderr.index("torch/distributed/elastic")].strip().splitlines()[:-1]
     assert [line.startswith("error: ") and says in line for line in ours] == [True, True], ours
     assert "Traceback" not in proc.stderr[:proc.stderr.index("torch/distributed/elastic")]
+
+
+def test_a_damaged_model_file_of_a_sharded_checkpoint_is_refused_as_a_whole_ones_is(
+    fsdp_run, tmp_path
+):
+    """An fsdp checkpoint holds its weights twice: in its shards, which a resume reads, and
+    whole in model.safetensors, which eval, generate and export open. Before: a byte flipped in
+    model.safetensors (its header still sound) resumed without a word, the resume reading
+    that file's header alone, while eval refused the same checkpoint as damaged. Now the
+    resume checks it against checksums.json, as a whole checkpoint's resume does: the one
+    line eval gives, naming the newest other intact checkpoint, and nothing trained."""
+    run = damaged_copy(fsdp_run, tmp_path)
+    model = run / "step-000004" / "model.safetensors"
+    blob = bytearray(model.read_bytes())
+    blob[-1000] ^= 0xFF  # in the tensors' bytes: the header still reads
+    model.write_bytes(bytes(blob))
+    says = ("runs/f/step-000004/model.safetensors: damaged: its sha256 is not the one "
+            "step-000004/checksums.json recorded when the checkpoint was written")
+    assert_user_error(andrea_main("eval", "--checkpoint", "runs/f", cwd=tmp_path), says)
+    assert_user_error(andrea_main("train", "--resume", "runs/f", "--set", "train.max_steps=6",
+                                  "--no-progress", cwd=tmp_path),
+                      says, "(the newest other intact one is runs/f/step-000002)")
+    assert (run / "latest").read_text() == "step-000004\n"
+    assert not (run / "step-000005").exists() and not (run / "step-000006").exists()

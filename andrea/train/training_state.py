@@ -54,6 +54,7 @@ from andrea.train.rundir import (
     partial_dir,
     read_state,
     step_dir_name,
+    verify_file,
 )
 from andrea.train.session import Session
 from andrea.train.spike import SpikeGuard
@@ -189,6 +190,11 @@ class TrainingState:
         s, dist = self.s, self.s.dist
         model, optimizer, names = s.model, s.optimizer, s.param_names
         if sharded:
+            # The weights come from the shards, and of the whole model file only its header is
+            # read; but eval, generate and export open that file: checked against its checksum
+            # as a whole checkpoint's resume checks it, so that a checkpoint they refuse as
+            # damaged is not resumed from without a word.
+            from_rank0(lambda: verify_file(ckpt / MODEL_FILE), dist)
             check_tokenizer(ckpt, read_model_checkpoint(ckpt, tensors=False)[2], s.train_split)
             read_shards(ckpt, model, optimizer, names)
             if record is None:
