@@ -201,6 +201,25 @@ def test_mixture_draws_by_weight_and_is_a_function_of_seed_and_step(mixture):
     np.testing.assert_allclose(share, expected)
 
 
+@pytest.mark.parametrize("layout", [([3000], [1500], [800]), ([3000, 900], [1500], [700, 700])])
+def test_each_window_comes_from_the_source_drawn_for_it(tmp_path, layout):
+    """Whatever the sources' shard counts (a small source is one shard): the tokens of each
+    source's windows are that source's, so the share read from the batches' tokens is the share
+    of the sources drawn (realised_share, what train reports)."""
+    dirs = [make_source(tmp_path, name, sizes, first)
+            for name, sizes, first in zip("abc", layout, (1, 10, 20), strict=True)]
+    mix = Mixture([(name, d, w) for name, d, w in zip("abc", dirs, (3.0, 1.0, 2.0),
+                                                       strict=True)], "train")
+    counts = np.zeros(3)
+    for step in range(100):
+        x = batch(mix, step=step, micro_batch_size=8)[0]
+        shard = x[:, 0].numpy() // BASE  # 1-2: a, 10: b, 20-21: c
+        counts += np.bincount(np.searchsorted([10, 20], shard, side="right"), minlength=3)
+    expected = realised_share(mix, seed=7, steps=range(100), per_step=8, block_size=T)
+    np.testing.assert_allclose(counts / counts.sum(), expected)
+    assert abs(expected[0] - 0.5) < 0.1 and abs(expected[2] - 1 / 3) < 0.1
+
+
 def test_mixture_share_with_a_batch_warmup_counts_each_steps_own_size(mixture):
     # Steps 0-9 take one micro-batch of 4 windows (a batch warm-up), the rest two.
     counts = np.zeros(2, dtype=np.int64)
