@@ -622,3 +622,16 @@ def test_a_step_in_the_metadata_that_is_no_step_is_refused(tmp_path, step):
         assert_user_error(andrea_main(*args, cwd=tmp_path), str(ckpt / "model.safetensors"),
                           f"the step in the metadata is {step!r}, not a whole number")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_latest_leading_out_of_its_run_is_never_followed(tmp_path, trained_tiny):
+    """`latest` names a step folder of its own run, nothing else: one edited or forged to lead
+    elsewhere (../y/step-000040, another run's intact checkpoint) is refused as unusable, naming
+    the run's own newest intact step, never evaluated or sampled as if it were the run's."""
+    for name in ("x", "y"):
+        shutil.copytree(trained_tiny.run_dir, tmp_path / "runs" / name)
+    (tmp_path / "runs" / "x" / "latest").write_text("../y/step-000040\n")
+    for verb in ("eval", "generate"):
+        assert_user_error(andrea_main(verb, "--checkpoint", "runs/x", cwd=tmp_path),
+                          "runs/x: no usable 'latest' file",
+                          f"andrea {verb} --checkpoint runs/x/step-000040")

@@ -188,6 +188,13 @@ def test_a_mixtures_weights_may_change_on_resume_and_nothing_else_of_it(tmp_path
     assert "resume: data.sources [{path: a.txt, weight: 1.0}, {path: b.txt, weight: 1.0}] -> " \
            "[{path: a.txt, weight: 1.0}, {path: b.txt, weight: 9.0}]" in done.stdout, done.stdout
     assert "realised share of tokens over steps 4-6: a.txt" in done.stdout
+    # The val loss of a mixture is its sources' weighted by the weights: another val set, whose
+    # best starts again (`andrea runs` reads the start record's new_val_set).
+    assert "weight: 9.0}]: a new val set, so the val losses after step 3 are not comparable " \
+           "with the earlier ones" in done.stdout, done.stdout
+    starts = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+              if '"event": "start"' in line]
+    assert [bool(s.get("new_val_set")) for s in starts] == [False, True]
     share = float(done.stdout.split("b.txt ")[1].split("%")[0])
     assert share > 70, done.stdout  # 90% by weight, from 50% before
     assert "weight: 9" in (run / "config.yaml").read_text()
@@ -356,3 +363,44 @@ def test_a_muon_runs_auto_newton_schulz_precision_is_recorded_and_resumed_as_pre
     assert "Newton-Schulz precision" not in pinned.stdout, pinned.stdout
     assert json.loads((run / "step-000004" / TRAINER_STATE).read_text())[
         "muon_ns_precision"] == here
+
+
+def test_a_document_added_to_the_val_split_alone_is_a_new_val_set_and_one_in_train_is_not(
+    tmp_path,
+):
+    """A JSONL source's records go to val or train by their own hash: one record more, and only
+    its split's shards change. Resumed on its text so grown, a run whose val split changed
+    evaluates on a new val set (said, and its best val starts again); one whose train split
+    alone changed evaluates on the set it had, its best val kept."""
+    from andrea.data.documents import is_val_record
+
+    def record(i: int) -> str:
+        return json.dumps({"text": f"record {i}: " + "the cat sat on the mat. " * (4 + i % 5)})
+
+    def first(split_is_val: bool, start: int) -> str:
+        return next(record(i) for i in range(start, start + 1000)
+                    if is_val_record(json.loads(record(i))["text"].encode(), 0.1) == split_is_val)
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(record(i) + "\n" for i in range(400)))
+    train = ("train", "--config", "andrea-tiny", "--no-progress", "--set",
+             "data.source=docs.jsonl", "--set", "train.max_steps=6", "--set",
+             "train.checkpoint_every=1", "--set", "train.eval_every=1", "--set",
+             "train.eval_tokens=256")
+    assert andrea_main(*train, "--stop-after", "2", cwd=tmp_path).returncode == 0
+    run = tmp_path / "runs" / "andrea-tiny"
+    resume = ("train", "--resume", str(run), "--no-progress", "--stop-after", "1")
+    lines = []
+    for to_val in (True, False):
+        with docs.open("a") as f:
+            f.write(first(to_val, 1000 if to_val else 2000) + "\n")
+        done = andrea_main(*resume, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "holds other shards than" in done.stdout, done.stdout  # prepared again
+        lines.append(done.stdout)
+    assert "is not the one the run evaluated on: a new val set, so the val losses after " \
+           "step 2 are not comparable" in lines[0], lines[0]
+    assert "a new val set" not in lines[1], lines[1]
+    starts = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+              if '"event": "start"' in line]
+    assert [bool(s.get("new_val_set")) for s in starts] == [False, True, False]

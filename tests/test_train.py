@@ -1006,6 +1006,27 @@ def test_resume_auto_keeps_the_runs_own_config(tmp_path, data_dir):
     assert "finished: 3 steps" in same.stdout
 
 
+def test_one_command_with_resume_auto_starts_the_run_then_continues_it(tmp_path, data_dir):
+    """docs/faults.md's requeued job: the same `andrea train -c CFG --resume auto` every time.
+    The first launch finds no checkpoint and starts the run, each later one continues it from
+    its newest, the last finds it finished; the steps are those of one uninterrupted run."""
+    sets = ("train.max_steps=4", "train.checkpoint_every=1")
+    whole = train(tiny_config(tmp_path / "whole", data_dir, *sets), progress=False)
+    path = config_file(tiny_config(tmp_path / "runs", data_dir, *sets), tmp_path)
+    said = []
+    for _ in range(3):
+        proc = andrea_main("train", "-c", str(path), "--resume", "auto", "--stop-after", "2",
+                           "--no-progress")
+        assert proc.returncode == 0, proc.stderr
+        said.append(proc.stdout)
+    run = tmp_path / "runs" / "t"
+    assert f"--resume auto: no checkpoint under {run}, starting a new run" in said[0], said[0]
+    assert "starting a new run" not in said[1] + said[2]
+    losses = {r["step"]: r["loss"] for r in read_events(run, "train")}
+    assert losses == whole.losses  # exact: steps 1-2, then 3-4 from step 2's checkpoint
+    assert (run / "latest").read_text().strip() == "step-000004"
+
+
 def test_an_untrained_run_may_still_change_its_schedule(tmp_path, data_dir):
     """An import is a run at step 0: fine-tuning picks its own schedule and data."""
     ckpt = make_checkpoint(tmp_path, f"data.dir={data_dir}", step=0)
