@@ -624,6 +624,90 @@ def test_a_step_in_the_metadata_that_is_no_step_is_refused(tmp_path, step):
     assert not (tmp_path / "hf").exists()
 
 
+class PowerLoss:
+    """What a power loss leaves of the files a process writes, as POSIX promises it: a file's
+    bytes as of its last fsync, a folder's entries as of the folder's last fsync, nothing
+    else. `fsync` stands in for os.fsync and records the disk after every call: the states a
+    power loss may leave (between two fsyncs nothing more becomes durable). Every inode it sees
+    is held open to the end, so none is reused under another file."""
+
+    def __init__(self, fsync) -> None:
+        self.real_fsync = fsync
+        self.contents: dict[int, bytes] = {}  # inode -> its bytes at its last fsync
+        self.entries: dict[int, dict[str, tuple[int, bool]]] = {}  # folder -> name: inode, folder?
+        self.states: list[tuple[dict, dict]] = []
+        self.held: list[int] = []
+
+    def fsync(self, fd: int) -> None:
+        self.real_fsync(fd)
+        info = os.fstat(fd)
+        self.held.append(os.dup(fd))
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            found = {}
+            for name in os.listdir(fd):
+                entry = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                self.held.append(os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=fd))
+                found[name] = (entry.st_ino, os.path.stat.S_ISDIR(entry.st_mode))
+            self.entries[info.st_ino] = found
+        else:
+            with open(f"/proc/self/fd/{fd}", "rb") as f:  # opened for writing alone
+                self.contents[info.st_ino] = f.read()
+        self.states.append((dict(self.contents), dict(self.entries)))
+
+    def leave(self, state: tuple[dict, dict], folder: int, out: Path) -> None:
+        """Write into `out` what state left of `folder` (an inode): a name whose bytes were
+        never made durable is an empty file, a folder never fsynced an empty folder."""
+        contents, entries = state
+        out.mkdir(parents=True)
+        for name, (inode, is_dir) in entries.get(folder, {}).items():
+            if is_dir:
+                self.leave(state, inode, out / name)
+            else:
+                (out / name).write_bytes(contents.get(inode, b""))
+
+    def close(self) -> None:
+        for fd in self.held:
+            os.close(fd)
+
+
+def test_a_power_loss_at_any_moment_leaves_latest_naming_a_whole_checkpoint(
+        tmp_path, data_dir, monkeypatch):
+    """`latest` is moved to a checkpoint only once every byte of it is on the disk, and a
+    checkpoint's files are renamed into their folder whole: whenever the power goes while a
+    run checkpoints (at each fsync: nothing becomes durable in between), the run as the disk
+    keeps it resumes from the newest checkpoint that was whole, its files checked against
+    checksums.json; never a `latest` naming a folder that is not there, or files that are
+    empty or cut short."""
+    from andrea.train import checkpoint as ckpt_io
+    from andrea.train.loop import train
+    from andrea.train.rundir import read_latest, resolve_checkpoint
+
+    disk = PowerLoss(os.fsync)
+    monkeypatch.setattr(os, "fsync", disk.fsync)
+    try:
+        cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=3",
+                          "train.checkpoint_every=1", "train.keep_last=2")
+        result = train(cfg, progress=False)
+        run = os.stat(result.run_dir).st_ino
+        steps = []
+        for k, state in enumerate(disk.states):
+            left = tmp_path / "left" / str(k)
+            disk.leave(state, run, left)
+            if not (left / "latest").exists():  # no checkpoint on the disk yet
+                assert not steps, f"power loss {k}: the run lost its checkpoints"
+                continue
+            ckpt = resolve_checkpoint(left, use="{}", for_resume=True)
+            assert ckpt == read_latest(left), f"power loss {k}"
+            for name in (ckpt_io.MODEL_FILE, ckpt_io.OPTIMIZER_FILE, ckpt_io.RNG_FILE):
+                ckpt_io.read_safetensors(ckpt / name)  # its bytes as checksums.json has them
+            state_read, _ = ckpt_io.read_trainer_state(ckpt)
+            assert ckpt.name == f"step-{state_read.step:06d}"
+            steps.append(state_read.step)
+    finally:
+        disk.close()
+    assert steps == sorted(steps) and set(steps) == {1, 2, 3}, steps
+
+
 def test_a_latest_leading_out_of_its_run_is_never_followed(tmp_path, trained_tiny):
     """`latest` names a step folder of its own run, nothing else: one edited or forged to lead
     elsewhere (../y/step-000040, another run's intact checkpoint) is refused as unusable, naming

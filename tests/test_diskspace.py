@@ -116,6 +116,30 @@ def test_a_failed_write_not_about_room_does_not_say_to_free_space(tmp_path, data
     assert describe_failure(None) == ("a write failed on another rank", None)
 
 
+def test_a_write_the_disk_refuses_leaves_the_file_as_it_was_and_nothing_beside_it(
+        tmp_path, monkeypatch):
+    """Every file andrea writes in a run (`latest`, config.yaml, a checkpoint's files) is
+    written beside its name and renamed over it: a full disk mid-write (here at the flush, as
+    a network or quota filesystem reports it) leaves the old bytes under the name, and no
+    half-written temporary file beside it, in a folder a user backs up or copies."""
+    import errno
+    import os
+
+    from andrea.fileio import atomic_write_text
+
+    latest = tmp_path / "latest"
+    atomic_write_text(latest, "step-000002\n")
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write_text(latest, "step-000004\n")
+    assert latest.read_text() == "step-000002\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
+
+
 @contextlib.contextmanager
 def disk_of(disk: Path, kib: int, monkeypatch) -> Iterator[Path]:
     """A folder on a filesystem of `kib` KiB: a real tmpfs where this process may mount one

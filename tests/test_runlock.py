@@ -224,6 +224,32 @@ def test_a_training_whose_lock_file_goes_stops_at_its_next_step_writing_nothing_
     assert f"resuming from {latest}" in resumed.stdout
 
 
+def test_a_lock_file_gone_while_a_checkpoint_is_written_publishes_nothing(
+        tmp_path, data_dir, monkeypatch, capsys):
+    """The lock file taken over while the training writes a checkpoint (minutes, for a large
+    model), after the step's own check: the checkpoint is not published; `latest` stays on the
+    one before, the half-written folder is removed, and the line says why."""
+    from andrea import faults
+
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=4",
+                                  "train.checkpoint_every=2", name="r"), tmp_path)
+    run_dir = tmp_path / "runs" / "r"
+    written = []
+
+    def model_file_written() -> None:
+        written.append(True)
+        if len(written) == 2:  # step 4's checkpoint, half written
+            (run_dir / RUN_LOCK).unlink()
+
+    monkeypatch.setattr(faults, "after_model_file", model_file_written)
+    code, err = train_main(capsys, "-c", str(cfg))
+    assert code == 2 and f"its lock file {run_dir / RUN_LOCK} was removed or replaced" in err, err
+    assert "stopped at step 4, writing nothing more there" in err, err
+    assert read_latest(run_dir) == run_dir / "step-000002"
+    assert [d.name for d in step_dirs(run_dir)] == ["step-000002"]
+    assert not list(run_dir.glob("*.partial-*"))
+
+
 def test_prepare_force_on_a_folder_a_live_training_reads_is_refused_naming_it(tmp_path):
     """A training holds each data folder it reads (a shared lock on its prepare lock): a
     prepare that would rewrite the shards under it is refused, naming the training; once it

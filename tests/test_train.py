@@ -379,6 +379,24 @@ def test_kill_9_while_writing_a_checkpoint_leaves_latest_loadable(tmp_path, data
     assert not list(run_dir.glob("*.partial-*"))
 
 
+def test_what_a_kill_while_pruning_leaves_is_removed_by_the_next_training(tmp_path, data_dir):
+    """A checkpoint pruned is renamed step-N.stale-PID, then deleted: a kill in between leaves a
+    whole checkpoint's worth of files under that name, which no command reads. The next
+    training of the run removes it, with what a kill while writing leaves (.partial-)."""
+    cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                      "train.checkpoint_every=1", "train.keep_last=1")
+    run = train(cfg, progress=False).run_dir
+    assert [p.name for p in run.iterdir() if p.name.startswith("step-")] == ["step-000002"]
+    shutil.copytree(run / "step-000002", run / "step-000001.stale-4242")  # killed pruning 1
+    shutil.copytree(run / "step-000002", run / "step-000003.partial-4242")  # killed writing 3
+    result = train(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=3",
+                               "train.checkpoint_every=1", "train.keep_last=1"),
+                   resume=str(run), progress=False)
+    assert result.steps == 3
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == [
+        "step-000003"]
+
+
 def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path, data_dir):
     cfg = tiny_config(tmp_path / "runs", data_dir, "train.max_steps=20", "train.checkpoint_every=5")
     path = config_file(cfg, tmp_path)
