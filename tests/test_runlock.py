@@ -30,6 +30,7 @@ from conftest import (
 from test_parallel import launch_nodes
 
 from andrea.cli import main
+from andrea.errors import UserError
 from andrea.folder_lock import pid_alive
 from andrea.hf import export_hf
 from andrea.train import runlock
@@ -362,6 +363,38 @@ def test_a_run_an_older_andrea_trains_without_a_lock_file_is_refused_naming_it(
     assert (run_dir / "latest").read_text().strip() == "step-000004"
 
 
+def test_a_dead_holders_pid_given_to_another_process_never_blocks(tmp_path, data_dir, capsys):
+    """A training killed on this host (kill -9, the OOM killer) whose pid the system has given
+    to a later process (containers hand out the same low pids again): the run resumes. Its
+    lock record names a live pid, but the flock is free, and the kernel drops a flock only
+    with its holder; an andrea from before the lock (no lock file) left an open segment in
+    metrics.jsonl whose pid is alive, but that process started after the segment did."""
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                                  "train.checkpoint_every=2", name="r"), tmp_path)
+    run_dir = tmp_path / "runs" / "r"
+    assert train_main(capsys, "-c", str(cfg))[0] == 0
+    later = subprocess.Popen(["sleep", "300"])  # the process the dead training's pid went to
+    try:
+        # An older andrea's segment, begun an hour ago and killed: no lock file, no end record.
+        start = {"event": "start", "step": 2, "max_steps": 100, "pid": later.pid,
+                 "host": HOST, "time": round(time.time() - 3600, 3)}
+        with open(run_dir / METRICS, "a") as f:
+            f.write(json.dumps(start) + "\n")
+        assert not (run_dir / RUN_LOCK).exists() and pid_alive(later.pid)
+        code, err = train_main(capsys, "--resume", str(run_dir), "--set", "train.max_steps=4")
+        assert code == 0, err
+        # A training of this andrea, killed an hour ago: its lock file names the pid.
+        (run_dir / RUN_LOCK).write_bytes(
+            Holder(later.pid, HOST, time.time() - 3600, time.time() - 3000).encode())
+        code, err = train_main(capsys, "--resume", str(run_dir), "--set", "train.max_steps=6")
+        assert code == 0, err
+    finally:
+        later.kill()
+        later.wait()
+    assert read_latest(run_dir) == run_dir / "step-000006"
+    assert not (run_dir / RUN_LOCK).exists()
+
+
 def test_trainings_one_after_another_in_one_process_each_take_the_run(tmp_path, data_dir,
                                                                       capsys):
     cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
@@ -421,6 +454,38 @@ def test_a_recorded_holder_is_stale_only_when_it_cannot_be_writing():
     assert not is_stale(Holder(4242, "node-1", now, now, "job@10.0.0.1:29500", 1), me, True)
     assert not is_stale(Holder(4242, "node-1", now, now, "other@10.0.0.1:29500", 0), me, True)
     assert not is_stale(Holder(4242, "node-1", now, now), me, flocked=True)
+
+
+def test_where_flock_does_not_work_a_live_holder_of_this_host_is_refused(tmp_path,
+                                                                        monkeypatch):
+    """A filesystem without flock (some network filesystems: ENOLCK): the record alone decides.
+    A holder of this host whose process runs is refused, never taken over as if the kernel had
+    dropped its flock; one whose process is gone is taken."""
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    live = subprocess.Popen(["sleep", "300"])  # a training of this host, writing the run
+    try:
+        now = time.time()
+        (run_dir / RUN_LOCK).write_bytes(Holder(live.pid, HOST, now, now).encode())
+        with pytest.raises(UserError, match=f"another andrea train is writing this run "
+                                            f"\\(pid {live.pid} on host {HOST}, since "):
+            RunLock(run_dir).acquire()
+    finally:
+        live.kill()
+        live.wait()
+    (run_dir / RUN_LOCK).write_bytes(Holder(_dead_pid(), HOST, now, now).encode())
+    lock = RunLock(run_dir).acquire()
+    try:
+        assert Holder.decode((run_dir / RUN_LOCK).read_bytes()).pid == os.getpid()
+    finally:
+        lock.release()
 
 
 def _dead_pid() -> int:
