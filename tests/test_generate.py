@@ -74,6 +74,19 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert {pick_next(logits, 1.0, None, 0.5, gen) for _ in range(100)} == {0}
     assert {pick_next(logits, 1.0, 2, None, gen) for _ in range(400)} == {0, 1}
     assert {pick_next(logits, 1.0, None, 1.0, gen) for _ in range(2000)} == {0, 1, 2, 3}
+    # Equally likely tokens, 1/4 each (exact in float64): 2 of them reach 0.5, 3 reach 0.75.
+    even = torch.zeros(4)
+    assert len({pick_next(even, 1.0, None, 0.5, gen) for _ in range(400)}) == 2
+    assert len({pick_next(even, 1.0, None, 0.75, gen) for _ in range(400)}) == 3
+
+
+def test_the_models_vocab_padding_is_never_a_candidate(model64):
+    """Ids from the tokenizer's count up (the model's vocab rounded up: 320 for 257 byte ids)
+    get no probability at all, whatever the temperature; every id below keeps its logit."""
+    ids, seen = run(model64, [1, 2, 3], 300, temperature=1e39, seed=2, n_valid=257)
+    for logits in seen:
+        assert torch.isinf(logits[257:]).all() and torch.isfinite(logits[:257]).all()
+    assert max(ids) < 257 and len(set(ids)) > 150  # near uniform over the 257
 
 
 def test_stops_at_end_of_text(model64):
@@ -209,3 +222,47 @@ def test_a_prompt_or_checkpoint_a_user_gets_wrong_is_one_line(tmp_path):
     assert_user_error(andrea_main("generate", "--checkpoint", str(hf)),
                       "it is a Hugging Face model folder: import it first, andrea import "
                       f"--format hf {hf}")
+
+
+def test_several_samples_of_one_seed_are_each_its_own_and_repeat_as_a_whole(tmp_path):
+    """--num-samples N --seed S: N different continuations of the prompt, and the same N again
+    for the same seed; sample i is the i-th draw of one generator seeded S (each sample
+    re-seeded printed the same text N times)."""
+    ckpt = make_checkpoint(tmp_path, "model.init_std=0.2")
+    args = ["generate", "--checkpoint", str(ckpt), "-p", "To be", "-n", "24", "--seed", "5",
+            "-t", "1.0", "--no-stop-at-eot", "--num-samples", "3"]
+    first, again = andrea_main(*args), andrea_main(*args)
+    assert first.returncode == 0, first.stderr
+    assert again.stdout == first.stdout
+    model, _, _ = load_model(ckpt)
+    tok = ByteTokenizer()
+    generator = torch.Generator().manual_seed(5)
+    expected = [
+        tok.decode(tok.encode("To be") + list(generate(
+            model, tok.encode("To be"), 24, temperature=1.0, top_k=200, stop_at_eot=False,
+            n_valid=tok.vocab_size, generator=generator)))
+        for _ in range(3)]
+    assert len(set(expected)) == 3, expected
+    assert first.stdout == "\n---\n".join(f"{sample}\n" for sample in expected)
+
+
+def test_a_sample_ends_at_end_of_text_which_is_not_printed(tmp_path):
+    """By default a sample stops where the model ends the document: the text before the
+    end-of-text token, never the token's own spelling (<|endoftext|>); --no-stop-at-eot goes on
+    past it to -n tokens."""
+    ckpt = make_checkpoint(tmp_path)  # near-uniform logits: end-of-text comes by chance
+    tok = ByteTokenizer()
+    model, _, _ = load_model(ckpt)
+    prompt = tok.encode("To be")
+    drawn = list(generate(model, prompt, 120, temperature=1.0, top_k=200, seed=4,
+                          eot_id=tok.eot_id, n_valid=tok.vocab_size))
+    assert drawn[-1] == tok.eot_id and len(drawn) < 120  # the premise: seed 4 draws it
+    args = ["generate", "--checkpoint", str(ckpt), "-p", "To be", "-n", "120", "--seed", "4",
+            "-t", "1.0"]
+    stopped = andrea_main(*args)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout == tok.decode(prompt + drawn[:-1]) + "\n"
+    assert "<|endoftext|>" not in stopped.stdout
+    on = andrea_main(*args, "--no-stop-at-eot")
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.startswith(stopped.stdout[:-1]) and len(on.stdout) > len(stopped.stdout)
