@@ -495,3 +495,75 @@ def test_an_out_of_dot_or_a_folder_above_is_one_line(tmp_path):
                       "--out ..: holds the working directory", "--out runs/NAME")
     assert sorted(p.name for p in tmp_path.iterdir()) == before and not list(empty.iterdir())
     assert [p.name for p in run.glob("step-*")] == ["step-000000"]
+
+
+def save_gpt2(src, **config):
+    """A small GPT-2 as transformers makes and saves it (with GPT-2's tokenizer files), with
+    CONFIG's GPT2Config keys; the model, in eval mode."""
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=32,
+                                  vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0, **config)
+    torch.manual_seed(3)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    hf.save_pretrained(src)
+    encoder, merges = gpt2_vocab_files()
+    shutil.copyfile(encoder, src / "vocab.json")
+    shutil.copyfile(merges, src / "merges.txt")
+    return hf
+
+
+def test_gpt2s_as_other_transformers_save_them_import_with_their_logits(tmp_path):
+    """Two GPT-2s andrea can represent exactly, as transformers other than the test's own may
+    write them: the tanh GELU spelled gelu_pytorch_tanh (the exact GELU instead was off by
+    some 1e-3 in every logit), and an older transformers' model.safetensors holding each
+    block's causal-mask buffers (attn.bias [1, 1, n, n], attn.masked_bias), which are no
+    weights (kept, the import was refused as 'unexpected tensors')."""
+    from safetensors.torch import load_file, save_file
+
+    idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(4))
+    src = tmp_path / "tanh"
+    # Weights of 0.3: pre-activations of order 1, where the two GELUs differ.
+    hf = save_gpt2(src, activation_function="gelu_pytorch_tanh", initializer_range=0.3)
+    ckpt = import_hf(src, tmp_path / "runs" / "tanh")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ckpt, idx), hf(idx).logits, rtol=0, atol=2e-5)
+
+    src = tmp_path / "old"
+    hf = save_gpt2(src)
+    weights = load_file(str(src / "model.safetensors"))
+    for i in range(2):
+        weights[f"h.{i}.attn.bias"] = torch.tril(torch.ones(32, 32)).view(1, 1, 32, 32)
+        weights[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(weights, str(src / "model.safetensors"), {"format": "pt"})
+    ckpt = import_hf(src, tmp_path / "runs" / "old")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ckpt, idx), hf(idx).logits, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("config, weights, says", [
+    ({"tie_word_embeddings": False}, None, "an LM head not tied to the token embedding"),
+    ({}, "lm_head", "lm_head.weight differs from wte.weight; ANDREA ties them"),
+    ({"layer_norm_epsilon": 1e-6}, None, "layer_norm_epsilon 1e-06 is not ANDREA's 1e-05"),
+    ({"scale_attn_by_inverse_layer_idx": True}, None,
+     "attention scaling other than 1/sqrt(head_dim)"),
+])
+def test_a_gpt2_andrea_would_compute_otherwise_is_refused(tmp_path, config, weights, says):
+    """An import computes the source model's logits or is refused in one line, nothing
+    written: a GPT-2 whose LM head is its own (by its config, or a head in the file that is not
+    the embedding), whose LayerNorm eps or attention scaling is not ANDREA's, imported as if it
+    were, gave other logits than transformers' without a word."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "gpt2"
+    hf = save_gpt2(src, **config)
+    if weights == "lm_head":  # a head of its own in a file whose config says it is tied
+        tensors = load_file(str(src / "model.safetensors"))
+        tensors["lm_head.weight"] = tensors["transformer.wte.weight"] + 0.01
+        save_file(tensors, str(src / "model.safetensors"), {"format": "pt"})
+    elif config.get("tie_word_embeddings") is False:
+        with torch.no_grad():
+            hf.lm_head.weight.add_(0.01)  # untied: a head that differs from the embedding
+        hf.save_pretrained(src)
+    assert_user_error(andrea_main("import", "--format", "hf", str(src), "--out", "runs/x",
+                                  cwd=tmp_path), says)
+    assert not (tmp_path / "runs").exists()
