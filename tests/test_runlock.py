@@ -395,6 +395,31 @@ def test_a_dead_holders_pid_given_to_another_process_never_blocks(tmp_path, data
     assert not (run_dir / RUN_LOCK).exists()
 
 
+def test_a_training_that_ended_in_a_process_still_running_never_blocks(tmp_path, data_dir,
+                                                                       capsys):
+    """A run trained by train() in a process that lives on (a notebook's kernel): its segment
+    ended (an end record), its lock released. Another process resumes the run: the live pid of
+    the segment's start record is no writer once the segment has ended."""
+    cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",
+                                  "train.checkpoint_every=2", name="r"), tmp_path)
+    run_dir = tmp_path / "runs" / "r"
+    kernel = subprocess.Popen(["sleep", "300"])  # the notebook that trained the run
+    try:
+        time.sleep(0.1)
+        assert train_main(capsys, "-c", str(cfg))[0] == 0
+        lines = (run_dir / METRICS).read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        assert [r["event"] for r in records][0] == "start" and records[-1]["event"] == "end"
+        records[0]["pid"] = kernel.pid  # as if the kernel's train() had written the segment
+        (run_dir / METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+        code, err = train_main(capsys, "--resume", str(run_dir), "--set", "train.max_steps=4")
+        assert code == 0, err
+    finally:
+        kernel.kill()
+        kernel.wait()
+    assert read_latest(run_dir) == run_dir / "step-000004"
+
+
 def test_trainings_one_after_another_in_one_process_each_take_the_run(tmp_path, data_dir,
                                                                       capsys):
     cfg = config_file(tiny_config(tmp_path / "runs", data_dir, "train.max_steps=2",

@@ -267,6 +267,21 @@ def test_resumed_run_keeps_only_the_current_history(tmp_path):
     assert read_run(write_run(tmp_path, "again", records)).state == "running"
 
 
+def test_a_val_loss_that_is_not_finite_is_never_the_best(tmp_path):
+    """An evaluation whose loss overflowed (fp16) or is NaN is recorded as such, and the best
+    val loss is the trainer's: the lowest finite one. A NaN first evaluation was the best for
+    good (no loss is below NaN)."""
+    records = [start_record(pid=dead_pid()), *normal_history(100)]
+    for rec in records:
+        if rec["event"] == "eval" and rec["step"] == 50:
+            rec["val_loss"] = float("inf")
+    records.insert(1, {"event": "eval", "step": 5, "val_loss": float("nan"), "time": 1.7e9})
+    records.append(end_record(100, "finished"))
+    r = read_run(write_run(tmp_path, "nan", records))
+    assert (r.best_val_loss, r.best_val_step) == (pytest.approx(3.5), 100)
+    assert r.last_val_loss == pytest.approx(3.5)
+
+
 def test_a_segment_after_a_line_cut_short_by_a_kill_keeps_its_start(tmp_path):
     # kill -9 while a record was being written: its line ends mid-way. The resumed segment's
     # start was appended onto it and lost with it, so the run read as the killed segment
