@@ -23,7 +23,13 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from andrea.data.inputs import source_last_part
-from andrea.data.loader import TokenSplit, token_byte_lengths, val_windows, window_batches
+from andrea.data.loader import (
+    TokenSplit,
+    read_batch,
+    token_byte_lengths,
+    val_windows,
+    window_groups,
+)
 from andrea.errors import UserError
 from andrea.train.collectives import all_reduce_sum
 from andrea.train.torchrun import DistInfo
@@ -149,15 +155,16 @@ def score_val(
                unit_scale=True, dynamic_ncols=True, file=sys.stderr,
                disable=not (progress and dist.is_main))
     for i, source in enumerate(sources):
-        batches = window_batches(source.split, source.windows, batch_size)
-        rounds = math.ceil(len(batches) / dist.world_size)
+        # Read batch by batch, this rank's alone: memory stays one batch whatever the split.
+        groups = window_groups(source.windows, batch_size)
+        rounds = math.ceil(len(groups) / dist.world_size)
         for b in range(rounds * dist.world_size)[dist.rank::dist.world_size]:
-            if b >= len(batches) and not lockstep:
+            if b >= len(groups) and not lockstep:
                 break
-            x, y = batches[min(b, len(batches) - 1)]
+            x, y = read_batch(source.split, groups[min(b, len(groups) - 1)])
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 _, loss = model(x.to(device), y.to(device))
-            if b < len(batches):
+            if b < len(groups):
                 n_bytes = int(source.byte_lengths[y.numpy()].sum())
                 totals[i] += torch.tensor([loss.double().item() * y.numel(), y.numel(),
                                            n_bytes], dtype=torch.float64, device=device)
