@@ -38,7 +38,7 @@ import hashlib
 import json
 import math
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -458,9 +458,12 @@ def _check_enough(split: TokenSplit, per_step: int, block_size: int, what: str) 
         )
 
 
+Window = tuple[int, int, int]  # (shard, start, targets), as val_windows makes them
+
+
 def val_windows(
     split: TokenSplit, block_size: int, max_tokens: int | None = None
-) -> list[tuple[int, int, int]]:
+) -> list[Window]:
     """The fixed validation windows of one split: (shard, start, targets) each, in order.
 
     Every window predicts tokens [start + 1, start + targets] of its shard from the tokens just
@@ -473,17 +476,26 @@ def val_windows(
     than a block) takes its windows from the start instead. The set depends only on the
     split, block_size and max_tokens, never on a batch size or the number of processes.
     """
-    windows = [
-        (shard, start, min(block_size, size - 1 - start))
-        for shard, size in enumerate(split.shard_sizes.tolist())
-        for start in range(0, size - 1, block_size)
-    ]
-    total = sum(n for _, _, n in windows)
-    if max_tokens is None or max_tokens >= total:
-        return windows
+    sizes = split.shard_sizes.tolist()
+
+    def every() -> Iterator[Window]:
+        for shard, size in enumerate(sizes):
+            for start in range(0, size - 1, block_size):
+                yield shard, start, min(block_size, size - 1 - start)
+
+    if max_tokens is None or max_tokens >= sum(max(0, size - 1) for size in sizes):
+        return list(every())
+    # A budget's windows are found by number, without listing the split's (a list that took
+    # 0.6 GB for the train split of a 1 GB corpus at block_size 64).
     k = -(-max_tokens // block_size)
-    full = [w for w in windows if w[2] == block_size]
-    chosen = [full[j * len(full) // k] for j in range(k)] if len(full) >= k else windows
+    # The full windows up to each shard's end: a shard's are its first (size - 1) // T.
+    ends = np.cumsum([max(0, size - 1) // block_size for size in sizes]).tolist()
+    chosen: Iterable[Window] = every()
+    if ends[-1] >= k:
+        numbers = [j * ends[-1] // k for j in range(k)]
+        shards = np.searchsorted(ends, numbers, side="right").tolist()
+        chosen = [(shard, (number - (ends[shard - 1] if shard else 0)) * block_size, block_size)
+                  for number, shard in zip(numbers, shards, strict=True)]
     out, left = [], max_tokens
     for shard, start, n in chosen:
         if left <= 0:
@@ -491,9 +503,6 @@ def val_windows(
         out.append((shard, start, min(n, left)))
         left -= out[-1][2]
     return out
-
-
-Window = tuple[int, int, int]  # (shard, start, targets), as val_windows makes them
 
 
 def window_groups(windows: list[Window], batch_size: int) -> list[list[Window]]:
