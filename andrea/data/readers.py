@@ -214,7 +214,9 @@ def _csv_stray_quote(data: bytes) -> int:
     quotes = np.flatnonzero(raw == ord('"'))
     if not len(quotes):
         return -1
-    edged = np.concatenate(([ord(",")], raw, [ord(",")]))  # the piece's ends are fields' edges
+    # The piece's ends are fields' edges; a uint8 comma, as a Python int made it 8 bytes a byte.
+    comma = np.array([ord(",")], dtype=np.uint8)
+    edged = np.concatenate((comma, raw, comma))
     opening, closing = quotes[0::2], quotes[1::2]
     stray = np.concatenate((opening[~np.isin(edged[opening], _FIELD_EDGES)],
                             closing[~np.isin(edged[closing + 2], _FIELD_EDGES)]))
