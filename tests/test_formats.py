@@ -160,6 +160,21 @@ def test_csv_with_lone_cr_line_ends_reads_its_rows(tmp_path, monkeypatch):
         np.testing.assert_array_equal(split_tokens(mac, split), split_tokens(lines, split))
 
 
+def test_a_parquet_row_group_is_read_batch_by_batch_not_whole(tmp_path):
+    """A row group's text column is streamed through a buffer of a block, not read whole first
+    (pyarrow's default): a 200 MB row group held 120 MB more than a 50 MB one."""
+    rows = [f"row {i} " + "word " * 400 for i in range(12_000)]  # 24 MB, one row group
+    path = tmp_path / "one.parquet"
+    pq.write_table(pa.table({"text": rows}), path, row_group_size=len(rows), compression="none")
+    f = readers.InputFile(path, "parquet", "", path.stat().st_size, 0)
+    base, peak, count = pa.total_allocated_bytes(), 0, 0
+    for job in readers.parquet_jobs(f, "text", 0):
+        peak = max(peak, pa.total_allocated_bytes() - base)
+        count += len(job.data)
+    assert count == len(rows)
+    assert peak < 12_000_000  # a few batches and pages (the whole column: 24 MB)
+
+
 def test_a_row_of_many_blocks_reads_in_time_linear_in_its_length(tmp_path, monkeypatch):
     """A JSON Lines record or CSV field longer than a block was searched for its end whole at
     every block: a 100 MB record took 9 s to cut, a 50 MB CSV field 30 s and 1 GB of memory.
