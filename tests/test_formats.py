@@ -175,6 +175,32 @@ def test_a_parquet_row_group_is_read_batch_by_batch_not_whole(tmp_path):
     assert peak < 12_000_000  # a few batches and pages (the whole column: 24 MB)
 
 
+def test_compressed_input_comes_in_blocks_however_well_it_compresses(tmp_path, monkeypatch):
+    """Repetitive text compresses 10,000 to 1: read a block of file at a time, 500 MB of
+    repeated JSON Lines (44 KB of zstd) came out of one call, and the prepare peaked at 6.7 GB.
+    Fed to the decompressor a little at a time, it comes out in blocks of a READ_BYTES."""
+    import tracemalloc
+
+    monkeypatch.setattr(readers, "READ_BYTES", 1 << 16)
+    monkeypatch.setattr(readers, "FEED_BYTES", 64, raising=False)
+    blob = b'{"text": "the same line, again and again"}\n' * 100_000  # 4 MB
+    for suffix, data in ((".gz", gzip.compress(blob, 9)),
+                         (".zst", zstandard.ZstdCompressor(level=19).compress(blob))):
+        path = tmp_path / f"a.jsonl{suffix}"
+        path.write_bytes(data)
+        f = readers.InputFile(path, "records", suffix, len(data), 0)
+        tracemalloc.start()
+        try:
+            blocks = [(len(block), consumed) for block, consumed in readers.iter_blocks(f)]
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert sum(n for n, _ in blocks) == len(blob) and sum(c for _, c in blocks) == len(data)
+        assert max(n for n, _ in blocks) <= readers.READ_BYTES, suffix
+        assert peak < 2_000_000, suffix
+        assert len(list(readers.record_jobs(f, "text", 0))) >= len(blob) // 2 // (1 << 16)
+
+
 def test_a_row_of_many_blocks_reads_in_time_linear_in_its_length(tmp_path, monkeypatch):
     """A JSON Lines record or CSV field longer than a block was searched for its end whole at
     every block: a 100 MB record took 9 s to cut, a 50 MB CSV field 30 s and 1 GB of memory.

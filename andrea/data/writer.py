@@ -56,7 +56,8 @@ def mark_started(
 
 def job_rule() -> dict[str, int]:
     """What fixes the job boundaries: a resumed run must cut its input the same way."""
-    return {"chunk_bytes": documents.CHUNK_BYTES, "read_bytes": readers.READ_BYTES}
+    return {"chunk_bytes": documents.CHUNK_BYTES, "read_bytes": readers.READ_BYTES,
+            "feed_bytes": readers.FEED_BYTES}
 
 
 def _tokenizer(
