@@ -367,5 +367,5 @@ def test_an_empty_val_split_says_why_and_what_helps(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"title": "no text"}\n' * 20)
     r = andrea_main("prepare", "--input", "bad.jsonl", "-t", "byte", "--errors", "replace",
                     "-o", "o2", cwd=tmp_path)
-    assert_user_error(r, "o2: no text came out of the inputs: all 20 records were skipped "
-                      "(data.errors replace)")
+    assert_user_error(r, "o2: no text came out of the inputs: every record was skipped (20 "
+                      "records, data.errors replace)")
