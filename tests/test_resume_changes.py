@@ -13,16 +13,20 @@ from conftest import andrea_main, assert_user_error, config_file, tiny_config
 from andrea.train.rundir import CHECKSUMS, TRAINER_STATE, file_sha256, write_checksums
 
 
-def recorded_best_val(run: Path, step: int, loss: float) -> None:
-    """Run RUN as if its evaluations had found val loss LOSS at checkpoint STEP, its best: the
-    eval event in metrics.jsonl and the checkpoint's trainer_state.json (with its checksum, so
-    it still reads as intact)."""
-    ckpt = run / f"step-{step:06d}"
+def rewrite_state(ckpt: Path, **keys) -> None:
+    """Checkpoint CKPT's trainer_state.json with KEYS changed, its checksum recorded again (so
+    it still reads as intact), as another machine or run would have written it."""
     state = json.loads((ckpt / TRAINER_STATE).read_text())
-    state.update(best_val_loss=loss, best_val_step=step)
+    state.update(keys)
     (ckpt / TRAINER_STATE).write_text(json.dumps(state, indent=1))
     sums = json.loads((ckpt / CHECKSUMS).read_text())["files"]
     write_checksums(ckpt, {**sums, TRAINER_STATE: file_sha256(ckpt / TRAINER_STATE)})
+
+
+def recorded_best_val(run: Path, step: int, loss: float) -> None:
+    """Run RUN as if its evaluations had found val loss LOSS at checkpoint STEP, its best: the
+    eval event in metrics.jsonl and the checkpoint's trainer_state.json."""
+    rewrite_state(run / f"step-{step:06d}", best_val_loss=loss, best_val_step=step)
     with (run / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"event": "eval", "step": step, "val_loss": loss}) + "\n")
 
@@ -299,12 +303,8 @@ def test_a_resume_whose_auto_precision_resolves_otherwise_here_says_so(tmp_path,
     assert same.returncode == 0, same.stderr
     assert "resume: precision" not in same.stdout, same.stdout
     other = next(p for p in ("bf16", "fp32") if p != here)
-    ckpt = run / "step-000003"
-    state = json.loads((ckpt / TRAINER_STATE).read_text())
-    state["precision"] = other  # as a machine where auto resolved otherwise recorded it
-    (ckpt / TRAINER_STATE).write_text(json.dumps(state, indent=1))
-    sums = json.loads((ckpt / CHECKSUMS).read_text())["files"]
-    write_checksums(ckpt, {**sums, TRAINER_STATE: file_sha256(ckpt / TRAINER_STATE)})
+    # as a machine where auto resolved otherwise recorded it
+    rewrite_state(run / "step-000003", precision=other)
     moved = andrea_main("train", "--resume", str(run), "--no-progress", "--set",
                         "train.max_steps=4")
     assert moved.returncode == 0, moved.stderr
@@ -345,10 +345,7 @@ def test_a_muon_runs_auto_newton_schulz_precision_is_recorded_and_resumed_as_pre
         andrea_main("train", "--resume", str(run), "--no-progress",
                     "--set", f"train.muon_ns_precision={other}", "--set", "train.max_steps=3"),
         f"resuming cannot change train.muon_ns_precision (auto -> {other})")
-    state["muon_ns_precision"] = other  # as a machine where auto resolved otherwise recorded it
-    (ckpt / TRAINER_STATE).write_text(json.dumps(state, indent=1))
-    sums = json.loads((ckpt / CHECKSUMS).read_text())["files"]
-    write_checksums(ckpt, {**sums, TRAINER_STATE: file_sha256(ckpt / TRAINER_STATE)})
+    rewrite_state(ckpt, muon_ns_precision=other)  # as a machine where auto resolved otherwise
     moved = andrea_main("train", "--resume", str(run), "--no-progress", "--set",
                         "train.max_steps=3")
     assert moved.returncode == 0, moved.stderr
