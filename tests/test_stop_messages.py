@@ -153,15 +153,17 @@ def test_an_eta_of_days_is_said_in_days_and_a_plan_of_days_once_with_what_to_run
     assert re.search(r"<[\d,]+ days,", proc.stderr), proc.stderr
     assert not re.search(r"\d{3,}:\d\d:\d\d", proc.stderr), proc.stderr
     # 70,000 steps of 2,048 tokens, without the bar: 2 hours at this CPU's 20,000 tokens/s, so
-    # between ten minutes and a day on a CPU 12 times faster or slower.
+    # between ten minutes and a day on a CPU 12 times faster or slower. A machine loaded by
+    # other work measured 818 tokens/s, over a day: then the plan of days is what is said.
     proc = andrea_main("train", "-c", str(cfg), "--stop-after", "2", "--no-progress", "--set",
                        "train.max_steps=70000", "--set", "train.global_batch_tokens=2048",
                        "--set", "train.micro_batch_size=8", "--set", "train.name=quiet")
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "plan needs" in line]
-    assert len(lines) == 1 and re.search(
+    assert len(lines) == 1 and (re.search(
         r"^note: the rest of this plan needs about (\d+:)?\d+:\d\d on this machine \(.+\); "
-        r"without the bar \(--no-progress\)", lines[0]), proc.stderr
+        r"without the bar \(--no-progress\)", lines[0]) or re.search(
+        r"^note: this plan needs about [\d,.]+ days on this machine", lines[0])), proc.stderr
 
 
 def test_a_small_mixture_source_is_counted_and_warned_about_on_its_own(tmp_path):
