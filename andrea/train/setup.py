@@ -159,15 +159,15 @@ def set_up(
     precision = choose_precision(t.precision, device)
     dtype = precision.dtype
     ns_precision = muon_ns_precision(cfg, device)
-    state = run.trainer_state  # None: a new run, which has recorded nothing
+    trainer_state = run.trainer_state  # the checkpoint's, as every rank has it; None: a new run
     precision_line = "\n".join(line for line in (
         resumed_precision_line("train.precision", t.precision, precision,
-                               state.precision if state else None, "trained"),
+                               trainer_state.precision if trainer_state else None, "trained"),
         resumed_precision_line("train.muon_ns_precision", t.muon_ns_precision, ns_precision,
-                               state.muon_ns_precision if state else None, "iterated"),
+                               trainer_state.muon_ns_precision if trainer_state else None,
+                               "iterated"),
     ) if line)
-    backend, why, attention_line = resolve_attention(cfg, device, dtype, run.trainer_state,
-                                                     changes)
+    backend, why, attention_line = resolve_attention(cfg, device, dtype, trainer_state, changes)
     model, optimizer, names = build_model(cfg, device, parallel, dtype, backend)
     s = Session(
         cfg=cfg, device=device, dtype=dtype, run_dir=run_dir, model=model, optimizer=optimizer,
@@ -178,7 +178,6 @@ def set_up(
         scaling=loss_scaling_for(dtype, device), precision_why=precision.why,
         ns_precision=ns_precision.name if ns_precision is not None else None,
     )
-    trainer_state = run.trainer_state  # the checkpoint's, as every rank has it; None: a new run
     if resume_from is not None:
         TrainingState(s).restore(resume_from, record=trainer_state, sharded=run.sharded)
         if val_causes:  # the best so far is a loss on the old set: compared with none of the new
