@@ -281,9 +281,9 @@ def bench_train(
     tokens per step on one process."""
     from andrea.config import load_config
     from andrea.model.transformer import Andrea, loss_chunk_rows
+    from andrea.train.batch import accumulation_steps, resolve_micro_batch
     from andrea.train.device import pick_dtype
     from andrea.train.optim import build_optimizer
-    from andrea.train.setup import accumulation_steps, resolve_micro_batch
 
     cfg = load_config(preset, overrides)
     dtype = pick_dtype(cfg.train.precision, device)

@@ -53,11 +53,11 @@ from andrea.evaluate import evaluate_checkpoint
 from andrea.resources import cpu_name
 from andrea.runs import read_metrics
 from andrea.train import checkpoint as ckpt_io
+from andrea.train.batch import batch_warmup_active
 from andrea.train.device import cpu_has_bf16
 from andrea.train.loop import train
 from andrea.train.resume import config_changes
 from andrea.train.rundir import step_dirs, step_of_dir
-from andrea.train.setup import batch_warmup_active
 
 OPTIMIZERS = ("adamw", "muon")
 

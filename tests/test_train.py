@@ -829,7 +829,7 @@ def test_a_step_that_the_processes_cannot_share_says_what_would_split_it():
     a fixed key (a resume may not change global_batch_tokens) or a micro-batch auto had picked,
     and no way out. It now gives a micro-batch that divides a process's windows where one does,
     and says where none can."""
-    from andrea.train.setup import accumulation_steps, windows_per_process
+    from andrea.train.batch import accumulation_steps, windows_per_process
 
     def cfg(tokens: int):
         return load_config("andrea-tiny", [f"train.global_batch_tokens={tokens}"])  # block 64

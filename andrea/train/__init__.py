@@ -1,12 +1,13 @@
 """Stage 3, train: one run from config to checkpoints. Its modules by concern:
 
 - the run: loop (the recipe: set-up, then per step batch, forward/backward, clip, step, log,
-  eval, checkpoint), setup (run folder, data, model, optimizer, micro-batch; rank 0's start
-  files and plan lines), session (what a process holds while it trains), signals (Ctrl-C and
+  eval, checkpoint), setup (run folder, data, model, optimizer; rank 0's start files and
+  plan lines), session (what a process holds while it trains), signals (Ctrl-C and
   SIGTERM), runlock (one writer per run folder), rundata (a run's data when its folder is not
   here);
 - one step's numbers: device (device and precision), scaling (fp16's loss scaling), optim and
-  muon (the optimizers), schedule (the learning rate), memory (the automatic micro-batch),
+  muon (the optimizers), schedule (the learning rate), batch (micro-batch and
+  accumulation steps), memory (the estimate the automatic micro-batch fits),
   spike (the loss-spike guard), validation (the val loss), flops (MFU);
 - checkpoints: training_state (what a checkpoint holds of a session as one object,
   TrainingState, with every rank's generator states), checkpoint (its files' tensors, their

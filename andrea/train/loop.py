@@ -5,7 +5,8 @@ The recipe, per optimizer step: set the scheduled learning rate; run accum_steps
 last one); clip by global norm; check the loss and norm are finite; AdamW step; log, evaluate,
 checkpoint. Everything a resumed run needs (weights, moments, RNG states, step) is in the
 checkpoint, and batches depend only on (seed, step, rank), so a resume repeats the losses exactly.
-Setting up (run folder, data, model, optimizer, micro-batch) is andrea/train/setup.py.
+Setting up (run folder, data, model, optimizer, micro-batch) is andrea/train/setup.py; the
+micro-batch and accumulation steps, andrea/train/batch.py.
 """
 
 from __future__ import annotations
