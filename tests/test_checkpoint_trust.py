@@ -509,6 +509,50 @@ def test_a_trainer_state_that_parses_but_is_damaged_is_damaged_to_runs_and_resta
     assert checkpoint_problem(runs / "edited" / "step-000040", for_resume=True) is None
 
 
+def flip_a_byte(path: Path) -> None:
+    """A copy damaged on its way: one byte of the tensors' data, every header still sound."""
+    blob = bytearray(path.read_bytes())
+    blob[-10] ^= 0x01
+    path.write_bytes(bytes(blob))
+
+
+def test_a_flipped_byte_is_passed_over_by_a_torchrun_restart(tmp_path, trained_tiny):
+    """A byte flipped in the newest checkpoint's optimizer state keeps every header sound, so
+    checkpoint_problem, which reads files and headers, calls it intact; only its checksum
+    differs. Before: a torchrun restart picked it as the newest intact checkpoint, its load
+    refused it (exit 2), and torchrun restarted onto it again until no restart was left. Now
+    a restart verifies the checksums of the one it picks and continues from the newest that
+    verifies, naming the one it passed over; a first launch is still refused in one line
+    naming the file and the checkpoint to use, nothing written."""
+    from andrea.train import restarts, torchrun
+
+    run = tmp_path / "runs" / "x"
+    shutil.copytree(trained_tiny.run_dir, run)
+    flip_a_byte(run / "step-000040" / "optimizer.safetensors")
+    auto = ("train", "-c", "runs/x/config.yaml", "--set", "train.runs_dir=runs",
+            "--set", "train.name=x", "--resume", "auto", "--no-progress")
+    before = snapshot(tmp_path)
+    assert_user_error(andrea_main(*auto, "--set", "train.max_steps=41", cwd=tmp_path),
+                      "runs/x/step-000040/optimizer.safetensors: damaged: its sha256",
+                      "(the newest other intact one is runs/x/step-000020)")
+    assert snapshot(tmp_path) == before
+
+    try:  # a worker torchrun restarted: nobody is there to choose, so it takes step 20
+        torchrun.torchrun_env.cache_clear()
+        restarts.attempt.cache_clear()
+        proc = andrea_main(*auto, cwd=tmp_path, env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    finally:
+        torchrun.torchrun_env.cache_clear()
+        restarts.attempt.cache_clear()
+    assert proc.returncode == 0, proc.stderr
+    assert ("torchrun restart 1: continuing from runs/x/step-000020, the run's newest intact "
+            "checkpoint; passed over step-000040, which 'latest' names: optimizer.safetensors "
+            "is damaged: its sha256 is not the one checksums.json recorded when it was written "
+            "(a copy damaged on its way?)\n") in proc.stdout, proc.stdout
+    assert losses(run) == losses(trained_tiny.run_dir)  # 21..40 again, the same
+    assert checkpoint_problem(run / "step-000040", for_resume=True, verify=True) is None
+
+
 def test_a_checkpoint_pruned_between_latest_and_its_files_says_so(tmp_path, trained_tiny):
     """A live training with train.keep_last prunes the checkpoint `latest` named a moment
     before: once in some 30 reads a user's generate called it "missing; the checkpoint is

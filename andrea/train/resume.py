@@ -30,6 +30,7 @@ from andrea.train.rundir import (
     OVERWRITTEN,
     TrainerState,
     checkpoint_problem,
+    checksums_problem,
     is_step_dir,
     newest_intact,
     read_latest,
@@ -263,26 +264,37 @@ def locate_run(resume: str, cfg: Config | None) -> Path:
 def resume_checkpoint(resume: str, run_dir: Path) -> Path:
     """The checkpoint `--resume` continues from: the step folder it names, else the run's
     latest; a damaged one is refused naming the newest intact step (resolve_checkpoint). A
-    worker torchrun restarted takes the newest intact one instead: nobody is there to choose."""
+    worker torchrun restarted takes the newest intact one instead, its files' checksums
+    verified too: nobody is there to choose, and a checkpoint whose files merely read (a
+    flipped byte keeps every header sound) was refused at its load in every restart, until
+    torchrun had none left."""
     named = Path(resume)
     where = run_dir / named.name if is_step_dir(named) else run_dir
+    use = "andrea train --resume {}"
+    if not attempt().number:
+        return resolve_checkpoint(where, use=use, for_resume=True)
     try:
-        return resolve_checkpoint(where, use="andrea train --resume {}", for_resume=True)
+        checkpoint = resolve_checkpoint(where, use=use, for_resume=True)
     except UserError:
-        intact = newest_intact(run_dir, for_resume=True) if attempt().number else None
-        if intact is None:
+        verified = newest_intact(run_dir, for_resume=True, verify=True)
+        if verified is None:
             raise
-        return intact
+        return verified
+    if checksums_problem(checkpoint, for_resume=True) is None:
+        return checkpoint
+    # Where none verifies, this one: its load refuses it in one line naming the file.
+    return newest_intact(run_dir, for_resume=True, verify=True) or checkpoint
 
 
 def passed_over(run_dir: Path, checkpoint: Path) -> str | None:
     """Why a torchrun restart continues from `checkpoint` and not from the one the run's
-    `latest` names, in words (that one's damage, as checkpoint_problem says it); None when
-    `latest` names `checkpoint`."""
+    `latest` names, in words (that one's damage, as checkpoint_problem says it, its checksums
+    verified); None when `latest` names `checkpoint`."""
     named = read_latest(run_dir)
     if named is None:
         return f"the run's '{LATEST}' file names no checkpoint"
-    problem = None if named == checkpoint else checkpoint_problem(named, for_resume=True)
+    problem = None if named == checkpoint else checkpoint_problem(named, for_resume=True,
+                                                                  verify=True)
     return None if problem is None else f"passed over {named.name}, which '{LATEST}' names: " \
         f"{problem}"
 

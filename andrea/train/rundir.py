@@ -340,13 +340,16 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def checkpoint_problem(ckpt: Path, for_resume: bool = False) -> str | None:
+def checkpoint_problem(ckpt: Path, for_resume: bool = False, verify: bool = False) -> str | None:
     """What makes checkpoint folder `ckpt` unusable, in a few words, or None if it is intact:
     its model file (for eval, generate, export) and, for_resume, the trainer state, RNG states
     and optimizer state (under fsdp its shards: shards_problem) too. Files and headers only; no
     tensor is read. The one test of "intact" that `andrea runs`, the refusal of a damaged
     checkpoint and the checkpoint a resume or a torchrun restart picks all ask, so that none of
-    them takes a checkpoint another calls damaged."""
+    them takes a checkpoint another calls damaged. `verify`: also every such file's sha256
+    against checksums.json (checksums_problem), which a flipped byte alone fails: seconds for
+    a big checkpoint, so asked where nobody is there to choose (a torchrun restart's pick); a
+    load checks each file as it reads it anyway."""
     if not ckpt.is_dir():
         return "the folder does not exist"
     files = [MODEL_FILE]
@@ -357,7 +360,33 @@ def checkpoint_problem(ckpt: Path, for_resume: bool = False) -> str | None:
         problem = _file_problem(ckpt / name, name)
         if problem is not None:
             return problem
-    return shards_problem(ckpt) if sharded else None
+    problem = shards_problem(ckpt) if sharded else None
+    return checksums_problem(ckpt, for_resume) if problem is None and verify else problem
+
+
+def checksums_problem(ckpt: Path, for_resume: bool = False) -> str | None:
+    """Which file of checkpoint `ckpt` is not the bytes its checksums.json recorded when it was
+    written, in a few words, or None: the files eval and generate read (the model file, a BPE's
+    tokenizer.json) and, for_resume, every file the record lists (under fsdp every shard). A
+    checkpoint without the record (written before andrea kept one) has nothing to verify:
+    None."""
+    record = ckpt / CHECKSUMS
+    if not record.is_file():
+        return None
+    try:
+        sums = json.loads(record.read_text(encoding="utf-8"))["files"]
+        listed = [(str(name), str(digest)) for name, digest in sums.items()]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{CHECKSUMS} is unreadable, so its files cannot be checked"
+    for name, expected in listed:
+        inside = not Path(name).is_absolute() and ".." not in Path(name).parts
+        if not inside or not (for_resume or name in (MODEL_FILE, "tokenizer.json")):
+            continue  # a forged name never leads the hashing out of the checkpoint
+        path = ckpt / name
+        if path.is_file() and file_sha256(path) != expected:
+            return (f"{name} is damaged: its sha256 is not the one {CHECKSUMS} recorded when it "
+                    f"was written (a copy damaged on its way?)")
+    return None
 
 
 def _file_problem(path: Path, name: str) -> str | None:
@@ -446,22 +475,22 @@ def _check_state(path: Path) -> None:
     TrainerState.from_dict(raw)
 
 
-def latest_problem(run: Path, name: str | None) -> str | None:
+def latest_problem(run: Path, name: str | None, verify: bool = False) -> str | None:
     """Why the checkpoint a run's `latest` names (`name`; None: no `latest` file) cannot be
     opened, or None when it can: what `find_checkpoint` would refuse, as `andrea runs` says
-    it."""
+    it (`verify`: and its model file's checksum, checkpoint_problem's)."""
     if name is None:
         return f"no {LATEST} file naming the newest checkpoint"
     if not (run / name).is_dir():
         return f"{LATEST} points to {name}, which does not exist"
-    damage = checkpoint_problem(run / name)
+    damage = checkpoint_problem(run / name, verify=verify)
     return None if damage is None else f"{LATEST} points to {name}, whose {damage}"
 
 
-def newest_intact(run_dir: Path, for_resume: bool = False) -> Path | None:
+def newest_intact(run_dir: Path, for_resume: bool = False, verify: bool = False) -> Path | None:
     """The newest checkpoint folder of the run with no `checkpoint_problem`."""
     for ckpt in reversed(step_dirs(run_dir)):
-        if checkpoint_problem(ckpt, for_resume) is None:
+        if checkpoint_problem(ckpt, for_resume, verify) is None:
             return ckpt
     return None
 
