@@ -154,6 +154,37 @@ def test_shards_that_do_not_make_the_tensors_whole_are_refused(fsdp_run, tmp_pat
                                   cwd=tmp_path), says)
 
 
+def moved_slice(header: dict) -> None:
+    """Rank 1's rows of the token embedding (0 to 159 of 320) said to start at row 60: as many
+    values as the tensor has and its whole extent, rows 160 to 219 held twice (rank 2 holds
+    160 to 319) and 0 to 59 not at all."""
+    info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+    assert info["tok_emb.weight"] == {"saved_offsets": [0, 0]}
+    info["tok_emb.weight"]["saved_offsets"] = [60, 0]
+    header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+
+
+def test_slices_that_overlap_and_leave_a_gap_are_refused(fsdp_run, tmp_path):
+    """The shards' count of each tensor's values (above) passed slices that overlap by as much
+    as they leave uncovered: DCP read the overlap from either and left the gap as the model's
+    fresh weights, and the run trained on from them without a word (a checkpoint without
+    checksums.json: an older one or a stranger's). Now the slices must tile the tensor."""
+    run = damaged_copy(fsdp_run, tmp_path)
+    ckpt = run / "step-000004"
+    first = ckpt / "shards/shard-00001-model-00001-of-00001.safetensors"
+    rewrite_header(first, moved_slice)
+    index = json.loads((ckpt / "shards/index.json").read_text())
+    index["files"][first.name] = first.stat().st_size
+    (ckpt / "shards/index.json").write_text(json.dumps(index))
+    (ckpt / "checksums.json").unlink()
+    assert_user_error(andrea_main("train", "--resume", "runs/f", "--set", "train.max_steps=6",
+                                  cwd=tmp_path),
+                      "runs/f/step-000004/shards: the shards' slices of tensor 'tok_emb.weight' "
+                      "at offsets [60, 0] and [160, 0] overlap, so part of it would keep the "
+                      "model's fresh values; the checkpoint is damaged")
+    assert not (run / "step-000006").exists()
+
+
 def rewrite_shard(ckpt: Path, edit) -> None:
     """Rewrite the checkpoint's second shard with edit(its tensors) applied, its DCP metadata
     kept, and record its size and sha256 as if written so: damage no checksum can see."""
