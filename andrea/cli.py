@@ -296,12 +296,15 @@ def runs_cmd(
     root: Annotated[str, typer.Argument(metavar="DIR",
                                         help="Folder of run directories.")] = "runs",
     as_json: JsonOpt = False,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Also hash each latest checkpoint's files against its checksums.json "
+                         "(seconds a GB).")] = False,
 ) -> None:
     """List runs: steps, losses, speed, state, checkpoint. One row per run: steps, tokens, best
     val loss, last train loss, precision, speed, state and latest checkpoint."""
     from andrea.runs import format_json, format_table, list_runs, no_runs_line
 
-    runs = list_runs(root)
+    runs = list_runs(root, verify)
     if as_json:
         typer.echo(format_json(runs))  # [] for none: a reader's list, empty
     else:

@@ -282,33 +282,36 @@ def _last_eval(summary: RunSummary, rec: dict[str, Any]) -> None:
     summary.last_val_sources = val_sources(rec) or None
 
 
-def read_run(path: Path | str) -> RunSummary:
-    """Summarise one run directory. Damage goes into `problems`; this never raises for it."""
+def read_run(path: Path | str, verify: bool = False) -> RunSummary:
+    """Summarise one run directory. Damage goes into `problems`; this never raises for it.
+    `verify`: the checkpoint files' checksums too (checkpoint_problem's), seconds a big
+    checkpoint."""
     summary = _read_history(Path(path))
-    _check_checkpoint(Path(path), summary)
+    _check_checkpoint(Path(path), summary, verify)
     return summary
 
 
-def _check_checkpoint(run: Path, summary: RunSummary) -> None:
+def _check_checkpoint(run: Path, summary: RunSummary, verify: bool = False) -> None:
     """Mark the run damaged when its `latest` or the model of the checkpoint it names is gone
-    or unreadable while the run has (or had) checkpoints; name the newest intact one. A
-    running run keeps its state (it writes the next checkpoint)."""
+    or unreadable (`verify`: or not the bytes its checksums.json recorded) while the run has
+    (or had) checkpoints; name the newest intact one. A running run keeps its state (it
+    writes the next checkpoint)."""
     had_one = (run / LATEST).is_file() or step_dirs(run) or summary.latest_checkpoint
     if not had_one:
         return  # never checkpointed (a crash before the first save): nothing is damaged
     bad_pointer = any(p.startswith(f"{LATEST} ") for p in summary.problems)  # already said
     name = summary.latest_checkpoint if (run / LATEST).is_file() else None
-    problem = "" if bad_pointer else latest_problem(run, name)
+    problem = "" if bad_pointer else latest_problem(run, name, verify)
     if problem is None:
-        resume = checkpoint_problem(run / str(name), for_resume=True)
+        resume = checkpoint_problem(run / str(name), for_resume=True, verify=verify)
         if resume is not None:  # its model opens; `train --resume` refuses it
-            again = newest_intact(run, for_resume=True)
+            again = newest_intact(run, for_resume=True, verify=verify)
             summary.problems.append(
                 f"{LATEST} points to {name}, which eval and generate open but a resume cannot "
                 f"({resume}); " + (f"the newest that resumes: {again.name}" if again is not None
                                    else "no checkpoint of the run resumes"))
         return
-    intact = newest_intact(run)
+    intact = newest_intact(run, verify=verify)
     summary.intact_checkpoint = intact.name if intact is not None else None
     found = (f"newest intact checkpoint: {intact.name}" if intact is not None
              else "no intact checkpoint")
@@ -490,10 +493,10 @@ def _relocated(message: str, recorded: str, run: str) -> str:
     return message
 
 
-def list_runs(root: Path | str = "runs") -> list[RunSummary]:
+def list_runs(root: Path | str = "runs", verify: bool = False) -> list[RunSummary]:
     """Every run under `root` (or `root` itself if it is one run), oldest start first; none for
     a folder that holds no run yet (a runs folder before its first training: as `ls` of an
-    empty folder, an answer, not an error).
+    empty folder, an answer, not an error). `verify`: read_run's.
 
     Raises UserError when `root` is missing or a file: a mistyped path, nothing to list.
     """
@@ -509,7 +512,7 @@ def list_runs(root: Path | str = "runs") -> list[RunSummary]:
     else:
         dirs = sorted(p for p in root.iterdir()
                       if p.is_dir() and (is_run(p) or (p / OVERWRITTEN).is_dir()))
-    runs = [read_run(d) if is_run(d) else _set_aside(d) for d in dirs]
+    runs = [read_run(d, verify) if is_run(d) else _set_aside(d) for d in dirs]
     runs.sort(key=lambda r: (r.started is None, r.started or 0.0, r.name))
     return runs
 

@@ -553,6 +553,32 @@ def test_a_flipped_byte_is_passed_over_by_a_torchrun_restart(tmp_path, trained_t
     assert checkpoint_problem(run / "step-000040", for_resume=True, verify=True) is None
 
 
+def test_runs_verify_finds_a_flipped_byte_that_headers_do_not_show(tmp_path, trained_tiny):
+    """`andrea runs` reads files and headers, never hashes (seconds a GB, every run of a
+    listing): a byte flipped in a checkpoint's tensors is not its to see. Before, nothing
+    short of loading the checkpoint found it; now `andrea runs --verify` hashes each latest
+    checkpoint against its checksums.json: an optimizer state that differs is the `!` note of
+    a checkpoint a resume refuses, a model file that differs a damaged run."""
+    runs = tmp_path / "runs"
+    for name in ("model", "optimizer"):
+        shutil.copytree(trained_tiny.run_dir, runs / name)
+        flip_a_byte(runs / name / "step-000040" / f"{name}.safetensors")
+    plain = andrea_main("runs", cwd=tmp_path)
+    assert plain.returncode == 0 and "notes:" not in plain.stdout, plain.stdout
+    listed = andrea_main("runs", "--verify", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    damage = ("is damaged: its sha256 is not the one checksums.json recorded when it was "
+              "written (a copy damaged on its way?)")
+    assert ("optimizer: ! latest points to step-000040, which eval and generate open but a "
+            f"resume cannot (optimizer.safetensors {damage}); the newest that resumes: "
+            "step-000020") in listed.stdout, listed.stdout
+    assert (f"model: ! latest points to step-000040, whose model.safetensors {damage}; newest "
+            "intact checkpoint: step-000020") in listed.stdout, listed.stdout
+    data = json.loads(andrea_main("runs", "--verify", "--json", cwd=tmp_path).stdout)
+    assert {r["name"]: (r["state"], r["intact_checkpoint"]) for r in data} == {
+        "model": ("damaged", "step-000020"), "optimizer": ("finished", None)}
+
+
 def test_a_checkpoint_pruned_between_latest_and_its_files_says_so(tmp_path, trained_tiny):
     """A live training with train.keep_last prunes the checkpoint `latest` named a moment
     before: once in some 30 reads a user's generate called it "missing; the checkpoint is
