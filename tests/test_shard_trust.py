@@ -20,7 +20,7 @@ from conftest import andrea_main, assert_user_error, config_file, run_torchrun, 
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from andrea.train.rundir import file_sha256, newest_intact
+from andrea.train.rundir import file_sha256, newest_intact, tiling_problem
 
 SHARD = "shards/shard-00002-model-00001-of-00001.safetensors"
 
@@ -102,18 +102,30 @@ def no_ln1_offsets(header: dict) -> None:
     header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
 
 
-@pytest.mark.parametrize("edit, says", [
+def ln1_offsets_of_two_dimensions(header: dict) -> None:
+    info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+    info["blocks.0.ln1.weight"]["saved_offsets"] = [32, 0]
+    header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+
+
+@pytest.mark.parametrize("edit, says, way", [
     (lambda h: h["blocks.0.ln1.weight"].update(shape=[10**6]),
      f"{SHARD}: not a valid safetensors file (truncated or damaged?): Error while deserializing "
-     "header: invalid shape"),
-    (no_ln1_offsets, "shards: the shards' metadata is damaged or forged "
-                     "(KeyError('blocks.0.ln1.weight'))"),
-], ids=["shape", "offsets"])
-def test_a_forged_shard_header_is_one_line(fsdp_run, tmp_path, edit, says):
+     "header: invalid shape", "the checkpoint is damaged: resume from another step folder"),
+    (no_ln1_offsets, f"is damaged ({SHARD}: its metadata gives no offsets of some tensor "
+                     "(DCP_SHARDING_INFO): damaged or forged)",
+     "andrea train --resume runs/f/step-000002"),
+    (ln1_offsets_of_two_dimensions, f"is damaged ({SHARD}: tensor 'blocks.0.ln1.weight' has "
+                                    "offsets [32, 0] for its shape [32]: damaged or forged)",
+     "andrea train --resume runs/f/step-000002"),
+], ids=["shape", "offsets", "dimensions"])
+def test_a_forged_shard_header_is_one_line(fsdp_run, tmp_path, edit, says, way):
     """A header whose length and offsets fit the file (so the checkpoint is intact as files go)
     but that safetensors or DCP refuses: a tensor's shape that is not its bytes, a slice
     without its offsets in DCP's metadata. Before, with no checksums.json to find it (a
-    checkpoint written before them, or a stranger's): a SafetensorError or KeyError traceback."""
+    checkpoint written before them, or a stranger's): a SafetensorError or KeyError traceback.
+    The offsets, read from the headers alone, make the checkpoint damaged to `andrea runs` and
+    a restart's pick too, so the line names the checkpoint to resume from."""
     run = damaged_copy(fsdp_run, tmp_path)
     ckpt = run / "step-000004"
     rewrite_header(ckpt / SHARD, edit)
@@ -123,14 +135,16 @@ def test_a_forged_shard_header_is_one_line(fsdp_run, tmp_path, edit, says):
     (ckpt / "checksums.json").unlink()
     assert_user_error(andrea_main("train", "--resume", "runs/f", "--set", "train.max_steps=6",
                                   cwd=tmp_path),
-                      says, "the checkpoint is damaged: resume from another step folder")
+                      says, way)
 
 
 @pytest.mark.parametrize("damage, says", [
     ("unlisted", "is damaged (shards/shard-00003-model-00001-of-00001.safetensors is not listed "
                  "in index.json, yet the shards' reader would load it"),
-    ("unlisted and missing", "shards: the shards hold 10,240 values of tensor 'tok_emb.weight', "
-                             "which has 20,480 (a shard missing"),
+    ("unlisted and missing", "is damaged (shards: the slices of tensor "
+                             "'blocks.0.attn.out.weight' hold 2,048 values of its 4,096 (a shard "
+                             "missing, or one of another checkpoint)); the newest intact "
+                             "checkpoint is runs/f/step-000002"),
 ], ids=["unlisted", "unlisted-and-missing"])
 def test_shards_that_do_not_make_the_tensors_whole_are_refused(fsdp_run, tmp_path, damage, says):
     """torch.distributed.checkpoint reads every .safetensors file in shards/, listed or not, and
@@ -168,7 +182,9 @@ def test_slices_that_overlap_and_leave_a_gap_are_refused(fsdp_run, tmp_path):
     """The shards' count of each tensor's values (above) passed slices that overlap by as much
     as they leave uncovered: DCP read the overlap from either and left the gap as the model's
     fresh weights, and the run trained on from them without a word (a checkpoint without
-    checksums.json: an older one or a stranger's). Now the slices must tile the tensor."""
+    checksums.json: an older one or a stranger's). Now the slices must tile the tensor: read
+    from the shards' headers, so that `andrea runs` and a torchrun restart's pick call the
+    checkpoint damaged too, and the resume names the one to resume from."""
     run = damaged_copy(fsdp_run, tmp_path)
     ckpt = run / "step-000004"
     first = ckpt / "shards/shard-00001-model-00001-of-00001.safetensors"
@@ -179,10 +195,31 @@ def test_slices_that_overlap_and_leave_a_gap_are_refused(fsdp_run, tmp_path):
     (ckpt / "checksums.json").unlink()
     assert_user_error(andrea_main("train", "--resume", "runs/f", "--set", "train.max_steps=6",
                                   cwd=tmp_path),
-                      "runs/f/step-000004/shards: the shards' slices of tensor 'tok_emb.weight' "
-                      "at offsets [60, 0] and [160, 0] overlap, so part of it would keep the "
-                      "model's fresh values; the checkpoint is damaged")
+                      "runs/f: the latest checkpoint, step-000004, is damaged (shards: the "
+                      "slices of tensor 'tok_emb.weight' at offsets [60, 0] and [160, 0] "
+                      "overlap, which leaves part of it in no slice); the newest intact "
+                      "checkpoint is runs/f/step-000002: andrea train --resume "
+                      "runs/f/step-000002")
     assert not (run / "step-000006").exists()
+    assert newest_intact(run, for_resume=True) == run / "step-000002"  # a torchrun restart's
+
+
+@pytest.mark.parametrize("slices, shape, says", [
+    ([((0, 0), (2, 4)), ((2, 0), (2, 4))], (4, 4), None),
+    ([((0, 0), (4, 2)), ((0, 2), (2, 2)), ((2, 2), (2, 2))], (4, 4), None),  # columns, then rows
+    ([((0, 0), (4, 2)), ((0, 2), (2, 2)), ((1, 2), (3, 2))], (4, 4),
+     "hold 18 values of its 16 (a shard missing, or one of another checkpoint)"),
+    ([((0, 0), (4, 2)), ((0, 2), (3, 2)), ((2, 2), (1, 2))], (4, 4),
+     "at offsets [0, 2] and [2, 2] overlap, which leaves part of it in no slice"),
+    ([((0,), (3,)), ((3,), (0,)), ((3,), (2,))], (5,), None),  # an empty slice overlaps nothing
+    ([((0,), (3,)), ((3,), (3,))], (5,),
+     "include one at offsets [3] of size [3], outside its shape [5]"),
+    ([((), ())], (), None),
+], ids=["rows", "blocks", "count", "overlap", "empty", "outside", "scalar"])
+def test_slices_tile_a_tensor_exactly_once(slices, shape, says):
+    """tiling_problem, which both the shards' header check and the load's ask: inside the
+    tensor, as many values as it has, none overlapping another (a gap then follows)."""
+    assert tiling_problem(slices, shape) == says
 
 
 def rewrite_shard(ckpt: Path, edit) -> None:

@@ -45,6 +45,7 @@ from andrea.train.rundir import (
     shard_files,
     shards_problem,
     step_dir_name,
+    tiling_problem,
     verify_file,
     write_checksums,
 )
@@ -237,39 +238,10 @@ def check_shards(ckpt: Path, expected: dict[str, torch.Tensor]) -> None:
         # Slices DCP finds no bytes for are left as they are (the model's fresh weights), and
         # one held twice is read from either: the slices must tile the tensor, each value once.
         slices = [(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in stored[key].chunks]
-        held = sum(math.prod(sizes) for _, sizes in slices)
-        if held != value.numel():
-            raise UserError(f"{folder}: the shards hold {held:,} values of tensor '{key}', which "
-                            f"has {value.numel():,} (a shard missing, or one of another "
-                            f"checkpoint); {DAMAGED}")
         problem = tiling_problem(slices, tuple(value.shape))
         if problem is not None:
-            raise UserError(f"{folder}: the shards' slices of tensor '{key}' {problem}, so part "
-                            f"of it would keep the model's fresh values; {DAMAGED}")
-
-
-def tiling_problem(slices: list[tuple[tuple[int, ...], tuple[int, ...]]],
-                   shape: tuple[int, ...]) -> str | None:
-    """Why slices (offsets, sizes) that hold as many values as a tensor of `shape` do not tile
-    it, in words, or None: one reaches outside it, or two overlap. Inside and disjoint, slices
-    of the tensor's size cover it exactly. Swept along the first dimension, so that fsdp's
-    slices (rows, each rank its own) are compared with their neighbours alone."""
-    for offsets, sizes in slices:
-        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-                o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)):
-            return f"include one at offsets {list(offsets)} of size {list(sizes)}, outside " \
-                   f"its shape {list(shape)}"
-    boxes = sorted((s for s in slices if math.prod(s[1]) > 0), key=lambda s: s[0][:1])
-    open_boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for offsets, sizes in boxes:
-        start = offsets[0] if shape else 0
-        open_boxes = [b for b in open_boxes if not shape or b[0][0] + b[1][0] > start]
-        for other, other_sizes in open_boxes:
-            if all(o < p + m and p < o + n for o, n, p, m in
-                   zip(offsets, sizes, other, other_sizes, strict=True)):
-                return f"at offsets {list(other)} and {list(offsets)} overlap"
-        open_boxes.append((offsets, sizes))
-    return None
+            raise UserError(f"{folder}: the shards' slices of tensor '{key}' {problem}; "
+                            f"{DAMAGED}")
 
 
 def read_shards(

@@ -454,6 +454,71 @@ def shards_problem(ckpt: Path) -> str | None:
     if unlisted:
         return (f"{SHARDS_DIR}/{unlisted[0]} is not listed in {SHARD_INDEX}, yet the shards' "
                 f"reader would load it: a leftover of another copy?")
+    return _slices_problem(ckpt, files)
+
+
+Slice = tuple[tuple[int, ...], tuple[int, ...]]  # a tensor's part in a shard: offsets, sizes
+
+
+def _slices_problem(ckpt: Path, files: dict[str, int]) -> str | None:
+    """Why the shards' slices of a tensor, as their headers give them (the offsets in DCP's
+    metadata, the sizes in safetensors' own), do not tile the tensor they reach over, in words
+    naming it; None when every tensor's do. The tensor's shape is the slices' reach, as DCP takes
+    it: a last slice missing is the load's to find, against the model (check_shards)."""
+    slices: dict[str, list[Slice]] = {}
+    for name in files:
+        try:  # the header is sound (_file_problem's), unless replaced since
+            header = read_safetensors_header(ckpt / SHARDS_DIR / name)
+            info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                offsets = tuple(int(o) for o in info[key]["saved_offsets"])
+                sizes = tuple(int(n) for n in entry["shape"])
+                if len(offsets) != len(sizes):
+                    return (f"{SHARDS_DIR}/{name}: tensor '{key}' has offsets {list(offsets)} "
+                            f"for its shape {list(sizes)}: damaged or forged")
+                slices.setdefault(key, []).append((offsets, sizes))
+        except OSError as exc:
+            return f"{SHARDS_DIR}/{name} is unreadable: {exc}"
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return (f"{SHARDS_DIR}/{name}: its metadata gives no offsets of some tensor "
+                    f"(DCP_SHARDING_INFO): damaged or forged")
+    for key, parts in slices.items():
+        dims = len(parts[0][0])  # a slice of other dimensions is tiling_problem's to name
+        reach = tuple(max(o[d] + n[d] for o, n in parts if len(o) == dims)
+                      for d in range(dims))
+        problem = tiling_problem(parts, reach)
+        if problem is not None:
+            return f"{SHARDS_DIR}: the slices of tensor '{key}' {problem}"
+    return None
+
+
+def tiling_problem(slices: list[Slice], shape: tuple[int, ...]) -> str | None:
+    """Why slices (offsets, sizes) do not make up a tensor of `shape`, each value once, in
+    words, or None: one reaches outside it, they hold another number of values, or two overlap
+    (holding as many values as the tensor, the overlap leaves a gap). Swept along the first
+    dimension, so that fsdp's slices (rows, a rank's each) meet their neighbours alone."""
+    for offsets, sizes in slices:
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape,
+                                                                strict=True)):
+            return (f"include one at offsets {list(offsets)} of size {list(sizes)}, outside "
+                    f"its shape {list(shape)}")
+    held, whole = sum(math.prod(sizes) for _, sizes in slices), math.prod(shape)
+    if held != whole:
+        return (f"hold {held:,} values of its {whole:,} (a shard missing, or one of another "
+                f"checkpoint)")
+    boxes = sorted((s for s in slices if math.prod(s[1]) > 0), key=lambda s: s[0][:1])
+    reaching: list[Slice] = []  # the slices so far that reach past this one's first row
+    for offsets, sizes in boxes:
+        reaching = [b for b in reaching if not shape or b[0][0] + b[1][0] > offsets[0]]
+        for other, other_sizes in reaching:
+            if all(o < p + m and p < o + n for o, n, p, m in
+                   zip(offsets, sizes, other, other_sizes, strict=True)):
+                return (f"at offsets {list(other)} and {list(offsets)} overlap, which leaves "
+                        f"part of it in no slice")
+        reaching.append((offsets, sizes))
     return None
 
 
