@@ -260,11 +260,8 @@ def read_shards(
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / SHARDS_DIR)),
                  no_dist=not dist.is_initialized())
-    # NaN or infinity refused as in a whole checkpoint: each weight whole on every rank (a
-    # collective, in the same order everywhere, as a save gathers them), so all refuse alike.
-    for key, value in state.items():
-        if not key.startswith(OPTIMIZER_PREFIX):
-            check_weights({key: full_tensor(value.detach())}, ckpt / SHARDS_DIR, EARLIER)
+    check_sharded_weights({key: value.detach() for key, value in state.items()
+                           if not key.startswith(OPTIMIZER_PREFIX)}, ckpt / SHARDS_DIR, EARLIER)
     with torch.no_grad():  # dcp.load fills the tensors in place, except a 0-dim step count
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -358,6 +355,17 @@ def check_weights(
         raise UserError(f"{origin}: tensor '{key}' holds {bad:,} NaN or infinite "
                         f"value{'s' if bad != 1 else ''} (of {value.numel():,}): a diverged or "
                         f"damaged model; {instead}")
+
+
+def check_sharded_weights(
+    tensors: dict[str, torch.Tensor], origin: Path | str, instead: str
+) -> None:
+    """check_weights of weights sharded over the ranks (DTensors; plain tensors as they are),
+    called by every rank in the same order: NaN or infinity refused as in a whole checkpoint,
+    each weight whole on every rank (a collective, as a save gathers them), so all refuse
+    alike."""
+    for key, value in tensors.items():
+        check_weights({key: full_tensor(value)}, origin, instead)
 
 
 def check_floating(key: str, dtype: torch.dtype, origin: Path | str, instead: str) -> None:
