@@ -81,6 +81,49 @@ def test_parallel_workers_match_one_worker(corpus, tmp_path, monkeypatch):
         np.testing.assert_array_equal(split_tokens(one, split), split_tokens(two, split))
 
 
+@pytest.mark.parametrize("suffix", [".zst", ".gz", ".zst, streamed"])
+def test_automatic_workers_judge_a_compressed_input_by_what_it_holds(tmp_path, monkeypatch,
+                                                                    suffix):
+    """data.workers 0 gives small inputs one process, as a pool's start costs more than it
+    saves; a compressed file was judged by its size on disk: 4.3 MB of repetitive JSON Lines is
+    826 bytes as .zst (28 KB as .gz) and was encoded by one process however many cores there
+    were. Now by the bytes it holds, read through its decompressor until they are enough,
+    also where its header records no size (a stream compressed from a pipe)."""
+    import gzip
+
+    import zstandard
+
+    rows = "".join(json.dumps({"text": f"record {i % 50} of a repetitive corpus " * 4}) + "\n"
+                   for i in range(30_000)).encode()
+    assert len(rows) > encode.PARALLEL_MIN_BYTES
+    path = tmp_path / f"big.jsonl{suffix[:4]}"
+    if suffix == ".gz":
+        path.write_bytes(gzip.compress(rows))
+    elif suffix == ".zst":
+        path.write_bytes(zstandard.ZstdCompressor().compress(rows))
+    else:
+        with zstandard.ZstdCompressor().stream_writer(path.open("wb")) as stream:
+            stream.write(rows)
+    assert path.stat().st_size < 64_000
+    chosen = []
+
+    def write_shards(*args, **kwargs):  # the workers chosen, then one: no pool in a test
+        chosen.append(args[5])
+        return real(*args[:5], 1, *args[6:], **kwargs)
+
+    real = prepare.write_shards
+    monkeypatch.setattr(prepare, "write_shards", write_shards)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    proc = andrea_main("prepare", "-i", str(path), "-t", "byte", "-o", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert chosen == [4]
+    small = tmp_path / "small.jsonl.zst"
+    small.write_bytes(zstandard.ZstdCompressor().compress(rows[:rows.index(b"\n", 100_000) + 1]))
+    proc = andrea_main("prepare", "-i", str(small), "-t", "byte", "-o", str(tmp_path / "small"))
+    assert proc.returncode == 0, proc.stderr
+    assert chosen == [4, 1]
+
+
 def test_byte_encoding_holds_no_python_int_per_byte(monkeypatch):
     """A job's byte ids are the text's bytes as an array: a list of Python ints would take 8
     bytes a byte of text (a 100 MB JSON Lines record peaked at 1.2 GB), and its conversion was

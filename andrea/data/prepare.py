@@ -147,7 +147,7 @@ def prepare_inputs(
     total = sum(d.size for d in docs)
     write = functools.partial(
         write_shards, out, docs, tokenizer, vocab_size, shard_tokens,
-        workers or auto_workers(total), total, Settings(val_fraction, text_field, errors),
+        workers or auto_workers(docs), total, Settings(val_fraction, text_field, errors),
         settings, blob)
     _prepare_locked(out, settings, force, blob, verbose, announce, write, tokenizer_file,
                     text_field, estimate_bytes(docs, tokenizer, vocab_size), check_request)
