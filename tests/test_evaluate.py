@@ -299,3 +299,20 @@ def test_a_diverged_checkpoints_perplexity_reads_the_same_in_its_line_and_the_ta
                          **val_figures(score, list_sources=False))
         assert "perplexity n/a," in row.summary()
         assert format_table([row]).splitlines()[1].split()[3] == "n/a"
+
+
+@pytest.mark.parametrize("settings, limit, line", [
+    (dict(max_tokens=0), None, "--max-tokens: must be a positive integer, got 0"),
+    (dict(batch_size=0), None, "--batch-size: must be a positive integer, got 0"),
+    (dict(), 0, "--limit: must be a positive integer, got 0"),
+])
+def test_a_zero_count_is_refused_before_anything_is_read(settings, limit, line):
+    """--max-tokens 0 went on to an empty val set, refused as a split with "nothing to
+    evaluate; prepare more text" (mutation round 3: the check as `< 0` passed every test)."""
+    from andrea.errors import UserError
+    from andrea.evaluate import EvalSettings, evaluate_checkpoints
+
+    with pytest.raises(UserError) as raised:
+        evaluate_checkpoints(["no/such/run"], EvalSettings(**settings),
+                             tasks=[("hellaswag", "no/such/file.jsonl")], limit=limit)
+    assert str(raised.value) == line

@@ -230,6 +230,29 @@ def test_bad_task_files(tmp_path, trained_tiny):
     assert proc.stdout.splitlines()[1].endswith("(1 example, 3 skipped)")
 
 
+def test_the_blocks_edges_and_a_negative_label(tmp_path):
+    """A sequence of exactly block_size + 1 tokens fits (no truncation counted); one whose
+    continuation alone is that long is left out (its first token would have nothing before
+    it); a negative label is out of range, not a choice counted from the end. Mutation round
+    3: each edge off by one passed every test."""
+    from andrea.tasks import Example, encode_pairs
+
+    examples = [Example("abcdefg", ["x"], 0, 1),  # 7 + " x" = 9 = block_size + 1 ids
+                Example("abcdefgh", ["x"], 0, 2),  # 10: loses a context byte
+                Example("ab", ["xyzw"], 0, 3)]  # " xyzw" = 5 = block_size + 1: no context
+    pairs, truncated, too_long = encode_pairs(ByteTokenizer(), examples, block_size=8)
+    assert pairs[0] == [(list(b"abcdefg x"), 2)]
+    assert pairs[1] == [(list(b"bcdefgh x"), 2)]
+    assert (truncated, too_long) == (1, [])
+    pairs, truncated, too_long = encode_pairs(ByteTokenizer(), examples[2:], block_size=4)
+    assert (pairs, truncated, too_long) == ([[]], 0, [3])
+    records = [{"context": "a", "choices": ["b", "c"], "label": label}
+               for label in (1, -1, "-2", 2)]
+    task = read_task("choice", write_jsonl(tmp_path / "c.jsonl", records))
+    assert [ex.line for ex in task.examples] == [1]
+    assert task.skipped == {"label out of range": [2, 3, 4]}
+
+
 def test_several_checkpoints_in_one_table(tmp_path, trained_tiny):
     hs = write_jsonl(tmp_path / "hs.jsonl", HELLASWAG)
     run = trained_tiny.run_dir
