@@ -340,6 +340,21 @@ def test_text_field_and_skipped_records(tmp_path):
     assert fixed.returncode == 0, fixed.stderr
 
 
+def test_a_record_field_and_its_replaced_bytes_as_documented(tmp_path):
+    """A key that itself holds the dots wins over the dotted path (docs/data.md); the count of
+    replaced bytes is of bytes: a character cut short after 2 of its 3 bytes is one U+FFFD for
+    2 bytes. Mutation round 3: field_value without the whole-key lookup read "doc.body" as
+    obj["doc"]["body"], and the count of sequences passed every test."""
+    lines = [json.dumps({"doc.body": "the key", "doc": {"body": "the path"}}).encode(),
+             json.dumps({"doc": {"body": "only the path"}}).encode(),
+             b'{"doc.body": "cut \xe6\x97 short, bad \xff"}']
+    job = readers.Job("records", "x.jsonl", 0, b"\n".join(lines), 1)
+    out, tally = documents.job_documents(job, documents.Settings(0.0, "doc.body", "replace"))
+    assert [text for _, text, _ in out] == ["the key", "only the path",
+                                            "cut \ufffd short, bad \ufffd"]
+    assert tally == documents.Tally(skipped=0, replaced=3)
+
+
 def test_input_identity_is_size_mtime_and_sample(mixed, tmp_path, capsys):
     out = prepare.prepare_inputs(str(mixed), "byte", tmp_path / "out")
     prepare.prepare_inputs(str(mixed), "byte", out)

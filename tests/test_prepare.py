@@ -146,6 +146,20 @@ def test_byte_encoding_holds_no_python_int_per_byte(monkeypatch):
     assert peak < 7 * len(text)
 
 
+def test_a_bpe_learns_from_the_train_split_alone(corpus, tmp_path):
+    """The texts a BPE is trained on are the train split's: the val tail of each text file is
+    held out of the tokenizer as it is of the model. Mutation round 3: train_texts yielding
+    every document passed every test."""
+    inputs = documents.documents(str(corpus))
+    settings = documents.Settings(0.1, "text", "strict")
+    learned = "".join(encode.train_texts(inputs, settings, tmp_path / "scratch"))
+    expected = ""
+    for name in sorted(DOCS):
+        blob = DOCS[name].encode()
+        expected += blob[:documents.val_start(io.BytesIO(blob), len(blob), 0.1)].decode()
+    assert learned == expected
+
+
 def test_rerun_is_free_and_changes_redo(corpus, tmp_path, capsys):
     out = tmp_path / "out"
     prepare.prepare_inputs(str(corpus), "byte", out)
@@ -203,6 +217,70 @@ def test_interrupted_prepare_keeps_complete_shards_and_resumes(corpus, tmp_path,
     assert not (out / "progress.json").exists()
     for split in ("train", "val"):
         np.testing.assert_array_equal(split_tokens(out, split), split_tokens(clean, split))
+
+
+def test_a_resume_trusts_only_shards_of_the_count_it_recorded(tmp_path):
+    """A progress record's shard whose header gives another count than the record's (rewritten
+    behind its back, whole and valid) is no point to resume from: the prepare starts afresh.
+    Mutation round 3: resume_point comparing the tokenizer alone passed every test."""
+    from andrea.data import writer
+    from andrea.data.shards import ShardWriter
+
+    out = tmp_path / "out"
+    out.mkdir()
+    settings = {"source": "x.txt"}
+    writer.mark_started(out, settings, {"kind": "byte", "identity": ByteTokenizer.identity})
+
+    def shard_of(count: int) -> None:
+        w = ShardWriter(out / "train_000000.bin", np.dtype("<u2"), ByteTokenizer.identity)
+        w.write(np.arange(count) % 256)
+        w.close()
+
+    shard_of(10)
+    progress = json.loads((out / "progress.json").read_text())
+    progress["shards"]["train"] = [{"file": "train_000000.bin", "tokens": 10}]
+    progress["job"] = 1
+    (out / "progress.json").write_text(json.dumps(progress))
+    assert writer.resume_point(out, settings)["job"] == 1
+    shard_of(9)
+    assert writer.resume_point(out, settings) is None
+
+
+def test_a_resumed_prepare_counts_what_was_skipped_before_it(tmp_path, monkeypatch, capsys):
+    """--errors replace: the manifest of a prepare interrupted and resumed counts the records
+    skipped and the bytes replaced in the jobs before its resume point, as a clean prepare
+    does. Mutation round 3: a progress record without the tally passed every test (the resumed
+    run counted only its own jobs)."""
+    from andrea.data import readers
+
+    lines = [b'{"text": null}' if i % 10 == 0 else b'{"text": "bad \xff byte"}' if i % 10 == 5
+             else json.dumps({"text": f"record {i}: " + "words " * 20}).encode()
+             for i in range(200)]
+    (tmp_path / "x.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    monkeypatch.setattr(readers, "READ_BYTES", 2048)  # jobs of about 14 records
+    args = dict(errors="replace", shard_tokens=1000, workers=1)
+    clean = prepare.read_manifest(
+        prepare.prepare_inputs(str(tmp_path / "x.jsonl"), "byte", tmp_path / "clean", **args))
+    assert (clean["skipped_records"], clean["replaced_bytes"]) == (20, 20)
+    calls = 0
+
+    def flaky(job_args):
+        nonlocal calls
+        calls += 1
+        if calls == 8:
+            raise KeyboardInterrupt
+        return real(job_args)
+
+    real = encode.encode_job
+    monkeypatch.setattr(encode, "encode_job", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare_inputs(str(tmp_path / "x.jsonl"), "byte", tmp_path / "out", **args)
+    monkeypatch.setattr(encode, "encode_job", real)
+    capsys.readouterr()
+    out = prepare.prepare_inputs(str(tmp_path / "x.jsonl"), "byte", tmp_path / "out", **args)
+    assert "resuming after" in capsys.readouterr().out
+    resumed = prepare.read_manifest(out)
+    assert (resumed["skipped_records"], resumed["replaced_bytes"]) == (20, 20)
 
 
 def test_shakespeare_default_dir_and_ensure_prepared(tmp_path, monkeypatch, capsys):
