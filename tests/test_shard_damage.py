@@ -196,15 +196,31 @@ def test_prepare_verify_a_good_and_a_damaged_folder(data_dir, tmp_path, capsys):
     assert err.startswith(f"error: {data}: 2 of 2 shards damaged; delete them (`rm ")
 
 
+def test_verify_holds_each_shard_to_its_manifest_count(data_dir, tmp_path, capsys):
+    """A manifest whose count for a shard is not the shard's (the shard whole, its checksum
+    matching) is named, as a training's loader names it. Mutation round 3: verify without the
+    count check called the folder intact."""
+    data = copy_data(data_dir, tmp_path)
+    manifest = json.loads((data / MANIFEST).read_text())
+    entry = manifest["shards"]["val"][0]
+    entry["tokens"] += 1
+    (data / MANIFEST).write_text(json.dumps(manifest))
+    code, out, _ = run_main(capsys, "prepare", "--verify", str(data))
+    assert code == 2 and out == (f"{data / 'val_000000.bin'}: {entry['tokens'] - 1:,} tokens, "
+                                 f"manifest.json says {entry['tokens']}\n")
+
+
 def test_old_manifest_without_checksums_still_trains_and_verifies(data_dir, tmp_path, capsys):
     data, runs = copy_data(data_dir, tmp_path), tmp_path / "runs"
     drop_checksums(data)
     assert run_main(capsys, *train_argv(data, runs, "train.max_steps=2"))[0] == 0
     code, out, _ = run_main(capsys, "prepare", "--verify", str(data))
     assert code == 0 and "no checksums recorded" in out
-    set_token(data / "train_000000.bin", 77, 258)
+    # 257, the first id past the byte tokenizer's (mutation round 3: the range check as
+    # `<=` passed every test at 258).
+    set_token(data / "train_000000.bin", 77, 257)
     code, out, _ = run_main(capsys, "prepare", "--verify", str(data))
-    assert code == 2 and out == (f"{data / 'train_000000.bin'}: token 258 at position 77 is "
+    assert code == 2 and out == (f"{data / 'train_000000.bin'}: token 257 at position 77 is "
                                  "outside the tokenizer's 257 ids: the shard is damaged\n")
 
 
