@@ -180,6 +180,47 @@ def test_judge_skips_outliers_and_takes_a_lasting_shift_as_the_new_level():
     assert g.spikes == 4
 
 
+def test_a_flat_stretch_does_not_make_ordinary_noise_a_spike():
+    """Over a window of equal losses and norms the spread is at least 1% of the mean: 0.5% up
+    is noise, 20% up a spike (z = 20 at the floor). Mutation round 3: without the floor, the
+    spread was 1e-12 and a loss 0.5% up a spike; no test had a flat window."""
+    g = guard()
+    g.restart()
+    for step in range(5, 9):
+        assert g.judge(step, 2.0, 1.0).action == APPLY
+    assert g.judge(9, 2.01, 1.005).action == APPLY
+    assert g.judge(10, 2.0, 1.0).action == APPLY
+    assert g.judge(11, 2.4, 1.0).action == SKIP
+
+
+def test_the_last_warm_up_step_is_not_judged():
+    """train.warmup_steps = 6: steps 1 to 6 warm up and are never judged; step 7 is.
+    Mutation round 3: the guard judging from step 6 on (>=) passed every test."""
+    for spike_at, action in ((6, APPLY), (7, SKIP)):
+        g = guard(warmup_steps=6)
+        for step in range(5, spike_at):
+            assert g.judge(step, 3.0, 1.0).action == APPLY
+        assert g.judge(spike_at, 9.0, 1.0).action == action
+
+
+def test_a_shift_and_a_restart_start_the_guard_afresh():
+    """A lasting shift taken as the new level leaves a window of that step alone (measured anew
+    from there); a restart (the end of a sequence-length warm-up) forgets the outliers in a
+    row too, so one outlier before it and one after are two first outliers, each skipped.
+    Mutation round 3: take_as_shift without clearing the window and restart() without resetting
+    the streak passed every test."""
+    g = guard()  # window 4, patience 2
+    assert g.judge(5, 6.0, 1.0).action == SKIP
+    assert g.judge(6, 6.0, 1.0).action == APPLY  # the shift, taken
+    assert g.state_dict()["window"] == [[6.0, 1.0]]
+    g = guard()
+    assert g.judge(5, 9.0, 1.0).action == SKIP
+    g.restart()
+    for step in range(6, 10):
+        assert g.judge(step, 3.0, 1.0).action == APPLY
+    assert g.judge(10, 9.0, 1.0).action == SKIP
+
+
 def test_judge_rolls_back_after_patience_and_state_round_trips_through_json():
     g = guard("rollback", spike_lr_factor=0.25, spike_lr_steps=7)
     assert g.judge(5, 9.0, 1.0).action == SKIP
