@@ -129,6 +129,18 @@ def test_no_scaling_is_a_pass_through():
         assert not none.overflowed(1.0, float("inf"))  # a non-finite step is no overflow here
 
 
+def test_an_overflow_is_a_finite_loss_with_gradients_that_are_not():
+    """Only gradients past the scale's range are an overflow (the step skipped, the scale
+    halved, the run goes on); a non-finite loss is the forward's, which no scale causes: the
+    run stops (or skips it under train.skip_nonfinite). Mutation round 3: a NaN loss counted as
+    an overflow passed every test, so a diverged fp16 run went on halving its scale."""
+    scaling = DynamicLossScaling(torch.device("cpu"))
+    assert scaling.overflowed(2.0, float("inf")) and scaling.overflowed(2.0, float("nan"))
+    assert not scaling.overflowed(float("nan"), float("nan"))
+    assert not scaling.overflowed(float("inf"), float("inf"))
+    assert not scaling.overflowed(2.0, 1.5)
+
+
 @pytest.mark.parametrize("capability, chosen, says", [
     ((9, 0), torch.bfloat16, "bf16 tensor cores"),  # H100, H200
     ((8, 0), torch.bfloat16, "bf16 tensor cores"),  # A100
