@@ -55,6 +55,17 @@ def test_path_and_d_model_derivation(tmp_path):
     assert load_config("andrea-tiny", ["train.name="]).train.name == "andrea-tiny"
 
 
+def test_values_at_the_edges_of_their_rules_are_taken():
+    """min_lr equal to lr (a constant rate after warm-up); a --set value holding '=' is the
+    value. Mutation round 3: min_lr >= lr refused and a value cut at its '=' each passed every
+    test."""
+    cfg = load_config("andrea-tiny", ["train.lr=1e-3", "train.min_lr=1e-3"])
+    assert cfg.train.min_lr == cfg.train.lr == 1e-3
+    with pytest.raises(UserError, match=r"train\.min_lr: 0\.002 is above train\.lr = 0\.001"):
+        load_config("andrea-tiny", ["train.lr=1e-3", "train.min_lr=2e-3"])
+    assert load_config("andrea-tiny", ["data.source=in/a=b.txt"]).data.source == "in/a=b.txt"
+
+
 def test_an_empty_source_is_refused_not_the_working_directory(tmp_path):
     """Before: `--set data.source=` prepared and trained on every file in the working
     directory (runs/ included)."""
@@ -133,6 +144,9 @@ def test_config_show_prints_resolved_yaml():
          ["line 4", "'train' is given twice (also at line 1)"]),
         ("train:\n  name: ../elsewhere\n", ["train.name", "'../elsewhere'", "not a folder name"]),
         ("train:\n  name: ..\n", ["train.name", "not a folder name"]),
+        # A misspelt weight was dropped for the default 1 (mutation round 3).
+        ("data:\n  sources:\n    - {path: a.txt, wieght: 3}\n",
+         ["data.sources[0]: expected {path: FILE|DIR|GLOB, weight: NUMBER}", "'wieght': 3"]),
     ],
 )
 def test_config_errors_name_the_file_and_the_key(tmp_path, text, fragments):
