@@ -54,10 +54,14 @@ def assert_first_loss_is_the_imported_weights(result, ckpt, cfg, data_dir) -> No
 ])
 def test_round_trip(tmp_path, act, hf_act, vocab, tokenizer):
     ckpt = make_checkpoint(tmp_path, "model.init_std=0.1", f"model.activation={act}",
-                           f"model.vocab_size={vocab}", tokenizer=tokenizer)
+                           f"model.vocab_size={vocab}", "model.dropout=0.125",
+                           tokenizer=tokenizer)
     out = export_hf(str(ckpt), tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
     assert config["activation_function"] == hf_act and config["vocab_size"] == vocab
+    # The model's dropout is each of GPT-2's three, for fine-tuning it with transformers
+    # (mutation round 3: resid_pdrop written as 0 passed every test).
+    assert [config[k] for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")] == [0.125] * 3
     assert (config["n_layer"], config["n_head"], config["n_embd"], config["n_positions"]) == (
         2, 4, 64, 64)
 
