@@ -201,6 +201,28 @@ def test_compressed_input_comes_in_blocks_however_well_it_compresses(tmp_path, m
         assert len(list(readers.record_jobs(f, "text", 0))) >= len(blob) // 2 // (1 << 16)
 
 
+def test_concatenated_members_are_read_on_and_jobs_know_their_lines(tmp_path, monkeypatch):
+    """A .gz of several members (`cat a.gz b.gz`; bgzip writes them so) and a .zst of
+    several frames read as all of their text; a JSON Lines job's first line is the file's line
+    it names, however many jobs came before (what every message names). Mutation round 3:
+    iter_blocks ending at the first member's end (the rest dropped without a word) and the
+    line count one more a job both passed every test."""
+    monkeypatch.setattr(readers, "READ_BYTES", 100)  # jobs of a few lines
+    lines = [json.dumps({"text": f"line {i}"}).encode() for i in range(1, 61)]
+    parts = [b"\n".join(lines[:20]) + b"\n", b"\n".join(lines[20:]) + b"\n"]
+    compress = {".gz": gzip.compress, ".zst": zstandard.ZstdCompressor().compress}
+    for suffix, pack in compress.items():
+        blob = b"".join(pack(part) for part in parts)
+        path = tmp_path / f"a.jsonl{suffix}"
+        path.write_bytes(blob)
+        f = readers.InputFile(path, "records", suffix, len(blob), 0)
+        assert b"".join(block for block, _ in readers.iter_blocks(f)) == b"".join(parts)
+        jobs = list(readers.record_jobs(f, "text", 0))
+        assert len(jobs) > 5
+        for job in jobs:
+            assert job.data.split(b"\n")[0] == lines[job.start - 1], (suffix, job.start)
+
+
 def test_a_row_of_many_blocks_is_searched_once_not_at_every_block(tmp_path, monkeypatch):
     """A JSON Lines record or CSV field longer than a block was searched for its end whole at
     every block: a 100 MB record took 9 s to cut, a 50 MB CSV field 30 s and 1 GB of memory.
@@ -363,6 +385,27 @@ def test_input_identity_is_size_mtime_and_sample(mixed, tmp_path, capsys):
     os.utime(mixed / "a.jsonl", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     prepare.prepare_inputs(str(mixed), "byte", out)
     assert "changed since it was prepared" in capsys.readouterr().out
+
+
+def test_input_identity_samples_the_middle_and_the_end(tmp_path):
+    """An edit of a big file that keeps its size and modification time (`touch -r`, a copy
+    that keeps times) is noticed in the middle and at the end, each 1 MiB hashed. Mutation
+    round 3: hashing the start alone passed every test."""
+    from andrea.data.inputs import input_files, input_identity
+
+    path = tmp_path / "big.txt"
+    blob = bytearray(b"some line of text\n" * 200_000)  # 3.6 MB
+    path.write_bytes(blob)
+    before = input_identity(input_files(str(path))[0])
+    times = path.stat()
+    for at in (len(blob) // 2, len(blob) - 2):
+        edited = bytearray(blob)
+        edited[at] = ord("X")
+        path.write_bytes(edited)
+        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+        after = input_identity(input_files(str(path))[0])
+        assert (after["bytes"], after["mtime_ns"]) == (before["bytes"], before["mtime_ns"])
+        assert after["sample_sha256"] != before["sample_sha256"], at
 
 
 def test_killed_prepare_resumes_from_its_last_complete_shard(tmp_path):
