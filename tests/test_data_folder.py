@@ -368,6 +368,27 @@ def test_prepare_never_deletes_files_it_did_not_write(tmp_path):
     assert not list(out.glob("*.bin")) and not (out / "manifest.json").exists()
 
 
+def test_a_record_naming_a_path_elsewhere_deletes_nothing_there(tmp_path):
+    """A manifest or progress record is untrusted: a shard entry "../notes.txt" or an
+    absolute path names the file of that name in the folder, never the file it points at.
+    Mutation round 3: owned_files taking the entry as it is written passed every test, and
+    clearing the folder (a --force, a failed first prepare) deleted the files outside it."""
+    from andrea.data import folder
+
+    out, outside = tmp_path / "out", tmp_path / "notes.txt"
+    out.mkdir()
+    outside.write_text("mine")
+    (tmp_path / "other.txt").write_text("mine too")
+    entries = [{"file": "../notes.txt"}, {"file": str(tmp_path / "other.txt")}]
+    (out / "manifest.json").write_text(json.dumps(
+        {"manifest_version": 1, "shards": {"train": entries, "val": []}}))
+    (out / "progress.json").write_text(json.dumps(
+        {"settings": {}, "shards": {"train": entries, "val": []}}))
+    folder.clear(out)
+    assert outside.read_text() == "mine" and (tmp_path / "other.txt").read_text() == "mine too"
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
 def test_ctrl_c_says_what_it_kept_and_the_rerun_resumes(tmp_path):
     write_corpus(tmp_path / "in")
     args = ("prepare", "-c", "andrea-tiny", "--set", "data.source=in", *SHARDS, "-o", "data/x")
