@@ -176,3 +176,17 @@ def test_a_mixture_is_scored_per_source_with_a_weighted_total(tmp_path):
     svg = plot_runs([result.run_dir], tmp_path / "mix.svg").read_text()
     # Each source by its last part, which tells these two apart (andrea/plot.py)
     assert f"mix (finished): val {a.name}" in svg and f"mix (finished): val {b.name}" in svg
+
+
+def test_a_mixture_has_no_bits_per_byte_when_one_source_has_no_bytes():
+    """A source whose val targets decode to no bytes (every one end-of-text: its val records
+    were empty texts) has no bits per byte, nor has the run's weighted figure; its loss still
+    counts. Mutation round 3: the weighted figure given None only when every source had none
+    (a TypeError at the first eval) passed every test."""
+    from andrea.train.validation import SourceScore, ValScore
+
+    score = ValScore([SourceScore("a", 0.25, 2.0, 4, 0), SourceScore("b", 0.75, 4.0, 4, 8)])
+    assert score.bits_per_byte is None and score.loss == 0.25 * 0.5 + 0.75 * 1.0
+    record = score.record()
+    assert record["val_bpb"] is None and record["val_sources"]["a"]["bpb"] is None
+    assert record["val_sources"]["b"]["bpb"] == pytest.approx(4.0 / 8 / 0.6931471805599453)
