@@ -389,6 +389,22 @@ def test_a_record_naming_a_path_elsewhere_deletes_nothing_there(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == []
 
 
+def test_a_file_named_like_a_shard_is_andreas_only_by_its_magic(tmp_path):
+    """A user's train_000000.bin (another tool's tokens) does not make a folder andrea's: a
+    prepare into it is refused, the file kept. Mutation round 3: _is_shard by the name alone
+    passed every test: such a folder was prepared into, the file replaced."""
+    from andrea.data import folder
+    from andrea.errors import UserError
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "train_000000.bin").write_bytes(b"NOTANDREA" + bytes(300))
+    assert not folder.is_andrea_folder(theirs)
+    with pytest.raises(UserError, match=r"holds files andrea did not write \(train_000000\.bin\)"):
+        folder.check_owned(theirs)
+    assert "train_000000.bin" not in folder.owned_files(theirs)
+
+
 def test_ctrl_c_says_what_it_kept_and_the_rerun_resumes(tmp_path):
     write_corpus(tmp_path / "in")
     args = ("prepare", "-c", "andrea-tiny", "--set", "data.source=in", *SHARDS, "-o", "data/x")
