@@ -1,7 +1,8 @@
 """Shared test helpers: the `andrea` command in this process (andrea_main), or in a process of
 its own (run_andrea, python_command, torchrun_command, run_torchrun) where the process is the
-point: signals, kill -9, several processes at once, torchrun; waiting for what such a process
-does (wait_until); the tiny preset as a run's config (tiny_config, config_file)."""
+point: signals, kill -9, several processes at once, torchrun (run_torchrun_each: several
+commands in one launch); waiting for what such a process does (wait_until); the tiny preset as
+a run's config (tiny_config, config_file)."""
 
 from __future__ import annotations
 
@@ -171,6 +172,40 @@ def run_torchrun(
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def run_torchrun_each(
+    folder: Path, commands: dict[str, Sequence[str]], *, nproc: int = 2, timeout: float = 600,
+    envs: dict[str, dict[str, str]] | None = None,
+) -> dict[str, Result]:
+    """`torchrun --nproc_per_node=NPROC -m andrea ARGS` (or `SCRIPT.py ARGS`) for each named
+    ARGS of COMMANDS, in turn, in one launch (tests/torchrun_runs.py; its files under FOLDER),
+    each with ENVS[name] added to the environment: a launch's start-up, about 9 s of CPU, is
+    paid once, for trainings whose processes are not the point. A Result per name, as a launch of
+    its own would give it: its exit code the first non-zero of any rank's, its stdout and
+    stderr every rank's, rank 0's first. A command after one that failed is not run: its exit
+    code is -1, its output the launch's."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "commands.json").write_text(json.dumps([
+        {"args": list(args), "env": (envs or {}).get(name, {}), "out": str(folder / name)}
+        for name, args in commands.items()]))
+    launch = run_torchrun(str(REPO / "tests" / "torchrun_runs.py"),
+                          str(folder / "commands.json"), nproc=nproc, script=True,
+                          timeout=timeout)
+    results = {}
+    for name in commands:
+        def rank_files(suffix: str, name: str = name) -> list[Path]:
+            return [folder / f"{name}.rank{rank}.{suffix}" for rank in range(nproc)]
+        if not all(p.exists() for p in rank_files("code")):
+            results[name] = Result(-1, launch.stdout, launch.stderr)
+            continue
+        codes = [int(p.read_text()) for p in rank_files("code")]
+        results[name] = Result(next((c for c in codes if c), 0),
+                               *("".join(p.read_text() for p in rank_files(suffix))
+                                 for suffix in ("out", "err")))
+    return results
 
 
 def without_notes(stderr: str) -> str:
