@@ -1,7 +1,8 @@
 """Several processes under torchrun (gloo on the CPU): train.parallel: fsdp gives ddp's losses, the
 tied LM head stays tied, checkpoints reshard between process counts and modes, a resume with the
 same processes and mode is exact; two "nodes" equal one process. Each torchrun launch costs
-seconds: few of them, tiny runs."""
+seconds: few of them, tiny runs, and the trainings whose processes are not the point share two
+launches (the `launched` fixture, conftest.run_torchrun_each)."""
 
 from __future__ import annotations
 
@@ -11,25 +12,29 @@ import os
 import shutil
 import signal
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
+    Result,
     andrea_main,
     assert_user_error,
     config_file,
     free_port,
     run_torchrun,
+    run_torchrun_each,
     tiny_config,
     torchrun_command,
     wait_until,
 )
 from safetensors.torch import load_file
 
+from andrea import faults
 from andrea.config import load_config
 from andrea.train.checkpoint import read_trainer_state
-from andrea.train.loop import train
+from andrea.train.loop import TrainResult, train
 from andrea.train.rundir import step_of_dir
 
 STEPS = 20
@@ -38,11 +43,10 @@ SETS = (f"train.max_steps={STEPS}", "train.precision=fp32", "train.micro_batch_s
         "train.log_every=1", "train.eval_every=10", "train.eval_batches=3")
 
 
-def launch(tmp_path: Path, cfg, *args: str) -> subprocess.CompletedProcess:
-    path = config_file(cfg, tmp_path)
-    proc = run_torchrun("train", "-c", str(path), "--no-progress", *args)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc
+def succeeded(result: Result) -> str:
+    """A launch's (or one of its commands') stdout, once it exited 0."""
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -61,34 +65,122 @@ def rewound(run_dir: Path, to: Path, step: int) -> Path:
     return to
 
 
-def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsys):
-    ddp_cfg = tiny_config(tmp_path, data_dir, *SETS, name="ddp")
-    launch(tmp_path, ddp_cfg)
-    fsdp_cfg = tiny_config(tmp_path, data_dir, *SETS, "train.parallel=fsdp", name="fsdp")
-    out = launch(tmp_path, fsdp_cfg).stdout
+MUON = ("train.optimizer=muon", "train.muon_ns_precision=fp32")
+# 2 steps of 512 tokens, then 1,024, the first 3 in windows of 16 tokens (a checkpoint at 2).
+WARMUP = ("train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0",
+          "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
+          "train.batch_warmup_steps=2", "train.seq_warmup_length=16", "train.seq_warmup_steps=3")
+FP16 = ("train.max_steps=3", "train.precision=fp16", "train.micro_batch_size=2",
+        "train.global_batch_tokens=256", "train.eval_every=0", "train.checkpoint_every=0")
+AUTO = ("train.micro_batch_size=auto", "train.global_batch_tokens=1024", "train.max_steps=4",
+        "train.checkpoint_every=2", "train.eval_every=0")
+
+
+@dataclass
+class Launched:
+    """The two-process trainings of several tests below, in two torchrun launches (a launch's
+    start-up is most of a tiny run's time): `runs` the first launch's commands by name, then
+    the one-process runs the second launch resumes on two processes, then `resumes` its
+    commands. Tests read the run folders under `root` and copy them (`rewound`) to change."""
+
+    root: Path
+    runs: dict[str, Result]
+    one: dict[str, TrainResult]
+    resumes: dict[str, Result]
+
+
+def script(folder: Path, name: str, text: str) -> Path:
+    (folder / name).write_text(text)
+    return folder / name
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, data_dir) -> Launched:
+    root = tmp_path_factory.mktemp("launched")
+
+    def command(name: str, *sets: str) -> list[str]:
+        cfg = tiny_config(root, data_dir, *SETS, *sets, name=name)
+        return ["train", "-c", str(config_file(cfg, root)), "--no-progress"]
+
+    runs = run_torchrun_each(root / "first", {
+        "ddp": command("ddp"),
+        "fsdp": command("fsdp", "train.parallel=fsdp"),
+        "muon-fsdp": command("muon-fsdp", "train.parallel=fsdp", *MUON),
+        **{f"warmup-{p}": command(f"warmup-{p}", *WARMUP, f"train.parallel={p}")
+           for p in ("ddp", "fsdp")},
+        **{f"fp16-{p}": command(f"fp16-{p}", *FP16, f"train.parallel={p}")
+           for p in ("ddp", "fsdp")},
+        "zero": [str(script(root, "patched_andrea.py", PATCHED_PEAK)), *command(
+            "zero", "train.global_batch_tokens=0", "train.max_steps=4",
+            "train.checkpoint_every=2", "train.eval_every=0")],
+        "tied": [str(script(root, "tied.py", TIED))],
+    }, envs={"fp16-ddp": {"ANDREA_FAULTS": "overflow@2"},
+             "fp16-fsdp": {"ANDREA_FAULTS": "overflow@2"}})
+
+    one = {
+        "grow": train(tiny_config(root, data_dir, *SETS, "train.max_steps=10", name="grow"),
+                      progress=False),
+        "muon": train(tiny_config(root, data_dir, *SETS, *MUON, name="muon-one"), progress=False),
+        "warmup": train(tiny_config(root, data_dir, *SETS, *WARMUP, "train.parallel=fsdp",
+                                    name="warmup-one"), progress=False),
+        "auto": train(tiny_config(root, data_dir, *SETS, *AUTO, name="auto"), progress=False),
+    }
+    faults.install("overflow@2")  # rank 0's backward of step 2, as ANDREA_FAULTS above
+    try:
+        one["fp16"] = train(tiny_config(root, data_dir, *SETS, *FP16, name="fp16-one"),
+                            progress=False)
+    finally:
+        faults.install(None)
+
+    fsdp_yaml = str(root / "fsdp.yaml")
+    resumes = run_torchrun_each(root / "second", {
+        # Same processes, same mode: an exact resume.
+        "again": ["train", "-c", fsdp_yaml, "--no-progress", "--resume",
+                  str(rewound(root / "fsdp", root / "again", 10))],
+        # ddp (2 processes) -> fsdp (2).
+        "mixed": ["train", "-c", fsdp_yaml, "--no-progress", "--resume",
+                  str(rewound(root / "ddp", root / "mixed", 10)), "--set",
+                  "train.parallel=fsdp"],
+        # 1 process -> fsdp (2), with activation checkpointing.
+        "grow": ["train", "-c", fsdp_yaml, "--no-progress", "--resume", str(root / "grow"),
+                 "--set", f"train.max_steps={STEPS}", "--set", "train.parallel=fsdp", "--set",
+                 "train.activation_checkpointing=blocks"],
+        # Muon, 1 process -> fsdp (2), from whole tensors.
+        "muon-grow": ["train", "-c", str(root / "muon-fsdp.yaml"), "--no-progress", "--resume",
+                      str(rewound(root / "muon-one", root / "muon-grow", 10)), "--set",
+                      "train.parallel=fsdp"],
+        # 1 process -> 2 inside the warm-ups (fsdp, which reshards too), and with an auto
+        # micro-batch (ddp).
+        **{name: ["train", "--resume", str(rewound(root / run, root / name, 2)), "--no-progress"]
+           for name, run in (("warmup-again", "warmup-one"), ("auto-again", "auto"))},
+    })
+    return Launched(root, runs, one, resumes)
+
+
+def test_fsdp_matches_ddp_reshards_and_resumes_exactly(launched, tmp_path, capsys):
+    root = launched.root
+    succeeded(launched.runs["ddp"])
+    out = succeeded(launched.runs["fsdp"])
     assert "parallel: fsdp, parameters, gradients and optimizer state sharded over 2" in out
-    ddp, fsdp = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")
+    ddp, fsdp = losses(root / "ddp"), losses(root / "fsdp")
     assert sorted(fsdp) == list(range(1, STEPS + 1))
     for step in fsdp:
         assert math.isclose(fsdp[step], ddp[step], rel_tol=1e-5), (step, fsdp[step], ddp[step])
 
     # Same processes, same mode: the resumed half repeats the uninterrupted run bit for bit.
-    again = rewound(tmp_path / "fsdp", tmp_path / "again", 10)
-    launch(tmp_path, fsdp_cfg, "--resume", str(again))
-    assert {s: v for s, v in losses(again).items() if s > 10} == {
+    succeeded(launched.resumes["again"])
+    assert {s: v for s, v in losses(root / "again").items() if s > 10} == {
         s: v for s, v in fsdp.items() if s > 10}
 
     # ddp (2 processes) -> fsdp (2): allowed, said, and the same run continues.
-    mixed = rewound(tmp_path / "ddp", tmp_path / "mixed", 10)
-    out = launch(tmp_path, fsdp_cfg, "--resume", str(mixed), "--set",
-                 "train.parallel=fsdp").stdout
+    out = succeeded(launched.resumes["mixed"])
     assert "resume: train.parallel ddp -> fsdp" in out
     assert "resharding the checkpoint written by 2 processes (ddp) for 2 processes (fsdp)" in out
-    for step, loss in losses(mixed).items():
+    for step, loss in losses(root / "mixed").items():
         assert math.isclose(loss, ddp[step], rel_tol=1e-4), (step, loss, ddp[step])
 
     # fsdp (2) -> 1 process: nothing to shard, and it says so.
-    alone = rewound(tmp_path / "fsdp", tmp_path / "alone", 10)
+    alone = rewound(root / "fsdp", tmp_path / "alone", 10)
     capsys.readouterr()
     result = train(load_config(alone / "config.yaml"), resume=str(alone), progress=False)
     out = capsys.readouterr().out
@@ -99,11 +191,11 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
         assert math.isclose(result.losses[step], fsdp[step], rel_tol=1e-4), step
 
     # Bad input: a missing shard file is named; a config of another shape names the tensor.
-    bad = rewound(tmp_path / "fsdp", tmp_path / "bad", 10)
+    bad = rewound(root / "fsdp", tmp_path / "bad", 10)
     shard = "shard-00002-model-00001-of-00001.safetensors"
     (bad / "step-000010" / "shards" / shard).unlink()
     assert_user_error(andrea_main("train", "--resume", str(bad)), shard, "missing")
-    shape = rewound(tmp_path / "fsdp", tmp_path / "shape", 10)
+    shape = rewound(root / "fsdp", tmp_path / "shape", 10)
     (shape / "config.yaml").write_text((shape / "config.yaml").read_text()
                                        .replace("head_dim: 16", "head_dim: 8")
                                        .replace("d_model: 64", "d_model: 32"))
@@ -113,14 +205,10 @@ def test_fsdp_matches_ddp_reshards_and_resumes_exactly(tmp_path, data_dir, capsy
                       "vocab_size x d_model 320 x 32 (tok_emb.weight is [320, 64])")
 
     # 1 process -> fsdp (2), with activation checkpointing: the same gradients, recomputed.
-    one_cfg = tiny_config(tmp_path, data_dir, *SETS, "train.max_steps=10", name="grow")
-    train(one_cfg, progress=False)
-    out = launch(tmp_path, fsdp_cfg, "--resume", str(tmp_path / "grow"), "--set",
-                 f"train.max_steps={STEPS}", "--set", "train.parallel=fsdp", "--set",
-                 "train.activation_checkpointing=blocks").stdout
+    out = succeeded(launched.resumes["grow"])
     assert "resharding the checkpoint written by 1 process for 2 processes (fsdp)" in out
     assert "train.activation_checkpointing none -> blocks" in out
-    for step, loss in losses(tmp_path / "grow").items():
+    for step, loss in losses(root / "grow").items():
         assert math.isclose(loss, ddp[step], rel_tol=1e-4), (step, loss, ddp[step])
 
 
@@ -129,7 +217,7 @@ import pytest
 import torch
 from andrea.config import load_config
 from andrea.model.transformer import Andrea
-from andrea.train.process_group import init_distributed
+from andrea.train.process_group import init_distributed, shutdown
 from andrea.train.sharding import shard_model
 from torch.distributed.tensor import DTensor
 
@@ -149,20 +237,15 @@ assert model.lm_head.weight is model.tok_emb.weight
 assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
 if info.rank == 0:
     print("tied", sum(p.to_local().numel() for p in model.parameters()))
+shutdown(info)  # torchrun_runs.py's next command joins a process group of its own
 """
 
 
-def test_fsdp_keeps_the_lm_head_tied_to_the_embedding(tmp_path):
-    script = tmp_path / "tied.py"
-    script.write_text(TIED)
-    proc = subprocess.run(
-        torchrun_command("--nproc_per_node=2", "--master_addr=127.0.0.1",
-                         f"--master_port={free_port()}", entry=[str(script)]),
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_fsdp_keeps_the_lm_head_tied_to_the_embedding(launched):
+    """TIED, on two processes."""
+    out = succeeded(launched.runs["tied"])
     # Each rank holds half of the 123,200 parameters (the tied matrix once).
-    assert "tied 61600" in proc.stdout
+    assert "tied 61600" in out
 
 
 def launch_nodes(
@@ -372,31 +455,27 @@ def records(run_dir: Path, event: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
-def resumed_on_two_matches(run_dir: Path, to: Path, step: int,
+def resumed_on_two_matches(result: Result, again: Path, step: int,
                            expected: dict[int, float]) -> str:
-    """A copy of a one-process run rewound to checkpoint `step` (at `to`), resumed on two
-    processes: every later step's loss is `expected`'s (rel 1e-5). Returns its stdout."""
-    again = rewound(run_dir, to, step)
-    proc = run_torchrun("train", "--resume", str(again), "--no-progress")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    """A one-process run rewound to checkpoint `step` (at `again`), resumed on two processes
+    (`result`): every later step's loss is `expected`'s (rel 1e-5). Returns its stdout."""
+    out = succeeded(result)
     resumed = losses(again)
     assert sorted(resumed) == sorted(expected)
     for s in range(step + 1, max(expected) + 1):
         assert math.isclose(resumed[s], expected[s], rel_tol=1e-5), (resumed, expected)
-    return proc.stdout
+    return out
 
 
-def test_auto_micro_batch_is_chosen_again_on_another_process_count(tmp_path, data_dir):
+def test_auto_micro_batch_is_chosen_again_on_another_process_count(launched):
     """A run whose auto micro-batch was 16 x 64 on one process resumes under 2 processes: auto
     chooses again (8 each) instead of reusing 16, which 1,024 tokens over 2 processes cannot
     hold; the global batch and the data order stay, so the losses are the one process's."""
-    sets = ("train.micro_batch_size=auto", "train.global_batch_tokens=1024",
-            "train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0")
-    one = train(tiny_config(tmp_path, data_dir, *SETS, *sets, name="auto"), progress=False)
-    state = json.loads((tmp_path / "auto" / "step-000002" / "trainer_state.json").read_text())
+    one, run = launched.one["auto"], launched.root / "auto"
+    state = json.loads((run / "step-000002" / "trainer_state.json").read_text())
     assert (state["micro_batch_size"], state["world_size"]) == (16, 1)
-    again = tmp_path / "again"
-    out = resumed_on_two_matches(tmp_path / "auto", again, 2, one.losses)
+    again = launched.root / "auto-again"
+    out = resumed_on_two_matches(launched.resumes["auto-again"], again, 2, one.losses)
     assert "micro-batch: auto -> 8 x 64 (1 accumulation step)" in out
     state = json.loads((again / "step-000004" / "trainer_state.json").read_text())
     assert (state["micro_batch_size"], state["tokens_per_step"]) == (8, 1024)
@@ -412,27 +491,17 @@ def cfg_seed(run_dir: Path) -> int:
     return load_config(run_dir / "config.yaml").train.seed
 
 
-PATCHED_PEAK = """
+PEAK = 2e11  # FLOP/s: a GPU's, patched in (a CPU has none, so its MFU is n/a)
+PATCHED_PEAK = f"""
 import andrea.train.flops as flops
-flops.peak_flops = lambda device, dtype: {peak}
 from andrea.cli import main
-main()
+cpus = flops.peak_flops
+flops.peak_flops = lambda device, dtype: {PEAK}
+try:
+    main()
+finally:
+    flops.peak_flops = cpus  # torchrun_runs.py's later commands
 """
-
-
-def launch_with_peak(tmp_path: Path, cfg, peak: float) -> None:
-    """`launch`, through andrea with a device peak of `peak` FLOP/s patched in (a CPU has none,
-    so its MFU is n/a)."""
-    script = tmp_path / "patched_andrea.py"
-    script.write_text(PATCHED_PEAK.format(peak=peak))
-    path = config_file(cfg, tmp_path)
-    proc = subprocess.run(
-        torchrun_command("--nproc_per_node=2", "--master_addr=127.0.0.1",
-                         f"--master_port={free_port()}",
-                         entry=[str(script), "train", "-c", str(path), "--no-progress"]),
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def assert_mfu_per_device(run_dir: Path, cfg, peak: float) -> None:
@@ -449,17 +518,16 @@ def assert_mfu_per_device(run_dir: Path, cfg, peak: float) -> None:
         assert r["mfu"] is not None and math.isclose(r["mfu"], per_device, abs_tol=1.5e-4), r
 
 
-def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path, data_dir):
+def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(launched, tmp_path):
     """global_batch_tokens: 0 is one micro-batch per process when the run starts (2 x 4 x 64 =
     512 tokens/step); resumed on one process it keeps 512 (2 micro-batches) and the same
     losses; a micro-batch that cannot keep it says so in one line, and the plan adds up. The
-    two processes' MFU is per device (a GPU's peak patched in)."""
-    cfg = tiny_config(tmp_path, data_dir, *SETS, "train.global_batch_tokens=0", "train.max_steps=4",
-                      "train.checkpoint_every=2", "train.eval_every=0", name="zero")
-    launch_with_peak(tmp_path, cfg, 2e11)
-    assert_mfu_per_device(tmp_path / "zero", cfg, 2e11)
-    two = losses(tmp_path / "zero")
-    fewer = rewound(tmp_path / "zero", tmp_path / "fewer", 2)
+    two processes' MFU is per device (a GPU's peak patched in: PATCHED_PEAK)."""
+    succeeded(launched.runs["zero"])
+    run = launched.root / "zero"
+    assert_mfu_per_device(run, load_config(launched.root / "zero.yaml"), PEAK)
+    two = losses(run)
+    fewer = rewound(run, tmp_path / "fewer", 2)
     proc = andrea_main("train", "--resume", str(fewer), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "512 tokens/step (4 x 64 x 2 accumulation x 1 process)" in proc.stdout
@@ -468,7 +536,7 @@ def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path
     for step in (3, 4):
         assert math.isclose(losses(fewer)[step], two[step], rel_tol=1e-5), (step, two)
 
-    odd = rewound(tmp_path / "zero", tmp_path / "odd", 2)
+    odd = rewound(run, tmp_path / "odd", 2)
     proc = andrea_main("train", "--resume", str(odd), "--no-progress",
                        "--set", "train.micro_batch_size=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -478,22 +546,20 @@ def test_global_batch_zero_keeps_its_tokens_per_step_on_fewer_processes(tmp_path
     assert records(odd, "end")[-1]["tokens"] == 1024 + 2 * 192
 
 
-def test_fsdp_muon_matches_one_process_and_reshards(tmp_path, data_dir, capsys):
+def test_fsdp_muon_matches_one_process_and_reshards(launched, tmp_path, capsys):
     """Muon under fsdp (each rank orthogonalises its share of whole matrices, the momentum stays
     sharded): one process's losses; its state in the shards; resumes 2 -> 1 (from the shards)
     and 1 -> 2 (from whole tensors, as a ddp checkpoint holds them too: ddp -> fsdp is
     test_fsdp_matches_ddp_reshards_and_resumes_exactly's) continue the same run."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    muon = ("train.optimizer=muon", "train.muon_ns_precision=fp32")
-    one = train(tiny_config(tmp_path, data_dir, *SETS, *muon, name="one"), progress=False).losses
-    fsdp_cfg = tiny_config(tmp_path, data_dir, *SETS, "train.parallel=fsdp", *muon, name="fsdp")
-    launch(tmp_path, fsdp_cfg)
-    fsdp = losses(tmp_path / "fsdp")
+    root, one = launched.root, launched.one["muon"].losses
+    succeeded(launched.runs["muon-fsdp"])
+    fsdp = losses(root / "muon-fsdp")
     assert sorted(fsdp) == list(range(1, STEPS + 1))
     for step in fsdp:
         assert math.isclose(fsdp[step], one[step], rel_tol=1e-5), (step, fsdp[step], one[step])
-    stored = HuggingFaceStorageReader(str(tmp_path / "fsdp" / "step-000010" / "shards")
+    stored = HuggingFaceStorageReader(str(root / "muon-fsdp" / "step-000010" / "shards")
                                       ).read_metadata().state_dict_metadata
     assert "optimizer.blocks.0.attn.qkv.weight.momentum_buffer" in stored
     assert "optimizer.blocks.0.attn.qkv.weight.exp_avg" not in stored
@@ -506,42 +572,38 @@ def test_fsdp_muon_matches_one_process_and_reshards(tmp_path, data_dir, capsys):
             assert math.isclose(got[step], one[step], rel_tol=1e-5), (run_dir, step, got[step])
 
     # fsdp (2) -> 1 process, from the shards.
-    alone = rewound(tmp_path / "fsdp", tmp_path / "alone", 10)
+    alone = rewound(root / "muon-fsdp", tmp_path / "alone", 10)
     capsys.readouterr()
     train(load_config(alone / "config.yaml"), resume=str(alone), progress=False)
     assert "written by 2 processes (fsdp) for 1 process\n" in capsys.readouterr().out
     continues(alone)
     # 1 process -> fsdp (2), from whole tensors.
-    grow = rewound(tmp_path / "one", tmp_path / "grow", 10)
-    out = launch(tmp_path, fsdp_cfg, "--resume", str(grow), "--set", "train.parallel=fsdp").stdout
+    out = succeeded(launched.resumes["muon-grow"])
     assert "written by 1 process for 2 processes (fsdp)" in out
-    continues(grow)
+    continues(root / "muon-grow")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_batch_and_seq_warmup_on_two_processes_matches_one(tmp_path, data_dir, parallel):
+def test_batch_and_seq_warmup_on_two_processes_matches_one(launched, parallel):
     """2 steps of 512 tokens, then 1,024: one process takes 2 then 4 micro-batches of 4 x 64,
     two processes 1 then 2 each; the same windows, so the same losses. The first 3 steps cut
     each micro-batch into 16 windows of 16 tokens (a sequence-length warm-up). The one process's
     checkpoint at step 2, inside both warm-ups, resumed on two processes (fsdp, which reshards
     it too) gives its steps 3-4."""
-    sets = ("train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0",
-            "train.global_batch_tokens=1024", "train.batch_warmup_tokens=512",
-            "train.batch_warmup_steps=2", f"train.parallel={parallel}",
-            "train.seq_warmup_length=16", "train.seq_warmup_steps=3")
-    one = train(tiny_config(tmp_path, data_dir, *SETS, *sets, name="one"), progress=False)
-    proc = launch(tmp_path, tiny_config(tmp_path, data_dir, *SETS, *sets, name="two"))
-    assert "batch warm-up: steps 1-2 take 512 tokens (1 accumulation), then 1,024" in proc.stdout
+    one, name = launched.one["warmup"], f"warmup-{parallel}"
+    out = succeeded(launched.runs[name])
+    assert "batch warm-up: steps 1-2 take 512 tokens (1 accumulation), then 1,024" in out
     assert ("sequence warm-up: steps 1-3 train on windows of 16 tokens (16 x 16 a "
-            "micro-batch), then 64") in proc.stdout
-    two = losses(tmp_path / "two")
+            "micro-batch), then 64") in out
+    two = losses(launched.root / name)
     assert sorted(two) == [1, 2, 3, 4]
     for step, loss in two.items():
         assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
-    tokens = [r["tokens"] for r in records(tmp_path / "two", "train")]
+    tokens = [r["tokens"] for r in records(launched.root / name, "train")]
     assert tokens == [512, 1024, 2048, 3072] and one.tokens == 3072
     if parallel == "fsdp":  # resuming inside the warm-ups does not depend on the mode: once
-        out = resumed_on_two_matches(tmp_path / "one", tmp_path / "again", 2, one.losses)
+        out = resumed_on_two_matches(launched.resumes["warmup-again"],
+                                     launched.root / "warmup-again", 2, one.losses)
         assert "sequence warm-up: steps 1-3 train on windows of 16 tokens" in out
 
 
@@ -659,25 +721,18 @@ def test_no_module_but_the_strategy_names_a_mode():
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_fp16_on_two_processes_skips_the_overflow_everywhere_and_keeps_the_scale(
-        tmp_path, data_dir, inject_faults, parallel):
+        launched, parallel):
     """fp16, rank 0's backward of step 2 overflowing (overflow@2): every rank skips step 2 and
     halves its scale (ddp's all-reduce and fsdp's reduce-scatter carry the inf into every rank's
     gradients; fsdp's inf check is reduced over the ranks too), so the losses are one process's.
     The checkpoint records the halved scale and the count (a resume's test: test_fp16.py)."""
-    sets = ("train.max_steps=3", "train.precision=fp16", "train.micro_batch_size=2",
-            "train.global_batch_tokens=256", "train.eval_every=0", "train.checkpoint_every=0",
-            f"train.parallel={parallel}")
-    inject_faults("overflow@2")
-    one = train(tiny_config(tmp_path, data_dir, *SETS, *sets, name="one"), progress=False)
-    cfg = tiny_config(tmp_path, data_dir, *SETS, *sets, name="two")
-    proc = run_torchrun("train", "-c", str(config_file(cfg, tmp_path)), "--no-progress",
-                        env={"ANDREA_FAULTS": "overflow@2"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert [r["step"] for r in records(tmp_path / "two", "overflow")] == [2]
-    two = losses(tmp_path / "two")
+    one, run = launched.one["fp16"], launched.root / f"fp16-{parallel}"
+    succeeded(launched.runs[f"fp16-{parallel}"])
+    assert [r["step"] for r in records(run, "overflow")] == [2]
+    two = losses(run)
     for step in (1, 2, 3):
         assert math.isclose(two[step], one.losses[step], rel_tol=1e-3), (step, two, one.losses)
-    state = read_trainer_state(tmp_path / "two" / "step-000003")[0]
+    state = read_trainer_state(run / "step-000003")[0]
     assert (state.loss_scaling["scale"], state.loss_scaling["overflows"]) == (2.0**15, 1)
 
 
@@ -687,17 +742,21 @@ def test_a_process_group_of_one_runs_the_several_process_path(tmp_path, data_dir
     without it the one process trains whole, as before."""
     cfg = tiny_config(tmp_path, data_dir, *SETS, "train.parallel=fsdp", "train.max_steps=2",
                       "train.checkpoint_every=2", "train.eval_every=0", name="one")
-    path = config_file(cfg, tmp_path)
-    grouped = run_torchrun("train", "-c", str(path), "--no-progress", nproc=1,
-                           env={"ANDREA_PROCESS_GROUP_OF_ONE": "1"})
+    path = str(config_file(cfg, tmp_path))
+    # One launch of one process for both (conftest.run_torchrun_each), grouped first.
+    launched = run_torchrun_each(tmp_path / "launch", {
+        "grouped": ["train", "-c", path, "--no-progress"],
+        "alone": ["train", "-c", path, "--no-progress", "--set", "train.name=alone"],
+    }, nproc=1, envs={"grouped": {"ANDREA_PROCESS_GROUP_OF_ONE": "1"}})
+    grouped, alone = launched["grouped"], launched["alone"]
     assert grouped.returncode == 0, grouped.stdout[-2000:] + grouped.stderr[-3000:]
     assert "parallel: fsdp, parameters, gradients and optimizer state sharded over 1 process" \
         in grouped.stdout
     assert (tmp_path / "one" / "step-000002" / "shards").is_dir()
-    alone = run_torchrun("train", "-c", str(path), "--no-progress", "--overwrite", nproc=1)
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert "fsdp with 1 process: nothing to shard" in alone.stdout
-    assert not (tmp_path / "one" / "step-000002" / "shards").exists()
+    assert (tmp_path / "alone" / "step-000002").is_dir()
+    assert not (tmp_path / "alone" / "step-000002" / "shards").exists()
 
 
 def worker_pid(agent: int, rank: int) -> int | None:
