@@ -1,9 +1,9 @@
-"""Run under torchrun: `sync_counter.py OUT CONFIG.yaml` trains CONFIG (`andrea.cli.main`, the
-environment's ANDREA_FAULTS as usual) and writes OUT.rankR.json: how many times the run called
-`torch.distributed.all_reduce`, read a tensor into Python (`item`, `tolist`, `float()`, `int()`,
-`bool()`, `numpy`) and ran the model's forward, with its exit code. tests/test_step_syncs.py
-compares 1 and 8 micro-batches a step. One run per process: a second one sometimes hung setting
-up its process group again."""
+"""Run under torchrun: `sync_counter.py OUT RUNS` trains each [NAME, CONFIG.yaml, FAULTS] of the
+JSON list RUNS in turn (torchrun_runs.run: `andrea train -c CONFIG.yaml`, ANDREA_FAULTS=FAULTS,
+its output in OUT-NAME.rankR.*) and writes OUT.rankR.json: for each NAME, how many times the
+run called `torch.distributed.all_reduce`, read a tensor into Python (`item`, `tolist`,
+`float()`, `int()`, `bool()`, `numpy`) and ran the model's forward, with its exit code.
+tests/test_step_syncs.py compares 1 and 8 micro-batches a step."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrun_runs import RANK, run
 
-from andrea.cli import main
 from andrea.model.transformer import Andrea
 
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "numpy")
@@ -38,21 +38,16 @@ def install() -> None:
     Andrea.forward = counted("forward", Andrea.forward)
 
 
-def run(config: str) -> dict[str, Any]:
-    try:
-        main(["train", "-c", config, "--no-progress"])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 0
-    return {"exit_code": code, **counts}
-
-
 if __name__ == "__main__":
-    out, config = sys.argv[1], sys.argv[2]
+    out, runs = sys.argv[1], json.loads(sys.argv[2])
     install()
-    result = run(config)
-    rank = os.environ.get("RANK", "0")
-    with open(f"{out}.rank{rank}.json", "w") as f:
+    result = {}
+    for index, (name, config, faults) in enumerate(runs):
+        counts.clear()
+        code = run(["train", "-c", config, "--no-progress"],
+                   {"ANDREA_FAULTS": faults} if faults else {}, f"{out}-{name}", index)
+        result[name] = {"exit_code": code, **counts}
+    with open(f"{out}.rank{RANK}.json", "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
     os._exit(0)  # the counters wrap torch.Tensor: skip the interpreter's teardown with them in

@@ -2,7 +2,7 @@
 micro-batches it has: on 2 gloo processes, andrea-tiny trained at 1 and at 8 micro-batches a step
 calls `all_reduce` and reads tensors into Python equally often (ddp and fsdp). A SIGTERM inside
 a step still stops within about two micro-batches under ddp. tests/sync_counter.py counts inside
-the torchrun workers; each launch costs seconds."""
+the torchrun workers, the five runs in one launch (a launch costs seconds)."""
 
 from __future__ import annotations
 
@@ -34,15 +34,12 @@ def test_a_step_waits_as_often_with_8_micro_batches_as_with_1(tmp_path, data_dir
     }
     # SIGTERM on both ranks after micro-batch 1 of step 4's 8 (0-based step 3)
     faults = {"stop8": "sigterm@3.1"}
-    counts: dict[int, dict] = {0: {}, 1: {}}
-    for name, path in runs.items():  # a torchrun launch per run (tests/sync_counter.py)
-        out = tmp_path / name
-        env = {"ANDREA_FAULTS": faults[name]} if name in faults else None
-        proc = run_torchrun(str(Path(__file__).with_name("sync_counter.py")), str(out), path,
-                            script=True, env=env)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        for rank in (0, 1):
-            counts[rank][name] = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+    out = tmp_path / "counts"
+    # One torchrun launch for the five runs, each under keys of its own (tests/sync_counter.py)
+    proc = run_torchrun(str(Path(__file__).with_name("sync_counter.py")), str(out), json.dumps(
+        [[name, path, faults.get(name, "")] for name, path in runs.items()]), script=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    counts = {rank: json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)}
     for rank in (0, 1):
         for mode in ("ddp", "fsdp"):
             one, eight = counts[rank][f"{mode}1"], counts[rank][f"{mode}8"]
