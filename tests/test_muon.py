@@ -4,20 +4,18 @@ resume, two processes, bad input."""
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
+    Result,
     andrea_main,
     assert_user_error,
     config_file,
     load_script,
+    run_torchrun_each,
     tiny_config,
-    torchrun_command,
 )
 from test_train import read_events
 
@@ -270,23 +268,29 @@ def test_exact_resume_bit_for_bit_with_muon(tmp_path, data_dir):
     assert whole.losses[8] < whole.losses[1]
 
 
-def test_two_processes_with_muon_match_one(tmp_path, data_dir):
-    sets = ("train.max_steps=3", "train.precision=fp32", "train.micro_batch_size=4",
-            "train.global_batch_tokens=512", "train.optimizer=muon",
-            "train.muon_ns_precision=fp32")
-    one = train(tiny_config(tmp_path / "one" / "runs", data_dir, *sets), progress=False)
-    cfg2 = tiny_config(tmp_path / "two" / "runs", data_dir, *sets)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run(
-        torchrun_command("--nproc_per_node=2", "--master_addr=127.0.0.1",
-                         f"--master_port={port}", entry=["-m", "andrea", "train", "-c",
-                         str(config_file(cfg2, tmp_path)), "--no-progress"]),
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )
+TWO_SETS = ("train.max_steps=3", "train.precision=fp32", "train.micro_batch_size=4",
+            "train.global_batch_tokens=512", "train.optimizer=muon", "train.muon_ns_precision=fp32")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, data_dir) -> tuple[Path, dict[str, Result]]:
+    """This file's two-process runs in one torchrun launch (conftest.run_torchrun_each): a
+    training with Muon (runs/t), then the SPLIT script, which counts Newton-Schulz calls by
+    patching them (last, so that it counts no training's)."""
+    root = tmp_path_factory.mktemp("two")
+    cfg = tiny_config(root / "runs", data_dir, *TWO_SETS)
+    (root / "split.py").write_text(SPLIT)
+    return root, run_torchrun_each(root / "launch", {
+        "train": ["train", "-c", str(config_file(cfg, root)), "--no-progress"],
+        "split": [str(root / "split.py")],
+    })
+
+
+def test_two_processes_with_muon_match_one(tmp_path, data_dir, two_processes):
+    one = train(tiny_config(tmp_path / "one" / "runs", data_dir, *TWO_SETS), progress=False)
+    root, proc = two_processes[0], two_processes[1]["train"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    two = {r["step"]: r["loss"] for r in read_events(Path(cfg2.train.runs_dir) / "t", "train")}
+    two = {r["step"]: r["loss"] for r in read_events(root / "runs" / "t", "train")}
     assert sorted(two) == [1, 2, 3]
     for step, loss in two.items():
         assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses)
@@ -372,16 +376,10 @@ shutdown(info)  # collects the sharded model's cycles first: gloo torn down late
 """
 
 
-def test_two_processes_split_newton_schulz_and_match_one(tmp_path):
+def test_two_processes_split_newton_schulz_and_match_one(two_processes):
     """DDP's whole matrices and FSDP2's uneven row shards: each rank orthogonalises its share
     (assign_owners), and 3 steps give one process's parameters and a float64 reference's."""
-    script = tmp_path / "split.py"
-    script.write_text(SPLIT)
-    proc = subprocess.run(
-        # --standalone: the rendezvous picks its own free port (no race with other tests).
-        torchrun_command("--standalone", "--nproc_per_node=2", entry=[str(script)]),
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
-    )
+    proc = two_processes[1]["split"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ddp newton-schulz calls per step and rank: [4, 4]" in proc.stdout
     assert "fsdp newton-schulz calls per step and rank: [4, 4]" in proc.stdout
