@@ -20,7 +20,7 @@ from andrea.data.shards import read_manifest
 
 TRAIN = ("train", "-c", "andrea-tiny", "--set", "data.source=data/", *SHARDS,
          "--set", "train.runs_dir=runs", "--set", "train.max_steps=2", "--set",
-         "train.eval_every=2", "--set", "train.checkpoint_every=2", "--set", "train.eval_batches=1")
+         "train.eval_every=2", "--set", "train.checkpoint_every=2")
 
 
 def test_a_users_data_survives_a_sweep_a_resume_and_mistakes(tmp_path):

@@ -40,7 +40,7 @@ from andrea.train.rundir import step_of_dir
 STEPS = 20
 SETS = (f"train.max_steps={STEPS}", "train.precision=fp32", "train.micro_batch_size=4",
         "train.global_batch_tokens=512", "train.checkpoint_every=10", "train.keep_last=5",
-        "train.log_every=1", "train.eval_every=10", "train.eval_batches=3")
+        "train.log_every=1", "train.eval_every=10")
 
 
 def succeeded(result: Result) -> str:

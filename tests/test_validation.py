@@ -16,6 +16,7 @@ import torch
 from conftest import andrea_main, run_torchrun, tiny_config
 
 from andrea.config import load_config
+from andrea.errors import UserError
 from andrea.train.loop import train
 
 EVAL_TOKENS = 1000
@@ -87,6 +88,22 @@ def test_eval_batches_of_an_old_config_is_a_token_budget(tmp_path):
     assert both.train.eval_tokens == 777
     assert load_config(old, ["train.micro_batch_size=auto"]).train.eval_tokens == 5 * 8 * 64
     assert load_config("andrea-tiny").train.eval_tokens > 0
+
+
+def test_a_set_eval_batches_that_a_files_eval_tokens_outranks_is_refused(tmp_path):
+    """Before: `--set train.eval_batches=4` on a preset (every preset gives eval_tokens) did
+    nothing, without a word, and the run scored 65,536 tokens. Now it is one line naming the
+    key to set; an old file's eval_batches, or both set, still load as the rule says."""
+    with pytest.raises(UserError, match=r"^--set train.eval_batches=4: .*andrea-12m.yaml gives "
+                       r"train.eval_tokens \(65,536\), which outranks the deprecated "
+                       r"train.eval_batches; --set train.eval_tokens=N instead"):
+        load_config("andrea-12m", ["train.eval_batches=4"])
+    both = load_config("andrea-12m", ["train.eval_batches=4", "train.eval_tokens=512"])
+    assert both.train.eval_tokens == 512
+    old = tmp_path / "old.yaml"
+    old.write_text("model: {block_size: 64}\ntrain: {micro_batch_size: 4, eval_batches: 5}\n")
+    assert load_config(old, ["train.eval_batches=2"]).train.eval_tokens == 2 * 4 * 64
+    assert load_config("andrea-12m", ["train.eval_batches=null"]).train.eval_tokens == 65536
 
 
 def write_text(path: Path, seed: int, alphabet: str) -> Path:

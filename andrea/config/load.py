@@ -444,10 +444,20 @@ def load_config(name: str | Path | None = None, overrides: typing.Sequence[str] 
             raise UserError(_empty_config(path))
         check_unique_keys(text, origin)
         cfg = from_dict(data, origin, text)
+    file_keys, set_keys = set(cfg.given), {}
     for text in overrides:
         section, key, value = parse_override(text)
         _apply(cfg, section, key, value, f"--set {text}",
                lambda t=text: t.split("=", 1)[1].strip())
+        set_keys[f"{section}.{key}"] = text
+    old_budget = set_keys.get("train.eval_batches")
+    if (old_budget is not None and cfg.train.eval_batches is not None
+            and "train.eval_tokens" in file_keys and "train.eval_tokens" not in set_keys):
+        # The file's eval_tokens outranks eval_batches (validate): the --set would do nothing.
+        raise UserError(
+            f"--set {old_budget}: {origin} gives train.eval_tokens "
+            f"({cfg.train.eval_tokens:,}), which outranks the deprecated train.eval_batches; "
+            f"--set train.eval_tokens=N instead (the val set's target tokens)")
     if not cfg.train.name and name is not None:  # `--set train.name=` too: never runs_dir itself
         cfg.train.name = path.stem
     return validate(cfg, origin if not overrides else f"{origin} (with --set overrides)")

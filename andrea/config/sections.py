@@ -186,7 +186,8 @@ class TrainConfig:
     # an old config's value into the eval_tokens it named.
     eval_batches: int | None = key(
         None, "deprecated: becomes eval_tokens = eval_batches x micro_batch_size (8 for auto) "
-        "x block_size, unless eval_tokens is given",
+        "x block_size, unless eval_tokens is given (a --set of it where the file gives "
+        "eval_tokens: refused)",
         check=positive("a positive integer (deprecated: use train.eval_tokens)"), resumable=True)
     checkpoint_every: int = key(
         200, "steps between checkpoints (and at the last step)",
