@@ -555,39 +555,50 @@ def test_a_holder_that_has_not_written_its_pid_yet_is_named_without_one(tmp_path
 UNGUARDED = """
 from andrea.config import load_config
 from andrea.train.loop import train
-
-cfg = load_config("andrea-tiny", ["data.source=in", "data.dir=data/in", "data.workers=2",
-                                  "train.max_steps=1", "train.eval_every=0"])
+SETS = ["data.source=in", "data.workers=2", "train.max_steps=1", "train.eval_every=0"]
+def config(name):
+    return load_config("andrea-tiny", [*SETS, f"data.dir=data/{{name}}", f"train.name={{name}}"])
 {call}
 """
+CALL = 'print({name!r}, train(config({name!r}), progress=False).state)'
 
 
 # Guards as people write them, each of which keeps the workers from calling train again.
 GUARDS = {
-    "plain": 'if __name__ == "__main__":\n    print(train(cfg, progress=False).state)',
-    "in a try": ('try:\n    if __name__ == "__main__":\n        print(train(cfg, progress=False)'
-                 '.state)\nexcept KeyboardInterrupt:\n    pass'),
-    "an else": ('if __name__ != "__main__":\n    pass\nelse:\n'
-                '    print(train(cfg, progress=False).state)'),
+    "plain": 'if __name__ == "__main__":\n    {call}',
+    "in a try": ('try:\n    if __name__ == "__main__":\n        {call}\n'
+                 'except KeyboardInterrupt:\n    pass'),
+    "an else": 'if __name__ != "__main__":\n    pass\nelse:\n    {call}',
 }
 
 
-@pytest.mark.parametrize("guarded", [False, *GUARDS])
-def test_a_script_that_calls_train_unguarded_is_told_to_guard_it(tmp_path, guarded):
+@pytest.fixture(scope="module")
+def guarded_script(tmp_path_factory) -> subprocess.CompletedProcess:
+    """One script holding every guard of GUARDS in turn, each training a run of its own on a
+    data folder of its own: each of its trainings prepares, so the check before the pool reads
+    each guard's line, and each pool's workers import the whole script, every guard included.
+    One process for the three guards: the script and its workers are what the test is about,
+    not a process per guard."""
+    folder = tmp_path_factory.mktemp("guarded")
+    write_corpus(folder / "in")
+    (folder / "script.py").write_text(UNGUARDED.format(call="\n".join(
+        guard.format(call=CALL.format(name=name.replace(" ", "-")))
+        for name, guard in GUARDS.items())))
+    return subprocess.run(python_command(str(folder / "script.py")), cwd=folder, text=True,
+                          capture_output=True, timeout=300, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_script_that_calls_train_unguarded_is_told_to_guard_it(tmp_path):
     """Python's spawn starts each tokenizing worker by importing the user's script: one that
     called train() at its top level trained again in every worker, which the run's lock refused,
     and the pool replaced the worker, forever, with the lock's error each time. Now the script
-    is refused before any worker starts, naming its line and the missing guard; guarded, it
-    trains with its workers."""
+    is refused before any worker starts, naming its line and the missing guard."""
     write_corpus(tmp_path / "in")
-    call = GUARDS[guarded] if guarded else "print(train(cfg, progress=False).state)"
-    (tmp_path / "script.py").write_text(UNGUARDED.format(call=call))
+    (tmp_path / "script.py").write_text(UNGUARDED.format(call=CALL.format(name="in")))
     proc = subprocess.run(python_command(str(tmp_path / "script.py")), cwd=tmp_path, text=True,
                           capture_output=True, timeout=300, start_new_session=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if guarded:
-        assert proc.returncode == 0 and proc.stdout.endswith("finished\n"), proc.stderr[-3000:]
-        return
     assert proc.returncode == 1 and proc.stdout == "preparing data/in from in (first run only)\n"
     assert proc.stderr.splitlines()[-1] == (
         f"andrea.errors.UserError: {tmp_path / 'script.py'}:7: calls andrea outside `if "
@@ -597,14 +608,25 @@ def test_a_script_that_calls_train_unguarded_is_told_to_guard_it(tmp_path, guard
     assert not list((tmp_path / "data" / "in").glob("*.bin"))  # refused before any shard
 
 
+@pytest.mark.parametrize("guard", list(GUARDS))
+def test_a_script_that_calls_train_guarded_trains_with_its_workers(guarded_script, guard):
+    """Each guard as people write it passes the check, and the workers that import the script
+    never call train again: its run finishes, with its data prepared by the workers."""
+    proc = guarded_script
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = guard.replace(" ", "-")
+    lines = proc.stdout.splitlines()
+    assert f"preparing data/{name} from in (first run only)" in lines, proc.stdout
+    assert f"{name} finished" in lines, proc.stdout
+
+
 def test_a_package_run_with_dash_m_needs_no_guard(tmp_path):
     """`python -m pkg`: spawn never imports a `__main__` module again, so an unguarded call in
     pkg/__main__.py is safe and is not refused (the check refused it at first)."""
     write_corpus(tmp_path / "in")
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
-    (tmp_path / "pkg" / "__main__.py").write_text(
-        UNGUARDED.format(call="print(train(cfg, progress=False).state)"))
+    (tmp_path / "pkg" / "__main__.py").write_text(UNGUARDED.format(call=CALL.format(name="in")))
     proc = subprocess.run(python_command("-m", "pkg"), cwd=tmp_path, text=True,
                           capture_output=True, timeout=300, start_new_session=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
