@@ -106,30 +106,36 @@ def run_limited(*commands: list[str], cwd: Path, memory: int = 2_000_000_000) ->
 
 def test_a_checkpoint_naming_a_users_folder_never_writes_there(tmp_path):
     """eval and generate of a checkpoint whose data.dir is a folder of the user's: the data is
-    prepared under ./data, the folder keeps every file as it was."""
+    prepared under ./data, the folder keeps every file as it was. The run's text is a small
+    file of its own, not the preset's Shakespeare: what is prepared where is the point, and
+    learning a BPE from all of Shakespeare took most of this test's time."""
     precious = user_folder(tmp_path)
-    ckpt = make_checkpoint(tmp_path / "stranger", f"data.dir={precious}")
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(f"Note {j}: the quick brown fox jumps over the lazy dog.\n"
+                            for j in range(1500)))
+    ckpt = make_checkpoint(tmp_path / "stranger", f"data.dir={precious}", f"data.source={text}")
     home = tmp_path / "home"
     home.mkdir()
     before = snapshot(precious)
     proc = andrea_main("eval", "--checkpoint", str(ckpt), "--max-tokens", "64", "--no-progress",
                        "--json", cwd=home)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)[0]["data_dir"] == "data/shakespeare-byte"
+    assert json.loads(proc.stdout)[0]["data_dir"] == "data/notes-byte"
     assert f"the run's data, {precious}, is not here (andrea writes a checkpoint's data only" \
         " under ./data)" in proc.stderr
-    assert (home / "data/shakespeare-byte/manifest.json").is_file()
+    assert (home / "data/notes-byte/manifest.json").is_file()
     assert snapshot(precious) == before
 
     # generate of a BPE run: the tokenizer is looked for and prepared, again never in there.
     bpe = make_checkpoint(tmp_path / "stranger-bpe", f"data.dir={precious}",
-                          "data.tokenizer=bpe", "model.vocab_size=320", tokenizer="bpe:0123abcd")
+                          f"data.source={text}", "data.tokenizer=bpe", "model.vocab_size=320",
+                          tokenizer="bpe:0123abcd")
     proc = andrea_main("generate", "--checkpoint", str(bpe), "-n", "4", cwd=home)
     notice, error = proc.stderr.splitlines()  # the prepare under ./data, then no such BPE
-    assert proc.returncode == 2 and notice.startswith("preparing data/shakespeare-bpe-320 ")
+    assert proc.returncode == 2 and notice.startswith("preparing data/notes-bpe-320 ")
     assert error.startswith("error: ") and "bpe:0123abcd" in error
     assert snapshot(precious) == before
-    assert (home / "data/shakespeare-bpe-320/manifest.json").is_file()
+    assert (home / "data/notes-bpe-320/manifest.json").is_file()
 
 
 def test_an_imported_andrea_json_never_names_the_data_folder(tmp_path):
@@ -243,31 +249,49 @@ def test_a_config_asking_for_a_million_layers_is_refused_before_allocating(tmp_p
     assert snapshot(tmp_path) == before
 
 
-def test_a_model_too_big_for_memory_is_one_line_naming_its_keys(tmp_path, data_dir):
+@pytest.fixture(scope="module")
+def too_big(tmp_path_factory, data_dir) -> dict:
+    """The trainings of models too big and the resume of a config edited to 10^6 layers, each
+    command in turn in one process capped at 500 MB of address space (run_limited): each is
+    refused from sizes alone, so none leaves anything the next could read, and one process
+    spares two starts of torch. The folder, the config file, the resume's checkpoint, its
+    folder as it was before, and each command's Result by name."""
+    folder = tmp_path_factory.mktemp("too-big")
+    cfg = config_file(tiny_config(folder / "runs", data_dir), folder)
+    ckpt = make_checkpoint(folder / "resume", "train.max_steps=10")
+    config = ckpt.parent / "config.yaml"
+    config.write_text(config.read_text().replace("n_layer: 2", "n_layer: 1000000"))
+    before = snapshot(folder / "resume")
+    commands = {
+        "vocab": ["train", "-c", str(cfg), "--set", "model.vocab_size=1000000000"],
+        "layers": ["train", "-c", str(cfg), "--set", "model.n_layer=100000"],
+        "machine": ["train", "-c", str(cfg), "--set", "model.n_layer=1000000",
+                    "--set", "train.max_steps=1"],
+        "resume": ["train", "--resume", str(ckpt.parent)],
+    }
+    results = run_limited(*commands.values(), cwd=folder, memory=500_000_000)
+    return {"folder": folder, "cfg": cfg, "ckpt": ckpt, "before": before,
+            **dict(zip(commands, results, strict=True))}
+
+
+def test_a_model_too_big_for_memory_is_one_line_naming_its_keys(too_big):
     """Before: a traceback ending in DefaultCPUAllocator's "can't allocate memory", exit 1."""
-    cfg = config_file(tiny_config(tmp_path / "runs", data_dir), tmp_path)
-    results = run_limited(["train", "-c", str(cfg), "--set", "model.vocab_size=1000000000"],
-                          ["train", "-c", str(cfg), "--set", "model.n_layer=100000"],
-                          cwd=tmp_path, memory=500_000_000)
-    for result, fragment in zip(results, ("64,000,102,720 parameters", "model.n_layer 100000"),
-                                strict=True):
-        assert_user_error(result, fragment, "do not fit in this machine's memory",
+    for name, fragment in (("vocab", "64,000,102,720 parameters"),
+                           ("layers", "model.n_layer 100000")):
+        assert_user_error(too_big[name], fragment, "do not fit in this machine's memory",
                           "make the model smaller", "model.head_dim 16")
-    assert not (tmp_path / "runs" / "t").exists()
+    assert not (too_big["folder"] / "runs" / "t").exists()
 
 
-def test_a_model_too_big_for_the_machine_is_refused_before_it_is_built(tmp_path, data_dir):
+def test_a_model_too_big_for_the_machine_is_refused_before_it_is_built(too_big):
     """Before: model.n_layer 10^6 did not fail to build, it took memory without end (11 GB
     after a minute); only an address-space cap (as here) made it fail, after the allocations.
     Now its size is compared with the machine's memory before anything is allocated."""
-    cfg = config_file(tiny_config(tmp_path / "runs", data_dir), tmp_path)
-    n = closed_form_total(load_config(str(cfg), ["model.n_layer=1000000"]).model)
-    [result] = run_limited(["train", "-c", str(cfg), "--set", "model.n_layer=1000000",
-                            "--set", "train.max_steps=1"], cwd=tmp_path, memory=500_000_000)
-    assert_user_error(result, f"model: {n:,} parameters ({size_text(16 * n)} of float32 "
-                      "weights, gradients and AdamW's two moments) do not fit in this "
+    n = closed_form_total(load_config(str(too_big["cfg"]), ["model.n_layer=1000000"]).model)
+    assert_user_error(too_big["machine"], f"model: {n:,} parameters ({size_text(16 * n)} of "
+                      "float32 weights, gradients and AdamW's two moments) do not fit in this "
                       "machine's memory (", "make the model smaller (model.n_layer 1000000")
-    assert not (tmp_path / "runs" / "t").exists()
+    assert not (too_big["folder"] / "runs" / "t").exists()
 
 
 def test_the_bound_never_refuses_a_model_that_fits(monkeypatch):
@@ -315,20 +339,15 @@ def test_a_model_too_big_for_the_containers_limit_is_refused_naming_it(
     assert memory.memory_ceiling() == (64 * 2**30 + 16 * 2**20, "this machine's memory")
 
 
-def test_a_resume_checks_the_runs_config_against_the_checkpoint_before_building(tmp_path):
+def test_a_resume_checks_the_runs_config_against_the_checkpoint_before_building(too_big):
     """Before: a run whose config.yaml was edited to model.n_layer 10^6 was resumed by building
     that model (the checkpoint's shapes were compared only once it existed); now the weights
     file's header is compared with the config first, and nothing is written."""
-    ckpt = make_checkpoint(tmp_path, "train.max_steps=10")
-    config = ckpt.parent / "config.yaml"
-    config.write_text(config.read_text().replace("n_layer: 2", "n_layer: 1000000"))
-    before = snapshot(tmp_path)
-    [result] = run_limited(["train", "--resume", str(ckpt.parent)], cwd=tmp_path,
-                           memory=500_000_000)
-    assert_user_error(result, f"{config}: the config does not describe the stored weights: "
-                      "n_layer 1000000 (the file holds 2 blocks)",
+    ckpt = too_big["ckpt"]
+    assert_user_error(too_big["resume"], f"{ckpt.parent / 'config.yaml'}: the config does not "
+                      "describe the stored weights: n_layer 1000000 (the file holds 2 blocks)",
                       f"{ckpt / 'model.safetensors'} holds another model, so none is built")
-    assert snapshot(tmp_path) == before
+    assert snapshot(too_big["folder"] / "resume") == too_big["before"]
 
 
 @pytest.mark.parametrize("entry", ["../model.safetensors", "/etc/passwd"])
