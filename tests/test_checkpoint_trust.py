@@ -480,7 +480,6 @@ def test_a_trainer_state_that_parses_but_is_damaged_is_damaged_to_runs_and_resta
     intact one, then failed on it in every restart. Now all of them ask the one test: runs
     notes it, --resume auto refuses naming the newest intact step, and a restart continues
     from that step, naming the checkpoint it passed over."""
-    from andrea.train import restarts, torchrun
 
     runs = tmp_path / "runs"
     for name in ("empty", "edited"):
@@ -513,19 +512,28 @@ def test_a_trainer_state_that_parses_but_is_damaged_is_damaged_to_runs_and_resta
                       "andrea train --resume runs/edited/step-000020")
     assert snapshot(tmp_path) == before
 
-    try:  # a worker torchrun restarted: nobody is there to choose, so it takes step 20
-        torchrun.torchrun_env.cache_clear()
-        restarts.attempt.cache_clear()
-        proc = andrea_main(*auto, cwd=tmp_path, env={"TORCHELASTIC_RESTART_COUNT": "1"})
-    finally:
-        torchrun.torchrun_env.cache_clear()
-        restarts.attempt.cache_clear()
+    # A worker torchrun restarted: nobody is there to choose, so it takes step 20.
+    proc = as_torchrun_restart(*auto, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert (f"torchrun restart 1: continuing from runs/edited/step-000020, the run's newest "
             f"intact checkpoint; passed over step-000040, which 'latest' names: "
             f"{damage}\n") in proc.stdout, proc.stdout
     assert losses(runs / "edited") == losses(trained_tiny.run_dir)  # 21..40 again, the same
     assert checkpoint_problem(runs / "edited" / "step-000040", for_resume=True) is None
+
+
+def as_torchrun_restart(*args: str, cwd: Path) -> Result:
+    """`andrea ARGS` in this process as the first restart of a torchrun worker, the cached
+    torchrun environment read afresh before and after."""
+    from andrea.train import restarts, torchrun
+
+    try:
+        torchrun.torchrun_env.cache_clear()
+        restarts.attempt.cache_clear()
+        return andrea_main(*args, cwd=cwd, env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    finally:
+        torchrun.torchrun_env.cache_clear()
+        restarts.attempt.cache_clear()
 
 
 def flip_a_byte(path: Path) -> None:
@@ -543,7 +551,6 @@ def test_a_flipped_byte_is_passed_over_by_a_torchrun_restart(tmp_path, trained_t
     a restart verifies the checksums of the one it picks and continues from the newest that
     verifies, naming the one it passed over; a first launch is still refused in one line
     naming the file and the checkpoint to use, nothing written."""
-    from andrea.train import restarts, torchrun
 
     run = tmp_path / "runs" / "x"
     shutil.copytree(trained_tiny.run_dir, run)
@@ -556,13 +563,8 @@ def test_a_flipped_byte_is_passed_over_by_a_torchrun_restart(tmp_path, trained_t
                       "(the newest other intact one is runs/x/step-000020)")
     assert snapshot(tmp_path) == before
 
-    try:  # a worker torchrun restarted: nobody is there to choose, so it takes step 20
-        torchrun.torchrun_env.cache_clear()
-        restarts.attempt.cache_clear()
-        proc = andrea_main(*auto, cwd=tmp_path, env={"TORCHELASTIC_RESTART_COUNT": "1"})
-    finally:
-        torchrun.torchrun_env.cache_clear()
-        restarts.attempt.cache_clear()
+    # A worker torchrun restarted: nobody is there to choose, so it takes step 20.
+    proc = as_torchrun_restart(*auto, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert ("torchrun restart 1: continuing from runs/x/step-000020, the run's newest intact "
             "checkpoint; passed over step-000040, which 'latest' names: optimizer.safetensors "
