@@ -13,7 +13,7 @@ from andrea.config import load_config
 from andrea.data.prepare import ensure_prepared
 from andrea.data.tokenizer import BpeTokenizer, ByteTokenizer
 from andrea.errors import UserError
-from andrea.generate import TextStream, generate, pick_next
+from andrea.generate import TextStream, _check_options, _prompt_tokens, generate, pick_next
 from andrea.model.transformer import Andrea
 from andrea.trained import load_model
 
@@ -51,6 +51,46 @@ def test_a_full_cache_slides_to_the_last_half_block(model64):
         context = torch.tensor([full[: 50 + step][-context_len:]])
         expected = model64(context)[0][0, -1]
         torch.testing.assert_close(logits[step], expected, rtol=0, atol=1e-10)
+
+
+def test_a_prompt_past_the_block_keeps_its_last_block_and_plain_steps_see_the_last_block(
+        model64):
+    """A prompt one token longer than the block (65 of 64) is cut to its last 64 tokens, with
+    the cache or without; without it, every step runs the last block_size tokens again."""
+    prompt = list(range(65))
+    for use_cache, steps in ((True, 1), (False, 3)):
+        ids, logits = run(model64, prompt, 3, temperature=0, use_cache=use_cache)
+        full = prompt + ids
+        for step in range(steps):
+            expected = model64(torch.tensor([full[: 65 + step][-64:]]))[0][0, -1]
+            torch.testing.assert_close(logits[step], expected, rtol=0, atol=1e-10)
+
+
+def test_generating_leaves_the_model_in_the_mode_it_was_in(model64):
+    """A model in training (a tool that samples between steps) is put back in training mode,
+    its dropout on again; an eval model stays in eval."""
+    model64.train()
+    try:
+        list(generate(model64, [1, 2, 3], 2, temperature=0))
+        assert model64.training
+    finally:
+        model64.eval()
+    list(generate(model64, [1, 2, 3], 2, temperature=0))
+    assert not model64.training
+
+
+def test_a_prompt_of_exactly_the_block_is_kept_whole_without_a_note(capsys):
+    tok = ByteTokenizer()
+    assert _prompt_tokens(tok, None, ",".join(["65"] * 8), 257, 8) == [65] * 8
+    assert capsys.readouterr().err == ""
+    assert _prompt_tokens(tok, None, ",".join(["65"] * 9), 257, 8) == [65] * 8
+    assert "the prompt is 9 tokens, longer than the block size 8" in capsys.readouterr().err
+
+
+def test_max_new_tokens_0_prints_the_prompt_and_below_0_is_refused():
+    _check_options(0.8, 200, None, 0, 1, "fp32")
+    with pytest.raises(UserError, match="--max-new-tokens: must be >= 0, got -1"):
+        _check_options(0.8, 200, None, -1, 1, "fp32")
 
 
 def test_seeded_sampling_repeats(model64):
