@@ -118,7 +118,7 @@ def test_backends_agree_on_the_whole_model():
 def test_kv_cache_matches_the_full_forward(attention):
     """A prefill, then one token at a time; and a prefill, then a chunk of several tokens at
     once (queries 5..8 over keys 0..8: the causal mask aligned to the bottom right, which a
-    token at a time never tests)."""
+    token at a time never tests), then two more."""
     model = tiny_model(attention).eval()
     idx = torch.randint(0, 256, (2, 12))
     full, _ = model(idx)
@@ -131,6 +131,8 @@ def test_kv_cache_matches_the_full_forward(attention):
     chunk, _ = model(idx[:, 5:9], cache=cache)
     torch.testing.assert_close(torch.cat([prefill, chunk], 1), full[:, :9], rtol=1e-10,
                                atol=1e-10)
+    pair, _ = model(idx[:, 9:11], cache=cache)  # two queries: the first must not see the second
+    torch.testing.assert_close(pair, full[:, 9:11], rtol=1e-10, atol=1e-10)
 
 
 def test_init_follows_gpt2():
@@ -189,3 +191,28 @@ def test_a_loaded_checkpoint_is_its_weights_tied_and_leaves_the_callers_generato
     state = model.state_dict()
     assert stored and all(torch.equal(state[k], v) for k, v in stored.items())
     assert model.num_params() == sum(v.numel() for v in stored.values())
+
+
+def test_a_checkpoint_recording_auto_names_it_as_no_backend_that_ran():
+    """A checkpoint records the backend that ran, never `auto` (which picks another): a
+    recorded `auto` is refused by trainer_state's check and named by the resume's."""
+    from andrea.config.declare import registry
+    from andrea.model.attention import recorded_backend_problem
+
+    assert list(registry("trainer_state.attention")) == ["cuda", "sdpa", "math"]
+    cpu = torch.device("cpu")
+    assert recorded_backend_problem("auto", 64, cpu) == "auto is not a backend of this andrea"
+    assert recorded_backend_problem("sdpa", 64, cpu) is None
+
+
+def test_the_cuda_backend_leaves_attention_dropout_to_sdpa(monkeypatch):
+    """andrea's kernels have no dropout: with attention dropout on, the cuda backend runs
+    PyTorch's attention instead (and its kernels where dropout is off)."""
+    import andrea.cuda.attention
+    from andrea.model.attention import cuda_or_sdpa_attention
+
+    monkeypatch.setattr(andrea.cuda.attention, "cuda_attention", lambda q, k, v: "kernels")
+    q = k = v = torch.randn(1, 2, 4, 8)
+    assert cuda_or_sdpa_attention(q, k, v, 0.0) == "kernels"
+    out = cuda_or_sdpa_attention(q, k, v, 0.1)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
