@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from andrea.errors import UserError
 from andrea.train import collectives
 from andrea.train.torchrun import DistInfo
 
@@ -56,3 +57,40 @@ def test_a_sum_lands_where_the_callers_tensor_lives(monkeypatch):
     values = torch.tensor([1.0, 2.0])
     out = collectives.all_reduce_sum(values, ALONE_IN_A_GROUP)
     assert out is values and values.tolist() == [3.0, 6.0]
+
+
+SECOND_OF_THREE = DistInfo(rank=1, world_size=3)
+
+
+def test_a_failure_on_other_ranks_is_raised_here_naming_the_first(monkeypatch):
+    """on_every_rank on rank 1, whose own work went well: ranks 0 and 2 refused. The first
+    refusal is raised here as the same one line (a UserError, not a traceback), naming its rank."""
+    outcomes = [("user", "no room on rank 0's disk"), ("ok", ""), ("user", "rank 2's own")]
+    monkeypatch.setattr(collectives, "all_gather_objects", lambda obj, info: outcomes)
+    with pytest.raises(UserError, match=r"^rank 0: no room on rank 0's disk$"):
+        collectives.on_every_rank(lambda: 7, SECOND_OF_THREE)
+    outcomes[0] = ("ok", "")
+    outcomes[2] = ("failed", "boom")
+    with pytest.raises(RuntimeError, match=r"^rank 2 failed: boom$"):
+        collectives.on_every_rank(lambda: 7, SECOND_OF_THREE)
+    outcomes[2] = ("ok", "")
+    assert collectives.on_every_rank(lambda: 7, SECOND_OF_THREE) == 7
+
+
+def test_rank_0s_failure_reaches_the_other_ranks_as_a_failure_not_a_value(monkeypatch):
+    """from_rank0 on rank 1: what rank 0 broadcast decides, a crash there included (raised
+    here too, never returned as if it were rank 0's decision)."""
+    sent = {"box": ("failed", "boom")}
+
+    def broadcast(box, src, device):
+        box[0] = sent["box"]
+
+    monkeypatch.setattr(collectives, "_comm_device", lambda info: torch.device("cpu"))
+    monkeypatch.setattr(collectives.dist, "broadcast_object_list", broadcast)
+    with pytest.raises(RuntimeError, match=r"^rank 0 failed: boom$"):
+        collectives.from_rank0(lambda: "not run here", SECOND_OF_THREE)
+    sent["box"] = ("user", "data/: not prepared")
+    with pytest.raises(UserError, match=r"^data/: not prepared$"):
+        collectives.from_rank0(lambda: "not run here", SECOND_OF_THREE)
+    sent["box"] = ("ok", 42)
+    assert collectives.from_rank0(lambda: "not run here", SECOND_OF_THREE) == 42
