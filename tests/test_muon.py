@@ -29,8 +29,10 @@ from andrea.train.muon import (
     Float32Muon,
     NewtonSchulzSchedule,
     assign_owners,
+    build_muon,
     newton_schulz,
     newton_schulz_macs,
+    shard_rows,
 )
 from andrea.train.optim import CombinedOptimizer, build_optimizer, make_empty_state
 from andrea.train.rundir import OPTIMIZER_FILE
@@ -196,6 +198,57 @@ def test_the_split_weighs_each_matrix_by_the_form_it_is_orthogonalised_in():
     assert max(load) <= newton_schulz_macs((384, 384), torch.float32) * 3
     assert owners == [0, 1, 1, 0, 1]
     assert assign_owners(shapes, 2, torch.bfloat16) == [0, 1, 1, 1, 0]  # plain: 45:45
+
+
+def test_polar_express_scales_by_its_margin_then_runs_its_five_quintics():
+    """Against the formula in float64: G / (1.02 ||G||_F), then X <- a X + (b A + c A²) X
+    with A = X Xᵀ for each of the schedule's (a, b, c) in turn."""
+    g = torch.randn(8, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x = g / (g.norm() * 1.02)
+    for a, b, c in POLAR_EXPRESS.coefficients:
+        a_mat = x @ x.T
+        x = a * x + (b * a_mat + c * a_mat @ a_mat) @ x
+    for gram in (False, True):
+        got = newton_schulz(g, POLAR_EXPRESS, eps=1e-7, dtype=torch.float64, gram=gram)
+        torch.testing.assert_close(got, x, rtol=1e-9, atol=1e-12)
+
+
+def test_bf16_with_an_option_torchs_muon_lacks_builds_andreas_muon():
+    """torch's Muon (bfloat16) has no Polar Express, NorMuon or cautious decay: asked with
+    any, bfloat16 gets Float32Muon in bfloat16, which has them, not torch's without a word."""
+    params = [torch.nn.Parameter(torch.randn(8, 4))]
+    common = dict(lr=0.02, weight_decay=0.1, momentum=0.95, ns_dtype=torch.bfloat16)
+    assert type(build_muon(params, **common)) is torch.optim.Muon
+    for option in (dict(polar_express=True), dict(neuron_beta2=0.95),
+                   dict(cautious_weight_decay=True)):
+        opt = build_muon(params, **common, **option)
+        assert type(opt) is Float32Muon and opt.ns_dtype == torch.bfloat16, option
+
+
+def test_cautious_decay_leaves_a_row_without_an_update_as_it_is():
+    """A neuron whose gradient is zero gets a zero row of update (the orthogonalisation keeps
+    zero rows): cautious decay, which decays only where the update agrees in sign, leaves it."""
+    p = torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(2)))
+    before = p.detach().clone()
+    opt = Float32Muon([p], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                      cautious_weight_decay=True)
+    for seed in range(3):
+        p.grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))
+        p.grad[0] = 0.0
+        opt.step()
+    assert torch.equal(p.detach()[0], before[0])
+    assert not torch.equal(p.detach()[1], before[1])
+
+
+def test_each_ranks_rows_are_fsdps_torch_chunk_of_the_matrix():
+    """SplitMuon's row split is the one FSDP2 shards by (torch.chunk: ceil(rows / world) a
+    rank, the last ranks short or empty): every row on exactly one rank, in order."""
+    for rows in range(1, 12):
+        for world in range(1, 5):
+            chunks = torch.arange(rows).chunk(world)
+            want = [(int(c[0]), int(c[-1]) + 1) for c in chunks]
+            want += [(rows, rows)] * (world - len(chunks))
+            assert shard_rows(rows, world) == want, (rows, world)
 
 
 def _three_steps(opt_cls, **kwargs):
