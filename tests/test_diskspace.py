@@ -272,3 +272,75 @@ def test_fsdp_ranks_agree_on_a_failed_checkpoint_and_end_cleanly(tmp_path, data_
     assert len(ours) == 1 and ours[0].startswith("error: disk full at step 4: "), err[-3000:]
     assert "Traceback" not in err[:err.index("torch/distributed/elastic")], err[-3000:]
     assert_stopped_at_4(tmp_path / "t")
+
+
+def room_session(tmp_path: Path, *sets: str, step: int = 0, nbytes: int = 1000):
+    """What checkpoint_room reads of a Session: the config, the run folder, the step, the
+    checkpoint's size, the processes; no model."""
+    from types import SimpleNamespace
+
+    from andrea.train.torchrun import DistInfo
+    run_dir = tmp_path / "runs" / "t"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return SimpleNamespace(cfg=load_config("andrea-tiny", list(sets)), run_dir=run_dir,
+                           step=step, checkpoint_nbytes=nbytes, dist=DistInfo(), checkpoint=None)
+
+
+def test_the_checkpoints_ahead_count_the_final_one_off_the_period():
+    from andrea.train.checkpoint_room import checkpoints_ahead
+    assert checkpoints_ahead(0, 6, 2) == 3  # 2, 4, 6
+    assert checkpoints_ahead(0, 7, 2) == 4  # 2, 4, 6 and the final 7
+    assert checkpoints_ahead(3, 7, 2) == 3  # 4, 6, 7
+    assert checkpoints_ahead(0, 5, 0) == 1  # the final one only
+
+
+def test_the_start_warning_counts_keep_last_and_the_one_being_written(tmp_path):
+    """keep_last 2 of 5 checkpoints ahead: 3 on disk at once; exactly that much room is enough."""
+    from andrea.train.checkpoint_room import peak_checkpoints, start_warning
+    s = room_session(tmp_path, "train.max_steps=10", "train.checkpoint_every=2",
+                     "train.keep_last=2")
+    assert peak_checkpoints(s) == (0, 3)
+    assert start_warning(s, 3000) is None
+    line = start_warning(s, 2999)
+    assert line and "(3 at once, " in line and "train.keep_last 2 and the one being written" in line
+
+
+def test_an_overwrite_counts_the_files_it_replaces_as_room(tmp_path, monkeypatch):
+    from andrea.errors import UserError
+    from andrea.train import checkpoint_room
+    monkeypatch.setattr(checkpoint_room, "free_bytes", lambda path: 600)
+    s = room_session(tmp_path)
+    (s.run_dir / "old.bin").write_bytes(bytes(500))
+    checkpoint_room.check_room_at_start(s, replaced=True)  # 600 + 500 >= 1000
+    with pytest.raises(UserError, match="needs about 1000 B, its disk has 600 B free"):
+        checkpoint_room.check_room_at_start(s, replaced=False)
+
+
+def test_the_folder_with_room_is_never_the_full_disks_own(tmp_path, monkeypatch):
+    """A run already under ~/andrea-runs is sent to the temporary folder's, not back home."""
+    import tempfile
+
+    from andrea.train.checkpoint_room import folder_with_room
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert folder_with_room(1, tmp_path / "elsewhere" / "t") == tmp_path / "home" / "andrea-runs"
+    assert (folder_with_room(1, tmp_path / "home" / "andrea-runs" / "t")
+            == Path(tempfile.gettempdir()) / "andrea-runs")
+
+
+def test_another_ranks_failed_write_says_to_free_space(tmp_path):
+    """full None (only another rank's write failed, most likely on the same disk): the line
+    says how to make room, as for a full disk, under the cautious head."""
+    from andrea.train.checkpoint_room import full_message
+    s = room_session(tmp_path, step=4)
+    line = full_message(s, 10, "a write failed on another rank", full=None)
+    assert line.startswith("checkpoint write failed at step 4: ") and "free space there" in line
+    assert "fix that" not in full_message(s, 10, "EIO", full=True)
+    assert "fix that" in full_message(s, 10, "EIO", full=False)
+
+
+def test_the_command_on_another_disk_sets_only_what_differs_from_the_preset():
+    from andrea.train.checkpoint_room import train_command
+    cfg = load_config("andrea-tiny", ["train.max_steps=7"])
+    assert train_command(cfg, {"train.runs_dir": "/big/runs"}) == [
+        "andrea", "train", "--config", "andrea-tiny", "--set", "train.max_steps=7",
+        "--set", "train.runs_dir=/big/runs"]
