@@ -824,6 +824,21 @@ def test_micro_batch_auto_fits_memory_and_keeps_the_global_batch():
         == small.micro_batch
 
 
+def test_the_estimate_weighs_each_parameter_and_token_as_its_precision_keeps_them():
+    """A parameter: 16 bytes in float32 (weights, gradients, AdamW's two moments), 2 more under
+    half-precision autocast (its cached copy of the weights). A token with activation
+    checkpointing keeps each layer's input (6 units of d_model) and one block recomputed (26 in
+    float32) instead of every layer's 26."""
+    model = load_config("andrea-tiny").model
+    for dtype, per_param in ((torch.float32, 16), (torch.bfloat16, 18), (torch.float16, 18)):
+        one, more = (estimate_peak_bytes(model, n, 1, dtype, False) for n in (1000, 1001))
+        assert more - one == per_param, dtype
+    plain, checkpointed = (estimate_peak_bytes(model, 1000, 2, torch.float32, ckpt)
+                           for ckpt in (False, True))
+    kept = model.n_layer * 26 - (model.n_layer * 6 + 26)  # units of d_model a token saves
+    assert plain - checkpointed == 2 * model.block_size * kept * model.d_model * 4
+
+
 def test_a_step_that_the_processes_cannot_share_says_what_would_split_it():
     """Resumed on another process count, or started with micro_batch_size auto: the error named
     a fixed key (a resume may not change global_batch_tokens) or a micro-batch auto had picked,
