@@ -25,7 +25,7 @@ from conftest import (
 
 from andrea.data.folder import PROGRESS
 from andrea.resources import cpu_name
-from andrea.train.progress import RunBar, format_eta, plan_note_for
+from andrea.train.progress import CPU_PRESET_PARAMS, RunBar, format_eta, plan_note_for
 
 
 def words_file(path: Path, n_bytes: int, seed: int = 0) -> Path:
@@ -164,6 +164,28 @@ def test_an_eta_of_days_is_said_in_days_and_a_plan_of_days_once_with_what_to_run
         r"^note: the rest of this plan needs about (\d+:)?\d+:\d\d on this machine \(.+\); "
         r"without the bar \(--no-progress\)", lines[0]) or re.search(
         r"^note: this plan needs about [\d,.]+ days on this machine", lines[0])), proc.stderr
+
+
+def test_a_plan_past_one_day_is_said_and_the_cpu_preset_is_not_suggested_to_itself(
+        monkeypatch):
+    """A day and a half is said (in tenths below ten days); a model the size of andrea-12m,
+    or up to twice it, is told to lower its plan, not to train andrea-12m."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cpu = torch.device("cpu")
+    note = plan_note_for(4_096 * 86_400 * 3 // 2 + 2 * 4_096, cpu, 1, CPU_PRESET_PARAMS)
+    note.clock = iter([0.0, 1.0, 2.0]).__next__
+    said = [note.after_micro_batch(4_096) for _ in range(3)]
+    assert said[2] and said[2].startswith("note: this plan needs about 1.5 days"), said
+    assert said[2].endswith("; lower train.max_steps or train.global_batch_tokens, or train on "
+                            "a GPU"), said
+    assert plan_note_for(1, cpu, 1, 2 * CPU_PRESET_PARAMS + 1).instead.startswith(
+        "on a CPU train andrea-12m")
+
+
+def test_the_bar_shows_the_runs_own_rate():
+    bar = RunBar(total=10**6, unit="tok", disable=True)
+    bar.set_rate(1234.5)
+    assert bar.format_dict["rate"] == 1234.5
 
 
 def test_a_small_mixture_source_is_counted_and_warned_about_on_its_own(tmp_path):
