@@ -11,7 +11,7 @@ from conftest import andrea_main, assert_user_error
 from test_runs import dead_pid, end_record, normal_history, start_record, write_run
 
 from andrea.errors import UserError
-from andrea.plot import draw_figure, plot_runs
+from andrea.plot import _legend_name, _log_helps, draw_figure, plot_runs
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra")
 from PIL import Image  # noqa: E402  (Pillow comes with matplotlib)
@@ -286,3 +286,33 @@ def test_a_sources_legend_name_is_its_last_folder_where_that_tells_them_apart():
     long = [f"/home/user/corpora/web/{v}/data/train-byte" for v in ("v1", "v2")]
     assert list(_source_names(long).values()) == ["1. /home/user/corp\u2026ata/train-byte",
                                                   "2. /home/user/corp\u2026ata/train-byte"]
+
+
+def test_a_log_axis_only_for_positive_values_that_spread():
+    """A log scale cannot show 0 or a negative value (matplotlib drops the point): a spread of
+    positive values takes it, one value at or under 0 keeps the axis linear."""
+    assert _log_helps([1.0, 100.0], 10)
+    assert not _log_helps([1.0, 5.0], 10)
+    assert not _log_helps([0.0, 1.0, 100.0], 10)
+    assert not _log_helps([-1.0, 1.0, 100.0], 10)
+
+
+def test_a_legend_name_of_the_limit_is_whole_and_a_longer_one_cut_in_the_middle():
+    assert _legend_name("a" * 30) == "a" * 30
+    cut = _legend_name("a" * 15 + "b" * 16)
+    assert len(cut) == 30 and cut == "a" * 15 + "\u2026" + "b" * 14
+
+
+def test_steps_a_resume_threw_away_are_not_drawn(tmp_path):
+    """Died at step 150, resumed from 100: steps 110..150 of the first attempt led nowhere; the
+    train curve draws each step once, the resumed ones."""
+    import matplotlib.pyplot as plt
+
+    records = [start_record(max_steps=200), *normal_history(150), start_record(100, max_steps=200),
+               *normal_history(200, 100), end_record(200, "finished")]
+    fig = draw_figure([write_run(tmp_path, "r", records)], x="step", warn=lambda _: None)
+    try:
+        train_line = fig.axes[0].get_lines()[0]
+        assert list(train_line.get_xdata()) == list(range(10, 201, 10))
+    finally:
+        plt.close(fig)
