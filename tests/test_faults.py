@@ -114,3 +114,16 @@ def test_each_signal_fault_sends_its_own_signal_at_its_micro_batch(inject_faults
     assert sent == [(pid, signal.SIGINT), (pid, signal.SIGTERM), (pid, signal.SIGKILL)]
     with pytest.raises(UserError, match="is not sigkill@STEP.MICRO"):
         faults.parse("sigkill@5")
+
+
+def test_the_faults_installed_before_a_command_come_back_after_it(monkeypatch):
+    """A test that installed faults and then runs a command in-process (which reads
+    ANDREA_FAULTS, here unset) has its own faults again afterwards, not none."""
+    monkeypatch.delenv(faults.VARIABLE, raising=False)
+    faults.install("nan@3")
+    try:
+        with faults.installed_from_environment():
+            assert faults.poison_loss(1.0, 3) == 1.0
+        assert math.isnan(faults.poison_loss(1.0, 3))
+    finally:
+        faults.install(None)
