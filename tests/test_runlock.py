@@ -29,9 +29,10 @@ from conftest import (
 )
 from test_parallel import launch_nodes
 
+from andrea import folder_lock
 from andrea.cli import main
 from andrea.errors import UserError
-from andrea.folder_lock import pid_alive
+from andrea.folder_lock import pid_alive, process_start_time
 from andrea.hf import export_hf
 from andrea.train import runlock
 from andrea.train.rundir import CONFIG, METRICS, RUN_LOCK, read_latest, step_dirs, step_of_dir
@@ -532,3 +533,39 @@ def test_the_holder_says_it_is_alive_while_it_holds_the_run(tmp_path, monkeypatc
     finally:
         lock.release()
     assert not (tmp_path / "runs").exists()
+
+
+def test_another_users_live_process_is_alive(monkeypatch):
+    """kill(pid, 0) of another user's process fails with EPERM: it runs (a holder of a shared
+    run folder under another account), so its lock is not stale."""
+    def refused(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(folder_lock.os, "kill", refused)
+    assert pid_alive(12345)
+
+
+def test_a_process_start_time_is_when_it_started():
+    before = time.time()
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        started = process_start_time(child.pid)
+        assert started is not None and before - 2 <= started <= time.time() + 2, started
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_holder_recorded_within_the_clocks_rounding_of_its_start_is_alive():
+    """/proc gives the boot time in whole seconds: a process may seem to start up to a second
+    after the time its lock record gives. That holder is alive; a process that started seconds
+    after the record is another one, given the recorded pid again."""
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        started = process_start_time(child.pid)
+        assert started is not None
+        assert pid_alive(child.pid, started_by=started - 1.5)
+        assert not pid_alive(child.pid, started_by=started - 5)
+    finally:
+        child.kill()
+        child.wait()
