@@ -94,3 +94,14 @@ def test_rank_0s_failure_reaches_the_other_ranks_as_a_failure_not_a_value(monkey
         collectives.from_rank0(lambda: "not run here", SECOND_OF_THREE)
     sent["box"] = ("ok", 42)
     assert collectives.from_rank0(lambda: "not run here", SECOND_OF_THREE) == 42
+
+
+def test_a_sum_on_another_device_comes_back_into_the_callers_tensor(monkeypatch):
+    """Under nccl a host tensor is summed as a copy on the GPU: the sum must be copied back.
+    Here `.to` of the backend's device hands out a copy, as a move to a GPU does."""
+    monkeypatch.setattr(collectives, "_comm_device", lambda info: "the backend's device")
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device: self.clone())
+    monkeypatch.setattr(collectives.dist, "all_reduce", lambda t, op: t.mul_(3))  # three ranks
+    values = torch.tensor([1.0, 2.0])
+    out = collectives.all_reduce_sum(values, ALONE_IN_A_GROUP)
+    assert out is values and values.tolist() == [3.0, 6.0]
