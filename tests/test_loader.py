@@ -14,11 +14,12 @@ from andrea.data.loader import (
     Mixture,
     TokenSplit,
     mixture_report,
+    read_batch,
     realised_share,
     sample_distinct,
     train_batch,
     val_windows,
-    window_batches,
+    window_groups,
 )
 from andrea.data.shards import MANIFEST, MANIFEST_VERSION
 from andrea.errors import UserError
@@ -136,7 +137,7 @@ def test_val_windows_cover_the_split_or_spread_a_budget_over_it(tmp_path):
     assert {shard for shard, _, _ in got} == {0, 1}  # spread over the whole split
     # Batched at any size: the same windows, in the same order, the same tokens.
     for size in (1, 3, 8):
-        batches = window_batches(split, got, size)
+        batches = [read_batch(split, group) for group in window_groups(got, size)]
         assert all(len(x) <= size for x, _ in batches)
         xs = [row for x, _ in batches for row in x.tolist()]
         ys = [row for _, y in batches for row in y.tolist()]
@@ -323,7 +324,8 @@ def test_mixture_accumulation_equals_processes(mixture):
 def test_mixture_val_reads_every_source_and_report(mixture, tmp_path):
     val = Mixture([("a", tmp_path / "a", 3.0), ("b", tmp_path / "b", 1.0)], "val")
     for part, first in zip(val.parts, (51, 60), strict=True):  # each source its own windows
-        firsts = torch.cat([x[:, 0] for x, _ in window_batches(part, val_windows(part, T), 4)])
+        groups = window_groups(val_windows(part, T), 4)
+        firsts = torch.cat([read_batch(part, group)[0][:, 0] for group in groups])
         assert {int(v) // BASE for v in firsts} == {first}
     line, record = mixture_report(mixture, seed=7, start_step=10, max_steps=110, per_step=8,
                                   block_size=T)

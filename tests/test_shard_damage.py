@@ -131,7 +131,8 @@ def test_loader_checks_ids_of_train_batches_and_val_windows(data_dir, tmp_path):
     windows = loader.val_windows(val, 64)
     with pytest.raises(UserError, match=r"val_000000.bin: token 40000 at position 1,000 is "
                                         r"outside the tokenizer's 257 ids"):
-        loader.window_batches(val, windows, 8)
+        for group in loader.window_groups(windows, 8):
+            loader.read_batch(val, group)
     train = loader.TokenSplit(data, "train")
     args = dict(seed=0, step=0, micro_step=0, rank=0, accum_steps=1, world_size=1,
                 micro_batch_size=8, block_size=64)
@@ -400,7 +401,7 @@ def test_a_read_past_a_new_end_is_named_never_a_bus_error(data_dir, tmp_path):
                                            r"end\)"):
         val.tokens(0, 500, 1000)
     with pytest.raises(ShardChanged, match=r"val_000000.bin: .*\(cut short to 1,256 bytes from "):
-        loader.window_batches(val, [(0, 0, 64)], 8)
+        loader.read_batch(val, [(0, 0, 64)])
 
 
 def test_windows_read_with_pread_are_the_shards_bytes(data_dir):

@@ -527,13 +527,6 @@ def read_batch(split: TokenSplit, group: list[Window]) -> tuple[torch.Tensor, to
     return batch
 
 
-def window_batches(
-    split: TokenSplit, windows: list[Window], batch_size: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every batch of `windows`, read (`window_groups`, `read_batch`)."""
-    return [read_batch(split, group) for group in window_groups(windows, batch_size)]
-
-
 def token_byte_lengths(split: TokenSplit) -> np.ndarray:
     """UTF-8 bytes each token id of the split's tokenizer stands for (end-of-text: 0), for
     bits per byte; the tokenizer is the one the shards name (a BPE from the data dir)."""
